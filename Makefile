@@ -1,0 +1,125 @@
+# burstcv: `make demo` runs the whole pipeline on this machine; `make test` runs the suite.
+# Setup is idempotent: .venv is rebuilt only when a requirements file or pyproject.toml changes.
+
+SHELL := /bin/bash
+.ONESHELL:
+.SHELLFLAGS := -eu -o pipefail -c
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+REPO := $(abspath .)
+VENV := $(REPO)/.venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.stamp
+VAR := $(REPO)/var
+RUN := $(VAR)/run
+
+export AIRFLOW_HOME := $(VAR)/airflow
+export AIRFLOW__CORE__DAGS_FOLDER := $(REPO)/dags
+export AIRFLOW__CORE__PLUGINS_FOLDER := $(REPO)/plugins
+export AIRFLOW__CORE__LOAD_EXAMPLES := False
+export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN := sqlite:///$(AIRFLOW_HOME)/airflow.db
+export AIRFLOW__API__HOST := 127.0.0.1
+export AIRFLOW__API__PORT := 8080
+export PYTHONUNBUFFERED := 1
+
+SERVE_PORT ?= 8000
+SERVE_URL := http://127.0.0.1:$(SERVE_PORT)
+export BURSTCV_SERVING_URL ?= $(SERVE_URL)
+export BURSTCV_SERVING_REGISTRY_URI ?= $(VAR)/registry
+export BURSTCV_SERVING_PORT ?= $(SERVE_PORT)
+DEMO_DATA := $(VAR)/data/digits
+
+.PHONY: help setup demo test lint airflow serve stop clean distclean
+
+help:
+	@echo "make demo   - set up, run the pipeline DAG on the demo digits, serve it, predict"
+	@echo "make test   - set up and run the whole test suite"
+	@echo "make lint   - ruff + mypy"
+	@echo "make airflow / serve / stop / clean"
+
+$(STAMP): requirements.txt serving/requirements.txt pyproject.toml
+	@echo ">> building $(VENV) (requirements changed or first run)"
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements.txt
+	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+$(AIRFLOW_HOME)/airflow.db: $(STAMP)
+	mkdir -p $(AIRFLOW_HOME)
+	$(BIN)/airflow db migrate > $(AIRFLOW_HOME)/db-migrate.log 2>&1 || { tail -20 $(AIRFLOW_HOME)/db-migrate.log; exit 1; }
+
+$(DEMO_DATA): | $(STAMP)
+	$(BIN)/burstcv demo-data $(DEMO_DATA)
+
+demo: $(STAMP) $(AIRFLOW_HOME)/airflow.db $(DEMO_DATA)
+	$(MAKE) --no-print-directory serve
+	start=$$(date +%s)
+	$(BIN)/burstcv run --conf '{"dataset_uri": "$(DEMO_DATA)"}'
+	echo ">> DAG run took $$(( $$(date +%s) - start )) s"
+	image=$$(ls $(DEMO_DATA)/val/7/*.png | head -1)
+	echo ">> predicting $$image (a validation image of class 7) with the deployed model:"
+	$(BIN)/burstcv predict "$$image" --url $(SERVE_URL)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src serving dags plugins tests bench
+	$(BIN)/ruff format --check src serving dags plugins tests bench
+	$(BIN)/mypy
+
+serve: $(STAMP)
+	mkdir -p $(RUN)
+	if [ -f $(RUN)/serve.pid ] && kill -0 $$(cat $(RUN)/serve.pid) 2>/dev/null; then
+	  echo ">> service already running (pid $$(cat $(RUN)/serve.pid)) on $(SERVE_URL)"; exit 0
+	fi
+	setsid nohup $(BIN)/python -m burstcv_serving > $(RUN)/serve.log 2>&1 &
+	echo $$! > $(RUN)/serve.pid
+	for i in $$(seq 1 100); do
+	  curl -sf $(SERVE_URL)/healthz > /dev/null && break
+	  kill -0 $$(cat $(RUN)/serve.pid) 2>/dev/null || { cat $(RUN)/serve.log; exit 1; }
+	  sleep 0.2
+	done
+	echo ">> service on $(SERVE_URL) (pid $$(cat $(RUN)/serve.pid), log $(RUN)/serve.log); make stop ends it"
+
+airflow: $(STAMP) $(AIRFLOW_HOME)/airflow.db
+	mkdir -p $(RUN)
+	if [ -f $(RUN)/airflow.pid ] && kill -0 $$(cat $(RUN)/airflow.pid) 2>/dev/null; then
+	  echo ">> Airflow already running (pid $$(cat $(RUN)/airflow.pid))"
+	else
+	  setsid nohup $(BIN)/airflow standalone > $(RUN)/airflow.log 2>&1 &
+	  echo $$! > $(RUN)/airflow.pid
+	  for i in $$(seq 1 300); do
+	    curl -sf http://127.0.0.1:8080/api/v2/version > /dev/null && break
+	    kill -0 $$(cat $(RUN)/airflow.pid) 2>/dev/null || { tail -40 $(RUN)/airflow.log; exit 1; }
+	    sleep 1
+	  done
+	fi
+	echo ">> Airflow UI: http://127.0.0.1:8080  (log $(RUN)/airflow.log; make stop ends it)"
+	echo ">> login: admin / $$($(BIN)/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["admin"])' $(AIRFLOW_HOME)/simple_auth_manager_passwords.json.generated)"
+
+stop:
+	for name in serve airflow; do
+	  pidfile=$(RUN)/$$name.pid
+	  if [ -f $$pidfile ]; then
+	    pid=$$(cat $$pidfile)
+	    if kill -0 $$pid 2>/dev/null; then
+	      kill -TERM -$$pid 2>/dev/null || kill -TERM $$pid 2>/dev/null || true
+	      for i in $$(seq 1 50); do kill -0 $$pid 2>/dev/null || break; sleep 0.2; done
+	      kill -KILL -$$pid 2>/dev/null || kill -KILL $$pid 2>/dev/null || true
+	      echo ">> stopped $$name (pid $$pid)"
+	    fi
+	    rm -f $$pidfile
+	  fi
+	done
+
+clean: stop
+	rm -rf $(VAR) .pytest_cache .ruff_cache .mypy_cache
+	find . -name __pycache__ -type d -prune -not -path './.venv/*' -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,40 @@
+"""Wait for a training job without holding a worker slot: an Airflow trigger on its markers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+
+class TrainingCompletionTrigger(BaseTrigger):
+    """Fire when the run's DONE or FAILED marker appears, or its boxes vanish without one."""
+
+    def __init__(self, run_id: str, backend: str, output_uri: str, poll_interval_s: float = 5.0) -> None:
+        super().__init__()
+        self.run_id = run_id
+        self.backend = backend
+        self.output_uri = output_uri
+        self.poll_interval_s = poll_interval_s
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        """Return the classpath and kwargs the triggerer rebuilds this trigger from."""
+        return (
+            "burstcv.airflow.triggers.TrainingCompletionTrigger",
+            {"run_id": self.run_id, "backend": self.backend, "output_uri": self.output_uri,
+             "poll_interval_s": self.poll_interval_s},
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        """Poll the artifact store and the backend until the job has an outcome."""
+        from burstcv.pipeline import training_outcome
+
+        while True:
+            # Storage and cloud calls are blocking: keep them off the triggerer's event loop.
+            outcome = await asyncio.to_thread(training_outcome, self.run_id, self.backend, self.output_uri)
+            if outcome["status"] != "running":
+                yield TriggerEvent(outcome)
+                return
+            await asyncio.sleep(self.poll_interval_s)

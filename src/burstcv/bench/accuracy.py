@@ -1,0 +1,38 @@
+"""Measure a served ONNX model's top-1 accuracy on a validation split, the way serving runs it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from burstcv_serving.preprocess import PreprocessSpec, normalize
+
+EVAL_BATCH = 256
+
+
+def onnx_accuracy(model_dir: str | Path, images_u8: np.ndarray, labels: list[str]) -> float:
+    """Return top-1 accuracy of the ONNX model in ``model_dir`` on uint8 NHWC images.
+
+    ``labels`` are class names, so a model whose class list differs is scored by name.
+    Images must already be at the model's input size (the run's shards are).
+    """
+    meta = json.loads((Path(model_dir) / "model.json").read_text())
+    spec = PreprocessSpec.from_dict(meta["preprocess"])
+    if images_u8.shape[1:3] != (spec.height, spec.width):
+        raise ValueError(
+            f"images are {images_u8.shape[1:3]}, the model expects {spec.height}x{spec.width}"
+        )
+    session = ort.InferenceSession(
+        str(Path(model_dir) / meta["onnx_file"]), providers=["CPUExecutionProvider"]
+    )
+    name = session.get_inputs()[0].name
+    classes = list(meta["classes"])
+    correct = 0
+    for start in range(0, len(images_u8), EVAL_BATCH):
+        logits = session.run(None, {name: normalize(images_u8[start : start + EVAL_BATCH], spec)})[0]
+        predicted = [classes[i] for i in logits.argmax(1)]
+        correct += sum(p == t for p, t in zip(predicted, labels[start : start + EVAL_BATCH], strict=True))
+    return correct / max(1, len(labels))

@@ -1,0 +1,197 @@
+"""Measure a model's latency as users will see it: through a staging copy of the real service.
+
+A staging service process is started on a free 127.0.0.1 port with the model folder, pinned
+to the production thread settings, warmed, and driven with a fixed request mix at a fixed
+concurrency. The candidate and the production model are measured in the same run, one after
+the other, so a noisy machine shifts both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 60.0
+
+
+@dataclass
+class LatencyResult:
+    """Hold what one load run measured."""
+
+    label: str
+    requests: int
+    concurrency: int
+    errors: int
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+    mean_ms: float
+    throughput_rps: float
+    wall_s: float
+    latencies_ms: list[float] = field(default_factory=list, repr=False)
+    status_counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def error_rate(self) -> float:
+        """Return the fraction of requests that did not get a 200."""
+        return self.errors / max(1, self.requests)
+
+    def to_dict(self, *, with_samples: bool = True) -> dict[str, Any]:
+        """Return a JSON-ready dict (optionally without the raw samples)."""
+        data = asdict(self)
+        data["error_rate"] = self.error_rate
+        if not with_samples:
+            data.pop("latencies_ms")
+        return data
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def serving_env(model_dir: str, port: int, threads: int | None = None) -> dict[str, str]:
+    """Return the environment of a staging service that serves one model folder."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BURSTCV_SERVING_")}
+    env.update({
+        "BURSTCV_SERVING_MODEL_DIR": model_dir,
+        "BURSTCV_SERVING_HOST": "127.0.0.1",
+        "BURSTCV_SERVING_PORT": str(port),
+        "BURSTCV_SERVING_POLL_INTERVAL_S": "0",
+        "BURSTCV_SERVING_ENVIRONMENT": "development",
+    })
+    if threads:
+        env["BURSTCV_SERVING_INTRA_OP_THREADS"] = str(threads)
+    return env
+
+
+@contextlib.contextmanager
+def staging_service(model_dir: str, *, threads: int | None = None) -> Iterator[str]:
+    """Run the real service on a free port with one model folder; yield its base URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile() as log_fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "burstcv_serving"], env=serving_env(model_dir, port, threads),
+            stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        try:
+            wait_ready(url, proc)
+            yield url
+        except BaseException:
+            log_fh.seek(0)
+            log.error("staging service output:\n%s", log_fh.read().decode(errors="replace")[-4000:])
+            raise
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Wait until ``url``/readyz answers 200; fail early if the process exits."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"service exited with code {proc.returncode} before it was ready")
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(f"{url}/readyz").status_code == 200:
+                    return
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} was not ready after {timeout_s:.0f}s")
+
+
+def drive(
+    url: str, images: list[bytes], *, requests: int, concurrency: int, warmup: int, label: str,
+    content_type: str = "image/png",
+) -> LatencyResult:
+    """Send ``requests`` predictions (cycling through ``images``) from ``concurrency`` clients."""
+    if not images:
+        raise ValueError("no images to send")
+    endpoint = f"{url}/v1/predict"
+    with httpx.Client(timeout=30.0) as client:
+        for i in range(warmup):
+            client.post(endpoint, files={"file": ("w.png", images[i % len(images)], content_type)})
+    counter = iter(range(requests))
+    lock = threading.Lock()
+    latencies: list[float] = []
+    statuses: dict[str, int] = {}
+
+    def worker() -> None:
+        with httpx.Client(timeout=30.0) as client:
+            while True:
+                with lock:
+                    i = next(counter, None)
+                if i is None:
+                    return
+                body = images[i % len(images)]
+                t0 = time.perf_counter()
+                try:
+                    code = str(client.post(endpoint, files={"file": (f"{i}.png", body, content_type)}).status_code)
+                except httpx.HTTPError as exc:
+                    code = type(exc).__name__
+                elapsed = (time.perf_counter() - t0) * 1000
+                with lock:
+                    latencies.append(elapsed)
+                    statuses[code] = statuses.get(code, 0) + 1
+
+    t_start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for _ in range(concurrency):
+            pool.submit(worker)
+    wall = time.perf_counter() - t_start
+    arr = np.asarray(latencies)
+    return LatencyResult(
+        label=label, requests=len(latencies), concurrency=concurrency,
+        errors=sum(n for code, n in statuses.items() if code != "200"),
+        p50_ms=float(np.percentile(arr, 50)), p95_ms=float(np.percentile(arr, 95)),
+        p99_ms=float(np.percentile(arr, 99)), mean_ms=float(arr.mean()),
+        throughput_rps=len(latencies) / wall, wall_s=wall,
+        latencies_ms=[round(x, 4) for x in latencies], status_counts=statuses,
+    )
+
+
+def bare_onnxruntime_p50(model_dir: str, batch: np.ndarray, *, threads: int | None = None, runs: int = 200) -> float:
+    """Return the in-process onnxruntime p50 latency (ms) at batch 1: the floor under HTTP."""
+    import json
+
+    import onnxruntime as ort
+
+    meta = json.loads((Path(model_dir) / "model.json").read_text())
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(Path(model_dir) / meta["onnx_file"]), options, providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    x = batch[:1]
+    for _ in range(20):
+        session.run(None, {name: x})
+    samples = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        session.run(None, {name: x})
+        samples.append((time.perf_counter() - t0) * 1000)
+    return float(np.percentile(samples, 50))

@@ -1,0 +1,228 @@
+"""Offer one command-line verb per stage: exit 0 on success, non-zero with a one-line reason."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+log = logging.getLogger("burstcv")
+
+
+def _setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def _print_json(doc: Any) -> None:
+    typer.echo(json.dumps(doc, indent=2, sort_keys=True, default=str))
+
+
+@app.command("demo-data")
+def demo_data(directory: Annotated[Path, typer.Argument(help="where to write the dataset")]) -> None:
+    """Write scikit-learn's 1,797 handwritten digits as 32x32 RGB PNGs (ImageFolder)."""
+    from burstcv.data.demo import write_demo_dataset
+
+    _setup_logging()
+    counts = write_demo_dataset(directory)
+    typer.echo(f"wrote {sum(counts.values())} images to {directory} ({counts})")
+
+
+@app.command()
+def validate(
+    dataset: Annotated[str, typer.Argument(help="dataset root: a folder or s3://bucket/prefix")],
+    classes: Annotated[str, typer.Option(help="expected classes, comma-separated")] = "",
+    out: Annotated[str, typer.Option(help="where to write manifest, validation.json, Data Docs")] = "",
+) -> None:
+    """Check a dataset: exit 0 on pass, 1 on a failed check, 2 on unusable input."""
+    import tempfile
+
+    from burstcv.data.validate import DatasetUnusableError, ValidationConfig, validate_dataset
+
+    _setup_logging()
+    out_uri = out or tempfile.mkdtemp(prefix="burstcv-validate-")
+    config = ValidationConfig(expected_classes=[c.strip() for c in classes.split(",") if c.strip()] or None)
+    try:
+        report = validate_dataset(dataset, out_uri, config)
+    except DatasetUnusableError as exc:
+        raise _fail(str(exc), 2) from None
+    typer.echo(report.summary)
+    typer.echo(f"validation.json: {report.validation_uri}\nData Docs: {report.data_docs_uri}")
+    if not report.success:
+        raise typer.Exit(1)
+
+
+@app.command()
+def train(job: Annotated[str, typer.Option("--job", help="URI of job.json")]) -> None:
+    """Run a training job (what every training box runs, and nothing else)."""
+    from burstcv.training.train import run_job
+
+    _setup_logging()
+    try:
+        code = run_job(job)
+    except Exception as exc:  # FAILED was written; print the reason in one line
+        raise _fail(f"training failed: {type(exc).__name__}: {exc}") from None
+    raise typer.Exit(code)
+
+
+@app.command()
+def export(
+    checkpoint: Annotated[str, typer.Argument(help="model.pt (a state dict) from a training job")],
+    out: Annotated[str, typer.Option(help="output folder for model.onnx + model.json")],
+    job: Annotated[str, typer.Option(help="the job.json the checkpoint was trained from")],
+    parity_dir: Annotated[Path, typer.Option(help="folder of real images for the parity check")],
+    name: Annotated[str, typer.Option(help="model name")] = "digits",
+) -> None:
+    """Convert a checkpoint to ONNX and check it against torch on real images."""
+    from burstcv.export.onnx_export import CheckpointError, ParityError, export_model
+    from burstcv.training.job import load_job
+    from burstcv_serving.preprocess import PreprocessSpec
+
+    _setup_logging()
+    spec_job = load_job(job)
+    images = [(str(p), p.read_bytes()) for p in sorted(parity_dir.rglob("*"))
+              if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp")][:256]
+    try:
+        model_json = export_model(
+            checkpoint_uri=checkpoint, out_uri=out, arch=spec_job.arch, classes=spec_job.classes,
+            spec=PreprocessSpec.from_dict(spec_job.preprocess), parity_images=images, name=name,
+            dataset_fingerprint=spec_job.dataset_fingerprint, run_id=spec_job.run_id,
+        )
+    except (CheckpointError, ParityError) as exc:
+        raise _fail(str(exc)) from None
+    typer.echo(f"exported {out}/model.onnx sha256={model_json['sha256']}")
+
+
+@app.command()
+def serve() -> None:
+    """Run the prediction service in the foreground (settings: BURSTCV_SERVING_*)."""
+    os.execv(sys.executable, [sys.executable, "-m", "burstcv_serving"])
+
+
+@app.command()
+def predict(
+    image: Annotated[Path, typer.Argument(help="an image file (PNG, JPEG, WebP)")],
+    url: Annotated[str, typer.Option(help="base URL of the prediction service")] = "http://127.0.0.1:8000",
+) -> None:
+    """Send one image to the prediction service and print its answer."""
+    import httpx
+
+    try:
+        response = httpx.post(f"{url}/v1/predict", files={"file": (image.name, image.read_bytes())}, timeout=30)
+    except (OSError, httpx.HTTPError) as exc:
+        raise _fail(f"could not reach {url}: {exc}") from None
+    if response.status_code != 200:
+        raise _fail(f"{response.status_code}: {response.text}")
+    body = response.json()
+    top = body["predictions"][0]
+    typer.echo(f"{image.name}: {top['label']} (score {top['score']:.3f}) from model "
+               f"{body.get('model', '')} version {body['version']}")
+    _print_json(body)
+
+
+@app.command()
+def models() -> None:
+    """List the registered versions with their status, figures and aliases."""
+    from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry
+    from burstcv.settings import get_settings
+
+    s = get_settings()
+    registry = Registry(s.registry_uri, s.model_name)
+    aliases = {name: registry.get_alias(name) for name in (PRODUCTION, PREVIOUS)}
+    rows = registry.versions()
+    if not rows:
+        typer.echo(f"no versions of {s.model_name} in {s.registry_uri}")
+        return
+    typer.echo(f"{'version':>7}  {'status':<9} {'alias':<11} {'accuracy':>8} {'p95 ms':>8}  run")
+    for version in rows:
+        entry = registry.entry(version)
+        cand = entry.get("benchmark", {}).get("candidate", {})
+        alias = ",".join(n for n, a in aliases.items() if a and a.version == version) or "-"
+        acc = cand.get("accuracy")
+        p95 = cand.get("p95_ms")
+        typer.echo(
+            f"{version:>7}  {entry.get('status', '?'):<9} {alias:<11} "
+            f"{(f'{acc:.4f}' if acc is not None else '-'):>8} {(f'{p95:.2f}' if p95 else '-'):>8}  "
+            f"{entry.get('lineage', {}).get('run_id', '')}"
+        )
+
+
+@app.command()
+def promote(
+    version: Annotated[int, typer.Argument(help="registered version to serve")],
+    force: Annotated[bool, typer.Option(help="promote even if the gate rejected it")] = False,
+) -> None:
+    """Point production at a version (gate-accepted unless --force) and verify the services."""
+    from burstcv.registry.deploy import DeployError, deploy
+    from burstcv.registry.registry import Registry, RegistryError
+    from burstcv.settings import get_settings
+
+    _setup_logging()
+    s = get_settings()
+    registry = Registry(s.registry_uri, s.model_name)
+    try:
+        entry = registry.entry(version)
+        if entry.get("status") == "rejected" and not force:
+            raise _fail(f"version {version} was rejected: {entry.get('reason')} (use --force)")
+        urls = [u.strip() for u in s.serving_url.split(",") if u.strip()]
+        result = deploy(registry, version, service_urls=urls, token=s.serving_admin_token,
+                        timeout_s=s.deploy_verify_timeout_s, force=force)
+    except (RegistryError, DeployError) as exc:
+        raise _fail(str(exc)) from None
+    typer.echo(f"production -> version {result.version} (was {result.previous_version})")
+
+
+@app.command()
+def rollback() -> None:
+    """Point production back at the previous version."""
+    from burstcv.registry.deploy import notify_and_verify
+    from burstcv.registry.registry import Registry, RegistryError
+    from burstcv.settings import get_settings
+
+    _setup_logging()
+    s = get_settings()
+    registry = Registry(s.registry_uri, s.model_name)
+    try:
+        old, new = registry.rollback()
+    except RegistryError as exc:
+        raise _fail(str(exc)) from None
+    urls = [u.strip() for u in s.serving_url.split(",") if u.strip()]
+    if urls:
+        seen = notify_and_verify(urls, new, s.serving_admin_token, s.deploy_verify_timeout_s)
+        typer.echo(f"services: {seen}")
+    typer.echo(f"production -> version {new} (was {old})")
+
+
+@app.command()
+def run(
+    conf: Annotated[str, typer.Option(help="run parameters as JSON (the trigger form's fields)")] = "{}",
+) -> None:
+    """Run the burstcv_pipeline DAG once, locally, with Airflow's dag.test()."""
+    from burstcv.airflow.local_run import run_pipeline_once
+
+    _setup_logging()
+    try:
+        state, summary = run_pipeline_once(json.loads(conf))
+    except (ValueError, RuntimeError) as exc:
+        raise _fail(str(exc)) from None
+    typer.echo(summary)
+    if state != "success":
+        raise typer.Exit(1)
+
+
+if __name__ == "__main__":
+    app()

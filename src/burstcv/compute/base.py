@@ -1,0 +1,116 @@
+"""Define what every compute backend offers: launch a training box, watch it, destroy it by tag.
+
+A backend never trains anything itself: whatever it starts runs ``burstcv train --job <uri>``.
+Instances are found again by their run-id tag, never only by ids remembered elsewhere, so
+a teardown or the reaper can clean up after a process that died.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+# Instance states every backend maps its own onto.
+PENDING = "pending"
+RUNNING = "running"
+STOPPED = "stopped"  # gone: terminated, shut down, or exited
+STATES = (PENDING, RUNNING, STOPPED)
+
+# Tag keys: what the teardown, the reaper and the IAM policy key on.
+TAG_MANAGED = "burstcv:managed"
+TAG_RUN_ID = "burstcv:run-id"
+TAG_DAG_ID = "burstcv:dag-id"
+TAG_EXPIRES_AT = "burstcv:expires-at"
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """Describe one training launch: which job, for which run, within which budget."""
+
+    run_id: str
+    dag_id: str
+    job_uri: str
+    time_budget_s: int
+    instance_types: tuple[str, ...] = ()
+    use_spot: bool = True
+    count: int = 1
+
+
+@dataclass
+class InstanceInfo:
+    """Describe one managed instance (or local process) as its tags and state say."""
+
+    instance_id: str
+    run_id: str
+    dag_id: str
+    state: str
+    expires_at: datetime | None = None
+    instance_type: str = ""
+    lifecycle: str = ""  # "spot" | "on-demand" | "local"
+    launched_at: datetime | None = None
+    stopped_at: datetime | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-ready dict (datetimes as ISO strings)."""
+        data = asdict(self)
+        for key in ("expires_at", "launched_at", "stopped_at"):
+            if data[key] is not None:
+                data[key] = data[key].isoformat()
+        return data
+
+
+@dataclass
+class TerminationReport:
+    """Say what a teardown terminated and what it cost."""
+
+    instance_ids: list[str] = field(default_factory=list)
+    billed_seconds: dict[str, float] = field(default_factory=dict)
+    cost_usd: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-ready dict."""
+        return asdict(self)
+
+
+class ComputeBackend(Protocol):
+    """Launch, watch and destroy training boxes; every call is safe to repeat."""
+
+    name: str
+
+    def launch(self, request: LaunchRequest) -> list[str]:
+        """Start the box(es) for a run and return their ids; clean up what started on failure."""
+        ...
+
+    def describe(self, run_id: str) -> list[InstanceInfo]:
+        """Return every instance tagged with the run id, in any state."""
+        ...
+
+    def terminate_run(self, run_id: str) -> TerminationReport:
+        """Terminate every instance tagged with the run id, wait until gone, report cost."""
+        ...
+
+    def list_managed(self) -> list[InstanceInfo]:
+        """Return every burstcv-managed instance that is not yet stopped (for the reaper)."""
+        ...
+
+    def terminate(self, instance_ids: list[str]) -> None:
+        """Terminate the given managed instances (the reaper's tool)."""
+        ...
+
+
+class UnknownBackendError(ValueError):
+    """Raise for a backend name that does not exist."""
+
+
+def get_backend(name: str) -> ComputeBackend:
+    """Return the backend called ``name``: local or ec2."""
+    if name == "local":
+        from burstcv.compute.local import LocalBackend
+
+        return LocalBackend()
+    if name == "ec2":
+        from burstcv.compute.ec2 import Ec2Backend
+
+        return Ec2Backend()
+    raise UnknownBackendError(f"unknown compute backend {name!r}; choose local, ec2")

@@ -1,0 +1,176 @@
+"""Run the training job as a local process: the embedded default and the model of a GPU box.
+
+Each launch is a process group running ``burstcv train --job <uri>`` under a shell wrapper
+that, like the EC2 user-data, records when it stopped. A JSON record per process under
+``BURSTCV_COMPUTE_STATE_DIR/<run_id>/`` plays the role of EC2 tags: teardown and the reaper
+find processes by run id from these records, never from ids kept elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from burstcv import lineage
+from burstcv.compute.base import (
+    PENDING,
+    RUNNING,
+    STOPPED,
+    InstanceInfo,
+    LaunchRequest,
+    TerminationReport,
+)
+from burstcv.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+TERMINATE_GRACE_S = 20.0  # SIGTERM lets training checkpoint before SIGKILL
+
+
+def _proc_start_ticks(pid: int) -> int | None:
+    """Return a process's start time in clock ticks (guards against pid reuse), or None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):  # exited, not yet reaped: it no longer runs
+        return None
+    return int(fields[19])
+
+
+class LocalBackend:
+    """Start training jobs as local processes and find them again by run id."""
+
+    name = "local"
+
+    def __init__(self, state_dir: str | None = None) -> None:
+        self.state_dir = Path(state_dir or get_settings().compute_state_dir)
+
+    # -- records ---------------------------------------------------------------------------
+    def _run_dir(self, run_id: str) -> Path:
+        return self.state_dir / run_id
+
+    def _records(self, run_id: str | None = None) -> list[tuple[Path, dict]]:
+        dirs = [self._run_dir(run_id)] if run_id else sorted(p for p in self.state_dir.glob("*") if p.is_dir())
+        out = []
+        for folder in dirs:
+            for path in sorted(folder.glob("local-*.json")):
+                out.append((path, json.loads(path.read_text())))
+        return out
+
+    def _info(self, path: Path, rec: dict) -> InstanceInfo:
+        alive = _proc_start_ticks(rec["pid"]) == rec["start_ticks"]
+        stopped_file = path.with_suffix(".stopped")
+        stopped_at = None
+        if stopped_file.exists():
+            stopped_at = datetime.fromtimestamp(float(stopped_file.read_text().split()[0]), UTC)
+        elif rec.get("stopped_at"):
+            stopped_at = datetime.fromisoformat(rec["stopped_at"])
+        return InstanceInfo(
+            instance_id=rec["instance_id"], run_id=rec["run_id"], dag_id=rec["dag_id"],
+            state=RUNNING if alive else STOPPED,
+            expires_at=datetime.fromisoformat(rec["expires_at"]), instance_type="local",
+            lifecycle="local", launched_at=datetime.fromisoformat(rec["launched_at"]),
+            stopped_at=stopped_at,
+        )
+
+    # -- protocol --------------------------------------------------------------------------
+    def launch(self, request: LaunchRequest) -> list[str]:
+        """Start ``burstcv train --job`` in its own process group; return its id."""
+        folder = self._run_dir(request.run_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        ids = []
+        for _ in range(request.count):
+            instance_id = f"local-{uuid.uuid4().hex[:12]}"
+            record_path = folder / f"{instance_id}.json"
+            stopped_file = record_path.with_suffix(".stopped")
+            log_path = record_path.with_suffix(".log")
+            train_cmd = [sys.executable, "-m", "burstcv.cli", "train", "--job", request.job_uri]
+            # The wrapper mirrors the EC2 user-data: a watchdog bounds the run, and the stop
+            # time is recorded when the job ends, whatever its outcome.
+            script = (
+                f"timeout --signal=TERM --kill-after=30 {int(request.time_budget_s) + 60} "
+                f"{shlex.join(train_cmd)}; rc=$?; date +%s.%N > {shlex.quote(str(stopped_file))}; "
+                "exit $rc"
+            )
+            launched = lineage.utc_now()
+            with open(log_path, "ab") as log_fh:
+                proc = subprocess.Popen(
+                    ["bash", "-c", script], stdout=log_fh, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True,
+                )
+            record = {
+                "instance_id": instance_id, "pid": proc.pid, "start_ticks": _proc_start_ticks(proc.pid),
+                "run_id": request.run_id, "dag_id": request.dag_id, "job_uri": request.job_uri,
+                "launched_at": launched.isoformat(),
+                "expires_at": (launched + timedelta(seconds=request.time_budget_s + 120)).isoformat(),
+                "log": str(log_path),
+            }
+            record_path.write_text(json.dumps(record, indent=2))
+            ids.append(instance_id)
+            log.info("launched %s (pid %d) for run %s, log %s", instance_id, proc.pid, request.run_id, log_path)
+        return ids
+
+    def describe(self, run_id: str) -> list[InstanceInfo]:
+        """Return every process recorded for the run."""
+        return [self._info(p, r) for p, r in self._records(run_id)]
+
+    def list_managed(self) -> list[InstanceInfo]:
+        """Return every recorded process that still runs."""
+        return [i for i in (self._info(p, r) for p, r in self._records()) if i.state != STOPPED]
+
+    def terminate(self, instance_ids: list[str]) -> None:
+        """Stop the given processes: SIGTERM to the group, SIGKILL after the grace period."""
+        wanted = set(instance_ids)
+        for path, rec in self._records():
+            if rec["instance_id"] in wanted:
+                self._stop(path, rec)
+
+    def terminate_run(self, run_id: str) -> TerminationReport:
+        """Stop every process of the run and report billed seconds (local compute costs 0)."""
+        report = TerminationReport()
+        for path, rec in self._records(run_id):
+            self._stop(path, rec)
+            info = self._info(path, rec)
+            end = info.stopped_at or lineage.utc_now()
+            assert info.launched_at is not None
+            report.instance_ids.append(info.instance_id)
+            report.billed_seconds[info.instance_id] = max(0.0, (end - info.launched_at).total_seconds())
+        return report
+
+    def _stop(self, path: Path, rec: dict) -> None:
+        pid = rec["pid"]
+        if _proc_start_ticks(pid) != rec["start_ticks"]:
+            return
+        log.info("terminating %s (pid %d)", rec["instance_id"], pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + TERMINATE_GRACE_S
+        while time.monotonic() < deadline and _proc_start_ticks(pid) == rec["start_ticks"]:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)  # reap it if we are its parent
+            time.sleep(0.1)
+        if _proc_start_ticks(pid) == rec["start_ticks"]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        rec["stopped_at"] = rec.get("stopped_at") or lineage.utc_now_iso()
+        path.write_text(json.dumps(rec, indent=2))
+
+
+def states_summary(infos: list[InstanceInfo]) -> dict[str, int]:
+    """Count instances per state."""
+    counts = {PENDING: 0, RUNNING: 0, STOPPED: 0}
+    for info in infos:
+        counts[info.state] = counts.get(info.state, 0) + 1
+    return counts

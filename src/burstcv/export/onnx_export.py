@@ -1,0 +1,207 @@
+"""Convert a trained checkpoint to ONNX and prove the ONNX model equals it on real images.
+
+The exported file is what serves, so the parity check runs on the final, offline-optimised
+file, feeding onnxruntime through the service's own numpy preprocessing and torch through the
+training transform: a mismatch in either the graph or the preprocessing fails the export.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import pickle
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+from burstcv import lineage, storage
+from burstcv.training.models import build_model
+from burstcv.training.train import normalize as torch_normalize
+from burstcv_serving.preprocess import PreprocessSpec, decode_to_uint8
+from burstcv_serving.preprocess import normalize as numpy_normalize
+
+log = logging.getLogger(__name__)
+
+INPUT_NAME = "input"
+OUTPUT_NAME = "logits"
+PARITY_IMAGES = 256  # enough to exercise every class; cheap on CPU
+MODEL_JSON_FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """Raise when a checkpoint is not a plain state dict of tensors (never unpickle objects)."""
+
+
+class ParityError(AssertionError):
+    """Raise when onnxruntime and torch disagree on a real image."""
+
+
+@dataclass
+class ParityReport:
+    """Say how close ONNX and torch are and on which input they differ most."""
+
+    images: int
+    max_abs_diff: float
+    worst_input: str
+    top1_mismatches: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-ready dict."""
+        return self.__dict__.copy()
+
+
+def sha256_file(path: str | Path) -> str:
+    """Return the hex sha256 of a file, streamed."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_state_dict(data: bytes) -> dict[str, torch.Tensor]:
+    """Load a checkpoint with ``weights_only=True`` and refuse anything but name→tensor."""
+    try:
+        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, AttributeError, EOFError) as exc:
+        raise CheckpointError(
+            f"checkpoint is not a plain state dict (refused to unpickle objects): {exc}"
+        ) from exc
+    if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
+        obj = obj["model"]  # a training checkpoint: take its weights
+    if not isinstance(obj, dict) or not obj or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+    ):
+        raise CheckpointError("checkpoint is not a state dict of name -> tensor")
+    return obj
+
+
+def export_onnx(model: torch.nn.Module, spec: PreprocessSpec, out_path: Path, opset: int) -> None:
+    """Export with the dynamo exporter: dynamic batch axis, fixed opset, one self-contained file."""
+    model.eval()
+    example = torch.zeros(2, 3, spec.height, spec.width)
+    batch = torch.export.Dim("batch", min=1, max=65536)
+    program = torch.onnx.export(
+        model, (example,), dynamo=True, input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+        dynamic_shapes=({0: batch},), opset_version=opset, optimize=True, external_data=False,
+        verbose=False,
+    )
+    if program is None:
+        raise RuntimeError("torch.onnx.export returned no program")
+    program.save(str(out_path), external_data=False)
+    onnx.checker.check_model(onnx.load(str(out_path)), full_check=True)
+
+
+def optimize_offline(src: Path, dst: Path) -> None:
+    """Save onnxruntime's basic graph optimisations (portable across CPUs) so serving starts fast."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.optimized_model_filepath = str(dst)
+    ort.InferenceSession(str(src), options, providers=["CPUExecutionProvider"])
+    onnx.checker.check_model(onnx.load(str(dst)), full_check=True)
+
+
+def check_parity(
+    model: torch.nn.Module, onnx_path: Path, serving_spec: PreprocessSpec,
+    training_spec: PreprocessSpec, images: list[tuple[str, bytes]], *, max_abs_diff: float,
+) -> ParityReport:
+    """Compare torch and onnxruntime logits image by image; raise ParityError on a mismatch.
+
+    Each side runs its own path end to end: onnxruntime gets the bytes through the service's
+    decoder and numpy transform as model.json describes them (``serving_spec``); torch gets
+    them through the training transform of the job (``training_spec``). A wrong mean/std,
+    size or colour order in model.json therefore fails here, not in production.
+    """
+    if not images:
+        raise ParityError("no validation images to check parity on")
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    names = [name for name, _ in images]
+    serve_u8 = np.stack([decode_to_uint8(data, serving_spec) for _, data in images])
+    onnx_logits = session.run([OUTPUT_NAME], {INPUT_NAME: numpy_normalize(serve_u8, serving_spec)})[0]
+    train_u8 = np.stack([decode_to_uint8(data, training_spec) for _, data in images])
+    mean = torch.tensor(training_spec.mean, dtype=torch.float32).view(1, 3, 1, 1)
+    std = torch.tensor(training_spec.std, dtype=torch.float32).view(1, 3, 1, 1)
+    with torch.no_grad():
+        x = torch_normalize(
+            torch.from_numpy(train_u8).permute(0, 3, 1, 2), mean, std, training_spec.scale
+        )
+        torch_logits = model.eval()(x).numpy()
+    diff = np.abs(onnx_logits - torch_logits).max(axis=1)
+    worst = int(diff.argmax())
+    mismatches = [names[i] for i in np.flatnonzero(onnx_logits.argmax(1) != torch_logits.argmax(1))]
+    report = ParityReport(len(images), float(diff[worst]), names[worst], mismatches)
+    if report.max_abs_diff > max_abs_diff or mismatches:
+        raise ParityError(
+            f"ONNX differs from torch: max |Δlogit| {report.max_abs_diff:.3g} (bound "
+            f"{max_abs_diff:.3g}) worst on {report.worst_input}; top-1 differs on "
+            f"{len(mismatches)} image(s) {mismatches[:5]}"
+        )
+    return report
+
+
+def export_model(
+    *,
+    checkpoint_uri: str,
+    out_uri: str,
+    arch: str,
+    classes: list[str],
+    spec: PreprocessSpec,
+    parity_images: list[tuple[str, bytes]],
+    name: str,
+    opset: int = 18,
+    max_abs_diff: float = 1e-3,
+    metrics: dict[str, Any] | None = None,
+    dataset_fingerprint: str = "",
+    run_id: str = "",
+) -> dict[str, Any]:
+    """Export a checkpoint to ``<out_uri>/model.onnx`` + model.json after the parity gate passes."""
+    state = load_state_dict(storage.read_bytes(checkpoint_uri))
+    model = build_model(arch, len(classes), spec.height)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise CheckpointError(f"checkpoint does not fit {arch} with {len(classes)} classes: {exc}") from exc
+    model.eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        raw, final = Path(tmp) / "raw.onnx", Path(tmp) / "model.onnx"
+        export_onnx(model, spec, raw, opset)
+        optimize_offline(raw, final)
+        model_json = {
+            "format_version": MODEL_JSON_FORMAT,
+            "name": name,
+            "arch": arch,
+            "classes": list(classes),
+            "onnx_file": "model.onnx",
+            "sha256": sha256_file(final),
+            "opset": opset,
+            "input": {"name": INPUT_NAME, "shape": [None, 3, spec.height, spec.width],
+                      "dtype": "float32"},
+            "output": {"name": OUTPUT_NAME, "kind": "logits"},
+            "preprocess": spec.to_dict(),
+            "metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, int | float)},
+            "dataset_fingerprint": dataset_fingerprint,
+            "source_commit": lineage.source_commit(),
+            "run_id": run_id,
+            "created_at": lineage.utc_now_iso(),
+            "versions": {"torch": torch.__version__, "onnx": onnx.__version__,
+                         "onnxruntime": ort.__version__},
+        }
+        # Parity reads the spec back from the JSON that serving will read, not from memory.
+        serving_spec = PreprocessSpec.from_dict(json.loads(json.dumps(model_json))["preprocess"])
+        parity = check_parity(model, final, serving_spec, spec, parity_images,
+                              max_abs_diff=max_abs_diff)
+        model_json["parity"] = parity.to_dict()
+        storage.upload_file(final, storage.join(out_uri, "model.onnx"))
+    digest = model_json["sha256"]
+    storage.write_json(storage.join(out_uri, "model.json"), model_json)
+    log.info("exported %s (sha256 %s…): parity max |Δ| %.2g on %d images",
+             storage.join(out_uri, "model.onnx"), digest[:12], parity.max_abs_diff, parity.images)
+    return model_json

@@ -1,0 +1,152 @@
+"""Read and write artifacts under a URI root that is either a local folder or ``s3://bucket/prefix``.
+
+Writes are atomic: locally write-then-rename, on S3 a single PUT. Every stage addresses its
+files through these functions, so the same code runs on a laptop and against S3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+
+class ArtifactNotFoundError(FileNotFoundError):
+    """Raise when a URI names nothing."""
+
+
+def is_s3(uri: str) -> bool:
+    """Return True for an ``s3://`` URI."""
+    return uri.startswith("s3://")
+
+
+def join(root: str, *parts: str) -> str:
+    """Join path parts onto a URI root with '/' (local roots use the OS separator)."""
+    clean = [p.strip("/") for p in parts if p]
+    if is_s3(root):
+        return "/".join([root.rstrip("/"), *clean])
+    return str(Path(root).joinpath(*clean))
+
+
+def _split_s3(uri: str) -> tuple[str, str]:
+    parsed = urlparse(uri)
+    return parsed.netloc, parsed.path.lstrip("/")
+
+
+def s3_client() -> Any:
+    """Return a boto3 S3 client honouring ``AWS_ENDPOINT_URL`` (an emulator in tests)."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None)
+
+
+def read_bytes(uri: str) -> bytes:
+    """Return the bytes at a URI, or raise ArtifactNotFoundError."""
+    if is_s3(uri):
+        bucket, key = _split_s3(uri)
+        client = s3_client()
+        try:
+            return client.get_object(Bucket=bucket, Key=key)["Body"].read()  # type: ignore[no-any-return]
+        except client.exceptions.NoSuchKey as exc:
+            raise ArtifactNotFoundError(uri) from exc
+    path = Path(uri)
+    if not path.is_file():
+        raise ArtifactNotFoundError(uri)
+    return path.read_bytes()
+
+
+def write_bytes(uri: str, data: bytes) -> str:
+    """Write bytes to a URI atomically and return the URI."""
+    if is_s3(uri):
+        bucket, key = _split_s3(uri)
+        s3_client().put_object(Bucket=bucket, Key=key, Body=data)
+        return uri
+    path = Path(uri)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return uri
+
+
+def read_json(uri: str) -> Any:
+    """Return the parsed JSON document at a URI."""
+    return json.loads(read_bytes(uri))
+
+
+def write_json(uri: str, doc: Any) -> str:
+    """Write a JSON document (indented, keys sorted) atomically."""
+    return write_bytes(uri, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
+
+
+def exists(uri: str) -> bool:
+    """Return True if a file exists at the URI."""
+    if is_s3(uri):
+        bucket, key = _split_s3(uri)
+        client = s3_client()
+        try:
+            client.head_object(Bucket=bucket, Key=key)
+        except client.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+        return True
+    return Path(uri).is_file()
+
+
+def list_files(prefix: str) -> Iterator[str]:
+    """Yield the URIs of every file under a prefix (recursively), sorted."""
+    if is_s3(prefix):
+        bucket, key = _split_s3(prefix)
+        key = key.rstrip("/") + "/" if key else ""
+        paginator = s3_client().get_paginator("list_objects_v2")
+        keys: list[str] = []
+        for page in paginator.paginate(Bucket=bucket, Prefix=key):
+            keys.extend(obj["Key"] for obj in page.get("Contents", []))
+        for k in sorted(keys):
+            yield f"s3://{bucket}/{k}"
+        return
+    root = Path(prefix)
+    if not root.is_dir():
+        return
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        yield str(path)
+
+
+def upload_file(local_path: str | Path, uri: str) -> str:
+    """Copy a local file to a URI (streaming on S3, atomic rename locally)."""
+    if is_s3(uri):
+        bucket, key = _split_s3(uri)
+        s3_client().upload_file(str(local_path), bucket, key)
+        return uri
+    return write_bytes(uri, Path(local_path).read_bytes())
+
+
+def download_file(uri: str, local_path: str | Path) -> Path:
+    """Copy a URI to a local file and return its path."""
+    dest = Path(local_path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if is_s3(uri):
+        bucket, key = _split_s3(uri)
+        s3_client().download_file(bucket, key, str(dest))
+    else:
+        write_bytes(str(dest), read_bytes(uri))
+    return dest
+
+
+def local_path(uri: str) -> Path:
+    """Return the Path for a local URI; refuse s3:// (callers must download instead)."""
+    if is_s3(uri):
+        raise ValueError(f"{uri} is not a local path")
+    return Path(uri)

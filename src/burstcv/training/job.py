@@ -1,0 +1,77 @@
+"""Define job.json: the whole contract between the orchestrator and a training box."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field, field_validator
+
+from burstcv import storage
+from burstcv.training.names import ARCHITECTURE_NAMES
+
+
+class AugmentSpec(BaseModel):
+    """Describe the on-device augmentation applied to training batches."""
+
+    crop_padding_px: int = Field(default=2, ge=0, le=16)  # random shift of up to N pixels
+    hflip: bool = False  # off by default: mirrored digits and text are different classes
+
+
+class JobSpec(BaseModel):
+    """Hold everything a training run needs; written once by the orchestrator, read by the box."""
+
+    run_id: str
+    arch: str = "resnet10"
+    classes: list[str]
+    train_shards: list[str]
+    val_shards: list[str]
+    preprocess: dict[str, Any]
+    output_uri: str
+    epochs: int = Field(default=6, ge=1, le=1000)
+    batch_size: int = Field(default=128, ge=1, le=65536)
+    learning_rate: float = Field(default=0.2, gt=0)  # peak of the one-cycle schedule, SGD+nesterov
+    weight_decay: float = Field(default=5e-4, ge=0)
+    label_smoothing: float = Field(default=0.1, ge=0, lt=1)
+    seed: int = 0
+    time_budget_s: int = Field(default=3600, ge=10)  # stop and keep the best so far after this
+    checkpoint_every_s: float = Field(default=60.0, gt=0)  # a spot box loses at most this much
+    target_accuracy: float | None = Field(default=None, gt=0, le=1)  # early stop once reached
+    augment: AugmentSpec = Field(default_factory=AugmentSpec)
+    compile: str = Field(default="auto", pattern="^(auto|on|off)$")  # torch.compile on CUDA
+    pretrained_path: str | None = None  # local weights file only: boxes never download
+    dataset_fingerprint: str = ""
+
+    @field_validator("arch")
+    @classmethod
+    def _known_arch(cls, value: str) -> str:
+        if value not in ARCHITECTURE_NAMES:
+            raise ValueError(f"unknown model {value!r}; choose {', '.join(ARCHITECTURE_NAMES)}")
+        return value
+
+    @field_validator("classes")
+    @classmethod
+    def _enough_classes(cls, value: list[str]) -> list[str]:
+        if len(value) < 2 or len(set(value)) != len(value):
+            raise ValueError("classes must hold at least 2 distinct names")
+        return value
+
+    @field_validator("train_shards", "val_shards")
+    @classmethod
+    def _some_shards(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("at least one shard is required")
+        return value
+
+    def uri(self, *parts: str) -> str:
+        """Return a URI under the job's output folder."""
+        return storage.join(self.output_uri, *parts)
+
+
+def load_job(uri: str) -> JobSpec:
+    """Read and validate job.json from a URI."""
+    return JobSpec.model_validate(storage.read_json(uri))
+
+
+def write_job(job: JobSpec, uri: str) -> str:
+    """Write job.json to a URI and return it."""
+    return storage.write_json(uri, job.model_dump(mode="json"))

@@ -1,0 +1,458 @@
+"""Run one training job from job.json: on CPU, one GPU or many (torchrun), resumable, then DONE.
+
+Data arrives as uint8 shards that were decoded once on CPU; here they are moved to the device
+whole, and cropping, flipping and normalisation run on the device, so a GPU step never waits
+for a JPEG decoder or a host-to-device copy.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+
+from burstcv import lineage, storage
+from burstcv.training.job import JobSpec, load_job
+from burstcv.training.models import build_model
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoints/last.pt"
+EXIT_INTERRUPTED = 143  # the conventional code of a SIGTERM'd process
+
+
+class JobSpecError(ValueError):
+    """Raise when job.json and its shards disagree (classes, shapes, missing files)."""
+
+
+class Interrupted(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Raise inside the loop when SIGTERM asked for a checkpoint-and-exit."""
+
+
+@dataclass
+class Dist:
+    """Describe this process's place in a (possibly single-process) distributed run."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Return True on the process that writes artifacts."""
+        return self.rank == 0
+
+
+@dataclass
+class Split:
+    """Hold one split on the device: uint8 NCHW images and int64 labels."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+
+
+@dataclass
+class History:
+    """Collect per-epoch metrics and the wall-time split of the whole run."""
+
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    setup_s: float = 0.0
+    data_s: float = 0.0
+    compute_s: float = 0.0
+    eval_s: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def load_shards(uris: list[str], classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Read .npz shards into one uint8 NHWC array and int64 labels, checking the class list."""
+    images: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
+    for uri in uris:
+        try:
+            raw = storage.read_bytes(uri)
+        except storage.ArtifactNotFoundError as exc:
+            raise JobSpecError(f"missing shard {uri}") from exc
+        with np.load(io.BytesIO(raw), allow_pickle=False) as npz:
+            shard_classes = [str(c) for c in npz["classes"]]
+            if shard_classes != classes:
+                raise JobSpecError(
+                    f"shard {uri} was packed for classes {shard_classes}, the job names {classes}"
+                )
+            imgs, labs = npz["images"], npz["labels"].astype(np.int64)
+        if imgs.dtype != np.uint8 or imgs.ndim != 4 or imgs.shape[-1] != 3:
+            raise JobSpecError(f"shard {uri} holds {imgs.dtype} {imgs.shape}, not uint8 NxHxWx3")
+        if len(imgs) != len(labs) or (len(labs) and (labs.min() < 0 or labs.max() >= len(classes))):
+            raise JobSpecError(f"shard {uri} has labels outside 0..{len(classes) - 1}")
+        images.append(imgs)
+        labels.append(labs)
+    return np.concatenate(images), np.concatenate(labels)
+
+
+def to_device_split(images: np.ndarray, labels: np.ndarray, device: torch.device) -> Split:
+    """Move a whole split to the device once, as uint8 NCHW (4x smaller than float)."""
+    tensor = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()
+    return Split(tensor.to(device), torch.from_numpy(labels).to(device))
+
+
+def normalize(batch_u8: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, scale: float) -> torch.Tensor:
+    """Apply the eval transform to uint8 NCHW on the device (same math as serving's numpy)."""
+    return (batch_u8.float() * scale - mean) / std
+
+
+def augment(batch_u8: torch.Tensor, padding: int, hflip: bool, gen: torch.Generator) -> torch.Tensor:
+    """Randomly shift each image by up to ``padding`` px (zero fill) and optionally mirror it."""
+    n, _, h, w = batch_u8.shape
+    device = batch_u8.device
+    if padding > 0:
+        padded = F.pad(batch_u8, (padding, padding, padding, padding))
+        dy = torch.randint(0, 2 * padding + 1, (n,), generator=gen, device="cpu").to(device)
+        dx = torch.randint(0, 2 * padding + 1, (n,), generator=gen, device="cpu").to(device)
+        rows = (torch.arange(h, device=device)[None, :] + dy[:, None])[:, :, None]  # n,h,1
+        cols = (torch.arange(w, device=device)[None, :] + dx[:, None])[:, None, :]  # n,1,w
+        idx = torch.arange(n, device=device)[:, None, None]
+        batch_u8 = padded.permute(0, 2, 3, 1)[idx, rows, cols].permute(0, 3, 1, 2)
+    if hflip:
+        flip = torch.rand(n, generator=gen, device="cpu").to(device) < 0.5
+        batch_u8 = torch.where(flip[:, None, None, None], batch_u8.flip(3), batch_u8)
+    return batch_u8
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_checkpoint(uri: str, state: dict[str, Any]) -> None:
+    """Write a checkpoint atomically (temp file, then one upload or rename)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "ckpt.pt"
+        torch.save(state, path)
+        storage.upload_file(path, uri)
+
+
+def load_checkpoint(uri: str) -> dict[str, Any] | None:
+    """Return the checkpoint at a URI, or None when there is none yet."""
+    if not storage.exists(uri):
+        return None
+    return torch.load(io.BytesIO(storage.read_bytes(uri)), map_location="cpu", weights_only=True)  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------------------------------------
+# Loop
+
+
+def _dist_from_env() -> Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    return Dist(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _pick_device(d: Dist) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(d.local_rank)
+        return torch.device("cuda", d.local_rank)
+    return torch.device("cpu")
+
+
+def _step_generator(seed: int, epoch: int, step: int) -> torch.Generator:
+    # A generator per (epoch, step) makes the stream independent of where a run resumed.
+    return torch.Generator().manual_seed(seed * 1_000_003 + epoch * 10_007 + step)
+
+
+def evaluate(
+    model: nn.Module, split: Split, mean: torch.Tensor, std: torch.Tensor, scale: float,
+    num_classes: int, batch_size: int, amp_dtype: torch.dtype | None,
+) -> dict[str, Any]:
+    """Return loss, top-1 accuracy and the confusion matrix of the model on a split."""
+    model.eval()
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.long)
+    total_loss = 0.0
+    with torch.no_grad():
+        for start in range(0, len(split.labels), batch_size):
+            x = normalize(split.images[start : start + batch_size], mean, std, scale)
+            y = split.labels[start : start + batch_size]
+            if x.device.type == "cuda":
+                x = x.contiguous(memory_format=torch.channels_last)
+            with torch.autocast(x.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+                logits = model(x)
+            total_loss += float(F.cross_entropy(logits.float(), y, reduction="sum"))
+            pred = logits.argmax(1)
+            confusion += torch.bincount(
+                (y * num_classes + pred).cpu(), minlength=num_classes * num_classes
+            ).reshape(num_classes, num_classes)
+    model.train()
+    n = max(1, len(split.labels))
+    return {
+        "loss": total_loss / n,
+        "accuracy": float(confusion.diag().sum()) / n,
+        "confusion": confusion.tolist(),
+    }
+
+
+def train_one_epoch(
+    model: nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
+    train: Split, job: JobSpec, epoch: int, start_step: int, steps_per_epoch: int,
+    mean: torch.Tensor, std: torch.Tensor, scale: float, amp_dtype: torch.dtype | None,
+    scaler: torch.amp.GradScaler | None, d: Dist, hist: History, on_step: Any,
+) -> dict[str, float]:
+    """Train for the rest of one epoch from ``start_step``; return loss and images/s."""
+    device = train.images.device
+    per_rank = job.batch_size // d.world_size or 1
+    order_gen = torch.Generator().manual_seed(job.seed * 7919 + epoch)
+    order = torch.randperm(len(train.labels), generator=order_gen)
+    loss_sum, seen = 0.0, 0
+    t_epoch = time.perf_counter()
+    for step in range(start_step, steps_per_epoch):
+        t0 = time.perf_counter()
+        gen = _step_generator(job.seed, epoch, step)
+        idx = order[step * job.batch_size : (step + 1) * job.batch_size]
+        idx = idx[d.rank :: d.world_size][:per_rank].to(device)  # each rank its own share
+        x = augment(train.images[idx], job.augment.crop_padding_px, job.augment.hflip, gen)
+        x = normalize(x, mean, std, scale)
+        y = train.labels[idx]
+        if device.type == "cuda":
+            x = x.contiguous(memory_format=torch.channels_last)
+        t1 = time.perf_counter()
+        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+            loss = F.cross_entropy(model(x), y, label_smoothing=job.label_smoothing)
+        opt.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        sched.step()
+        loss_sum += float(loss.detach()) * len(y)
+        seen += len(y)
+        t2 = time.perf_counter()
+        hist.data_s += t1 - t0
+        hist.compute_s += t2 - t1
+        on_step(epoch, step + 1)
+    elapsed = time.perf_counter() - t_epoch
+    return {"train_loss": loss_sum / max(1, seen), "images_per_s": seen * d.world_size / max(elapsed, 1e-9)}
+
+
+def _amp_dtype(device: torch.device) -> torch.dtype | None:
+    if device.type != "cuda":
+        return None  # fp32 on CPU: bf16 autocast is slower than fp32 on most CPUs
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def _should_compile(job: JobSpec, device: torch.device, total_steps: int) -> bool:
+    if job.compile == "off" or device.type != "cuda":
+        return False
+    # Compilation costs ~30-60 s; it pays back only over a few thousand steps.
+    return job.compile == "on" or total_steps >= 2000
+
+
+def main(job: JobSpec) -> dict[str, Any]:
+    """Train a model as the job says, write checkpoints, metrics, weights and DONE; return metrics."""
+    t_setup = time.perf_counter()
+    d = _dist_from_env()
+    if d.world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = _pick_device(d)
+    torch.manual_seed(job.seed)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    spec = job.preprocess
+    mean = torch.tensor(spec["mean"], dtype=torch.float32, device=device).view(1, 3, 1, 1)
+    std = torch.tensor(spec["std"], dtype=torch.float32, device=device).view(1, 3, 1, 1)
+    scale = float(spec.get("scale", 1.0 / 255.0))
+    tr_x, tr_y = load_shards(job.train_shards, job.classes)
+    va_x, va_y = load_shards(job.val_shards, job.classes)
+    if tr_x.shape[1:3] != (spec["height"], spec["width"]):
+        raise JobSpecError(f"shards are {tr_x.shape[1:3]}, the job expects {spec['height']}x{spec['width']}")
+    train, val = to_device_split(tr_x, tr_y, device), to_device_split(va_x, va_y, device)
+
+    model = build_model(job.arch, len(job.classes), int(spec["height"]), job.pretrained_path).to(device)
+    if device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+    steps_per_epoch = max(1, len(train.labels) // job.batch_size)
+    total_steps = steps_per_epoch * job.epochs
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim <= 1 or name.endswith(".bias") else decay).append(p)
+    opt = torch.optim.SGD(
+        [{"params": decay, "weight_decay": job.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=job.learning_rate, momentum=0.9, nesterov=True,
+    )
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=job.learning_rate, total_steps=total_steps, pct_start=0.25
+    )
+    amp_dtype = _amp_dtype(device)
+    scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
+
+    hist = History()
+    epoch, step = 0, 0
+    best_acc = 0.0
+    ckpt_uri = job.uri(CHECKPOINT)
+    ckpt = load_checkpoint(ckpt_uri)
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        sched.load_state_dict(ckpt["scheduler"])
+        torch.set_rng_state(ckpt["rng_cpu"])
+        epoch, step = int(ckpt["epoch"]), int(ckpt["step"])
+        hist.epochs = json.loads(ckpt["history"])
+        log.info("resumed from %s at epoch %d step %d", ckpt_uri, epoch, step)
+
+    fwd_model: nn.Module = model
+    if d.world_size > 1:
+        fwd_model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[d.local_rank] if device.type == "cuda" else None
+        )
+    if _should_compile(job, device, total_steps):
+        fwd_model = torch.compile(fwd_model)  # type: ignore[assignment]
+
+    interrupted = {"flag": False}
+
+    def _on_sigterm(signum: int, frame: Any) -> None:
+        interrupted["flag"] = True
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+    started = time.monotonic()
+    last_ckpt = time.monotonic()
+    position = {"epoch": epoch, "step": step}
+
+    def checkpoint(ep: int, st: int) -> None:
+        if d.is_main:
+            save_checkpoint(ckpt_uri, {
+                "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(), "rng_cpu": torch.get_rng_state(),
+                "epoch": ep, "step": st, "history": json.dumps(hist.epochs),
+                "job": json.dumps(job.model_dump(mode="json")), "seed": job.seed,
+                "source_commit": lineage.source_commit(),
+                "dataset_fingerprint": job.dataset_fingerprint,
+            })
+        if d.world_size > 1:
+            dist.barrier()
+
+    def on_step(ep: int, st: int) -> None:
+        nonlocal last_ckpt
+        position.update(epoch=ep, step=st)
+        if interrupted["flag"]:
+            checkpoint(ep, st)
+            raise Interrupted(f"SIGTERM: checkpoint saved at epoch {ep} step {st}")
+        if time.monotonic() - last_ckpt >= job.checkpoint_every_s:
+            checkpoint(ep, st)
+            last_ckpt = time.monotonic()
+
+    hist.setup_s = time.perf_counter() - t_setup
+    stop_reason = "epochs"
+    while epoch < job.epochs:
+        stats = train_one_epoch(
+            fwd_model, opt, sched, train, job, epoch, step, steps_per_epoch,
+            mean, std, scale, amp_dtype, scaler, d, hist, on_step,
+        )
+        t_eval = time.perf_counter()
+        ev = evaluate(model, val, mean, std, scale, len(job.classes), 1024, amp_dtype)
+        hist.eval_s += time.perf_counter() - t_eval
+        best_acc = max(best_acc, ev["accuracy"])
+        record = {
+            "epoch": epoch + 1, **stats, "val_loss": ev["loss"], "val_accuracy": ev["accuracy"],
+            "lr": sched.get_last_lr()[0], "elapsed_s": time.monotonic() - started,
+        }
+        if device.type == "cuda":
+            record["gpu_max_memory_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+        hist.epochs.append(record)
+        log.info("epoch %d/%d %s", epoch + 1, job.epochs,
+                 " ".join(f"{k}={v:.4g}" for k, v in record.items() if isinstance(v, float)))
+        epoch, step = epoch + 1, 0
+        checkpoint(epoch, 0)
+        last_ckpt = time.monotonic()
+        if job.target_accuracy is not None and ev["accuracy"] >= job.target_accuracy:
+            stop_reason = f"target accuracy {job.target_accuracy} reached"
+            break
+        if time.monotonic() - started > job.time_budget_s:
+            stop_reason = f"time budget {job.time_budget_s}s spent"
+            break
+
+    final = evaluate(model, val, mean, std, scale, len(job.classes), 1024, amp_dtype)
+    metrics = {
+        "val_accuracy": final["accuracy"], "val_loss": final["loss"],
+        "confusion": final["confusion"], "classes": job.classes,
+        "epochs": hist.epochs, "stop_reason": stop_reason,
+        "wall_s": {"setup": hist.setup_s, "data": hist.data_s, "compute": hist.compute_s, "eval": hist.eval_s},
+        "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "world_size": d.world_size, "amp_dtype": str(amp_dtype) if amp_dtype else "float32",
+        "versions": {"torch": torch.__version__}, "host": lineage.host_description(),
+        "train_images": len(train.labels), "val_images": len(val.labels),
+        "source_commit": lineage.source_commit(), "dataset_fingerprint": job.dataset_fingerprint,
+        "finished_at": lineage.utc_now_iso(),
+    }
+    if d.is_main:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "model.pt"
+            torch.save(model.state_dict(), path)
+            storage.upload_file(path, job.uri("model.pt"))
+        storage.write_json(job.uri("metrics.json"), metrics)
+        storage.write_json(job.uri("DONE"), {"val_accuracy": final["accuracy"], "finished_at": metrics["finished_at"]})
+    if d.world_size > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return metrics
+
+
+def run_job(job_uri: str) -> int:
+    """Run the job at ``job_uri`` and return the process exit code; write FAILED on any error."""
+    output_uri: str | None = None
+    try:
+        raw = storage.read_json(job_uri)
+        output_uri = raw.get("output_uri") if isinstance(raw, dict) else None
+        job = load_job(job_uri)
+        output_uri = job.output_uri
+        is_main = int(os.environ.get("RANK", "0")) == 0
+        if is_main:
+            for stale in ("DONE", "FAILED"):
+                # A retry starts clean: a marker from an earlier attempt would end the wait early.
+                _remove(storage.join(output_uri, stale))
+        main(job)
+        return 0
+    except Interrupted as exc:
+        _write_failed(output_uri, str(exc), resumable=True)
+        log.warning("%s", exc)
+        return EXIT_INTERRUPTED
+    except BaseException as exc:
+        _write_failed(output_uri, f"{type(exc).__name__}: {exc}", resumable=False)
+        raise
+
+
+def _remove(uri: str) -> None:
+    if storage.is_s3(uri):
+        bucket, _, key = uri[5:].partition("/")
+        storage.s3_client().delete_object(Bucket=bucket, Key=key)
+    else:
+        Path(uri).unlink(missing_ok=True)
+
+
+def _write_failed(output_uri: str | None, reason: str, *, resumable: bool) -> None:
+    if not output_uri or int(os.environ.get("RANK", "0")) != 0:
+        return
+    storage.write_json(
+        storage.join(output_uri, "FAILED"),
+        {"reason": reason, "resumable": resumable, "at": lineage.utc_now_iso()},
+    )
+

@@ -1,0 +1,111 @@
+"""Isolate every test session: its own Airflow home, artifact store and registry under a temp dir.
+
+The environment is set at import time, before anything reads settings or imports Airflow.
+Session fixtures build the expensive things once: the demo dataset and a trained model.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SESSION_DIR = Path(tempfile.mkdtemp(prefix="burstcv-tests-"))
+atexit.register(shutil.rmtree, SESSION_DIR, ignore_errors=True)
+
+AIRFLOW_HOME = SESSION_DIR / "airflow"
+TEST_ENV = {
+    "AIRFLOW_HOME": str(AIRFLOW_HOME),
+    "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+    "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+    "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{AIRFLOW_HOME}/airflow.db",
+    "BURSTCV_ARTIFACT_ROOT": str(SESSION_DIR / "artifacts"),
+    "BURSTCV_REGISTRY_URI": str(SESSION_DIR / "registry"),
+    "BURSTCV_COMPUTE_STATE_DIR": str(SESSION_DIR / "compute"),
+    "BURSTCV_DATASET_URI": str(SESSION_DIR / "data" / "digits"),
+    "BURSTCV_SERVING_URL": "",
+    "BURSTCV_SOURCE_COMMIT": "test",
+}
+os.environ.update(TEST_ENV)
+AIRFLOW_HOME.mkdir(parents=True, exist_ok=True)
+
+# Reproducible CPU numbers: tests must not fight over the 2 cores with oversubscribed threads.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Create the Airflow metadata DB once per session (a few seconds on SQLite)."""
+    del config
+    result = subprocess.run(
+        [sys.executable, "-m", "airflow", "db", "migrate"], capture_output=True, text=True,
+        env={**os.environ}, timeout=300,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"airflow db migrate failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+
+
+@pytest.fixture(scope="session")
+def demo_dataset() -> Path:
+    """Return the demo digits dataset (1,797 PNGs), written once per session."""
+    from burstcv.data.demo import write_demo_dataset
+
+    root = SESSION_DIR / "data" / "digits"
+    if not root.exists():
+        write_demo_dataset(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def packed_demo(demo_dataset: Path) -> dict[str, Any]:
+    """Return the demo dataset packed into shards (a manifest built from the folder layout)."""
+    import pandas as pd
+
+    from burstcv.data.pack import pack_dataset
+    from burstcv_serving.preprocess import PreprocessSpec
+
+    rows = [
+        {"path": str(p.relative_to(demo_dataset)), "uri": str(p), "split": p.parts[-3],
+         "label": p.parts[-2], "decode_ok": True}
+        for p in sorted(demo_dataset.rglob("*.png"))
+    ]
+    spec = PreprocessSpec(mean=(0.25, 0.25, 0.25), std=(0.35, 0.35, 0.35))
+    result = pack_dataset(pd.DataFrame(rows), str(SESSION_DIR / "packed"), spec)
+    return {"classes": result.classes, "train_shards": result.train_shards,
+            "val_shards": result.val_shards, "spec": spec, "counts": result.counts}
+
+
+@pytest.fixture(scope="session")
+def trained_demo(packed_demo: dict[str, Any]) -> dict[str, Any]:
+    """Train resnet10 on the demo digits for 3 epochs once per session; return its outputs."""
+    from burstcv_testkit import make_job
+    from burstcv.training.job import write_job
+    from burstcv.training.train import run_job
+
+    out = SESSION_DIR / "trained" / "job"
+    job = make_job(packed_demo, out)
+    job_uri = write_job(job, str(out.parent / "job.json"))
+    assert run_job(job_uri) == 0
+    import json
+
+    return {"job": job, "job_uri": job_uri, "out": out,
+            "metrics": json.loads((out / "metrics.json").read_text())}
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Clear the cached settings so a test's environment changes take effect."""
+    from burstcv.settings import get_settings
+
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
