@@ -11,7 +11,7 @@ service **only if** it meets the latency SLO and does not lose accuracy.
 | `pack` | decodes the images once into uint8 shards | no |
 | `provision` (setup) | starts the training box(es), tagged with this run | **yes, from here** |
 | `train` | waits (deferred, no worker slot held) for DONE / FAILED | yes |
-| `terminate` (teardown) | terminates every box tagged with this run, records billed seconds | stops it |
+| `terminate` (teardown) | terminates every box tagged with the run, bills it | stops it |
 | `export` | checkpoint → ONNX, parity-checked against torch on real images | no |
 | `benchmark` | p50/p95/p99 over HTTP through a staging copy of the service | no |
 | `gate` | latency SLO, accuracy floor, no regression; registers the version | no |
@@ -52,28 +52,71 @@ def _params(params: dict[str, Any]) -> RunParams:
     tags=["burstcv", "training", "deploy"],
     default_args={"owner": "burstcv", "retries": 0},
     params={
-        "dataset_uri": Param(DEFAULTS["dataset_uri"], type="string", minLength=1,
-                             title="Dataset URI",
-                             description="ImageFolder root: <root>/{train,val}/<class>/<image>; a folder or s3://"),
-        "model": Param(DEFAULTS["model"], type="string", enum=list(ARCHITECTURE_NAMES),
-                       title="Model", description="torchvision architecture to train"),
+        "dataset_uri": Param(
+            DEFAULTS["dataset_uri"],
+            type="string",
+            minLength=1,
+            title="Dataset URI",
+            description="ImageFolder root: <root>/{train,val}/<class>/<image>; a folder or s3://",
+        ),
+        "model": Param(
+            DEFAULTS["model"],
+            type="string",
+            enum=list(ARCHITECTURE_NAMES),
+            title="Model",
+            description="torchvision architecture to train",
+        ),
         "epochs": Param(DEFAULTS["epochs"], type="integer", minimum=1, maximum=500, title="Epochs"),
-        "compute_backend": Param(DEFAULTS["compute_backend"], type="string", enum=["local", "ec2"],
-                                 title="Compute backend",
-                                 description="local: a process on this machine; ec2: ephemeral GPU instances"),
-        "instance_types": Param(list(DEFAULT_INSTANCE_TYPES), type="array", items={"type": "string"},
-                                minItems=1, title="GPU instance types",
-                                description="EC2 types in order of preference"),
-        "use_spot": Param(True, type="boolean", title="Use spot instances",
-                          description="spot first, on-demand when there is no spot capacity"),
-        "max_cost_usd": Param(5.0, type="number", exclusiveMinimum=0, maximum=10000,
-                              title="Max cost (USD)", description="per-run budget; bounds the watchdog"),
-        "latency_slo_ms": Param(DEFAULTS["latency_slo_ms"], type="number", exclusiveMinimum=0,
-                                title="Latency SLO (ms)", description="p95 over HTTP, one image per request"),
-        "accuracy_floor": Param(DEFAULTS["accuracy_floor"], type="number", minimum=0, maximum=1,
-                                title="Accuracy floor", description="validation top-1 the candidate must reach"),
-        "promote": Param(True, type="boolean", title="Promote",
-                         description="deploy the candidate if it passes the gate"),
+        "compute_backend": Param(
+            DEFAULTS["compute_backend"],
+            type="string",
+            enum=["local", "ec2"],
+            title="Compute backend",
+            description="local: a process on this machine; ec2: ephemeral GPU instances",
+        ),
+        "instance_types": Param(
+            list(DEFAULT_INSTANCE_TYPES),
+            type="array",
+            items={"type": "string"},
+            minItems=1,
+            title="GPU instance types",
+            description="EC2 types in order of preference",
+        ),
+        "use_spot": Param(
+            True,
+            type="boolean",
+            title="Use spot instances",
+            description="spot first, on-demand when there is no spot capacity",
+        ),
+        "max_cost_usd": Param(
+            5.0,
+            type="number",
+            exclusiveMinimum=0,
+            maximum=10000,
+            title="Max cost (USD)",
+            description="per-run budget; bounds the watchdog",
+        ),
+        "latency_slo_ms": Param(
+            DEFAULTS["latency_slo_ms"],
+            type="number",
+            exclusiveMinimum=0,
+            title="Latency SLO (ms)",
+            description="p95 over HTTP, one image per request",
+        ),
+        "accuracy_floor": Param(
+            DEFAULTS["accuracy_floor"],
+            type="number",
+            minimum=0,
+            maximum=1,
+            title="Accuracy floor",
+            description="validation top-1 the candidate must reach",
+        ),
+        "promote": Param(
+            True,
+            type="boolean",
+            title="Promote",
+            description="deploy the candidate if it passes the gate",
+        ),
     },
 )
 def burstcv_pipeline() -> None:
@@ -90,16 +133,21 @@ def burstcv_pipeline() -> None:
             raise AirflowFailException(str(exc)) from exc  # retrying cannot fix the data
 
     @task(execution_timeout=timedelta(minutes=60))
-    def pack(validated: dict[str, Any], params: dict[str, Any] | None = None,
-             run_id: str | None = None) -> dict[str, Any]:
+    def pack(
+        validated: dict[str, Any], params: dict[str, Any] | None = None, run_id: str | None = None
+    ) -> dict[str, Any]:
         """Decode the validated images once into uint8 shards."""
         from burstcv import pipeline
 
         return pipeline.pack(str(run_id), _params(params or {}), validated, settings=SETTINGS)
 
     @task(execution_timeout=timedelta(minutes=15))
-    def provision(packed: dict[str, Any], params: dict[str, Any] | None = None,
-                  run_id: str | None = None, dag: Any = None) -> dict[str, Any]:
+    def provision(
+        packed: dict[str, Any],
+        params: dict[str, Any] | None = None,
+        run_id: str | None = None,
+        dag: Any = None,
+    ) -> dict[str, Any]:
         """Write job.json and start the training box(es), tagged with this run."""
         from burstcv import pipeline
 
@@ -113,16 +161,28 @@ def burstcv_pipeline() -> None:
         return pipeline.terminate(provisioned["run_key"], provisioned["backend"])
 
     @task(execution_timeout=timedelta(minutes=30))
-    def export(packed: dict[str, Any], trained: dict[str, Any], validated: dict[str, Any],
-               params: dict[str, Any] | None = None, run_id: str | None = None) -> dict[str, Any]:
+    def export(
+        packed: dict[str, Any],
+        trained: dict[str, Any],
+        validated: dict[str, Any],
+        params: dict[str, Any] | None = None,
+        run_id: str | None = None,
+    ) -> dict[str, Any]:
         """Convert the checkpoint to ONNX and prove it equals torch on real images."""
         from burstcv import pipeline
 
-        return pipeline.export(str(run_id), _params(params or {}), packed, trained, validated, SETTINGS)
+        return pipeline.export(
+            str(run_id), _params(params or {}), packed, trained, validated, SETTINGS
+        )
 
     @task(execution_timeout=timedelta(minutes=30))
-    def benchmark(exported: dict[str, Any], packed: dict[str, Any], validated: dict[str, Any],
-                  params: dict[str, Any] | None = None, run_id: str | None = None) -> dict[str, Any]:
+    def benchmark(
+        exported: dict[str, Any],
+        packed: dict[str, Any],
+        validated: dict[str, Any],
+        params: dict[str, Any] | None = None,
+        run_id: str | None = None,
+    ) -> dict[str, Any]:
         """Measure candidate and production latency through staging copies of the service."""
         from burstcv import pipeline
 
@@ -130,16 +190,21 @@ def burstcv_pipeline() -> None:
         return pipeline.benchmark(str(run_id), _params(params or {}), packed, validated, SETTINGS)
 
     @task(execution_timeout=timedelta(minutes=10))
-    def gate(exported: dict[str, Any], bench: dict[str, Any], params: dict[str, Any] | None = None,
-             run_id: str | None = None) -> dict[str, Any]:
+    def gate(
+        exported: dict[str, Any],
+        bench: dict[str, Any],
+        params: dict[str, Any] | None = None,
+        run_id: str | None = None,
+    ) -> dict[str, Any]:
         """Judge latency and accuracy, and register the version as accepted or rejected."""
         from burstcv import pipeline
 
         return pipeline.gate(str(run_id), _params(params or {}), exported, bench, SETTINGS)
 
     @task(execution_timeout=timedelta(minutes=10))
-    def deploy(verdict: dict[str, Any], params: dict[str, Any] | None = None,
-               run_id: str | None = None) -> dict[str, Any]:
+    def deploy(
+        verdict: dict[str, Any], params: dict[str, Any] | None = None, run_id: str | None = None
+    ) -> dict[str, Any]:
         """Move the production alias and verify the service serves the new version."""
         from burstcv import pipeline
 
@@ -154,7 +219,8 @@ def burstcv_pipeline() -> None:
     packed = pack(validated)
     provisioned = provision(packed)
     trained = WaitForTrainingOperator(
-        task_id="train", provisioned=provisioned,
+        task_id="train",
+        provisioned=provisioned,
         execution_timeout=timedelta(seconds=SETTINGS.train_timeout_s + 600),
         doc_md="Wait (deferred: no worker slot held) for the training job's DONE or FAILED marker.",
     )

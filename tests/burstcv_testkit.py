@@ -11,9 +11,14 @@ def make_job(packed: dict[str, Any], out: Path, **overrides: Any) -> Any:
     from burstcv.training.job import JobSpec
 
     fields: dict[str, Any] = {
-        "run_id": out.name, "classes": packed["classes"], "train_shards": packed["train_shards"],
-        "val_shards": packed["val_shards"], "preprocess": packed["spec"].to_dict(),
-        "output_uri": str(out), "epochs": 3, "dataset_fingerprint": "demo",
+        "run_id": out.name,
+        "classes": packed["classes"],
+        "train_shards": packed["train_shards"],
+        "val_shards": packed["val_shards"],
+        "preprocess": packed["spec"].to_dict(),
+        "output_uri": str(out),
+        "epochs": 3,
+        "dataset_fingerprint": "demo",
     }
     fields.update(overrides)
     return JobSpec(**fields)

@@ -47,11 +47,16 @@ def pytest_configure(config: pytest.Config) -> None:
     """Create the Airflow metadata DB once per session (a few seconds on SQLite)."""
     del config
     result = subprocess.run(
-        [sys.executable, "-m", "airflow", "db", "migrate"], capture_output=True, text=True,
-        env={**os.environ}, timeout=300,
+        [sys.executable, "-m", "airflow", "db", "migrate"],
+        capture_output=True,
+        text=True,
+        env={**os.environ},
+        timeout=300,
     )
     if result.returncode != 0:
-        raise RuntimeError(f"airflow db migrate failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+        raise RuntimeError(
+            f"airflow db migrate failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -69,25 +74,36 @@ def demo_dataset() -> Path:
 def packed_demo(demo_dataset: Path) -> dict[str, Any]:
     """Return the demo dataset packed into shards (a manifest built from the folder layout)."""
     import pandas as pd
-
-    from burstcv.data.pack import pack_dataset
     from burstcv_serving.preprocess import PreprocessSpec
 
+    from burstcv.data.pack import pack_dataset
+
     rows = [
-        {"path": str(p.relative_to(demo_dataset)), "uri": str(p), "split": p.parts[-3],
-         "label": p.parts[-2], "decode_ok": True}
+        {
+            "path": str(p.relative_to(demo_dataset)),
+            "uri": str(p),
+            "split": p.parts[-3],
+            "label": p.parts[-2],
+            "decode_ok": True,
+        }
         for p in sorted(demo_dataset.rglob("*.png"))
     ]
     spec = PreprocessSpec(mean=(0.25, 0.25, 0.25), std=(0.35, 0.35, 0.35))
     result = pack_dataset(pd.DataFrame(rows), str(SESSION_DIR / "packed"), spec)
-    return {"classes": result.classes, "train_shards": result.train_shards,
-            "val_shards": result.val_shards, "spec": spec, "counts": result.counts}
+    return {
+        "classes": result.classes,
+        "train_shards": result.train_shards,
+        "val_shards": result.val_shards,
+        "spec": spec,
+        "counts": result.counts,
+    }
 
 
 @pytest.fixture(scope="session")
 def trained_demo(packed_demo: dict[str, Any]) -> dict[str, Any]:
     """Train resnet10 on the demo digits for 3 epochs once per session; return its outputs."""
     from burstcv_testkit import make_job
+
     from burstcv.training.job import write_job
     from burstcv.training.train import run_job
 
@@ -97,8 +113,12 @@ def trained_demo(packed_demo: dict[str, Any]) -> dict[str, Any]:
     assert run_job(job_uri) == 0
     import json
 
-    return {"job": job, "job_uri": job_uri, "out": out,
-            "metrics": json.loads((out / "metrics.json").read_text())}
+    return {
+        "job": job,
+        "job_uri": job_uri,
+        "out": out,
+        "metrics": json.loads((out / "metrics.json").read_text()),
+    }
 
 
 @pytest.fixture

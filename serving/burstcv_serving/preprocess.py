@@ -126,8 +126,7 @@ def open_image(
             raise ImageDecodeError(f"image declares an empty size {width}x{height}")
         if width * height > max_pixels:
             raise ImageTooLargeError(
-                f"image is {width}x{height} = {width * height} pixels; the limit is "
-                f"{max_pixels}"
+                f"image is {width}x{height} = {width * height} pixels; the limit is {max_pixels}"
             )
         img.load()
         if img.mode != "RGB":

@@ -33,7 +33,9 @@ def _print_json(doc: Any) -> None:
 
 
 @app.command("demo-data")
-def demo_data(directory: Annotated[Path, typer.Argument(help="where to write the dataset")]) -> None:
+def demo_data(
+    directory: Annotated[Path, typer.Argument(help="where to write the dataset")],
+) -> None:
     """Write scikit-learn's 1,797 handwritten digits as 32x32 RGB PNGs (ImageFolder)."""
     from burstcv.data.demo import write_demo_dataset
 
@@ -46,7 +48,9 @@ def demo_data(directory: Annotated[Path, typer.Argument(help="where to write the
 def validate(
     dataset: Annotated[str, typer.Argument(help="dataset root: a folder or s3://bucket/prefix")],
     classes: Annotated[str, typer.Option(help="expected classes, comma-separated")] = "",
-    out: Annotated[str, typer.Option(help="where to write manifest, validation.json, Data Docs")] = "",
+    out: Annotated[
+        str, typer.Option(help="where to write manifest, validation.json, Data Docs")
+    ] = "",
 ) -> None:
     """Check a dataset: exit 0 on pass, 1 on a failed check, 2 on unusable input."""
     import tempfile
@@ -55,7 +59,9 @@ def validate(
 
     _setup_logging()
     out_uri = out or tempfile.mkdtemp(prefix="burstcv-validate-")
-    config = ValidationConfig(expected_classes=[c.strip() for c in classes.split(",") if c.strip()] or None)
+    config = ValidationConfig(
+        expected_classes=[c.strip() for c in classes.split(",") if c.strip()] or None
+    )
     try:
         report = validate_dataset(dataset, out_uri, config)
     except DatasetUnusableError as exc:
@@ -88,19 +94,29 @@ def export(
     name: Annotated[str, typer.Option(help="model name")] = "digits",
 ) -> None:
     """Convert a checkpoint to ONNX and check it against torch on real images."""
+    from burstcv_serving.preprocess import PreprocessSpec
+
     from burstcv.export.onnx_export import CheckpointError, ParityError, export_model
     from burstcv.training.job import load_job
-    from burstcv_serving.preprocess import PreprocessSpec
 
     _setup_logging()
     spec_job = load_job(job)
-    images = [(str(p), p.read_bytes()) for p in sorted(parity_dir.rglob("*"))
-              if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp")][:256]
+    images = [
+        (str(p), p.read_bytes())
+        for p in sorted(parity_dir.rglob("*"))
+        if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp")
+    ][:256]
     try:
         model_json = export_model(
-            checkpoint_uri=checkpoint, out_uri=out, arch=spec_job.arch, classes=spec_job.classes,
-            spec=PreprocessSpec.from_dict(spec_job.preprocess), parity_images=images, name=name,
-            dataset_fingerprint=spec_job.dataset_fingerprint, run_id=spec_job.run_id,
+            checkpoint_uri=checkpoint,
+            out_uri=out,
+            arch=spec_job.arch,
+            classes=spec_job.classes,
+            spec=PreprocessSpec.from_dict(spec_job.preprocess),
+            parity_images=images,
+            name=name,
+            dataset_fingerprint=spec_job.dataset_fingerprint,
+            run_id=spec_job.run_id,
         )
     except (CheckpointError, ParityError) as exc:
         raise _fail(str(exc)) from None
@@ -116,21 +132,27 @@ def serve() -> None:
 @app.command()
 def predict(
     image: Annotated[Path, typer.Argument(help="an image file (PNG, JPEG, WebP)")],
-    url: Annotated[str, typer.Option(help="base URL of the prediction service")] = "http://127.0.0.1:8000",
+    url: Annotated[
+        str, typer.Option(help="base URL of the prediction service")
+    ] = "http://127.0.0.1:8000",
 ) -> None:
     """Send one image to the prediction service and print its answer."""
     import httpx
 
     try:
-        response = httpx.post(f"{url}/v1/predict", files={"file": (image.name, image.read_bytes())}, timeout=30)
+        response = httpx.post(
+            f"{url}/v1/predict", files={"file": (image.name, image.read_bytes())}, timeout=30
+        )
     except (OSError, httpx.HTTPError) as exc:
         raise _fail(f"could not reach {url}: {exc}") from None
     if response.status_code != 200:
         raise _fail(f"{response.status_code}: {response.text}")
     body = response.json()
     top = body["predictions"][0]
-    typer.echo(f"{image.name}: {top['label']} (score {top['score']:.3f}) from model "
-               f"{body.get('model', '')} version {body['version']}")
+    typer.echo(
+        f"{image.name}: {top['label']} (score {top['score']:.3f}) from model "
+        f"{body.get('model', '')} version {body['version']}"
+    )
     _print_json(body)
 
 
@@ -179,8 +201,14 @@ def promote(
         if entry.get("status") == "rejected" and not force:
             raise _fail(f"version {version} was rejected: {entry.get('reason')} (use --force)")
         urls = [u.strip() for u in s.serving_url.split(",") if u.strip()]
-        result = deploy(registry, version, service_urls=urls, token=s.serving_admin_token,
-                        timeout_s=s.deploy_verify_timeout_s, force=force)
+        result = deploy(
+            registry,
+            version,
+            service_urls=urls,
+            token=s.serving_admin_token,
+            timeout_s=s.deploy_verify_timeout_s,
+            force=force,
+        )
     except (RegistryError, DeployError) as exc:
         raise _fail(str(exc)) from None
     typer.echo(f"production -> version {result.version} (was {result.previous_version})")
@@ -208,8 +236,37 @@ def rollback() -> None:
 
 
 @app.command()
+def reap(
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="only say what would be terminated")
+    ] = False,
+    backend: Annotated[str, typer.Option(help="comma-separated backends (default: settings)")] = "",
+) -> None:
+    """Terminate burstcv boxes whose expiry passed or whose DAG run is no longer running."""
+    from burstcv.airflow.local_run import embedded_airflow_env
+    from burstcv.pipeline import reap as reap_backends
+    from burstcv.settings import get_settings
+
+    _setup_logging()
+    for key, value in embedded_airflow_env().items():
+        os.environ.setdefault(key, value)
+    from burstcv.airflow.runs import dag_run_is_active_db
+
+    names = [b.strip() for b in (backend or get_settings().reaper_backends).split(",") if b.strip()]
+    reports = reap_backends(names, dag_run_is_active_db, dry_run=dry_run)
+    for report in reports:
+        verb = "would terminate" if dry_run else "terminated"
+        ids = [
+            d["instance_id"] for d in report.get("terminated", report.get("would_terminate", []))
+        ]
+        typer.echo(f"{report['backend']}: {verb} {len(ids)} {ids}; kept {len(report['kept'])}")
+
+
+@app.command()
 def run(
-    conf: Annotated[str, typer.Option(help="run parameters as JSON (the trigger form's fields)")] = "{}",
+    conf: Annotated[
+        str, typer.Option(help="run parameters as JSON (the trigger form's fields)")
+    ] = "{}",
 ) -> None:
     """Run the burstcv_pipeline DAG once, locally, with Airflow's dag.test()."""
     from burstcv.airflow.local_run import run_pipeline_once

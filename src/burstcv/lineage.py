@@ -22,7 +22,10 @@ def source_commit() -> str:
     try:
         out = subprocess.run(
             ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
-            capture_output=True, text=True, timeout=5, check=True,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
         )
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -50,15 +50,23 @@ class RunParams(BaseModel):
         """Return the default values, taken from settings where settings define them."""
         s = settings or get_settings()
         return {
-            "dataset_uri": s.dataset_uri, "model": s.arch, "epochs": s.epochs,
-            "batch_size": s.batch_size, "learning_rate": s.learning_rate, "seed": s.seed,
-            "compute_backend": s.compute_backend, "time_budget_s": s.train_timeout_s,
-            "latency_slo_ms": s.latency_slo_ms, "accuracy_floor": s.accuracy_floor,
+            "dataset_uri": s.dataset_uri,
+            "model": s.arch,
+            "epochs": s.epochs,
+            "batch_size": s.batch_size,
+            "learning_rate": s.learning_rate,
+            "seed": s.seed,
+            "compute_backend": s.compute_backend,
+            "time_budget_s": s.train_timeout_s,
+            "latency_slo_ms": s.latency_slo_ms,
+            "accuracy_floor": s.accuracy_floor,
             "max_accuracy_drop": s.max_accuracy_drop,
         }
 
     @classmethod
-    def resolve(cls, given: dict[str, Any] | None = None, settings: Settings | None = None) -> RunParams:
+    def resolve(
+        cls, given: dict[str, Any] | None = None, settings: Settings | None = None
+    ) -> RunParams:
         """Merge given values (None means 'use the default') over the defaults, then validate."""
         merged = cls.defaults(settings)
         merged.update({k: v for k, v in (given or {}).items() if v is not None and v != ""})

@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from burstcv_serving.preprocess import PreprocessSpec
 
 from burstcv import storage
 from burstcv.compute.base import LaunchRequest, get_backend
 from burstcv.params import RunParams
 from burstcv.settings import Settings, get_settings
-from burstcv_serving.preprocess import PreprocessSpec
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +103,16 @@ def validate(run_id: str, params: RunParams, settings: Settings | None = None) -
     config = ValidationConfig(
         expected_classes=params.expected_classes or None,
         min_images_per_class=s.min_images_per_class,
-        min_width=s.min_width_px, max_width=s.max_width_px,
-        min_height=s.min_height_px, max_height=s.max_height_px,
+        min_width=s.min_width_px,
+        max_width=s.max_width_px,
+        min_height=s.min_height_px,
+        max_height=s.max_height_px,
     )
     try:
         report = validate_dataset(
-            params.dataset_uri, paths.dataset, config,
+            params.dataset_uri,
+            paths.dataset,
+            config,
             history_uri=storage.join(s.artifact_root, "datasets"),
         )
     except DatasetUnusableError as exc:
@@ -128,8 +132,14 @@ def _read_manifest(uri: str) -> pd.DataFrame:
     return pd.read_parquet(io.BytesIO(storage.read_bytes(uri)))
 
 
-def pack(run_id: str, params: RunParams, validated: dict[str, Any], *, input_px: int = 32,
-         settings: Settings | None = None) -> dict[str, Any]:
+def pack(
+    run_id: str,
+    params: RunParams,
+    validated: dict[str, Any],
+    *,
+    input_px: int = 32,
+    settings: Settings | None = None,
+) -> dict[str, Any]:
     """Decode the validated images once into uint8 shards; fix the preprocessing spec."""
     from burstcv.data.pack import pack_dataset
 
@@ -144,13 +154,18 @@ def pack(run_id: str, params: RunParams, validated: dict[str, Any], *, input_px:
     mean, std = _channel_stats(packed.train_shards)
     spec = PreprocessSpec(height=input_px, width=input_px, mean=mean, std=std)
     return {
-        "classes": packed.classes, "train_shards": packed.train_shards,
-        "val_shards": packed.val_shards, "counts": packed.counts, "preprocess": spec.to_dict(),
+        "classes": packed.classes,
+        "train_shards": packed.train_shards,
+        "val_shards": packed.val_shards,
+        "counts": packed.counts,
+        "preprocess": spec.to_dict(),
         "fingerprint": validated["fingerprint"],
     }
 
 
-def _channel_stats(shards: list[str]) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+def _channel_stats(
+    shards: list[str],
+) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
     total = np.zeros(3)
     total_sq = np.zeros(3)
     count = 0
@@ -163,36 +178,107 @@ def _channel_stats(shards: list[str]) -> tuple[tuple[float, float, float], tuple
     mean = total / max(1, count)
     std = np.sqrt(np.maximum(total_sq / max(1, count) - mean**2, 1e-12))
     std = np.maximum(std, 1e-3)  # a constant channel must not divide by zero
-    return (float(mean[0]), float(mean[1]), float(mean[2])), (float(std[0]), float(std[1]), float(std[2]))
+    return (float(mean[0]), float(mean[1]), float(mean[2])), (
+        float(std[0]),
+        float(std[1]),
+        float(std[2]),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # provision → train → terminate
 
 
-def provision(run_id: str, dag_id: str, params: RunParams, packed: dict[str, Any],
-              settings: Settings | None = None) -> dict[str, Any]:
+def provision(
+    run_id: str,
+    dag_id: str,
+    params: RunParams,
+    packed: dict[str, Any],
+    settings: Settings | None = None,
+) -> dict[str, Any]:
     """Write job.json and start the training box(es) for this run."""
     from burstcv.training.job import JobSpec, write_job
 
     paths = RunPaths.of(run_id, settings)
+    time_budget_s = bounded_time_budget(params)
     job = JobSpec(
-        run_id=safe_run_id(run_id), arch=params.model, classes=packed["classes"],
-        train_shards=packed["train_shards"], val_shards=packed["val_shards"],
-        preprocess=packed["preprocess"], output_uri=paths.job, epochs=params.epochs,
-        batch_size=params.batch_size, learning_rate=params.learning_rate, seed=params.seed,
-        time_budget_s=params.time_budget_s, dataset_fingerprint=packed["fingerprint"],
+        run_id=safe_run_id(run_id),
+        arch=params.model,
+        classes=packed["classes"],
+        train_shards=packed["train_shards"],
+        val_shards=packed["val_shards"],
+        preprocess=packed["preprocess"],
+        output_uri=paths.job,
+        epochs=params.epochs,
+        batch_size=params.batch_size,
+        learning_rate=params.learning_rate,
+        seed=params.seed,
+        time_budget_s=time_budget_s,
+        dataset_fingerprint=packed["fingerprint"],
     )
     job_uri = write_job(job, storage.join(paths.job, "job.json"))
     backend = get_backend(params.compute_backend)
-    ids = backend.launch(LaunchRequest(
-        run_id=safe_run_id(run_id), dag_id=dag_id, job_uri=job_uri,
-        time_budget_s=params.time_budget_s, instance_types=tuple(params.instance_types),
-        use_spot=params.use_spot,
-    ))
-    return {"job_uri": job_uri, "output_uri": paths.job, "instance_ids": ids,
-            "run_key": safe_run_id(run_id),
-            "backend": params.compute_backend}
+    ids = backend.launch(
+        LaunchRequest(
+            run_id=safe_run_id(run_id),
+            dag_id=dag_id,
+            job_uri=job_uri,
+            time_budget_s=time_budget_s,
+            instance_types=tuple(params.instance_types),
+            use_spot=params.use_spot,
+            airflow_run_id=run_id,
+        )
+    )
+    return {
+        "job_uri": job_uri,
+        "output_uri": paths.job,
+        "instance_ids": ids,
+        "run_key": safe_run_id(run_id),
+        "backend": params.compute_backend,
+    }
+
+
+def bounded_time_budget(params: RunParams) -> int:
+    """Return the run's time budget, lowered so the most expensive launch stays under max_cost_usd.
+
+    The worst case is on-demand on the priciest allowed type (spot may fall back to it); the
+    training box's watchdog is armed from this number, so it is what bounds the bill.
+    """
+    if params.compute_backend == "local":
+        return params.time_budget_s
+    from burstcv.compute.ec2 import Ec2Settings
+    from burstcv.cost.pricing import hourly_price, time_budget_for
+
+    region = Ec2Settings().region
+    priciest = max(params.instance_types, key=lambda t: hourly_price(t, region, "on-demand"))
+    return time_budget_for(params.max_cost_usd, priciest, region, "on-demand", params.time_budget_s)
+
+
+def reap(
+    backend_names: list[str], is_run_active: Any, *, dry_run: bool = False
+) -> list[dict[str, Any]]:
+    """Terminate managed boxes whose expiry passed or whose DAG run is over, on each backend.
+
+    ``is_run_active(dag_id, airflow_run_id)`` answers from Airflow. Boxes are tagged with a
+    path-safe run key; the raw Airflow run id travels in its own tag for this question.
+    """
+    from burstcv.compute.reaper import reap as reap_backend
+
+    reports = []
+    for name in backend_names:
+        backend = get_backend(name)
+        raw_ids = {
+            (i.dag_id, i.run_id): i.airflow_run_id or i.run_id for i in backend.list_managed()
+        }
+
+        def active(
+            dag_id: str, run_key: str, raw_ids: dict[tuple[str, str], str] = raw_ids
+        ) -> bool:
+            return bool(is_run_active(dag_id, raw_ids.get((dag_id, run_key), run_key)))
+
+        report = reap_backend(backend, is_run_active=active, dry_run=dry_run)
+        reports.append({"backend": name, **report.to_dict()})
+    return reports
 
 
 def training_outcome(run_id: str, backend_name: str, output_uri: str) -> dict[str, Any]:
@@ -209,31 +295,44 @@ def training_outcome(run_id: str, backend_name: str, output_uri: str) -> dict[st
             return {"status": "done", **storage.read_json(done)}
         if storage.exists(failed):
             return {"status": "failed", **storage.read_json(failed)}
-        return {"status": "lost", "reason": "every training instance stopped without DONE or FAILED"}
+        return {
+            "status": "lost",
+            "reason": "every training instance stopped without DONE or FAILED",
+        }
     if not infos:
         return {"status": "lost", "reason": "no training instance exists for this run"}
     return {"status": "running"}
 
 
-def collect_training(run_id: str, outcome: dict[str, Any], settings: Settings | None = None) -> dict[str, Any]:
+def collect_training(
+    run_id: str, outcome: dict[str, Any], settings: Settings | None = None
+) -> dict[str, Any]:
     """Turn the training outcome into figures, or raise TrainingFailed with the box's reason."""
     if outcome.get("status") != "done":
-        raise TrainingFailed(f"training {outcome.get('status')}: {outcome.get('reason', 'no reason given')}")
+        raise TrainingFailed(
+            f"training {outcome.get('status')}: {outcome.get('reason', 'no reason given')}"
+        )
     paths = RunPaths.of(run_id, settings)
     metrics = storage.read_json(storage.join(paths.job, "metrics.json"))
     return {
         "model_uri": storage.join(paths.job, "model.pt"),
         "metrics_uri": storage.join(paths.job, "metrics.json"),
-        "val_accuracy": metrics["val_accuracy"], "epochs": len(metrics["epochs"]),
-        "train_wall_s": sum(metrics["wall_s"].values()), "device": metrics["device"],
+        "val_accuracy": metrics["val_accuracy"],
+        "epochs": len(metrics["epochs"]),
+        "train_wall_s": sum(metrics["wall_s"].values()),
+        "device": metrics["device"],
     }
 
 
 def terminate(run_id: str, backend_name: str) -> dict[str, Any]:
     """Terminate every instance tagged with the run and record billed seconds and cost."""
     report = get_backend(backend_name).terminate_run(safe_run_id(run_id))
-    log.info("terminated %s; billed seconds %s; cost $%.4f", report.instance_ids,
-             report.billed_seconds, report.cost_usd)
+    log.info(
+        "terminated %s; billed seconds %s; cost $%.4f",
+        report.instance_ids,
+        report.billed_seconds,
+        report.cost_usd,
+    )
     return report.to_dict()
 
 
@@ -248,25 +347,43 @@ def _val_rows(manifest_uri: str, limit: int | None = None) -> list[tuple[str, st
     return rows[:limit] if limit else rows
 
 
-def export(run_id: str, params: RunParams, packed: dict[str, Any], trained: dict[str, Any],
-           validated: dict[str, Any], settings: Settings | None = None) -> dict[str, Any]:
+def export(
+    run_id: str,
+    params: RunParams,
+    packed: dict[str, Any],
+    trained: dict[str, Any],
+    validated: dict[str, Any],
+    settings: Settings | None = None,
+) -> dict[str, Any]:
     """Export the trained weights to ONNX, proven equal to torch on real validation images."""
     from burstcv.export.onnx_export import export_model
 
     s = settings or get_settings()
     paths = RunPaths.of(run_id, s)
-    images = [(path, storage.read_bytes(uri)) for path, uri, _ in _val_rows(validated["manifest_uri"], PARITY_IMAGES)]
+    images = [
+        (path, storage.read_bytes(uri))
+        for path, uri, _ in _val_rows(validated["manifest_uri"], PARITY_IMAGES)
+    ]
     metrics = storage.read_json(trained["metrics_uri"])
     model_json = export_model(
-        checkpoint_uri=trained["model_uri"], out_uri=paths.model, arch=params.model,
-        classes=packed["classes"], spec=PreprocessSpec.from_dict(packed["preprocess"]),
-        parity_images=images, name=s.model_name, opset=s.onnx_opset,
+        checkpoint_uri=trained["model_uri"],
+        out_uri=paths.model,
+        arch=params.model,
+        classes=packed["classes"],
+        spec=PreprocessSpec.from_dict(packed["preprocess"]),
+        parity_images=images,
+        name=s.model_name,
+        opset=s.onnx_opset,
         max_abs_diff=s.parity_max_abs_diff,
         metrics={"val_accuracy": metrics["val_accuracy"], "val_loss": metrics["val_loss"]},
-        dataset_fingerprint=packed["fingerprint"], run_id=run_id,
+        dataset_fingerprint=packed["fingerprint"],
+        run_id=run_id,
     )
-    return {"model_dir": paths.model, "sha256": model_json["sha256"],
-            "parity_max_abs_diff": model_json["parity"]["max_abs_diff"]}
+    return {
+        "model_dir": paths.model,
+        "sha256": model_json["sha256"],
+        "parity_max_abs_diff": model_json["parity"]["max_abs_diff"],
+    }
 
 
 def _materialise(model_dir_uri: str, dest: Path) -> Path:
@@ -280,7 +397,8 @@ def _materialise(model_dir_uri: str, dest: Path) -> Path:
 
 
 def _val_arrays(packed: dict[str, Any]) -> tuple[np.ndarray, list[str]]:
-    images, labels = [], []
+    images: list[np.ndarray] = []
+    labels: list[str] = []
     for uri in packed["val_shards"]:
         with np.load(io.BytesIO(storage.read_bytes(uri)), allow_pickle=False) as npz:
             images.append(npz["images"])
@@ -288,9 +406,14 @@ def _val_arrays(packed: dict[str, Any]) -> tuple[np.ndarray, list[str]]:
     return np.concatenate(images), labels
 
 
-def benchmark(run_id: str, params: RunParams, packed: dict[str, Any], validated: dict[str, Any],
-              settings: Settings | None = None) -> dict[str, Any]:
-    """Measure candidate and production side by side through staging services; write latency.json."""
+def benchmark(
+    run_id: str,
+    params: RunParams,
+    packed: dict[str, Any],
+    validated: dict[str, Any],
+    settings: Settings | None = None,
+) -> dict[str, Any]:
+    """Measure candidate and production side by side through staging services (latency.json)."""
     from burstcv import lineage
     from burstcv.bench.accuracy import onnx_accuracy
     from burstcv.bench.latency import bare_onnxruntime_p50, drive, staging_service
@@ -298,20 +421,34 @@ def benchmark(run_id: str, params: RunParams, packed: dict[str, Any], validated:
 
     s = settings or get_settings()
     paths = RunPaths.of(run_id, s)
-    request_images = [storage.read_bytes(uri) for _, uri, _ in _val_rows(validated["manifest_uri"], 64)]
+    request_images = [
+        storage.read_bytes(uri) for _, uri, _ in _val_rows(validated["manifest_uri"], 64)
+    ]
     val_x, val_labels = _val_arrays(packed)
     registry = Registry(s.registry_uri, s.model_name)
     prod_alias = registry.get_alias(PRODUCTION)
-    results: dict[str, Any] = {"measured_at": lineage.utc_now_iso(), "host": lineage.host_description(),
-                               "requests": s.bench_requests, "concurrency": s.bench_concurrency}
+    results: dict[str, Any] = {
+        "measured_at": lineage.utc_now_iso(),
+        "host": lineage.host_description(),
+        "requests": s.bench_requests,
+        "concurrency": s.bench_concurrency,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         models = {"candidate": _materialise(paths.model, Path(tmp) / "candidate")}
         if prod_alias is not None:
-            models["production"] = _materialise(registry.version_uri(prod_alias.version), Path(tmp) / "production")
+            models["production"] = _materialise(
+                registry.version_uri(prod_alias.version), Path(tmp) / "production"
+            )
         for label, folder in models.items():
             with staging_service(str(folder)) as url:
-                figures = drive(url, request_images, requests=s.bench_requests,
-                                concurrency=s.bench_concurrency, warmup=s.bench_warmup_requests, label=label)
+                figures = drive(
+                    url,
+                    request_images,
+                    requests=s.bench_requests,
+                    concurrency=s.bench_concurrency,
+                    warmup=s.bench_warmup_requests,
+                    label=label,
+                )
             entry = figures.to_dict()
             try:
                 entry["accuracy"] = onnx_accuracy(folder, val_x, val_labels)
@@ -322,46 +459,76 @@ def benchmark(run_id: str, params: RunParams, packed: dict[str, Any], validated:
                 assert prod_alias is not None
                 entry["version"] = prod_alias.version
             results[label] = entry
-            log.info("%s: p50 %.2f ms p95 %.2f ms p99 %.2f ms, %.1f req/s, errors %d, accuracy %s",
-                     label, figures.p50_ms, figures.p95_ms, figures.p99_ms, figures.throughput_rps,
-                     figures.errors, entry["accuracy"])
+            log.info(
+                "%s: p50 %.2f ms p95 %.2f ms p99 %.2f ms, %.1f req/s, errors %d, accuracy %s",
+                label,
+                figures.p50_ms,
+                figures.p95_ms,
+                figures.p99_ms,
+                figures.throughput_rps,
+                figures.errors,
+                entry["accuracy"],
+            )
         from burstcv_serving.preprocess import normalize
 
-        spec = PreprocessSpec.from_dict(storage.read_json(storage.join(paths.model, "model.json"))["preprocess"])
+        spec = PreprocessSpec.from_dict(
+            storage.read_json(storage.join(paths.model, "model.json"))["preprocess"]
+        )
         results["candidate"]["bare_onnxruntime_p50_ms"] = bare_onnxruntime_p50(
-            str(models["candidate"]), normalize(val_x[:1], spec))
+            str(models["candidate"]), normalize(val_x[:1], spec)
+        )
     uri = storage.write_json(storage.join(paths.bench, "latency.json"), results)
-    summary = {k: {m: v for m, v in results[k].items() if m != "latencies_ms"}
-               for k in ("candidate", "production") if k in results}
+    summary: dict[str, Any] = {
+        k: {m: v for m, v in results[k].items() if m != "latencies_ms"}
+        for k in ("candidate", "production")
+        if k in results
+    }
     return {"latency_uri": uri, **summary}
 
 
-def gate(run_id: str, params: RunParams, exported: dict[str, Any], bench: dict[str, Any],
-         settings: Settings | None = None) -> dict[str, Any]:
+def gate(
+    run_id: str,
+    params: RunParams,
+    exported: dict[str, Any],
+    bench: dict[str, Any],
+    settings: Settings | None = None,
+) -> dict[str, Any]:
     """Judge the candidate, register it (promotable or rejected), and return the verdict."""
     from burstcv.bench.gate import GateThresholds, judge
     from burstcv.registry.registry import Registry
 
     s = settings or get_settings()
-    verdict = judge(bench["candidate"], bench.get("production"), GateThresholds(
-        latency_slo_ms=params.latency_slo_ms, accuracy_floor=params.accuracy_floor,
-        max_accuracy_drop=params.max_accuracy_drop,
-    ))
+    verdict = judge(
+        bench["candidate"],
+        bench.get("production"),
+        GateThresholds(
+            latency_slo_ms=params.latency_slo_ms,
+            accuracy_floor=params.accuracy_floor,
+            max_accuracy_drop=params.max_accuracy_drop,
+        ),
+    )
     registry = Registry(s.registry_uri, s.model_name)
-    version = registry.register(exported["model_dir"], {
-        "status": "accepted" if verdict.promote else "rejected",
-        "reason": verdict.summary, "gate": verdict.to_dict(),
-        "benchmark": {k: bench[k] for k in ("candidate", "production") if k in bench},
-        "params": params.model_dump(mode="json"),
-    })
-    storage.write_json(storage.join(RunPaths.of(run_id, s).bench, "verdict.json"),
-                       {"version": version, **verdict.to_dict()})
+    version = registry.register(
+        exported["model_dir"],
+        {
+            "status": "accepted" if verdict.promote else "rejected",
+            "reason": verdict.summary,
+            "gate": verdict.to_dict(),
+            "benchmark": {k: bench[k] for k in ("candidate", "production") if k in bench},
+            "params": params.model_dump(mode="json"),
+        },
+    )
+    storage.write_json(
+        storage.join(RunPaths.of(run_id, s).bench, "verdict.json"),
+        {"version": version, **verdict.to_dict()},
+    )
     log.info("gate for version %d: %s", version, verdict.summary)
     return {"version": version, "promote": verdict.promote, "summary": verdict.summary}
 
 
-def deploy(run_id: str, params: RunParams, verdict: dict[str, Any],
-           settings: Settings | None = None) -> dict[str, Any]:
+def deploy(
+    run_id: str, params: RunParams, verdict: dict[str, Any], settings: Settings | None = None
+) -> dict[str, Any]:
     """Point production at the accepted version and verify the services serve it."""
     from burstcv.registry.deploy import deploy as deploy_version
     from burstcv.registry.registry import Registry
@@ -369,6 +536,11 @@ def deploy(run_id: str, params: RunParams, verdict: dict[str, Any],
     s = settings or get_settings()
     registry = Registry(s.registry_uri, s.model_name)
     urls = [u.strip().rstrip("/") for u in s.serving_url.split(",") if u.strip()]
-    result = deploy_version(registry, int(verdict["version"]), service_urls=urls,
-                            token=s.serving_admin_token, timeout_s=s.deploy_verify_timeout_s)
+    result = deploy_version(
+        registry,
+        int(verdict["version"]),
+        service_urls=urls,
+        token=s.serving_admin_token,
+        timeout_s=s.deploy_verify_timeout_s,
+    )
     return result.to_dict()

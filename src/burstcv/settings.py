@@ -38,6 +38,7 @@ class Settings(BaseSettings):
     compute_backend: ComputeBackend = "local"
     compute_state_dir: str = str(VAR_DIR / "compute")  # local backend's record of live processes
     train_timeout_s: int = 3600  # hard budget for one training job, watchdog included
+    reaper_backends: str = "local"  # comma-separated: the backends the reaper sweeps
 
     # Training defaults (a job may override each).
     arch: str = "resnet10"

@@ -9,12 +9,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
-
-from burstcv.data.pack import class_list, pack_dataset
 from burstcv_serving.preprocess import PreprocessSpec, decode_to_uint8
 
+from burstcv.data.pack import class_list, pack_dataset
 
-def test_shards_hold_every_image_decoded_like_serving(packed_demo: dict[str, Any], demo_dataset: Path) -> None:
+
+def test_shards_hold_every_image_decoded_like_serving(
+    packed_demo: dict[str, Any], demo_dataset: Path
+) -> None:
     assert packed_demo["classes"] == [str(d) for d in range(10)]
     assert packed_demo["counts"] == {"train": 1437, "val": 360}
     with np.load(packed_demo["val_shards"][0], allow_pickle=False) as npz:
@@ -33,18 +35,26 @@ def test_class_order_is_natural() -> None:
     assert class_list(["dog", "cat"]) == ["cat", "dog"]
 
 
-def test_labels_outside_the_expected_classes_are_refused(demo_dataset: Path, tmp_path: Path) -> None:
-    rows = [{"path": "x", "uri": str(p), "split": "train", "label": p.parts[-2], "decode_ok": True}
-            for p in sorted((demo_dataset / "train").rglob("*.png"))[:5]]
+def test_labels_outside_the_expected_classes_are_refused(
+    demo_dataset: Path, tmp_path: Path
+) -> None:
+    rows = [
+        {"path": "x", "uri": str(p), "split": "train", "label": p.parts[-2], "decode_ok": True}
+        for p in sorted((demo_dataset / "train").rglob("*.png"))[:5]
+    ]
     with pytest.raises(ValueError, match="not among the classes"):
         pack_dataset(pd.DataFrame(rows), str(tmp_path), PreprocessSpec(), classes=["cat", "dog"])
 
 
 def test_undecodable_rows_are_left_out(demo_dataset: Path, tmp_path: Path) -> None:
     files = sorted((demo_dataset / "train" / "1").glob("*.png"))[:3]
-    rows = [{"path": p.name, "uri": str(p), "split": "train", "label": "1", "decode_ok": i != 1}
-            for i, p in enumerate(files)]
-    rows.append({"path": "v.png", "uri": str(files[0]), "split": "val", "label": "1", "decode_ok": True})
+    rows = [
+        {"path": p.name, "uri": str(p), "split": "train", "label": "1", "decode_ok": i != 1}
+        for i, p in enumerate(files)
+    ]
+    rows.append(
+        {"path": "v.png", "uri": str(files[0]), "split": "val", "label": "1", "decode_ok": True}
+    )
     result = pack_dataset(pd.DataFrame(rows), str(tmp_path), PreprocessSpec())
     assert result.counts == {"train": 2, "val": 1}
     with np.load(io.BytesIO(Path(result.train_shards[0]).read_bytes())) as npz:

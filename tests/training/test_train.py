@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from burstcv_testkit import make_job
 from pydantic import ValidationError
 
 from burstcv.training.job import write_job
 from burstcv.training.models import ARCHITECTURES, UnknownArchitectureError, build_model
 from burstcv.training.train import EXIT_INTERRUPTED, run_job
-from burstcv_testkit import make_job
 
 
 def test_cpu_training_on_demo_digits_reaches_90_percent(trained_demo: dict[str, Any]) -> None:
@@ -48,7 +48,7 @@ def test_every_architecture_classifies_small_inputs(arch: str) -> None:
 
 
 def test_unknown_architecture_names_the_choices() -> None:
-    with pytest.raises(UnknownArchitectureError, match="choose .*resnet10"):
+    with pytest.raises(UnknownArchitectureError, match=r"choose .*resnet10"):
         build_model("vgg99", 10, 32)
 
 
@@ -74,24 +74,32 @@ def _failed_reason(packed: dict[str, Any], tmp_path: Path, **overrides: Any) -> 
     return str(json.loads((out / "FAILED").read_text())["reason"])
 
 
-def test_missing_shard_fails_at_once_with_its_name(packed_demo: dict[str, Any], tmp_path: Path) -> None:
+def test_missing_shard_fails_at_once_with_its_name(
+    packed_demo: dict[str, Any], tmp_path: Path
+) -> None:
     reason = _failed_reason(packed_demo, tmp_path, train_shards=[str(tmp_path / "nope.npz")])
     assert "missing shard" in reason and "nope.npz" in reason
 
 
-def test_classes_that_do_not_match_the_shards_fail(packed_demo: dict[str, Any], tmp_path: Path) -> None:
+def test_classes_that_do_not_match_the_shards_fail(
+    packed_demo: dict[str, Any], tmp_path: Path
+) -> None:
     reason = _failed_reason(packed_demo, tmp_path, classes=[f"c{i}" for i in range(10)])
     assert "packed for classes" in reason
 
 
-def test_killed_job_resumes_to_the_same_result(packed_demo: dict[str, Any], trained_demo: dict[str, Any],
-                                                tmp_path: Path) -> None:
-    """SIGTERM mid-run (as a spot notice does) checkpoints; the rerun ends where an unbroken run does."""
+def test_killed_job_resumes_to_the_same_result(
+    packed_demo: dict[str, Any], trained_demo: dict[str, Any], tmp_path: Path
+) -> None:
+    """SIGTERM mid-run (as on a spot notice) checkpoints; the rerun ends as an unbroken run does."""
     out = tmp_path / "out"
     job_uri = write_job(make_job(packed_demo, out), str(tmp_path / "job.json"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "burstcv.cli", "train", "--job", job_uri],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ},
     )
     deadline = time.monotonic() + 240
     # Interrupt inside the second epoch: after the first end-of-epoch checkpoint exists.
@@ -123,9 +131,23 @@ def test_ddp_two_gloo_processes_train_to_the_same_accuracy_band(
     job_uri = write_job(make_job(packed_demo, out), str(tmp_path / "job.json"))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "burstcv.cli", "train", "--job", job_uri],
-        capture_output=True, text=True, env=env, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "burstcv.cli",
+            "train",
+            "--job",
+            job_uri,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())

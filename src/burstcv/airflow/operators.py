@@ -32,7 +32,9 @@ class WaitForTrainingOperator(BaseOperator):
         info = self.provisioned
         self.defer(
             trigger=TrainingCompletionTrigger(
-                run_id=context["run_id"], backend=info["backend"], output_uri=info["output_uri"],
+                run_id=context["run_id"],
+                backend=info["backend"],
+                output_uri=info["output_uri"],
                 poll_interval_s=self.poll_interval_s,
             ),
             method_name="execute_complete",

@@ -12,7 +12,9 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 class TrainingCompletionTrigger(BaseTrigger):
     """Fire when the run's DONE or FAILED marker appears, or its boxes vanish without one."""
 
-    def __init__(self, run_id: str, backend: str, output_uri: str, poll_interval_s: float = 5.0) -> None:
+    def __init__(
+        self, run_id: str, backend: str, output_uri: str, poll_interval_s: float = 5.0
+    ) -> None:
         super().__init__()
         self.run_id = run_id
         self.backend = backend
@@ -23,8 +25,12 @@ class TrainingCompletionTrigger(BaseTrigger):
         """Return the classpath and kwargs the triggerer rebuilds this trigger from."""
         return (
             "burstcv.airflow.triggers.TrainingCompletionTrigger",
-            {"run_id": self.run_id, "backend": self.backend, "output_uri": self.output_uri,
-             "poll_interval_s": self.poll_interval_s},
+            {
+                "run_id": self.run_id,
+                "backend": self.backend,
+                "output_uri": self.output_uri,
+                "poll_interval_s": self.poll_interval_s,
+            },
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
@@ -33,7 +39,9 @@ class TrainingCompletionTrigger(BaseTrigger):
 
         while True:
             # Storage and cloud calls are blocking: keep them off the triggerer's event loop.
-            outcome = await asyncio.to_thread(training_outcome, self.run_id, self.backend, self.output_uri)
+            outcome = await asyncio.to_thread(
+                training_outcome, self.run_id, self.backend, self.output_uri
+            )
             if outcome["status"] != "running":
                 yield TriggerEvent(outcome)
                 return

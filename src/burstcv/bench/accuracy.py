@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-
 from burstcv_serving.preprocess import PreprocessSpec, normalize
 
 EVAL_BATCH = 256
@@ -32,7 +31,11 @@ def onnx_accuracy(model_dir: str | Path, images_u8: np.ndarray, labels: list[str
     classes = list(meta["classes"])
     correct = 0
     for start in range(0, len(images_u8), EVAL_BATCH):
-        logits = session.run(None, {name: normalize(images_u8[start : start + EVAL_BATCH], spec)})[0]
+        logits = session.run(None, {name: normalize(images_u8[start : start + EVAL_BATCH], spec)})[
+            0
+        ]
         predicted = [classes[i] for i in logits.argmax(1)]
-        correct += sum(p == t for p, t in zip(predicted, labels[start : start + EVAL_BATCH], strict=True))
+        correct += sum(
+            p == t for p, t in zip(predicted, labels[start : start + EVAL_BATCH], strict=True)
+        )
     return correct / max(1, len(labels))

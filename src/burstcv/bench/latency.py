@@ -72,13 +72,15 @@ def free_port() -> int:
 def serving_env(model_dir: str, port: int, threads: int | None = None) -> dict[str, str]:
     """Return the environment of a staging service that serves one model folder."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BURSTCV_SERVING_")}
-    env.update({
-        "BURSTCV_SERVING_MODEL_DIR": model_dir,
-        "BURSTCV_SERVING_HOST": "127.0.0.1",
-        "BURSTCV_SERVING_PORT": str(port),
-        "BURSTCV_SERVING_POLL_INTERVAL_S": "0",
-        "BURSTCV_SERVING_ENVIRONMENT": "development",
-    })
+    env.update(
+        {
+            "BURSTCV_SERVING_MODEL_DIR": model_dir,
+            "BURSTCV_SERVING_HOST": "127.0.0.1",
+            "BURSTCV_SERVING_PORT": str(port),
+            "BURSTCV_SERVING_POLL_INTERVAL_S": "0",
+            "BURSTCV_SERVING_ENVIRONMENT": "development",
+        }
+    )
     if threads:
         env["BURSTCV_SERVING_INTRA_OP_THREADS"] = str(threads)
     return env
@@ -91,8 +93,11 @@ def staging_service(model_dir: str, *, threads: int | None = None) -> Iterator[s
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as log_fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "burstcv_serving"], env=serving_env(model_dir, port, threads),
-            stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", "burstcv_serving"],
+            env=serving_env(model_dir, port, threads),
+            stdout=log_fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
         try:
             wait_ready(url, proc)
@@ -110,13 +115,17 @@ def staging_service(model_dir: str, *, threads: int | None = None) -> Iterator[s
                 proc.wait()
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = READY_TIMEOUT_S) -> None:
+def wait_ready(
+    url: str, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = READY_TIMEOUT_S
+) -> None:
     """Wait until ``url``/readyz answers 200; fail early if the process exits."""
     deadline = time.monotonic() + timeout_s
     with httpx.Client(timeout=2.0) as client:
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"service exited with code {proc.returncode} before it was ready")
+                raise RuntimeError(
+                    f"service exited with code {proc.returncode} before it was ready"
+                )
             with contextlib.suppress(httpx.HTTPError):
                 if client.get(f"{url}/readyz").status_code == 200:
                     return
@@ -125,7 +134,13 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes] | None = None, timeout_s:
 
 
 def drive(
-    url: str, images: list[bytes], *, requests: int, concurrency: int, warmup: int, label: str,
+    url: str,
+    images: list[bytes],
+    *,
+    requests: int,
+    concurrency: int,
+    warmup: int,
+    label: str,
     content_type: str = "image/png",
 ) -> LatencyResult:
     """Send ``requests`` predictions (cycling through ``images``) from ``concurrency`` clients."""
@@ -150,7 +165,11 @@ def drive(
                 body = images[i % len(images)]
                 t0 = time.perf_counter()
                 try:
-                    code = str(client.post(endpoint, files={"file": (f"{i}.png", body, content_type)}).status_code)
+                    code = str(
+                        client.post(
+                            endpoint, files={"file": (f"{i}.png", body, content_type)}
+                        ).status_code
+                    )
                 except httpx.HTTPError as exc:
                     code = type(exc).__name__
                 elapsed = (time.perf_counter() - t0) * 1000
@@ -165,16 +184,24 @@ def drive(
     wall = time.perf_counter() - t_start
     arr = np.asarray(latencies)
     return LatencyResult(
-        label=label, requests=len(latencies), concurrency=concurrency,
+        label=label,
+        requests=len(latencies),
+        concurrency=concurrency,
         errors=sum(n for code, n in statuses.items() if code != "200"),
-        p50_ms=float(np.percentile(arr, 50)), p95_ms=float(np.percentile(arr, 95)),
-        p99_ms=float(np.percentile(arr, 99)), mean_ms=float(arr.mean()),
-        throughput_rps=len(latencies) / wall, wall_s=wall,
-        latencies_ms=[round(x, 4) for x in latencies], status_counts=statuses,
+        p50_ms=float(np.percentile(arr, 50)),
+        p95_ms=float(np.percentile(arr, 95)),
+        p99_ms=float(np.percentile(arr, 99)),
+        mean_ms=float(arr.mean()),
+        throughput_rps=len(latencies) / wall,
+        wall_s=wall,
+        latencies_ms=[round(x, 4) for x in latencies],
+        status_counts=statuses,
     )
 
 
-def bare_onnxruntime_p50(model_dir: str, batch: np.ndarray, *, threads: int | None = None, runs: int = 200) -> float:
+def bare_onnxruntime_p50(
+    model_dir: str, batch: np.ndarray, *, threads: int | None = None, runs: int = 200
+) -> float:
     """Return the in-process onnxruntime p50 latency (ms) at batch 1: the floor under HTTP."""
     import json
 
@@ -184,7 +211,9 @@ def bare_onnxruntime_p50(model_dir: str, batch: np.ndarray, *, threads: int | No
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
-    session = ort.InferenceSession(str(Path(model_dir) / meta["onnx_file"]), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(
+        str(Path(model_dir) / meta["onnx_file"]), options, providers=["CPUExecutionProvider"]
+    )
     name = session.get_inputs()[0].name
     x = batch[:1]
     for _ in range(20):

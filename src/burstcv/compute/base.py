@@ -22,6 +22,7 @@ TAG_MANAGED = "burstcv:managed"
 TAG_RUN_ID = "burstcv:run-id"
 TAG_DAG_ID = "burstcv:dag-id"
 TAG_EXPIRES_AT = "burstcv:expires-at"
+TAG_AIRFLOW_RUN_ID = "burstcv:airflow-run-id"  # the raw Airflow run id (run-id is path-safe)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class LaunchRequest:
     instance_types: tuple[str, ...] = ()
     use_spot: bool = True
     count: int = 1
+    airflow_run_id: str = ""  # the orchestrator's own run id, for the reaper's "still running?"
 
 
 @dataclass
@@ -50,6 +52,7 @@ class InstanceInfo:
     lifecycle: str = ""  # "spot" | "on-demand" | "local"
     launched_at: datetime | None = None
     stopped_at: datetime | None = None
+    airflow_run_id: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-ready dict (datetimes as ISO strings)."""

@@ -62,7 +62,11 @@ class LocalBackend:
         return self.state_dir / run_id
 
     def _records(self, run_id: str | None = None) -> list[tuple[Path, dict]]:
-        dirs = [self._run_dir(run_id)] if run_id else sorted(p for p in self.state_dir.glob("*") if p.is_dir())
+        dirs = (
+            [self._run_dir(run_id)]
+            if run_id
+            else sorted(p for p in self.state_dir.glob("*") if p.is_dir())
+        )
         out = []
         for folder in dirs:
             for path in sorted(folder.glob("local-*.json")):
@@ -78,11 +82,16 @@ class LocalBackend:
         elif rec.get("stopped_at"):
             stopped_at = datetime.fromisoformat(rec["stopped_at"])
         return InstanceInfo(
-            instance_id=rec["instance_id"], run_id=rec["run_id"], dag_id=rec["dag_id"],
+            instance_id=rec["instance_id"],
+            run_id=rec["run_id"],
+            dag_id=rec["dag_id"],
             state=RUNNING if alive else STOPPED,
-            expires_at=datetime.fromisoformat(rec["expires_at"]), instance_type="local",
-            lifecycle="local", launched_at=datetime.fromisoformat(rec["launched_at"]),
+            expires_at=datetime.fromisoformat(rec["expires_at"]),
+            instance_type="local",
+            lifecycle="local",
+            launched_at=datetime.fromisoformat(rec["launched_at"]),
             stopped_at=stopped_at,
+            airflow_run_id=rec.get("airflow_run_id", ""),
         )
 
     # -- protocol --------------------------------------------------------------------------
@@ -107,19 +116,35 @@ class LocalBackend:
             launched = lineage.utc_now()
             with open(log_path, "ab") as log_fh:
                 proc = subprocess.Popen(
-                    ["bash", "-c", script], stdout=log_fh, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True,
+                    ["bash", "-c", script],
+                    stdout=log_fh,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
                 )
             record = {
-                "instance_id": instance_id, "pid": proc.pid, "start_ticks": _proc_start_ticks(proc.pid),
-                "run_id": request.run_id, "dag_id": request.dag_id, "job_uri": request.job_uri,
+                "instance_id": instance_id,
+                "pid": proc.pid,
+                "start_ticks": _proc_start_ticks(proc.pid),
+                "run_id": request.run_id,
+                "dag_id": request.dag_id,
+                "job_uri": request.job_uri,
+                "airflow_run_id": request.airflow_run_id,
                 "launched_at": launched.isoformat(),
-                "expires_at": (launched + timedelta(seconds=request.time_budget_s + 120)).isoformat(),
+                "expires_at": (
+                    launched + timedelta(seconds=request.time_budget_s + 120)
+                ).isoformat(),
                 "log": str(log_path),
             }
             record_path.write_text(json.dumps(record, indent=2))
             ids.append(instance_id)
-            log.info("launched %s (pid %d) for run %s, log %s", instance_id, proc.pid, request.run_id, log_path)
+            log.info(
+                "launched %s (pid %d) for run %s, log %s",
+                instance_id,
+                proc.pid,
+                request.run_id,
+                log_path,
+            )
         return ids
 
     def describe(self, run_id: str) -> list[InstanceInfo]:
@@ -146,7 +171,9 @@ class LocalBackend:
             end = info.stopped_at or lineage.utc_now()
             assert info.launched_at is not None
             report.instance_ids.append(info.instance_id)
-            report.billed_seconds[info.instance_id] = max(0.0, (end - info.launched_at).total_seconds())
+            report.billed_seconds[info.instance_id] = max(
+                0.0, (end - info.launched_at).total_seconds()
+            )
         return report
 
     def _stop(self, path: Path, rec: dict) -> None:

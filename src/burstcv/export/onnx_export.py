@@ -21,12 +21,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
+from burstcv_serving.preprocess import PreprocessSpec, decode_to_uint8
+from burstcv_serving.preprocess import normalize as numpy_normalize
 
 from burstcv import lineage, storage
 from burstcv.training.models import build_model
 from burstcv.training.train import normalize as torch_normalize
-from burstcv_serving.preprocess import PreprocessSpec, decode_to_uint8
-from burstcv_serving.preprocess import normalize as numpy_normalize
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,10 @@ def load_state_dict(data: bytes) -> dict[str, torch.Tensor]:
         ) from exc
     if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
         obj = obj["model"]  # a training checkpoint: take its weights
-    if not isinstance(obj, dict) or not obj or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+    if (
+        not isinstance(obj, dict)
+        or not obj
+        or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
     ):
         raise CheckpointError("checkpoint is not a state dict of name -> tensor")
     return obj
@@ -90,8 +92,15 @@ def export_onnx(model: torch.nn.Module, spec: PreprocessSpec, out_path: Path, op
     example = torch.zeros(2, 3, spec.height, spec.width)
     batch = torch.export.Dim("batch", min=1, max=65536)
     program = torch.onnx.export(
-        model, (example,), dynamo=True, input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-        dynamic_shapes=({0: batch},), opset_version=opset, optimize=True, external_data=False,
+        model,
+        (example,),
+        dynamo=True,
+        input_names=[INPUT_NAME],
+        output_names=[OUTPUT_NAME],
+        dynamic_shapes=({0: batch},),
+        opset_version=opset,
+        optimize=True,
+        external_data=False,
         verbose=False,
     )
     if program is None:
@@ -101,7 +110,7 @@ def export_onnx(model: torch.nn.Module, spec: PreprocessSpec, out_path: Path, op
 
 
 def optimize_offline(src: Path, dst: Path) -> None:
-    """Save onnxruntime's basic graph optimisations (portable across CPUs) so serving starts fast."""
+    """Save onnxruntime's basic graph optimisations (portable across CPUs): fast service start."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.optimized_model_filepath = str(dst)
@@ -110,8 +119,13 @@ def optimize_offline(src: Path, dst: Path) -> None:
 
 
 def check_parity(
-    model: torch.nn.Module, onnx_path: Path, serving_spec: PreprocessSpec,
-    training_spec: PreprocessSpec, images: list[tuple[str, bytes]], *, max_abs_diff: float,
+    model: torch.nn.Module,
+    onnx_path: Path,
+    serving_spec: PreprocessSpec,
+    training_spec: PreprocessSpec,
+    images: list[tuple[str, bytes]],
+    *,
+    max_abs_diff: float,
 ) -> ParityReport:
     """Compare torch and onnxruntime logits image by image; raise ParityError on a mismatch.
 
@@ -125,7 +139,9 @@ def check_parity(
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     names = [name for name, _ in images]
     serve_u8 = np.stack([decode_to_uint8(data, serving_spec) for _, data in images])
-    onnx_logits = session.run([OUTPUT_NAME], {INPUT_NAME: numpy_normalize(serve_u8, serving_spec)})[0]
+    onnx_logits = session.run([OUTPUT_NAME], {INPUT_NAME: numpy_normalize(serve_u8, serving_spec)})[
+        0
+    ]
     train_u8 = np.stack([decode_to_uint8(data, training_spec) for _, data in images])
     mean = torch.tensor(training_spec.mean, dtype=torch.float32).view(1, 3, 1, 1)
     std = torch.tensor(training_spec.std, dtype=torch.float32).view(1, 3, 1, 1)
@@ -168,7 +184,9 @@ def export_model(
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
-        raise CheckpointError(f"checkpoint does not fit {arch} with {len(classes)} classes: {exc}") from exc
+        raise CheckpointError(
+            f"checkpoint does not fit {arch} with {len(classes)} classes: {exc}"
+        ) from exc
     model.eval()
     with tempfile.TemporaryDirectory() as tmp:
         raw, final = Path(tmp) / "raw.onnx", Path(tmp) / "model.onnx"
@@ -182,8 +200,11 @@ def export_model(
             "onnx_file": "model.onnx",
             "sha256": sha256_file(final),
             "opset": opset,
-            "input": {"name": INPUT_NAME, "shape": [None, 3, spec.height, spec.width],
-                      "dtype": "float32"},
+            "input": {
+                "name": INPUT_NAME,
+                "shape": [None, 3, spec.height, spec.width],
+                "dtype": "float32",
+            },
             "output": {"name": OUTPUT_NAME, "kind": "logits"},
             "preprocess": spec.to_dict(),
             "metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, int | float)},
@@ -191,17 +212,26 @@ def export_model(
             "source_commit": lineage.source_commit(),
             "run_id": run_id,
             "created_at": lineage.utc_now_iso(),
-            "versions": {"torch": torch.__version__, "onnx": onnx.__version__,
-                         "onnxruntime": ort.__version__},
+            "versions": {
+                "torch": torch.__version__,
+                "onnx": onnx.__version__,
+                "onnxruntime": ort.__version__,
+            },
         }
         # Parity reads the spec back from the JSON that serving will read, not from memory.
         serving_spec = PreprocessSpec.from_dict(json.loads(json.dumps(model_json))["preprocess"])
-        parity = check_parity(model, final, serving_spec, spec, parity_images,
-                              max_abs_diff=max_abs_diff)
+        parity = check_parity(
+            model, final, serving_spec, spec, parity_images, max_abs_diff=max_abs_diff
+        )
         model_json["parity"] = parity.to_dict()
         storage.upload_file(final, storage.join(out_uri, "model.onnx"))
     digest = model_json["sha256"]
     storage.write_json(storage.join(out_uri, "model.json"), model_json)
-    log.info("exported %s (sha256 %s…): parity max |Δ| %.2g on %d images",
-             storage.join(out_uri, "model.onnx"), digest[:12], parity.max_abs_diff, parity.images)
+    log.info(
+        "exported %s (sha256 %s…): parity max |Δ| %.2g on %d images",
+        storage.join(out_uri, "model.onnx"),
+        digest[:12],
+        parity.max_abs_diff,
+        parity.images,
+    )
     return model_json

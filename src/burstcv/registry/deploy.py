@@ -28,11 +28,16 @@ class DeployResult:
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
-        return {"version": self.version, "previous_version": self.previous_version,
-                "services": self.services}
+        return {
+            "version": self.version,
+            "previous_version": self.previous_version,
+            "services": self.services,
+        }
 
 
-def notify_and_verify(urls: list[str], version: int, token: str, timeout_s: float) -> dict[str, Any]:
+def notify_and_verify(
+    urls: list[str], version: int, token: str, timeout_s: float
+) -> dict[str, Any]:
     """Ask each service to reload, then wait until its /v1/model reports ``version``."""
     seen: dict[str, Any] = {}
     deadline = time.monotonic() + timeout_s
@@ -58,7 +63,12 @@ def notify_and_verify(urls: list[str], version: int, token: str, timeout_s: floa
 
 
 def deploy(
-    registry: Registry, version: int, *, service_urls: list[str], token: str, timeout_s: float,
+    registry: Registry,
+    version: int,
+    *,
+    service_urls: list[str],
+    token: str,
+    timeout_s: float,
     force: bool = False,
 ) -> DeployResult:
     """Promote ``version`` and verify every service serves it; restore the aliases if not."""
@@ -69,8 +79,11 @@ def deploy(
         log.warning("no serving URLs configured: version %d is live in the registry only", version)
         return result
     result.services = notify_and_verify(service_urls, version, token, timeout_s)
-    failed = {url: got for url, got in result.services.items()
-              if not (isinstance(got, dict) and got.get("version") == version)}
+    failed = {
+        url: got
+        for url, got in result.services.items()
+        if not (isinstance(got, dict) and got.get("version") == version)
+    }
     if failed:
         registry.restore_aliases(before_prod, before_prev)
         if before_prod is not None:

@@ -127,7 +127,9 @@ class Registry:
                     nums.add(int(head))
             return sorted(nums)
         path = Path(prefix)
-        return sorted(int(p.name) for p in path.iterdir() if p.name.isdigit()) if path.is_dir() else []
+        return (
+            sorted(int(p.name) for p in path.iterdir() if p.name.isdigit()) if path.is_dir() else []
+        )
 
     def _try_claim(self, version: int) -> bool:
         uri = self.version_uri(version, ".claim")
@@ -137,7 +139,10 @@ class Registry:
             try:
                 client.put_object(Bucket=bucket, Key=key, Body=b"", IfNoneMatch="*")
             except client.exceptions.ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
+                if exc.response.get("Error", {}).get("Code") in (
+                    "PreconditionFailed",
+                    "ConditionalRequestConflict",
+                ):
                     return False
                 raise
             return True
@@ -186,7 +191,9 @@ class Registry:
         """
         entry = self.entry(version)
         if entry.get("status") == "rejected" and not force:
-            raise RegistryError(f"version {version} was rejected by the gate: {entry.get('reason')}")
+            raise RegistryError(
+                f"version {version} was rejected by the gate: {entry.get('reason')}"
+            )
         with self._alias_lock():
             old = self.get_alias(PRODUCTION)
             if old is not None and old.version == version:

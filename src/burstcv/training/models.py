@@ -82,6 +82,11 @@ def build_model(
         usable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
         skipped = sorted(set(own) - set(usable))
         model.load_state_dict(usable, strict=False)
-        log.info("loaded %d tensors from %s; left %d untouched (%s)", len(usable),
-                 pretrained_path, len(skipped), ", ".join(skipped[:4]))
+        log.info(
+            "loaded %d tensors from %s; left %d untouched (%s)",
+            len(usable),
+            pretrained_path,
+            len(skipped),
+            ", ".join(skipped[:4]),
+        )
     return model

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F  # noqa: N812
+from torch.nn import functional as F
 
 from burstcv import lineage, storage
 from burstcv.training.job import JobSpec, load_job
@@ -38,7 +38,7 @@ class JobSpecError(ValueError):
     """Raise when job.json and its shards disagree (classes, shapes, missing files)."""
 
 
-class Interrupted(Exception):  # noqa: N818 - a control-flow signal, not an error
+class Interrupted(Exception):
     """Raise inside the loop when SIGTERM asked for a checkpoint-and-exit."""
 
 
@@ -110,12 +110,16 @@ def to_device_split(images: np.ndarray, labels: np.ndarray, device: torch.device
     return Split(tensor.to(device), torch.from_numpy(labels).to(device))
 
 
-def normalize(batch_u8: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, scale: float) -> torch.Tensor:
+def normalize(
+    batch_u8: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Apply the eval transform to uint8 NCHW on the device (same math as serving's numpy)."""
     return (batch_u8.float() * scale - mean) / std
 
 
-def augment(batch_u8: torch.Tensor, padding: int, hflip: bool, gen: torch.Generator) -> torch.Tensor:
+def augment(
+    batch_u8: torch.Tensor, padding: int, hflip: bool, gen: torch.Generator
+) -> torch.Tensor:
     """Randomly shift each image by up to ``padding`` px (zero fill) and optionally mirror it."""
     n, _, h, w = batch_u8.shape
     device = batch_u8.device
@@ -176,8 +180,14 @@ def _step_generator(seed: int, epoch: int, step: int) -> torch.Generator:
 
 
 def evaluate(
-    model: nn.Module, split: Split, mean: torch.Tensor, std: torch.Tensor, scale: float,
-    num_classes: int, batch_size: int, amp_dtype: torch.dtype | None,
+    model: nn.Module,
+    split: Split,
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    scale: float,
+    num_classes: int,
+    batch_size: int,
+    amp_dtype: torch.dtype | None,
 ) -> dict[str, Any]:
     """Return loss, top-1 accuracy and the confusion matrix of the model on a split."""
     model.eval()
@@ -189,7 +199,9 @@ def evaluate(
             y = split.labels[start : start + batch_size]
             if x.device.type == "cuda":
                 x = x.contiguous(memory_format=torch.channels_last)
-            with torch.autocast(x.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+            with torch.autocast(
+                x.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
+            ):
                 logits = model(x)
             total_loss += float(F.cross_entropy(logits.float(), y, reduction="sum"))
             pred = logits.argmax(1)
@@ -206,10 +218,22 @@ def evaluate(
 
 
 def train_one_epoch(
-    model: nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
-    train: Split, job: JobSpec, epoch: int, start_step: int, steps_per_epoch: int,
-    mean: torch.Tensor, std: torch.Tensor, scale: float, amp_dtype: torch.dtype | None,
-    scaler: torch.amp.GradScaler | None, d: Dist, hist: History, on_step: Any,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+    train: Split,
+    job: JobSpec,
+    epoch: int,
+    start_step: int,
+    steps_per_epoch: int,
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    scale: float,
+    amp_dtype: torch.dtype | None,
+    scaler: torch.amp.GradScaler | None,
+    d: Dist,
+    hist: History,
+    on_step: Any,
 ) -> dict[str, float]:
     """Train for the rest of one epoch from ``start_step``; return loss and images/s."""
     device = train.images.device
@@ -229,7 +253,9 @@ def train_one_epoch(
         if device.type == "cuda":
             x = x.contiguous(memory_format=torch.channels_last)
         t1 = time.perf_counter()
-        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        with torch.autocast(
+            device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
+        ):
             loss = F.cross_entropy(model(x), y, label_smoothing=job.label_smoothing)
         opt.zero_grad(set_to_none=True)
         if scaler is not None:
@@ -247,7 +273,10 @@ def train_one_epoch(
         hist.compute_s += t2 - t1
         on_step(epoch, step + 1)
     elapsed = time.perf_counter() - t_epoch
-    return {"train_loss": loss_sum / max(1, seen), "images_per_s": seen * d.world_size / max(elapsed, 1e-9)}
+    return {
+        "train_loss": loss_sum / max(1, seen),
+        "images_per_s": seen * d.world_size / max(elapsed, 1e-9),
+    }
 
 
 def _amp_dtype(device: torch.device) -> torch.dtype | None:
@@ -264,7 +293,7 @@ def _should_compile(job: JobSpec, device: torch.device, total_steps: int) -> boo
 
 
 def main(job: JobSpec) -> dict[str, Any]:
-    """Train a model as the job says, write checkpoints, metrics, weights and DONE; return metrics."""
+    """Train as the job says; write checkpoints, metrics, weights and DONE; return the metrics."""
     t_setup = time.perf_counter()
     d = _dist_from_env()
     if d.world_size > 1 and not dist.is_initialized():
@@ -283,20 +312,30 @@ def main(job: JobSpec) -> dict[str, Any]:
     tr_x, tr_y = load_shards(job.train_shards, job.classes)
     va_x, va_y = load_shards(job.val_shards, job.classes)
     if tr_x.shape[1:3] != (spec["height"], spec["width"]):
-        raise JobSpecError(f"shards are {tr_x.shape[1:3]}, the job expects {spec['height']}x{spec['width']}")
+        raise JobSpecError(
+            f"shards are {tr_x.shape[1:3]}, the job expects {spec['height']}x{spec['width']}"
+        )
     train, val = to_device_split(tr_x, tr_y, device), to_device_split(va_x, va_y, device)
 
-    model = build_model(job.arch, len(job.classes), int(spec["height"]), job.pretrained_path).to(device)
+    model = build_model(job.arch, len(job.classes), int(spec["height"]), job.pretrained_path).to(
+        device
+    )
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     steps_per_epoch = max(1, len(train.labels) // job.batch_size)
     total_steps = steps_per_epoch * job.epochs
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         (no_decay if p.ndim <= 1 or name.endswith(".bias") else decay).append(p)
     opt = torch.optim.SGD(
-        [{"params": decay, "weight_decay": job.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=job.learning_rate, momentum=0.9, nesterov=True,
+        [
+            {"params": decay, "weight_decay": job.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=job.learning_rate,
+        momentum=0.9,
+        nesterov=True,
     )
     sched = torch.optim.lr_scheduler.OneCycleLR(
         opt, max_lr=job.learning_rate, total_steps=total_steps, pct_start=0.25
@@ -339,14 +378,22 @@ def main(job: JobSpec) -> dict[str, Any]:
 
     def checkpoint(ep: int, st: int) -> None:
         if d.is_main:
-            save_checkpoint(ckpt_uri, {
-                "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(), "rng_cpu": torch.get_rng_state(),
-                "epoch": ep, "step": st, "history": json.dumps(hist.epochs),
-                "job": json.dumps(job.model_dump(mode="json")), "seed": job.seed,
-                "source_commit": lineage.source_commit(),
-                "dataset_fingerprint": job.dataset_fingerprint,
-            })
+            save_checkpoint(
+                ckpt_uri,
+                {
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(),
+                    "rng_cpu": torch.get_rng_state(),
+                    "epoch": ep,
+                    "step": st,
+                    "history": json.dumps(hist.epochs),
+                    "job": json.dumps(job.model_dump(mode="json")),
+                    "seed": job.seed,
+                    "source_commit": lineage.source_commit(),
+                    "dataset_fingerprint": job.dataset_fingerprint,
+                },
+            )
         if d.world_size > 1:
             dist.barrier()
 
@@ -364,22 +411,44 @@ def main(job: JobSpec) -> dict[str, Any]:
     stop_reason = "epochs"
     while epoch < job.epochs:
         stats = train_one_epoch(
-            fwd_model, opt, sched, train, job, epoch, step, steps_per_epoch,
-            mean, std, scale, amp_dtype, scaler, d, hist, on_step,
+            fwd_model,
+            opt,
+            sched,
+            train,
+            job,
+            epoch,
+            step,
+            steps_per_epoch,
+            mean,
+            std,
+            scale,
+            amp_dtype,
+            scaler,
+            d,
+            hist,
+            on_step,
         )
         t_eval = time.perf_counter()
         ev = evaluate(model, val, mean, std, scale, len(job.classes), 1024, amp_dtype)
         hist.eval_s += time.perf_counter() - t_eval
         best_acc = max(best_acc, ev["accuracy"])
         record = {
-            "epoch": epoch + 1, **stats, "val_loss": ev["loss"], "val_accuracy": ev["accuracy"],
-            "lr": sched.get_last_lr()[0], "elapsed_s": time.monotonic() - started,
+            "epoch": epoch + 1,
+            **stats,
+            "val_loss": ev["loss"],
+            "val_accuracy": ev["accuracy"],
+            "lr": sched.get_last_lr()[0],
+            "elapsed_s": time.monotonic() - started,
         }
         if device.type == "cuda":
             record["gpu_max_memory_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
         hist.epochs.append(record)
-        log.info("epoch %d/%d %s", epoch + 1, job.epochs,
-                 " ".join(f"{k}={v:.4g}" for k, v in record.items() if isinstance(v, float)))
+        log.info(
+            "epoch %d/%d %s",
+            epoch + 1,
+            job.epochs,
+            " ".join(f"{k}={v:.4g}" for k, v in record.items() if isinstance(v, float)),
+        )
         epoch, step = epoch + 1, 0
         checkpoint(epoch, 0)
         last_ckpt = time.monotonic()
@@ -392,15 +461,28 @@ def main(job: JobSpec) -> dict[str, Any]:
 
     final = evaluate(model, val, mean, std, scale, len(job.classes), 1024, amp_dtype)
     metrics = {
-        "val_accuracy": final["accuracy"], "val_loss": final["loss"],
-        "confusion": final["confusion"], "classes": job.classes,
-        "epochs": hist.epochs, "stop_reason": stop_reason,
-        "wall_s": {"setup": hist.setup_s, "data": hist.data_s, "compute": hist.compute_s, "eval": hist.eval_s},
-        "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "world_size": d.world_size, "amp_dtype": str(amp_dtype) if amp_dtype else "float32",
-        "versions": {"torch": torch.__version__}, "host": lineage.host_description(),
-        "train_images": len(train.labels), "val_images": len(val.labels),
-        "source_commit": lineage.source_commit(), "dataset_fingerprint": job.dataset_fingerprint,
+        "val_accuracy": final["accuracy"],
+        "val_loss": final["loss"],
+        "confusion": final["confusion"],
+        "classes": job.classes,
+        "epochs": hist.epochs,
+        "stop_reason": stop_reason,
+        "wall_s": {
+            "setup": hist.setup_s,
+            "data": hist.data_s,
+            "compute": hist.compute_s,
+            "eval": hist.eval_s,
+        },
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "world_size": d.world_size,
+        "amp_dtype": str(amp_dtype) if amp_dtype else "float32",
+        "versions": {"torch": torch.__version__},
+        "host": lineage.host_description(),
+        "train_images": len(train.labels),
+        "val_images": len(val.labels),
+        "source_commit": lineage.source_commit(),
+        "dataset_fingerprint": job.dataset_fingerprint,
         "finished_at": lineage.utc_now_iso(),
     }
     if d.is_main:
@@ -409,7 +491,10 @@ def main(job: JobSpec) -> dict[str, Any]:
             torch.save(model.state_dict(), path)
             storage.upload_file(path, job.uri("model.pt"))
         storage.write_json(job.uri("metrics.json"), metrics)
-        storage.write_json(job.uri("DONE"), {"val_accuracy": final["accuracy"], "finished_at": metrics["finished_at"]})
+        storage.write_json(
+            job.uri("DONE"),
+            {"val_accuracy": final["accuracy"], "finished_at": metrics["finished_at"]},
+        )
     if d.world_size > 1:
         dist.barrier()
         dist.destroy_process_group()
@@ -455,4 +540,3 @@ def _write_failed(output_uri: str | None, reason: str, *, resumable: bool) -> No
         storage.join(output_uri, "FAILED"),
         {"reason": reason, "resumable": resumable, "at": lineage.utc_now_iso()},
     )
-

@@ -1,0 +1,500 @@
+"""Run training boxes on EC2: spot first, tagged for teardown by run id, unable to outlive a run.
+
+Written against apache-airflow-providers-amazon (``EC2Hook``/``SsmHook`` over the
+``aws_default`` connection) and boto3 waiters. Every instance carries the burstcv tags, so
+teardown and the reaper find it by tag; every failure after ``run_instances`` returned
+terminates what was launched before re-raising.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from functools import cached_property
+from typing import Annotated, Any, Literal
+
+from botocore.exceptions import ClientError
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from burstcv import storage
+from burstcv.compute.base import (
+    PENDING,
+    RUNNING,
+    STOPPED,
+    TAG_AIRFLOW_RUN_ID,
+    TAG_DAG_ID,
+    TAG_EXPIRES_AT,
+    TAG_MANAGED,
+    TAG_RUN_ID,
+    ComputeBackend,
+    InstanceInfo,
+    LaunchRequest,
+    TerminationReport,
+)
+from burstcv.compute.userdata import UserDataSpec, max_instance_seconds, render_user_data
+from burstcv.cost.pricing import UnknownPriceError, billed_seconds, cost_for_seconds
+
+log = logging.getLogger(__name__)
+
+# The Deep Learning Base AMI (NVIDIA driver + CUDA) for the region, resolved through SSM.
+DEFAULT_AMI = (
+    "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+)
+
+# Errors that mean "no room for this type/market right now": try the next option.
+CAPACITY_ERRORS = frozenset(
+    {
+        "InsufficientInstanceCapacity",
+        "InsufficientCapacity",
+        "SpotMaxPriceTooLow",
+        "MaxSpotInstanceCountExceeded",
+        "Unsupported",
+    }
+)
+
+# EC2 states that still exist (and may still bill, if only for EBS) versus gone.
+_EC2_TO_STATE = {
+    "pending": PENDING,
+    "running": RUNNING,
+    "shutting-down": RUNNING,
+    "stopping": RUNNING,
+    "stopped": RUNNING,  # a stopped instance keeps its volume (and its bill): not gone
+    "terminated": STOPPED,
+}
+_LIVE_EC2_STATES = ["pending", "running", "shutting-down", "stopping", "stopped"]
+
+# "User initiated (2024-05-01 10:00:00 GMT)": when EC2 says the instance left running.
+_TRANSITION_TIME = re.compile(r"\((\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}) (?:GMT|UTC)\)")
+
+JobOutcome = Literal["done", "failed", "lost", "running"]
+
+
+class Ec2Settings(BaseSettings):
+    """Hold the EC2 backend's settings (env prefix ``BURSTCV_EC2_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="BURSTCV_EC2_", env_file=None, extra="ignore")
+
+    aws_conn_id: str = "aws_default"
+    region: str = "us-east-1"
+    ami: str = Field(default=DEFAULT_AMI, description="AMI id (ami-…) or SSM parameter name")
+    # Comma-separated, most preferred first; spot is tried on each before on-demand on each.
+    instance_types: Annotated[tuple[str, ...], NoDecode] = ("g6.xlarge", "g5.xlarge", "g4dn.xlarge")
+    subnet_id: str | None = None  # None: the default VPC's subnet
+    security_group_ids: Annotated[tuple[str, ...], NoDecode] = ()  # no inbound rule is needed
+    instance_profile: str | None = None  # name or ARN; the role reads/writes the artifact store
+    volume_gb: int = Field(default=100, ge=8, le=16384)  # root volume, holds the AMI + shards
+    use_spot: bool = True
+    artifact_root: str = ""  # s3://bucket/prefix the instance reads jobs from
+    bundle_uri: str = ""  # s3:// wheel or wheelhouse .tar.gz; default <artifact_root>/bundle/…
+    python: str = "python3"  # interpreter on the AMI used to build the venv (Python 3.11)
+    watchdog_margin_min: int = Field(default=5, ge=0)  # bootstrap + final upload allowance
+    waiter_delay_s: float = Field(default=5.0, gt=0)  # between describe calls while waiting
+    waiter_max_attempts: int = Field(default=120, ge=1)
+
+    @field_validator("instance_types", "security_group_ids", mode="before")
+    @classmethod
+    def _split_commas(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @field_validator("artifact_root", "bundle_uri")
+    @classmethod
+    def _s3_only(cls, value: str) -> str:
+        if value and not value.startswith("s3://"):
+            raise ValueError(f"EC2 instances read from S3; expected an s3:// URI, got {value!r}")
+        return value.rstrip("/")
+
+    @field_validator("instance_types")
+    @classmethod
+    def _some_types(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("instance_types needs at least one instance type")
+        return value
+
+    def resolved_bundle_uri(self) -> str:
+        """Return the bundle URI, derived from the artifact root when not set."""
+        if self.bundle_uri:
+            return self.bundle_uri
+        if self.artifact_root:
+            return f"{self.artifact_root}/bundle/burstcv-bundle.tar.gz"
+        raise ValueError(
+            "set BURSTCV_EC2_BUNDLE_URI (or BURSTCV_EC2_ARTIFACT_ROOT): the instance installs "
+            "burstcv from that bundle"
+        )
+
+
+class CapacityUnavailableError(RuntimeError):
+    """Raise when no instance type, spot or on-demand, has capacity."""
+
+
+class NotManagedError(PermissionError):
+    """Raise when asked to terminate an instance that burstcv did not launch."""
+
+
+@dataclass(frozen=True)
+class LaunchAttempt:
+    """Name one (instance type, market) option tried by a launch."""
+
+    instance_type: str
+    market: Literal["spot", "on-demand"]
+
+
+def launch_plan(instance_types: Iterable[str], use_spot: bool) -> list[LaunchAttempt]:
+    """Return the options in order: spot on every type, then on-demand on every type."""
+    types = list(instance_types)
+    plan = [LaunchAttempt(t, "spot") for t in types] if use_spot else []
+    return plan + [LaunchAttempt(t, "on-demand") for t in types]
+
+
+def format_expiry(moment: datetime) -> str:
+    """Return the ISO 8601 UTC text of an expiry tag (``2024-05-01T10:00:00Z``)."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_expiry(text: str) -> datetime | None:
+    """Return the datetime of an expiry tag, or None if it is missing or unreadable."""
+    if not text:
+        return None
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        log.warning("unreadable %s tag %r", TAG_EXPIRES_AT, text)
+        return None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def _tags(instance: dict[str, Any]) -> dict[str, str]:
+    return {tag["Key"]: tag["Value"] for tag in instance.get("Tags", [])}
+
+
+def _stopped_at(instance: dict[str, Any]) -> datetime | None:
+    if instance["State"]["Name"] != "terminated":
+        return None
+    match = _TRANSITION_TIME.search(instance.get("StateTransitionReason") or "")
+    if match is None:
+        return None
+    return datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC)
+
+
+def _info(instance: dict[str, Any]) -> InstanceInfo:
+    tags = _tags(instance)
+    launched = instance.get("LaunchTime")
+    if isinstance(launched, datetime) and launched.tzinfo is None:
+        launched = launched.replace(tzinfo=UTC)
+    return InstanceInfo(
+        instance_id=instance["InstanceId"],
+        run_id=tags.get(TAG_RUN_ID, ""),
+        dag_id=tags.get(TAG_DAG_ID, ""),
+        state=_EC2_TO_STATE.get(instance["State"]["Name"], RUNNING),
+        expires_at=parse_expiry(tags.get(TAG_EXPIRES_AT, "")),
+        instance_type=instance.get("InstanceType", ""),
+        lifecycle="spot" if instance.get("InstanceLifecycle") == "spot" else "on-demand",
+        launched_at=launched if isinstance(launched, datetime) else None,
+        stopped_at=_stopped_at(instance),
+        airflow_run_id=tags.get(TAG_AIRFLOW_RUN_ID, ""),
+    )
+
+
+class Ec2Backend:
+    """Launch, find by tag, and terminate burstcv training instances on EC2."""
+
+    name = "ec2"
+
+    def __init__(self, settings: Ec2Settings | None = None) -> None:
+        self.settings = settings or Ec2Settings()
+
+    # --- clients (built on first use, so constructing the backend touches no network) ---
+
+    @cached_property
+    def client(self) -> Any:
+        """Return the boto3 EC2 client of the provider's ``EC2Hook`` over ``aws_conn_id``."""
+        from airflow.providers.amazon.aws.hooks.ec2 import EC2Hook
+
+        hook = EC2Hook(
+            api_type="client_type",
+            aws_conn_id=self.settings.aws_conn_id,
+            region_name=self.settings.region,
+        )
+        return hook.conn
+
+    def resolve_ami(self) -> str:
+        """Return the AMI id: the setting itself, or the SSM parameter it names."""
+        ami = self.settings.ami
+        if ami.startswith("ami-"):
+            return ami
+        from airflow.providers.amazon.aws.hooks.ssm import SsmHook
+
+        hook = SsmHook(aws_conn_id=self.settings.aws_conn_id, region_name=self.settings.region)
+        image_id = hook.get_parameter_value(ami)
+        log.info("AMI %s resolved through SSM %s", image_id, ami)
+        return image_id
+
+    # --- ComputeBackend ---
+
+    def launch(self, request: LaunchRequest) -> list[str]:
+        """Start the run's instance(s), spot first, and return their ids.
+
+        Idempotent: when instances tagged with the run id are already pending or running
+        (a retried task), returns those instead of starting more.
+        """
+        existing = [i.instance_id for i in self.describe(request.run_id) if i.state != STOPPED]
+        if existing:
+            log.info("run %s already has live instances %s", request.run_id, existing)
+            return existing
+
+        s = self.settings
+        user_data = render_user_data(
+            UserDataSpec(
+                run_id=request.run_id,
+                job_uri=request.job_uri,
+                bundle_uri=s.resolved_bundle_uri(),
+                time_budget_s=request.time_budget_s,
+                margin_min=s.watchdog_margin_min,
+                python=s.python,
+            )
+        )
+        lifetime_s = max_instance_seconds(request.time_budget_s, s.watchdog_margin_min)
+        expires_at = datetime.now(UTC) + timedelta(seconds=lifetime_s)
+        image_id = self.resolve_ami()
+        base_params = self._run_params(request, image_id, user_data, expires_at)
+
+        use_spot = request.use_spot and s.use_spot
+        plan = launch_plan(request.instance_types or s.instance_types, use_spot)
+        refusals: list[str] = []
+        for attempt in plan:
+            params = dict(base_params, InstanceType=attempt.instance_type)
+            if attempt.market == "spot":
+                params["InstanceMarketOptions"] = {
+                    "MarketType": "spot",
+                    # One-time, terminate: an interrupted box is gone, never stopped or relaunched.
+                    "SpotOptions": {
+                        "SpotInstanceType": "one-time",
+                        "InstanceInterruptionBehavior": "terminate",
+                    },
+                }
+            try:
+                response = self.client.run_instances(**params)
+            except ClientError as exc:
+                code = exc.response.get("Error", {}).get("Code", "")
+                if code not in CAPACITY_ERRORS:
+                    raise
+                refusals.append(f"{attempt.instance_type} {attempt.market}: {code}")
+                log.warning(
+                    "no capacity for %s %s (%s); trying the next option",
+                    attempt.instance_type,
+                    attempt.market,
+                    code,
+                )
+                continue
+            ids = [inst["InstanceId"] for inst in response["Instances"]]
+            log.info(
+                "run %s: launched %s as %s %s (expires %s)",
+                request.run_id,
+                ids,
+                attempt.instance_type,
+                attempt.market,
+                format_expiry(expires_at),
+            )
+            try:
+                self._confirm_findable(ids, request.run_id)
+            except BaseException:
+                # Anything after run_instances returned: destroy what started, then re-raise.
+                log.error("run %s: setup failed after launch; terminating %s", request.run_id, ids)
+                self._terminate_after_failed_setup(ids)
+                raise
+            return ids
+        raise CapacityUnavailableError(
+            f"no capacity for run {request.run_id}: tried " + "; ".join(refusals)
+        )
+
+    def describe(self, run_id: str) -> list[InstanceInfo]:
+        """Return every burstcv instance tagged with the run id, in any state."""
+        filters = [
+            {"Name": f"tag:{TAG_MANAGED}", "Values": ["true"]},
+            {"Name": f"tag:{TAG_RUN_ID}", "Values": [run_id]},
+        ]
+        return [_info(inst) for inst in self._instances(filters)]
+
+    def terminate_run(self, run_id: str) -> TerminationReport:
+        """Terminate every instance tagged with the run id, wait until gone, report cost.
+
+        Instances that already shut themselves down are billed too. A type missing from the
+        price table is logged and left out of the cost rather than failing the teardown.
+        """
+        live = [i.instance_id for i in self.describe(run_id) if i.state != STOPPED]
+        if live:
+            log.info("run %s: terminating %s", run_id, live)
+            self.client.terminate_instances(InstanceIds=live)
+            self._wait_terminated(live)
+        observed_at = datetime.now(UTC)
+        report = TerminationReport()
+        for info in self.describe(run_id):
+            report.instance_ids.append(info.instance_id)
+            if info.launched_at is None:
+                continue
+            stopped = info.stopped_at or observed_at
+            seconds = billed_seconds(info.launched_at, max(stopped, info.launched_at))
+            report.billed_seconds[info.instance_id] = float(seconds)
+            try:
+                report.cost_usd += cost_for_seconds(
+                    info.instance_type, self.settings.region, info.lifecycle, seconds
+                )
+            except UnknownPriceError as exc:
+                log.warning("run %s: %s; left out of the cost", run_id, exc)
+        log.info(
+            "run %s: %d instance(s) gone, billed %s, $%.4f",
+            run_id,
+            len(report.instance_ids),
+            report.billed_seconds,
+            report.cost_usd,
+        )
+        return report
+
+    def list_managed(self) -> list[InstanceInfo]:
+        """Return every burstcv-managed instance that still exists (stopped ones included)."""
+        filters = [
+            {"Name": f"tag:{TAG_MANAGED}", "Values": ["true"]},
+            {"Name": "instance-state-name", "Values": _LIVE_EC2_STATES},
+        ]
+        return [_info(inst) for inst in self._instances(filters)]
+
+    def terminate(self, instance_ids: list[str]) -> None:
+        """Terminate the given instances; refuse all of them if any lacks the managed tag."""
+        if not instance_ids:
+            return
+        found = {inst["InstanceId"]: inst for inst in self._instances([], instance_ids)}
+        unmanaged = sorted(
+            iid
+            for iid in instance_ids
+            if iid not in found or _tags(found[iid]).get(TAG_MANAGED) != "true"
+        )
+        if unmanaged:
+            raise NotManagedError(f"refusing to terminate {unmanaged}: no {TAG_MANAGED}=true tag")
+        log.info("terminating %s", instance_ids)
+        self.client.terminate_instances(InstanceIds=list(instance_ids))
+
+    # --- helpers ---
+
+    def _run_params(
+        self, request: LaunchRequest, image_id: str, user_data: str, expires_at: datetime
+    ) -> dict[str, Any]:
+        s = self.settings
+        tags = [
+            {"Key": TAG_MANAGED, "Value": "true"},
+            {"Key": TAG_RUN_ID, "Value": request.run_id},
+            {"Key": TAG_DAG_ID, "Value": request.dag_id},
+            {"Key": TAG_EXPIRES_AT, "Value": format_expiry(expires_at)},
+            {"Key": "Name", "Value": f"burstcv-{request.run_id}"[:255]},
+        ]
+        if request.airflow_run_id:
+            tags.append({"Key": TAG_AIRFLOW_RUN_ID, "Value": request.airflow_run_id[:255]})
+        params: dict[str, Any] = {
+            "ImageId": image_id,
+            # All or nothing: a multi-instance run never starts with part of its boxes.
+            "MinCount": request.count,
+            "MaxCount": request.count,
+            "UserData": user_data,
+            # `shutdown -h` on the box (watchdog or job end) destroys it instead of stopping it.
+            "InstanceInitiatedShutdownBehavior": "terminate",
+            # IMDSv2 only; hop limit 1 keeps containers on the box away from the role credentials.
+            "MetadataOptions": {
+                "HttpTokens": "required",
+                "HttpPutResponseHopLimit": 1,
+                "HttpEndpoint": "enabled",
+            },
+            "BlockDeviceMappings": [
+                {
+                    "DeviceName": self._root_device(image_id),
+                    # Encrypted at rest, gp3 (cheaper than gp2 at the same speed), and deleted
+                    # with the instance so no orphan volume keeps billing.
+                    "Ebs": {
+                        "VolumeSize": s.volume_gb,
+                        "VolumeType": "gp3",
+                        "Encrypted": True,
+                        "DeleteOnTermination": True,
+                    },
+                }
+            ],
+            # Tags on the instance and its volume at creation: teardown, reaper and the IAM
+            # policy (aws:RequestTag) all key on them; there is no untagged moment.
+            "TagSpecifications": [
+                {"ResourceType": "instance", "Tags": tags},
+                {"ResourceType": "volume", "Tags": tags},
+            ],
+        }
+        if s.instance_profile:
+            key = "Arn" if s.instance_profile.startswith("arn:") else "Name"
+            params["IamInstanceProfile"] = {key: s.instance_profile}
+        if s.subnet_id:
+            params["SubnetId"] = s.subnet_id
+        if s.security_group_ids:
+            params["SecurityGroupIds"] = list(s.security_group_ids)
+        return params
+
+    def _root_device(self, image_id: str) -> str:
+        images = self.client.describe_images(ImageIds=[image_id])["Images"]
+        if not images:
+            raise ValueError(f"AMI {image_id} not found in {self.settings.region}")
+        return str(images[0].get("RootDeviceName") or "/dev/sda1")
+
+    def _instances(
+        self, filters: list[dict[str, Any]], instance_ids: list[str] | None = None
+    ) -> Iterator[dict[str, Any]]:
+        kwargs: dict[str, Any] = {"Filters": filters}
+        if instance_ids:
+            kwargs["InstanceIds"] = instance_ids
+        for page in self.client.get_paginator("describe_instances").paginate(**kwargs):
+            for reservation in page["Reservations"]:
+                yield from reservation["Instances"]
+
+    def _waiter_config(self) -> dict[str, Any]:
+        s = self.settings
+        return {"Delay": s.waiter_delay_s, "MaxAttempts": s.waiter_max_attempts}
+
+    def _confirm_findable(self, instance_ids: list[str], run_id: str) -> None:
+        """Wait until EC2 knows the instances and check they carry the run's tags."""
+        self.client.get_waiter("instance_exists").wait(
+            InstanceIds=instance_ids, WaiterConfig=self._waiter_config()
+        )
+        for inst in self._instances([], instance_ids):
+            tags = _tags(inst)
+            if tags.get(TAG_MANAGED) != "true" or tags.get(TAG_RUN_ID) != run_id:
+                raise RuntimeError(
+                    f"instance {inst['InstanceId']} lacks the burstcv tags; teardown by tag "
+                    "could not find it"
+                )
+
+    def _wait_terminated(self, instance_ids: list[str]) -> None:
+        self.client.get_waiter("instance_terminated").wait(
+            InstanceIds=instance_ids, WaiterConfig=self._waiter_config()
+        )
+
+    def _terminate_after_failed_setup(self, instance_ids: list[str]) -> None:
+        try:
+            self.client.terminate_instances(InstanceIds=instance_ids)
+        except ClientError:
+            # The original failure is re-raised by the caller; the reaper finds these by tag.
+            log.exception(
+                "could not terminate %s after a failed setup; the reaper will", instance_ids
+            )
+
+
+def job_outcome(backend: ComputeBackend, run_id: str, job_dir_uri: str) -> JobOutcome:
+    """Return done, failed, lost (every box gone without a marker) or running.
+
+    The boxes' state is read before the markers, so a marker written just before its box
+    went away is still seen. DONE wins over FAILED (training writes DONE last).
+    """
+    instances = backend.describe(run_id)
+    if storage.exists(storage.join(job_dir_uri, "DONE")):
+        return "done"
+    if storage.exists(storage.join(job_dir_uri, "FAILED")):
+        return "failed"
+    if all(info.state == STOPPED for info in instances):
+        return "lost"
+    return "running"

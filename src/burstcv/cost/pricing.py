@@ -1,0 +1,239 @@
+"""Price compute time: hourly rates from a dated table, EC2's billing rule, budgets from dollars.
+
+The table (``prices.json`` beside this module, or the file named by ``BURSTCV_PRICE_TABLE``)
+holds on-demand and spot $/hour per region and instance type, with its source and date.
+Spot figures are indicative: the real price moves by hour and Availability Zone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Iterable
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+log = logging.getLogger(__name__)
+
+Lifecycle = Literal["on-demand", "spot", "local"]
+LIFECYCLES: tuple[str, ...] = ("on-demand", "spot", "local")
+
+PACKAGED_TABLE = Path(__file__).with_name("prices.json")
+PRICE_TABLE_ENV = "BURSTCV_PRICE_TABLE"
+
+# EC2 Linux billing: per second, with a one-minute minimum for each instance start.
+MINIMUM_BILLED_S = 60
+
+# The Pricing API answers only in a few regions; us-east-1 serves every region's prices.
+PRICING_API_REGION = "us-east-1"
+
+
+class UnknownPriceError(ValueError):
+    """Raise when the table has no price for an instance type, region or lifecycle."""
+
+
+class BudgetTooSmallError(ValueError):
+    """Raise when a dollar budget does not cover even the minimum billed minute."""
+
+
+def price_table_path() -> Path:
+    """Return the price table in use: ``$BURSTCV_PRICE_TABLE`` if set, else the packaged one."""
+    override = os.environ.get(PRICE_TABLE_ENV)
+    return Path(override) if override else PACKAGED_TABLE
+
+
+@lru_cache(maxsize=4)
+def _load(path: Path) -> dict[str, Any]:
+    table: dict[str, Any] = json.loads(path.read_text())
+    for key in ("source", "as_of", "regions"):
+        if key not in table:
+            raise ValueError(f"price table {path} lacks {key!r}")
+    return table
+
+
+def load_price_table(path: Path | None = None) -> dict[str, Any]:
+    """Return the parsed price table (cached per path)."""
+    return _load(path or price_table_path())
+
+
+def price_source(path: Path | None = None) -> dict[str, str]:
+    """Return where the prices come from and how old they are, for reports."""
+    table = load_price_table(path)
+    return {"source": str(table["source"]), "as_of": str(table["as_of"])}
+
+
+def hourly_price(
+    instance_type: str, region: str, lifecycle: str, *, path: Path | None = None
+) -> float:
+    """Return the $/hour of one instance; the local backend (``lifecycle="local"``) costs 0."""
+    if lifecycle == "local":
+        return 0.0
+    if lifecycle not in LIFECYCLES:
+        raise UnknownPriceError(f"unknown lifecycle {lifecycle!r}; choose {', '.join(LIFECYCLES)}")
+    regions: dict[str, Any] = load_price_table(path)["regions"]
+    if region not in regions:
+        raise UnknownPriceError(
+            f"no prices for region {region!r}; the table has {', '.join(sorted(regions))}"
+        )
+    types: dict[str, Any] = regions[region]
+    if instance_type not in types:
+        raise UnknownPriceError(
+            f"no price for {instance_type!r} in {region}; the table has {', '.join(sorted(types))}"
+        )
+    rates: dict[str, float] = types[instance_type]
+    if lifecycle not in rates:
+        raise UnknownPriceError(f"no {lifecycle} price for {instance_type!r} in {region}")
+    return float(rates[lifecycle])
+
+
+def billed_seconds(launched: datetime, stopped: datetime) -> int:
+    """Return the seconds EC2 bills for one instance: per second, at least 60."""
+    if launched.tzinfo is None or stopped.tzinfo is None:
+        raise ValueError("billed_seconds needs timezone-aware datetimes")
+    elapsed_s = (stopped - launched).total_seconds()
+    if elapsed_s < 0:
+        raise ValueError(f"stopped ({stopped}) is before launched ({launched})")
+    return max(MINIMUM_BILLED_S, math.ceil(elapsed_s))
+
+
+def cost_for_seconds(
+    instance_type: str, region: str, lifecycle: str, seconds: float, *, path: Path | None = None
+) -> float:
+    """Return the dollars for ``seconds`` of already-billed time on one instance."""
+    return hourly_price(instance_type, region, lifecycle, path=path) * seconds / 3600.0
+
+
+def run_cost(
+    instance_type: str,
+    region: str,
+    lifecycle: str,
+    *,
+    launched: datetime,
+    stopped: datetime,
+    path: Path | None = None,
+) -> float:
+    """Return what one instance cost from launch to stop, under EC2's billing rule."""
+    if lifecycle == "local":
+        return 0.0
+    seconds = billed_seconds(launched, stopped)
+    return cost_for_seconds(instance_type, region, lifecycle, seconds, path=path)
+
+
+def serving_cost_per_million(
+    instance_type: str,
+    region: str,
+    throughput_rps: float,
+    *,
+    lifecycle: str = "on-demand",
+    path: Path | None = None,
+) -> float:
+    """Return the dollars per 1M predictions of one instance serving at ``throughput_rps``."""
+    if throughput_rps <= 0:
+        raise ValueError(f"throughput_rps must be positive, got {throughput_rps}")
+    per_hour = hourly_price(instance_type, region, lifecycle, path=path)
+    predictions_per_hour = throughput_rps * 3600.0
+    return per_hour / predictions_per_hour * 1_000_000
+
+
+def time_budget_for(
+    max_cost_usd: float | None,
+    instance_type: str,
+    region: str,
+    lifecycle: str,
+    cap_s: int,
+    *,
+    path: Path | None = None,
+) -> int:
+    """Return the seconds a run may last: ``cap_s``, lowered so it cannot cost over the budget.
+
+    Pass the worst-case lifecycle (on-demand when spot may fall back to it): the watchdog on
+    the instance is set from this number, so it is what bounds the bill.
+    """
+    if cap_s <= 0:
+        raise ValueError(f"cap_s must be positive, got {cap_s}")
+    if max_cost_usd is None:
+        return cap_s
+    per_hour = hourly_price(instance_type, region, lifecycle, path=path)
+    if per_hour == 0.0:
+        return cap_s
+    affordable_s = math.floor(max_cost_usd / per_hour * 3600.0)
+    if affordable_s < MINIMUM_BILLED_S:
+        minimum_usd = per_hour * MINIMUM_BILLED_S / 3600.0
+        raise BudgetTooSmallError(
+            f"${max_cost_usd:.4f} does not cover the {MINIMUM_BILLED_S} s minimum on "
+            f"{instance_type} {lifecycle} in {region} (${minimum_usd:.4f}); raise the budget"
+        )
+    return min(cap_s, affordable_s)
+
+
+def _on_demand_usd_per_hour(price_item: dict[str, Any]) -> float | None:
+    """Return the hourly on-demand USD rate in one Pricing API product document, if any."""
+    for offer in price_item.get("terms", {}).get("OnDemand", {}).values():
+        for dimension in offer.get("priceDimensions", {}).values():
+            if dimension.get("unit") != "Hrs":
+                continue
+            usd = dimension.get("pricePerUnit", {}).get("USD")
+            if usd is not None and float(usd) > 0:
+                return float(usd)
+    return None
+
+
+def refresh_from_pricing_api(
+    instance_types: Iterable[str],
+    regions: Iterable[str],
+    *,
+    client: Any | None = None,
+    output: Path | None = None,
+    as_of: str | None = None,
+) -> dict[str, Any]:
+    """Return the price table with on-demand rates re-read from the AWS Pricing API.
+
+    Spot rates are kept from the current table (the Pricing API has none). Writes the new
+    table to ``output`` when given; point ``BURSTCV_PRICE_TABLE`` at it to use it.
+    """
+    import copy
+    from datetime import UTC
+
+    if client is None:
+        import boto3
+
+        client = boto3.client("pricing", region_name=PRICING_API_REGION)
+    table = copy.deepcopy(load_price_table())
+    for region in regions:
+        region_prices = table["regions"].setdefault(region, {})
+        for instance_type in instance_types:
+            response = client.get_products(
+                ServiceCode="AmazonEC2",
+                Filters=[
+                    {"Type": "TERM_MATCH", "Field": "instanceType", "Value": instance_type},
+                    {"Type": "TERM_MATCH", "Field": "regionCode", "Value": region},
+                    {"Type": "TERM_MATCH", "Field": "operatingSystem", "Value": "Linux"},
+                    {"Type": "TERM_MATCH", "Field": "tenancy", "Value": "Shared"},
+                    {"Type": "TERM_MATCH", "Field": "preInstalledSw", "Value": "NA"},
+                    {"Type": "TERM_MATCH", "Field": "capacitystatus", "Value": "Used"},
+                ],
+                MaxResults=10,
+            )
+            rates = [
+                rate
+                for item in response.get("PriceList", [])
+                if (rate := _on_demand_usd_per_hour(json.loads(item))) is not None
+            ]
+            if not rates:
+                raise UnknownPriceError(
+                    f"the Pricing API has no Linux on-demand price for {instance_type} in {region}"
+                )
+            region_prices.setdefault(instance_type, {})["on-demand"] = min(rates)
+            log.info("on-demand %s in %s: $%.4f/h", instance_type, region, min(rates))
+    table["as_of"] = as_of or datetime.now(UTC).date().isoformat()
+    table["source"] = (
+        "On-demand: AWS Pricing API (get_products, Linux, shared tenancy). "
+        "Spot: kept from the previous table (indicative)."
+    )
+    if output is not None:
+        output.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
+    return table

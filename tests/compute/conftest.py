@@ -1,0 +1,562 @@
+"""Provide an AWS emulator (moto in server mode) and a harness that plays each launched instance.
+
+The harness watches the emulator for burstcv instances and, for each, does what the real box
+does: it runs the instance's own user-data script with ``bash``, where the commands that
+need a real machine are small stand-ins on PATH (``shutdown`` and ``poweroff`` power the
+emulated instance off the way ``InstanceInitiatedShutdownBehavior`` says, ``aws s3`` talks to
+the emulated S3, ``curl`` answers IMDS, ``python3 -m venv`` makes a venv whose ``burstcv``
+runs the job command). So the script's trap, markers, log upload and immediate shutdown are
+exercised for real; only the machine is pretend.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from moto.server import ThreadedMotoServer
+
+from burstcv.compute.base import TAG_MANAGED, TAG_RUN_ID
+from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
+from burstcv.compute.userdata import parse_config
+
+REGION = "us-east-1"
+BUCKET = "burstcv-test"
+ARTIFACT_ROOT = f"s3://{BUCKET}/artifacts"
+BUNDLE_URI = f"{ARTIFACT_ROOT}/bundle/burstcv-0.1.0-py3-none-any.whl"
+# A public SSM AMI parameter that moto ships with an image behind it.
+AMI_PARAMETER = "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-6.1-x86_64"
+INSTANCE_PROFILE = "burstcv-training"
+
+# How the harness plays a run: run its user-data, die without the trap, or leave it up.
+MODE_SCRIPT = "script"
+MODE_DIE = "die"  # the box dies (hardware, reclaim): job command only, no trap, no marker
+MODE_HOLD = "hold"  # the box hangs on (the orchestrator is gone); only a reaper ends it
+
+JobCommand = Callable[[str], list[str]]
+
+_HERE = Path(__file__).resolve().parent
+
+
+def fake_train_command(script: Path) -> JobCommand:
+    """Return a job command that runs the stand-in training script (see ``fake_train``)."""
+    return lambda job_uri: [sys.executable, str(script), "train", "--job", job_uri]
+
+
+def real_train_command(job_uri: str) -> list[str]:
+    """Return the command every training box runs: ``burstcv train --job <uri>``."""
+    return [sys.executable, "-m", "burstcv.cli", "train", "--job", job_uri]
+
+
+# --- the emulator ---------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def moto_url() -> Iterator[str]:
+    """Run one moto server on 127.0.0.1 for the session; tests reset its state."""
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def aws(moto_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Point boto3 and the ``aws_default`` connection at a freshly reset emulator."""
+    urllib.request.urlopen(
+        urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST"), timeout=10
+    ).read()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    # The provider's hooks read this connection from the environment: no metadata DB needed.
+    conn = {"conn_type": "aws", "extra": {"endpoint_url": moto_url, "region_name": REGION}}
+    monkeypatch.setenv("AIRFLOW_CONN_AWS_DEFAULT", json.dumps(conn))
+    for key in list(os.environ):
+        if key.startswith("BURSTCV_EC2_"):
+            monkeypatch.delenv(key)
+    yield moto_url
+
+
+@pytest.fixture
+def ec2_client(aws: str) -> Any:
+    """Return a plain boto3 EC2 client on the emulator (the test's own eyes, not the backend's)."""
+    return boto3.client("ec2", region_name=REGION, endpoint_url=aws)
+
+
+@pytest.fixture
+def s3_client(aws: str) -> Any:
+    """Return a plain boto3 S3 client on the emulator."""
+    return boto3.client("s3", region_name=REGION, endpoint_url=aws)
+
+
+@pytest.fixture
+def ec2_account(aws: str, s3_client: Any) -> None:
+    """Create what an AWS account would hold: the bucket, the bundle, the instance profile."""
+    s3_client.create_bucket(Bucket=BUCKET)
+    bucket_key = BUNDLE_URI.removeprefix(f"s3://{BUCKET}/")
+    s3_client.put_object(Bucket=BUCKET, Key=bucket_key, Body=b"not really a wheel")
+    iam = boto3.client("iam", region_name=REGION, endpoint_url=aws)
+    iam.create_role(RoleName=INSTANCE_PROFILE, AssumeRolePolicyDocument="{}")
+    iam.create_instance_profile(InstanceProfileName=INSTANCE_PROFILE)
+    iam.add_role_to_instance_profile(
+        InstanceProfileName=INSTANCE_PROFILE, RoleName=INSTANCE_PROFILE
+    )
+
+
+@pytest.fixture
+def ec2_settings(ec2_account: None) -> Ec2Settings:
+    """Return EC2 settings for the emulator, with short waiter delays."""
+    return Ec2Settings(
+        region=REGION,
+        ami=AMI_PARAMETER,
+        artifact_root=ARTIFACT_ROOT,
+        bundle_uri=BUNDLE_URI,
+        instance_profile=INSTANCE_PROFILE,
+        volume_gb=50,
+        waiter_delay_s=0.1,
+        waiter_max_attempts=100,
+    )
+
+
+@pytest.fixture
+def backend(ec2_settings: Ec2Settings) -> Ec2Backend:
+    """Return an EC2 backend whose hook talks to the emulator."""
+    return Ec2Backend(ec2_settings)
+
+
+def live_managed(ec2_client: Any) -> list[str]:
+    """Return ids of burstcv instances that still exist (not terminated) on the emulator."""
+    pages = ec2_client.get_paginator("describe_instances").paginate(
+        Filters=[
+            {"Name": f"tag:{TAG_MANAGED}", "Values": ["true"]},
+            {
+                "Name": "instance-state-name",
+                "Values": ["pending", "running", "stopping", "stopped"],
+            },
+        ]
+    )
+    return [i["InstanceId"] for p in pages for r in p["Reservations"] for i in r["Instances"]]
+
+
+# --- the stand-in training job --------------------------------------------------------------
+
+FAKE_TRAIN = textwrap.dedent(
+    '''
+    """Stand in for `burstcv train --job URI`: read job.json, write outputs and a marker."""
+    import json, os, signal, sys, time
+    import boto3
+
+    job_uri = sys.argv[sys.argv.index("--job") + 1]
+    s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+
+    def split(uri):
+        bucket, _, key = uri.removeprefix("s3://").partition("/")
+        return bucket, key
+
+    def put(uri, body):
+        bucket, key = split(uri)
+        s3.put_object(Bucket=bucket, Key=key, Body=body)
+
+    bucket, key = split(job_uri)
+    job = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    out = job["output_uri"]
+    fake = job.get("fake", {})
+
+    def on_sigterm(signum, frame):
+        # Training's rule: SIGTERM means "checkpoint now and exit".
+        put(out + "/checkpoints/last.pt", b"checkpoint at SIGTERM")
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    deadline = time.monotonic() + float(fake.get("seconds", 0.3))
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    outcome = fake.get("outcome", "done")
+    if outcome == "crash":
+        os._exit(int(fake.get("exit_code", 3)))  # dies without a marker
+    put(out + "/checkpoints/last.pt", b"weights")
+    put(out + "/metrics.json", json.dumps({"val_accuracy": 0.9}).encode())
+    if outcome == "fail":
+        put(out + "/FAILED", json.dumps({"reason": "loss is NaN", "stage": "train"}).encode())
+        sys.exit(1)
+    put(out + "/model.pt", b"state dict")
+    put(out + "/DONE", json.dumps({"run_id": job["run_id"]}).encode())
+    '''
+)
+
+
+@pytest.fixture
+def fake_train(tmp_path_factory: pytest.TempPathFactory) -> JobCommand:
+    """Return a job command running the stand-in training script."""
+    script = tmp_path_factory.mktemp("fake_train") / "fake_train.py"
+    script.write_text(FAKE_TRAIN)
+    return fake_train_command(script)
+
+
+def write_job(run_id: str, **fake: Any) -> str:
+    """Write a job.json for ``run_id`` to the emulated artifact store and return its URI."""
+    job_dir = f"{ARTIFACT_ROOT}/runs/{run_id}/job"
+    job = {
+        "run_id": run_id,
+        "arch": "resnet10",
+        "classes": ["0", "1"],
+        "train_shards": [],
+        "val_shards": [],
+        "epochs": 1,
+        "batch_size": 8,
+        "learning_rate": 0.1,
+        "seed": 0,
+        "output_uri": job_dir,
+        "time_budget_s": 600,
+        "fake": fake,
+    }
+    uri = f"{job_dir}/job.json"
+    boto3.client("s3").put_object(
+        Bucket=BUCKET, Key=uri.removeprefix(f"s3://{BUCKET}/"), Body=json.dumps(job).encode()
+    )
+    return uri
+
+
+# --- the instance player --------------------------------------------------------------------
+
+_STUBS: dict[str, str] = {
+    # shutdown/poweroff: "+N" arms the watchdog (recorded); "now" powers the instance off.
+    "shutdown": """
+        import json, os, sys, time
+        import boto3
+        args = sys.argv[1:]
+        log = os.path.join(os.environ["HARNESS_DIR"], "shutdown.log")
+        with open(log, "a") as fh:
+            fh.write(json.dumps({"t": time.time(), "args": args}) + "\\n")
+        if "now" in args or os.path.basename(sys.argv[0]) == "poweroff":
+            iid = os.environ["HARNESS_INSTANCE_ID"]
+            ec2 = boto3.client("ec2", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+            behaviour = ec2.describe_instance_attribute(
+                InstanceId=iid, Attribute="instanceInitiatedShutdownBehavior"
+            )["InstanceInitiatedShutdownBehavior"]["Value"]
+            if behaviour == "terminate":
+                ec2.terminate_instances(InstanceIds=[iid])
+            else:
+                ec2.stop_instances(InstanceIds=[iid])
+            with open(os.path.join(os.environ["HARNESS_DIR"], "powered_off"), "w") as fh:
+                fh.write(json.dumps({"t": time.time(), "behaviour": behaviour}))
+    """,
+    # aws s3 cp SRC DST / aws s3 ls URI against the emulated S3.
+    "aws": """
+        import os, sys
+        import boto3
+        s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+        def split(uri):
+            bucket, _, key = uri.removeprefix("s3://").partition("/")
+            return bucket, key
+        args = sys.argv[1:]
+        if args[:2] == ["s3", "ls"]:
+            bucket, key = split(args[2])
+            found = s3.list_objects_v2(Bucket=bucket, Prefix=key).get("Contents", [])
+            sys.exit(0 if any(o["Key"] == key for o in found) else 1)
+        if args[:2] == ["s3", "cp"]:
+            src, dst = args[2], args[3]
+            if src.startswith("s3://"):
+                bucket, key = split(src)
+                if dst.endswith("/"):
+                    os.makedirs(dst, exist_ok=True)
+                    dst = os.path.join(dst, os.path.basename(key))
+                s3.download_file(bucket, key, dst)
+            else:
+                bucket, key = split(dst)
+                body = sys.stdin.buffer.read() if src == "-" else open(src, "rb").read()
+                s3.put_object(Bucket=bucket, Key=key, Body=body)
+            sys.exit(0)
+        sys.exit(f"aws stand-in: unsupported {args}")
+    """,
+    # curl: IMDSv2 token, instance id, and the spot notice when the test posts one.
+    "curl": """
+        import os, sys
+        url = next(a for a in sys.argv[1:] if a.startswith("http"))
+        if url.endswith("/api/token"):
+            print("imds-token")
+        elif url.endswith("/meta-data/instance-id"):
+            print(os.environ["HARNESS_INSTANCE_ID"])
+        elif url.endswith("/spot/instance-action"):
+            notice = os.path.join(os.environ["HARNESS_DIR"], "spot-notice")
+            if not os.path.exists(notice):
+                sys.exit(22)  # curl -f on a 404
+            print(open(notice).read())
+        else:
+            sys.exit(22)
+    """,
+    # python3 -m venv DIR: a venv whose pip is a no-op and whose burstcv runs the job command.
+    "python3": """
+        import os, shlex, stat, sys
+        if sys.argv[1:3] != ["-m", "venv"]:
+            os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+        venv = sys.argv[-1]
+        os.makedirs(os.path.join(venv, "bin"), exist_ok=True)
+        scripts = {
+            "pip": "#!/bin/bash\\necho \\"pip $*\\" >> \\"$HARNESS_DIR/pip.log\\"\\n",
+            "burstcv": "#!/bin/bash\\nexec " + os.environ["HARNESS_JOB_PREFIX"] + " \\"$@\\"\\n",
+        }
+        for name, body in scripts.items():
+            path = os.path.join(venv, "bin", name)
+            with open(path, "w") as fh:
+                fh.write(body)
+            os.chmod(path, os.stat(path).st_mode | stat.S_IEXEC)
+    """,
+}
+
+
+def _write_stubs(stub_dir: Path) -> None:
+    stub_dir.mkdir(parents=True, exist_ok=True)
+    for name, body in _STUBS.items():
+        path = stub_dir / name
+        path.write_text(f"#!{sys.executable}\n" + textwrap.dedent(body))
+        path.chmod(path.stat().st_mode | stat.S_IEXEC | stat.S_IXGRP | stat.S_IXOTH)
+    (stub_dir / "poweroff").symlink_to(stub_dir / "shutdown")
+
+
+@dataclass
+class Play:
+    """Record what happened on one emulated instance."""
+
+    instance_id: str
+    run_id: str
+    mode: str
+    config: dict[str, str] = field(default_factory=dict)
+    user_data: str = ""
+    started: float = 0.0
+    exit_code: int | None = None
+    finished: float = 0.0
+    powered_off_at: float | None = None
+    shutdown_calls: list[list[str]] = field(default_factory=list)
+    dir: Path | None = None
+    error: str = ""
+
+
+class InstancePlayer:
+    """Watch the emulator for burstcv instances and play each one (see module docstring)."""
+
+    HOLD = MODE_HOLD
+    DIE = MODE_DIE
+
+    def __init__(self, endpoint: str, work: Path, command: JobCommand) -> None:
+        self.endpoint = endpoint
+        self.work = work
+        self.command = command
+        self.modes: dict[str, str] = {}  # run_id -> mode; default MODE_SCRIPT
+        self.plays: dict[str, Play] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._workers: list[threading.Thread] = []
+        self._stub_dir = work / "bin"
+        _write_stubs(self._stub_dir)
+        self._ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=endpoint)
+        self._watcher = threading.Thread(target=self._watch, name="instance-player", daemon=True)
+
+    def start(self) -> InstancePlayer:
+        """Start watching."""
+        self._watcher.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching and wait for the instances being played."""
+        self._stop.set()
+        self._watcher.join(timeout=10)
+        for worker in self._workers:
+            worker.join(timeout=60)
+
+    def wait_played(self, run_id: str, timeout_s: float = 30.0) -> Play:
+        """Return the finished play of the run's (first) instance."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                done = [p for p in self.plays.values() if p.run_id == run_id and p.finished]
+            if done:
+                return done[0]
+            time.sleep(0.05)
+        raise TimeoutError(f"no instance of run {run_id} finished within {timeout_s} s")
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            try:
+                reservations = self._ec2.describe_instances(
+                    Filters=[
+                        {"Name": f"tag:{TAG_MANAGED}", "Values": ["true"]},
+                        {"Name": "instance-state-name", "Values": ["pending", "running"]},
+                    ]
+                )["Reservations"]
+            except Exception as exc:
+                logging.getLogger(__name__).warning("player: describe failed: %s", exc)
+                time.sleep(0.2)
+                continue
+            for inst in (i for r in reservations for i in r["Instances"]):
+                iid = inst["InstanceId"]
+                with self._lock:
+                    if iid in self.plays:
+                        continue
+                    tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
+                    run_id = tags.get(TAG_RUN_ID, "")
+                    play = Play(iid, run_id, self.modes.get(run_id, MODE_SCRIPT))
+                    self.plays[iid] = play
+                if play.mode == MODE_HOLD:
+                    continue
+                worker = threading.Thread(target=self._play, args=(play,), daemon=True)
+                self._workers.append(worker)
+                worker.start()
+            self._stop.wait(0.1)
+
+    def _play(self, play: Play) -> None:
+        box = self.work / play.instance_id
+        box.mkdir(parents=True)
+        play.dir = box
+        raw = self._ec2.describe_instance_attribute(
+            InstanceId=play.instance_id, Attribute="userData"
+        )["UserData"]["Value"]
+        play.user_data = base64.b64decode(raw).decode()
+        play.config = parse_config(play.user_data)
+        job_uri = play.config["JOB_URI"]
+        env = dict(os.environ)
+        env.update(
+            HARNESS_DIR=str(box),
+            HARNESS_INSTANCE_ID=play.instance_id,
+            HARNESS_JOB_PREFIX=" ".join(_shell_quote(part) for part in self.command(job_uri)[:-3]),
+            BURSTCV_WORK_DIR=str(box / "opt"),
+            BURSTCV_LOG=str(box / "bootstrap.log"),
+            PATH=f"{self._stub_dir}{os.pathsep}{env.get('PATH', '')}",
+        )
+        play.started = time.time()
+        try:
+            if play.mode == MODE_DIE:
+                with open(box / "job.log", "wb") as log:
+                    play.exit_code = subprocess.call(
+                        self.command(job_uri),
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        timeout=120,
+                    )
+                self._ec2.terminate_instances(InstanceIds=[play.instance_id])
+                play.powered_off_at = time.time()
+            else:
+                script = box / "user-data.sh"
+                script.write_text(play.user_data)
+                with open(box / "console.log", "wb") as log:
+                    play.exit_code = subprocess.call(
+                        ["bash", str(script)],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        timeout=120,
+                    )
+                marker = box / "powered_off"
+                if marker.exists():
+                    play.powered_off_at = float(json.loads(marker.read_text())["t"])
+                log_path = box / "shutdown.log"
+                if log_path.exists():
+                    play.shutdown_calls = [
+                        json.loads(line)["args"] for line in log_path.read_text().splitlines()
+                    ]
+        except Exception as exc:
+            play.error = repr(exc)
+        finally:
+            play.finished = time.time()
+
+
+def _shell_quote(text: str) -> str:
+    import shlex
+
+    return shlex.quote(text)
+
+
+@pytest.fixture
+def player_command(request: pytest.FixtureRequest, fake_train: JobCommand) -> JobCommand:
+    """Return the command the played instances run: the stand-in, or ``"real"`` (indirect)."""
+    if getattr(request, "param", None) == "real":
+        return real_train_command
+    return fake_train
+
+
+@pytest.fixture
+def player(aws: str, tmp_path: Path, player_command: JobCommand) -> Iterator[InstancePlayer]:
+    """Play every burstcv instance launched on the emulator during the test."""
+    harness = InstancePlayer(aws, tmp_path / "instances", player_command).start()
+    try:
+        yield harness
+    finally:
+        harness.stop()
+
+
+class Kit:
+    """Bundle the constants and helpers tests need (a fixture: test modules never import conftest).
+
+    Several conftest.py files share the module name ``conftest``, so ``from conftest import``
+    would pick whichever loaded first.
+    """
+
+    region = REGION
+    bucket = BUCKET
+    artifact_root = ARTIFACT_ROOT
+    ami_parameter = AMI_PARAMETER
+    HOLD = MODE_HOLD
+    DIE = MODE_DIE
+
+    def __init__(self, ec2_client: Any, s3_client: Any) -> None:
+        self.ec2 = ec2_client
+        self.s3 = s3_client
+
+    def live_managed(self) -> list[str]:
+        """Return ids of burstcv instances that still exist on the emulator."""
+        return live_managed(self.ec2)
+
+    def write_job(self, run_id: str, **fake: Any) -> str:
+        """Write a stand-in job.json for the run and return its URI."""
+        return write_job(run_id, **fake)
+
+    def last_modified(self, uri: str) -> datetime:
+        """Return when the emulated S3 object at ``uri`` was written."""
+        return s3_last_modified(self.s3, uri)
+
+    def job_dir(self, run_id: str) -> str:
+        """Return the run's job folder URI."""
+        return f"{ARTIFACT_ROOT}/runs/{run_id}/job"
+
+
+@pytest.fixture
+def kit(ec2_client: Any, s3_client: Any, ec2_account: None) -> Kit:
+    """Return the emulator constants and helpers."""
+    return Kit(ec2_client, s3_client)
+
+
+def s3_last_modified(s3_client: Any, uri: str) -> datetime:
+    """Return when an object was written, as the emulated S3 says."""
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    return s3_client.head_object(Bucket=bucket, Key=key)["LastModified"]  # type: ignore[no-any-return]

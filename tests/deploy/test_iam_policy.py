@@ -1,0 +1,106 @@
+"""Check the orchestrator's IAM policy is least-privilege for launching, tagging, terminating."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from moto.iam.policy_validation import IAMPolicyDocumentValidator
+
+from burstcv.compute.base import TAG_DAG_ID, TAG_EXPIRES_AT, TAG_MANAGED, TAG_RUN_ID
+
+POLICY_PATH = Path(__file__).resolve().parents[2] / "deploy" / "iam-policy.json"
+
+
+@pytest.fixture(scope="module")
+def policy() -> dict[str, Any]:
+    """Return the parsed policy document."""
+    return json.loads(POLICY_PATH.read_text())  # type: ignore[no-any-return]
+
+
+def as_list(value: str | list[str]) -> list[str]:
+    """Return a policy field that may be a string or a list as a list."""
+    return [value] if isinstance(value, str) else list(value)
+
+
+def statements(policy: dict[str, Any], effect: str, action: str) -> list[dict[str, Any]]:
+    """Return the statements with ``effect`` that name ``action`` exactly."""
+    return [
+        s for s in policy["Statement"] if s["Effect"] == effect and action in as_list(s["Action"])
+    ]
+
+
+def test_is_a_valid_iam_policy_document(policy: dict[str, Any]) -> None:
+    assert policy["Version"] == "2012-10-17"
+    IAMPolicyDocumentValidator(POLICY_PATH.read_text()).validate()  # AWS's grammar, via moto
+
+
+def test_no_wildcard_actions(policy: dict[str, Any]) -> None:
+    for statement in policy["Statement"]:
+        for action in as_list(statement["Action"]):
+            _, _, name = action.partition(":")
+            assert action != "*" and name != "*", f"{statement['Sid']}: {action}"
+    wildcard_resources = [
+        s["Sid"] for s in policy["Statement"] if s["Effect"] == "Allow" and s["Resource"] == "*"
+    ]
+    assert wildcard_resources == ["DescribeAnything"]
+    (describe,) = [s for s in policy["Statement"] if s["Sid"] == "DescribeAnything"]
+    assert as_list(describe["Action"]) == ["ec2:Describe*"]
+
+
+def test_terminate_and_stop_only_with_the_managed_tag(policy: dict[str, Any]) -> None:
+    for action in ("ec2:TerminateInstances", "ec2:StopInstances"):
+        allows = statements(policy, "Allow", action)
+        assert allows, action
+        for statement in allows:
+            condition = statement["Condition"]["StringEquals"]
+            assert condition == {f"aws:ResourceTag/{TAG_MANAGED}": "true"}
+        (deny,) = statements(policy, "Deny", action)
+        assert deny["Condition"]["StringNotEquals"] == {f"aws:ResourceTag/{TAG_MANAGED}": "true"}
+
+
+def test_launch_requires_the_managed_request_tag(policy: dict[str, Any]) -> None:
+    allows = statements(policy, "Allow", "ec2:RunInstances")
+    tagged = [
+        s
+        for s in allows
+        if any(":instance/" in r or ":volume/" in r for r in as_list(s["Resource"]))
+    ]
+    assert len(tagged) == 1
+    (statement,) = tagged
+    assert statement["Condition"]["StringEquals"] == {f"aws:RequestTag/{TAG_MANAGED}": "true"}
+    allowed_keys = set(statement["Condition"]["ForAllValues:StringEquals"]["aws:TagKeys"])
+    assert {TAG_MANAGED, TAG_RUN_ID, TAG_DAG_ID, TAG_EXPIRES_AT} <= allowed_keys
+    untagged = [s for s in allows if s is not statement]
+    for s in untagged:  # the other RunInstances resources never include instances or volumes
+        assert not any(":instance/" in r or ":volume/" in r for r in as_list(s["Resource"]))
+    (deny,) = statements(policy, "Deny", "ec2:RunInstances")
+    assert deny["Condition"]["StringNotEquals"] == {f"aws:RequestTag/{TAG_MANAGED}": "true"}
+
+
+def test_tags_are_written_only_at_creation(policy: dict[str, Any]) -> None:
+    (allow,) = statements(policy, "Allow", "ec2:CreateTags")
+    assert allow["Condition"]["StringEquals"] == {"ec2:CreateAction": "RunInstances"}
+    assert statements(policy, "Allow", "ec2:DeleteTags") == []
+    (deny,) = statements(policy, "Deny", "ec2:CreateTags")
+    assert "ec2:DeleteTags" in as_list(deny["Action"])
+
+
+def test_pass_role_names_only_the_training_role(policy: dict[str, Any]) -> None:
+    (statement,) = statements(policy, "Allow", "iam:PassRole")
+    assert as_list(statement["Resource"]) == ["arn:aws:iam::ACCOUNT_ID:role/burstcv-training"]
+    assert statement["Condition"]["StringEquals"]["iam:PassedToService"] == "ec2.amazonaws.com"
+
+
+def test_s3_and_ssm_are_scoped(policy: dict[str, Any]) -> None:
+    s3_resources = [
+        r
+        for s in policy["Statement"]
+        if any(a.startswith("s3:") for a in as_list(s["Action"]))
+        for r in as_list(s["Resource"])
+    ]
+    assert s3_resources and all(r.startswith("arn:aws:s3:::BURSTCV_BUCKET") for r in s3_resources)
+    (ssm,) = statements(policy, "Allow", "ssm:GetParameter")
+    assert as_list(ssm["Resource"]) == ["arn:aws:ssm:*::parameter/aws/service/deeplearning/*"]

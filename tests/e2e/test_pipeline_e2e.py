@@ -1,0 +1,169 @@
+"""The whole DAG, run for real with dag.test(), against a real service process.
+
+One service runs for the module, as in `make demo`; each pipeline run must either deploy a
+new version that the service then answers with, or leave the service on the version it had.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from burstcv import storage
+from burstcv.bench.latency import free_port
+from burstcv.pipeline import RunPaths, safe_run_id
+from burstcv.registry.registry import PRODUCTION, Registry
+from burstcv.settings import get_settings
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[str]:
+    """Start the real prediction service on a free port, reading the session's registry."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "BURSTCV_SERVING_REGISTRY_URI": os.environ["BURSTCV_REGISTRY_URI"],
+        "BURSTCV_SERVING_PORT": str(port),
+        "BURSTCV_SERVING_POLL_INTERVAL_S": "0.5",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "burstcv_serving"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    os.environ["BURSTCV_SERVING_URL"] = url
+    get_settings.cache_clear()
+    yield url
+    os.environ["BURSTCV_SERVING_URL"] = ""
+    get_settings.cache_clear()
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+def run_dag(conf: dict[str, object]) -> tuple[str, dict[str, str], str]:
+    """Run burstcv_pipeline once; return (state, task states, run id)."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    get_settings.cache_clear()
+    dag = DagBag(dag_folder=str(Path(__file__).resolve().parents[2] / "dags")).dags[
+        "burstcv_pipeline"
+    ]
+    dag_run = dag.test(run_conf=conf)
+    states = {ti.task_id: str(ti.state) for ti in dag_run.get_task_instances()}
+    return str(dag_run.state), states, dag_run.run_id
+
+
+def predict(url: str, image: Path) -> dict[str, object]:
+    response = httpx.post(
+        f"{url}/v1/predict",
+        files={"file": (image.name, image.read_bytes(), "image/png")},
+        timeout=30,
+    )
+    assert response.status_code == 200, response.text
+    return response.json()  # type: ignore[no-any-return]
+
+
+def test_pipeline_deploys_a_version_the_running_service_answers_with(
+    service: str, demo_dataset: Path
+) -> None:
+    state, tasks, run_id = run_dag({"dataset_uri": str(demo_dataset), "epochs": 3})
+    assert state == "success", tasks
+    assert all(s == "success" for s in tasks.values()), tasks
+    reg = Registry(os.environ["BURSTCV_REGISTRY_URI"], "digits")
+    version = reg.get_alias(PRODUCTION).version
+    assert reg.entry(version)["lineage"]["run_id"] == run_id
+    info = httpx.get(f"{service}/v1/model", timeout=10).json()
+    assert info["version"] == version
+    image = sorted((demo_dataset / "val" / "7").glob("*.png"))[0]
+    answer = predict(service, image)
+    assert answer["version"] == version
+    assert answer["predictions"][0]["label"] == "7"
+    # The teardown ran: nothing of this run is still alive.
+    from burstcv.compute.local import LocalBackend
+
+    assert [i for i in LocalBackend().describe(safe_run_id(run_id)) if i.state != "stopped"] == []
+    paths = RunPaths.of(run_id)
+    for artifact in (
+        "dataset/validation.json",
+        "dataset/manifest.parquet",
+        "job/metrics.json",
+        "model/model.onnx",
+        "model/model.json",
+        "bench/latency.json",
+        "bench/verdict.json",
+    ):
+        assert storage.exists(storage.join(paths.root, artifact)), artifact
+
+
+def test_a_model_that_misses_the_slo_is_not_deployed(service: str, demo_dataset: Path) -> None:
+    reg = Registry(os.environ["BURSTCV_REGISTRY_URI"], "digits")
+    before = reg.get_alias(PRODUCTION)
+    assert before is not None, "runs after the deploying test"
+    state, tasks, run_id = run_dag(
+        {"dataset_uri": str(demo_dataset), "epochs": 1, "latency_slo_ms": 0.001}
+    )
+    assert reg.entry(max(reg.versions()))["lineage"]["run_id"] == run_id
+    assert tasks["gate"] == "success" and tasks["deploy"] == "skipped", tasks
+    assert state == "success"
+    rejected = max(reg.versions())
+    entry = reg.entry(rejected)
+    assert entry["status"] == "rejected"
+    assert (
+        entry["reason"].startswith("not promoted: p95")
+        and "exceeds the SLO 0.001 ms" in entry["reason"]
+    )
+    assert reg.get_alias(PRODUCTION) == before
+    time.sleep(1.5)  # two poll periods: the service must still be on the old version
+    assert httpx.get(f"{service}/v1/model", timeout=10).json()["version"] == before.version
+    image = sorted((demo_dataset / "val" / "3").glob("*.png"))[0]
+    assert predict(service, image)["version"] == before.version
+
+
+def test_a_corrupt_png_stops_the_run_at_validate_naming_it(
+    demo_dataset: Path, tmp_path: Path
+) -> None:
+    data = tmp_path / "digits"
+    for split, per_class in (("train", 20), ("val", 8)):
+        for cls in range(10):
+            src = sorted((demo_dataset / split / str(cls)).glob("*.png"))[:per_class]
+            (data / split / str(cls)).mkdir(parents=True)
+            for f in src:
+                shutil.copy(f, data / split / str(cls) / f.name)
+    victim = sorted((data / "train" / "4").glob("*.png"))[0]
+    victim.write_bytes(victim.read_bytes()[:60])  # a truncated PNG
+    state, tasks, run_id = run_dag({"dataset_uri": str(data), "epochs": 1})
+    assert state == "failed"
+    assert tasks["validate"] == "failed"
+    assert all(
+        tasks[t] in ("upstream_failed", "skipped", "None")
+        for t in ("pack", "provision", "train", "export", "deploy")
+    ), tasks
+    # No training process was ever started for this run.
+    compute_dir = Path(os.environ["BURSTCV_COMPUTE_STATE_DIR"]) / safe_run_id(run_id)
+    assert not compute_dir.exists() or not list(compute_dir.glob("*.json"))
+    validation = storage.read_json(storage.join(RunPaths.of(run_id).dataset, "validation.json"))
+    assert validation["success"] is False
+    named = io.StringIO()
+    for expectation in validation["expectations"]:
+        named.write(" ".join(expectation.get("offending_files", [])))
+    assert f"train/4/{victim.name}" in named.getvalue()
