@@ -26,9 +26,17 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from airflow.sdk import Param, dag, task
+from airflow.sdk import (
+    Asset,
+    AssetOrTimeSchedule,
+    CronTriggerTimetable,
+    Param,
+    dag,
+    task,
+)
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
+from burstcv.airflow.callbacks import log_failure_summary
 from burstcv.airflow.operators import WaitForTrainingOperator
 from burstcv.params import DEFAULT_INSTANCE_TYPES, RunParams
 from burstcv.settings import get_settings
@@ -36,6 +44,13 @@ from burstcv.training.names import ARCHITECTURE_NAMES
 
 SETTINGS = get_settings()
 DEFAULTS = RunParams.defaults(SETTINGS)
+# Updating this Asset (an ingestion job, or POST /api/v2/assets/events with
+# {"extra": {"dataset_uri": ...}}) starts a run on that dataset.
+DATASET = Asset(
+    name="burstcv_dataset",
+    uri=SETTINGS.dataset_uri if "://" in SETTINGS.dataset_uri else f"file://{SETTINGS.dataset_uri}",
+)
+SAFE_RETRY = {"retries": 2, "retry_delay": timedelta(seconds=30), "retry_exponential_backoff": True}
 
 
 def _params(params: dict[str, Any]) -> RunParams:
@@ -44,13 +59,21 @@ def _params(params: dict[str, Any]) -> RunParams:
 
 @dag(
     dag_id="burstcv_pipeline",
-    schedule=SETTINGS.schedule or None,
+    schedule=(
+        AssetOrTimeSchedule(
+            timetable=CronTriggerTimetable(SETTINGS.schedule, timezone="UTC"), assets=[DATASET]
+        )
+        if SETTINGS.schedule
+        else [DATASET]
+    ),
     start_date=datetime(2026, 1, 1),
     catchup=False,
     max_active_runs=1,
     doc_md=__doc__,
     tags=["burstcv", "training", "deploy"],
-    default_args={"owner": "burstcv", "retries": 0},
+    # Retries only where a retry is safe (idempotent stages); see SAFE_RETRY below.
+    default_args={"owner": "burstcv", "retries": 0, "on_failure_callback": log_failure_summary},
+    on_failure_callback=log_failure_summary,
     params={
         "dataset_uri": Param(
             DEFAULTS["dataset_uri"],
@@ -123,16 +146,24 @@ def burstcv_pipeline() -> None:
     """Wire the stages; every task body is one call into burstcv.pipeline."""
 
     @task(execution_timeout=timedelta(minutes=30))
-    def validate(params: dict[str, Any] | None = None, run_id: str | None = None) -> dict[str, Any]:
+    def validate(
+        params: dict[str, Any] | None = None,
+        run_id: str | None = None,
+        triggering_asset_events: Any = None,
+    ) -> dict[str, Any]:
         """Check the dataset with Great Expectations; fail before any GPU exists."""
         from burstcv import pipeline
+        from burstcv.airflow.callbacks import dataset_from_asset_events
 
+        run_params = _params(params or {})
+        if uri := dataset_from_asset_events(triggering_asset_events):
+            run_params = run_params.model_copy(update={"dataset_uri": uri})
         try:
-            return pipeline.validate(str(run_id), _params(params or {}), SETTINGS)
+            return pipeline.validate(str(run_id), run_params, SETTINGS)
         except pipeline.ValidationFailed as exc:
             raise AirflowFailException(str(exc)) from exc  # retrying cannot fix the data
 
-    @task(execution_timeout=timedelta(minutes=60))
+    @task(execution_timeout=timedelta(minutes=60), **SAFE_RETRY)
     def pack(
         validated: dict[str, Any], params: dict[str, Any] | None = None, run_id: str | None = None
     ) -> dict[str, Any]:
@@ -153,14 +184,14 @@ def burstcv_pipeline() -> None:
 
         return pipeline.provision(str(run_id), dag.dag_id, _params(params or {}), packed, SETTINGS)
 
-    @task(execution_timeout=timedelta(minutes=30))
+    @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
     def terminate(provisioned: dict[str, Any]) -> dict[str, Any]:
         """Terminate every box tagged with this run and record what it cost."""
         from burstcv import pipeline
 
         return pipeline.terminate(provisioned["run_key"], provisioned["backend"])
 
-    @task(execution_timeout=timedelta(minutes=30))
+    @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
     def export(
         packed: dict[str, Any],
         trained: dict[str, Any],
@@ -175,7 +206,7 @@ def burstcv_pipeline() -> None:
             str(run_id), _params(params or {}), packed, trained, validated, SETTINGS
         )
 
-    @task(execution_timeout=timedelta(minutes=30))
+    @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
     def benchmark(
         exported: dict[str, Any],
         packed: dict[str, Any],
@@ -215,6 +246,16 @@ def burstcv_pipeline() -> None:
             raise AirflowSkipException(f"version {verdict['version']} passed; promote=false")
         return pipeline.deploy(str(run_id), run_params, verdict, SETTINGS)
 
+    @task(execution_timeout=timedelta(minutes=10), trigger_rule="none_failed", **SAFE_RETRY)
+    def report(
+        verdict: dict[str, Any], params: dict[str, Any] | None = None, run_id: str | None = None
+    ) -> str:
+        """Write the run's one-page HTML report (data checks, curves, latency, verdict, cost)."""
+        from burstcv import pipeline
+
+        del verdict  # ordering only
+        return pipeline.report(str(run_id), _params(params or {}), SETTINGS)
+
     validated = validate()
     packed = pack(validated)
     provisioned = provision(packed)
@@ -229,7 +270,7 @@ def burstcv_pipeline() -> None:
     exported = export(packed, trained.output, validated)
     bench = benchmark(exported, packed, validated)
     verdict = gate(exported, bench)
-    deploy(verdict)
+    deploy(verdict) >> report(verdict)
 
 
 burstcv_pipeline()

@@ -326,7 +326,14 @@ def collect_training(
 
 def terminate(run_id: str, backend_name: str) -> dict[str, Any]:
     """Terminate every instance tagged with the run and record billed seconds and cost."""
-    report = get_backend(backend_name).terminate_run(safe_run_id(run_id))
+    from burstcv import lineage
+
+    backend = get_backend(backend_name)
+    report = backend.terminate_run(safe_run_id(run_id))
+    instances = [i.to_dict() for i in backend.describe(safe_run_id(run_id))]
+    billing = {**report.to_dict(), "backend": backend_name, "instances": instances,
+               "terminated_at": lineage.utc_now_iso()}
+    storage.write_json(storage.join(RunPaths.of(run_id).job, "billing.json"), billing)
     log.info(
         "terminated %s; billed seconds %s; cost $%.4f",
         report.instance_ids,
@@ -544,3 +551,15 @@ def deploy(
         timeout_s=s.deploy_verify_timeout_s,
     )
     return result.to_dict()
+
+
+def report(run_id: str, params: RunParams, settings: Settings | None = None) -> str:
+    """Write runs/<id>/report/index.html: one self-contained page about this run."""
+    from burstcv.report.render import build_report
+
+    s = settings or get_settings()
+    del params  # the report reads what the stages recorded, not what was asked
+    return build_report(
+        RunPaths.of(run_id, s).root, registry_uri=s.registry_uri, model_name=s.model_name,
+        serving_url=s.serving_url.split(",")[0].strip(),
+    )

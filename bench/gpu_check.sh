@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One short check on a machine with an NVIDIA GPU (under 8 minutes): environment, the CUDA
+# tests, and the training benchmark, ending with one summary. Run from the repo root:
+#   bash bench/gpu_check.sh
+# It uses .venv when present (build it with `make setup`), else installs requirements.txt
+# into a fresh .venv; the machine needs the same Python 3.11 and PyPI (or a wheel mirror).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+summary=()
+
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "gpu_check: no NVIDIA GPU visible (nvidia-smi failed)"; exit 2
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+
+if [ ! -x .venv/bin/python ]; then
+  python3.11 -m venv .venv && .venv/bin/pip install -q -r requirements.txt && .venv/bin/pip install -q --no-deps -e .
+fi
+PY=.venv/bin/python
+$PY -c "import torch; assert torch.cuda.is_available(), 'torch sees no CUDA'; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
+  || { echo "gpu_check: torch cannot use the GPU"; exit 2; }
+
+if timeout 300 $PY -m pytest -q -m cuda tests/training -p no:cacheprovider; then
+  summary+=("cuda tests: PASS")
+else
+  summary+=("cuda tests: FAIL")
+fi
+
+if timeout 240 $PY bench/train.py --epochs 3 --scale 8 --batch 512 --json /tmp/gpu_bench.json; then
+  summary+=("bench/train.py: $($PY -c "import json; r=json.load(open('/tmp/gpu_bench.json')); print(f\"{r['speedup']:.2f}x baseline, {r['burstcv_images_per_s']:.0f} img/s, bf16 peak fraction {r.get('bf16_peak_fraction')}\")")")
+else
+  summary+=("bench/train.py: FAIL")
+fi
+
+echo "=== gpu_check summary ($(( $(date +%s) - start )) s) ==="
+printf '%s\n' "${summary[@]}"
+[[ "${summary[*]}" != *FAIL* ]]

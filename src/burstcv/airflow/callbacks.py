@@ -1,0 +1,35 @@
+"""Small Airflow hooks the DAGs share: failure summaries and reading triggering Asset events."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("burstcv.airflow")
+
+
+def log_failure_summary(context: dict[str, Any]) -> None:
+    """Log one line that says which task of which run failed, and why."""
+    ti = context.get("task_instance") or context.get("ti")
+    exc = context.get("exception")
+    reason = str(exc).splitlines()[0] if exc else "no exception recorded"
+    where = f"{ti.dag_id}.{ti.task_id} run {ti.run_id} try {ti.try_number}" if ti else "unknown task"
+    log.error("burstcv FAILED %s: %s", where, reason)
+
+
+def dataset_from_asset_events(events: Any) -> str | None:
+    """Return the dataset URI carried by the newest triggering Asset event, if any.
+
+    An ingestion job or an external POST /api/v2/assets/events says which dataset it
+    updated in the event's ``extra``: ``{"dataset_uri": "s3://bucket/datasets/v7"}``.
+    """
+    if not events:
+        return None
+    newest: tuple[Any, str] | None = None
+    for asset_events in events.values():
+        for event in asset_events:
+            uri = (getattr(event, "extra", None) or {}).get("dataset_uri")
+            stamp = getattr(event, "timestamp", None)
+            if uri and (newest is None or (stamp is not None and stamp >= newest[0])):
+                newest = (stamp, str(uri))
+    return newest[1] if newest else None

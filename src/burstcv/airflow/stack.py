@@ -1,0 +1,381 @@
+"""Start a real, distributed Airflow on this machine for tests: one process per component.
+
+:func:`airflow_stack` creates a fresh PostgreSQL database (and, for the CeleryExecutor, claims an
+empty Redis database number), migrates it, and starts ``airflow scheduler``, ``dag-processor``,
+``triggerer``, ``api-server`` and ``celery worker`` as separate process groups bound to
+127.0.0.1 on free ports, each logging to its own file. On exit, whatever happened, it stops
+every process group, drops the database and flushes the Redis database it claimed. This is the
+production topology of docker-compose.yaml without Docker: the components talk only through
+the metadata database, the broker and the api-server's execution API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from burstcv.settings import REPO_ROOT
+
+log = logging.getLogger(__name__)
+
+CELERY_COMPONENTS = ("dag-processor", "scheduler", "triggerer", "api-server", "celery-worker")
+LOCAL_COMPONENTS = ("dag-processor", "scheduler", "api-server")
+# Health keys of GET /api/v2/monitor/health for components that heartbeat into the database.
+HEALTH_KEYS = {"scheduler": "scheduler", "triggerer": "triggerer", "dag-processor": "dag_processor"}
+STOP_GRACE_S = 20.0
+
+
+class StackError(RuntimeError):
+    """Raise when the stack cannot start; the message carries the failing component's log."""
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class PostgresServer:
+    """Name a PostgreSQL server the stack may create databases on (trust or password auth)."""
+
+    host: str = "127.0.0.1"
+    port: int = 5432
+    user: str = "postgres"
+    password: str = ""
+
+    def url(self, database: str, driver: str = "postgresql+psycopg2") -> str:
+        """Return a SQLAlchemy URL for one database on this server."""
+        auth = f"{self.user}:{self.password}" if self.password else self.user
+        return f"{driver}://{auth}@{self.host}:{self.port}/{database}"
+
+    def _admin(self) -> Any:
+        import psycopg2
+
+        conn = psycopg2.connect(
+            host=self.host, port=self.port, user=self.user, password=self.password or None,
+            dbname="postgres",
+        )
+        conn.autocommit = True  # CREATE/DROP DATABASE cannot run inside a transaction
+        return conn
+
+    @contextlib.contextmanager
+    def temporary_database(self, prefix: str = "burstcv_test_") -> Iterator[str]:
+        """Create a uniquely named database; drop it (closing its connections) on exit."""
+        name = f"{prefix}{secrets.token_hex(6)}"
+        conn = self._admin()
+        try:
+            with conn.cursor() as cur:
+                cur.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            conn.close()
+        log.info("created database %s", name)
+        try:
+            yield name
+        finally:
+            conn = self._admin()
+            try:
+                with conn.cursor() as cur:
+                    cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            finally:
+                conn.close()
+            log.info("dropped database %s", name)
+
+
+@dataclass(frozen=True)
+class RedisServer:
+    """Name a Redis server whose numbered databases the stack may claim one of."""
+
+    host: str = "127.0.0.1"
+    port: int = 6379
+    databases: int = 16
+
+    @contextlib.contextmanager
+    def claimed_database(self) -> Iterator[int]:
+        """Claim an empty database number (not 0) for this stack; flush it on exit."""
+        import redis
+
+        claim_key = "burstcv:stack-claim"
+        token = secrets.token_hex(8)
+        numbers = list(range(1, self.databases))
+        random.shuffle(numbers)
+        for number in numbers:
+            client = redis.Redis(host=self.host, port=self.port, db=number)
+            # Empty, then claimed atomically: two stacks starting together never share one.
+            if client.dbsize() == 0 and client.set(claim_key, token, nx=True):
+                break
+            client.close()
+        else:
+            raise StackError(f"no empty Redis database on {self.host}:{self.port}")
+        log.info("claimed redis db %d", number)
+        try:
+            yield number
+        finally:
+            client.flushdb()
+            client.close()
+
+    def url(self, number: int) -> str:
+        """Return a Celery broker URL for one database number."""
+        return f"redis://{self.host}:{self.port}/{number}"
+
+
+@dataclass
+class AirflowStack:
+    """Describe a running stack: where it listens, its environment, its processes and logs."""
+
+    home: Path
+    api_url: str
+    env: dict[str, str]
+    database: str
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def log_dir(self) -> Path:
+        """Return the folder with one log file per component."""
+        return self.home / "component-logs"
+
+    def log_tail(self, component: str, chars: int = 3000) -> str:
+        """Return the end of a component's log."""
+        path = self.log_dir / f"{component}.log"
+        return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
+
+    def all_log_tails(self, chars: int = 1500) -> str:
+        """Return the end of every component's log, for a failure message."""
+        return "\n".join(
+            f"----- {name} -----\n{self.log_tail(name, chars)}" for name in self.processes
+        )
+
+    def token(self) -> str:
+        """Return a JWT for the REST API (the simple auth manager, every user an admin)."""
+        response = httpx.get(f"{self.api_url}/auth/token", timeout=30)
+        response.raise_for_status()
+        return str(response.json()["access_token"])
+
+    def client(self, timeout_s: float = 60.0) -> httpx.Client:
+        """Return an HTTP client for the api-server that sends the admin JWT."""
+        return httpx.Client(
+            base_url=self.api_url,
+            headers={"Authorization": f"Bearer {self.token()}"},
+            timeout=timeout_s,
+        )
+
+    def assert_running(self) -> None:
+        """Raise StackError naming any component process that has exited."""
+        dead = {n: p.returncode for n, p in self.processes.items() if p.poll() is not None}
+        if dead:
+            raise StackError(f"components exited: {dead}\n{self.all_log_tails()}")
+
+
+def _component_command(component: str, api_port: int) -> list[str]:
+    airflow = [sys.executable, "-m", "airflow"]
+    commands = {
+        "scheduler": [*airflow, "scheduler"],
+        "dag-processor": [*airflow, "dag-processor"],
+        "triggerer": [*airflow, "triggerer"],
+        "api-server": [
+            *airflow, "api-server", "--host", "127.0.0.1", "--port", str(api_port),
+            "--workers", "1",
+        ],
+        # Two task slots: the machine running the tests has few cores.
+        "celery-worker": [*airflow, "celery", "worker", "--concurrency", "2"],
+    }
+    if component not in commands:
+        raise ValueError(f"unknown component {component!r}; choose {', '.join(commands)}")
+    return commands[component]
+
+
+def stack_env(
+    home: Path,
+    *,
+    executor: str,
+    sql_alchemy_conn: str,
+    api_port: int,
+    broker_url: str | None = None,
+    result_backend: str | None = None,
+) -> dict[str, str]:
+    """Return the Airflow environment shared by every component of one stack."""
+    env = {
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO_ROOT / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO_ROOT / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__EXECUTOR": executor,
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": sql_alchemy_conn,
+        # Workers reach the api-server's execution API to run tasks; all must share one secret.
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{api_port}/execution/",
+        "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{api_port}",
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__PORT": str(api_port),
+        "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(32),
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+        # Log servers on free ports: other stacks may run on this machine at the same time.
+        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+        "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_HOST": "127.0.0.1",
+        "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_PORT": str(free_port()),
+        # Fast feedback: pick up DAG files and queued work quickly.
+        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
+        "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT": "600",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
+        "PYTHONUNBUFFERED": "1",
+        # Absolute, so components find burstcv whatever their working directory (an editable
+        # install makes this redundant; a PYTHONPATH=src checkout needs it).
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO_ROOT / "src"), str(REPO_ROOT / "serving")]
+            + [str(Path(p).resolve()) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        ),
+    }
+    if broker_url:
+        env["AIRFLOW__CELERY__BROKER_URL"] = broker_url
+    if result_backend:
+        env["AIRFLOW__CELERY__RESULT_BACKEND"] = result_backend
+    return env
+
+
+def _start(component: str, api_port: int, env: dict[str, str], log_dir: Path) -> Any:
+    log_file = open(log_dir / f"{component}.log", "wb")  # noqa: SIM115  closed by the child's exit
+    try:
+        return subprocess.Popen(
+            _component_command(component, api_port),
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=str(env["AIRFLOW_HOME"]),
+            start_new_session=True,  # its own process group: stopping it stops its children
+        )
+    finally:
+        log_file.close()
+
+
+def _stop_all(processes: dict[str, subprocess.Popen[bytes]]) -> None:
+    """Stop each component's process group: SIGTERM, a grace period, then SIGKILL."""
+    for proc in processes.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for name, proc in processes.items():
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0f s; killing it", name, STOP_GRACE_S)
+        # The group may outlive its leader (task runners, gunicorn workers): kill what is left.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+
+def _wait_ready(stack: AirflowStack, components: Sequence[str], timeout_s: float) -> None:
+    """Wait until the api-server answers and every heartbeating component reports healthy."""
+    wanted = [HEALTH_KEYS[c] for c in components if c in HEALTH_KEYS]
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    while time.monotonic() < deadline:
+        stack.assert_running()
+        try:
+            health = httpx.get(f"{stack.api_url}/api/v2/monitor/health", timeout=5).json()
+        except (httpx.HTTPError, ValueError) as exc:
+            last = repr(exc)
+        else:
+            states = {key: (health.get(key) or {}).get("status") for key in wanted}
+            worker_ready = "celery-worker" not in components or " ready." in stack.log_tail(
+                "celery-worker", 200_000
+            )
+            if all(s == "healthy" for s in states.values()) and worker_ready:
+                return
+            last = f"health {states}, celery worker ready: {worker_ready}"
+        time.sleep(2)
+    raise StackError(
+        f"stack not ready after {timeout_s:.0f} s ({last})\n{stack.all_log_tails()}"
+    )
+
+
+@contextlib.contextmanager
+def airflow_stack(
+    extra_env: dict[str, str] | None = None,
+    *,
+    executor: str = "CeleryExecutor",
+    components: Sequence[str] | None = None,
+    postgres: PostgresServer | None = None,
+    redis_server: RedisServer | None = None,
+    home: Path | None = None,
+    startup_timeout_s: float = 300.0,
+) -> Iterator[AirflowStack]:
+    """Run Airflow as separate processes on a fresh PostgreSQL database; stop it all on exit.
+
+    ``executor`` is ``CeleryExecutor`` (Redis broker, a Celery worker, a triggerer) or
+    ``LocalExecutor`` (the scheduler runs tasks itself; no broker). ``extra_env`` (the
+    ``BURSTCV_*`` settings of the run, typically) reaches every component.
+    """
+    import tempfile
+
+    celery = executor == "CeleryExecutor"
+    components = tuple(components or (CELERY_COMPONENTS if celery else LOCAL_COMPONENTS))
+    postgres = postgres or PostgresServer()
+    redis_server = redis_server or RedisServer()
+    with contextlib.ExitStack() as cleanup:
+        if home is None:
+            home = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="airflow-stack-")))
+        database = cleanup.enter_context(postgres.temporary_database())
+        broker = result_backend = None
+        if celery:
+            broker = redis_server.url(cleanup.enter_context(redis_server.claimed_database()))
+            result_backend = postgres.url(database, driver="db+postgresql")
+        api_port = free_port()
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")},
+            **stack_env(
+                home,
+                executor=executor,
+                sql_alchemy_conn=postgres.url(database),
+                api_port=api_port,
+                broker_url=broker,
+                result_backend=result_backend,
+            ),
+            **(extra_env or {}),
+        }
+        stack = AirflowStack(
+            home=home, api_url=f"http://127.0.0.1:{api_port}", env=env, database=database
+        )
+        stack.log_dir.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        migrate = subprocess.run(
+            [sys.executable, "-m", "airflow", "db", "migrate"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=str(home),
+        )
+        if migrate.returncode != 0:
+            raise StackError(
+                f"airflow db migrate failed:\n{migrate.stdout[-2000:]}\n{migrate.stderr[-3000:]}"
+            )
+        log.info("migrated %s in %.1f s", database, time.monotonic() - started)
+        cleanup.callback(_stop_all, stack.processes)
+        for component in components:
+            stack.processes[component] = _start(component, api_port, env, stack.log_dir)
+        _wait_ready(stack, components, startup_timeout_s)
+        log.info(
+            "airflow stack (%s) up at %s in %.1f s",
+            ", ".join(components),
+            stack.api_url,
+            time.monotonic() - started,
+        )
+        yield stack
