@@ -490,7 +490,7 @@ def benchmark(
         for k in ("candidate", "production")
         if k in results
     }
-    return {"latency_uri": uri, **summary}
+    return {"latency_uri": uri, "host": results["host"], **summary}
 
 
 def gate(
@@ -501,10 +501,12 @@ def gate(
     settings: Settings | None = None,
 ) -> dict[str, Any]:
     """Judge the candidate, register it (promotable or rejected), and return the verdict."""
-    from burstcv.bench.gate import GateThresholds, judge
+    from burstcv.bench.gate import GateThresholds, ServingContext, judge
+    from burstcv.compute.ec2 import Ec2Settings
     from burstcv.registry.registry import Registry
 
     s = settings or get_settings()
+    model_json = storage.read_json(storage.join(exported["model_dir"], "model.json"))
     verdict = judge(
         bench["candidate"],
         bench.get("production"),
@@ -512,6 +514,12 @@ def gate(
             latency_slo_ms=params.latency_slo_ms,
             accuracy_floor=params.accuracy_floor,
             max_accuracy_drop=params.max_accuracy_drop,
+        ),
+        ServingContext(
+            arch=params.model,
+            int8_tried=bool(model_json.get("quantization", {}).get("int8_tried")),
+            region=Ec2Settings().region,
+            measured_vcpus=bench.get("host", {}).get("cpu_count") or None,
         ),
     )
     registry = Registry(s.registry_uri, s.model_name)

@@ -1,9 +1,53 @@
-"""Decide whether a candidate may replace production: SLO, errors, accuracy, no regression."""
+"""Decide whether a candidate may replace production: SLO, errors, accuracy, no regression.
+
+When the candidate misses the latency SLO, the verdict also carries priced suggestions
+(INT8, a smaller architecture, a larger CPU instance, GPU serving), each with an estimated
+p95 and cost per 1M predictions, and the assumption behind the estimate.
+"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from burstcv.cost.pricing import UnknownPriceError, hourly_price, serving_cost_per_million
+from burstcv.training.names import ARCHITECTURE_NAMES
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SERVING_INSTANCE = "c7i.large"
+DEFAULT_SERVING_REGION = "us-east-1"
+
+# vCPUs per instance type (AWS's published figures) for the types the price table holds.
+VCPUS: dict[str, int] = {
+    "c7i.large": 2,
+    "c7i.xlarge": 4,
+    "c7i.2xlarge": 8,
+    "m7i.large": 2,
+    "g4dn.xlarge": 4,
+    "g5.xlarge": 4,
+    "g6.xlarge": 4,
+}
+# Larger CPU types to consider, smallest first.
+CPU_UPGRADES: tuple[str, ...] = ("c7i.xlarge", "c7i.2xlarge")
+# One-GPU types to consider for GPU serving; the cheapest priced one is suggested.
+GPU_SERVING_TYPES: tuple[str, ...] = ("g4dn.xlarge", "g6.xlarge", "g5.xlarge")
+
+# Multiply-adds per image at 32x32 input (millions), measured with torch's FlopCounterMode
+# on burstcv.training.models. Latency ∝ multiply-adds flatters the depthwise-convolution nets
+# (mobilenet, efficientnet), which run fewer operations per second on CPU than resnets.
+ARCH_MMACS: dict[str, float] = {
+    "resnet10": 63.4,
+    "resnet18": 138.9,
+    "resnet34": 289.9,
+    "mobilenet_v3_small": 5.5,
+    "efficientnet_b0": 32.0,
+}
+assert set(ARCH_MMACS) == set(ARCHITECTURE_NAMES), "keep ARCH_MMACS in step with names.py"
+
+INT8_SPEEDUP = 2.0  # onnxruntime INT8 vs FP32 on CPUs with VNNI/AMX (c7i): 1.5-3x for CNNs
+GPU_COMPUTE_MS = 1.0  # a small CNN at batch 1 on one data-centre GPU, copies included
 
 
 @dataclass
@@ -13,20 +57,43 @@ class GateThresholds:
     latency_slo_ms: float  # p95 over HTTP, one image per request
     accuracy_floor: float  # validation top-1
     max_accuracy_drop: float  # against production on the same validation split
+    # p95 against production's, as a fraction (0.2: at most 20% slower); None: not checked.
+    max_latency_increase: float | None = None
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """Say what was measured and where it would serve, so advice can be priced."""
+
+    arch: str | None = None  # the candidate's architecture; None: no smaller-model advice
+    int8_tried: bool = False  # an INT8 model was already measured: do not suggest it again
+    region: str = DEFAULT_SERVING_REGION
+    instance_type: str = DEFAULT_SERVING_INSTANCE  # the CPU type production serves on
+    # vCPUs of the benchmark host; None: assume it matches instance_type.
+    measured_vcpus: int | None = None
 
 
 @dataclass
 class Verdict:
-    """Say whether to promote and, if not, every reason why."""
+    """Say whether to promote and, if not, every reason why and what would fix it."""
 
     promote: bool
     reasons: list[str] = field(default_factory=list)
     checks: list[dict[str, Any]] = field(default_factory=list)
+    suggestions: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def summary(self) -> str:
-        """Return one line: 'promoted' or 'not promoted: <reasons>'."""
-        return "promote" if self.promote else "not promoted: " + "; ".join(self.reasons)
+        """Return one line: 'promote' or 'not promoted: <reasons>' (+ the cheapest fix)."""
+        if self.promote:
+            return "promote"
+        line = "not promoted: " + "; ".join(self.reasons)
+        fix = next((s for s in self.suggestions if s.get("meets_slo")), None)
+        if fix is not None:
+            line += f"; cheapest fix: {fix['title']} (est. p95 {fix['estimated_p95_ms']:.1f} ms"
+            cost = fix.get("cost_per_million_usd")
+            line += f", ${cost:.2f} per 1M)" if cost is not None else ")"
+        return line
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
@@ -36,9 +103,16 @@ class Verdict:
 
 
 def judge(
-    candidate: dict[str, Any], production: dict[str, Any] | None, limits: GateThresholds
+    candidate: dict[str, Any],
+    production: dict[str, Any] | None,
+    limits: GateThresholds,
+    serving: ServingContext | None = None,
 ) -> Verdict:
-    """Judge a candidate's figures (p95_ms, error_rate, accuracy) against limits and production."""
+    """Judge a candidate's figures (p95_ms, error_rate, accuracy) against limits and production.
+
+    A candidate that misses the SLO gets priced suggestions from ``advise``, using ``serving``
+    (default: unknown architecture, INT8 not tried, c7i.large in us-east-1).
+    """
     checks: list[dict[str, Any]] = []
 
     def check(name: str, ok: bool, observed: float, limit: float, reason: str) -> None:
@@ -53,9 +127,10 @@ def judge(
         )
 
     p95 = float(candidate["p95_ms"])
+    slo_met = p95 <= limits.latency_slo_ms
     check(
         "latency_p95",
-        p95 <= limits.latency_slo_ms,
+        slo_met,
         p95,
         limits.latency_slo_ms,
         f"p95 {p95:.2f} ms exceeds the SLO {limits.latency_slo_ms:g} ms by "
@@ -83,5 +158,221 @@ def judge(
             f"v{production.get('version')} ({prod_acc:.4f}); "
             f"at most {limits.max_accuracy_drop:.4f} allowed",
         )
+    if (
+        limits.max_latency_increase is not None
+        and production is not None
+        and production.get("p95_ms") is not None
+    ):
+        prod_p95 = float(production["p95_ms"])
+        ceiling = prod_p95 * (1.0 + limits.max_latency_increase)
+        check(
+            "no_latency_regression",
+            p95 <= ceiling,
+            p95,
+            ceiling,
+            f"p95 {p95:.2f} ms is {p95 / prod_p95:.1f}x production v{production.get('version')}"
+            f"'s {prod_p95:.2f} ms; at most +{limits.max_latency_increase:.0%} allowed",
+        )
     reasons = [c["reason"] for c in checks if not c["passed"]]
-    return Verdict(promote=not reasons, reasons=reasons, checks=checks)
+    suggestions: list[dict[str, Any]] = []
+    if not slo_met:
+        ctx = serving or ServingContext()
+        suggestions = advise(
+            candidate,
+            limits,
+            arch=ctx.arch,
+            int8_tried=ctx.int8_tried,
+            region=ctx.region,
+            instance_type=ctx.instance_type,
+            measured_vcpus=ctx.measured_vcpus,
+        )
+    return Verdict(promote=not reasons, reasons=reasons, checks=checks, suggestions=suggestions)
+
+
+@dataclass(frozen=True)
+class _LatencySplit:
+    """Split a measured p95 into a fixed part and a part that scales with compute speed."""
+
+    p95_ms: float
+    fixed_ms: float  # HTTP, decode, preprocessing: the median's share outside onnxruntime
+    scalable_ms: float  # onnxruntime compute and the queueing behind it
+    note: str
+
+    @classmethod
+    def of(cls, candidate: dict[str, Any]) -> _LatencySplit:
+        p95 = float(candidate["p95_ms"])
+        bare = candidate.get("bare_onnxruntime_p50_ms")
+        p50 = candidate.get("p50_ms")
+        if bare is None or p50 is None:
+            return cls(
+                p95,
+                0.0,
+                p95,
+                "no bare-onnxruntime figure: all of p95 is assumed to scale (optimistic)",
+            )
+        fixed = min(max(0.0, float(p50) - float(bare)), p95)
+        return cls(
+            p95,
+            fixed,
+            p95 - fixed,
+            f"p95 split into {fixed:.2f} ms fixed (HTTP + decode: p50 minus bare onnxruntime "
+            f"p50) and {p95 - fixed:.2f} ms that scales with compute speed",
+        )
+
+    def scaled(self, factor: float) -> float:
+        """Return the p95 when the compute share runs ``factor`` times as long."""
+        return self.fixed_ms + self.scalable_ms * factor
+
+
+def _price(
+    instance_type: str, region: str, throughput_rps: float | None
+) -> tuple[float | None, str]:
+    """Return (cost per 1M predictions, note); None with the reason when it cannot be priced."""
+    if not throughput_rps or throughput_rps <= 0:
+        return None, "no measured throughput to price from"
+    try:
+        cost = serving_cost_per_million(instance_type, region, throughput_rps)
+    except UnknownPriceError as exc:
+        log.warning("cannot price %s in %s: %s", instance_type, region, exc)
+        return None, str(exc)
+    return cost, f"{instance_type} on-demand in {region} at {throughput_rps:.1f} req/s"
+
+
+def advise(
+    candidate: dict[str, Any],
+    limits: GateThresholds,
+    *,
+    arch: str | None,
+    int8_tried: bool,
+    region: str,
+    instance_type: str = DEFAULT_SERVING_INSTANCE,
+    measured_vcpus: int | None = None,
+) -> list[dict[str, Any]]:
+    """Return priced ways to bring p95 under the SLO, those that meet it first, cheapest first.
+
+    Each suggestion holds ``action``, ``title``, ``estimated_p95_ms``, ``meets_slo``,
+    ``instance_type``, ``region``, ``estimated_throughput_rps``, ``cost_per_million_usd``
+    (None when unpriceable, with ``price_note``), ``assumption`` and ``detail``. Estimates
+    scale the measured p95's compute share; they are a guide for the next run, not a promise.
+    """
+    split = _LatencySplit.of(candidate)
+    slo = limits.latency_slo_ms
+    rps = candidate.get("throughput_rps")
+    throughput = float(rps) if rps else None
+    base_vcpus = measured_vcpus or VCPUS.get(instance_type, 2)
+    gap = split.p95_ms - slo
+    out: list[dict[str, Any]] = []
+
+    def suggest(
+        action: str,
+        title: str,
+        p95_est: float,
+        on_type: str,
+        throughput_est: float | None,
+        assumption: str,
+    ) -> None:
+        cost, price_note = _price(on_type, region, throughput_est)
+        out.append(
+            {
+                "action": action,
+                "title": title,
+                "estimated_p95_ms": round(p95_est, 3),
+                "meets_slo": p95_est <= slo,
+                "gap_ms": round(gap, 3),
+                "instance_type": on_type,
+                "region": region,
+                "estimated_throughput_rps": None
+                if throughput_est is None
+                else round(throughput_est, 2),
+                "cost_per_million_usd": None if cost is None else round(cost, 4),
+                "price_note": price_note,
+                "assumption": f"{assumption}; {split.note}",
+                "detail": f"{title}: p95 {split.p95_ms:.1f} → ~{p95_est:.1f} ms "
+                f"(SLO {slo:g} ms) on {on_type}",
+            }
+        )
+
+    def throughput_at(p95_est: float) -> float | None:
+        # A closed-loop benchmark's throughput is concurrency / latency: scale it inversely.
+        return None if throughput is None else throughput * split.p95_ms / max(p95_est, 1e-6)
+
+    if not int8_tried:
+        est = split.scaled(1.0 / INT8_SPEEDUP)
+        suggest(
+            "int8",
+            "export an INT8 model (onnxruntime static quantization)",
+            est,
+            instance_type,
+            throughput_at(est),
+            f"INT8 runs the compute share {INT8_SPEEDUP:g}x faster (typically 1.5-3x on "
+            "VNNI/AMX CPUs); accuracy must be re-measured",
+        )
+
+    if arch is not None and arch in ARCH_MMACS:
+        smaller = sorted(
+            (a for a in ARCH_MMACS if ARCH_MMACS[a] < ARCH_MMACS[arch]),
+            key=lambda a: ARCH_MMACS[a],
+            reverse=True,
+        )
+        if smaller:
+            # The largest architecture that meets the SLO keeps the most accuracy.
+            estimates = {a: split.scaled(ARCH_MMACS[a] / ARCH_MMACS[arch]) for a in smaller}
+            pick = next((a for a in smaller if estimates[a] <= slo), smaller[-1])
+            suggest(
+                "smaller_model",
+                f"retrain as {pick} instead of {arch}",
+                estimates[pick],
+                instance_type,
+                throughput_at(estimates[pick]),
+                f"latency scales with multiply-adds ({ARCH_MMACS[pick]:g}M vs "
+                f"{ARCH_MMACS[arch]:g}M per image); depthwise nets run slower per operation on "
+                "CPU, and accuracy must be re-measured",
+            )
+
+    upgrades = [t for t in CPU_UPGRADES if VCPUS[t] > base_vcpus]
+    if upgrades:
+        estimates = {t: split.scaled(base_vcpus / VCPUS[t]) for t in upgrades}
+        pick = next((t for t in upgrades if estimates[t] <= slo), upgrades[-1])
+        suggest(
+            "larger_instance",
+            f"serve on {pick} ({VCPUS[pick]} vCPUs) instead of {instance_type}",
+            estimates[pick],
+            pick,
+            None if throughput is None else throughput * VCPUS[pick] / base_vcpus,
+            f"the compute share shrinks linearly with vCPUs ({base_vcpus} measured → "
+            f"{VCPUS[pick]}; optimistic, intra-op scaling is sub-linear) and throughput grows "
+            "with them",
+        )
+
+    gpu = _cheapest_gpu(region)
+    if gpu is not None:
+        est = split.fixed_ms + GPU_COMPUTE_MS
+        suggest(
+            "gpu_serving",
+            f"serve on GPU ({gpu}, onnxruntime CUDA provider)",
+            est,
+            gpu,
+            None if throughput is None else throughput * VCPUS[gpu] / base_vcpus,
+            f"the compute share becomes ~{GPU_COMPUTE_MS:g} ms on the GPU; HTTP and decoding "
+            f"stay on its {VCPUS[gpu]} vCPUs, which bound throughput as the CPUs did here",
+        )
+
+    out.sort(
+        key=lambda s: (
+            not s["meets_slo"],
+            s["cost_per_million_usd"] is None,
+            s["cost_per_million_usd"] or 0.0,
+        )
+    )
+    return out
+
+
+def _cheapest_gpu(region: str) -> str | None:
+    """Return the one-GPU instance type with the lowest on-demand price in ``region``."""
+    priced: list[tuple[float, str]] = []
+    for instance_type in GPU_SERVING_TYPES:
+        try:
+            priced.append((hourly_price(instance_type, region, "on-demand"), instance_type))
+        except UnknownPriceError:
+            continue  # not sold (or not in the table) in this region: consider the others
+    return min(priced)[1] if priced else None

@@ -87,7 +87,9 @@ def deploy(
     if failed:
         registry.restore_aliases(before_prod, before_prev)
         if before_prod is not None:
-            notify_and_verify(list(failed), before_prod.version, token, min(timeout_s, 10.0))
+            # Every service goes back, not only those that failed: one that already switched
+            # would otherwise serve the undone version until its next poll (or forever).
+            notify_and_verify(service_urls, before_prod.version, token, min(timeout_s, 10.0))
         detail = "; ".join(f"{url} reported {got!r}" for url, got in failed.items())
         raise DeployError(
             f"version {version} was not confirmed within {timeout_s:g}s ({detail}); production "

@@ -1,0 +1,481 @@
+"""Benchmark the prediction service against the bare-onnxruntime floor and a naive torch service.
+
+One run measures, side by side on this machine:
+
+* the floor: onnxruntime in-process, batch 1 latency (p50/p99) and batched throughput;
+* the service (``python -m burstcv_serving``, a real process) at concurrency 1 (p50/p99) and
+  at concurrency 16 (throughput, p99), over HTTP with a multipart PNG per request;
+* a naive baseline: FastAPI + torch eager, one request per forward pass.
+
+Load comes from ``wrk`` when it is installed (Debian: ``apt-get install -y wrk``), else from
+an asyncio/httpx generator in this process (which can itself become the bottleneck).
+
+    python bench/serving.py [--model-dir DIR] [--torch-checkpoint model.pt] [--duration-s 5]
+
+Without ``--model-dir`` a synthetic classifier (Conv → ReLU → GlobalAveragePool → Gemm) is
+built with onnx.helper, and the torch baseline is the same network as an nn.Module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import io
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, File, UploadFile  # module level: FastAPI resolves the annotations
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "serving"))
+
+from burstcv_serving.preprocess import PreprocessSpec, decode_to_uint8, normalize  # noqa: E402
+
+BOUNDARY = "burstcvbench"
+SYNTH_CLASSES = 10
+SYNTH_CHANNELS = 32
+
+
+# --- the model -------------------------------------------------------------------------------
+
+
+def synthetic_weights(seed: int = 0) -> dict[str, np.ndarray]:
+    """Return the synthetic network's weights (shared by the ONNX file and the torch module)."""
+    rng = np.random.default_rng(seed)
+    return {
+        "conv_w": (rng.standard_normal((SYNTH_CHANNELS, 3, 3, 3)) * 0.2).astype(np.float32),
+        "conv_b": np.zeros(SYNTH_CHANNELS, dtype=np.float32),
+        "fc_w": (rng.standard_normal((SYNTH_CLASSES, SYNTH_CHANNELS)) * 0.2).astype(np.float32),
+        "fc_b": np.zeros(SYNTH_CLASSES, dtype=np.float32),
+    }
+
+
+def write_synthetic_model(directory: Path) -> Path:
+    """Write model.onnx + model.json for the synthetic classifier; return the directory."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = synthetic_weights()
+    nodes = [
+        helper.make_node("Conv", ["input", "conv_w", "conv_b"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"]),
+        helper.make_node("GlobalAveragePool", ["r"], ["p"]),
+        helper.make_node("Flatten", ["p"], ["f"], axis=1),
+        helper.make_node("Gemm", ["f", "fc_w", "fc_b"], ["logits"], transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "bench_classifier",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 32, 32])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", SYNTH_CLASSES])],
+        initializer=[numpy_helper.from_array(v, k) for k, v in w.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    data = model.SerializeToString()
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "model.onnx").write_bytes(data)
+    spec = PreprocessSpec(height=32, width=32)
+    meta = {
+        "format_version": 1,
+        "name": "bench-synthetic",
+        "arch": "conv-gap-gemm",
+        "classes": [str(i) for i in range(SYNTH_CLASSES)],
+        "onnx_file": "model.onnx",
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "opset": 18,
+        "input": {"name": "input", "shape": [None, 3, 32, 32], "dtype": "float32"},
+        "output": {"name": "logits", "kind": "logits"},
+        "preprocess": spec.to_dict(),
+        "metrics": {},
+    }
+    (directory / "model.json").write_text(json.dumps(meta, indent=2))
+    return directory
+
+
+def torch_module(checkpoint: str | None, meta: dict[str, Any]) -> Any:
+    """Return the torch baseline: a checkpointed torchvision-style model or the synthetic one."""
+    import torch
+    from torch import nn
+
+    if checkpoint:
+        obj = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        if isinstance(obj, nn.Module):
+            return obj.eval()
+        raise SystemExit(
+            f"{checkpoint} holds {type(obj).__name__}; pass a pickled nn.Module, or omit "
+            "--torch-checkpoint to use the synthetic model"
+        )
+
+    class Synthetic(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, SYNTH_CHANNELS, 3, padding=1)
+            self.fc = nn.Linear(SYNTH_CHANNELS, SYNTH_CLASSES)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = torch.relu(self.conv(x))
+            return self.fc(x.mean(dim=(2, 3)))
+
+    w = synthetic_weights()
+    module = Synthetic()
+    with torch.no_grad():
+        module.conv.weight.copy_(torch.from_numpy(w["conv_w"]))
+        module.conv.bias.copy_(torch.from_numpy(w["conv_b"]))
+        module.fc.weight.copy_(torch.from_numpy(w["fc_w"]))
+        module.fc.bias.copy_(torch.from_numpy(w["fc_b"]))
+    return module.eval()
+
+
+# --- the naive baseline service (run as: bench/serving.py --naive-server) ---------------------
+
+
+def run_naive_server(model_dir: str, checkpoint: str | None, port: int) -> None:
+    """Serve FastAPI + torch eager, one forward pass per request (the usual first attempt)."""
+    import torch
+    import uvicorn
+
+    meta = json.loads((Path(model_dir) / "model.json").read_text())
+    spec = PreprocessSpec.from_dict(meta["preprocess"])
+    classes = meta["classes"]
+    module = torch_module(checkpoint, meta)
+    app = FastAPI()
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/v1/predict")
+    def predict(file: UploadFile = File(...)) -> dict[str, Any]:
+        x = torch.from_numpy(normalize(decode_to_uint8(file.file.read(), spec), spec))
+        with torch.no_grad():
+            probabilities = torch.softmax(module(x), dim=1)[0]
+        top = torch.topk(probabilities, k=min(3, len(classes)))
+        return {
+            "predictions": [
+                {"label": classes[i], "index": int(i), "score": float(s)}
+                for s, i in zip(top.values.tolist(), top.indices.tolist(), strict=True)
+            ]
+        }
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+# --- measurement helpers ---------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def percentile_ms(samples_s: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(samples_s) * 1000.0, q))
+
+
+def sample_png() -> bytes:
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 255, (32, 32, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def multipart_body(png: bytes) -> bytes:
+    head = (
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="x.png"\r\n'
+        "Content-Type: image/png\r\n\r\n"
+    ).encode()
+    return head + png + f"\r\n--{BOUNDARY}--\r\n".encode()
+
+
+def bare_onnxruntime(model_dir: Path, threads: int, seconds: float) -> dict[str, float]:
+    """Time session.run alone: batch-1 latency and batch-32 throughput (the floor)."""
+    import onnxruntime as ort
+
+    meta = json.loads((model_dir / "model.json").read_text())
+    spec = PreprocessSpec.from_dict(meta["preprocess"])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(
+        str(model_dir / meta["onnx_file"]), options, providers=["CPUExecutionProvider"]
+    )
+    name = meta["input"]["name"]
+    one = normalize(decode_to_uint8(sample_png(), spec), spec)
+    batch = np.repeat(one, 32, axis=0)
+    for _ in range(50):
+        session.run(None, {name: one})
+    latencies = []
+    end = time.perf_counter() + seconds / 2
+    while time.perf_counter() < end:
+        started = time.perf_counter()
+        session.run(None, {name: one})
+        latencies.append(time.perf_counter() - started)
+    images = 0
+    started = time.perf_counter()
+    end = started + seconds / 2
+    while time.perf_counter() < end:
+        session.run(None, {name: batch})
+        images += len(batch)
+    return {
+        "p50_ms": percentile_ms(latencies, 50),
+        "p99_ms": percentile_ms(latencies, 99),
+        "batched_images_per_s": images / (time.perf_counter() - started),
+    }
+
+
+def wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"server exited with {process.returncode} before becoming ready")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"{url} not ready after {timeout_s} s")
+
+
+_WRK_LUA = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "multipart/form-data; boundary={boundary}"
+local f = io.open("{body_path}", "rb")
+wrk.body = f:read("*all")
+f:close()
+done = function(summary, latency, requests)
+  io.write(string.format("JSON {{\\"requests\\": %d, \\"seconds\\": %f, \\"p50_us\\": %f, "
+    .. "\\"p99_us\\": %f, \\"non2xx\\": %d, \\"errors\\": %d}}\\n",
+    summary.requests, summary.duration / 1e6, latency:percentile(50), latency:percentile(99),
+    summary.errors.status, summary.errors.connect + summary.errors.read + summary.errors.write
+    + summary.errors.timeout))
+end
+"""
+
+
+def load_wrk(url: str, body_path: Path, concurrency: int, seconds: float) -> dict[str, float]:
+    script = body_path.with_suffix(".lua")
+    script.write_text(_WRK_LUA.format(boundary=BOUNDARY, body_path=body_path))
+    threads = min(concurrency, 2)
+    out = subprocess.run(
+        ["wrk", f"-t{threads}", f"-c{concurrency}", f"-d{seconds:.0f}s", "-s", str(script), url],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    match = re.search(r"^JSON (\{.*\})$", out, re.MULTILINE)
+    if not match:
+        raise SystemExit(f"cannot parse wrk output:\n{out}")
+    stats = json.loads(match.group(1))
+    return {
+        "requests": stats["requests"],
+        "throughput_rps": stats["requests"] / stats["seconds"],
+        "p50_ms": stats["p50_us"] / 1000.0,
+        "p99_ms": stats["p99_us"] / 1000.0,
+        "failed": stats["non2xx"] + stats["errors"],
+    }
+
+
+def load_python(url: str, body: bytes, concurrency: int, seconds: float) -> dict[str, float]:
+    import httpx
+
+    latencies: list[float] = []
+    failed = 0
+
+    async def worker(client: httpx.AsyncClient, end: float) -> None:
+        nonlocal failed
+        headers = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
+        while time.perf_counter() < end:
+            started = time.perf_counter()
+            response = await client.post(url, content=body, headers=headers)
+            latencies.append(time.perf_counter() - started)
+            failed += response.status_code != 200
+
+    async def main() -> float:
+        limits = httpx.Limits(max_connections=concurrency)
+        async with httpx.AsyncClient(limits=limits, timeout=30) as client:
+            started = time.perf_counter()
+            end = started + seconds
+            await asyncio.gather(*(worker(client, end) for _ in range(concurrency)))
+            return time.perf_counter() - started
+
+    elapsed = asyncio.run(main())
+    return {
+        "requests": len(latencies),
+        "throughput_rps": len(latencies) / elapsed,
+        "p50_ms": percentile_ms(latencies, 50),
+        "p99_ms": percentile_ms(latencies, 99),
+        "failed": failed,
+    }
+
+
+def measure_http(
+    url: str, body_path: Path, concurrency: int, seconds: float, use_wrk: bool
+) -> dict[str, float]:
+    # Warm-up (connections, caches), not counted.
+    if use_wrk:
+        load_wrk(url, body_path, concurrency, 1)
+        return load_wrk(url, body_path, concurrency, seconds)
+    load_python(url, body_path.read_bytes(), concurrency, 1)
+    return load_python(url, body_path.read_bytes(), concurrency, seconds)
+
+
+def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    """Run every measurement and print the figures and ratios."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", help="directory with model.onnx + model.json")
+    parser.add_argument("--torch-checkpoint", help="pickled nn.Module for the naive baseline")
+    parser.add_argument("--duration-s", type=float, default=5.0, help="per HTTP measurement")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--no-wrk", action="store_true", help="use the Python load generator")
+    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--naive-server", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.naive_server:
+        run_naive_server(args.model_dir, args.torch_checkpoint, args.port)
+        return
+
+    work = Path(tempfile.mkdtemp(prefix="burstcv-bench-"))
+    model_dir = Path(args.model_dir) if args.model_dir else write_synthetic_model(work / "model")
+    if not args.model_dir and args.torch_checkpoint:
+        raise SystemExit("--torch-checkpoint needs the --model-dir it was exported to")
+    body_path = work / "body.bin"
+    body_path.write_bytes(multipart_body(sample_png()))
+    use_wrk = shutil.which("wrk") is not None and not args.no_wrk
+    generator = "wrk" if use_wrk else "python asyncio+httpx"
+
+    results: dict[str, Any] = {
+        "machine": {
+            "cpus": len(os.sched_getaffinity(0)),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "load_generator": generator,
+        "model_dir": str(model_dir),
+    }
+    results["bare"] = bare_onnxruntime(model_dir, args.threads, seconds=4.0)
+
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT / "serving"),
+        "BURSTCV_SERVING_MODEL_DIR": str(model_dir),
+        "BURSTCV_SERVING_PORT": str(free_port()),
+        "BURSTCV_SERVING_POLL_INTERVAL_S": "0",
+        "BURSTCV_SERVING_INTRA_OP_THREADS": str(args.threads),
+        "BURSTCV_SERVING_LOG_LEVEL": "warning",
+    }
+    service_url = f"http://127.0.0.1:{env['BURSTCV_SERVING_PORT']}"
+    service = start([sys.executable, "-m", "burstcv_serving"], env, work / "service.log")
+    try:
+        wait_ready(f"{service_url}/readyz", service)
+        url = f"{service_url}/v1/predict"
+        results["service_c1"] = measure_http(url, body_path, 1, args.duration_s, use_wrk)
+        results[f"service_c{args.concurrency}"] = measure_http(
+            url, body_path, args.concurrency, args.duration_s, use_wrk
+        )
+    finally:
+        stop(service)
+
+    naive_port = free_port()
+    naive_cmd = [sys.executable, __file__, "--naive-server", "--model-dir", str(model_dir)]
+    naive_cmd += ["--port", str(naive_port)]
+    if args.torch_checkpoint:
+        naive_cmd += ["--torch-checkpoint", args.torch_checkpoint]
+    naive = start(naive_cmd, dict(os.environ), work / "naive.log")
+    try:
+        wait_ready(f"http://127.0.0.1:{naive_port}/healthz", naive)
+        url = f"http://127.0.0.1:{naive_port}/v1/predict"
+        results[f"naive_c{args.concurrency}"] = measure_http(
+            url, body_path, args.concurrency, args.duration_s, use_wrk
+        )
+    finally:
+        stop(naive)
+
+    bare = results["bare"]
+    c1 = results["service_c1"]
+    cn = results[f"service_c{args.concurrency}"]
+    naive_cn = results[f"naive_c{args.concurrency}"]
+    results["ratios"] = {
+        "service_p50_minus_bare_p50_ms": c1["p50_ms"] - bare["p50_ms"],
+        "service_cN_throughput_over_bare_batched": cn["throughput_rps"]
+        / bare["batched_images_per_s"],
+        "service_cN_throughput_over_naive": cn["throughput_rps"] / naive_cn["throughput_rps"],
+    }
+    report(results, args.concurrency)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def report(results: dict[str, Any], n: int) -> None:
+    """Print the figures side by side with the targets."""
+    bare, c1 = results["bare"], results["service_c1"]
+    cn, naive = results[f"service_c{n}"], results[f"naive_c{n}"]
+    ratios = results["ratios"]
+    lines = [
+        f"machine: {results['machine']}; load generator: {results['load_generator']}",
+        f"model: {results['model_dir']}",
+        "",
+        f"{'measurement':<42}{'p50 ms':>10}{'p99 ms':>10}{'per s':>12}{'failed':>8}",
+        f"{'bare onnxruntime, batch 1':<42}{bare['p50_ms']:>10.3f}{bare['p99_ms']:>10.3f}"
+        f"{'':>12}{'':>8}",
+        f"{'bare onnxruntime, batch 32 (images)':<42}{'':>10}{'':>10}"
+        f"{bare['batched_images_per_s']:>12.0f}{'':>8}",
+        f"{'service, concurrency 1':<42}{c1['p50_ms']:>10.3f}{c1['p99_ms']:>10.3f}"
+        f"{c1['throughput_rps']:>12.0f}{c1['failed']:>8}",
+        f"{f'service, concurrency {n}':<42}{cn['p50_ms']:>10.3f}{cn['p99_ms']:>10.3f}"
+        f"{cn['throughput_rps']:>12.0f}{cn['failed']:>8}",
+        f"{f'naive FastAPI + torch, concurrency {n}':<42}{naive['p50_ms']:>10.3f}"
+        f"{naive['p99_ms']:>10.3f}{naive['throughput_rps']:>12.0f}{naive['failed']:>8}",
+        "",
+        f"service p50 - bare p50:           {ratios['service_p50_minus_bare_p50_ms']:.3f} ms"
+        "   (target <= 1.0 ms)",
+        f"c{n} throughput / bare batched:    "
+        f"{ratios['service_cN_throughput_over_bare_batched']:.3f}   (target >= 0.4)",
+        f"c{n} throughput / naive baseline:  "
+        f"{ratios['service_cN_throughput_over_naive']:.2f}x   (target >= 4x)",
+    ]
+    sys.stdout.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Build the FastAPI app; the model is loaded in the lifespan, never at import."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from burstcv_serving import __version__
+from burstcv_serving.batcher import MicroBatcher
+from burstcv_serving.manager import ModelManager
+from burstcv_serving.metrics import ServiceMetrics
+from burstcv_serving.middleware import BodyLimitMiddleware, MetricsMiddleware
+from burstcv_serving.registry import DirectorySource, ModelSource, RegistrySource
+from burstcv_serving.routes import admin, health, metrics, model_info, predict
+from burstcv_serving.settings import Settings
+from burstcv_serving.state import ServiceState
+
+logger = logging.getLogger(__name__)
+
+
+def make_source(settings: Settings) -> ModelSource:
+    """Return the model directory when one is set, else the registry alias."""
+    if settings.model_dir:
+        return DirectorySource(settings.model_dir)
+    return RegistrySource(settings.registry_uri, settings.model_name, settings.alias)
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Load and warm the model, start the batcher and the alias poller; stop them after."""
+    settings: Settings = app.state.settings
+    service_metrics: ServiceMetrics = app.state.metrics
+    source = make_source(settings)
+    manager = ModelManager(source, settings, service_metrics)
+    # One inference thread: onnxruntime parallelises inside a batch with its own threads.
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="burstcv-infer")
+    batcher = MicroBatcher(
+        manager,
+        executor,
+        service_metrics,
+        max_batch_size=settings.max_batch_size,
+        max_batch_wait_s=settings.max_batch_wait_ms / 1000.0,
+        max_queue=settings.max_queue,
+        max_pixels=settings.max_pixels,
+    )
+    logger.info("loading the model from %s", source.description)
+    await manager.refresh()  # a failure leaves the service up but not ready; polling retries
+    batcher.start()
+    poller: asyncio.Task[None] | None = None
+    if settings.poll_interval_s > 0:
+        poller = asyncio.create_task(
+            manager.poll_forever(settings.poll_interval_s), name="burstcv-alias-poller"
+        )
+    app.state.service = ServiceState(manager=manager, batcher=batcher)
+    try:
+        yield
+    finally:
+        app.state.service = None
+        if poller is not None:
+            poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poller
+        await batcher.stop()
+        executor.shutdown(wait=True)
+
+
+def _describe_validation_errors(request: Request, exc: RequestValidationError) -> str:
+    reasons = []
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+        if error.get("type") == "missing":
+            reasons.append(f"missing multipart field '{field}'")
+        else:
+            reasons.append(f"field '{field}': {error.get('msg', 'invalid')}")
+    detail = "; ".join(reasons) or "invalid request"
+    ctype = request.headers.get("content-type", "")
+    if request.method == "POST" and not ctype.startswith("multipart/form-data"):
+        detail += f" (send multipart/form-data; the request's content type is {ctype or 'none'})"
+    return detail
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return JSONResponse({"detail": _describe_validation_errors(request, exc)}, status_code=422)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the app from settings (read from the environment when not given); load nothing."""
+    settings = settings or Settings()
+    service_metrics = ServiceMetrics()
+    app = FastAPI(
+        title="burstcv prediction service",
+        version=__version__,
+        description="Classify images with the ONNX model behind a registry alias, on CPU.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.metrics = service_metrics
+    app.state.service = None
+    for module in (predict, model_info, health, metrics, admin):
+        app.include_router(module.router)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    # Added last = outermost: metrics see every answer, including early 413s.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    known_paths = [getattr(route, "path", "") for route in app.routes]
+    app.add_middleware(MetricsMiddleware, metrics=service_metrics, paths=known_paths)
+    return app
+
+
+app = create_app()

@@ -1,0 +1,121 @@
+"""Keep the serving model current: load the alias's version, hot-swap it, remember failures."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from starlette.concurrency import run_in_threadpool
+
+from burstcv_serving.metrics import ServiceMetrics
+from burstcv_serving.model import LoadedModel, ModelLoadError, load_model
+from burstcv_serving.registry import ModelSource, SourceError
+from burstcv_serving.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadFailure:
+    """Record why a version could not serve (version None: the alias itself was unreadable)."""
+
+    version: int | str | None
+    sha256: str | None
+    reason: str
+    at: datetime
+
+    def describe(self) -> str:
+        """Return one line for logs and API answers."""
+        what = "the alias" if self.version is None else f"version {self.version}"
+        return f"{what} failed to load: {self.reason}"
+
+
+class ModelManager:
+    """Own the one reference to the serving model and replace it only with a warmed model."""
+
+    def __init__(self, source: ModelSource, settings: Settings, metrics: ServiceMetrics) -> None:
+        self._source = source
+        self._settings = settings
+        self._metrics = metrics
+        self._current: LoadedModel | None = None
+        self._lock = asyncio.Lock()
+        # (version, sha256) pairs that failed: not retried by polling, only by an admin reload.
+        self._failed: set[tuple[int | str, str | None]] = set()
+        self.last_error: LoadFailure | None = None
+        self.target_version: int | str | None = None  # what the alias named at the last check
+
+    @property
+    def current(self) -> LoadedModel | None:
+        """Return the model serving now (read once per batch; never mutated)."""
+        return self._current
+
+    async def refresh(self, *, force: bool = False) -> LoadedModel | None:
+        """Check the alias and swap in its version if it changed; return the serving model.
+
+        A version that fails keeps the old model serving and is remembered, so polling does
+        not retry it; ``force`` (an admin reload) tries it again.
+        """
+        async with self._lock:
+            try:
+                ref = await run_in_threadpool(self._source.resolve)
+            except SourceError as exc:
+                self._record_failure(None, None, str(exc))
+                return self._current
+            self.target_version = ref.version
+            current = self._current
+            if (
+                current is not None
+                and current.version == ref.version
+                and ref.expected_sha256 in (None, current.sha256)
+            ):
+                return current
+            key = (ref.version, ref.expected_sha256)
+            if key in self._failed and not force:
+                return current
+            try:
+                model = await run_in_threadpool(
+                    load_model,
+                    ref,
+                    intra_op_threads=self._settings.intra_op_threads,
+                    max_batch_size=self._settings.max_batch_size,
+                    spinning=self._settings.intra_op_spinning,
+                )
+            except ModelLoadError as exc:
+                self._failed.add(key)
+                self._metrics.model_loads.labels(outcome="failed").inc()
+                self._record_failure(ref.version, ref.expected_sha256, str(exc))
+                return current
+            self._current = model  # the swap: one reference assignment
+            self._failed.discard(key)
+            self.last_error = None
+            self._metrics.model_loads.labels(outcome="loaded").inc()
+            self._metrics.set_serving(model.name, model.version, model.sha256)
+            logger.info(
+                "serving %s version %s (sha256 %s…), was %s",
+                model.name or "model",
+                model.version,
+                model.sha256[:12],
+                "nothing" if current is None else f"version {current.version}",
+            )
+            return model
+
+    async def poll_forever(self, interval_s: float) -> None:
+        """Check the alias every ``interval_s`` seconds until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.refresh()
+
+    def _record_failure(self, version: int | str | None, sha256: str | None, reason: str) -> None:
+        failure = LoadFailure(version, sha256, reason, datetime.now(UTC))
+        previous = self.last_error
+        self.last_error = failure
+        # Log a failure once, not on every poll.
+        if previous is None or (previous.version, previous.reason) != (version, reason):
+            serving = self._current
+            logger.error(
+                "%s; %s",
+                failure.describe(),
+                "no model is serving" if serving is None else f"still serving {serving.version}",
+            )

@@ -1,0 +1,82 @@
+"""Define the service's Prometheus metrics in a registry owned by one app instance."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS_S = (
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class ServiceMetrics:
+    """Hold every metric the service exports; one instance per app, so tests can build many."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "burstcv_serving_requests",
+            "HTTP requests answered, by route, method and status code.",
+            ["path", "method", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "burstcv_serving_request_duration_seconds",
+            "Time from receiving a request to sending its response.",
+            ["path"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.batch_size = Histogram(
+            "burstcv_serving_batch_size",
+            "Images per onnxruntime session.run call.",
+            buckets=_BATCH_BUCKETS,
+            registry=self.registry,
+        )
+        self.inference = Histogram(
+            "burstcv_serving_inference_duration_seconds",
+            "Time of one batch: normalisation, session.run and softmax.",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.queue_depth = Gauge(
+            "burstcv_serving_queue_depth",
+            "Images waiting for inference.",
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            "burstcv_serving_shed_requests",
+            "Requests refused with 503 because the inference queue was full.",
+            registry=self.registry,
+        )
+        self.model_info = Gauge(
+            "burstcv_serving_model_info",
+            "1 for the model version now serving.",
+            ["name", "version", "sha256"],
+            registry=self.registry,
+        )
+        self.model_loads = Counter(
+            "burstcv_serving_model_loads",
+            "Model load attempts, by outcome (loaded or failed).",
+            ["outcome"],
+            registry=self.registry,
+        )
+
+    def set_serving(self, name: str, version: int | str, sha256: str) -> None:
+        """Point the model_info gauge at the version now serving (and only at it)."""
+        self.model_info.clear()
+        self.model_info.labels(name=name, version=str(version), sha256=sha256).set(1)

@@ -1,0 +1,209 @@
+"""Load one verified, warmed model version into an immutable object that requests share.
+
+A ``LoadedModel`` is never changed after it is built: swapping versions replaces the one
+reference the service holds, so a batch that took the old reference finishes on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+from burstcv_serving.preprocess import PreprocessSpec, normalize
+from burstcv_serving.registry import ModelRef, join, read_bytes, read_json
+
+logger = logging.getLogger(__name__)
+
+# onnxruntime raises its own exception classes (all direct Exception subclasses) for a model
+# it cannot load or run; name them so that nothing else is swallowed with them.
+ORT_ERRORS: tuple[type[BaseException], ...] = tuple(
+    cls for cls in vars(ort_state).values() if inspect.isclass(cls) and issubclass(cls, Exception)
+)
+
+
+class ModelLoadError(RuntimeError):
+    """Raise when a model version cannot serve; the message says what is wrong with it."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Hold one class of a top-k answer."""
+
+    label: str
+    index: int
+    score: float
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedModel:
+    """Hold a ready session with the metadata and preprocessing it was exported with."""
+
+    name: str
+    version: int | str
+    sha256: str
+    classes: tuple[str, ...]
+    metrics: Mapping[str, Any]
+    spec: PreprocessSpec
+    session: ort.InferenceSession = field(repr=False)
+    input_name: str
+    output_name: str
+    outputs_logits: bool  # True: apply softmax; False: the graph already outputs probabilities
+    max_batch_size: int
+    loaded_at: datetime
+
+    def predict_proba(self, images: np.ndarray) -> np.ndarray:
+        """Return class probabilities (N, K) for uint8 NHWC images already at the spec's size."""
+        chunks = []
+        for start in range(0, len(images), self.max_batch_size):
+            x = normalize(images[start : start + self.max_batch_size], self.spec)
+            (out,) = self.session.run([self.output_name], {self.input_name: x})
+            chunks.append(np.asarray(out, dtype=np.float32))
+        scores = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+        return softmax(scores) if self.outputs_logits else scores
+
+    def top_k(self, probabilities: np.ndarray, k: int) -> list[Prediction]:
+        """Return the k most probable classes of one row, best first."""
+        k = min(k, len(self.classes))
+        best = np.argsort(-probabilities, kind="stable")[:k]
+        return [
+            Prediction(label=self.classes[i], index=int(i), score=float(probabilities[i]))
+            for i in best
+        ]
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Return row-wise softmax, stable for large logits."""
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    exp = np.exp(shifted)
+    result: np.ndarray = exp / exp.sum(axis=1, keepdims=True)
+    return result
+
+
+def load_model(
+    ref: ModelRef,
+    *,
+    intra_op_threads: int,
+    max_batch_size: int,
+    spinning: bool = False,
+) -> LoadedModel:
+    """Read, verify, open and warm one model version; raise ModelLoadError saying why not."""
+    meta_uri = join(ref.location, "model.json")
+    try:
+        meta = read_json(meta_uri)
+    except FileNotFoundError as exc:
+        raise ModelLoadError(f"{meta_uri} does not exist") from exc
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {meta_uri}: {exc}") from exc
+
+    classes, onnx_file, meta_sha, spec = _check_metadata(meta, meta_uri)
+    if isinstance(ref.version, int) and meta.get("version") not in (None, ref.version):
+        raise ModelLoadError(
+            f"{meta_uri} says version {meta.get('version')!r} but the alias points at {ref.version}"
+        )
+
+    onnx_uri = join(ref.location, onnx_file)
+    try:
+        onnx_bytes = read_bytes(onnx_uri)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {onnx_uri}: {exc}") from exc
+    actual_sha = hashlib.sha256(onnx_bytes).hexdigest()
+    if actual_sha != meta_sha:
+        raise ModelLoadError(
+            f"sha256 mismatch for {onnx_uri}: file is {actual_sha[:12]}…, "
+            f"model.json says {meta_sha[:12]}…"
+        )
+    if ref.expected_sha256 and actual_sha != ref.expected_sha256:
+        raise ModelLoadError(
+            f"sha256 mismatch for {onnx_uri}: file is {actual_sha[:12]}…, "
+            f"the alias says {ref.expected_sha256[:12]}…"
+        )
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    try:
+        # From the verified bytes, so the file cannot change between hashing and loading.
+        session = ort.InferenceSession(
+            onnx_bytes, sess_options=options, providers=["CPUExecutionProvider"]
+        )
+    except ORT_ERRORS as exc:
+        raise ModelLoadError(f"onnxruntime cannot load {onnx_uri}: {exc}") from exc
+
+    input_name = str(meta.get("input", {}).get("name") or session.get_inputs()[0].name)
+    output_name = str(meta.get("output", {}).get("name") or session.get_outputs()[0].name)
+    if input_name not in {i.name for i in session.get_inputs()}:
+        raise ModelLoadError(f"{onnx_uri} has no input named {input_name!r}")
+    if output_name not in {o.name for o in session.get_outputs()}:
+        raise ModelLoadError(f"{onnx_uri} has no output named {output_name!r}")
+
+    model = LoadedModel(
+        name=str(meta.get("name", "")),
+        version=ref.version,
+        sha256=actual_sha,
+        classes=classes,
+        metrics=MappingProxyType(dict(meta.get("metrics") or {})),
+        spec=spec,
+        session=session,
+        input_name=input_name,
+        output_name=output_name,
+        outputs_logits=str(meta.get("output", {}).get("kind", "logits")) == "logits",
+        max_batch_size=max_batch_size,
+        loaded_at=datetime.now(UTC),
+    )
+    _warm(model, onnx_uri)
+    return model
+
+
+def _check_metadata(
+    meta: dict[str, Any], meta_uri: str
+) -> tuple[tuple[str, ...], str, str, PreprocessSpec]:
+    classes = meta.get("classes")
+    if not isinstance(classes, list) or not classes:
+        raise ModelLoadError(f"{meta_uri} has no 'classes' list")
+    onnx_file = meta.get("onnx_file", "model.onnx")
+    if (
+        not isinstance(onnx_file, str)
+        or onnx_file in ("", ".", "..")
+        or any(sep in onnx_file for sep in ("/", "\\"))
+    ):
+        raise ModelLoadError(f"{meta_uri} 'onnx_file' must name a file beside model.json")
+    meta_sha = meta.get("sha256")
+    if not isinstance(meta_sha, str) or len(meta_sha) != 64:
+        raise ModelLoadError(f"{meta_uri} has no hex 'sha256' of its onnx file")
+    try:
+        spec = PreprocessSpec.from_dict(meta["preprocess"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{meta_uri} has an unusable 'preprocess' block: {exc}") from exc
+    return tuple(str(c) for c in classes), onnx_file, meta_sha.lower(), spec
+
+
+def _warm(model: LoadedModel, onnx_uri: str) -> None:
+    """Run a batch of one and a full batch, and check the output has one score per class."""
+    spec = model.spec
+    for n in sorted({1, model.max_batch_size}):
+        dummy = np.zeros((n, spec.height, spec.width, 3), dtype=np.uint8)
+        try:
+            probabilities = model.predict_proba(dummy)
+        except ORT_ERRORS as exc:
+            raise ModelLoadError(f"{onnx_uri} fails on a warm-up batch of {n}: {exc}") from exc
+        if probabilities.shape != (n, len(model.classes)):
+            raise ModelLoadError(
+                f"{onnx_uri} returns shape {probabilities.shape} for a batch of {n}; expected "
+                f"({n}, {len(model.classes)}) for {len(model.classes)} classes"
+            )
+        if not all(math.isfinite(v) for v in probabilities.ravel().tolist()):
+            raise ModelLoadError(f"{onnx_uri} returns non-finite scores on a warm-up batch")

@@ -1,0 +1,1 @@
+"""Group the service's HTTP routes, one APIRouter per module."""

@@ -1,0 +1,162 @@
+"""Serve POST /v1/predict and POST /v1/predict/batch: images in, top-k classes out."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+import numpy as np
+from fastapi import APIRouter, File, HTTPException, Request, UploadFile
+from starlette.concurrency import run_in_threadpool
+
+from burstcv_serving.batcher import BatchResult, NoModelError, QueueFullError
+from burstcv_serving.model import LoadedModel
+from burstcv_serving.preprocess import (
+    ImageDecodeError,
+    ImageTooLargeError,
+    PreprocessSpec,
+    UnsupportedFormatError,
+    decode_to_uint8,
+)
+from burstcv_serving.schemas import (
+    BatchPredictionOut,
+    ErrorOut,
+    FilePredictionOut,
+    PredictionItem,
+    PredictionOut,
+)
+from burstcv_serving.state import ModelDep, ServiceDep, SettingsDep
+
+router = APIRouter(prefix="/v1", tags=["predict"])
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    413: {"model": ErrorOut, "description": "Body, image or file count over the limit."},
+    415: {"model": ErrorOut, "description": "Not an image, or an image format not accepted."},
+    422: {"model": ErrorOut, "description": "Missing field, or truncated/corrupt image data."},
+    503: {"model": ErrorOut, "description": "No model loaded, or queue full (see Retry-After)."},
+}
+
+
+def _check_part_type(upload: UploadFile, what: str) -> None:
+    """Refuse a part whose declared content type is not an image (octet-stream is allowed)."""
+    ctype = (upload.content_type or "").split(";", 1)[0].strip().lower()
+    if ctype and not (ctype.startswith("image/") or ctype == "application/octet-stream"):
+        raise HTTPException(
+            415, detail=f"{what} has content type {ctype}; send a PNG, JPEG or WEBP image"
+        )
+
+
+def _decode_all(payloads: list[bytes], spec: PreprocessSpec, max_pixels: int) -> np.ndarray:
+    """Decode every payload at the model's input size (raises on the first bad one)."""
+    return np.stack([decode_to_uint8(p, spec, max_pixels=max_pixels) for p in payloads])
+
+
+async def _read_and_decode(
+    uploads: list[UploadFile], labels: list[str], spec: PreprocessSpec, max_pixels: int
+) -> tuple[list[bytes], np.ndarray]:
+    for upload, label in zip(uploads, labels, strict=True):
+        _check_part_type(upload, label)
+    payloads = [await upload.read() for upload in uploads]
+    try:
+        images = await run_in_threadpool(_decode_all, payloads, spec, max_pixels)
+    except ImageDecodeError:
+        # Name the offending file: decode again one by one (only on the error path).
+        for payload, label in zip(payloads, labels, strict=True):
+            try:
+                await run_in_threadpool(decode_to_uint8, payload, spec, max_pixels=max_pixels)
+            except UnsupportedFormatError as exc:
+                raise HTTPException(415, detail=f"{label}: {exc}") from exc
+            except ImageTooLargeError as exc:
+                raise HTTPException(413, detail=f"{label}: {exc}") from exc
+            except ImageDecodeError as exc:
+                raise HTTPException(422, detail=f"{label}: {exc}") from exc
+        raise
+    return payloads, images
+
+
+async def _infer(
+    service: ServiceDep, payloads: list[bytes], images: np.ndarray, spec: PreprocessSpec
+) -> BatchResult:
+    try:
+        return await service.batcher.submit(payloads, images, spec)
+    except QueueFullError as exc:
+        raise HTTPException(503, detail=str(exc), headers={"Retry-After": "1"}) from exc
+    except NoModelError as exc:
+        raise HTTPException(503, detail=str(exc), headers={"Retry-After": "1"}) from exc
+    except ImageDecodeError as exc:  # re-decoding for a new model's input size failed
+        raise HTTPException(422, detail=str(exc)) from exc
+
+
+def _elapsed_ms(request: Request, fallback: float) -> float:
+    started = getattr(request.state, "received_at", fallback)
+    return round((time.perf_counter() - started) * 1000.0, 3)
+
+
+def _items(model: LoadedModel, row: np.ndarray, k: int) -> list[PredictionItem]:
+    return [
+        PredictionItem(label=p.label, index=p.index, score=p.score) for p in model.top_k(row, k)
+    ]
+
+
+@router.post(
+    "/predict",
+    response_model=PredictionOut,
+    responses=ERROR_RESPONSES,
+    summary="Classify one image",
+)
+async def predict(
+    request: Request,
+    file: Annotated[UploadFile, File(description="the image: PNG, JPEG or WEBP")],
+    model: ModelDep,
+    service: ServiceDep,
+    settings: SettingsDep,
+) -> PredictionOut:
+    """Classify one image sent as multipart field ``file``."""
+    started = time.perf_counter()
+    label = f"file {file.filename!r}" if file.filename else "file"
+    payloads, images = await _read_and_decode([file], [label], model.spec, settings.max_pixels)
+    answered_by, probabilities = await _infer(service, payloads, images, model.spec)
+    return PredictionOut(
+        version=answered_by.version,
+        model=answered_by.name,
+        predictions=_items(answered_by, probabilities[0], settings.top_k),
+        server_time_ms=_elapsed_ms(request, started),
+    )
+
+
+@router.post(
+    "/predict/batch",
+    response_model=BatchPredictionOut,
+    responses=ERROR_RESPONSES,
+    summary="Classify several images with one model version",
+)
+async def predict_batch(
+    request: Request,
+    files: Annotated[list[UploadFile], File(description="images, one part each, same field")],
+    model: ModelDep,
+    service: ServiceDep,
+    settings: SettingsDep,
+) -> BatchPredictionOut:
+    """Classify every image sent as multipart field ``files``, in order."""
+    started = time.perf_counter()
+    if len(files) > settings.max_batch_files:
+        raise HTTPException(
+            413,
+            detail=f"{len(files)} files sent; the limit is {settings.max_batch_files} per request",
+        )
+    labels = [
+        f"file {i} ({f.filename!r})" if f.filename else f"file {i}" for i, f in enumerate(files)
+    ]
+    payloads, images = await _read_and_decode(files, labels, model.spec, settings.max_pixels)
+    answered_by, probabilities = await _infer(service, payloads, images, model.spec)
+    return BatchPredictionOut(
+        version=answered_by.version,
+        model=answered_by.name,
+        results=[
+            FilePredictionOut(
+                filename=f.filename, predictions=_items(answered_by, row, settings.top_k)
+            )
+            for f, row in zip(files, probabilities, strict=True)
+        ],
+        server_time_ms=_elapsed_ms(request, started),
+    )

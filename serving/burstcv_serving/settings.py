@@ -1,0 +1,85 @@
+"""Read the prediction service's configuration from the environment (prefix BURSTCV_SERVING_).
+
+Every figure carries its unit in its name. The defaults suit a developer's machine: the
+registry under ``var/registry`` of the working directory, the service on 127.0.0.1:8000.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PLACEHOLDER_ADMIN_TOKEN = "dev-token"
+
+Environment = Literal["development", "staging", "production"]
+
+
+def _host_cores() -> int:
+    """Return the cores this process may run on (the cgroup/affinity view, not the host's)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class Settings(BaseSettings):
+    """Hold every setting of one prediction-service process."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="BURSTCV_SERVING_", env_file=None, extra="ignore", frozen=True
+    )
+
+    # Which model to serve.
+    registry_uri: str = Field(default="var/registry", description="local folder or s3://")
+    model_name: str = "digits"
+    alias: str = "production"
+    # Serve this one model directory (model.json + onnx file) and ignore the registry: the
+    # benchmark's staging copy of a candidate that has no registry version yet.
+    model_dir: str | None = None
+    poll_interval_s: float = Field(default=1.0, ge=0.0)  # alias check period; 0 disables
+
+    # Security and environment.
+    admin_token: str = PLACEHOLDER_ADMIN_TOKEN
+    environment: Environment = "development"
+
+    # Network.
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+
+    # Micro-batching and load shedding.
+    max_batch_size: int = Field(default=32, ge=1)  # images per session.run
+    max_batch_wait_ms: float = Field(default=1.0, ge=0.0)  # extra wait, only when already busy
+    max_queue: int = Field(default=256, ge=1)  # images waiting for inference; beyond → 503
+    max_batch_files: int = Field(default=64, ge=1)  # files in one /v1/predict/batch request
+
+    # Input limits.
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)  # whole request body
+    max_pixels: int = Field(default=4096 * 4096, ge=1)  # width × height declared by the image
+
+    # onnxruntime.
+    intra_op_threads: int = Field(default_factory=_host_cores, ge=1)
+    # Spinning ORT threads burn the cores the event loop needs; off unless measured to help.
+    intra_op_spinning: bool = False
+
+    top_k: int = Field(default=3, ge=1)
+    log_level: str = "info"
+    access_log: bool = False  # one log line per request; /metrics already counts them
+
+    @field_validator("registry_uri")
+    @classmethod
+    def _strip_trailing_slash(cls, value: str) -> str:
+        return value.rstrip("/") if value not in ("/", "") else value
+
+    @model_validator(mode="after")
+    def _refuse_placeholder_token_in_production(self) -> Settings:
+        if self.environment == "production" and self.admin_token == PLACEHOLDER_ADMIN_TOKEN:
+            raise ValueError(
+                "BURSTCV_SERVING_ADMIN_TOKEN is the development placeholder; set a secret "
+                "token before running with BURSTCV_SERVING_ENVIRONMENT=production"
+            )
+        if not self.admin_token:
+            raise ValueError("BURSTCV_SERVING_ADMIN_TOKEN must not be empty")
+        return self

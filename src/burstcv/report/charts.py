@@ -1,0 +1,129 @@
+"""Draw the run report's figures with matplotlib (Agg) and return them as PNG bytes.
+
+matplotlib is imported inside each function: importing this module stays cheap for the DAG
+parser and for callers that never draw.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import Any
+
+DPI = 100
+CANDIDATE_COLOUR = "#1f77b4"
+PRODUCTION_COLOUR = "#ff7f0e"
+
+
+def _png(fig: Any) -> bytes:
+    """Return a figure as PNG bytes and free it."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return buf.getvalue()
+
+
+def _pyplot() -> Any:
+    """Return pyplot on the non-interactive Agg backend (no display, safe in workers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def training_curves(epochs: Sequence[dict[str, Any]]) -> bytes:
+    """Draw loss (train and val) and validation accuracy per epoch, side by side."""
+    plt = _pyplot()
+    xs = [int(e.get("epoch", i + 1)) for i, e in enumerate(epochs)]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9.5, 3.4))
+    for key, label, style in (("train_loss", "train", "-o"), ("val_loss", "validation", "-s")):
+        ys = [e.get(key) for e in epochs]
+        if any(y is not None for y in ys):
+            ax_loss.plot(xs, [float("nan") if y is None else y for y in ys], style, label=label)
+    ax_loss.set(title="Loss", xlabel="epoch", ylabel="cross-entropy")
+    ax_loss.legend()
+    accs = [e.get("val_accuracy") for e in epochs]
+    ax_acc.plot(xs, [float("nan") if a is None else a for a in accs], "-o", color="#2ca02c")
+    ax_acc.set(title="Validation accuracy", xlabel="epoch", ylabel="top-1")
+    ax_acc.set_ylim(0.0, 1.0)
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.set_xticks(xs)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def confusion_matrix(matrix: Sequence[Sequence[int]], classes: Sequence[str]) -> bytes:
+    """Draw a confusion-matrix heatmap (rows: true class, columns: predicted) with counts."""
+    import numpy as np
+
+    plt = _pyplot()
+    data = np.asarray(matrix, dtype=float)
+    n = len(classes)
+    size = min(8.0, max(4.0, 0.4 * n + 2.0))
+    fig, ax = plt.subplots(figsize=(size, size * 0.85))
+    image = ax.imshow(data, cmap="Blues")
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="images")
+    ax.set_xticks(range(n), labels=list(classes), rotation=45 if n > 12 else 0)
+    ax.set_yticks(range(n), labels=list(classes))
+    ax.set(xlabel="predicted class", ylabel="true class", title="Confusion matrix (validation)")
+    if n <= 20:  # counts stay legible up to ~20 classes
+        threshold = data.max() / 2 if data.size else 0
+        for i in range(data.shape[0]):
+            for j in range(data.shape[1]):
+                ax.text(
+                    j,
+                    i,
+                    f"{int(data[i, j])}",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="white" if data[i, j] > threshold else "black",
+                )
+    fig.tight_layout()
+    return _png(fig)
+
+
+def latency_histogram(
+    candidate_ms: Sequence[float],
+    production_ms: Sequence[float] | None,
+    *,
+    slo_ms: float | None = None,
+    production_label: str = "production",
+) -> bytes:
+    """Overlay the candidate's and production's request latencies, with p95 and SLO lines."""
+    import numpy as np
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9.5, 3.6))
+    series = [("candidate", np.asarray(candidate_ms, dtype=float), CANDIDATE_COLOUR)]
+    if production_ms:
+        series.append((production_label, np.asarray(production_ms, dtype=float), PRODUCTION_COLOUR))
+    everything = np.concatenate([s[1] for s in series])
+    # Shared bins up to the 99.5th percentile keep one outlier from squashing the shape.
+    upper = float(np.percentile(everything, 99.5)) if everything.size else 1.0
+    bins = np.linspace(0.0, max(upper, 1e-3) * 1.05, 50)
+    for label, values, colour in series:
+        p95 = float(np.percentile(values, 95))
+        ax.hist(
+            np.clip(values, 0, bins[-1]),
+            bins=bins,
+            alpha=0.55,
+            color=colour,
+            label=f"{label} (n={values.size}, p95 {p95:.1f} ms)",
+        )
+        ax.axvline(p95, color=colour, linestyle="--", linewidth=1.2)
+    if slo_ms is not None:
+        ax.axvline(slo_ms, color="#d62728", linewidth=1.5, label=f"SLO {slo_ms:g} ms")
+    ax.set(xlabel="latency per request over HTTP (ms)", ylabel="requests")
+    ax.set_title("Request latency: candidate vs production (dashed: p95)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _png(fig)

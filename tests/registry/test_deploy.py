@@ -1,0 +1,349 @@
+"""Deploy against a real service process: promote, refuse, roll back, and undo a failed deploy.
+
+Every test runs ``python -m burstcv_serving`` on a free 127.0.0.1 port over a real registry
+written by ``burstcv.registry.Registry``, with tiny real ONNX classifiers. The classifier built
+for seed ``n`` answers class ``n`` on any image, so a prediction shows which version computed it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from burstcv.bench.gate import GateThresholds, judge
+from burstcv.bench.latency import drive, free_port, staging_service, wait_ready
+from burstcv.registry.deploy import DeployError, deploy, notify_and_verify
+from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, RegistryError
+
+# The serving tests' model builders (real ONNX graphs, model.json as the contract says).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
+from servingkit import image_bytes, make_classifier_onnx, model_json
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL = "digits"
+TOKEN = "deploy-test-token"
+POLL_S = 0.5  # the service's alias poll: a deploy's reload call should beat it
+VERIFY_TIMEOUT_S = 15.0  # generous for a busy 2-core box; a passing deploy returns in < 1 s
+FAIL_TIMEOUT_S = 3.0  # how long a deploy that cannot succeed waits before giving up
+BENCH_REQUESTS = 30
+# The slow model upsamples every image to this side first (4x servingkit's 1024 px): slow
+# enough that a busy shared machine cannot blur it into the fast one.
+SLOW_SIDE_PX = 2048
+IMAGE = image_bytes("PNG", (32, 32))
+
+
+def slow_classifier_onnx(seed: int, side_px: int = SLOW_SIDE_PX) -> bytes:
+    """Return servingkit's slow classifier with its upsampling raised to ``side_px`` squared."""
+    model = onnx.load_from_string(make_classifier_onnx(seed, slow=True))
+    sizes = next(t for t in model.graph.initializer if t.name == "sizes")
+    sizes.CopyFrom(numpy_helper.from_array(np.array([1, 3, side_px, side_px], np.int64), "sizes"))
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def write_model_dir(folder: Path, seed: int, *, slow: bool = False) -> Path:
+    """Write model.onnx + model.json as the export stage does; return the folder."""
+    onnx_bytes = slow_classifier_onnx(seed) if slow else make_classifier_onnx(seed)
+    return write_raw_model_dir(folder, onnx_bytes)
+
+
+def write_raw_model_dir(folder: Path, onnx_bytes: bytes) -> Path:
+    """Write a model folder whose model.json's sha256 matches whatever bytes are given."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.onnx").write_bytes(onnx_bytes)
+    meta = model_json(None, hashlib.sha256(onnx_bytes).hexdigest())
+    (folder / "model.json").write_text(json.dumps(meta))
+    return folder
+
+
+@dataclass
+class Service:
+    """A running service process, its base URL and its log."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def model(self) -> dict[str, Any]:
+        """Return GET /v1/model."""
+        response = httpx.get(f"{self.url}/v1/model", timeout=5)
+        assert response.status_code == 200, response.text
+        return response.json()  # type: ignore[no-any-return]
+
+    def version(self) -> int:
+        """Return the version /v1/model reports."""
+        return int(self.model()["version"])
+
+    def predicted_label(self) -> str:
+        """Return the top class the service answers for a plain image."""
+        response = httpx.post(
+            f"{self.url}/v1/predict", files={"file": ("x.png", IMAGE, "image/png")}, timeout=10
+        )
+        assert response.status_code == 200, response.text
+        return str(response.json()["predictions"][0]["label"])
+
+
+@contextlib.contextmanager
+def running_service(registry: Registry, tmp: Path, *, poll_s: float = POLL_S) -> Iterator[Service]:
+    """Run ``python -m burstcv_serving`` on the registry's production alias; stop it after."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO_ROOT / "serving"), str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")]
+        ),
+        "BURSTCV_SERVING_REGISTRY_URI": str(Path(registry.root).parent),
+        "BURSTCV_SERVING_MODEL_NAME": MODEL,
+        "BURSTCV_SERVING_PORT": str(port),
+        "BURSTCV_SERVING_POLL_INTERVAL_S": str(poll_s),
+        "BURSTCV_SERVING_ADMIN_TOKEN": TOKEN,
+        "BURSTCV_SERVING_INTRA_OP_THREADS": "1",
+        "BURSTCV_SERVING_LOG_LEVEL": "warning",
+    }
+    log_path = tmp / f"service-{port}.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "burstcv_serving"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        service = Service(f"http://127.0.0.1:{port}", process, log_path)
+        try:
+            wait_ready(service.url, process, timeout_s=60)
+            yield service
+        except BaseException:
+            print(log_path.read_text()[-4000:])  # the service's side of a failure
+            raise
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def aliases(registry: Registry) -> tuple[int | None, int | None]:
+    """Return (production, previous) versions."""
+    prod, prev = registry.get_alias(PRODUCTION), registry.get_alias(PREVIOUS)
+    return (prod.version if prod else None, prev.version if prev else None)
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Registry:
+    """Return a registry with version 1 (answers class '1') registered and in production."""
+    reg = Registry(str(tmp_path / "registry"), MODEL)
+    version = reg.register(str(write_model_dir(tmp_path / "v1", 1)), {"status": "accepted"})
+    assert version == 1
+    reg.promote(1)
+    return reg
+
+
+@pytest.fixture
+def service(registry: Registry, tmp_path: Path) -> Iterator[Service]:
+    """Run the real service on the registry, serving version 1."""
+    with running_service(registry, tmp_path) as svc:
+        assert svc.version() == 1
+        yield svc
+
+
+@dataclass
+class Measured:
+    """A model folder and its latency figures measured through a staging service."""
+
+    folder: Path
+    figures: dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Measured]:
+    """Measure a fast model (answers '2') and a slow one (answers '1') with real HTTP load."""
+    root = tmp_path_factory.mktemp("bench")
+    out: dict[str, Measured] = {}
+    for name, folder in (
+        ("fast", write_model_dir(root / "fast", 2)),
+        ("slow", write_model_dir(root / "slow", 1, slow=True)),
+    ):
+        with staging_service(str(folder), threads=1) as url:
+            result = drive(
+                url, [IMAGE], requests=BENCH_REQUESTS, concurrency=2, warmup=3, label=name
+            )
+        assert result.errors == 0, result.status_counts
+        # Accuracy is not what this comparison is about: both models score the same.
+        out[name] = Measured(folder, {**result.to_dict(with_samples=False), "accuracy": 0.95})
+    return out
+
+
+# -- the gate, with real figures -----------------------------------------------------------------
+
+
+def test_a_slower_candidate_is_not_promoted(measured: dict[str, Measured]) -> None:
+    fast, slow = measured["fast"].figures, measured["slow"].figures
+    assert slow["p95_ms"] > 2 * fast["p95_ms"], (fast["p95_ms"], slow["p95_ms"])
+    production = {**fast, "version": 1}
+    # Within a loose SLO, the regression check against production is what refuses it...
+    loose = GateThresholds(
+        latency_slo_ms=10_000, accuracy_floor=0.9, max_accuracy_drop=0.02, max_latency_increase=0.2
+    )
+    verdict = judge(slow, production, loose)
+    failed = {c["name"] for c in verdict.checks if not c["passed"]}
+    assert not verdict.promote and failed == {"no_latency_regression"}
+    assert "production v1" in verdict.summary
+    # ...and an SLO production meets with 2x headroom refuses it with priced suggestions.
+    tight = GateThresholds(2 * fast["p95_ms"], accuracy_floor=0.9, max_accuracy_drop=0.02)
+    verdict = judge(slow, production, tight)
+    assert not verdict.promote and "exceeds the SLO" in verdict.summary
+    assert verdict.suggestions and all("cost_per_million_usd" in s for s in verdict.suggestions)
+
+
+def test_a_faster_candidate_is_promoted_and_served(
+    measured: dict[str, Measured], tmp_path: Path
+) -> None:
+    registry = Registry(str(tmp_path / "registry"), MODEL)
+    assert registry.register(str(measured["slow"].folder), {"status": "accepted"}) == 1
+    registry.promote(1)
+    limits = GateThresholds(
+        latency_slo_ms=10_000, accuracy_floor=0.9, max_accuracy_drop=0.02, max_latency_increase=0.2
+    )
+    verdict = judge(measured["fast"].figures, {**measured["slow"].figures, "version": 1}, limits)
+    assert verdict.promote, verdict.summary
+    version = registry.register(
+        str(measured["fast"].folder), {"status": "accepted", "gate": verdict.to_dict()}
+    )
+    with running_service(registry, tmp_path) as svc:
+        assert svc.predicted_label() == "1"
+        result = deploy(
+            registry, version, service_urls=[svc.url], token=TOKEN, timeout_s=VERIFY_TIMEOUT_S
+        )
+        assert (result.version, result.previous_version) == (2, 1)
+        assert result.services[svc.url]["version"] == 2
+        assert svc.version() == 2 and svc.predicted_label() == "2"
+    assert aliases(registry) == (2, 1)
+
+
+# -- deploy and rollback against a running service ---------------------------------------------
+
+
+def test_a_rejected_version_is_not_aliased_and_production_keeps_serving(
+    registry: Registry, service: Service, tmp_path: Path
+) -> None:
+    rejected = registry.register(
+        str(write_model_dir(tmp_path / "v2", 2)), {"status": "rejected", "reason": "p95 too high"}
+    )
+    seen: list[tuple[int, Any]] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(timeout=5) as client:
+            while not stop.is_set():
+                response = client.get(f"{service.url}/v1/model")
+                seen.append((response.status_code, response.json().get("version")))
+                time.sleep(0.05)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        with pytest.raises(RegistryError, match="rejected by the gate: p95 too high"):
+            deploy(
+                registry,
+                rejected,
+                service_urls=[service.url],
+                token=TOKEN,
+                timeout_s=VERIFY_TIMEOUT_S,
+            )
+        time.sleep(3 * POLL_S)  # several alias polls: the service must not move either
+    finally:
+        stop.set()
+        poller.join()
+    assert aliases(registry) == (1, None)
+    assert len(seen) >= 10 and set(seen) == {(200, 1)}
+    assert service.predicted_label() == "1"
+
+
+def test_rollback_restores_the_previous_version_in_the_running_service(
+    registry: Registry, service: Service, tmp_path: Path
+) -> None:
+    v2 = registry.register(str(write_model_dir(tmp_path / "v2", 2)), {"status": "accepted"})
+    deploy(registry, v2, service_urls=[service.url], token=TOKEN, timeout_s=VERIFY_TIMEOUT_S)
+    assert service.version() == 2
+    assert registry.rollback() == (2, 1)
+    seen = notify_and_verify([service.url], 1, TOKEN, VERIFY_TIMEOUT_S)
+    assert seen[service.url]["version"] == 1
+    assert service.version() == 1 and service.predicted_label() == "1"
+    assert aliases(registry) == (1, 2)
+
+
+def test_a_version_the_service_cannot_load_is_rolled_back(
+    registry: Registry, service: Service, tmp_path: Path
+) -> None:
+    # The registry accepts it (model.json's sha256 matches the bytes); onnxruntime does not.
+    corrupt = registry.register(
+        str(write_raw_model_dir(tmp_path / "v2", b"this is not an ONNX model")),
+        {"status": "accepted"},
+    )
+    with pytest.raises(DeployError, match="production alias restored to 1"):
+        deploy(registry, corrupt, service_urls=[service.url], token=TOKEN, timeout_s=FAIL_TIMEOUT_S)
+    assert aliases(registry) == (1, None)
+    info = service.model()
+    assert info["version"] == 1 and info["last_error"]["version"] == corrupt
+    assert service.predicted_label() == "1"
+
+
+def test_an_unreachable_service_fails_the_deploy_and_restores_the_aliases(
+    registry: Registry, service: Service, tmp_path: Path
+) -> None:
+    v2 = registry.register(str(write_model_dir(tmp_path / "v2", 2)), {"status": "accepted"})
+    nobody = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(DeployError, match=f"{nobody} reported .*ConnectError"):
+        deploy(
+            registry, v2, service_urls=[service.url, nobody], token=TOKEN, timeout_s=FAIL_TIMEOUT_S
+        )
+    assert aliases(registry) == (1, None)
+    # The reachable service had switched to 2; the restored alias brings it back to 1.
+    deadline = time.monotonic() + 10
+    while service.version() != 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert service.version() == 1 and service.predicted_label() == "1"
+
+
+def test_the_reload_call_carries_the_bearer_token(registry: Registry, tmp_path: Path) -> None:
+    # With polling off, only an authenticated reload can make the service change versions.
+    v2 = registry.register(str(write_model_dir(tmp_path / "v2", 2)), {"status": "accepted"})
+    v3 = registry.register(str(write_model_dir(tmp_path / "v3", 3)), {"status": "accepted"})
+    with running_service(registry, tmp_path, poll_s=0) as svc:
+        deploy(registry, v2, service_urls=[svc.url], token=TOKEN, timeout_s=VERIFY_TIMEOUT_S)
+        assert svc.version() == 2
+        with pytest.raises(DeployError, match="production alias restored to 2"):
+            deploy(registry, v3, service_urls=[svc.url], token="wrong", timeout_s=FAIL_TIMEOUT_S)
+        assert svc.version() == 2 and svc.predicted_label() == "2"
+        assert aliases(registry) == (2, 1)
+        refused = httpx.post(f"{svc.url}/v1/admin/reload", timeout=5)
+        assert refused.status_code == 401
+
+
+def test_a_failed_deploy_tells_every_service_to_go_back(registry: Registry, tmp_path: Path) -> None:
+    v2 = registry.register(str(write_model_dir(tmp_path / "v2", 2)), {"status": "accepted"})
+    nobody = f"http://127.0.0.1:{free_port()}"
+    with running_service(registry, tmp_path, poll_s=0) as svc:
+        with pytest.raises(DeployError):
+            deploy(registry, v2, service_urls=[svc.url, nobody], token=TOKEN, timeout_s=1.0)
+        assert aliases(registry) == (1, None)
+        assert svc.version() == 1

@@ -1,0 +1,315 @@
+"""The run report: one self-contained page from what the stages wrote, even for a partial run."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from burstcv.cost.pricing import serving_cost_per_million
+from burstcv.registry.registry import Registry
+from burstcv.report.render import build_report
+
+CLASSES = [str(i) for i in range(10)]
+RNG = np.random.default_rng(0)
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_TIMEOUT_S = 90
+
+
+def write(path: Path, doc: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2))
+
+
+def validation_doc(success: bool = True) -> dict[str, Any]:
+    return {
+        "success": success,
+        "dataset_uri": "/data/digits",
+        "fingerprint": "ab" * 32,
+        "counts": {
+            "files": 1799,
+            "usable": 1797,
+            "errors": 2,
+            "ignored": 1,
+            "per_split": {
+                "train": {c: 144 for c in CLASSES},
+                "val": {c: 36 for c in CLASSES},
+            },
+        },
+        "expectations": [
+            {
+                "name": "decodable",
+                "description": "every image decodes",
+                "success": success,
+                "observed": {"unexpected_count": 0 if success else 2},
+                "offending_files": [] if success else ["train/3/bad.png", "val/7/trunc.png"],
+            },
+            {
+                "name": "min_images_per_class",
+                "description": "each class has at least 5 images per split",
+                "success": True,
+                "observed": {"min": 36},
+                "offending_files": [],
+            },
+        ],
+        "drift": {"status": "passed", "message": "class proportions within 0.10"},
+        "warnings": [],
+    }
+
+
+def metrics_doc() -> dict[str, Any]:
+    epochs = [
+        {
+            "epoch": e,
+            "train_loss": 2.2 / e,
+            "val_loss": 2.0 / e + 0.05,
+            "val_accuracy": min(0.985, 0.6 + 0.08 * e),
+            "images_per_s": 5400.0 + 10 * e,
+            "lr": 0.2 / e,
+            "elapsed_s": 1.6 * e,
+        }
+        for e in range(1, 7)
+    ]
+    confusion = np.diag(RNG.integers(33, 37, size=10))
+    confusion[3, 5] = 2
+    confusion[8, 1] = 1
+    return {
+        "val_accuracy": 0.9806,
+        "val_loss": 0.071,
+        "epochs": epochs,
+        "confusion": confusion.tolist(),
+        "classes": CLASSES,
+        "wall_s": {"setup": 2.1, "data": 0.4, "compute": 8.9, "eval": 0.6},
+        "device": "cuda:0",
+        "device_name": "NVIDIA L4",
+        "stop_reason": "all epochs run",
+    }
+
+
+BILLING = {
+    "backend": "ec2",
+    "instance_ids": ["i-0abc123"],
+    "billed_seconds": {"i-0abc123": 412.0},
+    "cost_usd": 412.0 * 0.3548 / 3600,
+    "instances": [
+        {
+            "instance_id": "i-0abc123",
+            "instance_type": "g6.xlarge",
+            "lifecycle": "spot",
+            "launched_at": "2025-01-01T10:00:00+00:00",
+            "stopped_at": "2025-01-01T10:06:52+00:00",
+        }
+    ],
+}
+CANDIDATE_RPS = 412.5
+
+
+def latency_doc() -> dict[str, Any]:
+    cand = RNG.gamma(6.0, 0.9, size=200) + 3.0
+    prod = RNG.gamma(6.0, 1.3, size=200) + 3.5
+    return {
+        "measured_at": "2025-01-01T10:09:00Z",
+        "host": {"cpu_count": 2, "processor": "x86_64"},
+        "requests": 200,
+        "concurrency": 4,
+        "candidate": {
+            "p50_ms": float(np.percentile(cand, 50)),
+            "p95_ms": float(np.percentile(cand, 95)),
+            "p99_ms": float(np.percentile(cand, 99)),
+            "throughput_rps": CANDIDATE_RPS,
+            "error_rate": 0.0,
+            "accuracy": 0.9806,
+            "latencies_ms": cand.round(3).tolist(),
+            "bare_onnxruntime_p50_ms": 1.2,
+        },
+        "production": {
+            "p50_ms": float(np.percentile(prod, 50)),
+            "p95_ms": float(np.percentile(prod, 95)),
+            "p99_ms": float(np.percentile(prod, 99)),
+            "throughput_rps": 301.0,
+            "error_rate": 0.0,
+            "accuracy": 0.975,
+            "latencies_ms": prod.round(3).tolist(),
+            "version": 1,
+        },
+    }
+
+
+VERDICT = {
+    "version": 2,
+    "promote": True,
+    "reasons": [],
+    "summary": "promote",
+    "checks": [
+        {"name": "latency_p95", "passed": True, "observed": 12.1, "limit": 50.0},
+        {"name": "error_rate", "passed": True, "observed": 0.0, "limit": 0.0},
+        {"name": "accuracy_floor", "passed": True, "observed": 0.9806, "limit": 0.9},
+        {"name": "no_regression", "passed": True, "observed": 0.9806, "limit": 0.955},
+    ],
+    "suggestions": [],
+}
+
+
+def register(registry_root: Path, tmp: Path, versions: int) -> Registry:
+    """Register ``versions`` versions and promote the last one, as deploy would."""
+    registry = Registry(str(registry_root), "digits")
+    for n in range(1, versions + 1):
+        folder = tmp / f"model{n}"
+        folder.mkdir()
+        onnx = f"onnx-{n}".encode()
+        (folder / "model.onnx").write_bytes(onnx)
+        write(
+            folder / "model.json",
+            {"onnx_file": "model.onnx", "sha256": hashlib.sha256(onnx).hexdigest()},
+        )
+        registry.register(str(folder), {"status": "accepted"})
+        registry.promote(n)
+    return registry
+
+
+@pytest.fixture
+def full_run(tmp_path: Path) -> tuple[Path, Path]:
+    """Write every file a complete run leaves behind; return (run root, registry root)."""
+    run = tmp_path / "runs" / "manual__2025-01-01T10_00_00"
+    write(run / "dataset" / "validation.json", validation_doc())
+    (run / "dataset" / "data_docs").mkdir(parents=True)
+    (run / "dataset" / "data_docs" / "index.html").write_text("<html>docs</html>")
+    write(run / "job" / "metrics.json", metrics_doc())
+    write(run / "job" / "billing.json", BILLING)
+    write(
+        run / "model" / "model.json",
+        {
+            "arch": "resnet10",
+            "classes": CLASSES,
+            "onnx_file": "model.onnx",
+            "sha256": "f" * 64,
+            "opset": 18,
+            "preprocess": {"height": 32, "width": 32, "color_mode": "RGB"},
+            "parity": {"max_abs_diff": 3.1e-6},
+        },
+    )
+    write(run / "bench" / "latency.json", latency_doc())
+    write(run / "bench" / "verdict.json", VERDICT)
+    register(tmp_path / "registry", tmp_path, versions=2)
+    return run, tmp_path / "registry"
+
+
+def render(run: Path, registry: Path) -> str:
+    uri = build_report(
+        str(run),
+        registry_uri=str(registry),
+        model_name="digits",
+        serving_url="http://127.0.0.1:8000",
+    )
+    assert uri == str(run / "report" / "index.html")
+    return Path(uri).read_text()
+
+
+def test_a_complete_run_renders_every_section_in_one_self_contained_page(
+    full_run: tuple[Path, Path],
+) -> None:
+    page = render(*full_run)
+    for heading in (
+        "Data checks",
+        "Training",
+        "Confusion matrix",
+        "Latency benchmark",
+        "Gate verdict",
+        "Cost",
+    ):
+        assert f">{heading}</h" in page
+    # Three figures (curves, confusion matrix, latency histogram), each a decodable PNG.
+    images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert len(images) == 3
+    assert all(base64.b64decode(data).startswith(b"\x89PNG") for data in images)
+    # Self-contained: no script, no resource fetched from anywhere, one relative link.
+    assert "<script" not in page and 'src="http' not in page and "<link" not in page
+    assert re.findall(r'href="([^"#]+)"', page) == ["../dataset/data_docs/index.html"]
+    assert "PROMOTE: version 2" in page
+    assert "version 2 is <b>accepted</b>; production points at version 2 (this run)" in page
+    # Run cost from billing.json, and serving cost per 1M at the measured throughput.
+    assert f"${BILLING['cost_usd']:,.4f}" in page and "412 billed GPU-instance seconds" in page
+    per_million = serving_cost_per_million("c7i.large", "us-east-1", CANDIDATE_RPS)
+    assert f"${per_million:,.4f} per 1M predictions" in page
+    assert "c7i.large</code> (on-demand, us-east-1" in page
+    assert "production v1" in page and "Not reached" not in page
+
+
+def test_a_run_that_stopped_after_validation_says_what_was_not_reached(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    write(run / "dataset" / "validation.json", validation_doc(success=False))
+    page = render(run, tmp_path / "registry")
+    assert "failed" in page and "train/3/bad.png" in page
+    for rel in ("job/metrics.json", "bench/latency.json", "bench/verdict.json", "job/billing.json"):
+        assert f"Not reached: {rel} was not written" in page
+    assert "data:image/png;base64," not in page
+    assert "Data Docs (dataset/data_docs/index.html) were not written" in page
+
+
+def test_a_failed_gate_shows_each_failed_check_and_the_priced_options(
+    full_run: tuple[Path, Path],
+) -> None:
+    from burstcv.bench.gate import GateThresholds, ServingContext, judge
+
+    run, registry = full_run
+    latency = json.loads((run / "bench" / "latency.json").read_text())
+    verdict = judge(
+        latency["candidate"],
+        latency["production"],
+        GateThresholds(latency_slo_ms=5.0, accuracy_floor=0.9, max_accuracy_drop=0.02),
+        ServingContext(arch="resnet18", measured_vcpus=2),
+    )
+    write(run / "bench" / "verdict.json", {"version": 2, **verdict.to_dict()})
+    write(run / "job" / "billing.json", {**BILLING, "backend": "local", "cost_usd": 0.0})
+    page = render(run, registry)
+    assert "NOT PROMOTED: version 2" in page and "exceeds the SLO 5 ms" in page
+    assert "What would meet the latency SLO" in page
+    for s in verdict.suggestions:
+        assert str(s["title"]).split(" (")[0] in page
+    assert "<b>$0.00</b>: the <code>local</code> backend" in page and "no GPU was rented" in page
+
+
+def test_the_page_renders_in_headless_chromium(full_run: tuple[Path, Path], tmp_path: Path) -> None:
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    run, registry = full_run
+    render(run, registry)
+    shot = tmp_path / "report.png"
+    result = subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'chromium-profile'}",
+            f"--screenshot={shot}",
+            "--window-size=1200,3000",
+            (run / "report" / "index.html").as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=CHROMIUM_TIMEOUT_S,
+    )
+    assert shot.is_file(), f"no screenshot; chromium said:\n{result.stderr[-3000:]}"
+    with Image.open(shot) as img:
+        assert img.size == (1200, 3000)
+        pixels = np.asarray(img.convert("RGB"))
+    # Drawn, not blank: many distinct colours (charts, badges, text) across the page.
+    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 200
+    if target := os.environ.get("BURSTCV_REPORT_SCREENSHOT"):
+        shutil.copy(shot, target)

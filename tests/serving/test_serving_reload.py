@@ -1,0 +1,151 @@
+"""Admin reload, alias polling, and versions that must never replace the serving one."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from burstcv_serving.main import create_app
+from fastapi.testclient import TestClient
+from servingkit import Registry, image_bytes, make_classifier_onnx, make_settings
+
+ADMIN = {"Authorization": "Bearer dev-token"}
+PNG = {"file": ("x.png", image_bytes("PNG"), "image/png")}
+
+
+def _served_version(client: TestClient) -> int:
+    body = client.post("/v1/predict", files=PNG).json()
+    assert body["predictions"][0]["index"] == body["version"] % 10  # computed by that version
+    return int(body["version"])
+
+
+@pytest.mark.parametrize(
+    ("headers", "reason"),
+    [
+        ({}, "missing bearer token"),
+        ({"Authorization": "Bearer wrong"}, "invalid admin token"),
+        ({"Authorization": "Basic ZGV2LXRva2Vu"}, "missing bearer token"),
+    ],
+    ids=["no token", "wrong token", "not bearer"],
+)
+def test_reload_refuses_without_the_admin_token(
+    client: TestClient, registry: Registry, headers: dict[str, str], reason: str
+) -> None:
+    registry.publish_and_promote(2)
+
+    response = client.post("/v1/admin/reload", headers=headers)
+
+    assert response.status_code == 401
+    assert reason in response.json()["detail"]
+    assert response.headers["www-authenticate"] == "Bearer"
+    assert _served_version(client) == 1  # nothing was reloaded
+
+
+def test_reload_with_the_token_swaps_to_the_alias_version(
+    client: TestClient, registry: Registry
+) -> None:
+    assert client.post("/v1/admin/reload", headers=ADMIN).json()["changed"] is False
+    registry.publish_and_promote(2)
+
+    response = client.post("/v1/admin/reload", headers=ADMIN)
+
+    assert response.status_code == 200
+    assert response.json() == {"version": 2, "previous_version": 1, "changed": True}
+    assert _served_version(client) == 2
+    assert client.get("/v1/model").json()["version"] == 2
+
+
+def test_reload_is_refused_with_a_placeholder_token_in_production(registry: Registry) -> None:
+    with pytest.raises(ValueError, match="placeholder"):
+        make_settings(registry, environment="production")
+    settings = make_settings(registry, environment="production", admin_token="s3cret")
+    with TestClient(create_app(settings)) as client:
+        assert client.post("/v1/admin/reload", headers=ADMIN).status_code == 401
+        good = {"Authorization": "Bearer s3cret"}
+        assert client.post("/v1/admin/reload", headers=good).status_code == 200
+
+
+def _sha_mismatch(registry: Registry, version: int) -> str:
+    return registry.publish(version, claimed_sha256="ab" * 32)
+
+
+def _garbage_onnx(registry: Registry, version: int) -> str:
+    return registry.publish(version, onnx_bytes=b"this is not an onnx protobuf" * 10)
+
+
+def _missing_onnx(registry: Registry, version: int) -> str:
+    sha = registry.publish(version)
+    (registry.version_dir(version) / "model.onnx").unlink()
+    return sha
+
+
+def _wrong_class_count(registry: Registry, version: int) -> str:
+    return registry.publish(version, onnx_bytes=make_classifier_onnx(version, num_classes=4))
+
+
+def _alias_sha_differs(registry: Registry, version: int) -> str:
+    registry.publish(version)
+    return "cd" * 32
+
+
+@pytest.mark.parametrize(
+    ("publish_bad", "reason"),
+    [
+        (_sha_mismatch, "model.json says"),
+        (_garbage_onnx, "onnxruntime cannot load"),
+        (_missing_onnx, "cannot read"),
+        (_wrong_class_count, "for 10 classes"),
+        (_alias_sha_differs, "the alias says"),
+    ],
+    ids=["sha mismatch", "garbage onnx", "missing onnx", "wrong output shape", "alias sha"],
+)
+def test_a_broken_version_never_replaces_the_serving_one(
+    client: TestClient, registry: Registry, publish_bad: object, reason: str
+) -> None:
+    sha = publish_bad(registry, 2)  # type: ignore[operator]
+    registry.move_alias(2, sha)
+
+    response = client.post("/v1/admin/reload", headers=ADMIN)
+
+    assert response.status_code == 409
+    assert "version 2 failed to load" in response.json()["detail"]
+    assert "still serving 1" in response.json()["detail"]
+    assert _served_version(client) == 1
+    info = client.get("/v1/model").json()
+    assert info["version"] == 1
+    assert info["last_error"]["version"] == 2
+    assert reason in info["last_error"]["reason"]
+    assert client.get("/readyz").status_code == 200
+
+
+def test_polling_hot_swaps_and_does_not_retry_a_failed_version(registry: Registry) -> None:
+    settings = make_settings(registry, poll_interval_s=0.02)
+    with TestClient(create_app(settings)) as client:
+        registry.move_alias(2, _garbage_onnx(registry, 2))
+        time.sleep(0.4)  # ~20 polls
+
+        assert _served_version(client) == 1
+        assert client.get("/v1/model").json()["last_error"]["version"] == 2
+        metrics = client.get("/metrics").text
+        assert 'burstcv_serving_model_loads_total{outcome="failed"} 1.0' in metrics
+
+        registry.publish_and_promote(3)
+        deadline = time.monotonic() + 5
+        while client.get("/v1/model").json()["version"] != 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+        assert _served_version(client) == 3
+        assert client.get("/v1/model").json()["last_error"] is None
+        assert 'version="3"} 1.0' in client.get("/metrics").text
+
+
+def test_unreadable_alias_keeps_the_old_model(client: TestClient, registry: Registry) -> None:
+    alias = registry.root / registry.name / "aliases" / "production.json"
+    alias.write_text(json.dumps({"sha256": "ab" * 32}))
+
+    response = client.post("/v1/admin/reload", headers=ADMIN)
+
+    assert response.status_code == 409
+    assert "no positive integer 'version'" in response.json()["detail"]
+    assert _served_version(client) == 1
