@@ -112,13 +112,18 @@ def torch_module(checkpoint: str | None, meta: dict[str, Any]) -> Any:
     from torch import nn
 
     if checkpoint:
-        obj = torch.load(checkpoint, map_location="cpu", weights_only=False)
-        if isinstance(obj, nn.Module):
-            return obj.eval()
-        raise SystemExit(
-            f"{checkpoint} holds {type(obj).__name__}; pass a pickled nn.Module, or omit "
-            "--torch-checkpoint to use the synthetic model"
-        )
+        # A burstcv training job's model.pt is a state dict: rebuild the architecture that
+        # model.json names, so the baseline runs exactly the network the service runs.
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or "arch" not in meta:
+            raise SystemExit(f"{checkpoint} is not a burstcv state dict for {meta.get('name')}")
+        from burstcv.training.models import build_model
+
+        module = build_model(meta["arch"], len(meta["classes"]), int(meta["input"]["shape"][2]))
+        module.load_state_dict(state)
+        return module.eval()
+    if "arch" in meta:
+        raise SystemExit("--model-dir holds a trained model: pass its model.pt as --torch-checkpoint")
 
     class Synthetic(nn.Module):
         def __init__(self) -> None:
@@ -361,7 +366,9 @@ def main() -> None:
     """Run every measurement and print the figures and ratios."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", help="directory with model.onnx + model.json")
-    parser.add_argument("--torch-checkpoint", help="pickled nn.Module for the naive baseline")
+    parser.add_argument(
+        "--torch-checkpoint", help="the training job's model.pt (state dict) for the naive baseline"
+    )
     parser.add_argument("--duration-s", type=float, default=5.0, help="per HTTP measurement")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))

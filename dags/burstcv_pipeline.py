@@ -134,6 +134,12 @@ def _params(params: dict[str, Any]) -> RunParams:
             title="Accuracy floor",
             description="validation top-1 the candidate must reach",
         ),
+        "int8": Param(
+            True,
+            type="boolean",
+            title="Try INT8",
+            description="static INT8 quantization; serves only if as accurate and faster",
+        ),
         "promote": Param(
             True,
             type="boolean",

@@ -92,6 +92,10 @@ def export(
     job: Annotated[str, typer.Option(help="the job.json the checkpoint was trained from")],
     parity_dir: Annotated[Path, typer.Option(help="folder of real images for the parity check")],
     name: Annotated[str, typer.Option(help="model name")] = "digits",
+    int8: Annotated[
+        bool, typer.Option(help="try static INT8; kept only if accurate and faster")
+    ] = False,
+    max_accuracy_drop: Annotated[float, typer.Option(help="INT8 accuracy drop allowed")] = 0.01,
 ) -> None:
     """Convert a checkpoint to ONNX and check it against torch on real images."""
     from burstcv_serving.preprocess import PreprocessSpec
@@ -106,6 +110,19 @@ def export(
         for p in sorted(parity_dir.rglob("*"))
         if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp")
     ][:256]
+    int8_inputs: dict[str, Any] = {}
+    if int8:
+        from burstcv.training.train import load_shards
+
+        train_x, _ = load_shards(spec_job.train_shards, spec_job.classes)
+        val_x, val_y = load_shards(spec_job.val_shards, spec_job.classes)
+        int8_inputs = {
+            "int8": True,
+            "calibration_images_u8": train_x,
+            "eval_images_u8": val_x,
+            "eval_labels": [spec_job.classes[i] for i in val_y],
+            "max_accuracy_drop": max_accuracy_drop,
+        }
     try:
         model_json = export_model(
             checkpoint_uri=checkpoint,
@@ -117,10 +134,11 @@ def export(
             name=name,
             dataset_fingerprint=spec_job.dataset_fingerprint,
             run_id=spec_job.run_id,
+            **int8_inputs,
         )
     except (CheckpointError, ParityError) as exc:
         raise _fail(str(exc)) from None
-    typer.echo(f"exported {out}/model.onnx sha256={model_json['sha256']}")
+    typer.echo(f"exported {out}/{model_json['onnx_file']} sha256={model_json['sha256']}")
 
 
 @app.command()

@@ -37,6 +37,7 @@ class RunParams(BaseModel):
     accuracy_floor: float = Field(default=0.9, ge=0, le=1)
     max_accuracy_drop: float = Field(default=0.02, ge=0, le=1)
     promote: bool = True
+    int8: bool = True  # try static INT8; it serves only if as accurate (within bound) and faster
 
     @field_validator("model")
     @classmethod

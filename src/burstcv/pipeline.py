@@ -331,8 +331,12 @@ def terminate(run_id: str, backend_name: str) -> dict[str, Any]:
     backend = get_backend(backend_name)
     report = backend.terminate_run(safe_run_id(run_id))
     instances = [i.to_dict() for i in backend.describe(safe_run_id(run_id))]
-    billing = {**report.to_dict(), "backend": backend_name, "instances": instances,
-               "terminated_at": lineage.utc_now_iso()}
+    billing = {
+        **report.to_dict(),
+        "backend": backend_name,
+        "instances": instances,
+        "terminated_at": lineage.utc_now_iso(),
+    }
     storage.write_json(storage.join(RunPaths.of(run_id).job, "billing.json"), billing)
     log.info(
         "terminated %s; billed seconds %s; cost $%.4f",
@@ -372,6 +376,19 @@ def export(
         for path, uri, _ in _val_rows(validated["manifest_uri"], PARITY_IMAGES)
     ]
     metrics = storage.read_json(trained["metrics_uri"])
+    int8_inputs: dict[str, Any] = {}
+    if params.int8:
+        from burstcv.training.train import load_shards
+
+        train_x, _ = load_shards(packed["train_shards"], packed["classes"])
+        val_x, val_labels = _val_arrays(packed)
+        int8_inputs = {
+            "int8": True,
+            "calibration_images_u8": train_x,
+            "eval_images_u8": val_x,
+            "eval_labels": val_labels,
+            "max_accuracy_drop": s.int8_max_accuracy_drop,
+        }
     model_json = export_model(
         checkpoint_uri=trained["model_uri"],
         out_uri=paths.model,
@@ -385,11 +402,14 @@ def export(
         metrics={"val_accuracy": metrics["val_accuracy"], "val_loss": metrics["val_loss"]},
         dataset_fingerprint=packed["fingerprint"],
         run_id=run_id,
+        **int8_inputs,
     )
     return {
         "model_dir": paths.model,
         "sha256": model_json["sha256"],
         "parity_max_abs_diff": model_json["parity"]["max_abs_diff"],
+        "onnx_file": model_json["onnx_file"],
+        "quantization": model_json.get("quantization"),
     }
 
 
@@ -568,6 +588,8 @@ def report(run_id: str, params: RunParams, settings: Settings | None = None) -> 
     s = settings or get_settings()
     del params  # the report reads what the stages recorded, not what was asked
     return build_report(
-        RunPaths.of(run_id, s).root, registry_uri=s.registry_uri, model_name=s.model_name,
+        RunPaths.of(run_id, s).root,
+        registry_uri=s.registry_uri,
+        model_name=s.model_name,
         serving_url=s.serving_url.split(",")[0].strip(),
     )

@@ -57,6 +57,7 @@ class Settings(BaseSettings):
     # Export.
     onnx_opset: int = 18
     parity_max_abs_diff: float = 1e-3  # logits; fp32 torch vs onnxruntime on the same images
+    int8_max_accuracy_drop: float = 0.01  # INT8 serves only within this drop and if faster
 
     # Benchmark and gate.
     latency_slo_ms: float = 50.0  # p95 over HTTP, one image per request

@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 
 class ArtifactNotFoundError(FileNotFoundError):
     """Raise when a URI names nothing."""
@@ -68,6 +71,7 @@ def write_bytes(uri: str, data: bytes) -> str:
     path = Path(uri)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; artifacts are shared like any file
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)

@@ -13,7 +13,9 @@ def log_failure_summary(context: dict[str, Any]) -> None:
     ti = context.get("task_instance") or context.get("ti")
     exc = context.get("exception")
     reason = str(exc).splitlines()[0] if exc else "no exception recorded"
-    where = f"{ti.dag_id}.{ti.task_id} run {ti.run_id} try {ti.try_number}" if ti else "unknown task"
+    where = (
+        f"{ti.dag_id}.{ti.task_id} run {ti.run_id} try {ti.try_number}" if ti else "unknown task"
+    )
     log.error("burstcv FAILED %s: %s", where, reason)
 
 

@@ -68,7 +68,10 @@ class PostgresServer:
         import psycopg2
 
         conn = psycopg2.connect(
-            host=self.host, port=self.port, user=self.user, password=self.password or None,
+            host=self.host,
+            port=self.port,
+            user=self.user,
+            password=self.password or None,
             dbname="postgres",
         )
         conn.autocommit = True  # CREATE/DROP DATABASE cannot run inside a transaction
@@ -184,15 +187,30 @@ class AirflowStack:
 def _component_command(component: str, api_port: int) -> list[str]:
     airflow = [sys.executable, "-m", "airflow"]
     commands = {
-        "scheduler": [*airflow, "scheduler"],
+        # --skip-serve-logs: Airflow's log server binds every interface; the components share
+        # one AIRFLOW_HOME here, so the api-server reads task and trigger logs from disk.
+        "scheduler": [*airflow, "scheduler", "--skip-serve-logs"],
         "dag-processor": [*airflow, "dag-processor"],
-        "triggerer": [*airflow, "triggerer"],
+        "triggerer": [*airflow, "triggerer", "--skip-serve-logs"],
         "api-server": [
-            *airflow, "api-server", "--host", "127.0.0.1", "--port", str(api_port),
-            "--workers", "1",
+            *airflow,
+            "api-server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(api_port),
+            "--workers",
+            "1",
         ],
         # Two task slots: the machine running the tests has few cores.
-        "celery-worker": [*airflow, "celery", "worker", "--concurrency", "2"],
+        "celery-worker": [
+            *airflow,
+            "celery",
+            "worker",
+            "--concurrency",
+            "2",
+            "--skip-serve-logs",
+        ],
     }
     if component not in commands:
         raise ValueError(f"unknown component {component!r}; choose {', '.join(commands)}")
@@ -223,11 +241,11 @@ def stack_env(
         "AIRFLOW__API__PORT": str(api_port),
         "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(32),
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
-        # Log servers on free ports: other stacks may run on this machine at the same time.
+        # Free ports even for servers not started (logs are not served, the health check is
+        # off): another stack on this machine must never collide with this one.
         "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
         "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
-        "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_HOST": "127.0.0.1",
-        "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_PORT": str(free_port()),
+        "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
         # Fast feedback: pick up DAG files and queued work quickly.
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
         "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT": "600",
@@ -237,7 +255,11 @@ def stack_env(
         # install makes this redundant; a PYTHONPATH=src checkout needs it).
         "PYTHONPATH": os.pathsep.join(
             [str(REPO_ROOT / "src"), str(REPO_ROOT / "serving")]
-            + [str(Path(p).resolve()) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+            + [
+                str(Path(p).resolve())
+                for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                if p
+            ]
         ),
     }
     if broker_url:
@@ -301,9 +323,7 @@ def _wait_ready(stack: AirflowStack, components: Sequence[str], timeout_s: float
                 return
             last = f"health {states}, celery worker ready: {worker_ready}"
         time.sleep(2)
-    raise StackError(
-        f"stack not ready after {timeout_s:.0f} s ({last})\n{stack.all_log_tails()}"
-    )
+    raise StackError(f"stack not ready after {timeout_s:.0f} s ({last})\n{stack.all_log_tails()}")
 
 
 @contextlib.contextmanager
@@ -336,7 +356,7 @@ def airflow_stack(
         broker = result_backend = None
         if celery:
             broker = redis_server.url(cleanup.enter_context(redis_server.claimed_database()))
-            result_backend = postgres.url(database, driver="db+postgresql")
+            result_backend = postgres.url(database, driver="db+postgresql+psycopg2")
         api_port = free_port()
         env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")},

@@ -23,6 +23,7 @@ import onnxruntime as ort
 import torch
 from burstcv_serving.preprocess import PreprocessSpec, decode_to_uint8
 from burstcv_serving.preprocess import normalize as numpy_normalize
+from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
 from burstcv import lineage, storage
 from burstcv.training.models import build_model
@@ -139,9 +140,15 @@ def check_parity(
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     names = [name for name, _ in images]
     serve_u8 = np.stack([decode_to_uint8(data, serving_spec) for _, data in images])
-    onnx_logits = session.run([OUTPUT_NAME], {INPUT_NAME: numpy_normalize(serve_u8, serving_spec)})[
-        0
-    ]
+    try:
+        onnx_logits = session.run(
+            [OUTPUT_NAME], {INPUT_NAME: numpy_normalize(serve_u8, serving_spec)}
+        )[0]
+    except InvalidArgument as exc:  # e.g. model.json's size is not the graph's input size
+        raise ParityError(
+            f"onnxruntime refused the batch that model.json's preprocessing makes "
+            f"({serve_u8.shape[1]}x{serve_u8.shape[2]} from {names[0]}): {exc}"
+        ) from exc
     train_u8 = np.stack([decode_to_uint8(data, training_spec) for _, data in images])
     mean = torch.tensor(training_spec.mean, dtype=torch.float32).view(1, 3, 1, 1)
     std = torch.tensor(training_spec.std, dtype=torch.float32).view(1, 3, 1, 1)
@@ -177,8 +184,26 @@ def export_model(
     metrics: dict[str, Any] | None = None,
     dataset_fingerprint: str = "",
     run_id: str = "",
+    int8: bool = False,
+    calibration_images_u8: np.ndarray | None = None,
+    eval_images_u8: np.ndarray | None = None,
+    eval_labels: list[str] | None = None,
+    max_accuracy_drop: float = 0.01,
+    calibration_images: int = 256,
 ) -> dict[str, Any]:
-    """Export a checkpoint to ``<out_uri>/model.onnx`` + model.json after the parity gate passes."""
+    """Export a checkpoint to ``<out_uri>/model.onnx`` + model.json after the parity gate passes.
+
+    With ``int8`` the parity-checked file is also quantized (calibrated on
+    ``calibration_images_u8``, training images as uint8 NHWC) and ``model.int8.onnx`` serves
+    instead only when, on ``eval_images_u8``/``eval_labels`` (validation split, class names),
+    it loses at most ``max_accuracy_drop`` accuracy and is faster; model.json's
+    ``quantization`` block says which file serves and why.
+    """
+    if int8 and (calibration_images_u8 is None or eval_images_u8 is None or eval_labels is None):
+        raise ValueError(
+            "int8=True needs calibration_images_u8 (training images), eval_images_u8 and "
+            "eval_labels (validation images and their class names)"
+        )
     state = load_state_dict(storage.read_bytes(checkpoint_uri))
     model = build_model(arch, len(classes), spec.height)
     try:
@@ -192,7 +217,7 @@ def export_model(
         raw, final = Path(tmp) / "raw.onnx", Path(tmp) / "model.onnx"
         export_onnx(model, spec, raw, opset)
         optimize_offline(raw, final)
-        model_json = {
+        model_json: dict[str, Any] = {
             "format_version": MODEL_JSON_FORMAT,
             "name": name,
             "arch": arch,
@@ -224,12 +249,32 @@ def export_model(
             model, final, serving_spec, spec, parity_images, max_abs_diff=max_abs_diff
         )
         model_json["parity"] = parity.to_dict()
+        if int8:
+            # Imported here: onnxruntime.quantization is only needed when INT8 is asked for.
+            from burstcv.export.quantize import quantize_in_folder
+
+            assert calibration_images_u8 is not None and eval_images_u8 is not None
+            assert eval_labels is not None
+            quantize_in_folder(
+                final.parent,
+                model_json,
+                calibration_images_u8,
+                eval_images_u8,
+                eval_labels,
+                max_accuracy_drop=max_accuracy_drop,
+                calibration_images=calibration_images,
+            )
         storage.upload_file(final, storage.join(out_uri, "model.onnx"))
+        if model_json["onnx_file"] != "model.onnx":
+            storage.upload_file(
+                final.parent / model_json["onnx_file"],
+                storage.join(out_uri, model_json["onnx_file"]),
+            )
     digest = model_json["sha256"]
     storage.write_json(storage.join(out_uri, "model.json"), model_json)
     log.info(
         "exported %s (sha256 %s…): parity max |Δ| %.2g on %d images",
-        storage.join(out_uri, "model.onnx"),
+        storage.join(out_uri, model_json["onnx_file"]),
         digest[:12],
         parity.max_abs_diff,
         parity.images,

@@ -1,0 +1,518 @@
+"""Run the dataset's Great Expectations suite over a manifest DataFrame and render Data Docs.
+
+Each rule is a real GX expectation with GX's own observed value. Rules that GX cannot state
+row by row (duplicates, train/val leakage, per-class counts, imbalance) are first computed
+into per-row columns (``dup_of``, ``leak_exact_of``, ``class_min_split_count``, ...) by
+``add_rule_columns``, and the expectation is then stated on that column, so GX still names
+the offending files (through ``unexpected_index_column_names=["path"]``). Where a column can
+carry the reason (the decode error, the file a leak matches), the expectation is stated on it,
+so the Data Docs page shows why as well as how many.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import great_expectations as gx
+import great_expectations.expectations as gxe
+import pandas as pd
+from great_expectations.data_context.types.base import (
+    DataContextConfig,
+    InMemoryStoreBackendDefaults,
+    ProgressBarsConfig,
+)
+
+if TYPE_CHECKING:
+    from great_expectations.expectations.expectation import Expectation
+
+    from burstcv.data.validate import ValidationConfig
+
+logger = logging.getLogger(__name__)
+
+SUITE_NAME = "burstcv_dataset"
+MAX_OFFENDING_FILES = 20  # per check, in validation.json and the summary
+_DOCS_SITE = "burstcv"
+# A difference hash with almost every bit equal comes from a flat or smooth image: two such
+# images share a hash without looking alike, so they are left to the exact (sha256) check.
+_MIN_INFORMATIVE_BITS = 4
+# Beyond this many images with one identical hash the data is degenerate (blank frames, say);
+# near-duplicate pairing among them is capped so that it stays linear. Exact copies are
+# still all caught by sha256.
+_MAX_ROWS_PER_HASH = 500
+
+
+@dataclass(frozen=True)
+class Check:
+    """Name one rule of the suite: the GX expectation and how to explain an offending row."""
+
+    name: str
+    description: str
+    expectation: Expectation
+    reason_column: str | None = None  # manifest column that says why a row offends
+    reason_prefix: str = ""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """Hold the outcome of one expectation: GX's observed value and the offending files."""
+
+    name: str
+    description: str
+    expectation_type: str
+    success: bool
+    observed: Any
+    offending_files: list[str] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)  # path -> why, for offending files
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON-ready form written into validation.json."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "expectation_type": self.expectation_type,
+            "success": self.success,
+            "observed": self.observed,
+            "offending_files": self.offending_files,
+            "reasons": self.reasons,
+            "details": self.details,
+        }
+
+
+@dataclass
+class SuiteOutcome:
+    """Hold the suite's verdict, one result per check, and where the Data Docs were written."""
+
+    success: bool
+    checks: list[CheckResult]
+    data_docs_index: Path | None = None
+    class_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # split -> label -> n
+
+
+def class_counts(
+    df: pd.DataFrame, splits: tuple[str, ...] | list[str]
+) -> dict[str, dict[str, int]]:
+    """Return usable images per split and label (decoded rows in a configured split)."""
+    usable = df[_usable_mask(df, splits)]
+    counts: dict[str, dict[str, int]] = {split: {} for split in splits}
+    for (split, label), n in usable.groupby(["split", "label"]).size().items():
+        counts[str(split)][str(label)] = int(n)
+    return counts
+
+
+def add_rule_columns(manifest: pd.DataFrame, config: ValidationConfig) -> pd.DataFrame:
+    """Return a copy of the manifest with the per-row columns that dataset-level rules check.
+
+    ``usable`` (0/1), ``class_min_split_count``, ``split_imbalance_ratio``,
+    ``dup_within_split``/``dup_of``, ``leaks_exact``/``leak_exact_of``,
+    ``leaks_near``/``leak_near_of`` (the ``*_of`` columns name the matching file).
+    """
+    df = manifest.reset_index(drop=True)  # positions below index rows
+    splits = tuple(config.splits)
+    usable = _usable_mask(df, splits)
+    df["usable"] = usable.astype("int64")
+
+    counts = class_counts(df, splits)
+    labels = set(df.loc[df["label"].notna(), "label"].astype(str))
+    labels |= set(config.expected_classes or [])
+    weakest = {label: min(counts[s].get(label, 0) for s in splits) for label in labels}
+    df["class_min_split_count"] = pd.array(
+        [weakest.get(label) if isinstance(label, str) else None for label in df["label"]],
+        dtype="Int64",
+    )
+    ratios: dict[str, float] = {}
+    for split, per_label in counts.items():
+        present = [n for n in per_label.values() if n > 0]
+        if present:
+            ratios[split] = max(present) / min(present)
+    df["split_imbalance_ratio"] = pd.array(
+        [ratios.get(split) if isinstance(split, str) else None for split in df["split"]],
+        dtype="Float64",
+    )
+
+    dup_of: list[str | None] = [None] * len(df)
+    leak_exact_of: list[str | None] = [None] * len(df)
+    leak_near_of: list[str | None] = [None] * len(df)
+    paths = df["path"].tolist()
+    row_splits = df["split"].tolist()
+    positions = [i for i, ok in enumerate(usable.tolist()) if ok]
+
+    shas = df["sha256"].tolist()
+    by_sha: dict[str, list[int]] = defaultdict(list)
+    for i in positions:
+        by_sha[shas[i]].append(i)
+    # Linear in the group size even when thousands of files share one hash.
+    for group in by_sha.values():
+        if len(group) < 2:
+            continue
+        by_split: dict[Any, list[int]] = defaultdict(list)
+        for i in group:
+            by_split[row_splits[i]].append(i)
+        for split, members in by_split.items():
+            other = next((m[0] for s, m in by_split.items() if s != split), None)
+            for i in members:
+                if len(members) > 1:
+                    dup_of[i] = paths[members[1] if i == members[0] else members[0]]
+                if other is not None:
+                    leak_exact_of[i] = paths[other]
+
+    max_distance = config.near_duplicate_max_distance
+    if max_distance is not None:
+        phashes = df["phash"].tolist()
+        thumbs = df["thumb"].tolist() if "thumb" in df.columns else [None] * len(df)
+        hashes = {i: int(phashes[i], 16) for i in positions if isinstance(phashes[i], str)}
+        if len(hashes) < len(positions):
+            raise ValueError(
+                "the manifest has no phash for some decoded rows: scan with phash=True, or set "
+                "near_duplicate_max_distance=None"
+            )
+        pixels = {i: bytes.fromhex(thumbs[i]) for i in positions if isinstance(thumbs[i], str)}
+        partners = _near_partners(
+            hashes, pixels, row_splits, max_distance, config.near_duplicate_max_pixel_diff
+        )
+        for i, j in partners.items():
+            if leak_exact_of[i] is None:
+                leak_near_of[i] = paths[j]
+
+    df["dup_of"] = pd.Series(dup_of, dtype="object", index=df.index)
+    df["dup_within_split"] = df["dup_of"].notna()
+    df["leak_exact_of"] = pd.Series(leak_exact_of, dtype="object", index=df.index)
+    df["leaks_exact"] = df["leak_exact_of"].notna()
+    df["leak_near_of"] = pd.Series(leak_near_of, dtype="object", index=df.index)
+    df["leaks_near"] = df["leak_near_of"].notna()
+    return df
+
+
+def build_checks(config: ValidationConfig) -> list[Check]:
+    """Return the suite's checks, in report order, with thresholds from the config."""
+    splits = list(config.splits)
+    checks = [
+        Check(
+            "imagefolder_layout",
+            "Every file sits at <split>/<class>/<file>",
+            gxe.ExpectColumnValuesToNotBeNull(column="label"),
+            "error",
+        ),
+        Check(
+            "every_file_decodes",
+            "Every file decodes fully with the service's rules",
+            # On the error text, not decode_ok: Data Docs then show why files failed.
+            gxe.ExpectColumnValuesToBeNull(column="error"),
+            "error",
+        ),
+        Check(
+            "allowed_formats",
+            f"Image formats are among {', '.join(config.allowed_formats)}",
+            gxe.ExpectColumnValuesToBeInSet(
+                column="format", value_set=list(config.allowed_formats)
+            ),
+            "format",
+            "format ",
+        ),
+        Check(
+            "width_in_bounds",
+            f"Width is {config.min_width}..{config.max_width} px",
+            gxe.ExpectColumnValuesToBeBetween(
+                column="width", min_value=config.min_width, max_value=config.max_width
+            ),
+            "width",
+            "width ",
+        ),
+        Check(
+            "height_in_bounds",
+            f"Height is {config.min_height}..{config.max_height} px",
+            gxe.ExpectColumnValuesToBeBetween(
+                column="height", min_value=config.min_height, max_value=config.max_height
+            ),
+            "height",
+            "height ",
+        ),
+        Check(
+            "channels_allowed",
+            f"Channels are among {', '.join(map(str, config.allowed_channels))}",
+            gxe.ExpectColumnValuesToBeInSet(
+                column="channels", value_set=list(config.allowed_channels)
+            ),
+            "mode",
+            "mode ",
+        ),
+        Check(
+            "known_splits",
+            f"Every split folder is one of {', '.join(splits)}",
+            gxe.ExpectColumnValuesToBeInSet(column="split", value_set=splits),
+            "split",
+            "split ",
+        ),
+        Check(
+            "all_splits_present",
+            f"Splits {', '.join(splits)} are all present",
+            gxe.ExpectColumnDistinctValuesToContainSet(column="split", value_set=splits),
+        ),
+    ]
+    if config.expected_classes is not None:
+        expected = list(config.expected_classes)
+        checks += [
+            Check(
+                "labels_expected",
+                f"Every class folder is one of the {len(expected)} expected classes",
+                gxe.ExpectColumnValuesToBeInSet(column="label", value_set=expected),
+                "label",
+                "unexpected class ",
+            ),
+            Check(
+                "expected_classes_present",
+                "Every expected class is present",
+                gxe.ExpectColumnDistinctValuesToContainSet(column="label", value_set=expected),
+            ),
+        ]
+    checks += [
+        Check(
+            "min_images_per_class",
+            f"Every class has at least {config.min_images_per_class} images in every split",
+            gxe.ExpectColumnValuesToBeBetween(
+                column="class_min_split_count", min_value=config.min_images_per_class
+            ),
+            "class_min_split_count",
+            "usable images of its class in the weakest split: ",
+        ),
+        Check(
+            "class_imbalance",
+            f"Largest/smallest class ratio is at most {config.max_imbalance_ratio} per split",
+            gxe.ExpectColumnMaxToBeBetween(
+                column="split_imbalance_ratio", max_value=config.max_imbalance_ratio
+            ),
+        ),
+        Check(
+            "no_duplicates_within_split",
+            "No file is an exact copy (sha256) of another in the same split",
+            gxe.ExpectColumnValuesToBeNull(column="dup_of"),
+            "dup_of",
+            "same bytes as ",
+        ),
+        Check(
+            "no_leakage_exact",
+            "No image is shared between splits (same sha256)",
+            gxe.ExpectColumnValuesToBeNull(column="leak_exact_of"),
+            "leak_exact_of",
+            "same bytes as ",
+        ),
+    ]
+    if config.near_duplicate_max_distance is not None:
+        checks.append(
+            Check(
+                "no_leakage_near",
+                "No near-duplicate image is shared between splits (difference hash within "
+                f"{config.near_duplicate_max_distance} bits, 9x8 thumbnail within "
+                f"{config.near_duplicate_max_pixel_diff} grey levels)",
+                gxe.ExpectColumnValuesToBeNull(column="leak_near_of"),
+                "leak_near_of",
+                "looks like ",
+            )
+        )
+    checks.append(
+        Check(
+            "min_total_images",
+            f"At least {config.min_total_images} usable images in all",
+            gxe.ExpectColumnSumToBeBetween(column="usable", min_value=config.min_total_images),
+        )
+    )
+    for check in checks:
+        check.expectation.meta = {"name": check.name}
+        check.expectation.description = check.description
+    return checks
+
+
+def run_suite(
+    manifest: pd.DataFrame,
+    config: ValidationConfig,
+    *,
+    data_docs_dir: Path | None = None,
+) -> SuiteOutcome:
+    """Validate a manifest with the suite; write Data Docs under ``data_docs_dir`` if given."""
+    df = add_rule_columns(manifest, config)
+    checks = build_checks(config)
+    sites: dict[str, Any] = {}
+    if data_docs_dir is not None:
+        sites[_DOCS_SITE] = {
+            "class_name": "SiteBuilder",
+            "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+            "store_backend": {
+                "class_name": "TupleFilesystemStoreBackend",
+                "base_directory": str(data_docs_dir),
+            },
+        }
+    context = gx.get_context(
+        mode="ephemeral",
+        project_config=DataContextConfig(
+            store_backend_defaults=InMemoryStoreBackendDefaults(init_temp_docs_sites=False),
+            data_docs_sites=sites,
+            analytics_enabled=False,
+            progress_bars=ProgressBarsConfig(globally=False),
+        ),
+    )
+    batch = (
+        context.data_sources.add_pandas("manifest")
+        .add_dataframe_asset("manifest")
+        .add_batch_definition_whole_dataframe("all_files")
+    )
+    suite = context.suites.add(gx.ExpectationSuite(name=SUITE_NAME))
+    for check in checks:
+        suite.add_expectation(check.expectation)
+    definition = context.validation_definitions.add(
+        gx.ValidationDefinition(name="dataset", data=batch, suite=suite)
+    )
+    result = definition.run(
+        batch_parameters={"dataframe": df},
+        result_format={
+            "result_format": "SUMMARY",
+            "unexpected_index_column_names": ["path"],
+            "partial_unexpected_count": MAX_OFFENDING_FILES,
+        },
+    )
+    by_name = {
+        (r.expectation_config.meta or {}).get("name"): r
+        for r in result.results
+        if r.expectation_config is not None
+    }
+    missing = [c.name for c in checks if c.name not in by_name]
+    if missing:
+        raise RuntimeError(f"GX returned no result for checks: {', '.join(missing)}")
+
+    reasons_source = df.set_index("path")
+    outcomes = [_check_result(check, by_name[check.name], reasons_source) for check in checks]
+    counts = class_counts(df, tuple(config.splits))
+    for i, outcome in enumerate(outcomes):
+        if outcome.name in ("min_images_per_class", "class_imbalance"):
+            outcomes[i] = replace(outcome, details={"class_counts": counts})
+
+    index = None
+    if data_docs_dir is not None:
+        context.build_data_docs(site_names=[_DOCS_SITE])
+        index = data_docs_dir / "index.html"
+        if not index.is_file():
+            raise RuntimeError(f"GX built no Data Docs index at {index}")
+    return SuiteOutcome(
+        success=bool(result.success),
+        checks=outcomes,
+        data_docs_index=index,
+        class_counts=counts,
+    )
+
+
+def _check_result(check: Check, result: Any, rows: pd.DataFrame) -> CheckResult:
+    raw = result.to_json_dict()
+    payload: dict[str, Any] = raw.get("result") or {}
+    exception = raw.get("exception_info") or {}
+    if exception.get("raised_exception"):
+        # GX could not evaluate the rule: the check fails and says why, never passes silently.
+        observed: Any = {"exception": exception.get("exception_message")}
+    elif "observed_value" in payload and payload["observed_value"] is not None:
+        observed = payload["observed_value"]
+    elif "partial_missing_list" in payload:
+        observed = {"missing": payload["partial_missing_list"]}
+    else:
+        # A map expectation's observation is its counts; None when GX had nothing to measure.
+        observed = {
+            key: payload[key]
+            for key in ("element_count", "unexpected_count", "unexpected_percent")
+            if key in payload
+        } or None
+    offending = [
+        str(item["path"])
+        for item in payload.get("partial_unexpected_index_list") or []
+        if isinstance(item, dict) and item.get("path") is not None
+    ][:MAX_OFFENDING_FILES]
+    reasons: dict[str, str] = {}
+    if check.reason_column is not None:
+        for path in offending:
+            value = rows.at[path, check.reason_column] if path in rows.index else None
+            if value is not None and not pd.isna(value):
+                reasons[path] = f"{check.reason_prefix}{value}"
+    return CheckResult(
+        name=check.name,
+        description=check.description,
+        expectation_type=str(raw["expectation_config"]["type"]),
+        success=bool(raw["success"]),
+        observed=observed,
+        offending_files=offending,
+        reasons=reasons,
+    )
+
+
+def _usable_mask(df: pd.DataFrame, splits: tuple[str, ...] | list[str]) -> pd.Series:
+    return df["decode_ok"].astype(bool) & df["label"].notna() & df["split"].isin(list(splits))
+
+
+def _near_partners(
+    hashes: dict[int, int],
+    thumbs: dict[int, bytes],
+    splits: list[Any],
+    max_distance: int,
+    max_pixel_diff: int,
+) -> dict[int, int]:
+    """Map rows to a near-duplicate row of another split: hash close, thumbnail closer.
+
+    Candidates are rows whose hashes differ in at most max_distance bits, found with a
+    pigeonhole search: split the 64 bits into max_distance + 1 bands; two hashes within the
+    distance agree exactly on at least one band, so only values sharing a band are compared.
+    A candidate pair is confirmed when no pixel of their 9x8 grayscale thumbnails differs by
+    more than max_pixel_diff grey levels (a row without a thumbnail is confirmed by the hash).
+    """
+    rows_by_value: dict[int, list[int]] = defaultdict(list)
+    for i, value in hashes.items():
+        if _MIN_INFORMATIVE_BITS <= value.bit_count() <= 64 - _MIN_INFORMATIVE_BITS:
+            rows_by_value[value].append(i)
+    oversized = [v for v, rows in rows_by_value.items() if len(rows) > _MAX_ROWS_PER_HASH]
+    for value in oversized:
+        logger.warning(
+            "%d images share difference hash %016x; comparing the first %d for near duplicates",
+            len(rows_by_value[value]),
+            value,
+            _MAX_ROWS_PER_HASH,
+        )
+        rows_by_value[value] = rows_by_value[value][:_MAX_ROWS_PER_HASH]
+
+    partners: dict[int, int] = {}
+
+    def confirm(i: int, j: int) -> bool:
+        a, b = thumbs.get(i), thumbs.get(j)
+        if a is None or b is None:
+            return True
+        return max(map(abs, map(operator.sub, a, b))) <= max_pixel_diff
+
+    def link(rows_a: list[int], rows_b: list[int]) -> None:
+        for i in rows_a:
+            for j in rows_b:
+                if splits[i] != splits[j] and confirm(i, j):
+                    partners.setdefault(i, j)
+                    partners.setdefault(j, i)
+                    break
+
+    for rows in rows_by_value.values():
+        if len({splits[i] for i in rows}) > 1:
+            link(rows, rows)
+    if max_distance == 0:
+        return partners
+    bands = max_distance + 1
+    edges = [round(64 * b / bands) for b in range(bands + 1)]
+    compared: set[tuple[int, int]] = set()
+    for low, high in itertools.pairwise(edges):
+        mask = (1 << (high - low)) - 1
+        buckets: dict[int, list[int]] = defaultdict(list)
+        for value in rows_by_value:
+            buckets[(value >> low) & mask].append(value)
+        for values in buckets.values():
+            for a_pos, a in enumerate(values):
+                for b in values[a_pos + 1 :]:
+                    if (a, b) in compared:
+                        continue
+                    compared.add((a, b))
+                    if (a ^ b).bit_count() <= max_distance:
+                        link(rows_by_value[a], rows_by_value[b])
+    return partners

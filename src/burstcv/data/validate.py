@@ -1,0 +1,395 @@
+"""Validate an image dataset before any GPU exists: scan, run the GX suite, write the evidence.
+
+``validate_dataset`` writes ``manifest.parquet``, ``validation.json`` and ``data_docs/`` under
+an output URI and returns a report whose ``summary`` names every failed check and its files.
+Drift is measured against the last dataset of the same name that passed (kept under
+``history_uri``): class proportions and image size.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import logging
+import re
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import great_expectations as gx
+import pandas as pd
+import PIL
+
+from burstcv import storage
+from burstcv.data.manifest import (
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_PIXELS,
+    DatasetUnusableError,
+    scan,
+    write_manifest,
+)
+from burstcv.data.suite import CheckResult, run_suite
+
+__all__ = [
+    "DatasetUnusableError",
+    "ValidationConfig",
+    "ValidationReport",
+    "dataset_fingerprint",
+    "describe_observed",
+    "usable_rows",
+    "validate_dataset",
+]
+
+logger = logging.getLogger(__name__)
+
+_HISTORY_FORMAT = 1
+
+
+@dataclass
+class ValidationConfig:
+    """Hold the thresholds of the dataset gate; each default carries its reason."""
+
+    expected_classes: list[str] | None = None  # None: whatever class folders exist
+    splits: tuple[str, ...] = ("train", "val")
+    allowed_formats: tuple[str, ...] = ("PNG", "JPEG", "WEBP")  # what the service decodes
+    min_width: int = 8  # px; smaller images carry no signal after resizing
+    max_width: int = 4096  # px; the service's open_image refuses larger (4096x4096 pixels)
+    min_height: int = 8
+    max_height: int = 4096
+    allowed_channels: tuple[int, ...] = (1, 3, 4)  # L/P, RGB, RGBA/CMYK; RGB conversion is later
+    min_images_per_class: int = 5  # per split: fewer cannot train or measure a class
+    max_imbalance_ratio: float = 10.0  # largest/smallest class, per split
+    min_total_images: int = 20  # usable images over all splits
+    near_duplicate_max_distance: int | None = 0  # dHash bits; 0 = same hash; None = off
+    # ...and the 9x8 grayscale thumbnails differ by at most this many grey levels anywhere:
+    # re-encodes and 1-pixel edits stay under ~13, distinct handwritten digits exceed ~29.
+    near_duplicate_max_pixel_diff: int = 20
+    drift_warn: float = 0.10  # drift score above which a warning is reported
+    drift_max: float | None = None  # drift score above which validation fails; None = warn only
+    max_pixels: int = DEFAULT_MAX_PIXELS  # header check before decoding (decompression bombs)
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES  # refused unread above this
+
+    def __post_init__(self) -> None:
+        """Refuse thresholds that cannot be met or make no sense."""
+        self.splits = tuple(self.splits)
+        self.allowed_formats = tuple(f.upper() for f in self.allowed_formats)
+        self.allowed_channels = tuple(int(c) for c in self.allowed_channels)
+        if self.expected_classes is not None:
+            self.expected_classes = [str(c) for c in self.expected_classes]
+            if not self.expected_classes:
+                raise ValueError("expected_classes is empty; give class names or None")
+        if not self.splits:
+            raise ValueError("splits is empty; the default is ('train', 'val')")
+        if not 0 < self.min_width <= self.max_width or not 0 < self.min_height <= self.max_height:
+            raise ValueError("image bounds need 0 < min <= max for width and height")
+        if self.max_imbalance_ratio < 1:
+            raise ValueError("max_imbalance_ratio is largest/smallest and must be >= 1")
+        distance = self.near_duplicate_max_distance
+        if distance is not None and not 0 <= distance <= 16:
+            raise ValueError("near_duplicate_max_distance must be 0..16 bits, or None to disable")
+        if not 0 <= self.near_duplicate_max_pixel_diff <= 255:
+            raise ValueError("near_duplicate_max_pixel_diff is in grey levels, 0..255")
+        if self.drift_max is not None and self.drift_max < 0:
+            raise ValueError("drift_max must be >= 0, or None to only warn")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON-ready form recorded in validation.json."""
+        data = asdict(self)
+        for key in ("splits", "allowed_formats", "allowed_channels"):
+            data[key] = list(data[key])
+        return data
+
+
+@dataclass
+class ValidationReport:
+    """Hold the verdict of one validation and where its evidence was written."""
+
+    success: bool
+    dataset_uri: str
+    fingerprint: str
+    counts: dict[str, Any]
+    checks: list[CheckResult]
+    ignored: list[dict[str, str]]
+    drift: dict[str, Any]
+    warnings: list[str]
+    config: ValidationConfig
+    manifest_uri: str
+    validation_uri: str
+    data_docs_uri: str
+    validated_at: str = field(
+        default_factory=lambda: dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    )
+
+    @property
+    def failed_checks(self) -> list[CheckResult]:
+        """Return the checks that failed, in report order."""
+        return [check for check in self.checks if not check.success]
+
+    @property
+    def summary(self) -> str:
+        """Return a short multi-line text: the verdict, each failed check and its files."""
+        files = self.counts["files"]
+        usable = self.counts["usable"]
+        head = "PASSED" if self.success else "FAILED"
+        lines = [f"dataset {self.dataset_uri}: {head} ({usable} usable of {files} files)"]
+        for check in self.failed_checks:
+            observed = describe_observed(check.observed)
+            lines.append(f"- {check.name}: {check.description} (observed: {observed})")
+            for path in check.offending_files:
+                reason = check.reasons.get(path)
+                lines.append(f"    {path}" + (f": {reason}" if reason else ""))
+            unexpected = (
+                check.observed.get("unexpected_count") if isinstance(check.observed, dict) else None
+            )
+            if isinstance(unexpected, int) and unexpected > len(check.offending_files):
+                more = unexpected - len(check.offending_files)
+                lines.append(f"    ... and {more} more (see the manifest)")
+        if self.drift.get("status") == "failed":
+            lines.append(f"- drift: {self.drift['message']}")
+        lines.extend(f"warning: {text}" for text in self.warnings)
+        lines.append(f"details: {self.validation_uri}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the validation.json document."""
+        return {
+            "success": self.success,
+            "dataset_uri": self.dataset_uri,
+            "fingerprint": self.fingerprint,
+            "counts": self.counts,
+            "expectations": [check.to_dict() for check in self.checks],
+            "ignored": self.ignored,
+            "drift": self.drift,
+            "warnings": self.warnings,
+            "config": self.config.to_dict(),
+            "manifest_uri": self.manifest_uri,
+            "data_docs_uri": self.data_docs_uri,
+            "validated_at": self.validated_at,
+            "versions": {"great_expectations": gx.__version__, "pillow": PIL.__version__},
+        }
+
+
+def validate_dataset(
+    dataset_uri: str,
+    out_uri: str,
+    config: ValidationConfig | None = None,
+    *,
+    history_uri: str | None = None,
+    workers: int | None = None,
+) -> ValidationReport:
+    """Scan and validate a dataset; write manifest, validation.json and Data Docs to out_uri.
+
+    Raises DatasetUnusableError (one-line reason) when there is nothing to validate: a missing
+    path, no files, or no file in the ``<split>/<class>/<file>`` layout. Every other problem is
+    a failed check in the returned report. After a pass, the dataset's profile is stored under
+    ``history_uri`` as the baseline for the next drift comparison.
+    """
+    config = config or ValidationConfig()
+    scanned = scan(
+        dataset_uri,
+        workers=workers,
+        max_pixels=config.max_pixels,
+        max_file_bytes=config.max_file_bytes,
+        phash=config.near_duplicate_max_distance is not None,
+    )
+    manifest = scanned.manifest
+    if not manifest["label"].notna().any():
+        raise DatasetUnusableError(
+            f"{dataset_uri} is not an ImageFolder: no file at <split>/<class>/<file> "
+            f"(e.g. train/cat/1.png); found {len(manifest)} file(s) elsewhere"
+        )
+
+    manifest_uri = storage.join(out_uri, "manifest.parquet")
+    validation_uri = storage.join(out_uri, "validation.json")
+    data_docs_uri = storage.join(out_uri, "data_docs", "index.html")
+    write_manifest(manifest, manifest_uri)
+
+    with tempfile.TemporaryDirectory(prefix="burstcv-docs-") as scratch:
+        docs_dir = (
+            Path(scratch) / "data_docs"
+            if storage.is_s3(out_uri)
+            else storage.local_path(out_uri) / "data_docs"
+        )
+        # A fresh site: pages left by an earlier run here would describe another dataset.
+        shutil.rmtree(docs_dir, ignore_errors=True)
+        outcome = run_suite(manifest, config, data_docs_dir=docs_dir)
+        if storage.is_s3(out_uri):
+            for path in sorted(p for p in docs_dir.rglob("*") if p.is_file()):
+                rel = path.relative_to(docs_dir).as_posix()
+                storage.upload_file(path, storage.join(out_uri, "data_docs", rel))
+
+    fingerprint = dataset_fingerprint(manifest)
+    profile = _profile(manifest, config, fingerprint, dataset_uri)
+    warnings: list[str] = []
+    if scanned.ignored:
+        example = scanned.ignored[0]["path"]
+        warnings.append(f"{len(scanned.ignored)} hidden/system file(s) ignored, e.g. {example}")
+    drift = _drift(profile, _load_baseline(history_uri, dataset_uri), config)
+    if drift["status"] == "warning":
+        warnings.append(f"drift: {drift['message']}")
+    success = outcome.success and drift["status"] != "failed"
+
+    usable = int(manifest["decode_ok"].sum())
+    counts = {
+        "files": len(manifest),
+        "usable": usable,
+        "errors": int((~manifest["decode_ok"]).sum()),
+        "ignored": len(scanned.ignored),
+        "per_split": outcome.class_counts,
+    }
+    report = ValidationReport(
+        success=success,
+        dataset_uri=dataset_uri,
+        fingerprint=fingerprint,
+        counts=counts,
+        checks=outcome.checks,
+        ignored=scanned.ignored,
+        drift=drift,
+        warnings=warnings,
+        config=config,
+        manifest_uri=manifest_uri,
+        validation_uri=validation_uri,
+        data_docs_uri=data_docs_uri,
+    )
+    storage.write_json(validation_uri, report.to_dict())
+    if success and history_uri is not None:
+        storage.write_json(_history_entry_uri(history_uri, dataset_uri), profile)
+    log = logger.info if success else logger.warning
+    log("%s", report.summary)
+    return report
+
+
+def describe_observed(observed: Any) -> str:
+    """Return GX's observed value as a short phrase for the summary."""
+    if observed is None:
+        return "nothing to measure (no usable images)"
+    if isinstance(observed, dict):
+        if "exception" in observed:
+            return f"GX could not evaluate it: {observed['exception']}"
+        if "missing" in observed:
+            return "missing " + ", ".join(map(str, observed["missing"]))
+        if "unexpected_count" in observed and "element_count" in observed:
+            return f"{observed['unexpected_count']} of {observed['element_count']} files"
+    if isinstance(observed, float):
+        return f"{observed:.3g}"
+    return str(observed)
+
+
+def usable_rows(manifest_df: pd.DataFrame) -> pd.DataFrame:
+    """Return the rows that decoded (with a split and label), sorted by (split, label, path)."""
+    mask = manifest_df["decode_ok"].astype(bool) & manifest_df["label"].notna()
+    return (
+        manifest_df[mask]
+        .sort_values(["split", "label", "path"], kind="stable")
+        .reset_index(drop=True)
+    )
+
+
+def dataset_fingerprint(manifest_df: pd.DataFrame) -> str:
+    """Return sha256 over the sorted (path, sha256) rows: same files, same bytes, same print."""
+    digest = hashlib.sha256()
+    rows = sorted(
+        zip(manifest_df["path"].astype(str), manifest_df["sha256"].fillna(""), strict=True)
+    )
+    for path, sha in rows:
+        digest.update(f"{path}\t{sha}\n".encode())
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Drift
+
+
+def dataset_name(dataset_uri: str) -> str:
+    """Return the path-safe name of a dataset: its last path segment."""
+    last = dataset_uri.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1] or "dataset"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", last)
+
+
+def _history_entry_uri(history_uri: str, dataset_uri: str) -> str:
+    return storage.join(history_uri, f"{dataset_name(dataset_uri)}.json")
+
+
+def _load_baseline(history_uri: str | None, dataset_uri: str) -> dict[str, Any] | None:
+    if history_uri is None:
+        return None
+    uri = _history_entry_uri(history_uri, dataset_uri)
+    if not storage.exists(uri):
+        return None
+    doc: dict[str, Any] = storage.read_json(uri)
+    return doc
+
+
+def _profile(
+    manifest: pd.DataFrame, config: ValidationConfig, fingerprint: str, dataset_uri: str
+) -> dict[str, Any]:
+    usable = usable_rows(manifest)
+    usable = usable[usable["split"].isin(list(config.splits))]
+    total = max(len(usable), 1)
+    proportions = {str(label): n / total for label, n in usable.groupby("label").size().items()}
+    return {
+        "format_version": _HISTORY_FORMAT,
+        "dataset_uri": dataset_uri,
+        "fingerprint": fingerprint,
+        "validated_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "images": len(usable),
+        "class_proportions": proportions,
+        "median_width": float(usable["width"].median()) if len(usable) else None,
+        "median_height": float(usable["height"].median()) if len(usable) else None,
+    }
+
+
+def _drift(
+    profile: dict[str, Any], baseline: dict[str, Any] | None, config: ValidationConfig
+) -> dict[str, Any]:
+    """Compare a profile with the baseline: class-proportion TVD and median size change."""
+    if baseline is None:
+        return {"status": "no_baseline", "message": "no earlier validated dataset of this name"}
+    old_p: dict[str, float] = baseline.get("class_proportions", {})
+    new_p: dict[str, float] = profile["class_proportions"]
+    labels = set(old_p) | set(new_p)
+    # Total variation distance: the share of images that would have to change class.
+    class_tvd = 0.5 * sum(abs(new_p.get(k, 0.0) - old_p.get(k, 0.0)) for k in labels)
+    size_changes = [
+        abs(profile[key] - baseline[key]) / baseline[key]
+        for key in ("median_width", "median_height")
+        if profile.get(key) and baseline.get(key)
+    ]
+    size_change = max(size_changes, default=0.0)
+    score = max(class_tvd, size_change)
+    message = (
+        f"class proportions moved by {class_tvd:.1%} (total variation) and median image size "
+        f"by {size_change:.1%} since {baseline.get('validated_at', '?')} "
+        f"(fingerprint {str(baseline.get('fingerprint', '?'))[:12]})"
+    )
+    if config.drift_max is not None and score > config.drift_max:
+        status = "failed"
+        message += f"; above drift_max {config.drift_max:.1%}"
+    elif score > config.drift_warn:
+        status = "warning"
+    else:
+        status = "ok"
+    return {
+        "status": status,
+        "score": score,
+        "class_proportion_tvd": class_tvd,
+        "median_size_change": size_change,
+        "drift_warn": config.drift_warn,
+        "drift_max": config.drift_max,
+        "baseline": {
+            "fingerprint": baseline.get("fingerprint"),
+            "validated_at": baseline.get("validated_at"),
+            "dataset_uri": baseline.get("dataset_uri"),
+            "class_proportions": old_p,
+            "median_width": baseline.get("median_width"),
+            "median_height": baseline.get("median_height"),
+        },
+        "current": {
+            "class_proportions": new_p,
+            "median_width": profile["median_width"],
+            "median_height": profile["median_height"],
+        },
+        "message": message,
+    }
