@@ -29,7 +29,7 @@ export BURSTCV_SERVING_REGISTRY_URI ?= $(VAR)/registry
 export BURSTCV_SERVING_PORT ?= $(SERVE_PORT)
 DEMO_DATA := $(VAR)/data/digits
 
-.PHONY: help setup demo test lint airflow serve stop clean distclean
+.PHONY: help setup sysdeps demo test lint airflow serve stop clean distclean
 
 help:
 	@echo "make demo   - set up, run the pipeline DAG on the demo digits, serve it, predict"
@@ -46,7 +46,21 @@ $(STAMP): requirements.txt serving/requirements.txt pyproject.toml
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) sysdeps
+
+# Debian packages some tests and benchmarks use (headless Chromium for screenshots, wrk for
+# load). Installed when missing and we may (root + apt); the tests skip cleanly without them.
+sysdeps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+	  missing=""
+	  command -v chromium >/dev/null || missing="$$missing chromium"
+	  command -v wrk >/dev/null || missing="$$missing wrk"
+	  if [ -n "$$missing" ]; then
+	    echo ">> installing$$missing (Debian packages)"
+	    (apt-get install -y -qq $$missing >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq $$missing >/dev/null 2>&1; }) \
+	      || echo ">> could not install$$missing; the tests that need them will skip"
+	  fi
+	fi
 
 $(AIRFLOW_HOME)/airflow.db: $(STAMP)
 	mkdir -p $(AIRFLOW_HOME)
@@ -64,7 +78,7 @@ demo: $(STAMP) $(AIRFLOW_HOME)/airflow.db $(DEMO_DATA)
 	echo ">> predicting $$image (a validation image of class 7) with the deployed model:"
 	$(BIN)/burstcv predict "$$image" --url $(SERVE_URL)
 
-test: $(STAMP)
+test: $(STAMP) sysdeps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)

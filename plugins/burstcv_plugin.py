@@ -1,0 +1,109 @@
+"""Register burstcv's Airflow UI extensions: task links to run artifacts, the models page.
+
+- Extra links on task instances: ``validate`` → its Great Expectations Data Docs, ``report``
+  → the run's HTML report, ``deploy`` → the deployed service's ``/v1/model``. The artifact
+  files are served by the plugin's own FastAPI app (``/burstcv``, see ``burstcv_views``), so
+  the links open in a browser whether the artifact store is a local folder or S3.
+- The ``/burstcv`` app itself: model versions with status, accuracy, p95 latency, aliases
+  and gate reasons, and what each run cost, as a page and as JSON.
+- A top-level nav entry ("Models") that shows that page inside the Airflow UI.
+
+The module imports only Airflow's plugin base, FastAPI and burstcv's settings/registry/storage
+(no torch, numpy or pandas): every Airflow process loads plugins.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+from urllib.parse import urlparse
+
+import burstcv_views  # the plugins folder is on sys.path; see that module's docstring
+from airflow.plugins_manager import AirflowPlugin
+from airflow.sdk import BaseOperatorLink
+
+from burstcv import storage
+from burstcv.settings import get_settings
+
+
+def _base_path() -> str:
+    """Return the api-server's path prefix (from ``[api] base_url``), '' at the root."""
+    from airflow.configuration import conf
+
+    base_url = conf.get("api", "base_url", fallback="") or ""
+    return urlparse(base_url).path.rstrip("/")
+
+
+class _RunArtifactLink(BaseOperatorLink):
+    """Link one task of burstcv_pipeline to a page its run wrote, if the page exists."""
+
+    task_id: ClassVar[str]
+    tree: ClassVar[str]
+    marker: ClassVar[tuple[str, ...]]  # the file, under the run's folder, that the link opens
+
+    def get_link(self, operator: Any, *, ti_key: Any) -> str:
+        """Return the plugin URL of the page, or '' (no link shown) for other tasks."""
+        if ti_key.dag_id != burstcv_views.DAG_ID or ti_key.task_id != self.task_id:
+            return ""
+        run_key = burstcv_views.safe_run_id(ti_key.run_id)
+        settings = get_settings()
+        if not storage.exists(storage.join(settings.artifact_root, "runs", run_key, *self.marker)):
+            return ""
+        return _base_path() + burstcv_views.artifact_url(ti_key.run_id, self.tree)
+
+
+class DataDocsLink(_RunArtifactLink):
+    """Link the validate task to the Great Expectations Data Docs of its run."""
+
+    name = "Data Docs"
+    task_id = "validate"
+    tree = "data-docs"
+    marker = ("dataset", "data_docs", "index.html")
+
+
+class RunReportLink(_RunArtifactLink):
+    """Link the report task to the run's one-page HTML report."""
+
+    name = "Run report"
+    task_id = "report"
+    tree = "report"
+    marker = ("report", "index.html")
+
+
+class DeployedModelLink(BaseOperatorLink):
+    """Link the deploy task to the deployed service's ``/v1/model`` (what it now serves)."""
+
+    name = "Deployed model"
+
+    def get_link(self, operator: Any, *, ti_key: Any) -> str:
+        """Return ``<first BURSTCV_SERVING_URL>/v1/model``, or '' when deploy is registry-only."""
+        if ti_key.dag_id != burstcv_views.DAG_ID or ti_key.task_id != "deploy":
+            return ""
+        first = get_settings().serving_url.split(",")[0].strip().rstrip("/")
+        return f"{first}/v1/model" if first else ""
+
+
+class BurstcvPlugin(AirflowPlugin):
+    """Add burstcv's task links, its models/costs app and a nav entry to Airflow."""
+
+    name = "burstcv"
+    # Global links: the DAG's tasks are @task functions (one operator class for all), so the
+    # link decides by dag_id/task_id and returns '' where it does not apply; the UI hides
+    # empty links.
+    global_operator_extra_links: ClassVar[list[Any]] = [
+        DataDocsLink(),
+        RunReportLink(),
+        DeployedModelLink(),
+    ]
+    fastapi_apps: ClassVar[list[Any]] = [
+        {"app": burstcv_views.app, "url_prefix": burstcv_views.URL_PREFIX, "name": "burstcv"}
+    ]
+    external_views: ClassVar[list[Any]] = [
+        {
+            "name": "Models",
+            "href": f"{burstcv_views.URL_PREFIX}/",
+            "icon": f"{burstcv_views.URL_PREFIX}/icon.svg",
+            "url_route": "burstcv",
+            "destination": "nav",
+            "nav_top_level": True,
+        }
+    ]

@@ -1,0 +1,291 @@
+"""Serve burstcv's pages inside the Airflow api-server: model versions, run costs, run artifacts.
+
+The plugin mounts :data:`app` at ``/burstcv``. Pages read the registry and the artifact store
+named by ``BURSTCV_*`` settings; artifact files (Data Docs, run reports) are streamed from the
+store so a browser can open them even when the store is a local folder or an S3 bucket. Every
+route but the nav icon asks Airflow's auth manager whether the caller may read the
+``burstcv_pipeline`` DAG. Nothing heavy is imported here: the plugin loads in every Airflow
+process.
+"""
+
+from __future__ import annotations
+
+import html
+import mimetypes
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request, status
+from fastapi.responses import HTMLResponse, Response
+
+from burstcv import storage
+from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, RegistryError
+from burstcv.settings import Settings, get_settings
+
+URL_PREFIX = "/burstcv"
+DAG_ID = "burstcv_pipeline"
+ALIASES = (PRODUCTION, PREVIOUS)
+# The artifact subtrees a browser may read, by the name used in URLs.
+ARTIFACT_TREES = {"data-docs": ("dataset", "data_docs"), "report": ("report",)}
+_UNSAFE_RUN_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+_SAFE_SEGMENT = re.compile(r"^[A-Za-z0-9._+@=,-]+$")
+
+ICON_SVG = (
+    '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24" fill="none" '
+    'stroke="#017cee" stroke-width="2"><rect x="3" y="4" width="18" height="14" rx="2"/>'
+    '<path d="M7 14l3-4 3 3 4-5"/></svg>'
+)
+
+
+def safe_run_id(run_id: str) -> str:
+    """Turn an Airflow run id into the artifact store's folder name for it.
+
+    The same rule as ``burstcv.pipeline.safe_run_id`` (a test holds them equal), repeated here
+    because that module imports numpy and pandas and the plugin must load cheaply.
+    """
+    return _UNSAFE_RUN_CHARS.sub("_", run_id)
+
+
+def artifact_url(run_id: str, tree: str, path: str = "index.html") -> str:
+    """Return the plugin URL (absolute path) of a file in a run's Data Docs or report."""
+    return f"{URL_PREFIX}/runs/{safe_run_id(run_id)}/{tree}/{path}"
+
+
+def artifact_uri(settings: Settings, run_key: str, tree: str, path: str) -> str:
+    """Return the store URI of ``path`` inside a run's artifact tree, refusing path traversal.
+
+    ``run_key`` must already be a safe run id and ``path`` a relative path of plain segments:
+    anything that could climb out of the tree (``..``, absolute paths, backslashes, empty or
+    dot segments) is a 404, never a file.
+    """
+    if tree not in ARTIFACT_TREES:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown artifact tree {tree!r}")
+    if run_key in ("", ".", "..") or safe_run_id(run_key) != run_key:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, "no such run")
+    segments = path.split("/")
+    if not path or any(seg in ("", ".", "..") or not _SAFE_SEGMENT.match(seg) for seg in segments):
+        raise HTTPException(status.HTTP_404_NOT_FOUND, "no such artifact")
+    base = storage.join(settings.artifact_root, "runs", run_key, *ARTIFACT_TREES[tree])
+    uri = storage.join(base, *segments)
+    if not storage.is_s3(uri):
+        # Belt and braces for local stores: a symlink must not lead out of the run's tree.
+        resolved, root = Path(uri).resolve(), Path(base).resolve()
+        if not resolved.is_relative_to(root):
+            raise HTTPException(status.HTTP_404_NOT_FOUND, "no such artifact")
+    return uri
+
+
+def _read_json_or_none(uri: str) -> Any:
+    try:
+        return storage.read_json(uri)
+    except storage.ArtifactNotFoundError:
+        return None
+
+
+def model_versions(settings: Settings) -> dict[str, Any]:
+    """Return the registry as JSON: every version with its status, figures and aliases."""
+    registry = Registry(settings.registry_uri, settings.model_name)
+    aliases = {name: registry.get_alias(name) for name in ALIASES}
+    alias_versions = {name: a.version if a else None for name, a in aliases.items()}
+    rows: list[dict[str, Any]] = []
+    for version in sorted(registry.versions(), reverse=True):
+        try:
+            entry = registry.entry(version)
+        except RegistryError:  # listed then removed: nothing to show
+            continue
+        candidate = (entry.get("benchmark") or {}).get("candidate") or {}
+        gate = entry.get("gate") or {}
+        run_id = (entry.get("lineage") or {}).get("run_id") or ""
+        rows.append(
+            {
+                "version": version,
+                "status": entry.get("status", "unknown"),
+                "accuracy": candidate.get("accuracy"),
+                "p95_ms": candidate.get("p95_ms"),
+                "aliases": [n for n, v in alias_versions.items() if v == version],
+                "reasons": list(gate.get("reasons") or []),
+                "summary": entry.get("reason") or gate.get("summary") or "",
+                "registered_at": entry.get("registered_at", ""),
+                "run_id": run_id,
+                "report_url": artifact_url(run_id, "report") if run_id else None,
+            }
+        )
+    return {
+        "model": settings.model_name,
+        "registry_uri": settings.registry_uri,
+        "aliases": alias_versions,
+        "versions": rows,
+    }
+
+
+def _run_keys(runs_uri: str) -> list[str]:
+    """Return the run folders under ``runs/``, newest first (by folder time, locally)."""
+    if storage.is_s3(runs_uri):
+        keys = {
+            uri[len(runs_uri) :].lstrip("/").split("/", 1)[0]
+            for uri in storage.list_files(runs_uri)
+        }
+        return sorted((k for k in keys if k), reverse=True)
+    root = Path(runs_uri)
+    if not root.is_dir():
+        return []
+    folders = [p for p in root.iterdir() if p.is_dir()]
+    return [p.name for p in sorted(folders, key=lambda p: p.stat().st_mtime, reverse=True)]
+
+
+def run_costs(settings: Settings) -> list[dict[str, Any]]:
+    """Return one row per run in the artifact store: cost, gate verdict, links to its pages."""
+    runs_uri = storage.join(settings.artifact_root, "runs")
+    rows: list[dict[str, Any]] = []
+    for key in _run_keys(runs_uri):
+        run_uri = storage.join(runs_uri, key)
+        billing = _read_json_or_none(storage.join(run_uri, "job", "billing.json")) or {}
+        verdict = _read_json_or_none(storage.join(run_uri, "bench", "verdict.json")) or {}
+        has_docs = storage.exists(storage.join(run_uri, "dataset", "data_docs", "index.html"))
+        has_report = storage.exists(storage.join(run_uri, "report", "index.html"))
+        rows.append(
+            {
+                "run_id": key,
+                "backend": billing.get("backend"),
+                "billed_seconds": billing.get("billed_seconds"),
+                "cost_usd": billing.get("cost_usd"),
+                "version": verdict.get("version"),
+                "promote": verdict.get("promote"),
+                "summary": verdict.get("summary"),
+                "data_docs_url": artifact_url(key, "data-docs") if has_docs else None,
+                "report_url": artifact_url(key, "report") if has_report else None,
+            }
+        )
+    return rows
+
+
+async def require_dag_read(request: Request) -> None:
+    """Allow the request only if its user (bearer token or UI cookie) may read the DAG."""
+    # Imported on first request: the api-server has these loaded already; other Airflow
+    # processes that load the plugin never pay for them.
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
+    from airflow.api_fastapi.core_api.security import bearer_scheme, get_user
+
+    user = await get_user(request, None, await bearer_scheme(request))
+    if not get_auth_manager().is_authorized_dag(
+        method="GET", details=DagDetails(id=DAG_ID), user=user
+    ):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"not allowed to read DAG {DAG_ID}")
+
+
+def settings_dep() -> Settings:
+    """Return the process's burstcv settings (a dependency, so tests can override it)."""
+    return get_settings()
+
+
+Authorized = Depends(require_dag_read)
+SettingsDep = Annotated[Settings, Depends(settings_dep)]
+
+app = FastAPI(
+    title="burstcv",
+    description="burstcv model versions, run costs and run artifacts, inside Airflow.",
+    docs_url=None,
+    redoc_url=None,
+    openapi_url=None,
+)
+
+
+@app.get("/icon.svg", include_in_schema=False)
+def icon() -> Response:
+    """Return the nav icon (public: the browser loads it without credentials)."""
+    return Response(ICON_SVG, media_type="image/svg+xml")
+
+
+@app.get("/api/models", dependencies=[Authorized])
+def models_json(settings: SettingsDep) -> dict[str, Any]:
+    """Return model versions and per-run costs as JSON."""
+    return {**model_versions(settings), "runs": run_costs(settings)}
+
+
+@app.get("/", response_class=HTMLResponse, dependencies=[Authorized])
+def models_page(settings: SettingsDep) -> HTMLResponse:
+    """Return the HTML page: model versions and what each run cost."""
+    return HTMLResponse(render_page(model_versions(settings), run_costs(settings)))
+
+
+@app.get("/runs/{run_key}/{tree}/{path:path}", dependencies=[Authorized])
+def run_artifact(run_key: str, tree: str, path: str, settings: SettingsDep) -> Response:
+    """Stream one file of a run's Data Docs or report from the artifact store."""
+    uri = artifact_uri(settings, run_key, tree, path or "index.html")
+    try:
+        body = storage.read_bytes(uri)
+    except (storage.ArtifactNotFoundError, IsADirectoryError) as exc:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"{tree}/{path} not found") from exc
+    media_type = mimetypes.guess_type(uri)[0] or "application/octet-stream"
+    return Response(body, media_type=media_type)
+
+
+def _fmt(value: Any, spec: str, suffix: str = "") -> str:
+    return "–" if value is None else f"{format(value, spec)}{suffix}"
+
+
+def _link(url: str | None, text: str) -> str:
+    # Relative to the page (served at <prefix>/), so a proxy's path prefix is kept.
+    if not url:
+        return ""
+    return f'<a href="{html.escape(url.removeprefix(URL_PREFIX + "/"))}">{html.escape(text)}</a>'
+
+
+def render_page(models: dict[str, Any], runs: list[dict[str, Any]]) -> str:
+    """Render the versions table and the cost table as one self-contained HTML page."""
+    e = html.escape
+    version_rows = (
+        "".join(
+            "<tr>"
+            f"<td>{v['version']}</td>"
+            f'<td class="{e(v["status"])}">{e(v["status"])}</td>'
+            f"<td>{_fmt(v['accuracy'], '.4f')}</td>"
+            f"<td>{_fmt(v['p95_ms'], '.2f', ' ms')}</td>"
+            f"<td>{e(', '.join(v['aliases']))}</td>"
+            f"<td>{e('; '.join(v['reasons']) or v['summary'])}</td>"
+            f"<td>{_link(v['report_url'], 'report')}</td>"
+            "</tr>"
+            for v in models["versions"]
+        )
+        or '<tr><td colspan="7">no versions registered yet</td></tr>'
+    )
+    run_rows = (
+        "".join(
+            "<tr>"
+            f"<td>{e(r['run_id'])}</td>"
+            f"<td>{e(str(r['backend'] or '–'))}</td>"
+            f"<td>{_fmt(r['cost_usd'], '.4f', ' $')}</td>"
+            f"<td>{_fmt(r['version'], 'd')}</td>"
+            f"<td>{e(r['summary'] or '–')}</td>"
+            f"<td>{_link(r['data_docs_url'], 'Data Docs')} {_link(r['report_url'], 'report')}</td>"
+            "</tr>"
+            for r in runs
+        )
+        or '<tr><td colspan="6">no runs yet</td></tr>'
+    )
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>burstcv models</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 1.5rem; color: #1a202c; }}
+table {{ border-collapse: collapse; margin-bottom: 2rem; }}
+th, td {{ border-bottom: 1px solid #e2e8f0; padding: .35rem .8rem; text-align: left; }}
+th {{ background: #f7fafc; }}
+td.accepted {{ color: #2f855a; }} td.rejected {{ color: #c53030; }}
+code {{ background: #edf2f7; padding: 0 .25rem; }}
+</style></head><body>
+<h1>burstcv: model <code>{e(models["model"])}</code></h1>
+<p>Registry <code>{e(models["registry_uri"])}</code>; production is version
+<b>{_fmt(models["aliases"].get(PRODUCTION), "d")}</b>, previous is version
+{_fmt(models["aliases"].get(PREVIOUS), "d")}. JSON: <a href="api/models">api/models</a>.</p>
+<h2>Versions</h2>
+<table id="versions"><thead><tr><th>version</th><th>status</th><th>accuracy</th>
+<th>p95 latency</th><th>alias</th><th>gate</th><th></th></tr></thead>
+<tbody>{version_rows}</tbody></table>
+<h2>Runs and what they cost</h2>
+<table id="runs"><thead><tr><th>run</th><th>backend</th><th>cost</th><th>version</th>
+<th>verdict</th><th>pages</th></tr></thead>
+<tbody>{run_rows}</tbody></table>
+</body></html>
+"""

@@ -1,0 +1,170 @@
+"""Run burstcv_pipeline on a distributed Airflow: CeleryExecutor, PostgreSQL, Redis, 5 processes.
+
+The run is triggered the way the UI's trigger form does it (POST /api/v2/dags/{id}/dagRuns
+with ``conf``), its tasks execute on a Celery worker process, ``train`` defers to the
+triggerer, and the run must end with a production version in the registry. The plugin's task
+links and models page are then read from the same api-server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from burstcv.airflow.stack import AirflowStack, airflow_stack
+from burstcv.registry.registry import PRODUCTION, Registry
+
+pytestmark = pytest.mark.e2e
+
+DAG_ID = "burstcv_pipeline"
+RUN_TIMEOUT_S = 15 * 60
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Return an empty folder for this stack's artifact store, registry and compute state."""
+    return tmp_path_factory.mktemp("celery-stack")
+
+
+@pytest.fixture(scope="module")
+def stack(store: Path, demo_dataset: Path) -> Iterator[AirflowStack]:
+    """Run the Celery stack with burstcv's settings pointing into ``store``."""
+    env = {
+        "BURSTCV_ARTIFACT_ROOT": str(store / "artifacts"),
+        "BURSTCV_REGISTRY_URI": str(store / "registry"),
+        "BURSTCV_COMPUTE_STATE_DIR": str(store / "compute"),
+        "BURSTCV_DATASET_URI": str(demo_dataset),
+        "BURSTCV_SERVING_URL": "",  # deploy to the registry only
+        "BURSTCV_SCHEDULE": "",  # no cron run may compete with the triggered one
+    }
+    try:
+        # The Airflow home (component and task logs) stays in pytest's tmp dir for inspection.
+        home = store / "airflow"
+        home.mkdir()
+        with airflow_stack(env, executor="CeleryExecutor", home=home) as running:
+            yield running
+    finally:
+        # A failed run must not leave a training process behind (the teardown normally does).
+        from burstcv.compute.local import LocalBackend
+
+        backend = LocalBackend(str(store / "compute"))
+        for run_dir in (store / "compute").glob("*"):
+            if run_dir.is_dir():
+                backend.terminate_run(run_dir.name)
+
+
+def wait_for_dag(client: httpx.Client, timeout_s: float = 180) -> None:
+    """Wait until the dag-processor has serialized the DAG into the metadata database."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if client.get(f"/api/v2/dags/{DAG_ID}").status_code == 200:
+            return
+        time.sleep(2)
+    raise AssertionError(f"{DAG_ID} never appeared in the api-server")
+
+
+def wait_for_run(
+    stack: AirflowStack, client: httpx.Client, run_id: str, timeout_s: float
+) -> dict[str, Any]:
+    """Poll the run until it finishes; fail with task states and component logs otherwise."""
+    deadline = time.monotonic() + timeout_s
+    run: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        stack.assert_running()
+        run = client.get(f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}").json()
+        if run["state"] in ("success", "failed"):
+            break
+        time.sleep(5)
+    tis = client.get(f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances").json()
+    states = {ti["task_id"]: ti["state"] for ti in tis["task_instances"]}
+    if run.get("state") != "success":
+        failed_logs = [
+            task_log(client, run_id, ti["task_id"], ti["try_number"])
+            for ti in tis["task_instances"]
+            if ti["state"] == "failed"
+        ]
+        raise AssertionError(
+            f"run {run_id}: {run.get('state')} {states}\n"
+            + "\n".join(failed_logs)
+            + "\n"
+            + stack.all_log_tails()
+        )
+    return run
+
+
+def task_log(client: httpx.Client, run_id: str, task_id: str, try_number: int) -> str:
+    """Return the end of a task's log, read through the REST API as the UI does."""
+    response = client.get(
+        f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}",
+        headers={"Accept": "application/json"},
+    )
+    lines = [
+        f"{event.get('level', '')} {event.get('event', '')} {event.get('error_detail', '')}"
+        for event in response.json().get("content", [])
+        if isinstance(event, dict)
+    ]
+    return f"----- task {task_id} try {try_number} -----\n" + "\n".join(lines)[-6000:]
+
+
+def test_ui_triggered_run_trains_gates_and_deploys_on_celery(
+    stack: AirflowStack, store: Path, demo_dataset: Path
+) -> None:
+    started = time.monotonic()
+    with stack.client() as client:
+        wait_for_dag(client)
+        assert client.patch(f"/api/v2/dags/{DAG_ID}", json={"is_paused": False}).is_success
+        # Two epochs reach ~0.7 on the digits; this test is about the distributed run, so the
+        # gate's floors are set where a short run on a busy 2-core CI box passes them.
+        conf = {
+            "dataset_uri": str(demo_dataset),
+            "epochs": 2,
+            "accuracy_floor": 0.5,
+            "latency_slo_ms": 1000,
+        }
+        response = client.post(
+            f"/api/v2/dags/{DAG_ID}/dagRuns",
+            json={"logical_date": None, "conf": conf},
+        )
+        assert response.status_code == 200, response.text
+        run_id = response.json()["dag_run_id"]
+        assert response.json()["conf"]["epochs"] == 2
+
+        run = wait_for_run(stack, client, run_id, RUN_TIMEOUT_S)
+        elapsed = time.monotonic() - started
+
+        tis = client.get(f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances").json()
+        by_task = {ti["task_id"]: ti for ti in tis["task_instances"]}
+        assert by_task["deploy"]["state"] == "success"
+        assert by_task["terminate"]["state"] == "success"
+        # Tasks ran on the Celery worker process, not in the scheduler.
+        assert by_task["validate"]["executor"] in (None, "CeleryExecutor")
+        assert run_id in stack.log_tail("celery-worker", 2_000_000)
+
+        # The registry has a production version trained with the requested epochs.
+        registry = Registry(str(store / "registry"), "digits")
+        production = registry.get_alias(PRODUCTION)
+        assert production is not None
+        entry = registry.entry(production.version)
+        assert entry["status"] == "accepted"
+        assert entry["params"]["epochs"] == 2
+
+        # The plugin's task links resolve and serve the run's pages from the api-server.
+        links = client.get(
+            f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/validate/links"
+        ).json()["extra_links"]
+        assert links["Data Docs"], links
+        docs = client.get(links["Data Docs"])
+        assert docs.status_code == 200 and "text/html" in docs.headers["content-type"]
+        deploy_links = client.get(
+            f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/deploy/links"
+        ).json()["extra_links"]
+        assert deploy_links["Deployed model"] is None  # registry-only deploy: no service link
+        models = client.get("/burstcv/api/models").json()
+        assert models["aliases"][PRODUCTION] == production.version
+        assert any(r["version"] == production.version for r in models["runs"])
+        print(f"celery e2e: run {run['state']} in {elapsed:.0f} s")

@@ -1,0 +1,242 @@
+"""The burstcv Airflow plugin: task links, the models/costs page, artifact serving, cheap import.
+
+The app is exercised in-process with FastAPI's TestClient over a real registry and artifact
+store in a temp dir (auth is Airflow's, exercised against a real api-server in
+tests/dags/test_trigger_api.py); Airflow's own plugin manager loads the plugin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from burstcv.registry.registry import PRODUCTION, Registry
+from burstcv.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "plugins"))
+
+import burstcv_plugin  # noqa: E402
+import burstcv_views  # noqa: E402
+
+RUN_ID = "manual__2026-11-29T10:00:00+00:00"
+RUN_KEY = "manual__2026-11-29T10_00_00_00_00"
+
+
+def seed_store(root: Path) -> Settings:
+    """Write one run (Data Docs, report, billing, verdict) and two registry versions."""
+    settings = Settings(
+        artifact_root=str(root / "artifacts"),
+        registry_uri=str(root / "registry"),
+        serving_url="http://127.0.0.1:8123,http://127.0.0.1:8124",
+    )
+    run = root / "artifacts" / "runs" / RUN_KEY
+    (run / "dataset" / "data_docs" / "static").mkdir(parents=True)
+    (run / "dataset" / "data_docs" / "index.html").write_text("<html>data docs</html>")
+    (run / "dataset" / "data_docs" / "static" / "style.css").write_text("body {}")
+    (run / "report").mkdir(parents=True)
+    (run / "report" / "index.html").write_text("<html>run report</html>")
+    (run / "job").mkdir()
+    (run / "job" / "billing.json").write_text(
+        json.dumps({"backend": "ec2", "billed_seconds": {"i-1": 600}, "cost_usd": 0.1234})
+    )
+    (run / "bench").mkdir()
+    (run / "bench" / "verdict.json").write_text(
+        json.dumps({"version": 2, "promote": False, "summary": "not promoted: p95 too slow"})
+    )
+    (root / "secret.txt").write_text("do not serve")
+    registry = Registry(settings.registry_uri, settings.model_name)
+    for accuracy, status, reasons in (
+        (0.97, "accepted", []),
+        (0.91, "rejected", ["p95 71.0 ms > SLO 50.0 ms"]),
+    ):
+        model_dir = root / f"model-{accuracy}"
+        model_dir.mkdir()
+        onnx = f"fake onnx {accuracy}".encode()
+        (model_dir / "model.onnx").write_bytes(onnx)
+        (model_dir / "model.json").write_text(
+            json.dumps({"sha256": hashlib.sha256(onnx).hexdigest(), "run_id": RUN_ID})
+        )
+        registry.register(
+            str(model_dir),
+            {
+                "status": status,
+                "reason": "; ".join(reasons) or "promote",
+                "gate": {"promote": not reasons, "reasons": reasons},
+                "benchmark": {"candidate": {"accuracy": accuracy, "p95_ms": 12.5}},
+            },
+        )
+    registry.promote(1)
+    return settings
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    """Return settings over a seeded artifact store and registry."""
+    return seed_store(tmp_path)
+
+
+@pytest.fixture
+def client(settings: Settings) -> Iterator[TestClient]:
+    """Return a client of the plugin app, with auth (Airflow's, tested elsewhere) allowed."""
+    app = burstcv_views.app
+    app.dependency_overrides[burstcv_views.settings_dep] = lambda: settings
+    app.dependency_overrides[burstcv_views.require_dag_read] = lambda: None
+    with TestClient(app) as test_client:
+        yield test_client
+    app.dependency_overrides.clear()
+
+
+def test_safe_run_id_matches_the_pipeline_rule() -> None:
+    from burstcv.pipeline import safe_run_id
+
+    for run_id in (RUN_ID, "asset_triggered__2026-01-01T00:00:00.123+00:00", "a/b\\c d"):
+        assert burstcv_views.safe_run_id(run_id) == safe_run_id(run_id)
+    assert burstcv_views.safe_run_id(RUN_ID) == RUN_KEY
+
+
+def test_json_lists_versions_aliases_reasons_and_run_costs(client: TestClient) -> None:
+    body = client.get("/api/models").json()
+    assert body["aliases"] == {"production": 1, "previous": None}
+    versions = {v["version"]: v for v in body["versions"]}
+    assert versions[1]["status"] == "accepted" and versions[1]["aliases"] == [PRODUCTION]
+    assert versions[1]["accuracy"] == 0.97 and versions[1]["p95_ms"] == 12.5
+    assert versions[2]["status"] == "rejected"
+    assert versions[2]["reasons"] == ["p95 71.0 ms > SLO 50.0 ms"]
+    assert versions[2]["report_url"] == f"/burstcv/runs/{RUN_KEY}/report/index.html"
+    (run,) = body["runs"]
+    assert run["run_id"] == RUN_KEY and run["cost_usd"] == 0.1234 and run["version"] == 2
+    assert run["data_docs_url"] == f"/burstcv/runs/{RUN_KEY}/data-docs/index.html"
+
+
+def test_page_shows_the_versions_and_costs_tables(client: TestClient) -> None:
+    response = client.get("/")
+    assert response.status_code == 200
+    page = response.text
+    assert '<table id="versions">' in page and '<table id="runs">' in page
+    assert "0.9700" in page and "12.50 ms" in page and "0.1234 $" in page
+    assert "p95 71.0 ms &gt; SLO 50.0 ms" in page
+    # Links are relative to the page, so they survive a proxy's path prefix.
+    assert f'href="runs/{RUN_KEY}/report/index.html"' in page
+
+
+def test_page_of_an_empty_store_says_so(tmp_path: Path) -> None:
+    empty = Settings(artifact_root=str(tmp_path / "a"), registry_uri=str(tmp_path / "r"))
+    page = burstcv_views.render_page(burstcv_views.model_versions(empty), [])
+    assert "no versions registered yet" in page and "no runs yet" in page
+
+
+def test_artifacts_are_served_with_their_media_type(client: TestClient) -> None:
+    docs = client.get(f"/runs/{RUN_KEY}/data-docs/index.html")
+    assert docs.status_code == 200 and docs.text == "<html>data docs</html>"
+    assert docs.headers["content-type"].startswith("text/html")
+    css = client.get(f"/runs/{RUN_KEY}/data-docs/static/style.css")
+    assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
+    assert client.get(f"/runs/{RUN_KEY}/report/").text == "<html>run report</html>"
+    assert client.get(f"/runs/{RUN_KEY}/report/missing.html").status_code == 404
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        f"/runs/{RUN_KEY}/report/..%2F..%2F..%2F..%2Fsecret.txt",
+        f"/runs/{RUN_KEY}/report/%2e%2e/%2e%2e/%2e%2e/%2e%2e/secret.txt",
+        "/runs/..%2F..%2F..%2F/report/secret.txt",
+        f"/runs/{RUN_KEY}/report/%2Fetc%2Fpasswd",
+        f"/runs/{RUN_KEY}/job/billing.json",  # only Data Docs and the report are browsable
+        f"/runs/{RUN_KEY}/report/..%5C..%5Csecret.txt",
+    ],
+)
+def test_path_traversal_is_refused(client: TestClient, path: str) -> None:
+    response = client.get(path)
+    assert response.status_code == 404
+    assert "do not serve" not in response.text
+
+
+def test_a_symlink_out_of_the_run_is_refused(client: TestClient, settings: Settings) -> None:
+    report = Path(settings.artifact_root) / "runs" / RUN_KEY / "report"
+    (report / "leak.txt").symlink_to(Path(settings.artifact_root).parent / "secret.txt")
+    assert client.get(f"/runs/{RUN_KEY}/report/leak.txt").status_code == 404
+
+
+def ti_key(task_id: str, run_id: str = RUN_ID, dag_id: str = "burstcv_pipeline") -> Any:
+    """Return a stand-in for Airflow's TaskInstanceKey (the fields links read)."""
+    return SimpleNamespace(dag_id=dag_id, task_id=task_id, run_id=run_id, map_index=-1)
+
+
+def test_links_point_each_task_at_what_it_produced(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(burstcv_plugin, "get_settings", lambda: settings)
+    docs, report, deployed = (
+        burstcv_plugin.DataDocsLink(),
+        burstcv_plugin.RunReportLink(),
+        burstcv_plugin.DeployedModelLink(),
+    )
+    assert docs.get_link(None, ti_key=ti_key("validate")) == (
+        f"/burstcv/runs/{RUN_KEY}/data-docs/index.html"
+    )
+    assert report.get_link(None, ti_key=ti_key("report")) == (
+        f"/burstcv/runs/{RUN_KEY}/report/index.html"
+    )
+    assert deployed.get_link(None, ti_key=ti_key("deploy")) == "http://127.0.0.1:8123/v1/model"
+    # Other tasks, other DAGs and runs without the page get no link (the UI hides '').
+    assert docs.get_link(None, ti_key=ti_key("pack")) == ""
+    assert docs.get_link(None, ti_key=ti_key("validate", dag_id="other")) == ""
+    assert report.get_link(None, ti_key=ti_key("report", run_id="manual__never")) == ""
+    no_service = settings.model_copy(update={"serving_url": ""})
+    monkeypatch.setattr(burstcv_plugin, "get_settings", lambda: no_service)
+    assert deployed.get_link(None, ti_key=ti_key("deploy")) == ""
+
+
+def test_airflow_loads_the_plugin_cheaply() -> None:
+    """Every Airflow process loads plugins: no torch, numpy or pandas, and no import errors."""
+    code = (
+        "import sys\n"
+        "from airflow import plugins_manager as pm\n"
+        "plugins, errors = pm._get_plugins()\n"
+        "assert errors == {}, errors\n"
+        "(plugin,) = [p for p in plugins if p.name == 'burstcv']\n"
+        "links = sorted(link.name for link in pm.get_global_operator_extra_links())\n"
+        "apps = [a['url_prefix'] for a in pm.get_fastapi_plugins()[0]]\n"
+        "views = [v['url_route'] for v in pm._get_ui_plugins()[0]]\n"
+        "heavy = [m for m in ('torch', 'numpy', 'pandas', 'onnxruntime') if m in sys.modules]\n"
+        "print(links, apps, views, heavy)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == (
+        "['Data Docs', 'Deployed model', 'Run report'] ['/burstcv'] ['burstcv'] []"
+    )
+
+
+@pytest.mark.parametrize(
+    ("run_key", "path"),
+    [
+        (RUN_KEY, "../../../../secret.txt"),
+        (RUN_KEY, "/etc/passwd"),
+        ("..", "report/x"),
+        (RUN_KEY, "a//b"),
+        (RUN_KEY, "./index.html"),
+        ("a:b", "index.html"),
+    ],
+)
+def test_artifact_uri_rejects_anything_that_could_leave_the_tree(
+    settings: Settings, run_key: str, path: str
+) -> None:
+    from fastapi import HTTPException
+
+    with pytest.raises(HTTPException) as raised:
+        burstcv_views.artifact_uri(settings, run_key, "report", path)
+    assert raised.value.status_code == 404
