@@ -1,0 +1,44 @@
+"""Packaging: every package is installed, the service stays torch-free, the lock is exact."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_package_folder_is_listed_in_pyproject() -> None:
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    found = {
+        ".".join(p.parent.relative_to(root).parts)
+        for root in (REPO / "src", REPO / "serving")
+        for p in root.rglob("__init__.py")
+    }
+    assert found == listed
+
+
+def test_requirements_are_pinned_exactly_and_serving_has_no_torch() -> None:
+    for name in ("requirements.txt", "serving/requirements.txt"):
+        lines = [ln for ln in (REPO / name).read_text().splitlines() if ln and not ln.startswith("#")]
+        loose = [ln for ln in lines if not re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[^=\s]+", ln)]
+        assert loose == [], f"{name}: not pinned exactly: {loose}"
+    serving = (REPO / "serving/requirements.txt").read_text().lower().splitlines()
+    assert not [ln for ln in serving if ln.startswith(("torch", "torchvision")) and "==" in ln]
+    main = (REPO / "requirements.txt").read_text()
+    assert "torch==2.14.1" in main and "torchvision==0.29.1" in main
+
+
+def test_the_service_never_imports_torch() -> None:
+    code = (
+        "import sys, burstcv_serving.main, burstcv_serving.preprocess; "
+        "app = burstcv_serving.main.create_app(); "
+        "print('torch' in sys.modules, 'burstcv' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False"]
