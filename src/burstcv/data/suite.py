@@ -172,7 +172,7 @@ def add_rule_columns(manifest: pd.DataFrame, config: ValidationConfig) -> pd.Dat
                 "the manifest has no phash for some decoded rows: scan with phash=True, or set "
                 "near_duplicate_max_distance=None"
             )
-        pixels = {i: bytes.fromhex(thumbs[i]) for i in positions if isinstance(thumbs[i], str)}
+        pixels = {i: bytes.fromhex(thumb) for i in positions if isinstance(thumb := thumbs[i], str)}
         partners = _near_partners(
             hashes, pixels, row_splits, max_distance, config.near_duplicate_max_pixel_diff
         )

@@ -1,0 +1,110 @@
+"""Scan and validate a dataset that lives under an s3:// prefix (moto in server mode)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from burstcv import storage
+from burstcv.data.manifest import DatasetUnusableError, scan
+from burstcv.data.validate import ValidationConfig, validate_dataset
+
+moto_server = pytest.importorskip("moto.server")
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint() -> Iterator[str]:
+    """Start one S3 emulator on 127.0.0.1 for this module; yield its URL."""
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Point boto3 at an emptied emulator with two buckets; return a client."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    # moto keeps its state per process: start every test from nothing.
+    reset = urllib.request.Request(f"{moto_endpoint}/moto-api/reset", method="POST")
+    urllib.request.urlopen(reset, timeout=10).close()
+    client = storage.s3_client()
+    client.create_bucket(Bucket="datasets")
+    client.create_bucket(Bucket="artifacts")
+    return client
+
+
+def _upload(client: Any, root: Path, prefix: str) -> None:
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        key = f"{prefix}/{path.relative_to(root).as_posix()}"
+        client.put_object(Bucket="datasets", Key=key, Body=path.read_bytes())
+
+
+def test_s3_dataset_scans_and_validates_like_a_local_one(
+    s3: Any, dataset: Path, tmp_path: Path, kit: Any
+) -> None:
+    target = dataset / "val" / "dog" / "004.png"
+    target.write_bytes(target.read_bytes()[:-40])  # one truncated file
+    (dataset / "train" / "cat" / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
+    shutil.copy(dataset / "train" / "cat" / "000.png", dataset / "train" / "odd.png")
+    _upload(s3, dataset, "pets/v1")
+    s3.put_object(Bucket="datasets", Key="pets/v1/train/", Body=b"")  # a console folder marker
+
+    remote = scan("s3://datasets/pets/v1")
+    local = scan(str(dataset))
+    assert remote.manifest["path"].tolist() == local.manifest["path"].tolist()
+    columns = ["sha256", "phash", "decode_ok", "width", "format", "bytes"]
+    assert remote.manifest[columns].equals(local.manifest[columns])
+    assert remote.manifest["uri"].iloc[0].startswith("s3://datasets/pets/v1/")
+    assert [item["path"] for item in remote.ignored] == ["train/cat/.DS_Store"]
+
+    report = validate_dataset(
+        "s3://datasets/pets/v1",
+        "s3://artifacts/runs/r1/dataset",
+        ValidationConfig(expected_classes=["cat", "dog", "fox"]),
+        history_uri="s3://artifacts/history",
+    )
+    assert not report.success
+    doc = json.loads(storage.read_bytes("s3://artifacts/runs/r1/dataset/validation.json"))
+    assert kit.failed_names(doc) == {"every_file_decodes", "imagefolder_layout"}
+    assert kit.expectation(doc, "every_file_decodes")["offending_files"] == [
+        "train/odd.png",
+        "val/dog/004.png",
+    ]
+    assert report.fingerprint == doc["fingerprint"]
+    assert storage.exists("s3://artifacts/runs/r1/dataset/manifest.parquet")
+    assert report.data_docs_uri == "s3://artifacts/runs/r1/dataset/data_docs/index.html"
+    assert b"<html" in storage.read_bytes(report.data_docs_uri).lower()
+    assert not storage.exists("s3://artifacts/history/v1.json")  # a failed run sets no baseline
+
+
+def test_s3_pass_records_the_drift_baseline(s3: Any, dataset: Path) -> None:
+    _upload(s3, dataset, "pets")
+    report = validate_dataset(
+        "s3://datasets/pets/",
+        "s3://artifacts/runs/r2/dataset",
+        ValidationConfig(),
+        history_uri="s3://artifacts/history",
+    )
+    assert report.success, report.summary
+    baseline = storage.read_json("s3://artifacts/history/pets.json")
+    assert baseline["fingerprint"] == report.fingerprint
+
+
+def test_missing_s3_prefix_is_unusable(s3: Any) -> None:
+    with pytest.raises(DatasetUnusableError, match="nothing under"):
+        scan("s3://datasets/absent")
+    with pytest.raises(DatasetUnusableError, match="does not exist"):
+        scan("s3://no-such-bucket/x")
