@@ -123,7 +123,7 @@ def torch_module(checkpoint: str | None, meta: dict[str, Any]) -> Any:
         module.load_state_dict(state)
         return module.eval()
     if "arch" in meta:
-        raise SystemExit("--model-dir holds a trained model: pass its model.pt as --torch-checkpoint")
+        raise SystemExit("--model-dir holds a trained model: pass model.pt as --torch-checkpoint")
 
     class Synthetic(nn.Module):
         def __init__(self) -> None:

@@ -24,7 +24,9 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
 
 def test_requirements_are_pinned_exactly_and_serving_has_no_torch() -> None:
     for name in ("requirements.txt", "serving/requirements.txt"):
-        lines = [ln for ln in (REPO / name).read_text().splitlines() if ln and not ln.startswith("#")]
+        lines = [
+            ln for ln in (REPO / name).read_text().splitlines() if ln and not ln.startswith("#")
+        ]
         loose = [ln for ln in lines if not re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[^=\s]+", ln)]
         assert loose == [], f"{name}: not pinned exactly: {loose}"
     serving = (REPO / "serving/requirements.txt").read_text().lower().splitlines()
