@@ -65,6 +65,7 @@ sysdeps:
 $(AIRFLOW_HOME)/airflow.db: $(STAMP)
 	mkdir -p $(AIRFLOW_HOME)
 	$(BIN)/airflow db migrate > $(AIRFLOW_HOME)/db-migrate.log 2>&1 || { tail -20 $(AIRFLOW_HOME)/db-migrate.log; exit 1; }
+	$(BIN)/burstcv airflow-init >> $(AIRFLOW_HOME)/db-migrate.log 2>&1
 
 $(DEMO_DATA): | $(STAMP)
 	$(BIN)/burstcv demo-data $(DEMO_DATA)

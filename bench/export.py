@@ -61,28 +61,13 @@ TARGET_ORT_VS_EAGER_B1 = 3.0  # ORT FP32 must be at least this much faster at ba
 
 def build_trained_job(work: Path, epochs: int) -> Path:
     """Write the demo digits, pack them, train resnet10; return the job's output folder."""
-    import pandas as pd
-
-    from burstcv.data.demo import write_demo_dataset
-    from burstcv.data.pack import pack_dataset
+    from burstcv.data.demo import pack_demo, write_demo_dataset
     from burstcv.training.train import run_job
 
     data = work / "digits"
     counts = write_demo_dataset(data)
     print(f"demo digits: {counts}", flush=True)
-    rows = [
-        {
-            "path": str(p.relative_to(data)),
-            "uri": str(p),
-            "split": p.parts[-3],
-            "label": p.parts[-2],
-            "decode_ok": True,
-        }
-        for p in sorted(data.rglob("*.png"))
-    ]
-    # The demo digits' own statistics (white strokes on black), as tests/conftest.py uses.
-    spec = PreprocessSpec(mean=(0.25, 0.25, 0.25), std=(0.35, 0.35, 0.35))
-    packed = pack_dataset(pd.DataFrame(rows), str(work / "packed"), spec)
+    packed, spec = pack_demo(data, str(work / "packed"))
     out = work / "job"
     job = JobSpec(
         run_id="bench-export",

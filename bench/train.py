@@ -21,7 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import pandas as pd
 import torch
 from torch import nn
 
@@ -41,10 +40,7 @@ def prepare(root: Path, scale: int) -> tuple[Path, dict]:
     """Write the demo digits (``scale`` copies of the train split) and pack them into shards."""
     import shutil
 
-    from burstcv_serving.preprocess import PreprocessSpec
-
-    from burstcv.data.demo import write_demo_dataset
-    from burstcv.data.pack import pack_dataset
+    from burstcv.data.demo import pack_demo, write_demo_dataset
 
     data = root / "digits"
     write_demo_dataset(data)
@@ -52,18 +48,7 @@ def prepare(root: Path, scale: int) -> tuple[Path, dict]:
         for path in list((data / "train").rglob("*.png")):
             if "_c" not in path.stem:
                 shutil.copy(path, path.with_name(f"{path.stem}_c{copy}.png"))
-    rows = [
-        {
-            "path": str(p.relative_to(data)),
-            "uri": str(p),
-            "split": p.parts[-3],
-            "label": p.parts[-2],
-            "decode_ok": True,
-        }
-        for p in sorted(data.rglob("*.png"))
-    ]
-    spec = PreprocessSpec(mean=(0.25, 0.25, 0.25), std=(0.35, 0.35, 0.35))
-    packed = pack_dataset(pd.DataFrame(rows), str(root / "shards"), spec)
+    packed, spec = pack_demo(data, str(root / "shards"))
     return data, {"packed": packed, "spec": spec}
 
 

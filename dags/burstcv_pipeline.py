@@ -178,7 +178,7 @@ def burstcv_pipeline() -> None:
 
         return pipeline.pack(str(run_id), _params(params or {}), validated, settings=SETTINGS)
 
-    @task(execution_timeout=timedelta(minutes=15))
+    @task(execution_timeout=timedelta(minutes=15), pool=SETTINGS.gpu_pool)
     def provision(
         packed: dict[str, Any],
         params: dict[str, Any] | None = None,
@@ -269,6 +269,7 @@ def burstcv_pipeline() -> None:
         task_id="train",
         provisioned=provisioned,
         execution_timeout=timedelta(seconds=SETTINGS.train_timeout_s + 600),
+        pool=SETTINGS.gpu_pool,  # deferred tasks hold their slot: runs queue for a GPU
         doc_md="Wait (deferred: no worker slot held) for the training job's DONE or FAILED marker.",
     )
     teardown = terminate(provisioned).as_teardown(setups=provisioned)

@@ -57,6 +57,15 @@ def pytest_configure(config: pytest.Config) -> None:
         raise RuntimeError(
             f"airflow db migrate failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
         )
+    result = subprocess.run(
+        [sys.executable, "-m", "burstcv.cli", "airflow-init"],
+        capture_output=True,
+        text=True,
+        env={**os.environ},
+        timeout=300,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"burstcv airflow-init failed:\n{result.stderr[-2000:]}")
 
 
 @pytest.fixture(scope="session")
@@ -73,23 +82,9 @@ def demo_dataset() -> Path:
 @pytest.fixture(scope="session")
 def packed_demo(demo_dataset: Path) -> dict[str, Any]:
     """Return the demo dataset packed into shards (a manifest built from the folder layout)."""
-    import pandas as pd
-    from burstcv_serving.preprocess import PreprocessSpec
+    from burstcv.data.demo import pack_demo
 
-    from burstcv.data.pack import pack_dataset
-
-    rows = [
-        {
-            "path": str(p.relative_to(demo_dataset)),
-            "uri": str(p),
-            "split": p.parts[-3],
-            "label": p.parts[-2],
-            "decode_ok": True,
-        }
-        for p in sorted(demo_dataset.rglob("*.png"))
-    ]
-    spec = PreprocessSpec(mean=(0.25, 0.25, 0.25), std=(0.35, 0.35, 0.35))
-    result = pack_dataset(pd.DataFrame(rows), str(SESSION_DIR / "packed"), spec)
+    result, spec = pack_demo(demo_dataset, str(SESSION_DIR / "packed"))
     return {
         "classes": result.classes,
         "train_shards": result.train_shards,

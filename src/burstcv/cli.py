@@ -280,6 +280,19 @@ def reap(
         typer.echo(f"{report['backend']}: {verb} {len(ids)} {ids}; kept {len(report['kept'])}")
 
 
+@app.command("airflow-init")
+def airflow_init() -> None:
+    """Prepare the Airflow metadata DB for burstcv (run after `airflow db migrate`)."""
+    from burstcv.airflow.local_run import embedded_airflow_env
+    from burstcv.airflow.setup import ensure_gpu_pool
+
+    _setup_logging()
+    for key, value in embedded_airflow_env().items():
+        os.environ.setdefault(key, value)
+    ensure_gpu_pool()
+    typer.echo("burstcv Airflow setup done")
+
+
 @app.command()
 def run(
     conf: Annotated[

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from burstcv.settings import Settings, get_settings
-from burstcv.training.names import ARCHITECTURE_NAMES
+from burstcv.training.names import check_architecture
 
 DEFAULT_INSTANCE_TYPES = ("g6.xlarge", "g5.xlarge", "g4dn.xlarge")
 
@@ -42,9 +42,7 @@ class RunParams(BaseModel):
     @field_validator("model")
     @classmethod
     def _known_model(cls, value: str) -> str:
-        if value not in ARCHITECTURE_NAMES:
-            raise ValueError(f"unknown model {value!r}; choose {', '.join(ARCHITECTURE_NAMES)}")
-        return value
+        return check_architecture(value)
 
     @classmethod
     def defaults(cls, settings: Settings | None = None) -> dict[str, Any]:

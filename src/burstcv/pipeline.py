@@ -283,24 +283,17 @@ def reap(
 
 def training_outcome(run_id: str, backend_name: str, output_uri: str) -> dict[str, Any]:
     """Return the job's state: done, failed (with reason), lost (box gone, no marker) or running."""
-    done, failed = storage.join(output_uri, "DONE"), storage.join(output_uri, "FAILED")
-    if storage.exists(done):
-        return {"status": "done", **storage.read_json(done)}
-    if storage.exists(failed):
-        return {"status": "failed", **storage.read_json(failed)}
-    infos = get_backend(backend_name).describe(safe_run_id(run_id))
-    if infos and all(i.state == "stopped" for i in infos):
-        # The marker may land just after the box stops: look once more before calling it lost.
-        if storage.exists(done):
-            return {"status": "done", **storage.read_json(done)}
-        if storage.exists(failed):
-            return {"status": "failed", **storage.read_json(failed)}
+    from burstcv.compute.base import job_outcome
+
+    status = job_outcome(get_backend(backend_name), safe_run_id(run_id), output_uri)
+    if status in ("done", "failed"):
+        marker = storage.join(output_uri, "DONE" if status == "done" else "FAILED")
+        return {"status": status, **storage.read_json(marker)}
+    if status == "lost":
         return {
             "status": "lost",
-            "reason": "every training instance stopped without DONE or FAILED",
+            "reason": "every training instance stopped without writing DONE or FAILED",
         }
-    if not infos:
-        return {"status": "lost", "reason": "no training instance exists for this run"}
     return {"status": "running"}
 
 

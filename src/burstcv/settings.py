@@ -39,6 +39,8 @@ class Settings(BaseSettings):
     compute_state_dir: str = str(VAR_DIR / "compute")  # local backend's record of live processes
     train_timeout_s: int = 3600  # hard budget for one training job, watchdog included
     reaper_backends: str = "local"  # comma-separated: the backends the reaper sweeps
+    gpu_pool: str = "burstcv_gpu"  # Airflow pool that bounds live training boxes
+    gpu_pool_slots: int = 4  # set to the account's GPU instance quota
 
     # Training defaults (a job may override each).
     arch: str = "resnet10"

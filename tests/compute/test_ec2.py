@@ -21,13 +21,13 @@ from burstcv.compute.base import (
     TAG_MANAGED,
     TAG_RUN_ID,
     LaunchRequest,
+    job_outcome,
 )
 from burstcv.compute.ec2 import (
     CapacityUnavailableError,
     Ec2Backend,
     Ec2Settings,
     NotManagedError,
-    job_outcome,
     launch_plan,
     parse_expiry,
 )

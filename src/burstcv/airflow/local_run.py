@@ -32,6 +32,9 @@ def run_pipeline_once(conf: dict[str, Any]) -> tuple[str, str]:
         os.environ.setdefault(key, value)
     from airflow.dag_processing.dagbag import DagBag
 
+    from burstcv.airflow.setup import ensure_gpu_pool
+
+    ensure_gpu_pool()
     bag = DagBag(dag_folder=str(REPO_ROOT / "dags"))
     if bag.import_errors:
         raise RuntimeError(f"DAG import errors: {bag.import_errors}")

@@ -387,6 +387,16 @@ def airflow_stack(
             raise StackError(
                 f"airflow db migrate failed:\n{migrate.stdout[-2000:]}\n{migrate.stderr[-3000:]}"
             )
+        init = subprocess.run(
+            [sys.executable, "-m", "burstcv.cli", "airflow-init"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=str(home),
+        )
+        if init.returncode != 0:
+            raise StackError(f"burstcv airflow-init failed:\n{init.stderr[-3000:]}")
         log.info("migrated %s in %.1f s", database, time.monotonic() - started)
         cleanup.callback(_stop_all, stack.processes)
         for component in components:

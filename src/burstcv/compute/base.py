@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
+
+from burstcv import storage
 
 # Instance states every backend maps its own onto.
 PENDING = "pending"
 RUNNING = "running"
 STOPPED = "stopped"  # gone: terminated, shut down, or exited
 STATES = (PENDING, RUNNING, STOPPED)
+
+JobOutcome = Literal["done", "failed", "lost", "running"]
 
 # Tag keys: what the teardown, the reaper and the IAM policy key on.
 TAG_MANAGED = "burstcv:managed"
@@ -117,3 +121,19 @@ def get_backend(name: str) -> ComputeBackend:
 
         return Ec2Backend()
     raise UnknownBackendError(f"unknown compute backend {name!r}; choose local, ec2")
+
+
+def job_outcome(backend: ComputeBackend, run_id: str, job_dir_uri: str) -> JobOutcome:
+    """Return done, failed, lost (every box gone without a marker) or running.
+
+    The boxes' state is read before the markers, so a marker written just before its box
+    went away is still seen. DONE wins over FAILED (training writes DONE last).
+    """
+    instances = backend.describe(run_id)
+    if storage.exists(storage.join(job_dir_uri, "DONE")):
+        return "done"
+    if storage.exists(storage.join(job_dir_uri, "FAILED")):
+        return "failed"
+    if all(info.state == STOPPED for info in instances):
+        return "lost"
+    return "running"

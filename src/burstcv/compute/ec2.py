@@ -20,7 +20,6 @@ from botocore.exceptions import ClientError
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from burstcv import storage
 from burstcv.compute.base import (
     PENDING,
     RUNNING,
@@ -30,7 +29,6 @@ from burstcv.compute.base import (
     TAG_EXPIRES_AT,
     TAG_MANAGED,
     TAG_RUN_ID,
-    ComputeBackend,
     InstanceInfo,
     LaunchRequest,
     TerminationReport,
@@ -69,8 +67,6 @@ _LIVE_EC2_STATES = ["pending", "running", "shutting-down", "stopping", "stopped"
 
 # "User initiated (2024-05-01 10:00:00 GMT)": when EC2 says the instance left running.
 _TRANSITION_TIME = re.compile(r"\((\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}) (?:GMT|UTC)\)")
-
-JobOutcome = Literal["done", "failed", "lost", "running"]
 
 
 class Ec2Settings(BaseSettings):
@@ -482,19 +478,3 @@ class Ec2Backend:
             log.exception(
                 "could not terminate %s after a failed setup; the reaper will", instance_ids
             )
-
-
-def job_outcome(backend: ComputeBackend, run_id: str, job_dir_uri: str) -> JobOutcome:
-    """Return done, failed, lost (every box gone without a marker) or running.
-
-    The boxes' state is read before the markers, so a marker written just before its box
-    went away is still seen. DONE wins over FAILED (training writes DONE last).
-    """
-    instances = backend.describe(run_id)
-    if storage.exists(storage.join(job_dir_uri, "DONE")):
-        return "done"
-    if storage.exists(storage.join(job_dir_uri, "FAILED")):
-        return "failed"
-    if all(info.state == STOPPED for info in instances):
-        return "lost"
-    return "running"

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import BaseModel, Field, field_validator
 
 from burstcv import storage
-from burstcv.training.names import ARCHITECTURE_NAMES
+from burstcv.training.names import check_architecture
 
 
 class AugmentSpec(BaseModel):
@@ -44,9 +44,7 @@ class JobSpec(BaseModel):
     @field_validator("arch")
     @classmethod
     def _known_arch(cls, value: str) -> str:
-        if value not in ARCHITECTURE_NAMES:
-            raise ValueError(f"unknown model {value!r}; choose {', '.join(ARCHITECTURE_NAMES)}")
-        return value
+        return check_architecture(value)
 
     @field_validator("classes")
     @classmethod

@@ -9,3 +9,10 @@ ARCHITECTURE_NAMES: tuple[str, ...] = (
     "mobilenet_v3_small",
     "efficientnet_b0",
 )
+
+
+def check_architecture(name: str) -> str:
+    """Return ``name`` if it is a known architecture, else raise naming the choices."""
+    if name not in ARCHITECTURE_NAMES:
+        raise ValueError(f"unknown model {name!r}; choose {', '.join(ARCHITECTURE_NAMES)}")
+    return name
