@@ -191,7 +191,7 @@ class LocalBackend:
         if _proc_start_ticks(pid) == rec["start_ticks"]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-        rec["stopped_at"] = rec.get("stopped_at") or lineage.utc_now_iso()
+        rec["stopped_at"] = rec.get("stopped_at") or lineage.utc_now().isoformat()
         path.write_text(json.dumps(rec, indent=2))
 
 

@@ -1,0 +1,116 @@
+"""The local backend: the training box is a process group, found again and destroyed by run id."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from burstcv_testkit import make_job
+
+from burstcv.compute.base import RUNNING, STOPPED, LaunchRequest
+from burstcv.compute.local import LocalBackend
+from burstcv.compute.reaper import reap
+from burstcv.settings import get_settings
+from burstcv.training.job import write_job
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Point the settings (read by the operator and pipeline) at a fresh backend state folder."""
+    state = tmp_path / "state"
+    monkeypatch.setenv("BURSTCV_COMPUTE_STATE_DIR", str(state))
+    get_settings.cache_clear()
+    yield state
+    get_settings.cache_clear()
+
+
+@pytest.fixture
+def long_job(packed_demo: dict[str, Any], tmp_path: Path) -> tuple[str, Path]:
+    out = tmp_path / "job"
+    job_uri = write_job(make_job(packed_demo, out, epochs=200), str(tmp_path / "job.json"))
+    return job_uri, out
+
+
+def test_on_kill_of_the_train_task_terminates_the_box(
+    long_job: tuple[str, Path], state_dir: Path
+) -> None:
+    from burstcv.airflow.operators import WaitForTrainingOperator
+
+    job_uri, out = long_job
+    backend = LocalBackend()
+    ids = backend.launch(
+        LaunchRequest(run_id="r-kill", dag_id="d", job_uri=job_uri, time_budget_s=600)
+    )
+    assert [i.state for i in backend.describe("r-kill")] == [RUNNING]
+    op = WaitForTrainingOperator(
+        task_id="train",
+        provisioned={"backend": "local", "run_key": "r-kill", "output_uri": str(out)},
+    )
+    op.on_kill()
+    infos = backend.describe("r-kill")
+    assert [i.instance_id for i in infos] == ids and [i.state for i in infos] == [STOPPED]
+    report = backend.terminate_run("r-kill")  # idempotent: a second teardown is harmless
+    assert report.billed_seconds[ids[0]] > 0
+
+
+def test_a_box_that_dies_without_a_marker_is_reported_lost(
+    long_job: tuple[str, Path], state_dir: Path
+) -> None:
+    from burstcv.pipeline import training_outcome
+
+    job_uri, out = long_job
+    backend = LocalBackend()
+    backend.launch(LaunchRequest(run_id="r-lost", dag_id="d", job_uri=job_uri, time_budget_s=600))
+    record = json.loads(next((state_dir / "r-lost").glob("local-*.json")).read_text())
+    os.killpg(record["pid"], signal.SIGKILL)  # no chance to write FAILED: a vanished machine
+    wait_for(lambda: backend.describe("r-lost")[0].state == STOPPED)
+    outcome = training_outcome("r-lost", "local", str(out))
+    assert outcome["status"] == "lost"
+    assert "without writing DONE or FAILED" in outcome["reason"]
+
+
+def test_reaper_terminates_expired_and_orphaned_boxes_only(
+    long_job: tuple[str, Path], state_dir: Path
+) -> None:
+    job_uri, _ = long_job
+    backend = LocalBackend()
+    for run in ("r-live", "r-orphan", "r-expired"):
+        backend.launch(
+            LaunchRequest(
+                run_id=run,
+                dag_id="burstcv_pipeline",
+                job_uri=job_uri,
+                time_budget_s=600,
+                airflow_run_id=f"manual__{run}",
+            )
+        )
+    record = next((state_dir / "r-expired").glob("local-*.json"))
+    data = json.loads(record.read_text())
+    data["expires_at"] = (datetime.now(UTC) - timedelta(minutes=1)).isoformat()
+    record.write_text(json.dumps(data))
+
+    def is_active(dag_id: str, run_id: str) -> bool:
+        return run_id != "r-orphan"
+
+    dry = reap(backend, is_run_active=is_active, dry_run=True)
+    assert sorted(d.run_id for d in dry.decisions) == ["r-expired", "r-orphan"]
+    assert all(i.state == RUNNING for i in backend.list_managed())
+    report = reap(backend, is_run_active=is_active)
+    assert sorted(d.reason for d in report.decisions) == ["expired", "run-not-active"]
+    assert [i.run_id for i in backend.list_managed()] == ["r-live"]
+    backend.terminate_run("r-live")
+    assert backend.list_managed() == []
