@@ -64,6 +64,9 @@ def stack(store: Path, demo_dataset: Path) -> Iterator[AirflowStack]:
         "BURSTCV_COMPUTE_STATE_DIR": str(store / "compute"),
         "BURSTCV_DATASET_URI": str(demo_dataset),
         "BURSTCV_SERVING_URL": "http://127.0.0.1:9/",  # never called: only the link is built
+        # No cron: unpausing must not start a scheduled run that would hold the DAG's single
+        # active-run slot (max_active_runs=1) and keep the Asset-triggered run from being made.
+        "BURSTCV_SCHEDULE": "",
     }
     with airflow_stack(env, executor="LocalExecutor") as running:
         yield running
@@ -164,10 +167,10 @@ def test_an_asset_event_starts_a_run_on_the_dataset_it_names(
             json={"asset_id": asset["id"], "extra": {"dataset_uri": new_dataset}},
         )
         assert event.status_code == 200, event.text
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 240
         runs: list[dict[str, Any]] = []
         while not runs:
-            assert time.monotonic() < deadline, "no asset-triggered run within 120 s"
+            assert time.monotonic() < deadline, "no asset-triggered run within 240 s"
             runs = dag_runs(api, run_type="asset_triggered")
             time.sleep(2)
         (run,) = runs
