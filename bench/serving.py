@@ -148,10 +148,12 @@ def torch_module(checkpoint: str | None, meta: dict[str, Any]) -> Any:
 # --- the naive baseline service (run as: bench/serving.py --naive-server) ---------------------
 
 
-def run_naive_server(model_dir: str, checkpoint: str | None, port: int) -> None:
+def run_naive_server(model_dir: str, checkpoint: str | None, port: int, threads: int) -> None:
     """Serve FastAPI + torch eager, one forward pass per request (the usual first attempt)."""
     import torch
     import uvicorn
+
+    torch.set_num_threads(threads)  # the same intra-op threads as the service's onnxruntime
 
     meta = json.loads((Path(model_dir) / "model.json").read_text())
     spec = PreprocessSpec.from_dict(meta["preprocess"])
@@ -186,6 +188,10 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _load_average() -> list[float]:
+    return [round(v, 2) for v in os.getloadavg()]
 
 
 def percentile_ms(samples_s: list[float], q: float) -> float:
@@ -379,7 +385,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.naive_server:
-        run_naive_server(args.model_dir, args.torch_checkpoint, args.port)
+        run_naive_server(args.model_dir, args.torch_checkpoint, args.port, args.threads)
         return
 
     work = Path(tempfile.mkdtemp(prefix="burstcv-bench-"))
@@ -397,6 +403,8 @@ def main() -> None:
             "python": platform.python_version(),
             "platform": platform.platform(),
         },
+        # Other work on a shared machine skews every figure: note how busy it was.
+        "load_average": {"start": _load_average()},
         "load_generator": generator,
         "model_dir": str(model_dir),
     }
@@ -425,7 +433,7 @@ def main() -> None:
 
     naive_port = free_port()
     naive_cmd = [sys.executable, __file__, "--naive-server", "--model-dir", str(model_dir)]
-    naive_cmd += ["--port", str(naive_port)]
+    naive_cmd += ["--port", str(naive_port), "--threads", str(args.threads)]
     if args.torch_checkpoint:
         naive_cmd += ["--torch-checkpoint", args.torch_checkpoint]
     naive = start(naive_cmd, dict(os.environ), work / "naive.log")
@@ -442,6 +450,7 @@ def main() -> None:
     c1 = results["service_c1"]
     cn = results[f"service_c{args.concurrency}"]
     naive_cn = results[f"naive_c{args.concurrency}"]
+    results["load_average"]["end"] = _load_average()
     results["ratios"] = {
         "service_p50_minus_bare_p50_ms": c1["p50_ms"] - bare["p50_ms"],
         "service_cN_throughput_over_bare_batched": cn["throughput_rps"]
@@ -461,6 +470,8 @@ def report(results: dict[str, Any], n: int) -> None:
     lines = [
         f"machine: {results['machine']}; load generator: {results['load_generator']}",
         f"model: {results['model_dir']}",
+        f"load average (1, 5, 15 min): {results['load_average']['start']} at start, "
+        f"{results['load_average']['end']} at end",
         "",
         f"{'measurement':<42}{'p50 ms':>10}{'p99 ms':>10}{'per s':>12}{'failed':>8}",
         f"{'bare onnxruntime, batch 1':<42}{bare['p50_ms']:>10.3f}{bare['p99_ms']:>10.3f}"

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import uvicorn
 
 from burstcv_serving.main import create_app
 from burstcv_serving.settings import Settings
+
+# Measured with bench/serving.py on 2 cores: 1 ms gives about 5% more throughput at
+# concurrency 16 than the default 5 ms, and no worse latency at concurrency 1.
+GIL_SWITCH_INTERVAL_S = 0.001
 
 
 def main() -> None:
@@ -17,6 +22,9 @@ def main() -> None:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # The inference thread needs the GIL back the moment session.run returns; under load the
+    # event loop holds it, and the default 5 ms switch interval would leave the model idle.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -24,6 +32,10 @@ def main() -> None:
         log_level=settings.log_level,
         access_log=settings.access_log,
         server_header=False,
+        # Named, not "auto": a missing uvloop/httptools fails here instead of silently
+        # falling back to the slower pure-Python loop and parser.
+        loop="uvloop",
+        http="httptools",
     )
 
 

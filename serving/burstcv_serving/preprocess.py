@@ -109,6 +109,20 @@ def open_image(
     decompression bomb costs nothing; truncated data fails in ``load()``. Safe to call from
     several threads at once (no process-wide warning filters are touched).
     """
+    return load_image(probe_image(data, max_pixels=max_pixels, formats=formats))
+
+
+def probe_image(
+    data: bytes,
+    *,
+    max_pixels: int = 4096 * 4096,
+    formats: tuple[str, ...] = SUPPORTED_FORMATS,
+) -> Image.Image:
+    """Read only the header: check format and pixel count, decode no pixel (see open_image).
+
+    Cheap at any declared size, so a caller may decide from ``img.size`` where to spend the
+    decode (the service decodes small images inline and large ones in a thread).
+    """
     if not data:
         raise ImageDecodeError("empty file")
     fmt = "unknown"
@@ -128,15 +142,26 @@ def open_image(
             raise ImageTooLargeError(
                 f"image is {width}x{height} = {width * height} pixels; the limit is {max_pixels}"
             )
-        img.load()
-        if img.mode != "RGB":
-            img = img.convert("RGB")
     except ImageDecodeError:
         raise
     except Image.DecompressionBombError as exc:
         raise ImageTooLargeError(f"decompression bomb refused: {exc}") from exc
     except UnidentifiedImageError as exc:
         raise ImageDecodeError("not an image (no known format signature)") from exc
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+        raise ImageDecodeError(f"corrupt or truncated {fmt} data: {exc}") from exc
+    return img
+
+
+def load_image(img: Image.Image) -> Image.Image:
+    """Decode the pixels of an image from probe_image and return it in RGB mode."""
+    fmt = img.format or "unknown"
+    try:
+        img.load()
+        if img.mode != "RGB":
+            img = img.convert("RGB")
+    except Image.DecompressionBombError as exc:
+        raise ImageTooLargeError(f"decompression bomb refused: {exc}") from exc
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         # Pillow reports truncated or corrupt streams as OSError/SyntaxError/EOFError.
         raise ImageDecodeError(f"corrupt or truncated {fmt} data: {exc}") from exc
