@@ -38,12 +38,14 @@ help:
 	@echo "make airflow / serve / stop / clean"
 
 $(STAMP): requirements.txt serving/requirements.txt pyproject.toml
-	@echo ">> building $(VENV) (requirements changed or first run)"
+	@echo ">> building $(VENV) (requirements changed or first run; a few minutes)"
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -r requirements.txt
-	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+	# (pip's notes about this machine's local index folders are filtered out, not its errors)
+	quiet() { "$$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+	quiet $(BIN)/pip install --quiet --upgrade pip
+	quiet $(BIN)/pip install --quiet -r requirements.txt
+	quiet $(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 setup: $(STAMP) sysdeps
@@ -63,18 +65,23 @@ sysdeps:
 	fi
 
 $(AIRFLOW_HOME)/airflow.db: $(STAMP)
+	@echo ">> creating the embedded Airflow (SQLite) in $(AIRFLOW_HOME)"
 	mkdir -p $(AIRFLOW_HOME)
 	$(BIN)/airflow db migrate > $(AIRFLOW_HOME)/db-migrate.log 2>&1 || { tail -20 $(AIRFLOW_HOME)/db-migrate.log; exit 1; }
 	$(BIN)/burstcv airflow-init >> $(AIRFLOW_HOME)/db-migrate.log 2>&1
 
 $(DEMO_DATA): | $(STAMP)
-	$(BIN)/burstcv demo-data $(DEMO_DATA)
+	@$(BIN)/burstcv demo-data $(DEMO_DATA) 2>/dev/null
 
 demo: $(STAMP) $(AIRFLOW_HOME)/airflow.db $(DEMO_DATA)
-	$(MAKE) --no-print-directory serve
+	@$(MAKE) --no-print-directory serve
 	start=$$(date +%s)
-	$(BIN)/burstcv run --conf '{"dataset_uri": "$(DEMO_DATA)"}'
-	echo ">> DAG run took $$(( $$(date +%s) - start )) s"
+	echo ">> running the burstcv_pipeline DAG once (Airflow dag.test); full log: $(RUN)/demo-run.log"
+	if ! $(BIN)/burstcv run --conf '{"dataset_uri": "$(DEMO_DATA)"}' > $(RUN)/demo-run.log 2>&1; then
+	  tail -60 $(RUN)/demo-run.log; exit 1
+	fi
+	sed -n '/^burstcv_pipeline run /,$$p' $(RUN)/demo-run.log
+	echo ">> DAG run took $$(( $$(date +%s) - start )) s; report: $$(ls -t $(VAR)/artifacts/runs/*/report/index.html | head -1)"
 	image=$$(ls $(DEMO_DATA)/val/7/*.png | head -1)
 	echo ">> predicting $$image (a validation image of class 7) with the deployed model:"
 	$(BIN)/burstcv predict "$$image" --url $(SERVE_URL)
@@ -88,7 +95,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 serve: $(STAMP)
-	mkdir -p $(RUN)
+	@mkdir -p $(RUN)
 	if [ -f $(RUN)/serve.pid ] && kill -0 $$(cat $(RUN)/serve.pid) 2>/dev/null; then
 	  echo ">> service already running (pid $$(cat $(RUN)/serve.pid)) on $(SERVE_URL)"; exit 0
 	fi
@@ -102,7 +109,7 @@ serve: $(STAMP)
 	echo ">> service on $(SERVE_URL) (pid $$(cat $(RUN)/serve.pid), log $(RUN)/serve.log); make stop ends it"
 
 airflow: $(STAMP) $(AIRFLOW_HOME)/airflow.db
-	mkdir -p $(RUN)
+	@mkdir -p $(RUN)
 	if [ -f $(RUN)/airflow.pid ] && kill -0 $$(cat $(RUN)/airflow.pid) 2>/dev/null; then
 	  echo ">> Airflow already running (pid $$(cat $(RUN)/airflow.pid))"
 	else
@@ -118,7 +125,7 @@ airflow: $(STAMP) $(AIRFLOW_HOME)/airflow.db
 	echo ">> login: admin / $$($(BIN)/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["admin"])' $(AIRFLOW_HOME)/simple_auth_manager_passwords.json.generated)"
 
 stop:
-	for name in serve airflow; do
+	@for name in serve airflow; do
 	  pidfile=$(RUN)/$$name.pid
 	  if [ -f $$pidfile ]; then
 	    pid=$$(cat $$pidfile)
