@@ -21,6 +21,8 @@ export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN := sqlite:///$(AIRFLOW_HOME)/airflow.
 export AIRFLOW__API__HOST := 127.0.0.1
 export AIRFLOW__API__PORT := 8080
 export PYTHONUNBUFFERED := 1
+# Airflow's standalone mode starts its components as `airflow ...` subprocesses.
+export PATH := $(BIN):$(PATH)
 
 SERVE_PORT ?= 8000
 SERVE_URL := http://127.0.0.1:$(SERVE_PORT)
@@ -115,11 +117,13 @@ airflow: $(STAMP) $(AIRFLOW_HOME)/airflow.db
 	else
 	  setsid nohup $(BIN)/airflow standalone > $(RUN)/airflow.log 2>&1 &
 	  echo $$! > $(RUN)/airflow.pid
+	  up=""
 	  for i in $$(seq 1 300); do
-	    curl -sf http://127.0.0.1:8080/api/v2/version > /dev/null && break
+	    curl -sf http://127.0.0.1:8080/api/v2/version > /dev/null && { up=1; break; }
 	    kill -0 $$(cat $(RUN)/airflow.pid) 2>/dev/null || { tail -40 $(RUN)/airflow.log; exit 1; }
 	    sleep 1
 	  done
+	  [ -n "$$up" ] || { echo ">> Airflow did not answer within 300 s:"; tail -40 $(RUN)/airflow.log; exit 1; }
 	fi
 	echo ">> Airflow UI: http://127.0.0.1:8080  (log $(RUN)/airflow.log; make stop ends it)"
 	echo ">> login: admin / $$($(BIN)/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["admin"])' $(AIRFLOW_HOME)/simple_auth_manager_passwords.json.generated)"
