@@ -3,16 +3,20 @@
 Layout (docs/contracts.md): ``<root>/<model>/versions/<n>/{model.onnx, model.json, entry.json}``
 and ``<root>/<model>/aliases/<alias>.json``. A version number is claimed by creating its folder
 exclusively (``mkdir`` locally, a conditional PUT on S3), so two concurrent registrations never
-share one; aliases move under a lock (locally ``flock``, on S3 an ETag-conditional PUT), written
-whole and renamed into place, so a reader never sees a half-written alias.
+share one; aliases move under a lock (locally ``flock``, on S3 a lease object taken with
+conditional PUTs), written whole (rename locally, one PUT on S3), so a reader never sees a
+half-written alias.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
+import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +28,9 @@ log = logging.getLogger(__name__)
 
 PRODUCTION = "production"
 PREVIOUS = "previous"
+S3_LEASE_S = 60.0  # an S3 alias lock older than this belongs to a dead writer
+S3_LOCK_WAIT_S = 120.0
+_CONDITION_FAILED = ("PreconditionFailed", "ConditionalRequestConflict")
 
 
 class RegistryError(RuntimeError):
@@ -139,10 +146,7 @@ class Registry:
             try:
                 client.put_object(Bucket=bucket, Key=key, Body=b"", IfNoneMatch="*")
             except client.exceptions.ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") in (
-                    "PreconditionFailed",
-                    "ConditionalRequestConflict",
-                ):
+                if exc.response.get("Error", {}).get("Code") in _CONDITION_FAILED:
                     return False
                 raise
             return True
@@ -166,8 +170,8 @@ class Registry:
     @contextlib.contextmanager
     def _alias_lock(self) -> Iterator[None]:
         if storage.is_s3(self.root):
-            # S3: each alias write below is conditional on the ETag read, see _write_alias.
-            yield
+            with self._s3_lease():
+                yield
             return
         lock_path = Path(self.root) / "aliases" / ".lock"
         lock_path.parent.mkdir(parents=True, exist_ok=True)
@@ -177,6 +181,45 @@ class Registry:
                 yield
             finally:
                 fcntl.flock(fh, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def _s3_lease(self) -> Iterator[None]:
+        """Hold aliases/.lock on S3: created with a conditional PUT (If-None-Match: *).
+
+        A lease older than S3_LEASE_S (its holder died) is taken over with a PUT conditional
+        on the stale lease's ETag, so two waiters can never both take it.
+        """
+        bucket, _, key = storage.join(self.root, "aliases", ".lock")[5:].partition("/")
+        client = storage.s3_client()
+        body = json.dumps({"owner": uuid.uuid4().hex, "at": time.time()}).encode()
+        deadline = time.monotonic() + S3_LOCK_WAIT_S
+        while True:
+            try:
+                client.put_object(Bucket=bucket, Key=key, Body=body, IfNoneMatch="*")
+                break
+            except client.exceptions.ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") not in _CONDITION_FAILED:
+                    raise
+            try:
+                held = client.get_object(Bucket=bucket, Key=key)
+            except client.exceptions.NoSuchKey:
+                continue  # released between our two calls: try again at once
+            lease = json.loads(held["Body"].read() or b"{}")
+            if time.time() - float(lease.get("at", 0)) > S3_LEASE_S:
+                try:
+                    client.put_object(Bucket=bucket, Key=key, Body=body, IfMatch=held["ETag"])
+                    log.warning("took over a stale registry lease of %s", lease.get("owner"))
+                    break
+                except client.exceptions.ClientError as exc:
+                    if exc.response.get("Error", {}).get("Code") not in _CONDITION_FAILED:
+                        raise
+            if time.monotonic() > deadline:
+                raise RegistryError(f"s3://{bucket}/{key} stayed locked for {S3_LOCK_WAIT_S}s")
+            time.sleep(0.05)
+        try:
+            yield
+        finally:
+            client.delete_object(Bucket=bucket, Key=key)
 
     def _write_alias(self, alias: str, version: int) -> Alias:
         sha = self.model_json(version)["sha256"]

@@ -1,0 +1,62 @@
+"""The registry on S3 (moto in server mode): numbered versions and aliases stay consistent."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+from moto.server import ThreadedMotoServer
+from test_registry import make_model_dir
+
+from burstcv.bench.latency import free_port
+from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry
+
+
+@pytest.fixture
+def s3_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    for key, value in {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    boto3.client("s3").create_bucket(Bucket="models")
+    yield "s3://models/registry"
+    server.stop()
+
+
+def test_concurrent_promotions_on_s3_leave_a_consistent_registry(
+    s3_root: str, tmp_path: Path
+) -> None:
+    dirs = [str(make_model_dir(tmp_path / f"m{i}", str(i))) for i in range(4)]
+    errors: list[BaseException] = []
+
+    def worker(model_dir: str) -> None:
+        try:
+            reg = Registry(s3_root, "digits")
+            for _ in range(3):
+                reg.promote(reg.register(model_dir, {"status": "accepted"}))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(d,)) for d in dirs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == []
+    reg = Registry(s3_root, "digits")
+    assert reg.versions() == list(range(1, 13))  # no number lost or shared
+    prod, prev = reg.get_alias(PRODUCTION), reg.get_alias(PREVIOUS)
+    assert prod is not None and prev is not None and prod.version != prev.version
+    assert prod.sha256 == reg.model_json(prod.version)["sha256"]
+    keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="models")["Contents"]]
+    assert "registry/digits/aliases/.lock" not in keys  # the lease was released
+    assert reg.rollback() == (prod.version, prev.version)
