@@ -270,6 +270,10 @@ def burstcv_pipeline() -> None:
         provisioned=provisioned,
         execution_timeout=timedelta(seconds=SETTINGS.train_timeout_s + 600),
         pool=SETTINGS.gpu_pool,  # deferred tasks hold their slot: runs queue for a GPU
+        # A lost or interrupted box (spot reclaim) is relaunched by the retry and resumes
+        # from its checkpoint; a job that failed by itself fails at once (no retry).
+        retries=2,
+        retry_delay=timedelta(seconds=15),
         doc_md="Wait (deferred: no worker slot held) for the training job's DONE or FAILED marker.",
     )
     teardown = terminate(provisioned).as_teardown(setups=provisioned)

@@ -217,25 +217,47 @@ def provision(
         dataset_fingerprint=packed["fingerprint"],
     )
     job_uri = write_job(job, storage.join(paths.job, "job.json"))
-    backend = get_backend(params.compute_backend)
-    ids = backend.launch(
-        LaunchRequest(
-            run_id=safe_run_id(run_id),
-            dag_id=dag_id,
-            job_uri=job_uri,
-            time_budget_s=time_budget_s,
-            instance_types=tuple(params.instance_types),
-            use_spot=params.use_spot,
-            airflow_run_id=run_id,
-        )
-    )
+    launch = {
+        "run_id": safe_run_id(run_id),
+        "dag_id": dag_id,
+        "job_uri": job_uri,
+        "time_budget_s": time_budget_s,
+        "instance_types": list(params.instance_types),
+        "use_spot": params.use_spot,
+        "airflow_run_id": run_id,
+    }
+    ids = _launch(params.compute_backend, launch)
     return {
         "job_uri": job_uri,
         "output_uri": paths.job,
         "instance_ids": ids,
         "run_key": safe_run_id(run_id),
         "backend": params.compute_backend,
+        "launch": launch,  # what a retry of the train task needs to start a box again
     }
+
+
+def _launch(backend_name: str, launch: dict[str, Any]) -> list[str]:
+    request = LaunchRequest(**{**launch, "instance_types": tuple(launch["instance_types"])})
+    return get_backend(backend_name).launch(request)
+
+
+def relaunch(provisioned: dict[str, Any]) -> list[str]:
+    """Start the run's training box again after it was lost or interrupted; resume is automatic.
+
+    The job finds its last checkpoint in its output folder and continues from it. A box of
+    the run that still runs is reused rather than doubled.
+    """
+    running = [
+        i.instance_id
+        for i in get_backend(provisioned["backend"]).describe(provisioned["run_key"])
+        if i.state != "stopped"
+    ]
+    if running:
+        return running
+    ids = _launch(provisioned["backend"], provisioned["launch"])
+    log.warning("relaunched training for run %s on %s", provisioned["run_key"], ids)
+    return ids
 
 
 def bounded_time_budget(params: RunParams) -> int:

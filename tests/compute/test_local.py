@@ -114,3 +114,78 @@ def test_reaper_terminates_expired_and_orphaned_boxes_only(
     assert [i.run_id for i in backend.list_managed()] == ["r-live"]
     backend.terminate_run("r-live")
     assert backend.list_managed() == []
+
+
+def test_a_retry_after_a_lost_box_relaunches_and_resumes_from_the_checkpoint(
+    packed_demo: dict[str, Any], trained_demo: dict[str, Any], tmp_path: Path, state_dir: Path
+) -> None:
+    """Spot reclaim without warning: the train task's retry starts a new box that resumes."""
+    from types import SimpleNamespace
+
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from burstcv.airflow.operators import WaitForTrainingOperator
+    from burstcv.pipeline import training_outcome
+
+    out = tmp_path / "job"
+    job_uri = write_job(make_job(packed_demo, out), str(tmp_path / "job.json"))
+    launch = {
+        "run_id": "r-spot",
+        "dag_id": "d",
+        "job_uri": job_uri,
+        "time_budget_s": 600,
+        "instance_types": [],
+        "use_spot": True,
+        "airflow_run_id": "manual__r-spot",
+    }
+    backend = LocalBackend()
+    first = backend.launch(LaunchRequest(**{**launch, "instance_types": ()}))
+    wait_for(lambda: (out / "checkpoints" / "last.pt").exists(), timeout_s=240)
+    record = json.loads(next((state_dir / "r-spot").glob("local-*.json")).read_text())
+    os.killpg(record["pid"], signal.SIGKILL)
+    wait_for(lambda: all(i.state == STOPPED for i in backend.describe("r-spot")))
+    assert training_outcome("r-spot", "local", str(out))["status"] == "lost"
+
+    provisioned = {
+        "backend": "local",
+        "run_key": "r-spot",
+        "output_uri": str(out),
+        "job_uri": job_uri,
+        "launch": launch,
+    }
+    op = WaitForTrainingOperator(task_id="train", provisioned=provisioned)
+    with pytest.raises(TaskDeferred):
+        op.execute({"ti": SimpleNamespace(try_number=2), "run_id": "manual__r-spot"})
+    second = [i.instance_id for i in backend.describe("r-spot") if i.instance_id not in first]
+    assert len(second) == 1, "the retry started exactly one new box"
+    wait_for(
+        lambda: training_outcome("r-spot", "local", str(out))["status"] != "running", timeout_s=300
+    )
+    outcome = training_outcome("r-spot", "local", str(out))
+    assert outcome["status"] == "done", outcome
+    resumed = json.loads((out / "metrics.json").read_text())
+    unbroken = trained_demo["metrics"]
+    assert resumed["val_accuracy"] == pytest.approx(unbroken["val_accuracy"], abs=1e-6)
+    assert resumed["confusion"] == unbroken["confusion"]
+    backend.terminate_run("r-spot")
+
+
+def test_a_retry_after_a_job_failure_fails_without_relaunching(
+    packed_demo: dict[str, Any], tmp_path: Path, state_dir: Path
+) -> None:
+    from types import SimpleNamespace
+
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from burstcv.airflow.operators import WaitForTrainingOperator
+
+    out = tmp_path / "job"
+    out.mkdir()
+    (out / "FAILED").write_text(json.dumps({"reason": "ValueError: bad shard", "resumable": False}))
+    op = WaitForTrainingOperator(
+        task_id="train",
+        provisioned={"backend": "local", "run_key": "r-bad", "output_uri": str(out), "launch": {}},
+    )
+    with pytest.raises(AirflowFailException, match="bad shard"):
+        op.execute({"ti": SimpleNamespace(try_number=2), "run_id": "manual__r-bad"})
+    assert LocalBackend().describe("r-bad") == []

@@ -1,4 +1,4 @@
-"""Operators the burstcv DAGs use where a plain @task is not enough (deferral, on_kill)."""
+"""Operators the burstcv DAGs use where a plain @task is not enough (deferral, retry, on_kill)."""
 
 from __future__ import annotations
 
@@ -6,18 +6,26 @@ import logging
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from burstcv.airflow.triggers import TrainingCompletionTrigger
 
 log = logging.getLogger(__name__)
 
 
+def _resumable(outcome: dict[str, Any]) -> bool:
+    # A box that vanished (spot reclaim, crash) or was interrupted on purpose left a
+    # checkpoint to continue from; a job that failed on its own would fail again.
+    return outcome.get("status") == "lost" or bool(outcome.get("resumable"))
+
+
 class WaitForTrainingOperator(BaseOperator):
     """Defer until the training job of this run finishes; fail fast if its box is lost.
 
-    ``on_kill`` (a user marking the task failed, a timeout) terminates every instance of the
-    run: the second layer against a leaked GPU, after the teardown task.
+    A retry of this task starts a new box when the last one was lost or interrupted, and
+    the job resumes from its last checkpoint. ``on_kill`` (a user marking the task failed, a
+    timeout) terminates every instance of the run: the second layer against a leaked GPU,
+    after the teardown task.
     """
 
     template_fields = ("provisioned",)
@@ -27,12 +35,23 @@ class WaitForTrainingOperator(BaseOperator):
         self.provisioned = provisioned
         self.poll_interval_s = poll_interval_s
 
-    def execute(self, context: Any) -> None:
-        """Hand the wait to the triggerer."""
+    def execute(self, context: Any) -> Any:
+        """Hand the wait to the triggerer (relaunching first if this is a retry after a loss)."""
+        from burstcv.pipeline import collect_training, relaunch, training_outcome
+
         info = self.provisioned
+        ti = context.get("ti") or context.get("task_instance")
+        if ti is not None and getattr(ti, "try_number", 1) > 1:
+            outcome = training_outcome(info["run_key"], info["backend"], info["output_uri"])
+            if outcome["status"] == "done":
+                return collect_training(context["run_id"], outcome)
+            if outcome["status"] in ("lost", "failed"):
+                if not _resumable(outcome):
+                    raise AirflowFailException(f"training failed: {outcome.get('reason')}")
+                relaunch(info)
         self.defer(
             trigger=TrainingCompletionTrigger(
-                run_id=context["run_id"],
+                run_id=info["run_key"],
                 backend=info["backend"],
                 output_uri=info["output_uri"],
                 poll_interval_s=self.poll_interval_s,
@@ -47,7 +66,9 @@ class WaitForTrainingOperator(BaseOperator):
         try:
             return collect_training(context["run_id"], event)
         except TrainingFailed as exc:
-            raise AirflowException(str(exc)) from exc
+            if _resumable(event):
+                raise AirflowException(f"{exc} (a retry resumes from the checkpoint)") from exc
+            raise AirflowFailException(str(exc)) from exc  # retrying cannot fix the job
 
     def on_kill(self) -> None:
         """Terminate the run's instances when the task is killed."""
