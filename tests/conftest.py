@@ -68,6 +68,16 @@ def pytest_configure(config: pytest.Config) -> None:
         raise RuntimeError(f"burstcv airflow-init failed:\n{result.stderr[-2000:]}")
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Terminate any training box a failed test left running (every run's records are here)."""
+    del config
+    from burstcv.compute.local import LocalBackend
+
+    backend = LocalBackend(TEST_ENV["BURSTCV_COMPUTE_STATE_DIR"])
+    if (Path(TEST_ENV["BURSTCV_COMPUTE_STATE_DIR"])).exists():
+        backend.terminate([info.instance_id for info in backend.list_managed()])
+
+
 @pytest.fixture(scope="session")
 def demo_dataset() -> Path:
     """Return the demo digits dataset (1,797 PNGs), written once per session."""

@@ -28,6 +28,22 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+def processes_running(needle: str) -> list[int]:
+    """Return the pids whose command line mentions ``needle`` (a job's path): none may leak."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in cmdline and state not in ("Z", "X"):
+            found.append(int(proc.name))
+    return found
+
+
 @pytest.fixture
 def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """Point the settings (read by the operator and pipeline) at a fresh backend state folder."""
@@ -63,6 +79,7 @@ def test_on_kill_of_the_train_task_terminates_the_box(
     op.on_kill()
     infos = backend.describe("r-kill")
     assert [i.instance_id for i in infos] == ids and [i.state for i in infos] == [STOPPED]
+    assert processes_running(job_uri) == []  # the whole box: wrapper, watchdog and trainer
     report = backend.terminate_run("r-kill")  # idempotent: a second teardown is harmless
     assert report.billed_seconds[ids[0]] > 0
 
@@ -114,6 +131,7 @@ def test_reaper_terminates_expired_and_orphaned_boxes_only(
     assert [i.run_id for i in backend.list_managed()] == ["r-live"]
     backend.terminate_run("r-live")
     assert backend.list_managed() == []
+    assert processes_running(job_uri) == []
 
 
 def test_a_retry_after_a_lost_box_relaunches_and_resumes_from_the_checkpoint(
@@ -168,6 +186,7 @@ def test_a_retry_after_a_lost_box_relaunches_and_resumes_from_the_checkpoint(
     assert resumed["val_accuracy"] == pytest.approx(unbroken["val_accuracy"], abs=1e-6)
     assert resumed["confusion"] == unbroken["confusion"]
     backend.terminate_run("r-spot")
+    assert processes_running(job_uri) == []
 
 
 def test_a_retry_after_a_job_failure_fails_without_relaunching(

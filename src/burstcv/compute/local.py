@@ -37,6 +37,29 @@ log = logging.getLogger(__name__)
 TERMINATE_GRACE_S = 20.0  # SIGTERM lets training checkpoint before SIGKILL
 
 
+def _reap(pid: int) -> None:
+    """Collect the exit status of our own child, so an exited box is not a zombie forever."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Return True while any process of the box's process group still exists."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _alive(rec: dict) -> bool:
+    _reap(rec["pid"])
+    # The group outlives its leader (the wrapper) while the training process finishes.
+    return _proc_start_ticks(rec["pid"]) == rec["start_ticks"] or _group_alive(rec["pid"])
+
+
 def _proc_start_ticks(pid: int) -> int | None:
     """Return a process's start time in clock ticks (guards against pid reuse), or None."""
     try:
@@ -74,7 +97,7 @@ class LocalBackend:
         return out
 
     def _info(self, path: Path, rec: dict) -> InstanceInfo:
-        alive = _proc_start_ticks(rec["pid"]) == rec["start_ticks"]
+        alive = _alive(rec)
         stopped_file = path.with_suffix(".stopped")
         stopped_at = None
         if stopped_file.exists():
@@ -108,10 +131,17 @@ class LocalBackend:
             train_cmd = [sys.executable, "-m", "burstcv.cli", "train", "--job", request.job_uri]
             # The wrapper mirrors the EC2 user-data: a watchdog bounds the run, and the stop
             # time is recorded when the job ends, whatever its outcome.
+            # Everything stays in this one process group (no `timeout`, which makes its own
+            # group and would survive a killpg), so terminating the group ends the whole box.
+            budget = int(request.time_budget_s) + 60
             script = (
-                f"timeout --signal=TERM --kill-after=30 {int(request.time_budget_s) + 60} "
-                f"{shlex.join(train_cmd)}; rc=$?; date +%s.%N > {shlex.quote(str(stopped_file))}; "
-                "exit $rc"
+                f"{shlex.join(train_cmd)} & child=$!\n"
+                f"( sleep {budget}; kill -TERM $child; sleep 30; kill -KILL $child ) "
+                ">/dev/null 2>&1 & watchdog=$!\n"
+                "wait $child; rc=$?\n"
+                "kill $watchdog 2>/dev/null\n"
+                f"date +%s.%N > {shlex.quote(str(stopped_file))}\n"
+                "exit $rc\n"
             )
             launched = lineage.utc_now()
             with open(log_path, "ab") as log_fh:
@@ -177,20 +207,23 @@ class LocalBackend:
         return report
 
     def _stop(self, path: Path, rec: dict) -> None:
-        pid = rec["pid"]
-        if _proc_start_ticks(pid) != rec["start_ticks"]:
+        pid = rec["pid"]  # the wrapper leads the box's process group: pgid == pid
+        if not _alive(rec):
             return
-        log.info("terminating %s (pid %d)", rec["instance_id"], pid)
+        log.info("terminating %s (process group %d)", rec["instance_id"], pid)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGTERM)
+            os.killpg(pid, signal.SIGTERM)  # training checkpoints on SIGTERM, then exits
         deadline = time.monotonic() + TERMINATE_GRACE_S
-        while time.monotonic() < deadline and _proc_start_ticks(pid) == rec["start_ticks"]:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)  # reap it if we are its parent
+        while time.monotonic() < deadline and _alive(rec):
             time.sleep(0.1)
-        if _proc_start_ticks(pid) == rec["start_ticks"]:
+        if _alive(rec):
+            log.warning(
+                "%s ignored SIGTERM for %.0fs: killing it", rec["instance_id"], TERMINATE_GRACE_S
+            )
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
+            while _alive(rec) and time.monotonic() < deadline + 10:
+                time.sleep(0.1)
         rec["stopped_at"] = rec.get("stopped_at") or lineage.utc_now().isoformat()
         path.write_text(json.dumps(rec, indent=2))
 
