@@ -27,7 +27,6 @@ import os
 import platform
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "serving"))
 
 from burstcv_serving.preprocess import PreprocessSpec, decode_to_uint8, normalize  # noqa: E402
+
+from burstcv.bench.latency import free_port  # noqa: E402
 
 BOUNDARY = "burstcvbench"
 SYNTH_CLASSES = 10
@@ -182,12 +183,6 @@ def run_naive_server(model_dir: str, checkpoint: str | None, port: int, threads:
 
 
 # --- measurement helpers ---------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _load_average() -> list[float]:

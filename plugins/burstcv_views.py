@@ -22,13 +22,13 @@ from fastapi.responses import HTMLResponse, Response
 from burstcv import storage
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, RegistryError
 from burstcv.settings import Settings, get_settings
+from burstcv.storage import safe_run_id
 
 URL_PREFIX = "/burstcv"
 DAG_ID = "burstcv_pipeline"
 ALIASES = (PRODUCTION, PREVIOUS)
 # The artifact subtrees a browser may read, by the name used in URLs.
 ARTIFACT_TREES = {"data-docs": ("dataset", "data_docs"), "report": ("report",)}
-_UNSAFE_RUN_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 _SAFE_SEGMENT = re.compile(r"^[A-Za-z0-9._+@=,-]+$")
 
 ICON_SVG = (
@@ -36,15 +36,6 @@ ICON_SVG = (
     'stroke="#017cee" stroke-width="2"><rect x="3" y="4" width="18" height="14" rx="2"/>'
     '<path d="M7 14l3-4 3 3 4-5"/></svg>'
 )
-
-
-def safe_run_id(run_id: str) -> str:
-    """Turn an Airflow run id into the artifact store's folder name for it.
-
-    The same rule as ``burstcv.pipeline.safe_run_id`` (a test holds them equal), repeated here
-    because that module imports numpy and pandas and the plugin must load cheaply.
-    """
-    return _UNSAFE_RUN_CHARS.sub("_", run_id)
 
 
 def artifact_url(run_id: str, tree: str, path: str = "index.html") -> str:

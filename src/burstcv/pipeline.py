@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import logging
-import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from burstcv import storage
 from burstcv.compute.base import LaunchRequest, get_backend
 from burstcv.params import RunParams
 from burstcv.settings import Settings, get_settings
+from burstcv.storage import safe_run_id
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +40,6 @@ class ValidationFailed(StageError):
 
 class TrainingFailed(StageError):
     """Raise when the training box reported FAILED or vanished without a result."""
-
-
-def safe_run_id(run_id: str) -> str:
-    """Turn an Airflow run id (with ':' and '+') into a path-safe folder name."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", run_id)
 
 
 @dataclass(frozen=True)

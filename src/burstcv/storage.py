@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,11 @@ from urllib.parse import urlparse
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+
+
+def safe_run_id(run_id: str) -> str:
+    """Turn an Airflow run id (with ':' and '+') into a path-safe folder name."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", run_id)
 
 
 class ArtifactNotFoundError(FileNotFoundError):

@@ -15,7 +15,6 @@ import base64
 import json
 import logging
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -33,6 +32,7 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
+from burstcv.bench.latency import free_port
 from burstcv.compute.base import TAG_MANAGED, TAG_RUN_ID
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.compute.userdata import parse_config
@@ -68,17 +68,11 @@ def real_train_command(job_uri: str) -> list[str]:
 # --- the emulator ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def moto_url() -> Iterator[str]:
     """Run one moto server on 127.0.0.1 for the session; tests reset its state."""
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     try:

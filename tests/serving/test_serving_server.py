@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -16,17 +15,13 @@ import httpx
 import pytest
 from servingkit import Registry, image_bytes
 
+from burstcv.bench.latency import free_port
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOTAL_REQUESTS = 2000
 CLIENT_THREADS = 16
 ALIAS_MOVES_AT = (300, 600, 900, 1200, 1500)  # completed requests when the alias moves
 SWAP_LAG_S = 1.5  # poll interval + load + warm-up, with room for a busy CI box
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -40,7 +35,7 @@ class Server:
 @pytest.fixture
 def server(registry: Registry, tmp_path: Path) -> Iterator[Server]:
     """Start ``python -m burstcv_serving`` on a free port; stop it after the test."""
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(

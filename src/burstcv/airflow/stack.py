@@ -17,7 +17,6 @@ import os
 import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from burstcv.bench.latency import free_port
 from burstcv.settings import REPO_ROOT
 
 log = logging.getLogger(__name__)
@@ -41,13 +41,6 @@ STOP_GRACE_S = 20.0
 
 class StackError(RuntimeError):
     """Raise when the stack cannot start; the message carries the failing component's log."""
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,6 @@ from pathlib import Path
 
 from burstcv import lineage
 from burstcv.compute.base import (
-    PENDING,
     RUNNING,
     STOPPED,
     InstanceInfo,
@@ -226,11 +225,3 @@ class LocalBackend:
                 time.sleep(0.1)
         rec["stopped_at"] = rec.get("stopped_at") or lineage.utc_now().isoformat()
         path.write_text(json.dumps(rec, indent=2))
-
-
-def states_summary(infos: list[InstanceInfo]) -> dict[str, int]:
-    """Count instances per state."""
-    counts = {PENDING: 0, RUNNING: 0, STOPPED: 0}
-    for info in infos:
-        counts[info.state] = counts.get(info.state, 0) + 1
-    return counts
