@@ -49,6 +49,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         max_batch_wait_s=settings.max_batch_wait_ms / 1000.0,
         max_queue=settings.max_queue,
         max_pixels=settings.max_pixels,
+        inline_max_s=settings.inline_max_ms / 1000.0,
     )
     logger.info("loading the model from %s", source.description)
     await manager.refresh()  # a failure leaves the service up but not ready; polling retries

@@ -10,8 +10,10 @@ import hashlib
 import inspect
 import logging
 import math
+import statistics
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
@@ -61,6 +63,9 @@ class LoadedModel:
     outputs_logits: bool  # True: apply softmax; False: the graph already outputs probabilities
     max_batch_size: int
     loaded_at: datetime
+    # Median seconds of one single-image session.run, measured while warming up: tells the
+    # batcher whether a lone request may run on the event loop (see MicroBatcher.submit).
+    single_latency_s: float = float("inf")
 
     def predict_proba(self, images: np.ndarray) -> np.ndarray:
         """Return class probabilities (N, K) for uint8 NHWC images already at the spec's size."""
@@ -164,8 +169,7 @@ def load_model(
         max_batch_size=max_batch_size,
         loaded_at=datetime.now(UTC),
     )
-    _warm(model, onnx_uri)
-    return model
+    return replace(model, single_latency_s=_warm(model, onnx_uri))
 
 
 def _check_metadata(
@@ -191,8 +195,11 @@ def _check_metadata(
     return tuple(str(c) for c in classes), onnx_file, meta_sha.lower(), spec
 
 
-def _warm(model: LoadedModel, onnx_uri: str) -> None:
-    """Run a batch of one and a full batch, and check the output has one score per class."""
+def _warm(model: LoadedModel, onnx_uri: str) -> float:
+    """Run a batch of one and a full batch, check one score per class; time a single image.
+
+    Returns the median seconds of a few single-image runs after the warm-up ones.
+    """
     spec = model.spec
     for n in sorted({1, model.max_batch_size}):
         dummy = np.zeros((n, spec.height, spec.width, 3), dtype=np.uint8)
@@ -207,3 +214,10 @@ def _warm(model: LoadedModel, onnx_uri: str) -> None:
             )
         if not all(math.isfinite(v) for v in probabilities.ravel().tolist()):
             raise ModelLoadError(f"{onnx_uri} returns non-finite scores on a warm-up batch")
+    one = np.zeros((1, spec.height, spec.width, 3), dtype=np.uint8)
+    timings = []
+    for _ in range(5):
+        started = time.perf_counter()
+        model.predict_proba(one)
+        timings.append(time.perf_counter() - started)
+    return statistics.median(timings)

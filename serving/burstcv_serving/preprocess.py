@@ -129,7 +129,12 @@ def probe_image(
     try:
         # Pillow's own bomb check raises DecompressionBombError past 2x MAX_IMAGE_PIXELS; the
         # warning it gives below that is made moot by the max_pixels check right after.
-        img: Image.Image = Image.open(io.BytesIO(data))
+        try:
+            # Only the accepted formats' plugins are tried first: the common case skips
+            # probing every other format Pillow knows.
+            img: Image.Image = Image.open(io.BytesIO(data), formats=formats)
+        except UnidentifiedImageError:
+            img = Image.open(io.BytesIO(data))  # not accepted: find out what it is, to say so
         fmt = img.format or "unknown"
         if fmt not in formats:
             raise UnsupportedFormatError(
@@ -148,7 +153,7 @@ def probe_image(
         raise ImageTooLargeError(f"decompression bomb refused: {exc}") from exc
     except UnidentifiedImageError as exc:
         raise ImageDecodeError("not an image (no known format signature)") from exc
-    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+    except Exception as exc:  # on untrusted bytes, any failure is a decode error (as in load)
         raise ImageDecodeError(f"corrupt or truncated {fmt} data: {exc}") from exc
     return img
 
@@ -162,8 +167,10 @@ def load_image(img: Image.Image) -> Image.Image:
             img = img.convert("RGB")
     except Image.DecompressionBombError as exc:
         raise ImageTooLargeError(f"decompression bomb refused: {exc}") from exc
-    except (OSError, SyntaxError, ValueError, EOFError) as exc:
-        # Pillow reports truncated or corrupt streams as OSError/SyntaxError/EOFError.
+    except Exception as exc:
+        # Pillow reports truncated or corrupt streams as OSError/SyntaxError/EOFError, and a
+        # crafted file can make a plugin fail with anything (struct.error, IndexError, ...):
+        # untrusted bytes never escape as anything but a decode error.
         raise ImageDecodeError(f"corrupt or truncated {fmt} data: {exc}") from exc
     return img
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,7 @@ from servingkit import Registry, image_bytes, make_settings
 
 
 async def _start(
-    settings: Settings, executor: ThreadPoolExecutor
+    settings: Settings, executor: ThreadPoolExecutor, inline_max_s: float = 0.0
 ) -> tuple[ModelManager, MicroBatcher, ServiceMetrics]:
     metrics = ServiceMetrics()
     manager = ModelManager(make_source(settings), settings, metrics)
@@ -33,6 +34,7 @@ async def _start(
         max_batch_wait_s=settings.max_batch_wait_ms / 1000,
         max_queue=settings.max_queue,
         max_pixels=settings.max_pixels,
+        inline_max_s=inline_max_s,
     )
     batcher.start()
     return manager, batcher, metrics
@@ -175,3 +177,48 @@ def test_http_answers_503_with_retry_after_when_the_queue_is_full(registry: Regi
     shed = next(r for r in responses if r.status_code == 503)
     assert shed.headers["retry-after"] == "1"
     assert "queue is full" in shed.json()["detail"]
+
+
+class _CountingExecutor(ThreadPoolExecutor):
+    """Count the calls handed to the inference thread."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.calls = 0
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("inline_max_s", "others_in_flight", "inline"),
+    [(1.0, 0, True), (1.0, 1, False), (0.0, 0, False)],
+    ids=["alone and fast: inline", "another request in flight", "model too slow"],
+)
+def test_a_lone_request_runs_on_the_event_loop_only_when_alone_and_fast(
+    registry: Registry, inline_max_s: float, others_in_flight: int, inline: bool
+) -> None:
+    settings = make_settings(registry)
+    payload = image_bytes("PNG")
+
+    async def scenario() -> tuple[int, int, int]:
+        with _CountingExecutor() as executor:
+            manager, batcher, metrics = await _start(settings, executor, inline_max_s)
+            assert manager.current is not None
+            assert 0 < manager.current.single_latency_s < 1.0  # measured at warm-up
+            spec = manager.current.spec
+            image = decode_to_uint8(payload, spec)[None]
+            with contextlib.ExitStack() as stack:
+                for _ in range(others_in_flight + 1):
+                    stack.enter_context(batcher.tracking())
+                _, probabilities = await batcher.submit([payload], image, spec)
+            assert batcher.active_requests == 0
+            await batcher.stop()
+        batches = metrics.registry.get_sample_value("burstcv_serving_batch_size_count")
+        return executor.calls, int(np.argmax(probabilities[0])), int(batches or 0)
+
+    calls, top_class, batches = asyncio.run(scenario())
+
+    assert top_class == 1 and batches == 1  # answered and counted either way
+    assert calls == (0 if inline else 1)

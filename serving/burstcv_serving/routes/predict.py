@@ -1,15 +1,23 @@
-"""Serve POST /v1/predict and POST /v1/predict/batch: images in, top-k classes out."""
+"""Serve POST /v1/predict and POST /v1/predict/batch: images in, top-k classes out.
+
+These two routes are the service's hot path, so they take the raw request: the body is read
+once and split by ``burstcv_serving.multipart`` (no form machinery, no temporary files, no
+dependency resolution), and the answer is serialised straight to JSON bytes. The pydantic
+models in ``schemas`` still describe both in /openapi.json, and tests hold the answers to them.
+"""
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Annotated, Any
+from typing import Any
 
 import numpy as np
-from fastapi import APIRouter, File, HTTPException, Request, UploadFile
+from fastapi import APIRouter, HTTPException, Request, Response
 from PIL import Image
 from starlette.concurrency import run_in_threadpool
 
+from burstcv_serving import multipart
 from burstcv_serving.batcher import BatchResult, NoModelError, QueueFullError
 from burstcv_serving.model import LoadedModel
 from burstcv_serving.preprocess import (
@@ -22,14 +30,9 @@ from burstcv_serving.preprocess import (
     probe_image,
     to_uint8,
 )
-from burstcv_serving.schemas import (
-    BatchPredictionOut,
-    ErrorOut,
-    FilePredictionOut,
-    PredictionItem,
-    PredictionOut,
-)
-from burstcv_serving.state import ModelDep, ServiceDep, SettingsDep
+from burstcv_serving.schemas import BatchPredictionOut, ErrorOut, PredictionOut
+from burstcv_serving.settings import Settings
+from burstcv_serving.state import ServiceState, current_model, current_service
 
 router = APIRouter(prefix="/v1", tags=["predict"])
 
@@ -46,26 +49,78 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _check_part_type(upload: UploadFile, what: str) -> None:
+def _form_body(field: str, description: str, *, many: bool) -> dict[str, Any]:
+    """Return the OpenAPI requestBody of a multipart form with one (or repeated) file field."""
+    binary: dict[str, Any] = {"type": "string", "format": "binary"}
+    schema = {"type": "array", "items": binary} if many else binary
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "required": [field],
+                        "properties": {field: {**schema, "description": description}},
+                    }
+                }
+            },
+        }
+    }
+
+
+def _check_part_type(part: multipart.Part, what: str) -> None:
     """Refuse a part whose declared content type is not an image (octet-stream is allowed)."""
-    ctype = (upload.content_type or "").split(";", 1)[0].strip().lower()
+    ctype = part.content_type
     if ctype and not (ctype.startswith("image/") or ctype == "application/octet-stream"):
         raise HTTPException(
             415, detail=f"{what} has content type {ctype}; send a PNG, JPEG or WEBP image"
         )
 
 
+async def _file_parts(request: Request, field: str) -> list[multipart.Part]:
+    """Read the body and return the parts of ``field``; 422 with the reason when unusable."""
+    ctype = request.headers.get("content-type", "")
+    try:
+        boundary = multipart.boundary_of(ctype)
+    except multipart.MultipartError as exc:
+        raise HTTPException(422, detail=str(exc)) from exc
+    if boundary is None:
+        raise HTTPException(
+            422,
+            detail=f"missing multipart field '{field}' (send multipart/form-data; the "
+            f"request's content type is {ctype or 'none'})",
+        )
+    try:
+        parts = multipart.parse(await request.body(), boundary)
+    except multipart.MultipartError as exc:
+        raise HTTPException(422, detail=str(exc)) from exc
+    files = [part for part in parts if part.name == field]
+    if not files:
+        raise HTTPException(422, detail=f"missing multipart field '{field}'")
+    for part in files:
+        if part.filename is None:
+            raise HTTPException(
+                422,
+                detail=f"multipart field '{field}' is a form value, not a file: send the "
+                "image as a file part (with a filename)",
+            )
+    return files
+
+
 def _decode_probed(probed: list[Image.Image], spec: PreprocessSpec) -> np.ndarray:
     """Decode images whose headers probe_image already checked, at the model's input size."""
+    if len(probed) == 1:
+        return to_uint8(load_image(probed[0]), spec)[None]
     return np.stack([to_uint8(load_image(img), spec) for img in probed])
 
 
 async def _read_and_decode(
-    uploads: list[UploadFile], labels: list[str], spec: PreprocessSpec, max_pixels: int
+    parts: list[multipart.Part], labels: list[str], spec: PreprocessSpec, max_pixels: int
 ) -> tuple[list[bytes], np.ndarray]:
-    for upload, label in zip(uploads, labels, strict=True):
-        _check_part_type(upload, label)
-    payloads = [await upload.read() for upload in uploads]
+    for part, label in zip(parts, labels, strict=True):
+        _check_part_type(part, label)
+    payloads = [part.data for part in parts]
     try:
         # Headers only (cheap at any size): they say how much decoding is ahead.
         probed = [probe_image(p, max_pixels=max_pixels, formats=spec.formats) for p in payloads]
@@ -89,7 +144,7 @@ async def _read_and_decode(
 
 
 async def _infer(
-    service: ServiceDep, payloads: list[bytes], images: np.ndarray, spec: PreprocessSpec
+    service: ServiceState, payloads: list[bytes], images: np.ndarray, spec: PreprocessSpec
 ) -> BatchResult:
     try:
         return await service.batcher.submit(payloads, images, spec)
@@ -102,14 +157,17 @@ async def _infer(
 
 
 def _elapsed_ms(request: Request, fallback: float) -> float:
-    started = getattr(request.state, "received_at", fallback)
+    started = request.scope.get("state", {}).get("received_at", fallback)
     return round((time.perf_counter() - started) * 1000.0, 3)
 
 
-def _items(model: LoadedModel, row: np.ndarray, k: int) -> list[PredictionItem]:
-    return [
-        PredictionItem(label=p.label, index=p.index, score=p.score) for p in model.top_k(row, k)
-    ]
+def _items(model: LoadedModel, row: np.ndarray, k: int) -> list[dict[str, Any]]:
+    return [{"label": p.label, "index": p.index, "score": p.score} for p in model.top_k(row, k)]
+
+
+def _json(content: dict[str, Any]) -> Response:
+    body = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return Response(body.encode(), media_type="application/json")
 
 
 @router.post(
@@ -117,24 +175,26 @@ def _items(model: LoadedModel, row: np.ndarray, k: int) -> list[PredictionItem]:
     response_model=PredictionOut,
     responses=ERROR_RESPONSES,
     summary="Classify one image",
+    openapi_extra=_form_body("file", "the image: PNG, JPEG or WEBP", many=False),
 )
-async def predict(
-    request: Request,
-    file: Annotated[UploadFile, File(description="the image: PNG, JPEG or WEBP")],
-    model: ModelDep,
-    service: ServiceDep,
-    settings: SettingsDep,
-) -> PredictionOut:
+async def predict(request: Request) -> Response:
     """Classify one image sent as multipart field ``file``."""
     started = time.perf_counter()
-    label = f"file {file.filename!r}" if file.filename else "file"
-    payloads, images = await _read_and_decode([file], [label], model.spec, settings.max_pixels)
-    answered_by, probabilities = await _infer(service, payloads, images, model.spec)
-    return PredictionOut(
-        version=answered_by.version,
-        model=answered_by.name,
-        predictions=_items(answered_by, probabilities[0], settings.top_k),
-        server_time_ms=_elapsed_ms(request, started),
+    service = current_service(request)
+    model = current_model(service)
+    settings: Settings = request.app.state.settings
+    with service.batcher.tracking():
+        part = (await _file_parts(request, "file"))[0]
+        label = f"file {part.filename!r}" if part.filename else "file"
+        payloads, images = await _read_and_decode([part], [label], model.spec, settings.max_pixels)
+        answered_by, probabilities = await _infer(service, payloads, images, model.spec)
+    return _json(
+        {
+            "version": answered_by.version,
+            "model": answered_by.name,
+            "predictions": _items(answered_by, probabilities[0], settings.top_k),
+            "server_time_ms": _elapsed_ms(request, started),
+        }
     )
 
 
@@ -143,34 +203,38 @@ async def predict(
     response_model=BatchPredictionOut,
     responses=ERROR_RESPONSES,
     summary="Classify several images with one model version",
+    openapi_extra=_form_body("files", "images, one part each, same field", many=True),
 )
-async def predict_batch(
-    request: Request,
-    files: Annotated[list[UploadFile], File(description="images, one part each, same field")],
-    model: ModelDep,
-    service: ServiceDep,
-    settings: SettingsDep,
-) -> BatchPredictionOut:
+async def predict_batch(request: Request) -> Response:
     """Classify every image sent as multipart field ``files``, in order."""
     started = time.perf_counter()
-    if len(files) > settings.max_batch_files:
-        raise HTTPException(
-            413,
-            detail=f"{len(files)} files sent; the limit is {settings.max_batch_files} per request",
-        )
-    labels = [
-        f"file {i} ({f.filename!r})" if f.filename else f"file {i}" for i, f in enumerate(files)
-    ]
-    payloads, images = await _read_and_decode(files, labels, model.spec, settings.max_pixels)
-    answered_by, probabilities = await _infer(service, payloads, images, model.spec)
-    return BatchPredictionOut(
-        version=answered_by.version,
-        model=answered_by.name,
-        results=[
-            FilePredictionOut(
-                filename=f.filename, predictions=_items(answered_by, row, settings.top_k)
+    service = current_service(request)
+    model = current_model(service)
+    settings: Settings = request.app.state.settings
+    with service.batcher.tracking():
+        files = await _file_parts(request, "files")
+        if len(files) > settings.max_batch_files:
+            raise HTTPException(
+                413,
+                detail=f"{len(files)} files sent; the limit is {settings.max_batch_files} "
+                "per request",
             )
-            for f, row in zip(files, probabilities, strict=True)
-        ],
-        server_time_ms=_elapsed_ms(request, started),
+        labels = [
+            f"file {i} ({f.filename!r})" if f.filename else f"file {i}" for i, f in enumerate(files)
+        ]
+        payloads, images = await _read_and_decode(files, labels, model.spec, settings.max_pixels)
+        answered_by, probabilities = await _infer(service, payloads, images, model.spec)
+    return _json(
+        {
+            "version": answered_by.version,
+            "model": answered_by.name,
+            "results": [
+                {
+                    "filename": f.filename,
+                    "predictions": _items(answered_by, row, settings.top_k),
+                }
+                for f, row in zip(files, probabilities, strict=True)
+            ],
+            "server_time_ms": _elapsed_ms(request, started),
+        }
     )
