@@ -199,3 +199,29 @@ def test_non_rgb_modes_are_recorded_before_conversion(tmp_path: Path, kit: Any) 
     assert _row(df, "train/cat/gray.png")["channels"] == 1
     assert _row(df, "train/cat/alpha.png")["mode"] == "RGBA"
     assert _row(df, "train/cat/la.png")["channels"] == 2
+
+
+def test_a_decoder_failing_oddly_gives_an_error_row_and_a_decode_error(
+    tmp_path: Path, kit: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crafted file can make a Pillow plugin raise anything; it must never stop the scan."""
+    from PIL import ImageFile
+
+    root = kit.write_dataset(tmp_path / "ds", per_class=3)
+    buffer = io.BytesIO()
+    kit.smooth_image(5).save(buffer, "JPEG")
+    (root / "train" / "cat" / "odd.jpg").write_bytes(buffer.getvalue())
+    original = ImageFile.ImageFile.load
+
+    def load(self: Any) -> Any:
+        if self.format == "JPEG":
+            raise IndexError("crafted table index")
+        return original(self)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", load)
+    manifest = scan(str(root), workers=1).manifest  # in this process, where the patch is
+    row = _row(manifest, "train/cat/odd.jpg")
+    assert not row["decode_ok"] and "crafted table index" in row["error"]
+    assert manifest["decode_ok"].sum() == len(manifest) - 1
+    with pytest.raises(ImageDecodeError, match="crafted table index"):
+        open_image(buffer.getvalue())

@@ -419,3 +419,28 @@ def test_demo_digits_pass_without_false_near_duplicates(tmp_path: Path) -> None:
     report = validate_dataset(str(tmp_path / "digits"), str(tmp_path / "out"), config)
     assert report.success, report.summary
     assert {c.name for c in report.checks} >= {"no_leakage_near", "no_leakage_exact"}
+
+
+def test_validation_leaves_no_thread_behind_and_caches_doc_templates(
+    dataset: Path, tmp_path: Path
+) -> None:
+    """A thread left alive (GX's progress-bar monitor) would make later scans spawn workers."""
+    import threading
+
+    import jinja2
+    from great_expectations.render.view.view import DefaultJinjaView
+
+    from burstcv.data import manifest
+
+    before = {thread.ident for thread in threading.enumerate()}
+    for run in range(2):
+        report = _validate(dataset, tmp_path / f"out{run}")
+        assert report.success
+        assert {thread.ident for thread in threading.enumerate()} == before
+    assert manifest._pool_context().get_start_method() == "fork" or len(before) > 1
+    cache = getattr(DefaultJinjaView, "_burstcv_bytecode_cache", None)
+    assert isinstance(cache, jinja2.FileSystemBytecodeCache)
+    assert list(Path(cache.directory).glob("__jinja2_*.cache"))  # compiled templates stored
+    first = (tmp_path / "out0" / "data_docs" / "index.html").read_text()
+    second = (tmp_path / "out1" / "data_docs" / "index.html").read_text()
+    assert "burstcv_dataset" in first and "burstcv_dataset" in second
