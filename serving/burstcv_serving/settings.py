@@ -54,7 +54,9 @@ class Settings(BaseSettings):
     max_batch_wait_ms: float = Field(default=1.0, ge=0.0)  # extra wait, only when already busy
     # A lone image runs on the event loop (no thread hand-off) when the model's single-image
     # latency, measured at warm-up, is at most this; 0 sends every request through the thread.
-    inline_max_ms: float = Field(default=2.0, ge=0.0)
+    # While it runs, new requests wait to be read; they would wait for the one inference
+    # thread anyway, so only their parsing is delayed (and /healthz by as long).
+    inline_max_ms: float = Field(default=10.0, ge=0.0)
     max_queue: int = Field(default=256, ge=1)  # images waiting for inference; beyond → 503
     max_batch_files: int = Field(default=64, ge=1)  # files in one /v1/predict/batch request
 

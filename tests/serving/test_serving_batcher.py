@@ -222,3 +222,32 @@ def test_a_lone_request_runs_on_the_event_loop_only_when_alone_and_fast(
 
     assert top_class == 1 and batches == 1  # answered and counted either way
     assert calls == (0 if inline else 1)
+
+
+def test_a_burst_of_requests_is_batched_not_run_inline_one_by_one(registry: Registry) -> None:
+    """Requests arriving together must not each look alone (their tasks start one by one)."""
+    settings = make_settings(registry, max_batch_size=32, max_batch_wait_ms=0)
+    payload = image_bytes("PNG")
+
+    async def scenario() -> tuple[int, float, float]:
+        with _CountingExecutor() as executor:
+            manager, batcher, metrics = await _start(settings, executor, inline_max_s=1.0)
+            assert manager.current is not None
+            spec = manager.current.spec
+            image = decode_to_uint8(payload, spec)[None]
+
+            async def request() -> BatchResult:
+                with batcher.tracking():
+                    return await batcher.submit([payload], image, spec)
+
+            results = await asyncio.gather(*(request() for _ in range(8)))
+            await batcher.stop()
+        assert all(int(np.argmax(p[0])) == 1 for _, p in results)
+        batches = metrics.registry.get_sample_value("burstcv_serving_batch_size_count") or 0
+        images = metrics.registry.get_sample_value("burstcv_serving_batch_size_sum") or 0
+        return executor.calls, batches, images
+
+    calls, batches, images = asyncio.run(scenario())
+
+    assert images == 8
+    assert calls >= 1 and batches <= 2  # one batch (or two), not eight inline runs
