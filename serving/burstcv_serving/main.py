@@ -16,7 +16,11 @@ from burstcv_serving import __version__
 from burstcv_serving.batcher import MicroBatcher
 from burstcv_serving.manager import ModelManager
 from burstcv_serving.metrics import ServiceMetrics
-from burstcv_serving.middleware import BodyLimitMiddleware, MetricsMiddleware
+from burstcv_serving.middleware import (
+    BodyLimitMiddleware,
+    FastLaneMiddleware,
+    MetricsMiddleware,
+)
 from burstcv_serving.registry import DirectorySource, ModelSource, RegistrySource
 from burstcv_serving.routes import admin, health, metrics, model_info, predict
 from burstcv_serving.settings import Settings
@@ -109,6 +113,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(module.router)
     app.add_exception_handler(RequestValidationError, _validation_error)
     # Added last = outermost: metrics see every answer, including early 413s.
+    app.add_middleware(
+        FastLaneMiddleware,
+        handlers={"/v1/predict": predict.predict, "/v1/predict/batch": predict.predict_batch},
+    )
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     known_paths = [getattr(route, "path", "") for route in app.routes]
     app.add_middleware(MetricsMiddleware, metrics=service_metrics, paths=known_paths)

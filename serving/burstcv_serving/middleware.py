@@ -1,12 +1,15 @@
-"""ASGI middleware: refuse oversized bodies early, and count every request for Prometheus."""
+"""ASGI middleware: refuse oversized bodies early, count every request for Prometheus, and
+send prediction requests straight to their handlers."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection, Mapping
 
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from burstcv_serving.metrics import ServiceMetrics
@@ -96,3 +99,39 @@ class MetricsMiddleware:
             path = scope["path"] if scope["path"] in self.paths else "other"
             self.metrics.requests.labels(path=path, method=scope["method"], status=status).inc()
             self.metrics.latency.labels(path=path).observe(time.perf_counter() - started)
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class FastLaneMiddleware:
+    """Hand POST requests for the given paths to their handlers, past FastAPI's router.
+
+    The prediction routes take only the raw request and build their own response, so the
+    router's matching, dependency solving and exception middleware add nothing but time
+    (about a tenth of a millisecond per request on a small CPU). HTTPExceptions become the
+    same ``{"detail": ...}`` answers FastAPI gives; anything else propagates to the server
+    error middleware (a 500). The FastAPI routes stay registered: they document the
+    endpoints in /openapi.json and answer any other method.
+    """
+
+    def __init__(self, app: ASGIApp, handlers: Mapping[str, Handler]) -> None:
+        self.app = app
+        self.handlers = dict(handlers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = (
+            self.handlers.get(scope["path"])
+            if scope["type"] == "http" and scope["method"] == "POST"
+            else None
+        )
+        if handler is None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            response = await handler(Request(scope, receive))
+        except HTTPException as exc:
+            response = JSONResponse(
+                {"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers
+            )
+        await response(scope, receive, send)

@@ -157,3 +157,19 @@ def test_openapi_documents_error_responses(client: TestClient) -> None:
     assert {"200", "401", "409"} <= set(reload)
     for path in ("/v1/model", "/readyz", "/healthz", "/metrics", "/v1/predict/batch"):
         assert path in spec["paths"]
+
+
+def test_prediction_requests_take_the_fast_lane_past_the_router(registry: Registry) -> None:
+    """POST /v1/predict is answered by the fast lane: it works with its route taken out."""
+    app = create_app(make_settings(registry))
+    app.router.routes[:] = [
+        route for route in app.router.routes if getattr(route, "path", "") != "/v1/predict"
+    ]
+    with TestClient(app) as client:
+        ok = client.post("/v1/predict", files={"file": ("x.png", image_bytes("PNG"), "image/png")})
+        refused = client.post("/v1/predict", files={"file": ("a.gif", image_bytes("GIF"))})
+        other_method = client.get("/v1/predict")
+
+    assert ok.status_code == 200 and ok.json()["version"] == 1
+    assert refused.status_code == 415 and "GIF" in refused.json()["detail"]
+    assert other_method.status_code == 404  # no route left for anything but the fast lane
