@@ -146,8 +146,9 @@ def pack(
     )
     # Normalise with the training split's own statistics (a model trained from scratch
     # converges faster on centred inputs); they are recorded in the spec that serving reads.
-    mean, std = _channel_stats(packed.train_shards)
-    spec = PreprocessSpec(height=input_px, width=input_px, mean=mean, std=std)
+    spec = PreprocessSpec(
+        height=input_px, width=input_px, mean=packed.train_mean, std=packed.train_std
+    )
     return {
         "classes": packed.classes,
         "train_shards": packed.train_shards,
@@ -156,28 +157,6 @@ def pack(
         "preprocess": spec.to_dict(),
         "fingerprint": validated["fingerprint"],
     }
-
-
-def _channel_stats(
-    shards: list[str],
-) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
-    total = np.zeros(3)
-    total_sq = np.zeros(3)
-    count = 0
-    for uri in shards:
-        with np.load(io.BytesIO(storage.read_bytes(uri)), allow_pickle=False) as npz:
-            x = npz["images"].reshape(-1, 3).astype(np.float64) / 255.0
-        total += x.sum(0)
-        total_sq += (x * x).sum(0)
-        count += len(x)
-    mean = total / max(1, count)
-    std = np.sqrt(np.maximum(total_sq / max(1, count) - mean**2, 1e-12))
-    std = np.maximum(std, 1e-3)  # a constant channel must not divide by zero
-    return (float(mean[0]), float(mean[1]), float(mean[2])), (
-        float(std[0]),
-        float(std[1]),
-        float(std[2]),
-    )
 
 
 # ---------------------------------------------------------------------------------------------

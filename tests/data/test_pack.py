@@ -59,3 +59,26 @@ def test_undecodable_rows_are_left_out(demo_dataset: Path, tmp_path: Path) -> No
     assert result.counts == {"train": 2, "val": 1}
     with np.load(io.BytesIO(Path(result.train_shards[0]).read_bytes())) as npz:
         assert npz["images"].shape[0] == 2
+
+
+def test_channel_statistics_come_from_every_train_shard_and_no_val_image(
+    demo_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from burstcv.data import pack
+
+    monkeypatch.setattr(pack, "SHARD_IMAGES", 4)  # several train shards
+    rows = [
+        {"path": p.name, "uri": str(p), "split": split, "label": p.parent.name, "decode_ok": True}
+        for split in ("train", "val")
+        for p in sorted((demo_dataset / split).rglob("*.png"))[:10]
+    ]
+    result = pack_dataset(pd.DataFrame(rows), str(tmp_path), PreprocessSpec())
+    assert len(result.train_shards) == 3
+    images = []
+    for uri in result.train_shards:
+        with np.load(io.BytesIO(Path(uri).read_bytes())) as npz:
+            images.append(npz["images"])
+    pixels = np.concatenate(images).reshape(-1, 3).astype(np.float64) / 255.0
+
+    np.testing.assert_allclose(result.train_mean, pixels.mean(axis=0), rtol=1e-9)
+    np.testing.assert_allclose(result.train_std, pixels.std(axis=0), rtol=1e-9)

@@ -28,6 +28,34 @@ class PackResult:
     train_shards: list[str]
     val_shards: list[str]
     counts: dict[str, int]
+    # Per-channel (R, G, B) statistics of the training images on a 0..1 scale, gathered
+    # while packing so that nothing reads the shards back for them.
+    train_mean: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    train_std: tuple[float, float, float] = (1.0, 1.0, 1.0)
+
+
+class ChannelStats:
+    """Accumulate exact per-channel value counts of uint8 RGB images (constant memory)."""
+
+    def __init__(self) -> None:
+        self.histogram = np.zeros((3, 256), dtype=np.int64)
+
+    def add(self, images: np.ndarray) -> None:
+        """Count the values of a uint8 (N, H, W, 3) batch."""
+        for channel in range(3):
+            self.histogram[channel] += np.bincount(images[..., channel].ravel(), minlength=256)
+
+    def mean_std(self) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+        """Return the mean and std of each channel on a 0..1 scale (std at least 1e-3)."""
+        values = np.arange(256, dtype=np.float64) / 255.0
+        count = np.maximum(self.histogram.sum(axis=1), 1).astype(np.float64)
+        mean = (self.histogram * values).sum(axis=1) / count
+        variance = (self.histogram * (values - mean[:, None]) ** 2).sum(axis=1) / count
+        std = np.maximum(np.sqrt(variance), 1e-3)  # a constant channel must not divide by 0
+        return (
+            (float(mean[0]), float(mean[1]), float(mean[2])),
+            (float(std[0]), float(std[1]), float(std[2])),
+        )
 
 
 def natural_key(name: str) -> list[object]:
@@ -60,6 +88,7 @@ def pack_dataset(
     if unknown:
         raise ValueError(f"labels {unknown} are not among the classes {classes}")
     result = PackResult(classes=classes, train_shards=[], val_shards=[], counts={})
+    train_stats = ChannelStats()
     # Decoding is C code that releases the GIL: threads keep both cores busy without pickling.
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for split in ("train", "val"):
@@ -74,6 +103,8 @@ def pack_dataset(
                     if chunk
                     else (np.zeros((0, spec.height, spec.width, 3), np.uint8))
                 )
+                if split == "train":
+                    train_stats.add(images)
                 buf = io.BytesIO()
                 np.savez(
                     buf,
@@ -84,5 +115,6 @@ def pack_dataset(
                 uri = storage.join(out_uri, f"{split}-{shard_no:05d}.npz")
                 storage.write_bytes(uri, buf.getvalue())
                 (result.train_shards if split == "train" else result.val_shards).append(uri)
+    result.train_mean, result.train_std = train_stats.mean_std()
     log.info("packed %s into %s", result.counts, out_uri)
     return result
