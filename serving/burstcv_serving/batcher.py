@@ -136,12 +136,12 @@ class MicroBatcher:
                 f"the inference queue is full ({self._pending_images} images waiting, "
                 f"limit {self._max_queue}); retry shortly"
             )
-        if n == 1 and self._may_run_inline(spec):
+        if n == 1 and self._inline_model(spec) is not None:
             # Requests that arrived in the same burst are tasks that have not started yet:
             # let them run up to their own submit first, then look again.
             await asyncio.sleep(0)
-            model = self._manager.current
-            if model is not None and self._may_run_inline(spec):
+            model = self._inline_model(spec)
+            if model is not None:
                 return self._run_inline(model, images)
         future: asyncio.Future[BatchResult] = asyncio.get_running_loop().create_future()
         self._pending.append(_Job(payloads, images, spec, future))
@@ -150,17 +150,22 @@ class MicroBatcher:
         self._wakeup.set()
         return await future
 
-    def _may_run_inline(self, spec: PreprocessSpec) -> bool:
-        """Return True when a single image may skip the queue (see the module docstring)."""
+    def _inline_model(self, spec: PreprocessSpec) -> LoadedModel | None:
+        """Return the model a single image may run on right now, skipping the queue, or None.
+
+        See the module docstring: only when no other request is in the service.
+        """
         model = self._manager.current
-        return (
+        if (
             self._active <= 1
             and not self._pending
             and not self._running
             and model is not None
             and model.spec == spec
             and model.single_latency_s <= self._inline_max_s
-        )
+        ):
+            return model
+        return None
 
     def _take(self, jobs: list[_Job], size: int) -> int:
         """Move waiting jobs into ``jobs`` while they fit the batch; return the new size."""

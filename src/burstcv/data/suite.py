@@ -501,16 +501,20 @@ def _check_result(check: Check, result: Any, rows: pd.DataFrame) -> CheckResult:
     )
 
 
-# Columns checked with ExpectColumnValuesToBeBetween. GX compares numpy int/float columns in
-# one vectorised step but calls a Python function per row for pandas' nullable Int64/Float64.
-_BETWEEN_COLUMNS = ("width", "height", "class_min_split_count")
-
-
 def _gx_frame(df: pd.DataFrame, checks: list[Check]) -> pd.DataFrame:
-    """Return the columns the suite reads (and path, to name files), in GX's fastest dtypes."""
+    """Return the columns the suite reads (and path, to name files), in GX's fastest dtypes.
+
+    GX compares numpy int/float columns in one vectorised step, but calls a Python function
+    per row for pandas' nullable Int64/Float64: the between-checks get numpy columns.
+    """
     wanted = {"path"} | {str(getattr(check.expectation, "column", "")) for check in checks}
+    between = tuple(
+        str(check.expectation.column)
+        for check in checks
+        if isinstance(check.expectation, gxe.ExpectColumnValuesToBeBetween)
+    )
     columns = [name for name in df.columns if name in wanted]
-    return _numpy_numbers(df[columns], _BETWEEN_COLUMNS)
+    return _numpy_numbers(df[columns], between)
 
 
 def _numpy_numbers(df: pd.DataFrame, columns: tuple[str, ...]) -> pd.DataFrame:
