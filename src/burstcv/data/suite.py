@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import great_expectations as gx
 import great_expectations.expectations as gxe
 import jinja2
+import numpy as np
 import pandas as pd
 from great_expectations.data_context.types.base import (
     DataContextConfig,
@@ -124,30 +125,28 @@ def add_rule_columns(manifest: pd.DataFrame, config: ValidationConfig) -> pd.Dat
     labels = {str(label) for label in df["label"].dropna().unique().tolist()}
     labels |= set(config.expected_classes or [])
     weakest = {label: min(counts[s].get(label, 0) for s in splits) for label in labels}
-    df["class_min_split_count"] = pd.array(
-        [weakest.get(label) if isinstance(label, str) else None for label in df["label"].tolist()],
-        dtype="Int64",
-    )
+    # Mapped in pandas: rows without a label (or split) get NA.
+    df["class_min_split_count"] = df["label"].map(weakest).astype("Int64")
     ratios: dict[str, float] = {}
     for split, per_label in counts.items():
         present = [n for n in per_label.values() if n > 0]
         if present:
             ratios[split] = max(present) / min(present)
-    df["split_imbalance_ratio"] = pd.array(
-        [ratios.get(split) if isinstance(split, str) else None for split in df["split"].tolist()],
-        dtype="Float64",
-    )
+    df["split_imbalance_ratio"] = df["split"].map(ratios).astype("Float64")
 
     dup_of: list[str | None] = [None] * len(df)
     leak_exact_of: list[str | None] = [None] * len(df)
     leak_near_of: list[str | None] = [None] * len(df)
     paths = df["path"].tolist()
     row_splits = df["split"].tolist()
-    positions = [i for i, ok in enumerate(usable.tolist()) if ok]
+    usable_array = usable.to_numpy(dtype=bool)
 
+    # Only rows whose sha256 occurs more than once can be duplicates or leaks: pandas finds
+    # them in C, and the Python loop below sees those few rows, not the whole dataset.
+    shared_sha = usable_array & df["sha256"].duplicated(keep=False).to_numpy(dtype=bool)
     shas = df["sha256"].tolist()
     by_sha: dict[str, list[int]] = defaultdict(list)
-    for i in positions:
+    for i in np.flatnonzero(shared_sha).tolist():
         by_sha[shas[i]].append(i)
     # Linear in the group size even when thousands of files share one hash.
     for group in by_sha.values():
@@ -166,17 +165,20 @@ def add_rule_columns(manifest: pd.DataFrame, config: ValidationConfig) -> pd.Dat
 
     max_distance = config.near_duplicate_max_distance
     if max_distance is not None:
-        phashes = df["phash"].tolist()
-        thumbs = df["thumb"].tolist() if "thumb" in df.columns else [None] * len(df)
-        hashes = {i: int(phashes[i], 16) for i in positions if isinstance(phashes[i], str)}
-        if len(hashes) < len(positions):
+        phash_column = df["phash"]
+        if phash_column[usable].isna().any():
             raise ValueError(
                 "the manifest has no phash for some decoded rows: scan with phash=True, or set "
                 "near_duplicate_max_distance=None"
             )
-        pixels = {i: bytes.fromhex(thumb) for i in positions if isinstance(thumb := thumbs[i], str)}
+        candidates = usable_array
+        if max_distance == 0:  # partners share the exact hash: only repeated values matter
+            candidates = candidates & phash_column.duplicated(keep=False).to_numpy(dtype=bool)
+        phashes = phash_column.tolist()
+        hashes = {i: int(phashes[i], 16) for i in np.flatnonzero(candidates).tolist()}
+        thumbs = df["thumb"].tolist() if "thumb" in df.columns else [None] * len(df)
         partners = _near_partners(
-            hashes, pixels, row_splits, max_distance, config.near_duplicate_max_pixel_diff
+            hashes, thumbs, row_splits, max_distance, config.near_duplicate_max_pixel_diff
         )
         for i, j in partners.items():
             if leak_exact_of[i] is None:
@@ -533,7 +535,7 @@ def _usable_mask(df: pd.DataFrame, splits: tuple[str, ...] | list[str]) -> pd.Se
 
 def _near_partners(
     hashes: dict[int, int],
-    thumbs: dict[int, bytes],
+    thumbs: list[str | None],
     splits: list[Any],
     max_distance: int,
     max_pixel_diff: int,
@@ -545,6 +547,7 @@ def _near_partners(
     distance agree exactly on at least one band, so only values sharing a band are compared.
     A candidate pair is confirmed when no pixel of their 9x8 grayscale thumbnails differs by
     more than max_pixel_diff grey levels (a row without a thumbnail is confirmed by the hash).
+    ``hashes`` maps row → hash for the rows to consider; ``thumbs`` holds every row's hex.
     """
     rows_by_value: dict[int, list[int]] = defaultdict(list)
     for i, value in hashes.items():
@@ -563,10 +566,11 @@ def _near_partners(
     partners: dict[int, int] = {}
 
     def confirm(i: int, j: int) -> bool:
-        a, b = thumbs.get(i), thumbs.get(j)
-        if a is None or b is None:
+        a, b = thumbs[i], thumbs[j]
+        if not isinstance(a, str) or not isinstance(b, str):
             return True
-        return max(map(abs, map(operator.sub, a, b))) <= max_pixel_diff
+        pixel_diffs = map(operator.sub, bytes.fromhex(a), bytes.fromhex(b))
+        return max(map(abs, pixel_diffs)) <= max_pixel_diff
 
     def link(rows_a: list[int], rows_b: list[int]) -> None:
         for i in rows_a:
@@ -577,7 +581,7 @@ def _near_partners(
                     break
 
     for rows in rows_by_value.values():
-        if len({splits[i] for i in rows}) > 1:
+        if len(rows) > 1 and len({splits[i] for i in rows}) > 1:
             link(rows, rows)
     if max_distance == 0:
         return partners
