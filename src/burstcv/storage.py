@@ -10,6 +10,7 @@ import json
 import os
 import re
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,11 +47,17 @@ def _split_s3(uri: str) -> tuple[str, str]:
     return parsed.netloc, parsed.path.lstrip("/")
 
 
+_CLIENT_LOCK = threading.Lock()
+
+
 def s3_client() -> Any:
     """Return a boto3 S3 client honouring ``AWS_ENDPOINT_URL`` (an emulator in tests)."""
     import boto3
 
-    return boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None)
+    # boto3's default session may not build two clients at once (validation writes the
+    # manifest from a thread while the main thread may upload Data Docs).
+    with _CLIENT_LOCK:
+        return boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None)
 
 
 def read_bytes(uri: str) -> bytes:

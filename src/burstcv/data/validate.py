@@ -17,6 +17,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,9 +237,12 @@ def _validate(
     manifest_uri = storage.join(out_uri, "manifest.parquet")
     validation_uri = storage.join(out_uri, "validation.json")
     data_docs_uri = storage.join(out_uri, "data_docs", "index.html")
-    write_manifest(manifest, manifest_uri)
-
-    with tempfile.TemporaryDirectory(prefix="burstcv-docs-") as scratch:
+    # The parquet encoding, upload or fsync mostly runs outside the GIL: it overlaps the suite.
+    with (
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="burstcv-manifest") as writer,
+        tempfile.TemporaryDirectory(prefix="burstcv-docs-") as scratch,
+    ):
+        written = writer.submit(write_manifest, manifest, manifest_uri)
         docs_dir = (
             Path(scratch) / "data_docs"
             if storage.is_s3(out_uri)
@@ -251,6 +255,7 @@ def _validate(
             for path in sorted(p for p in docs_dir.rglob("*") if p.is_file()):
                 rel = path.relative_to(docs_dir).as_posix()
                 storage.upload_file(path, storage.join(out_uri, "data_docs", rel))
+        written.result()  # raises what the write raised
 
     fingerprint = dataset_fingerprint(manifest)
     profile = _profile(manifest, config, fingerprint, dataset_uri)
