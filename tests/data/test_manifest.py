@@ -225,3 +225,59 @@ def test_a_decoder_failing_oddly_gives_an_error_row_and_a_decode_error(
     assert manifest["decode_ok"].sum() == len(manifest) - 1
     with pytest.raises(ImageDecodeError, match="crafted table index"):
         open_image(buffer.getvalue())
+
+
+def test_pool_starts_on_the_first_folders_while_listing_goes_on(
+    tmp_path: Path, kit: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from burstcv.data import manifest
+
+    root = kit.write_dataset(tmp_path / "ds", per_class=6)  # 2 splits x 3 classes x 6 files
+    total = sum(1 for path in root.rglob("*") if path.is_file())
+    serial = scan(str(root), workers=1)
+    monkeypatch.setattr(manifest, "_POOL_MIN_FILES", 6)
+    monkeypatch.setattr(manifest, "_CHUNK_FILES", 4)
+    listed_at_submit: list[int] = []
+    real_submit = manifest._Dispatcher._submit
+
+    def spy(self: Any, chunk: list[Any]) -> None:
+        listed_at_submit.append(self.listed)
+        real_submit(self, chunk)
+
+    monkeypatch.setattr(manifest._Dispatcher, "_submit", spy)
+    pooled = scan(str(root))
+    assert pooled.workers == (os.cpu_count() or 1) > 1
+    # Chunks went out before the last folder was listed, and every file came back once.
+    assert listed_at_submit and min(listed_at_submit) < total
+    pd.testing.assert_frame_equal(serial.manifest, pooled.manifest)
+
+
+def test_a_listing_that_fails_after_the_pool_started_leaves_no_worker(
+    tmp_path: Path, kit: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import multiprocessing
+
+    from burstcv.data import manifest
+
+    root = kit.write_dataset(tmp_path / "ds", per_class=6)
+    monkeypatch.setattr(manifest, "_POOL_MIN_FILES", 6)
+    monkeypatch.setattr(manifest, "_CHUNK_FILES", 4)
+    real_scandir = os.scandir
+    opened: list[str] = []
+
+    def scandir(path: Any) -> Any:
+        opened.append(str(path))
+        if len(opened) > 4:  # the root, a split and two class folders are listed by now
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(manifest.os, "scandir", scandir)
+    started = []
+    real_start = manifest._Dispatcher._start
+    monkeypatch.setattr(
+        manifest._Dispatcher, "_start", lambda self, n: (started.append(n), real_start(self, n))
+    )
+    with pytest.raises(PermissionError, match="Permission denied"):
+        scan(str(root), workers=2)
+    assert started == [2]
+    assert multiprocessing.active_children() == []

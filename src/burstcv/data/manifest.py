@@ -12,7 +12,8 @@ their pixels come from Pillow's own decoder, fed as Pillow feeds it; anything el
 error verdict, is Pillow's (tests assert that every row is the same either way).
 
 Files are inspected in chunks by a process pool (fork when the host is single-threaded, spawn
-otherwise), and each chunk's rows are appended straight into column lists, so memory
+otherwise) that starts as soon as enough files are listed, so the listing of a large dataset
+overlaps the inspection. Each chunk's rows are appended straight into column lists, so memory
 grows with the number of rows, never with image bytes.
 """
 
@@ -32,10 +33,10 @@ import sys
 import threading
 import warnings
 import zlib
-from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
-from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import urlparse
@@ -125,8 +126,8 @@ class _Task(NamedTuple):
     size: int | None  # known from an S3 listing; read from the file otherwise
 
 
-# What a listing yields: files to inspect, ready-made error rows, ignored files with a note.
-_Listing = tuple[list[_Task], list[tuple[Any, ...]], list[dict[str, str]]]
+# What a listing returns once its files went to the sink: error rows, ignored files + note.
+_Listing = tuple[list[tuple[Any, ...]], list[dict[str, str]]]
 
 
 def is_system_name(name: str) -> bool:
@@ -149,47 +150,32 @@ def scan(
     small images) and leaves the column null, for when near duplicates are not checked.
     Raises DatasetUnusableError when the URI names nothing or holds no file.
     """
-    tasks, error_rows, ignored = _list_dataset(dataset_uri)
-    if not tasks and not error_rows:
-        detail = f" ({len(ignored)} hidden/system files ignored)" if ignored else ""
-        raise DatasetUnusableError(f"no files under {dataset_uri}{detail}")
-
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     columns: dict[str, list[Any]] = {name: [] for name in COLUMNS}
-    for row in error_rows:
-        _append(columns, row)
-    n_workers = _worker_count(workers, len(tasks))
-    # Several chunks per worker keep both cores busy to the end; _CHUNK_FILES caps pickling.
-    chunk_size = max(1, min(_CHUNK_FILES, -(-len(tasks) // (n_workers * 4))))
-    chunks = [tasks[i : i + chunk_size] for i in range(0, len(tasks), chunk_size)]
-    logger.info(
-        "scanning %d files of %s with %d worker(s) (%d ignored, %d layout errors)",
-        len(tasks),
-        dataset_uri,
-        n_workers,
-        len(ignored),
-        len(error_rows),
-    )
     # The rows are plain values, never cycles: a cyclic GC pass while they pile up would only
     # walk the whole process heap (large in an Airflow worker) again and again for nothing.
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        if n_workers == 1:
-            for chunk in chunks:
-                _extend(columns, _inspect_chunk(chunk, max_pixels, max_file_bytes, phash))
-        else:
-            with ProcessPoolExecutor(
-                max_workers=n_workers, mp_context=_pool_context(), initializer=_worker_init
-            ) as pool:
-                results = pool.map(
-                    _inspect_chunk,
-                    chunks,
-                    repeat(max_pixels),
-                    repeat(max_file_bytes),
-                    repeat(phash),
-                )
-                for chunk_columns in results:
-                    _extend(columns, chunk_columns)
+        with _Dispatcher(workers, (max_pixels, max_file_bytes, phash)) as dispatcher:
+            # Listing feeds the pool as it goes: on a large dataset the workers start on the
+            # first folders while the later ones are still being listed.
+            error_rows, ignored = _list_dataset(dataset_uri, dispatcher.add)
+            if not dispatcher.listed and not error_rows:
+                detail = f" ({len(ignored)} hidden/system files ignored)" if ignored else ""
+                raise DatasetUnusableError(f"no files under {dataset_uri}{detail}")
+            for row in error_rows:
+                _append(columns, row)
+            dispatcher.finish(columns)
+            logger.info(
+                "scanned %d files of %s with %d worker(s) (%d ignored, %d layout errors)",
+                dispatcher.listed,
+                dataset_uri,
+                dispatcher.workers,
+                len(ignored),
+                len(error_rows),
+            )
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -197,8 +183,75 @@ def scan(
         dataset_uri=dataset_uri,
         manifest=_to_frame(columns),
         ignored=sorted(ignored, key=lambda item: item["path"]),
-        workers=n_workers,
+        workers=dispatcher.workers,
     )
+
+
+class _Dispatcher:
+    """Inspect listed files in chunks: in this process, or in a pool started once it pays.
+
+    ``add`` takes each listed batch; as soon as ``_POOL_MIN_FILES`` files are listed (and more
+    than one worker is wanted) the pool starts and full chunks go out while listing goes on.
+    ``finish`` sends the rest, splitting the tail finer so both cores stay busy to the end,
+    and collects every chunk's columns in order.
+    """
+
+    def __init__(self, requested: int | None, options: tuple[int, int, bool]) -> None:
+        self.requested = requested
+        self.options = options
+        self.listed = 0
+        self.workers = 1
+        self._pending: list[_Task] = []
+        self._pool: ProcessPoolExecutor | None = None
+        self._futures: deque[Future[list[list[Any]]]] = deque()
+
+    def __enter__(self) -> _Dispatcher:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=exc_type is not None)
+
+    def add(self, tasks: list[_Task]) -> None:
+        self.listed += len(tasks)
+        self._pending.extend(tasks)
+        if self._pool is None and self.listed >= _POOL_MIN_FILES:
+            wanted = self.requested if self.requested is not None else os.cpu_count() or 1
+            if wanted > 1:
+                self._start(wanted)
+        if self._pool is not None and len(self._pending) >= _CHUNK_FILES:
+            full = len(self._pending) - len(self._pending) % _CHUNK_FILES
+            for start in range(0, full, _CHUNK_FILES):
+                self._submit(self._pending[start : start + _CHUNK_FILES])
+            del self._pending[:full]
+
+    def finish(self, columns: dict[str, list[Any]]) -> None:
+        tasks, self._pending = self._pending, []
+        if self._pool is None:
+            wanted = _worker_count(self.requested, self.listed)
+            if wanted > 1:
+                self._start(wanted)
+        # Several chunks per worker for what is left keep every core busy to the end.
+        size = max(1, min(_CHUNK_FILES, -(-len(tasks) // (self.workers * 4))))
+        chunks = [tasks[i : i + size] for i in range(0, len(tasks), size)]
+        if self._pool is None:
+            for chunk in chunks:
+                _extend(columns, _inspect_chunk(chunk, *self.options))
+            return
+        for chunk in chunks:
+            self._submit(chunk)
+        while self._futures:  # popped: each chunk's result is freed once its rows are copied
+            _extend(columns, self._futures.popleft().result())
+
+    def _start(self, workers: int) -> None:
+        self.workers = workers
+        self._pool = ProcessPoolExecutor(
+            max_workers=workers, mp_context=_pool_context(), initializer=_worker_init
+        )
+
+    def _submit(self, chunk: list[_Task]) -> None:
+        assert self._pool is not None
+        self._futures.append(self._pool.submit(_inspect_chunk, chunk, *self.options))
 
 
 def write_manifest(df: pd.DataFrame, uri: str) -> str:
@@ -223,24 +276,28 @@ def read_manifest(uri: str) -> pd.DataFrame:
 # Listing
 
 
-def _list_dataset(dataset_uri: str) -> _Listing:
+def _list_dataset(dataset_uri: str, sink: Callable[[list[_Task]], None]) -> _Listing:
+    """List a dataset: files to inspect go to ``sink`` in batches (one per folder or page).
+
+    Returns the ready-made error rows and the ignored files with a note.
+    """
     if storage.is_s3(dataset_uri):
-        return _list_s3(dataset_uri)
-    return _list_local(Path(dataset_uri))
+        return _list_s3(dataset_uri, sink)
+    return _list_local(Path(dataset_uri), sink)
 
 
-def _list_local(root: Path) -> _Listing:
+def _list_local(root: Path, sink: Callable[[list[_Task]], None]) -> _Listing:
     if not root.exists():
         raise DatasetUnusableError(f"dataset path {root} does not exist")
     if not root.is_dir():
         raise DatasetUnusableError(f"dataset path {root} is not a directory")
     real_root = root.resolve()
-    tasks: list[_Task] = []
     errors: list[tuple[Any, ...]] = []
     ignored: list[dict[str, str]] = []
     pending: list[tuple[str, Path]] = [("", root)]
     while pending:
         prefix, folder = pending.pop()
+        tasks: list[_Task] = []
         with os.scandir(folder) as entries:
             for entry in entries:
                 rel = f"{prefix}{entry.name}"
@@ -265,8 +322,10 @@ def _list_local(root: Path) -> _Listing:
                     errors.append(_error_row(rel, entry.path, layout_error, size=size))
                     continue
                 tasks.append(_Task(rel=rel, uri=entry.path, size=None))
-    tasks.sort(key=lambda task: task.rel)
-    return tasks, errors, ignored
+        if tasks:
+            tasks.sort(key=lambda task: task.rel)
+            sink(tasks)
+    return errors, ignored
 
 
 def _symlink_problem(link: Path, real_root: Path) -> str | None:
@@ -281,19 +340,23 @@ def _symlink_problem(link: Path, real_root: Path) -> str | None:
     return None
 
 
-def _list_s3(uri: str) -> _Listing:
+def _list_s3(uri: str, sink: Callable[[list[_Task]], None]) -> _Listing:
     parsed = urlparse(uri)
     bucket, prefix = parsed.netloc, parsed.path.strip("/")
     prefix = f"{prefix}/" if prefix else ""
     client = storage.s3_client()
-    tasks: list[_Task] = []
+    listed = 0
     errors: list[tuple[Any, ...]] = []
     ignored: list[dict[str, str]] = []
-    try:
-        pages = list(client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix))
-    except client.exceptions.NoSuchBucket as exc:
-        raise DatasetUnusableError(f"bucket {bucket} does not exist ({uri})") from exc
-    for page in pages:
+    pages = iter(client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix))
+    while True:
+        try:
+            page = next(pages)
+        except StopIteration:
+            break
+        except client.exceptions.NoSuchBucket as exc:
+            raise DatasetUnusableError(f"bucket {bucket} does not exist ({uri})") from exc
+        tasks: list[_Task] = []
         for obj in page.get("Contents", []):
             key: str = obj["Key"]
             rel = key[len(prefix) :]
@@ -308,10 +371,12 @@ def _list_s3(uri: str) -> _Listing:
                 errors.append(_error_row(rel, full, layout_error, size=int(obj["Size"])))
                 continue
             tasks.append(_Task(rel=rel, uri=full, size=int(obj["Size"])))
-    if not tasks and not errors and not ignored:
+        if tasks:
+            listed += len(tasks)
+            sink(tasks)  # keys come sorted: a page is a batch
+    if not listed and not errors and not ignored:
         raise DatasetUnusableError(f"nothing under {uri} (missing prefix or empty)")
-    tasks.sort(key=lambda task: task.rel)
-    return tasks, errors, ignored
+    return errors, ignored
 
 
 def _layout_problem(rel: str) -> str | None:
