@@ -281,3 +281,15 @@ def test_a_listing_that_fails_after_the_pool_started_leaves_no_worker(
         scan(str(root), workers=2)
     assert started == [2]
     assert multiprocessing.active_children() == []
+
+
+def test_rows_are_sorted_by_path_whatever_the_listing_order(tmp_path: Path, kit: Any) -> None:
+    # Files are inspected folder by folder, and refused files (here one at the wrong depth)
+    # become rows before any of them: the manifest is still in path order.
+    root = kit.write_dataset(tmp_path / "ds", per_class=2)
+    kit.write_dataset(tmp_path / "ds", classes=("cat-2",), per_class=2)
+    (root / "zz-stray.png").write_bytes(b"not at <split>/<class>/<file>")
+    for workers in (1, 2):
+        paths = scan(str(root), workers=workers).manifest["path"].tolist()
+        assert paths == sorted(paths)
+        assert paths[-1] == "zz-stray.png" and any("/cat-2/" in path for path in paths)

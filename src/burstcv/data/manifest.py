@@ -294,10 +294,12 @@ def _list_local(root: Path, sink: Callable[[list[_Task]], None]) -> _Listing:
     real_root = root.resolve()
     errors: list[tuple[Any, ...]] = []
     ignored: list[dict[str, str]] = []
+    # Depth first, in name order: the rows mostly arrive sorted, which the final sort likes.
     pending: list[tuple[str, Path]] = [("", root)]
     while pending:
         prefix, folder = pending.pop()
         tasks: list[_Task] = []
+        subfolders: list[tuple[str, Path]] = []
         with os.scandir(folder) as entries:
             for entry in entries:
                 rel = f"{prefix}{entry.name}"
@@ -311,7 +313,7 @@ def _list_local(root: Path, sink: Callable[[list[_Task]], None]) -> _Listing:
                         errors.append(_error_row(rel, entry.path, reason))
                         continue
                 elif entry.is_dir(follow_symlinks=False):
-                    pending.append((f"{rel}/", Path(entry.path)))
+                    subfolders.append((f"{rel}/", Path(entry.path)))
                     continue
                 elif not entry.is_file(follow_symlinks=False):
                     errors.append(_error_row(rel, entry.path, "not a regular file"))
@@ -322,6 +324,7 @@ def _list_local(root: Path, sink: Callable[[list[_Task]], None]) -> _Listing:
                     errors.append(_error_row(rel, entry.path, layout_error, size=size))
                     continue
                 tasks.append(_Task(rel=rel, uri=entry.path, size=None))
+        pending.extend(sorted(subfolders, reverse=True))
         if tasks:
             tasks.sort(key=lambda task: task.rel)
             sink(tasks)
@@ -980,4 +983,7 @@ def _to_frame(columns: dict[str, list[Any]]) -> pd.DataFrame:
         else:
             data[name] = pd.Series(values, dtype="object")
         columns[name] = []  # release the list as soon as its column exists
-    return pd.DataFrame(data).sort_values("path", kind="stable").reset_index(drop=True)
+    frame = pd.DataFrame(data)
+    if frame["path"].is_monotonic_increasing:  # the usual case: folders are listed in order
+        return frame
+    return frame.sort_values("path", kind="stable").reset_index(drop=True)
