@@ -82,6 +82,53 @@ def test_fingerprint_follows_the_bytes(dataset: Path, tmp_path: Path, kit: Any) 
     assert _validate(dataset, tmp_path / "c").fingerprint != first
 
 
+def test_fingerprint_ignores_row_order_and_is_the_documented_digest(dataset: Path) -> None:
+    import hashlib
+
+    from burstcv.data.manifest import scan
+    from burstcv.data.validate import dataset_fingerprint
+
+    manifest = scan(str(dataset), workers=1).manifest
+    manifest.loc[3, "sha256"] = None  # an unreadable file counts with an empty digest
+    expected = hashlib.sha256(
+        "".join(
+            f"{path}\t{sha or ''}\n"
+            for path, sha in sorted(zip(manifest["path"], manifest["sha256"], strict=True))
+        ).encode()
+    ).hexdigest()
+    shuffled = manifest.sample(frac=1, random_state=0)
+    doubled = pd.concat([manifest, manifest.iloc[:2]])  # a path twice: sorted with its digest
+    assert dataset_fingerprint(manifest) == dataset_fingerprint(shuffled) == expected
+    assert (
+        dataset_fingerprint(doubled)
+        == hashlib.sha256(
+            "".join(
+                f"{path}\t{sha or ''}\n"
+                for path, sha in sorted(zip(doubled["path"], doubled["sha256"], strict=True))
+            ).encode()
+        ).hexdigest()
+    )
+
+
+def test_gx_gets_text_columns_as_arrow_strings() -> None:
+    from burstcv.data.suite import _arrow_strings
+
+    frame = pd.DataFrame(  # as the manifest holds them: Python objects
+        {
+            "path": pd.Series(["a/b/1.png", "a/b/2.png"], dtype=object),
+            "dup_of": pd.Series([None, "a/b/1.png"], dtype=object),
+            "odd": pd.Series([None, 3], dtype=object),  # not text: left to GX as it is
+            "width": [32, 32],
+        }
+    )
+    converted = _arrow_strings(frame)
+    assert isinstance(converted["path"].dtype, pd.StringDtype)
+    assert isinstance(converted["dup_of"].dtype, pd.StringDtype)
+    assert converted["odd"].dtype == object and converted["width"].dtype == "int64"
+    assert converted["dup_of"].isna().tolist() == [True, False]
+    assert converted["path"].tolist() == frame["path"].tolist()
+
+
 def test_truncated_png_is_named(dataset: Path, out_dir: Path, kit: Any) -> None:
     target = dataset / "val" / "dog" / "004.png"
     target.write_bytes(target.read_bytes()[:-40])

@@ -259,7 +259,8 @@ def write_manifest(df: pd.DataFrame, uri: str) -> str:
     import pyarrow as pa
 
     buffer = io.BytesIO()
-    df.to_parquet(buffer, index=False)
+    # zstd: half the size of the default snappy on hex digests and paths, and faster to write.
+    df.to_parquet(buffer, index=False, compression="zstd")
     # Arrow keeps freed conversion buffers in its pool; hand them back before the suite runs.
     pa.default_memory_pool().release_unused()
     return storage.write_bytes(uri, buffer.getvalue())

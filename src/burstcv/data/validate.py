@@ -16,7 +16,7 @@ import logging
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -330,9 +330,18 @@ def dataset_fingerprint(manifest_df: pd.DataFrame) -> str:
     # tolist(): iterating pandas' Arrow-backed strings element by element is several times slower.
     paths = [str(path) for path in manifest_df["path"].tolist()]
     shas = [sha if isinstance(sha, str) else "" for sha in manifest_df["sha256"].tolist()]
-    rows = sorted(zip(paths, shas, strict=True))
+    rows: Iterable[tuple[str, str]] = zip(paths, shas, strict=True)
+    column = manifest_df["path"]
+    if not (column.is_monotonic_increasing and column.is_unique):  # a scan's rows already are
+        rows = sorted(rows)
+    # Hashed a block of rows at a time: the same bytes as one update per row, a third the cost.
+    block: list[str] = []
     for path, sha in rows:
-        digest.update(f"{path}\t{sha}\n".encode())
+        block.append(f"{path}\t{sha}\n")
+        if len(block) == 10_000:
+            digest.update("".join(block).encode())
+            block.clear()
+    digest.update("".join(block).encode())
     return digest.hexdigest()
 
 
@@ -363,8 +372,13 @@ def _load_baseline(history_uri: str | None, dataset_uri: str) -> dict[str, Any] 
 def _profile(
     manifest: pd.DataFrame, config: ValidationConfig, fingerprint: str, dataset_uri: str
 ) -> dict[str, Any]:
-    usable = usable_rows(manifest)
-    usable = usable[usable["split"].isin(list(config.splits))]
+    # Counts and medians only: no need for usable_rows' sort.
+    mask = (
+        manifest["decode_ok"].astype(bool)
+        & manifest["label"].notna()
+        & manifest["split"].isin(list(config.splits))
+    )
+    usable = manifest.loc[mask, ["label", "width", "height"]]
     total = max(len(usable), 1)
     proportions = {str(label): n / total for label, n in usable.groupby("label").size().items()}
     return {
