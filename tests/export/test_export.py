@@ -101,7 +101,7 @@ def test_serving_preprocessing_equals_the_training_transform(
     mean = torch.tensor(spec.mean).view(1, 3, 1, 1)
     std = torch.tensor(spec.std).view(1, 3, 1, 1)
     trained = torch_normalize(
-        torch.from_numpy(u8[None]).permute(0, 3, 1, 2), mean, std, spec.scale
+        torch.from_numpy(u8[None].copy()).permute(0, 3, 1, 2), mean, std, spec.scale
     ).numpy()
     assert served.shape == trained.shape == (1, 3, 32, 32)
     np.testing.assert_allclose(served, trained, rtol=0, atol=1e-6)
