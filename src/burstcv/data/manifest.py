@@ -216,7 +216,7 @@ class _Dispatcher:
         self.listed += len(tasks)
         self._pending.extend(tasks)
         if self._pool is None and self.listed >= _POOL_MIN_FILES:
-            wanted = self.requested if self.requested is not None else os.cpu_count() or 1
+            wanted = _worker_count(self.requested, self.listed)
             if wanted > 1:
                 self._start(wanted)
         if self._pool is not None and len(self._pending) >= _CHUNK_FILES:
@@ -408,9 +408,7 @@ def _error_row(rel: str, uri: str, error: str, size: int | None = None) -> tuple
 
 
 def _worker_count(requested: int | None, n_files: int) -> int:
-    if requested is not None:
-        if requested < 1:
-            raise ValueError(f"workers must be >= 1, got {requested}")
+    if requested is not None:  # scan() refused anything below 1
         return max(1, min(requested, n_files))
     if n_files < _POOL_MIN_FILES:
         return 1

@@ -102,7 +102,7 @@ def class_counts(
     df: pd.DataFrame, splits: tuple[str, ...] | list[str]
 ) -> dict[str, dict[str, int]]:
     """Return usable images per split and label (decoded rows in a configured split)."""
-    usable = df[_usable_mask(df, splits)]
+    usable = df[usable_mask(df, splits)]
     counts: dict[str, dict[str, int]] = {split: {} for split in splits}
     for (split, label), n in usable.groupby(["split", "label"]).size().items():
         counts[str(split)][str(label)] = int(n)
@@ -118,7 +118,7 @@ def add_rule_columns(manifest: pd.DataFrame, config: ValidationConfig) -> pd.Dat
     """
     df = manifest.reset_index(drop=True)  # positions below index rows
     splits = tuple(config.splits)
-    usable = _usable_mask(df, splits)
+    usable = usable_mask(df, splits)
     df["usable"] = usable.astype("int64")
 
     counts = class_counts(df, splits)
@@ -530,7 +530,7 @@ def _arrow_strings(df: pd.DataFrame) -> pd.DataFrame:
         name: pd.StringDtype("pyarrow")
         for name in df.columns
         if df[name].dtype == object
-        and all(isinstance(value, str) for value in df[name].dropna().tolist())
+        and pd.api.types.infer_dtype(df[name], skipna=True) in ("string", "empty")
     }
     return df.astype(dtypes) if dtypes else df
 
@@ -545,7 +545,8 @@ def _numpy_numbers(df: pd.DataFrame, columns: tuple[str, ...]) -> pd.DataFrame:
     return df.astype(dtypes) if dtypes else df
 
 
-def _usable_mask(df: pd.DataFrame, splits: tuple[str, ...] | list[str]) -> pd.Series:
+def usable_mask(df: pd.DataFrame, splits: tuple[str, ...] | list[str]) -> pd.Series:
+    """Return True for rows that decoded, have a label and sit in one of ``splits``."""
     return df["decode_ok"].astype(bool) & df["label"].notna() & df["split"].isin(list(splits))
 
 

@@ -34,7 +34,7 @@ from burstcv.data.manifest import (
     scan,
     write_manifest,
 )
-from burstcv.data.suite import CheckResult, run_suite
+from burstcv.data.suite import CheckResult, run_suite, usable_mask
 
 __all__ = [
     "DatasetUnusableError",
@@ -373,12 +373,7 @@ def _profile(
     manifest: pd.DataFrame, config: ValidationConfig, fingerprint: str, dataset_uri: str
 ) -> dict[str, Any]:
     # Counts and medians only: no need for usable_rows' sort.
-    mask = (
-        manifest["decode_ok"].astype(bool)
-        & manifest["label"].notna()
-        & manifest["split"].isin(list(config.splits))
-    )
-    usable = manifest.loc[mask, ["label", "width", "height"]]
+    usable = manifest.loc[usable_mask(manifest, config.splits), ["label", "width", "height"]]
     total = max(len(usable), 1)
     proportions = {str(label): n / total for label, n in usable.groupby("label").size().items()}
     return {
