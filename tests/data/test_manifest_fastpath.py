@@ -38,7 +38,9 @@ def _reference_read(task: Any, max_file_bytes: int, s3_client: Any) -> bytes | s
     return data
 
 
-def _reference_decode(data: bytes, ext: str, max_pixels: int) -> tuple[Any, ...]:
+def _reference_decode(
+    data: bytes, ext: str, max_pixels: int, *, strips: Any = None
+) -> tuple[Any, ...]:
     bad = manifest._BadImage
     header: tuple[Any, ...] = (None, None, None, None, None)
     if not data:
@@ -399,8 +401,8 @@ def _spy_fast_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     hits: list[int] = []
     real = manifest._decode_png
 
-    def spy(data: bytes, max_pixels: int) -> Any:
-        result = real(data, max_pixels)
+    def spy(data: bytes, max_pixels: int, strips: Any = None) -> Any:
+        result = real(data, max_pixels, strips)
         if result is not None:
             hits.append(1)
         return result
@@ -648,3 +650,117 @@ def test_local_read_errors_read_as_before(tmp_path: Path) -> None:
     big = tmp_path / "big.png"
     big.write_bytes(b"x" * 11)
     assert manifest._read_local(str(big), 10) == "file is 11 bytes; the limit is 10"
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunk-wide hashing: small images decoded into strips, hashed a strip at a time
+
+
+def _write_mixed_chunk(root: Path) -> tuple[list[str], int]:
+    """Write a chunk's worth of files; return their names in chunk order and the strip count.
+
+    Small PNGs of more (mode, size) kinds than a chunk keeps strips for, sizes that Pillow
+    resizes rows first and columns first, a run longer than a strip, images too large for
+    one, and broken files and other formats in between (a failed decode frees its slot).
+    The count is of the plain PNGs small enough for a strip.
+    """
+    sizes = [(32, 32), (8, 9), (9, 8), (1, 1), (64, 64), (65, 64), (37, 23), (5, 40), (300, 7)]
+    broken = ["truncated_half.png", "bad_filter.png", "jpeg_as.png", "interlaced.png"]
+    broken = [name for name in broken if name in CASES] + sorted(NOT_FAST)[:6]
+    names: list[str] = []
+    small = 0
+
+    def add(name: str, data: bytes) -> None:
+        (root / name).write_bytes(data)
+        names.append(name)
+
+    seed = 100
+    for _ in range(3):
+        for size in sizes:
+            for mode in ("RGB", "L", "RGBA"):
+                seed += 1
+                img = (_noise if seed % 2 else _smooth)(seed, size).convert(mode)
+                add(f"{seed}_{mode}_{size[0]}x{size[1]}.png", _encode(img))
+                small += size[0] * size[1] <= manifest._STRIP_MAX_PIXELS
+                if seed % 7 == 0:
+                    bad = broken[seed % len(broken)]
+                    add(f"{seed}_{bad}", CASES[bad])
+    for _ in range(manifest._STRIP_SLOTS + 9):
+        seed += 1
+        add(f"{seed}_run.png", _encode(_noise(seed, (32, 32))))
+        small += 1
+    return names, small
+
+
+def _chunk_rows(root: Path, names: list[str]) -> list[tuple[Any, ...]]:
+    tasks = [manifest._Task(rel=f"train/cat/{n}", uri=str(root / n), size=None) for n in names]
+    columns = manifest._inspect_chunk(tasks, DEFAULT_MAX_PIXELS, DEFAULT_MAX_FILE_BYTES, True)
+    return list(zip(*columns, strict=True))
+
+
+def _reference_rows(root: Path, names: list[str], monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    with monkeypatch.context() as patch:
+        patch.setattr(manifest, "_decode", _reference_decode)
+        patch.setattr(manifest, "_dhash", _reference_dhash)
+        patch.setattr(manifest, "_read", _reference_read)
+        return [_chunk_rows(root, [name])[0] for name in names]
+
+
+def test_a_chunk_hashed_in_strips_has_every_row_of_one_by_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    names, small = _write_mixed_chunk(tmp_path)
+    expected = _reference_rows(tmp_path, names, monkeypatch)
+    assert manifest._STRIPS
+    strip_images: list[int] = []
+    real = manifest._strip_hashes
+
+    def spy(strip: Any, count: int) -> Any:
+        strip_images.append(count)
+        return real(strip, count)
+
+    monkeypatch.setattr(manifest, "_strip_hashes", spy)
+    rows = _chunk_rows(tmp_path, names)
+    for name, row, want in zip(names, rows, expected, strict=True):
+        assert row == want, name
+    # The strips did the hashing: full ones, evicted ones, and what the chunk ended with.
+    assert manifest._STRIP_SLOTS in strip_images
+    assert sum(strip_images) == small
+    assert sum(1 for row in expected if not row[14]) >= 3  # broken files were in the chunk
+
+
+def test_strip_hashing_falls_back_to_one_by_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    names, _ = _write_mixed_chunk(tmp_path)
+    expected = _reference_rows(tmp_path, names, monkeypatch)
+
+    def broken(strip: Any, count: int) -> Any:
+        raise ValueError("strip hashing broke")
+
+    monkeypatch.setattr(manifest, "_strip_hashes", broken)
+    assert _chunk_rows(tmp_path, names) == expected
+    # When the thumbnail itself fails, the row says so, as it does without strips.
+    monkeypatch.setattr(manifest, "_dhash", broken)
+    rows = _chunk_rows(tmp_path, names)
+    monkeypatch.setattr(manifest, "_STRIPS", False)
+    assert rows == _chunk_rows(tmp_path, names)
+    failed = [row for row in rows if row[15] and "thumbnail failed" in row[15]]
+    assert len(failed) > 100 and not any(row[14] for row in failed)
+
+
+def test_strip_pass_order_is_pillows_for_every_strip_size() -> None:
+    rng = np.random.default_rng(16)
+    sizes = [(w, h) for w in range(1, 65) for h in range(1, 65)]
+    sizes += [(4096, 1), (1, 4096), (512, 8), (8, 512), (100, 40), (40, 100), (9, 455)]
+    for width, height in sizes:
+        assert width * height <= manifest._STRIP_MAX_PIXELS
+        assert manifest._pass_order(width, height) is not None, (width, height)
+        pixels = rng.integers(0, 256, (2, height, width), dtype=np.uint8)
+        strip = manifest._Strip("L", width, height, 2)
+        both = Image.frombytes("L", (width, 2 * height), pixels.tobytes())
+        strip.core.paste(both.im, (0, 0, width, 2 * height))
+        hashed = manifest._strip_hashes(strip, 2)
+        for i in range(2):
+            img = Image.frombytes("L", (width, height), pixels[i].tobytes())
+            assert hashed[i] == _reference_dhash(img), (width, height)

@@ -20,6 +20,7 @@ grows with the number of rows, never with image bytes.
 from __future__ import annotations
 
 import errno
+import functools
 import gc
 import hashlib
 import io
@@ -146,8 +147,8 @@ def scan(
     """Scan every file of an ImageFolder dataset into a manifest DataFrame.
 
     ``workers`` is the number of processes (default: every core for large datasets, one for
-    small ones). ``phash=False`` skips the difference hash (a third of the per-image cost on
-    small images) and leaves the column null, for when near duplicates are not checked.
+    small ones). ``phash=False`` skips the difference hash and leaves the column null, for
+    when near duplicates are not checked.
     Raises DatasetUnusableError when the URI names nothing or holds no file.
     """
     if workers is not None and workers < 1:
@@ -499,13 +500,30 @@ def _inspect_chunk(
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         # One client per chunk: cheap next to 256 GETs, and never stale across endpoints.
         s3_client = storage.s3_client() if any(storage.is_s3(t.uri) for t in tasks) else None
-        rows = [_inspect(task, max_pixels, max_file_bytes, s3_client, phash) for task in tasks]
+        strips = _Strips(hashing=phash) if _STRIPS else None
+        rows = [
+            _inspect(task, max_pixels, max_file_bytes, s3_client, phash, strips, index)
+            for index, task in enumerate(tasks)
+        ]
     # Columns, not rows: the parent extends its column lists in C instead of looping per row.
-    return [list(values) for values in zip(*rows, strict=True)]
+    columns = [list(values) for values in zip(*rows, strict=True)]
+    if strips is not None:
+        for index, hashed in strips.finish().items():
+            if isinstance(hashed, str):  # the thumbnail failed; the row says so
+                columns[_ERROR][index], columns[_DECODE_OK][index] = hashed, False
+            else:
+                columns[_PHASH][index], columns[_THUMB][index] = hashed
+    return columns
 
 
 def _inspect(
-    task: _Task, max_pixels: int, max_file_bytes: int, s3_client: Any, with_phash: bool
+    task: _Task,
+    max_pixels: int,
+    max_file_bytes: int,
+    s3_client: Any,
+    with_phash: bool,
+    strips: _Strips | None = None,
+    index: int = 0,
 ) -> tuple[Any, ...]:
     parts = task.rel.split("/")
     # Interned: 200,000 rows then share a handful of split/label/ext/mode/format objects
@@ -531,8 +549,13 @@ def _inspect(
             sha = hashlib.sha256(data).hexdigest()
             error = None
             try:
-                fmt, width, height, mode, channels, img = _decode(data, ext, max_pixels)
-                if with_phash:
+                fmt, width, height, mode, channels, img = _decode(
+                    data, ext, max_pixels, strips=strips
+                )
+                if img is None:  # decoded into a strip: hashed with the rest of the chunk
+                    if with_phash and strips is not None:
+                        strips.keep(index)
+                elif with_phash:
                     try:
                         phash, thumb = _hash_decoded(img)
                     except Exception as exc:  # never lose the scan to one odd file
@@ -573,8 +596,12 @@ class _BadImage(ImageDecodeError):
         self.header = header
 
 
-def _decode(data: bytes, ext: str, max_pixels: int) -> tuple[str, int, int, str, int, Image.Image]:
+def _decode(
+    data: bytes, ext: str, max_pixels: int, *, strips: _Strips | None = None
+) -> tuple[str, int, int, str, int, Image.Image | None]:
     """Decode bytes fully and return (format, width, height, mode, channels, image).
+
+    The image is None when the fast path decoded the pixels into one of ``strips`` instead.
 
     Mirrors ``burstcv_serving.preprocess.open_image`` (same checks, same order, same messages)
     without its RGB conversion, so the manifest keeps the original mode; a test asserts that
@@ -589,7 +616,7 @@ def _decode(data: bytes, ext: str, max_pixels: int) -> tuple[str, int, int, str,
     if allowed is not None:
         formats = _open_formats(allowed, data[:16])
         if _PNG_FAST_PATH and formats and formats[0] == "PNG" and "PNG" in allowed:
-            decoded = _try_png_fast_path(data, max_pixels)
+            decoded = _try_png_fast_path(data, max_pixels, strips)
             if decoded is not None:
                 return decoded
     fmt = "unknown"
@@ -734,12 +761,12 @@ if not _PNG_FAST_PATH:
 
 
 def _try_png_fast_path(
-    data: bytes, max_pixels: int
-) -> tuple[str, int, int, str, int, Image.Image] | None:
+    data: bytes, max_pixels: int, strips: _Strips | None = None
+) -> tuple[str, int, int, str, int, Image.Image | None] | None:
     """Run _decode_png; on any exception return None, and turn the path off if Pillow changed."""
     global _PNG_FAST_PATH
     try:
-        return _decode_png(data, max_pixels)
+        return _decode_png(data, max_pixels, strips)
     except (AttributeError, TypeError, NameError, ImportError) as exc:
         _PNG_FAST_PATH = False
         logger.debug("PNG fast path off: Pillow's decoder internals changed (%r)", exc)
@@ -748,14 +775,17 @@ def _try_png_fast_path(
     return None
 
 
-def _decode_png(data: bytes, max_pixels: int) -> tuple[str, int, int, str, int, Image.Image] | None:
+def _decode_png(
+    data: bytes, max_pixels: int, strips: _Strips | None = None
+) -> tuple[str, int, int, str, int, Image.Image | None] | None:
     """Decode a plain 8-bit L/RGB/RGBA PNG as Pillow would, or return None to ask Pillow.
 
     Accepted: IHDR first (8-bit grey, RGB or RGBA; not interlaced; a size within both
     ``max_pixels`` and Pillow's bomb limit), one run of IDAT chunks, IEND last with nothing
     after it, every CRC right, and only gAMA/sRGB/pHYs/cHRM/sBIT/tIME/tEXt besides. The IDAT
     data goes to the zip decoder in the pieces ImageFile.load feeds it (one call per IDAT chunk
-    and MAXBLOCK), and only the decoder's own "finished, no error" counts.
+    and MAXBLOCK), and only the decoder's own "finished, no error" counts. A small image goes
+    into a slot of ``strips`` when given (the returned image is then None).
     """
     end = len(data)
     if end < 57 or not data.startswith(_PNG_SIGNATURE) or ImageFile.LOAD_TRUNCATED_IMAGES:
@@ -819,12 +849,18 @@ def _decode_png(data: bytes, max_pixels: int) -> tuple[str, int, int, str, int, 
     if not idat:
         return None
     mode, rawmode, channels = spec
-    img = Image.new(mode, (width, height), None)  # core.new, as ImageFile.load_prepare does
+    slot = strips.slot(mode, width, height) if strips is not None else None
+    img: Image.Image | None = None
+    if slot is None:
+        img = Image.new(mode, (width, height), None)  # core.new, as ImageFile.load_prepare does
+        core, top = img.im, 0
+    else:
+        core, top = slot
     decoder = Image._getdecoder(mode, "zip", rawmode)
     try:
         if decoder.pulls_fd:
             return None
-        decoder.setimage(img.im, (0, 0, width, height))
+        decoder.setimage(core, (0, top, width, top + height))
         if not _feed_decoder(decoder, idat):
             return None
     finally:
@@ -952,6 +988,203 @@ def _core_thumbnails_match() -> bool:
 
 
 _CORE_THUMBNAILS = _core_thumbnails_match()
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunk-wide difference hashes: the fast path decodes small images into slots of one tall
+# image per (mode, size), a strip, and each strip is hashed in a handful of whole-strip calls
+# instead of a dozen calls per image (on 32x32 images the hash cost as much as the decode).
+
+_STRIP_MAX_PIXELS = 64 * 64  # larger images are hashed one by one: their decode dominates
+_STRIP_SLOTS = 64  # images per strip (1 MiB for 64x64 RGBA)
+_STRIPS_OPEN = 4  # distinct (mode, size) strips a chunk holds at once; the oldest is hashed
+_COLUMN = {name: position for position, name in enumerate(COLUMNS)}
+_PHASH, _THUMB = _COLUMN["phash"], _COLUMN["thumb"]
+_DECODE_OK, _ERROR = _COLUMN["decode_ok"], _COLUMN["error"]
+
+
+class _Strip:
+    """One tall image whose slots hold same-sized images, one under the other."""
+
+    def __init__(self, mode: str, width: int, height: int, slots: int) -> None:
+        self.mode, self.width, self.height, self.slots = mode, width, height, slots
+        self.core = Image.new(mode, (width, height * slots), None).im
+        self.rows: list[int] = []  # chunk row of each filled slot, top to bottom
+
+    def free_top(self) -> int:
+        return len(self.rows) * self.height
+
+
+class _Strips:
+    """Give the fast path slots to decode into, and hash each full strip in one go.
+
+    ``slot`` offers the next free slot of the image's strip (None for a large image, which
+    gets an image of its own); ``keep`` fills it with the chunk row just decoded there (a
+    failed decode leaves it free for the next image). Without hashing, one slot per strip is
+    reused as scratch space. ``finish`` returns row -> (phash, thumb), or the error message
+    for a row whose thumbnail failed.
+    """
+
+    def __init__(self, hashing: bool) -> None:
+        self.hashing = hashing
+        self._strips: dict[tuple[str, int, int], _Strip] = {}
+        self._last: _Strip | None = None
+        self._hashes: dict[int, tuple[str, str] | str] = {}
+
+    def slot(self, mode: str, width: int, height: int) -> tuple[Any, int] | None:
+        if width * height > _STRIP_MAX_PIXELS or (self.hashing and not _pass_order(width, height)):
+            return None
+        key = (mode, width, height)
+        strip = self._strips.get(key)
+        if strip is None:
+            if len(self._strips) >= _STRIPS_OPEN:
+                self._flush(self._strips.pop(next(iter(self._strips))))
+            slots = _STRIP_SLOTS if self.hashing else 1
+            strip = self._strips[key] = _Strip(mode, width, height, slots)
+        self._last = strip
+        return strip.core, strip.free_top()
+
+    def keep(self, row: int) -> None:
+        strip = self._last
+        assert strip is not None and self.hashing
+        strip.rows.append(row)
+        if len(strip.rows) == strip.slots:
+            self._flush(strip)
+
+    def finish(self) -> dict[int, tuple[str, str] | str]:
+        for strip in self._strips.values():
+            self._flush(strip)
+        self._strips.clear()
+        return self._hashes
+
+    def _flush(self, strip: _Strip) -> None:
+        if not strip.rows:
+            return
+        try:
+            hashes: list[tuple[str, str] | str] = list(_strip_hashes(strip, len(strip.rows)))
+        except Exception:  # never lose the scan: hash each slot the usual way
+            logger.debug("strip hashing failed; hashing one by one", exc_info=True)
+            hashes = [_slot_hash(strip, slot) for slot in range(len(strip.rows))]
+        self._hashes.update(zip(strip.rows, hashes, strict=True))
+        strip.rows = []
+
+
+def _strip_hashes(strip: _Strip, count: int) -> list[tuple[str, str]]:
+    """Return _dhash of the first ``count`` slots, computed over the whole strip at once.
+
+    Pillow's bilinear resize is separable: one pass over rows, one over columns, rounding to
+    8 bits in between, in an order it picks from the sizes (``_pass_order``). Stacked, each
+    row of the strip is a row of one image; side by side, each column is a column of one
+    image: both passes run once for the whole strip. Same calls, same rounding, same bytes.
+    """
+    import numpy as np
+
+    width, height = strip.width, strip.height
+    core = strip.core if count == strip.slots else strip.core.crop((0, 0, width, height * count))
+    if strip.mode != "L":
+        core = core.convert("L", Image.Dither.FLOYDSTEINBERG)
+    pixels = np.frombuffer(Image.Image()._new(core).tobytes(), np.uint8)
+    images = pixels.reshape(count, height, width)
+    if _pass_order(width, height) == "rows":
+        thumbs = _column_pass(_row_pass(images))
+    else:
+        thumbs = _row_pass(_column_pass(images))
+    brighter = thumbs[:, :, :-1] > thumbs[:, :, 1:]  # (count, 8, 8): brighter than the right
+    hashes = np.packbits(brighter.reshape(count, 64), axis=1).view(">u8").ravel().tolist()
+    digits = np.ascontiguousarray(thumbs).tobytes().hex()
+    step = 2 * _THUMB_SIZE[0] * _THUMB_SIZE[1]
+    return [(f"{value:016x}", digits[i * step : (i + 1) * step]) for i, value in enumerate(hashes)]
+
+
+def _row_pass(images: Any) -> Any:
+    """Resize (count, height, width) grey images to the thumbnail width, rows only."""
+    import numpy as np
+
+    count, height, width = images.shape
+    target = _THUMB_SIZE[0]
+    if width == target:  # Pillow's own test: no row pass
+        return images
+    tall = count * height
+    stacked = Image.frombytes("L", (width, tall), images.tobytes()).im
+    resized = stacked.resize((target, tall), Image.Resampling.BILINEAR, (0, 0, width, tall))
+    data = np.frombuffer(Image.Image()._new(resized).tobytes(), np.uint8)
+    return data.reshape(count, height, target)
+
+
+def _column_pass(images: Any) -> Any:
+    """Resize (count, height, width) grey images to the thumbnail height, columns only."""
+    import numpy as np
+
+    count, height, width = images.shape
+    target = _THUMB_SIZE[1]
+    if height == target:
+        return images
+    wide = count * width
+    side = np.ascontiguousarray(images.transpose(1, 0, 2)).reshape(height, wide)
+    core = Image.frombytes("L", (wide, height), side.tobytes()).im
+    resized = core.resize((wide, target), Image.Resampling.BILINEAR, (0, 0, wide, height))
+    data = np.frombuffer(Image.Image()._new(resized).tobytes(), np.uint8)
+    return data.reshape(target, count, width).transpose(1, 0, 2)
+
+
+@functools.lru_cache(maxsize=_STRIP_MAX_PIXELS)
+def _pass_order(width: int, height: int) -> str | None:
+    """Return which pass Pillow runs first resizing this size to the thumbnail, or None.
+
+    Pillow picks the order from the sizes alone; two noise images tell which order gives its
+    bytes ("rows" when either does, as when one pass is a no-op). None: neither does, and
+    images of this size are hashed one by one.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(width * 65536 + height)
+    orders = {"rows", "columns"}
+    for _ in range(2):
+        images = rng.integers(0, 256, (1, height, width), dtype=np.uint8)
+        grey = Image.frombytes("L", (width, height), images.tobytes()).im
+        resized = grey.resize(_THUMB_SIZE, Image.Resampling.BILINEAR, (0, 0, width, height))
+        expected = Image.Image()._new(resized).tobytes()
+        if _column_pass(_row_pass(images)).tobytes() != expected:
+            orders.discard("rows")
+        if _row_pass(_column_pass(images)).tobytes() != expected:
+            orders.discard("columns")
+    return "rows" if "rows" in orders else next(iter(orders), None)
+
+
+def _slot_hash(strip: _Strip, slot: int) -> tuple[str, str] | str:
+    """Return _dhash of one slot's image, or the error message the row gets if it fails."""
+    top = slot * strip.height
+    try:
+        img = Image.Image()._new(strip.core.crop((0, top, strip.width, top + strip.height)))
+        return _dhash(img)
+    except Exception as exc:
+        return f"decoded, but its grayscale thumbnail failed: {exc}"
+
+
+def _strips_match() -> bool:
+    """Return True when strip hashing gives _dhash's values on sample images."""
+    try:
+        gradient = Image.linear_gradient("L")
+        samples = []
+        for size in ((32, 32), (9, 8), (1, 1), (64, 64), (37, 23), (8, 9), (9, 30)):
+            grey = gradient.resize(size).rotate(17)
+            rgb = Image.merge("RGB", (grey, grey.transpose(Image.Transpose.FLIP_LEFT_RIGHT), grey))
+            samples += [grey, rgb, rgb.convert("RGBA")]
+        strips = _Strips(hashing=True)
+        for row, img in enumerate(samples):
+            slot = strips.slot(img.mode, *img.size)
+            assert slot is not None
+            core, top = slot
+            core.paste(img.im, (0, top, img.width, top + img.height))
+            strips.keep(row)
+        hashes = strips.finish()
+        return all(hashes[row] == _dhash(img) for row, img in enumerate(samples))
+    except Exception:
+        logger.debug("strip hashing off: Pillow's core image API differs", exc_info=True)
+        return False
+
+
+_STRIPS = _PNG_FAST_PATH and _strips_match()
 
 
 # ---------------------------------------------------------------------------------------------
