@@ -26,9 +26,10 @@ _SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def _reference_read(task: Any, max_file_bytes: int, s3_client: Any) -> bytes | str:
-    if task.size is not None and task.size > max_file_bytes:
-        return f"file is {task.size} bytes; the limit is {max_file_bytes}"
-    with open(task.uri, "rb") as fh:
+    _, uri, size = task
+    if size is not None and size > max_file_bytes:
+        return f"file is {size} bytes; the limit is {max_file_bytes}"
+    with open(uri, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size > max_file_bytes:
             return f"file is {size} bytes; the limit is {max_file_bytes}"
@@ -377,7 +378,7 @@ def _rows(
     """Return path → row (or the exception it raised) for files under root/train/cat."""
     out: dict[str, tuple[Any, ...]] = {}
     for name in names:
-        task = manifest._Task(rel=f"train/cat/{name}", uri=str(root / name), size=None)
+        task = (f"train/cat/{name}", str(root / name), None)
         try:
             columns = manifest._inspect_chunk([task], max_pixels, DEFAULT_MAX_FILE_BYTES, True)
         except Exception as exc:
@@ -619,7 +620,7 @@ def test_local_reads_return_the_whole_file(
 ) -> None:
     path = tmp_path / "f.png"
     path.write_bytes(CASES["rgb.png"])
-    task = manifest._Task("train/cat/f.png", str(path), None)
+    task = ("train/cat/f.png", str(path), None)
     limit_below = len(CASES["rgb.png"]) - 1
     expected = _reference_read(task, limit_below, None)
     monkeypatch.setattr(manifest, "os", _ShortReads(limit, shrink))
@@ -693,7 +694,7 @@ def _write_mixed_chunk(root: Path) -> tuple[list[str], int]:
 
 
 def _chunk_rows(root: Path, names: list[str]) -> list[tuple[Any, ...]]:
-    tasks = [manifest._Task(rel=f"train/cat/{n}", uri=str(root / n), size=None) for n in names]
+    tasks = [(f"train/cat/{name}", str(root / name), None) for name in names]
     columns = manifest._inspect_chunk(tasks, DEFAULT_MAX_PIXELS, DEFAULT_MAX_FILE_BYTES, True)
     return list(zip(*columns, strict=True))
 
