@@ -108,3 +108,18 @@ def test_missing_s3_prefix_is_unusable(s3: Any) -> None:
         scan("s3://datasets/absent")
     with pytest.raises(DatasetUnusableError, match="does not exist"):
         scan("s3://no-such-bucket/x")
+
+
+def test_s3_object_over_the_size_limit_is_refused_unread(s3: Any, dataset: Path) -> None:
+    _upload(s3, dataset, "pets")
+    sizes = {p.relative_to(dataset).as_posix(): p.stat().st_size for p in dataset.rglob("*.png")}
+    limit = sorted(sizes.values())[len(sizes) // 2]
+    manifest = scan("s3://datasets/pets", max_file_bytes=limit).manifest.set_index("path")
+    for path, size in sizes.items():
+        row = manifest.loc[path]
+        assert row["bytes"] == size
+        if size > limit:  # the listing's size: refused before any GET (the message says so)
+            assert row["error"] == f"file is {size} bytes; the limit is {limit}", path
+        else:
+            assert row["decode_ok"], path
+    assert min(sizes.values()) <= limit < max(sizes.values())
