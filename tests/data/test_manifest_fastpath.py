@@ -686,11 +686,30 @@ def _write_mixed_chunk(root: Path) -> tuple[list[str], int]:
                 if seed % 7 == 0:
                     bad = broken[seed % len(broken)]
                     add(f"{seed}_{bad}", CASES[bad])
-    for _ in range(manifest._STRIP_SLOTS + 9):
+    for i in range(manifest._STRIP_SLOTS + 9):
         seed += 1
         add(f"{seed}_run.png", _encode(_noise(seed, (32, 32))))
         small += 1
+        if i == manifest._STRIP_SLOTS - 1:  # the strip was just hashed: its slots hold pixels
+            add(f"{seed}_short_after_full.png", _short_stream(_noise(seed, (32, 32)), rows=4))
+            small += 1
+    # Rows a failed decode wrote, in the slot the next image of that size decodes into.
+    add(f"{seed}_bad_filter_row_12.png", _bad_filter_at(_noise(seed + 1, (32, 32)), row=12))
+    add(f"{seed}_short_after_bad.png", _short_stream(_noise(seed + 2, (32, 32)), rows=2))
+    small += 1
     return names, small
+
+
+def _short_stream(img: Image.Image, rows: int) -> bytes:
+    """Return a PNG whose zlib stream ends after ``rows`` rows: Pillow's clean finish."""
+    return _with_idat(_encode(img), [zlib.compress(_scanlines(img, rows=rows))])
+
+
+def _bad_filter_at(img: Image.Image, row: int) -> bytes:
+    """Return a PNG whose scanline ``row`` has an unknown filter type (decoding stops there)."""
+    lines = bytearray(_scanlines(img))
+    lines[row * (len(lines) // img.height)] = 7
+    return _with_idat(_encode(img), [zlib.compress(bytes(lines))])
 
 
 def _chunk_rows(root: Path, names: list[str]) -> list[tuple[Any, ...]]:

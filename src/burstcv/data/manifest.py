@@ -507,14 +507,14 @@ def _inspect_chunk(
             _inspect(task, max_pixels, max_file_bytes, s3_client, phash, strips, index)
             for index, task in enumerate(tasks)
         ]
+        hashes = strips.finish() if strips is not None else {}
     # Columns, not rows: the parent extends its column lists in C instead of looping per row.
     columns = [list(values) for values in zip(*rows, strict=True)]
-    if strips is not None:
-        for index, hashed in strips.finish().items():
-            if isinstance(hashed, str):  # the thumbnail failed; the row says so
-                columns[_ERROR][index], columns[_DECODE_OK][index] = hashed, False
-            else:
-                columns[_PHASH][index], columns[_THUMB][index] = hashed
+    for index, hashed in hashes.items():
+        if isinstance(hashed, str):  # the thumbnail failed; the row says so
+            columns[_ERROR][index], columns[_DECODE_OK][index] = hashed, False
+        else:
+            columns[_PHASH][index], columns[_THUMB][index] = hashed
     return columns
 
 
@@ -1044,7 +1044,12 @@ class _Strips:
             slots = _STRIP_SLOTS if self.hashing else 1
             strip = self._strips[key] = _Strip(mode, width, height, slots)
         self._last = strip
-        return strip.core, strip.free_top()
+        top = strip.free_top()
+        if self.hashing:
+            # Blank, as a new image is: a stream that ends early is a clean finish for Pillow,
+            # and the rows it never wrote must not keep an earlier image's pixels.
+            strip.core.paste(0, (0, top, width, top + height))
+        return strip.core, top
 
     def keep(self, row: int) -> None:
         strip = self._last
