@@ -1076,6 +1076,11 @@ class _Strips:
         strip.rows = []
 
 
+def _core_bytes(core: Any) -> bytes:
+    """Return a core image's pixel bytes (what Image.tobytes gives for its Image)."""
+    return Image.Image()._new(core).tobytes()
+
+
 def _strip_hashes(strip: _Strip, count: int) -> list[tuple[str, str]]:
     """Return _dhash of the first ``count`` slots, computed over the whole strip at once.
 
@@ -1090,7 +1095,7 @@ def _strip_hashes(strip: _Strip, count: int) -> list[tuple[str, str]]:
     core = strip.core if count == strip.slots else strip.core.crop((0, 0, width, height * count))
     if strip.mode != "L":
         core = core.convert("L", Image.Dither.FLOYDSTEINBERG)
-    pixels = np.frombuffer(Image.Image()._new(core).tobytes(), np.uint8)
+    pixels = np.frombuffer(_core_bytes(core), np.uint8)
     images = pixels.reshape(count, height, width)
     if _pass_order(width, height) == "rows":
         thumbs = _column_pass(_row_pass(images))
@@ -1114,7 +1119,7 @@ def _row_pass(images: Any) -> Any:
     tall = count * height
     stacked = Image.frombytes("L", (width, tall), images.tobytes()).im
     resized = stacked.resize((target, tall), Image.Resampling.BILINEAR, (0, 0, width, tall))
-    data = np.frombuffer(Image.Image()._new(resized).tobytes(), np.uint8)
+    data = np.frombuffer(_core_bytes(resized), np.uint8)
     return data.reshape(count, height, target)
 
 
@@ -1130,7 +1135,7 @@ def _column_pass(images: Any) -> Any:
     side = np.ascontiguousarray(images.transpose(1, 0, 2)).reshape(height, wide)
     core = Image.frombytes("L", (wide, height), side.tobytes()).im
     resized = core.resize((wide, target), Image.Resampling.BILINEAR, (0, 0, wide, height))
-    data = np.frombuffer(Image.Image()._new(resized).tobytes(), np.uint8)
+    data = np.frombuffer(_core_bytes(resized), np.uint8)
     return data.reshape(target, count, width).transpose(1, 0, 2)
 
 
@@ -1150,7 +1155,7 @@ def _pass_order(width: int, height: int) -> str | None:
         images = rng.integers(0, 256, (1, height, width), dtype=np.uint8)
         grey = Image.frombytes("L", (width, height), images.tobytes()).im
         resized = grey.resize(_THUMB_SIZE, Image.Resampling.BILINEAR, (0, 0, width, height))
-        expected = Image.Image()._new(resized).tobytes()
+        expected = _core_bytes(resized)
         if _column_pass(_row_pass(images)).tobytes() != expected:
             orders.discard("rows")
         if _row_pass(_column_pass(images)).tobytes() != expected:
