@@ -73,16 +73,32 @@ def validate(
 
 
 @app.command()
-def train(job: Annotated[str, typer.Option("--job", help="URI of job.json")]) -> None:
+def train(
+    job: Annotated[str, typer.Option("--job", help="URI of job.json")],
+    attempt: Annotated[int, typer.Option("--attempt", min=1, help="attempt number")] = 1,
+) -> None:
     """Run a training job (what every training box runs, and nothing else)."""
-    from burstcv.training.train import run_job
+    from burstcv.training.entry import train as train_job
 
     _setup_logging()
     try:
-        code = run_job(job)
+        code = train_job(job, attempt)
     except Exception as exc:  # FAILED was written; print the reason in one line
         raise _fail(f"training failed: {type(exc).__name__}: {exc}") from None
     raise typer.Exit(code)
+
+
+@app.command()
+def preflight(
+    job: Annotated[str, typer.Option("--job", help="URI of job.json")],
+    attempt: Annotated[int, typer.Option("--attempt", min=1, help="attempt number")] = 1,
+    instance_type: Annotated[str, typer.Option(help="EC2 type, for the GPU count")] = "",
+) -> None:
+    """Check Python, torch, CUDA, the driver and the GPU count before a box trains."""
+    from burstcv.training.entry import preflight as run_preflight
+
+    _setup_logging()
+    raise typer.Exit(run_preflight(job, attempt, instance_type))
 
 
 @app.command()

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
 
-from burstcv.settings import REPO_ROOT
+# src/burstcv/lineage.py -> the checkout (when running from one). This module also ships in
+# the training wheel, which runs on the AMI's Python (3.10+) without settings or git.
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @lru_cache(maxsize=1)
@@ -34,7 +36,7 @@ def source_commit() -> str:
 
 def utc_now() -> datetime:
     """Return the current time, timezone-aware UTC."""
-    return datetime.now(UTC)
+    return datetime.now(timezone.utc)  # noqa: UP017 (3.10 has no datetime.UTC)
 
 
 def utc_now_iso() -> str:

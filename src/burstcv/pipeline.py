@@ -12,6 +12,7 @@ import io
 import logging
 import tempfile
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,8 @@ import numpy as np
 import pandas as pd
 from burstcv_serving.preprocess import PreprocessSpec
 
-from burstcv import storage
-from burstcv.compute.base import LaunchRequest, get_backend
+from burstcv import lineage, storage
+from burstcv.compute.base import STOPPED, InstanceInfo, LaunchRequest, get_backend
 from burstcv.params import RunParams
 from burstcv.settings import Settings, get_settings
 from burstcv.storage import safe_run_id
@@ -170,11 +171,31 @@ def provision(
     packed: dict[str, Any],
     settings: Settings | None = None,
 ) -> dict[str, Any]:
-    """Write job.json and start the training box(es) for this run."""
+    """Write job.json and start the training box(es) for this run (its attempt 1).
+
+    The run's time budget becomes an absolute deadline here, shared by every attempt, so a
+    relaunch never gets a fresh budget. For EC2 the training wheel is staged first and its
+    sha256 written into job.json.
+    """
     from burstcv.training.job import JobSpec, write_job
 
-    paths = RunPaths.of(run_id, settings)
+    s = settings or get_settings()
+    paths = RunPaths.of(run_id, s)
     time_budget_s = bounded_time_budget(params)
+    deadline_at = lineage.utc_now() + timedelta(seconds=time_budget_s)
+    wheel_uri, wheel_sha256, require_cuda = "", "", False
+    if params.compute_backend == "ec2":
+        from burstcv.compute.ec2 import Ec2Settings
+        from burstcv.compute.runtime import stage_training_wheel
+
+        if not storage.is_s3(s.artifact_root):
+            raise StageError(
+                "the ec2 backend needs BURSTCV_ARTIFACT_ROOT=s3://bucket/prefix: the training "
+                f"box reads its job and writes its results there (now {s.artifact_root!r})"
+            )
+        staged = stage_training_wheel(s.artifact_root)
+        wheel_uri, wheel_sha256 = staged.uri, staged.sha256
+        require_cuda = Ec2Settings().require_gpu
     job = JobSpec(
         run_id=safe_run_id(run_id),
         arch=params.model,
@@ -188,6 +209,10 @@ def provision(
         learning_rate=params.learning_rate,
         seed=params.seed,
         time_budget_s=time_budget_s,
+        deadline_at=deadline_at,
+        require_cuda=require_cuda,
+        source_commit=lineage.source_commit(),
+        runtime_sha256=wheel_sha256,
         dataset_fingerprint=packed["fingerprint"],
     )
     job_uri = write_job(job, storage.join(paths.job, "job.json"))
@@ -199,39 +224,100 @@ def provision(
         "instance_types": list(params.instance_types),
         "use_spot": params.use_spot,
         "airflow_run_id": run_id,
+        "deadline_at": deadline_at.isoformat(),
+        "wheel_uri": wheel_uri,
+        "wheel_sha256": wheel_sha256,
     }
-    ids = _launch(params.compute_backend, launch)
+    ids = _launch(params.compute_backend, launch, paths.job, attempt=1)
     return {
         "job_uri": job_uri,
         "output_uri": paths.job,
         "instance_ids": ids,
         "run_key": safe_run_id(run_id),
         "backend": params.compute_backend,
+        "max_cost_usd": params.max_cost_usd,
         "launch": launch,  # what a retry of the train task needs to start a box again
     }
 
 
-def _launch(backend_name: str, launch: dict[str, Any]) -> list[str]:
-    request = LaunchRequest(**{**launch, "instance_types": tuple(launch["instance_types"])})
-    return get_backend(backend_name).launch(request)
+ATTEMPT_FILE = "attempt.json"  # in the job folder: the attempt the run now waits for
 
 
-def relaunch(provisioned: dict[str, Any]) -> list[str]:
-    """Start the run's training box again after it was lost or interrupted; resume is automatic.
-
-    The job finds its last checkpoint in its output folder and continues from it. A box of
-    the run that still runs is reused rather than doubled.
-    """
-    running = [
-        i.instance_id
-        for i in get_backend(provisioned["backend"]).describe(provisioned["run_key"])
-        if i.state != "stopped"
-    ]
-    if running:
-        return running
-    ids = _launch(provisioned["backend"], provisioned["launch"])
-    log.warning("relaunched training for run %s on %s", provisioned["run_key"], ids)
+def _launch(backend_name: str, launch: dict[str, Any], job_dir: str, attempt: int) -> list[str]:
+    fields = {
+        **launch,
+        "instance_types": tuple(launch["instance_types"]),
+        "deadline_at": datetime.fromisoformat(launch["deadline_at"]),
+        "attempt": attempt,
+    }
+    ids = get_backend(backend_name).launch(LaunchRequest(**fields))
+    storage.write_json(
+        storage.join(job_dir, ATTEMPT_FILE),
+        {"attempt": attempt, "instance_ids": ids, "launched_at": lineage.utc_now_iso()},
+    )
     return ids
+
+
+def current_attempt(output_uri: str) -> int:
+    """Return the run's latest launched attempt (1 before any relaunch)."""
+    uri = storage.join(output_uri, ATTEMPT_FILE)
+    return int(storage.read_json(uri)["attempt"]) if storage.exists(uri) else 1
+
+
+def run_cost_so_far(backend_name: str, instances: list[InstanceInfo]) -> float:
+    """Return what the run's boxes have cost until now (every attempt; local compute is free)."""
+    if backend_name != "ec2":
+        return 0.0
+    from burstcv.compute.ec2 import Ec2Settings
+    from burstcv.cost.pricing import UnknownPriceError, billed_seconds, cost_for_seconds
+
+    region = Ec2Settings().region
+    now, total = lineage.utc_now(), 0.0
+    for info in instances:
+        if info.launched_at is None:
+            continue
+        seconds = billed_seconds(info.launched_at, max(info.stopped_at or now, info.launched_at))
+        try:
+            total += cost_for_seconds(info.instance_type, region, info.lifecycle, seconds)
+        except UnknownPriceError as exc:
+            log.warning("run cost leaves out %s: %s", info.instance_id, exc)
+    return total
+
+
+def relaunch(provisioned: dict[str, Any]) -> int:
+    """Start the run's next attempt after a lost or interrupted box; return the attempt.
+
+    The job resumes from its last checkpoint. A box of the run that still runs is waited for
+    rather than doubled. The budget is the run's, not the attempt's: past the run's deadline,
+    or once its boxes have cost max_cost_usd, nothing is relaunched (TrainingFailed).
+    """
+    backend_name, run_key = provisioned["backend"], provisioned["run_key"]
+    attempt = current_attempt(provisioned["output_uri"])
+    instances = get_backend(backend_name).describe(run_key)
+    if any(i.state != STOPPED for i in instances):
+        return attempt
+    launch = provisioned["launch"]
+    deadline = datetime.fromisoformat(launch["deadline_at"])
+    if lineage.utc_now() >= deadline:
+        raise TrainingFailed(
+            f"the run's deadline {deadline.isoformat()} has passed; no relaunch after attempt "
+            f"{attempt} (raise max_cost_usd or time_budget_s for a longer run)"
+        )
+    spent = run_cost_so_far(backend_name, instances)
+    budget = float(provisioned.get("max_cost_usd") or 0.0)
+    if budget and spent >= budget:
+        raise TrainingFailed(
+            f"the run's boxes have cost ${spent:.2f} of its ${budget:.2f} budget; no relaunch"
+        )
+    ids = _launch(backend_name, launch, provisioned["output_uri"], attempt=attempt + 1)
+    log.warning(
+        "run %s: attempt %d on %s resumes from the checkpoint (spent so far $%.2f)",
+        run_key,
+        attempt + 1,
+        ids,
+        spent,
+    )
+    return attempt + 1
 
 
 def bounded_time_budget(params: RunParams) -> int:
@@ -277,20 +363,50 @@ def reap(
     return reports
 
 
-def training_outcome(run_id: str, backend_name: str, output_uri: str) -> dict[str, Any]:
-    """Return the job's state: done, failed (with reason), lost (box gone, no marker) or running."""
+def training_outcome(
+    run_id: str, backend_name: str, output_uri: str, attempt: int = 1
+) -> dict[str, Any]:
+    """Return an attempt's state: done, failed (stage, reason), lost (no marker) or running."""
     from burstcv.compute.base import job_outcome
+    from burstcv.training.job import attempt_dir
 
-    status = job_outcome(get_backend(backend_name), safe_run_id(run_id), output_uri)
+    status = job_outcome(get_backend(backend_name), safe_run_id(run_id), output_uri, attempt)
     if status in ("done", "failed"):
-        marker = storage.join(output_uri, "DONE" if status == "done" else "FAILED")
-        return {"status": status, **storage.read_json(marker)}
+        marker = attempt_dir(output_uri, attempt, "DONE" if status == "done" else "FAILED")
+        return {"status": status, **storage.read_json(marker), "attempt": attempt}
     if status == "lost":
         return {
             "status": "lost",
             "reason": "every training instance stopped without writing DONE or FAILED",
+            "attempt": attempt,
         }
-    return {"status": "running"}
+    return {"status": "running", "attempt": attempt}
+
+
+def box_log_tail(
+    run_id: str, backend_name: str, output_uri: str, attempt: int, lines: int = 40
+) -> list[str]:
+    """Return the last lines of each log the attempt's boxes shipped (newest box last)."""
+    from burstcv.training.job import attempt_dir
+
+    tail: list[str] = []
+    for info in get_backend(backend_name).describe(safe_run_id(run_id)):
+        uri = attempt_dir(output_uri, attempt, "logs", f"{info.instance_id}.log")
+        if not storage.exists(uri):
+            continue
+        text = storage.read_bytes(uri).decode("utf-8", errors="replace")
+        tail.append(f"--- {info.instance_id} ({uri}), last {lines} lines ---")
+        tail.extend(text.splitlines()[-lines:])
+    return tail
+
+
+def failure_line(outcome: dict[str, Any]) -> str:
+    """Return the one line a user reads about an attempt that did not finish."""
+    stage = f" at {outcome['stage']}" if outcome.get("stage") else ""
+    return (
+        f"training {outcome.get('status')}{stage} (attempt {outcome.get('attempt', 1)}): "
+        f"{outcome.get('reason', 'no reason given')}"
+    )
 
 
 def collect_training(
@@ -298,9 +414,7 @@ def collect_training(
 ) -> dict[str, Any]:
     """Turn the training outcome into figures, or raise TrainingFailed with the box's reason."""
     if outcome.get("status") != "done":
-        raise TrainingFailed(
-            f"training {outcome.get('status')}: {outcome.get('reason', 'no reason given')}"
-        )
+        raise TrainingFailed(failure_line(outcome))
     paths = RunPaths.of(run_id, settings)
     metrics = storage.read_json(storage.join(paths.job, "metrics.json"))
     return {

@@ -1,12 +1,10 @@
-"""Provide an AWS emulator (moto in server mode) and a harness that plays each launched instance.
+"""Provide an AWS emulator (moto in server mode) and a player that models each launched instance.
 
-The harness watches the emulator for burstcv instances and, for each, does what the real box
-does: it runs the instance's own user-data script with ``bash``, where the commands that
-need a real machine are small stand-ins on PATH (``shutdown`` and ``poweroff`` power the
-emulated instance off the way ``InstanceInitiatedShutdownBehavior`` says, ``aws s3`` talks to
-the emulated S3, ``curl`` answers IMDS, ``python3 -m venv`` makes a venv whose ``burstcv``
-runs the job command). So the script's trap, markers, log upload and immediate shutdown are
-exercised for real; only the machine is pretend.
+The player watches the emulator for burstcv instances and does, from outside, what happens to
+a box that never reports: it holds it up (the orchestrator is gone; only a reaper ends it),
+or runs the job command and lets the box die without its script's trap (hardware, reclaim).
+The boot path itself (the real user-data, the AWS CLI, pip, preflight, training) runs in a
+network-namespace sandbox instead: see tests/boxsandbox.py and test_box_boot.py.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ import base64
 import json
 import logging
 import os
-import stat
 import subprocess
 import sys
 import textwrap
@@ -40,13 +37,11 @@ from burstcv.compute.userdata import parse_config
 REGION = "us-east-1"
 BUCKET = "burstcv-test"
 ARTIFACT_ROOT = f"s3://{BUCKET}/artifacts"
-BUNDLE_URI = f"{ARTIFACT_ROOT}/bundle/burstcv-0.1.0-py3-none-any.whl"
 # A public SSM AMI parameter that moto ships with an image behind it.
 AMI_PARAMETER = "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-6.1-x86_64"
 INSTANCE_PROFILE = "burstcv-training"
 
-# How the harness plays a run: run its user-data, die without the trap, or leave it up.
-MODE_SCRIPT = "script"
+# How the player models a run: die without the trap, or leave it up (the default).
 MODE_DIE = "die"  # the box dies (hardware, reclaim): job command only, no trap, no marker
 MODE_HOLD = "hold"  # the box hangs on (the orchestrator is gone); only a reaper ends it
 
@@ -115,10 +110,8 @@ def s3_client(aws: str) -> Any:
 
 @pytest.fixture
 def ec2_account(aws: str, s3_client: Any) -> None:
-    """Create what an AWS account would hold: the bucket, the bundle, the instance profile."""
+    """Create what an AWS account would hold: the bucket and the instance profile."""
     s3_client.create_bucket(Bucket=BUCKET)
-    bucket_key = BUNDLE_URI.removeprefix(f"s3://{BUCKET}/")
-    s3_client.put_object(Bucket=BUCKET, Key=bucket_key, Body=b"not really a wheel")
     iam = boto3.client("iam", region_name=REGION, endpoint_url=aws)
     iam.create_role(RoleName=INSTANCE_PROFILE, AssumeRolePolicyDocument="{}")
     iam.create_instance_profile(InstanceProfileName=INSTANCE_PROFILE)
@@ -133,8 +126,6 @@ def ec2_settings(ec2_account: None) -> Ec2Settings:
     return Ec2Settings(
         region=REGION,
         ami=AMI_PARAMETER,
-        artifact_root=ARTIFACT_ROOT,
-        bundle_uri=BUNDLE_URI,
         instance_profile=INSTANCE_PROFILE,
         volume_gb=50,
         waiter_delay_s=0.1,
@@ -201,10 +192,11 @@ FAKE_TRAIN = textwrap.dedent(
     put(out + "/checkpoints/last.pt", b"weights")
     put(out + "/metrics.json", json.dumps({"val_accuracy": 0.9}).encode())
     if outcome == "fail":
-        put(out + "/FAILED", json.dumps({"reason": "loss is NaN", "stage": "train"}).encode())
+        failed = {"reason": "loss is NaN", "stage": "train", "resumable": False}
+        put(out + "/attempts/1/FAILED", json.dumps(failed).encode())
         sys.exit(1)
     put(out + "/model.pt", b"state dict")
-    put(out + "/DONE", json.dumps({"run_id": job["run_id"]}).encode())
+    put(out + "/attempts/1/DONE", json.dumps({"run_id": job["run_id"]}).encode())
     '''
 )
 
@@ -243,100 +235,6 @@ def write_job(run_id: str, **fake: Any) -> str:
 
 # --- the instance player --------------------------------------------------------------------
 
-_STUBS: dict[str, str] = {
-    # shutdown/poweroff: "+N" arms the watchdog (recorded); "now" powers the instance off.
-    "shutdown": """
-        import json, os, sys, time
-        import boto3
-        args = sys.argv[1:]
-        log = os.path.join(os.environ["HARNESS_DIR"], "shutdown.log")
-        with open(log, "a") as fh:
-            fh.write(json.dumps({"t": time.time(), "args": args}) + "\\n")
-        if "now" in args or os.path.basename(sys.argv[0]) == "poweroff":
-            iid = os.environ["HARNESS_INSTANCE_ID"]
-            ec2 = boto3.client("ec2", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
-            behaviour = ec2.describe_instance_attribute(
-                InstanceId=iid, Attribute="instanceInitiatedShutdownBehavior"
-            )["InstanceInitiatedShutdownBehavior"]["Value"]
-            if behaviour == "terminate":
-                ec2.terminate_instances(InstanceIds=[iid])
-            else:
-                ec2.stop_instances(InstanceIds=[iid])
-            with open(os.path.join(os.environ["HARNESS_DIR"], "powered_off"), "w") as fh:
-                fh.write(json.dumps({"t": time.time(), "behaviour": behaviour}))
-    """,
-    # aws s3 cp SRC DST / aws s3 ls URI against the emulated S3.
-    "aws": """
-        import os, sys
-        import boto3
-        s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
-        def split(uri):
-            bucket, _, key = uri.removeprefix("s3://").partition("/")
-            return bucket, key
-        args = sys.argv[1:]
-        if args[:2] == ["s3", "ls"]:
-            bucket, key = split(args[2])
-            found = s3.list_objects_v2(Bucket=bucket, Prefix=key).get("Contents", [])
-            sys.exit(0 if any(o["Key"] == key for o in found) else 1)
-        if args[:2] == ["s3", "cp"]:
-            src, dst = args[2], args[3]
-            if src.startswith("s3://"):
-                bucket, key = split(src)
-                if dst.endswith("/"):
-                    os.makedirs(dst, exist_ok=True)
-                    dst = os.path.join(dst, os.path.basename(key))
-                s3.download_file(bucket, key, dst)
-            else:
-                bucket, key = split(dst)
-                body = sys.stdin.buffer.read() if src == "-" else open(src, "rb").read()
-                s3.put_object(Bucket=bucket, Key=key, Body=body)
-            sys.exit(0)
-        sys.exit(f"aws stand-in: unsupported {args}")
-    """,
-    # curl: IMDSv2 token, instance id, and the spot notice when the test posts one.
-    "curl": """
-        import os, sys
-        url = next(a for a in sys.argv[1:] if a.startswith("http"))
-        if url.endswith("/api/token"):
-            print("imds-token")
-        elif url.endswith("/meta-data/instance-id"):
-            print(os.environ["HARNESS_INSTANCE_ID"])
-        elif url.endswith("/spot/instance-action"):
-            notice = os.path.join(os.environ["HARNESS_DIR"], "spot-notice")
-            if not os.path.exists(notice):
-                sys.exit(22)  # curl -f on a 404
-            print(open(notice).read())
-        else:
-            sys.exit(22)
-    """,
-    # python3 -m venv DIR: a venv whose pip is a no-op and whose burstcv runs the job command.
-    "python3": """
-        import os, shlex, stat, sys
-        if sys.argv[1:3] != ["-m", "venv"]:
-            os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
-        venv = sys.argv[-1]
-        os.makedirs(os.path.join(venv, "bin"), exist_ok=True)
-        scripts = {
-            "pip": "#!/bin/bash\\necho \\"pip $*\\" >> \\"$HARNESS_DIR/pip.log\\"\\n",
-            "burstcv": "#!/bin/bash\\nexec " + os.environ["HARNESS_JOB_PREFIX"] + " \\"$@\\"\\n",
-        }
-        for name, body in scripts.items():
-            path = os.path.join(venv, "bin", name)
-            with open(path, "w") as fh:
-                fh.write(body)
-            os.chmod(path, os.stat(path).st_mode | stat.S_IEXEC)
-    """,
-}
-
-
-def _write_stubs(stub_dir: Path) -> None:
-    stub_dir.mkdir(parents=True, exist_ok=True)
-    for name, body in _STUBS.items():
-        path = stub_dir / name
-        path.write_text(f"#!{sys.executable}\n" + textwrap.dedent(body))
-        path.chmod(path.stat().st_mode | stat.S_IEXEC | stat.S_IXGRP | stat.S_IXOTH)
-    (stub_dir / "poweroff").symlink_to(stub_dir / "shutdown")
-
 
 @dataclass
 class Play:
@@ -366,13 +264,11 @@ class InstancePlayer:
         self.endpoint = endpoint
         self.work = work
         self.command = command
-        self.modes: dict[str, str] = {}  # run_id -> mode; default MODE_SCRIPT
+        self.modes: dict[str, str] = {}  # run_id -> mode; default MODE_HOLD
         self.plays: dict[str, Play] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._workers: list[threading.Thread] = []
-        self._stub_dir = work / "bin"
-        _write_stubs(self._stub_dir)
         self._ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=endpoint)
         self._watcher = threading.Thread(target=self._watch, name="instance-player", daemon=True)
 
@@ -419,7 +315,7 @@ class InstancePlayer:
                         continue
                     tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
                     run_id = tags.get(TAG_RUN_ID, "")
-                    play = Play(iid, run_id, self.modes.get(run_id, MODE_SCRIPT))
+                    play = Play(iid, run_id, self.modes.get(run_id, MODE_HOLD))
                     self.plays[iid] = play
                 if play.mode == MODE_HOLD:
                     continue
@@ -438,47 +334,18 @@ class InstancePlayer:
         play.user_data = base64.b64decode(raw).decode()
         play.config = parse_config(play.user_data)
         job_uri = play.config["JOB_URI"]
-        env = dict(os.environ)
-        env.update(
-            HARNESS_DIR=str(box),
-            HARNESS_INSTANCE_ID=play.instance_id,
-            HARNESS_JOB_PREFIX=" ".join(_shell_quote(part) for part in self.command(job_uri)[:-3]),
-            BURSTCV_WORK_DIR=str(box / "opt"),
-            BURSTCV_LOG=str(box / "bootstrap.log"),
-            PATH=f"{self._stub_dir}{os.pathsep}{env.get('PATH', '')}",
-        )
         play.started = time.time()
         try:
-            if play.mode == MODE_DIE:
-                with open(box / "job.log", "wb") as log:
-                    play.exit_code = subprocess.call(
-                        self.command(job_uri),
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        timeout=120,
-                    )
-                self._ec2.terminate_instances(InstanceIds=[play.instance_id])
-                play.powered_off_at = time.time()
-            else:
-                script = box / "user-data.sh"
-                script.write_text(play.user_data)
-                with open(box / "console.log", "wb") as log:
-                    play.exit_code = subprocess.call(
-                        ["bash", str(script)],
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        timeout=120,
-                    )
-                marker = box / "powered_off"
-                if marker.exists():
-                    play.powered_off_at = float(json.loads(marker.read_text())["t"])
-                log_path = box / "shutdown.log"
-                if log_path.exists():
-                    play.shutdown_calls = [
-                        json.loads(line)["args"] for line in log_path.read_text().splitlines()
-                    ]
+            with open(box / "job.log", "wb") as log:
+                play.exit_code = subprocess.call(
+                    self.command(job_uri),
+                    env=dict(os.environ),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    timeout=120,
+                )
+            self._ec2.terminate_instances(InstanceIds=[play.instance_id])
+            play.powered_off_at = time.time()
         except Exception as exc:
             play.error = repr(exc)
         finally:

@@ -143,7 +143,7 @@ def test_a_retry_after_a_lost_box_relaunches_and_resumes_from_the_checkpoint(
     from airflow.sdk.exceptions import TaskDeferred
 
     from burstcv.airflow.operators import WaitForTrainingOperator
-    from burstcv.pipeline import training_outcome
+    from burstcv.pipeline import current_attempt, training_outcome
 
     out = tmp_path / "job"
     job_uri = write_job(make_job(packed_demo, out), str(tmp_path / "job.json"))
@@ -155,9 +155,20 @@ def test_a_retry_after_a_lost_box_relaunches_and_resumes_from_the_checkpoint(
         "instance_types": [],
         "use_spot": True,
         "airflow_run_id": "manual__r-spot",
+        "deadline_at": (datetime.now(UTC) + timedelta(seconds=600)).isoformat(),
+        "wheel_uri": "",
+        "wheel_sha256": "",
     }
     backend = LocalBackend()
-    first = backend.launch(LaunchRequest(**{**launch, "instance_types": ()}))
+    first = backend.launch(
+        LaunchRequest(
+            **{
+                **launch,
+                "instance_types": (),
+                "deadline_at": datetime.fromisoformat(launch["deadline_at"]),
+            }
+        )
+    )
     wait_for(lambda: (out / "checkpoints" / "last.pt").exists(), timeout_s=240)
     record = json.loads(next((state_dir / "r-spot").glob("local-*.json")).read_text())
     os.killpg(record["pid"], signal.SIGKILL)
@@ -176,10 +187,12 @@ def test_a_retry_after_a_lost_box_relaunches_and_resumes_from_the_checkpoint(
         op.execute({"ti": SimpleNamespace(try_number=2), "run_id": "manual__r-spot"})
     second = [i.instance_id for i in backend.describe("r-spot") if i.instance_id not in first]
     assert len(second) == 1, "the retry started exactly one new box"
+    assert current_attempt(str(out)) == 2
     wait_for(
-        lambda: training_outcome("r-spot", "local", str(out))["status"] != "running", timeout_s=300
+        lambda: training_outcome("r-spot", "local", str(out), 2)["status"] != "running",
+        timeout_s=300,
     )
-    outcome = training_outcome("r-spot", "local", str(out))
+    outcome = training_outcome("r-spot", "local", str(out), 2)
     assert outcome["status"] == "done", outcome
     resumed = json.loads((out / "metrics.json").read_text())
     unbroken = trained_demo["metrics"]
@@ -200,7 +213,10 @@ def test_a_retry_after_a_job_failure_fails_without_relaunching(
 
     out = tmp_path / "job"
     out.mkdir()
-    (out / "FAILED").write_text(json.dumps({"reason": "ValueError: bad shard", "resumable": False}))
+    (out / "attempts" / "1").mkdir(parents=True)
+    (out / "attempts" / "1" / "FAILED").write_text(
+        json.dumps({"reason": "ValueError: bad shard", "resumable": False})
+    )
     op = WaitForTrainingOperator(
         task_id="train",
         provisioned={"backend": "local", "run_key": "r-bad", "output_uri": str(out), "launch": {}},

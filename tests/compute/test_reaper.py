@@ -27,6 +27,8 @@ def launch_held(backend: Ec2Backend, player: Any, run_id: str) -> str:
             dag_id=DAG_ID,
             job_uri=f"s3://never-read/runs/{run_id}/job/job.json",  # held: never read
             time_budget_s=600,
+            wheel_uri=f"s3://never-read/runtime/{'0' * 64}/t.whl",
+            wheel_sha256="0" * 64,
         )
     )
     return iid

@@ -1,26 +1,31 @@
-"""Check the rendered user-data: watchdog first, strict mode, an EXIT trap that shuts down."""
+"""Check the rendered user-data: watchdog first, from the run's deadline; trap before work."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
 from burstcv.compute.userdata import (
     UserDataSpec,
-    max_instance_seconds,
+    expiry_of,
     parse_config,
     render_user_data,
     watchdog_minutes,
 )
 
+DEADLINE = datetime(2026, 5, 1, 11, 0, 1, tzinfo=UTC)
 SPEC = UserDataSpec(
     run_id="manual__2024-05-01T10:00:00+00:00",
     job_uri="s3://bucket/artifacts/runs/r1/job/job.json",
-    bundle_uri="s3://bucket/artifacts/bundle/burstcv.whl",
-    time_budget_s=3601,
+    attempt=2,
+    wheel_uri="s3://bucket/artifacts/runtime/ab/burstcv_train-0.1.0-py3-none-any.whl",
+    wheel_sha256="a" * 64,
+    deadline_at=DEADLINE,
+    region="eu-west-1",
 )
 
 
@@ -33,62 +38,102 @@ def commands(script: str) -> list[str]:
     ]
 
 
-def test_watchdog_is_armed_before_anything_else() -> None:
-    lines = commands(render_user_data(SPEC))
+def watchdog_at(script: str, now: datetime, tmp_path: Path) -> str:
+    """Run the script's watchdog lines at ``now`` with a recording shutdown; return its call."""
+    lines = commands(script)
+    head = "\n".join(lines[1:4])  # WATCHDOG_MIN=..., its floor, shutdown ...
+    shim = tmp_path / "shutdown"
+    shim.write_text('#!/bin/bash\necho "$*"\n')
+    shim.chmod(0o755)
+    date = tmp_path / "date"
+    date.write_text(f"#!/bin/bash\necho {int(now.timestamp())}\n")
+    date.chmod(0o755)
+    out = subprocess.run(
+        ["bash", "-c", head],
+        capture_output=True,
+        text=True,
+        env={"PATH": f"{tmp_path}:/usr/bin:/bin"},
+        check=True,
+    )
+    return out.stdout.strip()
+
+
+def test_watchdog_is_armed_first_from_the_runs_deadline(tmp_path: Path) -> None:
+    script = render_user_data(SPEC)
+    lines = commands(script)
     assert lines[0] == "set -Eeuo pipefail"
-    # ceil(3601 s / 60) = 61 min, plus the 5 min margin.
-    assert lines[1].startswith("shutdown -h +66 ")
-    assert lines[1].endswith("|| poweroff")
+    assert lines[1].startswith("WATCHDOG_MIN=")
+    assert lines[3].startswith('shutdown -h "+$WATCHDOG_MIN"') and lines[3].endswith("|| poweroff")
+    # An hour and one second before the deadline: 61 min, plus the 5 min margin.
+    call = watchdog_at(script, DEADLINE - timedelta(seconds=3601), tmp_path)
+    assert call.startswith("-h +66 ")
+    # A relaunch 10 minutes before the deadline gets what is left of the run, not a new budget.
+    assert watchdog_at(script, DEADLINE - timedelta(minutes=10), tmp_path).startswith("-h +15 ")
+    # Past the deadline the box still gets the margin to write its marker and log.
+    assert watchdog_at(script, DEADLINE + timedelta(hours=1), tmp_path).startswith("-h +5 ")
 
 
-def test_watchdog_minutes_round_up_and_add_the_margin() -> None:
+def test_watchdog_minutes_and_the_expiry_tag() -> None:
     assert watchdog_minutes(60, 0) == 1
     assert watchdog_minutes(61, 0) == 2
     assert watchdog_minutes(600) == 15
-    assert max_instance_seconds(600) == 15 * 60
+    assert watchdog_minutes(-30, 0) == 1
+    assert expiry_of(DEADLINE, 5) == DEADLINE + timedelta(minutes=6)
     with pytest.raises(ValueError):
-        watchdog_minutes(0)
+        watchdog_minutes(60, -1)
 
 
-def test_exit_trap_is_set_before_the_install_and_shuts_down() -> None:
+def test_exit_trap_is_set_before_any_work_and_shuts_down() -> None:
     script = render_user_data(SPEC)
     trap_at = script.index("trap finish EXIT")
-    assert trap_at < script.index('aws s3 cp "$BUNDLE_URI"')
-    assert trap_at < script.index("train --job")
+    for step in ('aws s3 cp --quiet "$WHEEL_URI"', "pip install", "preflight --job", "train --job"):
+        assert trap_at < script.index(step), step
     finish = script[script.index("finish() {") : trap_at]
-    # Both paths end in an immediate shutdown after the marker check and the log upload.
-    assert finish.index("marker_exists DONE") < finish.index('"$JOB_DIR/FAILED"')
-    assert finish.index('"$JOB_DIR/FAILED"') < finish.index('"$JOB_DIR/logs/')
-    assert finish.rstrip().endswith("}")
-    assert finish.index("shutdown -h now") > finish.index('"$JOB_DIR/logs/')
-    # Signals go through the same trap.
+    # A marker for this attempt, then the log, then an immediate shutdown.
+    assert finish.index('"$ATTEMPT_DIR/DONE"') < finish.index("write_failed")
+    assert finish.index("write_failed") < finish.index('"$LOG_URI"')
+    assert finish.index('"$LOG_URI"') < finish.index("shutdown -h now")
     assert "trap 'exit 143' TERM INT HUP" in script
+    # A marker check that needs no ListBucket-wide listing.
+    assert "aws s3 ls" not in script and "s3api head-object" in script
 
 
-def test_the_order_is_install_then_poller_then_training() -> None:
+def test_the_order_is_poller_and_log_then_install_preflight_train() -> None:
     script = render_user_data(SPEC)
-    install = script.index('pip" install')
-    poller = script.index("spot_poller &")
-    train = script.index('"$WORK/venv/bin/burstcv" train --job "$JOB_URI"')
-    assert install < poller < train
+    order = [
+        "spot_poller &",
+        "ship_log &",
+        "sha256sum -c",
+        "pip install",
+        '"$BURSTCV" preflight',
+        '"$BURSTCV" train --job "$JOB_URI" --attempt "$ATTEMPT"',
+    ]
+    positions = [script.index(step) for step in order]
+    assert positions == sorted(positions)
     assert "X-aws-ec2-metadata-token" in script  # IMDSv2 only
-    assert "meta-data/spot/instance-action" in script
-    assert "while sleep 5" in script
+    assert "meta-data/placement/region" in script and "export AWS_REGION" in script
 
 
 def test_config_block_round_trips_odd_run_ids() -> None:
     config = parse_config(render_user_data(SPEC))
     assert config["RUN_ID"] == SPEC.run_id
     assert config["JOB_URI"] == SPEC.job_uri
-    assert config["JOB_DIR"] == "s3://bucket/artifacts/runs/r1/job"
-    assert config["WATCHDOG_MIN"] == "66"
+    assert config["ATTEMPT"] == "2"
+    assert config["ATTEMPT_DIR"] == "s3://bucket/artifacts/runs/r1/job/attempts/2"
+    assert config["WHEEL_SHA256"] == "a" * 64
+    assert config["FALLBACK_REGION"] == "eu-west-1"
+    assert config["PYTHON"] == "/opt/pytorch/bin/python"
 
 
-def test_refuses_uris_an_instance_cannot_read() -> None:
+def test_refuses_what_an_instance_cannot_use() -> None:
     with pytest.raises(ValueError, match="S3"):
-        render_user_data(UserDataSpec("r", "/tmp/job.json", SPEC.bundle_uri, 60))
-    with pytest.raises(ValueError, match="bundle"):
-        render_user_data(UserDataSpec("r", SPEC.job_uri, "https://x/y.whl", 60))
+        render_user_data(UserDataSpec(**{**SPEC.__dict__, "job_uri": "/tmp/job.json"}))
+    with pytest.raises(ValueError, match="wheel"):
+        render_user_data(UserDataSpec(**{**SPEC.__dict__, "wheel_uri": "https://x/y.whl"}))
+    with pytest.raises(ValueError, match="sha256"):
+        render_user_data(UserDataSpec(**{**SPEC.__dict__, "wheel_sha256": "abc"}))
+    with pytest.raises(ValueError, match="timezone"):
+        render_user_data(UserDataSpec(**{**SPEC.__dict__, "deadline_at": datetime(2026, 1, 1)}))
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

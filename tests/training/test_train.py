@@ -32,7 +32,9 @@ def test_cpu_training_on_demo_digits_reaches_90_percent(trained_demo: dict[str, 
         assert {"train_loss", "val_loss", "val_accuracy", "lr", "elapsed_s"} <= set(record)
     assert set(metrics["wall_s"]) == {"setup", "data", "compute", "eval"}
     out: Path = trained_demo["out"]
-    assert (out / "DONE").exists() and not (out / "FAILED").exists()
+    assert (out / "attempts" / "1" / "DONE").exists() and not (
+        out / "attempts" / "1" / "FAILED"
+    ).exists()
     state = torch.load(out / "model.pt", weights_only=True)
     assert all(isinstance(v, torch.Tensor) for v in state.values())
     ckpt = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
@@ -61,7 +63,7 @@ def test_unknown_model_in_job_json_is_refused(packed_demo: dict[str, Any], tmp_p
     (tmp_path / "job.json").write_text(json.dumps(job))
     with pytest.raises(ValidationError):
         run_job(str(tmp_path / "job.json"))
-    failed = json.loads((tmp_path / "out" / "FAILED").read_text())
+    failed = json.loads((tmp_path / "out" / "attempts" / "1" / "FAILED").read_text())
     assert "unknown model 'vgg99'" in failed["reason"] and failed["resumable"] is False
 
 
@@ -70,8 +72,8 @@ def _failed_reason(packed: dict[str, Any], tmp_path: Path, **overrides: Any) -> 
     job_uri = write_job(make_job(packed, out, **overrides), str(tmp_path / "job.json"))
     with pytest.raises(Exception):  # noqa: B017 - the reason is asserted from FAILED below
         run_job(job_uri)
-    assert not (out / "DONE").exists()
-    return str(json.loads((out / "FAILED").read_text())["reason"])
+    assert not (out / "attempts" / "1" / "DONE").exists()
+    return str(json.loads((out / "attempts" / "1" / "FAILED").read_text())["reason"])
 
 
 def test_missing_shard_fails_at_once_with_its_name(
@@ -110,13 +112,15 @@ def test_killed_job_resumes_to_the_same_result(
     proc.send_signal(signal.SIGTERM)
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == EXIT_INTERRUPTED, output
-    failed = json.loads((out / "FAILED").read_text())
+    failed = json.loads((out / "attempts" / "1" / "FAILED").read_text())
     assert failed["resumable"] is True and "checkpoint saved" in failed["reason"]
     ckpt = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
     assert (ckpt["epoch"], ckpt["step"]) != (0, 0)
 
-    assert run_job(job_uri) == 0
-    assert not (out / "FAILED").exists()
+    # The next attempt resumes; the first attempt's FAILED stays its own.
+    assert run_job(job_uri, attempt=2) == 0
+    assert (out / "attempts" / "2" / "DONE").exists()
+    assert (out / "attempts" / "1" / "FAILED").exists()
     resumed = json.loads((out / "metrics.json").read_text())
     unbroken = trained_demo["metrics"]
     assert resumed["val_accuracy"] == pytest.approx(unbroken["val_accuracy"], abs=1e-6)
@@ -154,4 +158,4 @@ def test_ddp_two_gloo_processes_train_to_the_same_accuracy_band(
     assert metrics["world_size"] == 2
     assert metrics["val_accuracy"] >= 0.90
     assert abs(metrics["val_accuracy"] - trained_demo["metrics"]["val_accuracy"]) <= 0.05
-    assert (out / "DONE").exists()
+    assert (out / "attempts" / "1" / "DONE").exists()

@@ -37,38 +37,64 @@ class WaitForTrainingOperator(BaseOperator):
 
     def execute(self, context: Any) -> Any:
         """Hand the wait to the triggerer (relaunching first if this is a retry after a loss)."""
-        from burstcv.pipeline import collect_training, relaunch, training_outcome
+        from burstcv.pipeline import (
+            TrainingFailed,
+            collect_training,
+            current_attempt,
+            failure_line,
+            relaunch,
+            training_outcome,
+        )
 
         info = self.provisioned
+        attempt = 1
         ti = context.get("ti") or context.get("task_instance")
         if ti is not None and getattr(ti, "try_number", 1) > 1:
-            outcome = training_outcome(info["run_key"], info["backend"], info["output_uri"])
+            attempt = current_attempt(info["output_uri"])
+            outcome = training_outcome(
+                info["run_key"], info["backend"], info["output_uri"], attempt
+            )
             if outcome["status"] == "done":
                 return collect_training(context["run_id"], outcome)
             if outcome["status"] in ("lost", "failed"):
                 if not _resumable(outcome):
-                    raise AirflowFailException(f"training failed: {outcome.get('reason')}")
-                relaunch(info)
+                    self._log_box_tail(attempt)
+                    raise AirflowFailException(failure_line(outcome))
+                try:
+                    attempt = relaunch(info)
+                except TrainingFailed as exc:
+                    raise AirflowFailException(str(exc)) from exc
         self.defer(
             trigger=TrainingCompletionTrigger(
                 run_id=info["run_key"],
                 backend=info["backend"],
                 output_uri=info["output_uri"],
+                attempt=attempt,
                 poll_interval_s=self.poll_interval_s,
             ),
             method_name="execute_complete",
         )
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
-        """Return the training figures, or fail with the box's own reason."""
+        """Return the training figures, or fail with the box's own reason (and its log tail)."""
         from burstcv.pipeline import TrainingFailed, collect_training
 
         try:
             return collect_training(context["run_id"], event)
         except TrainingFailed as exc:
+            self._log_box_tail(int(event.get("attempt", 1)))
             if _resumable(event):
                 raise AirflowException(f"{exc} (a retry resumes from the checkpoint)") from exc
+            log.error("%s", exc)
             raise AirflowFailException(str(exc)) from exc  # retrying cannot fix the job
+
+    def _log_box_tail(self, attempt: int) -> None:
+        """Show the end of the box's own log in this task's log."""
+        from burstcv.pipeline import box_log_tail
+
+        info = self.provisioned
+        for line in box_log_tail(info["run_key"], info["backend"], info["output_uri"], attempt):
+            log.info("box | %s", line)
 
     def on_kill(self) -> None:
         """Terminate the run's instances when the task is killed."""

@@ -13,12 +13,18 @@ class TrainingCompletionTrigger(BaseTrigger):
     """Fire when the run's DONE or FAILED marker appears, or its boxes vanish without one."""
 
     def __init__(
-        self, run_id: str, backend: str, output_uri: str, poll_interval_s: float = 5.0
+        self,
+        run_id: str,
+        backend: str,
+        output_uri: str,
+        attempt: int = 1,
+        poll_interval_s: float = 5.0,
     ) -> None:
         super().__init__()
         self.run_id = run_id
         self.backend = backend
         self.output_uri = output_uri
+        self.attempt = attempt  # only this attempt's markers end the wait
         self.poll_interval_s = poll_interval_s
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -29,6 +35,7 @@ class TrainingCompletionTrigger(BaseTrigger):
                 "run_id": self.run_id,
                 "backend": self.backend,
                 "output_uri": self.output_uri,
+                "attempt": self.attempt,
                 "poll_interval_s": self.poll_interval_s,
             },
         )
@@ -40,7 +47,7 @@ class TrainingCompletionTrigger(BaseTrigger):
         while True:
             # Storage and cloud calls are blocking: keep them off the triggerer's event loop.
             outcome = await asyncio.to_thread(
-                training_outcome, self.run_id, self.backend, self.output_uri
+                training_outcome, self.run_id, self.backend, self.output_uri, self.attempt
             )
             if outcome["status"] != "running":
                 yield TriggerEvent(outcome)

@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Any, Literal, Protocol
 
 from burstcv import storage
+from burstcv.training.job import attempt_dir
 
 # Instance states every backend maps its own onto.
 PENDING = "pending"
@@ -41,6 +42,10 @@ class LaunchRequest:
     use_spot: bool = True
     count: int = 1
     airflow_run_id: str = ""  # the orchestrator's own run id, for the reaper's "still running?"
+    attempt: int = 1  # 1 for provision, +1 for each relaunch; markers are per attempt
+    deadline_at: datetime | None = None  # the run's absolute deadline (None: now + budget)
+    wheel_uri: str = ""  # the staged training wheel (ec2: what user-data installs)
+    wheel_sha256: str = ""
 
 
 @dataclass
@@ -57,6 +62,7 @@ class InstanceInfo:
     launched_at: datetime | None = None
     stopped_at: datetime | None = None
     airflow_run_id: str = ""
+    image_id: str = ""  # the AMI the box booted (ec2), recorded in billing.json
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-ready dict (datetimes as ISO strings)."""
@@ -123,16 +129,19 @@ def get_backend(name: str) -> ComputeBackend:
     raise UnknownBackendError(f"unknown compute backend {name!r}; choose local, ec2")
 
 
-def job_outcome(backend: ComputeBackend, run_id: str, job_dir_uri: str) -> JobOutcome:
-    """Return done, failed, lost (every box gone without a marker) or running.
+def job_outcome(
+    backend: ComputeBackend, run_id: str, job_dir_uri: str, attempt: int = 1
+) -> JobOutcome:
+    """Return done, failed, lost (every box gone without a marker) or running for one attempt.
 
-    The boxes' state is read before the markers, so a marker written just before its box
-    went away is still seen. DONE wins over FAILED (training writes DONE last).
+    Only this attempt's markers count: an earlier attempt's FAILED never ends the wait for a
+    relaunch. The boxes' state is read before the markers, so a marker written just before
+    its box went away is still seen. DONE wins over FAILED (training writes DONE last).
     """
     instances = backend.describe(run_id)
-    if storage.exists(storage.join(job_dir_uri, "DONE")):
+    if storage.exists(attempt_dir(job_dir_uri, attempt, "DONE")):
         return "done"
-    if storage.exists(storage.join(job_dir_uri, "FAILED")):
+    if storage.exists(attempt_dir(job_dir_uri, attempt, "FAILED")):
         return "failed"
     if all(info.state == STOPPED for info in instances):
         return "lost"

@@ -33,15 +33,20 @@ from burstcv.compute.base import (
     LaunchRequest,
     TerminationReport,
 )
-from burstcv.compute.userdata import UserDataSpec, max_instance_seconds, render_user_data
+from burstcv.compute.userdata import UserDataSpec, expiry_of, render_user_data
 from burstcv.cost.pricing import UnknownPriceError, billed_seconds, cost_for_seconds
 
 log = logging.getLogger(__name__)
 
-# The Deep Learning Base AMI (NVIDIA driver + CUDA) for the region, resolved through SSM.
+# The PyTorch Deep Learning AMI for the region, resolved through its public SSM parameter at
+# each launch (the resolved ami-… is recorded in billing.json). It brings the NVIDIA driver,
+# CUDA torch + torchvision, boto3 and the AWS CLI in /opt/pytorch (Python 3.12), so a box
+# downloads only burstcv's own training wheel (tens of KB) before its first step.
 DEFAULT_AMI = (
-    "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+    "/aws/service/deeplearning/ami/x86_64/oss-nvidia-driver-gpu-pytorch-2.9-ubuntu-24.04"
+    "/latest/ami-id"
 )
+DEFAULT_PYTHON = "/opt/pytorch/bin/python"  # the PyTorch environment of that AMI
 
 # Errors that mean "no room for this type/market right now": try the next option.
 CAPACITY_ERRORS = frozenset(
@@ -81,13 +86,15 @@ class Ec2Settings(BaseSettings):
     instance_types: Annotated[tuple[str, ...], NoDecode] = ("g6.xlarge", "g5.xlarge", "g4dn.xlarge")
     subnet_id: str | None = None  # None: the default VPC's subnet
     security_group_ids: Annotated[tuple[str, ...], NoDecode] = ()  # no inbound rule is needed
-    instance_profile: str | None = None  # name or ARN; the role reads/writes the artifact store
+    # Name or ARN of the instance profile (deploy/instance-role-policy.json): required, the
+    # box reads its job and writes its results with it.
+    instance_profile: str | None = None
     volume_gb: int = Field(default=100, ge=8, le=16384)  # root volume, holds the AMI + shards
     use_spot: bool = True
-    artifact_root: str = ""  # s3://bucket/prefix the instance reads jobs from
-    bundle_uri: str = ""  # s3:// wheel or wheelhouse .tar.gz; default <artifact_root>/bundle/…
-    python: str = "python3"  # interpreter on the AMI used to build the venv (Python 3.11)
-    watchdog_margin_min: int = Field(default=5, ge=0)  # bootstrap + final upload allowance
+    python: str = DEFAULT_PYTHON  # the AMI's interpreter with CUDA torch (Python 3.10-3.13)
+    require_gpu: bool = True  # the box's preflight fails without CUDA and a working driver
+    watchdog_margin_min: int = Field(default=5, ge=1)  # after the deadline: the last upload
+    log_every_s: int = Field(default=30, ge=5)  # how often the box ships its log to S3
     waiter_delay_s: float = Field(default=5.0, gt=0)  # between describe calls while waiting
     waiter_max_attempts: int = Field(default=120, ge=1)
 
@@ -98,13 +105,6 @@ class Ec2Settings(BaseSettings):
             return tuple(part.strip() for part in value.split(",") if part.strip())
         return value
 
-    @field_validator("artifact_root", "bundle_uri")
-    @classmethod
-    def _s3_only(cls, value: str) -> str:
-        if value and not value.startswith("s3://"):
-            raise ValueError(f"EC2 instances read from S3; expected an s3:// URI, got {value!r}")
-        return value.rstrip("/")
-
     @field_validator("instance_types")
     @classmethod
     def _some_types(cls, value: tuple[str, ...]) -> tuple[str, ...]:
@@ -112,16 +112,18 @@ class Ec2Settings(BaseSettings):
             raise ValueError("instance_types needs at least one instance type")
         return value
 
-    def resolved_bundle_uri(self) -> str:
-        """Return the bundle URI, derived from the artifact root when not set."""
-        if self.bundle_uri:
-            return self.bundle_uri
-        if self.artifact_root:
-            return f"{self.artifact_root}/bundle/burstcv-bundle.tar.gz"
-        raise ValueError(
-            "set BURSTCV_EC2_BUNDLE_URI (or BURSTCV_EC2_ARTIFACT_ROOT): the instance installs "
-            "burstcv from that bundle"
-        )
+    def required_instance_profile(self) -> str:
+        """Return the instance profile, or raise the one-line reason a launch cannot go on."""
+        if not self.instance_profile:
+            raise MissingInstanceProfileError(
+                "set BURSTCV_EC2_INSTANCE_PROFILE: a training box reads its job and writes its "
+                "results with the instance role (deploy/instance-role-policy.json; docs/aws.md)"
+            )
+        return self.instance_profile
+
+
+class MissingInstanceProfileError(ValueError):
+    """Raise when an EC2 launch is asked for without an instance profile."""
 
 
 class CapacityUnavailableError(RuntimeError):
@@ -193,6 +195,7 @@ def _info(instance: dict[str, Any]) -> InstanceInfo:
         launched_at=launched if isinstance(launched, datetime) else None,
         stopped_at=_stopped_at(instance),
         airflow_run_id=tags.get(TAG_AIRFLOW_RUN_ID, ""),
+        image_id=instance.get("ImageId", ""),
     )
 
 
@@ -244,18 +247,27 @@ class Ec2Backend:
             return existing
 
         s = self.settings
+        s.required_instance_profile()
+        if not request.wheel_uri:
+            raise ValueError("an EC2 launch needs the staged training wheel (wheel_uri)")
+        deadline_at = request.deadline_at or (
+            datetime.now(UTC) + timedelta(seconds=request.time_budget_s)
+        )
         user_data = render_user_data(
             UserDataSpec(
                 run_id=request.run_id,
                 job_uri=request.job_uri,
-                bundle_uri=s.resolved_bundle_uri(),
-                time_budget_s=request.time_budget_s,
+                attempt=request.attempt,
+                wheel_uri=request.wheel_uri,
+                wheel_sha256=request.wheel_sha256,
+                deadline_at=deadline_at,
+                region=s.region,
                 margin_min=s.watchdog_margin_min,
                 python=s.python,
+                log_every_s=s.log_every_s,
             )
         )
-        lifetime_s = max_instance_seconds(request.time_budget_s, s.watchdog_margin_min)
-        expires_at = datetime.now(UTC) + timedelta(seconds=lifetime_s)
+        expires_at = expiry_of(deadline_at, s.watchdog_margin_min)
         image_id = self.resolve_ami()
         base_params = self._run_params(request, image_id, user_data, expires_at)
 

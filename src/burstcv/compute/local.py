@@ -127,12 +127,23 @@ class LocalBackend:
             record_path = folder / f"{instance_id}.json"
             stopped_file = record_path.with_suffix(".stopped")
             log_path = record_path.with_suffix(".log")
-            train_cmd = [sys.executable, "-m", "burstcv.cli", "train", "--job", request.job_uri]
-            # The wrapper mirrors the EC2 user-data: a watchdog bounds the run, and the stop
-            # time is recorded when the job ends, whatever its outcome.
+            train_cmd = [
+                sys.executable,
+                "-m",
+                "burstcv.cli",
+                "train",
+                "--job",
+                request.job_uri,
+                "--attempt",
+                str(request.attempt),
+            ]
+            # The wrapper mirrors the EC2 user-data: a watchdog bounds the run (from the run's
+            # deadline, like the box's), and the stop time is recorded when the job ends.
             # Everything stays in this one process group (no `timeout`, which makes its own
             # group and would survive a killpg), so terminating the group ends the whole box.
-            budget = int(request.time_budget_s) + 60
+            launched = lineage.utc_now()
+            deadline = request.deadline_at or launched + timedelta(seconds=request.time_budget_s)
+            budget = max(1, int((deadline - launched).total_seconds())) + 60
             script = (
                 f"{shlex.join(train_cmd)} & child=$!\n"
                 f"( sleep {budget}; kill -TERM $child; sleep 30; kill -KILL $child ) "
@@ -142,7 +153,6 @@ class LocalBackend:
                 f"date +%s.%N > {shlex.quote(str(stopped_file))}\n"
                 "exit $rc\n"
             )
-            launched = lineage.utc_now()
             with open(log_path, "ab") as log_fh:
                 proc = subprocess.Popen(
                     ["bash", "-c", script],
@@ -160,9 +170,8 @@ class LocalBackend:
                 "job_uri": request.job_uri,
                 "airflow_run_id": request.airflow_run_id,
                 "launched_at": launched.isoformat(),
-                "expires_at": (
-                    launched + timedelta(seconds=request.time_budget_s + 120)
-                ).isoformat(),
+                "attempt": request.attempt,
+                "expires_at": (deadline + timedelta(seconds=120)).isoformat(),
                 "log": str(log_path),
             }
             record_path.write_text(json.dumps(record, indent=2))

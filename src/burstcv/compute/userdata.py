@@ -1,10 +1,15 @@
-"""Render the bash user-data that turns a fresh GPU instance into one training run, then off.
+"""Render the bash user-data that turns a fresh GPU instance into one training attempt, then off.
 
-The script's order is the safety argument: arm a ``shutdown -h +N`` watchdog before anything
-else, install the package bundle, watch for a spot interruption notice, run
-``burstcv train --job <uri>``, and on every exit path (the EXIT trap) make sure DONE or FAILED
-exists, upload the log and ``shutdown -h now``. With ``InstanceInitiatedShutdownBehavior``
-set to ``terminate`` each shutdown destroys the instance, so nothing idles after the job.
+The script's order is the safety argument:
+1. arm a ``shutdown -h +N`` watchdog from the run's absolute deadline, before anything else;
+2. learn the box's identity and region from IMDSv2 and export the region for every AWS call;
+3. on every exit path (the EXIT trap) make sure the attempt has DONE or FAILED, upload the
+   log and ``shutdown -h now`` (with ``InstanceInitiatedShutdownBehavior=terminate`` that
+   destroys the box: no idle tail);
+4. watch for a spot interruption notice from the start, and ship the log every few seconds;
+5. install the run's training wheel (checked against its sha256) into the AMI's PyTorch
+   Python, run ``burstcv preflight``, then ``burstcv train``.
+Nothing large is downloaded at boot: the AMI brings CUDA torch, the wheel is tens of KB.
 """
 
 from __future__ import annotations
@@ -12,103 +17,145 @@ from __future__ import annotations
 import math
 import shlex
 from dataclasses import dataclass
+from datetime import datetime
 
-# Minutes the watchdog allows beyond the training budget: bootstrap (bundle install) before
-# training starts and the final upload after it ends.
+from burstcv.training.job import attempt_dir
+from burstcv.training.preflight import SUPPORTED_PYTHON
+
+# Minutes the watchdog allows beyond the run's deadline: the final checkpoint, marker and log
+# upload after training stops at the deadline.
 DEFAULT_MARGIN_MIN = 5
+DEFAULT_LOG_EVERY_S = 30  # how often the box's log reaches the artifact store while it runs
 
-# IMDSv2 endpoints the spot poller uses (hop limit 1 is enough: it runs on the host).
-IMDS_TOKEN_URL = "http://169.254.169.254/latest/api/token"
-SPOT_ACTION_URL = "http://169.254.169.254/latest/meta-data/spot/instance-action"
+IMDS = "http://169.254.169.254/latest"
 SPOT_POLL_INTERVAL_S = 5
 
-# The config block every render fills in; the harness in tests reads JOB_URI from it.
-CONFIG_KEYS = ("RUN_ID", "JOB_URI", "JOB_DIR", "BUNDLE_URI", "PYTHON", "WATCHDOG_MIN")
+# The config block every render fills in (tests read it back with parse_config).
+CONFIG_KEYS = (
+    "RUN_ID",
+    "JOB_URI",
+    "ATTEMPT",
+    "ATTEMPT_DIR",
+    "WHEEL_URI",
+    "WHEEL_SHA256",
+    "PYTHON",
+    "FALLBACK_REGION",
+    "LOG_EVERY_S",
+)
 
 
 @dataclass(frozen=True)
 class UserDataSpec:
-    """Describe what one training instance runs and within how long."""
+    """Describe what one training instance runs, for which attempt, until when."""
 
     run_id: str
     job_uri: str  # s3://…/runs/<run_id>/job/job.json
-    bundle_uri: str  # s3://… a burstcv wheel, or a .tar.gz wheelhouse holding one
-    time_budget_s: int
+    attempt: int
+    wheel_uri: str  # s3://…/runtime/<sha256>/burstcv_train-….whl
+    wheel_sha256: str
+    deadline_at: datetime  # the run's absolute deadline (UTC), shared by every attempt
+    region: str  # used only if IMDS does not answer with the box's own region
     margin_min: int = DEFAULT_MARGIN_MIN
-    python: str = "python3"  # interpreter on the AMI (3.11); its site-packages hold CUDA torch
+    python: str = "/opt/pytorch/bin/python"  # the AMI's PyTorch interpreter
+    log_every_s: int = DEFAULT_LOG_EVERY_S
 
     @property
     def job_dir(self) -> str:
-        """Return the folder of job.json, where DONE / FAILED and the logs go."""
+        """Return the folder of job.json."""
         return self.job_uri.rsplit("/", 1)[0]
 
 
-def watchdog_minutes(time_budget_s: int, margin_min: int = DEFAULT_MARGIN_MIN) -> int:
-    """Return the ``shutdown -h +N`` minutes for a budget: ceil(budget / 60) plus the margin."""
-    if time_budget_s <= 0:
-        raise ValueError(f"time_budget_s must be positive, got {time_budget_s}")
+def watchdog_minutes(seconds_left: float, margin_min: int = DEFAULT_MARGIN_MIN) -> int:
+    """Return the ``shutdown -h +N`` minutes: the time to the deadline, rounded up, plus margin."""
     if margin_min < 0:
         raise ValueError(f"margin_min must be >= 0, got {margin_min}")
-    return math.ceil(time_budget_s / 60) + margin_min
+    return max(1, math.ceil(max(0.0, seconds_left) / 60) + margin_min)
 
 
-def max_instance_seconds(time_budget_s: int, margin_min: int = DEFAULT_MARGIN_MIN) -> int:
-    """Return the longest an instance can live under the watchdog (for expiry tags and cost)."""
-    return watchdog_minutes(time_budget_s, margin_min) * 60
+def expiry_of(deadline_at: datetime, margin_min: int = DEFAULT_MARGIN_MIN) -> datetime:
+    """Return when the watchdog has ended any box of the run at the latest (the expiry tag)."""
+    from datetime import timedelta
+
+    return deadline_at + timedelta(minutes=margin_min + 1)
 
 
-# The body after the watchdog and the config block. Every `$` here is bash's, not Python's.
+# Every `$` below is bash's; __NAME__ placeholders are filled in by render_user_data.
 _BODY = r"""
-# cloud-init runs this with a clean environment; the overrides exist for the test harness.
+# cloud-init runs this as root with a clean environment; the overrides exist for a sandbox.
 WORK="${BURSTCV_WORK_DIR:-/opt/burstcv}"
 LOG="${BURSTCV_LOG:-/var/log/burstcv-bootstrap.log}"
 mkdir -p "$WORK"
 exec > >(tee -a "$LOG") 2>&1
-echo "burstcv: run $RUN_ID, job $JOB_URI, watchdog +${WATCHDOG_MIN} min"
+STAGE=bootstrap
+stamp() { echo "burstcv: $(date -u +%Y-%m-%dT%H:%M:%S.%3NZ) $*"; }
+stamp "run $RUN_ID attempt $ATTEMPT, job $JOB_URI"
 
-imds_token() {
-  curl -sf -X PUT "__IMDS_TOKEN_URL__" -H "X-aws-ec2-metadata-token-ttl-seconds: 300"
-}
-
-instance_id() {
+imds() {
   local token
-  token=$(imds_token) || { echo unknown; return 0; }
-  curl -sf -H "X-aws-ec2-metadata-token: $token" \
-    http://169.254.169.254/latest/meta-data/instance-id || echo unknown
+  token=$(curl -sf -m 5 -X PUT "__IMDS__/api/token" \
+    -H "X-aws-ec2-metadata-token-ttl-seconds: 300") || return 1
+  curl -sf -m 5 -H "X-aws-ec2-metadata-token: $token" "__IMDS__/$1"
+}
+INSTANCE_ID=$(imds meta-data/instance-id) || INSTANCE_ID=unknown
+INSTANCE_TYPE=$(imds meta-data/instance-type) || INSTANCE_TYPE=""
+# Every AWS call on the box (the CLI here, boto3 in training) goes to the box's own region.
+AWS_REGION=$(imds meta-data/placement/region) || AWS_REGION="$FALLBACK_REGION"
+AWS_DEFAULT_REGION="$AWS_REGION"
+export AWS_REGION AWS_DEFAULT_REGION
+LOG_URI="$ATTEMPT_DIR/logs/$INSTANCE_ID.log"
+stamp "instance $INSTANCE_ID ($INSTANCE_TYPE) in $AWS_REGION"
+
+# HeadObject needs only GetObject (plus ListBucket on the prefix for a 404 on a missing key).
+s3_object_exists() {
+  local path=${1#s3://}
+  aws s3api head-object --bucket "${path%%/*}" --key "${path#*/}" > /dev/null 2>&1
 }
 
-marker_exists() {
-  aws s3 ls "$JOB_DIR/$1" > /dev/null 2>&1
+write_failed() {  # stage, resumable (true|false), reason, exit code
+  local doc='{"schema_version": 1, "stage": "%s", "resumable": %s, "reason": "%s", '
+  doc+='"attempt": %s, "exit_code": %d, "instance_id": "%s"}\n'
+  # shellcheck disable=SC2059
+  printf "$doc" "$1" "$2" "${3//\"/\'}" "$ATTEMPT" "$4" "$INSTANCE_ID" \
+    | aws s3 cp - "$ATTEMPT_DIR/FAILED"
 }
 
-# Runs on every exit, success or failure: a marker must exist, the log goes up, the box goes down.
+# Runs on every exit: the attempt gets a marker, the log goes up, the box goes down.
 finish() {
   local rc=$?
   trap - EXIT
   set +e  # best effort from here on: every step may fail, the shutdown must still run
   [ -n "${POLLER_PID:-}" ] && kill "$POLLER_PID" 2> /dev/null
-  if ! marker_exists DONE && ! marker_exists FAILED; then
-    local reason="exit code $rc without a DONE or FAILED marker"
-    [ -f "$WORK/spot-notice" ] && reason="spot interruption (exit code $rc)"
-    echo "burstcv: writing FAILED: $reason"
-    printf '{"reason": "%s", "exit_code": %d, "stage": "bootstrap", "run_id": "%s"}\n' \
-      "$reason" "$rc" "$RUN_ID" | aws s3 cp - "$JOB_DIR/FAILED"
+  [ -n "${SHIPPER_PID:-}" ] && kill "$SHIPPER_PID" 2> /dev/null
+  if ! s3_object_exists "$ATTEMPT_DIR/DONE" && ! s3_object_exists "$ATTEMPT_DIR/FAILED"; then
+    if [ -f "$WORK/spot-notice" ]; then
+      stamp "writing FAILED: spot interruption during $STAGE"
+      write_failed "$STAGE" true "spot interruption during $STAGE (exit code $rc)" "$rc"
+    else
+      stamp "writing FAILED: $STAGE ended with exit code $rc and no marker"
+      write_failed "$STAGE" false \
+        "$STAGE ended with exit code $rc and no DONE or FAILED marker; see $LOG_URI" "$rc"
+    fi
   fi
-  aws s3 cp "$LOG" "$JOB_DIR/logs/$(instance_id).log"
-  echo "burstcv: done (exit code $rc); shutting down now"
+  stamp "done (exit code $rc); shutting down now"
+  aws s3 cp --quiet "$LOG" "$LOG_URI"
   shutdown -h now
 }
 trap finish EXIT
 trap 'exit 143' TERM INT HUP
 
-# Spot interruption: ask training to checkpoint (SIGTERM), or end the bootstrap if it has not
-# started yet. The EXIT trap then records FAILED and shuts down before AWS reclaims the box.
+# A failure no relaunch can fix: record it with its reason, then the trap powers off.
+fail_final() {
+  stamp "$STAGE failed: $1"
+  write_failed "$STAGE" false "$1" 3
+  exit 3
+}
+
+# Spot interruption: ask training to checkpoint (SIGTERM), or end the bootstrap if it has
+# not started yet; the attempt's FAILED is then resumable and the retry relaunches.
 spot_poller() {
-  local token
   while sleep __SPOT_POLL_INTERVAL_S__; do
-    token=$(imds_token) || continue
-    if curl -sf -H "X-aws-ec2-metadata-token: $token" "__SPOT_ACTION_URL__" > /dev/null; then
-      echo "burstcv: spot interruption notice"
+    if imds meta-data/spot/instance-action > /dev/null; then
+      stamp "spot interruption notice"
       touch "$WORK/spot-notice"
       if [ -s "$WORK/train.pid" ]; then
         kill -TERM "$(cat "$WORK/train.pid")"
@@ -119,65 +166,98 @@ spot_poller() {
     fi
   done
 }
-
-# Install the package bundle from the artifact store into a venv that sees the AMI's torch.
-aws s3 cp "$BUNDLE_URI" "$WORK/bundle/"
-"$PYTHON" -m venv --system-site-packages "$WORK/venv"
-case "$BUNDLE_URI" in
-  *.tar.gz | *.tgz)
-    tar -xzf "$WORK/bundle/$(basename "$BUNDLE_URI")" -C "$WORK/bundle"
-    "$WORK/venv/bin/pip" install --no-index --find-links "$WORK/bundle" --find-links \
-      "$WORK/bundle/wheelhouse" burstcv
-    ;;
-  *)
-    "$WORK/venv/bin/pip" install "$WORK/bundle/$(basename "$BUNDLE_URI")"
-    ;;
-esac
-
 spot_poller &
 POLLER_PID=$!
 
-"$WORK/venv/bin/burstcv" train --job "$JOB_URI" &
+# The log reaches the store while the box runs, so a box that dies hard leaves its last lines.
+ship_log() {
+  while sleep "$LOG_EVERY_S"; do aws s3 cp --quiet "$LOG" "$LOG_URI" || true; done
+}
+ship_log &
+SHIPPER_PID=$!
+
+STAGE=preflight
+PY_CHECK='import sys; sys.exit(not (__PY_MIN__ <= sys.version_info[:2] < __PY_MAX__))'
+if ! "$PYTHON" -c "$PY_CHECK" 2> /dev/null; then
+  found=$("$PYTHON" --version 2>&1) || found="no Python at $PYTHON"
+  fail_final "$found: burstcv training needs Python __PY_RANGE__; set BURSTCV_EC2_PYTHON to \
+the AMI's PyTorch interpreter, or BURSTCV_EC2_AMI to a PyTorch Deep Learning AMI"
+fi
+
+STAGE=install
+stamp "installing $WHEEL_URI"
+WHEEL="$WORK/$(basename "$WHEEL_URI")"
+aws s3 cp --quiet "$WHEEL_URI" "$WHEEL"
+echo "$WHEEL_SHA256  $WHEEL" | sha256sum -c --quiet - \
+  || fail_final "the training wheel at $WHEEL_URI does not match its sha256 $WHEEL_SHA256"
+"$PYTHON" -m pip --version > /dev/null 2>&1 || "$PYTHON" -m ensurepip --upgrade > /dev/null
+# Into the AMI's own environment (the box is thrown away): its torch is reused, never resolved.
+PIP_BREAK_SYSTEM_PACKAGES=1 "$PYTHON" -m pip install --quiet --no-input \
+  --disable-pip-version-check --no-warn-script-location "$WHEEL"
+BURSTCV="$(dirname "$PYTHON")/burstcv"
+[ -x "$BURSTCV" ] || BURSTCV=burstcv
+stamp "installed"
+
+STAGE=preflight
+"$BURSTCV" preflight --job "$JOB_URI" --attempt "$ATTEMPT" --instance-type "$INSTANCE_TYPE"
+stamp "preflight passed"
+
+STAGE=train
+"$BURSTCV" train --job "$JOB_URI" --attempt "$ATTEMPT" &
 echo $! > "$WORK/train.pid"
 set +e
 wait "$(cat "$WORK/train.pid")"
 TRAIN_RC=$?
 set -e
-echo "burstcv: training exited with $TRAIN_RC"
+stamp "training exited with $TRAIN_RC"
 exit "$TRAIN_RC"
 """
 
 
 def render_user_data(spec: UserDataSpec) -> str:
-    """Return the bash user-data script for one training instance."""
+    """Return the bash user-data script for one training attempt."""
     if not spec.job_uri.startswith("s3://"):
         raise ValueError(f"an EC2 instance reads its job from S3; got job_uri {spec.job_uri!r}")
-    if not spec.bundle_uri.startswith("s3://"):
-        raise ValueError(f"the package bundle must be an s3:// URI; got {spec.bundle_uri!r}")
-    minutes = watchdog_minutes(spec.time_budget_s, spec.margin_min)
+    if not spec.wheel_uri.startswith("s3://"):
+        raise ValueError(f"the training wheel must be an s3:// URI; got {spec.wheel_uri!r}")
+    if len(spec.wheel_sha256) != 64:
+        raise ValueError(f"wheel_sha256 must be a sha256 hex digest, got {spec.wheel_sha256!r}")
+    if spec.deadline_at.tzinfo is None:
+        raise ValueError("deadline_at must be timezone-aware (UTC)")
+    deadline = int(spec.deadline_at.timestamp())
+    margin = int(spec.margin_min)
     header = [
         "#!/bin/bash",
-        f"# burstcv training instance for run {_comment_safe(spec.run_id)}",
+        f"# burstcv training instance for run {_comment_safe(spec.run_id)}, attempt {spec.attempt}",
         "# (rendered by burstcv.compute.userdata; do not edit)",
         "set -Eeuo pipefail",
         "# Watchdog first: whatever happens below, the box powers off (and, with",
-        "# InstanceInitiatedShutdownBehavior=terminate, is destroyed) when the budget is spent.",
-        f'shutdown -h +{minutes} "burstcv watchdog: time budget spent" || poweroff',
+        "# InstanceInitiatedShutdownBehavior=terminate, is destroyed) when the run's time is up:",
+        f"# the deadline ({spec.deadline_at.isoformat()}) plus {margin} min for the last upload.",
+        f"WATCHDOG_MIN=$(( ({deadline} - $(date +%s) + 59) / 60 + {margin} ))",
+        f'[ "$WATCHDOG_MIN" -ge {max(1, margin)} ] || WATCHDOG_MIN={max(1, margin)}',
+        'shutdown -h "+$WATCHDOG_MIN" "burstcv watchdog: the run\'s time is up" || poweroff',
         "",
     ]
     values = {
         "RUN_ID": spec.run_id,
         "JOB_URI": spec.job_uri,
-        "JOB_DIR": spec.job_dir,
-        "BUNDLE_URI": spec.bundle_uri,
+        "ATTEMPT": str(spec.attempt),
+        "ATTEMPT_DIR": attempt_dir(spec.job_dir, spec.attempt),
+        "WHEEL_URI": spec.wheel_uri,
+        "WHEEL_SHA256": spec.wheel_sha256,
         "PYTHON": spec.python,
-        "WATCHDOG_MIN": str(minutes),
+        "FALLBACK_REGION": spec.region,
+        "LOG_EVERY_S": str(int(spec.log_every_s)),
     }
     config = [f"readonly {key}={shlex.quote(values[key])}" for key in CONFIG_KEYS]
+    low, high = SUPPORTED_PYTHON
     body = (
-        _BODY.replace("__IMDS_TOKEN_URL__", IMDS_TOKEN_URL)
-        .replace("__SPOT_ACTION_URL__", SPOT_ACTION_URL)
+        _BODY.replace("__IMDS__", IMDS)
         .replace("__SPOT_POLL_INTERVAL_S__", str(SPOT_POLL_INTERVAL_S))
+        .replace("__PY_MIN__", repr(tuple(low)))
+        .replace("__PY_MAX__", repr(tuple(high)))
+        .replace("__PY_RANGE__", f"{low[0]}.{low[1]}-{high[0]}.{high[1] - 1}")
     )
     return "\n".join(header + config) + "\n" + body
 

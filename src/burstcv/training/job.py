@@ -1,7 +1,16 @@
-"""Define job.json: the whole contract between the orchestrator and a training box."""
+"""Define job.json: the whole contract between the orchestrator and a training box.
+
+A run has one job.json and one or more attempts (a relaunch after a spot interruption or a
+lost box is the next attempt). Each attempt writes its markers (DONE / FAILED) and logs
+under ``attempts/<n>/`` of the job folder, so a marker of an earlier attempt can never end
+the wait for a later one; checkpoints, metrics and weights are shared by the attempts.
+
+This module ships in the training wheel and runs on the AMI's Python (3.10+).
+"""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
@@ -33,7 +42,13 @@ class JobSpec(BaseModel):
     weight_decay: float = Field(default=5e-4, ge=0)
     label_smoothing: float = Field(default=0.1, ge=0, lt=1)
     seed: int = 0
-    time_budget_s: int = Field(default=3600, ge=10)  # stop and keep the best so far after this
+    time_budget_s: int = Field(default=3600, ge=10)  # the run's budget; sets deadline_at
+    # Absolute end of the whole run, across attempts, bootstrap included: training stops
+    # before an epoch that would end past it, and at any step once it is reached.
+    deadline_at: datetime | None = None
+    require_cuda: bool = False  # the preflight fails without CUDA (the ec2 backend sets it)
+    source_commit: str = ""  # the orchestrator's commit: the box has no git checkout
+    runtime_sha256: str = ""  # sha256 of the training wheel the box installs (ec2)
     checkpoint_every_s: float = Field(default=60.0, gt=0)  # a spot box loses at most this much
     target_accuracy: float | None = Field(default=None, gt=0, le=1)  # early stop once reached
     augment: AugmentSpec = Field(default_factory=AugmentSpec)
@@ -64,6 +79,17 @@ class JobSpec(BaseModel):
         """Return a URI under the job's output folder."""
         return storage.join(self.output_uri, *parts)
 
+    def attempt_uri(self, attempt: int, *parts: str) -> str:
+        """Return a URI under one attempt's folder (its markers and logs)."""
+        return attempt_dir(self.output_uri, attempt, *parts)
+
+
+def attempt_dir(job_dir_uri: str, attempt: int, *parts: str) -> str:
+    """Return ``<job dir>/attempts/<attempt>/<parts>``: where one attempt's markers live."""
+    if attempt < 1:
+        raise ValueError(f"attempts count from 1, got {attempt}")
+    return storage.join(job_dir_uri, "attempts", str(attempt), *parts)
+
 
 def load_job(uri: str) -> JobSpec:
     """Read and validate job.json from a URI."""
@@ -73,3 +99,31 @@ def load_job(uri: str) -> JobSpec:
 def write_job(job: JobSpec, uri: str) -> str:
     """Write job.json to a URI and return it."""
     return storage.write_json(uri, job.model_dump(mode="json"))
+
+
+# Marker stages: where an attempt ended. Only "interrupted" (a spot notice or a SIGTERM,
+# checkpoint saved) and a box lost without a marker are worth a relaunch.
+STAGE_BOOTSTRAP = "bootstrap"
+STAGE_PREFLIGHT = "preflight"
+STAGE_TRAIN = "train"
+STAGE_BUDGET = "budget"
+STAGE_INTERRUPTED = "interrupted"
+
+
+def write_failed(
+    job_dir_uri: str, attempt: int, stage: str, reason: str, *, resumable: bool
+) -> str:
+    """Write an attempt's FAILED marker: where it stopped, why, and whether to resume."""
+    from burstcv import lineage
+
+    return storage.write_json(
+        attempt_dir(job_dir_uri, attempt, "FAILED"),
+        {
+            "schema_version": 1,
+            "stage": stage,
+            "reason": reason,
+            "resumable": resumable,
+            "attempt": attempt,
+            "at": lineage.utc_now_iso(),
+        },
+    )

@@ -25,13 +25,21 @@ from torch import nn
 from torch.nn import functional as F
 
 from burstcv import lineage, storage
-from burstcv.training.job import JobSpec, load_job
+from burstcv.training.job import (
+    STAGE_BUDGET,
+    STAGE_INTERRUPTED,
+    STAGE_TRAIN,
+    JobSpec,
+    load_job,
+    write_failed,
+)
 from burstcv.training.models import build_model
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoints/last.pt"
 EXIT_INTERRUPTED = 143  # the conventional code of a SIGTERM'd process
+EXIT_BUDGET = 4  # the run's deadline was reached: a checkpoint exists, no relaunch
 
 
 class JobSpecError(ValueError):
@@ -40,6 +48,10 @@ class JobSpecError(ValueError):
 
 class Interrupted(Exception):
     """Raise inside the loop when SIGTERM asked for a checkpoint-and-exit."""
+
+
+class BudgetExhausted(Exception):
+    """Raise inside the loop when the run's deadline is reached (checkpoint saved)."""
 
 
 @dataclass
@@ -292,9 +304,16 @@ def _should_compile(job: JobSpec, device: torch.device, total_steps: int) -> boo
     return job.compile == "on" or total_steps >= 2000
 
 
-def main(job: JobSpec) -> dict[str, Any]:
+def _deadline_ts(job: JobSpec) -> float | None:
+    return job.deadline_at.timestamp() if job.deadline_at is not None else None
+
+
+def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
     """Train as the job says; write checkpoints, metrics, weights and DONE; return the metrics."""
     t_setup = time.perf_counter()
+    deadline = _deadline_ts(job)
+    if deadline is not None and time.time() >= deadline:
+        raise BudgetExhausted(f"the run's deadline {job.deadline_at} passed before training")
     d = _dist_from_env()
     if d.world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -355,7 +374,7 @@ def main(job: JobSpec) -> dict[str, Any]:
         torch.set_rng_state(ckpt["rng_cpu"])
         epoch, step = int(ckpt["epoch"]), int(ckpt["step"])
         hist.epochs = json.loads(ckpt["history"])
-        log.info("resumed from %s at epoch %d step %d", ckpt_uri, epoch, step)
+        log.info("attempt %d resumed from %s at epoch %d step %d", attempt, ckpt_uri, epoch, step)
 
     fwd_model: nn.Module = model
     if d.world_size > 1:
@@ -390,19 +409,41 @@ def main(job: JobSpec) -> dict[str, Any]:
                     "history": json.dumps(hist.epochs),
                     "job": json.dumps(job.model_dump(mode="json")),
                     "seed": job.seed,
-                    "source_commit": lineage.source_commit(),
+                    "source_commit": job.source_commit or lineage.source_commit(),
                     "dataset_fingerprint": job.dataset_fingerprint,
+                    "attempt": attempt,
                 },
             )
         if d.world_size > 1:
             dist.barrier()
 
+    first_step_logged = {"done": False}
+
+    def stop_flags() -> tuple[bool, bool]:
+        # Every rank must take the same decision, or the others hang in the next collective.
+        flags = [interrupted["flag"], deadline is not None and time.time() >= deadline]
+        if d.world_size > 1:
+            t = torch.tensor([int(f) for f in flags], device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flags = [bool(v) for v in t.tolist()]
+        return flags[0], flags[1]
+
     def on_step(ep: int, st: int) -> None:
         nonlocal last_ckpt
         position.update(epoch=ep, step=st)
-        if interrupted["flag"]:
+        if not first_step_logged["done"]:
+            first_step_logged["done"] = True
+            log.info("first step done %.2f s after the job started", time.perf_counter() - t_setup)
+        sigterm, past_deadline = stop_flags()
+        if sigterm:
             checkpoint(ep, st)
             raise Interrupted(f"SIGTERM: checkpoint saved at epoch {ep} step {st}")
+        if past_deadline:
+            checkpoint(ep, st)
+            raise BudgetExhausted(
+                f"the run's deadline {job.deadline_at} was reached at epoch {ep + 1} step {st}; "
+                "checkpoint saved (raise max_cost_usd or time_budget_s to train longer)"
+            )
         if time.monotonic() - last_ckpt >= job.checkpoint_every_s:
             checkpoint(ep, st)
             last_ckpt = time.monotonic()
@@ -410,6 +451,7 @@ def main(job: JobSpec) -> dict[str, Any]:
     hist.setup_s = time.perf_counter() - t_setup
     stop_reason = "epochs"
     while epoch < job.epochs:
+        t_epoch_start = time.perf_counter()
         stats = train_one_epoch(
             fwd_model,
             opt,
@@ -443,6 +485,12 @@ def main(job: JobSpec) -> dict[str, Any]:
         if device.type == "cuda":
             record["gpu_max_memory_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
         hist.epochs.append(record)
+        if d.is_main:
+            # What the orchestrator shows while the run goes on (one line per epoch).
+            storage.write_json(
+                job.uri("progress.json"),
+                {"attempt": attempt, "epochs_total": job.epochs, "epochs": hist.epochs},
+            )
         log.info(
             "epoch %d/%d %s",
             epoch + 1,
@@ -455,7 +503,11 @@ def main(job: JobSpec) -> dict[str, Any]:
         if job.target_accuracy is not None and ev["accuracy"] >= job.target_accuracy:
             stop_reason = f"target accuracy {job.target_accuracy} reached"
             break
-        if time.monotonic() - started > job.time_budget_s:
+        epoch_s = time.perf_counter() - t_epoch_start
+        if deadline is not None and time.time() + epoch_s > deadline:
+            stop_reason = f"another epoch (~{epoch_s:.0f} s) would end past the run's deadline"
+            break
+        if deadline is None and time.monotonic() - started > job.time_budget_s:
             stop_reason = f"time budget {job.time_budget_s}s spent"
             break
 
@@ -481,9 +533,10 @@ def main(job: JobSpec) -> dict[str, Any]:
         "host": lineage.host_description(),
         "train_images": len(train.labels),
         "val_images": len(val.labels),
-        "source_commit": lineage.source_commit(),
+        "source_commit": job.source_commit or lineage.source_commit(),
         "dataset_fingerprint": job.dataset_fingerprint,
         "finished_at": lineage.utc_now_iso(),
+        "attempt": attempt,
     }
     if d.is_main:
         with tempfile.TemporaryDirectory() as tmp:
@@ -492,8 +545,12 @@ def main(job: JobSpec) -> dict[str, Any]:
             storage.upload_file(path, job.uri("model.pt"))
         storage.write_json(job.uri("metrics.json"), metrics)
         storage.write_json(
-            job.uri("DONE"),
-            {"val_accuracy": final["accuracy"], "finished_at": metrics["finished_at"]},
+            job.attempt_uri(attempt, "DONE"),
+            {
+                "val_accuracy": final["accuracy"],
+                "finished_at": metrics["finished_at"],
+                "attempt": attempt,
+            },
         )
     if d.world_size > 1:
         dist.barrier()
@@ -501,42 +558,37 @@ def main(job: JobSpec) -> dict[str, Any]:
     return metrics
 
 
-def run_job(job_uri: str) -> int:
-    """Run the job at ``job_uri`` and return the process exit code; write FAILED on any error."""
+def run_job(job_uri: str, attempt: int = 1) -> int:
+    """Run the job at ``job_uri`` as ``attempt``; return the exit code; FAILED on any error.
+
+    Markers go to the attempt's own folder, so a relaunch never sees an earlier attempt's.
+    """
     output_uri: str | None = None
     try:
         raw = storage.read_json(job_uri)
         output_uri = raw.get("output_uri") if isinstance(raw, dict) else None
         job = load_job(job_uri)
         output_uri = job.output_uri
-        is_main = int(os.environ.get("RANK", "0")) == 0
-        if is_main:
-            for stale in ("DONE", "FAILED"):
-                # A retry starts clean: a marker from an earlier attempt would end the wait early.
-                _remove(storage.join(output_uri, stale))
-        main(job)
+        main(job, attempt)
         return 0
     except Interrupted as exc:
-        _write_failed(output_uri, str(exc), resumable=True)
+        _write_failed(output_uri, attempt, STAGE_INTERRUPTED, str(exc), resumable=True)
         log.warning("%s", exc)
         return EXIT_INTERRUPTED
+    except BudgetExhausted as exc:
+        _write_failed(output_uri, attempt, STAGE_BUDGET, str(exc), resumable=False)
+        log.error("%s", exc)
+        return EXIT_BUDGET
     except BaseException as exc:
-        _write_failed(output_uri, f"{type(exc).__name__}: {exc}", resumable=False)
+        _write_failed(
+            output_uri, attempt, STAGE_TRAIN, f"{type(exc).__name__}: {exc}", resumable=False
+        )
         raise
 
 
-def _remove(uri: str) -> None:
-    if storage.is_s3(uri):
-        bucket, _, key = uri[5:].partition("/")
-        storage.s3_client().delete_object(Bucket=bucket, Key=key)
-    else:
-        Path(uri).unlink(missing_ok=True)
-
-
-def _write_failed(output_uri: str | None, reason: str, *, resumable: bool) -> None:
+def _write_failed(
+    output_uri: str | None, attempt: int, stage: str, reason: str, *, resumable: bool
+) -> None:
     if not output_uri or int(os.environ.get("RANK", "0")) != 0:
         return
-    storage.write_json(
-        storage.join(output_uri, "FAILED"),
-        {"reason": reason, "resumable": resumable, "at": lineage.utc_now_iso()},
-    )
+    write_failed(output_uri, attempt, stage, reason, resumable=resumable)

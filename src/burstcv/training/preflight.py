@@ -1,0 +1,204 @@
+"""Check a training box before it trains: Python, torch, CUDA, the driver and the GPU count.
+
+Every second on a GPU box is billed, and a box that cannot train should say why in one line
+and power off at once. The checks run as ``burstcv preflight`` before ``burstcv train``; a
+failed check is final (a relaunch on the same AMI would fail the same way), so the FAILED
+marker it writes is not resumable.
+
+This module imports only the standard library at import time, so it still reports a missing
+or broken torch instead of dying with an ImportError. It ships in the training wheel and
+runs on the AMI's Python (3.10+).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+# The versions the training code is written and tested for. Python: the AMIs' (3.10 on
+# Ubuntu 22.04 DLAMIs, 3.12 on 24.04) up to the orchestrator's lock. torch: the oldest with
+# every API train.py uses (torch.amp.GradScaler("cuda"), weights_only loads); the box's
+# checkpoints are state_dicts of tensors, which any torch in this range reads.
+SUPPORTED_PYTHON = ((3, 10), (3, 14))  # [min, max)
+SUPPORTED_TORCH = ((2, 4), (3, 0))  # [min, max)
+
+# The oldest Linux driver that runs a CUDA major release (CUDA minor-version compatibility:
+# any 12.x build runs on a 12.0-capable driver). From NVIDIA's CUDA release notes, table 2.
+MIN_DRIVER_FOR_CUDA: dict[int, tuple[int, ...]] = {
+    11: (450, 80, 2),
+    12: (525, 60, 13),
+    13: (580, 65, 6),
+}
+
+# GPUs an instance type has, for the types burstcv suggests; others are not checked.
+GPUS_PER_INSTANCE_TYPE: dict[str, int] = {
+    **{f"g4dn.{s}": 1 for s in ("xlarge", "2xlarge", "4xlarge", "8xlarge", "16xlarge")},
+    "g4dn.12xlarge": 4,
+    "g4dn.metal": 8,
+    **{f"g5.{s}": 1 for s in ("xlarge", "2xlarge", "4xlarge", "8xlarge", "16xlarge")},
+    "g5.12xlarge": 4,
+    "g5.24xlarge": 4,
+    "g5.48xlarge": 8,
+    **{f"g6.{s}": 1 for s in ("xlarge", "2xlarge", "4xlarge", "8xlarge", "16xlarge")},
+    "g6.12xlarge": 4,
+    "g6.24xlarge": 4,
+    "g6.48xlarge": 8,
+    **{f"g6e.{s}": 1 for s in ("xlarge", "2xlarge", "4xlarge", "8xlarge", "16xlarge")},
+    "g6e.12xlarge": 4,
+    "g6e.24xlarge": 4,
+    "g6e.48xlarge": 8,
+    "p3.2xlarge": 1,
+    "p3.8xlarge": 4,
+    "p3.16xlarge": 8,
+    "p4d.24xlarge": 8,
+    "p5.48xlarge": 8,
+}
+
+AMI_HINT = "set BURSTCV_EC2_AMI to a PyTorch Deep Learning AMI (docs/aws.md)"
+
+
+@dataclass
+class Findings:
+    """Hold what the preflight saw and the problems it found (empty: ready to train)."""
+
+    facts: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Return True when nothing stands in the way of training."""
+        return not self.problems
+
+    def summary(self) -> str:
+        """Return the one line a user reads: what is wrong and what to set, or what was seen."""
+        if self.problems:
+            return "; ".join(self.problems)
+        return "preflight passed: " + ", ".join(f"{k} {v}" for k, v in self.facts.items())
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """Return the leading numeric parts of a version (``2.14.1+cu130`` -> (2, 14, 1))."""
+    parts = re.findall(r"\d+", text.split("+")[0])
+    return tuple(int(p) for p in parts[:3])
+
+
+def dotted(version: tuple[int, ...]) -> str:
+    """Return a version tuple as text."""
+    return ".".join(str(p) for p in version)
+
+
+def check_python(version: tuple[int, ...]) -> str | None:
+    """Return a problem if the interpreter is outside the supported range."""
+    low, high = SUPPORTED_PYTHON
+    if low <= version[:2] < high:
+        return None
+    return (
+        f"Python {dotted(version)} is outside {dotted(low)}-{high[0]}.{high[1] - 1} that burstcv "
+        f"training supports; set BURSTCV_EC2_PYTHON to a supported interpreter or {AMI_HINT}"
+    )
+
+
+def check_torch_version(version: str) -> str | None:
+    """Return a problem if torch is outside the supported range."""
+    low, high = SUPPORTED_TORCH
+    if low <= version_tuple(version)[:2] < high:
+        return None
+    return (
+        f"torch {version} is outside {dotted(low)} to <{dotted(high)} that burstcv training "
+        f"supports; {AMI_HINT} with a supported PyTorch"
+    )
+
+
+def check_driver(driver: str | None, torch_version: str, torch_cuda: str) -> str | None:
+    """Return a problem if the NVIDIA driver cannot run torch's CUDA build."""
+    cuda_major = version_tuple(torch_cuda)[0]
+    needed = MIN_DRIVER_FOR_CUDA.get(cuda_major)
+    if driver is None:
+        return (
+            f"no NVIDIA driver found (nvidia-smi is missing or failed); torch {torch_version} "
+            f"needs one for CUDA {torch_cuda}; {AMI_HINT} (they ship the driver)"
+        )
+    if needed is not None and version_tuple(driver) < needed:
+        return (
+            f"NVIDIA driver {driver} is older than {dotted(needed)}, which torch {torch_version} "
+            f"(CUDA {torch_cuda}) needs; use a newer AMI release (BURSTCV_EC2_AMI) or an AMI "
+            f"whose PyTorch is built for an older CUDA"
+        )
+    return None
+
+
+def check_gpu_count(found: int, instance_type: str | None) -> str | None:
+    """Return a problem if the box shows fewer GPUs than its instance type has."""
+    expected = GPUS_PER_INSTANCE_TYPE.get(instance_type or "")
+    if expected is None or found >= expected:
+        return None
+    return (
+        f"{instance_type} has {expected} GPU(s) but torch sees {found}; the driver or the AMI "
+        f"is broken for this type ({AMI_HINT})"
+    )
+
+
+def nvidia_driver_version() -> str | None:
+    """Return the driver version nvidia-smi reports, or None without a working driver."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    return lines[0] if lines else None
+
+
+def run_checks(require_cuda: bool, instance_type: str | None) -> Findings:
+    """Check this interpreter, its torch and the GPUs; return what was seen and found wrong."""
+    found = Findings()
+    found.facts["python"] = dotted(tuple(sys.version_info[:3]))
+    if problem := check_python(tuple(sys.version_info[:3])):
+        found.problems.append(problem)
+        return found
+    try:
+        import torch
+    except Exception as exc:  # any import failure is the finding; its text is the reason
+        found.problems.append(
+            f"torch does not import on {sys.executable} ({type(exc).__name__}: {exc}); "
+            f"{AMI_HINT}, or set BURSTCV_EC2_PYTHON to the AMI's PyTorch interpreter"
+        )
+        return found
+    torch_version = str(torch.__version__)
+    torch_cuda = torch.version.cuda
+    found.facts["torch"] = torch_version
+    found.facts["cuda_build"] = torch_cuda or "cpu"
+    if problem := check_torch_version(torch_version):
+        found.problems.append(problem)
+    if not require_cuda:
+        return found
+    if not torch_cuda:
+        found.problems.append(f"torch {torch_version} is a CPU-only build; {AMI_HINT}")
+        return found
+    driver = nvidia_driver_version()
+    found.facts["driver"] = driver or "none"
+    if problem := check_driver(driver, torch_version, torch_cuda):
+        found.problems.append(problem)
+        return found
+    if not torch.cuda.is_available():
+        found.problems.append(
+            f"torch.cuda.is_available() is False with driver {driver} and torch "
+            f"{torch_version} (CUDA {torch_cuda}); {AMI_HINT}"
+        )
+        return found
+    gpus = torch.cuda.device_count()
+    found.facts["gpus"] = gpus
+    if problem := check_gpu_count(gpus, instance_type):
+        found.problems.append(problem)
+    return found

@@ -1,0 +1,363 @@
+"""Stand up a sandbox that looks like a fresh EC2 instance, and boot a real user-data script in it.
+
+A network namespace made for the test holds the "box": 169.254.169.254 answers there as the
+instance metadata service (IMDSv2 tokens, instance id and type, region, role credentials and
+a spot instance-action the test switches on), and 127.0.0.1:5000 there relays to the moto
+server outside, which plays S3. The user-data runs unmodified with ``bash`` under
+``ip netns exec``; only ``shutdown`` and ``poweroff`` are shims (they record the call; the
+harness then terminates the emulated instance, as InstanceInitiatedShutdownBehavior says).
+The AWS CLI, curl, pip and the training code are the real ones; the "AMI environment" is a
+Python that sees the test's own torch (a venv with a .pth onto this environment's
+site-packages), standing in for the Deep Learning AMI's PyTorch environment.
+
+Sockets are made inside the namespace by a short-lived thread that enters it with setns(2):
+the servers themselves run in the test process, and nothing listens outside 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+CLONE_NEWNET = 0x40000000
+IMDS_ADDRESS = "169.254.169.254"
+S3_PORT_IN_BOX = 5000
+ROLE_NAME = "burstcv-training"
+
+
+class SandboxUnavailable(RuntimeError):
+    """Raise when this machine does not allow network namespaces (not root, no iproute2)."""
+
+
+def _ip(*args: str) -> None:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+    if result.returncode != 0:
+        raise SandboxUnavailable(f"ip {' '.join(args)}: {result.stderr.strip()}")
+
+
+def socket_in_netns(netns: str, host: str, port: int) -> socket.socket:
+    """Return a listening TCP socket bound inside the namespace (setns on a throwaway thread)."""
+    made: dict[str, Any] = {}
+
+    def enter_and_bind() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
+            try:
+                if libc.setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), "setns failed")
+            finally:
+                os.close(fd)
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(128)
+            made["sock"] = sock
+        except OSError as exc:
+            made["error"] = exc
+
+    # The thread ends with the namespace switch; the socket stays in the namespace.
+    worker = threading.Thread(target=enter_and_bind)
+    worker.start()
+    worker.join()
+    if "error" in made:
+        raise SandboxUnavailable(f"cannot bind {host}:{port} in {netns}: {made['error']}")
+    return made["sock"]  # type: ignore[no-any-return]
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, sock: socket.socket, handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(sock.getsockname(), handler, bind_and_activate=False)
+        self.socket.close()
+        self.socket = sock
+
+
+@dataclass
+class Imds:
+    """Hold what the fake instance metadata service answers, and what it was asked."""
+
+    instance_id: str = "i-0000000000sandbox"
+    instance_type: str = "g6.xlarge"
+    region: str = "us-east-1"
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+    spot_action: dict[str, str] | None = None
+    requests: list[tuple[str, str, bool]] = field(default_factory=list)  # method, path, token?
+
+    def answer(self, method: str, path: str, token: str | None) -> tuple[int, str]:
+        """Return (status, body) as IMDSv2 would (a GET without a valid token is 401)."""
+        self.requests.append((method, path, token == self.token))
+        if method == "PUT":
+            return (200, self.token) if path == "/latest/api/token" else (405, "")
+        if token != self.token:
+            return 401, ""
+        meta = path.removeprefix("/latest/meta-data/")
+        now = datetime.now(UTC)
+        values = {
+            "instance-id": self.instance_id,
+            "instance-type": self.instance_type,
+            "placement/region": self.region,
+            "iam/security-credentials/": ROLE_NAME,
+            f"iam/security-credentials/{ROLE_NAME}": json.dumps(
+                {
+                    "Code": "Success",
+                    "LastUpdated": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "Type": "AWS-HMAC",
+                    "AccessKeyId": "ASIASANDBOXROLE",
+                    "SecretAccessKey": "sandbox-secret",
+                    "Token": "sandbox-session-token",
+                    "Expiration": (now + timedelta(hours=6)).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                }
+            ),
+        }
+        if meta == "spot/instance-action":
+            return (200, json.dumps(self.spot_action)) if self.spot_action else (404, "")
+        if meta in values:
+            return 200, values[meta]
+        return 404, ""
+
+
+def _imds_handler(imds: Imds) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self) -> None:
+            status, body = imds.answer(
+                self.command, self.path, self.headers.get("X-aws-ec2-metadata-token")
+            )
+            data = body.encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = _reply
+        do_PUT = _reply
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return
+
+    return Handler
+
+
+def _relay(listener: socket.socket, upstream: tuple[str, int], stop: threading.Event) -> None:
+    """Accept connections in the namespace and pipe each to ``upstream`` outside it."""
+    listener.settimeout(0.2)
+    while not stop.is_set():
+        try:
+            inner, _ = listener.accept()
+        except TimeoutError:
+            continue
+        except OSError:
+            return
+        threading.Thread(target=_pipe, args=(inner, upstream), daemon=True).start()
+
+
+def _pipe(inner: socket.socket, upstream: tuple[str, int]) -> None:
+    try:
+        outer = socket.create_connection(upstream, timeout=30)
+    except OSError:
+        inner.close()
+        return
+    sel = selectors.DefaultSelector()
+    sel.register(inner, selectors.EVENT_READ, outer)
+    sel.register(outer, selectors.EVENT_READ, inner)
+    try:
+        while True:
+            for key, _ in sel.select(timeout=60):
+                src: socket.socket = key.fileobj  # type: ignore[assignment]
+                data = src.recv(65536)
+                if not data:
+                    return
+                key.data.sendall(data)
+    except OSError:
+        return
+    finally:
+        sel.close()
+        inner.close()
+        outer.close()
+
+
+def make_ami_python(where: Path) -> Path:
+    """Return a Python standing in for the AMI's PyTorch environment (sees this env's torch)."""
+    python = where / "bin" / "python"
+    if python.exists():
+        return python
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", str(where)], check=True, timeout=300)
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    # Only this environment's packages (torch, numpy, boto3, pydantic), not its burstcv: the
+    # editable install's own .pth is not read from a folder that a .pth line adds.
+    Path(site, "ami_pytorch_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+@dataclass
+class Boot:
+    """Record one boot of a user-data script in the sandbox."""
+
+    exit_code: int
+    seconds: float
+    console: str
+    shutdown_calls: list[list[str]]
+    box_dir: Path
+
+    @property
+    def powered_off(self) -> bool:
+        """Return True if the script ran ``shutdown -h now`` (or poweroff)."""
+        return any("now" in call or call[:1] == ["poweroff"] for call in self.shutdown_calls)
+
+
+class BoxSandbox:
+    """A network namespace dressed as an EC2 instance; boot user-data scripts in it."""
+
+    def __init__(self, work: Path, s3_upstream: str) -> None:
+        if os.geteuid() != 0 or shutil.which("ip") is None:
+            raise SandboxUnavailable("network namespaces need root and iproute2")
+        self.work = work
+        self.netns = f"burstcv-box-{uuid.uuid4().hex[:8]}"
+        self.imds = Imds()
+        host, _, port = s3_upstream.removeprefix("http://").partition(":")
+        self._upstream = (host, int(port))
+        self._stop = threading.Event()
+        self._servers: list[_Server] = []
+        self._threads: list[threading.Thread] = []
+        self.shims = work / "shims"
+
+    def __enter__(self) -> BoxSandbox:
+        _ip("netns", "add", self.netns)
+        try:
+            _ip("-n", self.netns, "link", "set", "lo", "up")
+            _ip("-n", self.netns, "addr", "add", f"{IMDS_ADDRESS}/32", "dev", "lo")
+            imds_server = _Server(
+                socket_in_netns(self.netns, IMDS_ADDRESS, 80), _imds_handler(self.imds)
+            )
+            self._servers.append(imds_server)
+            self._spawn(imds_server.serve_forever)
+            relay_sock = socket_in_netns(self.netns, "127.0.0.1", S3_PORT_IN_BOX)
+            self._relay_sock = relay_sock
+            self._spawn(_relay, relay_sock, self._upstream, self._stop)
+            self._write_shims()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _spawn(self, target: Any, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _write_shims(self) -> None:
+        self.shims.mkdir(parents=True, exist_ok=True)
+        # The only stand-ins: power control. Everything else the script runs is real.
+        shim = self.shims / "shutdown"
+        shim.write_text(
+            '#!/bin/bash\necho "$(basename "$0") $*" >> "$SANDBOX_SHUTDOWN_LOG"\nexit 0\n'
+        )
+        shim.chmod(0o755)
+        (self.shims / "poweroff").symlink_to(shim)
+        # The AMI's AWS CLI: the real one (awscli) from this environment.
+        (self.shims / "aws").symlink_to(Path(sys.executable).parent / "aws")
+
+    def processes(self) -> list[int]:
+        """Return the pids still running in the namespace."""
+        out = subprocess.run(
+            ["ip", "netns", "pids", self.netns], capture_output=True, text=True, timeout=10
+        ).stdout
+        return [int(pid) for pid in out.split()]
+
+    def boot(self, user_data: str, *, timeout_s: float = 150.0) -> Boot:
+        """Run the user-data as cloud-init would (root, clean environment) and wait for it."""
+        box = self.work / f"boot-{uuid.uuid4().hex[:6]}"
+        (box / "home").mkdir(parents=True)
+        script = box / "user-data.sh"
+        script.write_text(user_data)
+        env = {
+            "PATH": f"{self.shims}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": str(box / "home"),
+            "LANG": "C.UTF-8",
+            # Where "S3" is inside the sandbox; on EC2 the CLI and boto3 find it themselves.
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{S3_PORT_IN_BOX}",
+            "BURSTCV_WORK_DIR": str(box / "opt"),
+            "BURSTCV_LOG": str(box / "bootstrap.log"),
+            "SANDBOX_SHUTDOWN_LOG": str(box / "shutdown.log"),
+        }
+        started = time.monotonic()
+        with open(box / "console.log", "wb") as console:
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", self.netns, "bash", str(script)],
+                env=env,
+                stdout=console,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            try:
+                code = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                code = proc.wait()
+        seconds = time.monotonic() - started
+        calls = []
+        log = box / "shutdown.log"
+        if log.exists():
+            calls = [line.split() for line in log.read_text().splitlines() if line.strip()]
+        return Boot(code, seconds, (box / "console.log").read_text(), calls, box)
+
+    def reap_processes(self, grace_s: float = 5.0) -> list[int]:
+        """Wait for the namespace to empty; kill and return whatever is still there."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and self.processes():
+            time.sleep(0.1)
+        left = self.processes()
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return left
+
+    def close(self) -> None:
+        """Stop the servers, kill what runs in the namespace, and delete it."""
+        self._stop.set()
+        for server in self._servers:
+            server.shutdown()
+            server.server_close()
+        with contextlib.suppress(OSError, AttributeError):
+            self._relay_sock.close()
+        with contextlib.suppress(SandboxUnavailable):
+            for pid in self.processes():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            _ip("netns", "del", self.netns)
+
+
+@contextlib.contextmanager
+def sandbox(work: Path, s3_upstream: str) -> Iterator[BoxSandbox]:
+    """Yield a started sandbox and always remove it."""
+    with BoxSandbox(work, s3_upstream) as box:
+        yield box

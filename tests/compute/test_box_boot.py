@@ -1,0 +1,378 @@
+"""Boot the real user-data of real EC2 launches in a sandbox that looks like a fresh instance.
+
+The orchestrator side is the real code against moto (``pipeline.provision`` stages the
+training wheel and writes job.json, ``Ec2Backend.launch`` renders the user-data, the real
+trigger waits for the attempt's marker, ``pipeline.relaunch`` starts the next attempt). The
+box side is the rendered script, unmodified, run by bash in a network namespace where
+169.254.169.254 is an IMDSv2 and S3 is moto: it downloads the wheel, checks its sha256,
+pip-installs it into the "AMI" Python, runs the preflight and trains for real. Only
+``shutdown``/``poweroff`` are shims, and the GPU: CUDA is required only where the test says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import boto3
+import numpy as np
+import pytest
+from boxsandbox import Boot, BoxSandbox, SandboxUnavailable, make_ami_python
+
+from burstcv import pipeline, storage
+from burstcv.airflow.triggers import TrainingCompletionTrigger
+from burstcv.compute.base import LaunchRequest
+from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
+from burstcv.compute.runtime import stage_training_wheel
+from burstcv.params import RunParams
+from burstcv.settings import Settings
+from burstcv.training.job import JobSpec, attempt_dir, write_job
+
+REGION = "us-east-1"
+BUCKET = "burstcv-test"
+ARTIFACT_ROOT = f"s3://{BUCKET}/artifacts"
+AMI_PARAMETER = "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-6.1-x86_64"
+PROFILE = "burstcv-training"
+TRAIN_IMAGES = 384  # small enough for seconds per epoch on 2 shared cores
+VAL_IMAGES = 96
+
+
+@pytest.fixture(scope="module")
+def ami_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Return the stand-in for the Deep Learning AMI's PyTorch interpreter."""
+    return make_ami_python(tmp_path_factory.mktemp("ami") / "pytorch")
+
+
+@pytest.fixture
+def box(aws: str, tmp_path: Path) -> Iterator[BoxSandbox]:
+    """Yield a fresh sandbox whose S3 is the emulator; assert nothing of it survives."""
+    try:
+        sandbox = BoxSandbox(tmp_path / "sandbox", aws).__enter__()
+    except SandboxUnavailable as exc:
+        pytest.skip(f"network namespaces are not permitted here: {exc}")
+    try:
+        yield sandbox
+        assert sandbox.reap_processes() == [], "a process of the box outlived its script"
+    finally:
+        sandbox.close()
+
+
+@pytest.fixture
+def account(aws: str, ami_python: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Create the bucket and instance profile; point the ec2 backend at the sandbox's AMI."""
+    s3 = boto3.client("s3", region_name=REGION, endpoint_url=aws)
+    s3.create_bucket(Bucket=BUCKET)
+    iam = boto3.client("iam", region_name=REGION, endpoint_url=aws)
+    iam.create_role(RoleName=PROFILE, AssumeRolePolicyDocument="{}")
+    iam.create_instance_profile(InstanceProfileName=PROFILE)
+    iam.add_role_to_instance_profile(InstanceProfileName=PROFILE, RoleName=PROFILE)
+    for key, value in {
+        "REGION": REGION,
+        "AMI": AMI_PARAMETER,
+        "INSTANCE_PROFILE": PROFILE,
+        "PYTHON": str(ami_python),
+        "REQUIRE_GPU": "false",  # the one thing this machine cannot have
+        "INSTANCE_TYPES": "g6.xlarge",
+        "WAITER_DELAY_S": "0.1",
+        "LOG_EVERY_S": "5",
+    }.items():
+        monkeypatch.setenv(f"BURSTCV_EC2_{key}", value)
+    return {"s3": s3, "ec2": boto3.client("ec2", region_name=REGION, endpoint_url=aws)}
+
+
+@pytest.fixture
+def shards(account: dict[str, Any], packed_demo: dict[str, Any]) -> dict[str, Any]:
+    """Upload a slice of the packed demo digits to the emulated S3; return the packed dict."""
+    uris: dict[str, list[str]] = {}
+    for split, count in (("train", TRAIN_IMAGES), ("val", VAL_IMAGES)):
+        with np.load(packed_demo[f"{split}_shards"][0]) as npz:
+            images, labels, classes = npz["images"][:count], npz["labels"][:count], npz["classes"]
+        buffer = io.BytesIO()
+        np.savez(buffer, images=images, labels=labels, classes=classes)
+        uri = f"{ARTIFACT_ROOT}/datasets/demo/{split}-000.npz"
+        storage.write_bytes(uri, buffer.getvalue())
+        uris[split] = [uri]
+    return {
+        "classes": packed_demo["classes"],
+        "train_shards": uris["train"],
+        "val_shards": uris["val"],
+        "preprocess": packed_demo["spec"].to_dict(),
+        "fingerprint": "demo-slice",
+    }
+
+
+def settings() -> Settings:
+    """Return orchestrator settings whose artifact store is the emulated bucket."""
+    return Settings(artifact_root=ARTIFACT_ROOT, registry_uri=f"{ARTIFACT_ROOT}/registry")
+
+
+def params(**overrides: Any) -> RunParams:
+    """Return run params for the ec2 backend on the demo slice."""
+    fields: dict[str, Any] = {
+        "dataset_uri": "s3://unused/dataset",
+        "model": "resnet10",
+        "compute_backend": "ec2",
+        "instance_types": ["g6.xlarge"],
+        "epochs": 2,
+        "batch_size": 32,
+        "learning_rate": 0.1,
+    }
+    fields.update(overrides)
+    return RunParams(**fields)
+
+
+def user_data(ec2: Any, instance_id: str) -> str:
+    """Return the user-data EC2 would hand the instance at boot."""
+    raw = ec2.describe_instance_attribute(InstanceId=instance_id, Attribute="userData")
+    import base64
+
+    return base64.b64decode(raw["UserData"]["Value"]).decode()
+
+
+def power_off_like_ec2(ec2: Any, instance_id: str, boot: Boot) -> None:
+    """Do what EC2 does when the OS halts: InstanceInitiatedShutdownBehavior=terminate."""
+    attr = ec2.describe_instance_attribute(
+        InstanceId=instance_id, Attribute="instanceInitiatedShutdownBehavior"
+    )
+    assert attr["InstanceInitiatedShutdownBehavior"]["Value"] == "terminate"
+    if boot.powered_off:
+        ec2.terminate_instances(InstanceIds=[instance_id])
+
+
+def state(ec2: Any, instance_id: str) -> str:
+    """Return the emulated instance's state name."""
+    reservations = ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
+    return str(reservations[0]["Instances"][0]["State"]["Name"])
+
+
+def wait_for_trigger(provisioned: dict[str, Any], attempt: int) -> dict[str, Any]:
+    """Run the real trigger until it fires; return its event payload."""
+    trigger = TrainingCompletionTrigger(
+        run_id=provisioned["run_key"],
+        backend="ec2",
+        output_uri=provisioned["output_uri"],
+        attempt=attempt,
+        poll_interval_s=0.2,
+    )
+
+    async def first() -> dict[str, Any]:
+        async for event in trigger.run():
+            return dict(event.payload)
+        raise AssertionError("the trigger ended without an event")
+
+    return asyncio.run(asyncio.wait_for(first(), timeout=60))
+
+
+def boot_instance(box: BoxSandbox, ec2: Any, instance_id: str) -> Boot:
+    """Boot the instance's own user-data in the sandbox, then power it off as EC2 would."""
+    box.imds.instance_id = instance_id
+    boot = box.boot(user_data(ec2, instance_id))
+    power_off_like_ec2(ec2, instance_id, boot)
+    return boot
+
+
+def stage_seconds(console: str) -> dict[str, float]:
+    """Return the seconds from boot to each stage line the script and training print."""
+    stamps = re.findall(r"burstcv: (\S+Z) (.*)", console)
+    if not stamps:
+        return {}
+    t0 = datetime.fromisoformat(stamps[0][0].replace("Z", "+00:00"))
+    out: dict[str, float] = {}
+    for text, what in stamps:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        out.setdefault(what.split()[0], (moment - t0).total_seconds())
+    first = re.search(r"first step done ([\d.]+) s after the job started", console)
+    if first:
+        out["first_step_after_train_start"] = float(first.group(1))
+    return out
+
+
+def test_a_clean_boot_installs_the_wheel_trains_and_powers_off(
+    box: BoxSandbox, account: dict[str, Any], shards: dict[str, Any]
+) -> None:
+    ec2 = account["ec2"]
+    provisioned = pipeline.provision(
+        "manual__clean", "burstcv_pipeline", params(), shards, settings()
+    )
+    (instance_id,) = provisioned["instance_ids"]
+    job = JobSpec.model_validate(storage.read_json(provisioned["job_uri"]))
+    assert job.runtime_sha256 and job.deadline_at is not None
+
+    boot = boot_instance(box, ec2, instance_id)
+    print("boot stages (s):", stage_seconds(boot.console), "total", round(boot.seconds, 1))
+
+    assert boot.exit_code == 0, boot.console
+    assert boot.shutdown_calls[0][:2] == ["shutdown", "-h"] and boot.shutdown_calls[0][2][0] == "+"
+    assert boot.shutdown_calls[-1] == ["shutdown", "-h", "now"]
+    assert "preflight passed" in boot.console
+    # The wheel went in without resolving torch (pip installed only burstcv-train).
+    assert "Collecting torch" not in boot.console and "Downloading" not in boot.console
+    event = wait_for_trigger(provisioned, attempt=1)
+    assert event["status"] == "done", event
+    metrics = storage.read_json(f"{provisioned['output_uri']}/metrics.json")
+    assert [e["epoch"] for e in metrics["epochs"]] == [1, 2]
+    assert metrics["attempt"] == 1
+    log = storage.read_bytes(
+        attempt_dir(provisioned["output_uri"], 1, "logs", f"{instance_id}.log")
+    )
+    assert b"training exited with 0" in log
+    assert state(ec2, instance_id) == "terminated"
+    # Every metadata read the box made carried an IMDSv2 token.
+    assert all(has_token for method, _, has_token in box.imds.requests if method == "GET")
+    assert any("placement/region" in path for _, path, _ in box.imds.requests)
+
+
+def test_a_failed_preflight_is_final_and_says_what_to_set(
+    box: BoxSandbox,
+    account: dict[str, Any],
+    shards: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ec2 = account["ec2"]
+    monkeypatch.setenv("BURSTCV_EC2_REQUIRE_GPU", "true")  # this sandbox has no NVIDIA driver
+    provisioned = pipeline.provision(
+        "manual__nogpu", "burstcv_pipeline", params(), shards, settings()
+    )
+    (instance_id,) = provisioned["instance_ids"]
+
+    boot = boot_instance(box, ec2, instance_id)
+
+    assert boot.exit_code == 3, boot.console
+    assert boot.shutdown_calls[-1] == ["shutdown", "-h", "now"]
+    event = wait_for_trigger(provisioned, attempt=1)
+    assert event["status"] == "failed" and event["stage"] == "preflight"
+    assert event["resumable"] is False
+    assert "BURSTCV_EC2_AMI" in event["reason"]
+    assert "\n" not in event["reason"]
+    assert not storage.exists(f"{provisioned['output_uri']}/checkpoints/last.pt")
+    # Final: the relaunch path refuses it (the operator fails without a retry).
+    from burstcv.airflow.operators import _resumable
+
+    assert not _resumable(event)
+    assert state(ec2, instance_id) == "terminated"
+
+
+def test_a_python_outside_the_range_fails_preflight_before_the_install(
+    box: BoxSandbox,
+    account: dict[str, Any],
+    shards: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ec2 = account["ec2"]
+    monkeypatch.setenv("BURSTCV_EC2_PYTHON", "/usr/bin/python-that-is-not-there")
+    provisioned = pipeline.provision(
+        "manual__nopy", "burstcv_pipeline", params(), shards, settings()
+    )
+    (instance_id,) = provisioned["instance_ids"]
+
+    boot = boot_instance(box, ec2, instance_id)
+
+    event = wait_for_trigger(provisioned, attempt=1)
+    assert event["status"] == "failed" and event["stage"] == "preflight", event
+    assert "BURSTCV_EC2_PYTHON" in event["reason"] and event["resumable"] is False
+    assert "installing" not in boot.console
+    assert boot.shutdown_calls[-1] == ["shutdown", "-h", "now"]
+
+
+def test_a_spot_interruption_resumes_on_the_next_attempt(
+    box: BoxSandbox, account: dict[str, Any], shards: dict[str, Any]
+) -> None:
+    ec2 = account["ec2"]
+    provisioned = pipeline.provision(
+        "manual__spot", "burstcv_pipeline", params(epochs=6, batch_size=8), shards, settings()
+    )
+    (first_box,) = provisioned["instance_ids"]
+    progress_uri = f"{provisioned['output_uri']}/progress.json"
+
+    def notice_after_the_first_epoch() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not storage.exists(progress_uri):
+            time.sleep(0.2)
+        box.imds.spot_action = {"action": "terminate", "time": datetime.now(UTC).isoformat()}
+
+    threading.Thread(target=notice_after_the_first_epoch, daemon=True).start()
+    first = boot_instance(box, ec2, first_box)
+    box.imds.spot_action = None
+
+    assert first.exit_code == 143, first.console
+    assert first.shutdown_calls[-1] == ["shutdown", "-h", "now"]
+    event = wait_for_trigger(provisioned, attempt=1)
+    assert event["status"] == "failed" and event["resumable"] is True, event
+    interrupted_at = storage.read_json(f"{provisioned['output_uri']}/progress.json")["epochs"]
+    assert 1 <= len(interrupted_at) < 6
+
+    attempt = pipeline.relaunch(provisioned)
+    assert attempt == 2
+    second_box = next(
+        i.instance_id for i in Ec2Backend().describe(provisioned["run_key"]) if i.state != "stopped"
+    )
+    second = boot_instance(box, ec2, second_box)
+
+    assert second.exit_code == 0, second.console
+    assert "attempt 2 resumed from" in second.console
+    # The old attempt's FAILED is still there; only attempt 2's marker counts now.
+    assert storage.exists(attempt_dir(provisioned["output_uri"], 1, "FAILED"))
+    event = wait_for_trigger(provisioned, attempt=2)
+    assert event["status"] == "done", event
+    metrics = storage.read_json(f"{provisioned['output_uri']}/metrics.json")
+    assert [e["epoch"] for e in metrics["epochs"]] == [1, 2, 3, 4, 5, 6]
+    assert metrics["attempt"] == 2
+    assert {state(ec2, first_box), state(ec2, second_box)} == {"terminated"}
+
+
+def test_the_run_deadline_stops_training_mid_epoch_with_a_checkpoint(
+    box: BoxSandbox, account: dict[str, Any], shards: dict[str, Any]
+) -> None:
+    ec2 = account["ec2"]
+    staged = stage_training_wheel(ARTIFACT_ROOT)
+    job_dir = f"{ARTIFACT_ROOT}/runs/budget/job"
+    deadline = datetime.now(UTC) + timedelta(seconds=25)
+    job = JobSpec(
+        run_id="budget",
+        classes=shards["classes"],
+        train_shards=shards["train_shards"] * 40,  # one long epoch: the deadline falls in it
+        val_shards=shards["val_shards"],
+        preprocess=shards["preprocess"],
+        output_uri=job_dir,
+        epochs=1,
+        batch_size=8,
+        time_budget_s=60,
+        deadline_at=deadline,
+        runtime_sha256=staged.sha256,
+    )
+    job_uri = write_job(job, f"{job_dir}/job.json")
+    backend = Ec2Backend(Ec2Settings())
+    (instance_id,) = backend.launch(
+        LaunchRequest(
+            run_id="budget",
+            dag_id="burstcv_pipeline",
+            job_uri=job_uri,
+            time_budget_s=60,
+            deadline_at=deadline,
+            wheel_uri=staged.uri,
+            wheel_sha256=staged.sha256,
+        )
+    )
+
+    boot = boot_instance(box, ec2, instance_id)
+
+    assert boot.exit_code == 4, boot.console
+    failed = storage.read_json(attempt_dir(job_dir, 1, "FAILED"))
+    assert failed["stage"] == "budget" and failed["resumable"] is False
+    assert "deadline" in failed["reason"]
+    checkpoint = storage.read_bytes(f"{job_dir}/checkpoints/last.pt")
+    import torch
+
+    state_at_stop = torch.load(io.BytesIO(checkpoint), map_location="cpu", weights_only=True)
+    assert state_at_stop["epoch"] == 0 and state_at_stop["step"] > 0  # mid-epoch
+    assert boot.shutdown_calls[-1] == ["shutdown", "-h", "now"]
+    assert state(ec2, instance_id) == "terminated"
+    assert json.loads(json.dumps(failed))  # a plain JSON document
