@@ -97,7 +97,7 @@ def shards(account: dict[str, Any], packed_demo: dict[str, Any]) -> dict[str, An
             images, labels, classes = npz["images"][:count], npz["labels"][:count], npz["classes"]
         buffer = io.BytesIO()
         np.savez(buffer, images=images, labels=labels, classes=classes)
-        uri = f"{ARTIFACT_ROOT}/datasets/demo/{split}-000.npz"
+        uri = f"{ARTIFACT_ROOT}/runs/shared/dataset/shards/{split}-000.npz"
         storage.write_bytes(uri, buffer.getvalue())
         uris[split] = [uri]
     return {
