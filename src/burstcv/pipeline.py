@@ -383,6 +383,49 @@ def training_outcome(
     return {"status": "running", "attempt": attempt}
 
 
+def progress_lines(
+    run_id: str, backend_name: str, output_uri: str, attempt: int, already_logged: int
+) -> list[str]:
+    """Return a line per epoch the attempt finished after its first ``already_logged`` ones.
+
+    Read from the job's progress.json (the box writes it at every epoch end): losses,
+    accuracy, images/s and elapsed time, plus what the run's boxes have cost so far and the
+    time left before the run's deadline. Costs no GPU time: it reads the artifact store.
+    """
+    from burstcv.training.job import JobSpec
+
+    uri = storage.join(output_uri, "progress.json")
+    if not storage.exists(uri):
+        return []
+    progress = storage.read_json(uri)
+    mine = [e for e in progress.get("epochs", []) if e.get("attempt", 1) == attempt]
+    epochs = mine[already_logged:]
+    if not epochs:
+        return []
+    instances = get_backend(backend_name).describe(safe_run_id(run_id))
+    now = lineage.utc_now()
+    billed = sum(
+        (max(i.stopped_at or now, i.launched_at) - i.launched_at).total_seconds()
+        for i in instances
+        if i.launched_at is not None
+    )
+    spent = run_cost_so_far(backend_name, instances)
+    job = JobSpec.model_validate(storage.read_json(storage.join(output_uri, "job.json")))
+    if job.deadline_at is not None:
+        left_s = max(0.0, (job.deadline_at - now).total_seconds())
+        budget = f"{left_s / 60:.1f} min left before the run's deadline"
+    else:
+        budget = "no deadline"
+    total = progress.get("epochs_total", job.epochs)
+    return [
+        f"epoch {e['epoch']}/{total} (attempt {attempt}): "
+        f"train_loss {e['train_loss']:.4f}, val_loss {e['val_loss']:.4f}, "
+        f"val_accuracy {e['val_accuracy']:.4f}, {e['images_per_s']:.0f} images/s, "
+        f"elapsed {e['elapsed_s']:.0f} s; billed {billed:.0f} s, ${spent:.4f} so far; {budget}"
+        for e in epochs
+    ]
+
+
 def box_log_tail(
     run_id: str, backend_name: str, output_uri: str, attempt: int, lines: int = 40
 ) -> list[str]:

@@ -25,6 +25,7 @@ from typing import Any
 import boto3
 import numpy as np
 import pytest
+import structlog.testing
 from boxsandbox import Boot, BoxSandbox, SandboxUnavailable, make_ami_python
 
 from burstcv import pipeline, storage
@@ -196,7 +197,9 @@ def stage_seconds(console: str) -> dict[str, float]:
 
 
 def test_a_clean_boot_installs_the_wheel_trains_and_powers_off(
-    box: BoxSandbox, account: dict[str, Any], shards: dict[str, Any]
+    box: BoxSandbox,
+    account: dict[str, Any],
+    shards: dict[str, Any],
 ) -> None:
     ec2 = account["ec2"]
     provisioned = pipeline.provision(
@@ -215,10 +218,20 @@ def test_a_clean_boot_installs_the_wheel_trains_and_powers_off(
     assert "preflight passed" in boot.console
     # The wheel went in without resolving torch (pip installed only burstcv-train).
     assert "Collecting torch" not in boot.console and "Downloading" not in boot.console
-    event = wait_for_trigger(provisioned, attempt=1)
+    with structlog.testing.capture_logs() as trigger_log:  # what the triggerer puts in the log
+        event = wait_for_trigger(provisioned, attempt=1)
     assert event["status"] == "done", event
     metrics = storage.read_json(f"{provisioned['output_uri']}/metrics.json")
     assert [e["epoch"] for e in metrics["epochs"]] == [1, 2]
+    # The train task's log: one line per epoch, with money and time, from the real trigger.
+    progress = [entry["event"] for entry in trigger_log if entry["event"].startswith("epoch ")]
+    assert [line.split(" (")[0] for line in progress] == ["epoch 1/2", "epoch 2/2"]
+    for line in progress:
+        assert re.search(
+            r"val_accuracy [\d.]+, \d+ images/s, elapsed \d+ s; billed \d+ s, "
+            r"\$[\d.]+ so far; [\d.]+ min left before the run's deadline",
+            line,
+        ), line
     assert metrics["attempt"] == 1
     log = storage.read_bytes(
         attempt_dir(provisioned["output_uri"], 1, "logs", f"{instance_id}.log")
@@ -235,6 +248,7 @@ def test_a_failed_preflight_is_final_and_says_what_to_set(
     account: dict[str, Any],
     shards: dict[str, Any],
     monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     ec2 = account["ec2"]
     monkeypatch.setenv("BURSTCV_EC2_REQUIRE_GPU", "true")  # this sandbox has no NVIDIA driver
@@ -253,10 +267,20 @@ def test_a_failed_preflight_is_final_and_says_what_to_set(
     assert "BURSTCV_EC2_AMI" in event["reason"]
     assert "\n" not in event["reason"]
     assert not storage.exists(f"{provisioned['output_uri']}/checkpoints/last.pt")
-    # Final: the relaunch path refuses it (the operator fails without a retry).
-    from burstcv.airflow.operators import _resumable
+    # Final: the train task fails without a retry, with that line and the box's log tail.
+    from airflow.sdk.exceptions import AirflowFailException
 
-    assert not _resumable(event)
+    from burstcv.airflow.operators import WaitForTrainingOperator
+
+    operator = WaitForTrainingOperator(task_id="train", provisioned=provisioned)
+    with (
+        caplog.at_level("INFO", logger="burstcv.airflow.operators"),
+        pytest.raises(AirflowFailException) as failed,
+    ):
+        operator.execute_complete({"run_id": "manual__nogpu"}, event)
+    assert "at preflight" in str(failed.value) and event["reason"] in str(failed.value)
+    tail = [r.getMessage() for r in caplog.records if r.getMessage().startswith("box | ")]
+    assert any("preflight failed" in line for line in tail), tail
     assert state(ec2, instance_id) == "terminated"
 
 

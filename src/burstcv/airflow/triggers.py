@@ -42,13 +42,21 @@ class TrainingCompletionTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Poll the artifact store and the backend until the job has an outcome."""
-        from burstcv.pipeline import training_outcome
+        from burstcv.pipeline import progress_lines, training_outcome
 
+        logged = 0
         while True:
             # Storage and cloud calls are blocking: keep them off the triggerer's event loop.
             outcome = await asyncio.to_thread(
                 training_outcome, self.run_id, self.backend, self.output_uri, self.attempt
             )
+            # One line per finished epoch in the task log, as the box writes them.
+            lines = await asyncio.to_thread(
+                progress_lines, self.run_id, self.backend, self.output_uri, self.attempt, logged
+            )
+            for line in lines:
+                self.log.info(line)
+            logged += len(lines)
             if outcome["status"] != "running":
                 yield TriggerEvent(outcome)
                 return

@@ -481,6 +481,7 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
             "val_accuracy": ev["accuracy"],
             "lr": sched.get_last_lr()[0],
             "elapsed_s": time.monotonic() - started,
+            "attempt": attempt,
         }
         if device.type == "cuda":
             record["gpu_max_memory_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
