@@ -400,3 +400,24 @@ def test_the_run_deadline_stops_training_mid_epoch_with_a_checkpoint(
     assert boot.shutdown_calls[-1] == ["shutdown", "-h", "now"]
     assert state(ec2, instance_id) == "terminated"
     assert json.loads(json.dumps(failed))  # a plain JSON document
+
+
+def test_a_wheel_that_does_not_match_its_sha256_is_never_installed(
+    box: BoxSandbox, account: dict[str, Any], shards: dict[str, Any]
+) -> None:
+    ec2 = account["ec2"]
+    provisioned = pipeline.provision(
+        "manual__tampered", "burstcv_pipeline", params(), shards, settings()
+    )
+    (instance_id,) = provisioned["instance_ids"]
+    wheel_uri = provisioned["launch"]["wheel_uri"]
+    storage.write_bytes(wheel_uri, storage.read_bytes(wheel_uri) + b"\0")
+
+    boot = boot_instance(box, ec2, instance_id)
+
+    event = wait_for_trigger(provisioned, attempt=1)
+    assert event["status"] == "failed" and event["stage"] == "install", event
+    assert "does not match its sha256" in event["reason"] and event["resumable"] is False
+    assert "installed" not in boot.console.replace("installing", "")
+    assert boot.shutdown_calls[-1] == ["shutdown", "-h", "now"]
+    assert state(ec2, instance_id) == "terminated"
