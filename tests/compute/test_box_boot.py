@@ -315,11 +315,15 @@ def test_a_spot_interruption_resumes_on_the_next_attempt(
     )
     (first_box,) = provisioned["instance_ids"]
     progress_uri = f"{provisioned['output_uri']}/progress.json"
+    live_log = attempt_dir(provisioned["output_uri"], 1, "logs", f"{first_box}.log")
+    seen_while_running: list[bool] = []
 
     def notice_after_the_first_epoch() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not storage.exists(progress_uri):
             time.sleep(0.2)
+        # The log ships every few seconds: it is in the store while the box still trains.
+        seen_while_running.append(storage.exists(live_log))
         box.imds.spot_action = {"action": "terminate", "time": datetime.now(UTC).isoformat()}
 
     threading.Thread(target=notice_after_the_first_epoch, daemon=True).start()
@@ -327,6 +331,7 @@ def test_a_spot_interruption_resumes_on_the_next_attempt(
     box.imds.spot_action = None
 
     assert first.exit_code == 143, first.console
+    assert seen_while_running == [True]
     assert first.shutdown_calls[-1] == ["shutdown", "-h", "now"]
     event = wait_for_trigger(provisioned, attempt=1)
     assert event["status"] == "failed" and event["resumable"] is True, event
@@ -421,3 +426,23 @@ def test_a_wheel_that_does_not_match_its_sha256_is_never_installed(
     assert "installed" not in boot.console.replace("installing", "")
     assert boot.shutdown_calls[-1] == ["shutdown", "-h", "now"]
     assert state(ec2, instance_id) == "terminated"
+
+
+def test_a_spot_notice_during_bootstrap_is_resumable(
+    box: BoxSandbox, account: dict[str, Any], shards: dict[str, Any]
+) -> None:
+    ec2 = account["ec2"]
+    provisioned = pipeline.provision(
+        "manual__early", "burstcv_pipeline", params(), shards, settings()
+    )
+    (instance_id,) = provisioned["instance_ids"]
+    box.imds.spot_action = {"action": "terminate", "time": datetime.now(UTC).isoformat()}
+
+    boot = boot_instance(box, ec2, instance_id)
+
+    assert boot.exit_code == 143, boot.console
+    event = wait_for_trigger(provisioned, attempt=1)
+    assert event["status"] == "failed" and event["resumable"] is True, event
+    assert event["stage"] in ("install", "preflight") and "spot interruption" in event["reason"]
+    assert "training exited" not in boot.console
+    assert boot.shutdown_calls[-1] == ["shutdown", "-h", "now"]

@@ -224,3 +224,20 @@ def test_a_retry_after_a_job_failure_fails_without_relaunching(
     with pytest.raises(AirflowFailException, match="bad shard"):
         op.execute({"ti": SimpleNamespace(try_number=2), "run_id": "manual__r-bad"})
     assert LocalBackend().describe("r-bad") == []
+
+
+def test_no_relaunch_after_the_runs_deadline(tmp_path: Path, state_dir: Path) -> None:
+    from burstcv.pipeline import TrainingFailed, relaunch
+
+    out = tmp_path / "job"
+    out.mkdir()
+    provisioned = {
+        "backend": "local",
+        "run_key": "r-late",
+        "output_uri": str(out),
+        "max_cost_usd": 5.0,
+        "launch": {"deadline_at": (datetime.now(UTC) - timedelta(seconds=1)).isoformat()},
+    }
+    with pytest.raises(TrainingFailed, match=r"deadline .* has passed; no relaunch"):
+        relaunch(provisioned)
+    assert LocalBackend().describe("r-late") == []
