@@ -110,7 +110,8 @@ def running_service(
         "PYTHONPATH": os.pathsep.join(
             [str(REPO_ROOT / "serving"), str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")]
         ),
-        "BURSTCV_SERVING_REGISTRY_URI": str(Path(registry.root).parent),
+        # The registry's root URI: a local folder or s3://bucket/prefix.
+        "BURSTCV_SERVING_REGISTRY_URI": registry.root[: -len(MODEL) - 1],
         "BURSTCV_SERVING_MODEL_NAME": MODEL,
         "BURSTCV_SERVING_ALIAS": alias,
         "BURSTCV_SERVING_PORT": str(port),
