@@ -391,3 +391,41 @@ def test_a_failed_switch_restores_production_and_every_service_goes_back(
         ("restore", PRODUCTION, 2, 1, "moved"),
         ("restore", PREVIOUS, 1, None, "moved"),
     ]
+
+
+def test_deploys_under_load_drop_no_request(registry: Registry, tmp_path: Path) -> None:
+    # The two-phase deploy keeps the hot swap's promise: clients see no failed request and
+    # every answer comes from a version that production named at some moment.
+    versions = [
+        registry.register(str(write_model_dir(tmp_path / f"v{seed}", seed)), {"status": "accepted"})
+        for seed in (2, 3, 4)
+    ]
+    answers: list[tuple[int, int | None, str | None]] = []
+    stop = threading.Event()
+
+    def hammer(url: str) -> None:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            while not stop.is_set():
+                response = client.post("/v1/predict", files={"file": ("x.png", IMAGE, "image/png")})
+                body = response.json() if response.status_code == 200 else {}
+                label = body["predictions"][0]["label"] if body else None
+                answers.append((response.status_code, body.get("version"), label))
+
+    with running_service(registry, tmp_path) as svc:
+        clients = [threading.Thread(target=hammer, args=(svc.url,)) for _ in range(4)]
+        for thread in clients:
+            thread.start()
+        try:
+            for version in versions:
+                time.sleep(0.3)
+                deploy(registry, version, service_urls=[svc.url], token=TOKEN, timeout_s=30)
+                assert svc.version() == version
+            time.sleep(0.3)
+        finally:
+            stop.set()
+            for thread in clients:
+                thread.join()
+    failures = [a for a in answers if a[0] != 200]
+    assert len(answers) > 50 and failures == [], failures[:3]
+    assert {version for _, version, _ in answers} == {1, *versions}
+    assert all(label == str(version % 10) for _, version, label in answers)
