@@ -256,16 +256,13 @@ def promote(
     command exits 1 with the refusing service's own reason, on one line.
     """
     from burstcv.registry.deploy import DeployError, deploy
-    from burstcv.registry.registry import Registry, RegistryError
+    from burstcv.registry.registry import Registry, RegistryError, RejectedVersionError
     from burstcv.settings import get_settings
 
     _setup_logging()
     s = get_settings()
     registry = Registry(s.registry_uri, s.model_name)
     try:
-        entry = registry.entry(version)
-        if entry.get("status") == "rejected" and not force:
-            raise _fail(f"version {version} was rejected: {entry.get('reason')} (use --force)")
         result = deploy(
             registry,
             version,
@@ -275,6 +272,8 @@ def promote(
             force=force,
             actor=_cli_actor(),
         )
+    except RejectedVersionError as exc:
+        raise _fail(f"{exc} (use --force)") from None
     except (RegistryError, DeployError) as exc:
         raise _fail(str(exc)) from None
     typer.echo(f"production -> version {result.version} (was {result.previous_version})")

@@ -116,6 +116,12 @@ def test_concurrent_registrations_and_promotions_stay_consistent(tmp_path: Path)
     ]  # no temp files left behind
 
 
+def version_of(reg: Registry, alias: str) -> int | None:
+    """Return the version an alias names, or None."""
+    value = reg.get_alias(alias)
+    return value.version if value else None
+
+
 def _events(reg: Registry) -> list[tuple[object, ...]]:
     return [(e["actor"], e["alias"], e["from"], e["to"], e["result"]) for e in reg.history()]
 
@@ -135,17 +141,17 @@ def check_compare_and_swap(reg: Registry) -> None:
     reg.promote(2, expect=1, actor="op-a")
     with pytest.raises(AliasConflictError, match="production holds version 2, not version 1"):
         reg.promote(3, expect=1, actor="op-b")
-    assert reg.get_alias(PRODUCTION).version == 2 and reg.get_alias(PREVIOUS).version == 1
+    assert version_of(reg, PRODUCTION) == 2 and version_of(reg, PREVIOUS) == 1
     # A deploy that wrote 2 and must undo it finds 3 there (a newer move): it leaves it.
     reg.promote(3, actor="op-c")
     with reg.aliases_locked("deploy-of-2") as writer:
         restored = writer.undo(2, production=Alias(1, reg.model_json(1)["sha256"]), previous=None)
     assert restored is False
-    assert reg.get_alias(PRODUCTION).version == 3 and reg.get_alias(PREVIOUS).version == 2
+    assert version_of(reg, PRODUCTION) == 3 and version_of(reg, PREVIOUS) == 2
     # Undoing its own, still current move puts both aliases back.
     with reg.aliases_locked("deploy-of-3") as writer:
-        assert writer.undo(3, production=reg.get_alias(PREVIOUS), previous=Alias(1, "x")) is True
-    assert reg.get_alias(PRODUCTION).version == 2 and reg.get_alias(PREVIOUS).version == 1
+        assert writer.undo(3, production=reg.get_alias(PREVIOUS), previous=Alias(1, "x"))
+    assert version_of(reg, PRODUCTION) == 2 and version_of(reg, PREVIOUS) == 1
     # Rollback is a compare-and-swap as well.
     with pytest.raises(AliasConflictError):
         reg.rollback(expect=3, actor="op-d")

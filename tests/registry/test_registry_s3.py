@@ -9,7 +9,12 @@ from pathlib import Path
 import boto3
 import pytest
 from moto.server import ThreadedMotoServer
-from test_registry import check_compare_and_swap, make_model_dir, registry_with_three
+from test_registry import (
+    check_compare_and_swap,
+    make_model_dir,
+    registry_with_three,
+    version_of,
+)
 
 from burstcv.bench.latency import free_port
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Alias, Registry, _conditional_write
@@ -79,4 +84,4 @@ def test_a_writer_whose_lease_was_taken_over_cannot_overwrite_a_newer_alias(
     assert _conditional_write(reg.alias_uri(PRODUCTION), value, stale_etag) is False
     assert _conditional_write(reg.alias_uri("candidate"), value, None) is True
     assert _conditional_write(reg.alias_uri("candidate"), value, None) is False  # exists now
-    assert reg.get_alias(PRODUCTION).version == 2
+    assert version_of(reg, PRODUCTION) == 2

@@ -185,7 +185,7 @@ def deploy(
             old = aliases.promote(version, expect=expected, action=action)
         except AliasConflictError as exc:
             raise DeployError(
-                f"production was moved to {_name(exc.found)} while version {version} was being "
+                f"{exc.alias} was moved to {_name(exc.found)} while version {version} was being "
                 f"staged; that move was left alone (run the command again to replace it)"
             ) from None
         result = DeployResult(version, old.version if old else None, staged=staged)

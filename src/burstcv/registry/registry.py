@@ -45,6 +45,10 @@ class RegistryError(RuntimeError):
     """Raise when the registry cannot do what was asked (unknown version, no previous, ...)."""
 
 
+class RejectedVersionError(RegistryError):
+    """Raise when a version the gate rejected is to be promoted without force."""
+
+
 class AliasConflictError(RegistryError):
     """Raise when an alias no longer holds the version a write expected to replace."""
 
@@ -264,7 +268,7 @@ class Registry:
         """Return a version's entry; raise RegistryError if the gate rejected it (unless forced)."""
         entry = self.entry(version)
         if entry.get("status") == "rejected" and not force:
-            raise RegistryError(
+            raise RejectedVersionError(
                 f"version {version} was rejected by the gate: {entry.get('reason')}"
             )
         return entry
