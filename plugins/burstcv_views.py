@@ -30,6 +30,7 @@ ALIASES = (PRODUCTION, PREVIOUS)
 # The artifact subtrees a browser may read, by the name used in URLs.
 ARTIFACT_TREES = {"data-docs": ("dataset", "data_docs"), "report": ("report",)}
 _SAFE_SEGMENT = re.compile(r"^[A-Za-z0-9._+@=,-]+$")
+HISTORY_ROWS = 50  # newest alias events on the page; `burstcv models --history` shows more
 
 ICON_SVG = (
     '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24" fill="none" '
@@ -107,6 +108,7 @@ def model_versions(settings: Settings) -> dict[str, Any]:
         "registry_uri": settings.registry_uri,
         "aliases": alias_versions,
         "versions": rows,
+        "history": list(reversed(registry.history(limit=HISTORY_ROWS))),  # newest first
     }
 
 
@@ -256,6 +258,25 @@ def render_page(models: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         )
         or '<tr><td colspan="6">no runs yet</td></tr>'
     )
+
+    def moved(version: Any) -> str:
+        return "–" if version is None else str(int(version))
+
+    history_rows = (
+        "".join(
+            "<tr>"
+            f"<td>{e(str(h.get('at', '')))}</td>"
+            f"<td>{e(str(h.get('actor', '')))}</td>"
+            f"<td>{e(str(h.get('action', '')))}</td>"
+            f"<td>{e(str(h.get('alias', '')))}</td>"
+            f"<td>{moved(h.get('from'))} → {moved(h.get('to'))}</td>"
+            f'<td class="{e(str(h.get("result", "")))}">{e(str(h.get("result", "")))}</td>'
+            f"<td>{e(str(h.get('detail', '')))}</td>"
+            "</tr>"
+            for h in models.get("history", [])
+        )
+        or '<tr><td colspan="7">no alias moves recorded yet</td></tr>'
+    )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>burstcv models</title>
 <style>
@@ -263,7 +284,8 @@ body {{ font-family: system-ui, sans-serif; margin: 1.5rem; color: #1a202c; }}
 table {{ border-collapse: collapse; margin-bottom: 2rem; }}
 th, td {{ border-bottom: 1px solid #e2e8f0; padding: .35rem .8rem; text-align: left; }}
 th {{ background: #f7fafc; }}
-td.accepted {{ color: #2f855a; }} td.rejected {{ color: #c53030; }}
+td.accepted, td.moved {{ color: #2f855a; }}
+td.rejected, td.refused, td.conflict {{ color: #c53030; }}
 code {{ background: #edf2f7; padding: 0 .25rem; }}
 </style></head><body>
 <h1>burstcv: model <code>{e(models["model"])}</code></h1>
@@ -274,6 +296,11 @@ code {{ background: #edf2f7; padding: 0 .25rem; }}
 <table id="versions"><thead><tr><th>version</th><th>status</th><th>accuracy</th>
 <th>p95 latency</th><th>alias</th><th>gate</th><th></th></tr></thead>
 <tbody>{version_rows}</tbody></table>
+<h2>Alias history</h2>
+<p>Every move of an alias, and every deploy refused or left alone, newest first.</p>
+<table id="history"><thead><tr><th>at</th><th>by</th><th>action</th><th>alias</th>
+<th>move</th><th>result</th><th>detail</th></tr></thead>
+<tbody>{history_rows}</tbody></table>
 <h2>Runs and what they cost</h2>
 <table id="runs"><thead><tr><th>run</th><th>backend</th><th>cost</th><th>version</th>
 <th>verdict</th><th>pages</th></tr></thead>

@@ -1,4 +1,9 @@
-"""Keep the serving model current: load the alias's version, hot-swap it, remember failures."""
+"""Keep the serving model current: load the alias's version, hot-swap it, remember failures.
+
+A deploy first *stages* a version: the service loads, verifies and warms it beside the serving
+model without switching, and says so (or why not, in its own words). When the alias then
+names that version, the swap takes the staged model: no load happens after production moves.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +16,14 @@ from starlette.concurrency import run_in_threadpool
 
 from burstcv_serving.metrics import ServiceMetrics
 from burstcv_serving.model import LoadedModel, ModelLoadError, load_model
-from burstcv_serving.registry import ModelSource, SourceError
+from burstcv_serving.registry import ModelRef, ModelSource, SourceError
 from burstcv_serving.settings import Settings
 
 logger = logging.getLogger(__name__)
+
+# Staged models held beside the serving one (each costs a model's memory): two lets two
+# overlapping deploys both stage; an older one is dropped (its switch then loads it again).
+MAX_STAGED = 2
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,9 @@ class ModelManager:
         self._metrics = metrics
         self._current: LoadedModel | None = None
         self._lock = asyncio.Lock()
+        # Staging has its own lock: loading a candidate must not hold up alias polling.
+        self._stage_lock = asyncio.Lock()
+        self._staged: dict[tuple[int | str, str | None], LoadedModel] = {}
         # (version, sha256) pairs that failed: not retried by polling, only by an admin reload.
         self._failed: set[tuple[int | str, str | None]] = set()
         self.last_error: LoadFailure | None = None
@@ -72,16 +84,11 @@ class ModelManager:
             ):
                 return current
             key = (ref.version, ref.expected_sha256)
-            if key in self._failed and not force:
+            staged = self._staged.pop(key, None)
+            if key in self._failed and not force and staged is None:
                 return current
             try:
-                model = await run_in_threadpool(
-                    load_model,
-                    ref,
-                    intra_op_threads=self._settings.intra_op_threads,
-                    max_batch_size=self._settings.max_batch_size,
-                    spinning=self._settings.intra_op_spinning,
-                )
+                model = staged if staged is not None else await run_in_threadpool(self._load, ref)
             except ModelLoadError as exc:
                 self._failed.add(key)
                 self._metrics.model_loads.labels(outcome="failed").inc()
@@ -100,6 +107,48 @@ class ModelManager:
                 "nothing" if current is None else f"version {current.version}",
             )
             return model
+
+    async def stage(self, version: int, sha256: str | None) -> tuple[LoadedModel, bool]:
+        """Load, verify and warm ``version`` beside the serving model, without switching.
+
+        Return the model and whether it was loaded now (False: already staged or serving).
+        Raise SourceError when this service cannot name registry versions, ModelLoadError
+        (the service's reason) when the version cannot serve.
+        """
+        ref = self._source.ref_for(version, sha256)
+        key = (ref.version, ref.expected_sha256)
+        current = self._current
+        if current is not None and current.version == version and sha256 in (None, current.sha256):
+            return current, False
+        async with self._stage_lock:
+            if key in self._staged:
+                return self._staged[key], False
+            try:
+                model = await run_in_threadpool(self._load, ref)
+            except ModelLoadError:
+                self._metrics.model_loads.labels(outcome="failed").inc()
+                raise
+            self._staged[key] = model
+            while len(self._staged) > MAX_STAGED:
+                dropped = next(iter(self._staged))
+                del self._staged[dropped]
+                logger.info("dropped staged version %s to stage %s", dropped[0], version)
+            logger.info(
+                "staged version %s (sha256 %s…), ready to switch", version, model.sha256[:12]
+            )
+            return model, True
+
+    def staged_versions(self) -> list[int | str]:
+        """Return the versions staged now, oldest first."""
+        return [version for version, _ in self._staged]
+
+    def _load(self, ref: ModelRef) -> LoadedModel:
+        return load_model(
+            ref,
+            intra_op_threads=self._settings.intra_op_threads,
+            max_batch_size=self._settings.max_batch_size,
+            spinning=self._settings.intra_op_spinning,
+        )
 
     async def poll_forever(self, interval_s: float) -> None:
         """Check the alias every ``interval_s`` seconds until cancelled."""

@@ -40,6 +40,10 @@ class ModelSource(Protocol):
         """Return the version that should serve, or raise SourceError."""
         ...
 
+    def ref_for(self, version: int, sha256: str | None) -> ModelRef:
+        """Return where a given version's files are (to stage it), or raise SourceError."""
+        ...
+
 
 def is_s3(uri: str) -> bool:
     """Return True for an ``s3://`` URI."""
@@ -100,9 +104,13 @@ class RegistrySource:
         if isinstance(version, bool) or not isinstance(version, int) or version <= 0:
             raise SourceError(f"alias file {self.alias_uri} has no positive integer 'version'")
         sha = alias.get("sha256")
+        return self.ref_for(version, str(sha) if sha else None)
+
+    def ref_for(self, version: int, sha256: str | None) -> ModelRef:
+        """Return the registry folder of ``version``, to be checked against ``sha256``."""
         return ModelRef(
             version=version,
-            expected_sha256=str(sha) if sha else None,
+            expected_sha256=sha256,
             location=join(self.registry_uri, self.name, "versions", str(version)),
         )
 
@@ -131,4 +139,11 @@ class DirectorySource:
             version=version,
             expected_sha256=str(sha) if sha else None,
             location=self.model_dir,
+        )
+
+    def ref_for(self, version: int, sha256: str | None) -> ModelRef:
+        """Refuse: this service serves one fixed directory and has no versions to stage."""
+        raise SourceError(
+            f"this service serves the {self.description}, not a registry alias; "
+            f"it cannot stage version {version}"
         )

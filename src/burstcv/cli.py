@@ -190,14 +190,58 @@ def predict(
     _print_json(body)
 
 
+def _cli_actor() -> str:
+    """Name who moves an alias from the command line, for the registry's history."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no login name (a container's anonymous uid)
+        user = f"uid{os.getuid()}"
+    # The pid tells two commands by one operator apart in the history.
+    return f"cli:{user}@{socket.gethostname()}:{os.getpid()}"
+
+
+def _service_urls(serving_url: str) -> list[str]:
+    return [u.strip().rstrip("/") for u in serving_url.split(",") if u.strip()]
+
+
 @app.command()
-def models() -> None:
+def models(
+    history: Annotated[
+        bool, typer.Option("--history", help="show the alias history (who moved what, when)")
+    ] = False,
+    limit: Annotated[int, typer.Option(help="newest history events to show")] = 50,
+) -> None:
     """List the registered versions with their status, figures and aliases."""
-    from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry
+    from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, RegistryError
     from burstcv.settings import get_settings
 
     s = get_settings()
     registry = Registry(s.registry_uri, s.model_name)
+    if history:
+        try:
+            events = registry.history(limit=limit)
+        except RegistryError as exc:
+            raise _fail(str(exc)) from None
+        if not events:
+            typer.echo(f"no alias moves recorded for {s.model_name} in {s.registry_uri}")
+            return
+        typer.echo(
+            f"{'at':<27} {'actor':<24} {'action':<8} {'alias':<10} {'from':>4} {'to':>4}  "
+            "result    detail"
+        )
+        for event in events:
+            moved_from, moved_to = event.get("from"), event.get("to")
+            typer.echo(
+                f"{event.get('at', ''):<27} {event.get('actor', ''):<24} "
+                f"{event.get('action', ''):<8} {event.get('alias', ''):<10} "
+                f"{'-' if moved_from is None else moved_from:>4} "
+                f"{'-' if moved_to is None else moved_to:>4}  "
+                f"{event.get('result', ''):<9} {event.get('detail', '')}".rstrip()
+            )
+        return
     aliases = {name: registry.get_alias(name) for name in (PRODUCTION, PREVIOUS)}
     rows = registry.versions()
     if not rows:
@@ -222,27 +266,30 @@ def promote(
     version: Annotated[int, typer.Argument(help="registered version to serve")],
     force: Annotated[bool, typer.Option(help="promote even if the gate rejected it")] = False,
 ) -> None:
-    """Point production at a version (gate-accepted unless --force) and verify the services."""
+    """Stage a version on the services, then point production at it (gate-accepted unless --force).
+
+    Production moves only once every service has loaded and warmed the version; otherwise the
+    command exits 1 with the refusing service's own reason, on one line.
+    """
     from burstcv.registry.deploy import DeployError, deploy
-    from burstcv.registry.registry import Registry, RegistryError
+    from burstcv.registry.registry import Registry, RegistryError, RejectedVersionError
     from burstcv.settings import get_settings
 
     _setup_logging()
     s = get_settings()
     registry = Registry(s.registry_uri, s.model_name)
     try:
-        entry = registry.entry(version)
-        if entry.get("status") == "rejected" and not force:
-            raise _fail(f"version {version} was rejected: {entry.get('reason')} (use --force)")
-        urls = [u.strip() for u in s.serving_url.split(",") if u.strip()]
         result = deploy(
             registry,
             version,
-            service_urls=urls,
+            service_urls=_service_urls(s.serving_url),
             token=s.serving_admin_token,
             timeout_s=s.deploy_verify_timeout_s,
             force=force,
+            actor=_cli_actor(),
         )
+    except RejectedVersionError as exc:
+        raise _fail(f"{exc} (use --force)") from None
     except (RegistryError, DeployError) as exc:
         raise _fail(str(exc)) from None
     typer.echo(f"production -> version {result.version} (was {result.previous_version})")
@@ -250,8 +297,9 @@ def promote(
 
 @app.command()
 def rollback() -> None:
-    """Point production back at the previous version."""
-    from burstcv.registry.deploy import notify_and_verify
+    """Point production back at the previous version (staged on the services first)."""
+    from burstcv.registry.deploy import DeployError
+    from burstcv.registry.deploy import rollback as rollback_deploy
     from burstcv.registry.registry import Registry, RegistryError
     from burstcv.settings import get_settings
 
@@ -259,14 +307,16 @@ def rollback() -> None:
     s = get_settings()
     registry = Registry(s.registry_uri, s.model_name)
     try:
-        old, new = registry.rollback()
-    except RegistryError as exc:
+        result = rollback_deploy(
+            registry,
+            service_urls=_service_urls(s.serving_url),
+            token=s.serving_admin_token,
+            timeout_s=s.deploy_verify_timeout_s,
+            actor=_cli_actor(),
+        )
+    except (RegistryError, DeployError) as exc:
         raise _fail(str(exc)) from None
-    urls = [u.strip() for u in s.serving_url.split(",") if u.strip()]
-    if urls:
-        seen = notify_and_verify(urls, new, s.serving_admin_token, s.deploy_verify_timeout_s)
-        typer.echo(f"services: {seen}")
-    typer.echo(f"production -> version {new} (was {old})")
+    typer.echo(f"production -> version {result.version} (was {result.previous_version})")
 
 
 @app.command()

@@ -710,7 +710,7 @@ def gate(
 def deploy(
     run_id: str, params: RunParams, verdict: dict[str, Any], settings: Settings | None = None
 ) -> dict[str, Any]:
-    """Point production at the accepted version and verify the services serve it."""
+    """Stage the accepted version on the services, then point production at it and switch."""
     from burstcv.registry.deploy import deploy as deploy_version
     from burstcv.registry.registry import Registry
 
@@ -723,6 +723,7 @@ def deploy(
         service_urls=urls,
         token=s.serving_admin_token,
         timeout_s=s.deploy_verify_timeout_s,
+        actor=f"run:{run_id}",
     )
     return result.to_dict()
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from burstcv.registry.registry import PRODUCTION, Registry
+from burstcv.registry.registry import PRODUCTION, AliasConflictError, Registry
 from burstcv.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,10 +129,33 @@ def test_page_shows_the_versions_and_costs_tables(client: TestClient) -> None:
     assert f'href="runs/{RUN_KEY}/report/index.html"' in page
 
 
+def test_page_shows_the_alias_history_newest_first(client: TestClient, settings: Settings) -> None:
+    registry = Registry(settings.registry_uri, settings.model_name)
+    registry.promote(2, force=True, actor="cli:alice@box:41")
+    with pytest.raises(AliasConflictError):
+        registry.promote(1, expect=1, actor="run:<manual>")  # production holds 2 by now
+    history = client.get("/api/models").json()["history"]
+    assert [(h["actor"], h["alias"], h["from"], h["to"], h["result"]) for h in history] == [
+        ("run:<manual>", PRODUCTION, 1, 1, "conflict"),
+        ("cli:alice@box:41", "previous", None, 1, "moved"),
+        ("cli:alice@box:41", PRODUCTION, 1, 2, "moved"),
+        ("api", PRODUCTION, None, 1, "moved"),
+    ]
+    page = client.get("/").text
+    table = page[page.index('<table id="history">') :]
+    assert (
+        table.index("run:&lt;manual&gt;")
+        < table.index("cli:alice@box:41")
+        < table.index("<td>api</td>")
+    )
+    assert "<td>1 → 2</td>" in table and "production holds version 2, not version 1" in table
+
+
 def test_page_of_an_empty_store_says_so(tmp_path: Path) -> None:
     empty = Settings(artifact_root=str(tmp_path / "a"), registry_uri=str(tmp_path / "r"))
     page = burstcv_views.render_page(burstcv_views.model_versions(empty), [])
     assert "no versions registered yet" in page and "no runs yet" in page
+    assert "no alias moves recorded yet" in page
 
 
 def test_artifacts_are_served_with_their_media_type(client: TestClient) -> None:

@@ -28,7 +28,7 @@ from onnx import numpy_helper
 
 from burstcv.bench.gate import GateThresholds, judge
 from burstcv.bench.latency import drive, free_port, staging_service, wait_ready
-from burstcv.registry.deploy import DeployError, deploy, notify_and_verify
+from burstcv.registry.deploy import DeployError, deploy, rollback
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, RegistryError
 
 # The serving tests' model builders (real ONNX graphs, model.json as the contract says).
@@ -100,20 +100,25 @@ class Service:
 
 
 @contextlib.contextmanager
-def running_service(registry: Registry, tmp: Path, *, poll_s: float = POLL_S) -> Iterator[Service]:
-    """Run ``python -m burstcv_serving`` on the registry's production alias; stop it after."""
+def running_service(
+    registry: Registry, tmp: Path, *, poll_s: float = POLL_S, alias: str = PRODUCTION
+) -> Iterator[Service]:
+    """Run ``python -m burstcv_serving`` on one of the registry's aliases; stop it after."""
     port = free_port()
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(
             [str(REPO_ROOT / "serving"), str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")]
         ),
-        "BURSTCV_SERVING_REGISTRY_URI": str(Path(registry.root).parent),
+        # The registry's root URI: a local folder or s3://bucket/prefix.
+        "BURSTCV_SERVING_REGISTRY_URI": registry.root[: -len(MODEL) - 1],
         "BURSTCV_SERVING_MODEL_NAME": MODEL,
+        "BURSTCV_SERVING_ALIAS": alias,
         "BURSTCV_SERVING_PORT": str(port),
         "BURSTCV_SERVING_POLL_INTERVAL_S": str(poll_s),
         "BURSTCV_SERVING_ADMIN_TOKEN": TOKEN,
         "BURSTCV_SERVING_INTRA_OP_THREADS": "1",
+        "BURSTCV_SERVING_MAX_BATCH_SIZE": "4",
         "BURSTCV_SERVING_LOG_LEVEL": "warning",
     }
     log_path = tmp / f"service-{port}.log"
@@ -284,14 +289,19 @@ def test_rollback_restores_the_previous_version_in_the_running_service(
     v2 = registry.register(str(write_model_dir(tmp_path / "v2", 2)), {"status": "accepted"})
     deploy(registry, v2, service_urls=[service.url], token=TOKEN, timeout_s=VERIFY_TIMEOUT_S)
     assert service.version() == 2
-    assert registry.rollback() == (2, 1)
-    seen = notify_and_verify([service.url], 1, TOKEN, VERIFY_TIMEOUT_S)
-    assert seen[service.url]["version"] == 1
+    result = rollback(registry, service_urls=[service.url], token=TOKEN, timeout_s=VERIFY_TIMEOUT_S)
+    assert (result.version, result.previous_version) == (1, 2)
+    assert result.services[service.url]["version"] == 1  # confirmed by the reload answer
     assert service.version() == 1 and service.predicted_label() == "1"
     assert aliases(registry) == (1, 2)
+    moves = [(e["action"], e["alias"], e["from"], e["to"], e["result"]) for e in registry.history()]
+    assert moves[-2:] == [
+        ("rollback", PRODUCTION, 2, 1, "moved"),
+        ("rollback", PREVIOUS, 1, 2, "moved"),
+    ]
 
 
-def test_a_version_the_service_cannot_load_is_rolled_back(
+def test_a_version_the_service_cannot_load_never_becomes_production(
     registry: Registry, service: Service, tmp_path: Path
 ) -> None:
     # The registry accepts it (model.json's sha256 matches the bytes); onnxruntime does not.
@@ -299,29 +309,40 @@ def test_a_version_the_service_cannot_load_is_rolled_back(
         str(write_raw_model_dir(tmp_path / "v2", b"this is not an ONNX model")),
         {"status": "accepted"},
     )
-    with pytest.raises(DeployError, match="production alias restored to 1"):
-        deploy(registry, corrupt, service_urls=[service.url], token=TOKEN, timeout_s=FAIL_TIMEOUT_S)
+    started = time.monotonic()
+    with pytest.raises(DeployError) as caught:
+        deploy(registry, corrupt, service_urls=[service.url], token=TOKEN, timeout_s=30)
+    elapsed = time.monotonic() - started
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"{service.url} cannot serve version 2: HTTP 409: version 2 failed")
+    assert "onnxruntime cannot load" in message and message.endswith("left at version 1")
+    assert elapsed < 10, f"the service's refusal took {elapsed:.1f}s to arrive"
     assert aliases(registry) == (1, None)
     info = service.model()
-    assert info["version"] == 1 and info["last_error"]["version"] == corrupt
+    assert info["version"] == 1 and info["last_error"] is None  # the serving state is intact
     assert service.predicted_label() == "1"
+    (refusal,) = registry.history()[-1:]
+    assert (refusal["from"], refusal["to"], refusal["result"]) == (1, 2, "refused")
+    assert "onnxruntime cannot load" in refusal["detail"]
 
 
-def test_an_unreachable_service_fails_the_deploy_and_restores_the_aliases(
+def test_an_unreachable_service_fails_the_deploy_before_production_moves(
     registry: Registry, service: Service, tmp_path: Path
 ) -> None:
     v2 = registry.register(str(write_model_dir(tmp_path / "v2", 2)), {"status": "accepted"})
     nobody = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(DeployError, match=f"{nobody} reported .*ConnectError"):
+    with pytest.raises(DeployError, match=f"{nobody} cannot serve version 2: ConnectError"):
         deploy(
             registry, v2, service_urls=[service.url, nobody], token=TOKEN, timeout_s=FAIL_TIMEOUT_S
         )
     assert aliases(registry) == (1, None)
-    # The reachable service had switched to 2; the restored alias brings it back to 1.
-    deadline = time.monotonic() + 10
-    while service.version() != 1 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    time.sleep(3 * POLL_S)  # several polls: the reachable service staged 2 but never switched
     assert service.version() == 1 and service.predicted_label() == "1"
+    staged = httpx.get(
+        f"{service.url}/v1/admin/staged", headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    assert staged.json() == {"staged": [2], "serving_version": 1}
 
 
 def test_the_reload_call_carries_the_bearer_token(registry: Registry, tmp_path: Path) -> None:
@@ -331,7 +352,7 @@ def test_the_reload_call_carries_the_bearer_token(registry: Registry, tmp_path: 
     with running_service(registry, tmp_path, poll_s=0) as svc:
         deploy(registry, v2, service_urls=[svc.url], token=TOKEN, timeout_s=VERIFY_TIMEOUT_S)
         assert svc.version() == 2
-        with pytest.raises(DeployError, match="production alias restored to 2"):
+        with pytest.raises(DeployError, match="HTTP 401: invalid admin token; production left at"):
             deploy(registry, v3, service_urls=[svc.url], token="wrong", timeout_s=FAIL_TIMEOUT_S)
         assert svc.version() == 2 and svc.predicted_label() == "2"
         assert aliases(registry) == (2, 1)
@@ -339,11 +360,72 @@ def test_the_reload_call_carries_the_bearer_token(registry: Registry, tmp_path: 
         assert refused.status_code == 401
 
 
-def test_a_failed_deploy_tells_every_service_to_go_back(registry: Registry, tmp_path: Path) -> None:
+def test_a_failed_switch_restores_production_and_every_service_goes_back(
+    registry: Registry, tmp_path: Path
+) -> None:
+    # The second service watches another alias: it stages version 2 like any service, but a
+    # reload leaves it on what its alias names, so the switch fails after production moved.
     v2 = registry.register(str(write_model_dir(tmp_path / "v2", 2)), {"status": "accepted"})
-    nobody = f"http://127.0.0.1:{free_port()}"
-    with running_service(registry, tmp_path, poll_s=0) as svc:
-        with pytest.raises(DeployError):
-            deploy(registry, v2, service_urls=[svc.url, nobody], token=TOKEN, timeout_s=1.0)
+    with registry.aliases_locked("test") as writer:
+        writer.swap("canary", expect=None, version=1, action="setup")
+    with (
+        running_service(registry, tmp_path, poll_s=0) as svc,
+        running_service(registry, tmp_path, poll_s=0, alias="canary") as canary,
+    ):
+        with pytest.raises(DeployError) as caught:
+            deploy(registry, v2, service_urls=[svc.url, canary.url], token=TOKEN, timeout_s=10.0)
+        assert str(caught.value) == (
+            f"version 2 failed to switch ({canary.url}: it serves version 1, not 2); "
+            "production restored to version 1"
+        )
         assert aliases(registry) == (1, None)
-        assert svc.version() == 1
+        assert svc.version() == 1 and svc.predicted_label() == "1"  # switched, then went back
+    moves = [
+        (e["action"], e["alias"], e["from"], e["to"], e["result"])
+        for e in registry.history()
+        if e["action"] != "setup"
+    ]
+    assert moves[-4:] == [
+        ("promote", PRODUCTION, 1, 2, "moved"),
+        ("promote", PREVIOUS, None, 1, "moved"),
+        ("restore", PRODUCTION, 2, 1, "moved"),
+        ("restore", PREVIOUS, 1, None, "moved"),
+    ]
+
+
+def test_deploys_under_load_drop_no_request(registry: Registry, tmp_path: Path) -> None:
+    # The two-phase deploy keeps the hot swap's promise: clients see no failed request and
+    # every answer comes from a version that production named at some moment.
+    versions = [
+        registry.register(str(write_model_dir(tmp_path / f"v{seed}", seed)), {"status": "accepted"})
+        for seed in (2, 3, 4)
+    ]
+    answers: list[tuple[int, int | None, str | None]] = []
+    stop = threading.Event()
+
+    def hammer(url: str) -> None:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            while not stop.is_set():
+                response = client.post("/v1/predict", files={"file": ("x.png", IMAGE, "image/png")})
+                body = response.json() if response.status_code == 200 else {}
+                label = body["predictions"][0]["label"] if body else None
+                answers.append((response.status_code, body.get("version"), label))
+
+    with running_service(registry, tmp_path) as svc:
+        clients = [threading.Thread(target=hammer, args=(svc.url,)) for _ in range(4)]
+        for thread in clients:
+            thread.start()
+        try:
+            for version in versions:
+                time.sleep(0.3)
+                deploy(registry, version, service_urls=[svc.url], token=TOKEN, timeout_s=30)
+                assert svc.version() == version
+            time.sleep(0.3)
+        finally:
+            stop.set()
+            for thread in clients:
+                thread.join()
+    failures = [a for a in answers if a[0] != 200]
+    assert len(answers) > 50 and failures == [], failures[:3]
+    assert {version for _, version, _ in answers} == {1, *versions}
+    assert all(label == str((version or 0) % 10) for _, version, label in answers)

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, RegistryError
+from burstcv.registry.registry import (
+    PREVIOUS,
+    PRODUCTION,
+    Alias,
+    AliasConflictError,
+    Registry,
+    RegistryError,
+)
 
 
 def make_model_dir(root: Path, tag: str) -> Path:
@@ -107,3 +114,96 @@ def test_concurrent_registrations_and_promotions_stay_consistent(tmp_path: Path)
         "previous.json",
         "production.json",
     ]  # no temp files left behind
+
+
+def version_of(reg: Registry, alias: str) -> int | None:
+    """Return the version an alias names, or None."""
+    value = reg.get_alias(alias)
+    return value.version if value else None
+
+
+def _events(reg: Registry) -> list[tuple[object, ...]]:
+    return [(e["actor"], e["alias"], e["from"], e["to"], e["result"]) for e in reg.history()]
+
+
+def registry_with_three(root: str, tmp_path: Path) -> Registry:
+    """Return a registry (local folder or S3) with versions 1-3 and production on 1."""
+    reg = Registry(root, "digits")
+    for tag in "abc":
+        reg.register(str(make_model_dir(tmp_path / tag, tag)), {"status": "accepted"})
+    reg.promote(1, actor="setup")
+    return reg
+
+
+def check_compare_and_swap(reg: Registry) -> None:
+    """Assert every alias write names what it replaces, and a stale undo leaves newer moves."""
+    # A write that expects what production no longer holds is refused, and says so.
+    reg.promote(2, expect=1, actor="op-a")
+    with pytest.raises(AliasConflictError, match="production holds version 2, not version 1"):
+        reg.promote(3, expect=1, actor="op-b")
+    assert version_of(reg, PRODUCTION) == 2 and version_of(reg, PREVIOUS) == 1
+    # A deploy that wrote 2 and must undo it finds 3 there (a newer move): it leaves it.
+    reg.promote(3, actor="op-c")
+    with reg.aliases_locked("deploy-of-2") as writer:
+        restored = writer.undo(2, production=Alias(1, reg.model_json(1)["sha256"]), previous=None)
+    assert restored is False
+    assert version_of(reg, PRODUCTION) == 3 and version_of(reg, PREVIOUS) == 2
+    # Undoing its own, still current move puts both aliases back.
+    with reg.aliases_locked("deploy-of-3") as writer:
+        assert writer.undo(3, production=reg.get_alias(PREVIOUS), previous=Alias(1, "x"))
+    assert version_of(reg, PRODUCTION) == 2 and version_of(reg, PREVIOUS) == 1
+    # Rollback is a compare-and-swap as well.
+    with pytest.raises(AliasConflictError):
+        reg.rollback(expect=3, actor="op-d")
+    assert reg.rollback(expect=2, actor="op-d") == (2, 1)
+    assert _events(reg) == [
+        ("setup", PRODUCTION, None, 1, "moved"),
+        ("op-a", PRODUCTION, 1, 2, "moved"),
+        ("op-a", PREVIOUS, None, 1, "moved"),
+        ("op-b", PRODUCTION, 1, 3, "conflict"),
+        ("op-c", PRODUCTION, 2, 3, "moved"),
+        ("op-c", PREVIOUS, 1, 2, "moved"),
+        ("deploy-of-2", PRODUCTION, 2, 1, "left"),
+        ("deploy-of-3", PRODUCTION, 3, 2, "moved"),
+        ("deploy-of-3", PREVIOUS, 2, 1, "moved"),
+        ("op-d", PRODUCTION, 3, 1, "conflict"),
+        ("op-d", PRODUCTION, 2, 1, "moved"),
+        ("op-d", PREVIOUS, 1, 2, "moved"),
+    ]
+    left = reg.history()[6]
+    assert left["action"] == "restore" and "newer move was left alone" in left["detail"]
+
+
+def test_alias_writes_are_compare_and_swap_and_recorded(tmp_path: Path) -> None:
+    check_compare_and_swap(registry_with_three(str(tmp_path / "reg"), tmp_path))
+
+
+def test_models_history_prints_every_move(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    reg = registry_with_three(str(tmp_path / "reg"), tmp_path)
+    reg.promote(2, actor="run:manual__1")
+    with pytest.raises(AliasConflictError):
+        reg.promote(3, expect=1, actor="cli:bob@box:7")
+    src = Path(__file__).resolve().parents[2] / "src"
+    done = subprocess.run(
+        [sys.executable, "-c", "from burstcv.cli import app; app()", "models", "--history"],
+        env={
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(src),
+            "BURSTCV_REGISTRY_URI": str(tmp_path / "reg"),
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split()[:4] == ["at", "actor", "action", "alias"] and len(lines) == 5
+    assert lines[1].split()[1:] == ["setup", "promote", "production", "-", "1", "moved"]
+    assert lines[2].split()[1:] == ["run:manual__1", "promote", "production", "1", "2", "moved"]
+    assert lines[3].split()[1:] == ["run:manual__1", "promote", "previous", "-", "1", "moved"]
+    assert lines[4].split()[1:7] == ["cli:bob@box:7", "promote", "production", "1", "3", "conflict"]
+    assert lines[4].endswith("production holds version 2, not version 1")

@@ -9,10 +9,15 @@ from pathlib import Path
 import boto3
 import pytest
 from moto.server import ThreadedMotoServer
-from test_registry import make_model_dir
+from test_registry import (
+    check_compare_and_swap,
+    make_model_dir,
+    registry_with_three,
+    version_of,
+)
 
 from burstcv.bench.latency import free_port
-from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry
+from burstcv.registry.registry import PREVIOUS, PRODUCTION, Alias, Registry, _conditional_write
 
 
 @pytest.fixture
@@ -60,3 +65,23 @@ def test_concurrent_promotions_on_s3_leave_a_consistent_registry(
     keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="models")["Contents"]]
     assert "registry/digits/aliases/.lock" not in keys  # the lease was released
     assert reg.rollback() == (prod.version, prev.version)
+
+
+def test_alias_writes_on_s3_are_conditional_and_recorded(s3_root: str, tmp_path: Path) -> None:
+    check_compare_and_swap(registry_with_three(f"{s3_root}-cas", tmp_path))
+
+
+def test_a_writer_whose_lease_was_taken_over_cannot_overwrite_a_newer_alias(
+    s3_root: str, tmp_path: Path
+) -> None:
+    reg = registry_with_three(f"{s3_root}-lease", tmp_path)
+    s3 = boto3.client("s3")
+    bucket, _, key = reg.alias_uri(PRODUCTION)[5:].partition("/")
+    stale_etag = s3.head_object(Bucket=bucket, Key=key)["ETag"]
+    # Another writer moves production after this one read it (its lease had expired).
+    reg.promote(2, actor="newer")
+    value = Alias(3, reg.model_json(3)["sha256"], "now", "stale")
+    assert _conditional_write(reg.alias_uri(PRODUCTION), value, stale_etag) is False
+    assert _conditional_write(reg.alias_uri("candidate"), value, None) is True
+    assert _conditional_write(reg.alias_uri("candidate"), value, None) is False  # exists now
+    assert version_of(reg, PRODUCTION) == 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import UTC, datetime
 
 import pytest
 from burstcv_serving.main import create_app
@@ -149,3 +150,76 @@ def test_unreadable_alias_keeps_the_old_model(client: TestClient, registry: Regi
     assert response.status_code == 409
     assert "no positive integer 'version'" in response.json()["detail"]
     assert _served_version(client) == 1
+
+
+def test_stage_loads_a_version_beside_the_serving_one_and_the_switch_uses_it(
+    client: TestClient, registry: Registry
+) -> None:
+    sha = registry.publish(2)
+
+    staged = client.post("/v1/admin/stage", headers=ADMIN, json={"version": 2, "sha256": sha})
+
+    assert staged.status_code == 200
+    assert staged.json() == {"version": 2, "sha256": sha, "loaded_now": True, "serving_version": 1}
+    assert _served_version(client) == 1  # staged, not switched
+    listed = client.get("/v1/admin/staged", headers=ADMIN).json()
+    assert listed == {"staged": [2], "serving_version": 1}
+    again = client.post("/v1/admin/stage", headers=ADMIN, json={"version": 2, "sha256": sha})
+    assert again.json()["loaded_now"] is False  # a second deploy's stage costs nothing
+
+    moved_at = datetime.now(UTC)
+    registry.move_alias(2, sha)
+    assert client.post("/v1/admin/reload", headers=ADMIN).json()["version"] == 2
+
+    assert _served_version(client) == 2
+    # The model serving was loaded and warmed before production moved: the switch loaded nothing.
+    loaded_at = datetime.fromisoformat(client.get("/v1/model").json()["loaded_at"])
+    assert loaded_at < moved_at
+    assert client.get("/v1/admin/staged", headers=ADMIN).json()["staged"] == []
+
+
+@pytest.mark.parametrize(
+    ("publish_bad", "reason"),
+    [
+        (_sha_mismatch, "model.json says"),
+        (_garbage_onnx, "onnxruntime cannot load"),
+        (_wrong_class_count, "for 10 classes"),
+        (_alias_sha_differs, "the alias says"),
+    ],
+    ids=["sha mismatch", "garbage onnx", "wrong output shape", "alias sha"],
+)
+def test_a_version_that_cannot_serve_is_refused_at_stage_in_the_services_words(
+    client: TestClient, registry: Registry, publish_bad: object, reason: str
+) -> None:
+    sha = publish_bad(registry, 2)  # type: ignore[operator]
+
+    response = client.post("/v1/admin/stage", headers=ADMIN, json={"version": 2, "sha256": sha})
+
+    assert response.status_code == 409
+    detail = response.json()["detail"]
+    assert detail.startswith("version 2 failed to load: ") and reason in detail
+    assert detail.endswith("; still serving 1")
+    assert _served_version(client) == 1
+    assert client.get("/v1/model").json()["last_error"] is None  # serving is not affected
+    assert client.get("/v1/admin/staged", headers=ADMIN).json()["staged"] == []
+
+
+def test_stage_refuses_without_the_token_and_with_a_bad_body(
+    client: TestClient, registry: Registry
+) -> None:
+    registry.publish(2)
+    assert client.post("/v1/admin/stage", json={"version": 2}).status_code == 401
+    assert client.get("/v1/admin/staged").status_code == 401
+    bad = client.post("/v1/admin/stage", headers=ADMIN, json={"version": 0})
+    assert bad.status_code == 422 and "version" in bad.json()["detail"]
+    bad_sha = client.post("/v1/admin/stage", headers=ADMIN, json={"version": 2, "sha256": "x"})
+    assert bad_sha.status_code == 422 and "sha256" in bad_sha.json()["detail"]
+    assert client.get("/v1/admin/staged", headers=ADMIN).json()["staged"] == []
+
+
+def test_a_service_on_one_model_directory_cannot_stage(registry: Registry) -> None:
+    settings = make_settings(registry, model_dir=str(registry.version_dir(1)))
+    with TestClient(create_app(settings)) as client:
+        response = client.post("/v1/admin/stage", headers=ADMIN, json={"version": 1})
+    assert response.status_code == 409
+    assert "not a registry alias; it cannot stage version 1" in response.json()["detail"]

@@ -1,4 +1,9 @@
-"""Serve POST /v1/admin/reload: re-read the alias now (bearer token required)."""
+"""Serve the admin calls (bearer token required): reload the alias now, stage a version.
+
+A deploy stages a version on every service first (``POST /v1/admin/stage``: load, verify and
+warm it beside the serving model, no switch), moves the alias only when all of them succeeded,
+then asks each to reload (``POST /v1/admin/reload``), which swaps in the staged model at once.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, Field
 
+from burstcv_serving.model import ModelLoadError
+from burstcv_serving.registry import SourceError
 from burstcv_serving.schemas import ErrorOut, ReloadOut
 from burstcv_serving.state import ServiceDep, SettingsDep
 
@@ -57,4 +65,75 @@ async def reload_model(service: ServiceDep) -> ReloadOut:
         version=model.version,
         previous_version=None if previous is None else previous.version,
         changed=model is not previous,
+    )
+
+
+class StageIn(BaseModel):
+    """Name the registry version to stage and the sha256 its ONNX file must have."""
+
+    version: int = Field(gt=0, description="registry version number")
+    sha256: str | None = Field(
+        default=None,
+        pattern="^[0-9a-f]{64}$",
+        description="sha256 the alias will carry; the file must match it",
+    )
+
+
+class StagedOut(BaseModel):
+    """Say which version is staged (loaded, verified, warmed) and whether this call loaded it."""
+
+    version: int
+    sha256: str
+    loaded_now: bool
+    serving_version: int | str | None
+
+
+@router.post(
+    "/stage",
+    response_model=StagedOut,
+    dependencies=[Depends(require_admin)],
+    responses={
+        401: {"model": ErrorOut, "description": "Missing or wrong bearer token."},
+        409: {"model": ErrorOut, "description": "The version cannot serve here, and why."},
+    },
+)
+async def stage_model(body: StageIn, service: ServiceDep) -> StagedOut:
+    """Load, verify and warm a version beside the serving model without switching to it."""
+    manager = service.manager
+    try:
+        model, loaded_now = await manager.stage(body.version, body.sha256)
+    except (ModelLoadError, SourceError) as exc:
+        serving = manager.current
+        still = "nothing is serving" if serving is None else f"still serving {serving.version}"
+        raise HTTPException(
+            409, detail=f"version {body.version} failed to load: {exc}; {still}"
+        ) from exc
+    serving = manager.current
+    return StagedOut(
+        version=body.version,
+        sha256=model.sha256,
+        loaded_now=loaded_now,
+        serving_version=None if serving is None else serving.version,
+    )
+
+
+class StagedListOut(BaseModel):
+    """List the versions staged now (loaded and warm, waiting for the alias), oldest first."""
+
+    staged: list[int | str]
+    serving_version: int | str | None
+
+
+@router.get(
+    "/staged",
+    response_model=StagedListOut,
+    dependencies=[Depends(require_admin)],
+    responses={401: {"model": ErrorOut, "description": "Missing or wrong bearer token."}},
+)
+async def staged_models(service: ServiceDep) -> StagedListOut:
+    """Say which versions are staged beside the serving model."""
+    serving = service.manager.current
+    return StagedListOut(
+        staged=service.manager.staged_versions(),
+        serving_version=None if serving is None else serving.version,
     )

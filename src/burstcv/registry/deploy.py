@@ -1,21 +1,43 @@
-"""Move the production alias, tell the services, and verify they serve it; else move it back."""
+"""Deploy a registry version in two phases, so production only ever names a version that serves.
+
+1. Stage: every configured service loads, verifies and warms the version beside the model it
+   serves (``POST /v1/admin/stage``), all in parallel. The first refusal ends the deploy with
+   that service's own words, as soon as it arrives; production has not moved.
+2. Switch: under the registry's alias lock, production moves by compare-and-swap from the
+   version read before staging (if someone moved it meanwhile, their move is left alone and the
+   deploy fails saying so), every service is asked to reload (it swaps in the staged, warm
+   model at once) and must answer with the new version. If one does not, production is put
+   back, again by compare-and-swap, and every service is told to reload.
+
+The alias lock is held only for the switch, which moves no model bytes: a version that cannot
+load never reaches production, and no other alias move can slip between this deploy's move and
+its verification. Every move, refusal and conflict lands in the registry's history.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry
+from burstcv.registry.registry import (
+    CURRENT,
+    PREVIOUS,
+    PRODUCTION,
+    AliasConflictError,
+    Current,
+    Registry,
+    RegistryError,
+)
 
 log = logging.getLogger(__name__)
 
 
 class DeployError(RuntimeError):
-    """Raise when a deploy could not be verified; the aliases were restored first."""
+    """Raise when a deploy did not happen; the message is one line saying why, and what moved."""
 
 
 @dataclass
@@ -25,6 +47,7 @@ class DeployResult:
     version: int
     previous_version: int | None
     services: dict[str, Any] = field(default_factory=dict)
+    staged: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
@@ -32,34 +55,89 @@ class DeployResult:
             "version": self.version,
             "previous_version": self.previous_version,
             "services": self.services,
+            "staged": self.staged,
         }
 
 
-def notify_and_verify(
-    urls: list[str], version: int, token: str, timeout_s: float
+def one_line(text: str) -> str:
+    """Collapse whitespace (a service's multi-line error included) into one line."""
+    return " ".join(text.split())
+
+
+def _service_words(response: httpx.Response) -> str:
+    """Return what a service said about a refused call: its ``detail``, else its body."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    detail = body.get("detail") if isinstance(body, dict) else None
+    text = detail if isinstance(detail, str) else response.text or response.reason_phrase
+    return one_line(f"HTTP {response.status_code}: {text}")
+
+
+def _stage_one(
+    url: str, version: int, sha256: str, token: str, timeout_s: float
+) -> tuple[str, dict[str, Any] | None, str]:
+    """Ask one service to stage a version; return (url, its answer or None, why not)."""
+    try:
+        response = httpx.post(
+            f"{url}/v1/admin/stage",
+            json={"version": version, "sha256": sha256},
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout_s,
+        )
+    except httpx.HTTPError as exc:
+        return url, None, one_line(f"{type(exc).__name__}: {exc}")
+    if response.status_code != 200:
+        return url, None, _service_words(response)
+    return url, response.json(), ""
+
+
+def stage_everywhere(
+    urls: list[str], version: int, sha256: str, token: str, timeout_s: float
 ) -> dict[str, Any]:
-    """Ask each service to reload, then wait until its /v1/model reports ``version``."""
+    """Have every service load and warm ``version`` without switching; return their answers.
+
+    Raise DeployError naming the first service that refused and its own words, as soon as
+    that refusal arrives (the other calls are not waited for).
+    """
+    answers: dict[str, Any] = {}
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(urls)))
+    try:
+        futures = [pool.submit(_stage_one, u, version, sha256, token, timeout_s) for u in urls]
+        for future in concurrent.futures.as_completed(futures):
+            url, answer, why = future.result()
+            if answer is None:
+                raise DeployError(f"{url} cannot serve version {version}: {why}")
+            answers[url] = answer
+    finally:
+        # On a refusal the remaining calls finish on their own (bounded by the timeout).
+        pool.shutdown(wait=False, cancel_futures=True)
+    return answers
+
+
+def switch_everywhere(
+    urls: list[str], version: int, token: str, timeout_s: float
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Ask every service to reload the alias; return (answers, why each failed one failed)."""
     seen: dict[str, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=10.0) as client:
+    failed: dict[str, str] = {}
+    with httpx.Client(timeout=timeout_s) as client:
         for url in urls:
             try:
-                client.post(f"{url}/v1/admin/reload", headers={"Authorization": f"Bearer {token}"})
+                response = client.post(
+                    f"{url}/v1/admin/reload", headers={"Authorization": f"Bearer {token}"}
+                )
             except httpx.HTTPError as exc:
-                log.warning("reload request to %s failed (%s); waiting for its poll", url, exc)
-        for url in urls:
-            last: Any = None
-            while time.monotonic() < deadline:
-                try:
-                    response = client.get(f"{url}/v1/model")
-                    last = response.json() if response.status_code == 200 else response.status_code
-                except (httpx.HTTPError, ValueError) as exc:
-                    last = f"{type(exc).__name__}: {exc}"
-                if isinstance(last, dict) and last.get("version") == version:
-                    break
-                time.sleep(0.25)
-            seen[url] = last
-    return seen
+                seen[url] = failed[url] = one_line(f"{type(exc).__name__}: {exc}")
+                continue
+            if response.status_code != 200:
+                seen[url] = failed[url] = _service_words(response)
+                continue
+            seen[url] = answer = response.json()
+            if answer.get("version") != version:
+                failed[url] = f"it serves version {answer.get('version')}, not {version}"
+    return seen, failed
 
 
 def deploy(
@@ -70,31 +148,115 @@ def deploy(
     token: str,
     timeout_s: float,
     force: bool = False,
+    actor: str = "api",
+    action: str = "promote",
+    expect: int | Current | None = CURRENT,
 ) -> DeployResult:
-    """Promote ``version`` and verify every service serves it; restore the aliases if not."""
-    before_prod, before_prev = registry.get_alias(PRODUCTION), registry.get_alias(PREVIOUS)
-    old = registry.promote(version, force=force)
-    result = DeployResult(version=version, previous_version=old.version if old else None)
-    if not service_urls:
-        log.warning("no serving URLs configured: version %d is live in the registry only", version)
-        return result
-    result.services = notify_and_verify(service_urls, version, token, timeout_s)
-    failed = {
-        url: got
-        for url, got in result.services.items()
-        if not (isinstance(got, dict) and got.get("version") == version)
-    }
-    if failed:
-        registry.restore_aliases(before_prod, before_prev)
-        if before_prod is not None:
-            # Every service goes back, not only those that failed: one that already switched
-            # would otherwise serve the undone version until its next poll (or forever).
-            notify_and_verify(service_urls, before_prod.version, token, min(timeout_s, 10.0))
-        detail = "; ".join(f"{url} reported {got!r}" for url, got in failed.items())
-        raise DeployError(
-            f"version {version} was not confirmed within {timeout_s:g}s ({detail}); production "
-            f"alias restored to {before_prod.version if before_prod else 'none'}. Is the service "
-            "running (make serve)? Set BURSTCV_SERVING_URL='' to deploy to the registry only."
+    """Stage ``version`` on every service, then move production to it and switch them.
+
+    ``expect`` is the version production must hold for the move (by default what it holds
+    when the deploy starts). Raise RegistryError for a version the gate rejected (unless
+    ``force``) and DeployError, one line, when the deploy did not happen or was undone.
+    """
+    before = registry.get_alias(PRODUCTION)
+    expected = (before.version if before else None) if isinstance(expect, Current) else expect
+    try:
+        registry.check_promotable(version, force=force)
+    except RegistryError as exc:
+        _record_refusal(registry, actor, action, expected, version, str(exc))
+        raise
+    sha256 = str(registry.model_json(version)["sha256"])
+    urls = [url.rstrip("/") for url in service_urls]
+    staged: dict[str, Any] = {}
+    if urls:
+        try:
+            staged = stage_everywhere(urls, version, sha256, token, timeout_s)
+        except DeployError as exc:
+            _record_refusal(registry, actor, action, expected, version, str(exc))
+            raise DeployError(f"{exc}; production left at {_name(expected)}") from None
+    else:
+        log.warning(
+            "no serving URLs configured: version %d goes live in the registry only", version
         )
-    log.info("version %d serving on %s", version, ", ".join(service_urls))
-    return result
+    with registry.aliases_locked(actor) as aliases:
+        previous_before = aliases.read(PREVIOUS)
+        production_before = aliases.read(PRODUCTION)
+        try:
+            old = aliases.promote(version, expect=expected, action=action)
+        except AliasConflictError as exc:
+            raise DeployError(
+                f"{exc.alias} was moved to {_name(exc.found)} while version {version} was being "
+                f"staged; that move was left alone (run the command again to replace it)"
+            ) from None
+        result = DeployResult(version, old.version if old else None, staged=staged)
+        if not urls:
+            return result
+        result.services, failed = switch_everywhere(urls, version, token, timeout_s)
+        if not failed:
+            log.info("version %d serving on %s", version, ", ".join(urls))
+            return result
+        why = "; ".join(f"{url}: {words}" for url, words in failed.items())
+        if old is not None and old.version == version:
+            raise DeployError(f"version {version} is production but not served: {why}")
+        if aliases.undo(version, production=production_before, previous=previous_before):
+            undone = f"production restored to {_name(expected)}"
+            # Every service goes back, not only those that failed: one that already switched
+            # would otherwise serve the undone version until its next poll.
+            if expected is not None:
+                switch_everywhere(urls, expected, token, timeout_s)
+        else:
+            now = aliases.read(PRODUCTION)
+            undone = (
+                f"production was moved on to {_name(now.version if now else None)} "
+                "meanwhile and was left alone"
+            )
+    raise DeployError(f"version {version} failed to switch ({why}); {undone}")
+
+
+def rollback(
+    registry: Registry,
+    *,
+    service_urls: list[str],
+    token: str,
+    timeout_s: float,
+    actor: str = "api",
+) -> DeployResult:
+    """Deploy the previous version in place of production (staged first, like any deploy)."""
+    current, previous = registry.get_alias(PRODUCTION), registry.get_alias(PREVIOUS)
+    if current is None or previous is None:
+        raise RegistryError(f"{registry.model_name} has no previous version to roll back to")
+    # Forced: the previous version served in production already, whatever its gate said.
+    return deploy(
+        registry,
+        previous.version,
+        service_urls=service_urls,
+        token=token,
+        timeout_s=timeout_s,
+        force=True,
+        actor=actor,
+        action="rollback",
+        expect=current.version,
+    )
+
+
+def _record_refusal(
+    registry: Registry,
+    actor: str,
+    action: str,
+    current: int | None,
+    version: int,
+    why: str,
+) -> None:
+    registry.record(
+        actor=actor,
+        action=action,
+        alias=PRODUCTION,
+        from_version=current,
+        to_version=version,
+        result="refused",
+        detail=why,
+    )
+
+
+def _name(version: int | None) -> str:
+    return "nothing" if version is None else f"version {version}"

@@ -6,6 +6,11 @@ exclusively (``mkdir`` locally, a conditional PUT on S3), so two concurrent regi
 share one; aliases move under a lock (locally ``flock``, on S3 a lease object taken with
 conditional PUTs), written whole (rename locally, one PUT on S3), so a reader never sees a
 half-written alias.
+
+Every alias write is a compare-and-swap: it names the version it expects to replace and fails
+(AliasConflictError) when the alias holds anything else; on S3 the PUT itself is conditional on
+the ETag read, so even a writer whose lease was taken over cannot lose another's move. Each
+move, refusal and conflict is appended to ``<root>/<model>/history/`` (one JSON file per event).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import fcntl
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,10 +37,34 @@ PREVIOUS = "previous"
 S3_LEASE_S = 60.0  # an S3 alias lock older than this belongs to a dead writer
 S3_LOCK_WAIT_S = 120.0
 _CONDITION_FAILED = ("PreconditionFailed", "ConditionalRequestConflict")
+HISTORY_SCHEMA_VERSION = 1
+DEFAULT_ACTOR = "api"
 
 
 class RegistryError(RuntimeError):
     """Raise when the registry cannot do what was asked (unknown version, no previous, ...)."""
+
+
+class RejectedVersionError(RegistryError):
+    """Raise when a version the gate rejected is to be promoted without force."""
+
+
+class AliasConflictError(RegistryError):
+    """Raise when an alias no longer holds the version a write expected to replace."""
+
+    def __init__(self, alias: str, expected: int | None, found: int | None) -> None:
+        self.alias, self.expected, self.found = alias, expected, found
+        super().__init__(
+            f"{alias} holds {_name(found)}, not {_name(expected)}: it was moved meanwhile, "
+            "so it was left alone"
+        )
+
+
+class Current:
+    """Say "whatever the alias holds when the lock is taken" (the default expectation)."""
+
+
+CURRENT = Current()
 
 
 @dataclass(frozen=True)
@@ -44,10 +74,16 @@ class Alias:
     version: int
     sha256: str
     updated_at: str = ""
+    updated_by: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form stored in aliases/<name>.json."""
-        return {"version": self.version, "sha256": self.sha256, "updated_at": self.updated_at}
+        return {
+            "version": self.version,
+            "sha256": self.sha256,
+            "updated_at": self.updated_at,
+            "updated_by": self.updated_by,
+        }
 
 
 class Registry:
@@ -161,11 +197,16 @@ class Registry:
     # -- aliases ---------------------------------------------------------------------------
     def get_alias(self, alias: str) -> Alias | None:
         """Return where an alias points, or None if it was never set."""
-        try:
-            data = storage.read_json(self.alias_uri(alias))
-        except storage.ArtifactNotFoundError:
-            return None
-        return Alias(int(data["version"]), str(data["sha256"]), str(data.get("updated_at", "")))
+        return _read_alias(self.alias_uri(alias))[0]
+
+    @contextlib.contextmanager
+    def aliases_locked(self, actor: str = DEFAULT_ACTOR) -> Iterator[AliasWriter]:
+        """Hold the alias lock and yield the one object that may move aliases meanwhile.
+
+        Every move it makes is a compare-and-swap recorded in the history under ``actor``.
+        """
+        with self._alias_lock():
+            yield AliasWriter(self, actor)
 
     @contextlib.contextmanager
     def _alias_lock(self) -> Iterator[None]:
@@ -187,7 +228,9 @@ class Registry:
         """Hold aliases/.lock on S3: created with a conditional PUT (If-None-Match: *).
 
         A lease older than S3_LEASE_S (its holder died) is taken over with a PUT conditional
-        on the stale lease's ETag, so two waiters can never both take it.
+        on the stale lease's ETag, so two waiters can never both take it. The alias writes
+        made under the lease are conditional too, so even a holder that outlived its lease
+        cannot overwrite a move it did not see.
         """
         bucket, _, key = storage.join(self.root, "aliases", ".lock")[5:].partition("/")
         client = storage.s3_client()
@@ -221,57 +264,280 @@ class Registry:
         finally:
             client.delete_object(Bucket=bucket, Key=key)
 
-    def _write_alias(self, alias: str, version: int) -> Alias:
-        sha = self.model_json(version)["sha256"]
-        value = Alias(version, sha, lineage.utc_now_iso())
-        storage.write_json(self.alias_uri(alias), value.to_dict())
-        return value
+    def check_promotable(self, version: int, *, force: bool = False) -> dict[str, Any]:
+        """Return a version's entry; raise RegistryError if the gate rejected it (unless forced)."""
+        entry = self.entry(version)
+        if entry.get("status") == "rejected" and not force:
+            raise RejectedVersionError(
+                f"version {version} was rejected by the gate: {entry.get('reason')}"
+            )
+        return entry
 
-    def promote(self, version: int, *, force: bool = False) -> Alias | None:
+    def promote(
+        self,
+        version: int,
+        *,
+        force: bool = False,
+        expect: int | Current | None = CURRENT,
+        actor: str = DEFAULT_ACTOR,
+    ) -> Alias | None:
         """Point production at a version and previous at what production was; return the old one.
 
         A version the gate rejected is refused unless ``force`` (an operator's explicit call).
+        ``expect`` names the version production must still hold (None: unset), else
+        AliasConflictError; by default whatever it holds when the lock is taken.
         """
-        entry = self.entry(version)
-        if entry.get("status") == "rejected" and not force:
-            raise RegistryError(
-                f"version {version} was rejected by the gate: {entry.get('reason')}"
-            )
-        with self._alias_lock():
-            old = self.get_alias(PRODUCTION)
-            if old is not None and old.version == version:
-                return old
-            if old is not None:
-                self._write_alias(PREVIOUS, old.version)
-            self._write_alias(PRODUCTION, version)
-        log.info("%s production: %s -> %d", self.model_name, old.version if old else None, version)
-        return old
+        self.check_promotable(version, force=force)
+        with self.aliases_locked(actor) as aliases:
+            return aliases.promote(version, expect=expect)
 
-    def set_production(self, version: int) -> None:
-        """Point production at a version without touching previous (used to undo a deploy)."""
-        with self._alias_lock():
-            self._write_alias(PRODUCTION, version)
-
-    def restore_aliases(self, production: Alias | None, previous: Alias | None) -> None:
-        """Put both aliases back exactly as they were (after a failed deploy)."""
-        with self._alias_lock():
-            for name, value in ((PRODUCTION, production), (PREVIOUS, previous)):
-                if value is None:
-                    if storage.is_s3(self.alias_uri(name)):
-                        bucket, _, key = self.alias_uri(name)[5:].partition("/")
-                        storage.s3_client().delete_object(Bucket=bucket, Key=key)
-                    else:
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(self.alias_uri(name))
-                else:
-                    storage.write_json(self.alias_uri(name), value.to_dict())
-
-    def rollback(self) -> tuple[int, int]:
+    def rollback(
+        self, *, expect: int | Current | None = CURRENT, actor: str = DEFAULT_ACTOR
+    ) -> tuple[int, int]:
         """Swap production and previous; return (from_version, to_version)."""
-        with self._alias_lock():
-            current, previous = self.get_alias(PRODUCTION), self.get_alias(PREVIOUS)
+        with self.aliases_locked(actor) as aliases:
+            current, previous = aliases.read(PRODUCTION), aliases.read(PREVIOUS)
             if previous is None or current is None:
                 raise RegistryError(f"{self.model_name} has no previous version to roll back to")
-            self._write_alias(PRODUCTION, previous.version)
-            self._write_alias(PREVIOUS, current.version)
+            aliases.promote(previous.version, expect=expect, action="rollback")
         return current.version, previous.version
+
+    # -- history ---------------------------------------------------------------------------
+    def history_uri(self) -> str:
+        """Return the folder (or S3 prefix) that holds one JSON file per alias event."""
+        return storage.join(self.root, "history")
+
+    def record(
+        self,
+        *,
+        actor: str,
+        action: str,
+        alias: str,
+        from_version: int | None,
+        to_version: int | None,
+        result: str,
+        detail: str = "",
+    ) -> dict[str, Any]:
+        """Append one event to the alias history and return it.
+
+        Each event is its own file named by its time, so appending never rewrites (or races
+        on) a shared log, on S3 as locally.
+        """
+        event = {
+            "schema_version": HISTORY_SCHEMA_VERSION,
+            "at": lineage.utc_now_iso(),
+            "actor": actor,
+            "action": action,
+            "alias": alias,
+            "from": from_version,
+            "to": to_version,
+            "result": result,
+            "detail": " ".join(detail.split()),
+        }
+        name = f"{_monotonic_ns():020d}-{uuid.uuid4().hex[:8]}.json"
+        storage.write_json(storage.join(self.history_uri(), name), event)
+        return event
+
+    def history(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """Return the alias history, oldest first (only the newest ``limit`` events if given)."""
+        uris = [u for u in storage.list_files(self.history_uri()) if u.endswith(".json")]
+        if limit is not None:
+            uris = uris[-limit:] if limit > 0 else []
+        events = []
+        for uri in uris:
+            try:
+                events.append(storage.read_json(uri))
+            except (storage.ArtifactNotFoundError, ValueError) as exc:
+                raise RegistryError(f"unreadable history event {uri}: {exc}") from exc
+        return events
+
+
+class AliasWriter:
+    """Move aliases while the registry's alias lock is held: compare-and-swap, recorded."""
+
+    def __init__(self, registry: Registry, actor: str) -> None:
+        self.registry = registry
+        self.actor = actor
+
+    def read(self, alias: str) -> Alias | None:
+        """Return where an alias points now."""
+        return self.registry.get_alias(alias)
+
+    def swap(
+        self, alias: str, *, expect: int | None, version: int | None, action: str
+    ) -> Alias | None:
+        """Point ``alias`` at ``version`` (None: remove it) only if it still holds ``expect``.
+
+        Raise AliasConflictError (after recording it) when the alias holds anything else; on
+        S3 the write itself is conditional on the object read, so a writer whose lease was
+        taken over cannot overwrite the newer value either.
+        """
+        uri = self.registry.alias_uri(alias)
+        current, etag = _read_alias(uri)
+        found = current.version if current else None
+        value = (
+            None
+            if version is None
+            else Alias(
+                version,
+                self.registry.model_json(version)["sha256"],
+                lineage.utc_now_iso(),
+                self.actor,
+            )
+        )
+        if found != expect or not _conditional_write(uri, value, etag):
+            if found == expect:  # the conditional write lost: read what won
+                now = self.registry.get_alias(alias)
+                found = now.version if now else None
+            self.registry.record(
+                actor=self.actor,
+                action=action,
+                alias=alias,
+                from_version=expect,
+                to_version=version,
+                result="conflict",
+                detail=f"{alias} holds {_name(found)}, not {_name(expect)}",
+            )
+            raise AliasConflictError(alias, expect, found)
+        self.registry.record(
+            actor=self.actor,
+            action=action,
+            alias=alias,
+            from_version=expect,
+            to_version=version,
+            result="moved",
+        )
+        return value
+
+    def promote(
+        self, version: int, *, expect: int | Current | None = CURRENT, action: str = "promote"
+    ) -> Alias | None:
+        """Point production at ``version`` and previous at what production held; return that.
+
+        Nothing moves if production already holds ``version``.
+        """
+        old = self.read(PRODUCTION)
+        old_version = old.version if old else None
+        if not isinstance(expect, Current) and old_version != expect:
+            self.swap(PRODUCTION, expect=expect, version=version, action=action)  # records, raises
+        if old_version == version:
+            return old
+        self.swap(PRODUCTION, expect=old_version, version=version, action=action)
+        if old is not None:
+            before = self.read(PREVIOUS)
+            self.swap(
+                PREVIOUS,
+                expect=before.version if before else None,
+                version=old.version,
+                action=action,
+            )
+        log.info("%s production: %s -> %d", self.registry.model_name, old_version, version)
+        return old
+
+    def undo(self, wrote: int, *, production: Alias | None, previous: Alias | None) -> bool:
+        """Put production (and previous) back as they were, only if production still holds
+        ``wrote``; return False, leaving the newer state alone, when something moved it since.
+        """
+        current = self.read(PRODUCTION)
+        if current is None or current.version != wrote:
+            self.registry.record(
+                actor=self.actor,
+                action="restore",
+                alias=PRODUCTION,
+                from_version=wrote,
+                to_version=production.version if production else None,
+                result="left",
+                detail=(
+                    f"production holds {_name(current.version if current else None)}, not "
+                    f"{wrote}: a newer move was left alone"
+                ),
+            )
+            return False
+        self.swap(
+            PRODUCTION,
+            expect=wrote,
+            version=production.version if production else None,
+            action="restore",
+        )
+        now_previous = self.read(PREVIOUS)
+        if production is not None and now_previous and now_previous.version == production.version:
+            self.swap(
+                PREVIOUS,
+                expect=production.version,
+                version=previous.version if previous else None,
+                action="restore",
+            )
+        return True
+
+
+def _name(version: int | None) -> str:
+    return "nothing" if version is None else f"version {version}"
+
+
+_last_ns = 0
+_ns_lock = threading.Lock()
+
+
+def _monotonic_ns() -> int:
+    """Return wall-clock nanoseconds, strictly increasing within this process."""
+    global _last_ns
+    with _ns_lock:
+        _last_ns = max(time.time_ns(), _last_ns + 1)
+        return _last_ns
+
+
+def _read_alias(uri: str) -> tuple[Alias | None, str | None]:
+    """Return an alias file's value and, on S3, the ETag a conditional write must match."""
+    if storage.is_s3(uri):
+        bucket, _, key = uri[5:].partition("/")
+        client = storage.s3_client()
+        try:
+            response = client.get_object(Bucket=bucket, Key=key)
+        except client.exceptions.NoSuchKey:
+            return None, None
+        data, etag = json.loads(response["Body"].read()), str(response["ETag"])
+    else:
+        try:
+            data, etag = storage.read_json(uri), None
+        except storage.ArtifactNotFoundError:
+            return None, None
+    try:
+        value = Alias(
+            int(data["version"]),
+            str(data["sha256"]),
+            str(data.get("updated_at", "")),
+            str(data.get("updated_by", "")),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RegistryError(f"alias file {uri} is malformed: {exc}") from exc
+    return value, etag
+
+
+def _conditional_write(uri: str, value: Alias | None, etag: str | None) -> bool:
+    """Write (or remove, for None) an alias file; on S3 only if it is still ``etag``.
+
+    ``etag`` None means the object must not exist. Return False when the condition failed.
+    Locally the caller's flock already excludes every other writer.
+    """
+    if not storage.is_s3(uri):
+        if value is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(uri)
+        else:
+            storage.write_json(uri, value.to_dict())
+        return True
+    bucket, _, key = uri[5:].partition("/")
+    client = storage.s3_client()
+    condition = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
+    try:
+        if value is None:
+            if etag is not None:
+                client.delete_object(Bucket=bucket, Key=key, IfMatch=etag)
+        else:
+            body = (json.dumps(value.to_dict(), indent=2, sort_keys=True) + "\n").encode()
+            client.put_object(Bucket=bucket, Key=key, Body=body, **condition)
+    except client.exceptions.ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in _CONDITION_FAILED:
+            return False
+        raise
+    return True
