@@ -21,6 +21,14 @@ PY=.venv/bin/python
 $PY -c "import torch; assert torch.cuda.is_available(), 'torch sees no CUDA'; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
   || { echo "gpu_check: torch cannot use the GPU"; exit 2; }
 
+# The training box's preflight, as a GPU box runs it: CUDA required, the driver against
+# torch's CUDA build, the GPU count (BURSTCV_INSTANCE_TYPE names the EC2 type, if any).
+if $PY -c "import sys; from burstcv.training.preflight import run_checks; f = run_checks(True, sys.argv[1] or None); print(f.summary()); sys.exit(not f.ok)" "${BURSTCV_INSTANCE_TYPE:-}"; then
+  summary+=("preflight: PASS")
+else
+  summary+=("preflight: FAIL")
+fi
+
 if timeout 300 $PY -m pytest -q -m cuda tests/training -p no:cacheprovider; then
   summary+=("cuda tests: PASS")
 else
