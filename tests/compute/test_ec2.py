@@ -63,14 +63,17 @@ def wait_outcome(backend: Ec2Backend, run_id: str, timeout_s: float = 30.0) -> s
 def inject_run_errors(
     backend: Ec2Backend, refuse: Callable[[str, str], str | None]
 ) -> list[tuple[str, str]]:
-    """Make RunInstances fail with the code ``refuse(type, market)`` returns; log every try.
+    """Make real RunInstances calls fail with the code ``refuse(type, market)`` returns; log each.
 
     A botocore event hook on the backend's real client: the request never reaches the
-    emulator when refused, exactly as EC2 answers a capacity shortage.
+    emulator when refused, exactly as EC2 answers a capacity shortage (which a dry run,
+    checking only permissions and parameters, does not see).
     """
     attempts: list[tuple[str, str]] = []
 
     def before_run_instances(params: dict[str, Any], **_: Any) -> None:
+        if params.get("DryRun"):
+            return
         market = "spot" if "InstanceMarketOptions" in params else "on-demand"
         attempts.append((params["InstanceType"], market))
         code = refuse(params["InstanceType"], market)
