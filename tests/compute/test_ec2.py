@@ -123,15 +123,16 @@ def test_plan_tries_spot_on_every_type_before_on_demand() -> None:
 
 
 def test_launch_spells_out_every_safe_default(
-    backend: Ec2Backend, ec2_client: Any, player: Any, aws: str, kit: Any
+    backend: Ec2Backend, ec2_client: Any, player: Any, audited_calls: Any, kit: Any
 ) -> None:
     run_id = "safe-defaults"
     player.modes[run_id] = kit.HOLD
     before = time.time()
     ids = backend.launch(request(run_id))
 
-    # The provider's hook really talks to the emulator: the test's own client sees the box.
-    assert backend.client.meta.endpoint_url == aws
+    # The provider's hook really talks to the emulator (through the recording proxy of the
+    # call audit): the test's own client sees the box.
+    assert backend.client.meta.endpoint_url == audited_calls.url
     assert len(ids) == 1
     inst = the_instance(ec2_client, ids[0])
     ssm = boto3.client("ssm", region_name="us-east-1")
