@@ -184,11 +184,29 @@ def burstcv_pipeline() -> None:
         params: dict[str, Any] | None = None,
         run_id: str | None = None,
         dag: Any = None,
+        ti: Any = None,
     ) -> dict[str, Any]:
         """Write job.json and start the training box(es), tagged with this run."""
         from burstcv import pipeline
 
-        return pipeline.provision(str(run_id), dag.dag_id, _params(params or {}), packed, SETTINGS)
+        return pipeline.provision(
+            str(run_id),
+            dag.dag_id,
+            _params(params or {}),
+            packed,
+            SETTINGS,
+            attempt=int(getattr(ti, "try_number", 1) or 1),
+        )
+
+    # Airflow runs no teardown for a setup that failed (or whose worker died): this does.
+    @task(execution_timeout=timedelta(minutes=30), trigger_rule="one_failed", **SAFE_RETRY)
+    def clean_up_failed_provision(
+        params: dict[str, Any] | None = None, run_id: str | None = None
+    ) -> list[str]:
+        """Terminate every box tagged with this run when provision failed."""
+        from burstcv import pipeline
+
+        return pipeline.clean_up_provision(str(run_id), _params(params or {}).compute_backend)
 
     @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
     def terminate(provisioned: dict[str, Any]) -> dict[str, Any]:
@@ -278,6 +296,9 @@ def burstcv_pipeline() -> None:
     )
     teardown = terminate(provisioned).as_teardown(setups=provisioned)
     provisioned >> trained >> teardown
+    # Hung on train (upstream_failed when provision failed): a setup's own downstream tasks
+    # must wait for its success. It also runs, harmlessly, when training failed.
+    trained >> clean_up_failed_provision()
     exported = export(packed, trained.output, validated)
     bench = benchmark(exported, packed, validated)
     verdict = gate(exported, bench)
