@@ -68,16 +68,16 @@ SPOT_ROLE_ERRORS = frozenset({"AuthFailure.ServiceLinkedRoleCreationNotPermitted
 NEXT_OPTION_ERRORS = CAPACITY_ERRORS | SPOT_ROLE_ERRORS
 # Dry-run refusals that mean "this identity may not", as opposed to a wrong parameter.
 _PERMISSION_ERRORS = ("UnauthorizedOperation", "AccessDenied", "AuthFailure", "Blocked")
-# Parameter errors, and the setting that supplies the parameter.
+# Parameter errors, and the setting that supplies the parameter (matched in the error's code
+# and message, lower-cased and without spaces).
 _SETTING_OF_ERROR = (
-    ("InvalidAMIID", "BURSTCV_EC2_AMI"),
-    ("InvalidSubnet", "BURSTCV_EC2_SUBNET_ID"),
-    ("InvalidGroup", "BURSTCV_EC2_SECURITY_GROUP_IDS"),
-    ("InvalidSecurityGroup", "BURSTCV_EC2_SECURITY_GROUP_IDS"),
-    ("IamInstanceProfile", "BURSTCV_EC2_INSTANCE_PROFILE"),
-    ("InstanceProfile", "BURSTCV_EC2_INSTANCE_PROFILE"),
-    ("InstanceType", "BURSTCV_EC2_INSTANCE_TYPES"),
-    ("VolumeSize", "BURSTCV_EC2_VOLUME_GB"),
+    ("invalidamiid", "BURSTCV_EC2_AMI"),
+    ("subnet", "BURSTCV_EC2_SUBNET_ID"),
+    ("securitygroup", "BURSTCV_EC2_SECURITY_GROUP_IDS"),
+    ("invalidgroup", "BURSTCV_EC2_SECURITY_GROUP_IDS"),
+    ("instanceprofile", "BURSTCV_EC2_INSTANCE_PROFILE"),
+    ("instancetype", "BURSTCV_EC2_INSTANCE_TYPES"),
+    ("volumesize", "BURSTCV_EC2_VOLUME_GB"),
 )
 # EventBridge Scheduler's universal target: the schedule itself calls EC2 TerminateInstances.
 BACKSTOP_TARGET_ARN = "arn:aws:scheduler:::aws-sdk:ec2:terminateInstances"
@@ -470,8 +470,9 @@ class Ec2Backend:
                 f"{self.settings.aws_conn_id!r} lacks {denied}; attach deploy/iam-policy.json "
                 "(docs/aws.md)"
             )
+        said = (code + message).lower().replace(" ", "")
         for fragment, setting in _SETTING_OF_ERROR:
-            if fragment in code or fragment in message:
+            if fragment in said:
                 return f"{what} was refused ({code}: {message}); check {setting}"
         return f"{what} was refused by a dry run ({code}: {message})"
 
