@@ -12,6 +12,7 @@ service **only if** it meets the latency SLO and does not lose accuracy.
 | `provision` (setup) | starts the training box(es), tagged with this run | **yes, from here** |
 | `train` | waits (deferred, no worker slot held) for DONE / FAILED | yes |
 | `terminate` (teardown) | terminates every box tagged with the run, bills it | stops it |
+| `clean_up_failed_provision` | the same, when provision failed (then no teardown runs) | stops it |
 | `export` | checkpoint → ONNX, parity-checked against torch on real images | no |
 | `benchmark` | p50/p95/p99 over HTTP through a staging copy of the service | no |
 | `gate` | latency SLO, accuracy floor, no regression; registers the version | no |
@@ -199,7 +200,12 @@ def burstcv_pipeline() -> None:
         )
 
     # Airflow runs no teardown for a setup that failed (or whose worker died): this does.
-    @task(execution_timeout=timedelta(minutes=30), trigger_rule="one_failed", **SAFE_RETRY)
+    @task(
+        execution_timeout=timedelta(minutes=30),
+        trigger_rule="one_failed",
+        retries=2,
+        retry_delay=timedelta(seconds=30),
+    )
     def clean_up_failed_provision(
         params: dict[str, Any] | None = None, run_id: str | None = None
     ) -> list[str]:

@@ -125,7 +125,8 @@ class RecordingProxy:
             sock.listen(64)
         self._server.daemon_threads = True
         host, port = self._server.server_address[:2]
-        self.url = f"http://{host}:{port}"
+        host_text = host.decode() if isinstance(host, bytes) else str(host)
+        self.url = f"http://{host_text}:{port}"
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="aws-recording-proxy", daemon=True
         )
@@ -204,7 +205,7 @@ def _handler_for(proxy: RecordingProxy) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        def log_message(self, format: str, *args: Any) -> None:
             return  # the calls list is the record
 
         def _body(self) -> bytes:
@@ -345,9 +346,9 @@ def _query_checks(
         return _run_instances_checks(proxy, form, region)
     if name in _PER_INSTANCE:
         ids = _indexed(form, "InstanceId") or [form.get("InstanceId", "")]
-        tags = proxy.instance_tags(region, ids)
+        found = proxy.instance_tags(region, ids)
         return [
-            Check(action, f"{ec2}:instance/{iid}", _tag_context(tags[iid], "ResourceTag"))
+            Check(action, f"{ec2}:instance/{iid}", _tag_context(found[iid], "ResourceTag"))
             for iid in ids
         ]
     if name in ("CreateTags", "DeleteTags"):
@@ -378,7 +379,11 @@ def _run_instances_checks(
     for kind, tags in specs.items():  # tagging at creation is its own authorization
         resource = f"{ec2}:{kind}/*"
         checks.append(
-            Check("ec2:CreateTags", resource, {"ec2:CreateAction": "RunInstances", **_tag_context(tags)})
+            Check(
+                "ec2:CreateTags",
+                resource,
+                {"ec2:CreateAction": "RunInstances", **_tag_context(tags)},
+            )
         )
     if form.get("InstanceMarketOptions.MarketType") == "spot":
         checks.append(Check(run, f"{ec2}:spot-instances-request/*"))
@@ -433,10 +438,20 @@ def _s3_checks(
                 if el.tag.rsplit("}", 1)[-1] == "Key"
             ]
             return "s3:DeleteObject", [Check("s3:DeleteObject", f"{bucket_arn}/{k}") for k in keys]
-        if method in ("GET", "HEAD") and not (set(query) - {"list-type", "prefix", "delimiter",
-                                                           "continuation-token", "max-keys",
-                                                           "start-after", "encoding-type",
-                                                           "marker", "fetch-owner"}):
+        if method in ("GET", "HEAD") and not (
+            set(query)
+            - {
+                "list-type",
+                "prefix",
+                "delimiter",
+                "continuation-token",
+                "max-keys",
+                "start-after",
+                "encoding-type",
+                "marker",
+                "fetch-owner",
+            }
+        ):
             prefix = {"s3:prefix": query["prefix"]} if "prefix" in query else {}
             return "s3:ListBucket", [Check("s3:ListBucket", bucket_arn, prefix)]
         names = {"PUT": "s3:CreateBucket", "DELETE": "s3:DeleteBucket"}
@@ -562,7 +577,7 @@ def condition_holds(operator: str, key: str, expected: Any, context: Mapping[str
         raise ValueError(f"condition qualifier {qualifier!r} is not supported")
     if not present:
         # AWS: a missing key makes positive operators false and negated ones true.
-        return True if (if_exists or negated) else False
+        return if_exists or negated
     hit = any(matches(v) for v in values)
     return not hit if negated else hit
 
@@ -633,4 +648,3 @@ def denied(
         if not allowed:
             lines.append(f"{call}: {reason}")
     return lines
-

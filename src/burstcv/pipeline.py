@@ -235,7 +235,7 @@ def clean_up_provision(run_id: str, backend_name: str) -> list[str]:
     try:
         backend = get_backend(backend_name)
         return backend.terminate_run(safe_run_id(run_id)).instance_ids
-    except Exception:  # noqa: BLE001 - logged; the original failure is what the task reports
+    except Exception:
         log.exception("could not clean up run %s on %s; the reaper will", run_id, backend_name)
         return []
 
@@ -306,7 +306,7 @@ def reap(
             if isinstance(backend, BaseException):
                 raise backend
             managed = backend.list_managed()
-        except Exception as exc:  # noqa: BLE001 - counted in the report; the others go on
+        except Exception as exc:
             log.exception("reaper: could not list %s boxes in %s", name, region or "-")
             reports.append({**where, **_failed_sweep(exc, dry_run)})
             continue
@@ -343,7 +343,7 @@ def _reaper_targets(names: list[str], settings: Settings) -> list[tuple[str, str
         if name != "ec2":
             try:
                 targets.append((name, "", get_backend(name)))
-            except Exception as exc:  # noqa: BLE001 - reported as that backend's error
+            except Exception as exc:
                 targets.append((name, "", exc))
             continue
         from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
@@ -351,7 +351,7 @@ def _reaper_targets(names: list[str], settings: Settings) -> list[tuple[str, str
         try:
             ec2 = Ec2Settings()
             regions = settings.reaper_region_names() or Ec2Backend(ec2).enabled_regions()
-        except Exception as exc:  # noqa: BLE001 - reported as that backend's error
+        except Exception as exc:
             targets.append((name, "", exc))
             continue
         for region in regions:

@@ -85,7 +85,6 @@ class Settings(BaseSettings):
     def _strip_trailing_slash(cls, value: str) -> str:
         return value.rstrip("/") if value not in ("/", "") else value
 
-
     def reaper_backend_names(self) -> list[str]:
         """Return the backends the reaper sweeps (see ``reaper_backends``)."""
         if self.reaper_backends.strip():
@@ -96,10 +95,9 @@ class Settings(BaseSettings):
         """Return whether this deployment can reach AWS (settings or credentials say so)."""
         if self.compute_backend == "ec2" or self.artifact_root.startswith("s3://"):
             return True
-        return any(
-            os.environ.get(key)
-            for key in _AWS_ENVIRONMENT
-        ) or any(key.startswith("BURSTCV_EC2_") for key in os.environ)
+        return any(os.environ.get(key) for key in _AWS_ENVIRONMENT) or any(
+            key.startswith("BURSTCV_EC2_") for key in os.environ
+        )
 
     def reaper_region_names(self) -> list[str]:
         """Return the configured reaper regions (empty: every enabled region)."""

@@ -614,3 +614,9 @@ def audited_calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     yield proxy
     refused = denied(audit_policy(), proxy.snapshot(), AUDIT_VARIABLES)
     assert not refused, "calls deploy/iam-policy.json denies:\n" + "\n".join(refused)
+
+
+@pytest.fixture
+def deployment_policy() -> tuple[dict[str, Any], dict[str, str]]:
+    """Return (the policy as this test deployment uses it, the placeholders' values)."""
+    return audit_policy(), dict(AUDIT_VARIABLES)

@@ -50,13 +50,6 @@ def request(run_id: str, **overrides: Any) -> LaunchRequest:
     )
 
 
-def audit_policy_of(kit: Any) -> dict[str, Any]:
-    """Return deploy/iam-policy.json with the emulated account's values substituted."""
-    with open(os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "iam-policy.json")) as fh:
-        text = fh.read()
-    return json.loads(text.replace("ACCOUNT_ID", "123456789012").replace("BURSTCV_BUCKET", kit.bucket))
-
-
 def instances_of(ec2_client: Any, run_id: str) -> list[dict[str, Any]]:
     """Return every instance tagged with the run, in any state (the test's own eyes)."""
     pages = ec2_client.get_paginator("describe_instances").paginate(
@@ -237,7 +230,7 @@ def test_a_backstop_that_cannot_be_armed_leaves_no_box(
         )
 
     backend.scheduler.meta.events.register("before-call.scheduler.CreateSchedule", refuse)
-    with pytest.raises(RuntimeError, match="burstcv-backstop role .*BURSTCV_EC2_BACKSTOP=false"):
+    with pytest.raises(RuntimeError, match=r"burstcv-backstop role .*BURSTCV_EC2_BACKSTOP=false"):
         backend.launch(request(run_id))
     assert states(ec2_client, run_id) == ["terminated"]
 
@@ -246,7 +239,11 @@ def test_a_backstop_that_cannot_be_armed_leaves_no_box(
 
 
 def test_a_dry_run_refusal_is_one_line_and_rents_nothing(
-    ec2_settings: Ec2Settings, ec2_client: Any, kit: Any, audited_calls: RecordingProxy
+    ec2_settings: Ec2Settings,
+    ec2_client: Any,
+    kit: Any,
+    audited_calls: RecordingProxy,
+    deployment_policy: Any,
 ) -> None:
     backend = Ec2Backend(ec2_settings.model_copy(update={"instance_profile": "no-such-profile"}))
     with pytest.raises(LaunchCheckError) as caught:
@@ -258,7 +255,9 @@ def test_a_dry_run_refusal_is_one_line_and_rents_nothing(
     assert runs and all(c.params.get("DryRun") == "true" for c in runs)
     assert instances_of(ec2_client, "wrong-profile") == []
     # The audit agrees: the policy would refuse passing a role other than the training one.
-    assert any("iam:PassRole" in line for line in denied(audit_policy_of(kit), runs))
+    assert any(
+        "iam:PassRole" in line for line in denied(deployment_policy[0], runs, deployment_policy[1])
+    )
     audited_calls.clear()
 
 

@@ -218,7 +218,9 @@ def test_the_pipeline_reaper_sweeps_every_enabled_region(
     assert {"us-east-1", "eu-west-1"} <= set(by_region)
     assert [d["instance_id"] for d in by_region["eu-west-1"]["terminated"]] == [iid]
     assert pipeline.reap_errors(reports) == 0
-    far_ec2 = boto3.client("ec2", region_name="eu-west-1", endpoint_url=ec2_client.meta.endpoint_url)
+    far_ec2 = boto3.client(
+        "ec2", region_name="eu-west-1", endpoint_url=ec2_client.meta.endpoint_url
+    )
     assert state(far_ec2, iid) == "terminated"
 
 

@@ -402,7 +402,8 @@ class Ec2Backend:
                 raise
             return ids
         raise CapacityUnavailableError(
-            f"no capacity for run {request.run_id}: tried " + "; ".join(refusals)
+            f"no capacity for run {request.run_id}: tried "
+            + "; ".join(refusals)
             + " (a quota of 0 vCPUs looks the same: docs/aws.md, one-time account setup)"
         )
 

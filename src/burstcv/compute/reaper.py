@@ -82,8 +82,7 @@ class ReapReport:
         errors = f"; {len(self.errors)} error(s)" if self.errors else ""
         if not self.decisions:
             return (
-                f"reaper: nothing to terminate ({len(self.kept)} managed instance(s) kept)"
-                + errors
+                f"reaper: nothing to terminate ({len(self.kept)} managed instance(s) kept)" + errors
             )
         listed = ", ".join(f"{d.instance_id} ({d.reason})" for d in self.decisions)
         return f"reaper: {verb} {listed}; kept {len(self.kept)}{errors}"
@@ -153,10 +152,12 @@ def reap(
             continue
         try:
             decision = decide(info, is_run_active=is_run_active, now=checked_at)
-        except Exception as exc:  # noqa: BLE001 - counted in the report; the pass goes on
+        except Exception as exc:
             log.exception("reaper: could not check the run of %s; keeping it", info.instance_id)
             report.errors.append(
-                ReapError(info.instance_id, info.run_id, "check-run", f"{type(exc).__name__}: {exc}")
+                ReapError(
+                    info.instance_id, info.run_id, "check-run", f"{type(exc).__name__}: {exc}"
+                )
             )
             report.kept.append(info.instance_id)
             continue
@@ -181,11 +182,14 @@ def _terminate(backend: ComputeBackend, decision: ReapDecision, report: ReapRepo
     if not report.dry_run:
         try:
             backend.terminate([decision.instance_id])
-        except Exception as exc:  # noqa: BLE001 - counted in the report; the pass goes on
+        except Exception as exc:
             log.exception("reaper: could not terminate %s", decision.instance_id)
             report.errors.append(
                 ReapError(
-                    decision.instance_id, decision.run_id, "terminate", f"{type(exc).__name__}: {exc}"
+                    decision.instance_id,
+                    decision.run_id,
+                    "terminate",
+                    f"{type(exc).__name__}: {exc}",
                 )
             )
             return
