@@ -407,6 +407,53 @@ class Ec2Backend:
             + " (a quota of 0 vCPUs looks the same: docs/aws.md, one-time account setup)"
         )
 
+    def check_launch(self, request: LaunchRequest) -> list[tuple[LaunchAttempt, str]]:
+        """Dry-run every option of a launch; return (option, "" if allowed, else why not).
+
+        Nothing is started: every call carries DryRun. The user data is a stand-in of the
+        real one's shape (EC2 checks permissions and parameters, not the script).
+        """
+        s = self.settings
+        expires_at = datetime.now(UTC) + timedelta(seconds=request.time_budget_s)
+        image_id = self.resolve_ami()
+        base_params = self._run_params(request, image_id, "#!/bin/bash\n", expires_at)
+        use_spot = request.use_spot and s.use_spot
+        results: list[tuple[LaunchAttempt, str]] = []
+        for option in launch_plan(request.instance_types or s.instance_types, use_spot):
+            try:
+                refused = self._dry_run(self._option_params(base_params, option), option)
+            except LaunchCheckError as exc:
+                refused = str(exc)
+            results.append((option, refused or ""))
+        return results
+
+    def check_backstop(self) -> str:
+        """Create and delete a disabled backstop schedule; return "" or why it cannot be armed."""
+        if not self.settings.backstop:
+            return ""
+        name = backstop_name("check")
+        try:
+            self.scheduler.create_schedule(
+                Name=name,
+                GroupName=BACKSTOP_GROUP,
+                ScheduleExpression="at(2099-01-01T00:00:00)",
+                FlexibleTimeWindow={"Mode": "OFF"},
+                State="DISABLED",  # never fires: this only proves the permissions and role
+                Target={
+                    "Arn": BACKSTOP_TARGET_ARN,
+                    "RoleArn": self._backstop_role_arn(),
+                    "Input": json.dumps({"InstanceIds": []}),
+                },
+            )
+            self.scheduler.delete_schedule(Name=name, GroupName=BACKSTOP_GROUP)
+        except ClientError as exc:
+            return (
+                f"{_error_code(exc)}: {_error_message(exc)}; create the "
+                f"{self.settings.backstop_role} role and allow scheduler:CreateSchedule "
+                "(docs/aws.md), or set BURSTCV_EC2_BACKSTOP=false"
+            )
+        return ""
+
     def _option_params(self, base_params: dict[str, Any], option: LaunchAttempt) -> dict[str, Any]:
         params = dict(base_params, InstanceType=option.instance_type)
         if option.market == "spot":
