@@ -251,14 +251,14 @@ def relaunch(provisioned: dict[str, Any]) -> list[str]:
     The job finds its last checkpoint in its output folder and continues from it. A box of
     the run that still runs is reused rather than doubled.
     """
-    running = [
-        i.instance_id
-        for i in get_backend(provisioned["backend"]).describe(provisioned["run_key"])
-        if i.state != "stopped"
-    ]
+    known = get_backend(provisioned["backend"]).describe(provisioned["run_key"])
+    running = [i.instance_id for i in known if i.state != "stopped"]
     if running:
         return running
-    ids = _launch(provisioned["backend"], provisioned["launch"])
+    # A new attempt, so a new ClientToken: EC2 would answer the old one with the gone box.
+    launch = provisioned["launch"]
+    attempt = max(int(launch.get("attempt", 1)), len(known)) + 1
+    ids = _launch(provisioned["backend"], {**launch, "attempt": attempt})
     log.warning("relaunched training for run %s on %s", provisioned["run_key"], ids)
     return ids
 

@@ -333,3 +333,40 @@ def test_every_launch_carries_a_client_token_of_run_attempt_and_option(
     assert len(instances_of(ec2_client, "tokens")) == 2
     backend.terminate_run("tokens")
     assert kit.live_managed() == []
+
+
+def test_a_relaunch_after_a_lost_box_is_a_new_attempt_with_a_new_token(
+    backend: Ec2Backend,
+    ec2_client: Any,
+    player: Any,
+    kit: Any,
+    audited_calls: RecordingProxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    run_id = "lost-then-relaunched"
+    player.modes[run_id] = kit.HOLD
+    monkeypatch.setattr(pipeline, "get_backend", lambda name: backend)
+    launch = {
+        "run_id": run_id,
+        "dag_id": DAG_ID,
+        "job_uri": f"s3://never-read/runs/{run_id}/job/job.json",
+        "time_budget_s": 600,
+        "instance_types": ["g6.xlarge"],
+        "use_spot": True,
+        "airflow_run_id": run_id,
+        "attempt": 1,
+    }
+    (first,) = pipeline._launch("ec2", launch)
+    ec2_client.terminate_instances(InstanceIds=[first])  # the box is lost (spot reclaim)
+    provisioned = {"backend": "ec2", "run_key": run_id, "launch": launch}
+    (second,) = pipeline.relaunch(provisioned)
+    assert second != first
+    tokens = [
+        c.params["ClientToken"]
+        for c in audited_calls.snapshot()
+        if c.action == "ec2:RunInstances" and c.params.get("DryRun") != "true"
+    ]
+    spot = LaunchAttempt("g6.xlarge", "spot")
+    assert tokens == [client_token(run_id, 1, spot), client_token(run_id, 2, spot)]
+    backend.terminate_run(run_id)
+    assert kit.live_managed() == []
