@@ -235,6 +235,7 @@ def clean_up_provision(run_id: str, backend_name: str) -> list[str]:
     try:
         backend = get_backend(backend_name)
         return backend.terminate_run(safe_run_id(run_id)).instance_ids
+    # Broad on purpose: logged; the original failure is what the task reports.
     except Exception:
         log.exception("could not clean up run %s on %s; the reaper will", run_id, backend_name)
         return []
@@ -306,6 +307,7 @@ def reap(
             if isinstance(backend, BaseException):
                 raise backend
             managed = backend.list_managed()
+        # Broad on purpose: counted in the report; the other backends and regions go on.
         except Exception as exc:
             log.exception("reaper: could not list %s boxes in %s", name, region or "-")
             reports.append({**where, **_failed_sweep(exc, dry_run)})
@@ -343,6 +345,7 @@ def _reaper_targets(names: list[str], settings: Settings) -> list[tuple[str, str
         if name != "ec2":
             try:
                 targets.append((name, "", get_backend(name)))
+            # Broad on purpose: reported as that backend's error.
             except Exception as exc:
                 targets.append((name, "", exc))
             continue
@@ -351,6 +354,7 @@ def _reaper_targets(names: list[str], settings: Settings) -> list[tuple[str, str
         try:
             ec2 = Ec2Settings()
             regions = settings.reaper_region_names() or Ec2Backend(ec2).enabled_regions()
+        # Broad on purpose: reported as that backend's error.
         except Exception as exc:
             targets.append((name, "", exc))
             continue

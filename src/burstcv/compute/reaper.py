@@ -152,6 +152,7 @@ def reap(
             continue
         try:
             decision = decide(info, is_run_active=is_run_active, now=checked_at)
+        # Broad on purpose: counted in the report; the pass goes on.
         except Exception as exc:
             log.exception("reaper: could not check the run of %s; keeping it", info.instance_id)
             report.errors.append(
@@ -182,6 +183,7 @@ def _terminate(backend: ComputeBackend, decision: ReapDecision, report: ReapRepo
     if not report.dry_run:
         try:
             backend.terminate([decision.instance_id])
+        # Broad on purpose: counted in the report; the pass goes on.
         except Exception as exc:
             log.exception("reaper: could not terminate %s", decision.instance_id)
             report.errors.append(
