@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import http.client
+import socket
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from awsaudit import Check, condition_holds, evaluate
+from awsaudit import Check, RecordingProxy, condition_holds, evaluate
 
 INSTANCE = "arn:aws:ec2:us-east-1:111:instance/*"
 
@@ -88,3 +91,95 @@ def test_condition_operators(
 def test_an_unknown_operator_is_an_error_not_a_pass() -> None:
     with pytest.raises(ValueError, match="NumericLessThan"):
         condition_holds("NumericLessThan", "k", "3", {"k": "1"})
+
+
+@pytest.fixture(scope="module")
+def moto_server() -> Iterator[str]:
+    """Run a moto server on 127.0.0.1 for this module."""
+    from moto.server import ThreadedMotoServer
+
+    from burstcv.bench.latency import free_port
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+def test_the_proxy_serves_on_a_socket_handed_in_and_records_each_call(
+    moto_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import boto3
+
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))  # as a sandbox would, inside its own network namespace
+    with RecordingProxy(moto_server, sock) as proxy:
+        assert proxy.url == f"http://127.0.0.1:{sock.getsockname()[1]}"
+        s3 = boto3.client("s3", endpoint_url=proxy.url)
+        s3.create_bucket(Bucket="audit-bucket")
+        s3.put_object(Bucket="audit-bucket", Key="runs/r/job/DONE", Body=b"{}")
+        assert s3.get_object(Bucket="audit-bucket", Key="runs/r/job/DONE")["Body"].read() == b"{}"
+        s3.list_objects_v2(Bucket="audit-bucket", Prefix="runs/")
+        s3.delete_object(Bucket="audit-bucket", Key="runs/r/job/DONE")
+        # A body sent with chunked transfer encoding (what streaming clients do) arrives whole.
+        conn = http.client.HTTPConnection("127.0.0.1", sock.getsockname()[1], timeout=10)
+        conn.putrequest("PUT", "/audit-bucket/runs/r/log")
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.putheader(
+            "Authorization",
+            "AWS4-HMAC-SHA256 Credential=testing/20260101/us-east-1/s3/aws4_request, "
+            "SignedHeaders=host, Signature=0",
+        )
+        conn.endheaders()
+        for part in (b"first ", b"second"):
+            conn.send(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+        conn.send(b"0\r\n\r\n")
+        assert conn.getresponse().status == 200
+        conn.close()
+        assert s3.get_object(Bucket="audit-bucket", Key="runs/r/log")["Body"].read() == (
+            b"first second"
+        )
+        ec2 = boto3.client("ec2", endpoint_url=proxy.url)
+        image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+        (instance,) = ec2.run_instances(
+            ImageId=image,
+            MinCount=1,
+            MaxCount=1,
+            TagSpecifications=[
+                {"ResourceType": "instance", "Tags": [{"Key": "burstcv:managed", "Value": "true"}]}
+            ],
+        )["Instances"]
+        ec2.terminate_instances(InstanceIds=[instance["InstanceId"]])
+        calls = proxy.snapshot()
+    assert [c.action for c in calls] == [
+        "s3:CreateBucket",
+        "s3:PutObject",
+        "s3:GetObject",
+        "s3:ListBucket",
+        "s3:DeleteObject",
+        "s3:PutObject",
+        "s3:GetObject",
+        "ec2:DescribeImages",
+        "ec2:RunInstances",
+        "ec2:TerminateInstances",
+    ]
+    assert calls[3].checks[0].context == {"s3:prefix": "runs/"}
+    run = calls[8]
+    assert run.checks[0].resource == "arn:aws:ec2:us-east-1:123456789012:instance/*"
+    assert run.checks[0].context == {
+        "aws:RequestTag/burstcv:managed": "true",
+        "aws:TagKeys": ["burstcv:managed"],
+    }
+    assert any(c.action == "ec2:CreateTags" for c in run.checks)
+    (terminate,) = calls[9].checks
+    assert terminate.resource.endswith(f":instance/{instance['InstanceId']}")
+    assert terminate.context == {"aws:ResourceTag/burstcv:managed": "true"}
