@@ -600,7 +600,7 @@ def audited_calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     what the orchestrator does is judged. At the end of the test every recorded call is
     evaluated against deploy/iam-policy.json: one denied call fails the test, naming it.
     """
-    if "aws" not in request.fixturenames:
+    if "aws" not in request.fixturenames or "unaudited" in request.fixturenames:
         yield None
         return
     from awsaudit import denied
@@ -620,3 +620,12 @@ def audited_calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
 def deployment_policy() -> tuple[dict[str, Any], dict[str, str]]:
     """Return (the policy as this test deployment uses it, the placeholders' values)."""
     return audit_policy(), dict(AUDIT_VARIABLES)
+
+
+@pytest.fixture
+def unaudited() -> None:
+    """Request this to leave a test's AWS clients pointed straight at the emulator (no audit).
+
+    For tests whose processes cannot reach the proxy on this host's loopback (a network
+    namespace, say): they run their own ``RecordingProxy`` on a socket made there instead.
+    """

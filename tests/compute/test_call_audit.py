@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -183,3 +184,18 @@ def test_evaluate_names_the_refused_authorization(kit: Any, deployment_policy: A
     call.checks = [Check("s3:DeleteObject", f"arn:aws:s3:::{kit.bucket}/datasets/x.parquet")]
     allowed, reason = evaluate(deployment_policy[0], call, deployment_policy[1])
     assert not allowed and "datasets/x.parquet" in reason and "no statement allows" in reason
+
+
+def test_the_audit_routes_the_orchestrator_through_the_proxy(
+    aws: str, audited_calls: RecordingProxy
+) -> None:
+    conn = json.loads(os.environ["AIRFLOW_CONN_AWS_DEFAULT"])
+    assert conn["extra"]["endpoint_url"] == audited_calls.url != aws
+    assert os.environ["AWS_ENDPOINT_URL_S3"] == audited_calls.url
+    assert os.environ["AWS_ENDPOINT_URL"] == aws  # the test's and the boxes' own clients
+
+
+def test_unaudited_leaves_the_clients_on_the_emulator(aws: str, unaudited: None) -> None:
+    conn = json.loads(os.environ["AIRFLOW_CONN_AWS_DEFAULT"])
+    assert conn["extra"]["endpoint_url"] == aws
+    assert "AWS_ENDPOINT_URL_S3" not in os.environ
