@@ -12,6 +12,7 @@ service **only if** it meets the latency SLO and does not lose accuracy.
 | `provision` (setup) | starts the training box(es), tagged with this run | **yes, from here** |
 | `train` | waits (deferred, no worker slot held) for DONE / FAILED | yes |
 | `terminate` (teardown) | terminates every box tagged with the run, bills it | stops it |
+| `clean_up_failed_provision` | the same, when provision failed (then no teardown runs) | stops it |
 | `export` | checkpoint → ONNX, parity-checked against torch on real images | no |
 | `benchmark` | p50/p95/p99 over HTTP through a staging copy of the service | no |
 | `gate` | latency SLO, accuracy floor, no regression; registers the version | no |
@@ -184,11 +185,34 @@ def burstcv_pipeline() -> None:
         params: dict[str, Any] | None = None,
         run_id: str | None = None,
         dag: Any = None,
+        ti: Any = None,
     ) -> dict[str, Any]:
         """Write job.json and start the training box(es), tagged with this run."""
         from burstcv import pipeline
 
-        return pipeline.provision(str(run_id), dag.dag_id, _params(params or {}), packed, SETTINGS)
+        return pipeline.provision(
+            str(run_id),
+            dag.dag_id,
+            _params(params or {}),
+            packed,
+            SETTINGS,
+            attempt=int(getattr(ti, "try_number", 1) or 1),
+        )
+
+    # Airflow runs no teardown for a setup that failed (or whose worker died): this does.
+    @task(
+        execution_timeout=timedelta(minutes=30),
+        trigger_rule="one_failed",
+        retries=2,
+        retry_delay=timedelta(seconds=30),
+    )
+    def clean_up_failed_provision(
+        params: dict[str, Any] | None = None, run_id: str | None = None
+    ) -> list[str]:
+        """Terminate every box tagged with this run when provision failed."""
+        from burstcv import pipeline
+
+        return pipeline.clean_up_provision(str(run_id), _params(params or {}).compute_backend)
 
     @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
     def terminate(provisioned: dict[str, Any]) -> dict[str, Any]:
@@ -278,6 +302,9 @@ def burstcv_pipeline() -> None:
     )
     teardown = terminate(provisioned).as_teardown(setups=provisioned)
     provisioned >> trained >> teardown
+    # Hung on train (upstream_failed when provision failed): a setup's own downstream tasks
+    # must wait for its success. It also runs, harmlessly, when training failed.
+    trained >> clean_up_failed_provision()
     exported = export(packed, trained.output, validated)
     bench = benchmark(exported, packed, validated)
     verdict = gate(exported, bench)

@@ -1,10 +1,14 @@
 """
 # burstcv_reaper
 
-The last layer against a leaked GPU. Every 10 minutes, terminate any burstcv-managed
-training box whose **expiry has passed** or whose **DAG run is no longer running**, on every
-backend in `BURSTCV_REAPER_BACKENDS`. It touches nothing without the burstcv tags, and it runs
-independently of the pipeline run that leaked: the orchestrator itself can die mid-run.
+A layer against a leaked GPU, **on from the start** (created unpaused). Every 10 minutes,
+terminate any burstcv-managed training box whose **expiry has passed** (first, whatever
+Airflow says) or whose **DAG run is no longer running**, on every backend the deployment uses
+(`BURSTCV_REAPER_BACKENDS`; by default local, and EC2 whenever AWS is configured) and in every
+EC2 region (`BURSTCV_REAPER_REGIONS`, by default every region enabled for the account). An
+error about one box is logged and counted and never stops the others; the task fails after
+the whole pass when any error was counted. It touches nothing without the burstcv tags, and
+it runs independently of the pipeline run that leaked: the orchestrator itself can die.
 
 Same logic from a shell: `burstcv reap --dry-run`.
 """
@@ -27,6 +31,8 @@ SETTINGS = get_settings()
     start_date=datetime(2026, 1, 1),
     catchup=False,
     max_active_runs=1,
+    # A safety net that waits to be switched on is no safety net.
+    is_paused_upon_creation=False,
     doc_md=__doc__,
     tags=["burstcv", "cost"],
     default_args={
@@ -41,12 +47,15 @@ def burstcv_reaper() -> None:
 
     @task(execution_timeout=timedelta(minutes=8))
     def reap() -> list[dict[str, Any]]:
-        """Terminate expired or orphaned burstcv boxes on every configured backend."""
+        """Terminate expired or orphaned burstcv boxes on every backend and region."""
         from burstcv.airflow.runs import dag_run_is_active_sdk
         from burstcv.pipeline import reap as reap_backends
+        from burstcv.pipeline import reap_errors
 
-        names = [b.strip() for b in SETTINGS.reaper_backends.split(",") if b.strip()]
-        return reap_backends(names, dag_run_is_active_sdk)
+        reports = reap_backends(SETTINGS.reaper_backend_names(), dag_run_is_active_sdk)
+        if errors := reap_errors(reports):
+            raise RuntimeError(f"reaper pass done with {errors} error(s): {reports}")
+        return reports
 
     reap()
 

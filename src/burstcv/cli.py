@@ -346,6 +346,29 @@ def reap(
         typer.echo(f"{report['backend']}: {verb} {len(ids)} {ids}; kept {len(report['kept'])}")
 
 
+aws_app = typer.Typer(no_args_is_help=True, help="Check the AWS account burstcv runs in.")
+app.add_typer(aws_app, name="aws")
+
+
+@aws_app.command("check")
+def aws_check() -> None:
+    """Dry-run each launch option, the backstop and the S3 access; print what is missing."""
+    from burstcv.compute.awscheck import check_account
+    from burstcv.settings import get_settings
+
+    _setup_logging()
+    try:
+        findings = check_account(get_settings())
+    except ValueError as exc:  # settings that cannot even be read
+        raise _fail(str(exc)) from None
+    for finding in findings:
+        typer.echo(finding.line())
+    missing = [f for f in findings if not f.ok]
+    if missing:
+        raise _fail(f"{len(missing)} of {len(findings)} checks failed; see docs/aws.md")
+    typer.echo(f"all {len(findings)} checks passed: nothing was rented")
+
+
 @app.command("airflow-init")
 def airflow_init() -> None:
     """Prepare the Airflow metadata DB for burstcv (run after `airflow db migrate`)."""

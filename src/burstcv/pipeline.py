@@ -170,12 +170,17 @@ def provision(
     params: RunParams,
     packed: dict[str, Any],
     settings: Settings | None = None,
+    *,
+    attempt: int = 1,
 ) -> dict[str, Any]:
-    """Write job.json and start the training box(es) for this run (its attempt 1).
+    """Write job.json and start the training box(es) for this run.
 
     The run's time budget becomes an absolute deadline here, shared by every attempt, so a
     relaunch never gets a fresh budget. For EC2 the training wheel is staged first and its
-    sha256 written into job.json.
+    sha256 written into job.json. ``attempt`` is the try of this task (markers are per
+    attempt, and it is part of the launch's idempotency token). Whatever interrupts the
+    launch, a task timeout included, the run's boxes are terminated by tag before the
+    failure goes on.
     """
     from burstcv.training.job import JobSpec, write_job
 
@@ -228,7 +233,12 @@ def provision(
         "wheel_uri": wheel_uri,
         "wheel_sha256": wheel_sha256,
     }
-    ids = _launch(params.compute_backend, launch, paths.job, attempt=1)
+    try:
+        ids = _launch(params.compute_backend, launch, paths.job, attempt=attempt)
+    except BaseException:
+        log.error("provision of run %s failed; terminating whatever it started", run_id)
+        clean_up_provision(run_id, params.compute_backend)
+        raise
     return {
         "job_uri": job_uri,
         "output_uri": paths.job,
@@ -238,6 +248,23 @@ def provision(
         "max_cost_usd": params.max_cost_usd,
         "launch": launch,  # what a retry of the train task needs to start a box again
     }
+
+
+def clean_up_provision(run_id: str, backend_name: str) -> list[str]:
+    """Terminate every box tagged with the run after a failed provision; return their ids.
+
+    Airflow runs no teardown for a setup task that failed (or whose worker died), so the
+    pipeline DAG calls this from its own clean-up task; ``provision`` calls it on a failure
+    it lives to see. A failure here is logged, not raised over the original one: the reaper
+    and the AWS-side backstop remain.
+    """
+    try:
+        backend = get_backend(backend_name)
+        return backend.terminate_run(safe_run_id(run_id)).instance_ids
+    # Broad on purpose: logged; the original failure is what the task reports.
+    except Exception:
+        log.exception("could not clean up run %s on %s; the reaper will", run_id, backend_name)
+        return []
 
 
 ATTEMPT_FILE = "attempt.json"  # in the job folder: the attempt the run now waits for
@@ -337,30 +364,86 @@ def bounded_time_budget(params: RunParams) -> int:
 
 
 def reap(
-    backend_names: list[str], is_run_active: Any, *, dry_run: bool = False
+    backend_names: list[str] | None,
+    is_run_active: Any,
+    *,
+    dry_run: bool = False,
+    settings: Settings | None = None,
 ) -> list[dict[str, Any]]:
-    """Terminate managed boxes whose expiry passed or whose DAG run is over, on each backend.
+    """Terminate managed boxes whose expiry passed or whose DAG run is over, everywhere.
+
+    ``backend_names`` empty: the settings' (local, and ec2 whenever AWS is configured). EC2
+    is swept in every configured region, or every region enabled for the account. One report
+    per backend and region; an error about a backend, a region or one box is logged and
+    counted in its report's ``errors`` and never stops the rest.
 
     ``is_run_active(dag_id, airflow_run_id)`` answers from Airflow. Boxes are tagged with a
     path-safe run key; the raw Airflow run id travels in its own tag for this question.
     """
     from burstcv.compute.reaper import reap as reap_backend
 
+    s = settings or get_settings()
     reports = []
-    for name in backend_names:
-        backend = get_backend(name)
-        raw_ids = {
-            (i.dag_id, i.run_id): i.airflow_run_id or i.run_id for i in backend.list_managed()
-        }
+    for name, region, backend in _reaper_targets(backend_names or s.reaper_backend_names(), s):
+        where = {"backend": name, "region": region}
+        try:
+            if isinstance(backend, BaseException):
+                raise backend
+            managed = backend.list_managed()
+        # Broad on purpose: counted in the report; the other backends and regions go on.
+        except Exception as exc:
+            log.exception("reaper: could not list %s boxes in %s", name, region or "-")
+            reports.append({**where, **_failed_sweep(exc, dry_run)})
+            continue
+        raw_ids = {(i.dag_id, i.run_id): i.airflow_run_id or i.run_id for i in managed}
 
         def active(
             dag_id: str, run_key: str, raw_ids: dict[tuple[str, str], str] = raw_ids
         ) -> bool:
             return bool(is_run_active(dag_id, raw_ids.get((dag_id, run_key), run_key)))
 
-        report = reap_backend(backend, is_run_active=active, dry_run=dry_run)
-        reports.append({"backend": name, **report.to_dict()})
+        report = reap_backend(backend, is_run_active=active, dry_run=dry_run, managed=managed)
+        reports.append({**where, **report.to_dict()})
     return reports
+
+
+def reap_errors(reports: list[dict[str, Any]]) -> int:
+    """Return how many errors a reaper pass counted over all its reports."""
+    return sum(len(r.get("errors", [])) for r in reports)
+
+
+def _failed_sweep(exc: BaseException, dry_run: bool) -> dict[str, Any]:
+    return {
+        "dry_run": dry_run,
+        "terminated" if not dry_run else "would_terminate": [],
+        "kept": [],
+        "errors": [{"step": "list", "error": f"{type(exc).__name__}: {exc}"}],
+    }
+
+
+def _reaper_targets(names: list[str], settings: Settings) -> list[tuple[str, str, Any]]:
+    """Return (backend name, region, backend or the error that prevented making it)."""
+    targets: list[tuple[str, str, Any]] = []
+    for name in names:
+        if name != "ec2":
+            try:
+                targets.append((name, "", get_backend(name)))
+            # Broad on purpose: reported as that backend's error.
+            except Exception as exc:
+                targets.append((name, "", exc))
+            continue
+        from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
+
+        try:
+            ec2 = Ec2Settings()
+            regions = settings.reaper_region_names() or Ec2Backend(ec2).enabled_regions()
+        # Broad on purpose: reported as that backend's error.
+        except Exception as exc:
+            targets.append((name, "", exc))
+            continue
+        for region in regions:
+            targets.append((name, region, Ec2Backend(ec2.model_copy(update={"region": region}))))
+    return targets
 
 
 def training_outcome(

@@ -6,6 +6,7 @@ local compute, the service on 127.0.0.1:8000. Every figure carries its unit in i
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -38,7 +39,12 @@ class Settings(BaseSettings):
     compute_backend: ComputeBackend = "local"
     compute_state_dir: str = str(VAR_DIR / "compute")  # local backend's record of live processes
     train_timeout_s: int = 3600  # hard budget for one training job, watchdog included
-    reaper_backends: str = "local"  # comma-separated: the backends the reaper sweeps
+    # Comma-separated backends the reaper sweeps; empty: local, and ec2 whenever AWS is
+    # configured (a run may pick ec2 on the trigger form whatever compute_backend says).
+    reaper_backends: str = ""
+    # Comma-separated EC2 regions the reaper looks in; empty: every region enabled for the
+    # account (so every region burstcv ever launched in, whatever the settings said then).
+    reaper_regions: str = ""
     gpu_pool: str = "burstcv_gpu"  # Airflow pool that bounds live training boxes
     gpu_pool_slots: int = 4  # set to the account's GPU instance quota
 
@@ -78,6 +84,36 @@ class Settings(BaseSettings):
     @classmethod
     def _strip_trailing_slash(cls, value: str) -> str:
         return value.rstrip("/") if value not in ("/", "") else value
+
+    def reaper_backend_names(self) -> list[str]:
+        """Return the backends the reaper sweeps (see ``reaper_backends``)."""
+        if self.reaper_backends.strip():
+            return [b.strip() for b in self.reaper_backends.split(",") if b.strip()]
+        return ["local", "ec2"] if self.aws_configured() else ["local"]
+
+    def aws_configured(self) -> bool:
+        """Return whether this deployment can reach AWS (settings or credentials say so)."""
+        if self.compute_backend == "ec2" or self.artifact_root.startswith("s3://"):
+            return True
+        return any(os.environ.get(key) for key in _AWS_ENVIRONMENT) or any(
+            key.startswith("BURSTCV_EC2_") for key in os.environ
+        )
+
+    def reaper_region_names(self) -> list[str]:
+        """Return the configured reaper regions (empty: every enabled region)."""
+        return [r.strip() for r in self.reaper_regions.split(",") if r.strip()]
+
+
+# Any of these in the environment means AWS credentials or the aws_default connection exist.
+_AWS_ENVIRONMENT = (
+    "AIRFLOW_CONN_AWS_DEFAULT",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_PROFILE",
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+)
 
 
 @lru_cache(maxsize=1)

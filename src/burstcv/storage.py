@@ -51,13 +51,14 @@ _CLIENT_LOCK = threading.Lock()
 
 
 def s3_client() -> Any:
-    """Return a boto3 S3 client honouring ``AWS_ENDPOINT_URL`` (an emulator in tests)."""
+    """Return a boto3 S3 client honouring ``AWS_ENDPOINT_URL[_S3]`` (an emulator in tests)."""
     import boto3
 
     # boto3's default session may not build two clients at once (validation writes the
     # manifest from a thread while the main thread may upload Data Docs).
     with _CLIENT_LOCK:
-        return boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None)
+        # No endpoint_url here: botocore reads AWS_ENDPOINT_URL_S3, then AWS_ENDPOINT_URL.
+        return boto3.client("s3")
 
 
 def read_bytes(uri: str) -> bytes:

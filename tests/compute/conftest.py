@@ -421,3 +421,78 @@ def s3_last_modified(s3_client: Any, uri: str) -> datetime:
     """Return when an object was written, as the emulated S3 says."""
     bucket, _, key = uri.removeprefix("s3://").partition("/")
     return s3_client.head_object(Bucket=bucket, Key=key)["LastModified"]  # type: ignore[no-any-return]
+
+
+# --- the call audit: every AWS call the orchestrator makes, judged by the shipped policy -----
+
+# What the docs tell a user to substitute in deploy/iam-policy.json, as this emulated account.
+AUDIT_POLICY_PATH = _HERE.parents[1] / "deploy" / "iam-policy.json"
+AUDIT_VARIABLES = {"ACCOUNT_ID": "123456789012", "BURSTCV_BUCKET": BUCKET}
+
+
+def audit_policy() -> dict[str, Any]:
+    """Return the shipped policy as this test deployment uses it.
+
+    The one edit is the one docs/aws.md asks of anyone whose AMI parameter is not a Deep
+    Learning AMI one: its ARN is added to ReadTheAmiParameter.
+    """
+    policy: dict[str, Any] = json.loads(AUDIT_POLICY_PATH.read_text())
+    for statement in policy["Statement"]:
+        if statement.get("Sid") == "ReadTheAmiParameter":
+            resources = statement["Resource"]
+            resources = [resources] if isinstance(resources, str) else list(resources)
+            statement["Resource"] = [*resources, f"arn:aws:ssm:*::parameter{AMI_PARAMETER}"]
+    return policy
+
+
+@pytest.fixture(scope="session")
+def aws_proxy(moto_url: str) -> Iterator[Any]:
+    """Run one recording proxy in front of the emulator for the session."""
+    from awsaudit import RecordingProxy
+
+    proxy = RecordingProxy(moto_url)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.fixture(autouse=True)
+def audited_calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Route the orchestrator's AWS calls through the recording proxy; refuse any denied one.
+
+    Applies to every test that uses the emulator (the ``aws`` fixture): the backend's hooks
+    (the ``aws_default`` connection) and the artifact store's S3 client go through the proxy;
+    the test's own clients and the emulated boxes talk to the emulator directly, so only
+    what the orchestrator does is judged. At the end of the test every recorded call is
+    evaluated against deploy/iam-policy.json: one denied call fails the test, naming it.
+    """
+    if "aws" not in request.fixturenames or "unaudited" in request.fixturenames:
+        yield None
+        return
+    from awsaudit import denied
+
+    request.getfixturevalue("aws")
+    proxy = request.getfixturevalue("aws_proxy")
+    conn = {"conn_type": "aws", "extra": {"endpoint_url": proxy.url, "region_name": REGION}}
+    monkeypatch.setenv("AIRFLOW_CONN_AWS_DEFAULT", json.dumps(conn))
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
+    proxy.clear()
+    yield proxy
+    refused = denied(audit_policy(), proxy.snapshot(), AUDIT_VARIABLES)
+    assert not refused, "calls deploy/iam-policy.json denies:\n" + "\n".join(refused)
+
+
+@pytest.fixture
+def deployment_policy() -> tuple[dict[str, Any], dict[str, str]]:
+    """Return (the policy as this test deployment uses it, the placeholders' values)."""
+    return audit_policy(), dict(AUDIT_VARIABLES)
+
+
+@pytest.fixture
+def unaudited() -> None:
+    """Request this to leave a test's AWS clients pointed straight at the emulator (no audit).
+
+    For tests whose processes cannot reach the proxy on this host's loopback (a network
+    namespace, say): they run their own ``RecordingProxy`` on a socket made there instead.
+    """

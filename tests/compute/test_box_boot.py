@@ -26,6 +26,7 @@ import boto3
 import numpy as np
 import pytest
 import structlog.testing
+from awsaudit import RecordingProxy, denied
 from boxsandbox import Boot, BoxSandbox, SandboxUnavailable, make_ami_python
 
 from burstcv import pipeline, storage
@@ -52,18 +53,39 @@ def ami_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_ami_python(tmp_path_factory.mktemp("ami") / "pytorch")
 
 
+INSTANCE_POLICY = Path(__file__).resolve().parents[2] / "deploy" / "instance-role-policy.json"
+BOX_REGION = "us-west-2"  # differs from the launch's fallback: the box must take IMDS's
+
+
 @pytest.fixture
 def box(aws: str, tmp_path: Path) -> Iterator[BoxSandbox]:
-    """Yield a fresh sandbox whose S3 is the emulator; assert nothing of it survives."""
+    """Yield a fresh sandbox whose S3 is the emulator, every box call recorded; then audit.
+
+    After the test: nothing of the box survives, and every AWS call the box made (the AWS
+    CLI in the boot script, boto3 in training) was signed for the box's own region and is
+    allowed by deploy/instance-role-policy.json.
+    """
+    proxy = RecordingProxy(aws)
     try:
-        sandbox = BoxSandbox(tmp_path / "sandbox", aws).__enter__()
+        sandbox = BoxSandbox(tmp_path / "sandbox", proxy.url).__enter__()
     except SandboxUnavailable as exc:
+        proxy.stop()
         pytest.skip(f"network namespaces are not permitted here: {exc}")
+    sandbox.imds.region = BOX_REGION
     try:
         yield sandbox
         assert sandbox.reap_processes() == [], "a process of the box outlived its script"
+        calls = proxy.snapshot()
+        assert calls, "the box made no AWS call through the sandbox"
+        assert {call.region for call in calls} == {BOX_REGION}, [str(c) for c in calls]
+        policy = json.loads(INSTANCE_POLICY.read_text())
+        variables = {"ARTIFACT_ROOT": f"{BUCKET}/artifacts", "BURSTCV_BUCKET": BUCKET}
+        refused = denied(policy, calls, variables)
+        assert not refused, "calls deploy/instance-role-policy.json denies:\n" + "\n".join(refused)
+        print(f"box AWS calls: {sorted({c.action for c in calls})} ({len(calls)}), 0 denied")
     finally:
         sandbox.close()
+        proxy.stop()
 
 
 @pytest.fixture

@@ -64,14 +64,17 @@ def wait_outcome(backend: Ec2Backend, run_id: str, timeout_s: float = 30.0) -> s
 def inject_run_errors(
     backend: Ec2Backend, refuse: Callable[[str, str], str | None]
 ) -> list[tuple[str, str]]:
-    """Make RunInstances fail with the code ``refuse(type, market)`` returns; log every try.
+    """Make real RunInstances calls fail with the code ``refuse(type, market)`` returns; log each.
 
     A botocore event hook on the backend's real client: the request never reaches the
-    emulator when refused, exactly as EC2 answers a capacity shortage.
+    emulator when refused, exactly as EC2 answers a capacity shortage (which a dry run,
+    checking only permissions and parameters, does not see).
     """
     attempts: list[tuple[str, str]] = []
 
     def before_run_instances(params: dict[str, Any], **_: Any) -> None:
+        if params.get("DryRun"):
+            return
         market = "spot" if "InstanceMarketOptions" in params else "on-demand"
         attempts.append((params["InstanceType"], market))
         code = refuse(params["InstanceType"], market)
@@ -124,15 +127,16 @@ def test_plan_tries_spot_on_every_type_before_on_demand() -> None:
 
 
 def test_launch_spells_out_every_safe_default(
-    backend: Ec2Backend, ec2_client: Any, player: Any, aws: str, kit: Any
+    backend: Ec2Backend, ec2_client: Any, player: Any, audited_calls: Any, kit: Any
 ) -> None:
     run_id = "safe-defaults"
     player.modes[run_id] = kit.HOLD
     before = time.time()
     ids = backend.launch(request(run_id))
 
-    # The provider's hook really talks to the emulator: the test's own client sees the box.
-    assert backend.client.meta.endpoint_url == aws
+    # The provider's hook really talks to the emulator (through the recording proxy of the
+    # call audit): the test's own client sees the box.
+    assert backend.client.meta.endpoint_url == audited_calls.url
     assert len(ids) == 1
     inst = the_instance(ec2_client, ids[0])
     ssm = boto3.client("ssm", region_name="us-east-1")

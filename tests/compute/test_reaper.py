@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
 
-import pytest
+import boto3
+from botocore.exceptions import ClientError
 
+from burstcv import pipeline
 from burstcv.compute.base import TAG_RUN_ID, LaunchRequest
-from burstcv.compute.ec2 import Ec2Backend
+from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.compute.reaper import (
     REASON_EXPIRED,
     REASON_RUN_NOT_ACTIVE,
     reap,
 )
+from burstcv.settings import Settings
 
 DAG_ID = "burstcv_train"
 
 
-def launch_held(backend: Ec2Backend, player: Any, run_id: str) -> str:
+def launch_held(backend: Ec2Backend, player: Any, run_id: str, time_budget_s: int = 600) -> str:
     """Launch one instance for ``run_id`` that the harness leaves running (a leak)."""
     player.modes[run_id] = player.HOLD
     (iid,) = backend.launch(
@@ -26,7 +30,7 @@ def launch_held(backend: Ec2Backend, player: Any, run_id: str) -> str:
             run_id=run_id,
             dag_id=DAG_ID,
             job_uri=f"s3://never-read/runs/{run_id}/job/job.json",  # held: never read
-            time_budget_s=600,
+            time_budget_s=time_budget_s,
             wheel_uri=f"s3://never-read/runtime/{'0' * 64}/t.whl",
             wheel_sha256="0" * 64,
         )
@@ -120,19 +124,116 @@ def test_dry_run_terminates_nothing_and_says_what_it_would(
     assert kit.live_managed() == []
 
 
-def test_reaper_does_not_guess_when_airflow_cannot_answer(
+def test_an_airflow_error_about_one_box_stops_none_of_the_others(
     backend: Ec2Backend, ec2_client: Any, player: Any, kit: Any
 ) -> None:
-    iid = launch_held(backend, player, "unknown")
+    unknown = launch_held(backend, player, "unknown")
+    finished = launch_held(backend, player, "finished")
+    expired = launch_held(backend, player, "expired", time_budget_s=60)  # 6 min, not 15
+    (info,) = backend.describe("expired")
+    assert info.expires_at is not None
+    asked: list[str] = []
 
     def is_run_active(dag_id: str, run_id: str) -> bool:
-        raise ConnectionError("metadata database unreachable")
+        asked.append(run_id)
+        if run_id == "unknown":
+            raise ConnectionError("metadata database unreachable")
+        return False
 
-    with pytest.raises(ConnectionError):
-        reap(backend, is_run_active=is_run_active)
-    assert state(ec2_client, iid) == "running"
+    # "now" is past the expiry of "expired" only.
+    later = info.expires_at + timedelta(seconds=1)
+    for run_id in ("unknown", "finished"):
+        (other,) = backend.describe(run_id)
+        assert other.expires_at is not None and other.expires_at > later
+    report = reap(backend, is_run_active=is_run_active, now=later)
+
+    # Expired first, without asking; the finished run's box despite the error before it.
+    assert report.decisions[0].instance_id == expired
+    assert report.decisions[0].reason == REASON_EXPIRED
+    assert "expired" not in asked
+    assert set(report.instance_ids) == {expired, finished}
+    assert state(ec2_client, expired) == "terminated"
+    assert state(ec2_client, finished) == "terminated"
+    # The box whose run could not be checked is kept (no guessing) and the error counted.
+    assert report.kept == [unknown]
+    (error,) = report.errors
+    assert (error.instance_id, error.step) == (unknown, "check-run")
+    assert "metadata database unreachable" in error.error
+    assert report.to_dict()["errors"][0]["instance_id"] == unknown
+    assert "1 error(s)" in report.summary()
+    assert state(ec2_client, unknown) == "running"
     backend.terminate_run("unknown")
     assert kit.live_managed() == []
+
+
+def test_a_refused_terminate_stops_none_of_the_others(
+    backend: Ec2Backend, ec2_client: Any, player: Any, kit: Any
+) -> None:
+    first = launch_held(backend, player, "refused")
+    second = launch_held(backend, player, "fine")
+    refused_ids: list[str] = []
+
+    def refuse_first(params: dict[str, Any], **_: Any) -> None:
+        if params.get("InstanceIds") == [first]:
+            refused_ids.append(first)
+            raise ClientError(
+                {"Error": {"Code": "RequestLimitExceeded", "Message": "injected"}},
+                "TerminateInstances",
+            )
+
+    backend.client.meta.events.register(
+        "before-parameter-build.ec2.TerminateInstances", refuse_first
+    )
+    report = reap(backend, is_run_active=lambda dag, run: False)
+    assert refused_ids == [first]
+    assert report.instance_ids == [second]
+    assert [(e.instance_id, e.step) for e in report.errors] == [(first, "terminate")]
+    assert state(ec2_client, second) == "terminated"
+    assert state(ec2_client, first) == "running"
+    ec2_client.terminate_instances(InstanceIds=[first])
+    assert kit.live_managed() == []
+
+
+def test_the_pipeline_reaper_sweeps_every_enabled_region(
+    ec2_settings: Ec2Settings, ec2_client: Any, player: Any, kit: Any, monkeypatch: Any
+) -> None:
+    far = Ec2Backend(ec2_settings.model_copy(update={"region": "eu-west-1"}))
+    player.modes["far-away"] = player.HOLD
+    (iid,) = far.launch(
+        LaunchRequest(
+            run_id="far-away",
+            dag_id=DAG_ID,
+            job_uri="s3://never-read/runs/far-away/job/job.json",
+            time_budget_s=600,
+        )
+    )
+    for key, value in {
+        "BURSTCV_EC2_REGION": "us-east-1",  # the settings name another region entirely
+        "BURSTCV_EC2_AMI": kit.ami_parameter,
+        "BURSTCV_EC2_ARTIFACT_ROOT": kit.artifact_root,
+    }.items():
+        monkeypatch.setenv(key, value)
+    settings = Settings(reaper_backends="", reaper_regions="", compute_backend="ec2")
+    assert settings.reaper_backend_names() == ["local", "ec2"]
+    reports = pipeline.reap(["ec2"], lambda dag, run: False, settings=settings)
+    by_region = {r["region"]: r for r in reports}
+    assert {"us-east-1", "eu-west-1"} <= set(by_region)
+    assert [d["instance_id"] for d in by_region["eu-west-1"]["terminated"]] == [iid]
+    assert pipeline.reap_errors(reports) == 0
+    far_ec2 = boto3.client(
+        "ec2", region_name="eu-west-1", endpoint_url=ec2_client.meta.endpoint_url
+    )
+    assert state(far_ec2, iid) == "terminated"
+
+
+def test_ec2_is_swept_whenever_aws_is_configured(monkeypatch: Any) -> None:
+    for key in list(os.environ):
+        if key.startswith(("AWS_", "BURSTCV_EC2_")) or key == "AIRFLOW_CONN_AWS_DEFAULT":
+            monkeypatch.delenv(key)
+    assert Settings(reaper_backends="").reaper_backend_names() == ["local"]
+    monkeypatch.setenv("AWS_PROFILE", "burstcv")
+    assert Settings(reaper_backends="").reaper_backend_names() == ["local", "ec2"]
+    assert Settings(reaper_backends="local").reaper_backend_names() == ["local"]
 
 
 def test_nothing_to_reap_reports_so(backend: Ec2Backend, ec2_client: Any) -> None:

@@ -82,3 +82,24 @@ def test_pipeline_params_form_schema(dagbag) -> None:  # type: ignore[no-untyped
     assert schema["latency_slo_ms"]["type"] == "number"
     for key, spec in schema.items():
         assert spec.get("title"), f"param {key} has no title"
+
+
+def test_reaper_is_on_from_the_start(dagbag) -> None:  # type: ignore[no-untyped-def]
+    dag = dagbag.dags["burstcv_reaper"]
+    assert dag.is_paused_upon_creation is False  # a safety net nobody has to remember
+    assert dag.schedule is not None or dag.timetable is not None
+    (task,) = dag.tasks
+    assert isinstance(task.execution_timeout, timedelta)
+
+
+def test_a_failed_provision_has_its_own_clean_up_path(dagbag) -> None:  # type: ignore[no-untyped-def]
+    from airflow.utils.trigger_rule import TriggerRule
+
+    t = dagbag.dags["burstcv_pipeline"].task_dict
+    clean_up = t["clean_up_failed_provision"]
+    # Airflow runs no teardown for a failed setup; this task runs when train is
+    # upstream_failed (provision failed) or failed, and never otherwise.
+    assert clean_up.trigger_rule == TriggerRule.ONE_FAILED
+    assert clean_up.upstream_task_ids == {"train"}
+    assert "provision" in t["train"].upstream_task_ids
+    assert not clean_up.is_setup and not clean_up.is_teardown

@@ -9,9 +9,21 @@ from typing import Any
 import pytest
 from moto.iam.policy_validation import IAMPolicyDocumentValidator
 
-from burstcv.compute.base import TAG_DAG_ID, TAG_EXPIRES_AT, TAG_MANAGED, TAG_RUN_ID
+from burstcv.compute.base import (
+    MANAGED_TAG_KEYS,
+    TAG_DAG_ID,
+    TAG_EXPIRES_AT,
+    TAG_MANAGED,
+    TAG_RUN_ID,
+)
 
-POLICY_PATH = Path(__file__).resolve().parents[2] / "deploy" / "iam-policy.json"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+POLICY_PATH = DEPLOY / "iam-policy.json"
+# Actions without resource-level permissions: "*" is the only resource AWS accepts.
+UNSCOPABLE = {
+    "DescribeAnything": ["ec2:Describe*"],
+    "DecodeLaunchRefusals": ["sts:DecodeAuthorizationMessage"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +57,10 @@ def test_no_wildcard_actions(policy: dict[str, Any]) -> None:
     wildcard_resources = [
         s["Sid"] for s in policy["Statement"] if s["Effect"] == "Allow" and s["Resource"] == "*"
     ]
-    assert wildcard_resources == ["DescribeAnything"]
-    (describe,) = [s for s in policy["Statement"] if s["Sid"] == "DescribeAnything"]
-    assert as_list(describe["Action"]) == ["ec2:Describe*"]
+    assert sorted(wildcard_resources) == sorted(UNSCOPABLE)
+    for sid, actions in UNSCOPABLE.items():
+        (statement,) = [s for s in policy["Statement"] if s["Sid"] == sid]
+        assert as_list(statement["Action"]) == actions
 
 
 def test_terminate_and_stop_only_with_the_managed_tag(policy: dict[str, Any]) -> None:
@@ -71,8 +84,10 @@ def test_launch_requires_the_managed_request_tag(policy: dict[str, Any]) -> None
     assert len(tagged) == 1
     (statement,) = tagged
     assert statement["Condition"]["StringEquals"] == {f"aws:RequestTag/{TAG_MANAGED}": "true"}
-    allowed_keys = set(statement["Condition"]["ForAllValues:StringEquals"]["aws:TagKeys"])
-    assert {TAG_MANAGED, TAG_RUN_ID, TAG_DAG_ID, TAG_EXPIRES_AT} <= allowed_keys
+    allowed_keys = statement["Condition"]["ForAllValues:StringEquals"]["aws:TagKeys"]
+    assert {TAG_MANAGED, TAG_RUN_ID, TAG_DAG_ID, TAG_EXPIRES_AT} <= set(allowed_keys)
+    # One definition: the keys a launch may send are exactly the ones the policy allows.
+    assert sorted(allowed_keys) == sorted(MANAGED_TAG_KEYS)
     untagged = [s for s in allows if s is not statement]
     for s in untagged:  # the other RunInstances resources never include instances or volumes
         assert not any(":instance/" in r or ":volume/" in r for r in as_list(s["Resource"]))
@@ -88,10 +103,61 @@ def test_tags_are_written_only_at_creation(policy: dict[str, Any]) -> None:
     assert "ec2:DeleteTags" in as_list(deny["Action"])
 
 
-def test_pass_role_names_only_the_training_role(policy: dict[str, Any]) -> None:
-    (statement,) = statements(policy, "Allow", "iam:PassRole")
-    assert as_list(statement["Resource"]) == ["arn:aws:iam::ACCOUNT_ID:role/burstcv-training"]
-    assert statement["Condition"]["StringEquals"]["iam:PassedToService"] == "ec2.amazonaws.com"
+def test_pass_role_names_each_role_for_its_one_service(policy: dict[str, Any]) -> None:
+    passes = {
+        tuple(as_list(s["Resource"])): s["Condition"]["StringEquals"]["iam:PassedToService"]
+        for s in statements(policy, "Allow", "iam:PassRole")
+    }
+    assert passes == {
+        ("arn:aws:iam::ACCOUNT_ID:role/burstcv-training",): "ec2.amazonaws.com",
+        ("arn:aws:iam::ACCOUNT_ID:role/burstcv-backstop",): "scheduler.amazonaws.com",
+    }
+
+
+def test_only_the_spot_service_linked_role_may_be_created(policy: dict[str, Any]) -> None:
+    (statement,) = statements(policy, "Allow", "iam:CreateServiceLinkedRole")
+    assert as_list(statement["Resource"]) == [
+        "arn:aws:iam::ACCOUNT_ID:role/aws-service-role/spot.amazonaws.com/AWSServiceRoleForEC2Spot"
+    ]
+    assert statement["Condition"] == {"StringEquals": {"iam:AWSServiceName": "spot.amazonaws.com"}}
+
+
+def test_deletes_reach_only_registry_aliases_and_run_files(policy: dict[str, Any]) -> None:
+    (statement,) = statements(policy, "Allow", "s3:DeleteObject")
+    assert sorted(as_list(statement["Resource"])) == [
+        "arn:aws:s3:::BURSTCV_BUCKET/*/aliases/*",
+        "arn:aws:s3:::BURSTCV_BUCKET/*/runs/*",
+        "arn:aws:s3:::BURSTCV_BUCKET/runs/*",
+    ]
+
+
+def test_backstop_schedules_are_burstcv_ones_only(policy: dict[str, Any]) -> None:
+    scheduler = [
+        s
+        for s in policy["Statement"]
+        if any(a.startswith("scheduler:") for a in as_list(s["Action"]))
+    ]
+    (statement,) = scheduler
+    assert as_list(statement["Resource"]) == [
+        "arn:aws:scheduler:*:ACCOUNT_ID:schedule/default/burstcv-backstop-*"
+    ]
+
+
+@pytest.mark.parametrize("name", ["backstop-role-policy.json", "backstop-role-trust.json"])
+def test_backstop_role_documents_are_valid(name: str) -> None:
+    text = (DEPLOY / name).read_text()
+    doc = json.loads(text)
+    assert doc["Version"] == "2012-10-17"
+    if name == "backstop-role-policy.json":
+        IAMPolicyDocumentValidator(text).validate()
+        (statement,) = doc["Statement"]
+        assert statement["Action"] == "ec2:TerminateInstances"
+        assert statement["Condition"] == {
+            "StringEquals": {f"aws:ResourceTag/{TAG_MANAGED}": "true"}
+        }
+    else:
+        (statement,) = doc["Statement"]
+        assert statement["Principal"] == {"Service": "scheduler.amazonaws.com"}
 
 
 def test_s3_and_ssm_are_scoped(policy: dict[str, Any]) -> None:

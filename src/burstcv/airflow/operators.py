@@ -47,10 +47,10 @@ class WaitForTrainingOperator(BaseOperator):
         )
 
         info = self.provisioned
-        attempt = 1
+        # The attempt the run waits for: provision's (its try number), or the last relaunch.
+        attempt = current_attempt(info["output_uri"])
         ti = context.get("ti") or context.get("task_instance")
         if ti is not None and getattr(ti, "try_number", 1) > 1:
-            attempt = current_attempt(info["output_uri"])
             outcome = training_outcome(
                 info["run_key"], info["backend"], info["output_uri"], attempt
             )

@@ -28,6 +28,17 @@ TAG_RUN_ID = "burstcv:run-id"
 TAG_DAG_ID = "burstcv:dag-id"
 TAG_EXPIRES_AT = "burstcv:expires-at"
 TAG_AIRFLOW_RUN_ID = "burstcv:airflow-run-id"  # the raw Airflow run id (run-id is path-safe)
+TAG_NAME = "Name"  # the console's name column
+# Every tag key a launch may send: the one list the IAM policy's aws:TagKeys must equal
+# (tests/deploy/test_iam_policy.py), so a key added here and not there fails the tests.
+MANAGED_TAG_KEYS = (
+    TAG_MANAGED,
+    TAG_RUN_ID,
+    TAG_DAG_ID,
+    TAG_EXPIRES_AT,
+    TAG_AIRFLOW_RUN_ID,
+    TAG_NAME,
+)
 
 
 @dataclass(frozen=True)
@@ -42,7 +53,10 @@ class LaunchRequest:
     use_spot: bool = True
     count: int = 1
     airflow_run_id: str = ""  # the orchestrator's own run id, for the reaper's "still running?"
-    attempt: int = 1  # 1 for provision, +1 for each relaunch; markers are per attempt
+    # Which launch of the run this is (1 for provision, +1 for each relaunch): markers are
+    # per attempt, and it is part of the EC2 ClientToken, so a retried call cannot start a
+    # second box while a relaunch can.
+    attempt: int = 1
     deadline_at: datetime | None = None  # the run's absolute deadline (None: now + budget)
     wheel_uri: str = ""  # the staged training wheel (ec2: what user-data installs)
     wheel_sha256: str = ""

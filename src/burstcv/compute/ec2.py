@@ -2,12 +2,18 @@
 
 Written against apache-airflow-providers-amazon (``EC2Hook``/``SsmHook`` over the
 ``aws_default`` connection) and boto3 waiters. Every instance carries the burstcv tags, so
-teardown and the reaper find it by tag; every failure after ``run_instances`` returned
-terminates what was launched before re-raising.
+teardown and the reaper find it by tag. Each option is tried as a dry run first, so a missing
+permission or a wrong setting fails before anything is rented; every real launch carries a
+ClientToken, so a retried call cannot start a second box; any failure once ``RunInstances``
+was sent (a task timeout included) terminates what it may have started before re-raising; and
+an EventBridge Scheduler one-time schedule per instance makes AWS itself terminate the box at
+its expiry, even if Airflow is down and the box's own script never ran.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import re
 from collections.abc import Iterable, Iterator
@@ -16,7 +22,7 @@ from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -28,6 +34,7 @@ from burstcv.compute.base import (
     TAG_DAG_ID,
     TAG_EXPIRES_AT,
     TAG_MANAGED,
+    TAG_NAME,
     TAG_RUN_ID,
     InstanceInfo,
     LaunchRequest,
@@ -56,8 +63,30 @@ CAPACITY_ERRORS = frozenset(
         "SpotMaxPriceTooLow",
         "MaxSpotInstanceCountExceeded",
         "Unsupported",
+        # The account's vCPU quota for this market is used up: the other market has its own.
+        "VcpuLimitExceeded",
     }
 )
+# A first spot launch needs the EC2 Spot service-linked role; without leave to create it,
+# spot is unavailable to this account but on-demand still works.
+SPOT_ROLE_ERRORS = frozenset({"AuthFailure.ServiceLinkedRoleCreationNotPermitted"})
+NEXT_OPTION_ERRORS = CAPACITY_ERRORS | SPOT_ROLE_ERRORS
+# Dry-run refusals that mean "this identity may not", as opposed to a wrong parameter.
+_PERMISSION_ERRORS = ("UnauthorizedOperation", "AccessDenied", "AuthFailure", "Blocked")
+# Parameter errors, and the setting that supplies the parameter (matched in the error's code
+# and message, lower-cased and without spaces).
+_SETTING_OF_ERROR = (
+    ("invalidamiid", "BURSTCV_EC2_AMI"),
+    ("subnet", "BURSTCV_EC2_SUBNET_ID"),
+    ("securitygroup", "BURSTCV_EC2_SECURITY_GROUP_IDS"),
+    ("invalidgroup", "BURSTCV_EC2_SECURITY_GROUP_IDS"),
+    ("instanceprofile", "BURSTCV_EC2_INSTANCE_PROFILE"),
+    ("instancetype", "BURSTCV_EC2_INSTANCE_TYPES"),
+    ("volumesize", "BURSTCV_EC2_VOLUME_GB"),
+)
+# EventBridge Scheduler's universal target: the schedule itself calls EC2 TerminateInstances.
+BACKSTOP_TARGET_ARN = "arn:aws:scheduler:::aws-sdk:ec2:terminateInstances"
+BACKSTOP_GROUP = "default"
 
 # EC2 states that still exist (and may still bill, if only for EBS) versus gone.
 _EC2_TO_STATE = {
@@ -95,6 +124,10 @@ class Ec2Settings(BaseSettings):
     require_gpu: bool = True  # the box's preflight fails without CUDA and a working driver
     watchdog_margin_min: int = Field(default=5, ge=1)  # after the deadline: the last upload
     log_every_s: int = Field(default=30, ge=5)  # how often the box ships its log to S3
+    # The AWS-side backstop: a one-time EventBridge Scheduler schedule per instance that
+    # terminates it at its expiry, assuming this role (name or ARN; docs/aws.md creates it).
+    backstop: bool = True
+    backstop_role: str = "burstcv-backstop"
     waiter_delay_s: float = Field(default=5.0, gt=0)  # between describe calls while waiting
     waiter_max_attempts: int = Field(default=120, ge=1)
 
@@ -134,6 +167,14 @@ class NotManagedError(PermissionError):
     """Raise when asked to terminate an instance that burstcv did not launch."""
 
 
+class LaunchCheckError(RuntimeError):
+    """Raise when a dry run refuses a launch: a missing permission or a wrong setting."""
+
+
+class BackstopError(RuntimeError):
+    """Raise when the AWS-side backstop of a launched instance cannot be arranged."""
+
+
 @dataclass(frozen=True)
 class LaunchAttempt:
     """Name one (instance type, market) option tried by a launch."""
@@ -147,6 +188,45 @@ def launch_plan(instance_types: Iterable[str], use_spot: bool) -> list[LaunchAtt
     types = list(instance_types)
     plan = [LaunchAttempt(t, "spot") for t in types] if use_spot else []
     return plan + [LaunchAttempt(t, "on-demand") for t in types]
+
+
+def client_token(run_id: str, attempt: int, option: LaunchAttempt) -> str:
+    """Return the RunInstances ClientToken of one option of one launch attempt of a run.
+
+    EC2 answers a repeated token with the first call's instances instead of starting more,
+    so a retried call (a lost response, a retried task) cannot double-launch; a relaunch is a
+    new attempt and gets a new token. At most 64 ASCII characters, as EC2 requires.
+    """
+    key = f"{run_id}|{attempt}|{option.instance_type}|{option.market}"
+    return "burstcv-" + hashlib.sha256(key.encode()).hexdigest()[:48]
+
+
+def backstop_name(instance_id: str) -> str:
+    """Return the name of the schedule that terminates ``instance_id`` at its expiry."""
+    return f"burstcv-backstop-{instance_id}"
+
+
+def instance_tags(request: LaunchRequest, expires_at: datetime) -> list[dict[str, str]]:
+    """Return the tags a launch puts on its instances and volumes (keys: MANAGED_TAG_KEYS)."""
+    tags = [
+        {"Key": TAG_MANAGED, "Value": "true"},
+        {"Key": TAG_RUN_ID, "Value": request.run_id},
+        {"Key": TAG_DAG_ID, "Value": request.dag_id},
+        {"Key": TAG_EXPIRES_AT, "Value": format_expiry(expires_at)},
+        {"Key": TAG_NAME, "Value": f"burstcv-{request.run_id}"[:255]},
+    ]
+    if request.airflow_run_id:
+        tags.append({"Key": TAG_AIRFLOW_RUN_ID, "Value": request.airflow_run_id[:255]})
+    return tags
+
+
+def _error_code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _error_message(exc: ClientError) -> str:
+    message = str(exc.response.get("Error", {}).get("Message", ""))
+    return message.splitlines()[0] if message else ""
 
 
 def format_expiry(moment: datetime) -> str:
@@ -221,6 +301,31 @@ class Ec2Backend:
         )
         return hook.conn
 
+    def _aws_client(self, client_type: str) -> Any:
+        from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
+
+        hook = AwsBaseHook(
+            aws_conn_id=self.settings.aws_conn_id,
+            client_type=client_type,
+            region_name=self.settings.region,
+        )
+        return hook.conn
+
+    @cached_property
+    def scheduler(self) -> Any:
+        """Return the EventBridge Scheduler client (the backstop) over ``aws_conn_id``."""
+        return self._aws_client("scheduler")
+
+    @cached_property
+    def sts(self) -> Any:
+        """Return the STS client (account id, decoding a refusal) over ``aws_conn_id``."""
+        return self._aws_client("sts")
+
+    def enabled_regions(self) -> list[str]:
+        """Return every region enabled for the account (the reaper looks in each)."""
+        regions = self.client.describe_regions()["Regions"]
+        return sorted(r["RegionName"] for r in regions)
+
     def resolve_ami(self) -> str:
         """Return the AMI id: the setting itself, or the SSM parameter it names."""
         ami = self.settings.ami
@@ -274,41 +379,33 @@ class Ec2Backend:
         use_spot = request.use_spot and s.use_spot
         plan = launch_plan(request.instance_types or s.instance_types, use_spot)
         refusals: list[str] = []
-        for attempt in plan:
-            params = dict(base_params, InstanceType=attempt.instance_type)
-            if attempt.market == "spot":
-                params["InstanceMarketOptions"] = {
-                    "MarketType": "spot",
-                    # One-time, terminate: an interrupted box is gone, never stopped or relaunched.
-                    "SpotOptions": {
-                        "SpotInstanceType": "one-time",
-                        "InstanceInterruptionBehavior": "terminate",
-                    },
-                }
-            try:
-                response = self.client.run_instances(**params)
-            except ClientError as exc:
-                code = exc.response.get("Error", {}).get("Code", "")
-                if code not in CAPACITY_ERRORS:
-                    raise
-                refusals.append(f"{attempt.instance_type} {attempt.market}: {code}")
+        for option in plan:
+            params = self._option_params(base_params, option)
+            # Zero cost: a missing permission or a wrong setting fails here, before renting.
+            refused = self._dry_run(params, option)
+            if refused is None:
+                params["ClientToken"] = client_token(request.run_id, request.attempt, option)
+                refused, ids = self._run(params, request.run_id)
+            if refused is not None:
+                refusals.append(f"{option.instance_type} {option.market}: {refused}")
                 log.warning(
-                    "no capacity for %s %s (%s); trying the next option",
-                    attempt.instance_type,
-                    attempt.market,
-                    code,
+                    "no %s %s for run %s (%s); trying the next option",
+                    option.instance_type,
+                    option.market,
+                    request.run_id,
+                    refused,
                 )
                 continue
-            ids = [inst["InstanceId"] for inst in response["Instances"]]
             log.info(
                 "run %s: launched %s as %s %s (expires %s)",
                 request.run_id,
                 ids,
-                attempt.instance_type,
-                attempt.market,
+                option.instance_type,
+                option.market,
                 format_expiry(expires_at),
             )
             try:
+                self._arm_backstop(ids, request.run_id, expires_at)
                 self._confirm_findable(ids, request.run_id)
             except BaseException:
                 # Anything after run_instances returned: destroy what started, then re-raise.
@@ -317,8 +414,217 @@ class Ec2Backend:
                 raise
             return ids
         raise CapacityUnavailableError(
-            f"no capacity for run {request.run_id}: tried " + "; ".join(refusals)
+            f"no capacity for run {request.run_id}: tried "
+            + "; ".join(refusals)
+            + " (a quota of 0 vCPUs looks the same: docs/aws.md, one-time account setup)"
         )
+
+    def check_launch(self, request: LaunchRequest) -> list[tuple[LaunchAttempt, str]]:
+        """Dry-run every option of a launch; return (option, "" if allowed, else why not).
+
+        Nothing is started: every call carries DryRun. The user data is a stand-in of the
+        real one's shape (EC2 checks permissions and parameters, not the script).
+        """
+        s = self.settings
+        expires_at = datetime.now(UTC) + timedelta(seconds=request.time_budget_s)
+        image_id = self.resolve_ami()
+        base_params = self._run_params(request, image_id, "#!/bin/bash\n", expires_at)
+        use_spot = request.use_spot and s.use_spot
+        results: list[tuple[LaunchAttempt, str]] = []
+        for option in launch_plan(request.instance_types or s.instance_types, use_spot):
+            try:
+                refused = self._dry_run(self._option_params(base_params, option), option)
+            except LaunchCheckError as exc:
+                refused = str(exc)
+            results.append((option, refused or ""))
+        return results
+
+    def check_backstop(self) -> str:
+        """Create and delete a disabled backstop schedule; return "" or why it cannot be armed."""
+        if not self.settings.backstop:
+            return ""
+        name = backstop_name("check")
+        try:
+            self.scheduler.create_schedule(
+                Name=name,
+                GroupName=BACKSTOP_GROUP,
+                ScheduleExpression="at(2099-01-01T00:00:00)",
+                FlexibleTimeWindow={"Mode": "OFF"},
+                State="DISABLED",  # never fires: this only proves the permissions and role
+                Target={
+                    "Arn": BACKSTOP_TARGET_ARN,
+                    "RoleArn": self._backstop_role_arn(),
+                    "Input": json.dumps({"InstanceIds": []}),
+                },
+            )
+            self.scheduler.delete_schedule(Name=name, GroupName=BACKSTOP_GROUP)
+        except ClientError as exc:
+            return (
+                f"{_error_code(exc)}: {_error_message(exc)}; create the "
+                f"{self.settings.backstop_role} role and allow scheduler:CreateSchedule "
+                "(docs/aws.md), or set BURSTCV_EC2_BACKSTOP=false"
+            )
+        return ""
+
+    def _option_params(self, base_params: dict[str, Any], option: LaunchAttempt) -> dict[str, Any]:
+        params = dict(base_params, InstanceType=option.instance_type)
+        if option.market == "spot":
+            params["InstanceMarketOptions"] = {
+                "MarketType": "spot",
+                # One-time, terminate: an interrupted box is gone, never stopped or relaunched.
+                "SpotOptions": {
+                    "SpotInstanceType": "one-time",
+                    "InstanceInterruptionBehavior": "terminate",
+                },
+            }
+        return params
+
+    def _dry_run(self, params: dict[str, Any], option: LaunchAttempt) -> str | None:
+        """Ask EC2 whether this launch would be allowed; return a next-option code or None.
+
+        Raise LaunchCheckError, one line naming the missing permission or the wrong setting,
+        for any other refusal.
+        """
+        try:
+            response = self.client.run_instances(**params, DryRun=True)
+        except ClientError as exc:
+            code = _error_code(exc)
+            if code == "DryRunOperation":
+                return None
+            if code in NEXT_OPTION_ERRORS:
+                return code
+            raise LaunchCheckError(self.explain_refusal(exc, option)) from exc
+        # A dry run never launches; an endpoint that ignored the flag did: undo it at once.
+        ids = [inst["InstanceId"] for inst in response.get("Instances", [])]
+        self._terminate_after_failed_setup(ids)
+        raise LaunchCheckError(f"EC2 ignored DryRun and started {ids}; terminated them")
+
+    def _run(self, params: dict[str, Any], run_id: str) -> tuple[str | None, list[str]]:
+        """Send RunInstances; return (next-option code, []) or (None, the new instance ids)."""
+        try:
+            response = self.client.run_instances(**params)
+        except ClientError as exc:
+            code = _error_code(exc)
+            if code not in NEXT_OPTION_ERRORS:
+                raise
+            return code, []
+        except BaseException:
+            # Interrupted inside RunInstances (a task timeout, SIGTERM, a dropped connection):
+            # EC2 may have started the box without us learning its id. Find it by tag.
+            log.error("run %s: interrupted inside RunInstances; terminating by tag", run_id)
+            self._terminate_tagged(run_id)
+            raise
+        return None, [inst["InstanceId"] for inst in response["Instances"]]
+
+    def explain_refusal(self, exc: ClientError, option: LaunchAttempt) -> str:
+        """Return one line saying which permission or setting made EC2 refuse a launch."""
+        code, message = _error_code(exc), _error_message(exc)
+        what = f"a {option.market} {option.instance_type} launch in {self.settings.region}"
+        if code.startswith(_PERMISSION_ERRORS):
+            denied = self._decoded_denial(message) or (
+                "ec2:RunInstances with the burstcv tags, ec2:CreateTags at launch, or "
+                "iam:PassRole on the instance profile's role"
+            )
+            return (
+                f"{what} is not allowed ({code}): the identity behind connection "
+                f"{self.settings.aws_conn_id!r} lacks {denied}; attach deploy/iam-policy.json "
+                "(docs/aws.md)"
+            )
+        said = (code + message).lower().replace(" ", "")
+        for fragment, setting in _SETTING_OF_ERROR:
+            if fragment in said:
+                return f"{what} was refused ({code}: {message}); check {setting}"
+        return f"{what} was refused by a dry run ({code}: {message})"
+
+    def _decoded_denial(self, message: str) -> str:
+        """Return 'action on resource' from an encoded authorization message, if decodable."""
+        match = re.search(r"[Ee]ncoded authorization failure message: (\S+)", message)
+        if match is None:
+            return ""
+        try:
+            decoded = self.sts.decode_authorization_message(EncodedMessage=match.group(1))
+            context = json.loads(decoded["DecodedMessage"]).get("context", {})
+        except (ClientError, BotoCoreError, ValueError):
+            log.warning("could not decode the authorization message; see it with the AWS CLI")
+            return ""
+        return f"{context.get('action', '?')} on {context.get('resource', '?')}"
+
+    # --- the AWS-side backstop ---
+
+    def _backstop_role_arn(self) -> str:
+        role = self.settings.backstop_role
+        if role.startswith("arn:"):
+            return role
+        account = self.sts.get_caller_identity()["Account"]
+        return f"arn:aws:iam::{account}:role/{role}"
+
+    def _arm_backstop(self, instance_ids: list[str], run_id: str, expires_at: datetime) -> None:
+        """Make AWS itself terminate each instance at its expiry (one schedule per instance)."""
+        if not self.settings.backstop:
+            return
+        role_arn = self._backstop_role_arn()
+        for iid in instance_ids:
+            try:
+                self.scheduler.create_schedule(
+                    Name=backstop_name(iid),
+                    GroupName=BACKSTOP_GROUP,
+                    ScheduleExpression=f"at({expires_at.astimezone(UTC):%Y-%m-%dT%H:%M:%S})",
+                    ScheduleExpressionTimezone="UTC",
+                    FlexibleTimeWindow={"Mode": "OFF"},
+                    # It fires once and removes itself; teardown removes it sooner.
+                    ActionAfterCompletion="DELETE",
+                    Description=f"burstcv: terminate {iid} of run {run_id} at its expiry"[:512],
+                    Target={
+                        "Arn": BACKSTOP_TARGET_ARN,
+                        "RoleArn": role_arn,
+                        "Input": json.dumps({"InstanceIds": [iid]}),
+                        # Keep retrying for a day: EC2 throttling must not save the box.
+                        "RetryPolicy": {
+                            "MaximumRetryAttempts": 185,
+                            "MaximumEventAgeInSeconds": 86400,
+                        },
+                    },
+                )
+            except ClientError as exc:
+                if _error_code(exc) == "ConflictException":
+                    continue  # armed already (a retried call)
+                raise BackstopError(
+                    f"could not schedule the AWS-side termination of {iid} "
+                    f"({_error_code(exc)}: {_error_message(exc)}); create the "
+                    f"{self.settings.backstop_role} role (docs/aws.md) or set "
+                    "BURSTCV_EC2_BACKSTOP=false"
+                ) from exc
+        log.info(
+            "run %s: AWS terminates %s at %s at the latest",
+            run_id,
+            instance_ids,
+            format_expiry(expires_at),
+        )
+
+    def backstops(self, instance_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """Return the armed backstop schedule of each instance that has one."""
+        found = {}
+        for iid in instance_ids:
+            try:
+                found[iid] = self.scheduler.get_schedule(
+                    Name=backstop_name(iid), GroupName=BACKSTOP_GROUP
+                )
+            except ClientError as exc:
+                if _error_code(exc) != "ResourceNotFoundException":
+                    raise
+        return found
+
+    def _remove_backstops(self, instance_ids: list[str]) -> None:
+        """Delete the instances' schedules; one already gone (fired, or removed) is fine."""
+        if not self.settings.backstop:
+            return
+        for iid in instance_ids:
+            try:
+                self.scheduler.delete_schedule(Name=backstop_name(iid), GroupName=BACKSTOP_GROUP)
+            except ClientError as exc:
+                if _error_code(exc) != "ResourceNotFoundException":
+                    # Harmless if left: it fires on a terminated instance and deletes itself.
+                    log.warning("could not remove the backstop of %s: %s", iid, exc)
 
     def describe(self, run_id: str) -> list[InstanceInfo]:
         """Return every burstcv instance tagged with the run id, in any state."""
@@ -334,11 +640,13 @@ class Ec2Backend:
         Instances that already shut themselves down are billed too. A type missing from the
         price table is logged and left out of the cost rather than failing the teardown.
         """
-        live = [i.instance_id for i in self.describe(run_id) if i.state != STOPPED]
+        described = self.describe(run_id)
+        live = [i.instance_id for i in described if i.state != STOPPED]
         if live:
             log.info("run %s: terminating %s", run_id, live)
             self.client.terminate_instances(InstanceIds=live)
             self._wait_terminated(live)
+        self._remove_backstops([i.instance_id for i in described])
         observed_at = datetime.now(UTC)
         report = TerminationReport()
         for info in self.describe(run_id):
@@ -392,15 +700,7 @@ class Ec2Backend:
         self, request: LaunchRequest, image_id: str, user_data: str, expires_at: datetime
     ) -> dict[str, Any]:
         s = self.settings
-        tags = [
-            {"Key": TAG_MANAGED, "Value": "true"},
-            {"Key": TAG_RUN_ID, "Value": request.run_id},
-            {"Key": TAG_DAG_ID, "Value": request.dag_id},
-            {"Key": TAG_EXPIRES_AT, "Value": format_expiry(expires_at)},
-            {"Key": "Name", "Value": f"burstcv-{request.run_id}"[:255]},
-        ]
-        if request.airflow_run_id:
-            tags.append({"Key": TAG_AIRFLOW_RUN_ID, "Value": request.airflow_run_id[:255]})
+        tags = instance_tags(request, expires_at)
         params: dict[str, Any] = {
             "ImageId": image_id,
             # All or nothing: a multi-instance run never starts with part of its boxes.
@@ -483,10 +783,26 @@ class Ec2Backend:
         )
 
     def _terminate_after_failed_setup(self, instance_ids: list[str]) -> None:
+        """Terminate what a failed launch started; log (never raise over) a failure to do so.
+
+        The caller re-raises the original failure; the DAG's clean-up task, the reaper and
+        the backstop find anything left here by tag.
+        """
         try:
             self.client.terminate_instances(InstanceIds=instance_ids)
-        except ClientError:
-            # The original failure is re-raised by the caller; the reaper finds these by tag.
+        except (ClientError, BotoCoreError):
             log.exception(
                 "could not terminate %s after a failed setup; the reaper will", instance_ids
             )
+            return
+        self._remove_backstops(instance_ids)
+
+    def _terminate_tagged(self, run_id: str) -> None:
+        """Terminate every live instance tagged with the run (after an interrupted launch)."""
+        try:
+            live = [i.instance_id for i in self.describe(run_id) if i.state != STOPPED]
+        except (ClientError, BotoCoreError):
+            log.exception("could not look for instances of run %s; the reaper will", run_id)
+            return
+        if live:
+            self._terminate_after_failed_setup(live)

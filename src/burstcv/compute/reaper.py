@@ -1,9 +1,14 @@
 """Terminate burstcv instances that outlived their expiry or their DAG run, whoever started them.
 
-The reaper is the last of the four layers against a leaked GPU: it trusts nothing but the tags
+The reaper is the fourth of five layers against a leaked GPU: it trusts nothing but the tags
 on the instances and the answer to "is this DAG run still running?", so it cleans up after an
-orchestrator that died mid-run. It never touches an instance without the burstcv tags
-(``list_managed`` only returns managed ones and ``terminate`` refuses the rest).
+orchestrator that died mid-run. Each pass first terminates every box past its expiry,
+unconditionally (no question to Airflow is asked, so none can fail or keep it), then asks
+Airflow about the rest. An error about one box (a refused terminate, Airflow failing to
+answer) is logged and counted in the report and never stops the others; a box whose run
+cannot be checked is kept, because a reaper must not guess that a run is over. It never
+touches an instance without the burstcv tags (``list_managed`` only returns managed ones and
+``terminate`` refuses the rest).
 """
 
 from __future__ import annotations
@@ -34,6 +39,16 @@ class ReapDecision:
     detail: str
 
 
+@dataclass(frozen=True)
+class ReapError:
+    """Say what went wrong about one box: it was left as it was, and the pass went on."""
+
+    instance_id: str
+    run_id: str
+    step: str  # "check-run" (asking Airflow) or "terminate"
+    error: str
+
+
 @dataclass
 class ReapReport:
     """List what one reaper pass found, terminated (or would), and kept."""
@@ -42,6 +57,7 @@ class ReapReport:
     dry_run: bool
     decisions: list[ReapDecision] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
+    errors: list[ReapError] = field(default_factory=list)
 
     @property
     def instance_ids(self) -> list[str]:
@@ -57,15 +73,26 @@ class ReapReport:
                 asdict(d) for d in self.decisions
             ],
             "kept": list(self.kept),
+            "errors": [asdict(e) for e in self.errors],
         }
 
     def summary(self) -> str:
         """Return one line for logs and the CLI."""
         verb = "would terminate" if self.dry_run else "terminated"
+        errors = f"; {len(self.errors)} error(s)" if self.errors else ""
         if not self.decisions:
-            return f"reaper: nothing to terminate ({len(self.kept)} managed instance(s) kept)"
+            return (
+                f"reaper: nothing to terminate ({len(self.kept)} managed instance(s) kept)" + errors
+            )
         listed = ", ".join(f"{d.instance_id} ({d.reason})" for d in self.decisions)
-        return f"reaper: {verb} {listed}; kept {len(self.kept)}"
+        return f"reaper: {verb} {listed}; kept {len(self.kept)}{errors}"
+
+
+def _expiry_decision(info: InstanceInfo) -> ReapDecision:
+    expires_at = info.expires_at.isoformat() if info.expires_at else "?"
+    return ReapDecision(
+        info.instance_id, info.run_id, info.dag_id, REASON_EXPIRED, f"expired at {expires_at}"
+    )
 
 
 def decide(
@@ -73,13 +100,7 @@ def decide(
 ) -> ReapDecision | None:
     """Return why ``info`` must go, or None to keep it."""
     if info.expires_at is not None and info.expires_at <= now:
-        return ReapDecision(
-            info.instance_id,
-            info.run_id,
-            info.dag_id,
-            REASON_EXPIRED,
-            f"expired at {info.expires_at.isoformat()}",
-        )
+        return _expiry_decision(info)
     if not info.run_id or not info.dag_id:
         return ReapDecision(
             info.instance_id,
@@ -99,38 +120,79 @@ def decide(
     return None
 
 
+def _expired(info: InstanceInfo, now: datetime) -> bool:
+    return info.expires_at is not None and info.expires_at <= now
+
+
 def reap(
     backend: ComputeBackend,
     *,
     is_run_active: Callable[[str, str], bool],
     now: datetime | None = None,
     dry_run: bool = False,
+    managed: list[InstanceInfo] | None = None,
 ) -> ReapReport:
-    """Terminate managed instances whose expiry passed or whose DAG run is not running.
+    """Terminate managed instances whose expiry passed, then those whose DAG run is not running.
 
-    ``is_run_active(dag_id, run_id)`` answers from Airflow; if it raises, nothing is
-    terminated and the error propagates (a reaper must not guess that a run is over).
+    ``is_run_active(dag_id, run_id)`` answers from Airflow; when it raises for a box, that
+    box is kept (and the error counted), and the pass goes on. ``managed`` is the backend's
+    ``list_managed()`` when the caller already has it.
     """
     checked_at = now or datetime.now(UTC)
     report = ReapReport(checked_at=checked_at, dry_run=dry_run)
-    for info in backend.list_managed():
-        if info.state == STOPPED:
+    live = [i for i in (backend.list_managed() if managed is None else managed)]
+    live = [i for i in live if i.state != STOPPED]
+    # Pass 1: past its expiry, a box goes whatever Airflow would say (Airflow may be down).
+    for info in live:
+        if _expired(info, checked_at):
+            _terminate(backend, _expiry_decision(info), report)
+    # Pass 2: ask Airflow about the rest, one box at a time.
+    for info in live:
+        if _expired(info, checked_at):
             continue
-        decision = decide(info, is_run_active=is_run_active, now=checked_at)
+        try:
+            decision = decide(info, is_run_active=is_run_active, now=checked_at)
+        # Broad on purpose: counted in the report; the pass goes on.
+        except Exception as exc:
+            log.exception("reaper: could not check the run of %s; keeping it", info.instance_id)
+            report.errors.append(
+                ReapError(
+                    info.instance_id, info.run_id, "check-run", f"{type(exc).__name__}: {exc}"
+                )
+            )
+            report.kept.append(info.instance_id)
+            continue
         if decision is None:
             report.kept.append(info.instance_id)
         else:
-            report.decisions.append(decision)
-    for decision in report.decisions:
-        log.warning(
-            "reaper: %s %s (run %s, dag %s): %s",
-            "would terminate" if dry_run else "terminating",
-            decision.instance_id,
-            decision.run_id,
-            decision.dag_id,
-            decision.detail,
-        )
-    if report.decisions and not dry_run:
-        backend.terminate(report.instance_ids)
+            _terminate(backend, decision, report)
     log.info("%s", report.summary())
     return report
+
+
+def _terminate(backend: ComputeBackend, decision: ReapDecision, report: ReapReport) -> None:
+    """Terminate one box (or, on a dry run, say so); a failure is counted, never raised."""
+    log.warning(
+        "reaper: %s %s (run %s, dag %s): %s",
+        "would terminate" if report.dry_run else "terminating",
+        decision.instance_id,
+        decision.run_id,
+        decision.dag_id,
+        decision.detail,
+    )
+    if not report.dry_run:
+        try:
+            backend.terminate([decision.instance_id])
+        # Broad on purpose: counted in the report; the pass goes on.
+        except Exception as exc:
+            log.exception("reaper: could not terminate %s", decision.instance_id)
+            report.errors.append(
+                ReapError(
+                    decision.instance_id,
+                    decision.run_id,
+                    "terminate",
+                    f"{type(exc).__name__}: {exc}",
+                )
+            )
+            return
+    report.decisions.append(decision)

@@ -1,0 +1,201 @@
+"""Audit every AWS call of one pipeline's life against deploy/iam-policy.json, as AWS would.
+
+The orchestrator's clients go through the recording proxy (see ``audited_calls`` in
+conftest.py): provision through the pipeline (with the Airflow run id tag it always sends),
+the wait for the job's outcome, the teardown, a reaper pass and the S3 registry (versions,
+the alias lease, a failed deploy's restore, a rollback). Every recorded call is judged by a
+small IAM evaluator; none may be denied, and a tag key the code sends but the policy lacks
+must be.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from awsaudit import AwsCall, Check, RecordingProxy, denied, evaluate
+
+from burstcv import pipeline
+from burstcv.compute import ec2 as ec2_module
+from burstcv.compute.base import MANAGED_TAG_KEYS, TAG_AIRFLOW_RUN_ID, LaunchRequest
+from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
+from burstcv.params import RunParams
+from burstcv.registry.registry import PRODUCTION, Registry
+from burstcv.settings import Settings, get_settings
+
+AIRFLOW_RUN_ID = "manual__2026-01-01T00:00:00+00:00"
+
+
+def model_dir(root: Path, tag: str) -> Path:
+    """Write a model folder (model.onnx + model.json) as the export stage does."""
+    root.mkdir(parents=True, exist_ok=True)
+    data = f"onnx-{tag}".encode()
+    (root / "model.onnx").write_bytes(data)
+    (root / "model.json").write_text(
+        json.dumps(
+            {
+                "name": "digits",
+                "onnx_file": "model.onnx",
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+        )
+    )
+    return root
+
+
+@pytest.fixture
+def s3_deployment(
+    ec2_settings: Ec2Settings, kit: Any, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Settings]:
+    """Configure the pipeline as a user of AWS would: S3 artifact store, EC2 compute."""
+    env = {
+        "BURSTCV_ARTIFACT_ROOT": kit.artifact_root,
+        "BURSTCV_REGISTRY_URI": f"s3://{kit.bucket}/registry",
+        "BURSTCV_COMPUTE_BACKEND": "ec2",
+        "BURSTCV_REAPER_REGIONS": kit.region,
+    }
+    for name, value in ec2_settings.model_dump().items():
+        if value is not None:
+            env[f"BURSTCV_EC2_{name.upper()}"] = (
+                ",".join(value) if isinstance(value, tuple) else str(value)
+            )
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    get_settings.cache_clear()
+    yield get_settings()
+    get_settings.cache_clear()
+
+
+def test_one_pipeline_life_makes_no_call_the_policy_denies(
+    s3_deployment: Settings,
+    player: Any,
+    kit: Any,
+    audited_calls: RecordingProxy,
+    tmp_path: Path,
+    deployment_policy: Any,
+) -> None:
+    settings = s3_deployment
+    key = "manual__2026-01-01T00_00_00_00_00"
+    player.modes[key] = kit.HOLD
+    params = RunParams.resolve({"compute_backend": "ec2", "time_budget_s": 600}, settings)
+    packed = {
+        "classes": ["0", "1"],
+        "train_shards": [f"{kit.artifact_root}/runs/{key}/dataset/shards/train-000.npz"],
+        "val_shards": [f"{kit.artifact_root}/runs/{key}/dataset/shards/val-000.npz"],
+        "preprocess": {"height": 32, "width": 32},
+        "fingerprint": "fp",
+    }
+    provisioned = pipeline.provision(AIRFLOW_RUN_ID, "burstcv_pipeline", params, packed, settings)
+    outcome = pipeline.training_outcome(key, "ec2", provisioned["output_uri"])  # the wait
+    assert outcome == {"status": "running"}
+    report = pipeline.terminate(key, "ec2")
+    assert report["instance_ids"] == provisioned["instance_ids"]
+    reaped = pipeline.reap(None, lambda dag, run: False, settings=settings)
+    assert pipeline.reap_errors(reaped) == 0
+
+    registry = Registry(settings.registry_uri, "digits")
+    v1 = registry.register(str(model_dir(tmp_path / "a", "a")), {"status": "accepted"})
+    v2 = registry.register(str(model_dir(tmp_path / "b", "b")), {"status": "accepted"})
+    registry.promote(v1)
+    before = registry.get_alias(PRODUCTION), None
+    registry.promote(v2)
+    registry.restore_aliases(*before)  # a failed deploy puts both aliases back
+    registry.promote(v2)
+    registry.rollback()
+
+    calls = audited_calls.snapshot()
+    actions = {c.action for c in calls}
+    # Not a vacuous audit: every kind of call the orchestrator makes was seen and judged.
+    assert {
+        "ec2:RunInstances",
+        "ec2:DescribeInstances",
+        "ec2:DescribeImages",
+        "ec2:TerminateInstances",
+        "ssm:GetParameter",
+        "scheduler:CreateSchedule",
+        "scheduler:DeleteSchedule",
+        "s3:PutObject",
+        "s3:GetObject",
+        "s3:ListBucket",
+        "s3:DeleteObject",
+    } <= actions, actions
+    launches = [c for c in calls if c.action == "ec2:RunInstances" and c.status == 200]
+    (launch,) = launches
+    tag_keys = next(c.context["aws:TagKeys"] for c in launch.checks if "instance/" in c.resource)
+    assert TAG_AIRFLOW_RUN_ID in tag_keys  # the tag the old policy refused
+    deletes = [c for c in calls if c.action == "s3:DeleteObject"]
+    assert any(
+        r.endswith("/aliases/production.json") or ".lock" in r for c in deletes for r in c.resources
+    )
+    assert denied(deployment_policy[0], calls, deployment_policy[1]) == []
+
+
+def test_a_tag_key_added_to_the_code_but_not_the_policy_is_denied(
+    backend: Ec2Backend,
+    ec2_client: Any,
+    player: Any,
+    kit: Any,
+    audited_calls: RecordingProxy,
+    monkeypatch: pytest.MonkeyPatch,
+    deployment_policy: Any,
+) -> None:
+    player.modes["new-tag"] = kit.HOLD
+    original = ec2_module.instance_tags
+
+    def with_an_owner(request: LaunchRequest, expires_at: Any) -> list[dict[str, str]]:
+        return [*original(request, expires_at), {"Key": "burstcv:owner", "Value": "ml-team"}]
+
+    monkeypatch.setattr(ec2_module, "instance_tags", with_an_owner)
+    (iid,) = backend.launch(LaunchRequest("new-tag", "dag", "s3://never-read/job.json", 600))
+    launches = [c for c in audited_calls.snapshot() if c.action == "ec2:RunInstances"]
+    refused = denied(deployment_policy[0], launches, deployment_policy[1])
+    assert refused and all("burstcv:owner" in line and "aws:TagKeys" in line for line in refused)
+    # The same launch without the extra key is allowed: the key alone made the difference.
+    monkeypatch.setattr(ec2_module, "instance_tags", original)
+    audited_calls.clear()  # the denial above is this test's point, not a finding
+    ec2_client.terminate_instances(InstanceIds=[iid])
+    player.modes["old-tags"] = kit.HOLD
+    backend.launch(
+        LaunchRequest("old-tags", "dag", "s3://never-read/job.json", 600, airflow_run_id="r")
+    )
+    launches = [c for c in audited_calls.snapshot() if c.action == "ec2:RunInstances"]
+    assert launches and denied(deployment_policy[0], launches, deployment_policy[1]) == []
+    backend.terminate_run("old-tags")
+
+
+def test_the_code_sends_exactly_the_tag_keys_of_the_one_definition() -> None:
+    from datetime import UTC, datetime
+
+    tags = ec2_module.instance_tags(
+        LaunchRequest("run", "dag", "s3://b/job.json", 600, airflow_run_id="manual__x"),
+        datetime(2026, 1, 1, tzinfo=UTC),
+    )
+    assert [t["Key"] for t in tags] == [*MANAGED_TAG_KEYS[:4], "Name", TAG_AIRFLOW_RUN_ID]
+    assert sorted(t["Key"] for t in tags) == sorted(MANAGED_TAG_KEYS)
+
+
+def test_evaluate_names_the_refused_authorization(kit: Any, deployment_policy: Any) -> None:
+    call = AwsCall("s3", "s3:DeleteObject", "us-east-1", "DELETE", "/x", {}, [])
+    call.checks = [Check("s3:DeleteObject", f"arn:aws:s3:::{kit.bucket}/datasets/x.parquet")]
+    allowed, reason = evaluate(deployment_policy[0], call, deployment_policy[1])
+    assert not allowed and "datasets/x.parquet" in reason and "no statement allows" in reason
+
+
+def test_the_audit_routes_the_orchestrator_through_the_proxy(
+    aws: str, audited_calls: RecordingProxy
+) -> None:
+    conn = json.loads(os.environ["AIRFLOW_CONN_AWS_DEFAULT"])
+    assert conn["extra"]["endpoint_url"] == audited_calls.url != aws
+    assert os.environ["AWS_ENDPOINT_URL_S3"] == audited_calls.url
+    assert os.environ["AWS_ENDPOINT_URL"] == aws  # the test's and the boxes' own clients
+
+
+def test_unaudited_leaves_the_clients_on_the_emulator(aws: str, unaudited: None) -> None:
+    conn = json.loads(os.environ["AIRFLOW_CONN_AWS_DEFAULT"])
+    assert conn["extra"]["endpoint_url"] == aws
+    assert "AWS_ENDPOINT_URL_S3" not in os.environ
