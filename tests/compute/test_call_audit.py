@@ -25,10 +25,16 @@ from burstcv.compute import ec2 as ec2_module
 from burstcv.compute.base import MANAGED_TAG_KEYS, TAG_AIRFLOW_RUN_ID, LaunchRequest
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.params import RunParams
-from burstcv.registry.registry import PRODUCTION, Registry
+from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry
 from burstcv.settings import Settings, get_settings
 
 AIRFLOW_RUN_ID = "manual__2026-01-01T00:00:00+00:00"
+
+# Held boxes never read their wheel: the boot path itself runs in test_box_boot.py.
+HELD_WHEEL: dict[str, Any] = {
+    "wheel_uri": f"s3://never-read/runtime/{'0' * 64}/t.whl",
+    "wheel_sha256": "0" * 64,
+}
 
 
 def model_dir(root: Path, tag: str) -> Path:
@@ -92,7 +98,7 @@ def test_one_pipeline_life_makes_no_call_the_policy_denies(
     }
     provisioned = pipeline.provision(AIRFLOW_RUN_ID, "burstcv_pipeline", params, packed, settings)
     outcome = pipeline.training_outcome(key, "ec2", provisioned["output_uri"])  # the wait
-    assert outcome == {"status": "running"}
+    assert outcome == {"status": "running", "attempt": 1}
     report = pipeline.terminate(key, "ec2")
     assert report["instance_ids"] == provisioned["instance_ids"]
     reaped = pipeline.reap(None, lambda dag, run: False, settings=settings)
@@ -102,9 +108,10 @@ def test_one_pipeline_life_makes_no_call_the_policy_denies(
     v1 = registry.register(str(model_dir(tmp_path / "a", "a")), {"status": "accepted"})
     v2 = registry.register(str(model_dir(tmp_path / "b", "b")), {"status": "accepted"})
     registry.promote(v1)
-    before = registry.get_alias(PRODUCTION), None
-    registry.promote(v2)
-    registry.restore_aliases(*before)  # a failed deploy puts both aliases back
+    with registry.aliases_locked("audit") as aliases:  # a failed deploy undoes its own move
+        production, previous = aliases.read(PRODUCTION), aliases.read(PREVIOUS)
+        aliases.promote(v2)
+        assert aliases.undo(v2, production=production, previous=previous)
     registry.promote(v2)
     registry.rollback()
 
@@ -151,7 +158,9 @@ def test_a_tag_key_added_to_the_code_but_not_the_policy_is_denied(
         return [*original(request, expires_at), {"Key": "burstcv:owner", "Value": "ml-team"}]
 
     monkeypatch.setattr(ec2_module, "instance_tags", with_an_owner)
-    (iid,) = backend.launch(LaunchRequest("new-tag", "dag", "s3://never-read/job.json", 600))
+    (iid,) = backend.launch(
+        LaunchRequest("new-tag", "dag", "s3://never-read/job.json", 600, **HELD_WHEEL)
+    )
     launches = [c for c in audited_calls.snapshot() if c.action == "ec2:RunInstances"]
     refused = denied(deployment_policy[0], launches, deployment_policy[1])
     assert refused and all("burstcv:owner" in line and "aws:TagKeys" in line for line in refused)
@@ -161,7 +170,9 @@ def test_a_tag_key_added_to_the_code_but_not_the_policy_is_denied(
     ec2_client.terminate_instances(InstanceIds=[iid])
     player.modes["old-tags"] = kit.HOLD
     backend.launch(
-        LaunchRequest("old-tags", "dag", "s3://never-read/job.json", 600, airflow_run_id="r")
+        LaunchRequest(
+            "old-tags", "dag", "s3://never-read/job.json", 600, airflow_run_id="r", **HELD_WHEEL
+        )
     )
     launches = [c for c in audited_calls.snapshot() if c.action == "ec2:RunInstances"]
     assert launches and denied(deployment_policy[0], launches, deployment_policy[1]) == []

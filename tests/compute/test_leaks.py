@@ -46,6 +46,9 @@ def request(run_id: str, **overrides: Any) -> LaunchRequest:
         dag_id=DAG_ID,
         job_uri=f"s3://never-read/runs/{run_id}/job/job.json",
         time_budget_s=600,
+        # Held boxes never read their job or wheel (the boot path runs in test_box_boot.py).
+        wheel_uri=overrides.pop("wheel_uri", f"s3://never-read/runtime/{'0' * 64}/t.whl"),
+        wheel_sha256=overrides.pop("wheel_sha256", "0" * 64),
         **overrides,
     )
 
@@ -61,6 +64,17 @@ def instances_of(ec2_client: Any, run_id: str) -> list[dict[str, Any]]:
 def states(ec2_client: Any, run_id: str) -> list[str]:
     """Return the state name of each instance of the run."""
     return [i["State"]["Name"] for i in instances_of(ec2_client, run_id)]
+
+
+def held_launch_fields() -> dict[str, Any]:
+    """Return the launch fields a held box never uses: the run's deadline and its wheel."""
+    from datetime import UTC, datetime, timedelta
+
+    return {
+        "deadline_at": (datetime.now(UTC) + timedelta(seconds=600)).isoformat(),
+        "wheel_uri": f"s3://never-read/runtime/{'0' * 64}/t.whl",
+        "wheel_sha256": "0" * 64,
+    }
 
 
 def test_a_task_timeout_inside_run_instances_leaves_no_box(
@@ -106,9 +120,10 @@ def test_a_failed_provision_terminates_what_it_started(
         "instance_types": ["g6.xlarge"],
         "use_spot": True,
         "airflow_run_id": run_id,
+        **held_launch_fields(),
     }
     with pytest.raises(KeyboardInterrupt):
-        pipeline._launch("ec2", launch)
+        pipeline._launch("ec2", launch, f"{kit.artifact_root}/runs/{key}/job", attempt=1)
     assert len(launched) == 1
     assert states(ec2_client, key) == ["terminated"]
 
@@ -141,7 +156,8 @@ def test_a_worker_killed_right_after_launch_is_cleaned_up_by_the_dag(
                 os.kill(os.getpid(), signal.SIGKILL)  # the worker dies: no Python code runs
         backend.client.meta.events.register("after-call.ec2.RunInstances", die)
         backend.launch(LaunchRequest(run_id={run_id!r}, dag_id={DAG_ID!r},
-                       job_uri="s3://never-read/job.json", time_budget_s=600))
+                       job_uri="s3://never-read/job.json", time_budget_s=600,
+                       wheel_uri="s3://never-read/t.whl", wheel_sha256="0" * 64))
         """
     )
     result = subprocess.run([sys.executable, "-c", worker], env=env, timeout=120)
@@ -354,12 +370,14 @@ def test_a_relaunch_after_a_lost_box_is_a_new_attempt_with_a_new_token(
         "instance_types": ["g6.xlarge"],
         "use_spot": True,
         "airflow_run_id": run_id,
-        "attempt": 1,
+        **held_launch_fields(),
     }
-    (first,) = pipeline._launch("ec2", launch)
+    job_dir = f"{kit.artifact_root}/runs/{run_id}/job"
+    (first,) = pipeline._launch("ec2", launch, job_dir, attempt=1)
     ec2_client.terminate_instances(InstanceIds=[first])  # the box is lost (spot reclaim)
-    provisioned = {"backend": "ec2", "run_key": run_id, "launch": launch}
-    (second,) = pipeline.relaunch(provisioned)
+    provisioned = {"backend": "ec2", "run_key": run_id, "launch": launch, "output_uri": job_dir}
+    assert pipeline.relaunch(provisioned) == 2
+    (second,) = [i.instance_id for i in backend.describe(run_id) if i.state != "stopped"]
     assert second != first
     tokens = [
         c.params["ClientToken"]

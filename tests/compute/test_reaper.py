@@ -205,12 +205,14 @@ def test_the_pipeline_reaper_sweeps_every_enabled_region(
             dag_id=DAG_ID,
             job_uri="s3://never-read/runs/far-away/job/job.json",
             time_budget_s=600,
+            wheel_uri=f"s3://never-read/runtime/{'0' * 64}/t.whl",
+            wheel_sha256="0" * 64,
         )
     )
     for key, value in {
         "BURSTCV_EC2_REGION": "us-east-1",  # the settings name another region entirely
         "BURSTCV_EC2_AMI": kit.ami_parameter,
-        "BURSTCV_EC2_ARTIFACT_ROOT": kit.artifact_root,
+        "BURSTCV_EC2_INSTANCE_PROFILE": "burstcv-training",
     }.items():
         monkeypatch.setenv(key, value)
     settings = Settings(reaper_backends="", reaper_regions="", compute_backend="ec2")
