@@ -272,11 +272,14 @@ def test_a_listing_that_fails_after_the_pool_started_leaves_no_worker(
         return real_scandir(path)
 
     monkeypatch.setattr(os, "scandir", scandir)
-    started = []
+    started: list[int] = []
     real_start = dispatch.Dispatcher._start
-    monkeypatch.setattr(
-        dispatch.Dispatcher, "_start", lambda self, n: (started.append(n), real_start(self, n))
-    )
+
+    def start(self: Any, workers: int) -> None:
+        started.append(workers)
+        real_start(self, workers)
+
+    monkeypatch.setattr(dispatch.Dispatcher, "_start", start)
     with pytest.raises(PermissionError, match="Permission denied"):
         scan(str(root), workers=2)
     assert started == [2]
