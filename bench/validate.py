@@ -17,7 +17,12 @@ It prints images/s for each, the ratio to the floor, CPU time per image, and the
 of the whole process tree (this process plus its pool workers: PSS, sampled every 50 ms from
 /proc by a separate process).
 
+With ``--png-fast-path off`` every PNG goes through ``Image.open`` instead of the scanner's
+fast path on Pillow's decoder internals (``burstcv.data.scanner.pngfast``): run it on and off,
+interleaved, to see what the fast path is worth on this machine.
+
     PYTHONPATH=src:serving python bench/validate.py --images 20000
+    PYTHONPATH=src:serving python bench/validate.py --images 20000 --png-fast-path off
 """
 
 from __future__ import annotations
@@ -172,11 +177,26 @@ def main() -> None:
         "--rounds", type=int, default=5, help="paired floor/validate rounds (0: none)"
     )
     parser.add_argument("--dir", type=Path, default=None, help="reuse/keep a dataset here")
+    parser.add_argument(
+        "--png-fast-path",
+        choices=("on", "off"),
+        default="on",
+        help="off: decode every PNG with Image.open (the public path)",
+    )
     args = parser.parse_args()
 
     # Imported here so that the import time of GX/pandas is not charged to either side.
     from burstcv.data.manifest import scan
+    from burstcv.data.scanner.capabilities import capabilities
+    from burstcv.data.scanner.dispatch import pool_context
     from burstcv.data.validate import ValidationConfig, ValidationReport, validate_dataset
+
+    # Probed now, in this process: forked workers inherit the answer and the switch below.
+    caps = capabilities()
+    if args.png_fast_path == "off":
+        caps.png_fast_path = False
+    elif not caps.png_fast_path:
+        raise SystemExit("the PNG fast path is off on this Pillow (see the warning above)")
 
     scratch = Path(tempfile.mkdtemp(prefix="burstcv-bench-"))
     root = args.dir or scratch / "dataset"
@@ -189,8 +209,12 @@ def main() -> None:
         workers = args.workers or os.cpu_count() or 1
         print(
             f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-            f"python {platform.python_version()}; images: {n} (32x32 PNG); workers: {workers}"
+            f"python {platform.python_version()}; images: {n} (32x32 PNG); workers: {workers}; "
+            f"pillow {Image.__version__}; PNG fast path {args.png_fast_path}"
         )
+        if workers > 1 and pool_context().get_start_method() != "fork":
+            # Spawned workers probe for themselves and would not see the switch.
+            raise SystemExit("workers would be spawned, not forked: --png-fast-path needs fork")
         decode_floor(root)  # warm the page cache so every side reads from memory
         # Best of `repeats`: the 2 cores are shared, and the best run is the least disturbed one.
         floor_s, floor_cpu = min(timed(lambda: decode_floor(root)) for _ in range(args.repeats))

@@ -6,6 +6,7 @@ files through these functions, so the same code runs on a laptop and against S3.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -168,3 +169,12 @@ def local_path(uri: str) -> Path:
     if is_s3(uri):
         raise ValueError(f"{uri} is not a local path")
     return Path(uri)
+
+
+def sha256_file(path: str | Path) -> str:
+    """Return the hex sha256 of a local file, streamed (model files may be large)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

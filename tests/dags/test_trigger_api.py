@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
+from burstcv_airflow_stack import AirflowStack, airflow_stack
 
-from burstcv.airflow.stack import AirflowStack, airflow_stack
 from burstcv.registry.registry import Registry
 
 DAG_ID = "burstcv_pipeline"

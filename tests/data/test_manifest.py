@@ -230,21 +230,21 @@ def test_a_decoder_failing_oddly_gives_an_error_row_and_a_decode_error(
 def test_pool_starts_on_the_first_folders_while_listing_goes_on(
     tmp_path: Path, kit: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from burstcv.data import manifest
+    from burstcv.data.scanner import dispatch
 
     root = kit.write_dataset(tmp_path / "ds", per_class=6)  # 2 splits x 3 classes x 6 files
     total = sum(1 for path in root.rglob("*") if path.is_file())
     serial = scan(str(root), workers=1)
-    monkeypatch.setattr(manifest, "_POOL_MIN_FILES", 6)
-    monkeypatch.setattr(manifest, "_CHUNK_FILES", 4)
+    monkeypatch.setattr(dispatch, "POOL_MIN_FILES", 6)
+    monkeypatch.setattr(dispatch, "CHUNK_FILES", 4)
     listed_at_submit: list[int] = []
-    real_submit = manifest._Dispatcher._submit
+    real_submit = dispatch.Dispatcher._submit
 
     def spy(self: Any, chunk: list[Any]) -> None:
         listed_at_submit.append(self.listed)
         real_submit(self, chunk)
 
-    monkeypatch.setattr(manifest._Dispatcher, "_submit", spy)
+    monkeypatch.setattr(dispatch.Dispatcher, "_submit", spy)
     pooled = scan(str(root))
     assert pooled.workers == (os.cpu_count() or 1) > 1
     # Chunks went out before the last folder was listed, and every file came back once.
@@ -257,11 +257,11 @@ def test_a_listing_that_fails_after_the_pool_started_leaves_no_worker(
 ) -> None:
     import multiprocessing
 
-    from burstcv.data import manifest
+    from burstcv.data.scanner import dispatch
 
     root = kit.write_dataset(tmp_path / "ds", per_class=6)
-    monkeypatch.setattr(manifest, "_POOL_MIN_FILES", 6)
-    monkeypatch.setattr(manifest, "_CHUNK_FILES", 4)
+    monkeypatch.setattr(dispatch, "POOL_MIN_FILES", 6)
+    monkeypatch.setattr(dispatch, "CHUNK_FILES", 4)
     real_scandir = os.scandir
     opened: list[str] = []
 
@@ -271,12 +271,15 @@ def test_a_listing_that_fails_after_the_pool_started_leaves_no_worker(
             raise PermissionError(13, "Permission denied", str(path))
         return real_scandir(path)
 
-    monkeypatch.setattr(manifest.os, "scandir", scandir)
-    started = []
-    real_start = manifest._Dispatcher._start
-    monkeypatch.setattr(
-        manifest._Dispatcher, "_start", lambda self, n: (started.append(n), real_start(self, n))
-    )
+    monkeypatch.setattr(os, "scandir", scandir)
+    started: list[int] = []
+    real_start = dispatch.Dispatcher._start
+
+    def start(self: Any, workers: int) -> None:
+        started.append(workers)
+        real_start(self, workers)
+
+    monkeypatch.setattr(dispatch.Dispatcher, "_start", start)
     with pytest.raises(PermissionError, match="Permission denied"):
         scan(str(root), workers=2)
     assert started == [2]

@@ -18,6 +18,8 @@ from PIL import Image, ImageFile, PngImagePlugin, UnidentifiedImageError
 
 from burstcv.data import manifest
 from burstcv.data.manifest import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS
+from burstcv.data.scanner import dhash, formats, inspection, pngfast, strips
+from burstcv.data.scanner.capabilities import capabilities
 
 _SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -42,7 +44,7 @@ def _reference_read(task: Any, max_file_bytes: int, s3_client: Any) -> bytes | s
 def _reference_decode(
     data: bytes, ext: str, max_pixels: int, *, strips: Any = None
 ) -> tuple[Any, ...]:
-    bad = manifest._BadImage
+    bad = inspection.BadImage
     header: tuple[Any, ...] = (None, None, None, None, None)
     if not data:
         raise bad("empty file", header)
@@ -52,7 +54,7 @@ def _reference_decode(
         fmt = img.format or "unknown"
         width, height = img.size
         header = (fmt, width, height, img.mode, len(img.getbands()))
-        allowed = manifest._EXTENSION_FORMATS.get(ext)
+        allowed = formats.EXTENSION_FORMATS.get(ext)
         if allowed is None:
             raise bad(
                 f"extension {ext or '(none)'!r} is not an image extension; the content is {fmt}",
@@ -79,12 +81,18 @@ def _reference_decode(
     return (fmt, width, height, header[3], header[4], img)
 
 
-def _reference_dhash(img: Image.Image) -> tuple[str, str]:
+def _reference_dhash(img: Image.Image, core_thumbnails: bool = False) -> tuple[str, str]:
     small = img.convert("L").resize((9, 8), Image.Resampling.BILINEAR).tobytes()
     brighter = bytes(map(operator.gt, small[:-1], small[1:]))
     bits = b"".join([brighter[start : start + 8] for start in range(0, 72, 9)])
     digits = bits.translate(bytes.maketrans(b"\x00\x01", b"01"))
     return f"{int(digits, 2):016x}", small.hex()
+
+
+def _core_dhash(img: Image.Image) -> tuple[str, str]:
+    """Return the difference hash the scanner computes here (core thumbnails where allowed)."""
+    assert capabilities().core_thumbnails  # else these tests would not cover the core path
+    return dhash.difference_hash(img, core_thumbnails=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,7 +388,7 @@ def _rows(
     for name in names:
         task = (f"train/cat/{name}", str(root / name), None)
         try:
-            columns = manifest._inspect_chunk([task], max_pixels, DEFAULT_MAX_FILE_BYTES, True)
+            columns = inspection.inspect_chunk([task], max_pixels, DEFAULT_MAX_FILE_BYTES, True)
         except Exception as exc:
             out[name] = ("raised", type(exc).__name__, str(exc))
         else:
@@ -400,7 +408,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _spy_fast_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count, in the returned list, every image the fast path decoded itself."""
     hits: list[int] = []
-    real = manifest._decode_png
+    real = pngfast.decode_png
 
     def spy(data: bytes, max_pixels: int, strips: Any = None) -> Any:
         result = real(data, max_pixels, strips)
@@ -408,7 +416,7 @@ def _spy_fast_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             hits.append(1)
         return result
 
-    monkeypatch.setattr(manifest, "_decode_png", spy)
+    monkeypatch.setattr(pngfast, "decode_png", spy)
     return hits
 
 
@@ -422,15 +430,15 @@ def test_every_row_matches_todays_implementation(
 ) -> None:
     names = sorted(CASES)
     with monkeypatch.context() as patch:
-        patch.setattr(manifest, "_decode", _reference_decode)
-        patch.setattr(manifest, "_dhash", _reference_dhash)
-        patch.setattr(manifest, "_read", _reference_read)
+        patch.setattr(inspection, "decode", _reference_decode)
+        patch.setattr(dhash, "difference_hash", _reference_dhash)
+        patch.setattr(inspection, "read_task", _reference_read)
         expected = _rows(files, names, max_pixels)
     with monkeypatch.context() as patch:
-        patch.setattr(manifest, "_PNG_FAST_PATH", False)
+        patch.setattr(capabilities(), "png_fast_path", False)
         slow = _rows(files, names, max_pixels)
     with monkeypatch.context() as patch:
-        patch.setattr(manifest, "_PNG_FAST_PATH", True)
+        patch.setattr(capabilities(), "png_fast_path", True)
         hits = _spy_fast_path(patch)
         fast: dict[str, tuple[Any, ...]] = {}
         fast_names = set()
@@ -463,11 +471,11 @@ def test_rows_match_under_other_pillow_settings(
     monkeypatch.setattr(owner, setting, value)
     names = sorted(FAST | {"truncated_half.png", "early_end_split.png", "missing_iend.png"})
     with monkeypatch.context() as patch:
-        patch.setattr(manifest, "_decode", _reference_decode)
-        patch.setattr(manifest, "_dhash", _reference_dhash)
-        patch.setattr(manifest, "_read", _reference_read)
+        patch.setattr(inspection, "decode", _reference_decode)
+        patch.setattr(dhash, "difference_hash", _reference_dhash)
+        patch.setattr(inspection, "read_task", _reference_read)
         expected = _rows(files, names)
-    monkeypatch.setattr(manifest, "_PNG_FAST_PATH", True)
+    monkeypatch.setattr(capabilities(), "png_fast_path", True)
     assert _rows(files, names) == expected
     if setting == "MAX_IMAGE_PIXELS":
         assert "decompression bomb" in expected["rgb.png" if value < 1024 else "wide.png"][15]
@@ -483,9 +491,9 @@ def test_a_text_chunk_named_transparency_is_hashed_without_it(
     image = _smooth(9)
     (tmp_path / "odd.png").write_bytes(_encode(image, pnginfo=info))
     (tmp_path / "plain.png").write_bytes(_encode(image))
-    monkeypatch.setattr(manifest, "_PNG_FAST_PATH", True)
+    monkeypatch.setattr(capabilities(), "png_fast_path", True)
     fast = _rows(tmp_path, ["odd.png", "plain.png"])
-    monkeypatch.setattr(manifest, "_PNG_FAST_PATH", False)
+    monkeypatch.setattr(capabilities(), "png_fast_path", False)
     assert fast == _rows(tmp_path, ["odd.png", "plain.png"])
     odd, plain = fast["odd.png"], fast["plain.png"]
     assert odd[14] is True and odd[15] is None  # decode_ok, no error
@@ -499,9 +507,9 @@ def test_scan_of_a_folder_is_identical_with_and_without_the_fast_path(
     cat = root / "train" / "cat"
     for name, data in CASES.items():
         (cat / f"x_{name}").write_bytes(data)
-    monkeypatch.setattr(manifest, "_PNG_FAST_PATH", True)
+    monkeypatch.setattr(capabilities(), "png_fast_path", True)
     fast = manifest.scan(str(root), workers=1).manifest
-    monkeypatch.setattr(manifest, "_PNG_FAST_PATH", False)
+    monkeypatch.setattr(capabilities(), "png_fast_path", False)
     slow = manifest.scan(str(root), workers=1).manifest
     assert fast.equals(slow)
     assert fast["decode_ok"].sum() > 40
@@ -510,22 +518,22 @@ def test_scan_of_a_folder_is_identical_with_and_without_the_fast_path(
 def test_fast_path_turns_itself_off_when_pillow_internals_are_missing(
     files: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(manifest, "_PNG_FAST_PATH", False)
+    monkeypatch.setattr(capabilities(), "png_fast_path", False)
     expected = _rows(files, ["rgb.png", "l.png"])
-    monkeypatch.setattr(manifest, "_PNG_FAST_PATH", True)
+    monkeypatch.setattr(capabilities(), "png_fast_path", True)
 
     def missing(*args: Any, **kwargs: Any) -> Any:
         raise AttributeError("'ImagingDecoder' object has no attribute 'decode'")
 
-    monkeypatch.setattr(manifest, "_feed_decoder", missing)
+    monkeypatch.setattr(pngfast, "feed_decoder", missing)
     assert _rows(files, ["rgb.png", "l.png"]) == expected
-    assert manifest._PNG_FAST_PATH is False
+    assert capabilities().png_fast_path is False
 
 
 def test_fast_path_decodes_the_pixels_pillow_decodes(files: Path) -> None:
     for name in sorted(FAST):
         data = CASES[name]
-        decoded = manifest._decode_png(data, DEFAULT_MAX_PIXELS)
+        decoded = pngfast.decode_png(data, DEFAULT_MAX_PIXELS)
         assert decoded is not None, name
         with Image.open(io.BytesIO(data)) as reference:
             reference.load()
@@ -536,6 +544,7 @@ def test_fast_path_decodes_the_pixels_pillow_decodes(files: Path) -> None:
                 reference.mode,
                 len(reference.getbands()),
             )
+            assert decoded[5] is not None, name
             assert decoded[5].tobytes() == reference.tobytes(), name
 
 
@@ -545,20 +554,20 @@ def test_fast_path_decodes_the_pixels_pillow_decodes(files: Path) -> None:
 @pytest.mark.parametrize("size", [(32, 32), (9, 8), (1, 1), (300, 7), (8, 9)])
 def test_dhash_is_todays_for_every_mode(mode: str, size: tuple[int, int]) -> None:
     for img in (_noise(11, size).convert(mode), _smooth(12, size).convert(mode)):
-        assert manifest._dhash(img) == _reference_dhash(img)
+        assert _core_dhash(img) == _reference_dhash(img)
     rgba = _noise(13, size).convert("RGBA")
     rgba.putalpha(_noise(14, size).convert("L"))
-    assert manifest._dhash(rgba) == _reference_dhash(rgba)
-    assert manifest._dhash(rgba.convert("RGBa")) == _reference_dhash(rgba.convert("RGBa"))
+    assert _core_dhash(rgba) == _reference_dhash(rgba)
+    assert _core_dhash(rgba.convert("RGBa")) == _reference_dhash(rgba.convert("RGBa"))
 
 
 def test_dhash_honours_transparency_info_like_convert() -> None:
     img = _smooth(13)
     img.info["transparency"] = (1, 2, 3)
-    assert manifest._dhash(img) == _reference_dhash(img)
+    assert _core_dhash(img) == _reference_dhash(img)
     grey = _smooth(14, mode="L")
     grey.info["transparency"] = 40
-    assert manifest._dhash(grey) == _reference_dhash(grey)
+    assert _core_dhash(grey) == _reference_dhash(grey)
 
 
 def test_hash_bits_are_todays_for_every_neighbour_pattern() -> None:
@@ -570,16 +579,16 @@ def test_hash_bits_are_todays_for_every_neighbour_pattern() -> None:
     thumbs += [rng.integers(120, 136, 72, dtype=np.uint8).tobytes() for _ in range(500)]
     for small in thumbs:
         img = Image.frombytes("L", (9, 8), small)
-        assert manifest._dhash(img) == _reference_dhash(img)
+        assert _core_dhash(img) == _reference_dhash(img)
 
 
 def test_open_formats_find_the_format_the_full_search_finds(files: Path) -> None:
     for name, data in CASES.items():
         ext = os.path.splitext(name)[1].lower()
-        allowed = manifest._EXTENSION_FORMATS.get(ext)
+        allowed = formats.EXTENSION_FORMATS.get(ext)
         if allowed is None:
             continue
-        formats = manifest._open_formats(allowed, data[:16])
+        planned = formats.open_formats(allowed, data[:16])
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -589,7 +598,7 @@ def test_open_formats_find_the_format_the_full_search_finds(files: Path) -> None
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                got: Any = manifest._open_image(data, formats).format
+                got: Any = formats.open_image(data, planned).format
         except Exception as exc:
             got = type(exc)
         assert got == expected, name
@@ -623,11 +632,11 @@ def test_local_reads_return_the_whole_file(
     task = ("train/cat/f.png", str(path), None)
     limit_below = len(CASES["rgb.png"]) - 1
     expected = _reference_read(task, limit_below, None)
-    monkeypatch.setattr(manifest, "os", _ShortReads(limit, shrink))
-    assert manifest._read(task, DEFAULT_MAX_FILE_BYTES, None) == path.read_bytes()
+    monkeypatch.setattr(inspection, "os", _ShortReads(limit, shrink))
+    assert inspection.read_task(task, DEFAULT_MAX_FILE_BYTES, None) == path.read_bytes()
     if shrink:  # fstat said the file fits; it did not, once read
         expected = f"file is over {limit_below} bytes, the limit"
-    assert manifest._read(task, limit_below, None) == expected
+    assert inspection.read_task(task, limit_below, None) == expected
 
 
 def _open_and_close(path: str) -> None:
@@ -642,15 +651,15 @@ def test_local_read_errors_read_as_before(tmp_path: Path) -> None:
         return str(info.value)
 
     for path in (str(tmp_path), str(tmp_path / "missing.png")):
-        assert message(lambda: manifest._read_local(path, 10)) == message(  # noqa: B023
+        assert message(lambda: inspection.read_local(path, 10)) == message(  # noqa: B023
             lambda: _open_and_close(path)  # noqa: B023
         )
     empty = tmp_path / "empty.png"
     empty.write_bytes(b"")
-    assert manifest._read_local(str(empty), 10) == b""
+    assert inspection.read_local(str(empty), 10) == b""
     big = tmp_path / "big.png"
     big.write_bytes(b"x" * 11)
-    assert manifest._read_local(str(big), 10) == "file is 11 bytes; the limit is 10"
+    assert inspection.read_local(str(big), 10) == "file is 11 bytes; the limit is 10"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -682,15 +691,15 @@ def _write_mixed_chunk(root: Path) -> tuple[list[str], int]:
                 seed += 1
                 img = (_noise if seed % 2 else _smooth)(seed, size).convert(mode)
                 add(f"{seed}_{mode}_{size[0]}x{size[1]}.png", _encode(img))
-                small += size[0] * size[1] <= manifest._STRIP_MAX_PIXELS
+                small += size[0] * size[1] <= strips.MAX_PIXELS
                 if seed % 7 == 0:
                     bad = broken[seed % len(broken)]
                     add(f"{seed}_{bad}", CASES[bad])
-    for i in range(manifest._STRIP_SLOTS + 9):
+    for i in range(strips.SLOTS + 9):
         seed += 1
         add(f"{seed}_run.png", _encode(_noise(seed, (32, 32))))
         small += 1
-        if i == manifest._STRIP_SLOTS - 1:  # the strip was just hashed: its slots hold pixels
+        if i == strips.SLOTS - 1:  # the strip was just hashed: its slots hold pixels
             add(f"{seed}_short_after_full.png", _short_stream(_noise(seed, (32, 32)), rows=4))
             small += 1
     # Rows a failed decode wrote, in the slot the next image of that size decodes into.
@@ -714,15 +723,15 @@ def _bad_filter_at(img: Image.Image, row: int) -> bytes:
 
 def _chunk_rows(root: Path, names: list[str]) -> list[tuple[Any, ...]]:
     tasks = [(f"train/cat/{name}", str(root / name), None) for name in names]
-    columns = manifest._inspect_chunk(tasks, DEFAULT_MAX_PIXELS, DEFAULT_MAX_FILE_BYTES, True)
+    columns = inspection.inspect_chunk(tasks, DEFAULT_MAX_PIXELS, DEFAULT_MAX_FILE_BYTES, True)
     return list(zip(*columns, strict=True))
 
 
 def _reference_rows(root: Path, names: list[str], monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     with monkeypatch.context() as patch:
-        patch.setattr(manifest, "_decode", _reference_decode)
-        patch.setattr(manifest, "_dhash", _reference_dhash)
-        patch.setattr(manifest, "_read", _reference_read)
+        patch.setattr(inspection, "decode", _reference_decode)
+        patch.setattr(dhash, "difference_hash", _reference_dhash)
+        patch.setattr(inspection, "read_task", _reference_read)
         return [_chunk_rows(root, [name])[0] for name in names]
 
 
@@ -731,20 +740,20 @@ def test_a_chunk_hashed_in_strips_has_every_row_of_one_by_one(
 ) -> None:
     names, small = _write_mixed_chunk(tmp_path)
     expected = _reference_rows(tmp_path, names, monkeypatch)
-    assert manifest._STRIPS
+    assert capabilities().strip_hashing
     strip_images: list[int] = []
-    real = manifest._strip_hashes
+    real = strips.strip_hashes
 
-    def spy(strip: Any, count: int) -> Any:
+    def spy(strip: Any, count: int, order: str | None) -> Any:
         strip_images.append(count)
-        return real(strip, count)
+        return real(strip, count, order)
 
-    monkeypatch.setattr(manifest, "_strip_hashes", spy)
+    monkeypatch.setattr(strips, "strip_hashes", spy)
     rows = _chunk_rows(tmp_path, names)
     for name, row, want in zip(names, rows, expected, strict=True):
         assert row == want, name
     # The strips did the hashing: full ones, evicted ones, and what the chunk ended with.
-    assert manifest._STRIP_SLOTS in strip_images
+    assert strips.SLOTS in strip_images
     assert sum(strip_images) == small
     assert sum(1 for row in expected if not row[14]) >= 3  # broken files were in the chunk
 
@@ -755,15 +764,15 @@ def test_strip_hashing_falls_back_to_one_by_one(
     names, _ = _write_mixed_chunk(tmp_path)
     expected = _reference_rows(tmp_path, names, monkeypatch)
 
-    def broken(strip: Any, count: int) -> Any:
+    def broken(*args: Any) -> Any:
         raise ValueError("strip hashing broke")
 
-    monkeypatch.setattr(manifest, "_strip_hashes", broken)
+    monkeypatch.setattr(strips, "strip_hashes", broken)
     assert _chunk_rows(tmp_path, names) == expected
     # When the thumbnail itself fails, the row says so, as it does without strips.
-    monkeypatch.setattr(manifest, "_dhash", broken)
+    monkeypatch.setattr(dhash, "difference_hash", broken)
     rows = _chunk_rows(tmp_path, names)
-    monkeypatch.setattr(manifest, "_STRIPS", False)
+    monkeypatch.setattr(capabilities(), "strip_hashing", False)
     assert rows == _chunk_rows(tmp_path, names)
     failed = [row for row in rows if row[15] and "thumbnail failed" in row[15]]
     assert len(failed) > 100 and not any(row[14] for row in failed)
@@ -774,13 +783,14 @@ def test_strip_pass_order_is_pillows_for_every_strip_size() -> None:
     sizes = [(w, h) for w in range(1, 65) for h in range(1, 65)]
     sizes += [(4096, 1), (1, 4096), (512, 8), (8, 512), (100, 40), (40, 100), (9, 455)]
     for width, height in sizes:
-        assert width * height <= manifest._STRIP_MAX_PIXELS
-        assert manifest._pass_order(width, height) is not None, (width, height)
+        assert width * height <= strips.MAX_PIXELS
+        order = capabilities().pass_order(width, height)
+        assert order is not None, (width, height)
         pixels = rng.integers(0, 256, (2, height, width), dtype=np.uint8)
-        strip = manifest._Strip("L", width, height, 2)
+        strip = strips.Strip("L", width, height, 2)
         both = Image.frombytes("L", (width, 2 * height), pixels.tobytes())
         strip.core.paste(both.im, (0, 0, width, 2 * height))
-        hashed = manifest._strip_hashes(strip, 2)
+        hashed = strips.strip_hashes(strip, 2, order)
         for i in range(2):
             img = Image.frombytes("L", (width, height), pixels[i].tobytes())
             assert hashed[i] == _reference_dhash(img), (width, height)

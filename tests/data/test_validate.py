@@ -477,14 +477,14 @@ def test_validation_leaves_no_thread_behind_and_caches_doc_templates(
     import jinja2
     from great_expectations.render.view.view import DefaultJinjaView
 
-    from burstcv.data import manifest
+    from burstcv.data.scanner import dispatch
 
     before = {thread.ident for thread in threading.enumerate()}
     for run in range(2):
         report = _validate(dataset, tmp_path / f"out{run}")
         assert report.success
         assert {thread.ident for thread in threading.enumerate()} == before
-    assert manifest._pool_context().get_start_method() == "fork" or len(before) > 1
+    assert dispatch.pool_context().get_start_method() == "fork" or len(before) > 1
     cache = getattr(DefaultJinjaView, "_burstcv_bytecode_cache", None)
     assert isinstance(cache, jinja2.FileSystemBytecodeCache)
     assert list(Path(cache.directory).glob("__jinja2_*.cache"))  # compiled templates stored

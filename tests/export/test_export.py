@@ -21,8 +21,8 @@ from burstcv.export.onnx_export import (
     check_parity,
     export_model,
     load_state_dict,
-    sha256_file,
 )
+from burstcv.storage import sha256_file
 from burstcv.training.models import build_model
 from burstcv.training.train import normalize as torch_normalize
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from burstcv_serving.preprocess import PreprocessSpec, normalize
 from burstcv_serving.registry import ModelRef
 
 from burstcv.bench.accuracy import onnx_accuracy
-from burstcv.export.onnx_export import export_model, sha256_file
+from burstcv.export.onnx_export import export_model
 from burstcv.export.quantize import (
     FP32_FILE,
     INT8_FILE,
@@ -26,6 +28,7 @@ from burstcv.export.quantize import (
     quantize_and_choose,
     quantize_int8,
 )
+from burstcv.storage import sha256_file
 from burstcv.training.train import load_shards
 
 BLOCK_KEYS = {"int8_tried", "serving_file", "reason", "fp32", "int8", "max_accuracy_drop"}
@@ -223,3 +226,16 @@ def test_int8_without_its_images_is_refused_before_anything_is_written(
             int8=True,
         )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_quantize_imports_without_the_torch_exporter() -> None:
+    # onnx_export imports quantize for INT8; quantize importing onnx_export back was a cycle
+    # that also loaded torch wherever only an ONNX file is quantized.
+    code = (
+        "import sys, burstcv.export.quantize; "
+        "print(sorted({'burstcv.export.onnx_export', 'torch'} & set(sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]"

@@ -7,7 +7,6 @@ training transform: a mismatch in either the graph or the preprocessing fails th
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -57,15 +56,6 @@ class ParityReport:
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
         return self.__dict__.copy()
-
-
-def sha256_file(path: str | Path) -> str:
-    """Return the hex sha256 of a file, streamed."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def load_state_dict(data: bytes) -> dict[str, torch.Tensor]:
@@ -223,7 +213,7 @@ def export_model(
             "arch": arch,
             "classes": list(classes),
             "onnx_file": "model.onnx",
-            "sha256": sha256_file(final),
+            "sha256": storage.sha256_file(final),
             "opset": opset,
             "input": {
                 "name": INPUT_NAME,

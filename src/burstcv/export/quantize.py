@@ -33,7 +33,6 @@ from onnxruntime.quantization import (
 )
 
 from burstcv import storage
-from burstcv.export.onnx_export import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +280,7 @@ def quantize_in_folder(
             "p50_ms": latency[label]["p50_ms"],
             "mean_ms": latency[label]["mean_ms"],
             "file": path.name,
-            "sha256": sha256_file(path),
+            "sha256": storage.sha256_file(path),
         }
         for label, path in (("fp32", fp32_path), ("int8", int8_path))
     }

@@ -1,4 +1,4 @@
-"""Start a real, distributed Airflow on this machine for tests: one process per component.
+"""Start a real, distributed Airflow from this checkout for tests: one process per component.
 
 :func:`airflow_stack` creates a fresh PostgreSQL database (and, for the CeleryExecutor, claims an
 empty Redis database number), migrates it, and starts ``airflow scheduler``, ``dag-processor``,
@@ -28,7 +28,10 @@ from typing import Any
 import httpx
 
 from burstcv.bench.latency import free_port
-from burstcv.settings import REPO_ROOT
+
+# tests/burstcv_airflow_stack.py -> the checkout whose dags/, plugins/, src/ and serving/ the
+# stack runs (tests always run from a checkout, whatever burstcv the venv has installed).
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger(__name__)
 

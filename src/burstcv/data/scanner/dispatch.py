@@ -1,0 +1,130 @@
+"""Spread the inspection of listed files over processes: this one, or a pool started once it pays.
+
+Files are inspected in chunks by a process pool (fork when the host is single-threaded, spawn
+otherwise) that starts as soon as enough files are listed, so the listing of a large dataset
+overlaps the inspection. Each chunk's columns are appended straight into the scan's column
+lists, so memory grows with the number of rows, never with image bytes.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import sys
+import threading
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any
+
+from burstcv.data.scanner.capabilities import capabilities
+from burstcv.data.scanner.columns import extend
+from burstcv.data.scanner.inspection import inspect_chunk
+from burstcv.data.scanner.listing import Task
+
+# Files per task sent to a worker: large enough to amortise pickling, small enough to balance.
+CHUNK_FILES = 256
+# Below this many files a process pool costs more to start than it saves.
+POOL_MIN_FILES = 2000
+
+
+class Dispatcher:
+    """Inspect listed files in chunks: in this process, or in a pool started once it pays.
+
+    ``add`` takes each listed batch; as soon as ``POOL_MIN_FILES`` files are listed (and more
+    than one worker is wanted) the pool starts and full chunks go out while listing goes on.
+    ``finish`` sends the rest, splitting the tail finer so both cores stay busy to the end,
+    and collects every chunk's columns in order.
+    """
+
+    def __init__(self, requested: int | None, options: tuple[int, int, bool]) -> None:
+        self.requested = requested
+        self.options = options
+        self.listed = 0
+        self.workers = 1
+        self._pending: list[Task] = []
+        self._pool: ProcessPoolExecutor | None = None
+        self._futures: deque[Future[list[list[Any]]]] = deque()
+
+    def __enter__(self) -> Dispatcher:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=exc_type is not None)
+
+    def add(self, tasks: list[Task]) -> None:
+        """Take a listed batch; start the pool once it pays, and send out every full chunk."""
+        self.listed += len(tasks)
+        self._pending.extend(tasks)
+        if self._pool is None and self.listed >= POOL_MIN_FILES:
+            wanted = worker_count(self.requested, self.listed)
+            if wanted > 1:
+                self._start(wanted)
+        if self._pool is not None and len(self._pending) >= CHUNK_FILES:
+            full = len(self._pending) - len(self._pending) % CHUNK_FILES
+            for start in range(0, full, CHUNK_FILES):
+                self._submit(self._pending[start : start + CHUNK_FILES])
+            del self._pending[:full]
+
+    def finish(self, columns: dict[str, list[Any]]) -> None:
+        """Inspect what is left and append every chunk's columns to ``columns``, in order."""
+        tasks, self._pending = self._pending, []
+        if self._pool is None:
+            wanted = worker_count(self.requested, self.listed)
+            if wanted > 1:
+                self._start(wanted)
+        # Several chunks per worker for what is left keep every core busy to the end.
+        size = max(1, min(CHUNK_FILES, -(-len(tasks) // (self.workers * 4))))
+        chunks = [tasks[i : i + size] for i in range(0, len(tasks), size)]
+        if self._pool is None:
+            for chunk in chunks:
+                extend(columns, inspect_chunk(chunk, *self.options))
+            return
+        for chunk in chunks:
+            self._submit(chunk)
+        while self._futures:  # popped: each chunk's result is freed once its rows are copied
+            extend(columns, self._futures.popleft().result())
+
+    def _start(self, workers: int) -> None:
+        # Probed here, before the fork: forked workers inherit the answers instead of each
+        # probing again (spawned workers probe once each, on their first chunk).
+        capabilities()
+        self.workers = workers
+        self._pool = ProcessPoolExecutor(
+            max_workers=workers, mp_context=pool_context(), initializer=_worker_init
+        )
+
+    def _submit(self, chunk: list[Task]) -> None:
+        assert self._pool is not None
+        self._futures.append(self._pool.submit(inspect_chunk, chunk, *self.options))
+
+
+def worker_count(requested: int | None, n_files: int) -> int:
+    """Return how many processes inspect ``n_files`` files (``requested``, else by size)."""
+    if requested is not None:  # scan() refused anything below 1
+        return max(1, min(requested, n_files))
+    if n_files < POOL_MIN_FILES:
+        return 1
+    return max(1, os.cpu_count() or 1)
+
+
+def _worker_init() -> None:
+    """Freeze what a forked worker inherited: its GC then never walks (or copies) those pages.
+
+    The parent may hold hundreds of thousands of objects (pandas, GX, Airflow); without this
+    every collection in the worker traverses them all and copy-on-write duplicates the pages.
+    """
+    gc.freeze()
+
+
+def pool_context() -> multiprocessing.context.BaseContext:
+    """Return fork where it is safe (Linux, no other thread alive), else spawn.
+
+    fork starts workers in milliseconds and needs no importable ``__main__``; it is unsafe
+    only when another thread might hold a lock at fork time (an Airflow worker's heartbeat, a
+    test's emulator server), and on macOS, so those get spawn.
+    """
+    if sys.platform.startswith("linux") and threading.active_count() == 1:
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("spawn")

@@ -1,0 +1,275 @@
+"""Inspect listed files into manifest rows: read, sha256, decode with the service's rules, hash.
+
+Every file is read once, hashed (sha256 and a 64-bit difference hash for near duplicates) and
+fully decoded with the same rules as the service's ``burstcv_serving.preprocess.open_image``:
+the pixel count is checked from the header before any pixel is decoded (decompression bombs
+cost nothing), truncated data fails in ``load()``. Hostile or odd files become error rows,
+never exceptions. Plain 8-bit PNGs take ``pngfast`` when ``capabilities`` allows it; anything
+else, and every error verdict, is Pillow's. This runs in the pool's worker processes.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import posixpath
+import stat
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlparse
+
+from burstcv_serving.preprocess import ImageDecodeError
+from PIL import Image, UnidentifiedImageError
+
+from burstcv import storage
+from burstcv.data.scanner import pngfast
+from burstcv.data.scanner.capabilities import capabilities
+from burstcv.data.scanner.columns import DECODE_OK, ERROR, PHASH, THUMB
+from burstcv.data.scanner.dhash import hash_decoded
+from burstcv.data.scanner.formats import EXTENSION_FORMATS, open_formats, open_image
+from burstcv.data.scanner.listing import Task
+from burstcv.data.scanner.strips import Strips
+
+# Read size once a local file turns out longer than fstat said (it grew while being read).
+_READ_BLOCK = 1024 * 1024
+
+
+def read_task(task: Task, max_file_bytes: int, s3_client: Any) -> bytes | str:
+    """Return the file's bytes, or an error message when it is too large to read."""
+    _, uri, size = task
+    if size is not None and size > max_file_bytes:
+        return f"file is {size} bytes; the limit is {max_file_bytes}"
+    if s3_client is not None:
+        parsed = urlparse(uri)
+        response = s3_client.get_object(Bucket=parsed.netloc, Key=parsed.path.lstrip("/"))
+        data: bytes = response["Body"].read()
+    else:
+        local = read_local(uri, max_file_bytes)
+        if isinstance(local, str):
+            return local
+        data = local
+    if len(data) > max_file_bytes:
+        return f"file is over {max_file_bytes} bytes, the limit"
+    return data
+
+
+def read_local(path: str, max_file_bytes: int) -> bytes | str:
+    """Read a local file to its end with raw system calls, or return the too-large message.
+
+    Half the cost of ``open(path, "rb").read()`` (no file objects, usually a single read), with
+    the same errors: a directory fails as open() fails, with the path in the message. Reading
+    stops once more than ``max_file_bytes`` arrived (a file that grows while it is read).
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        size = info.st_size
+        if size > max_file_bytes:
+            return f"file is {size} bytes; the limit is {max_file_bytes}"
+        # Ask for one byte more than fstat promised: getting exactly the promised size back is
+        # the whole file in one call. Anything else (a short read, a file that grew since
+        # fstat) reads on until the end, as file.read() does, or until past the limit.
+        block = os.read(fd, size + 1)
+        if len(block) == size:
+            return block
+        parts = [block]
+        total = len(block)
+        while block and total <= max_file_bytes:
+            block = os.read(fd, size + 1 - total if total < size else _READ_BLOCK)
+            parts.append(block)
+            total += len(block)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def inspect_chunk(
+    tasks: Sequence[Task], max_pixels: int, max_file_bytes: int, phash: bool = True
+) -> list[list[Any]]:
+    """Inspect a chunk of files and return its manifest columns (one list per COLUMNS name)."""
+    with warnings.catch_warnings():
+        # As in open_image: Pillow's bomb warning is an error, so nothing huge is ever decoded.
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        # One client per chunk: cheap next to 256 GETs, and never stale across endpoints.
+        s3_client = storage.s3_client() if any(storage.is_s3(t[1]) for t in tasks) else None
+        caps = capabilities()
+        strips = (
+            Strips(phash, caps.core_thumbnails, caps.pass_order) if caps.strip_hashing else None
+        )
+        rows = [
+            inspect_file(task, max_pixels, max_file_bytes, s3_client, phash, strips, index)
+            for index, task in enumerate(tasks)
+        ]
+        hashes = strips.finish() if strips is not None else {}
+    # Columns, not rows: the parent extends its column lists in C instead of looping per row.
+    columns = [list(values) for values in zip(*rows, strict=True)]
+    for index, hashed in hashes.items():
+        if isinstance(hashed, str):  # the thumbnail failed; the row says so
+            columns[ERROR][index], columns[DECODE_OK][index] = hashed, False
+        else:
+            columns[PHASH][index], columns[THUMB][index] = hashed
+    return columns
+
+
+def inspect_file(
+    task: Task,
+    max_pixels: int,
+    max_file_bytes: int,
+    s3_client: Any,
+    with_phash: bool,
+    strips: Strips | None = None,
+    index: int = 0,
+) -> tuple[Any, ...]:
+    """Return one file's manifest row (in COLUMNS order); a bad file gives an error row.
+
+    With ``strips``, a small plain PNG is decoded into a slot and its hash is left to the
+    chunk (``index`` is its row there), which fills it in once the strip is hashed.
+    """
+    rel, uri, size = task
+    parts = rel.split("/")
+    # Interned: 200,000 rows then share a handful of split/label/ext/mode/format objects
+    # (pickle sends each once per chunk), which keeps the parent's columns small.
+    split, label = sys.intern(parts[0]), sys.intern(parts[1])
+    ext = sys.intern(posixpath.splitext(rel)[1].lower())
+    fmt = mode = sha = phash = thumb = None
+    width = height = channels = None
+    if size == 0:
+        error: str | None = "empty file (0 bytes)"
+    else:
+        try:
+            data = read_task(task, max_file_bytes, s3_client)
+        except OSError as exc:
+            data = f"unreadable: {exc}"
+        if isinstance(data, str):
+            error = data
+        elif not data:
+            size, error = 0, "empty file (0 bytes)"
+        else:
+            size = len(data)
+            sha = hashlib.sha256(data).hexdigest()
+            error = None
+            try:
+                fmt, width, height, mode, channels, img = decode(
+                    data, ext, max_pixels, strips=strips
+                )
+                if img is None:  # decoded into a strip: hashed with the rest of the chunk
+                    if with_phash and strips is not None:
+                        strips.keep(index)
+                elif with_phash:
+                    try:
+                        phash, thumb = hash_decoded(img, capabilities().core_thumbnails)
+                    except Exception as exc:  # never lose the scan to one odd file
+                        raise BadImage(
+                            f"decoded, but its grayscale thumbnail failed: {exc}",
+                            (fmt, width, height, mode, channels),
+                        ) from exc
+            except BadImage as exc:
+                error = str(exc)
+                fmt, width, height, mode, channels = exc.header
+            fmt = sys.intern(fmt) if fmt else fmt
+            mode = sys.intern(mode) if mode else mode
+    return (
+        rel,
+        uri,
+        split,
+        label,
+        fmt,
+        ext,
+        width,
+        height,
+        channels,
+        mode,
+        size,
+        sha,
+        phash,
+        thumb,
+        error is None,
+        error,
+    )
+
+
+class BadImage(ImageDecodeError):
+    """Carry what the header revealed about an image that failed a check."""
+
+    def __init__(self, message: str, header: tuple[Any, ...]) -> None:
+        super().__init__(message)
+        self.header = header
+
+
+def decode(
+    data: bytes, ext: str, max_pixels: int, *, strips: Strips | None = None
+) -> tuple[str, int, int, str, int, Image.Image | None]:
+    """Decode bytes fully and return (format, width, height, mode, channels, image).
+
+    The image is None when the fast path decoded the pixels into one of ``strips`` instead.
+
+    Mirrors ``burstcv_serving.preprocess.open_image`` (same checks, same order, same messages)
+    without its RGB conversion, so the manifest keeps the original mode; a test asserts that
+    the two agree on every fault kind. Plain PNGs take a fast path that can only say "ok";
+    every other file, and every error verdict, comes from Pillow's own open and load.
+    """
+    header: tuple[Any, ...] = (None, None, None, None, None)
+    if not data:
+        raise BadImage("empty file", header)
+    allowed = EXTENSION_FORMATS.get(ext)
+    formats: tuple[str, ...] = ()
+    if allowed is not None:
+        formats = open_formats(allowed, data[:16])
+        if capabilities().png_fast_path and formats and formats[0] == "PNG" and "PNG" in allowed:
+            decoded = _try_png_fast_path(data, max_pixels, strips)
+            if decoded is not None:
+                return decoded
+    fmt = "unknown"
+    try:
+        img = open_image(data, formats)
+        fmt = img.format or "unknown"
+        width, height = img.size
+        header = (fmt, width, height, img.mode, len(img.getbands()))
+        if allowed is None:
+            raise BadImage(
+                f"extension {ext or '(none)'!r} is not an image extension; the content is {fmt}",
+                header,
+            )
+        if fmt not in allowed:
+            raise BadImage(f"extension {ext!r} lies: the content is {fmt}", header)
+        if width <= 0 or height <= 0:
+            raise BadImage(f"image declares an empty size {width}x{height}", header)
+        if width * height > max_pixels:
+            raise BadImage(
+                f"image is {width}x{height} = {width * height} pixels; the limit is {max_pixels}",
+                header,
+            )
+        img.load()
+    except BadImage:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise BadImage(f"decompression bomb refused: {exc}", header) from exc
+    except UnidentifiedImageError as exc:
+        raise BadImage("not an image (no known format signature)", header) from exc
+    except Exception as exc:
+        # Pillow reports truncated or corrupt streams as OSError/SyntaxError/EOFError, and a
+        # crafted file can make a plugin fail with anything (struct.error, IndexError, ...):
+        # untrusted bytes never escape as anything but a decode error.
+        raise BadImage(f"corrupt or truncated {fmt} data: {exc}", header) from exc
+    return (fmt, width, height, header[3], header[4], img)
+
+
+def _try_png_fast_path(
+    data: bytes, max_pixels: int, strips: Strips | None = None
+) -> tuple[str, int, int, str, int, Image.Image | None] | None:
+    """Run pngfast.decode_png; on any exception return None (Pillow then decodes the file).
+
+    An exception that says Pillow's internals changed under the probe turns the path off.
+    """
+    try:
+        return pngfast.decode_png(data, max_pixels, strips)
+    except (AttributeError, TypeError, NameError, ImportError) as exc:
+        capabilities().turn_off_png_fast_path(exc)
+    except Exception:
+        pass  # Pillow decodes the file again and says what is wrong with it
+    return None
