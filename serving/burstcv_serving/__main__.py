@@ -8,6 +8,7 @@ import sys
 import uvicorn
 
 from burstcv_serving.main import create_app
+from burstcv_serving.protocol import protocol_for
 from burstcv_serving.settings import Settings
 
 # Measured with bench/serving.py on 2 cores: 1 ms gives about 5% more throughput at
@@ -25,17 +26,19 @@ def main() -> None:
     # The inference thread needs the GIL back the moment session.run returns; under load the
     # event loop holds it, and the default 5 ms switch interval would leave the model idle.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    app = create_app(settings)
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
         access_log=settings.access_log,
         server_header=False,
         # Named, not "auto": a missing uvloop/httptools fails here instead of silently
-        # falling back to the slower pure-Python loop and parser.
+        # falling back to the slower pure-Python loop and parser. The httptools protocol
+        # sheds overload as soon as a request's headers are parsed (see protocol.py).
         loop="uvloop",
-        http="httptools",
+        http=protocol_for(app),
     )
 
 

@@ -12,10 +12,10 @@ one turn of the event loop grows with the number of connections that have a requ
 (every refused client sends again at once): a batch per turn would tie the model's
 throughput to the load it is shedding.
 
-Every job carries a deadline: the moment the service received its request plus the
-queueing-delay target. A job still waiting at its deadline is answered 503 instead of late,
-and ``expected_delay_s`` (what admission control reads) says how long a request admitted now
-would wait, from the images ahead of it and the measured time per image.
+Every job carries a deadline: the moment it was queued plus the queueing-delay target. A job
+still waiting at its deadline is answered 503 instead of late, and ``expected_delay_s``
+(what admission control reads) says how long a request admitted now would wait, from the
+images ahead of it and the measured batch times.
 
 A single image that is the only request in the service (none other being read, decoded,
 queued or run) skips the queue and the inference thread: it runs right on the event loop,
@@ -48,10 +48,10 @@ logger = logging.getLogger(__name__)
 
 BatchResult = tuple[LoadedModel, np.ndarray]  # the model that answered, probabilities (n, K)
 
-# Weight of the newest batch in the moving average of seconds per image: about the last
-# ten batches count, so the estimate follows a model swap or a busier machine within
+# Weight of the newest batch in the moving averages of batch time: about the last ten
+# batches count, so the estimate follows a model swap or a busier machine within
 # milliseconds under load, and one slow batch (a GC pause) does not swing admission.
-_SECONDS_PER_IMAGE_WEIGHT = 0.1
+_BATCH_TIME_WEIGHT = 0.1
 
 
 class QueueFullError(RuntimeError):
@@ -74,7 +74,7 @@ class _Job:
     images: np.ndarray  # uint8 NHWC at spec's size
     spec: PreprocessSpec
     future: asyncio.Future[BatchResult] = field(repr=False)
-    received_at: float  # time.perf_counter() when the service received the request
+    queued_at: float  # time.perf_counter() when it was queued
     deadline: float  # time.perf_counter() after which running it would answer too late
 
     @property
@@ -128,9 +128,12 @@ class MicroBatcher:
         self._running_jobs = 0  # in the batch the thread is gathering or running
         self._running_images = 0
         self._closed = False
-        self._drain: Future[None] | None = None  # the thread's drain loop, while it runs
-        self._drain_scheduled = False  # a call to _start_drain is waiting on the event loop
-        self._seconds_per_image = 0.0  # moving average over batches; 0 until one has run
+        self._idle = False  # the thread sleeps until a job is queued
+        self._drain: Future[None] | None = None  # the thread's loop, from the first job to stop()
+        # Moving averages of batch wall time (GIL waits included): of every batch, and of a
+        # full batch (scaled from batches at least half full); 0 until one has run.
+        self._batch_s = 0.0
+        self._full_batch_s = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -156,11 +159,22 @@ class MicroBatcher:
     def expected_delay_s(self) -> float:
         """Return how long a request admitted now would wait before its batch starts.
 
-        The images ahead of it (waiting, in the batch being run, and one for each request
-        admitted but still being read or decoded) times the measured seconds per image.
+        The batch being run finishes first; then every full batch's worth of images ahead
+        of it (waiting, and one for each request admitted but still being read or decoded)
+        runs before its own batch. Batch times are measured, so a slower model or a busier
+        machine lowers what is admitted.
         """
-        ahead = self._pending_images + self._running_images + len(self._arriving)
-        return ahead * self._seconds_per_image
+        ahead = self._pending_images + len(self._arriving)
+        busy = self._running_jobs > 0 or ahead > 0
+        full_batch_s = self._full_batch_s or self._batch_s
+        estimate = (self._batch_s if busy else 0.0) + (ahead // self._max_batch_size) * full_batch_s
+        # The oldest waiting job has already waited this long: the estimate cannot be less
+        # (it would be if the thread stalled, on a busy machine, or the model slowed down).
+        try:
+            waited = time.perf_counter() - self._pending[0].queued_at
+        except IndexError:  # nothing waits (read without the lock: the thread may take it)
+            waited = 0.0
+        return max(estimate, waited)
 
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:
@@ -201,14 +215,12 @@ class MicroBatcher:
         payloads: list[bytes],
         images: np.ndarray,
         spec: PreprocessSpec,
-        received_at: float | None = None,
     ) -> BatchResult:
         """Queue one request's images and wait for the model and probabilities that answer it.
 
-        ``received_at`` (``time.perf_counter()``) is when the service received the request;
-        its deadline is that plus the queueing-delay target. Raises QueueFullError when the
-        queue holds ``max_queue`` images, DeadlineExceededError when no batch could take the
-        job before its deadline.
+        Raises QueueFullError when the queue holds ``max_queue`` images, and
+        DeadlineExceededError when no batch could take the job within the queueing-delay
+        target of its queueing.
         """
         self._arriving.discard(asyncio.current_task())
         n = len(images)
@@ -224,32 +236,24 @@ class MicroBatcher:
             await asyncio.sleep(0)
             model = self._inline_model(spec)
             if model is not None:
-                return self._run_inline(model, images, received_at)
+                return self._run_inline(model, images)
         loop = self._loop or asyncio.get_running_loop()
-        arrived = time.perf_counter() if received_at is None else received_at
+        queued_at = time.perf_counter()
         future: asyncio.Future[BatchResult] = loop.create_future()
-        job = _Job(payloads, images, spec, future, arrived, arrived + self._target_s)
+        job = _Job(payloads, images, spec, future, queued_at, queued_at + self._target_s)
         with self._lock:
             if self._closed:
                 raise NoModelError("the service is shutting down")
             self._pending.append(job)
             self._pending_images += n
-            self._more.notify()
-            start_drain = self._drain is None and not self._drain_scheduled
-            self._drain_scheduled |= start_drain
-        if start_drain:
-            # At the end of this turn of the event loop, not now: requests that arrived
-            # together are tasks that have not run yet, and they should share the first batch.
-            loop.call_soon(self._start_drain, loop)
+            # Wake the thread only when it sleeps for want of work or a batch just filled: a
+            # wake-up is a GIL hand-off, which the busy event loop pays for.
+            if self._idle or self._pending_images >= self._max_batch_size:
+                self._more.notify()
+            if self._drain is None:  # the first queued job starts the thread's loop
+                self._drain = self._executor.submit(self._drain_queue, loop)
         self._metrics.queue_depth.set(self._pending_images)
         return await future
-
-    def _start_drain(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Hand the queue to the inference thread unless it is already draining it."""
-        with self._lock:
-            self._drain_scheduled = False
-            if self._drain is None and self._pending and not self._closed:
-                self._drain = self._executor.submit(self._drain_queue, loop)
 
     def _inline_model(self, spec: PreprocessSpec) -> LoadedModel | None:
         """Return the model a single image may run on right now, skipping the queue, or None.
@@ -268,13 +272,10 @@ class MicroBatcher:
             return model
         return None
 
-    def _run_inline(
-        self, model: LoadedModel, images: np.ndarray, received_at: float | None
-    ) -> BatchResult:
+    def _run_inline(self, model: LoadedModel, images: np.ndarray) -> BatchResult:
         """Answer a lone single-image job on the event loop (see the module docstring)."""
         started = time.perf_counter()
-        if received_at is not None:
-            self._metrics.queue_delay.observe(started - received_at)
+        self._metrics.queue_delay.observe(0.0)
         try:
             probabilities = model.predict_proba(images)
         except Exception:
@@ -287,14 +288,22 @@ class MicroBatcher:
     # --- the inference thread ----------------------------------------------------------------
 
     def _drain_queue(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Run batches back to back until the queue is empty (in the inference thread)."""
+        """Run batches back to back, and sleep while the queue is empty, until stop()."""
         try:
             while True:
                 with self._lock:
+                    # Waiting here, not in a new executor call per burst: a job queued while
+                    # the event loop is busy wakes the thread at once, not a loop turn later.
+                    while not self._pending and not self._closed:
+                        self._idle = True
+                        self._more.wait()
+                        self._idle = False
                     jobs = self._gather()
-                    if not jobs:
-                        self._drain = None  # the next submit starts a new drain
+                    if self._closed and not jobs:
+                        self._drain = None
                         return
+                if not jobs:  # every waiting client had gone away
+                    continue
                 try:
                     outcome = self._run(jobs)
                 finally:
@@ -340,7 +349,7 @@ class MicroBatcher:
             size += job.size
         self._metrics.queue_depth.set(self._pending_images)
         for job in jobs:
-            self._metrics.queue_delay.observe(now - job.received_at)
+            self._metrics.queue_delay.observe(now - job.queued_at)
         return size
 
     def _run(self, jobs: list[_Job]) -> _Outcome:
@@ -354,7 +363,7 @@ class MicroBatcher:
         arrays: list[np.ndarray] = []
         for job in jobs:
             if started > job.deadline:
-                waited_ms = (started - job.received_at) * 1000.0
+                waited_ms = (started - job.queued_at) * 1000.0
                 outcome.failures.append(
                     (
                         job,
@@ -392,13 +401,11 @@ class MicroBatcher:
             outcome.ran = []
             return outcome
         elapsed = time.perf_counter() - started
-        per_image = elapsed / len(batch)
-        previous = self._seconds_per_image  # only this thread writes it
-        self._seconds_per_image = (
-            per_image
-            if previous == 0.0
-            else previous + _SECONDS_PER_IMAGE_WEIGHT * (per_image - previous)
-        )
+        # Only this thread writes the averages; the event loop reads them.
+        self._batch_s = _moving_average(self._batch_s, elapsed)
+        if 2 * len(batch) >= self._max_batch_size:
+            full_s = elapsed * self._max_batch_size / len(batch)
+            self._full_batch_s = _moving_average(self._full_batch_s, full_s)
         self._metrics.inference.observe(elapsed)
         self._metrics.batch_size.observe(len(batch))
         return outcome
@@ -417,6 +424,13 @@ class MicroBatcher:
             if isinstance(error, DeadlineExceededError):
                 self._metrics.shed.labels(reason="deadline").inc()
             _settle(job, error=error)
+
+
+def _moving_average(previous: float, sample: float) -> float:
+    """Return the batch-time average after one more sample (the sample itself at first)."""
+    if previous == 0.0:
+        return sample
+    return previous + _BATCH_TIME_WEIGHT * (sample - previous)
 
 
 def _settle(

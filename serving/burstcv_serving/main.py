@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from burstcv_serving import __version__
+from burstcv_serving.admission import PREDICTION_PATHS
 from burstcv_serving.batcher import MicroBatcher
 from burstcv_serving.manager import ModelManager
 from burstcv_serving.metrics import ServiceMetrics
@@ -28,8 +29,6 @@ from burstcv_serving.settings import Settings
 from burstcv_serving.state import ServiceState
 
 logger = logging.getLogger(__name__)
-
-PREDICTION_PATHS = ("/v1/predict", "/v1/predict/batch")
 
 
 def make_source(settings: Settings) -> ModelSource:

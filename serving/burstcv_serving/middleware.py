@@ -14,25 +14,23 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
+from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from burstcv_serving.admission import RETRY_AFTER_S, refusal
 from burstcv_serving.metrics import ServiceMetrics
 from burstcv_serving.state import ServiceState
-
-# Seconds a shed client is asked to wait. HTTP allows whole seconds only; the queue drains
-# in milliseconds, so the smallest value is the right one.
-RETRY_AFTER_S = 1
 
 
 def _too_large(limit: int) -> str:
     return f"request body is larger than the limit of {limit} bytes; send a smaller image"
 
 
-def must_close(scope: Scope, max_discard_bytes: int) -> bool:
+def must_close(scope: Mapping[str, Any], max_discard_bytes: int) -> bool:
     """Tell whether a refusal sent before reading the body must close the connection.
 
     True when the body is larger than ``max_discard_bytes``, has no declared length
@@ -148,29 +146,14 @@ class AdmissionMiddleware:
             self.metrics.shed.labels(reason="no_model").inc()
             await self.app(scope, receive, send)
             return
-        batcher = service.batcher
-        expected_s = batcher.expected_delay_s()
-        target_s = batcher.queue_delay_target_s
-        if expected_s > target_s:
-            reason = "queue_delay"
-            detail = (
-                f"the service is overloaded: a request would wait about {expected_s * 1000:.0f} "
-                f"ms for the model, over the target of {target_s * 1000:.0f} ms; retry after "
-                f"{RETRY_AFTER_S} s"
-            )
-        elif batcher.queue_depth >= batcher.max_queue:
-            reason = "queue_full"
-            detail = (
-                f"the inference queue is full ({batcher.queue_depth} images waiting, limit "
-                f"{batcher.max_queue}); retry after {RETRY_AFTER_S} s"
-            )
-        else:
+        refused = refusal(service)
+        if refused is None:
             self.metrics.admitted.inc()
             await self.app(scope, receive, send)
             return
-        self.metrics.shed.labels(reason=reason).inc()
+        self.metrics.shed.labels(reason=refused.reason).inc()
         close = must_close(scope, self.max_discard_bytes)
-        await send_error(send, 503, detail, close=close, extra_headers=self.retry_after)
+        await send_error(send, 503, refused.detail, close=close, extra_headers=self.retry_after)
 
 
 class MetricsMiddleware:
@@ -186,7 +169,8 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        scope.setdefault("state", {})["received_at"] = started
+        # The HTTP protocol stamps the arrival earlier (when the headers were parsed); keep it.
+        received_at = scope.setdefault("state", {}).setdefault("received_at", started)
         status = 500  # if the app fails before answering, ServerErrorMiddleware sends a 500
 
         async def send_and_watch(message: Message) -> None:
@@ -200,7 +184,7 @@ class MetricsMiddleware:
         finally:
             path = scope["path"] if scope["path"] in self.paths else "other"
             self.metrics.requests.labels(path=path, method=scope["method"], status=status).inc()
-            self.metrics.latency.labels(path=path).observe(time.perf_counter() - started)
+            self.metrics.latency.labels(path=path).observe(time.perf_counter() - received_at)
 
 
 Handler = Callable[[Request], Awaitable[Response]]

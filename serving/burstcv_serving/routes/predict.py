@@ -18,13 +18,13 @@ from PIL import Image
 from starlette.concurrency import run_in_threadpool
 
 from burstcv_serving import multipart
+from burstcv_serving.admission import RETRY_AFTER_S
 from burstcv_serving.batcher import (
     BatchResult,
     DeadlineExceededError,
     NoModelError,
     QueueFullError,
 )
-from burstcv_serving.middleware import RETRY_AFTER_S
 from burstcv_serving.model import LoadedModel
 from burstcv_serving.preprocess import (
     ImageDecodeError,
@@ -154,15 +154,13 @@ async def _read_and_decode(
 
 
 async def _infer(
-    request: Request,
     service: ServiceState,
     payloads: list[bytes],
     images: np.ndarray,
     spec: PreprocessSpec,
 ) -> BatchResult:
-    received_at = request.scope.get("state", {}).get("received_at")
     try:
-        return await service.batcher.submit(payloads, images, spec, received_at)
+        return await service.batcher.submit(payloads, images, spec)
     except (QueueFullError, DeadlineExceededError, NoModelError) as exc:
         raise HTTPException(
             503, detail=str(exc), headers={"Retry-After": str(RETRY_AFTER_S)}
@@ -202,7 +200,7 @@ async def predict(request: Request) -> Response:
         part = (await _file_parts(request, "file"))[0]
         label = f"file {part.filename!r}" if part.filename else "file"
         payloads, images = await _read_and_decode([part], [label], model.spec, settings.max_pixels)
-        answered_by, probabilities = await _infer(request, service, payloads, images, model.spec)
+        answered_by, probabilities = await _infer(service, payloads, images, model.spec)
     return _json(
         {
             "version": answered_by.version,
@@ -238,7 +236,7 @@ async def predict_batch(request: Request) -> Response:
             f"file {i} ({f.filename!r})" if f.filename else f"file {i}" for i, f in enumerate(files)
         ]
         payloads, images = await _read_and_decode(files, labels, model.spec, settings.max_pixels)
-        answered_by, probabilities = await _infer(request, service, payloads, images, model.spec)
+        answered_by, probabilities = await _infer(service, payloads, images, model.spec)
     return _json(
         {
             "version": answered_by.version,
