@@ -10,10 +10,19 @@ One run measures, side by side on this machine:
   minute than the overhead being measured);
 * a naive baseline: FastAPI + torch eager, one request per forward pass.
 
+``--overload`` instead steps closed-loop connections (16, 64, 256, 400, 800) past saturation
+against the service and a plain FastAPI + onnxruntime service (one session.run per request,
+no batching, no shedding), both running, the steps alternating between them: goodput (200s
+per second), 503s per second and the p99 of the 200s alone, which is why that mode has its
+own generator (wrk's latency figures mix every status). A 503 is sent again at once, as a
+retry storm would; the goals (800-connection goodput >= 80% of the peak, >= the plain
+service at every step, p99 against the queueing-delay target) are printed beside the figures.
+
 Load comes from ``wrk`` when it is installed (Debian: ``apt-get install -y wrk``), else from
 an asyncio/httpx generator in this process (which can itself become the bottleneck).
 
     python bench/serving.py [--model-dir DIR] [--torch-checkpoint model.pt] [--duration-s 5]
+    python bench/serving.py --overload [--connections 16,64,256,400,800] [--duration-s 5]
 
 Without ``--model-dir`` a synthetic classifier (Conv → ReLU → GlobalAveragePool → Gemm) is
 built with onnx.helper, and the torch baseline is the same network as an nn.Module.
@@ -55,6 +64,7 @@ logger = logging.getLogger("bench.serving")
 BOUNDARY = "burstcvbench"
 SYNTH_CLASSES = 10
 SYNTH_CHANNELS = 32
+SYNTH_ARCH = "conv-gap-gemm"  # model.json's "arch" of the synthetic classifier
 
 
 # --- the model -------------------------------------------------------------------------------
@@ -101,7 +111,7 @@ def write_synthetic_model(directory: Path) -> Path:
     meta = {
         "format_version": 1,
         "name": "bench-synthetic",
-        "arch": "conv-gap-gemm",
+        "arch": SYNTH_ARCH,
         "classes": [str(i) for i in range(SYNTH_CLASSES)],
         "onnx_file": "model.onnx",
         "sha256": hashlib.sha256(data).hexdigest(),
@@ -120,7 +130,7 @@ def torch_module(checkpoint: str | None, meta: dict[str, Any]) -> Any:
     import torch
     from torch import nn
 
-    if checkpoint:
+    if checkpoint and meta.get("arch") != SYNTH_ARCH:
         # A burstcv training job's model.pt is a state dict: rebuild the architecture that
         # model.json names, so the baseline runs exactly the network the service runs.
         state = torch.load(checkpoint, map_location="cpu", weights_only=True)
@@ -131,7 +141,7 @@ def torch_module(checkpoint: str | None, meta: dict[str, Any]) -> Any:
         module = build_model(meta["arch"], len(meta["classes"]), int(meta["input"]["shape"][2]))
         module.load_state_dict(state)
         return module.eval()
-    if "arch" in meta:
+    if meta.get("arch") != SYNTH_ARCH:
         raise SystemExit("--model-dir holds a trained model: pass model.pt as --torch-checkpoint")
 
     class Synthetic(nn.Module):

@@ -129,6 +129,7 @@ class MicroBatcher:
         self._running_images = 0
         self._closed = False
         self._idle = False  # the thread sleeps until a job is queued
+        self._wake_scheduled = False  # a _wake call waits on the event loop
         self._drain: Future[None] | None = None  # the thread's loop, from the first job to stop()
         # Moving averages of batch wall time (GIL waits included): of every batch, and of a
         # full batch (scaled from batches at least half full); 0 until one has run.
@@ -165,9 +166,9 @@ class MicroBatcher:
         machine lowers what is admitted.
         """
         ahead = self._pending_images + len(self._arriving)
-        busy = self._running_jobs > 0 or ahead > 0
+        running_s = self._batch_s if self._running_jobs else 0.0
         full_batch_s = self._full_batch_s or self._batch_s
-        estimate = (self._batch_s if busy else 0.0) + (ahead // self._max_batch_size) * full_batch_s
+        estimate = running_s + (ahead // self._max_batch_size) * full_batch_s
         # The oldest waiting job has already waited this long: the estimate cannot be less
         # (it would be if the thread stalled, on a busy machine, or the model slowed down).
         try:
@@ -246,14 +247,28 @@ class MicroBatcher:
                 raise NoModelError("the service is shutting down")
             self._pending.append(job)
             self._pending_images += n
-            # Wake the thread only when it sleeps for want of work or a batch just filled: a
-            # wake-up is a GIL hand-off, which the busy event loop pays for.
-            if self._idle or self._pending_images >= self._max_batch_size:
+            # A sleeping thread (or none yet) is woken at the end of this turn of the event
+            # loop: requests that arrived together are tasks that have not run yet and should
+            # share the batch. A thread gathering a batch is woken only when it is full:
+            # every wake-up is a GIL hand-off that the busy event loop pays for.
+            if self._idle or self._drain is None:
+                if not self._wake_scheduled:
+                    self._wake_scheduled = True
+                    loop.call_soon(self._wake, loop)
+            elif self._pending_images >= self._max_batch_size:
                 self._more.notify()
-            if self._drain is None:  # the first queued job starts the thread's loop
-                self._drain = self._executor.submit(self._drain_queue, loop)
         self._metrics.queue_depth.set(self._pending_images)
         return await future
+
+    def _wake(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wake the sleeping inference thread, or start its loop for the first job."""
+        with self._lock:
+            self._wake_scheduled = False
+            if self._drain is None:
+                if not self._closed:
+                    self._drain = self._executor.submit(self._drain_queue, loop)
+            else:
+                self._more.notify()
 
     def _inline_model(self, spec: PreprocessSpec) -> LoadedModel | None:
         """Return the model a single image may run on right now, skipping the queue, or None.

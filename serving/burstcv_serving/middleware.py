@@ -38,13 +38,34 @@ def must_close(scope: Mapping[str, Any], max_discard_bytes: int) -> bool:
     connection cannot be reused).
     """
     for name, value in scope["headers"]:
-        if name == b"content-length":
-            return not value.isdigit() or int(value) > max_discard_bytes
+        if name == b"content-length" and (not value.isdigit() or int(value) > max_discard_bytes):
+            return True
         if name == b"transfer-encoding":
             return True
         if name == b"expect" and value.lower() == b"100-continue":
             return True
     return False
+
+
+def client_closes(scope: Mapping[str, Any]) -> bool:
+    """Tell whether the server closes the connection after this request's answer.
+
+    HTTP/1.0, or ``Connection: close`` (urllib sends it with every request): the body must
+    then be read before answering, or closing on the unread rest resets the connection.
+    """
+    if scope.get("http_version") == "1.0":
+        return True
+    return any(
+        name == b"connection" and b"close" in value.lower() for name, value in scope["headers"]
+    )
+
+
+async def discard_body(receive: Receive) -> None:
+    """Read the request's body to its end and throw it away."""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
 
 
 async def send_error(
@@ -90,6 +111,8 @@ class BodyLimitMiddleware:
                     return
                 if declared > limit:
                     close = must_close(scope, self.max_discard_bytes)
+                    if not close and client_closes(scope):
+                        await discard_body(receive)
                     await send_error(send, 413, _too_large(limit), close=close)
                     return
         received = 0
@@ -153,6 +176,8 @@ class AdmissionMiddleware:
             return
         self.metrics.shed.labels(reason=refused.reason).inc()
         close = must_close(scope, self.max_discard_bytes)
+        if not close and client_closes(scope):
+            await discard_body(receive)
         await send_error(send, 503, refused.detail, close=close, extra_headers=self.retry_after)
 
 

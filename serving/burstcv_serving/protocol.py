@@ -31,6 +31,7 @@ class AdmissionHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, refusing shed prediction requests before their task."""
 
     app_of_service: FastAPI  # set on the subclass that ``protocol_for`` builds
+    close_after_body = False  # a refused request's body is still arriving; close after it
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         scope = cycle.scope
@@ -48,7 +49,8 @@ class AdmissionHttpProtocol(HttpToolsProtocol):
         metrics: ServiceMetrics = state.metrics
         metrics.requests.labels(path=cycle.scope["path"], method="POST", status=503).inc()
         metrics.shed.labels(reason=refused.reason).inc()
-        close = not cycle.keep_alive or must_close(cycle.scope, state.settings.max_discard_bytes)
+        max_discard = state.settings.max_discard_bytes
+        close = not cycle.keep_alive or must_close(cycle.scope, max_discard)
         body = refused.body()
         head = [_STATUS_LINE]
         for name, value in self.server_state.default_headers:
@@ -67,9 +69,19 @@ class AdmissionHttpProtocol(HttpToolsProtocol):
         cycle.response_complete = True  # uvicorn's parser now drops this request's body
         cycle.keep_alive = not close
         self.transport.write(b"".join(head))
-        if close:
+        if close and cycle.more_body and not must_close(cycle.scope, max_discard):
+            # The client asked to close (urllib does): read the body to its end first, as
+            # closing on unread data would reset the connection before the 503 is read.
+            self.close_after_body = True
+        elif close:
             self.transport.close()
         cycle.on_response()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        if self.close_after_body:
+            self.close_after_body = False
+            self.transport.close()
 
 
 def protocol_for(app: FastAPI) -> type[AdmissionHttpProtocol]:
