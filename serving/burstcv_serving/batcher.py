@@ -247,16 +247,17 @@ class MicroBatcher:
                 raise NoModelError("the service is shutting down")
             self._pending.append(job)
             self._pending_images += n
-            # A sleeping thread (or none yet) is woken at the end of this turn of the event
-            # loop: requests that arrived together are tasks that have not run yet and should
-            # share the batch. A thread gathering a batch is woken only when it is full:
-            # every wake-up is a GIL hand-off that the busy event loop pays for.
-            if self._idle or self._drain is None:
-                if not self._wake_scheduled:
-                    self._wake_scheduled = True
-                    loop.call_soon(self._wake, loop)
-            elif self._pending_images >= self._max_batch_size:
+            # A sleeping thread is woken at once (not at the end of this turn of the event
+            # loop, which under overload lasts as long as reading every waiting request). A
+            # thread gathering a batch is woken only when it is full: every wake-up is a GIL
+            # hand-off that the busy event loop pays for.
+            if self._idle or self._pending_images >= self._max_batch_size:
                 self._more.notify()
+            if self._drain is None and not self._wake_scheduled:
+                # The first job starts the thread's loop at the end of this turn, so that
+                # requests that arrived together share the first batch.
+                self._wake_scheduled = True
+                loop.call_soon(self._wake, loop)
         self._metrics.queue_depth.set(self._pending_images)
         return await future
 
