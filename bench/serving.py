@@ -10,10 +10,19 @@ One run measures, side by side on this machine:
   minute than the overhead being measured);
 * a naive baseline: FastAPI + torch eager, one request per forward pass.
 
+``--overload`` instead steps closed-loop connections (16, 64, 256, 400, 800) past saturation
+against the service and a plain FastAPI + onnxruntime service (one session.run per request,
+no batching, no shedding), both running, the steps alternating between them: goodput (200s
+per second), 503s per second and the p99 of the 200s alone, which is why that mode has its
+own generator (wrk's latency figures mix every status). A 503 is sent again at once, as a
+retry storm would; the goals (800-connection goodput >= 80% of the peak, >= the plain
+service at every step, p99 against the queueing-delay target) are printed beside the figures.
+
 Load comes from ``wrk`` when it is installed (Debian: ``apt-get install -y wrk``), else from
 an asyncio/httpx generator in this process (which can itself become the bottleneck).
 
     python bench/serving.py [--model-dir DIR] [--torch-checkpoint model.pt] [--duration-s 5]
+    python bench/serving.py --overload [--connections 16,64,256,400,800] [--duration-s 5]
 
 Without ``--model-dir`` a synthetic classifier (Conv → ReLU → GlobalAveragePool → Gemm) is
 built with onnx.helper, and the torch baseline is the same network as an nn.Module.
@@ -26,6 +35,7 @@ import asyncio
 import hashlib
 import io
 import json
+import logging
 import os
 import platform
 import re
@@ -36,7 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from fastapi import FastAPI, File, UploadFile  # module level: FastAPI resolves the annotations
@@ -49,9 +59,12 @@ from burstcv_serving.settings import Settings  # noqa: E402
 
 from burstcv.bench.latency import free_port  # noqa: E402
 
+logger = logging.getLogger("bench.serving")
+
 BOUNDARY = "burstcvbench"
 SYNTH_CLASSES = 10
 SYNTH_CHANNELS = 32
+SYNTH_ARCH = "conv-gap-gemm"  # model.json's "arch" of the synthetic classifier
 
 
 # --- the model -------------------------------------------------------------------------------
@@ -98,7 +111,7 @@ def write_synthetic_model(directory: Path) -> Path:
     meta = {
         "format_version": 1,
         "name": "bench-synthetic",
-        "arch": "conv-gap-gemm",
+        "arch": SYNTH_ARCH,
         "classes": [str(i) for i in range(SYNTH_CLASSES)],
         "onnx_file": "model.onnx",
         "sha256": hashlib.sha256(data).hexdigest(),
@@ -117,7 +130,7 @@ def torch_module(checkpoint: str | None, meta: dict[str, Any]) -> Any:
     import torch
     from torch import nn
 
-    if checkpoint:
+    if checkpoint and meta.get("arch") != SYNTH_ARCH:
         # A burstcv training job's model.pt is a state dict: rebuild the architecture that
         # model.json names, so the baseline runs exactly the network the service runs.
         state = torch.load(checkpoint, map_location="cpu", weights_only=True)
@@ -128,7 +141,7 @@ def torch_module(checkpoint: str | None, meta: dict[str, Any]) -> Any:
         module = build_model(meta["arch"], len(meta["classes"]), int(meta["input"]["shape"][2]))
         module.load_state_dict(state)
         return module.eval()
-    if "arch" in meta:
+    if meta.get("arch") != SYNTH_ARCH:
         raise SystemExit("--model-dir holds a trained model: pass model.pt as --torch-checkpoint")
 
     class Synthetic(nn.Module):
@@ -181,6 +194,44 @@ def run_naive_server(model_dir: str, checkpoint: str | None, port: int, threads:
             "predictions": [
                 {"label": classes[i], "index": int(i), "score": float(s)}
                 for s, i in zip(top.values.tolist(), top.indices.tolist(), strict=True)
+            ]
+        }
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def run_plain_server(model_dir: str, port: int, threads: int) -> None:
+    """Serve FastAPI + onnxruntime, one session.run per request (no batching, no shedding)."""
+    import onnxruntime as ort
+    import uvicorn
+
+    meta = json.loads((Path(model_dir) / "model.json").read_text())
+    spec = PreprocessSpec.from_dict(meta["preprocess"])
+    classes = meta["classes"]
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads  # the same intra-op threads as the service's
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(
+        str(Path(model_dir) / meta["onnx_file"]), options, providers=["CPUExecutionProvider"]
+    )
+    input_name = meta["input"]["name"]
+    app = FastAPI()
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/v1/predict")
+    def predict(file: UploadFile = File(...)) -> dict[str, Any]:
+        x = normalize(decode_to_uint8(file.file.read(), spec), spec)
+        (logits,) = session.run(None, {input_name: x})
+        shifted = np.exp(logits[0] - logits[0].max())
+        probabilities = shifted / shifted.sum()
+        top = np.argsort(-probabilities)[: min(3, len(classes))]
+        return {
+            "predictions": [
+                {"label": classes[i], "index": int(i), "score": float(probabilities[i])}
+                for i in top
             ]
         }
 
@@ -373,6 +424,149 @@ def load_python(url: str, body: bytes, concurrency: int, seconds: float) -> dict
     }
 
 
+class _ClosedLoopConnection(asyncio.Protocol):
+    """One closed-loop client: send the request, read the whole answer, send again at once.
+
+    Each answer's status and latency (write to last byte) is recorded while the window is
+    open. A connection the server closes is opened again, as a browser or SDK would.
+    """
+
+    def __init__(self, run: _ClosedLoopRun) -> None:
+        self.run = run
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.needed = 0  # bytes of the current answer, once its head has arrived
+        self.status = 0
+        self.closing = False
+        self.sent_at = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self.send()
+
+    def send(self) -> None:
+        assert self.transport is not None
+        self.sent_at = time.perf_counter()
+        self.transport.write(self.run.request)
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while True:
+            if not self.needed:
+                head_end = self.buffer.find(b"\r\n\r\n")
+                if head_end < 0:
+                    return
+                head = bytes(self.buffer[:head_end])
+                self.status = int(head[9:12])
+                length = _CONTENT_LENGTH.search(head)
+                self.needed = head_end + 4 + (int(length.group(1)) if length else 0)
+                self.closing = _CONNECTION_CLOSE.search(head) is not None
+            if len(self.buffer) < self.needed:
+                return
+            del self.buffer[: self.needed]
+            self.needed = 0
+            self.run.record(self.status, time.perf_counter() - self.sent_at)
+            assert self.transport is not None
+            if self.closing or not self.run.open:
+                self.transport.close()
+                return
+            self.send()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.needed or self.buffer or exc is not None:
+            self.run.errors += 1
+        if self.run.open:
+            self.run.reconnect()
+
+
+_CONTENT_LENGTH = re.compile(rb"(?i)\r\ncontent-length:\s*(\d+)")
+_CONNECTION_CLOSE = re.compile(rb"(?i)\r\nconnection:\s*close")
+
+
+class _ClosedLoopRun:
+    """Hold the clients of one measurement and what they saw inside its window."""
+
+    def __init__(self, host: str, port: int, request: bytes) -> None:
+        self.host, self.port, self.request = host, port, request
+        self.open = True
+        self.counting = False
+        self.ok_latencies: list[float] = []
+        self.statuses: dict[int, int] = {}
+        self.errors = 0
+        self.pending: set[asyncio.Task[Any]] = set()
+
+    def record(self, status: int, latency_s: float) -> None:
+        if not self.counting:
+            return
+        self.statuses[status] = self.statuses.get(status, 0) + 1
+        if status == 200:
+            self.ok_latencies.append(latency_s)
+
+    def reconnect(self) -> None:
+        task = asyncio.get_running_loop().create_task(self.connect())
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+
+    async def connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.create_connection(lambda: _ClosedLoopConnection(self), self.host, self.port)
+        except OSError:
+            self.errors += 1
+            if self.open:
+                await asyncio.sleep(0.01)
+                self.reconnect()
+
+
+def load_closed_loop(
+    url: str, body: bytes, concurrency: int, seconds: float, warm_up_s: float = 1.0
+) -> dict[str, float]:
+    """Run ``concurrency`` closed-loop clients; count answers by status, time the 200s.
+
+    wrk's latency figures mix every status, and the overload steps need the p99 of the 200s
+    alone (a 503 answered in 0.1 ms would hide a 200 that took a second), so this generator
+    keeps them apart. It is a bare asyncio Protocol on uvloop: a few microseconds a request.
+    """
+    import urllib.parse
+
+    import uvloop
+
+    parsed = urllib.parse.urlsplit(url)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
+    request = (
+        f"POST {parsed.path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    run = _ClosedLoopRun(host, port, request)
+
+    async def main() -> float:
+        await asyncio.gather(*(run.connect() for _ in range(concurrency)))
+        await asyncio.sleep(warm_up_s)
+        run.counting = True
+        started = time.perf_counter()
+        await asyncio.sleep(seconds)
+        run.counting = False
+        elapsed = time.perf_counter() - started
+        run.open = False
+        await asyncio.sleep(0.5)  # let answers in flight arrive (not counted) before closing
+        return elapsed
+
+    elapsed = uvloop.run(main())
+    ok = run.statuses.get(200, 0)
+    shed = run.statuses.get(503, 0)
+    other = sum(n for status, n in run.statuses.items() if status not in (200, 503))
+    return {
+        "connections": concurrency,
+        "ok_per_s": ok / elapsed,
+        "shed_per_s": shed / elapsed,
+        "other": other,
+        "errors": run.errors,
+        "ok_p50_ms": percentile_ms(run.ok_latencies, 50) if ok else float("nan"),
+        "ok_p99_ms": percentile_ms(run.ok_latencies, 99) if ok else float("nan"),
+    }
+
+
 def measure_http(
     url: str,
     body_path: Path,
@@ -404,6 +598,125 @@ def stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
+def service_env(model_dir: Path, threads: int, serving_dir: str) -> dict[str, str]:
+    """Return the environment of ``python -m burstcv_serving`` serving ``model_dir``."""
+    return {
+        **os.environ,
+        "PYTHONPATH": serving_dir,
+        "BURSTCV_SERVING_MODEL_DIR": str(model_dir),
+        "BURSTCV_SERVING_PORT": str(free_port()),
+        "BURSTCV_SERVING_POLL_INTERVAL_S": "0",
+        "BURSTCV_SERVING_INTRA_OP_THREADS": str(threads),
+        "BURSTCV_SERVING_LOG_LEVEL": "warning",
+    }
+
+
+def shed_counters(metrics_text: str) -> dict[str, float]:
+    """Return the admitted and shed counters (by reason) from a /metrics answer."""
+    counters: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        match = re.match(
+            r'burstcv_serving_(admitted_requests|shed_requests)_total(?:\{reason="(\w+)"\})? (\S+)',
+            line,
+        )
+        if match:
+            name = "admitted" if match.group(1) == "admitted_requests" else f"shed_{match.group(2)}"
+            counters[name] = float(match.group(3))
+    return counters
+
+
+def overload(args: argparse.Namespace, model_dir: Path, body: bytes, work: Path) -> None:
+    """Step closed-loop connections up past saturation against the service and the plain one.
+
+    Both services run for the whole measurement and the steps alternate between them, so a
+    shift in the machine's load hits both sides of each comparison alike.
+    """
+    import httpx
+
+    steps = [int(c) for c in args.connections.split(",")]
+    target_ms = Settings(model_dir=str(model_dir)).queue_delay_target_ms
+    env = service_env(model_dir, args.threads, args.serving_dir)
+    service_url = f"http://127.0.0.1:{env['BURSTCV_SERVING_PORT']}"
+    plain_port = free_port()
+    plain_cmd = [sys.executable, __file__, "--plain-server", "--model-dir", str(model_dir)]
+    plain_cmd += ["--port", str(plain_port), "--threads", str(args.threads)]
+    plain_url = f"http://127.0.0.1:{plain_port}"
+    load_start = _load_average()
+    service = start([sys.executable, "-m", "burstcv_serving"], env, work / "service.log")
+    plain = start(plain_cmd, dict(os.environ), work / "plain.log")
+    rows: dict[str, list[dict[str, float]]] = {"service": [], "plain": []}
+    try:
+        wait_ready(f"{service_url}/readyz", service)
+        wait_ready(f"{plain_url}/healthz", plain)
+        for connections in steps:
+            for name, url in (("service", service_url), ("plain", plain_url)):
+                rows[name].append(
+                    load_closed_loop(f"{url}/v1/predict", body, connections, args.duration_s)
+                )
+                logger.info("%s at %d connections: %s", name, connections, rows[name][-1])
+        counters = shed_counters(httpx.get(f"{service_url}/metrics").text)
+    finally:
+        stop(service)
+        stop(plain)
+    results = {
+        "machine": {"cpus": len(os.sched_getaffinity(0)), "platform": platform.platform()},
+        "load_average": {"start": load_start, "end": _load_average()},
+        "queue_delay_target_ms": target_ms,
+        "serving_dir": args.serving_dir,
+        "steps": rows,
+        "service_counters": counters,
+    }
+    report_overload(results, args.duration_s)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def report_overload(results: dict[str, Any], seconds: float) -> None:
+    """Print goodput, 503s and the p99 of the 200s per step, side by side, and the goals."""
+    service, plain = results["steps"]["service"], results["steps"]["plain"]
+    target_ms = results["queue_delay_target_ms"]
+    header = (
+        f"{'connections':>11} | {'service 200/s':>13}{'503/s':>9}{'p99 200 ms':>11}"
+        f"{'other':>7} | {'plain 200/s':>11}{'503/s':>7}{'p99 200 ms':>11}{'other':>7}"
+        f" | {'service/plain':>13}"
+    )
+    lines = [
+        f"machine: {results['machine']}",
+        f"load average (1, 5, 15 min): {results['load_average']['start']} at start, "
+        f"{results['load_average']['end']} at end",
+        f"closed-loop clients, {seconds:.0f} s per step after 1 s of warm-up; a 503 is sent "
+        "again at once (Retry-After ignored); 'other' = other statuses + connection errors",
+        f"service: {results['serving_dir']}, queue-delay target {target_ms:.0f} ms",
+        "",
+        header,
+        "-" * len(header),
+    ]
+    for ours, theirs in zip(service, plain, strict=True):
+        lines.append(
+            f"{ours['connections']:>11} | {ours['ok_per_s']:>13.0f}{ours['shed_per_s']:>9.0f}"
+            f"{ours['ok_p99_ms']:>11.1f}{ours['other'] + ours['errors']:>7.0f} | "
+            f"{theirs['ok_per_s']:>11.0f}{theirs['shed_per_s']:>7.0f}"
+            f"{theirs['ok_p99_ms']:>11.1f}{theirs['other'] + theirs['errors']:>7.0f} | "
+            f"{ours['ok_per_s'] / max(theirs['ok_per_s'], 1e-9):>12.2f}x"
+        )
+    peak = max(max(row["ok_per_s"] for row in service), 1e-9)
+    last = service[-1]
+    worst_ratio = min(
+        ours["ok_per_s"] / max(theirs["ok_per_s"], 1e-9)
+        for ours, theirs in zip(service, plain, strict=True)
+    )
+    worst_p99 = max(row["ok_p99_ms"] for row in service)
+    lines += [
+        "",
+        f"goodput at {last['connections']} / peak goodput:  "
+        f"{last['ok_per_s'] / peak:.2f}   (target >= 0.80)",
+        f"service / plain goodput, worst step: {worst_ratio:.2f}x   (target >= 1.00)",
+        f"p99 of the 200s, worst step:        {worst_p99:.1f} ms   (target <= {target_ms:.0f} ms)",
+        f"service counters: {results['service_counters']}",
+    ]
+    sys.stdout.write("\n".join(lines) + "\n")
+
+
 # --- main ------------------------------------------------------------------------------------
 
 
@@ -422,12 +735,31 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--no-wrk", action="store_true", help="use the Python load generator")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument(
+        "--overload",
+        action="store_true",
+        help="step closed-loop connections past saturation: goodput, 503s/s and the p99 of "
+        "the 200s, beside a plain FastAPI + onnxruntime service",
+    )
+    parser.add_argument(
+        "--connections", default="16,64,256,400,800", help="--overload steps, comma-separated"
+    )
+    parser.add_argument(
+        "--serving-dir",
+        default=str(REPO_ROOT / "serving"),
+        help="folder holding the burstcv_serving package to run (another checkout's, to "
+        "compare versions on the same machine)",
+    )
     parser.add_argument("--naive-server", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--plain-server", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.naive_server:
         run_naive_server(args.model_dir, args.torch_checkpoint, args.port, args.threads)
+        return
+    if args.plain_server:
+        run_plain_server(args.model_dir, args.port, args.threads)
         return
 
     work = Path(tempfile.mkdtemp(prefix="burstcv-bench-"))
@@ -436,6 +768,9 @@ def main() -> None:
         raise SystemExit("--torch-checkpoint needs the --model-dir it was exported to")
     body_path = work / "body.bin"
     body_path.write_bytes(multipart_body(sample_png()))
+    if args.overload:
+        overload(args, model_dir, body_path.read_bytes(), work)
+        return
     use_wrk = shutil.which("wrk") is not None and not args.no_wrk
     generator = "wrk" if use_wrk else "python asyncio+httpx"
 
@@ -455,15 +790,7 @@ def main() -> None:
     bare = BareSession(model_dir, args.threads, service_settings.intra_op_spinning)
     results["bare"] = bare_onnxruntime(bare, seconds=4.0)
 
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO_ROOT / "serving"),
-        "BURSTCV_SERVING_MODEL_DIR": str(model_dir),
-        "BURSTCV_SERVING_PORT": str(free_port()),
-        "BURSTCV_SERVING_POLL_INTERVAL_S": "0",
-        "BURSTCV_SERVING_INTRA_OP_THREADS": str(args.threads),
-        "BURSTCV_SERVING_LOG_LEVEL": "warning",
-    }
+    env = service_env(model_dir, args.threads, args.serving_dir)
     service_url = f"http://127.0.0.1:{env['BURSTCV_SERVING_PORT']}"
     service = start([sys.executable, "-m", "burstcv_serving"], env, work / "service.log")
     try:

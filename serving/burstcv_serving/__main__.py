@@ -25,6 +25,7 @@ def main() -> None:
         sys.exit(f"burstcv-serving: not starting: {reasons}")
     # Imported only now: burstcv_serving.main builds its module-level app from the environment.
     from burstcv_serving.main import create_app
+    from burstcv_serving.protocol import protocol_for
 
     logging.basicConfig(
         level=settings.log_level.upper(),
@@ -33,17 +34,19 @@ def main() -> None:
     # The inference thread needs the GIL back the moment session.run returns; under load the
     # event loop holds it, and the default 5 ms switch interval would leave the model idle.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    app = create_app(settings)
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
         access_log=settings.access_log,
         server_header=False,
         # Named, not "auto": a missing uvloop/httptools fails here instead of silently
-        # falling back to the slower pure-Python loop and parser.
+        # falling back to the slower pure-Python loop and parser. The httptools protocol
+        # sheds overload as soon as a request's headers are parsed (see protocol.py).
         loop="uvloop",
-        http="httptools",
+        http=protocol_for(app),
     )
 
 

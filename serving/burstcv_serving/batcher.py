@@ -1,10 +1,21 @@
 """Gather concurrent prediction requests into micro-batches for one session.run each.
 
-One worker task drains the queue: it takes every job already waiting (up to the batch size)
-and runs them at once, so a lone request runs immediately and a busy service runs full
-batches. Only when a batch already holds several jobs does it wait, at most
-``max_batch_wait_ms``, for more. Each batch takes the model reference once, and every job
-in it is answered with that model.
+The inference thread drains the queue itself: it takes every job already waiting (up to the
+batch size), runs them at once, and takes the next batch straight away, handing each batch's
+answers to the event loop in one callback. A lone request therefore runs immediately and a
+busy service runs full batches back to back. Only when a batch already holds several jobs
+does it wait, at most ``max_batch_wait_ms``, for more. Each batch takes the model reference
+once, and every job in it is answered with that model.
+
+The thread, not an event-loop task, moves from one batch to the next because under overload
+one turn of the event loop grows with the number of connections that have a request ready
+(every refused client sends again at once): a batch per turn would tie the model's
+throughput to the load it is shedding.
+
+Every job carries a deadline: the moment it was queued plus the queueing-delay target. A job
+still waiting at its deadline is answered 503 instead of late, and ``expected_delay_s``
+(what admission control reads) says how long a request admitted now would wait, from the
+images ahead of it and the measured batch times.
 
 A single image that is the only request in the service (none other being read, decoded,
 queued or run) skips the queue and the inference thread: it runs right on the event loop,
@@ -19,10 +30,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,9 +48,18 @@ logger = logging.getLogger(__name__)
 
 BatchResult = tuple[LoadedModel, np.ndarray]  # the model that answered, probabilities (n, K)
 
+# Weight of the newest batch in the moving averages of batch time: about the last ten
+# batches count, so the estimate follows a model swap or a busier machine within
+# milliseconds under load, and one slow batch (a GC pause) does not swing admission.
+_BATCH_TIME_WEIGHT = 0.1
+
 
 class QueueFullError(RuntimeError):
     """Raise when the inference queue holds as many images as allowed (shed with 503)."""
+
+
+class DeadlineExceededError(RuntimeError):
+    """Raise when a job waited past its deadline before a batch could take it (503)."""
 
 
 class NoModelError(RuntimeError):
@@ -53,10 +74,22 @@ class _Job:
     images: np.ndarray  # uint8 NHWC at spec's size
     spec: PreprocessSpec
     future: asyncio.Future[BatchResult] = field(repr=False)
+    queued_at: float  # time.perf_counter() when it was queued
+    deadline: float  # time.perf_counter() after which running it would answer too late
 
     @property
     def size(self) -> int:
         return len(self.images)
+
+
+@dataclass
+class _Outcome:
+    """What the inference thread hands back to the event loop for one batch."""
+
+    model: LoadedModel | None
+    ran: list[_Job]
+    probabilities: np.ndarray | None = None
+    failures: list[tuple[_Job, BaseException]] = field(default_factory=list)
 
 
 class MicroBatcher:
@@ -73,6 +106,7 @@ class MicroBatcher:
         max_queue: int,
         max_pixels: int,
         inline_max_s: float = 0.0,
+        queue_delay_target_s: float = float("inf"),
     ) -> None:
         self._manager = manager
         self._executor = executor
@@ -82,12 +116,26 @@ class MicroBatcher:
         self._max_queue = max_queue
         self._max_pixels = max_pixels
         self._inline_max_s = inline_max_s
-        self._running = False  # the worker holds jobs (gathering or running a batch)
+        self._target_s = queue_delay_target_s
         self._active = 0  # prediction requests inside the routes (see tracking())
+        # Requests inside the routes that have not reached submit() yet (read, decode).
+        self._arriving: set[asyncio.Task[object] | None] = set()
+        # Shared with the inference thread, under the lock.
+        self._lock = threading.Lock()
+        self._more = threading.Condition(self._lock)
         self._pending: deque[_Job] = deque()
         self._pending_images = 0
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._running_jobs = 0  # in the batch the thread is gathering or running
+        self._running_images = 0
+        self._closed = False
+        self._idle = False  # the thread sleeps until a job is queued
+        self._wake_scheduled = False  # a _wake call waits on the event loop
+        self._drain: Future[None] | None = None  # the thread's loop, from the first job to stop()
+        # Moving averages of batch wall time (GIL waits included): of every batch, and of a
+        # full batch (scaled from batches at least half full); 0 until one has run.
+        self._batch_s = 0.0
+        self._full_batch_s = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def queue_depth(self) -> int:
@@ -99,39 +147,86 @@ class MicroBatcher:
         """Return the number of prediction requests being handled now."""
         return self._active
 
+    @property
+    def max_queue(self) -> int:
+        """Return the most images that may wait for inference."""
+        return self._max_queue
+
+    @property
+    def queue_delay_target_s(self) -> float:
+        """Return the queueing delay a request may wait before its batch starts."""
+        return self._target_s
+
+    def expected_delay_s(self) -> float:
+        """Return how long a request admitted now would wait before its batch starts.
+
+        The batch being run finishes first; then every full batch's worth of images ahead
+        of it (waiting, and one for each request admitted but still being read or decoded)
+        runs before its own batch. Batch times are measured, so a slower model or a busier
+        machine lowers what is admitted.
+        """
+        ahead = self._pending_images + len(self._arriving)
+        running_s = self._batch_s if self._running_jobs else 0.0
+        full_batch_s = self._full_batch_s or self._batch_s
+        estimate = running_s + (ahead // self._max_batch_size) * full_batch_s
+        # The oldest waiting job has already waited this long: the estimate cannot be less
+        # (it would be if the thread stalled, on a busy machine, or the model slowed down).
+        try:
+            waited = time.perf_counter() - self._pending[0].queued_at
+        except IndexError:  # nothing waits (read without the lock: the thread may take it)
+            waited = 0.0
+        return max(estimate, waited)
+
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:
         """Count one prediction request for as long as the block runs (from body to answer)."""
+        task = asyncio.current_task()
         self._active += 1
+        self._arriving.add(task)
         try:
             yield
         finally:
             self._active -= 1
+            self._arriving.discard(task)
 
     def start(self) -> None:
-        """Start the worker task on the running event loop."""
-        self._task = asyncio.create_task(self._work(), name="burstcv-batcher")
+        """Bind to the running event loop; batches start when the first job is queued."""
+        self._loop = asyncio.get_running_loop()
+        self._closed = False
 
     async def stop(self) -> None:
-        """Stop the worker and fail whatever still waits."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        while self._pending:
-            job = self._pending.popleft()
-            if not job.future.done():
-                job.future.set_exception(NoModelError("the service is shutting down"))
-        self._pending_images = 0
+        """Let the running batch finish, then fail whatever still waits."""
+        with self._lock:
+            self._closed = True
+            waiting = list(self._pending)
+            self._pending.clear()
+            self._pending_images = 0
+            self._more.notify_all()
+            drain = self._drain
+        if drain is not None:
+            # The thread answers its batch through the event loop, so keep the loop running.
+            with contextlib.suppress(Exception):
+                await asyncio.wrap_future(drain)
+        for job in waiting:
+            _settle(job, error=NoModelError("the service is shutting down"))
+        self._metrics.queue_depth.set(0)
 
     async def submit(
-        self, payloads: list[bytes], images: np.ndarray, spec: PreprocessSpec
+        self,
+        payloads: list[bytes],
+        images: np.ndarray,
+        spec: PreprocessSpec,
     ) -> BatchResult:
-        """Queue one request's images and wait for the model and probabilities that answer it."""
+        """Queue one request's images and wait for the model and probabilities that answer it.
+
+        Raises QueueFullError when the queue holds ``max_queue`` images, and
+        DeadlineExceededError when no batch could take the job within the queueing-delay
+        target of its queueing.
+        """
+        self._arriving.discard(asyncio.current_task())
         n = len(images)
         if self._pending_images + n > self._max_queue:
-            self._metrics.rejected.inc()
+            self._metrics.shed.labels(reason="queue_full").inc()
             raise QueueFullError(
                 f"the inference queue is full ({self._pending_images} images waiting, "
                 f"limit {self._max_queue}); retry shortly"
@@ -143,12 +238,38 @@ class MicroBatcher:
             model = self._inline_model(spec)
             if model is not None:
                 return self._run_inline(model, images)
-        future: asyncio.Future[BatchResult] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Job(payloads, images, spec, future))
-        self._pending_images += n
+        loop = self._loop or asyncio.get_running_loop()
+        queued_at = time.perf_counter()
+        future: asyncio.Future[BatchResult] = loop.create_future()
+        job = _Job(payloads, images, spec, future, queued_at, queued_at + self._target_s)
+        with self._lock:
+            if self._closed:
+                raise NoModelError("the service is shutting down")
+            self._pending.append(job)
+            self._pending_images += n
+            # A sleeping thread is woken at once (not at the end of this turn of the event
+            # loop, which under overload lasts as long as reading every waiting request). A
+            # thread gathering a batch is woken only when it is full: every wake-up is a GIL
+            # hand-off that the busy event loop pays for.
+            if self._idle or self._pending_images >= self._max_batch_size:
+                self._more.notify()
+            if self._drain is None and not self._wake_scheduled:
+                # The first job starts the thread's loop at the end of this turn, so that
+                # requests that arrived together share the first batch.
+                self._wake_scheduled = True
+                loop.call_soon(self._wake, loop)
         self._metrics.queue_depth.set(self._pending_images)
-        self._wakeup.set()
         return await future
+
+    def _wake(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wake the sleeping inference thread, or start its loop for the first job."""
+        with self._lock:
+            self._wake_scheduled = False
+            if self._drain is None:
+                if not self._closed:
+                    self._drain = self._executor.submit(self._drain_queue, loop)
+            else:
+                self._more.notify()
 
     def _inline_model(self, spec: PreprocessSpec) -> LoadedModel | None:
         """Return the model a single image may run on right now, skipping the queue, or None.
@@ -159,7 +280,7 @@ class MicroBatcher:
         if (
             self._active <= 1
             and not self._pending
-            and not self._running
+            and self._running_jobs == 0
             and model is not None
             and model.spec == spec
             and model.single_latency_s <= self._inline_max_s
@@ -167,8 +288,71 @@ class MicroBatcher:
             return model
         return None
 
+    def _run_inline(self, model: LoadedModel, images: np.ndarray) -> BatchResult:
+        """Answer a lone single-image job on the event loop (see the module docstring)."""
+        started = time.perf_counter()
+        self._metrics.queue_delay.observe(0.0)
+        try:
+            probabilities = model.predict_proba(images)
+        except Exception:
+            logger.exception("inference failed for a single image")
+            raise
+        self._metrics.inference.observe(time.perf_counter() - started)
+        self._metrics.batch_size.observe(len(probabilities))
+        return model, probabilities
+
+    # --- the inference thread ----------------------------------------------------------------
+
+    def _drain_queue(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run batches back to back, and sleep while the queue is empty, until stop()."""
+        try:
+            while True:
+                with self._lock:
+                    # Waiting here, not in a new executor call per burst: a job queued while
+                    # the event loop is busy wakes the thread at once, not a loop turn later.
+                    while not self._pending and not self._closed:
+                        self._idle = True
+                        self._more.wait()
+                        self._idle = False
+                    jobs = self._gather()
+                    if self._closed and not jobs:
+                        self._drain = None
+                        return
+                if not jobs:  # every waiting client had gone away
+                    continue
+                try:
+                    outcome = self._run(jobs)
+                finally:
+                    with self._lock:
+                        self._running_jobs = 0
+                        self._running_images = 0
+                loop.call_soon_threadsafe(self._deliver, outcome)
+        except BaseException:
+            with self._lock:
+                self._drain = None  # let the next submit start over rather than stall
+            raise
+
+    def _gather(self) -> list[_Job]:
+        """Take waiting jobs (and, when busy, wait briefly for more); the lock is held."""
+        jobs: list[_Job] = []
+        if self._closed:
+            return jobs
+        size = self._take(jobs, 0)
+        if len(jobs) > 1 and size < self._max_batch_size and self._max_wait_s > 0:
+            # Requests are arriving together: give the next few a moment to join.
+            deadline = time.monotonic() + self._max_wait_s
+            while size < self._max_batch_size and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._more.wait(remaining):
+                    break
+                size = self._take(jobs, size)
+        self._running_jobs = len(jobs)
+        self._running_images = size
+        return jobs
+
     def _take(self, jobs: list[_Job], size: int) -> int:
         """Move waiting jobs into ``jobs`` while they fit the batch; return the new size."""
+        now = time.perf_counter()
         while self._pending:
             job = self._pending[0]
             if jobs and size + job.size > self._max_batch_size:
@@ -180,87 +364,33 @@ class MicroBatcher:
             jobs.append(job)
             size += job.size
         self._metrics.queue_depth.set(self._pending_images)
+        for job in jobs:
+            self._metrics.queue_delay.observe(now - job.queued_at)
         return size
 
-    async def _work(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            if not self._pending:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            self._running = True
-            try:
-                await self._gather_and_run(loop)
-            finally:
-                self._running = False
-
-    async def _gather_and_run(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Take waiting jobs (and, when busy, wait briefly for more), then run them."""
-        jobs: list[_Job] = []
-        size = self._take(jobs, 0)
-        if len(jobs) > 1 and size < self._max_batch_size and self._max_wait_s > 0:
-            # Requests are arriving together: give the next few a moment to join.
-            deadline = loop.time() + self._max_wait_s
-            while size < self._max_batch_size:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
-                self._wakeup.clear()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), remaining)
-                except TimeoutError:
-                    break
-                size = self._take(jobs, size)
-        if jobs:
-            await self._run_batch(loop, jobs)
-
-    def _run_inline(self, model: LoadedModel, images: np.ndarray) -> BatchResult:
-        """Answer a lone single-image job on the event loop (see the module docstring)."""
-        started = time.perf_counter()
-        try:
-            probabilities = model.predict_proba(images)
-        except Exception:
-            logger.exception("inference failed for a single image")
-            raise
-        self._metrics.inference.observe(time.perf_counter() - started)
-        self._metrics.batch_size.observe(len(probabilities))
-        return model, probabilities
-
-    async def _run_batch(self, loop: asyncio.AbstractEventLoop, jobs: list[_Job]) -> None:
+    def _run(self, jobs: list[_Job]) -> _Outcome:
+        """Run one batch: expire late jobs, re-decode for a new input size, call the model."""
         model = self._manager.current  # taken once: the whole batch answers with this model
-        if model is None:
-            for job in jobs:
-                _settle(job, error=NoModelError("no model is loaded"))
-            return
+        outcome = _Outcome(model, [])
         started = time.perf_counter()
-        try:
-            ran, probabilities, failures = await loop.run_in_executor(
-                self._executor, self._infer, model, jobs
-            )
-        except Exception as exc:
-            # Not hidden: logged here and raised again in every request of the batch (a 500).
-            logger.exception("inference failed for a batch of %d jobs", len(jobs))
-            for job in jobs:
-                _settle(job, error=exc)
-            return
-        self._metrics.inference.observe(time.perf_counter() - started)
-        self._metrics.batch_size.observe(len(probabilities))
-        offset = 0
-        for job in ran:
-            _settle(job, result=(model, probabilities[offset : offset + job.size]))
-            offset += job.size
-        for job, error in failures:
-            _settle(job, error=error)
-
-    def _infer(
-        self, model: LoadedModel, jobs: list[_Job]
-    ) -> tuple[list[_Job], np.ndarray, list[tuple[_Job, ImageDecodeError]]]:
-        """Run one batch in the inference thread, re-decoding jobs prepared for another model."""
+        if model is None:
+            outcome.failures = [(job, NoModelError("no model is loaded")) for job in jobs]
+            return outcome
         arrays: list[np.ndarray] = []
-        ran: list[_Job] = []
-        failures: list[tuple[_Job, ImageDecodeError]] = []
         for job in jobs:
+            if started > job.deadline:
+                waited_ms = (started - job.queued_at) * 1000.0
+                outcome.failures.append(
+                    (
+                        job,
+                        DeadlineExceededError(
+                            f"the service is overloaded: the request waited {waited_ms:.0f} ms "
+                            f"for the model, over the target of {self._target_s * 1000:.0f} "
+                            "ms; retry shortly"
+                        ),
+                    )
+                )
+                continue
             images = job.images
             if job.spec != model.spec:  # the model changed its input size since decoding
                 try:
@@ -271,14 +401,52 @@ class MicroBatcher:
                         ]
                     )
                 except ImageDecodeError as exc:
-                    failures.append((job, exc))
+                    outcome.failures.append((job, exc))
                     continue
             arrays.append(images)
-            ran.append(job)
+            outcome.ran.append(job)
         if not arrays:
-            return ran, np.empty((0, len(model.classes)), dtype=np.float32), failures
+            return outcome
         batch = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-        return ran, model.predict_proba(batch), failures
+        try:
+            outcome.probabilities = model.predict_proba(batch)
+        except Exception as exc:
+            # Not hidden: logged here and raised again in every request of the batch (a 500).
+            logger.exception("inference failed for a batch of %d jobs", len(outcome.ran))
+            outcome.failures += [(job, exc) for job in outcome.ran]
+            outcome.ran = []
+            return outcome
+        elapsed = time.perf_counter() - started
+        # Only this thread writes the averages; the event loop reads them.
+        self._batch_s = _moving_average(self._batch_s, elapsed)
+        if 2 * len(batch) >= self._max_batch_size:
+            full_s = elapsed * self._max_batch_size / len(batch)
+            self._full_batch_s = _moving_average(self._full_batch_s, full_s)
+        self._metrics.inference.observe(elapsed)
+        self._metrics.batch_size.observe(len(batch))
+        return outcome
+
+    # --- back on the event loop --------------------------------------------------------------
+
+    def _deliver(self, outcome: _Outcome) -> None:
+        """Answer every job of one batch (on the event loop)."""
+        if outcome.probabilities is not None and outcome.model is not None:
+            offset = 0
+            for job in outcome.ran:
+                result = (outcome.model, outcome.probabilities[offset : offset + job.size])
+                _settle(job, result=result)
+                offset += job.size
+        for job, error in outcome.failures:
+            if isinstance(error, DeadlineExceededError):
+                self._metrics.shed.labels(reason="deadline").inc()
+            _settle(job, error=error)
+
+
+def _moving_average(previous: float, sample: float) -> float:
+    """Return the batch-time average after one more sample (the sample itself at first)."""
+    if previous == 0.0:
+        return sample
+    return previous + _BATCH_TIME_WEIGHT * (sample - previous)
 
 
 def _settle(

@@ -13,10 +13,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from burstcv_serving import __version__
+from burstcv_serving.admission import PREDICTION_PATHS
 from burstcv_serving.batcher import MicroBatcher
 from burstcv_serving.manager import ModelManager
 from burstcv_serving.metrics import ServiceMetrics
 from burstcv_serving.middleware import (
+    AdmissionMiddleware,
     BodyLimitMiddleware,
     FastLaneMiddleware,
     MetricsMiddleware,
@@ -54,6 +56,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         max_queue=settings.max_queue,
         max_pixels=settings.max_pixels,
         inline_max_s=settings.inline_max_ms / 1000.0,
+        queue_delay_target_s=settings.queue_delay_target_ms / 1000.0,
     )
     logger.info("loading the model from %s", source.description)
     await manager.refresh()  # a failure leaves the service up but not ready; polling retries
@@ -112,12 +115,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (predict, model_info, health, metrics, admin):
         app.include_router(module.router)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    # Added last = outermost: metrics see every answer, including early 413s.
+    # Added last = outermost: metrics see every answer, including early 413s and 503s. The
+    # body limit comes before admission: a body that is too large would never be served.
     app.add_middleware(
         FastLaneMiddleware,
         handlers={"/v1/predict": predict.predict, "/v1/predict/batch": predict.predict_batch},
     )
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        AdmissionMiddleware,
+        paths=PREDICTION_PATHS,
+        metrics=service_metrics,
+        max_discard_bytes=settings.max_discard_bytes,
+    )
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_body_bytes=settings.max_body_bytes,
+        max_discard_bytes=settings.max_discard_bytes,
+    )
     known_paths = [getattr(route, "path", "") for route in app.routes]
     app.add_middleware(MetricsMiddleware, metrics=service_metrics, paths=known_paths)
     return app

@@ -21,6 +21,7 @@ _LATENCY_BUCKETS_S = (
     10.0,
 )
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SHED_REASONS = ("queue_delay", "queue_full", "deadline", "no_model")
 
 
 class ServiceMetrics:
@@ -58,9 +59,26 @@ class ServiceMetrics:
             "Images waiting for inference.",
             registry=self.registry,
         )
-        self.rejected = Counter(
+        self.admitted = Counter(
+            "burstcv_serving_admitted_requests",
+            "Prediction requests admitted (their body read and decoded, their images queued).",
+            registry=self.registry,
+        )
+        self.shed = Counter(
             "burstcv_serving_shed_requests",
-            "Requests refused with 503 because the inference queue was full.",
+            "Prediction requests refused with 503 to protect the admitted ones, by reason: "
+            "queue_delay (expected wait over the target, refused before reading the body), "
+            "queue_full (max_queue images waiting), deadline (waited past the target after "
+            "admission), no_model (none loaded).",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in SHED_REASONS:
+            self.shed.labels(reason=reason)  # exported at 0 from the start, for rate()
+        self.queue_delay = Histogram(
+            "burstcv_serving_queue_delay_seconds",
+            "Time from receiving a prediction request to the start of its batch.",
+            buckets=_LATENCY_BUCKETS_S,
             registry=self.registry,
         )
         self.model_info = Gauge(

@@ -1,46 +1,101 @@
-"""ASGI middleware: refuse oversized bodies early, count every request for Prometheus, and
-send prediction requests straight to their handlers."""
+"""ASGI middleware: refuse oversized bodies early, shed prediction requests the service could
+not answer in time before reading them, count every request for Prometheus, and send
+prediction requests straight to their handlers.
+
+A refusal sent before the body is read keeps the connection open when the body is no larger
+than ``max_discard_bytes``: uvicorn reads and discards the rest of it, so a client that
+sends its whole body before reading (Python's urllib) still reads the answer, where closing
+the socket on unread data would reset the connection under it. A larger body, or one the
+client waits to send (``Expect: 100-continue``), is refused with ``Connection: close``.
+"""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
+from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from burstcv_serving.admission import RETRY_AFTER_S, refusal
 from burstcv_serving.metrics import ServiceMetrics
+from burstcv_serving.state import ServiceState
 
 
 def _too_large(limit: int) -> str:
     return f"request body is larger than the limit of {limit} bytes; send a smaller image"
 
 
-async def _send_error(send: Send, status: int, detail: str) -> None:
-    body = json.dumps({"detail": detail}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close"),
-            ],
-        }
+def must_close(scope: Mapping[str, Any], max_discard_bytes: int) -> bool:
+    """Tell whether a refusal sent before reading the body must close the connection.
+
+    True when the body is larger than ``max_discard_bytes``, has no declared length
+    (chunked: unbounded), or waits for ``100 Continue`` (it will never be sent, so the
+    connection cannot be reused).
+    """
+    for name, value in scope["headers"]:
+        if name == b"content-length" and (not value.isdigit() or int(value) > max_discard_bytes):
+            return True
+        if name == b"transfer-encoding":
+            return True
+        if name == b"expect" and value.lower() == b"100-continue":
+            return True
+    return False
+
+
+def client_closes(scope: Mapping[str, Any]) -> bool:
+    """Tell whether the server closes the connection after this request's answer.
+
+    HTTP/1.0, or ``Connection: close`` (urllib sends it with every request): the body must
+    then be read before answering, or closing on the unread rest resets the connection.
+    """
+    if scope.get("http_version") == "1.0":
+        return True
+    return any(
+        name == b"connection" and b"close" in value.lower() for name, value in scope["headers"]
     )
+
+
+async def discard_body(receive: Receive) -> None:
+    """Read the request's body to its end and throw it away."""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+
+
+async def send_error(
+    send: Send,
+    status: int,
+    detail: str,
+    *,
+    close: bool,
+    extra_headers: tuple[tuple[bytes, bytes], ...] = (),
+) -> None:
+    """Send a ``{"detail": ...}`` JSON answer, closing the connection after it if ``close``."""
+    body = json.dumps({"detail": detail}).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *extra_headers,
+    ]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
 class BodyLimitMiddleware:
     """Answer 413 when Content-Length exceeds the limit, and stop reading once it is passed."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, max_discard_bytes: int) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.max_discard_bytes = max_discard_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -52,12 +107,16 @@ class BodyLimitMiddleware:
                 try:
                     declared = int(value)
                 except ValueError:
-                    await _send_error(send, 400, "Content-Length is not a number")
+                    await send_error(send, 400, "Content-Length is not a number", close=True)
                     return
                 if declared > limit:
-                    await _send_error(send, 413, _too_large(limit))
+                    close = must_close(scope, self.max_discard_bytes)
+                    if not close and client_closes(scope):
+                        await discard_body(receive)
+                    await send_error(send, 413, _too_large(limit), close=close)
                     return
         received = 0
+        discard = self.max_discard_bytes
 
         async def limited_receive() -> Message:
             nonlocal received
@@ -65,10 +124,61 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:  # chunked bodies have no Content-Length to check first
-                    raise HTTPException(413, detail=_too_large(limit))
+                    # Read and discard the rest (up to a bound) so the client reads the 413.
+                    while message.get("more_body", False) and received <= discard:
+                        message = await receive()
+                        received += len(message.get("body", b""))
+                    more = message["type"] != "http.request" or message.get("more_body", False)
+                    headers = {"Connection": "close"} if more else None
+                    raise HTTPException(413, detail=_too_large(limit), headers=headers)
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+class AdmissionMiddleware:
+    """Shed prediction requests that could not start within the queueing-delay target.
+
+    Decided from the request line and the queue alone, before the body is read, parsed or
+    decoded: a refusal costs a small fraction of a prediction, so under overload the cores
+    go to the requests that are admitted. A request passes when the batcher expects a
+    request admitted now to wait at most the target and the queue has room; every refusal
+    is a 503 with ``Retry-After``.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        paths: Collection[str],
+        metrics: ServiceMetrics,
+        max_discard_bytes: int,
+    ) -> None:
+        self.app = app
+        self.paths = frozenset(paths)
+        self.metrics = metrics
+        self.max_discard_bytes = max_discard_bytes
+        self.retry_after = ((b"retry-after", str(RETRY_AFTER_S).encode()),)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        service: ServiceState | None = scope["app"].state.service
+        if service is None or service.manager.current is None:
+            # The route answers 503 saying why (starting, or which load failed).
+            self.metrics.shed.labels(reason="no_model").inc()
+            await self.app(scope, receive, send)
+            return
+        refused = refusal(service)
+        if refused is None:
+            self.metrics.admitted.inc()
+            await self.app(scope, receive, send)
+            return
+        self.metrics.shed.labels(reason=refused.reason).inc()
+        close = must_close(scope, self.max_discard_bytes)
+        if not close and client_closes(scope):
+            await discard_body(receive)
+        await send_error(send, 503, refused.detail, close=close, extra_headers=self.retry_after)
 
 
 class MetricsMiddleware:
@@ -84,7 +194,8 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        scope.setdefault("state", {})["received_at"] = started
+        # The HTTP protocol stamps the arrival earlier (when the headers were parsed); keep it.
+        received_at = scope.setdefault("state", {}).setdefault("received_at", started)
         status = 500  # if the app fails before answering, ServerErrorMiddleware sends a 500
 
         async def send_and_watch(message: Message) -> None:
@@ -98,7 +209,7 @@ class MetricsMiddleware:
         finally:
             path = scope["path"] if scope["path"] in self.paths else "other"
             self.metrics.requests.labels(path=path, method=scope["method"], status=status).inc()
-            self.metrics.latency.labels(path=path).observe(time.perf_counter() - started)
+            self.metrics.latency.labels(path=path).observe(time.perf_counter() - received_at)
 
 
 Handler = Callable[[Request], Awaitable[Response]]

@@ -62,11 +62,21 @@ class Settings(BaseSettings):
     # thread anyway, so only their parsing is delayed (and /healthz by as long).
     inline_max_ms: float = Field(default=10.0, ge=0.0)
     max_queue: int = Field(default=256, ge=1)  # images waiting for inference; beyond → 503
+    # Admission control: a prediction request is refused (503 + Retry-After, before its body
+    # is read) when the images ahead of it would keep it from starting inference within this
+    # many ms of being queued; an admitted request still waiting then is answered 503
+    # rather than late. 100 ms: far above a batch, with room for a model swap's warm-up on
+    # a busy 2-core machine (50 ms shed a few requests at concurrency 16 during swaps).
+    queue_delay_target_ms: float = Field(default=100.0, gt=0.0)
     max_batch_files: int = Field(default=64, ge=1)  # files in one /v1/predict/batch request
 
     # Input limits.
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)  # whole request body
     max_pixels: int = Field(default=4096 * 4096, ge=1)  # width × height declared by the image
+    # A refused request's body up to this size is read and thrown away, so that a client that
+    # sends its whole body before reading (Python's urllib) reads the 413/503 instead of a
+    # connection reset; a larger body is cut off by closing the connection.
+    max_discard_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
 
     # onnxruntime.
     intra_op_threads: int = Field(default_factory=_host_cores, ge=1)

@@ -44,7 +44,9 @@ def current_service(request: Request) -> ServiceState:
     """Return what the lifespan built; 503 if the service has not started."""
     service: ServiceState | None = getattr(request.app.state, "service", None)
     if service is None:
-        raise HTTPException(503, detail="the service is starting; retry shortly")
+        raise HTTPException(
+            503, detail="the service is starting; retry shortly", headers={"Retry-After": "1"}
+        )
     return service
 
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,65 +10,19 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servingkit import Registry, image_bytes
+from servingkit import Registry, Server, image_bytes, running_server
 
-from burstcv.bench.latency import free_port
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TOTAL_REQUESTS = 2000
 CLIENT_THREADS = 16
 ALIAS_MOVES_AT = (300, 600, 900, 1200, 1500)  # completed requests when the alias moves
 SWAP_LAG_S = 1.5  # poll interval + load + warm-up, with room for a busy CI box
 
 
-@dataclass
-class Server:
-    """A running service process and its base URL."""
-
-    url: str
-    process: subprocess.Popen[bytes]
-
-
 @pytest.fixture
 def server(registry: Registry, tmp_path: Path) -> Iterator[Server]:
     """Start ``python -m burstcv_serving`` on a free port; stop it after the test."""
-    port = free_port()
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(REPO_ROOT / "serving"), os.environ.get("PYTHONPATH", "")]
-        ),
-        "BURSTCV_SERVING_REGISTRY_URI": str(registry.root),
-        "BURSTCV_SERVING_PORT": str(port),
-        "BURSTCV_SERVING_POLL_INTERVAL_S": "0.05",
-        "BURSTCV_SERVING_INTRA_OP_THREADS": "1",
-        "BURSTCV_SERVING_LOG_LEVEL": "warning",
-    }
-    log = (tmp_path / "server.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "burstcv_serving"], env=env, stdout=log, stderr=subprocess.STDOUT
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert process.poll() is None, (tmp_path / "server.log").read_text()
-            try:
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the service did not become ready in 30 s"
-            time.sleep(0.1)
-        yield Server(url, process)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
+    with running_server(registry, tmp_path, POLL_INTERVAL_S="0.05") as running:
+        yield running
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,13 @@ from PIL import Image
 from starlette.concurrency import run_in_threadpool
 
 from burstcv_serving import multipart
-from burstcv_serving.batcher import BatchResult, NoModelError, QueueFullError
+from burstcv_serving.admission import RETRY_AFTER_S
+from burstcv_serving.batcher import (
+    BatchResult,
+    DeadlineExceededError,
+    NoModelError,
+    QueueFullError,
+)
 from burstcv_serving.model import LoadedModel
 from burstcv_serving.preprocess import (
     ImageDecodeError,
@@ -45,7 +51,11 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     413: {"model": ErrorOut, "description": "Body, image or file count over the limit."},
     415: {"model": ErrorOut, "description": "Not an image, or an image format not accepted."},
     422: {"model": ErrorOut, "description": "Missing field, or truncated/corrupt image data."},
-    503: {"model": ErrorOut, "description": "No model loaded, or queue full (see Retry-After)."},
+    503: {
+        "model": ErrorOut,
+        "description": "No model loaded, or overloaded: the request could not start within the "
+        "queueing-delay target (see Retry-After).",
+    },
 }
 
 
@@ -144,14 +154,17 @@ async def _read_and_decode(
 
 
 async def _infer(
-    service: ServiceState, payloads: list[bytes], images: np.ndarray, spec: PreprocessSpec
+    service: ServiceState,
+    payloads: list[bytes],
+    images: np.ndarray,
+    spec: PreprocessSpec,
 ) -> BatchResult:
     try:
         return await service.batcher.submit(payloads, images, spec)
-    except QueueFullError as exc:
-        raise HTTPException(503, detail=str(exc), headers={"Retry-After": "1"}) from exc
-    except NoModelError as exc:
-        raise HTTPException(503, detail=str(exc), headers={"Retry-After": "1"}) from exc
+    except (QueueFullError, DeadlineExceededError, NoModelError) as exc:
+        raise HTTPException(
+            503, detail=str(exc), headers={"Retry-After": str(RETRY_AFTER_S)}
+        ) from exc
     except ImageDecodeError as exc:  # re-decoding for a new model's input size failed
         raise HTTPException(422, detail=str(exc)) from exc
 
