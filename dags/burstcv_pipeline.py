@@ -246,10 +246,8 @@ def burstcv_pipeline() -> None:
         from burstcv import pipeline
 
         run_params = _params(params or {})
-        if not verdict["promote"]:
-            raise AirflowSkipException(f"version {verdict['version']} {verdict['summary']}")
-        if not run_params.promote:
-            raise AirflowSkipException(f"version {verdict['version']} passed; promote=false")
+        if reason := pipeline.deploy_skip_reason(verdict, run_params):
+            raise AirflowSkipException(reason)
         return pipeline.deploy(str(run_id), run_params, verdict, SETTINGS)
 
     @task(execution_timeout=timedelta(minutes=10), trigger_rule="none_failed", **SAFE_RETRY)

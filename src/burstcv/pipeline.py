@@ -113,9 +113,9 @@ def validate(run_id: str, params: RunParams, settings: Settings | None = None) -
         )
     except DatasetUnusableError as exc:
         raise ValidationFailed(f"dataset {params.dataset_uri} is unusable: {exc}") from exc
-    log.info("%s", report.summary)
     if not report.success:
-        raise ValidationFailed(report.summary)
+        raise ValidationFailed(report.summary)  # logged once, as the task's failure
+    log.info("%s", report.summary)
     return {
         "fingerprint": report.fingerprint,
         "manifest_uri": report.manifest_uri,
@@ -703,8 +703,35 @@ def gate(
         storage.join(RunPaths.of(run_id, s).bench, "verdict.json"),
         {"version": version, **verdict.to_dict()},
     )
-    log.info("gate for version %d: %s", version, verdict.summary)
-    return {"version": version, "promote": verdict.promote, "summary": verdict.summary}
+    for line in verdict.check_lines():
+        log.info("version %d: %s", version, line)
+    return {
+        "version": version,
+        "promote": verdict.promote,
+        "summary": verdict.summary,
+        "failed_figures": verdict.failed_figures,
+    }
+
+
+def deploy_skip_reason(verdict: dict[str, Any], params: RunParams) -> str | None:
+    """Return why deploy does not run (the failed checks with their figures), or None.
+
+    The line is logged here, at INFO, so the deploy task's own log says why it skipped.
+    """
+    version = verdict["version"]
+    if not verdict["promote"]:
+        figures = verdict.get("failed_figures") or []
+        reason = f"version {version} not promoted: " + (
+            "; ".join(figures) if figures else verdict["summary"].removeprefix("not promoted: ")
+        )
+    elif not params.promote:
+        reason = f"version {version} passed the gate but is not deployed: the run has promote=false"
+    else:
+        return None
+    log.info("%s", reason)
+    if not verdict["promote"]:
+        log.info("gate: %s", verdict["summary"])
+    return reason
 
 
 def deploy(
