@@ -56,6 +56,16 @@ class RunPaths:
         return cls(storage.join(s.artifact_root, "runs", safe_run_id(run_id)))
 
     @property
+    def record(self) -> str:
+        """Return runs/<id>/run.json: the Airflow run id (the folder name is path-safe)."""
+        return storage.join(self.root, "run.json")
+
+    @property
+    def skip(self) -> str:
+        """Return runs/<id>/skip.json: written when the run had nothing new to train on."""
+        return storage.join(self.root, "skip.json")
+
+    @property
     def dataset(self) -> str:
         """Return runs/<id>/dataset."""
         return storage.join(self.root, "dataset")
@@ -96,6 +106,10 @@ def validate(run_id: str, params: RunParams, settings: Settings | None = None) -
 
     s = settings or get_settings()
     paths = RunPaths.of(run_id, s)
+    storage.write_json(
+        paths.record,
+        {"run_id": run_id, "dataset_uri": params.dataset_uri, "started_at": lineage.utc_now_iso()},
+    )
     config = ValidationConfig(
         expected_classes=params.expected_classes or None,
         min_images_per_class=s.min_images_per_class,

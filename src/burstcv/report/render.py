@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from burstcv import storage
+from burstcv import links, storage
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SERVING_INSTANCE = "c7i.large"  # 2 vCPUs: the small CPU box the service is sized for
 DEFAULT_SERVING_REGION = "us-east-1"
-DATA_DOCS_LINK = "../dataset/data_docs/index.html"  # relative to report/index.html
+# Relative to report/index.html: the same link opened from the store or through the plugin.
+DATA_DOCS_LINK = links.link_between("report", "data-docs")
 MAX_OFFENDING_SHOWN = 5
 
 # Each file the report reads, and the stage that writes it (for "not reached" notes).
@@ -154,14 +155,13 @@ def data_section(record: RunRecord) -> str:
         f": {fmt(counts.get('usable'))} usable of {fmt(counts.get('files'))} files, "
         f"{fmt(counts.get('errors', 0))} unreadable, {fmt(counts.get('ignored', 0))} ignored.</p>"
     ]
-    docs_uri = storage.join(record.root, "dataset", "data_docs", "index.html")
-    if storage.exists(docs_uri):
+    docs_rel = f"{links.tree_path('data-docs')}/{links.INDEX}"
+    if storage.exists(storage.join(record.root, docs_rel)):
         parts.append(
-            f'<p>Great Expectations Data Docs: <a href="{DATA_DOCS_LINK}">'
-            "dataset/data_docs/index.html</a></p>"
+            f'<p>Great Expectations Data Docs: <a href="{DATA_DOCS_LINK}">{esc(docs_rel)}</a></p>'
         )
     else:
-        parts.append(note("The Data Docs (dataset/data_docs/index.html) were not written.", "warn"))
+        parts.append(note(f"The Data Docs ({docs_rel}) were not written.", "warn"))
     per_split = counts.get("per_split") or {}
     if per_split:
         classes = sorted({c for split in per_split.values() for c in split})
