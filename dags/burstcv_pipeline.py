@@ -146,6 +146,13 @@ def _params(params: dict[str, Any]) -> RunParams:
             title="Promote",
             description="deploy the candidate if it passes the gate",
         ),
+        "force_train": Param(
+            False,
+            type="boolean",
+            title="Force training",
+            description="train even if the dataset and training params are production's "
+            "(otherwise such a run ends after validation, renting nothing)",
+        ),
     },
 )
 def burstcv_pipeline() -> None:
@@ -173,10 +180,15 @@ def burstcv_pipeline() -> None:
     def pack(
         validated: dict[str, Any], params: dict[str, Any] | None = None, run_id: str | None = None
     ) -> dict[str, Any]:
-        """Decode the validated images once into uint8 shards."""
+        """Decode the validated images once into uint8 shards (skip: production's data)."""
         from burstcv import pipeline
 
-        return pipeline.pack(str(run_id), _params(params or {}), validated, settings=SETTINGS)
+        run_params = _params(params or {})
+        if reason := pipeline.nothing_new_to_train(
+            str(run_id), run_params, validated, settings=SETTINGS
+        ):
+            raise AirflowSkipException(reason)  # everything after it is skipped: no GPU rented
+        return pipeline.pack(str(run_id), run_params, validated, settings=SETTINGS)
 
     @task(execution_timeout=timedelta(minutes=15), pool=SETTINGS.gpu_pool)
     def provision(

@@ -137,7 +137,9 @@ def describe_check(check: dict[str, Any]) -> str:
     ops = ("<=", ">") if name in _AT_MOST else (">=", "<")
     op = ops[0] if passed else ops[1]
     observed = format(float(check["observed"]), spec)
-    limit = format(float(check["limit"]), spec)
+    # A limit is shown as set (SLO 0.001 ms, floor 0.9); a computed one is rounded like spec.
+    limit_value = float(check["limit"])
+    limit = f"{limit_value * 100:g}%" if spec.endswith("%") else format(limit_value, ".6g")
     return f"{what} {observed}{unit} {op} {limit_name} {limit}{unit}"
 
 
