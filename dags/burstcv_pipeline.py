@@ -16,9 +16,15 @@ service **only if** it meets the latency SLO and does not lose accuracy.
 | `benchmark` | p50/p95/p99 over HTTP through a staging copy of the service | no |
 | `gate` | latency SLO, accuracy floor, no regression; registers the version | no |
 | `deploy` | moves the `production` alias, verifies the service serves it, else rolls back | no |
+| `report` | one HTML page: data checks, curves, latency, verdict, cost (also for skipped runs) | no |
 
-Trigger it with the form (**Trigger DAG w/ config**) to change the dataset, model, budget
-or gates for one run.
+A run whose validated dataset and training params are those of the production model has
+nothing new to train on: `pack` skips with that reason, and nothing after it runs (no GPU is
+rented). Set **Force training** to train anyway.
+
+Trigger it with the form (**Trigger**, top right of the DAG page) to change the dataset,
+model, budget or gates for one run. Links to a run's Data Docs and report are on the
+`validate` and `report` task instances' **Details** tab.
 """
 
 from __future__ import annotations
@@ -89,7 +95,15 @@ def _params(params: dict[str, Any]) -> RunParams:
             title="Model",
             description="torchvision architecture to train",
         ),
-        "epochs": Param(DEFAULTS["epochs"], type="integer", minimum=1, maximum=500, title="Epochs"),
+        "epochs": Param(
+            DEFAULTS["epochs"],
+            type="integer",
+            minimum=1,
+            maximum=500,
+            title="Epochs",
+            description="passes over the training split (1-500); the time budget may stop it "
+            "earlier",
+        ),
         "compute_backend": Param(
             DEFAULTS["compute_backend"],
             type="string",
