@@ -16,7 +16,7 @@ service **only if** it meets the latency SLO and does not lose accuracy.
 | `benchmark` | p50/p95/p99 over HTTP through a staging copy of the service | no |
 | `gate` | latency SLO, accuracy floor, no regression; registers the version | no |
 | `deploy` | moves the `production` alias, verifies the service serves it, else rolls back | no |
-| `report` | one HTML page: data checks, curves, latency, verdict, cost (also for skipped runs) | no |
+| `report` | one HTML page: data checks, curves, latency, verdict, cost (skipped runs too) | no |
 
 A run whose validated dataset and training params are those of the production model has
 nothing new to train on: `pack` skips with that reason, and nothing after it runs (no GPU is
