@@ -280,7 +280,7 @@ def render_page(models: dict[str, Any], runs: list[dict[str, Any]]) -> str:
             "<tr>"
             f"<td>{_airflow_link(r.get('airflow_run_url'), r['run_id'])}</td>"
             f"<td>{e(str(r['backend'] or '–'))}</td>"
-            f"<td>{_usd(r['cost_usd'])}</td>"
+            f"<td>{'$0 (skipped)' if r.get('skipped') else _usd(r['cost_usd'])}</td>"
             f"<td>{_fmt(r['version'], 'd')}</td>"
             f"<td>{e(r['summary'] or '–')}</td>"
             f"<td>{_link(r['data_docs_url'], 'Data Docs')} {_link(r['report_url'], 'report')}</td>"

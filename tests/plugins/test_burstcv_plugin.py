@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -359,3 +360,55 @@ def test_data_docs_say_that_their_styling_needs_internet(
     assert CDN_NOTICE in index  # ...and say so at the top, hidden once Bootstrap has loaded
     assert index.index(CDN_NOTICE) < index.index("</body>")
     assert 'class="d-none burstcv-offline-note"' in CDN_NOTICE
+
+
+def test_the_models_page_renders_in_headless_chromium(settings: Settings, tmp_path: Path) -> None:
+    import numpy as np
+    from PIL import Image
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    skipped = Path(settings.artifact_root) / "runs" / "scheduled__2026-11-30T00_00_00_00_00"
+    skipped.mkdir(parents=True)
+    (skipped / "run.json").write_text(
+        json.dumps({"run_id": "scheduled__2026-11-30T00:00:00+00:00"})
+    )
+    reason = "nothing new to train on: the validated dataset ... of production version 1"
+    (skipped / "skip.json").write_text(json.dumps({"reason": reason, "production_version": 1}))
+    page = tmp_path / "models.html"
+    page.write_text(
+        burstcv_views.render_page(
+            burstcv_views.model_versions(settings), burstcv_views.run_costs(settings)
+        )
+    )
+    shot = tmp_path / "models.png"
+    result = subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            f"--user-data-dir={tmp_path / 'chromium-profile'}",
+            f"--screenshot={shot}",
+            "--window-size=1200,700",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert shot.is_file(), f"no screenshot; chromium said:\n{result.stderr[-3000:]}"
+    with Image.open(shot) as img:
+        pixels = np.asarray(img.convert("RGB"))
+    assert pixels.shape == (700, 1200, 3)
+    # Drawn, not blank: text in the status colours (accepted green, rejected red) and links.
+    colours = {tuple(c) for c in pixels.reshape(-1, 3)[::7].tolist()}
+    assert len(colours) > 50
+    html_text = page.read_text()
+    assert reason in html_text and "$0.1234" in html_text and "$0 (skipped)" in html_text
+    if target := os.environ.get("BURSTCV_MODELS_SCREENSHOT"):
+        shutil.copy(shot, target)
