@@ -47,13 +47,13 @@ def test_every_check_is_logged_as_observed_vs_limit_with_the_verdict() -> None:
         "gate check latency_p95: p95 30.00 ms > SLO 20 ms: FAILED",
         "gate check error_rate: error rate 0.0% <= allowed 0%: passed",
         "gate check accuracy_floor: accuracy 0.6890 < floor 0.9: FAILED",
-        "gate check no_regression: accuracy 0.6890 < production minus allowed drop 0.95: FAILED",
+        "gate check no_regression: accuracy 0.6890 < production minus allowed drop 0.9500: FAILED",
     ]
     assert verdict.check_lines()[-1] == f"gate verdict: {verdict.summary}"
     assert verdict.to_dict()["failed_figures"] == [
         "p95 30.00 ms > SLO 20 ms",
         "accuracy 0.6890 < floor 0.9",
-        "accuracy 0.6890 < production minus allowed drop 0.95",
+        "accuracy 0.6890 < production minus allowed drop 0.9500",
     ]
     passed = judge(cand(), None, LIMITS)
     assert passed.check_lines()[0] == "gate check latency_p95: p95 5.00 ms <= SLO 20 ms: passed"

@@ -127,6 +127,7 @@ _CHECK_FIGURES: dict[str, tuple[str, str, str, str]] = {
 }
 # Checks whose observed value must stay at or under the limit (the others: at or over it).
 _AT_MOST = {"latency_p95", "error_rate", "no_latency_regression"}
+_COMPUTED_LIMITS = {"no_regression", "no_latency_regression"}
 
 
 def describe_check(check: dict[str, Any]) -> str:
@@ -137,9 +138,11 @@ def describe_check(check: dict[str, Any]) -> str:
     ops = ("<=", ">") if name in _AT_MOST else (">=", "<")
     op = ops[0] if passed else ops[1]
     observed = format(float(check["observed"]), spec)
-    # A limit is shown as set (SLO 0.001 ms, floor 0.9); a computed one is rounded like spec.
     limit_value = float(check["limit"])
-    limit = f"{limit_value * 100:g}%" if spec.endswith("%") else format(limit_value, ".6g")
+    if name in _COMPUTED_LIMITS:  # derived from production's figures: rounded like observed
+        limit = format(limit_value, spec)
+    else:  # as the user set it (SLO 0.001 ms, floor 0.9)
+        limit = f"{limit_value * 100:g}%" if spec.endswith("%") else format(limit_value, ".6g")
     return f"{what} {observed}{unit} {op} {limit_name} {limit}{unit}"
 
 
