@@ -18,8 +18,9 @@ export AIRFLOW__CORE__DAGS_FOLDER := $(REPO)/dags
 export AIRFLOW__CORE__PLUGINS_FOLDER := $(REPO)/plugins
 export AIRFLOW__CORE__LOAD_EXAMPLES := False
 export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN := sqlite:///$(AIRFLOW_HOME)/airflow.db
+AIRFLOW_PORT ?= 8080
 export AIRFLOW__API__HOST := 127.0.0.1
-export AIRFLOW__API__PORT := 8080
+export AIRFLOW__API__PORT := $(AIRFLOW_PORT)
 export PYTHONUNBUFFERED := 1
 # Airflow's standalone mode starts its components as `airflow ...` subprocesses.
 export PATH := $(BIN):$(PATH)
@@ -96,36 +97,53 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src serving dags plugins tests bench
 	$(BIN)/mypy
 
+# What answers on the port must be the process started here, reading this checkout's
+# registry; a busy port stops the target at once, naming its holder (burstcv.localports).
+PORTCHECK := $(BIN)/python -m burstcv.localports
+SERVE_CHECK := --var SERVE_PORT --target serve --registry $(BURSTCV_SERVING_REGISTRY_URI)
+
 serve: $(STAMP)
 	@mkdir -p $(RUN)
 	if [ -f $(RUN)/serve.pid ] && kill -0 $$(cat $(RUN)/serve.pid) 2>/dev/null; then
+	  $(PORTCHECK) ours $(SERVE_PORT) --pid $$(cat $(RUN)/serve.pid) $(SERVE_CHECK)
 	  echo ">> service already running (pid $$(cat $(RUN)/serve.pid)) on $(SERVE_URL)"; exit 0
 	fi
+	$(PORTCHECK) free $(SERVE_PORT) --var SERVE_PORT --target serve --what "the prediction service"
 	setsid nohup $(BIN)/python -m burstcv_serving > $(RUN)/serve.log 2>&1 &
-	echo $$! > $(RUN)/serve.pid
+	pid=$$!
+	echo $$pid > $(RUN)/serve.pid
+	up=""
 	for i in $$(seq 1 100); do
-	  curl -sf $(SERVE_URL)/healthz > /dev/null && break
-	  kill -0 $$(cat $(RUN)/serve.pid) 2>/dev/null || { cat $(RUN)/serve.log; exit 1; }
+	  curl -sf $(SERVE_URL)/healthz > /dev/null && { up=1; break; }
+	  kill -0 $$pid 2>/dev/null || { tail -20 $(RUN)/serve.log; rm -f $(RUN)/serve.pid; exit 1; }
 	  sleep 0.2
 	done
-	echo ">> service on $(SERVE_URL) (pid $$(cat $(RUN)/serve.pid), log $(RUN)/serve.log); make stop ends it"
+	[ -n "$$up" ] || { echo ">> the service did not answer within 20 s:"; tail -20 $(RUN)/serve.log; exit 1; }
+	$(PORTCHECK) ours $(SERVE_PORT) --pid $$pid $(SERVE_CHECK) || {
+	  kill -TERM -$$pid 2>/dev/null || true; rm -f $(RUN)/serve.pid; exit 1; }
+	echo ">> service on $(SERVE_URL) (pid $$pid, log $(RUN)/serve.log); make stop ends it"
 
 airflow: $(STAMP) $(AIRFLOW_HOME)/airflow.db
 	@mkdir -p $(RUN)
 	if [ -f $(RUN)/airflow.pid ] && kill -0 $$(cat $(RUN)/airflow.pid) 2>/dev/null; then
+	  $(PORTCHECK) ours $(AIRFLOW_PORT) --pid $$(cat $(RUN)/airflow.pid) --var AIRFLOW_PORT --target airflow
 	  echo ">> Airflow already running (pid $$(cat $(RUN)/airflow.pid))"
 	else
+	  $(PORTCHECK) free $(AIRFLOW_PORT) --var AIRFLOW_PORT --target airflow --what "the Airflow UI"
 	  setsid nohup $(BIN)/airflow standalone > $(RUN)/airflow.log 2>&1 &
-	  echo $$! > $(RUN)/airflow.pid
+	  pid=$$!
+	  echo $$pid > $(RUN)/airflow.pid
 	  up=""
 	  for i in $$(seq 1 300); do
-	    curl -sf http://127.0.0.1:8080/api/v2/version > /dev/null && { up=1; break; }
-	    kill -0 $$(cat $(RUN)/airflow.pid) 2>/dev/null || { tail -40 $(RUN)/airflow.log; exit 1; }
+	    curl -sf http://127.0.0.1:$(AIRFLOW_PORT)/api/v2/version > /dev/null && { up=1; break; }
+	    kill -0 $$pid 2>/dev/null || { tail -40 $(RUN)/airflow.log; rm -f $(RUN)/airflow.pid; exit 1; }
 	    sleep 1
 	  done
 	  [ -n "$$up" ] || { echo ">> Airflow did not answer within 300 s:"; tail -40 $(RUN)/airflow.log; exit 1; }
+	  $(PORTCHECK) ours $(AIRFLOW_PORT) --pid $$pid --var AIRFLOW_PORT --target airflow || {
+	    kill -TERM -$$pid 2>/dev/null || true; rm -f $(RUN)/airflow.pid; exit 1; }
 	fi
-	echo ">> Airflow UI: http://127.0.0.1:8080  (log $(RUN)/airflow.log; make stop ends it)"
+	echo ">> Airflow UI: http://127.0.0.1:$(AIRFLOW_PORT)  (log $(RUN)/airflow.log; make stop ends it)"
 	echo ">> login: admin / $$($(BIN)/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["admin"])' $(AIRFLOW_HOME)/simple_auth_manager_passwords.json.generated)"
 
 stop:

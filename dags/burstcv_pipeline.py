@@ -17,9 +17,15 @@ service **only if** it meets the latency SLO and does not lose accuracy.
 | `benchmark` | p50/p95/p99 over HTTP through a staging copy of the service | no |
 | `gate` | latency SLO, accuracy floor, no regression; registers the version | no |
 | `deploy` | moves the `production` alias, verifies the service serves it, else rolls back | no |
+| `report` | one HTML page: data checks, curves, latency, verdict, cost (skipped runs too) | no |
 
-Trigger it with the form (**Trigger DAG w/ config**) to change the dataset, model, budget
-or gates for one run.
+A run whose validated dataset and training params are those of the production model has
+nothing new to train on: `pack` skips with that reason, and nothing after it runs (no GPU is
+rented). Set **Force training** to train anyway.
+
+Trigger it with the form (**Trigger**, top right of the DAG page) to change the dataset,
+model, budget or gates for one run. Links to a run's Data Docs and report are on the
+`validate` and `report` task instances' **Details** tab.
 """
 
 from __future__ import annotations
@@ -90,7 +96,15 @@ def _params(params: dict[str, Any]) -> RunParams:
             title="Model",
             description="torchvision architecture to train",
         ),
-        "epochs": Param(DEFAULTS["epochs"], type="integer", minimum=1, maximum=500, title="Epochs"),
+        "epochs": Param(
+            DEFAULTS["epochs"],
+            type="integer",
+            minimum=1,
+            maximum=500,
+            title="Epochs",
+            description="passes over the training split (1-500); the time budget may stop it "
+            "earlier",
+        ),
         "compute_backend": Param(
             DEFAULTS["compute_backend"],
             type="string",
@@ -147,6 +161,13 @@ def _params(params: dict[str, Any]) -> RunParams:
             title="Promote",
             description="deploy the candidate if it passes the gate",
         ),
+        "force_train": Param(
+            False,
+            type="boolean",
+            title="Force training",
+            description="train even if the dataset and training params are production's "
+            "(otherwise such a run ends after validation, renting nothing)",
+        ),
     },
 )
 def burstcv_pipeline() -> None:
@@ -174,10 +195,15 @@ def burstcv_pipeline() -> None:
     def pack(
         validated: dict[str, Any], params: dict[str, Any] | None = None, run_id: str | None = None
     ) -> dict[str, Any]:
-        """Decode the validated images once into uint8 shards."""
+        """Decode the validated images once into uint8 shards (skip: production's data)."""
         from burstcv import pipeline
 
-        return pipeline.pack(str(run_id), _params(params or {}), validated, settings=SETTINGS)
+        run_params = _params(params or {})
+        if reason := pipeline.nothing_new_to_train(
+            str(run_id), run_params, validated, settings=SETTINGS
+        ):
+            raise AirflowSkipException(reason)  # everything after it is skipped: no GPU rented
+        return pipeline.pack(str(run_id), run_params, validated, settings=SETTINGS)
 
     @task(execution_timeout=timedelta(minutes=15), pool=SETTINGS.gpu_pool)
     def provision(
@@ -270,10 +296,8 @@ def burstcv_pipeline() -> None:
         from burstcv import pipeline
 
         run_params = _params(params or {})
-        if not verdict["promote"]:
-            raise AirflowSkipException(f"version {verdict['version']} {verdict['summary']}")
-        if not run_params.promote:
-            raise AirflowSkipException(f"version {verdict['version']} passed; promote=false")
+        if reason := pipeline.deploy_skip_reason(verdict, run_params):
+            raise AirflowSkipException(reason)
         return pipeline.deploy(str(run_id), run_params, verdict, SETTINGS)
 
     @task(execution_timeout=timedelta(minutes=10), trigger_rule="none_failed", **SAFE_RETRY)

@@ -21,7 +21,7 @@ import burstcv_views  # the plugins folder is on sys.path; see that module's doc
 from airflow.plugins_manager import AirflowPlugin
 from airflow.sdk import BaseOperatorLink
 
-from burstcv import storage
+from burstcv import links, storage
 from burstcv.settings import get_settings
 
 
@@ -37,18 +37,17 @@ class _RunArtifactLink(BaseOperatorLink):
     """Link one task of burstcv_pipeline to a page its run wrote, if the page exists."""
 
     task_id: ClassVar[str]
-    tree: ClassVar[str]
-    marker: ClassVar[tuple[str, ...]]  # the file, under the run's folder, that the link opens
+    page: ClassVar[str]  # a served page of burstcv.links: the link opens its index.html
 
     def get_link(self, operator: Any, *, ti_key: Any) -> str:
         """Return the plugin URL of the page, or '' (no link shown) for other tasks."""
-        if ti_key.dag_id != burstcv_views.DAG_ID or ti_key.task_id != self.task_id:
+        if ti_key.dag_id != links.DAG_ID or ti_key.task_id != self.task_id:
             return ""
         run_key = burstcv_views.safe_run_id(ti_key.run_id)
-        settings = get_settings()
-        if not storage.exists(storage.join(settings.artifact_root, "runs", run_key, *self.marker)):
+        index = (*links.SERVED_TREES[self.page], links.INDEX)
+        if not storage.exists(storage.join(get_settings().artifact_root, "runs", run_key, *index)):
             return ""
-        return _base_path() + burstcv_views.artifact_url(ti_key.run_id, self.tree)
+        return _base_path() + links.page_url(ti_key.run_id, self.page)
 
 
 class DataDocsLink(_RunArtifactLink):
@@ -56,8 +55,7 @@ class DataDocsLink(_RunArtifactLink):
 
     name = "Data Docs"
     task_id = "validate"
-    tree = "data-docs"
-    marker = ("dataset", "data_docs", "index.html")
+    page = "data-docs"
 
 
 class RunReportLink(_RunArtifactLink):
@@ -65,8 +63,7 @@ class RunReportLink(_RunArtifactLink):
 
     name = "Run report"
     task_id = "report"
-    tree = "report"
-    marker = ("report", "index.html")
+    page = "report"
 
 
 class DeployedModelLink(BaseOperatorLink):
@@ -76,7 +73,7 @@ class DeployedModelLink(BaseOperatorLink):
 
     def get_link(self, operator: Any, *, ti_key: Any) -> str:
         """Return ``<first BURSTCV_SERVING_URL>/v1/model``, or '' when deploy is registry-only."""
-        if ti_key.dag_id != burstcv_views.DAG_ID or ti_key.task_id != "deploy":
+        if ti_key.dag_id != links.DAG_ID or ti_key.task_id != "deploy":
             return ""
         first = get_settings().serving_url.split(",")[0].strip().rstrip("/")
         return f"{first}/v1/model" if first else ""
@@ -95,13 +92,13 @@ class BurstcvPlugin(AirflowPlugin):
         DeployedModelLink(),
     ]
     fastapi_apps: ClassVar[list[Any]] = [
-        {"app": burstcv_views.app, "url_prefix": burstcv_views.URL_PREFIX, "name": "burstcv"}
+        {"app": burstcv_views.app, "url_prefix": links.URL_PREFIX, "name": "burstcv"}
     ]
     external_views: ClassVar[list[Any]] = [
         {
             "name": "Models",
-            "href": f"{burstcv_views.URL_PREFIX}/",
-            "icon": f"{burstcv_views.URL_PREFIX}/icon.svg",
+            "href": f"{links.URL_PREFIX}/",
+            "icon": f"{links.URL_PREFIX}/icon.svg",
             "url_route": "burstcv",
             "destination": "nav",
             "nav_top_level": True,

@@ -19,16 +19,15 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, HTTPException, Request, status
 from fastapi.responses import HTMLResponse, Response
 
-from burstcv import storage
+from burstcv import links, storage
+from burstcv.links import DAG_ID, URL_PREFIX
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, RegistryError
 from burstcv.settings import Settings, get_settings
 from burstcv.storage import safe_run_id
 
-URL_PREFIX = "/burstcv"
-DAG_ID = "burstcv_pipeline"
+__all__ = ["DAG_ID", "URL_PREFIX", "app", "artifact_uri", "artifact_url", "safe_run_id"]
+
 ALIASES = (PRODUCTION, PREVIOUS)
-# The artifact subtrees a browser may read, by the name used in URLs.
-ARTIFACT_TREES = {"data-docs": ("dataset", "data_docs"), "report": ("report",)}
 _SAFE_SEGMENT = re.compile(r"^[A-Za-z0-9._+@=,-]+$")
 HISTORY_ROWS = 50  # newest alias events on the page; `burstcv models --history` shows more
 
@@ -39,27 +38,34 @@ ICON_SVG = (
 )
 
 
-def artifact_url(run_id: str, tree: str, path: str = "index.html") -> str:
+def artifact_url(run_id: str, page: str, path: str = links.INDEX) -> str:
     """Return the plugin URL (absolute path) of a file in a run's Data Docs or report."""
-    return f"{URL_PREFIX}/runs/{safe_run_id(run_id)}/{tree}/{path}"
+    return links.page_url(run_id, page, path)
 
 
-def artifact_uri(settings: Settings, run_key: str, tree: str, path: str) -> str:
-    """Return the store URI of ``path`` inside a run's artifact tree, refusing path traversal.
+def artifact_uri(settings: Settings, run_key: str, path: str) -> str:
+    """Return the store URI of ``path`` (relative to the run folder), refusing path traversal.
 
-    ``run_key`` must already be a safe run id and ``path`` a relative path of plain segments:
-    anything that could climb out of the tree (``..``, absolute paths, backslashes, empty or
-    dot segments) is a 404, never a file.
+    ``run_key`` must already be a safe run id and ``path`` a relative path of plain segments
+    inside one of the served trees (``links.SERVED_TREES``): anything else, or anything that
+    could climb out of the tree (``..``, absolute paths, backslashes, empty or dot segments),
+    is a 404, never a file. A served tree's folder itself means its ``index.html``.
     """
-    if tree not in ARTIFACT_TREES:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown artifact tree {tree!r}")
     if run_key in ("", ".", "..") or safe_run_id(run_key) != run_key:
         raise HTTPException(status.HTTP_404_NOT_FOUND, "no such run")
     segments = path.split("/")
     if not path or any(seg in ("", ".", "..") or not _SAFE_SEGMENT.match(seg) for seg in segments):
         raise HTTPException(status.HTTP_404_NOT_FOUND, "no such artifact")
-    base = storage.join(settings.artifact_root, "runs", run_key, *ARTIFACT_TREES[tree])
-    uri = storage.join(base, *segments)
+    page = links.served_page_of(path)
+    if page is None:
+        served = ", ".join(f"{links.tree_path(p)}/" for p in links.SERVED_TREES)
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND, f"{path} is not served; only {served} of a run are"
+        )
+    if path == links.tree_path(page):
+        segments.append(links.INDEX)
+    base = storage.join(settings.artifact_root, "runs", run_key, *links.SERVED_TREES[page])
+    uri = storage.join(settings.artifact_root, "runs", run_key, *segments)
     if not storage.is_s3(uri):
         # Belt and braces for local stores: a symlink must not lead out of the run's tree.
         resolved, root = Path(uri).resolve(), Path(base).resolve()
@@ -100,6 +106,7 @@ def model_versions(settings: Settings) -> dict[str, Any]:
                 "summary": entry.get("reason") or gate.get("summary") or "",
                 "registered_at": entry.get("registered_at", ""),
                 "run_id": run_id,
+                "airflow_run_url": links.airflow_run_path(run_id) if run_id else None,
                 "report_url": artifact_url(run_id, "report") if run_id else None,
             }
         )
@@ -135,19 +142,28 @@ def run_costs(settings: Settings) -> list[dict[str, Any]]:
         run_uri = storage.join(runs_uri, key)
         billing = _read_json_or_none(storage.join(run_uri, "job", "billing.json")) or {}
         verdict = _read_json_or_none(storage.join(run_uri, "bench", "verdict.json")) or {}
-        has_docs = storage.exists(storage.join(run_uri, "dataset", "data_docs", "index.html"))
-        has_report = storage.exists(storage.join(run_uri, "report", "index.html"))
+        record = _read_json_or_none(storage.join(run_uri, "run.json")) or {}
+        skipped = _read_json_or_none(storage.join(run_uri, "skip.json")) or {}
+        served = {
+            page: storage.exists(storage.join(run_uri, links.tree_path(page), links.INDEX))
+            for page in links.SERVED_TREES
+        }
+        # run.json holds the Airflow run id (with ':' and '+'); older runs only have the key.
+        run_id = str(record.get("run_id") or key)
         rows.append(
             {
-                "run_id": key,
+                "run_id": run_id,
+                "run_key": key,
+                "airflow_run_url": links.airflow_run_path(run_id) if record else None,
                 "backend": billing.get("backend"),
                 "billed_seconds": billing.get("billed_seconds"),
                 "cost_usd": billing.get("cost_usd"),
                 "version": verdict.get("version"),
                 "promote": verdict.get("promote"),
-                "summary": verdict.get("summary"),
-                "data_docs_url": artifact_url(key, "data-docs") if has_docs else None,
-                "report_url": artifact_url(key, "report") if has_report else None,
+                "skipped": bool(skipped),
+                "summary": verdict.get("summary") or skipped.get("reason"),
+                "data_docs_url": artifact_url(key, "data-docs") if served["data-docs"] else None,
+                "report_url": artifact_url(key, "report") if served["report"] else None,
             }
         )
     return rows
@@ -203,14 +219,18 @@ def models_page(settings: SettingsDep) -> HTMLResponse:
     return HTMLResponse(render_page(model_versions(settings), run_costs(settings)))
 
 
-@app.get("/runs/{run_key}/{tree}/{path:path}", dependencies=[Authorized])
-def run_artifact(run_key: str, tree: str, path: str, settings: SettingsDep) -> Response:
-    """Stream one file of a run's Data Docs or report from the artifact store."""
-    uri = artifact_uri(settings, run_key, tree, path or "index.html")
+@app.get("/runs/{run_key}/{path:path}", dependencies=[Authorized])
+def run_artifact(run_key: str, path: str, settings: SettingsDep) -> Response:
+    """Stream one file of a run's Data Docs or report from the artifact store.
+
+    The path is the file's path in the run folder (``report/index.html``), so links between
+    the run's pages are the same relative links as in the store itself.
+    """
+    uri = artifact_uri(settings, run_key, path.rstrip("/"))
     try:
         body = storage.read_bytes(uri)
     except (storage.ArtifactNotFoundError, IsADirectoryError) as exc:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"{tree}/{path} not found") from exc
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"{path} not found") from exc
     media_type = mimetypes.guess_type(uri)[0] or "application/octet-stream"
     return Response(body, media_type=media_type)
 
@@ -226,6 +246,18 @@ def _link(url: str | None, text: str) -> str:
     return f'<a href="{html.escape(url.removeprefix(URL_PREFIX + "/"))}">{html.escape(text)}</a>'
 
 
+def _airflow_link(url: str | None, text: str) -> str:
+    """Return a link to an Airflow UI page (a path below its base URL), or the bare text."""
+    if not url:
+        return html.escape(text)
+    # The page is served at <base>/burstcv/: one level up is Airflow's own base URL.
+    return f'<a href="..{html.escape(url)}">{html.escape(text)}</a>'
+
+
+def _usd(value: Any) -> str:
+    return "–" if value is None else f"${value:.4f}"
+
+
 def render_page(models: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     """Render the versions table and the cost table as one self-contained HTML page."""
     e = html.escape
@@ -238,7 +270,8 @@ def render_page(models: dict[str, Any], runs: list[dict[str, Any]]) -> str:
             f"<td>{_fmt(v['p95_ms'], '.2f', ' ms')}</td>"
             f"<td>{e(', '.join(v['aliases']))}</td>"
             f"<td>{e('; '.join(v['reasons']) or v['summary'])}</td>"
-            f"<td>{_link(v['report_url'], 'report')}</td>"
+            f"<td>{_airflow_link(v.get('airflow_run_url'), 'run')} "
+            f"{_link(v['report_url'], 'report')}</td>"
             "</tr>"
             for v in models["versions"]
         )
@@ -247,9 +280,9 @@ def render_page(models: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     run_rows = (
         "".join(
             "<tr>"
-            f"<td>{e(r['run_id'])}</td>"
+            f"<td>{_airflow_link(r.get('airflow_run_url'), r['run_id'])}</td>"
             f"<td>{e(str(r['backend'] or '–'))}</td>"
-            f"<td>{_fmt(r['cost_usd'], '.4f', ' $')}</td>"
+            f"<td>{'$0 (skipped)' if r.get('skipped') else _usd(r['cost_usd'])}</td>"
             f"<td>{_fmt(r['version'], 'd')}</td>"
             f"<td>{e(r['summary'] or '–')}</td>"
             f"<td>{_link(r['data_docs_url'], 'Data Docs')} {_link(r['report_url'], 'report')}</td>"
@@ -302,7 +335,7 @@ code {{ background: #edf2f7; padding: 0 .25rem; }}
 <th>move</th><th>result</th><th>detail</th></tr></thead>
 <tbody>{history_rows}</tbody></table>
 <h2>Runs and what they cost</h2>
-<table id="runs"><thead><tr><th>run</th><th>backend</th><th>cost</th><th>version</th>
+<table id="runs"><thead><tr><th>run</th><th>backend</th><th>cost (USD)</th><th>version</th>
 <th>verdict</th><th>pages</th></tr></thead>
 <tbody>{run_rows}</tbody></table>
 </body></html>

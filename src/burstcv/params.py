@@ -38,6 +38,9 @@ class RunParams(BaseModel):
     max_accuracy_drop: float = Field(default=0.02, ge=0, le=1)
     promote: bool = True
     int8: bool = True  # try static INT8; it serves only if as accurate (within bound) and faster
+    # Train even when the data and params are those of the production model (a scheduled or
+    # asset-triggered run then ends after validation, renting nothing).
+    force_train: bool = False
 
     @field_validator("model")
     @classmethod

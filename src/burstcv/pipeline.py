@@ -29,6 +29,11 @@ from burstcv.storage import safe_run_id
 log = logging.getLogger(__name__)
 
 PARITY_IMAGES = 256
+INPUT_PX = 32  # the training resolution pack decodes to (px, square)
+# The run params that change what training produces: same data + same values = same model.
+TRAINING_PARAMS = ("model", "epochs", "batch_size", "learning_rate", "seed", "expected_classes")
+# ...and those that change what export makes of it.
+EXPORT_PARAMS = ("int8",)
 
 
 class StageError(RuntimeError):
@@ -54,6 +59,16 @@ class RunPaths:
         """Return the paths of a run under the configured artifact root."""
         s = settings or get_settings()
         return cls(storage.join(s.artifact_root, "runs", safe_run_id(run_id)))
+
+    @property
+    def record(self) -> str:
+        """Return runs/<id>/run.json: the Airflow run id (the folder name is path-safe)."""
+        return storage.join(self.root, "run.json")
+
+    @property
+    def skip(self) -> str:
+        """Return runs/<id>/skip.json: written when the run had nothing new to train on."""
+        return storage.join(self.root, "skip.json")
 
     @property
     def dataset(self) -> str:
@@ -96,6 +111,10 @@ def validate(run_id: str, params: RunParams, settings: Settings | None = None) -
 
     s = settings or get_settings()
     paths = RunPaths.of(run_id, s)
+    storage.write_json(
+        paths.record,
+        {"run_id": run_id, "dataset_uri": params.dataset_uri, "started_at": lineage.utc_now_iso()},
+    )
     config = ValidationConfig(
         expected_classes=params.expected_classes or None,
         min_images_per_class=s.min_images_per_class,
@@ -113,15 +132,88 @@ def validate(run_id: str, params: RunParams, settings: Settings | None = None) -
         )
     except DatasetUnusableError as exc:
         raise ValidationFailed(f"dataset {params.dataset_uri} is unusable: {exc}") from exc
-    log.info("%s", report.summary)
     if not report.success:
-        raise ValidationFailed(report.summary)
+        raise ValidationFailed(report.summary)  # logged once, as the task's failure
+    log.info("%s", report.summary)
     return {
         "fingerprint": report.fingerprint,
         "manifest_uri": report.manifest_uri,
         "validation_uri": report.validation_uri,
         "data_docs_uri": report.data_docs_uri,
     }
+
+
+def nothing_new_to_train(
+    run_id: str,
+    params: RunParams,
+    validated: dict[str, Any],
+    *,
+    input_px: int = INPUT_PX,
+    settings: Settings | None = None,
+) -> str | None:
+    """Return why this run need not train (it would remake production), or None to train.
+
+    Production was made from the same validated data (its dataset fingerprint) with the same
+    params that matter (``TRAINING_PARAMS``, ``EXPORT_PARAMS`` and the input size): a new
+    run would rent a GPU to rebuild the model already serving. The reason is logged and
+    written to runs/<id>/skip.json for the report and the Models page. ``force_train`` in
+    the params, or a production version without recorded params, always trains.
+    """
+    from burstcv.registry.registry import PRODUCTION, Registry
+
+    s = settings or get_settings()
+    registry = Registry(s.registry_uri, s.model_name)
+    alias = registry.get_alias(PRODUCTION)
+    if alias is None:
+        return None
+    entry = registry.entry(alias.version)
+    if entry.get("lineage", {}).get("dataset_fingerprint") != validated["fingerprint"]:
+        return None
+    if params.force_train:
+        log.info(
+            "the dataset is production v%d's (fingerprint %s); training anyway: force_train",
+            alias.version,
+            validated["fingerprint"][:12],
+        )
+        return None
+    recorded = entry.get("params")
+    if not isinstance(recorded, dict):
+        return None  # registered outside the pipeline: what made it is unknown
+    mine = params.model_dump(mode="json")
+    differing = [k for k in TRAINING_PARAMS + EXPORT_PARAMS if recorded.get(k) != mine.get(k)]
+    preprocess = storage.read_json(registry.version_uri(alias.version, "model.json")).get(
+        "preprocess", {}
+    )
+    if (preprocess.get("height"), preprocess.get("width")) != (input_px, input_px):
+        differing.append("image size")
+    if differing:
+        log.info(
+            "the dataset is production v%d's, but %s differ: training",
+            alias.version,
+            ", ".join(differing),
+        )
+        return None
+    same = ", ".join(
+        f"{k} {mine[k]}" for k in TRAINING_PARAMS + EXPORT_PARAMS if mine.get(k) not in (None, [])
+    )
+    reason = (
+        f"nothing new to train on: the validated dataset (fingerprint "
+        f"{validated['fingerprint'][:12]}) and the params that matter ({same}, image size "
+        f"{input_px} px) are those of production version {alias.version} (run "
+        f"{entry.get('lineage', {}).get('run_id') or '?'}); no compute was rented. Trigger "
+        "with force_train to train anyway."
+    )
+    storage.write_json(
+        RunPaths.of(run_id, s).skip,
+        {
+            "reason": reason,
+            "production_version": alias.version,
+            "fingerprint": validated["fingerprint"],
+            "decided_at": lineage.utc_now_iso(),
+        },
+    )
+    log.info("%s", reason)
+    return reason
 
 
 def _read_manifest(uri: str) -> pd.DataFrame:
@@ -133,7 +225,7 @@ def pack(
     params: RunParams,
     validated: dict[str, Any],
     *,
-    input_px: int = 32,
+    input_px: int = INPUT_PX,
     settings: Settings | None = None,
 ) -> dict[str, Any]:
     """Decode the validated images once into uint8 shards; fix the preprocessing spec."""
@@ -786,8 +878,35 @@ def gate(
         storage.join(RunPaths.of(run_id, s).bench, "verdict.json"),
         {"version": version, **verdict.to_dict()},
     )
-    log.info("gate for version %d: %s", version, verdict.summary)
-    return {"version": version, "promote": verdict.promote, "summary": verdict.summary}
+    for line in verdict.check_lines():
+        log.info("version %d: %s", version, line)
+    return {
+        "version": version,
+        "promote": verdict.promote,
+        "summary": verdict.summary,
+        "failed_figures": verdict.failed_figures,
+    }
+
+
+def deploy_skip_reason(verdict: dict[str, Any], params: RunParams) -> str | None:
+    """Return why deploy does not run (the failed checks with their figures), or None.
+
+    The line is logged here, at INFO, so the deploy task's own log says why it skipped.
+    """
+    version = verdict["version"]
+    if not verdict["promote"]:
+        figures = verdict.get("failed_figures") or []
+        reason = f"version {version} not promoted: " + (
+            "; ".join(figures) if figures else verdict["summary"].removeprefix("not promoted: ")
+        )
+    elif not params.promote:
+        reason = f"version {version} passed the gate but is not deployed: the run has promote=false"
+    else:
+        return None
+    log.info("%s", reason)
+    if not verdict["promote"]:
+        log.info("gate: %s", verdict["summary"])
+    return reason
 
 
 def deploy(

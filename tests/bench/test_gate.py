@@ -41,6 +41,25 @@ def test_errors_below_floor_and_regression_each_refuse() -> None:
     assert not verdict.promote and "below production v4" in verdict.summary
 
 
+def test_every_check_is_logged_as_observed_vs_limit_with_the_verdict() -> None:
+    verdict = judge(cand(p95=30.0, acc=0.689), {"accuracy": 0.97, "version": 4}, LIMITS)
+    assert verdict.check_lines()[:4] == [
+        "gate check latency_p95: p95 30.00 ms > SLO 20 ms: FAILED",
+        "gate check error_rate: error rate 0.0% <= allowed 0%: passed",
+        "gate check accuracy_floor: accuracy 0.6890 < floor 0.9: FAILED",
+        "gate check no_regression: accuracy 0.6890 < production minus allowed drop 0.9500: FAILED",
+    ]
+    assert verdict.check_lines()[-1] == f"gate verdict: {verdict.summary}"
+    assert verdict.to_dict()["failed_figures"] == [
+        "p95 30.00 ms > SLO 20 ms",
+        "accuracy 0.6890 < floor 0.9",
+        "accuracy 0.6890 < production minus allowed drop 0.9500",
+    ]
+    passed = judge(cand(), None, LIMITS)
+    assert passed.check_lines()[0] == "gate check latency_p95: p95 5.00 ms <= SLO 20 ms: passed"
+    assert passed.failed_figures == []
+
+
 def test_no_production_model_skips_the_regression_check() -> None:
     verdict = judge(cand(), None, LIMITS)
     assert verdict.promote and "no_regression" not in {c["name"] for c in verdict.checks}

@@ -103,3 +103,18 @@ def test_a_failed_provision_has_its_own_clean_up_path(dagbag) -> None:  # type: 
     assert clean_up.upstream_task_ids == {"train"}
     assert "provision" in t["train"].upstream_task_ids
     assert not clean_up.is_setup and not clean_up.is_teardown
+
+
+def test_every_form_field_is_described_here_and_in_the_docs(dagbag) -> None:  # type: ignore[no-untyped-def]
+    dag = dagbag.dags["burstcv_pipeline"]
+    docs = (REPO / "docs" / "airflow.md").read_text()
+    for key in dag.params:
+        param = dag.params.get_param(key)
+        schema = param.schema
+        assert param.description, f"form field {key} has no description"
+        assert f"| {schema['title']} (`{key}`) |" in docs, f"docs/airflow.md omits {key}"
+    assert "**Details** tab" in docs  # where the task links are
+    assert "Trigger DAG w/ config" not in dag.doc_md and "**Trigger**" in dag.doc_md
+    readme = (REPO / "README.md").read_text()
+    stages = readme.split("## The stages", 1)[1].split("```")[1]
+    assert all(f"─ {task} " in stages for task in dag.task_ids), stages

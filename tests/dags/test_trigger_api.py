@@ -129,6 +129,12 @@ def test_plugin_page_and_task_links_answer(stack: AirflowStack, api: httpx.Clien
         assert api.get(f"{base}/pack/links").json()["extra_links"]["Data Docs"] is None
         traversal = api.get(f"/burstcv/runs/{PLUGIN_RUN_ID}/report/..%2F..%2F..%2Fregistry")
         assert traversal.status_code == 404
+        # The Models page links the version to its Airflow run: a real run, a real UI page.
+        run_link = f'href="../dags/{DAG_ID}/runs/{PLUGIN_RUN_ID}"'
+        assert run_link in api.get("/burstcv/").text
+        assert api.get(f"/api/v2/dags/{DAG_ID}/dagRuns/{PLUGIN_RUN_ID}").status_code == 200
+        ui_page = httpx.get(f"{stack.api_url}/dags/{DAG_ID}/runs/{PLUGIN_RUN_ID}", timeout=30)
+        assert ui_page.status_code == 200 and "<html" in ui_page.text.lower()
     finally:
         api.patch(f"/api/v2/dags/{DAG_ID}/dagRuns/{PLUGIN_RUN_ID}", json={"state": "failed"})
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ from PIL import Image
 
 from burstcv.data.suite import add_rule_columns
 from burstcv.data.validate import (
+    SUMMARY_FILES_PER_CHECK,
     DatasetUnusableError,
     ValidationConfig,
     usable_rows,
@@ -38,7 +41,7 @@ def _assert_fails_naming(
     entry = kit.expectation(doc, check)
     assert set(entry["offending_files"]) == files
     assert f"- {check}:" in report.summary
-    for path in files:
+    for path in entry["offending_files"][:SUMMARY_FILES_PER_CHECK]:  # the first ones, named
         assert path in report.summary
     return entry
 
@@ -232,6 +235,10 @@ def test_unexpected_class_is_named(dataset: Path, out_dir: Path, kit: Any) -> No
     assert len(entry["offending_files"]) == 12
     assert all("/wolf/" in path for path in entry["offending_files"])
     assert "unexpected class wolf" in report.summary
+    # One screen: the first five files are named, the rest counted.
+    assert sum("/wolf/" in line for line in report.summary.splitlines()) == 5
+    assert "    ... and 7 more (see validation.json and the manifest)" in report.summary
+    assert "  val: 36 images in 4 classes (cat 10, dog 10, fox 10, wolf 6)" in report.summary
 
 
 def test_missing_expected_class_fails(tmp_path: Path, out_dir: Path, kit: Any) -> None:
@@ -491,3 +498,24 @@ def test_validation_leaves_no_thread_behind_and_caches_doc_templates(
     first = (tmp_path / "out0" / "data_docs" / "index.html").read_text()
     second = (tmp_path / "out1" / "data_docs" / "index.html").read_text()
     assert "burstcv_dataset" in first and "burstcv_dataset" in second
+
+
+def test_the_validate_stage_logs_one_summary_and_nothing_of_gx(dataset: Path) -> None:
+    # A fresh interpreter, logging at INFO as an Airflow task does, so that what GX logs
+    # while it is imported is seen too.
+    script = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout,\n"
+        "                    format='%(name)s: %(message)s')\n"
+        "from burstcv import pipeline\n"
+        "from burstcv.params import RunParams\n"
+        f"pipeline.validate('manual__log', RunParams(dataset_uri={str(dataset)!r}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+    )
+    log = done.stdout.splitlines()
+    assert not [line for line in log if line.startswith("great_expectations")], log[:5]
+    assert sum(": PASSED (" in line for line in log) == 1, log
+    assert "  train: 30 images in 3 classes (cat 10, dog 10, fox 10)" in log
+    assert len(log) < 15, log  # one screen

@@ -7,7 +7,9 @@ new version that the service then answers with, or leave the service on the vers
 from __future__ import annotations
 
 import io
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -117,14 +119,55 @@ def test_pipeline_deploys_a_version_the_running_service_answers_with(
         assert storage.exists(storage.join(paths.root, artifact)), artifact
 
 
-def test_a_model_that_misses_the_slo_is_not_deployed(service: str, demo_dataset: Path) -> None:
+def billing_and_boxes(run_id: str) -> tuple[bool, list[Path]]:
+    """Return whether the run has a billing record, and the compute records of its boxes."""
+    compute_dir = Path(os.environ["BURSTCV_COMPUTE_STATE_DIR"]) / safe_run_id(run_id)
+    billed = storage.exists(storage.join(RunPaths.of(run_id).job, "billing.json"))
+    return billed, sorted(compute_dir.glob("*.json")) if compute_dir.exists() else []
+
+
+def test_a_run_on_unchanged_data_rents_nothing_and_is_shown_as_skipped(
+    service: str, demo_dataset: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    reg = Registry(os.environ["BURSTCV_REGISTRY_URI"], "digits")
+    production = reg.get_alias(PRODUCTION)
+    assert production is not None, "runs after the deploying test (same data, same params)"
+    versions = reg.versions()
+    with caplog.at_level(logging.INFO, logger="burstcv"):
+        state, tasks, run_id = run_dag({"dataset_uri": str(demo_dataset), "epochs": 3})
+    assert state == "success", tasks  # a skip, not a failure
+    assert tasks["validate"] == "success" and tasks["report"] == "success", tasks
+    for task in ("pack", "provision", "train", "terminate", "export", "gate", "deploy"):
+        assert tasks[task] == "skipped", tasks
+    assert billing_and_boxes(run_id) == (False, [])  # no box launched, nothing billed
+    assert reg.versions() == versions and reg.get_alias(PRODUCTION) == production
+    (reason,) = [
+        r.getMessage() for r in caplog.records if "nothing new to train on" in r.getMessage()
+    ]
+    assert f"production version {production.version}" in reason and "force_train" in reason
+    paths = RunPaths.of(run_id)
+    assert storage.read_json(paths.skip)["production_version"] == production.version
+    report = storage.read_bytes(storage.join(paths.report, "index.html")).decode()
+    assert "Skipped: nothing new to train on" in report
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins"))
+    import burstcv_views
+
+    (row,) = [r for r in burstcv_views.run_costs(get_settings()) if r["run_id"] == run_id]
+    assert row["skipped"] and row["summary"] == reason and row["cost_usd"] is None
+
+
+def test_a_forced_run_trains_and_a_rejected_candidate_is_not_deployed_saying_why(
+    service: str, demo_dataset: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     reg = Registry(os.environ["BURSTCV_REGISTRY_URI"], "digits")
     before = reg.get_alias(PRODUCTION)
     assert before is not None, "runs after the deploying test"
-    state, tasks, run_id = run_dag(
-        {"dataset_uri": str(demo_dataset), "epochs": 1, "latency_slo_ms": 0.001}
-    )
+    # The data and params of production: only force_train makes this run train.
+    conf = {"dataset_uri": str(demo_dataset), "epochs": 3, "latency_slo_ms": 0.001}
+    with caplog.at_level(logging.INFO, logger="burstcv"):
+        state, tasks, run_id = run_dag({**conf, "force_train": True})
     assert reg.entry(max(reg.versions()))["lineage"]["run_id"] == run_id
+    assert tasks["train"] == "success" and billing_and_boxes(run_id)[1], tasks
     assert tasks["gate"] == "success" and tasks["deploy"] == "skipped", tasks
     assert state == "success"
     rejected = max(reg.versions())
@@ -134,6 +177,17 @@ def test_a_model_that_misses_the_slo_is_not_deployed(service: str, demo_dataset:
         entry["reason"].startswith("not promoted: p95")
         and "exceeds the SLO 0.001 ms" in entry["reason"]
     )
+    # The deploy task's log names the failed check with what was observed and the limit.
+    deploy_lines = [r.getMessage() for r in caplog.records if r.funcName == "deploy_skip_reason"]
+    assert re.fullmatch(
+        rf"version {rejected} not promoted: p95 \d+\.\d\d ms > SLO 0\.001 ms", deploy_lines[0]
+    ), deploy_lines
+    gate_lines = [m for m in caplog.messages if "gate check " in m]
+    assert [line.split(":")[1].split()[-1] for line in gate_lines[:3]] == [
+        "latency_p95",
+        "error_rate",
+        "accuracy_floor",
+    ], gate_lines
     assert reg.get_alias(PRODUCTION) == before
     time.sleep(1.5)  # two poll periods: the service must still be on the old version
     assert httpx.get(f"{service}/v1/model", timeout=10).json()["version"] == before.version

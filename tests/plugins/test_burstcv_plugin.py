@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from urllib.parse import urljoin
 
 import pytest
 from fastapi.testclient import TestClient
@@ -115,7 +119,10 @@ def test_json_lists_versions_aliases_reasons_and_run_costs(client: TestClient) -
     assert versions[2]["report_url"] == f"/burstcv/runs/{RUN_KEY}/report/index.html"
     (run,) = body["runs"]
     assert run["run_id"] == RUN_KEY and run["cost_usd"] == 0.1234 and run["version"] == 2
-    assert run["data_docs_url"] == f"/burstcv/runs/{RUN_KEY}/data-docs/index.html"
+    assert run["data_docs_url"] == f"/burstcv/runs/{RUN_KEY}/dataset/data_docs/index.html"
+    assert versions[1]["airflow_run_url"] == (
+        "/dags/burstcv_pipeline/runs/manual__2026-11-29T10%3A00%3A00%2B00%3A00"
+    )
 
 
 def test_page_shows_the_versions_and_costs_tables(client: TestClient) -> None:
@@ -123,7 +130,7 @@ def test_page_shows_the_versions_and_costs_tables(client: TestClient) -> None:
     assert response.status_code == 200
     page = response.text
     assert '<table id="versions">' in page and '<table id="runs">' in page
-    assert "0.9700" in page and "12.50 ms" in page and "0.1234 $" in page
+    assert "0.9700" in page and "12.50 ms" in page and "$0.1234" in page
     assert "p95 71.0 ms &gt; SLO 50.0 ms" in page
     # Links are relative to the page, so they survive a proxy's path prefix.
     assert f'href="runs/{RUN_KEY}/report/index.html"' in page
@@ -159,10 +166,10 @@ def test_page_of_an_empty_store_says_so(tmp_path: Path) -> None:
 
 
 def test_artifacts_are_served_with_their_media_type(client: TestClient) -> None:
-    docs = client.get(f"/runs/{RUN_KEY}/data-docs/index.html")
+    docs = client.get(f"/runs/{RUN_KEY}/dataset/data_docs/index.html")
     assert docs.status_code == 200 and docs.text == "<html>data docs</html>"
     assert docs.headers["content-type"].startswith("text/html")
-    css = client.get(f"/runs/{RUN_KEY}/data-docs/static/style.css")
+    css = client.get(f"/runs/{RUN_KEY}/dataset/data_docs/static/style.css")
     assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
     assert client.get(f"/runs/{RUN_KEY}/report/").text == "<html>run report</html>"
     assert client.get(f"/runs/{RUN_KEY}/report/missing.html").status_code == 404
@@ -206,7 +213,7 @@ def test_links_point_each_task_at_what_it_produced(
         burstcv_plugin.DeployedModelLink(),
     )
     assert docs.get_link(None, ti_key=ti_key("validate")) == (
-        f"/burstcv/runs/{RUN_KEY}/data-docs/index.html"
+        f"/burstcv/runs/{RUN_KEY}/dataset/data_docs/index.html"
     )
     assert report.get_link(None, ti_key=ti_key("report")) == (
         f"/burstcv/runs/{RUN_KEY}/report/index.html"
@@ -247,12 +254,14 @@ def test_airflow_loads_the_plugin_cheaply() -> None:
 @pytest.mark.parametrize(
     ("run_key", "path"),
     [
-        (RUN_KEY, "../../../../secret.txt"),
+        (RUN_KEY, "report/../../../../secret.txt"),
         (RUN_KEY, "/etc/passwd"),
         ("..", "report/x"),
-        (RUN_KEY, "a//b"),
-        (RUN_KEY, "./index.html"),
-        ("a:b", "index.html"),
+        (RUN_KEY, "report/a//b"),
+        (RUN_KEY, "report/./index.html"),
+        ("a:b", "report/index.html"),
+        (RUN_KEY, "job/billing.json"),
+        (RUN_KEY, "dataset/manifest.parquet"),
     ],
 )
 def test_artifact_uri_rejects_anything_that_could_leave_the_tree(
@@ -261,5 +270,168 @@ def test_artifact_uri_rejects_anything_that_could_leave_the_tree(
     from fastapi import HTTPException
 
     with pytest.raises(HTTPException) as raised:
-        burstcv_views.artifact_uri(settings, run_key, "report", path)
+        burstcv_views.artifact_uri(settings, run_key, path)
     assert raised.value.status_code == 404
+
+
+# ---------------------------------------------------------------------------------------------
+# Every link a user can follow from the plugin's pages and the task links resolves.
+
+# External URLs the pages link on purpose: GX Data Docs' CDN assets and GX's own site (the
+# pages say that styling needs internet), and the deployed service the deploy task links to.
+EXTERNAL_ON_PURPOSE = (
+    "https://unpkg.com/",
+    "https://maxcdn.bootstrapcdn.com/",
+    "https://stackpath.bootstrapcdn.com/",
+    "https://cdnjs.cloudflare.com/",
+    "https://cdn.jsdelivr.net/",
+    "https://code.jquery.com/",
+    "https://greatexpectations.io",
+    "https://docs.greatexpectations.io/",
+    "https://great-expectations-web-assets.s3.us-east-2.amazonaws.com/",
+    "http://127.0.0.1:8123/v1/model",
+)
+_HREF = re.compile(r"""(?:href|src)\s*=\s*["']([^"']+)["']""", re.IGNORECASE)
+# Data Docs' tables link their rows from script data: {'_table_row_link_path': 'a/b.html'}.
+_ROW_LINK = re.compile(r"""['"]_table_row_link_path['"]\s*:\s*['"]([^'"]+)['"]""")
+
+
+def real_run_pages(settings: Settings, tmp_path: Path) -> None:
+    """Replace the seeded run's pages with what validate and report really write."""
+    from PIL import Image
+
+    from burstcv.data.validate import ValidationConfig, validate_dataset
+    from burstcv.report.render import build_report
+
+    data = tmp_path / "pets"
+    for split, per_class in (("train", 6), ("val", 5)):
+        for c, label in enumerate(("cat", "dog")):
+            (data / split / label).mkdir(parents=True)
+            for i in range(per_class):
+                color = (40 * i, 120 * c, 7 * i + (split == "val") * 90)
+                Image.new("RGB", (16, 16), color).save(data / split / label / f"{i}.png")
+    run = Path(settings.artifact_root) / "runs" / RUN_KEY
+    shutil.rmtree(run / "dataset")
+    report = validate_dataset(str(data), str(run / "dataset"), ValidationConfig(min_total_images=1))
+    assert report.success, report.summary
+    (run / "run.json").write_text(json.dumps({"run_id": RUN_ID}))
+    build_report(
+        str(run),
+        registry_uri=settings.registry_uri,
+        model_name=settings.model_name,
+        serving_url=settings.serving_url.split(",")[0],
+    )
+
+
+def test_every_link_on_the_pages_and_task_links_resolves(
+    settings: Settings, client: TestClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from burstcv import links
+
+    real_run_pages(settings, tmp_path)
+    monkeypatch.setattr(burstcv_plugin, "get_settings", lambda: settings)
+    start = [burstcv_views.URL_PREFIX + "/"]
+    for link in burstcv_plugin.BurstcvPlugin.global_operator_extra_links:
+        for task in ("validate", "report", "deploy"):
+            if url := link.get_link(None, ti_key=ti_key(task)):
+                start.append(url)
+    assert len(start) == 4, start  # the page and three task links
+    airflow_pages = {links.airflow_run_path(RUN_ID)}
+    seen: set[str] = set()
+    todo = list(start)
+    external: set[str] = set()
+    airflow_linked: set[str] = set()
+    while todo:
+        url = todo.pop()
+        if url in seen:
+            continue
+        seen.add(url)
+        if url.startswith(("http://", "https://")):
+            assert url.startswith(EXTERNAL_ON_PURPOSE), f"unexpected external link {url}"
+            external.add(url)
+            continue
+        if not url.startswith(burstcv_views.URL_PREFIX + "/"):
+            # Airflow's own UI (one level above the plugin): only run pages are linked.
+            assert url in airflow_pages, f"{url} is neither a plugin page nor an Airflow run"
+            airflow_linked.add(url)
+            continue
+        response = client.get(url.removeprefix(burstcv_views.URL_PREFIX))
+        assert response.status_code == 200, f"{url}: {response.status_code} {response.text}"
+        if not response.headers["content-type"].startswith("text/html"):
+            continue
+        for target in _HREF.findall(response.text) + _ROW_LINK.findall(response.text):
+            if target.startswith(("#", "data:", "mailto:", "javascript:")):
+                continue
+            todo.append(urljoin(url, target.split("#")[0]))
+    walked = {u for u in seen if u.startswith(burstcv_views.URL_PREFIX)}
+    docs_index = links.page_url(RUN_ID, "data-docs")
+    assert docs_index in walked, "the report's (and the task's) Data Docs link was followed"
+    assert any("/validations/" in u for u in walked), "the Data Docs' validation page too"
+    assert links.page_url(RUN_ID, "report") in walked
+    assert airflow_linked == airflow_pages
+    assert "http://127.0.0.1:8123/v1/model" in external
+
+
+def test_data_docs_say_that_their_styling_needs_internet(
+    settings: Settings, client: TestClient, tmp_path: Path
+) -> None:
+    from burstcv.data.suite import CDN_NOTICE
+
+    real_run_pages(settings, tmp_path)
+    index = client.get(f"/runs/{RUN_KEY}/dataset/data_docs/index.html").text
+    assert "https://maxcdn.bootstrapcdn.com/" in index  # GX's pages do load CDN assets...
+    assert CDN_NOTICE in index  # ...and say so at the top, hidden once Bootstrap has loaded
+    assert index.index(CDN_NOTICE) < index.index("</body>")
+    assert 'class="d-none burstcv-offline-note"' in CDN_NOTICE
+
+
+def test_the_models_page_renders_in_headless_chromium(settings: Settings, tmp_path: Path) -> None:
+    import numpy as np
+    from PIL import Image
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    skipped = Path(settings.artifact_root) / "runs" / "scheduled__2026-11-30T00_00_00_00_00"
+    skipped.mkdir(parents=True)
+    (skipped / "run.json").write_text(
+        json.dumps({"run_id": "scheduled__2026-11-30T00:00:00+00:00"})
+    )
+    reason = "nothing new to train on: the validated dataset ... of production version 1"
+    (skipped / "skip.json").write_text(json.dumps({"reason": reason, "production_version": 1}))
+    page = tmp_path / "models.html"
+    page.write_text(
+        burstcv_views.render_page(
+            burstcv_views.model_versions(settings), burstcv_views.run_costs(settings)
+        )
+    )
+    shot = tmp_path / "models.png"
+    result = subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            f"--user-data-dir={tmp_path / 'chromium-profile'}",
+            f"--screenshot={shot}",
+            "--window-size=1200,700",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert shot.is_file(), f"no screenshot; chromium said:\n{result.stderr[-3000:]}"
+    with Image.open(shot) as img:
+        pixels = np.asarray(img.convert("RGB"))
+    assert pixels.shape == (700, 1200, 3)
+    # Drawn, not blank: text in the status colours (accepted green, rejected red) and links.
+    colours = {tuple(c) for c in pixels.reshape(-1, 3)[::7].tolist()}
+    assert len(colours) > 50
+    html_text = page.read_text()
+    assert reason in html_text and "$0.1234" in html_text and "$0 (skipped)" in html_text
+    if target := os.environ.get("BURSTCV_MODELS_SCREENSHOT"):
+        shutil.copy(shot, target)

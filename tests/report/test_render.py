@@ -256,6 +256,19 @@ def test_a_run_that_stopped_after_validation_says_what_was_not_reached(tmp_path:
     assert "Data Docs (dataset/data_docs/index.html) were not written" in page
 
 
+def test_a_run_with_nothing_new_to_train_on_says_it_skipped_and_why(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    write(run / "dataset" / "validation.json", validation_doc())
+    reason = "nothing new to train on: the validated dataset ... are those of production version 3"
+    write(run / "skip.json", {"reason": reason, "production_version": 3, "decided_at": "now"})
+    page = render(run, tmp_path / "registry")
+    assert '<section id="skipped"><h2>Skipped: nothing new to train on</h2>' in page
+    assert reason in page and "production stays version 3" in page
+    assert "Skipped: nothing new to train on, so the train stage did not run." in page
+    assert "Not reached" not in page
+    assert "<small>Run cost</small><div>skipped</div>" in page
+
+
 def test_a_failed_gate_shows_each_failed_check_and_the_priced_options(
     full_run: tuple[Path, Path],
 ) -> None:

@@ -95,11 +95,55 @@ class Verdict:
             line += f", ${cost:.2f} per 1M)" if cost is not None else ")"
         return line
 
+    @property
+    def failed_figures(self) -> list[str]:
+        """Return each failed check as observed vs limit, e.g. 'accuracy 0.6890 < floor 0.9000'."""
+        return [describe_check(c) for c in self.checks if not c["passed"]]
+
+    def check_lines(self) -> list[str]:
+        """Return a line per check (observed vs limit, passed or failed) and the verdict."""
+        lines = [
+            f"gate check {c['name']}: {describe_check(c)}: {'passed' if c['passed'] else 'FAILED'}"
+            for c in self.checks
+        ]
+        lines.append(f"gate verdict: {self.summary}")
+        return lines
+
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
         data = asdict(self)
         data["summary"] = self.summary
+        data["failed_figures"] = self.failed_figures
         return data
+
+
+# How each check reads as "<observed> <op> <limit>": (what, limit's name, format, unit).
+_CHECK_FIGURES: dict[str, tuple[str, str, str, str]] = {
+    "latency_p95": ("p95", "SLO", ".2f", " ms"),
+    "error_rate": ("error rate", "allowed", ".1%", ""),
+    "accuracy_floor": ("accuracy", "floor", ".4f", ""),
+    "no_regression": ("accuracy", "production minus allowed drop", ".4f", ""),
+    "no_latency_regression": ("p95", "production's plus allowed increase", ".2f", " ms"),
+}
+# Checks whose observed value must stay at or under the limit (the others: at or over it).
+_AT_MOST = {"latency_p95", "error_rate", "no_latency_regression"}
+_COMPUTED_LIMITS = {"no_regression", "no_latency_regression"}
+
+
+def describe_check(check: dict[str, Any]) -> str:
+    """Return one gate check as observed vs limit with the comparison that decided it."""
+    name = str(check["name"])
+    what, limit_name, spec, unit = _CHECK_FIGURES.get(name, (name, "limit", ".4g", ""))
+    passed = bool(check["passed"])
+    ops = ("<=", ">") if name in _AT_MOST else (">=", "<")
+    op = ops[0] if passed else ops[1]
+    observed = format(float(check["observed"]), spec)
+    limit_value = float(check["limit"])
+    if name in _COMPUTED_LIMITS:  # derived from production's figures: rounded like observed
+        limit = format(limit_value, spec)
+    else:  # as the user set it (SLO 0.001 ms, floor 0.9)
+        limit = f"{limit_value * 100:g}%" if spec.endswith("%") else format(limit_value, ".6g")
+    return f"{what} {observed}{unit} {op} {limit_name} {limit}{unit}"
 
 
 def judge(

@@ -15,6 +15,8 @@ import functools
 import itertools
 import logging
 import operator
+import os
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -455,12 +457,65 @@ def run_suite(
         index = data_docs_dir / "index.html"
         if not index.is_file():
             raise RuntimeError(f"GX built no Data Docs index at {index}")
+        finish_data_docs(data_docs_dir)
     return SuiteOutcome(
         success=bool(result.success),
         checks=outcomes,
         data_docs_index=index,
         class_counts=counts,
     )
+
+
+# Shown at the top of every Data Docs page that loads assets from a CDN. Bootstrap's own
+# ``d-none`` class hides it once Bootstrap's CSS has loaded, so it is seen only when the
+# styling really is missing (no internet); the inline style shows it until then.
+CDN_NOTICE = (
+    '<div class="d-none burstcv-offline-note" role="note" style="display:block;margin:0;'
+    "padding:.6rem 1rem;background:#fffbea;border-bottom:1px solid #d69e2e;color:#744210;"
+    'font:14px/1.4 system-ui,sans-serif">These Great Expectations Data Docs load their styles '
+    "and scripts (Bootstrap, jQuery, Vega) from public CDNs, and this browser could not reach "
+    "them: without internet access the page shows unstyled and its tables stay empty. The same "
+    "results are in the run report (Data checks) and in validation.json.</div>"
+)
+_BODY_TAG = re.compile(r"<body[^>]*>", re.IGNORECASE)
+_CDN_REFERENCE = re.compile(r"""(?:src|href)=["']https?://""", re.IGNORECASE)
+
+
+_LOCAL_LINK = re.compile(r"""((?:src|href)=["'])((?:\.\./)+)([^"'#?:]+)(["'])""", re.IGNORECASE)
+
+
+def finish_data_docs(docs_dir: Path) -> None:
+    """Make GX's Data Docs pages say what they need from the internet, and fix broken links.
+
+    GX ships only its own stylesheet; Bootstrap, jQuery, bootstrap-table and Vega come from
+    public CDNs, in versions GX pins and does not install, so they are not served locally:
+    each page that loads them starts with :data:`CDN_NOTICE` instead of showing empty tables
+    without a word. GX also climbs one folder too few from validation pages to its favicon
+    (``../../../static/...`` four folders deep); such a link is pointed at the file it meant.
+    """
+    for page in sorted(docs_dir.rglob("*.html")):
+        text = page.read_text(encoding="utf-8")
+        fixed = _LOCAL_LINK.sub(functools.partial(_repaired_link, page=page, root=docs_dir), text)
+        body = _BODY_TAG.search(fixed)
+        if (
+            body is not None
+            and _CDN_REFERENCE.search(fixed)
+            and "burstcv-offline-note" not in fixed
+        ):
+            fixed = fixed[: body.end()] + CDN_NOTICE + fixed[body.end() :]
+        if fixed != text:
+            page.write_text(fixed, encoding="utf-8")
+
+
+def _repaired_link(match: re.Match[str], *, page: Path, root: Path) -> str:
+    """Return a relative link unchanged if it resolves, else re-pointed at the site's file."""
+    head, ups, rest, tail = match.groups()
+    if (page.parent / ups / rest).resolve().exists():
+        return match.group(0)
+    meant = root / rest  # GX's links are relative to the site root
+    if not meant.is_file():
+        return match.group(0)
+    return f"{head}{os.path.relpath(meant, page.parent).replace(os.sep, '/')}{tail}"
 
 
 def _check_result(check: Check, result: Any, rows: pd.DataFrame) -> CheckResult:

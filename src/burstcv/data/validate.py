@@ -49,6 +49,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _HISTORY_FORMAT = 1
+SUMMARY_FILES_PER_CHECK = 5  # offending files named per failed check (all are in the JSON)
+SUMMARY_MAX_CLASSES = 20  # per-class counts listed up to this many classes per split
 
 
 @dataclass
@@ -133,23 +135,30 @@ class ValidationReport:
 
     @property
     def summary(self) -> str:
-        """Return a short multi-line text: the verdict, each failed check and its files."""
+        """Return one screen of text: verdict, counts per split and class, failed checks."""
         files = self.counts["files"]
         usable = self.counts["usable"]
         head = "PASSED" if self.success else "FAILED"
-        lines = [f"dataset {self.dataset_uri}: {head} ({usable} usable of {files} files)"]
+        met = len(self.checks) - len(self.failed_checks)
+        lines = [
+            f"dataset {self.dataset_uri}: {head} ({usable} usable of {files} files; "
+            f"{met} of {len(self.checks)} expectations met)"
+        ]
+        lines.extend(split_count_lines(self.counts.get("per_split") or {}))
         for check in self.failed_checks:
             observed = describe_observed(check.observed)
             lines.append(f"- {check.name}: {check.description} (observed: {observed})")
-            for path in check.offending_files:
+            shown = check.offending_files[:SUMMARY_FILES_PER_CHECK]
+            for path in shown:
                 reason = check.reasons.get(path)
                 lines.append(f"    {path}" + (f": {reason}" if reason else ""))
             unexpected = (
                 check.observed.get("unexpected_count") if isinstance(check.observed, dict) else None
             )
-            if isinstance(unexpected, int) and unexpected > len(check.offending_files):
-                more = unexpected - len(check.offending_files)
-                lines.append(f"    ... and {more} more (see the manifest)")
+            total = unexpected if isinstance(unexpected, int) else len(check.offending_files)
+            if total > len(shown):
+                more = total - len(shown)
+                lines.append(f"    ... and {more} more (see validation.json and the manifest)")
         if self.drift.get("status") == "failed":
             lines.append(f"- drift: {self.drift['message']}")
         lines.extend(f"warning: {text}" for text in self.warnings)
@@ -293,9 +302,31 @@ def _validate(
     storage.write_json(validation_uri, report.to_dict())
     if success and history_uri is not None:
         storage.write_json(_history_entry_uri(history_uri, dataset_uri), profile)
-    log = logger.info if success else logger.warning
-    log("%s", report.summary)
+    # The caller shows report.summary (the pipeline logs it once, the CLI prints it).
     return report
+
+
+def split_count_lines(per_split: dict[str, dict[str, int]]) -> list[str]:
+    """Return one line per split: its usable images, and the count of each class.
+
+    Past ``SUMMARY_MAX_CLASSES`` classes a split's line gives the smallest and largest
+    classes instead, so the summary stays one screen whatever the number of classes.
+    """
+    lines = []
+    for split, per_class in per_split.items():
+        total = sum(per_class.values())
+        head = f"  {split}: {total} images in {len(per_class)} classes"
+        if not per_class:
+            lines.append(head)
+            continue
+        ordered = sorted(per_class.items(), key=lambda item: (item[1], item[0]))
+        if len(per_class) <= SUMMARY_MAX_CLASSES:
+            detail = ", ".join(f"{label} {n}" for label, n in sorted(per_class.items()))
+        else:
+            (low, low_n), (high, high_n) = ordered[0], ordered[-1]
+            detail = f"smallest {low} {low_n}, largest {high} {high_n}"
+        lines.append(f"{head} ({detail})")
+    return lines
 
 
 def describe_observed(observed: Any) -> str:

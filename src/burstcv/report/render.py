@@ -17,14 +17,16 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from burstcv import storage
+from burstcv import links, storage
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SERVING_INSTANCE = "c7i.large"  # 2 vCPUs: the small CPU box the service is sized for
 DEFAULT_SERVING_REGION = "us-east-1"
-DATA_DOCS_LINK = "../dataset/data_docs/index.html"  # relative to report/index.html
+# Relative to report/index.html: the same link opened from the store or through the plugin.
+DATA_DOCS_LINK = links.link_between("report", "data-docs")
 MAX_OFFENDING_SHOWN = 5
+SKIP_FILE = "skip.json"  # written by the pipeline when a run had nothing new to train on
 
 # Each file the report reads, and the stage that writes it (for "not reached" notes).
 ARTIFACTS: dict[str, tuple[str, str]] = {
@@ -49,13 +51,18 @@ class RunRecord:
     def read(cls, run_root: str) -> RunRecord:
         """Read every artifact the report uses; note those absent or unreadable."""
         record = cls(run_root)
+        skip_uri = storage.join(run_root, SKIP_FILE)
+        if storage.exists(skip_uri):
+            record.docs["skip"] = storage.read_json(skip_uri)
         for key, (rel, stage) in ARTIFACTS.items():
             uri = storage.join(run_root, rel)
             try:
                 record.docs[key] = storage.read_json(uri)
             except storage.ArtifactNotFoundError:
                 record.missing[key] = (
-                    f"Not reached: {rel} was not written; the run stopped before the "
+                    f"Skipped: nothing new to train on, so the {stage} stage did not run."
+                    if "skip" in record.docs
+                    else f"Not reached: {rel} was not written; the run stopped before the "
                     f"{stage} stage finished."
                 )
             except ValueError as exc:  # json.JSONDecodeError: a stage wrote a broken file
@@ -140,6 +147,20 @@ def section(anchor: str, title: str, body: str) -> str:
     return f'<section id="{anchor}"><h2>{esc(title)}</h2>{body}</section>'
 
 
+def skip_section(record: RunRecord) -> str:
+    """Say, first thing, that the run ended after validation and why (or nothing)."""
+    skip = record.get("skip")
+    if skip is None:
+        return ""
+    return section(
+        "skipped",
+        "Skipped: nothing new to train on",
+        f'<p class="note warn">{esc(skip.get("reason", "no reason recorded"))}</p>'
+        f"<p>Decided at {fmt(skip.get('decided_at'))}; production stays version "
+        f"{fmt(skip.get('production_version'))}.</p>",
+    )
+
+
 def data_section(record: RunRecord) -> str:
     """Describe the dataset checks: verdict, counts, each expectation, a link to Data Docs."""
     doc = record.get("validation")
@@ -154,14 +175,13 @@ def data_section(record: RunRecord) -> str:
         f": {fmt(counts.get('usable'))} usable of {fmt(counts.get('files'))} files, "
         f"{fmt(counts.get('errors', 0))} unreadable, {fmt(counts.get('ignored', 0))} ignored.</p>"
     ]
-    docs_uri = storage.join(record.root, "dataset", "data_docs", "index.html")
-    if storage.exists(docs_uri):
+    docs_rel = f"{links.tree_path('data-docs')}/{links.INDEX}"
+    if storage.exists(storage.join(record.root, docs_rel)):
         parts.append(
-            f'<p>Great Expectations Data Docs: <a href="{DATA_DOCS_LINK}">'
-            "dataset/data_docs/index.html</a></p>"
+            f'<p>Great Expectations Data Docs: <a href="{DATA_DOCS_LINK}">{esc(docs_rel)}</a></p>'
         )
     else:
-        parts.append(note("The Data Docs (dataset/data_docs/index.html) were not written.", "warn"))
+        parts.append(note(f"The Data Docs ({docs_rel}) were not written.", "warn"))
     per_split = counts.get("per_split") or {}
     if per_split:
         classes = sorted({c for split in per_split.values() for c in split})
@@ -565,28 +585,29 @@ def _cards(record: RunRecord) -> str:
     verdict = record.get("verdict")
     billing = record.get("billing")
     latency = record.get("latency")
+    unreached = "skipped" if record.get("skip") else "not reached"
     cards = [
         (
             "Data checks",
             "passed"
             if validation and validation.get("success")
-            else ("failed" if validation else "not reached"),
+            else ("failed" if validation else unreached),
         ),
         (
             "Validation accuracy",
-            fmt((metrics or {}).get("val_accuracy"), ".4f") if metrics else "not reached",
+            fmt((metrics or {}).get("val_accuracy"), ".4f") if metrics else unreached,
         ),
         (
             "Candidate p95",
             fmt(((latency or {}).get("candidate") or {}).get("p95_ms"), ".2f", " ms")
             if latency
-            else "not reached",
+            else unreached,
         ),
         (
             "Gate",
-            ("promote" if verdict.get("promote") else "not promoted") if verdict else "not reached",
+            ("promote" if verdict.get("promote") else "not promoted") if verdict else unreached,
         ),
-        ("Run cost", usd(float(billing.get("cost_usd") or 0.0)) if billing else "not reached"),
+        ("Run cost", usd(float(billing.get("cost_usd") or 0.0)) if billing else unreached),
     ]
     return (
         '<div class="cards">'
@@ -615,6 +636,7 @@ def render_html(
     body = "".join(
         [
             _cards(record),
+            skip_section(record),
             data_section(record),
             training_section(record),
             model_section(record),

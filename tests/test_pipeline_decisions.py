@@ -1,0 +1,115 @@
+"""The pipeline's own decisions: when a run has nothing new to train on, why deploy skips."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from burstcv import pipeline, storage
+from burstcv.params import RunParams
+from burstcv.registry.registry import Registry
+from burstcv.settings import Settings
+
+FINGERPRINT = "f1" * 32
+RUN_ID = "scheduled__2026-12-01T00:00:00+00:00"
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    """Return settings whose registry has production v1, made from FINGERPRINT at 32 px."""
+    s = Settings(artifact_root=str(tmp_path / "artifacts"), registry_uri=str(tmp_path / "reg"))
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    onnx = b"an onnx file: the registry only stores it"
+    (model_dir / "model.onnx").write_bytes(onnx)
+    (model_dir / "model.json").write_text(
+        json.dumps(
+            {
+                "sha256": hashlib.sha256(onnx).hexdigest(),
+                "run_id": "manual__first",
+                "dataset_fingerprint": FINGERPRINT,
+                "preprocess": {"height": 32, "width": 32},
+            }
+        )
+    )
+    registry = Registry(s.registry_uri, s.model_name)
+    params = RunParams(dataset_uri="/data/digits", epochs=3)
+    version = registry.register(
+        str(model_dir), {"status": "accepted", "params": params.model_dump(mode="json")}
+    )
+    registry.promote(version)
+    return s
+
+
+def decide(settings: Settings, fingerprint: str = FINGERPRINT, **params: object) -> str | None:
+    run_params = RunParams(dataset_uri="/data/digits-copy", **{"epochs": 3, **params})
+    return pipeline.nothing_new_to_train(
+        RUN_ID, run_params, {"fingerprint": fingerprint}, settings=settings
+    )
+
+
+def test_production_data_and_params_need_no_training(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="burstcv"):
+        reason = decide(settings)
+    assert reason is not None and reason.startswith("nothing new to train on:")
+    assert "production version 1 (run manual__first)" in reason
+    assert "model resnet10, epochs 3" in reason and "force_train" in reason
+    assert reason in caplog.messages
+    skip = storage.read_json(pipeline.RunPaths.of(RUN_ID, settings).skip)
+    assert skip["reason"] == reason and skip["production_version"] == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"fingerprint": "ab" * 32}, "new data"),
+        ({"epochs": 4}, "a training param"),
+        ({"model": "mobilenet_v3_small"}, "the architecture"),
+        ({"int8": False}, "an export param"),
+        ({"force_train": True}, "forced"),
+    ],
+)
+def test_new_data_other_params_or_force_train(
+    settings: Settings, change: dict[str, object], why: str
+) -> None:
+    assert decide(settings, **change) is None, why
+    assert not storage.exists(pipeline.RunPaths.of(RUN_ID, settings).skip)
+
+
+def test_another_image_size_trains(settings: Settings) -> None:
+    run_params = RunParams(dataset_uri="/data/digits", epochs=3)
+    decided = pipeline.nothing_new_to_train(
+        RUN_ID, run_params, {"fingerprint": FINGERPRINT}, input_px=64, settings=settings
+    )
+    assert decided is None
+
+
+def test_an_empty_registry_trains(tmp_path: Path) -> None:
+    empty = Settings(artifact_root=str(tmp_path / "a"), registry_uri=str(tmp_path / "r"))
+    assert decide(empty) is None
+
+
+def test_a_skipped_deploy_says_which_check_failed_with_its_figures(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    verdict = {
+        "version": 7,
+        "promote": False,
+        "summary": "not promoted: accuracy 0.6890 is below the floor 0.9000",
+        "failed_figures": ["accuracy 0.6890 < floor 0.9"],
+    }
+    params = RunParams(dataset_uri="/d")
+    with caplog.at_level(logging.INFO, logger="burstcv"):
+        reason = pipeline.deploy_skip_reason(verdict, params)
+    assert reason == "version 7 not promoted: accuracy 0.6890 < floor 0.9"
+    assert caplog.messages[0] == reason
+    accepted = {**verdict, "promote": True, "failed_figures": []}
+    assert pipeline.deploy_skip_reason(accepted, params) is None
+    held = pipeline.deploy_skip_reason(accepted, params.model_copy(update={"promote": False}))
+    assert held == "version 7 passed the gate but is not deployed: the run has promote=false"
