@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
+
+# What a launch of a held box names as its training wheel: held boxes never boot, so never
+# read it (the boot path itself runs for real in tests/compute/test_box_boot.py).
+HELD_WHEEL: dict[str, str] = {
+    "wheel_uri": f"s3://never-read/runtime/{'0' * 64}/burstcv_train-0.1.0-py3-none-any.whl",
+    "wheel_sha256": "0" * 64,
+}
 
 
 def make_job(packed: dict[str, Any], out: Path, **overrides: Any) -> Any:
@@ -22,3 +31,23 @@ def make_job(packed: dict[str, Any], out: Path, **overrides: Any) -> Any:
     }
     fields.update(overrides)
     return JobSpec(**fields)
+
+
+def make_model_dir(root: Path, tag: str) -> Path:
+    """Write a model folder (model.onnx bytes + model.json) as the export stage does."""
+    root.mkdir(parents=True, exist_ok=True)
+    data = f"onnx-{tag}".encode()
+    (root / "model.onnx").write_bytes(data)
+    (root / "model.json").write_text(
+        json.dumps(
+            {
+                "name": "digits",
+                "onnx_file": "model.onnx",
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "run_id": f"run-{tag}",
+                "dataset_fingerprint": "fp",
+                "source_commit": "abc",
+            }
+        )
+    )
+    return root

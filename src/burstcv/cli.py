@@ -329,6 +329,7 @@ def reap(
     """Terminate burstcv boxes whose expiry passed or whose DAG run is no longer running."""
     from burstcv.airflow.local_run import embedded_airflow_env
     from burstcv.pipeline import reap as reap_backends
+    from burstcv.pipeline import reap_errors
     from burstcv.settings import get_settings
 
     _setup_logging()
@@ -343,7 +344,13 @@ def reap(
         ids = [
             d["instance_id"] for d in report.get("terminated", report.get("would_terminate", []))
         ]
-        typer.echo(f"{report['backend']}: {verb} {len(ids)} {ids}; kept {len(report['kept'])}")
+        where = f"{report['backend']} {report['region']}".strip()
+        typer.echo(f"{where}: {verb} {len(ids)} {ids}; kept {len(report['kept'])}")
+        for error in report.get("errors", []):
+            typer.echo(f"{where}: error: {error}", err=True)
+    if errors := reap_errors(reports):
+        # Every other box was still handled; a non-zero exit makes the failure visible.
+        raise _fail(f"reaper: {errors} error(s) in this pass (see above)")
 
 
 aws_app = typer.Typer(no_args_is_help=True, help="Check the AWS account burstcv runs in.")

@@ -496,3 +496,26 @@ def unaudited() -> None:
     For tests whose processes cannot reach the proxy on this host's loopback (a network
     namespace, say): they run their own ``RecordingProxy`` on a socket made there instead.
     """
+
+
+@pytest.fixture
+def s3_deployment(ec2_settings: Ec2Settings, kit: Kit, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Configure burstcv as a user of AWS would (docs/aws.md): S3 store, EC2 compute."""
+    from burstcv.settings import get_settings
+
+    env = {
+        "BURSTCV_ARTIFACT_ROOT": kit.artifact_root,
+        "BURSTCV_REGISTRY_URI": f"s3://{kit.bucket}/registry",
+        "BURSTCV_COMPUTE_BACKEND": "ec2",
+        "BURSTCV_REAPER_REGIONS": kit.region,
+    }
+    for name, value in ec2_settings.model_dump().items():
+        if value is not None:
+            env[f"BURSTCV_EC2_{name.upper()}"] = (
+                ",".join(value) if isinstance(value, tuple) else str(value)
+            )
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    get_settings.cache_clear()
+    yield get_settings()
+    get_settings.cache_clear()

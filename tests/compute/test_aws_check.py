@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -10,30 +9,7 @@ from awsaudit import RecordingProxy
 from typer.testing import CliRunner
 
 from burstcv.cli import app
-from burstcv.compute.ec2 import Ec2Settings
 from burstcv.settings import get_settings
-
-
-@pytest.fixture
-def deployment(
-    ec2_settings: Ec2Settings, kit: Any, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[dict[str, str]]:
-    """Set the environment a user of AWS sets (docs/aws.md) and return it."""
-    env = {
-        "BURSTCV_ARTIFACT_ROOT": kit.artifact_root,
-        "BURSTCV_REGISTRY_URI": f"s3://{kit.bucket}/registry",
-        "BURSTCV_COMPUTE_BACKEND": "ec2",
-    }
-    for name, value in ec2_settings.model_dump().items():
-        if value is not None:
-            env[f"BURSTCV_EC2_{name.upper()}"] = (
-                ",".join(value) if isinstance(value, tuple) else str(value)
-            )
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    get_settings.cache_clear()
-    yield env
-    get_settings.cache_clear()
 
 
 def run_check() -> Any:
@@ -42,7 +18,7 @@ def run_check() -> Any:
 
 
 def test_a_ready_account_passes_every_check_and_rents_nothing(
-    deployment: dict[str, str], kit: Any, audited_calls: RecordingProxy
+    s3_deployment: Any, kit: Any, audited_calls: RecordingProxy
 ) -> None:
     result = run_check()
     assert result.exit_code == 0, result.output
@@ -63,7 +39,7 @@ def test_a_ready_account_passes_every_check_and_rents_nothing(
 
 
 def test_what_is_missing_is_printed_one_line_each(
-    deployment: dict[str, str],
+    s3_deployment: Any,
     kit: Any,
     audited_calls: RecordingProxy,
     monkeypatch: pytest.MonkeyPatch,

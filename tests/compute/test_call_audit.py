@@ -10,71 +10,24 @@ must be.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from awsaudit import AwsCall, Check, RecordingProxy, denied, evaluate
+from burstcv_testkit import HELD_WHEEL, make_model_dir
 
 from burstcv import pipeline
 from burstcv.compute import ec2 as ec2_module
 from burstcv.compute.base import MANAGED_TAG_KEYS, TAG_AIRFLOW_RUN_ID, LaunchRequest
-from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
+from burstcv.compute.ec2 import Ec2Backend
 from burstcv.params import RunParams
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry
-from burstcv.settings import Settings, get_settings
+from burstcv.settings import Settings
 
 AIRFLOW_RUN_ID = "manual__2026-01-01T00:00:00+00:00"
-
-# Held boxes never read their wheel: the boot path itself runs in test_box_boot.py.
-HELD_WHEEL: dict[str, Any] = {
-    "wheel_uri": f"s3://never-read/runtime/{'0' * 64}/t.whl",
-    "wheel_sha256": "0" * 64,
-}
-
-
-def model_dir(root: Path, tag: str) -> Path:
-    """Write a model folder (model.onnx + model.json) as the export stage does."""
-    root.mkdir(parents=True, exist_ok=True)
-    data = f"onnx-{tag}".encode()
-    (root / "model.onnx").write_bytes(data)
-    (root / "model.json").write_text(
-        json.dumps(
-            {
-                "name": "digits",
-                "onnx_file": "model.onnx",
-                "sha256": hashlib.sha256(data).hexdigest(),
-            }
-        )
-    )
-    return root
-
-
-@pytest.fixture
-def s3_deployment(
-    ec2_settings: Ec2Settings, kit: Any, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[Settings]:
-    """Configure the pipeline as a user of AWS would: S3 artifact store, EC2 compute."""
-    env = {
-        "BURSTCV_ARTIFACT_ROOT": kit.artifact_root,
-        "BURSTCV_REGISTRY_URI": f"s3://{kit.bucket}/registry",
-        "BURSTCV_COMPUTE_BACKEND": "ec2",
-        "BURSTCV_REAPER_REGIONS": kit.region,
-    }
-    for name, value in ec2_settings.model_dump().items():
-        if value is not None:
-            env[f"BURSTCV_EC2_{name.upper()}"] = (
-                ",".join(value) if isinstance(value, tuple) else str(value)
-            )
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    get_settings.cache_clear()
-    yield get_settings()
-    get_settings.cache_clear()
 
 
 def test_one_pipeline_life_makes_no_call_the_policy_denies(
@@ -105,8 +58,8 @@ def test_one_pipeline_life_makes_no_call_the_policy_denies(
     assert pipeline.reap_errors(reaped) == 0
 
     registry = Registry(settings.registry_uri, "digits")
-    v1 = registry.register(str(model_dir(tmp_path / "a", "a")), {"status": "accepted"})
-    v2 = registry.register(str(model_dir(tmp_path / "b", "b")), {"status": "accepted"})
+    v1 = registry.register(str(make_model_dir(tmp_path / "a", "a")), {"status": "accepted"})
+    v2 = registry.register(str(make_model_dir(tmp_path / "b", "b")), {"status": "accepted"})
     registry.promote(v1)
     with registry.aliases_locked("audit") as aliases:  # a failed deploy undoes its own move
         production, previous = aliases.read(PRODUCTION), aliases.read(PREVIOUS)

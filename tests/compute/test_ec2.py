@@ -10,6 +10,7 @@ from typing import Any
 import boto3
 import pytest
 from botocore.exceptions import ClientError, WaiterError
+from burstcv_testkit import HELD_WHEEL
 
 from burstcv.compute.base import (
     RUNNING,
@@ -43,9 +44,7 @@ def request(run_id: str, job_uri: str | None = None, **overrides: Any) -> Launch
         # itself runs for real in test_box_boot.py).
         job_uri=job_uri or f"s3://never-read/runs/{run_id}/job/job.json",
         time_budget_s=overrides.pop("time_budget_s", 600),
-        wheel_uri=overrides.pop("wheel_uri", f"s3://never-read/runtime/{'0' * 64}/t.whl"),
-        wheel_sha256=overrides.pop("wheel_sha256", "0" * 64),
-        **overrides,
+        **{**HELD_WHEEL, **overrides},
     )
 
 

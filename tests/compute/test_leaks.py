@@ -20,6 +20,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowTaskTimeout
 from awsaudit import RecordingProxy, denied, evaluate
 from botocore.exceptions import ClientError
+from burstcv_testkit import HELD_WHEEL
 
 from burstcv import pipeline
 from burstcv.compute.base import TAG_EXPIRES_AT, TAG_RUN_ID, LaunchRequest
@@ -46,10 +47,7 @@ def request(run_id: str, **overrides: Any) -> LaunchRequest:
         dag_id=DAG_ID,
         job_uri=f"s3://never-read/runs/{run_id}/job/job.json",
         time_budget_s=600,
-        # Held boxes never read their job or wheel (the boot path runs in test_box_boot.py).
-        wheel_uri=overrides.pop("wheel_uri", f"s3://never-read/runtime/{'0' * 64}/t.whl"),
-        wheel_sha256=overrides.pop("wheel_sha256", "0" * 64),
-        **overrides,
+        **{**HELD_WHEEL, **overrides},
     )
 
 
@@ -72,8 +70,7 @@ def held_launch_fields() -> dict[str, Any]:
 
     return {
         "deadline_at": (datetime.now(UTC) + timedelta(seconds=600)).isoformat(),
-        "wheel_uri": f"s3://never-read/runtime/{'0' * 64}/t.whl",
-        "wheel_sha256": "0" * 64,
+        **HELD_WHEEL,
     }
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import boto3
 from botocore.exceptions import ClientError
+from burstcv_testkit import HELD_WHEEL
 
 from burstcv import pipeline
 from burstcv.compute.base import TAG_RUN_ID, LaunchRequest
@@ -31,8 +32,7 @@ def launch_held(backend: Ec2Backend, player: Any, run_id: str, time_budget_s: in
             dag_id=DAG_ID,
             job_uri=f"s3://never-read/runs/{run_id}/job/job.json",  # held: never read
             time_budget_s=time_budget_s,
-            wheel_uri=f"s3://never-read/runtime/{'0' * 64}/t.whl",
-            wheel_sha256="0" * 64,
+            **HELD_WHEEL,
         )
     )
     return iid
@@ -205,8 +205,7 @@ def test_the_pipeline_reaper_sweeps_every_enabled_region(
             dag_id=DAG_ID,
             job_uri="s3://never-read/runs/far-away/job/job.json",
             time_budget_s=600,
-            wheel_uri=f"s3://never-read/runtime/{'0' * 64}/t.whl",
-            wheel_sha256="0" * 64,
+            **HELD_WHEEL,
         )
     )
     for key, value in {
@@ -241,3 +240,29 @@ def test_ec2_is_swept_whenever_aws_is_configured(monkeypatch: Any) -> None:
 def test_nothing_to_reap_reports_so(backend: Ec2Backend, ec2_client: Any) -> None:
     report = reap(backend, is_run_active=lambda dag, run: True)
     assert report.instance_ids == [] and "nothing to terminate" in report.summary()
+
+
+def test_burstcv_reap_exits_non_zero_when_the_pass_counted_errors(
+    monkeypatch: Any, tmp_path: Any
+) -> None:
+    from typer.testing import CliRunner
+
+    from burstcv import cli
+
+    pass_with_an_error = [
+        {
+            "backend": "ec2",
+            "region": "us-east-1",
+            "terminated": [{"instance_id": "i-expired"}],
+            "kept": [],
+            "errors": [{"instance_id": "i-other", "error": "ClientError: throttled"}],
+        }
+    ]
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
+    monkeypatch.setattr(pipeline, "reap", lambda *args, **kwargs: pass_with_an_error)
+    result = CliRunner().invoke(cli.app, ["reap"])
+    assert result.exit_code == 1
+    assert "ec2 us-east-1: terminated 1 ['i-expired']" in result.output
+    assert "throttled" in result.output and "1 error(s) in this pass" in result.output
+    pass_with_an_error[0]["errors"] = []
+    assert CliRunner().invoke(cli.app, ["reap"]).exit_code == 0

@@ -8,6 +8,7 @@ links and models page are then read from the same api-server.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -168,3 +169,50 @@ def test_ui_triggered_run_trains_gates_and_deploys_on_celery(
         assert models["aliases"][PRODUCTION] == production.version
         assert any(r["version"] == production.version for r in models["runs"])
         print(f"celery e2e: run {run['state']} in {elapsed:.0f} s")
+
+        # The train task's own log (the triggerer wrote it) holds one progress line per epoch.
+        train_log = task_log(client, run_id, "train", by_task["train"]["try_number"])
+        progress = re.findall(r"epoch (\d)/2 \(attempt 1\): train_loss .*? so far; ", train_log)
+        assert progress == ["1", "2"], train_log
+        screenshot_task_log(stack, run_id, store / "train-log.png")
+
+
+def screenshot_task_log(stack: AirflowStack, run_id: str, shot: Path) -> None:
+    """Screenshot the train task's log page of the Airflow UI in headless Chromium."""
+    import shutil
+    import subprocess
+    import urllib.parse
+
+    import numpy as np
+    from PIL import Image
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        return  # the REST assertion above stands; the picture needs Chromium
+    url = (
+        f"{stack.api_url}/dags/{DAG_ID}/runs/{urllib.parse.quote(run_id, safe='')}"
+        "/tasks/train?try_number=1"
+    )
+    result = subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--disable-background-networking",
+            f"--user-data-dir={shot.parent / 'chromium-profile'}",
+            "--virtual-time-budget=15000",
+            f"--screenshot={shot}",
+            "--window-size=1400,900",
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shot.is_file(), f"no screenshot; chromium said:\n{result.stderr[-3000:]}"
+    with Image.open(shot) as img:
+        pixels = np.asarray(img.convert("RGB"))
+    assert len({tuple(c) for c in pixels.reshape(-1, 3)[::7].tolist()}) > 50  # drawn
+    print(f"train task log page: {url} -> {shot}")

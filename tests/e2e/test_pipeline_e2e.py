@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import structlog.testing
 
 from burstcv import storage
 from burstcv.bench.latency import free_port
@@ -88,8 +89,21 @@ def predict(url: str, image: Path) -> dict[str, object]:
 def test_pipeline_deploys_a_version_the_running_service_answers_with(
     service: str, demo_dataset: Path
 ) -> None:
-    state, tasks, run_id = run_dag({"dataset_uri": str(demo_dataset), "epochs": 3})
+    # What the triggerer writes into the train task's log (structlog, as Airflow routes it).
+    with structlog.testing.capture_logs() as trigger_log:
+        state, tasks, run_id = run_dag({"dataset_uri": str(demo_dataset), "epochs": 3})
     assert state == "success", tasks
+    progress = [
+        str(e["event"]) for e in trigger_log if str(e.get("event", "")).startswith("epoch ")
+    ]
+    assert [line.split(" (")[0] for line in progress] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"]
+    for line in progress:
+        assert re.search(
+            r"\(attempt 1\): train_loss [\d.]+, val_loss [\d.]+, val_accuracy [\d.]+, "
+            r"\d+ images/s, elapsed \d+ s; billed \d+ s, \$[\d.]+ so far; "
+            r"[\d.]+ min left before the run's deadline",
+            line,
+        ), line
     # The clean-up path of a failed provision has nothing to do on a good run.
     assert tasks.pop("clean_up_failed_provision") == "skipped", tasks
     assert all(s == "success" for s in tasks.values()), tasks

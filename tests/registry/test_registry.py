@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import multiprocessing
 from pathlib import Path
 
 import pytest
+from burstcv_testkit import make_model_dir
 
 from burstcv.registry.registry import (
     PREVIOUS,
@@ -17,26 +16,6 @@ from burstcv.registry.registry import (
     Registry,
     RegistryError,
 )
-
-
-def make_model_dir(root: Path, tag: str) -> Path:
-    """Write a model folder (model.onnx bytes + model.json) as the export stage does."""
-    root.mkdir(parents=True, exist_ok=True)
-    data = f"onnx-{tag}".encode()
-    (root / "model.onnx").write_bytes(data)
-    (root / "model.json").write_text(
-        json.dumps(
-            {
-                "name": "digits",
-                "onnx_file": "model.onnx",
-                "sha256": hashlib.sha256(data).hexdigest(),
-                "run_id": f"run-{tag}",
-                "dataset_fingerprint": "fp",
-                "source_commit": "abc",
-            }
-        )
-    )
-    return root
 
 
 def test_versions_are_numbered_and_carry_lineage(tmp_path: Path) -> None:

@@ -8,13 +8,9 @@ from pathlib import Path
 
 import boto3
 import pytest
+from burstcv_testkit import make_model_dir
 from moto.server import ThreadedMotoServer
-from test_registry import (
-    check_compare_and_swap,
-    make_model_dir,
-    registry_with_three,
-    version_of,
-)
+from test_registry import check_compare_and_swap, registry_with_three, version_of
 
 from burstcv.bench.latency import free_port
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Alias, Registry, _conditional_write
