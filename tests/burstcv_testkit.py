@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -51,3 +53,32 @@ def make_model_dir(root: Path, tag: str) -> Path:
         )
     )
     return root
+
+
+def chromium_screenshot(
+    url: str, shot: Path, width: int, height: int, *, wait_ms: int = 0
+) -> str | None:
+    """Screenshot ``url`` with headless Chromium into ``shot``; None if Chromium is absent.
+
+    Returns Chromium's stderr (for a failure message). ``wait_ms`` lets a page's scripts run
+    (virtual time) before the picture is taken.
+    """
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        return None
+    args = [
+        chromium,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        f"--user-data-dir={shot.parent / 'chromium-profile'}",
+        f"--screenshot={shot}",
+        f"--window-size={width},{height}",
+    ]
+    if wait_ms:
+        args.append(f"--virtual-time-budget={wait_ms}")
+    result = subprocess.run([*args, url], capture_output=True, text=True, timeout=120)
+    return result.stderr

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from burstcv_airflow_stack import AirflowStack, airflow_stack
+from burstcv_testkit import chromium_screenshot
 
 from burstcv.registry.registry import PRODUCTION, Registry
 
@@ -179,39 +180,19 @@ def test_ui_triggered_run_trains_gates_and_deploys_on_celery(
 
 def screenshot_task_log(stack: AirflowStack, run_id: str, shot: Path) -> None:
     """Screenshot the train task's log page of the Airflow UI in headless Chromium."""
-    import shutil
-    import subprocess
     import urllib.parse
 
     import numpy as np
     from PIL import Image
 
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        return  # the REST assertion above stands; the picture needs Chromium
     url = (
         f"{stack.api_url}/dags/{DAG_ID}/runs/{urllib.parse.quote(run_id, safe='')}"
         "/tasks/train?try_number=1"
     )
-    result = subprocess.run(
-        [
-            chromium,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--no-first-run",
-            "--disable-background-networking",
-            f"--user-data-dir={shot.parent / 'chromium-profile'}",
-            "--virtual-time-budget=15000",
-            f"--screenshot={shot}",
-            "--window-size=1400,900",
-            url,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert shot.is_file(), f"no screenshot; chromium said:\n{result.stderr[-3000:]}"
+    said = chromium_screenshot(url, shot, 1400, 900, wait_ms=15000)
+    if said is None:
+        return  # the REST assertion above stands; the picture needs Chromium
+    assert shot.is_file(), f"no screenshot; chromium said:\n{said[-3000:]}"
     with Image.open(shot) as img:
         pixels = np.asarray(img.convert("RGB"))
     assert len({tuple(c) for c in pixels.reshape(-1, 3)[::7].tolist()}) > 50  # drawn

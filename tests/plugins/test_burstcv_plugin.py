@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import urljoin
 
 import pytest
+from burstcv_testkit import chromium_screenshot
 from fastapi.testclient import TestClient
 
 from burstcv.registry.registry import PRODUCTION, AliasConflictError, Registry
@@ -389,9 +390,6 @@ def test_the_models_page_renders_in_headless_chromium(settings: Settings, tmp_pa
     import numpy as np
     from PIL import Image
 
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        pytest.skip("chromium is not installed (apt-get install -y chromium)")
     skipped = Path(settings.artifact_root) / "runs" / "scheduled__2026-11-30T00_00_00_00_00"
     skipped.mkdir(parents=True)
     (skipped / "run.json").write_text(
@@ -406,25 +404,10 @@ def test_the_models_page_renders_in_headless_chromium(settings: Settings, tmp_pa
         )
     )
     shot = tmp_path / "models.png"
-    result = subprocess.run(
-        [
-            chromium,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            f"--user-data-dir={tmp_path / 'chromium-profile'}",
-            f"--screenshot={shot}",
-            "--window-size=1200,700",
-            page.as_uri(),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
-    assert shot.is_file(), f"no screenshot; chromium said:\n{result.stderr[-3000:]}"
+    said = chromium_screenshot(page.as_uri(), shot, 1200, 700)
+    if said is None:
+        pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    assert shot.is_file(), f"no screenshot; chromium said:\n{said[-3000:]}"
     with Image.open(shot) as img:
         pixels = np.asarray(img.convert("RGB"))
     assert pixels.shape == (700, 1200, 3)
