@@ -152,8 +152,9 @@ fail_final() {
 
 # Spot interruption: ask training to checkpoint (SIGTERM), or end the bootstrap if it has
 # not started yet; the attempt's FAILED is then resumable and the retry relaunches.
+# It looks at once (a notice can be out before the box has booted), then every few seconds.
 spot_poller() {
-  while sleep __SPOT_POLL_INTERVAL_S__; do
+  while true; do
     if imds meta-data/spot/instance-action > /dev/null; then
       stamp "spot interruption notice"
       touch "$WORK/spot-notice"
@@ -164,6 +165,7 @@ spot_poller() {
       fi
       return 0
     fi
+    sleep __SPOT_POLL_INTERVAL_S__
   done
 }
 spot_poller &
@@ -202,6 +204,8 @@ STAGE=preflight
 "$BURSTCV" preflight --job "$JOB_URI" --attempt "$ATTEMPT" --instance-type "$INSTANCE_TYPE"
 stamp "preflight passed"
 
+# A notice seen before training starts ends the attempt here (resumable), not mid-launch.
+[ -f "$WORK/spot-notice" ] && exit 143
 STAGE=train
 "$BURSTCV" train --job "$JOB_URI" --attempt "$ATTEMPT" &
 echo $! > "$WORK/train.pid"
