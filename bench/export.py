@@ -47,13 +47,12 @@ for _path in (REPO / "src", REPO / "serving"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from burstcv_serving.preprocess import PreprocessSpec, normalize  # noqa: E402
-
 from burstcv.export.onnx_export import export_model, load_state_dict  # noqa: E402
 from burstcv.export.quantize import FP32_FILE, INT8_FILE, host_cores, serving_session  # noqa: E402
 from burstcv.training.job import JobSpec, load_job, write_job  # noqa: E402
 from burstcv.training.models import build_model  # noqa: E402
 from burstcv.training.train import load_shards  # noqa: E402
+from burstcv_spec.preprocess import PreprocessSpec, normalize  # noqa: E402
 
 ENGINES = ("torch eager", "ORT FP32", "ORT INT8")
 TARGET_ORT_VS_EAGER_B1 = 3.0  # ORT FP32 must be at least this much faster at batch 1

@@ -21,8 +21,9 @@ import burstcv_views  # the plugins folder is on sys.path; see that module's doc
 from airflow.plugins_manager import AirflowPlugin
 from airflow.sdk import BaseOperatorLink
 
-from burstcv import links, storage
+from burstcv import links
 from burstcv.settings import get_settings
+from burstcv_spec import storage
 
 
 def _base_path() -> str:

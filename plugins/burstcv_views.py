@@ -19,11 +19,12 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, HTTPException, Request, status
 from fastapi.responses import HTMLResponse, Response
 
-from burstcv import links, storage
+from burstcv import links
 from burstcv.links import DAG_ID, URL_PREFIX
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, RegistryError
 from burstcv.settings import Settings, get_settings
-from burstcv.storage import safe_run_id
+from burstcv_spec import storage
+from burstcv_spec.storage import safe_run_id
 
 __all__ = ["DAG_ID", "URL_PREFIX", "app", "artifact_uri", "artifact_url", "safe_run_id"]
 

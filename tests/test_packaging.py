@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -16,10 +17,33 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
     listed = set(config["packages"])
     found = {
         ".".join(p.parent.relative_to(root).parts)
-        for root in (REPO / "src", REPO / "serving")
+        for root in (REPO / "src", REPO / "serving", REPO / "spec")
         for p in root.rglob("__init__.py")
     }
     assert found == listed
+
+
+def _imported_packages(root: Path) -> dict[str, set[str]]:
+    """Return, per source file under root, the top-level packages it imports."""
+    found: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module.split(".")[0])
+        found[str(path.relative_to(REPO))] = names
+    return found
+
+
+def test_the_pipeline_and_the_service_share_only_burstcv_spec() -> None:
+    pipeline = _imported_packages(REPO / "src")
+    assert not {f for f, names in pipeline.items() if "burstcv_serving" in names}
+    service = _imported_packages(REPO / "serving")
+    assert not {f for f, names in service.items() if names & {"burstcv", "torch", "airflow"}}
+    shared = _imported_packages(REPO / "spec")
+    assert not {f for f, names in shared.items() if names & {"burstcv", "burstcv_serving", "torch"}}
 
 
 def test_requirements_are_pinned_exactly_and_serving_has_no_torch() -> None:
@@ -37,7 +61,7 @@ def test_requirements_are_pinned_exactly_and_serving_has_no_torch() -> None:
 
 def test_the_service_never_imports_torch() -> None:
     code = (
-        "import sys, burstcv_serving.main, burstcv_serving.preprocess; "
+        "import sys, burstcv_serving.main, burstcv_spec.preprocess; "
         "app = burstcv_serving.main.create_app(); "
         "print('torch' in sys.modules, 'burstcv' in sys.modules)"
     )

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from burstcv import pipeline, storage
+from burstcv import pipeline
 from burstcv.params import RunParams
 from burstcv.registry.registry import Registry
 from burstcv.settings import Settings
+from burstcv_spec import storage
 
 FINGERPRINT = "f1" * 32
 RUN_ID = "scheduled__2026-12-01T00:00:00+00:00"

@@ -42,7 +42,7 @@ import numpy as np
 from burstcv_serving.manager import ModelManager
 from burstcv_serving.metrics import ServiceMetrics
 from burstcv_serving.model import LoadedModel
-from burstcv_serving.preprocess import ImageDecodeError, PreprocessSpec, decode_to_uint8
+from burstcv_spec.preprocess import ImageDecodeError, PreprocessSpec, decode_to_uint8
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
-from burstcv_serving.preprocess import PreprocessSpec, normalize
 from burstcv_serving.registry import ModelRef, join, read_bytes, read_json
+from burstcv_spec.preprocess import PreprocessSpec, normalize
 
 logger = logging.getLogger(__name__)
 

@@ -114,10 +114,9 @@ def export(
     max_accuracy_drop: Annotated[float, typer.Option(help="INT8 accuracy drop allowed")] = 0.01,
 ) -> None:
     """Convert a checkpoint to ONNX and check it against torch on real images."""
-    from burstcv_serving.preprocess import PreprocessSpec
-
     from burstcv.export.onnx_export import CheckpointError, ParityError, export_model
     from burstcv.training.job import load_job
+    from burstcv_spec.preprocess import PreprocessSpec
 
     _setup_logging()
     spec_job = load_job(job)

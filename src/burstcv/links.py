@@ -13,7 +13,7 @@ from __future__ import annotations
 import posixpath
 from urllib.parse import quote
 
-from burstcv.storage import safe_run_id
+from burstcv_spec.storage import safe_run_id
 
 URL_PREFIX = "/burstcv"  # where the plugin's app is mounted in the Airflow api-server
 DAG_ID = "burstcv_pipeline"

@@ -18,13 +18,14 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from burstcv_serving.preprocess import PreprocessSpec
 
-from burstcv import lineage, storage
+from burstcv import lineage
 from burstcv.compute.base import STOPPED, InstanceInfo, LaunchRequest, get_backend
 from burstcv.params import RunParams
 from burstcv.settings import Settings, get_settings
-from burstcv.storage import safe_run_id
+from burstcv_spec import storage
+from burstcv_spec.preprocess import PreprocessSpec
+from burstcv_spec.storage import safe_run_id
 
 log = logging.getLogger(__name__)
 
@@ -817,7 +818,7 @@ def benchmark(
                 figures.errors,
                 entry["accuracy"],
             )
-        from burstcv_serving.preprocess import normalize
+        from burstcv_spec.preprocess import normalize
 
         spec = PreprocessSpec.from_dict(
             storage.read_json(storage.join(paths.model, "model.json"))["preprocess"]

@@ -29,7 +29,7 @@ import structlog.testing
 from awsaudit import RecordingProxy, denied
 from boxsandbox import Boot, BoxSandbox, SandboxUnavailable, make_ami_python
 
-from burstcv import pipeline, storage
+from burstcv import pipeline
 from burstcv.airflow.triggers import TrainingCompletionTrigger
 from burstcv.compute.base import LaunchRequest
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
@@ -37,6 +37,7 @@ from burstcv.compute.runtime import stage_training_wheel
 from burstcv.params import RunParams
 from burstcv.settings import Settings
 from burstcv.training.job import JobSpec, attempt_dir, write_job
+from burstcv_spec import storage
 
 REGION = "us-east-1"
 BUCKET = "burstcv-test"

@@ -12,8 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from burstcv import storage
-from burstcv.compute.runtime import MODULES, build_training_wheel, stage_training_wheel
+from burstcv.compute.runtime import (
+    MODULES,
+    build_training_wheel,
+    module_path,
+    stage_training_wheel,
+)
+from burstcv_spec import storage
 
 PYENV = Path.home() / ".pyenv" / "versions"
 
@@ -45,7 +50,8 @@ def test_the_training_modules_import_nothing_the_box_lacks() -> None:
             "import burstcv.training.entry, burstcv.training.train, burstcv.training.preflight",
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
             "('airflow', 'great_expectations', 'fastapi', 'burstcv_serving', 'pydantic_settings'))",
-            "own = sorted(m.replace('.', '/') for m in sys.modules if m.startswith('burstcv.'))",
+            "own = sorted(m.replace('.', '/') for m in sys.modules"
+            " if m.startswith(('burstcv.', 'burstcv_spec')))",
             "print(json.dumps(bad)); print(json.dumps(own))",
         ]
     )
@@ -65,7 +71,7 @@ def test_the_training_modules_compile_on_the_ami_pythons(version: str, tmp_path:
     if not found:
         pytest.skip(f"no Python {version} on this machine")
     package_root = Path(__file__).resolve().parents[2] / "src"
-    sources = [str(package_root / name) for name in MODULES]
+    sources = [str(module_path(name)) for name in MODULES]
     result = subprocess.run(
         [str(found[0]), "-m", "py_compile", *sources], capture_output=True, text=True
     )

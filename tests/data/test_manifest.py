@@ -11,10 +11,10 @@ from typing import Any
 
 import pandas as pd
 import pytest
-from burstcv_serving.preprocess import ImageDecodeError, open_image
 from PIL import Image
 
 from burstcv.data.manifest import COLUMNS, DatasetUnusableError, read_manifest, scan, write_manifest
+from burstcv_spec.preprocess import ImageDecodeError, open_image
 
 
 def _row(manifest: pd.DataFrame, path: str) -> dict[str, Any]:

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
-from burstcv_serving.preprocess import PreprocessSpec, decode_to_uint8
 
 from burstcv.data.pack import class_list, pack_dataset
+from burstcv_spec.preprocess import PreprocessSpec, decode_to_uint8
 
 
 def test_shards_hold_every_image_decoded_like_serving(

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from burstcv import storage
 from burstcv.data.manifest import DatasetUnusableError, scan
 from burstcv.data.validate import ValidationConfig, validate_dataset
+from burstcv_spec import storage
 
 moto_server = pytest.importorskip("moto.server")
 

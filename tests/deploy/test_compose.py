@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import yaml
-from burstcv_serving.settings import Settings as ServingSettings
 from pydantic_settings import BaseSettings
 
 from burstcv.compute.ec2 import Ec2Settings
 from burstcv.settings import Settings as PipelineSettings
+from burstcv_serving.settings import Settings as ServingSettings
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yaml"

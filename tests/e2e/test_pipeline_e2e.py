@@ -21,11 +21,11 @@ import httpx
 import pytest
 import structlog.testing
 
-from burstcv import storage
 from burstcv.bench.latency import free_port
 from burstcv.pipeline import RunPaths, safe_run_id
 from burstcv.registry.registry import PRODUCTION, Registry
 from burstcv.settings import get_settings
+from burstcv_spec import storage
 
 pytestmark = pytest.mark.e2e
 

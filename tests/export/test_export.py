@@ -12,8 +12,6 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from burstcv_serving.preprocess import PreprocessSpec, decode_to_uint8
-from burstcv_serving.preprocess import normalize as numpy_normalize
 
 from burstcv.export.onnx_export import (
     CheckpointError,
@@ -22,9 +20,11 @@ from burstcv.export.onnx_export import (
     export_model,
     load_state_dict,
 )
-from burstcv.storage import sha256_file
 from burstcv.training.models import build_model
 from burstcv.training.train import normalize as torch_normalize
+from burstcv_spec.preprocess import PreprocessSpec, decode_to_uint8
+from burstcv_spec.preprocess import normalize as numpy_normalize
+from burstcv_spec.storage import sha256_file
 
 
 def _val_images(demo_dataset: Path, n: int = 64) -> list[tuple[str, bytes]]:

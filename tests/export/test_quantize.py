@@ -14,9 +14,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from burstcv_serving.model import load_model
-from burstcv_serving.preprocess import PreprocessSpec, normalize
-from burstcv_serving.registry import ModelRef
 
 from burstcv.bench.accuracy import onnx_accuracy
 from burstcv.export.onnx_export import export_model
@@ -28,8 +25,11 @@ from burstcv.export.quantize import (
     quantize_and_choose,
     quantize_int8,
 )
-from burstcv.storage import sha256_file
 from burstcv.training.train import load_shards
+from burstcv_serving.model import load_model
+from burstcv_serving.registry import ModelRef
+from burstcv_spec.preprocess import PreprocessSpec, normalize
+from burstcv_spec.storage import sha256_file
 
 BLOCK_KEYS = {"int8_tried", "serving_file", "reason", "fp32", "int8", "max_accuracy_drop"}
 

@@ -28,8 +28,8 @@ import pytest
 from test_deploy import MODEL, TOKEN, Service, running_service, write_model_dir
 from test_registry_s3 import s3_root  # noqa: F401  (a fixture, used by name below)
 
-from burstcv import storage
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry
+from burstcv_spec import storage
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STAGE_WAIT_S = 60.0  # a busy 2-core box starts two Python CLIs and loads two models

@@ -6,9 +6,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from burstcv_serving.main import create_app
 from fastapi.testclient import TestClient
 from servingkit import Registry, make_settings
+
+from burstcv_serving.main import create_app
 
 
 @pytest.fixture

@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import onnx
-from burstcv_serving.settings import Settings
 from onnx import TensorProto, helper
 from PIL import Image
 
 from burstcv.bench.latency import free_port
+from burstcv_serving.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "digits"

@@ -7,8 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from burstcv_serving.settings import PLACEHOLDER_ADMIN_TOKEN, Settings
 from pydantic import ValidationError
+
+from burstcv_serving.settings import PLACEHOLDER_ADMIN_TOKEN, Settings
 
 STRONG = "kq3N8xVt2pL9wR4zY7bC1dF6"  # 24 characters
 

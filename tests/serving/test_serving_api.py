@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
-from burstcv_serving.main import create_app
 from fastapi.testclient import TestClient
 from servingkit import NUM_CLASSES, Registry, image_bytes, make_settings
+
+from burstcv_serving.main import create_app
 
 
 def test_predict_returns_top_k_from_the_alias_version(client: TestClient) -> None:

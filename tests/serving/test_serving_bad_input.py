@@ -8,10 +8,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from burstcv_serving.main import create_app
 from fastapi.testclient import TestClient
 from PIL import Image
 from servingkit import Registry, image_bytes, make_settings, png_header_only
+
+from burstcv_serving.main import create_app
 
 MAX_BODY_BYTES = 200_000
 MAX_PIXELS = 1000 * 1000

@@ -11,13 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
+from servingkit import Registry, image_bytes, make_settings
+
 from burstcv_serving.batcher import BatchResult, MicroBatcher, QueueFullError
 from burstcv_serving.main import create_app, make_source
 from burstcv_serving.manager import ModelManager
 from burstcv_serving.metrics import ServiceMetrics
-from burstcv_serving.preprocess import decode_to_uint8
 from burstcv_serving.settings import Settings
-from servingkit import Registry, image_bytes, make_settings
+from burstcv_spec.preprocess import decode_to_uint8
 
 
 async def _start(

@@ -7,10 +7,11 @@ import math
 
 import numpy as np
 import pytest
-from burstcv_serving.routes.predict import INLINE_DECODE_MAX_PIXELS
 from fastapi.testclient import TestClient
 from PIL import Image
 from servingkit import image_bytes
+
+from burstcv_serving.routes.predict import INLINE_DECODE_MAX_PIXELS
 
 SIDE_INLINE = math.isqrt(INLINE_DECODE_MAX_PIXELS)  # exactly at the limit: decoded inline
 SIDE_THREAD = SIDE_INLINE + 1  # one pixel row over: decoded in the thread pool

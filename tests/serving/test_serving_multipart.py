@@ -8,11 +8,12 @@ import random
 
 import httpx
 import pytest
-from burstcv_serving import multipart
 from fastapi.testclient import TestClient
 from servingkit import image_bytes
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
+
+from burstcv_serving import multipart
 
 
 def _encode(

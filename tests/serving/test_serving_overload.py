@@ -11,9 +11,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from burstcv_serving.main import create_app
 from servingkit import Registry, image_bytes, make_settings, running_server
 from starlette.types import Message
+
+from burstcv_serving.main import create_app
 
 BOUNDARY = "overloadtest"
 

@@ -7,9 +7,10 @@ import time
 from datetime import UTC, datetime
 
 import pytest
-from burstcv_serving.main import create_app
 from fastapi.testclient import TestClient
 from servingkit import Registry, image_bytes, make_classifier_onnx, make_settings
+
+from burstcv_serving.main import create_app
 
 ADMIN = {"Authorization": "Bearer dev-token"}
 PNG = {"file": ("x.png", image_bytes("PNG"), "image/png")}

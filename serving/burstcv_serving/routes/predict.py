@@ -26,7 +26,10 @@ from burstcv_serving.batcher import (
     QueueFullError,
 )
 from burstcv_serving.model import LoadedModel
-from burstcv_serving.preprocess import (
+from burstcv_serving.schemas import BatchPredictionOut, ErrorOut, PredictionOut
+from burstcv_serving.settings import Settings
+from burstcv_serving.state import ServiceState, current_model, current_service
+from burstcv_spec.preprocess import (
     ImageDecodeError,
     ImageTooLargeError,
     PreprocessSpec,
@@ -36,9 +39,6 @@ from burstcv_serving.preprocess import (
     probe_image,
     to_uint8,
 )
-from burstcv_serving.schemas import BatchPredictionOut, ErrorOut, PredictionOut
-from burstcv_serving.settings import Settings
-from burstcv_serving.state import ServiceState, current_model, current_service
 
 router = APIRouter(prefix="/v1", tags=["predict"])
 

@@ -6,8 +6,8 @@ import logging
 import os
 from typing import Any
 
-from burstcv import storage
 from burstcv.settings import REPO_ROOT, VAR_DIR
+from burstcv_spec import storage
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-from burstcv_serving.preprocess import PreprocessSpec, normalize
+
+from burstcv_spec.preprocess import PreprocessSpec, normalize
 
 EVAL_BATCH = 256
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from burstcv import storage
 from burstcv.compute.base import LaunchRequest
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.settings import Settings
+from burstcv_spec import storage
 
 log = logging.getLogger(__name__)
 

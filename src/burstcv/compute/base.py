@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, Literal, Protocol
 
-from burstcv import storage
 from burstcv.training.job import attempt_dir
+from burstcv_spec import storage
 
 # Instance states every backend maps its own onto.
 PENDING = "pending"

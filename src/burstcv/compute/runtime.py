@@ -19,7 +19,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from burstcv import __version__, storage
+import burstcv_spec
+from burstcv import __version__
+from burstcv_spec import storage
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +31,6 @@ DIST_NAME = "burstcv_train"
 MODULES = (
     "burstcv/__init__.py",
     "burstcv/lineage.py",
-    "burstcv/storage.py",
     "burstcv/training/__init__.py",
     "burstcv/training/entry.py",
     "burstcv/training/job.py",
@@ -37,6 +38,8 @@ MODULES = (
     "burstcv/training/names.py",
     "burstcv/training/preflight.py",
     "burstcv/training/train.py",
+    "burstcv_spec/__init__.py",
+    "burstcv_spec/storage.py",
 )
 REQUIRES_PYTHON = ">=3.10"  # burstcv.training.preflight.SUPPORTED_PYTHON checks the upper end
 # Present in the DLAMI PyTorch environments; pip fetches only what an AMI lacks.
@@ -44,7 +47,16 @@ REQUIRES = ("numpy", "boto3", "pydantic>=2,<3")
 CONSOLE_SCRIPT = "burstcv = burstcv.training.entry:main"
 _EPOCH = (1980, 1, 1, 0, 0, 0)  # the earliest zip timestamp: a fixed one makes builds equal
 
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding burstcv/
+# The folder holding each top-level package (src/ and spec/ in a checkout).
+_PACKAGE_ROOTS = {
+    "burstcv": Path(__file__).resolve().parents[2],
+    "burstcv_spec": Path(burstcv_spec.__file__).resolve().parents[1],
+}
+
+
+def module_path(name: str) -> Path:
+    """Return the source file of one of MODULES (``burstcv/lineage.py`` and the like)."""
+    return _PACKAGE_ROOTS[name.split("/", 1)[0]] / name
 
 
 @dataclass(frozen=True)
@@ -90,9 +102,7 @@ def build_training_wheel(version: str = __version__) -> TrainingWheel:
             "",
         ]
     )
-    files: list[tuple[str, bytes]] = [
-        (name, (_PACKAGE_ROOT / name).read_bytes()) for name in MODULES
-    ]
+    files: list[tuple[str, bytes]] = [(name, module_path(name).read_bytes()) for name in MODULES]
     files += [
         (f"{dist_info}/METADATA", metadata.encode()),
         (

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from burstcv_serving.preprocess import PreprocessSpec
 from PIL import Image
 
 from burstcv.data.pack import PackResult, pack_dataset
+from burstcv_spec.preprocess import PreprocessSpec
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The layout is ``<root>/<split>/<class>/<image>``. Every file is read once, hashed (sha256 and
 a 64-bit difference hash for near duplicates) and fully decoded with the same rules as the
-service's ``burstcv_serving.preprocess.open_image``. Hostile or odd files become error rows,
+service's ``burstcv_spec.preprocess.open_image``. Hostile or odd files become error rows,
 never exceptions: a lying extension, zero bytes, a symlink that leaves the root, a file at
 the wrong depth. Hidden and system files (``.DS_Store``, ``Thumbs.db``, dotfiles) are skipped
 and listed in ``ScanResult.ignored``.
@@ -21,10 +21,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from burstcv import storage
 from burstcv.data.scanner.columns import COLUMNS, append, to_frame
 from burstcv.data.scanner.dispatch import Dispatcher
 from burstcv.data.scanner.listing import DatasetUnusableError, is_system_name, list_dataset
+from burstcv_spec import storage
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-from burstcv_serving.preprocess import PreprocessSpec, decode_to_uint8
 
-from burstcv import storage
+from burstcv_spec import storage
+from burstcv_spec.preprocess import PreprocessSpec, decode_to_uint8
 
 log = logging.getLogger(__name__)
 

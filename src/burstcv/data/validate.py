@@ -26,7 +26,6 @@ import great_expectations as gx
 import pandas as pd
 import PIL
 
-from burstcv import storage
 from burstcv.data.manifest import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_PIXELS,
@@ -35,6 +34,7 @@ from burstcv.data.manifest import (
     write_manifest,
 )
 from burstcv.data.suite import CheckResult, run_suite, usable_mask
+from burstcv_spec import storage
 
 __all__ = [
     "DatasetUnusableError",

@@ -20,13 +20,14 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
-from burstcv_serving.preprocess import PreprocessSpec, decode_to_uint8
-from burstcv_serving.preprocess import normalize as numpy_normalize
 from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
-from burstcv import lineage, storage
+from burstcv import lineage
 from burstcv.training.models import build_model
 from burstcv.training.train import normalize as torch_normalize
+from burstcv_spec import storage
+from burstcv_spec.preprocess import PreprocessSpec, decode_to_uint8
+from burstcv_spec.preprocess import normalize as numpy_normalize
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
-from burstcv_serving.preprocess import PreprocessSpec, normalize
 from onnx.external_data_helper import uses_external_data
 from onnxruntime.quantization import (
     CalibrationDataReader,
@@ -32,7 +31,8 @@ from onnxruntime.quantization import (
     quantize_static,
 )
 
-from burstcv import storage
+from burstcv_spec import storage
+from burstcv_spec.preprocess import PreprocessSpec, normalize
 
 log = logging.getLogger(__name__)
 

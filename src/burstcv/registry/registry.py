@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from burstcv import lineage, storage
+from burstcv import lineage
+from burstcv_spec import storage
 
 log = logging.getLogger(__name__)
 

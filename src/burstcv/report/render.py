@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from burstcv import links, storage
+from burstcv import links
+from burstcv_spec import storage
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
 
-from burstcv import storage
 from burstcv.training.names import check_architecture
+from burstcv_spec import storage
 
 
 class AugmentSpec(BaseModel):

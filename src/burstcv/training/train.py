@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from burstcv import lineage, storage
+from burstcv import lineage
 from burstcv.training.job import (
     STAGE_BUDGET,
     STAGE_INTERRUPTED,
@@ -34,6 +34,7 @@ from burstcv.training.job import (
     write_failed,
 )
 from burstcv.training.models import build_model
+from burstcv_spec import storage
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Inspect listed files into manifest rows: read, sha256, decode with the service's rules, hash.
 
 Every file is read once, hashed (sha256 and a 64-bit difference hash for near duplicates) and
-fully decoded with the same rules as the service's ``burstcv_serving.preprocess.open_image``:
+fully decoded with the same rules as the service's ``burstcv_spec.preprocess.open_image``:
 the pixel count is checked from the header before any pixel is decoded (decompression bombs
 cost nothing), truncated data fails in ``load()``. Hostile or odd files become error rows,
 never exceptions. Plain 8-bit PNGs take ``pngfast`` when ``capabilities`` allows it; anything
@@ -21,10 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlparse
 
-from burstcv_serving.preprocess import ImageDecodeError
 from PIL import Image, UnidentifiedImageError
 
-from burstcv import storage
 from burstcv.data.scanner import pngfast
 from burstcv.data.scanner.capabilities import capabilities
 from burstcv.data.scanner.columns import DECODE_OK, ERROR, PHASH, THUMB
@@ -32,6 +30,8 @@ from burstcv.data.scanner.dhash import hash_decoded
 from burstcv.data.scanner.formats import EXTENSION_FORMATS, open_formats, open_image
 from burstcv.data.scanner.listing import Task
 from burstcv.data.scanner.strips import Strips
+from burstcv_spec import storage
+from burstcv_spec.preprocess import ImageDecodeError
 
 # Read size once a local file turns out longer than fstat said (it grew while being read).
 _READ_BLOCK = 1024 * 1024
@@ -208,7 +208,7 @@ def decode(
 
     The image is None when the fast path decoded the pixels into one of ``strips`` instead.
 
-    Mirrors ``burstcv_serving.preprocess.open_image`` (same checks, same order, same messages)
+    Mirrors ``burstcv_spec.preprocess.open_image`` (same checks, same order, same messages)
     without its RGB conversion, so the manifest keeps the original mode; a test asserts that
     the two agree on every fault kind. Plain PNGs take a fast path that can only say "ok";
     every other file, and every error verdict, comes from Pillow's own open and load.

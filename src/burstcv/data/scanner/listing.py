@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from burstcv import storage
 from burstcv.data.scanner.columns import error_row
+from burstcv_spec import storage
 
 # Lower-cased names that operating systems and tools drop into folders; never images.
 _SYSTEM_NAMES = frozenset(
