@@ -68,3 +68,16 @@ def test_the_service_never_imports_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_the_service_starts_without_boto3() -> None:
+    """boto3 is optional in the service image: only an s3:// registry imports it."""
+    code = (
+        "import sys; sys.modules['boto3'] = None; "  # as if not installed
+        "import burstcv_serving.main; burstcv_serving.main.create_app(); "
+        "from burstcv_spec import storage; "
+        "print(storage.join('s3://bucket/registry', 'digits', 'aliases'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "s3://bucket/registry/digits/aliases"

@@ -22,8 +22,9 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
-from burstcv_serving.registry import ModelRef, join, read_bytes, read_json
+from burstcv_serving.registry import ModelRef
 from burstcv_spec.preprocess import PreprocessSpec, normalize
+from burstcv_spec.storage import join, read_bytes, read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def load_model(
     """Read, verify, open and warm one model version; raise ModelLoadError saying why not."""
     meta_uri = join(ref.location, "model.json")
     try:
-        meta = read_json(meta_uri)
+        meta = read_json_object(meta_uri)
     except FileNotFoundError as exc:
         raise ModelLoadError(f"{meta_uri} does not exist") from exc
     except (OSError, ValueError) as exc:

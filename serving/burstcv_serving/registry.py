@@ -5,17 +5,16 @@ Layout (docs/contracts.md)::
     <registry>/<name>/aliases/<alias>.json     {"version": n, "sha256": "<hex>", ...}
     <registry>/<name>/versions/<n>/model.json  (+ the onnx file it names)
 
-A registry is a local folder or ``s3://bucket/prefix`` (S3 needs boto3, which the service
-imports only when it meets an s3:// URI).
+A registry is a local folder or ``s3://bucket/prefix``, read through ``burstcv_spec.storage``
+(S3 needs boto3, which is imported only when an s3:// URI is met).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
-from urllib.parse import urlparse
+from typing import Protocol
+
+from burstcv_spec.storage import join, read_json_object
 
 
 class SourceError(RuntimeError):
@@ -45,43 +44,6 @@ class ModelSource(Protocol):
         ...
 
 
-def is_s3(uri: str) -> bool:
-    """Return True for an ``s3://`` URI."""
-    return uri.startswith("s3://")
-
-
-def join(root: str, *parts: str) -> str:
-    """Join path parts onto a local folder or an s3:// prefix."""
-    clean = [p.strip("/") for p in parts if p]
-    if is_s3(root):
-        return "/".join([root.rstrip("/"), *clean])
-    return str(Path(root).joinpath(*clean))
-
-
-def read_bytes(uri: str) -> bytes:
-    """Return the bytes at a local path or s3:// URI; raise FileNotFoundError when absent."""
-    if not is_s3(uri):
-        return Path(uri).read_bytes()
-    import boto3  # optional: only an s3:// registry needs it
-
-    parsed = urlparse(uri)
-    client = boto3.client("s3")
-    try:
-        response = client.get_object(Bucket=parsed.netloc, Key=parsed.path.lstrip("/"))
-    except client.exceptions.NoSuchKey as exc:
-        raise FileNotFoundError(uri) from exc
-    body: bytes = response["Body"].read()
-    return body
-
-
-def read_json(uri: str) -> dict[str, Any]:
-    """Return the JSON object at a URI; raise ValueError when it is not a JSON object."""
-    data = json.loads(read_bytes(uri))
-    if not isinstance(data, dict):
-        raise ValueError(f"{uri} holds {type(data).__name__}, expected a JSON object")
-    return data
-
-
 class RegistrySource:
     """Resolve ``<registry>/<name>/aliases/<alias>.json`` to a version directory."""
 
@@ -95,7 +57,7 @@ class RegistrySource:
     def resolve(self) -> ModelRef:
         """Read the alias file and return the version it points at."""
         try:
-            alias = read_json(self.alias_uri)
+            alias = read_json_object(self.alias_uri)
         except FileNotFoundError as exc:
             raise SourceError(f"alias file {self.alias_uri} does not exist") from exc
         except (OSError, ValueError) as exc:
@@ -126,7 +88,7 @@ class DirectorySource:
         """Read model.json's version (or 'candidate') and sha256 from the directory."""
         uri = join(self.model_dir, "model.json")
         try:
-            meta = read_json(uri)
+            meta = read_json_object(uri)
         except FileNotFoundError as exc:
             raise SourceError(f"{uri} does not exist") from exc
         except (OSError, ValueError) as exc:

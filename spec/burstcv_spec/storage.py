@@ -1,7 +1,9 @@
 """Read and write artifacts under a URI root that is either a local folder or ``s3://bucket/prefix``.
 
 Writes are atomic: locally write-then-rename, on S3 a single PUT. Every stage addresses its
-files through these functions, so the same code runs on a laptop and against S3.
+files through these functions, so the same code runs on a laptop and against S3. The
+prediction service reads its registry through them too; boto3 is imported only when an
+s3:// URI is used, so a service image without boto3 serves local registries.
 """
 
 from __future__ import annotations
@@ -102,6 +104,14 @@ def write_bytes(uri: str, data: bytes) -> str:
 def read_json(uri: str) -> Any:
     """Return the parsed JSON document at a URI."""
     return json.loads(read_bytes(uri))
+
+
+def read_json_object(uri: str) -> dict[str, Any]:
+    """Return the JSON object at a URI; raise ValueError naming the URI when it is not one."""
+    data = read_json(uri)
+    if not isinstance(data, dict):
+        raise ValueError(f"{uri} holds {type(data).__name__}, expected a JSON object")
+    return data
 
 
 def write_json(uri: str, doc: Any) -> str:

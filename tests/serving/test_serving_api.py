@@ -114,6 +114,19 @@ def test_without_a_model_the_service_is_alive_but_not_ready(registry: Registry) 
         assert client.post("/v1/predict", files=png).json()["version"] == 1
 
 
+def test_an_alias_file_that_is_not_a_json_object_keeps_the_service_unready(
+    registry: Registry,
+) -> None:
+    alias = registry.root / registry.name / "aliases" / "production.json"
+    alias.write_text("[1]")
+    with TestClient(create_app(make_settings(registry))) as client:
+        not_ready = client.get("/readyz")
+    assert not_ready.status_code == 503
+    detail = not_ready.json()["detail"]
+    assert f"cannot read alias file {alias}" in detail
+    assert "holds list, expected a JSON object" in detail
+
+
 def test_model_dir_serves_a_candidate_without_a_registry(registry: Registry) -> None:
     directory = registry.version_dir(1)
     meta_path = directory / "model.json"
