@@ -54,7 +54,7 @@ from fastapi import FastAPI, File, UploadFile  # module level: FastAPI resolves 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "serving"))
 
-from burstcv.bench.latency import free_port  # noqa: E402
+from burstcv.gate.latency import free_port  # noqa: E402
 from burstcv_serving.settings import Settings  # noqa: E402
 from burstcv_spec.preprocess import PreprocessSpec, decode_to_uint8, normalize  # noqa: E402
 

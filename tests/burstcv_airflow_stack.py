@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from burstcv.bench.latency import free_port
+from burstcv.gate.latency import free_port
 
 # tests/burstcv_airflow_stack.py -> the checkout whose dags/, plugins/, src/ and serving/ the
 # stack runs (tests always run from a checkout, whatever burstcv the venv has installed).

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from burstcv import localports
-from burstcv.bench.latency import free_port
+from burstcv.gate.latency import free_port
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

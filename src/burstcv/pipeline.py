@@ -764,8 +764,8 @@ def benchmark(
 ) -> dict[str, Any]:
     """Measure candidate and production side by side through staging services (latency.json)."""
     from burstcv import lineage
-    from burstcv.bench.accuracy import onnx_accuracy
-    from burstcv.bench.latency import bare_onnxruntime_p50, drive, staging_service
+    from burstcv.gate.accuracy import onnx_accuracy
+    from burstcv.gate.latency import bare_onnxruntime_p50, drive, staging_service
     from burstcv.registry.registry import PRODUCTION, Registry
 
     s = settings or get_settings()
@@ -843,8 +843,8 @@ def gate(
     settings: Settings | None = None,
 ) -> dict[str, Any]:
     """Judge the candidate, register it (promotable or rejected), and return the verdict."""
-    from burstcv.bench.gate import GateThresholds, ServingContext, judge
     from burstcv.compute.ec2 import Ec2Settings
+    from burstcv.gate.gate import GateThresholds, ServingContext, judge
     from burstcv.registry.registry import Registry
 
     s = settings or get_settings()

@@ -29,10 +29,10 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
-from burstcv.bench.latency import free_port
 from burstcv.compute.base import TAG_MANAGED, TAG_RUN_ID
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.compute.userdata import parse_config
+from burstcv.gate.latency import free_port
 
 REGION = "us-east-1"
 BUCKET = "burstcv-test"

@@ -98,7 +98,7 @@ def moto_server() -> Iterator[str]:
     """Run a moto server on 127.0.0.1 for this module."""
     from moto.server import ThreadedMotoServer
 
-    from burstcv.bench.latency import free_port
+    from burstcv.gate.latency import free_port
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import structlog.testing
 
-from burstcv.bench.latency import free_port
+from burstcv.gate.latency import free_port
 from burstcv.pipeline import RunPaths, safe_run_id
 from burstcv.registry.registry import PRODUCTION, Registry
 from burstcv.settings import get_settings

@@ -15,7 +15,6 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from burstcv.bench.accuracy import onnx_accuracy
 from burstcv.export.onnx_export import export_model
 from burstcv.export.quantize import (
     FP32_FILE,
@@ -25,6 +24,7 @@ from burstcv.export.quantize import (
     quantize_and_choose,
     quantize_int8,
 )
+from burstcv.gate.accuracy import onnx_accuracy
 from burstcv.training.train import load_shards
 from burstcv_serving.model import load_model
 from burstcv_serving.registry import ModelRef

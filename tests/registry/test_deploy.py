@@ -26,8 +26,8 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from burstcv.bench.gate import GateThresholds, judge
-from burstcv.bench.latency import drive, free_port, staging_service, wait_ready
+from burstcv.gate.gate import GateThresholds, judge
+from burstcv.gate.latency import drive, free_port, staging_service, wait_ready
 from burstcv.registry.deploy import DeployError, deploy, rollback
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, RegistryError
 

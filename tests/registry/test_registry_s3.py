@@ -12,7 +12,7 @@ from burstcv_testkit import make_model_dir
 from moto.server import ThreadedMotoServer
 from test_registry import check_compare_and_swap, registry_with_three, version_of
 
-from burstcv.bench.latency import free_port
+from burstcv.gate.latency import free_port
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Alias, Registry, _conditional_write
 
 

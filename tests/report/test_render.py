@@ -272,7 +272,7 @@ def test_a_run_with_nothing_new_to_train_on_says_it_skipped_and_why(tmp_path: Pa
 def test_a_failed_gate_shows_each_failed_check_and_the_priced_options(
     full_run: tuple[Path, Path],
 ) -> None:
-    from burstcv.bench.gate import GateThresholds, ServingContext, judge
+    from burstcv.gate.gate import GateThresholds, ServingContext, judge
 
     run, registry = full_run
     latency = json.loads((run / "bench" / "latency.json").read_text())

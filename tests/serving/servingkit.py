@@ -22,7 +22,7 @@ import onnx
 from onnx import TensorProto, helper
 from PIL import Image
 
-from burstcv.bench.latency import free_port
+from burstcv.gate.latency import free_port
 from burstcv_serving.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from burstcv.bench.gate import ARCH_MMACS, GateThresholds, ServingContext, advise, judge
 from burstcv.cost.pricing import serving_cost_per_million
+from burstcv.gate.gate import ARCH_MMACS, GateThresholds, ServingContext, advise, judge
 from burstcv.training.names import ARCHITECTURE_NAMES
 
 LIMITS = GateThresholds(latency_slo_ms=20.0, accuracy_floor=0.9, max_accuracy_drop=0.02)
