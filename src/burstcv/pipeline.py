@@ -20,7 +20,8 @@ import numpy as np
 import pandas as pd
 
 from burstcv import lineage
-from burstcv.compute.base import STOPPED, InstanceInfo, LaunchRequest, get_backend
+from burstcv.compute.backends import get_backend
+from burstcv.compute.base import STOPPED, InstanceInfo, LaunchRequest
 from burstcv.params import RunParams
 from burstcv.settings import Settings, get_settings
 from burstcv_spec import storage

@@ -126,23 +126,6 @@ class ComputeBackend(Protocol):
         ...
 
 
-class UnknownBackendError(ValueError):
-    """Raise for a backend name that does not exist."""
-
-
-def get_backend(name: str) -> ComputeBackend:
-    """Return the backend called ``name``: local or ec2."""
-    if name == "local":
-        from burstcv.compute.local import LocalBackend
-
-        return LocalBackend()
-    if name == "ec2":
-        from burstcv.compute.ec2 import Ec2Backend
-
-        return Ec2Backend()
-    raise UnknownBackendError(f"unknown compute backend {name!r}; choose local, ec2")
-
-
 def job_outcome(
     backend: ComputeBackend, run_id: str, job_dir_uri: str, attempt: int = 1
 ) -> JobOutcome:

@@ -33,10 +33,10 @@ from great_expectations.data_context.types.base import (
     ProgressBarsConfig,
 )
 
+from burstcv.data.config import ValidationConfig
+
 if TYPE_CHECKING:
     from great_expectations.expectations.expectation import Expectation
-
-    from burstcv.data.validate import ValidationConfig
 
 logger = logging.getLogger(__name__)
 
