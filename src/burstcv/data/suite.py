@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 import great_expectations as gx
 import great_expectations.expectations as gxe
-import jinja2
 import numpy as np
 import pandas as pd
 from great_expectations.data_context.types.base import (
@@ -334,67 +333,19 @@ def build_checks(config: ValidationConfig) -> list[Check]:
     return checks
 
 
-def _stop_progress_bar_thread() -> None:
-    """Keep GX's (disabled) tqdm progress bars from leaving a monitor thread running.
-
-    tqdm starts a monitor thread for every bar, even a disabled one, and it outlives the
-    validation. A live thread makes the next manifest scan in this process start its workers
-    with spawn instead of fork (fork is only safe single-threaded), which costs each worker
-    a fresh interpreter and its imports.
-    """
-    from tqdm import std
-
-    std.tqdm.monitor_interval = 0
-    monitor = std.tqdm.monitor
-    if monitor is not None:
-        monitor.exit()
-        std.tqdm.monitor = None
-
-
-def cache_data_docs_templates() -> bool:
-    """Give GX's Data Docs views a Jinja bytecode cache; return True once it is in place.
-
-    GX builds a new Jinja environment for every page it renders, so each validation compiled
-    the same two dozen templates three times over (about a third of a second on a small
-    CPU). Jinja's own FileSystemBytecodeCache (in the temp folder, per user, written
-    atomically) turns that into loading compiled code, as .pyc files do for modules. The
-    rendered HTML is the same. If GX ever changes the class, docs are built uncached.
-    """
-    try:
-        from great_expectations.render.view import view as gx_view
-
-        view_class = gx_view.DefaultJinjaView
-        original_init = view_class.__init__
-    except (ImportError, AttributeError):  # pragma: no cover - a GX without the class
-        return False
-    if getattr(view_class, "_burstcv_bytecode_cache", None) is not None:
-        return True
-    cache = jinja2.FileSystemBytecodeCache()
-
-    @functools.wraps(original_init)
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        original_init(self, *args, **kwargs)
-        env = getattr(self, "env", None)
-        if isinstance(env, jinja2.Environment) and env.bytecode_cache is None:
-            env.bytecode_cache = cache
-
-    view_class.__init__ = init  # type: ignore[method-assign]
-    setattr(view_class, "_burstcv_bytecode_cache", cache)  # noqa: B010
-    return True
-
-
 def run_suite(
     manifest: pd.DataFrame,
     config: ValidationConfig,
     *,
     data_docs_dir: Path | None = None,
 ) -> SuiteOutcome:
-    """Validate a manifest with the suite; write Data Docs under ``data_docs_dir`` if given."""
-    _stop_progress_bar_thread()
+    """Validate a manifest with the suite; write Data Docs under ``data_docs_dir`` if given.
+
+    GX runs as it comes; ``burstcv.data.gx_tuning.gx_tuning`` around the call (as
+    ``validate_dataset`` does) keeps it from leaving a thread behind and caches its templates.
+    """
     df = add_rule_columns(manifest, config)
     checks = build_checks(config)
-    if data_docs_dir is not None:
-        cache_data_docs_templates()
     sites: dict[str, Any] = {}
     if data_docs_dir is not None:
         sites[_DOCS_SITE] = {

@@ -27,6 +27,7 @@ import pandas as pd
 import PIL
 
 from burstcv.data.config import ValidationConfig
+from burstcv.data.gx_tuning import gx_tuning
 from burstcv.data.manifest import DatasetUnusableError, scan, write_manifest
 from burstcv.data.suite import CheckResult, run_suite, usable_mask
 from burstcv_spec import storage
@@ -199,7 +200,8 @@ def _validate(
         )
         # A fresh site: pages left by an earlier run here would describe another dataset.
         shutil.rmtree(docs_dir, ignore_errors=True)
-        outcome = run_suite(manifest, config, data_docs_dir=docs_dir)
+        with gx_tuning():  # only while GX runs: no thread left behind, templates cached
+            outcome = run_suite(manifest, config, data_docs_dir=docs_dir)
         if storage.is_s3(out_uri):
             for path in sorted(p for p in docs_dir.rglob("*") if p.is_file()):
                 rel = path.relative_to(docs_dir).as_posix()
