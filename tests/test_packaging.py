@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,6 +21,37 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
         for p in root.rglob("__init__.py")
     }
     assert found == listed
+
+
+def _files_in(folder: str) -> list[PurePosixPath]:
+    """Return the files git knows under a folder (tracked, or new and not ignored), relative."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", folder],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return [PurePosixPath(name).relative_to(folder) for name in listed]
+
+
+def _shipped(rel: PurePosixPath, pattern: str) -> bool:
+    """Match as setuptools does: a glob relative to the package folder, "*" within a folder."""
+    return len(rel.parts) == len(PurePosixPath(pattern).parts) and rel.match(pattern)
+
+
+def test_every_data_file_in_a_package_is_shipped_as_package_data() -> None:
+    """A template or price table missing from package-data works here and fails installed."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package_data = config.get("package-data", {})
+    unshipped = [
+        f"{folder}/{rel}"
+        for package, folder in config["package-dir"].items()
+        for rel in _files_in(folder)
+        if rel.suffix != ".py" and not any(_shipped(rel, p) for p in package_data.get(package, []))
+    ]
+    assert unshipped == []
+    assert PurePosixPath("report/report.html.j2") in _files_in("src/burstcv")
 
 
 def _imported_packages(root: Path) -> dict[str, set[str]]:

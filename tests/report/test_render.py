@@ -292,6 +292,29 @@ def test_a_failed_gate_shows_each_failed_check_and_the_priced_options(
     assert "<b>$0.00</b>: the <code>local</code> backend" in page and "no GPU was rented" in page
 
 
+def test_text_from_the_run_is_shown_as_text_never_as_markup(
+    full_run: tuple[Path, Path],
+) -> None:
+    """A class folder, a file path or a gate reason is whatever the dataset and run say."""
+    run, registry = full_run
+    hostile = '<script>alert("x")</script>'
+    escaped = "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt;"
+    doc = validation_doc(success=False)
+    doc["counts"]["per_split"]["train"][hostile] = 5
+    doc["expectations"][0]["offending_files"] = [f"train/{hostile}/1.png"]
+    write(run / "dataset" / "validation.json", doc)
+    model = json.loads((run / "model" / "model.json").read_text())
+    write(run / "model" / "model.json", {**model, "classes": [*CLASSES, hostile]})
+    verdict = {**VERDICT, "checks": [{**VERDICT["checks"][0], "reason": hostile}]}
+    write(run / "bench" / "verdict.json", verdict)
+    page = render(run, registry)
+    assert "<script" not in page
+    assert f"<th>{escaped}</th>" in page  # the class, as a column of the split table
+    assert f"<code>train/{escaped}/1.png</code>" in page  # the offending file
+    assert f"9, {escaped}</td>" in page  # the model's classes
+    assert f"<td>{escaped}</td></tr>" in page  # the gate check's reason
+
+
 def test_the_page_renders_in_headless_chromium(full_run: tuple[Path, Path], tmp_path: Path) -> None:
     if CHROMIUM is None:
         pytest.skip("chromium is not installed (apt-get install -y chromium)")

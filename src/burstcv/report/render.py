@@ -4,18 +4,25 @@ The page (``<run_root>/report/index.html``) needs nothing else to display: figur
 embedded as ``data:`` URIs, the CSS is inline, there is no script and no external resource.
 The one link is relative, to the Data Docs the validate stage wrote beside it. A file a stage
 did not write (the run stopped early) becomes a "not reached" note, never an error.
+
+This module reads the run and works out what each section says (a view: a dict of plain
+values, with ``missing`` set to the reason when the section has nothing to show); the
+markup is ``report.html.j2`` beside this module, rendered by Jinja with autoescape on, so a class
+name or a file path from a dataset is always shown as text.
 """
 
 from __future__ import annotations
 
 import base64
-import html
+import functools
 import json
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
+
+import jinja2
 
 from burstcv import links
 from burstcv_spec import storage
@@ -77,12 +84,7 @@ class RunRecord:
 
 
 # ---------------------------------------------------------------------------------------------
-# formatting helpers
-
-
-def esc(value: Any) -> str:
-    """Return a value as HTML-escaped text."""
-    return html.escape(str(value), quote=True)
+# formatting helpers (plain text: the template escapes)
 
 
 def fmt(value: Any, spec: str = "", suffix: str = "") -> str:
@@ -90,8 +92,8 @@ def fmt(value: Any, spec: str = "", suffix: str = "") -> str:
     if value is None or value == "":
         return "—"
     if isinstance(value, int | float) and not isinstance(value, bool) and spec:
-        return esc(f"{value:{spec}}{suffix}")
-    return esc(f"{value}{suffix}")
+        return f"{value:{spec}}{suffix}"
+    return f"{value}{suffix}"
 
 
 def usd(value: float | None, digits: int = 4) -> str:
@@ -99,192 +101,182 @@ def usd(value: float | None, digits: int = 4) -> str:
     return "—" if value is None else f"${value:,.{digits}f}"
 
 
-def badge(ok: bool | None, yes: str = "passed", no: str = "failed") -> str:
-    """Return a coloured pass/fail label."""
-    if ok is None:
-        return '<span class="badge na">n/a</span>'
-    return f'<span class="badge {"ok" if ok else "bad"}">{esc(yes if ok else no)}</span>'
-
-
-def table(headers: Sequence[str], rows: Iterable[Sequence[str]], cls: str = "") -> str:
-    """Return an HTML table; cells are trusted HTML (escape before passing)."""
-    head = "".join(f"<th>{esc(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
-    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
-
-
-def image(png: bytes, alt: str) -> str:
-    """Return an <img> embedding PNG bytes as a base64 data URI."""
-    data = base64.b64encode(png).decode("ascii")
-    return f'<img class="chart" alt="{esc(alt)}" src="data:image/png;base64,{data}">'
-
-
-def note(text: str, cls: str = "missing") -> str:
-    """Return a highlighted note paragraph."""
-    return f'<p class="note {cls}">{esc(text)}</p>'
-
-
 def short_json(value: Any, limit: int = 140) -> str:
     """Return compact JSON of a value, cut to ``limit`` characters."""
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
-    return esc(text if len(text) <= limit else text[: limit - 1] + "…")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _chart(draw: Callable[[], bytes], alt: str) -> str:
-    """Draw a figure; on bad data show why instead of failing the whole page."""
+@dataclass(frozen=True)
+class Chart:
+    """Hold a drawn figure as base64 PNG, or why it could not be drawn."""
+
+    alt: str
+    png_base64: str = ""
+    error: str = ""
+
+
+def _chart(draw: Callable[[], bytes], alt: str) -> Chart:
+    """Draw a figure; on bad data say why instead of failing the whole page."""
     try:
-        return image(draw(), alt)
+        return Chart(alt, png_base64=base64.b64encode(draw()).decode("ascii"))
     except (ValueError, TypeError, IndexError, KeyError) as exc:
         log.warning("could not draw %s: %s", alt, exc)
-        return note(f"Could not draw the {alt}: {type(exc).__name__}: {exc}", "warn")
+        return Chart(alt, error=f"Could not draw the {alt}: {type(exc).__name__}: {exc}")
+
+
+@functools.cache
+def _templates() -> jinja2.Environment:
+    """Return the Jinja environment of the report template (package data)."""
+    env = jinja2.Environment(
+        # Beside this module: a templates/ folder would be a data-only "package" that
+        # setuptools warns about on every build.
+        loader=jinja2.PackageLoader("burstcv.report", ""),
+        autoescape=True,  # every value comes from a run's files: text, never markup
+        undefined=jinja2.StrictUndefined,  # a misspelt name fails the render, not blanks
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    env.filters["fmt"] = fmt
+    env.filters["usd"] = usd
+    return env
 
 
 # ---------------------------------------------------------------------------------------------
-# sections
+# section views: what each section says, as plain values
 
 
-def section(anchor: str, title: str, body: str) -> str:
-    """Wrap a section body with its heading."""
-    return f'<section id="{anchor}"><h2>{esc(title)}</h2>{body}</section>'
-
-
-def skip_section(record: RunRecord) -> str:
-    """Say, first thing, that the run ended after validation and why (or nothing)."""
+def _skip_view(record: RunRecord) -> dict[str, Any] | None:
+    """Say, first thing, that the run ended after validation and why (or None)."""
     skip = record.get("skip")
     if skip is None:
-        return ""
-    return section(
-        "skipped",
-        "Skipped: nothing new to train on",
-        f'<p class="note warn">{esc(skip.get("reason", "no reason recorded"))}</p>'
-        f"<p>Decided at {fmt(skip.get('decided_at'))}; production stays version "
-        f"{fmt(skip.get('production_version'))}.</p>",
-    )
+        return None
+    return {
+        "reason": skip.get("reason", "no reason recorded"),
+        "decided_at": skip.get("decided_at"),
+        "production_version": skip.get("production_version"),
+    }
 
 
-def data_section(record: RunRecord) -> str:
+def _data_view(record: RunRecord) -> dict[str, Any]:
     """Describe the dataset checks: verdict, counts, each expectation, a link to Data Docs."""
     doc = record.get("validation")
     if doc is None:
-        return section("data", "Data checks", note(record.missing["validation"]))
+        return {"missing": record.missing["validation"]}
     counts = doc.get("counts", {})
     expectations = doc.get("expectations", [])
     failed = [e for e in expectations if not e.get("success")]
-    parts = [
-        f"<p>{badge(bool(doc.get('success')))} {len(expectations) - len(failed)} of "
-        f"{len(expectations)} expectations met on <code>{esc(doc.get('dataset_uri', '?'))}</code>"
-        f": {fmt(counts.get('usable'))} usable of {fmt(counts.get('files'))} files, "
-        f"{fmt(counts.get('errors', 0))} unreadable, {fmt(counts.get('ignored', 0))} ignored.</p>"
-    ]
     docs_rel = f"{links.tree_path('data-docs')}/{links.INDEX}"
-    if storage.exists(storage.join(record.root, docs_rel)):
-        parts.append(
-            f'<p>Great Expectations Data Docs: <a href="{DATA_DOCS_LINK}">{esc(docs_rel)}</a></p>'
-        )
-    else:
-        parts.append(note(f"The Data Docs ({docs_rel}) were not written.", "warn"))
     per_split = counts.get("per_split") or {}
-    if per_split:
-        classes = sorted({c for split in per_split.values() for c in split})
-        splits = list(per_split)
-        parts.append(
-            table(
-                ["split", *classes, "total"],
-                [
-                    [
-                        esc(s),
-                        *(fmt(per_split[s].get(c, 0)) for c in classes),
-                        fmt(sum(per_split[s].values())),
-                    ]
-                    for s in splits
-                ],
-                "compact",
-            )
-        )
+    classes = sorted({c for split in per_split.values() for c in split})
+    drift = doc.get("drift") or {}
     rows = []
     for e in expectations:
         offending = list(e.get("offending_files") or [])
-        shown = ", ".join(f"<code>{esc(p)}</code>" for p in offending[:MAX_OFFENDING_SHOWN])
-        if len(offending) > MAX_OFFENDING_SHOWN:
-            shown += f" and {len(offending) - MAX_OFFENDING_SHOWN} more"
         rows.append(
+            {
+                "name": e.get("name", "?"),
+                "description": e.get("description", ""),
+                "success": bool(e.get("success")),
+                "observed": short_json(e.get("observed")),
+                "shown": offending[:MAX_OFFENDING_SHOWN],
+                "more": max(0, len(offending) - MAX_OFFENDING_SHOWN),
+            }
+        )
+    return {
+        "missing": None,
+        "success": bool(doc.get("success")),
+        "met": len(expectations) - len(failed),
+        "total": len(expectations),
+        "dataset_uri": doc.get("dataset_uri", "?"),
+        "usable": counts.get("usable"),
+        "files": counts.get("files"),
+        "errors": counts.get("errors", 0),
+        "ignored": counts.get("ignored", 0),
+        "docs_rel": docs_rel,
+        "docs_link": DATA_DOCS_LINK,
+        "docs_written": storage.exists(storage.join(record.root, docs_rel)),
+        "classes": classes,
+        "split_rows": [
             [
-                f"<b>{esc(e.get('name', '?'))}</b><br><small>{esc(e.get('description', ''))}"
-                "</small>",
-                badge(bool(e.get("success"))),
-                short_json(e.get("observed")),
-                shown or "—",
+                split,
+                *(fmt(per_split[split].get(c, 0)) for c in classes),
+                fmt(sum(per_split[split].values())),
             ]
-        )
-    parts.append(table(["expectation", "result", "observed", "offending files"], rows))
-    drift = doc.get("drift") or {}
-    if drift.get("status"):
-        parts.append(
-            f"<p>Drift against the last passing dataset: {esc(drift.get('status'))}"
-            f"{' — ' + esc(drift['message']) if drift.get('message') else ''}</p>"
-        )
-    for warning in doc.get("warnings") or []:
-        parts.append(note(f"warning: {warning}", "warn"))
-    return section("data", "Data checks", "".join(parts))
+            for split in per_split
+        ],
+        "expectations": rows,
+        "drift_status": drift.get("status"),
+        "drift_message": drift.get("message"),
+        "warnings": doc.get("warnings") or [],
+    }
 
 
-def training_section(record: RunRecord) -> str:
+def _training_view(record: RunRecord) -> dict[str, Any]:
     """Show the training curves, the per-epoch table and where the time went."""
     metrics = record.get("metrics")
     if metrics is None:
-        return section("training", "Training", note(record.missing["metrics"]))
+        return {"missing": record.missing["metrics"]}
     epochs = metrics.get("epochs") or []
     wall = metrics.get("wall_s") or {}
-    total_wall = sum(float(v) for v in wall.values()) if wall else None
-    parts = [
-        f"<p>Final validation accuracy <b>{fmt(metrics.get('val_accuracy'), '.4f')}</b> "
-        f"(loss {fmt(metrics.get('val_loss'), '.4f')}) after {len(epochs)} epochs on "
-        f"<code>{esc(metrics.get('device', '?'))}</code>"
-        f"{' (' + esc(metrics['device_name']) + ')' if metrics.get('device_name') else ''}"
-        f"{'; stopped: ' + esc(metrics['stop_reason']) if metrics.get('stop_reason') else ''}"
-        ".</p>"
-    ]
-    if wall:
-        parts.append(
-            "<p>Wall time "
-            + fmt(total_wall, ".1f", " s")
-            + ": "
-            + ", ".join(f"{esc(k)} {fmt(float(v), '.1f', ' s')}" for k, v in wall.items())
-            + ".</p>"
-        )
+    curves = confusion_chart = None
     if epochs:
         from burstcv.report.charts import training_curves
 
-        parts.append(_chart(lambda: training_curves(epochs), "training curves"))
-        parts.append(
-            table(
-                ["epoch", "train loss", "val loss", "val accuracy", "images/s", "lr", "elapsed"],
-                [
-                    [
-                        fmt(e.get("epoch")),
-                        fmt(e.get("train_loss"), ".4f"),
-                        fmt(e.get("val_loss"), ".4f"),
-                        fmt(e.get("val_accuracy"), ".4f"),
-                        fmt(e.get("images_per_s"), ",.0f"),
-                        fmt(e.get("lr"), ".4g"),
-                        fmt(e.get("elapsed_s"), ".1f", " s"),
-                    ]
-                    for e in epochs
-                ],
-                "compact",
-            )
-        )
-    else:
-        parts.append(note("metrics.json lists no epochs: there are no curves to draw.", "warn"))
+        curves = _chart(lambda: training_curves(epochs), "training curves")
     confusion, classes = metrics.get("confusion"), metrics.get("classes")
-    parts.append("<h3>Confusion matrix</h3>")
     if confusion and classes:
         from burstcv.report.charts import confusion_matrix
 
-        parts.append(_chart(lambda: confusion_matrix(confusion, classes), "confusion matrix"))
-    else:
-        parts.append(note("metrics.json holds no confusion matrix.", "warn"))
-    return section("training", "Training", "".join(parts))
+        confusion_chart = _chart(lambda: confusion_matrix(confusion, classes), "confusion matrix")
+    return {
+        "missing": None,
+        "val_accuracy": metrics.get("val_accuracy"),
+        "val_loss": metrics.get("val_loss"),
+        "epoch_count": len(epochs),
+        "device": metrics.get("device", "?"),
+        "device_name": metrics.get("device_name"),
+        "stop_reason": metrics.get("stop_reason"),
+        "wall": [(stage, float(seconds)) for stage, seconds in wall.items()],
+        "total_wall": sum(float(v) for v in wall.values()) if wall else None,
+        "curves": curves,
+        "epoch_rows": [
+            [
+                fmt(e.get("epoch")),
+                fmt(e.get("train_loss"), ".4f"),
+                fmt(e.get("val_loss"), ".4f"),
+                fmt(e.get("val_accuracy"), ".4f"),
+                fmt(e.get("images_per_s"), ",.0f"),
+                fmt(e.get("lr"), ".4g"),
+                fmt(e.get("elapsed_s"), ".1f", " s"),
+            ]
+            for e in epochs
+        ],
+        "confusion": confusion_chart,
+    }
+
+
+def _model_view(record: RunRecord) -> dict[str, Any]:
+    """Describe the exported model: architecture, input, opset, hash, lineage."""
+    meta = record.get("model")
+    if meta is None:
+        return {"missing": record.missing["model"]}
+    pre = meta.get("preprocess") or {}
+    return {
+        "missing": None,
+        "arch": meta.get("arch", "?"),
+        "classes": ", ".join(map(str, meta.get("classes") or [])),
+        "height": pre.get("height"),
+        "width": pre.get("width"),
+        "color_mode": pre.get("color_mode"),
+        "onnx_file": meta.get("onnx_file", "?"),
+        "opset": meta.get("opset"),
+        "sha256": meta.get("sha256", "?"),
+        "parity_max_abs_diff": (meta.get("parity") or {}).get("max_abs_diff"),
+        "dataset_fingerprint": meta.get("dataset_fingerprint", "?"),
+        "source_commit": meta.get("source_commit", "?"),
+    }
 
 
 def _latency_sources(latency: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -295,63 +287,59 @@ def _latency_sources(latency: dict[str, Any]) -> list[tuple[str, dict[str, Any]]
     return out
 
 
-def latency_section(record: RunRecord) -> str:
+# The latency table's rows: label, latency.json key, number format, unit.
+LATENCY_ROWS: tuple[tuple[str, str, str, str], ...] = (
+    ("p50", "p50_ms", ".2f", " ms"),
+    ("p95", "p95_ms", ".2f", " ms"),
+    ("p99", "p99_ms", ".2f", " ms"),
+    ("throughput", "throughput_rps", ".1f", " req/s"),
+    ("error rate", "error_rate", ".2%", ""),
+    ("accuracy", "accuracy", ".4f", ""),
+    ("bare onnxruntime p50 (floor)", "bare_onnxruntime_p50_ms", ".3f", " ms"),
+)
+
+
+def _latency_view(record: RunRecord) -> dict[str, Any]:
     """Compare candidate and production latency over HTTP: table and overlaid histogram."""
     latency = record.get("latency")
     if latency is None:
-        return section("latency", "Latency benchmark", note(record.missing["latency"]))
+        return {"missing": record.missing["latency"]}
     sources = _latency_sources(latency)
     if not sources:
-        return section("latency", "Latency benchmark", note("latency.json has no candidate."))
+        return {"missing": "latency.json has no candidate."}
     host = latency.get("host") or {}
-    parts = [
-        f"<p>Measured {fmt(latency.get('measured_at'))} through a staging copy of the service "
-        f"on {fmt(host.get('cpu_count'))} CPUs (<code>{esc(host.get('processor', '?'))}</code>), "
-        f"{fmt(latency.get('requests'))} requests at concurrency "
-        f"{fmt(latency.get('concurrency'))}, one image per request.</p>"
-    ]
-    rows_spec: list[tuple[str, str, str, str]] = [
-        ("p50", "p50_ms", ".2f", " ms"),
-        ("p95", "p95_ms", ".2f", " ms"),
-        ("p99", "p99_ms", ".2f", " ms"),
-        ("throughput", "throughput_rps", ".1f", " req/s"),
-        ("error rate", "error_rate", ".2%", ""),
-        ("accuracy", "accuracy", ".4f", ""),
-        ("bare onnxruntime p50 (floor)", "bare_onnxruntime_p50_ms", ".3f", " ms"),
-    ]
-    parts.append(
-        table(
-            ["", *(label for label, _ in sources)],
-            [
-                [esc(name), *(fmt(figs.get(key), spec, suffix) for _, figs in sources)]
-                for name, key, spec, suffix in rows_spec
-            ],
-            "compact",
-        )
-    )
+    histogram = None
+    prod = latency.get("production") or {}
+    prod_ms = prod.get("latencies_ms") or None
     candidate_ms = latency.get("candidate", {}).get("latencies_ms") or []
     if candidate_ms:
         from burstcv.report.charts import latency_histogram
 
-        prod = latency.get("production") or {}
-        prod_ms = prod.get("latencies_ms") or None
         slo = _slo_ms(record)
-        parts.append(
-            _chart(
-                lambda: latency_histogram(
-                    candidate_ms,
-                    prod_ms,
-                    slo_ms=slo,
-                    production_label=f"production v{prod.get('version', '?')}",
-                ),
-                "latency histogram",
-            )
+        histogram = _chart(
+            lambda: latency_histogram(
+                candidate_ms,
+                prod_ms,
+                slo_ms=slo,
+                production_label=f"production v{prod.get('version', '?')}",
+            ),
+            "latency histogram",
         )
-        if not prod_ms:
-            parts.append(note("No production model to compare with: only the candidate.", "info"))
-    else:
-        parts.append(note("latency.json holds no per-request samples to draw.", "warn"))
-    return section("latency", "Latency benchmark", "".join(parts))
+    return {
+        "missing": None,
+        "measured_at": latency.get("measured_at"),
+        "cpu_count": host.get("cpu_count"),
+        "processor": host.get("processor", "?"),
+        "requests": latency.get("requests"),
+        "concurrency": latency.get("concurrency"),
+        "labels": [label for label, _ in sources],
+        "rows": [
+            [name, *(fmt(figures.get(key), spec, suffix) for _, figures in sources)]
+            for name, key, spec, suffix in LATENCY_ROWS
+        ],
+        "histogram": histogram,
+        "production_sampled": bool(prod_ms),
+    }
 
 
 def _slo_ms(record: RunRecord) -> float | None:
@@ -362,58 +350,49 @@ def _slo_ms(record: RunRecord) -> float | None:
     return None
 
 
-def gate_section(record: RunRecord, *, registry_uri: str, model_name: str, serving_url: str) -> str:
+def _gate_view(
+    record: RunRecord, *, registry_uri: str, model_name: str, serving_url: str
+) -> dict[str, Any]:
     """Show the gate's verdict, each check, priced suggestions, and where production points."""
     verdict = record.get("verdict")
     if verdict is None:
-        return section("gate", "Gate verdict", note(record.missing["verdict"]))
-    promote = bool(verdict.get("promote"))
-    parts = [
-        f'<p class="verdict {"ok" if promote else "bad"}">'
-        f"{'PROMOTE' if promote else 'NOT PROMOTED'}: version {fmt(verdict.get('version'))} "
-        f"— {esc(str(verdict.get('summary', '')).removeprefix('not promoted: '))}</p>"
-    ]
-    parts.append(
-        table(
-            ["check", "result", "observed", "limit", "reason"],
-            [
-                [
-                    esc(c.get("name")),
-                    badge(bool(c.get("passed"))),
-                    fmt(c.get("observed"), ".4g"),
-                    fmt(c.get("limit"), ".4g"),
-                    esc(c.get("reason", "")),
-                ]
-                for c in verdict.get("checks") or []
-            ],
-        )
-    )
-    suggestions = verdict.get("suggestions") or []
-    if suggestions:
-        parts.append("<h3>What would meet the latency SLO</h3>")
-        parts.append(
-            table(
-                ["option", "est. p95", "meets SLO", "instance", "cost per 1M", "assumption"],
-                [
-                    [
-                        esc(s.get("title")),
-                        fmt(s.get("estimated_p95_ms"), ".1f", " ms"),
-                        badge(s.get("meets_slo"), "yes", "no"),
-                        f"{esc(s.get('instance_type'))} ({esc(s.get('region'))})",
-                        usd(s.get("cost_per_million_usd"))
-                        if s.get("cost_per_million_usd") is not None
-                        else esc(s.get("price_note", "—")),
-                        f"<small>{esc(s.get('assumption', ''))}</small>",
-                    ]
-                    for s in suggestions
-                ],
-            )
-        )
-    parts.append(_registry_html(verdict, registry_uri, model_name, serving_url))
-    return section("gate", "Gate verdict", "".join(parts))
+        return {"missing": record.missing["verdict"]}
+    return {
+        "missing": None,
+        "promote": bool(verdict.get("promote")),
+        "version": verdict.get("version"),
+        "summary": str(verdict.get("summary", "")).removeprefix("not promoted: "),
+        "checks": [
+            {
+                "name": c.get("name"),
+                "passed": bool(c.get("passed")),
+                "observed": c.get("observed"),
+                "limit": c.get("limit"),
+                "reason": c.get("reason", ""),
+            }
+            for c in verdict.get("checks") or []
+        ],
+        "suggestions": [
+            {
+                "title": s.get("title"),
+                "estimated_p95_ms": s.get("estimated_p95_ms"),
+                "meets_slo": s.get("meets_slo"),
+                "instance_type": s.get("instance_type"),
+                "region": s.get("region"),
+                "cost": usd(s.get("cost_per_million_usd"))
+                if s.get("cost_per_million_usd") is not None
+                else s.get("price_note", "—"),
+                "assumption": s.get("assumption", ""),
+            }
+            for s in verdict.get("suggestions") or []
+        ],
+        "registry": _registry_view(verdict, registry_uri, model_name, serving_url),
+    }
 
 
-def _registry_html(verdict: dict[str, Any], registry_uri: str, model_name: str, url: str) -> str:
+def _registry_view(
+    verdict: dict[str, Any], registry_uri: str, model_name: str, url: str
+) -> dict[str, Any]:
     from burstcv.registry.registry import PRODUCTION, Registry, RegistryError
 
     version = verdict.get("version")
@@ -422,164 +401,109 @@ def _registry_html(verdict: dict[str, Any], registry_uri: str, model_name: str, 
         alias = registry.get_alias(PRODUCTION)
         status = registry.entry(int(version)).get("status") if version is not None else None
     except (RegistryError, storage.ArtifactNotFoundError, ValueError) as exc:
-        return note(f"Registry {registry_uri} could not be read: {exc}", "warn")
-    live = alias is not None and alias.version == version
-    where = f"served at <code>{esc(url)}</code>" if url else "no serving URL is configured"
-    return (
-        f"<p>Registry <code>{esc(registry_uri)}</code>, model <code>{esc(model_name)}</code>: "
-        f"version {fmt(version)} is <b>{esc(status or 'unknown')}</b>; production points at "
-        f"version {fmt(alias.version if alias else None)}"
-        f"{' (this run)' if live else ''}; {where}.</p>"
-    )
+        return {"error": f"Registry {registry_uri} could not be read: {exc}"}
+    return {
+        "error": None,
+        "uri": registry_uri,
+        "model_name": model_name,
+        "version": version,
+        "status": status or "unknown",
+        "production_version": alias.version if alias else None,
+        "live": alias is not None and alias.version == version,
+        "serving_url": url,
+    }
 
 
-def cost_section(
+def _cost_view(
     record: RunRecord, *, serving_instance_type: str, serving_region: str, training_region: str
-) -> str:
+) -> dict[str, Any]:
     """Price this run's GPU time and one million predictions at the measured throughput."""
-    from burstcv.cost.pricing import (
-        UnknownPriceError,
-        hourly_price,
-        price_source,
-        serving_cost_per_million,
-    )
+    from burstcv.cost.pricing import UnknownPriceError, hourly_price, price_source
 
-    parts = ["<h3>Training compute</h3>"]
+    source = price_source()
+    view: dict[str, Any] = {
+        "billing_missing": record.missing.get("billing"),
+        "training_region": training_region,
+        "serving": _serving_cost_view(record, serving_instance_type, serving_region),
+        "prices_as_of": source["as_of"],
+        "prices_source": source["source"],
+    }
     billing = record.get("billing")
     if billing is None:
-        parts.append(note(record.missing["billing"]))
-    else:
-        backend = billing.get("backend", "?")
-        billed = billing.get("billed_seconds") or {}
-        total_s = sum(float(s) for s in billed.values())
-        cost = float(billing.get("cost_usd") or 0.0)
-        rows = []
-        for inst in billing.get("instances") or []:
-            iid = inst.get("instance_id", "?")
-            itype, life = inst.get("instance_type", ""), inst.get("lifecycle", "")
-            try:
-                rate: float | None = hourly_price(itype, training_region, life)
-            except UnknownPriceError:
-                rate = None
-            seconds = billed.get(iid)
-            rows.append(
-                [
-                    f"<code>{esc(iid)}</code>",
-                    esc(itype or "?"),
-                    esc(life or "?"),
-                    fmt(seconds, ",.0f", " s"),
-                    "—" if rate is None else f"${rate:.4f}/h",
-                    usd(None if rate is None or seconds is None else rate * float(seconds) / 3600),
-                ]
-            )
-        if backend == "local":
-            parts.append(
-                f'<p class="cost"><b>$0.00</b>: the <code>local</code> backend trained on this '
-                f"machine ({total_s:,.0f} s), so no GPU was rented and nothing was billed.</p>"
-            )
-        else:
-            parts.append(
-                f'<p class="cost"><b>{usd(cost)}</b> for {total_s:,.0f} billed GPU-instance '
-                f"seconds on the <code>{esc(backend)}</code> backend (billed seconds × the "
-                f"{esc(training_region)} hourly price; per second, 60 s minimum per start).</p>"
-            )
-        if rows:
-            parts.append(
-                table(["instance", "type", "lifecycle", "billed", "price", "cost"], rows, "compact")
-            )
-    parts.append("<h3>Serving</h3>")
+        return view
+    billed = billing.get("billed_seconds") or {}
+    instances = []
+    for inst in billing.get("instances") or []:
+        iid = inst.get("instance_id", "?")
+        itype, life = inst.get("instance_type", ""), inst.get("lifecycle", "")
+        try:
+            rate: float | None = hourly_price(itype, training_region, life)
+        except UnknownPriceError:
+            rate = None
+        seconds = billed.get(iid)
+        instances.append(
+            {
+                "instance_id": iid,
+                "instance_type": itype or "?",
+                "lifecycle": life or "?",
+                "billed_seconds": seconds,
+                "price": "—" if rate is None else f"${rate:.4f}/h",
+                "cost_usd": None
+                if rate is None or seconds is None
+                else rate * float(seconds) / 3600,
+            }
+        )
+    view.update(
+        backend=billing.get("backend", "?"),
+        billed_seconds=f"{sum(float(s) for s in billed.values()):,.0f}",
+        cost_usd=float(billing.get("cost_usd") or 0.0),
+        instances=instances,
+    )
+    return view
+
+
+def _serving_cost_view(record: RunRecord, instance_type: str, region: str) -> dict[str, Any]:
+    """Price one million predictions on one serving instance at the measured throughput."""
+    from burstcv.cost.pricing import UnknownPriceError, hourly_price, serving_cost_per_million
+
     latency = record.get("latency")
     rps = ((latency or {}).get("candidate") or {}).get("throughput_rps")
     if latency is None:
-        parts.append(note(record.missing["latency"]))
-    elif not rps:
-        parts.append(note("The benchmark measured no throughput: serving cost is unknown.", "warn"))
-    else:
-        try:
-            per_million = serving_cost_per_million(serving_instance_type, serving_region, rps)
-            rate = hourly_price(serving_instance_type, serving_region, "on-demand")
-        except UnknownPriceError as exc:
-            parts.append(note(f"Serving cost unknown: {exc}", "warn"))
-        else:
-            host = latency.get("host") or {}
-            line = (
-                f'<p class="cost"><b>{usd(per_million)} per 1M predictions</b> on one '
-                f"<code>{esc(serving_instance_type)}</code> (on-demand, {esc(serving_region)}, "
-                f"${rate:.4f}/h) at the candidate's measured {float(rps):.1f} req/s"
-            )
-            prod = latency.get("production") or {}
-            if prod.get("throughput_rps"):
-                prod_cost = serving_cost_per_million(
-                    serving_instance_type, serving_region, float(prod["throughput_rps"])
-                )
-                line += f" (production v{esc(prod.get('version', '?'))}: {usd(prod_cost)})"
-            parts.append(
-                line + ".</p>"
-                f"<p><small>The throughput was measured on the benchmark host "
-                f"({fmt(host.get('cpu_count'))} CPUs, concurrency "
-                f"{fmt(latency.get('concurrency'))}), not on a {esc(serving_instance_type)}: "
-                "treat the figure as an estimate of one instance kept busy.</small></p>"
-            )
-    source = price_source()
-    parts.append(
-        f"<p><small>Prices as of {esc(source['as_of'])}: {esc(source['source'])}</small></p>"
-    )
-    return section("cost", "Cost", "".join(parts))
+        return {"note": record.missing["latency"], "note_class": "missing"}
+    if not rps:
+        return {
+            "note": "The benchmark measured no throughput: serving cost is unknown.",
+            "note_class": "warn",
+        }
+    try:
+        per_million = serving_cost_per_million(instance_type, region, rps)
+        rate = hourly_price(instance_type, region, "on-demand")
+    except UnknownPriceError as exc:
+        return {"note": f"Serving cost unknown: {exc}", "note_class": "warn"}
+    prod = latency.get("production") or {}
+    production = None
+    if prod.get("throughput_rps"):
+        production = {
+            "version": prod.get("version", "?"),
+            "per_million_usd": serving_cost_per_million(
+                instance_type, region, float(prod["throughput_rps"])
+            ),
+        }
+    host = latency.get("host") or {}
+    return {
+        "note": None,
+        "per_million_usd": per_million,
+        "instance_type": instance_type,
+        "region": region,
+        "hourly": f"${rate:.4f}/h",
+        "throughput_rps": f"{float(rps):.1f}",
+        "production": production,
+        "cpu_count": host.get("cpu_count"),
+        "concurrency": latency.get("concurrency"),
+    }
 
 
-def model_section(record: RunRecord) -> str:
-    """Describe the exported model: architecture, input, opset, hash, lineage."""
-    meta = record.get("model")
-    if meta is None:
-        return section("model", "Exported model", note(record.missing["model"]))
-    pre = meta.get("preprocess") or {}
-    rows = [
-        ["architecture", esc(meta.get("arch", "?"))],
-        ["classes", esc(", ".join(map(str, meta.get("classes") or [])))],
-        ["input", f"{fmt(pre.get('height'))}×{fmt(pre.get('width'))} {esc(pre.get('color_mode'))}"],
-        ["ONNX", f"<code>{esc(meta.get('onnx_file', '?'))}</code>, opset {fmt(meta.get('opset'))}"],
-        ["sha256", f"<code>{esc(meta.get('sha256', '?'))}</code>"],
-        ["parity vs torch", fmt((meta.get("parity") or {}).get("max_abs_diff"), ".2e")],
-        ["dataset fingerprint", f"<code>{esc(meta.get('dataset_fingerprint', '?'))}</code>"],
-        ["source commit", f"<code>{esc(meta.get('source_commit', '?'))}</code>"],
-    ]
-    return section("model", "Exported model", table(["", ""], rows, "compact kv"))
-
-
-# ---------------------------------------------------------------------------------------------
-# the page
-
-CSS = """
-body{font-family:-apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;margin:0;
- background:#f4f5f7;color:#1d2330;line-height:1.45}
-main{max-width:1080px;margin:0 auto;padding:24px}
-header{background:#1d2330;color:#fff;padding:20px 24px}
-header h1{margin:0 0 4px;font-size:22px}header p{margin:0;color:#c5cad6}
-section{background:#fff;border-radius:8px;padding:16px 20px;margin:0 0 18px;
- box-shadow:0 1px 2px rgba(0,0,0,.08)}
-h2{margin:0 0 10px;font-size:18px}h3{font-size:15px;margin:16px 0 8px}
-table{border-collapse:collapse;width:100%;margin:8px 0;font-size:13px}
-th,td{border-bottom:1px solid #e3e6eb;padding:5px 8px;text-align:left;vertical-align:top}
-th{background:#f0f2f5}table.compact{width:auto}table.kv th{display:none}
-code{font-size:12px;background:#f0f2f5;padding:1px 4px;border-radius:3px}
-.badge{display:inline-block;padding:1px 8px;border-radius:10px;font-size:12px;font-weight:600}
-.badge.ok{background:#dff3e4;color:#1a7f37}.badge.bad{background:#fde2e1;color:#b42318}
-.badge.na{background:#eceff3;color:#5b6472}
-.verdict{font-size:16px;font-weight:600;padding:10px 14px;border-radius:6px}
-.verdict.ok{background:#dff3e4;color:#1a7f37}.verdict.bad{background:#fde2e1;color:#b42318}
-.note{padding:8px 12px;border-radius:6px;border-left:4px solid}
-.note.missing{background:#f0f2f5;border-color:#8a94a6;color:#3b4351}
-.note.warn{background:#fff6e0;border-color:#e3a008}.note.info{background:#e8f1fb;border-color:#1f77b4}
-.cost b{font-size:16px}img.chart{max-width:100%;display:block;margin:10px 0}
-nav a{color:#c5cad6;margin-right:14px;font-size:13px}
-.cards{display:flex;gap:12px;flex-wrap:wrap;margin:0 0 18px}
-.card{flex:1 1 140px;background:#fff;border-radius:8px;padding:12px 14px;
- box-shadow:0 1px 2px rgba(0,0,0,.08)}.card small{color:#5b6472}
-.card div{font-size:18px;font-weight:600}
-"""
-
-
-def _cards(record: RunRecord) -> str:
+def _cards(record: RunRecord) -> list[tuple[str, str]]:
     """Return the one-glance summary: data, accuracy, latency, gate, run cost."""
     validation = record.get("validation")
     metrics = record.get("metrics")
@@ -587,7 +511,7 @@ def _cards(record: RunRecord) -> str:
     billing = record.get("billing")
     latency = record.get("latency")
     unreached = "skipped" if record.get("skip") else "not reached"
-    cards = [
+    return [
         (
             "Data checks",
             "passed"
@@ -610,15 +534,18 @@ def _cards(record: RunRecord) -> str:
         ),
         ("Run cost", usd(float(billing.get("cost_usd") or 0.0)) if billing else unreached),
     ]
-    return (
-        '<div class="cards">'
-        + "".join(
-            # Every value above is a literal or already escaped by fmt/usd.
-            f"<div class=card><small>{esc(k)}</small><div>{v}</div></div>"
-            for k, v in cards
-        )
-        + "</div>"
-    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the page
+
+NAV = (
+    ("data", "Data"),
+    ("training", "Training"),
+    ("latency", "Latency"),
+    ("gate", "Gate"),
+    ("cost", "Cost"),
+)
 
 
 def render_html(
@@ -632,44 +559,31 @@ def render_html(
     training_region: str = DEFAULT_SERVING_REGION,
 ) -> str:
     """Return the whole report page for a run record."""
-    run_id = record.root.rstrip("/").rsplit("/", 1)[-1]
-    generated = datetime.now(UTC).isoformat(timespec="seconds")
-    body = "".join(
-        [
-            _cards(record),
-            skip_section(record),
-            data_section(record),
-            training_section(record),
-            model_section(record),
-            latency_section(record),
-            gate_section(
+    return (
+        _templates()
+        .get_template("report.html.j2")
+        .render(
+            run_id=record.root.rstrip("/").rsplit("/", 1)[-1],
+            run_root=record.root,
+            model_name=model_name,
+            generated=datetime.now(UTC).isoformat(timespec="seconds"),
+            nav=NAV,
+            cards=_cards(record),
+            skip=_skip_view(record),
+            data=_data_view(record),
+            training=_training_view(record),
+            model=_model_view(record),
+            latency=_latency_view(record),
+            gate=_gate_view(
                 record, registry_uri=registry_uri, model_name=model_name, serving_url=serving_url
             ),
-            cost_section(
+            cost=_cost_view(
                 record,
                 serving_instance_type=serving_instance_type,
                 serving_region=serving_region,
                 training_region=training_region,
             ),
-        ]
-    )
-    nav = "".join(
-        f'<a href="#{a}">{t}</a>'
-        for a, t in (
-            ("data", "Data"),
-            ("training", "Training"),
-            ("latency", "Latency"),
-            ("gate", "Gate"),
-            ("cost", "Cost"),
         )
-    )
-    return (
-        "<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
-        '<meta name=viewport content="width=device-width, initial-scale=1">'
-        f"<title>burstcv run {esc(run_id)}</title><style>{CSS}</style></head><body>"
-        f"<header><h1>burstcv run {esc(run_id)}</h1><p>model <b>{esc(model_name)}</b> · "
-        f"report generated {esc(generated)} · <code>{esc(record.root)}</code></p>"
-        f"<nav>{nav}</nav></header><main>{body}</main></body></html>\n"
     )
 
 
