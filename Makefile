@@ -93,8 +93,8 @@ test: $(STAMP) sysdeps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src serving dags plugins tests bench
-	$(BIN)/ruff format --check src serving dags plugins tests bench
+	$(BIN)/ruff check src serving spec dags plugins tests bench
+	$(BIN)/ruff format --check src serving spec dags plugins tests bench
 	$(BIN)/mypy
 
 # What answers on the port must be the process started here, reading this checkout's
