@@ -53,8 +53,10 @@ from fastapi import FastAPI, File, UploadFile  # module level: FastAPI resolves 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "serving"))
+sys.path.append(str(REPO_ROOT / "tests"))  # the test-support modules: localserver
 
-from burstcv.gate.latency import free_port  # noqa: E402
+from localserver import free_port, prediction_service, server_process  # noqa: E402
+
 from burstcv_serving.settings import Settings  # noqa: E402
 from burstcv_spec.preprocess import PreprocessSpec, decode_to_uint8, normalize  # noqa: E402
 
@@ -335,22 +337,6 @@ def paired_c1(
     return pairs
 
 
-def wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"server exited with {process.returncode} before becoming ready")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{url} not ready after {timeout_s} s")
-
-
 _WRK_LUA = """
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "multipart/form-data; boundary={boundary}"
@@ -584,30 +570,9 @@ def measure_http(
     return load_python(url, body_path.read_bytes(), concurrency, seconds)
 
 
-def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-def service_env(model_dir: Path, threads: int, serving_dir: str) -> dict[str, str]:
-    """Return the environment of ``python -m burstcv_serving`` serving ``model_dir``."""
-    return {
-        **os.environ,
-        "PYTHONPATH": serving_dir,
-        "BURSTCV_SERVING_MODEL_DIR": str(model_dir),
-        "BURSTCV_SERVING_PORT": str(free_port()),
-        "BURSTCV_SERVING_POLL_INTERVAL_S": "0",
-        "BURSTCV_SERVING_INTRA_OP_THREADS": str(threads),
-        "BURSTCV_SERVING_LOG_LEVEL": "warning",
-    }
+def bench_service_settings(model_dir: Path, threads: int) -> dict[str, object]:
+    """Return the BURSTCV_SERVING_* settings of the service serving ``model_dir``."""
+    return {"MODEL_DIR": model_dir, "POLL_INTERVAL_S": 0, "INTRA_OP_THREADS": threads}
 
 
 def shed_counters(metrics_text: str) -> dict[str, float]:
@@ -634,29 +599,28 @@ def overload(args: argparse.Namespace, model_dir: Path, body: bytes, work: Path)
 
     steps = [int(c) for c in args.connections.split(",")]
     target_ms = Settings(model_dir=str(model_dir)).queue_delay_target_ms
-    env = service_env(model_dir, args.threads, args.serving_dir)
-    service_url = f"http://127.0.0.1:{env['BURSTCV_SERVING_PORT']}"
     plain_port = free_port()
     plain_cmd = [sys.executable, __file__, "--plain-server", "--model-dir", str(model_dir)]
     plain_cmd += ["--port", str(plain_port), "--threads", str(args.threads)]
-    plain_url = f"http://127.0.0.1:{plain_port}"
     load_start = _load_average()
-    service = start([sys.executable, "-m", "burstcv_serving"], env, work / "service.log")
-    plain = start(plain_cmd, dict(os.environ), work / "plain.log")
     rows: dict[str, list[dict[str, float]]] = {"service": [], "plain": []}
-    try:
-        wait_ready(f"{service_url}/readyz", service)
-        wait_ready(f"{plain_url}/healthz", plain)
+    with (
+        prediction_service(
+            bench_service_settings(model_dir, args.threads),
+            log_path=work / "service.log",
+            serving_dir=args.serving_dir,
+        ) as service,
+        server_process(
+            plain_cmd, port=plain_port, log_path=work / "plain.log", ready_path="/healthz"
+        ) as plain,
+    ):
         for connections in steps:
-            for name, url in (("service", service_url), ("plain", plain_url)):
+            for name, url in (("service", service.url), ("plain", plain.url)):
                 rows[name].append(
                     load_closed_loop(f"{url}/v1/predict", body, connections, args.duration_s)
                 )
                 logger.info("%s at %d connections: %s", name, connections, rows[name][-1])
-        counters = shed_counters(httpx.get(f"{service_url}/metrics").text)
-    finally:
-        stop(service)
-        stop(plain)
+        counters = shed_counters(httpx.get(f"{service.url}/metrics").text)
     results = {
         "machine": {"cpus": len(os.sched_getaffinity(0)), "platform": platform.platform()},
         "load_average": {"start": load_start, "end": _load_average()},
@@ -789,34 +753,29 @@ def main() -> None:
     bare = BareSession(model_dir, args.threads, service_settings.intra_op_spinning)
     results["bare"] = bare_onnxruntime(bare, seconds=4.0)
 
-    env = service_env(model_dir, args.threads, args.serving_dir)
-    service_url = f"http://127.0.0.1:{env['BURSTCV_SERVING_PORT']}"
-    service = start([sys.executable, "-m", "burstcv_serving"], env, work / "service.log")
-    try:
-        wait_ready(f"{service_url}/readyz", service)
-        url = f"{service_url}/v1/predict"
+    with prediction_service(
+        bench_service_settings(model_dir, args.threads),
+        log_path=work / "service.log",
+        serving_dir=args.serving_dir,
+    ) as service:
+        url = f"{service.url}/v1/predict"
         results["service_c1"] = measure_http(url, body_path, 1, args.duration_s, use_wrk)
         results[f"service_c{args.concurrency}"] = measure_http(
             url, body_path, args.concurrency, args.duration_s, use_wrk
         )
         results["paired_c1"] = paired_c1(bare, url, body_path, args.rounds, use_wrk)
-    finally:
-        stop(service)
 
     naive_port = free_port()
     naive_cmd = [sys.executable, __file__, "--naive-server", "--model-dir", str(model_dir)]
     naive_cmd += ["--port", str(naive_port), "--threads", str(args.threads)]
     if args.torch_checkpoint:
         naive_cmd += ["--torch-checkpoint", args.torch_checkpoint]
-    naive = start(naive_cmd, dict(os.environ), work / "naive.log")
-    try:
-        wait_ready(f"http://127.0.0.1:{naive_port}/healthz", naive)
-        url = f"http://127.0.0.1:{naive_port}/v1/predict"
+    with server_process(
+        naive_cmd, port=naive_port, log_path=work / "naive.log", ready_path="/healthz"
+    ) as naive:
         results[f"naive_c{args.concurrency}"] = measure_http(
-            url, body_path, args.concurrency, args.duration_s, use_wrk
+            f"{naive.url}/v1/predict", body_path, args.concurrency, args.duration_s, use_wrk
         )
-    finally:
-        stop(naive)
 
     bare_figures = results["bare"]
     cn = results[f"service_c{args.concurrency}"]

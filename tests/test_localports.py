@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -12,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from localserver import HOST, LocalServer, free_port, server_process
 
 from burstcv import localports
-from burstcv.gate.latency import free_port
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -36,19 +37,15 @@ def dummy_listener() -> Iterator[int]:
         yield int(sock.getsockname()[1])
 
 
-def start_server(port: int, registry: Path) -> subprocess.Popen[bytes]:
-    """Start a real HTTP server on the port, with the service's registry variable set."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+def http_server(registry: Path) -> contextlib.AbstractContextManager[LocalServer]:
+    """Run a real HTTP server on a free port, with the service's registry variable set."""
+    port = free_port()
+    return server_process(
+        [sys.executable, "-m", "http.server", str(port), "--bind", HOST],
+        port=port,
         env={**os.environ, localports.REGISTRY_ENV: str(registry)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        ready_path=None,
     )
-    deadline = time.monotonic() + 30
-    while localports.listener(port) is None:
-        assert time.monotonic() < deadline and proc.poll() is None, "http.server did not start"
-        time.sleep(0.05)
-    return proc
 
 
 def test_a_taken_port_is_named_with_its_holder_and_how_to_choose_another(
@@ -72,19 +69,18 @@ def test_a_free_port_passes() -> None:
 
 
 def test_the_started_process_must_be_the_one_answering(tmp_path: Path) -> None:
-    port = free_port()
-    server = start_server(port, tmp_path / "registry")
-    try:
-        ours = run("ours", str(port), "--pid", str(server.pid), "--var", "SERVE_PORT")
+    with http_server(tmp_path / "registry") as server:
+        port, pid = server.port, server.process.pid
+        ours = run("ours", str(port), "--pid", str(pid), "--var", "SERVE_PORT")
         assert ours.returncode == 0, ours.stderr
         same_registry = run(
-            "ours", str(port), "--pid", str(server.pid), "--var", "SERVE_PORT",
+            "ours", str(port), "--pid", str(pid), "--var", "SERVE_PORT",
             "--registry", str(tmp_path / "registry" / "." ),
         )  # fmt: skip
         assert same_registry.returncode == 0, same_registry.stderr
         # A service of another checkout: right process, wrong registry.
         other = run(
-            "ours", str(port), "--pid", str(server.pid), "--var", "SERVE_PORT",
+            "ours", str(port), "--pid", str(pid), "--var", "SERVE_PORT",
             "--registry", str(tmp_path / "mine"),
         )  # fmt: skip
         assert other.returncode == 1
@@ -97,41 +93,25 @@ def test_the_started_process_must_be_the_one_answering(tmp_path: Path) -> None:
             "--target", "airflow",
         )  # fmt: skip
         assert taken.returncode == 1
-        assert f"port {port} on 127.0.0.1 is answered by pid {server.pid} (" in taken.stderr
+        assert f"port {port} on 127.0.0.1 is answered by pid {pid} (" in taken.stderr
         assert f"not by the process just started (pid {exited.pid}, which has exited)" in (
             taken.stderr
         )
         assert "make airflow AIRFLOW_PORT=" in taken.stderr
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
 
 
-def test_a_child_of_the_started_process_counts_as_ours(tmp_path: Path) -> None:
+def test_a_child_of_the_started_process_counts_as_ours() -> None:
     # `airflow standalone` listens from a child process (its api-server).
     port = free_port()
-    parent = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import subprocess, sys; subprocess.run([sys.executable, '-m', 'http.server', "
-            f"'{port}', '--bind', '127.0.0.1'])",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while localports.listener(port) is None:
-            assert time.monotonic() < deadline, "the child server did not start"
-            time.sleep(0.05)
-        done = run("ours", str(port), "--pid", str(parent.pid), "--var", "AIRFLOW_PORT")
+    parent = [
+        sys.executable,
+        "-c",
+        "import subprocess, sys; subprocess.run([sys.executable, '-m', 'http.server', "
+        f"'{port}', '--bind', '{HOST}'])",
+    ]
+    with server_process(parent, port=port, ready_path=None) as server:
+        done = run("ours", str(port), "--pid", str(server.process.pid), "--var", "AIRFLOW_PORT")
         assert done.returncode == 0, done.stderr
-    finally:
-        for child in localports.psutil.Process(parent.pid).children(recursive=True):
-            child.terminate()
-        parent.terminate()
-        parent.wait(timeout=10)
 
 
 def test_make_serve_stops_at_once_on_a_busy_port(dummy_listener: int) -> None:

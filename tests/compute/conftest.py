@@ -27,12 +27,11 @@ from typing import Any
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
+from localserver import moto_server
 
 from burstcv.compute.base import TAG_MANAGED, TAG_RUN_ID
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.compute.userdata import parse_config
-from burstcv.gate.latency import free_port
 
 REGION = "us-east-1"
 BUCKET = "burstcv-test"
@@ -66,14 +65,8 @@ def real_train_command(job_uri: str) -> list[str]:
 @pytest.fixture(scope="session")
 def moto_url() -> Iterator[str]:
     """Run one moto server on 127.0.0.1 for the session; tests reset its state."""
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
+    with moto_server() as url:
+        yield url
 
 
 @pytest.fixture

@@ -10,24 +10,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from localserver import moto_server
 
 from burstcv.data.manifest import DatasetUnusableError, scan
 from burstcv.data.validate import ValidationConfig, validate_dataset
 from burstcv_spec import storage
 
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
 
 @pytest.fixture(scope="module")
 def moto_endpoint() -> Iterator[str]:
     """Start one S3 emulator on 127.0.0.1 for this module; yield its URL."""
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
+    with moto_server() as url:
+        yield url
 
 
 @pytest.fixture

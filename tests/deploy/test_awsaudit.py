@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from awsaudit import Check, RecordingProxy, condition_holds, evaluate
+from localserver import moto_server
 
 INSTANCE = "arn:aws:ec2:us-east-1:111:instance/*"
 
@@ -94,23 +95,14 @@ def test_an_unknown_operator_is_an_error_not_a_pass() -> None:
 
 
 @pytest.fixture(scope="module")
-def moto_server() -> Iterator[str]:
+def moto_url() -> Iterator[str]:
     """Run a moto server on 127.0.0.1 for this module."""
-    from moto.server import ThreadedMotoServer
-
-    from burstcv.gate.latency import free_port
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
+    with moto_server() as url:
+        yield url
 
 
 def test_the_proxy_serves_on_a_socket_handed_in_and_records_each_call(
-    moto_server: str, monkeypatch: pytest.MonkeyPatch
+    moto_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import boto3
 
@@ -122,7 +114,7 @@ def test_the_proxy_serves_on_a_socket_handed_in_and_records_each_call(
         monkeypatch.setenv(key, value)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))  # as a sandbox would, inside its own network namespace
-    with RecordingProxy(moto_server, sock) as proxy:
+    with RecordingProxy(moto_url, sock) as proxy:
         assert proxy.url == f"http://127.0.0.1:{sock.getsockname()[1]}"
         s3 = boto3.client("s3", endpoint_url=proxy.url)
         s3.create_bucket(Bucket="audit-bucket")

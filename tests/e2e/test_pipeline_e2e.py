@@ -11,7 +11,6 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -20,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 import structlog.testing
+from localserver import prediction_service
 
-from burstcv.gate.latency import free_port
 from burstcv.pipeline import RunPaths, safe_run_id
 from burstcv.registry.registry import PRODUCTION, Registry
 from burstcv.settings import get_settings
@@ -33,34 +32,16 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def service() -> Iterator[str]:
     """Start the real prediction service on a free port, reading the session's registry."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {
-        **os.environ,
-        "BURSTCV_SERVING_REGISTRY_URI": os.environ["BURSTCV_REGISTRY_URI"],
-        "BURSTCV_SERVING_PORT": str(port),
-        "BURSTCV_SERVING_POLL_INTERVAL_S": "0.5",
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "burstcv_serving"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    settings = {"REGISTRY_URI": os.environ["BURSTCV_REGISTRY_URI"], "POLL_INTERVAL_S": 0.5}
+    # /healthz: the registry has no production model until the first run deploys one.
+    with prediction_service(settings, ready_path="/healthz") as server:
+        os.environ["BURSTCV_SERVING_URL"] = server.url
+        get_settings.cache_clear()
         try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    os.environ["BURSTCV_SERVING_URL"] = url
-    get_settings.cache_clear()
-    yield url
-    os.environ["BURSTCV_SERVING_URL"] = ""
-    get_settings.cache_clear()
-    proc.terminate()
-    proc.wait(timeout=20)
+            yield server.url
+        finally:
+            os.environ["BURSTCV_SERVING_URL"] = ""
+            get_settings.cache_clear()
 
 
 def run_dag(conf: dict[str, object]) -> tuple[str, dict[str, str], str]:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -24,10 +22,11 @@ import httpx
 import numpy as np
 import onnx
 import pytest
+from localserver import LocalServer, free_port, prediction_service
 from onnx import numpy_helper
 
 from burstcv.gate.gate import GateThresholds, judge
-from burstcv.gate.latency import drive, free_port, staging_service, wait_ready
+from burstcv.gate.latency import drive, staging_service
 from burstcv.registry.deploy import DeployError, deploy, rollback
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, RegistryError
 
@@ -35,7 +34,6 @@ from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, RegistryEr
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
 from servingkit import image_bytes, make_classifier_onnx, model_json
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL = "digits"
 TOKEN = "deploy-test-token"
 POLL_S = 0.5  # the service's alias poll: a deploy's reload call should beat it
@@ -73,12 +71,8 @@ def write_raw_model_dir(folder: Path, onnx_bytes: bytes) -> Path:
 
 
 @dataclass
-class Service:
-    """A running service process, its base URL and its log."""
-
-    url: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
+class Service(LocalServer):
+    """A running service process, with the questions these tests ask it."""
 
     def model(self) -> dict[str, Any]:
         """Return GET /v1/model."""
@@ -104,46 +98,19 @@ def running_service(
     registry: Registry, tmp: Path, *, poll_s: float = POLL_S, alias: str = PRODUCTION
 ) -> Iterator[Service]:
     """Run ``python -m burstcv_serving`` on one of the registry's aliases; stop it after."""
-    port = free_port()
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(REPO_ROOT / "serving"), str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")]
-        ),
+    settings = {
         # The registry's root URI: a local folder or s3://bucket/prefix.
-        "BURSTCV_SERVING_REGISTRY_URI": registry.root[: -len(MODEL) - 1],
-        "BURSTCV_SERVING_MODEL_NAME": MODEL,
-        "BURSTCV_SERVING_ALIAS": alias,
-        "BURSTCV_SERVING_PORT": str(port),
-        "BURSTCV_SERVING_POLL_INTERVAL_S": str(poll_s),
-        "BURSTCV_SERVING_ADMIN_TOKEN": TOKEN,
-        "BURSTCV_SERVING_INTRA_OP_THREADS": "1",
-        "BURSTCV_SERVING_MAX_BATCH_SIZE": "4",
-        "BURSTCV_SERVING_LOG_LEVEL": "warning",
+        "REGISTRY_URI": registry.root[: -len(MODEL) - 1],
+        "MODEL_NAME": MODEL,
+        "ALIAS": alias,
+        "POLL_INTERVAL_S": poll_s,
+        "ADMIN_TOKEN": TOKEN,
+        "INTRA_OP_THREADS": 1,
+        "MAX_BATCH_SIZE": 4,
     }
-    log_path = tmp / f"service-{port}.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "burstcv_serving"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-        service = Service(f"http://127.0.0.1:{port}", process, log_path)
-        try:
-            wait_ready(service.url, process, timeout_s=60)
-            yield service
-        except BaseException:
-            print(log_path.read_text()[-4000:])  # the service's side of a failure
-            raise
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    log_path = tmp / f"service-{len(list(tmp.glob('service-*.log')))}.log"  # kept after a run
+    with prediction_service(settings, log_path=log_path) as server:
+        yield Service(server.url, server.port, server.process, server.log_path)
 
 
 def aliases(registry: Registry) -> tuple[int | None, int | None]:

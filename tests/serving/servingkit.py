@@ -8,24 +8,20 @@ import io
 import json
 import os
 import struct
-import subprocess
-import sys
-import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import numpy as np
 import onnx
+from localserver import LocalServer as Server
+from localserver import prediction_service
 from onnx import TensorProto, helper
 from PIL import Image
 
-from burstcv.gate.latency import free_port
 from burstcv_serving.settings import Settings
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "digits"
 NUM_CLASSES = 10
 IMAGE_SIZE = 32
@@ -217,58 +213,14 @@ def png_header_only(width: int, height: int) -> bytes:
     )
 
 
-@dataclass
-class Server:
-    """A running service process and its base URL."""
-
-    url: str
-    process: subprocess.Popen[bytes]
-
-
 @contextlib.contextmanager
 def running_server(registry: Registry, log_dir: Path, **env: str) -> Iterator[Server]:
     """Run ``python -m burstcv_serving`` on a free port until the block ends.
 
     ``env`` adds BURSTCV_SERVING_* settings (name without the prefix, e.g. MAX_QUEUE="4").
     """
-    port = free_port()
-    environment = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(REPO_ROOT / "serving"), os.environ.get("PYTHONPATH", "")]
-        ),
-        "BURSTCV_SERVING_REGISTRY_URI": str(registry.root),
-        "BURSTCV_SERVING_PORT": str(port),
-        "BURSTCV_SERVING_POLL_INTERVAL_S": "0",
-        "BURSTCV_SERVING_INTRA_OP_THREADS": "1",
-        "BURSTCV_SERVING_LOG_LEVEL": "warning",
-        **{f"BURSTCV_SERVING_{name}": value for name, value in env.items()},
-    }
-    log_path = log_dir / "server.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "burstcv_serving"],
-            env=environment,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 30
-            while True:
-                assert process.poll() is None, log_path.read_text()
-                try:
-                    if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "the service did not become ready in 30 s"
-                time.sleep(0.1)
-            yield Server(url, process)
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    settings = {"REGISTRY_URI": registry.root, "POLL_INTERVAL_S": 0, "INTRA_OP_THREADS": 1}
+    with prediction_service(
+        {**settings, **env}, log_path=log_dir / "server.log", timeout_s=30
+    ) as server:
+        yield server
