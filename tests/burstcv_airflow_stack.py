@@ -16,18 +16,16 @@ import logging
 import os
 import random
 import secrets
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
-
-from burstcv.gate.latency import free_port
+from burstcv_testkit import init_airflow_db
+from localserver import free_port, start_process_group, stop_process_groups
 
 # tests/burstcv_airflow_stack.py -> the checkout whose dags/, plugins/, src/ and serving/ the
 # stack runs (tests always run from a checkout, whatever burstcv the venv has installed).
@@ -60,7 +58,8 @@ class PostgresServer:
         auth = f"{self.user}:{self.password}" if self.password else self.user
         return f"{driver}://{auth}@{self.host}:{self.port}/{database}"
 
-    def _admin(self) -> Any:
+    def _admin(self, statement: str) -> None:
+        """Run one statement on the server's ``postgres`` database, outside a transaction."""
         import psycopg2
 
         conn = psycopg2.connect(
@@ -71,28 +70,22 @@ class PostgresServer:
             dbname="postgres",
         )
         conn.autocommit = True  # CREATE/DROP DATABASE cannot run inside a transaction
-        return conn
+        try:
+            with conn.cursor() as cur:
+                cur.execute(statement)
+        finally:
+            conn.close()
 
     @contextlib.contextmanager
     def temporary_database(self, prefix: str = "burstcv_test_") -> Iterator[str]:
         """Create a uniquely named database; drop it (closing its connections) on exit."""
         name = f"{prefix}{secrets.token_hex(6)}"
-        conn = self._admin()
-        try:
-            with conn.cursor() as cur:
-                cur.execute(f'CREATE DATABASE "{name}"')
-        finally:
-            conn.close()
+        self._admin(f'CREATE DATABASE "{name}"')
         log.info("created database %s", name)
         try:
             yield name
         finally:
-            conn = self._admin()
-            try:
-                with conn.cursor() as cur:
-                    cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-            finally:
-                conn.close()
+            self._admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
             log.info("dropped database %s", name)
 
 
@@ -265,38 +258,32 @@ def stack_env(
     return env
 
 
-def _start(component: str, api_port: int, env: dict[str, str], log_dir: Path) -> Any:
-    log_file = open(log_dir / f"{component}.log", "wb")  # noqa: SIM115  closed by the child's exit
-    try:
-        return subprocess.Popen(
-            _component_command(component, api_port),
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=str(env["AIRFLOW_HOME"]),
-            start_new_session=True,  # its own process group: stopping it stops its children
-        )
-    finally:
-        log_file.close()
+def burstcv_env(store: Path, dataset: Path, *, serving_url: str = "") -> dict[str, str]:
+    """Return the BURSTCV_* settings of a stack whose runs keep everything under ``store``.
+
+    ``serving_url`` empty: deploys move the registry's aliases only. No cron schedule: a
+    scheduled run would hold the DAG's single active-run slot (max_active_runs=1) and keep
+    the run a test triggers from starting.
+    """
+    return {
+        "BURSTCV_ARTIFACT_ROOT": str(store / "artifacts"),
+        "BURSTCV_REGISTRY_URI": str(store / "registry"),
+        "BURSTCV_COMPUTE_STATE_DIR": str(store / "compute"),
+        "BURSTCV_DATASET_URI": str(dataset),
+        "BURSTCV_SERVING_URL": serving_url,
+        "BURSTCV_SCHEDULE": "",
+    }
 
 
-def _stop_all(processes: dict[str, subprocess.Popen[bytes]]) -> None:
-    """Stop each component's process group: SIGTERM, a grace period, then SIGKILL."""
-    for proc in processes.values():
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for name, proc in processes.items():
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop within %.0f s; killing it", name, STOP_GRACE_S)
-        # The group may outlive its leader (task runners, gunicorn workers): kill what is left.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
+def _start(
+    component: str, api_port: int, env: dict[str, str], log_dir: Path
+) -> subprocess.Popen[bytes]:
+    return start_process_group(
+        _component_command(component, api_port),
+        log_path=log_dir / f"{component}.log",
+        env=env,
+        cwd=env["AIRFLOW_HOME"],
+    )
 
 
 def _wait_ready(stack: AirflowStack, components: Sequence[str], timeout_s: float) -> None:
@@ -371,30 +358,12 @@ def airflow_stack(
         )
         stack.log_dir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
-        migrate = subprocess.run(
-            [sys.executable, "-m", "airflow", "db", "migrate"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            cwd=str(home),
-        )
-        if migrate.returncode != 0:
-            raise StackError(
-                f"airflow db migrate failed:\n{migrate.stdout[-2000:]}\n{migrate.stderr[-3000:]}"
-            )
-        init = subprocess.run(
-            [sys.executable, "-m", "burstcv.cli", "airflow-init"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=str(home),
-        )
-        if init.returncode != 0:
-            raise StackError(f"burstcv airflow-init failed:\n{init.stderr[-3000:]}")
+        try:
+            init_airflow_db(env, cwd=home)
+        except RuntimeError as exc:
+            raise StackError(str(exc)) from None
         log.info("migrated %s in %.1f s", database, time.monotonic() - started)
-        cleanup.callback(_stop_all, stack.processes)
+        cleanup.callback(stop_process_groups, stack.processes.values(), STOP_GRACE_S)
         for component in components:
             stack.processes[component] = _start(component, api_port, env, stack.log_dir)
         _wait_ready(stack, components, startup_timeout_s)

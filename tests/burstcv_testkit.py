@@ -6,6 +6,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,34 @@ def make_job(packed: dict[str, Any], out: Path, **overrides: Any) -> Any:
     return JobSpec(**fields)
 
 
+def demo_val_images(dataset: Path, n: int = 64) -> list[tuple[str, bytes]]:
+    """Return ``n`` validation PNGs of the demo dataset, spread over its classes: (name, bytes)."""
+    files = sorted((dataset / "val").rglob("*.png"))[:: max(1, 360 // n)][:n]
+    return [(str(p.relative_to(dataset)), p.read_bytes()) for p in files]
+
+
+def export_trained(trained: dict[str, Any], out: Path, **options: Any) -> dict[str, Any]:
+    """Export the session's trained demo model (``trained_demo``) into ``out``; return model.json.
+
+    The checkpoint, architecture, classes and preprocessing are the training job's, the name
+    is "digits"; ``options`` are export_model's own (parity_images, int8, ...) or override those.
+    """
+    from burstcv.export.onnx_export import export_model
+    from burstcv_spec.preprocess import PreprocessSpec
+
+    job = trained["job"]
+    fields: dict[str, Any] = {
+        "checkpoint_uri": str(trained["out"] / "model.pt"),
+        "out_uri": str(out),
+        "arch": job.arch,
+        "classes": job.classes,
+        "spec": PreprocessSpec.from_dict(job.preprocess),
+        "name": "digits",
+    }
+    fields.update(options)
+    return export_model(**fields)  # type: ignore[no-any-return]
+
+
 def make_model_dir(root: Path, tag: str) -> Path:
     """Write a model folder (model.onnx bytes + model.json) as the export stage does."""
     root.mkdir(parents=True, exist_ok=True)
@@ -53,6 +82,24 @@ def make_model_dir(root: Path, tag: str) -> Path:
         )
     )
     return root
+
+
+def init_airflow_db(env: dict[str, str], *, cwd: Path | None = None) -> None:
+    """Migrate the metadata DB that ``env`` names, then run burstcv's Airflow setup (its pool).
+
+    Runs ``airflow db migrate`` then ``burstcv airflow-init`` as subprocesses (Airflow reads
+    its configuration once per process); raises RuntimeError with their output on failure.
+    """
+    steps = {
+        "airflow db migrate": ([sys.executable, "-m", "airflow", "db", "migrate"], 600),
+        "burstcv airflow-init": ([sys.executable, "-m", "burstcv.cli", "airflow-init"], 300),
+    }
+    for name, (command, timeout_s) in steps.items():
+        done = subprocess.run(
+            command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout_s
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
 
 
 def chromium_screenshot(

@@ -9,14 +9,13 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from burstcv_testkit import init_airflow_db
 
 REPO = Path(__file__).resolve().parents[1]
 SESSION_DIR = Path(tempfile.mkdtemp(prefix="burstcv-tests-"))
@@ -46,26 +45,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 def pytest_configure(config: pytest.Config) -> None:
     """Create the Airflow metadata DB once per session (a few seconds on SQLite)."""
     del config
-    result = subprocess.run(
-        [sys.executable, "-m", "airflow", "db", "migrate"],
-        capture_output=True,
-        text=True,
-        env={**os.environ},
-        timeout=300,
-    )
-    if result.returncode != 0:
-        raise RuntimeError(
-            f"airflow db migrate failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
-        )
-    result = subprocess.run(
-        [sys.executable, "-m", "burstcv.cli", "airflow-init"],
-        capture_output=True,
-        text=True,
-        env={**os.environ},
-        timeout=300,
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"burstcv airflow-init failed:\n{result.stderr[-2000:]}")
+    init_airflow_db({**os.environ})
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from burstcv_airflow_stack import AirflowStack, airflow_stack
+from burstcv_airflow_stack import AirflowStack, airflow_stack, burstcv_env
 
 from burstcv.registry.registry import Registry
 
@@ -58,16 +58,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def stack(store: Path, demo_dataset: Path) -> Iterator[AirflowStack]:
     """Run dag-processor, scheduler (LocalExecutor) and api-server on a fresh database."""
-    env = {
-        "BURSTCV_ARTIFACT_ROOT": str(store / "artifacts"),
-        "BURSTCV_REGISTRY_URI": str(store / "registry"),
-        "BURSTCV_COMPUTE_STATE_DIR": str(store / "compute"),
-        "BURSTCV_DATASET_URI": str(demo_dataset),
-        "BURSTCV_SERVING_URL": "http://127.0.0.1:9/",  # never called: only the link is built
-        # No cron: unpausing must not start a scheduled run that would hold the DAG's single
-        # active-run slot (max_active_runs=1) and keep the Asset-triggered run from being made.
-        "BURSTCV_SCHEDULE": "",
-    }
+    # The service URL is never called: only the link is built. No cron (burstcv_env): a
+    # scheduled run would keep the Asset-triggered run from being made.
+    env = burstcv_env(store, demo_dataset, serving_url="http://127.0.0.1:9/")
     with airflow_stack(env, executor="LocalExecutor") as running:
         yield running
 

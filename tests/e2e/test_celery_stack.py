@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from burstcv_airflow_stack import AirflowStack, airflow_stack
+from burstcv_airflow_stack import AirflowStack, airflow_stack, burstcv_env
 from burstcv_testkit import chromium_screenshot
 
 from burstcv.registry.registry import PRODUCTION, Registry
@@ -36,14 +36,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def stack(store: Path, demo_dataset: Path) -> Iterator[AirflowStack]:
     """Run the Celery stack with burstcv's settings pointing into ``store``."""
-    env = {
-        "BURSTCV_ARTIFACT_ROOT": str(store / "artifacts"),
-        "BURSTCV_REGISTRY_URI": str(store / "registry"),
-        "BURSTCV_COMPUTE_STATE_DIR": str(store / "compute"),
-        "BURSTCV_DATASET_URI": str(demo_dataset),
-        "BURSTCV_SERVING_URL": "",  # deploy to the registry only
-        "BURSTCV_SCHEDULE": "",  # no cron run may compete with the triggered one
-    }
+    env = burstcv_env(store, demo_dataset)  # deploys to the registry only
     try:
         # The Airflow home (component and task logs) stays in pytest's tmp dir for inspection.
         home = store / "airflow"

@@ -12,12 +12,12 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from burstcv_testkit import demo_val_images, export_trained
 
 from burstcv.export.onnx_export import (
     CheckpointError,
     ParityError,
     check_parity,
-    export_model,
     load_state_dict,
 )
 from burstcv.training.models import build_model
@@ -27,25 +27,15 @@ from burstcv_spec.preprocess import normalize as numpy_normalize
 from burstcv_spec.storage import sha256_file
 
 
-def _val_images(demo_dataset: Path, n: int = 64) -> list[tuple[str, bytes]]:
-    files = sorted((demo_dataset / "val").rglob("*.png"))[:: max(1, 360 // n)][:n]
-    return [(str(p.relative_to(demo_dataset)), p.read_bytes()) for p in files]
-
-
 @pytest.fixture(scope="module")
 def exported(
     trained_demo: dict[str, Any], demo_dataset: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("export")
-    job = trained_demo["job"]
-    model_json = export_model(
-        checkpoint_uri=str(trained_demo["out"] / "model.pt"),
-        out_uri=str(out),
-        arch=job.arch,
-        classes=job.classes,
-        spec=PreprocessSpec.from_dict(job.preprocess),
-        parity_images=_val_images(demo_dataset),
-        name="digits",
+    model_json = export_trained(
+        trained_demo,
+        out,
+        parity_images=demo_val_images(demo_dataset),
         metrics={"val_accuracy": 0.99},
         dataset_fingerprint="fp",
         run_id="run-1",
@@ -78,7 +68,7 @@ def test_onnx_has_a_dynamic_batch_axis_and_matches_torch(
         str(exported["out"] / "model.onnx"), providers=["CPUExecutionProvider"]
     )
     spec = PreprocessSpec.from_dict(exported["model_json"]["preprocess"])
-    images = _val_images(demo_dataset, 40)
+    images = demo_val_images(demo_dataset, 40)
     batch = np.stack([decode_to_uint8(b, spec) for _, b in images])
     model = build_model("resnet10", 10, 32)
     model.load_state_dict(torch.load(trained_demo["out"] / "model.pt", weights_only=True))
@@ -120,7 +110,7 @@ def test_wrong_normalisation_in_model_json_fails_parity(
             exported["out"] / "model.onnx",
             broken,
             training_spec,
-            _val_images(demo_dataset),
+            demo_val_images(demo_dataset),
             max_abs_diff=1e-3,
         )
 
@@ -137,7 +127,7 @@ def test_wrong_input_size_in_model_json_fails_parity(
             exported["out"] / "model.onnx",
             replace(training_spec, height=24, width=24),
             training_spec,
-            _val_images(demo_dataset),
+            demo_val_images(demo_dataset),
             max_abs_diff=1e-3,
         )
 
@@ -165,15 +155,12 @@ def test_a_pickled_object_is_refused_not_unpickled(tmp_path: Path) -> None:
 def test_weights_for_another_class_count_are_refused(
     trained_demo: dict[str, Any], tmp_path: Path, demo_dataset: Path
 ) -> None:
-    job = trained_demo["job"]
     with pytest.raises(CheckpointError, match="does not fit resnet10 with 3 classes"):
-        export_model(
-            checkpoint_uri=str(trained_demo["out"] / "model.pt"),
-            out_uri=str(tmp_path),
+        export_trained(
+            trained_demo,
+            tmp_path,
             arch="resnet10",
             classes=["a", "b", "c"],
-            spec=PreprocessSpec.from_dict(job.preprocess),
-            parity_images=_val_images(demo_dataset, 4),
-            name="digits",
+            parity_images=demo_val_images(demo_dataset, 4),
         )
     assert not (tmp_path / "model.onnx").exists()

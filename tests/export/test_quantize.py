@@ -14,8 +14,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from burstcv_testkit import demo_val_images, export_trained
 
-from burstcv.export.onnx_export import export_model
 from burstcv.export.quantize import (
     FP32_FILE,
     INT8_FILE,
@@ -43,11 +43,6 @@ def splits(packed_demo: dict[str, Any]) -> dict[str, Any]:
     return {"train_x": train_x, "val_x": val_x, "val_labels": [classes[i] for i in val_y]}
 
 
-def _parity_images(demo_dataset: Path, n: int = 64) -> list[tuple[str, bytes]]:
-    files = sorted((demo_dataset / "val").rglob("*.png"))[:: max(1, 360 // n)][:n]
-    return [(str(p.relative_to(demo_dataset)), p.read_bytes()) for p in files]
-
-
 @pytest.fixture(scope="module")
 def int8_export(
     trained_demo: dict[str, Any],
@@ -57,15 +52,10 @@ def int8_export(
 ) -> dict[str, Any]:
     """Export the session's trained model with INT8 tried under the default 0.01 bound."""
     out = tmp_path_factory.mktemp("int8-export")
-    job = trained_demo["job"]
-    model_json = export_model(
-        checkpoint_uri=str(trained_demo["out"] / "model.pt"),
-        out_uri=str(out),
-        arch=job.arch,
-        classes=job.classes,
-        spec=PreprocessSpec.from_dict(job.preprocess),
-        parity_images=_parity_images(demo_dataset),
-        name="digits",
+    model_json = export_trained(
+        trained_demo,
+        out,
+        parity_images=demo_val_images(demo_dataset),
         run_id="run-q",
         int8=True,
         calibration_images_u8=splits["train_x"],
@@ -213,18 +203,8 @@ def test_choose_keeps_int8_only_when_accurate_and_faster(
 def test_int8_without_its_images_is_refused_before_anything_is_written(
     trained_demo: dict[str, Any], tmp_path: Path
 ) -> None:
-    job = trained_demo["job"]
     with pytest.raises(ValueError, match="int8=True needs calibration_images_u8"):
-        export_model(
-            checkpoint_uri=str(trained_demo["out"] / "model.pt"),
-            out_uri=str(tmp_path),
-            arch=job.arch,
-            classes=job.classes,
-            spec=PreprocessSpec.from_dict(job.preprocess),
-            parity_images=[],
-            name="digits",
-            int8=True,
-        )
+        export_trained(trained_demo, tmp_path, parity_images=[], int8=True)
     assert list(tmp_path.iterdir()) == []
 
 
