@@ -32,11 +32,24 @@ export BURSTCV_SERVING_REGISTRY_URI ?= $(VAR)/registry
 export BURSTCV_SERVING_PORT ?= $(SERVE_PORT)
 DEMO_DATA := $(VAR)/data/digits
 
-.PHONY: help setup sysdeps demo test lint airflow serve stop clean distclean
+# The torch-free parts (the service, the packaging checks, the DAG parse, the shared spec) also
+# run on Python 3.12, the default of Airflow's official images, in a venv of their own built
+# from requirements-py312.txt. PYTHON312 picks the interpreter; SKIP_PY312=1 skips that run.
+PYTHON312 ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python) \
+  $(shell command -v python3.12))
+VENV312 := $(REPO)/.venv312
+STAMP312 := $(VENV312)/.stamp
+TEST312 := tests/serving tests/test_packaging.py tests/dags/test_dag_integrity.py \
+  $(wildcard tests/spec tests/test_spec*.py tests/test_contracts*.py)
+# pip's notes about this machine's local index folders are filtered out, not its errors.
+QUIET_PIP := quiet() { "$$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+
+.PHONY: help setup sysdeps demo test test312 lint airflow serve stop clean distclean
 
 help:
 	@echo "make demo   - set up, run the pipeline DAG on the demo digits, serve it, predict"
-	@echo "make test   - set up and run the whole test suite"
+	@echo "make test   - set up and run the whole test suite (and make test312)"
+	@echo "make test312 - the torch-free tests on Python 3.12, in .venv312"
 	@echo "make lint   - ruff + mypy"
 	@echo "make airflow / serve / stop / clean"
 
@@ -44,8 +57,7 @@ $(STAMP): requirements.txt serving/requirements.txt pyproject.toml
 	@echo ">> building $(VENV) (requirements changed or first run; a few minutes)"
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
-	# (pip's notes about this machine's local index folders are filtered out, not its errors)
-	quiet() { "$$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+	$(QUIET_PIP)
 	quiet $(BIN)/pip install --quiet --upgrade pip
 	quiet $(BIN)/pip install --quiet -r requirements.txt
 	quiet $(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
@@ -89,8 +101,32 @@ demo: $(STAMP) $(AIRFLOW_HOME)/airflow.db $(DEMO_DATA)
 	echo ">> predicting $$image (a validation image of class 7) with the deployed model:"
 	$(BIN)/burstcv predict "$$image" --url $(SERVE_URL)
 
-test: $(STAMP) sysdeps
+test: $(STAMP) sysdeps test312
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+$(STAMP312): requirements-py312.txt requirements.txt serving/requirements.txt pyproject.toml
+	@if ! "$(PYTHON312)" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+	  echo ">> no Python 3.12 at PYTHON312='$(PYTHON312)': install one (pyenv install 3.12)" \
+	    "and point PYTHON312 at it, or run make test SKIP_PY312=1" >&2
+	  exit 1
+	fi
+	echo ">> building $(VENV312) for the torch-free tests on Python 3.12 (requirements changed or first run)"
+	rm -rf $(VENV312)
+	"$(PYTHON312)" -m venv $(VENV312)
+	$(QUIET_PIP)
+	quiet $(VENV312)/bin/pip install --quiet --upgrade pip
+	quiet $(VENV312)/bin/pip install --quiet -r requirements-py312.txt
+	# Installed as a package: pip refuses it if requires-python leaves 3.12 out.
+	quiet $(VENV312)/bin/pip install --quiet --no-deps -e .
+	touch $(STAMP312)
+
+ifeq ($(SKIP_PY312),1)
+test312:
+	@echo ">> SKIP_PY312=1: not running the torch-free tests on Python 3.12"
+else
+test312: $(STAMP312)
+	$(VENV312)/bin/python -m pytest -q $(TEST312) $(PYTEST312_ARGS)
+endif
 
 lint: $(STAMP)
 	$(BIN)/ruff check src serving spec dags plugins tests bench
@@ -163,7 +199,7 @@ stop:
 
 clean: stop
 	rm -rf $(VAR) .pytest_cache .ruff_cache .mypy_cache
-	find . -name __pycache__ -type d -prune -not -path './.venv/*' -exec rm -rf {} +
+	find . -name __pycache__ -type d -prune -not -path './.venv/*' -not -path './.venv312/*' -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV312)
