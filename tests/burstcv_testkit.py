@@ -129,3 +129,40 @@ def chromium_screenshot(
         args.append(f"--virtual-time-budget={wait_ms}")
     result = subprocess.run([*args, url], capture_output=True, text=True, timeout=120)
     return result.stderr
+
+
+def gratings(
+    count: int, angles_deg: list[float], *, size_px: int = 32, seed: int = 0
+) -> tuple[Any, Any]:
+    """Return ``count`` noisy, coloured sine gratings (uint8 NHWC) and their angle-class labels.
+
+    Class ``i`` is a grating at ``angles_deg[i]`` (±4°) with a random frequency, phase and
+    colour: a task whose features (oriented edges) carry over to gratings at other angles.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, len(angles_deg), count)
+    yy, xx = np.mgrid[0:size_px, 0:size_px].astype(np.float32) * (32.0 / size_px)
+    theta = np.deg2rad(np.asarray(angles_deg, np.float32)[labels] + rng.normal(0, 4, count))
+    period_px = rng.uniform(5.0, 12.0, count)
+    phase = rng.uniform(0, 2 * np.pi, count)
+    along = np.cos(theta)[:, None, None] * xx + np.sin(theta)[:, None, None] * yy
+    wave = np.sin(2 * np.pi * along / period_px[:, None, None] + phase[:, None, None])
+    colour = rng.uniform(0.3, 1.0, (count, 1, 1, 3))
+    noise = rng.normal(0, 0.08, (count, size_px, size_px, 3))
+    images = 0.5 + 0.4 * wave[..., None] * colour + noise
+    return (images.clip(0, 1) * 255).round().astype(np.uint8), labels.astype(np.int64)
+
+
+def write_shard(path: Path, images: Any, labels: Any, classes: list[str]) -> str:
+    """Write one training shard (.npz of uint8 NHWC images, labels, classes) as pack does."""
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.savez(buf, images=images, labels=labels, classes=np.array(classes))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(buf.getvalue())
+    return str(path)

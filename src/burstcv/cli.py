@@ -149,6 +149,7 @@ def export(
             name=name,
             dataset_fingerprint=spec_job.dataset_fingerprint,
             run_id=spec_job.run_id,
+            pretrained=spec_job.pretrained,
             **int8_inputs,
         )
     except (CheckpointError, ParityError) as exc:

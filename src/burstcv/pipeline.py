@@ -725,6 +725,7 @@ def export(
         metrics={"val_accuracy": metrics["val_accuracy"], "val_loss": metrics["val_loss"]},
         dataset_fingerprint=packed["fingerprint"],
         run_id=run_id,
+        pretrained=metrics.get("pretrained", "none"),  # as trained: the stem depends on it
         **int8_inputs,
     )
     return {

@@ -38,6 +38,7 @@ MODULES = (
     "burstcv/training/names.py",
     "burstcv/training/preflight.py",
     "burstcv/training/train.py",
+    "burstcv/training/weights.py",
     "burstcv_spec/__init__.py",
     "burstcv_spec/storage.py",
 )

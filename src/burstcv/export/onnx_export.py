@@ -7,10 +7,8 @@ training transform: a mismatch in either the graph or the preprocessing fails th
 
 from __future__ import annotations
 
-import io
 import json
 import logging
-import pickle
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +22,9 @@ from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
 from burstcv import lineage
 from burstcv.training.models import build_model
+from burstcv.training.names import PRETRAINED_NONE, is_pretrained
 from burstcv.training.train import normalize as torch_normalize
+from burstcv.training.weights import PretrainedError, read_state_dict
 from burstcv_spec import storage
 from burstcv_spec.preprocess import PreprocessSpec, decode_to_uint8
 from burstcv_spec.preprocess import normalize as numpy_normalize
@@ -62,20 +62,9 @@ class ParityReport:
 def load_state_dict(data: bytes) -> dict[str, torch.Tensor]:
     """Load a checkpoint with ``weights_only=True`` and refuse anything but name→tensor."""
     try:
-        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, AttributeError, EOFError) as exc:
-        raise CheckpointError(
-            f"checkpoint is not a plain state dict (refused to unpickle objects): {exc}"
-        ) from exc
-    if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
-        obj = obj["model"]  # a training checkpoint: take its weights
-    if (
-        not isinstance(obj, dict)
-        or not obj
-        or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
-    ):
-        raise CheckpointError("checkpoint is not a state dict of name -> tensor")
-    return obj
+        return read_state_dict(data, "checkpoint")
+    except PretrainedError as exc:
+        raise CheckpointError(str(exc)) from exc
 
 
 def export_onnx(model: torch.nn.Module, spec: PreprocessSpec, out_path: Path, opset: int) -> None:
@@ -181,6 +170,7 @@ def export_model(
     eval_labels: list[str] | None = None,
     max_accuracy_drop: float = 0.01,
     calibration_images: int = 256,
+    pretrained: str = PRETRAINED_NONE,
 ) -> dict[str, Any]:
     """Export a checkpoint to ``<out_uri>/model.onnx`` + model.json after the parity gate passes.
 
@@ -188,7 +178,8 @@ def export_model(
     ``calibration_images_u8``, training images as uint8 NHWC) and ``model.int8.onnx`` serves
     instead only when, on ``eval_images_u8``/``eval_labels`` (validation split, class names),
     it loses at most ``max_accuracy_drop`` accuracy and is faster; model.json's
-    ``quantization`` block says which file serves and why.
+    ``quantization`` block says which file serves and why. ``pretrained`` is the job's: a
+    pretrained model keeps torchvision's stem at any input size, so the graph is rebuilt so.
     """
     if int8 and (calibration_images_u8 is None or eval_images_u8 is None or eval_labels is None):
         raise ValueError(
@@ -196,7 +187,7 @@ def export_model(
             "eval_labels (validation images and their class names)"
         )
     state = load_state_dict(storage.read_bytes(checkpoint_uri))
-    model = build_model(arch, len(classes), spec.height)
+    model = build_model(arch, len(classes), spec.height, pretrained=is_pretrained(pretrained))
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:

@@ -41,8 +41,11 @@ ARCH_MMACS: dict[str, float] = {
     "resnet10": 63.4,
     "resnet18": 138.9,
     "resnet34": 289.9,
+    "resnet50": 324.5,
     "mobilenet_v3_small": 5.5,
+    "mobilenet_v3_large": 20.1,
     "efficientnet_b0": 32.0,
+    "convnext_tiny": 363.7,
 }
 assert set(ARCH_MMACS) == set(ARCHITECTURE_NAMES), "keep ARCH_MMACS in step with names.py"
 

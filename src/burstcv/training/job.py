@@ -13,9 +13,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
-from burstcv.training.names import check_architecture
+from burstcv.training.names import check_architecture, is_pretrained, pretrained_kind
 from burstcv_spec import storage
 
 
@@ -53,13 +53,40 @@ class JobSpec(BaseModel):
     target_accuracy: float | None = Field(default=None, gt=0, le=1)  # early stop once reached
     augment: AugmentSpec = Field(default_factory=AugmentSpec)
     compile: str = Field(default="auto", pattern="^(auto|on|off)$")  # torch.compile on CUDA
-    pretrained_path: str | None = None  # local weights file only: boxes never download
+    # "none", a torchvision weights name of arch ("DEFAULT", "IMAGENET1K_V2") or a state_dict
+    # URI (path, file://, s3://); burstcv.training.weights.check_pretrained vets it on CPU.
+    pretrained: str = "none"
+    # Where named weights are kept by sha256 (weights_store_uri(artifact root)): the box reads
+    # them from there and downloads them (once) only when missing. None: download every run.
+    weights_store_uri: str | None = None
+    # Fine-tuning (pretrained runs only). Epochs that train the new head alone (backbone
+    # weights and BatchNorm statistics untouched): 0, since the one-cycle warm-up already keeps
+    # the first, largest updates of a random head small.
+    freeze_backbone_epochs: int = Field(default=0, ge=0, le=1000)
+    # Backbone learning rate / head learning rate: pretrained features need smaller steps
+    # than the fresh head (torchvision's fine-tuning recipes use 0.1x or less).
+    backbone_lr_scale: float = Field(default=0.1, gt=0, le=1)
     dataset_fingerprint: str = ""
 
     @field_validator("arch")
     @classmethod
     def _known_arch(cls, value: str) -> str:
         return check_architecture(value)
+
+    @field_validator("pretrained")
+    @classmethod
+    def _pretrained_form(cls, value: str) -> str:
+        pretrained_kind(value)
+        return value.strip()
+
+    @model_validator(mode="after")
+    def _freeze_needs_weights(self) -> JobSpec:
+        if self.freeze_backbone_epochs and not is_pretrained(self.pretrained):
+            raise ValueError(
+                "freeze_backbone_epochs needs pretrained weights: a backbone trained from "
+                "scratch has nothing worth freezing"
+            )
+        return self
 
     @field_validator("classes")
     @classmethod

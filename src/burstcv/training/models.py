@@ -1,12 +1,13 @@
-"""Build torchvision classifiers by name, adapted to the small inputs vision datasets often have."""
+"""Build torchvision classifiers by name: torchvision's layout for pretrained weights, a finer stem
+for small inputs trained from scratch.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
 
-import torch
 from torch import nn
 from torchvision import models as tvm
 from torchvision.models.resnet import BasicBlock, ResNet
@@ -15,45 +16,84 @@ from burstcv.training.names import ARCHITECTURE_NAMES
 
 log = logging.getLogger(__name__)
 
-# Below this input size the ImageNet stem (7x7/2 conv + 3x3/2 max-pool, 4x downsampling) throws
-# away most of the image; a 3x3/2 conv without the pool keeps 2x more resolution.
+# Below this input size the ImageNet stem (4x downsampling for resnets and convnext, a stride-2
+# first conv for the mobile nets) throws away most of the image; scratch models get a stem
+# that keeps 2x more resolution. Pretrained models keep torchvision's stem: it must match the
+# weights.
 SMALL_INPUT_PX = 64
 
 
-def _resnet(layers: list[int]) -> Callable[[int, int], nn.Module]:
-    def build(num_classes: int, input_px: int) -> nn.Module:
-        model = ResNet(BasicBlock, layers, num_classes=num_classes)
-        if input_px <= SMALL_INPUT_PX:
-            model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=2, padding=1, bias=False)
-            model.maxpool = nn.Identity()  # type: ignore[assignment]
-        return model
+def _resnet_small_stem(model: nn.Module) -> None:
+    assert isinstance(model, ResNet)
+    # A 3x3/2 conv without the max-pool instead of 7x7/2 + 3x3/2.
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=2, padding=1, bias=False)
+    model.maxpool = nn.Identity()  # type: ignore[assignment]
+
+
+def _first_conv(model: nn.Module) -> nn.Conv2d:
+    conv = model.get_submodule("features.0.0")
+    assert isinstance(conv, nn.Conv2d), f"features.0.0 is a {type(conv).__name__}"
+    return conv
+
+
+def _first_conv_stride_1(model: nn.Module) -> None:
+    # mobilenet_v3, efficientnet: keep 2x more resolution through the stride-2 stages.
+    _first_conv(model).stride = (1, 1)
+
+
+def _convnext_small_stem(model: nn.Module) -> None:
+    # The 4x4/4 patchify conv becomes 4x4/2 (same weights shape): 16x downsampling in all.
+    stem = _first_conv(model)
+    stem.stride, stem.padding = (2, 2), (1, 1)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Describe one architecture: how to build it and which layer is the classifier head."""
+
+    build: Callable[[int], nn.Module]  # num_classes -> torchvision's layout, random weights
+    small_stem: Callable[[nn.Module], None]  # adapts the stem in place for small inputs
+    head: str  # the final Linear, rebuilt for the dataset's class count (never pretrained)
+    torchvision_name: str | None  # for torchvision.models.get_model_weights; None: no weights
+
+
+def _torchvision(name: str) -> Callable[[int], nn.Module]:
+    def build(num_classes: int) -> nn.Module:
+        return tvm.get_model(name, weights=None, num_classes=num_classes)
 
     return build
 
 
-def _mobilenet_v3_small(num_classes: int, input_px: int) -> nn.Module:
-    model = tvm.mobilenet_v3_small(num_classes=num_classes)
-    if input_px <= SMALL_INPUT_PX:
-        first = model.features[0][0]
-        first.stride = (1, 1)  # keep 2x more resolution through the 5 stride-2 stages
-    return model
+def _resnet10(num_classes: int) -> nn.Module:
+    return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=num_classes)
 
 
-def _efficientnet_b0(num_classes: int, input_px: int) -> nn.Module:
-    model = tvm.efficientnet_b0(num_classes=num_classes)
-    if input_px <= SMALL_INPUT_PX:
-        model.features[0][0].stride = (1, 1)
-    return model
-
-
-# name -> builder(num_classes, input_px). resnet10 is resnet18 with one block per stage:
-# the default, because it reaches >95% on the demo digits in seconds on a laptop CPU.
-ARCHITECTURES: dict[str, Callable[[int, int], nn.Module]] = {
-    "resnet10": _resnet([1, 1, 1, 1]),
-    "resnet18": _resnet([2, 2, 2, 2]),
-    "resnet34": _resnet([3, 4, 6, 3]),
-    "mobilenet_v3_small": _mobilenet_v3_small,
-    "efficientnet_b0": _efficientnet_b0,
+# resnet10 is resnet18 with one block per stage (torchvision has no weights for it): the
+# default, because it reaches >95% on the demo digits in seconds on a laptop CPU. The others
+# are what users pick for photos, all with torchvision ImageNet weights.
+ARCHITECTURES: dict[str, Architecture] = {
+    "resnet10": Architecture(_resnet10, _resnet_small_stem, "fc", None),
+    "resnet18": Architecture(_torchvision("resnet18"), _resnet_small_stem, "fc", "resnet18"),
+    "resnet34": Architecture(_torchvision("resnet34"), _resnet_small_stem, "fc", "resnet34"),
+    "resnet50": Architecture(_torchvision("resnet50"), _resnet_small_stem, "fc", "resnet50"),
+    "mobilenet_v3_small": Architecture(
+        _torchvision("mobilenet_v3_small"),
+        _first_conv_stride_1,
+        "classifier.3",
+        "mobilenet_v3_small",
+    ),
+    "mobilenet_v3_large": Architecture(
+        _torchvision("mobilenet_v3_large"),
+        _first_conv_stride_1,
+        "classifier.3",
+        "mobilenet_v3_large",
+    ),
+    "efficientnet_b0": Architecture(
+        _torchvision("efficientnet_b0"), _first_conv_stride_1, "classifier.1", "efficientnet_b0"
+    ),
+    "convnext_tiny": Architecture(
+        _torchvision("convnext_tiny"), _convnext_small_stem, "classifier.2", "convnext_tiny"
+    ),
 }
 
 
@@ -64,29 +104,50 @@ class UnknownArchitectureError(ValueError):
     """Raise for an architecture name that is not in ARCHITECTURES."""
 
 
-def build_model(
-    arch: str, num_classes: int, input_px: int, pretrained_path: str | None = None
-) -> nn.Module:
-    """Return an untrained (or locally pretrained) classifier; never downloads weights."""
+def architecture(arch: str) -> Architecture:
+    """Return the description of ``arch``, or raise naming the choices."""
     if arch not in ARCHITECTURES:
         raise UnknownArchitectureError(
-            f"unknown model {arch!r}; choose {', '.join(sorted(ARCHITECTURES))}"
+            f"unknown model {arch!r}; choose {', '.join(ARCHITECTURE_NAMES)}"
         )
+    return ARCHITECTURES[arch]
+
+
+def uses_small_input_stem(input_px: int, pretrained: bool) -> bool:
+    """Return True where the model gets the small-input stem: trained from scratch, <= 64 px."""
+    return not pretrained and input_px <= SMALL_INPUT_PX
+
+
+def build_model(
+    arch: str, num_classes: int, input_px: int, *, pretrained: bool = False
+) -> nn.Module:
+    """Return a classifier with random weights; never downloads or loads anything.
+
+    ``pretrained=True`` builds the layout that pretrained weights fit (torchvision's stem at
+    any input size); ``burstcv.training.weights.load_pretrained`` then fills it. Training and
+    export must pass the same value, or the exported graph is not the trained one.
+    """
+    spec = architecture(arch)
     if num_classes < 2:
         raise ValueError(f"a classifier needs at least 2 classes, got {num_classes}")
-    model = ARCHITECTURES[arch](num_classes, input_px)
-    if pretrained_path:
-        state = torch.load(Path(pretrained_path), map_location="cpu", weights_only=True)
-        # The classifier head has this dataset's class count: keep only matching tensors.
-        own = model.state_dict()
-        usable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
-        skipped = sorted(set(own) - set(usable))
-        model.load_state_dict(usable, strict=False)
-        log.info(
-            "loaded %d tensors from %s; left %d untouched (%s)",
-            len(usable),
-            pretrained_path,
-            len(skipped),
-            ", ".join(skipped[:4]),
-        )
+    model = spec.build(num_classes)
+    if uses_small_input_stem(input_px, pretrained):
+        spec.small_stem(model)
     return model
+
+
+def head_prefix(arch: str) -> str:
+    """Return the state_dict prefix of ``arch``'s classifier head (``"fc."``, ...)."""
+    return architecture(arch).head + "."
+
+
+def split_head(model: nn.Module, arch: str) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Return (backbone, head) parameters: the head is the final Linear, the rest the backbone."""
+    prefix = head_prefix(arch)
+    backbone: list[nn.Parameter] = []
+    head: list[nn.Parameter] = []
+    for name, param in model.named_parameters():
+        (head if name.startswith(prefix) else backbone).append(param)
+    if not head:
+        raise ValueError(f"{arch} has no parameters under {prefix!r}: the head table is wrong")
+    return backbone, head

@@ -1,14 +1,32 @@
-"""List the model architectures by name, without importing torch (DAG files and forms use it)."""
+"""List the model architectures and read a ``pretrained`` choice, without importing torch.
+
+DAG files, forms and job.json validate names here; which weights a name resolves to, and
+whether a file fits, is torch's business (``burstcv.training.weights``).
+"""
 
 from __future__ import annotations
+
+import re
+from typing import Literal
 
 ARCHITECTURE_NAMES: tuple[str, ...] = (
     "resnet10",
     "resnet18",
     "resnet34",
+    "resnet50",
     "mobilenet_v3_small",
+    "mobilenet_v3_large",
     "efficientnet_b0",
+    "convnext_tiny",
 )
+
+# "none": train from scratch. A torchvision weights name: "DEFAULT", "IMAGENET1K_V2" or the
+# enum's full spelling "ResNet50_Weights.IMAGENET1K_V2". Anything that looks like a path or
+# a URI (a '/', a scheme, a .pt/.pth file name): a state_dict to load.
+PRETRAINED_NONE = "none"
+PretrainedKind = Literal["none", "torchvision", "uri"]
+_WEIGHTS_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z][A-Za-z0-9_]*)?$")
+_WEIGHTS_FILE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
 def check_architecture(name: str) -> str:
@@ -16,3 +34,26 @@ def check_architecture(name: str) -> str:
     if name not in ARCHITECTURE_NAMES:
         raise ValueError(f"unknown model {name!r}; choose {', '.join(ARCHITECTURE_NAMES)}")
     return name
+
+
+def pretrained_kind(pretrained: str) -> PretrainedKind:
+    """Say what a ``pretrained`` value names: nothing, torchvision weights, or a weights file.
+
+    Raises ValueError for an empty value or one that is neither (say ``"imagenet weights"``).
+    """
+    value = pretrained.strip()
+    if value.lower() == PRETRAINED_NONE:
+        return "none"
+    if "://" in value or "/" in value or "\\" in value or value.endswith(_WEIGHTS_FILE_SUFFIXES):
+        return "uri"
+    if _WEIGHTS_NAME.match(value):
+        return "torchvision"
+    raise ValueError(
+        f"pretrained {pretrained!r} is neither 'none', a torchvision weights name "
+        "(DEFAULT, IMAGENET1K_V1, ...) nor a state_dict URI (a path, file://, s3://)"
+    )
+
+
+def is_pretrained(pretrained: str) -> bool:
+    """Return True unless ``pretrained`` is "none" (the model is trained from scratch)."""
+    return pretrained_kind(pretrained) != "none"

@@ -14,7 +14,7 @@ import os
 import signal
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,9 @@ from burstcv.training.job import (
     load_job,
     write_failed,
 )
-from burstcv.training.models import build_model
+from burstcv.training.models import architecture, build_model, split_head
+from burstcv.training.names import is_pretrained, pretrained_kind
+from burstcv.training.weights import load_pretrained, resolve_weights
 from burstcv_spec import storage
 
 log = logging.getLogger(__name__)
@@ -247,8 +249,13 @@ def train_one_epoch(
     d: Dist,
     hist: History,
     on_step: Any,
+    frozen: list[nn.Parameter] | None = None,
 ) -> dict[str, float]:
-    """Train for the rest of one epoch from ``start_step``; return loss and images/s."""
+    """Train for the rest of one epoch from ``start_step``; return loss and images/s.
+
+    ``frozen`` parameters keep their values: their gradients are dropped before each step,
+    so the optimiser skips them (no update, no weight decay, no momentum).
+    """
     device = train.images.device
     per_rank = job.batch_size // d.world_size or 1
     order_gen = torch.Generator().manual_seed(job.seed * 7919 + epoch)
@@ -273,10 +280,16 @@ def train_one_epoch(
         opt.zero_grad(set_to_none=True)
         if scaler is not None:
             scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        # Gradients still flow through a frozen backbone (DistributedDataParallel expects
+        # every parameter's gradient each step); they are only not applied.
+        for param in frozen or ():
+            param.grad = None
+        if scaler is not None:
             scaler.step(opt)
             scaler.update()
         else:
-            loss.backward()
             opt.step()
         sched.step()
         loss_sum += float(loss.detach()) * len(y)
@@ -303,6 +316,64 @@ def _should_compile(job: JobSpec, device: torch.device, total_steps: int) -> boo
         return False
     # Compilation costs ~30-60 s; it pays back only over a few thousand steps.
     return job.compile == "on" or total_steps >= 2000
+
+
+# ---------------------------------------------------------------------------------------------
+# Fine-tuning
+
+
+def param_groups(model: nn.Module, job: JobSpec) -> list[dict[str, Any]]:
+    """Return SGD parameter groups: head then backbone, each with and without weight decay.
+
+    A pretrained backbone learns at ``backbone_lr_scale`` times the head's rate; from scratch
+    every group has the job's rate. Biases and norm parameters (1-D) get no weight decay.
+    """
+    backbone, head = split_head(model, job.arch)
+    scale = job.backbone_lr_scale if is_pretrained(job.pretrained) else 1.0
+    groups: list[dict[str, Any]] = []
+    for params, lr in ((head, job.learning_rate), (backbone, job.learning_rate * scale)):
+        decay = [p for p in params if p.ndim > 1]
+        no_decay = [p for p in params if p.ndim <= 1]
+        groups += [
+            {"params": decay, "weight_decay": job.weight_decay, "lr": lr},
+            {"params": no_decay, "weight_decay": 0.0, "lr": lr},
+        ]
+    return [g for g in groups if g["params"]]
+
+
+def backbone_frozen(job: JobSpec, epoch: int) -> bool:
+    """Return True during the first ``freeze_backbone_epochs`` epochs (0-based ``epoch``)."""
+    return epoch < job.freeze_backbone_epochs
+
+
+def set_train_mode(model: nn.Module, arch: str, *, frozen: bool) -> None:
+    """Put the model in train mode; a frozen backbone in eval mode (BatchNorm stats kept)."""
+    if not frozen:
+        model.train()
+        return
+    model.eval()
+    model.get_submodule(architecture(arch).head).train()
+
+
+def _warn_on_normalisation(job: JobSpec) -> None:
+    # pack fixes mean/std (weights.normalization): torchvision weights expect their own.
+    if pretrained_kind(job.pretrained) != "torchvision":
+        return
+    expected = resolve_weights(job.arch, job.pretrained).transforms()
+    spec = job.preprocess
+    if not (
+        np.allclose(spec["mean"], expected.mean, atol=1e-4)
+        and np.allclose(spec["std"], expected.std, atol=1e-4)
+    ):
+        log.warning(
+            "preprocess mean/std %s/%s are not those of %s (%s/%s): the pretrained features "
+            "see shifted inputs",
+            spec["mean"],
+            spec["std"],
+            job.pretrained,
+            expected.mean,
+            expected.std,
+        )
 
 
 def _deadline_ts(job: JobSpec) -> float | None:
@@ -337,37 +408,36 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
         )
     train, val = to_device_split(tr_x, tr_y, device), to_device_split(va_x, va_y, device)
 
-    model = build_model(job.arch, len(job.classes), int(spec["height"]), job.pretrained_path).to(
-        device
-    )
+    pretrained = is_pretrained(job.pretrained)
+    model = build_model(job.arch, len(job.classes), int(spec["height"]), pretrained=pretrained)
+    ckpt_uri = job.uri(CHECKPOINT)
+    ckpt = load_checkpoint(ckpt_uri)
+    loaded: dict[str, Any] | None = None
+    if ckpt is not None:
+        loaded = json.loads(ckpt.get("pretrained_loaded", "null"))
+    elif pretrained:  # a resumed run has its weights in the checkpoint: no second download
+        _warn_on_normalisation(job)
+        report = load_pretrained(
+            model, job.arch, job.pretrained, weights_store=job.weights_store_uri
+        )
+        loaded = asdict(report)
+    model = model.to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     steps_per_epoch = max(1, len(train.labels) // job.batch_size)
     total_steps = steps_per_epoch * job.epochs
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    for name, p in model.named_parameters():
-        (no_decay if p.ndim <= 1 or name.endswith(".bias") else decay).append(p)
-    opt = torch.optim.SGD(
-        [
-            {"params": decay, "weight_decay": job.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=job.learning_rate,
-        momentum=0.9,
-        nesterov=True,
-    )
+    groups = param_groups(model, job)
+    opt = torch.optim.SGD(groups, lr=job.learning_rate, momentum=0.9, nesterov=True)
     sched = torch.optim.lr_scheduler.OneCycleLR(
-        opt, max_lr=job.learning_rate, total_steps=total_steps, pct_start=0.25
+        opt, max_lr=[g["lr"] for g in groups], total_steps=total_steps, pct_start=0.25
     )
+    backbone_params, _ = split_head(model, job.arch)
     amp_dtype = _amp_dtype(device)
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
 
     hist = History()
     epoch, step = 0, 0
     best_acc = 0.0
-    ckpt_uri = job.uri(CHECKPOINT)
-    ckpt = load_checkpoint(ckpt_uri)
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
@@ -413,6 +483,7 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
                     "source_commit": job.source_commit or lineage.source_commit(),
                     "dataset_fingerprint": job.dataset_fingerprint,
                     "attempt": attempt,
+                    "pretrained_loaded": json.dumps(loaded),
                 },
             )
         if d.world_size > 1:
@@ -453,6 +524,8 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
     stop_reason = "epochs"
     while epoch < job.epochs:
         t_epoch_start = time.perf_counter()
+        frozen = backbone_frozen(job, epoch)
+        set_train_mode(model, job.arch, frozen=frozen)
         stats = train_one_epoch(
             fwd_model,
             opt,
@@ -470,6 +543,7 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
             d,
             hist,
             on_step,
+            backbone_params if frozen else None,
         )
         t_eval = time.perf_counter()
         ev = evaluate(model, val, mean, std, scale, len(job.classes), 1024, amp_dtype)
@@ -484,6 +558,8 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
             "elapsed_s": time.monotonic() - started,
             "attempt": attempt,
         }
+        if pretrained:
+            record["backbone_frozen"] = frozen
         if device.type == "cuda":
             record["gpu_max_memory_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
         hist.epochs.append(record)
@@ -530,6 +606,8 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "world_size": d.world_size,
+        "pretrained": job.pretrained,
+        "pretrained_loaded": loaded,  # what load_pretrained reported (None from scratch)
         "amp_dtype": str(amp_dtype) if amp_dtype else "float32",
         "versions": {"torch": torch.__version__},
         "host": lineage.host_description(),
