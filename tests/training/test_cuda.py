@@ -54,3 +54,30 @@ def test_cuda_resume_matches_within_tolerance(packed_demo: dict[str, Any], tmp_p
     a = json.loads((unbroken / "metrics.json").read_text())["val_accuracy"]
     b = json.loads((resumed / "metrics.json").read_text())["val_accuracy"]
     assert abs(a - b) <= 0.02
+
+
+def test_cuda_frozen_backbone_stays_the_loaded_one(
+    packed_demo: dict[str, Any], tmp_path: Path
+) -> None:
+    """On the GPU path (channels_last, autocast) a frozen epoch leaves the backbone as loaded."""
+    from burstcv.training.models import build_model, head_prefix
+
+    torch.manual_seed(3)
+    weights = build_model("resnet18", 10, 32, pretrained=True).state_dict()
+    torch.save(weights, tmp_path / "w.pt")
+    out = tmp_path / "out"
+    job = make_job(
+        packed_demo,
+        out,
+        arch="resnet18",
+        epochs=1,
+        pretrained=str(tmp_path / "w.pt"),
+        freeze_backbone_epochs=1,
+    )
+    assert run_job(write_job(job, str(tmp_path / "job.json"))) == 0
+    after = torch.load(out / "model.pt", map_location="cpu", weights_only=True)
+    backbone = {k: v for k, v in weights.items() if not k.startswith(head_prefix("resnet18"))}
+    for name, tensor in backbone.items():
+        assert torch.equal(after[name].contiguous(), tensor.contiguous()), name
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["device"].startswith("cuda") and metrics["epochs"][0]["backbone_frozen"]

@@ -16,6 +16,7 @@ import pytest
 import torch
 from burstcv_testkit import make_job
 from pydantic import ValidationError
+from torchvision import models as tvm
 
 from burstcv.training.job import write_job
 from burstcv.training.models import ARCHITECTURES, UnknownArchitectureError, build_model
@@ -47,6 +48,17 @@ def test_every_architecture_classifies_small_inputs(arch: str) -> None:
     model = build_model(arch, 10, 32).eval()
     with torch.no_grad():
         assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    # Pretrained: torchvision's own layout whatever the input size, so its weights fit.
+    tv_name = ARCHITECTURES[arch].torchvision_name
+    pretrained = build_model(arch, 10, 32, pretrained=True).eval()
+    if tv_name is not None:
+        reference = tvm.get_model(tv_name, num_classes=10).state_dict()
+        assert {k: v.shape for k, v in pretrained.state_dict().items()} == {
+            k: v.shape for k, v in reference.items()
+        }
+        assert str(pretrained) == str(tvm.get_model(tv_name, num_classes=10))
+    with torch.no_grad():
+        assert pretrained(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
 
 
 def test_unknown_architecture_names_the_choices() -> None:

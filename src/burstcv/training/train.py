@@ -341,6 +341,20 @@ def param_groups(model: nn.Module, job: JobSpec) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
+def one_cycle(
+    opt: torch.optim.Optimizer, max_lrs: list[float], total_steps: int
+) -> torch.optim.lr_scheduler.OneCycleLR:
+    """Return the one-cycle schedule: 25% warm-up to each group's rate, then cosine decay.
+
+    OneCycleLR divides by zero when a phase is shorter than one step; a run of a few steps
+    (a tiny fine-tuning set) gets a longer warm-up share and a cycle of at least 4 steps.
+    """
+    cycle = max(total_steps, 4)
+    return torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=max_lrs, total_steps=cycle, pct_start=max(0.25, 2 / cycle)
+    )
+
+
 def backbone_frozen(job: JobSpec, epoch: int) -> bool:
     """Return True during the first ``freeze_backbone_epochs`` epochs (0-based ``epoch``)."""
     return epoch < job.freeze_backbone_epochs
@@ -428,9 +442,7 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
     total_steps = steps_per_epoch * job.epochs
     groups = param_groups(model, job)
     opt = torch.optim.SGD(groups, lr=job.learning_rate, momentum=0.9, nesterov=True)
-    sched = torch.optim.lr_scheduler.OneCycleLR(
-        opt, max_lr=[g["lr"] for g in groups], total_steps=total_steps, pct_start=0.25
-    )
+    sched = one_cycle(opt, [g["lr"] for g in groups], total_steps)
     backbone_params, _ = split_head(model, job.arch)
     amp_dtype = _amp_dtype(device)
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
