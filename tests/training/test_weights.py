@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from localserver import moto_server
 from pydantic import ValidationError
 from torchvision import models as tvm
 from torchvision.models import ResNet18_Weights, ResNet50_Weights
@@ -305,19 +306,12 @@ def test_a_corrupt_stored_file_is_downloaded_again(torch_home: Path, tmp_path: P
 # ---------------------------------------------------------------------------------------------
 # s3: a state_dict URI and the store under an s3:// artifact root (moto in server mode)
 
-moto_server = pytest.importorskip("moto.server")
-
 
 @pytest.fixture(scope="module")
 def moto_endpoint() -> Iterator[str]:
-    """Start one S3 emulator on 127.0.0.1 for this module; yield its URL."""
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
+    """Run one S3 emulator for this module; yield its URL."""
+    with moto_server() as url:
+        yield url
 
 
 @pytest.fixture
