@@ -19,6 +19,12 @@ from pathlib import Path
 import httpx
 import pytest
 import structlog.testing
+
+# Airflow is imported at module level (collection), not lazily in run_dag: its first import runs
+# airflow.settings.initialize(), whose configure_logging() calls structlog.configure() with a
+# new processor list. Inside a structlog.testing.capture_logs() block that replaces the capture,
+# so a test that ran first (or alone) recorded none of the trigger's lines.
+from airflow.dag_processing.dagbag import DagBag
 from localserver import prediction_service
 
 from burstcv.pipeline import RunPaths, safe_run_id
@@ -46,8 +52,6 @@ def service() -> Iterator[str]:
 
 def run_dag(conf: dict[str, object]) -> tuple[str, dict[str, str], str]:
     """Run burstcv_pipeline once; return (state, task states, run id)."""
-    from airflow.dag_processing.dagbag import DagBag
-
     get_settings.cache_clear()
     dag = DagBag(dag_folder=str(Path(__file__).resolve().parents[2] / "dags")).dags[
         "burstcv_pipeline"
