@@ -37,20 +37,18 @@ from airflow.sdk import (
     Asset,
     AssetOrTimeSchedule,
     CronTriggerTimetable,
-    Param,
     dag,
     task,
 )
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from burstcv.airflow.callbacks import log_failure_summary
+from burstcv.airflow.form import trigger_form
 from burstcv.airflow.operators import WaitForTrainingOperator
-from burstcv.params import DEFAULT_INSTANCE_TYPES, RunParams
+from burstcv.params import RunParams
 from burstcv.settings import get_settings
-from burstcv.training.names import ARCHITECTURE_NAMES
 
 SETTINGS = get_settings()
-DEFAULTS = RunParams.defaults(SETTINGS)
 # Updating this Asset (an ingestion job, or POST /api/v2/assets/events with
 # {"extra": {"dataset_uri": ...}}) starts a run on that dataset.
 DATASET = Asset(
@@ -81,94 +79,8 @@ def _params(params: dict[str, Any]) -> RunParams:
     # Retries only where a retry is safe (idempotent stages); see SAFE_RETRY below.
     default_args={"owner": "burstcv", "retries": 0, "on_failure_callback": log_failure_summary},
     on_failure_callback=log_failure_summary,
-    params={
-        "dataset_uri": Param(
-            DEFAULTS["dataset_uri"],
-            type="string",
-            minLength=1,
-            title="Dataset URI",
-            description="ImageFolder root: <root>/{train,val}/<class>/<image>; a folder or s3://",
-        ),
-        "model": Param(
-            DEFAULTS["model"],
-            type="string",
-            enum=list(ARCHITECTURE_NAMES),
-            title="Model",
-            description="torchvision architecture to train",
-        ),
-        "epochs": Param(
-            DEFAULTS["epochs"],
-            type="integer",
-            minimum=1,
-            maximum=500,
-            title="Epochs",
-            description="passes over the training split (1-500); the time budget may stop it "
-            "earlier",
-        ),
-        "compute_backend": Param(
-            DEFAULTS["compute_backend"],
-            type="string",
-            enum=["local", "ec2"],
-            title="Compute backend",
-            description="local: a process on this machine; ec2: ephemeral GPU instances",
-        ),
-        "instance_types": Param(
-            list(DEFAULT_INSTANCE_TYPES),
-            type="array",
-            items={"type": "string"},
-            minItems=1,
-            title="GPU instance types",
-            description="EC2 types in order of preference",
-        ),
-        "use_spot": Param(
-            True,
-            type="boolean",
-            title="Use spot instances",
-            description="spot first, on-demand when there is no spot capacity",
-        ),
-        "max_cost_usd": Param(
-            5.0,
-            type="number",
-            exclusiveMinimum=0,
-            maximum=10000,
-            title="Max cost (USD)",
-            description="per-run budget; bounds the watchdog",
-        ),
-        "latency_slo_ms": Param(
-            DEFAULTS["latency_slo_ms"],
-            type="number",
-            exclusiveMinimum=0,
-            title="Latency SLO (ms)",
-            description="p95 over HTTP, one image per request",
-        ),
-        "accuracy_floor": Param(
-            DEFAULTS["accuracy_floor"],
-            type="number",
-            minimum=0,
-            maximum=1,
-            title="Accuracy floor",
-            description="validation top-1 the candidate must reach",
-        ),
-        "int8": Param(
-            True,
-            type="boolean",
-            title="Try INT8",
-            description="static INT8 quantization; serves only if as accurate and faster",
-        ),
-        "promote": Param(
-            True,
-            type="boolean",
-            title="Promote",
-            description="deploy the candidate if it passes the gate",
-        ),
-        "force_train": Param(
-            False,
-            type="boolean",
-            title="Force training",
-            description="train even if the dataset and training params are production's "
-            "(otherwise such a run ends after validation, renting nothing)",
-        ),
-    },
+    # The trigger form: one typed field per RunParams field (burstcv.airflow.form).
+    params=trigger_form(SETTINGS),
 )
 def burstcv_pipeline() -> None:
     """Wire the stages; every task body is one call into burstcv.pipeline."""

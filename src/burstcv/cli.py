@@ -10,6 +10,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
+
+from burstcv.cli_options import run_options
+from burstcv.params import DATA_CHECKS, EXPORT_PARAMS, RunParams, run_fields
+from burstcv.settings import Settings, get_settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 log = logging.getLogger("burstcv")
@@ -32,6 +37,26 @@ def _print_json(doc: Any) -> None:
     typer.echo(json.dumps(doc, indent=2, sort_keys=True, default=str))
 
 
+def _run_params(given: dict[str, Any], settings: Settings, code: int = 1) -> RunParams:
+    """Return the run's parameters, or exit with the one-line reason they are refused."""
+    try:
+        return RunParams.resolve(given, settings)
+    except ValidationError as exc:
+        reasons = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'run parameters'}: {e['msg']}" for e in exc.errors()
+        )
+        raise _fail(f"invalid run parameters: {reasons}", code) from None
+    except ValueError as exc:
+        raise _fail(str(exc), code) from None
+
+
+def _new_run_id() -> str:
+    """Return the id of a run started from the command line (cli__<UTC time>)."""
+    from burstcv import lineage
+
+    return f"cli__{lineage.utc_now_iso()}"
+
+
 @app.command("demo-data")
 def demo_data(
     directory: Annotated[Path, typer.Argument(help="where to write the dataset")],
@@ -45,31 +70,39 @@ def demo_data(
 
 
 @app.command()
+@run_options(("expected_classes", *DATA_CHECKS))
 def validate(
     dataset: Annotated[str, typer.Argument(help="dataset root: a folder or s3://bucket/prefix")],
-    classes: Annotated[str, typer.Option(help="expected classes, comma-separated")] = "",
-    out: Annotated[
-        str, typer.Option(help="where to write manifest, validation.json, Data Docs")
+    run_id: Annotated[
+        str, typer.Option(help="the run whose folder holds the evidence (default: a new cli__ run)")
     ] = "",
+    *,
+    given: dict[str, Any],
 ) -> None:
-    """Check a dataset: exit 0 on pass, 1 on a failed check, 2 on unusable input."""
-    import tempfile
+    """Check a dataset with the pipeline's validate stage: exit 0 pass, 1 failed check, 2 unusable.
 
-    from burstcv.data.validate import DatasetUnusableError, ValidationConfig, validate_dataset
+    The thresholds are the run parameters the trigger form has. The evidence (manifest,
+    validation.json, Data Docs) goes to the run's dataset folder in the artifact store, and a
+    pass becomes the drift baseline of the next run, as in the DAG.
+    """
+    from burstcv import pipeline
+    from burstcv.data.manifest import DatasetUnusableError
 
     _setup_logging()
-    out_uri = out or tempfile.mkdtemp(prefix="burstcv-validate-")
-    config = ValidationConfig(
-        expected_classes=[c.strip() for c in classes.split(",") if c.strip()] or None
-    )
+    settings = get_settings()
+    params = _run_params({**given, "dataset_uri": dataset}, settings, code=2)
+    run = run_id or _new_run_id()
     try:
-        report = validate_dataset(dataset, out_uri, config)
-    except DatasetUnusableError as exc:
-        raise _fail(str(exc), 2) from None
-    typer.echo(report.summary)
-    typer.echo(f"validation.json: {report.validation_uri}\nData Docs: {report.data_docs_uri}")
-    if not report.success:
-        raise typer.Exit(1)
+        validated = pipeline.validate(run, params, settings)
+    except pipeline.ValidationFailed as exc:
+        if isinstance(exc.__cause__, DatasetUnusableError):
+            raise _fail(str(exc), 2) from None
+        typer.echo(str(exc))
+        raise typer.Exit(1) from None
+    typer.echo(
+        f"passed: {dataset} (run {run})\nvalidation.json: {validated['validation_uri']}\n"
+        f"Data Docs: {validated['data_docs_uri']}"
+    )
 
 
 @app.command()
@@ -102,59 +135,53 @@ def preflight(
 
 
 @app.command()
+@run_options(EXPORT_PARAMS)
 def export(
-    checkpoint: Annotated[str, typer.Argument(help="model.pt (a state dict) from a training job")],
-    out: Annotated[str, typer.Option(help="output folder for model.onnx + model.json")],
-    job: Annotated[str, typer.Option(help="the job.json the checkpoint was trained from")],
-    parity_dir: Annotated[Path, typer.Option(help="folder of real images for the parity check")],
-    name: Annotated[str, typer.Option(help="model name")] = "digits",
-    int8: Annotated[
-        bool, typer.Option(help="try static INT8; kept only if accurate and faster")
-    ] = False,
-    max_accuracy_drop: Annotated[float, typer.Option(help="INT8 accuracy drop allowed")] = 0.01,
+    run_id: Annotated[str, typer.Argument(help="the run whose trained model to export")],
+    *,
+    given: dict[str, Any],
 ) -> None:
-    """Convert a checkpoint to ONNX and check it against torch on real images."""
-    from burstcv.export.onnx_export import CheckpointError, ParityError, export_model
+    """Export a run's trained model as the pipeline's export stage does (ONNX, parity, INT8).
+
+    Reads what the run's earlier stages left in the artifact store (job.json, the checkpoint,
+    the shards, the manifest) and writes the run's model folder.
+    """
+    from burstcv import pipeline
+    from burstcv.export.onnx_export import CheckpointError, ParityError
     from burstcv.training.job import load_job
-    from burstcv_spec.preprocess import PreprocessSpec
+    from burstcv_spec import storage
 
     _setup_logging()
-    spec_job = load_job(job)
-    images = [
-        (str(p), p.read_bytes())
-        for p in sorted(parity_dir.rglob("*"))
-        if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp")
-    ][:256]
-    int8_inputs: dict[str, Any] = {}
-    if int8:
-        from burstcv.training.train import load_shards
-
-        train_x, _ = load_shards(spec_job.train_shards, spec_job.classes)
-        val_x, val_y = load_shards(spec_job.val_shards, spec_job.classes)
-        int8_inputs = {
-            "int8": True,
-            "calibration_images_u8": train_x,
-            "eval_images_u8": val_x,
-            "eval_labels": [spec_job.classes[i] for i in val_y],
-            "max_accuracy_drop": max_accuracy_drop,
-        }
+    settings = get_settings()
+    paths = pipeline.RunPaths.of(run_id, settings)
+    job_uri, metrics_uri = (storage.join(paths.job, name) for name in ("job.json", "metrics.json"))
+    if not storage.exists(metrics_uri):
+        raise _fail(f"run {run_id} has no trained model: {metrics_uri} does not exist")
+    job = load_job(job_uri)
+    choices = {**given, "model": job.arch}  # the architecture is the one trained
+    if storage.exists(paths.record):  # the run's dataset, for the record (export reads none)
+        choices["dataset_uri"] = storage.read_json(paths.record)["dataset_uri"]
+    params = _run_params(choices, settings)
+    packed = {
+        "classes": job.classes,
+        "train_shards": job.train_shards,
+        "val_shards": job.val_shards,
+        "preprocess": job.preprocess,
+        "fingerprint": job.dataset_fingerprint,
+    }
+    trained = pipeline.collect_training(run_id, {"status": "done"}, settings)
+    validated = {"manifest_uri": storage.join(paths.dataset, "manifest.parquet")}
     try:
-        model_json = export_model(
-            checkpoint_uri=checkpoint,
-            out_uri=out,
-            arch=spec_job.arch,
-            classes=spec_job.classes,
-            spec=PreprocessSpec.from_dict(spec_job.preprocess),
-            parity_images=images,
-            name=name,
-            dataset_fingerprint=spec_job.dataset_fingerprint,
-            run_id=spec_job.run_id,
-            pretrained=spec_job.pretrained,
-            **int8_inputs,
-        )
+        exported = pipeline.export(run_id, params, packed, trained, validated, settings)
     except (CheckpointError, ParityError) as exc:
         raise _fail(str(exc)) from None
-    typer.echo(f"exported {out}/{model_json['onnx_file']} sha256={model_json['sha256']}")
+    quantization = exported.get("quantization") or {}
+    typer.echo(
+        f"exported {exported['model_dir']}/{exported['onnx_file']} sha256={exported['sha256']} "
+        f"(parity max |diff| {exported['parity_max_abs_diff']:.2e})"
+    )
+    if quantization:
+        typer.echo(quantization["reason"])
 
 
 @app.command()
@@ -216,7 +243,6 @@ def models(
 ) -> None:
     """List the registered versions with their status, figures and aliases."""
     from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, RegistryError
-    from burstcv.settings import get_settings
 
     s = get_settings()
     registry = Registry(s.registry_uri, s.model_name)
@@ -273,7 +299,6 @@ def promote(
     """
     from burstcv.registry.deploy import DeployError, deploy
     from burstcv.registry.registry import Registry, RegistryError, RejectedVersionError
-    from burstcv.settings import get_settings
 
     _setup_logging()
     s = get_settings()
@@ -301,7 +326,6 @@ def rollback() -> None:
     from burstcv.registry.deploy import DeployError
     from burstcv.registry.deploy import rollback as rollback_deploy
     from burstcv.registry.registry import Registry, RegistryError
-    from burstcv.settings import get_settings
 
     _setup_logging()
     s = get_settings()
@@ -330,7 +354,6 @@ def reap(
     from burstcv.airflow.local_run import embedded_airflow_env
     from burstcv.pipeline import reap as reap_backends
     from burstcv.pipeline import reap_errors
-    from burstcv.settings import get_settings
 
     _setup_logging()
     for key, value in embedded_airflow_env().items():
@@ -361,7 +384,6 @@ app.add_typer(aws_app, name="aws")
 def aws_check() -> None:
     """Dry-run each launch option, the backstop and the S3 access; print what is missing."""
     from burstcv.compute.awscheck import check_account
-    from burstcv.settings import get_settings
 
     _setup_logging()
     try:
@@ -374,6 +396,18 @@ def aws_check() -> None:
     if missing:
         raise _fail(f"{len(missing)} of {len(findings)} checks failed; see docs/aws.md")
     typer.echo(f"all {len(findings)} checks passed: nothing was rented")
+
+
+@app.command()
+def home(
+    paths: Annotated[bool, typer.Option("--paths", help="also list the folders in it")] = False,
+) -> None:
+    """Print the burstcv home (BURSTCV_HOME): the folder every local default lives in."""
+    settings = get_settings()
+    typer.echo(settings.home)
+    if paths:
+        for name in ("artifact_root", "registry_uri", "dataset_uri", "compute_state_dir"):
+            typer.echo(f"{name} {getattr(settings, name)}")
 
 
 @app.command("airflow-init")
@@ -390,17 +424,20 @@ def airflow_init() -> None:
 
 
 @app.command()
+@run_options(run_fields())
 def run(
     conf: Annotated[
-        str, typer.Option(help="run parameters as JSON (the trigger form's fields)")
+        str, typer.Option(help="run parameters as JSON (the trigger form's fields); options win")
     ] = "{}",
+    *,
+    given: dict[str, Any],
 ) -> None:
     """Run the burstcv_pipeline DAG once, locally, with Airflow's dag.test()."""
     from burstcv.airflow.local_run import run_pipeline_once
 
     _setup_logging()
     try:
-        state, summary = run_pipeline_once(json.loads(conf))
+        state, summary = run_pipeline_once({**json.loads(conf), **given})
     except (ValueError, RuntimeError) as exc:
         raise _fail(str(exc)) from None
     typer.echo(summary)

@@ -1,75 +1,494 @@
-"""Define the per-run parameters: what a user may set for one pipeline run, with safe bounds.
+"""Define the run parameters: what one pipeline run may choose, with bounds and one default each.
 
-The DAG's typed Airflow ``Params`` (the trigger form) mirror these fields; the stages accept
-a plain dict (from ``params`` in the task context or the CLI) and validate it here once.
+``RunParams`` is the one definition behind the DAG's trigger form (``burstcv.airflow.form``
+builds the Airflow Params from ``run_fields``), the command line's options (``burstcv.cli``)
+and the params table of docs/airflow.md (``params_table``): a field added here appears in all
+of them. Each default is written once: a deployment fact comes from the settings
+(``BURSTCV_DATASET_URI``, ``BURSTCV_COMPUTE_BACKEND``, ``BURSTCV_TRAIN_TIMEOUT_S``,
+``BURSTCV_EC2_INSTANCE_TYPES``, ``BURSTCV_EC2_USE_SPOT``), a training choice from ``JobSpec``,
+a data check from ``ValidationConfig``; the rest are written here. The stages take a
+``RunParams``, validated once from a plain dict (the task's ``params`` or the CLI's options).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from burstcv.settings import Settings, get_settings
-from burstcv.training.names import check_architecture
+from burstcv.data.config import ValidationConfig
+from burstcv.settings import ComputeBackend, Settings, get_settings
+from burstcv.training.job import JobSpec
+from burstcv.training.names import ARCHITECTURE_NAMES, check_architecture
 
-DEFAULT_INSTANCE_TYPES = ("g6.xlarge", "g5.xlarge", "g4dn.xlarge")
+# Form sections: the fields without one are on the form's first, open section; the others
+# fold away under these headings (Airflow's ``section``).
+SECTION_TRAINING = "Training details"
+SECTION_DATA = "Data checks"
+SECTION_GATE = "Gate details"
+
+# The data checks a run may set: ValidationConfig's own names and defaults.
+DATA_CHECKS = (
+    "min_images_per_class",
+    "min_total_images",
+    "max_imbalance_ratio",
+    "min_width",
+    "max_width",
+    "min_height",
+    "max_height",
+    "near_duplicate_max_distance",
+    "drift_max",
+)
+
+# The run params that change what training produces: same data + same values = same model.
+TRAINING_PARAMS = ("model", "epochs", "batch_size", "learning_rate", "seed", "expected_classes")
+# ...and those that change what export makes of it (the `export` verb's options).
+EXPORT_PARAMS = ("int8", "int8_max_accuracy_drop")
+
+_JOB_DEFAULTS: dict[str, Any] = {name: f.default for name, f in JobSpec.model_fields.items()}
+_CHECK_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ValidationConfig)}
+# JSON-schema keywords that bound a number. The form keeps them under ``allOf``: Airflow's
+# validation (jsonschema) applies them there all the same, but the UI's number input reads
+# only top-level bounds and would silently clamp an out-of-range value instead of refusing.
+BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _deployment_value(setting: str, settings: Settings | None = None) -> Any:
+    """Return the value of a deployment setting named by its variable (``BURSTCV_...``)."""
+    if setting.startswith("BURSTCV_EC2_"):
+        from burstcv.compute.ec2 import Ec2Settings
+
+        value = getattr(Ec2Settings(), setting.removeprefix("BURSTCV_EC2_").lower())
+        return list(value) if isinstance(value, tuple) else value
+    return getattr(settings or get_settings(), setting.removeprefix("BURSTCV_").lower())
+
+
+def _from_deployment(setting: str, **kwargs: Any) -> Any:
+    """Return a Field whose default is the deployment's setting (named by its variable)."""
+    extra = {"default_from": setting, **kwargs.pop("json_schema_extra", {})}
+    return Field(
+        default_factory=lambda: _deployment_value(setting), json_schema_extra=extra, **kwargs
+    )
 
 
 class RunParams(BaseModel):
-    """Hold one run's choices; every field has a default from settings."""
+    """Hold one run's choices; an unknown name is refused, never ignored."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
-    dataset_uri: str
-    model: str = "resnet10"
-    epochs: int = Field(default=6, ge=1, le=500)
-    batch_size: int = Field(default=128, ge=8, le=8192)
-    learning_rate: float = Field(default=0.2, gt=0, le=10)
-    seed: int = Field(default=0, ge=0)
-    expected_classes: list[str] = Field(default_factory=list)  # empty: take them from the data
-    compute_backend: Literal["local", "ec2"] = "local"
-    instance_types: list[str] = Field(default_factory=lambda: list(DEFAULT_INSTANCE_TYPES))
-    use_spot: bool = True
-    max_cost_usd: float = Field(default=5.0, gt=0, le=10_000)
-    time_budget_s: int = Field(default=3600, ge=60, le=7 * 24 * 3600)
-    latency_slo_ms: float = Field(default=50.0, gt=0)
-    accuracy_floor: float = Field(default=0.9, ge=0, le=1)
-    max_accuracy_drop: float = Field(default=0.02, ge=0, le=1)
-    promote: bool = True
-    int8: bool = True  # try static INT8; it serves only if as accurate (within bound) and faster
-    # Train even when the data and params are those of the production model (a scheduled or
-    # asset-triggered run then ends after validation, renting nothing).
-    force_train: bool = False
+    # The form's first section: what most runs change.
+    dataset_uri: str = _from_deployment(
+        "BURSTCV_DATASET_URI",
+        min_length=1,
+        title="Dataset URI",
+        description="ImageFolder root: <root>/{train,val}/<class>/<image>; a folder or s3://",
+    )
+    model: str = Field(
+        default=_JOB_DEFAULTS["arch"],
+        title="Model",
+        description="torchvision architecture to train",
+        json_schema_extra={"enum": list(ARCHITECTURE_NAMES)},
+    )
+    epochs: int = Field(
+        default=_JOB_DEFAULTS["epochs"],
+        ge=1,
+        le=500,
+        title="Epochs",
+        description="passes over the training split; the time budget may stop training earlier",
+    )
+    compute_backend: ComputeBackend = _from_deployment(
+        "BURSTCV_COMPUTE_BACKEND",
+        title="Compute backend",
+        description="local: a process on the worker; ec2: ephemeral GPU instances",
+    )
+    instance_types: list[str] = _from_deployment(
+        "BURSTCV_EC2_INSTANCE_TYPES",
+        min_length=1,
+        title="GPU instance types",
+        description="EC2 types in order of preference",
+    )
+    use_spot: bool = _from_deployment(
+        "BURSTCV_EC2_USE_SPOT",
+        title="Use spot instances",
+        description="spot on every type first, then on-demand on every type",
+    )
+    max_cost_usd: float = Field(
+        default=5.0,
+        gt=0,
+        le=10_000,
+        title="Max cost (USD)",
+        description="per-run budget; bounds the watchdog that shuts the box down",
+    )
+    latency_slo_ms: float = Field(
+        default=50.0,
+        gt=0,
+        title="Latency SLO (ms)",
+        description="p95 over HTTP, one image per request, the gate's limit",
+    )
+    accuracy_floor: float = Field(
+        default=0.9,
+        ge=0,
+        le=1,
+        title="Accuracy floor",
+        description="validation top-1 the candidate must reach",
+    )
+    int8: bool = Field(
+        default=True,
+        title="Try INT8",
+        description="also export a static INT8 model; it serves only if as accurate (within "
+        "the INT8 accuracy drop) and faster",
+    )
+    promote: bool = Field(
+        default=True,
+        title="Promote",
+        description="deploy the candidate if it passes the gate (off: gate and register only)",
+    )
+    force_train: bool = Field(
+        default=False,
+        title="Force training",
+        description="train even when the dataset and training params are production's "
+        "(otherwise such a run ends after validation, renting nothing)",
+    )
+
+    # Training details.
+    batch_size: int = Field(
+        default=_JOB_DEFAULTS["batch_size"],
+        ge=8,
+        le=8192,
+        title="Batch size",
+        description="images per optimizer step, over all GPUs",
+        json_schema_extra={"section": SECTION_TRAINING},
+    )
+    learning_rate: float = Field(
+        default=_JOB_DEFAULTS["learning_rate"],
+        gt=0,
+        le=10,
+        title="Learning rate",
+        description="peak of the one-cycle schedule (SGD with Nesterov momentum)",
+        json_schema_extra={"section": SECTION_TRAINING},
+    )
+    seed: int = Field(
+        default=_JOB_DEFAULTS["seed"],
+        ge=0,
+        title="Seed",
+        description="random seed of initialisation, shuffling and augmentation",
+        json_schema_extra={"section": SECTION_TRAINING},
+    )
+    time_budget_s: int = _from_deployment(
+        "BURSTCV_TRAIN_TIMEOUT_S",
+        ge=60,
+        le=7 * 24 * 3600,
+        title="Time budget (s)",
+        description="the run's training deadline, every attempt and the box's boot included "
+        "(the max cost may lower it); at most the train task's timeout",
+        # The train task's timeout is set from the setting: a longer budget would be cut short.
+        json_schema_extra={"section": SECTION_TRAINING, "maximum_from": "BURSTCV_TRAIN_TIMEOUT_S"},
+    )
+
+    # Data checks (ValidationConfig's names and defaults).
+    expected_classes: list[str] = Field(
+        default=[],
+        title="Expected classes",
+        description="class folder names the dataset must have, exactly; empty: the class "
+        "folders found",
+        json_schema_extra={"section": SECTION_DATA},
+    )
+    min_images_per_class: int = Field(
+        default=_CHECK_DEFAULTS["min_images_per_class"],
+        ge=1,
+        title="Min images per class",
+        description="in every split: fewer cannot train or measure a class",
+        json_schema_extra={"section": SECTION_DATA},
+    )
+    min_total_images: int = Field(
+        default=_CHECK_DEFAULTS["min_total_images"],
+        ge=1,
+        title="Min total images",
+        description="usable images over all splits",
+        json_schema_extra={"section": SECTION_DATA},
+    )
+    max_imbalance_ratio: float = Field(
+        default=_CHECK_DEFAULTS["max_imbalance_ratio"],
+        ge=1,
+        title="Max class imbalance",
+        description="largest class / smallest class, per split",
+        json_schema_extra={"section": SECTION_DATA},
+    )
+    min_width: int = Field(
+        default=_CHECK_DEFAULTS["min_width"],
+        ge=1,
+        le=4096,
+        title="Min image width (px)",
+        description="smaller images carry no signal after resizing",
+        json_schema_extra={"section": SECTION_DATA},
+    )
+    max_width: int = Field(
+        default=_CHECK_DEFAULTS["max_width"],
+        ge=1,
+        le=4096,
+        title="Max image width (px)",
+        description="the service refuses images over 4096x4096 pixels",
+        json_schema_extra={"section": SECTION_DATA},
+    )
+    min_height: int = Field(
+        default=_CHECK_DEFAULTS["min_height"],
+        ge=1,
+        le=4096,
+        title="Min image height (px)",
+        description="smaller images carry no signal after resizing",
+        json_schema_extra={"section": SECTION_DATA},
+    )
+    max_height: int = Field(
+        default=_CHECK_DEFAULTS["max_height"],
+        ge=1,
+        le=4096,
+        title="Max image height (px)",
+        description="the service refuses images over 4096x4096 pixels",
+        json_schema_extra={"section": SECTION_DATA},
+    )
+    near_duplicate_max_distance: int | None = Field(
+        default=_CHECK_DEFAULTS["near_duplicate_max_distance"],
+        ge=0,
+        le=16,
+        title="Near-duplicate distance (bits)",
+        description="difference-hash bits within which an image in one split counts as a copy "
+        "of one in another (0: the same hash); empty: no near-duplicate check",
+        json_schema_extra={"section": SECTION_DATA},
+    )
+    drift_max: float | None = Field(
+        default=_CHECK_DEFAULTS["drift_max"],
+        ge=0,
+        title="Max drift",
+        description="drift score (class proportions, image size) against the last dataset "
+        "that passed, above which validation fails; empty: only warn",
+        json_schema_extra={"section": SECTION_DATA},
+    )
+
+    # Gate details.
+    max_accuracy_drop: float = Field(
+        default=0.02,
+        ge=0,
+        le=1,
+        title="Max accuracy drop",
+        description="accuracy the candidate may lose against the production model",
+        json_schema_extra={"section": SECTION_GATE},
+    )
+    int8_max_accuracy_drop: float = Field(
+        default=0.01,
+        ge=0,
+        le=1,
+        title="INT8 max accuracy drop",
+        description="accuracy the INT8 model may lose against the FP32 one and still serve",
+        json_schema_extra={"section": SECTION_GATE},
+    )
 
     @field_validator("model")
     @classmethod
     def _known_model(cls, value: str) -> str:
         return check_architecture(value)
 
+    @model_validator(mode="after")
+    def _data_checks_make_sense(self) -> RunParams:
+        self.validation_config()  # raises ValueError naming what cannot be met
+        return self
+
+    def validation_config(self) -> ValidationConfig:
+        """Return the dataset gate's thresholds for this run."""
+        return ValidationConfig(
+            expected_classes=self.expected_classes or None,
+            **{name: getattr(self, name) for name in DATA_CHECKS},
+        )
+
     @classmethod
     def defaults(cls, settings: Settings | None = None) -> dict[str, Any]:
-        """Return the default values, taken from settings where settings define them."""
-        s = settings or get_settings()
-        return {
-            "dataset_uri": s.dataset_uri,
-            "model": s.arch,
-            "epochs": s.epochs,
-            "batch_size": s.batch_size,
-            "learning_rate": s.learning_rate,
-            "seed": s.seed,
-            "compute_backend": s.compute_backend,
-            "time_budget_s": s.train_timeout_s,
-            "latency_slo_ms": s.latency_slo_ms,
-            "accuracy_floor": s.accuracy_floor,
-            "max_accuracy_drop": s.max_accuracy_drop,
-        }
+        """Return every field's default (JSON-ready), deployment facts read from ``settings``."""
+        values: dict[str, Any] = {}
+        for name, spec in run_fields().items():
+            if spec.default_from:
+                values[name] = _deployment_value(spec.default_from, settings)
+            else:
+                values[name] = spec.default
+        return values
 
     @classmethod
     def resolve(
         cls, given: dict[str, Any] | None = None, settings: Settings | None = None
     ) -> RunParams:
-        """Merge given values (None means 'use the default') over the defaults, then validate."""
-        merged = cls.defaults(settings)
-        merged.update({k: v for k, v in (given or {}).items() if v is not None and v != ""})
-        return cls.model_validate(merged)
+        """Validate the given values over the defaults (a given None means none, not default).
+
+        A field bounded by a setting (``maximum_from``) is checked against this deployment's
+        value of it, as the trigger form and the command line check it.
+        """
+        s = settings or get_settings()
+        params = cls.model_validate({**cls.defaults(s), **(given or {})})
+        for name, spec in run_fields().items():
+            if spec.maximum_from:
+                ceiling = _deployment_value(spec.maximum_from, s)
+                if getattr(params, name) > ceiling:
+                    raise ValueError(
+                        f"{name} {getattr(params, name)} is over this deployment's "
+                        f"{spec.maximum_from} {ceiling}; lower it, or raise the setting"
+                    )
+        return params
+
+
+@dataclass(frozen=True)
+class RunField:
+    """Describe one run parameter as every surface shows it: form, command line, docs."""
+
+    name: str
+    title: str
+    description: str
+    # JSON schema of the value: type (["null", T] when it may be empty), enum, items,
+    # minLength/minItems, bounds under allOf, and the form section.
+    schema: dict[str, Any]
+    default: Any  # None when default_from names the setting it comes from
+    default_from: str | None = None
+    maximum_from: str | None = None  # the setting that also bounds the value from above
+
+    def deployment_schema(self, settings: Settings | None = None) -> dict[str, Any]:
+        """Return the schema with this deployment's bounds (``maximum_from``) applied."""
+        if not self.maximum_from:
+            return self.schema
+        ceiling = _deployment_value(self.maximum_from, settings)
+        bounds = dict(self.bounds)
+        bounds["maximum"] = min(bounds.get("maximum", ceiling), ceiling)
+        return {**self.schema, "allOf": [bounds]}
+
+    @property
+    def section(self) -> str | None:
+        """Return the form section, or None for the first one."""
+        section = self.schema.get("section")
+        return str(section) if section is not None else None
+
+    @property
+    def nullable(self) -> bool:
+        """Return whether the field may be empty (JSON null)."""
+        return isinstance(self.schema.get("type"), list)
+
+    @property
+    def value_type(self) -> str:
+        """Return the JSON type of a value (``integer``, ``array``, ...)."""
+        kind = self.schema["type"]
+        return str(next(t for t in kind if t != "null") if isinstance(kind, list) else kind)
+
+    @property
+    def bounds(self) -> dict[str, float]:
+        """Return the numeric bounds (JSON-schema keywords)."""
+        merged: dict[str, float] = {}
+        for clause in self.schema.get("allOf", []):
+            merged.update({k: v for k, v in clause.items() if k in BOUND_KEYWORDS})
+        return merged
+
+
+def run_fields() -> dict[str, RunField]:
+    """Return every run parameter in form order, as the form, the CLI and the docs show it."""
+    return dict(_run_fields())
+
+
+@functools.cache
+def _run_fields() -> dict[str, RunField]:
+    properties = RunParams.model_json_schema()["properties"]
+    fields: dict[str, RunField] = {}
+    for name, info in RunParams.model_fields.items():
+        prop = dict(properties[name])
+        prop.pop("default", None)
+        description = str(prop.pop("description"))
+        default_from = prop.pop("default_from", None)
+        maximum_from = prop.pop("maximum_from", None)
+        if "anyOf" in prop:  # T | None: one branch carries the type and its bounds
+            (branch,) = [b for b in prop.pop("anyOf") if b.get("type") != "null"]
+            prop.update(branch)
+            prop["type"] = ["null", branch["type"]]
+        bounds = {key: prop.pop(key) for key in BOUND_KEYWORDS if key in prop}
+        if bounds:
+            prop["allOf"] = [bounds]
+        fields[name] = RunField(
+            name=name,
+            title=str(prop["title"]),
+            description=description,
+            schema=prop,
+            default=None if default_from else _json_ready(info.default),
+            default_from=default_from,
+            maximum_from=maximum_from,
+        )
+    return fields
+
+
+def _json_ready(value: Any) -> Any:
+    return json.loads(json.dumps(value))
+
+
+def describe_values(spec: RunField) -> str:
+    """Return a field's type and bounds in words (``integer 1–500``, ``one of a, b``)."""
+    schema, kind = spec.schema, spec.value_type
+    if "enum" in schema:
+        text = "one of " + ", ".join(f"`{v}`" for v in schema["enum"])
+    elif kind == "array":
+        text = "list of strings"
+        if schema.get("minItems"):
+            text += f", ≥ {schema['minItems']}"
+    else:
+        text = {"string": "string", "boolean": "boolean"}.get(kind, kind)
+        if schema.get("minLength"):
+            text += ", non-empty"
+        b = spec.bounds
+        if "minimum" in b and "maximum" in b:
+            text += f" {_number(b['minimum'])}–{_number(b['maximum'])}"
+        else:
+            parts = [f"{op} {_number(b[key])}" for key, op in _BOUND_WORDS if key in b]
+            text += (", " if parts else "") + ", ".join(parts)
+    if spec.maximum_from:
+        text += f", ≤ `{spec.maximum_from}`"
+    if spec.nullable:
+        text += "; or empty"
+    return text
+
+
+_BOUND_WORDS = (
+    ("minimum", "≥"),
+    ("exclusiveMinimum", ">"),
+    ("maximum", "≤"),
+    ("exclusiveMaximum", "<"),
+)
+
+
+def _number(value: float) -> str:
+    return f"{value:,}".replace(",", " ") if isinstance(value, int) else f"{value:g}"
+
+
+def describe_default(spec: RunField) -> str:
+    """Return a field's default as the docs show it (a setting's name, not its value here)."""
+    if spec.default_from:
+        return f"`{spec.default_from}`"
+    if spec.default in (None, []):
+        return "empty"
+    return f"`{json.dumps(spec.default)}`"
+
+
+def _markdown_text(text: str) -> str:
+    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def params_table() -> str:
+    """Return the Markdown tables of the run parameters, one per form section (the docs')."""
+    sections: dict[str | None, list[RunField]] = {}
+    for spec in run_fields().values():
+        sections.setdefault(spec.section, []).append(spec)
+    out: list[str] = []
+    for section, specs in sections.items():
+        out.append(f"**{section or 'Run Parameters'}**")
+        out.append("")
+        out.append("| field (`conf` key) | type, bounds | default | meaning |")
+        out.append("|---|---|---|---|")
+        for spec in specs:
+            out.append(
+                f"| {spec.title} (`{spec.name}`) | {describe_values(spec)} | "
+                f"{describe_default(spec)} | {_markdown_text(spec.description)} |"
+            )
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"

@@ -22,7 +22,7 @@ import pandas as pd
 from burstcv import lineage
 from burstcv.compute.backends import get_backend
 from burstcv.compute.base import STOPPED, InstanceInfo, LaunchRequest
-from burstcv.params import RunParams
+from burstcv.params import EXPORT_PARAMS, TRAINING_PARAMS, RunParams
 from burstcv.settings import Settings, get_settings
 from burstcv_spec import storage
 from burstcv_spec.preprocess import PreprocessSpec
@@ -32,10 +32,6 @@ log = logging.getLogger(__name__)
 
 PARITY_IMAGES = 256
 INPUT_PX = 32  # the training resolution pack decodes to (px, square)
-# The run params that change what training produces: same data + same values = same model.
-TRAINING_PARAMS = ("model", "epochs", "batch_size", "learning_rate", "seed", "expected_classes")
-# ...and those that change what export makes of it.
-EXPORT_PARAMS = ("int8",)
 
 
 class StageError(RuntimeError):
@@ -109,7 +105,7 @@ class RunPaths:
 
 def validate(run_id: str, params: RunParams, settings: Settings | None = None) -> dict[str, Any]:
     """Run the dataset checks; raise ValidationFailed naming the failed checks and files."""
-    from burstcv.data.validate import DatasetUnusableError, ValidationConfig, validate_dataset
+    from burstcv.data.validate import DatasetUnusableError, validate_dataset
 
     s = settings or get_settings()
     paths = RunPaths.of(run_id, s)
@@ -117,19 +113,11 @@ def validate(run_id: str, params: RunParams, settings: Settings | None = None) -
         paths.record,
         {"run_id": run_id, "dataset_uri": params.dataset_uri, "started_at": lineage.utc_now_iso()},
     )
-    config = ValidationConfig(
-        expected_classes=params.expected_classes or None,
-        min_images_per_class=s.min_images_per_class,
-        min_width=s.min_width_px,
-        max_width=s.max_width_px,
-        min_height=s.min_height_px,
-        max_height=s.max_height_px,
-    )
     try:
         report = validate_dataset(
             params.dataset_uri,
             paths.dataset,
-            config,
+            params.validation_config(),
             history_uri=storage.join(s.artifact_root, "datasets"),
         )
     except DatasetUnusableError as exc:
@@ -710,7 +698,7 @@ def export(
             "calibration_images_u8": train_x,
             "eval_images_u8": val_x,
             "eval_labels": val_labels,
-            "max_accuracy_drop": s.int8_max_accuracy_drop,
+            "max_accuracy_drop": params.int8_max_accuracy_drop,
         }
     model_json = export_model(
         checkpoint_uri=trained["model_uri"],

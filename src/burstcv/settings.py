@@ -1,7 +1,15 @@
-"""Read burstcv's configuration from the environment (prefix ``BURSTCV_``) with safe defaults.
+"""Read burstcv's deployment settings from the environment (prefix ``BURSTCV_``).
 
-The defaults are the embedded setup: artifact store and registry under ``var/`` of the repo,
-local compute, the service on 127.0.0.1:8000. Every figure carries its unit in its name.
+Settings say where things live and which cloud a deployment uses; what one run chooses
+(model, epochs, data checks, gates, budget) is a run parameter (``burstcv.params.RunParams``),
+set on the trigger form or the command line, never here.
+
+Every local default lives under one home folder, ``BURSTCV_HOME``, never beside the installed
+code (an installed package's folder is no place for data): when ``BURSTCV_HOME`` is unset it
+is ``$AIRFLOW_HOME/burstcv`` where Airflow has a home, else ``var/`` of the working directory
+(the repo's ``var/`` when run from a checkout; ``make`` exports ``BURSTCV_HOME`` to it). The
+home is resolved to an absolute path once, when the settings are read. Every figure carries
+its unit in its name.
 """
 
 from __future__ import annotations
@@ -9,36 +17,73 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-# src/burstcv/settings.py -> repo root (an editable install keeps the package in the repo).
-REPO_ROOT = Path(__file__).resolve().parents[2]
-VAR_DIR = REPO_ROOT / "var"
 
 ComputeBackend = Literal["local", "ec2"]
 
+HOME_ENV = "BURSTCV_HOME"
+
+# Settings that became run parameters: a deployment that still sets one is told where it
+# went rather than silently ignored (the value would no longer take effect).
+RETIRED_SETTINGS = {
+    "BURSTCV_ARCH": "model",
+    "BURSTCV_EPOCHS": "epochs",
+    "BURSTCV_BATCH_SIZE": "batch_size",
+    "BURSTCV_LEARNING_RATE": "learning_rate",
+    "BURSTCV_SEED": "seed",
+    "BURSTCV_MIN_IMAGES_PER_CLASS": "min_images_per_class",
+    "BURSTCV_MIN_WIDTH_PX": "min_width",
+    "BURSTCV_MIN_HEIGHT_PX": "min_height",
+    "BURSTCV_MAX_WIDTH_PX": "max_width",
+    "BURSTCV_MAX_HEIGHT_PX": "max_height",
+    "BURSTCV_INT8_MAX_ACCURACY_DROP": "int8_max_accuracy_drop",
+    "BURSTCV_LATENCY_SLO_MS": "latency_slo_ms",
+    "BURSTCV_ACCURACY_FLOOR": "accuracy_floor",
+    "BURSTCV_MAX_ACCURACY_DROP": "max_accuracy_drop",
+}
+
+
+def default_home() -> Path:
+    """Return the home folder when ``BURSTCV_HOME`` is unset (see the module docstring)."""
+    airflow_home = os.environ.get("AIRFLOW_HOME")
+    if airflow_home:
+        return Path(airflow_home).expanduser() / "burstcv"
+    return Path.cwd() / "var"
+
+
+def _under_home(*parts: str) -> Any:
+    """Return a field default: a path under the (already validated) home folder."""
+    return Field(default_factory=lambda data: str(Path(data["home"]).joinpath(*parts)))
+
 
 class Settings(BaseSettings):
-    """Hold every setting the pipeline stages read; DAG params override per run."""
+    """Hold a deployment's facts: where things live, which cloud, how its services are reached."""
 
     model_config = SettingsConfigDict(env_prefix="BURSTCV_", env_file=None, extra="ignore")
 
-    # Where things live.
-    artifact_root: str = Field(default=str(VAR_DIR / "artifacts"), description="local dir or s3://")
-    registry_uri: str = Field(default=str(VAR_DIR / "registry"), description="local dir or s3://")
+    # Where things live. ``home`` comes first: the local defaults below are folders in it.
+    home: str = Field(
+        default_factory=lambda: str(default_home()),
+        description="folder of every local default (BURSTCV_HOME)",
+    )
+    artifact_root: str = _under_home("artifacts")  # a local folder or s3://bucket/prefix
+    registry_uri: str = _under_home("registry")  # a local folder or s3://bucket/prefix
     model_name: str = "digits"
-    dataset_uri: str = str(VAR_DIR / "data" / "digits")
+    # The dataset a run validates unless it names another (the trigger form's default).
+    dataset_uri: str = _under_home("data", "digits")
 
     # Scheduling: a cron expression or preset; empty for manual and data-triggered runs only.
     schedule: str = "@weekly"
 
     # Compute.
-    compute_backend: ComputeBackend = "local"
-    compute_state_dir: str = str(VAR_DIR / "compute")  # local backend's record of live processes
-    train_timeout_s: int = 3600  # hard budget for one training job, watchdog included
+    compute_backend: ComputeBackend = "local"  # a run's default backend (the form's default)
+    compute_state_dir: str = _under_home("compute")  # local backend's record of live processes
+    # The longest a run may train, watchdog included: the train task's execution timeout is
+    # set from it, so a run's time_budget_s above it is refused (it would be cut short).
+    train_timeout_s: int = Field(default=3600, ge=60)
     # Comma-separated backends the reaper sweeps; empty: local, and ec2 whenever AWS is
     # configured (a run may pick ec2 on the trigger form whatever compute_backend says).
     reaper_backends: str = ""
@@ -48,29 +93,11 @@ class Settings(BaseSettings):
     gpu_pool: str = "burstcv_gpu"  # Airflow pool that bounds live training boxes
     gpu_pool_slots: int = 4  # set to the account's GPU instance quota
 
-    # Training defaults (a job may override each).
-    arch: str = "resnet10"
-    epochs: int = 6
-    batch_size: int = 128
-    learning_rate: float = 0.2
-    seed: int = 0
-
-    # Validation thresholds (issue 3 adds more; each may be overridden by DAG params).
-    min_images_per_class: int = 5
-    min_width_px: int = 8
-    min_height_px: int = 8
-    max_width_px: int = 4096
-    max_height_px: int = 4096
-
-    # Export.
+    # Export: this deployment's toolchain limits, not a run's choice.
     onnx_opset: int = 18
     parity_max_abs_diff: float = 1e-3  # logits; fp32 torch vs onnxruntime on the same images
-    int8_max_accuracy_drop: float = 0.01  # INT8 serves only within this drop and if faster
 
-    # Benchmark and gate.
-    latency_slo_ms: float = 50.0  # p95 over HTTP, one image per request
-    accuracy_floor: float = 0.9  # validation top-1
-    max_accuracy_drop: float = 0.02  # allowed drop against the production model
+    # Benchmark load: how this deployment measures latency (the SLO is a run parameter).
     bench_requests: int = 200
     bench_concurrency: int = 4
     bench_warmup_requests: int = 20
@@ -79,6 +106,28 @@ class Settings(BaseSettings):
     serving_url: str = "http://127.0.0.1:8000"
     serving_admin_token: str = "dev-token"
     deploy_verify_timeout_s: float = 30.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_retired_settings(cls, data: Any) -> Any:
+        retired = [
+            f"{k} (now the run parameter {v})"
+            for k, v in RETIRED_SETTINGS.items()
+            if k in os.environ
+        ]
+        if retired:
+            raise ValueError(
+                "these settings are per-run choices now; set them on the trigger form, in the "
+                f"run's conf or as `burstcv run` options, and unset them: {', '.join(retired)}"
+            )
+        return data
+
+    @field_validator("home")
+    @classmethod
+    def _absolute_home(cls, value: str) -> str:
+        if not value:
+            raise ValueError(f"{HOME_ENV} is empty; unset it for the default, or name a folder")
+        return str(Path(value).expanduser().resolve())
 
     @field_validator("artifact_root", "registry_uri", "dataset_uri", "compute_state_dir")
     @classmethod

@@ -4,40 +4,66 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
-from burstcv.settings import REPO_ROOT, VAR_DIR
+from burstcv import lineage
+from burstcv.settings import HOME_ENV, get_settings
 from burstcv_spec import storage
 
 log = logging.getLogger(__name__)
 
 DAG_ID = "burstcv_pipeline"
+DAGS_FOLDER_ENV = "AIRFLOW__CORE__DAGS_FOLDER"
+# Airflow's folders in a source checkout, each found by a file it must hold.
+_CHECKOUT_FOLDERS = (
+    (DAGS_FOLDER_ENV, "dags/burstcv_pipeline.py"),
+    ("AIRFLOW__CORE__PLUGINS_FOLDER", "plugins/burstcv_plugin.py"),
+)
 
 
 def embedded_airflow_env() -> dict[str, str]:
-    """Return the environment of the embedded Airflow: SQLite under var/, the repo's DAGs."""
-    home = os.environ.get("AIRFLOW_HOME", str(VAR_DIR / "airflow"))
-    return {
-        "AIRFLOW_HOME": home,
-        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO_ROOT / "dags"),
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO_ROOT / "plugins"),
+    """Return the embedded Airflow's environment: SQLite in the burstcv home, burstcv's DAGs.
+
+    Callers set each variable only where it is unset. The home itself is named too, so
+    settings read once ``AIRFLOW_HOME`` is set (whose default depends on it) find the same
+    folder. The DAG and plugin folders default to those of the source checkout burstcv runs
+    from; an installed package has none, and then ``AIRFLOW__CORE__DAGS_FOLDER`` must say.
+    """
+    home = os.environ.get(HOME_ENV) or get_settings().home
+    airflow_home = os.environ.get("AIRFLOW_HOME") or str(Path(home) / "airflow")
+    env = {
+        HOME_ENV: home,
+        "AIRFLOW_HOME": airflow_home,
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{airflow_home}/airflow.db",
     }
+    for variable, marker in _CHECKOUT_FOLDERS:
+        if (lineage.REPO_ROOT / marker).is_file():
+            env[variable] = str((lineage.REPO_ROOT / marker).parent)
+    return env
 
 
 def run_pipeline_once(conf: dict[str, Any]) -> tuple[str, str]:
     """Run the DAG once with ``conf`` as its params; return (state, a human summary)."""
     for key, value in embedded_airflow_env().items():
         os.environ.setdefault(key, value)
+    dags_folder = os.environ.get(DAGS_FOLDER_ENV)
+    if not dags_folder:
+        raise RuntimeError(
+            f"no DAG folder: burstcv runs from an installed package, so set {DAGS_FOLDER_ENV} "
+            "to the folder holding burstcv_pipeline.py (dags/ of the source)"
+        )
     from airflow.dag_processing.dagbag import DagBag
 
     from burstcv.airflow.setup import ensure_gpu_pool
 
     ensure_gpu_pool()
-    bag = DagBag(dag_folder=str(REPO_ROOT / "dags"))
+    bag = DagBag(dag_folder=dags_folder)
     if bag.import_errors:
         raise RuntimeError(f"DAG import errors: {bag.import_errors}")
+    if DAG_ID not in bag.dags:
+        raise RuntimeError(f"no DAG {DAG_ID} in {dags_folder} ({DAGS_FOLDER_ENV})")
     dag = bag.dags[DAG_ID]
     dag_run = dag.test(run_conf=conf)
     states = {ti.task_id: str(ti.state) for ti in dag_run.get_task_instances()}

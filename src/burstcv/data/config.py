@@ -1,7 +1,10 @@
-"""Hold the thresholds of the dataset gate, shared by the GX suite and the validation driver.
+"""Hold the thresholds of the dataset gate: a light module (no Great Expectations, no pandas).
 
-It lives apart from both so that ``suite`` (which builds the checks from it) and ``validate``
-(which is handed it and records it) each import it without importing the other.
+It lives apart from ``suite`` (which builds the checks from it) and ``validate`` (which is
+handed it and records it), so each imports it without importing the other. It is the one
+home of each threshold's default and its reason: the run parameters (``burstcv.params``),
+and through them the trigger form and the command line, take their defaults from it, so
+the DAG file reads them without importing the checks or the scanner.
 """
 
 from __future__ import annotations
@@ -9,7 +12,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from burstcv.data.manifest import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS
+# Same bound as the service's open_image: a 4096x4096 image is the largest one accepted.
+DEFAULT_MAX_PIXELS = 4096 * 4096
+# A file larger than this is refused without being read into memory (an image dataset for a
+# 32x32 classifier has no business holding a 64 MiB file; raise it for photo datasets).
+DEFAULT_MAX_FILE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass

@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from burstcv.data.config import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS
 from burstcv.data.scanner.columns import COLUMNS, append, to_frame
 from burstcv.data.scanner.dispatch import Dispatcher
 from burstcv.data.scanner.listing import DatasetUnusableError, is_system_name, list_dataset
@@ -42,12 +43,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-# Same bound as the service's open_image: a 4096x4096 image is the largest one accepted.
-DEFAULT_MAX_PIXELS = 4096 * 4096
-# A file larger than this is refused without being read into memory (an image dataset for a
-# 32x32 classifier has no business holding a 64 MiB file; raise it for photo datasets).
-DEFAULT_MAX_FILE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass
