@@ -12,6 +12,7 @@ import pytest
 from botocore.exceptions import ClientError, WaiterError
 from burstcv_testkit import HELD_WHEEL
 
+from burstcv import pipeline
 from burstcv.compute.base import (
     RUNNING,
     STOPPED,
@@ -31,6 +32,7 @@ from burstcv.compute.ec2 import (
     parse_expiry,
 )
 from burstcv.cost.pricing import hourly_price
+from burstcv.params import RunParams
 
 DAG_ID = "burstcv_train"
 
@@ -290,6 +292,48 @@ def test_setup_failure_after_launch_terminates_what_started(
         backend.launch(request(run_id))
     assert len(launched) == 1
     assert the_instance(ec2_client, launched[0])["State"]["Name"] == "terminated"
+    assert kit.live_managed() == []
+
+
+# --- the run's choices, defaulted by the settings, reach the launch ----------------------------
+
+
+def provision_run(settings: Any, kit: Any, run_key: str, given: dict[str, Any]) -> str:
+    """Provision a run through the pipeline stage, as the DAG does; return its one instance."""
+    params = RunParams.resolve({"compute_backend": "ec2", "time_budget_s": 600, **given}, settings)
+    packed = {
+        "classes": ["0", "1"],
+        "train_shards": [f"{kit.artifact_root}/runs/{run_key}/dataset/shards/train-000.npz"],
+        "val_shards": [f"{kit.artifact_root}/runs/{run_key}/dataset/shards/val-000.npz"],
+        "preprocess": {"height": 32, "width": 32},
+        "fingerprint": run_key,
+    }
+    provisioned = pipeline.provision(run_key, "burstcv_pipeline", params, packed, settings)
+    (instance_id,) = provisioned["instance_ids"]
+    return str(instance_id)
+
+
+def test_the_ec2_settings_are_a_runs_defaults_and_the_run_decides(
+    s3_deployment: Any, ec2_client: Any, player: Any, kit: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BURSTCV_EC2_INSTANCE_TYPES", "g5.xlarge,g4dn.xlarge")
+    monkeypatch.setenv("BURSTCV_EC2_USE_SPOT", "false")
+    for key in ("settings-decide", "run-decides"):
+        player.modes[key] = kit.HOLD
+
+    # A run that chooses nothing launches what the settings say: on-demand, g5.xlarge first.
+    inst = the_instance(ec2_client, provision_run(s3_deployment, kit, "settings-decide", {}))
+    assert inst["InstanceType"] == "g5.xlarge"
+    assert "InstanceLifecycle" not in inst  # on-demand
+    pipeline.terminate("settings-decide", "ec2")
+
+    # A run's own choice wins: spot on its type, though the deployment's default is on-demand
+    # (one spot setting, not the run's and the deployment's ANDed).
+    given = {"use_spot": True, "instance_types": ["g4dn.xlarge"]}
+    inst = the_instance(ec2_client, provision_run(s3_deployment, kit, "run-decides", given))
+    assert inst["InstanceType"] == "g4dn.xlarge"
+    assert inst.get("InstanceLifecycle") == "spot"
+    pipeline.terminate("run-decides", "ec2")
     assert kit.live_managed() == []
 
 

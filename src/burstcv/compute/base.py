@@ -49,8 +49,8 @@ class LaunchRequest:
     dag_id: str
     job_uri: str
     time_budget_s: int
-    instance_types: tuple[str, ...] = ()
-    use_spot: bool = True
+    instance_types: tuple[str, ...] = ()  # empty: the backend's default (BURSTCV_EC2_...)
+    use_spot: bool | None = None  # None: the backend's default (BURSTCV_EC2_USE_SPOT)
     count: int = 1
     airflow_run_id: str = ""  # the orchestrator's own run id, for the reaper's "still running?"
     # Which launch of the run this is (1 for provision, +1 for each relaunch): markers are

@@ -111,7 +111,8 @@ class Ec2Settings(BaseSettings):
     aws_conn_id: str = "aws_default"
     region: str = "us-east-1"
     ami: str = Field(default=DEFAULT_AMI, description="AMI id (ami-…) or SSM parameter name")
-    # Comma-separated, most preferred first; spot is tried on each before on-demand on each.
+    # The defaults of a run's instance_types and use_spot (its trigger form's): comma-separated,
+    # most preferred first; spot is tried on each before on-demand on each.
     instance_types: Annotated[tuple[str, ...], NoDecode] = ("g6.xlarge", "g5.xlarge", "g4dn.xlarge")
     subnet_id: str | None = None  # None: the default VPC's subnet
     security_group_ids: Annotated[tuple[str, ...], NoDecode] = ()  # no inbound rule is needed
@@ -376,10 +377,8 @@ class Ec2Backend:
         image_id = self.resolve_ami()
         base_params = self._run_params(request, image_id, user_data, expires_at)
 
-        use_spot = request.use_spot and s.use_spot
-        plan = launch_plan(request.instance_types or s.instance_types, use_spot)
         refusals: list[str] = []
-        for option in plan:
+        for option in self.plan(request):
             params = self._option_params(base_params, option)
             # Zero cost: a missing permission or a wrong setting fails here, before renting.
             refused = self._dry_run(params, option)
@@ -419,19 +418,28 @@ class Ec2Backend:
             + " (a quota of 0 vCPUs looks the same: docs/aws.md, one-time account setup)"
         )
 
+    def plan(self, request: LaunchRequest) -> list[LaunchAttempt]:
+        """Return a launch's options in order: the run's choices, else this deployment's.
+
+        The run's types and spot choice decide alone (its trigger form defaults to
+        BURSTCV_EC2_INSTANCE_TYPES and BURSTCV_EC2_USE_SPOT); a request that leaves one
+        unset (the account check) gets the setting.
+        """
+        s = self.settings
+        use_spot = s.use_spot if request.use_spot is None else request.use_spot
+        return launch_plan(request.instance_types or s.instance_types, use_spot)
+
     def check_launch(self, request: LaunchRequest) -> list[tuple[LaunchAttempt, str]]:
         """Dry-run every option of a launch; return (option, "" if allowed, else why not).
 
         Nothing is started: every call carries DryRun. The user data is a stand-in of the
         real one's shape (EC2 checks permissions and parameters, not the script).
         """
-        s = self.settings
         expires_at = datetime.now(UTC) + timedelta(seconds=request.time_budget_s)
         image_id = self.resolve_ami()
         base_params = self._run_params(request, image_id, "#!/bin/bash\n", expires_at)
-        use_spot = request.use_spot and s.use_spot
         results: list[tuple[LaunchAttempt, str]] = []
-        for option in launch_plan(request.instance_types or s.instance_types, use_spot):
+        for option in self.plan(request):
             try:
                 refused = self._dry_run(self._option_params(base_params, option), option)
             except LaunchCheckError as exc:
