@@ -13,6 +13,9 @@ STAMP := $(VENV)/.stamp
 VAR := $(REPO)/var
 RUN := $(VAR)/run
 
+# The burstcv home (src/burstcv/settings.py): artifact store, registry, local compute records
+# and the demo data live under var/ of this checkout, whatever the working directory.
+export BURSTCV_HOME := $(VAR)
 export AIRFLOW_HOME := $(VAR)/airflow
 export AIRFLOW__CORE__DAGS_FOLDER := $(REPO)/dags
 export AIRFLOW__CORE__PLUGINS_FOLDER := $(REPO)/plugins

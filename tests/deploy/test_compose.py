@@ -7,6 +7,7 @@ is a field of the Settings class the container's process reads; ports bind 127.0
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -112,7 +113,7 @@ def test_build_contexts_dockerfiles_and_copied_paths_exist(compose: dict[str, An
                     assert (context / source).exists(), f"{dockerfile.name}: COPY {source}"
 
 
-def test_mounted_host_paths_exist(compose: dict[str, Any]) -> None:
+def test_mounted_host_paths_exist(compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     for name, service in compose["services"].items():
         for volume in service.get("volumes", []):
             host = volume.split(":", 1)[0]
@@ -131,7 +132,12 @@ def test_mounted_host_paths_exist(compose: dict[str, Any]) -> None:
     assert serving_mount[1] == serving_env["BURSTCV_SERVING_REGISTRY_URI"]
     airflow_env = env_of(compose["services"]["airflow-worker"])
     # The service reads the very folder the pipeline's registry writes (both through ./var).
-    assert airflow_env["BURSTCV_REGISTRY_URI"] == "/opt/burstcv/var/registry"
+    for name in [n for n in os.environ if n.startswith("BURSTCV_")]:
+        monkeypatch.delenv(name)  # the test session's own
+    for name, value in airflow_env.items():
+        if name.startswith("BURSTCV_"):
+            monkeypatch.setenv(name, with_defaults(value))
+    assert PipelineSettings().registry_uri == "/opt/burstcv/var/registry"
     assert serving_mount[0] == "./var/registry"
 
 
