@@ -150,7 +150,9 @@ def burstcv_pipeline() -> None:
         """Terminate every box tagged with this run when provision failed."""
         from burstcv import pipeline
 
-        return pipeline.clean_up_provision(str(run_id), _params(params or {}).compute_backend)
+        return pipeline.clean_up_provision(
+            str(run_id), RunParams.backend_of(params or {}, SETTINGS)
+        )
 
     @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
     def terminate(provisioned: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from burstcv import pipeline
 from burstcv.data.config import ValidationConfig
 from burstcv.params import DATA_CHECKS, RunParams, params_table, run_fields
-from burstcv.settings import Settings
+from burstcv.settings import Settings, get_settings
 from burstcv.training.job import JobSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -223,3 +223,17 @@ def test_the_form_refuses_out_of_bounds_values_instead_of_clamping_them(form: An
     assert not form_accepts(form, "epochs", 0)
     assert form_accepts(form, "drift_max", None)  # a field that may be empty
     assert not form_accepts(form, "near_duplicate_max_distance", 17)
+
+
+def test_the_clean_up_finds_the_backend_of_a_run_refused_for_another_field(
+    clean_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refused = {"epoch": 3, "compute_backend": "ec2"}
+    with pytest.raises(ValidationError):
+        RunParams.resolve(refused)
+    assert RunParams.backend_of(refused) == "ec2"
+    monkeypatch.setenv("BURSTCV_COMPUTE_BACKEND", "ec2")
+    get_settings.cache_clear()
+    assert RunParams.backend_of({"epochs": 0}) == "ec2"  # the deployment's default
+    with pytest.raises(ValidationError):
+        RunParams.backend_of({"compute_backend": "gpu"})

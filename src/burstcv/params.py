@@ -18,7 +18,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
 
 from burstcv.data.config import ValidationConfig
 from burstcv.settings import ComputeBackend, Settings, get_settings
@@ -51,6 +58,7 @@ EXPORT_PARAMS = ("int8", "int8_max_accuracy_drop")
 
 _JOB_DEFAULTS: dict[str, Any] = {name: f.default for name, f in JobSpec.model_fields.items()}
 _CHECK_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ValidationConfig)}
+_BACKEND: TypeAdapter[ComputeBackend] = TypeAdapter(ComputeBackend)
 # JSON-schema keywords that bound a number. The form keeps them under ``allOf``: Airflow's
 # validation (jsonschema) applies them there all the same, but the UI's number input reads
 # only top-level bounds and would silently clamp an out-of-range value instead of refusing.
@@ -313,6 +321,18 @@ class RunParams(BaseModel):
             else:
                 values[name] = spec.default
         return values
+
+    @classmethod
+    def backend_of(cls, given: dict[str, Any], settings: Settings | None = None) -> ComputeBackend:
+        """Return a run's compute backend alone, whatever its other values.
+
+        For the clean-up of a failed provision: it must run even when a run was refused for
+        another field (an unknown name, a bound), so it checks only the one it needs.
+        """
+        value = given.get("compute_backend")
+        if value is None:
+            value = _deployment_value("BURSTCV_COMPUTE_BACKEND", settings)
+        return _BACKEND.validate_python(value)
 
     @classmethod
     def resolve(
