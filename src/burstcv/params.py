@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from burstcv.data.config import ValidationConfig
-from burstcv.settings import ComputeBackend, Settings, get_settings
+from burstcv.settings import ComputeBackend, Ec2Settings, Settings, get_settings
 from burstcv.training.job import JobSpec
 from burstcv.training.names import ARCHITECTURE_NAMES, check_architecture
 
@@ -68,8 +68,6 @@ BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 def _deployment_value(setting: str, settings: Settings | None = None) -> Any:
     """Return the value of a deployment setting named by its variable (``BURSTCV_...``)."""
     if setting.startswith("BURSTCV_EC2_"):
-        from burstcv.compute.ec2 import Ec2Settings
-
         value = getattr(Ec2Settings(), setting.removeprefix("BURSTCV_EC2_").lower())
         return list(value) if isinstance(value, tuple) else value
     return getattr(settings or get_settings(), setting.removeprefix("BURSTCV_").lower())

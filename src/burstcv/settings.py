@@ -1,8 +1,10 @@
 """Read burstcv's deployment settings from the environment (prefix ``BURSTCV_``).
 
-Settings say where things live and which cloud a deployment uses; what one run chooses
-(model, epochs, data checks, gates, budget) is a run parameter (``burstcv.params.RunParams``),
-set on the trigger form or the command line, never here.
+``Settings`` say where things live; ``Ec2Settings`` (prefix ``BURSTCV_EC2_``) how the EC2
+backend rents boxes. Both are deployment facts, read without importing any AWS client (the
+DAG file reads them). What one run chooses (model, epochs, data checks, gates, budget) is a
+run parameter (``burstcv.params.RunParams``), set on the trigger form or the command line,
+never here.
 
 Every local default lives under one home folder, ``BURSTCV_HOME``, never beside the installed
 code (an installed package's folder is no place for data): when ``BURSTCV_HOME`` is unset it
@@ -17,10 +19,10 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ComputeBackend = Literal["local", "ec2"]
 
@@ -151,6 +153,74 @@ class Settings(BaseSettings):
     def reaper_region_names(self) -> list[str]:
         """Return the configured reaper regions (empty: every enabled region)."""
         return [r.strip() for r in self.reaper_regions.split(",") if r.strip()]
+
+
+# The PyTorch Deep Learning AMI for the region, resolved through its public SSM parameter at
+# each launch (the resolved ami-… is recorded in billing.json). It brings the NVIDIA driver,
+# CUDA torch + torchvision, boto3 and the AWS CLI in /opt/pytorch (Python 3.12), so a box
+# downloads only burstcv's own training wheel (tens of KB) before its first step.
+DEFAULT_AMI = (
+    "/aws/service/deeplearning/ami/x86_64/oss-nvidia-driver-gpu-pytorch-2.9-ubuntu-24.04"
+    "/latest/ami-id"
+)
+DEFAULT_PYTHON = "/opt/pytorch/bin/python"  # the PyTorch environment of that AMI
+
+
+class Ec2Settings(BaseSettings):
+    """Hold the EC2 backend's settings (env prefix ``BURSTCV_EC2_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="BURSTCV_EC2_", env_file=None, extra="ignore")
+
+    aws_conn_id: str = "aws_default"
+    region: str = "us-east-1"
+    ami: str = Field(default=DEFAULT_AMI, description="AMI id (ami-…) or SSM parameter name")
+    # The defaults of a run's instance_types and use_spot (its trigger form's): comma-separated,
+    # most preferred first; spot is tried on each before on-demand on each.
+    instance_types: Annotated[tuple[str, ...], NoDecode] = ("g6.xlarge", "g5.xlarge", "g4dn.xlarge")
+    subnet_id: str | None = None  # None: the default VPC's subnet
+    security_group_ids: Annotated[tuple[str, ...], NoDecode] = ()  # no inbound rule is needed
+    # Name or ARN of the instance profile (deploy/instance-role-policy.json): required, the
+    # box reads its job and writes its results with it.
+    instance_profile: str | None = None
+    volume_gb: int = Field(default=100, ge=8, le=16384)  # root volume, holds the AMI + shards
+    use_spot: bool = True
+    python: str = DEFAULT_PYTHON  # the AMI's interpreter with CUDA torch (Python 3.10-3.13)
+    require_gpu: bool = True  # the box's preflight fails without CUDA and a working driver
+    watchdog_margin_min: int = Field(default=5, ge=1)  # after the deadline: the last upload
+    log_every_s: int = Field(default=30, ge=5)  # how often the box ships its log to S3
+    # The AWS-side backstop: a one-time EventBridge Scheduler schedule per instance that
+    # terminates it at its expiry, assuming this role (name or ARN; docs/aws.md creates it).
+    backstop: bool = True
+    backstop_role: str = "burstcv-backstop"
+    waiter_delay_s: float = Field(default=5.0, gt=0)  # between describe calls while waiting
+    waiter_max_attempts: int = Field(default=120, ge=1)
+
+    @field_validator("instance_types", "security_group_ids", mode="before")
+    @classmethod
+    def _split_commas(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @field_validator("instance_types")
+    @classmethod
+    def _some_types(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("instance_types needs at least one instance type")
+        return value
+
+    def required_instance_profile(self) -> str:
+        """Return the instance profile, or raise the one-line reason a launch cannot go on."""
+        if not self.instance_profile:
+            raise MissingInstanceProfileError(
+                "set BURSTCV_EC2_INSTANCE_PROFILE: a training box reads its job and writes its "
+                "results with the instance role (deploy/instance-role-policy.json; docs/aws.md)"
+            )
+        return self.instance_profile
+
+
+class MissingInstanceProfileError(ValueError):
+    """Raise when an EC2 launch is asked for without an instance profile."""
 
 
 # Any of these in the environment means AWS credentials or the aws_default connection exist.

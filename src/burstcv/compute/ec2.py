@@ -20,11 +20,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from botocore.exceptions import BotoCoreError, ClientError
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from burstcv.compute.base import (
     PENDING,
@@ -42,18 +40,9 @@ from burstcv.compute.base import (
 )
 from burstcv.compute.userdata import UserDataSpec, expiry_of, render_user_data
 from burstcv.cost.pricing import UnknownPriceError, billed_seconds, cost_for_seconds
+from burstcv.settings import Ec2Settings
 
 log = logging.getLogger(__name__)
-
-# The PyTorch Deep Learning AMI for the region, resolved through its public SSM parameter at
-# each launch (the resolved ami-… is recorded in billing.json). It brings the NVIDIA driver,
-# CUDA torch + torchvision, boto3 and the AWS CLI in /opt/pytorch (Python 3.12), so a box
-# downloads only burstcv's own training wheel (tens of KB) before its first step.
-DEFAULT_AMI = (
-    "/aws/service/deeplearning/ami/x86_64/oss-nvidia-driver-gpu-pytorch-2.9-ubuntu-24.04"
-    "/latest/ami-id"
-)
-DEFAULT_PYTHON = "/opt/pytorch/bin/python"  # the PyTorch environment of that AMI
 
 # Errors that mean "no room for this type/market right now": try the next option.
 CAPACITY_ERRORS = frozenset(
@@ -101,63 +90,6 @@ _LIVE_EC2_STATES = ["pending", "running", "shutting-down", "stopping", "stopped"
 
 # "User initiated (2024-05-01 10:00:00 GMT)": when EC2 says the instance left running.
 _TRANSITION_TIME = re.compile(r"\((\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}) (?:GMT|UTC)\)")
-
-
-class Ec2Settings(BaseSettings):
-    """Hold the EC2 backend's settings (env prefix ``BURSTCV_EC2_``)."""
-
-    model_config = SettingsConfigDict(env_prefix="BURSTCV_EC2_", env_file=None, extra="ignore")
-
-    aws_conn_id: str = "aws_default"
-    region: str = "us-east-1"
-    ami: str = Field(default=DEFAULT_AMI, description="AMI id (ami-…) or SSM parameter name")
-    # The defaults of a run's instance_types and use_spot (its trigger form's): comma-separated,
-    # most preferred first; spot is tried on each before on-demand on each.
-    instance_types: Annotated[tuple[str, ...], NoDecode] = ("g6.xlarge", "g5.xlarge", "g4dn.xlarge")
-    subnet_id: str | None = None  # None: the default VPC's subnet
-    security_group_ids: Annotated[tuple[str, ...], NoDecode] = ()  # no inbound rule is needed
-    # Name or ARN of the instance profile (deploy/instance-role-policy.json): required, the
-    # box reads its job and writes its results with it.
-    instance_profile: str | None = None
-    volume_gb: int = Field(default=100, ge=8, le=16384)  # root volume, holds the AMI + shards
-    use_spot: bool = True
-    python: str = DEFAULT_PYTHON  # the AMI's interpreter with CUDA torch (Python 3.10-3.13)
-    require_gpu: bool = True  # the box's preflight fails without CUDA and a working driver
-    watchdog_margin_min: int = Field(default=5, ge=1)  # after the deadline: the last upload
-    log_every_s: int = Field(default=30, ge=5)  # how often the box ships its log to S3
-    # The AWS-side backstop: a one-time EventBridge Scheduler schedule per instance that
-    # terminates it at its expiry, assuming this role (name or ARN; docs/aws.md creates it).
-    backstop: bool = True
-    backstop_role: str = "burstcv-backstop"
-    waiter_delay_s: float = Field(default=5.0, gt=0)  # between describe calls while waiting
-    waiter_max_attempts: int = Field(default=120, ge=1)
-
-    @field_validator("instance_types", "security_group_ids", mode="before")
-    @classmethod
-    def _split_commas(cls, value: object) -> object:
-        if isinstance(value, str):
-            return tuple(part.strip() for part in value.split(",") if part.strip())
-        return value
-
-    @field_validator("instance_types")
-    @classmethod
-    def _some_types(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        if not value:
-            raise ValueError("instance_types needs at least one instance type")
-        return value
-
-    def required_instance_profile(self) -> str:
-        """Return the instance profile, or raise the one-line reason a launch cannot go on."""
-        if not self.instance_profile:
-            raise MissingInstanceProfileError(
-                "set BURSTCV_EC2_INSTANCE_PROFILE: a training box reads its job and writes its "
-                "results with the instance role (deploy/instance-role-policy.json; docs/aws.md)"
-            )
-        return self.instance_profile
-
-
-class MissingInstanceProfileError(ValueError):
-    """Raise when an EC2 launch is asked for without an instance profile."""
 
 
 class CapacityUnavailableError(RuntimeError):
