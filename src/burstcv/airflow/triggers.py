@@ -20,7 +20,7 @@ class TrainingCompletionTrigger(BaseTrigger):
         attempt: int = 1,
         poll_interval_s: float = 5.0,
     ) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # BaseTrigger.__init__ has no annotations
         self.run_id = run_id
         self.backend = backend
         self.output_uri = output_uri

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from botocore.exceptions import BotoCoreError, ClientError
 
 from burstcv.compute.base import LaunchRequest
-from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
-from burstcv.settings import Settings
+from burstcv.compute.ec2 import Ec2Backend
+from burstcv.settings import Ec2Settings, Settings
 from burstcv_spec import storage
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def check_s3_prefix(label: str, prefix: str) -> list[Finding]:
     bucket, key = probe.removeprefix("s3://").split("/", 1)
     client = storage.s3_client()
     findings = []
-    steps = (
+    steps: tuple[tuple[str, Callable[[], object]], ...] = (
         ("s3:PutObject", lambda: client.put_object(Bucket=bucket, Key=key, Body=PROBE_BODY)),
         ("s3:GetObject", lambda: client.get_object(Bucket=bucket, Key=key)["Body"].read()),
         ("s3:ListBucket", lambda: client.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1)),

@@ -20,6 +20,7 @@ import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from burstcv import lineage
 from burstcv.compute.base import (
@@ -53,7 +54,7 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _alive(rec: dict) -> bool:
+def _alive(rec: dict[str, Any]) -> bool:
     _reap(rec["pid"])
     # The group outlives its leader (the wrapper) while the training process finishes.
     return _proc_start_ticks(rec["pid"]) == rec["start_ticks"] or _group_alive(rec["pid"])
@@ -83,7 +84,7 @@ class LocalBackend:
     def _run_dir(self, run_id: str) -> Path:
         return self.state_dir / run_id
 
-    def _records(self, run_id: str | None = None) -> list[tuple[Path, dict]]:
+    def _records(self, run_id: str | None = None) -> list[tuple[Path, dict[str, Any]]]:
         dirs = (
             [self._run_dir(run_id)]
             if run_id
@@ -95,7 +96,7 @@ class LocalBackend:
                 out.append((path, json.loads(path.read_text())))
         return out
 
-    def _info(self, path: Path, rec: dict) -> InstanceInfo:
+    def _info(self, path: Path, rec: dict[str, Any]) -> InstanceInfo:
         alive = _alive(rec)
         stopped_file = path.with_suffix(".stopped")
         stopped_at = None
@@ -214,7 +215,7 @@ class LocalBackend:
             )
         return report
 
-    def _stop(self, path: Path, rec: dict) -> None:
+    def _stop(self, path: Path, rec: dict[str, Any]) -> None:
         pid = rec["pid"]  # the wrapper leads the box's process group: pgid == pid
         if not _alive(rec):
             return

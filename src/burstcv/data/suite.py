@@ -593,7 +593,7 @@ def _near_partners(
         if not isinstance(a, str) or not isinstance(b, str):
             return True
         pixel_diffs = map(operator.sub, bytes.fromhex(a), bytes.fromhex(b))
-        return max(map(abs, pixel_diffs)) <= max_pixel_diff
+        return bool(max(map(abs, pixel_diffs)) <= max_pixel_diff)
 
     def link(rows_a: list[int], rows_b: list[int]) -> None:
         for i in rows_a:

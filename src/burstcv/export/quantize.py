@@ -81,7 +81,7 @@ def evenly_spaced(images_u8: np.ndarray, count: int) -> np.ndarray:
     return images_u8[picks]
 
 
-class ImageCalibrationReader(CalibrationDataReader):
+class ImageCalibrationReader(CalibrationDataReader):  # type: ignore[misc]  # ORT ships no types
     """Feed uint8 NHWC images to the calibrator in batches, normalised exactly as serving does."""
 
     def __init__(

@@ -597,7 +597,7 @@ def build_report(
     serving_region: str = DEFAULT_SERVING_REGION,
 ) -> str:
     """Write ``<run_root>/report/index.html`` from what the run recorded; return its URI."""
-    from burstcv.compute.ec2 import Ec2Settings
+    from burstcv.settings import Ec2Settings
 
     record = RunRecord.read(run_root)
     page = render_html(

@@ -27,7 +27,7 @@ def _resnet_small_stem(model: nn.Module) -> None:
     assert isinstance(model, ResNet)
     # A 3x3/2 conv without the max-pool instead of 7x7/2 + 3x3/2.
     model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=2, padding=1, bias=False)
-    model.maxpool = nn.Identity()  # type: ignore[assignment]
+    model.maxpool = nn.Identity()
 
 
 def _first_conv(model: nn.Module) -> nn.Conv2d:
@@ -59,13 +59,15 @@ class Architecture:
 
 def _torchvision(name: str) -> Callable[[int], nn.Module]:
     def build(num_classes: int) -> nn.Module:
-        return tvm.get_model(name, weights=None, num_classes=num_classes)
+        model: nn.Module = tvm.get_model(name, weights=None, num_classes=num_classes)
+        return model
 
     return build
 
 
 def _resnet10(num_classes: int) -> nn.Module:
-    return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=num_classes)
+    model: nn.Module = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=num_classes)
+    return model
 
 
 # resnet10 is resnet18 with one block per stage (torchvision has no weights for it): the

@@ -87,7 +87,7 @@ def resolve_weights(arch: str, name: str) -> WeightsEnum:
         raise PretrainedError(
             f"unknown weights {name!r} for {arch}; choose {', '.join(enum.__members__)}"
         )
-    return enum[member]  # type: ignore[no-any-return]
+    return enum[member]
 
 
 def weights_key(weights: WeightsEnum) -> str:
@@ -116,7 +116,7 @@ def normalization(
     mean, std = (tuple(float(v) for v in transform.mean), tuple(float(v) for v in transform.std))
     if len(mean) != 3 or len(std) != 3:
         raise PretrainedError(f"weights {pretrained!r} of {arch} do not name an RGB mean/std")
-    return mean, std  # type: ignore[return-value]
+    return mean, std
 
 
 # ---------------------------------------------------------------------------------------------
