@@ -275,3 +275,19 @@ def moto_server() -> Iterator[str]:
         yield f"http://{host}:{port}"
     finally:
         server.stop()
+
+
+def use_moto(url: str, monkeypatch: Any, region: str = "us-east-1") -> None:
+    """Empty the emulator at ``url`` and point boto3 at it for one test (via ``monkeypatch``).
+
+    moto keeps its state per process, so every test starts from nothing.
+    """
+    import urllib.request
+
+    reset = urllib.request.Request(f"{url}/moto-api/reset", method="POST")
+    urllib.request.urlopen(reset, timeout=10).close()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", region)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)

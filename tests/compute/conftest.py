@@ -18,7 +18,6 @@ import sys
 import textwrap
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -27,7 +26,7 @@ from typing import Any
 
 import boto3
 import pytest
-from localserver import moto_server
+from localserver import moto_server, use_moto
 
 from burstcv.compute.base import TAG_MANAGED, TAG_RUN_ID
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
@@ -72,14 +71,7 @@ def moto_url() -> Iterator[str]:
 @pytest.fixture
 def aws(moto_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Point boto3 and the ``aws_default`` connection at a freshly reset emulator."""
-    urllib.request.urlopen(
-        urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST"), timeout=10
-    ).read()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_url)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    use_moto(moto_url, monkeypatch, REGION)
     # The provider's hooks read this connection from the environment: no metadata DB needed.
     conn = {"conn_type": "aws", "extra": {"endpoint_url": moto_url, "region_name": REGION}}
     monkeypatch.setenv("AIRFLOW_CONN_AWS_DEFAULT", json.dumps(conn))

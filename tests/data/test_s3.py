@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from localserver import moto_server
+from localserver import moto_server, use_moto
 
 from burstcv.data.manifest import DatasetUnusableError, scan
 from burstcv.data.validate import ValidationConfig, validate_dataset
@@ -29,13 +28,7 @@ def moto_endpoint() -> Iterator[str]:
 @pytest.fixture
 def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Any:
     """Point boto3 at an emptied emulator with two buckets; return a client."""
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    # moto keeps its state per process: start every test from nothing.
-    reset = urllib.request.Request(f"{moto_endpoint}/moto-api/reset", method="POST")
-    urllib.request.urlopen(reset, timeout=10).close()
+    use_moto(moto_endpoint, monkeypatch)
     client = storage.s3_client()
     client.create_bucket(Bucket="datasets")
     client.create_bucket(Bucket="artifacts")

@@ -5,14 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from localserver import moto_server
+from localserver import moto_server, use_moto
 from pydantic import ValidationError
 from torchvision import models as tvm
 from torchvision.models import ResNet18_Weights, ResNet50_Weights
@@ -317,12 +316,7 @@ def moto_endpoint() -> Iterator[str]:
 @pytest.fixture
 def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Any:
     """Point boto3 at an emptied emulator with an artifacts bucket; return a client."""
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    reset = urllib.request.Request(f"{moto_endpoint}/moto-api/reset", method="POST")
-    urllib.request.urlopen(reset, timeout=10).close()
+    use_moto(moto_endpoint, monkeypatch)
     client = storage.s3_client()
     client.create_bucket(Bucket="artifacts")
     return client
