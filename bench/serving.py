@@ -17,12 +17,16 @@ per second), 503s per second and the p99 of the 200s alone, which is why that mo
 own generator (wrk's latency figures mix every status). A 503 is sent again at once, as a
 retry storm would; the goals (800-connection goodput >= 80% of the peak, >= the plain
 service at every step, p99 against the queueing-delay target) are printed beside the figures.
+``--baseline-serving-dir`` runs another checkout's service (main's, say) in the same steps,
+and compares concurrency-1 latency (add 1 to ``--connections``) and concurrency-16 goodput;
+``--repeat N`` measures every step N times (medians), for a noisy shared machine.
 
 Load comes from ``wrk`` when it is installed (Debian: ``apt-get install -y wrk``), else from
 an asyncio/httpx generator in this process (which can itself become the bottleneck).
 
     python bench/serving.py [--model-dir DIR] [--torch-checkpoint model.pt] [--duration-s 5]
     python bench/serving.py --overload [--connections 16,64,256,400,800] [--duration-s 5]
+        [--baseline-serving-dir ../main/serving] [--repeat 3]
 
 Without ``--model-dir`` a synthetic classifier (Conv → ReLU → GlobalAveragePool → Gemm) is
 built with onnx.helper, and the torch baseline is the same network as an nn.Module.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import io
 import json
@@ -592,80 +597,119 @@ def shed_counters(metrics_text: str) -> dict[str, float]:
 def overload(args: argparse.Namespace, model_dir: Path, body: bytes, work: Path) -> None:
     """Step closed-loop connections up past saturation against the service and the plain one.
 
-    Both services run for the whole measurement and the steps alternate between them, so a
-    shift in the machine's load hits both sides of each comparison alike.
+    Every service runs for the whole measurement and the steps alternate between them, so a
+    shift in the machine's load hits every side of each comparison alike. With
+    ``--baseline-serving-dir`` another checkout's service (main's, say) runs beside them.
     """
     import httpx
 
     steps = [int(c) for c in args.connections.split(",")]
     target_ms = Settings(model_dir=str(model_dir)).queue_delay_target_ms
+    checkouts = {"service": args.serving_dir}
+    if args.baseline_serving_dir:
+        checkouts["baseline"] = args.baseline_serving_dir
     plain_port = free_port()
     plain_cmd = [sys.executable, __file__, "--plain-server", "--model-dir", str(model_dir)]
     plain_cmd += ["--port", str(plain_port), "--threads", str(args.threads)]
     load_start = _load_average()
-    rows: dict[str, list[dict[str, float]]] = {"service": [], "plain": []}
-    with (
-        prediction_service(
-            bench_service_settings(model_dir, args.threads),
-            log_path=work / "service.log",
-            serving_dir=args.serving_dir,
-        ) as service,
-        server_process(
-            plain_cmd, port=plain_port, log_path=work / "plain.log", ready_path="/healthz"
-        ) as plain,
-    ):
-        for connections in steps:
-            for name, url in (("service", service.url), ("plain", plain.url)):
-                rows[name].append(
-                    load_closed_loop(f"{url}/v1/predict", body, connections, args.duration_s)
+    with contextlib.ExitStack() as running:
+        urls = {
+            name: running.enter_context(
+                prediction_service(
+                    bench_service_settings(model_dir, args.threads),
+                    log_path=work / f"{name}.log",
+                    serving_dir=serving_dir,
                 )
-                logger.info("%s at %d connections: %s", name, connections, rows[name][-1])
-        counters = shed_counters(httpx.get(f"{service.url}/metrics").text)
+            ).url
+            for name, serving_dir in checkouts.items()
+        }
+        urls["plain"] = running.enter_context(
+            server_process(
+                plain_cmd, port=plain_port, log_path=work / "plain.log", ready_path="/healthz"
+            )
+        ).url
+        rows: dict[str, list[dict[str, float]]] = {name: [] for name in urls}
+        for connections in steps:
+            runs: dict[str, list[dict[str, float]]] = {name: [] for name in urls}
+            for repeat in range(args.repeat):
+                # Alternate the order, so that neither side always follows the other.
+                for name in list(urls)[:: 1 if repeat % 2 == 0 else -1]:
+                    url = f"{urls[name]}/v1/predict"
+                    runs[name].append(load_closed_loop(url, body, connections, args.duration_s))
+                    logger.info("%s at %d connections: %s", name, connections, runs[name][-1])
+            for name, measured in runs.items():
+                rows[name].append(_median_row(measured))
+        counters = {
+            name: shed_counters(httpx.get(f"{urls[name]}/metrics").text) for name in checkouts
+        }
     results = {
         "machine": {"cpus": len(os.sched_getaffinity(0)), "platform": platform.platform()},
         "load_average": {"start": load_start, "end": _load_average()},
         "queue_delay_target_ms": target_ms,
-        "serving_dir": args.serving_dir,
+        "repeat": args.repeat,
+        "serving_dirs": checkouts,
         "steps": rows,
-        "service_counters": counters,
+        "counters": counters,
     }
     report_overload(results, args.duration_s)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
 
+def _median_row(measured: list[dict[str, float]]) -> dict[str, float]:
+    """Return the median of each figure over repeated measurements of one step."""
+    medians = {key: statistics.median(row[key] for row in measured) for key in measured[0]}
+    return {**medians, "connections": measured[0]["connections"]}
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / max(b, 1e-9)
+
+
 def report_overload(results: dict[str, Any], seconds: float) -> None:
-    """Print goodput, 503s and the p99 of the 200s per step, side by side, and the goals."""
-    service, plain = results["steps"]["service"], results["steps"]["plain"]
+    """Print goodput, 503s and the p50/p99 of the 200s per step, side by side, and the goals."""
+    steps: dict[str, list[dict[str, float]]] = results["steps"]
+    service, plain = steps["service"], steps["plain"]
+    baseline = steps.get("baseline")
     target_ms = results["queue_delay_target_ms"]
-    header = (
-        f"{'connections':>11} | {'service 200/s':>13}{'503/s':>9}{'p99 200 ms':>11}"
-        f"{'other':>7} | {'plain 200/s':>11}{'503/s':>7}{'p99 200 ms':>11}{'other':>7}"
-        f" | {'service/plain':>13}"
+    names = list(steps)
+    header = f"{'connections':>11}" + "".join(
+        f" | {name + ' 200/s':>14}{'503/s':>7}{'p50 ms':>8}{'p99 ms':>8}{'other':>6}"
+        for name in names
     )
+    header += f" | {'service/plain':>13}"
+    if baseline:
+        header += f" {'/baseline':>9}"
     lines = [
         f"machine: {results['machine']}",
         f"load average (1, 5, 15 min): {results['load_average']['start']} at start, "
         f"{results['load_average']['end']} at end",
-        f"closed-loop clients, {seconds:.0f} s per step after 1 s of warm-up; a 503 is sent "
-        "again at once (Retry-After ignored); 'other' = other statuses + connection errors",
-        f"service: {results['serving_dir']}, queue-delay target {target_ms:.0f} ms",
+        f"closed-loop clients, {seconds:.0f} s per step after 1 s of warm-up, median of "
+        f"{results['repeat']} (the services alternating); a 503 is sent again at once "
+        "(Retry-After ignored); p50/p99 of the 200s alone; 'other' = other statuses + "
+        "connection errors",
+        *(f"{name}: {path}" for name, path in results["serving_dirs"].items()),
+        f"queue-delay target {target_ms:.0f} ms",
         "",
         header,
         "-" * len(header),
     ]
-    for ours, theirs in zip(service, plain, strict=True):
-        lines.append(
-            f"{ours['connections']:>11} | {ours['ok_per_s']:>13.0f}{ours['shed_per_s']:>9.0f}"
-            f"{ours['ok_p99_ms']:>11.1f}{ours['other'] + ours['errors']:>7.0f} | "
-            f"{theirs['ok_per_s']:>11.0f}{theirs['shed_per_s']:>7.0f}"
-            f"{theirs['ok_p99_ms']:>11.1f}{theirs['other'] + theirs['errors']:>7.0f} | "
-            f"{ours['ok_per_s'] / max(theirs['ok_per_s'], 1e-9):>12.2f}x"
-        )
+    for i, ours in enumerate(service):
+        line = f"{ours['connections']:>11}"
+        for name in names:
+            row = steps[name][i]
+            line += (
+                f" | {row['ok_per_s']:>14.0f}{row['shed_per_s']:>7.0f}{row['ok_p50_ms']:>8.1f}"
+                f"{row['ok_p99_ms']:>8.1f}{row['other'] + row['errors']:>6.0f}"
+            )
+        line += f" | {_ratio(ours['ok_per_s'], plain[i]['ok_per_s']):>12.2f}x"
+        if baseline:
+            line += f" {_ratio(ours['ok_per_s'], baseline[i]['ok_per_s']):>8.2f}x"
+        lines.append(line)
     peak = max(max(row["ok_per_s"] for row in service), 1e-9)
     last = service[-1]
     worst_ratio = min(
-        ours["ok_per_s"] / max(theirs["ok_per_s"], 1e-9)
+        _ratio(ours["ok_per_s"], theirs["ok_per_s"])
         for ours, theirs in zip(service, plain, strict=True)
     )
     worst_p99 = max(row["ok_p99_ms"] for row in service)
@@ -675,8 +719,22 @@ def report_overload(results: dict[str, Any], seconds: float) -> None:
         f"{last['ok_per_s'] / peak:.2f}   (target >= 0.80)",
         f"service / plain goodput, worst step: {worst_ratio:.2f}x   (target >= 1.00)",
         f"p99 of the 200s, worst step:        {worst_p99:.1f} ms   (target <= {target_ms:.0f} ms)",
-        f"service counters: {results['service_counters']}",
     ]
+    if baseline:
+        # Below saturation nothing may get slower than the checkout compared against.
+        for i, ours in enumerate(service):
+            theirs = baseline[i]
+            if ours["connections"] == 1:
+                lines.append(
+                    f"1 connection, p50 of the 200s / baseline's: "
+                    f"{_ratio(ours['ok_p50_ms'], theirs['ok_p50_ms']):.3f}   (target <= 1.05)"
+                )
+            elif ours["connections"] == 16:
+                lines.append(
+                    f"16 connections, goodput / baseline's:     "
+                    f"{_ratio(ours['ok_per_s'], theirs['ok_per_s']):.3f}   (target >= 0.95)"
+                )
+    lines += [f"{name} counters: {values}" for name, values in results["counters"].items()]
     sys.stdout.write("\n".join(lines) + "\n")
 
 
@@ -706,6 +764,18 @@ def main() -> None:
     )
     parser.add_argument(
         "--connections", default="16,64,256,400,800", help="--overload steps, comma-separated"
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="--overload: measure each step this many times per service and report medians",
+    )
+    parser.add_argument(
+        "--baseline-serving-dir",
+        help="--overload: also run this folder's burstcv_serving (another checkout's, e.g. "
+        "main's) in the same steps, and compare below saturation (add 1 to --connections "
+        "for the single-connection latency)",
     )
     parser.add_argument(
         "--serving-dir",

@@ -1,24 +1,61 @@
-"""Decide whether one more prediction request can start within the queueing-delay target.
+"""Admit prediction requests into service only as fast as they can be answered within the target.
 
-The decision reads only the batcher's figures (images ahead, measured time per image, the
-oldest job's wait), so it can be taken as soon as a request's headers are parsed: before a
-task is started for it, its body read, parsed or decoded. Both the HTTP protocol
-(``burstcv_serving.protocol``, under uvicorn) and the ASGI middleware (any other server, and
-the test client) ask it, and answer a refusal the same way: 503 with ``Retry-After``.
+Under overload the service's limit is its event loop (reading, parsing and decoding each
+request, writing each answer), not only the model: admitting every request the model could
+batch in time would let hundreds of them wait for the loop, every one answered late. So a
+request needs one of a few *service slots* to be served (its body read, parsed, decoded,
+batched, answered): two full batches' worth by default, one running while the next gathers.
+
+A request that finds every slot taken waits for one in a *waiting room*, at the cost of a
+small object: its body is not read, parsed or decoded. A freed slot goes to the oldest
+waiting request while the room empties quickly, and to the newest once the oldest has
+waited a quarter of the queueing-delay target: a standing queue has formed, the old ones
+could no longer be answered in time and the new ones still can (CoDel's sojourn time
+against a target, with adaptive LIFO). A free slot is taken while the model's queue would
+let the request's batch start within the target; from the room, only while the time it has
+waited plus the time an admitted request now takes (measured) still fits in the target. A
+request that has waited the whole target is answered 503 with ``Retry-After``, its body
+unread. So an admitted request is answered within its deadline, and a refused client, even
+one that retries at once, comes back at most once per target: refusals cost the event loop
+a small fraction of what the predictions it serves cost.
+
+The decision is taken as soon as a request's headers are parsed: in uvicorn's HTTP protocol
+(``burstcv_serving.protocol``) before a task is started for the request, and in the ASGI
+middleware for any other server (and the test client). Everything here runs on the event
+loop: no lock.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
-from burstcv_serving.state import ServiceState
+from burstcv_serving.batcher import MicroBatcher
+from burstcv_serving.metrics import SHED_REASONS, ServiceMetrics
 
 PREDICTION_PATHS = frozenset({"/v1/predict", "/v1/predict/batch"})
+
+# Key in a request's scope state: seconds it waited for a service slot (its queueing delay
+# so far, which the batcher's deadline counts).
+ADMISSION_WAIT = "burstcv_admission_wait_s"
+
+# Key in a request's scope state: time.perf_counter() when its body had been read. The time an
+# admitted request takes is counted from then: a slow upload does not load the event loop.
+BODY_READ_AT = "burstcv_body_read_at"
 
 # Seconds a shed client is asked to wait. HTTP allows whole seconds only; the queue drains
 # in milliseconds, so the smallest value is the right one.
 RETRY_AFTER_S = 1
+
+# Once the oldest waiting request has waited this share of the target, slots go to the
+# newest first (adaptive LIFO): a standing queue has formed.
+LIFO_SHARE = 0.25
+# Weight of the newest answer in the moving average of the time an admitted request takes.
+_SERVICE_WEIGHT = 0.05
 
 
 @dataclass(frozen=True)
@@ -33,27 +70,177 @@ class Refusal:
         return json.dumps({"detail": self.detail}).encode()
 
 
-def refusal(service: ServiceState | None) -> Refusal | None:
-    """Return why a prediction request arriving now must be shed, or None to admit it.
+class Waiter(Protocol):
+    """A prediction request waiting for a slot, as the gate sees it."""
 
-    None too when no model is loaded: the route answers that 503 itself, saying why.
-    """
-    if service is None or service.manager.current is None:
-        return None
-    batcher = service.batcher
-    expected_s = batcher.expected_delay_s()
-    target_s = batcher.queue_delay_target_s
-    if expected_s > target_s:
-        return Refusal(
+    arrived: float  # time.perf_counter() when its headers were parsed
+
+    def alive(self) -> bool:
+        """Tell whether its client still waits for an answer."""
+
+    def admit(self, admitted_at: float) -> None:
+        """Start serving it: its slot is taken; it calls AdmissionGate.release when answered,
+        and puts ADMISSION_WAIT (and, once read, BODY_READ_AT) in its scope state."""
+
+    def refuse(self, refused: Refusal) -> None:
+        """Answer it 503 with Retry-After, without reading its body."""
+
+
+class AdmissionGate:
+    """Hand out service slots to prediction requests, park the rest, refuse at the target."""
+
+    def __init__(
+        self,
+        batcher: MicroBatcher,
+        metrics: ServiceMetrics,
+        *,
+        queue_delay_target_s: float,
+        max_waiting: int,
+        slots: int,
+    ) -> None:
+        self._batcher = batcher
+        self._metrics = metrics
+        self._target_s = queue_delay_target_s
+        self._lifo_after_s = queue_delay_target_s * LIFO_SHARE
+        self._max_waiting = max_waiting
+        # Refusals are the same every time (the HTTP protocol writes each one's bytes once).
+        self._expired = Refusal(
             "queue_delay",
-            f"the service is overloaded: a request would wait about {expected_s * 1000:.0f} ms "
-            f"for the model, over the target of {target_s * 1000:.0f} ms; retry after "
-            f"{RETRY_AFTER_S} s",
+            "the service is overloaded: no service slot freed within the queueing-delay "
+            f"target of {queue_delay_target_s * 1000:.0f} ms; retry after {RETRY_AFTER_S} s",
         )
-    if batcher.queue_depth >= batcher.max_queue:
-        return Refusal(
+        self._room_full = Refusal(
             "queue_full",
-            f"the inference queue is full ({batcher.queue_depth} images waiting, limit "
-            f"{batcher.max_queue}); retry after {RETRY_AFTER_S} s",
+            "the service is overloaded and its waiting room is full "
+            f"({max_waiting} requests wait for a slot); retry after {RETRY_AFTER_S} s",
         )
-    return None
+        self._shed = {reason: metrics.shed.labels(reason=reason) for reason in SHED_REASONS}
+        self._slots = max(1, slots)
+        self._in_service = 0
+        self._waiting: deque[Waiter] = deque()
+        self._sweep: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # The time an admitted request takes, from admission (or the end of its body) to its
+        # answer: a moving average, what admission expects of the next one.
+        self._service_s = 0.0
+        # Read when /metrics is scraped, not written at every change.
+        metrics.waiting.set_function(lambda: len(self._waiting))
+        metrics.in_service.set_function(lambda: self._in_service)
+
+    @property
+    def in_service(self) -> int:
+        """Return the number of admitted requests not answered yet."""
+        return self._in_service
+
+    @property
+    def waiting(self) -> int:
+        """Return the number of requests waiting for a slot."""
+        return len(self._waiting)
+
+    @property
+    def slots(self) -> int:
+        """Return how many requests may be in service at once."""
+        return self._slots
+
+    @property
+    def queue_delay_target_s(self) -> float:
+        """Return the longest a request may wait before its batch starts."""
+        return self._target_s
+
+    def start(self) -> None:
+        """Bind to the running event loop (for the timer that refuses expired waiters)."""
+        self._loop = asyncio.get_running_loop()
+
+    def offer(self, waiter: Waiter) -> None:
+        """Admit a request that has just arrived, park it, or refuse it when the room is full."""
+        now = time.perf_counter()
+        if self._can_admit(now, waiter.arrived, waited_in_room=False):
+            self._admit(waiter, now)
+            return
+        if len(self._waiting) >= self._max_waiting:
+            self._refuse(waiter, self._room_full)
+            return
+        self._waiting.append(waiter)
+        if self._sweep is None:
+            self._arm(now)
+
+    def release(self, admitted_at: float, body_read_at: float | None = None) -> None:
+        """Free the slot of an answered request, learn from its time, and fill free slots.
+
+        Its time is counted from admission, or from the end of its body when that came later.
+        """
+        now = time.perf_counter()
+        self._in_service -= 1
+        elapsed = now - (admitted_at if body_read_at is None else max(admitted_at, body_read_at))
+        if self._service_s == 0.0:
+            self._service_s = elapsed
+        else:
+            self._service_s += _SERVICE_WEIGHT * (elapsed - self._service_s)
+        if self._waiting:
+            self._fill(now)
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _can_admit(self, now: float, arrived: float, *, waited_in_room: bool) -> bool:
+        """Tell whether a request that arrived at ``arrived`` may take a slot now.
+
+        A free slot is taken while the model's queue would let its batch start within the
+        target; a request from the waiting room also needs the time an admitted request now
+        takes to fit in what is left of the target. An idle service admits anything.
+        """
+        if self._in_service == 0:
+            return True
+        if self._in_service >= self._slots:
+            return False
+        waited = now - arrived
+        expected = self._batcher.expected_delay_s()
+        if waited_in_room:
+            expected = max(expected, self._service_s)
+        return waited + expected <= self._target_s
+
+    def _admit(self, waiter: Waiter, now: float) -> None:
+        self._in_service += 1
+        self._metrics.admitted.inc()
+        self._metrics.admission_wait.observe(now - waiter.arrived)
+        waiter.admit(now)
+
+    def _refuse(self, waiter: Waiter, refused: Refusal) -> None:
+        self._shed[refused.reason].inc()
+        waiter.refuse(refused)
+
+    def _fill(self, now: float) -> None:
+        """Give free slots to waiting requests: oldest first, newest first past a standing queue."""
+        waiting = self._waiting
+        while waiting:
+            lifo = now - waiting[0].arrived > self._lifo_after_s
+            waiter = waiting.pop() if lifo else waiting.popleft()
+            if not waiter.alive():
+                continue
+            if not self._can_admit(now, waiter.arrived, waited_in_room=True):
+                # Newest (LIFO) or oldest of a young queue: no other one can do better now.
+                if lifo:
+                    waiting.append(waiter)
+                else:
+                    waiting.appendleft(waiter)
+                break
+            self._admit(waiter, now)
+
+    def _arm(self, now: float) -> None:
+        """Wake the sweep when the oldest waiting request reaches the target."""
+        loop = self._loop or asyncio.get_running_loop()
+        delay = self._waiting[0].arrived + self._target_s - now
+        self._sweep = loop.call_later(max(delay, 0.001), self._expire)
+
+    def _expire(self) -> None:
+        """Refuse every waiting request that has waited the whole target; admit what fits."""
+        self._sweep = None
+        now = time.perf_counter()
+        waiting = self._waiting
+        while waiting and now - waiting[0].arrived >= self._target_s:
+            waiter = waiting.popleft()
+            if waiter.alive():
+                self._refuse(waiter, self._expired)
+        if waiting:
+            self._fill(now)
+        if waiting:
+            self._arm(now)

@@ -12,10 +12,11 @@ one turn of the event loop grows with the number of connections that have a requ
 (every refused client sends again at once): a batch per turn would tie the model's
 throughput to the load it is shedding.
 
-Every job carries a deadline: the moment it was queued plus the queueing-delay target. A job
-still waiting at its deadline is answered 503 instead of late, and ``expected_delay_s``
-(what admission control reads) says how long a request admitted now would wait, from the
-images ahead of it and the measured batch times.
+Every job carries a deadline: the queueing-delay target less what its request already waited
+for a service slot, counted from its queueing (the time its body took to arrive and decode is
+not queueing). A job whose batch cannot start by then is answered 503 instead of late, and
+``expected_delay_s`` (what admission control reads) says how long a request admitted now
+would wait, from the images ahead of it and the measured batch times.
 
 A single image that is the only request in the service (none other being read, decoded,
 queued or run) skips the queue and the inference thread: it runs right on the event loop,
@@ -74,6 +75,7 @@ class _Job:
     images: np.ndarray  # uint8 NHWC at spec's size
     spec: PreprocessSpec
     future: asyncio.Future[BatchResult] = field(repr=False)
+    waited: float  # seconds its request waited for a service slot before being queued
     queued_at: float  # time.perf_counter() when it was queued
     deadline: float  # time.perf_counter() after which running it would answer too late
 
@@ -216,12 +218,14 @@ class MicroBatcher:
         payloads: list[bytes],
         images: np.ndarray,
         spec: PreprocessSpec,
+        waited: float = 0.0,
     ) -> BatchResult:
         """Queue one request's images and wait for the model and probabilities that answer it.
 
+        ``waited`` is how long the request waited for a service slot (admission control).
         Raises QueueFullError when the queue holds ``max_queue`` images, and
-        DeadlineExceededError when no batch could take the job within the queueing-delay
-        target of its queueing.
+        DeadlineExceededError when no batch could take the job before its queueing delay
+        (``waited`` plus its time in the queue) passed the target.
         """
         self._arriving.discard(asyncio.current_task())
         n = len(images)
@@ -237,11 +241,12 @@ class MicroBatcher:
             await asyncio.sleep(0)
             model = self._inline_model(spec)
             if model is not None:
-                return self._run_inline(model, images)
+                return self._run_inline(model, images, waited)
         loop = self._loop or asyncio.get_running_loop()
         queued_at = time.perf_counter()
         future: asyncio.Future[BatchResult] = loop.create_future()
-        job = _Job(payloads, images, spec, future, queued_at, queued_at + self._target_s)
+        deadline = queued_at + self._target_s - waited
+        job = _Job(payloads, images, spec, future, waited, queued_at, deadline)
         with self._lock:
             if self._closed:
                 raise NoModelError("the service is shutting down")
@@ -288,10 +293,10 @@ class MicroBatcher:
             return model
         return None
 
-    def _run_inline(self, model: LoadedModel, images: np.ndarray) -> BatchResult:
+    def _run_inline(self, model: LoadedModel, images: np.ndarray, waited: float) -> BatchResult:
         """Answer a lone single-image job on the event loop (see the module docstring)."""
         started = time.perf_counter()
-        self._metrics.queue_delay.observe(0.0)
+        self._metrics.queue_delay.observe(waited)
         try:
             probabilities = model.predict_proba(images)
         except Exception:
@@ -365,7 +370,7 @@ class MicroBatcher:
             size += job.size
         self._metrics.queue_depth.set(self._pending_images)
         for job in jobs:
-            self._metrics.queue_delay.observe(now - job.queued_at)
+            self._metrics.queue_delay.observe(now - job.queued_at + job.waited)
         return size
 
     def _run(self, jobs: list[_Job]) -> _Outcome:
@@ -379,7 +384,7 @@ class MicroBatcher:
         arrays: list[np.ndarray] = []
         for job in jobs:
             if started > job.deadline:
-                waited_ms = (started - job.queued_at) * 1000.0
+                waited_ms = (started - job.queued_at + job.waited) * 1000.0
                 outcome.failures.append(
                     (
                         job,

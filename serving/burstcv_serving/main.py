@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from burstcv_serving import __version__
-from burstcv_serving.admission import PREDICTION_PATHS
+from burstcv_serving.admission import PREDICTION_PATHS, AdmissionGate
 from burstcv_serving.batcher import MicroBatcher
 from burstcv_serving.manager import ModelManager
 from burstcv_serving.metrics import ServiceMetrics
@@ -58,15 +58,23 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         inline_max_s=settings.inline_max_ms / 1000.0,
         queue_delay_target_s=settings.queue_delay_target_ms / 1000.0,
     )
+    gate = AdmissionGate(
+        batcher,
+        service_metrics,
+        queue_delay_target_s=settings.queue_delay_target_ms / 1000.0,
+        max_waiting=settings.max_waiting,
+        slots=settings.service_slots or 2 * settings.max_batch_size,
+    )
     logger.info("loading the model from %s", source.description)
     await manager.refresh()  # a failure leaves the service up but not ready; polling retries
     batcher.start()
+    gate.start()
     poller: asyncio.Task[None] | None = None
     if settings.poll_interval_s > 0:
         poller = asyncio.create_task(
             manager.poll_forever(settings.poll_interval_s), name="burstcv-alias-poller"
         )
-    app.state.service = ServiceState(manager=manager, batcher=batcher)
+    app.state.service = ServiceState(manager=manager, batcher=batcher, gate=gate)
     try:
         yield
     finally:

@@ -61,15 +61,15 @@ class ServiceMetrics:
         )
         self.admitted = Counter(
             "burstcv_serving_admitted_requests",
-            "Prediction requests admitted (their body read and decoded, their images queued).",
+            "Prediction requests given a service slot (their body then read, decoded, queued).",
             registry=self.registry,
         )
         self.shed = Counter(
             "burstcv_serving_shed_requests",
-            "Prediction requests refused with 503 to protect the admitted ones, by reason: "
-            "queue_delay (expected wait over the target, refused before reading the body), "
-            "queue_full (max_queue images waiting), deadline (waited past the target after "
-            "admission), no_model (none loaded).",
+            "Prediction requests refused with 503 and Retry-After, by reason: queue_delay "
+            "(waited the queueing-delay target for a slot; the body never read), queue_full "
+            "(the waiting room, or the inference queue, full), deadline (admitted, but its "
+            "batch could not start within the target of its arrival), no_model (none loaded).",
             ["reason"],
             registry=self.registry,
         )
@@ -77,8 +77,25 @@ class ServiceMetrics:
             self.shed.labels(reason=reason)  # exported at 0 from the start, for rate()
         self.queue_delay = Histogram(
             "burstcv_serving_queue_delay_seconds",
-            "Time from receiving a prediction request to the start of its batch.",
+            "Queueing delay of a prediction request: its wait for a service slot plus its "
+            "wait in the inference queue, until its batch started.",
             buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.admission_wait = Histogram(
+            "burstcv_serving_admission_wait_seconds",
+            "Time an admitted prediction request waited for a service slot.",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.waiting = Gauge(
+            "burstcv_serving_waiting_requests",
+            "Prediction requests waiting for a service slot (their body not read yet).",
+            registry=self.registry,
+        )
+        self.in_service = Gauge(
+            "burstcv_serving_in_service_requests",
+            "Prediction requests admitted and not answered yet (at most the service slots).",
             registry=self.registry,
         )
         self.model_info = Gauge(

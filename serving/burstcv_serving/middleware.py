@@ -1,6 +1,6 @@
-"""ASGI middleware: refuse oversized bodies early, shed prediction requests the service could
-not answer in time before reading them, count every request for Prometheus, and send
-prediction requests straight to their handlers.
+"""ASGI middleware: refuse oversized bodies early, admit prediction requests through the
+admission gate before reading them, count every request for Prometheus, and send prediction
+requests straight to their handlers.
 
 A refusal sent before the body is read keeps the connection open when the body is no larger
 than ``max_discard_bytes``: uvicorn reads and discards the rest of it, so a client that
@@ -11,6 +11,7 @@ client waits to send (``Expect: 100-continue``), is refused with ``Connection: c
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
@@ -21,9 +22,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from burstcv_serving.admission import RETRY_AFTER_S, refusal
+from burstcv_serving.admission import ADMISSION_WAIT, BODY_READ_AT, RETRY_AFTER_S, Refusal
 from burstcv_serving.metrics import ServiceMetrics
 from burstcv_serving.state import ServiceState
+
+# Key in a request's scope state: the HTTP protocol admitted it already (and releases its slot).
+ADMITTED = "burstcv_admitted"
 
 
 def _too_large(limit: int) -> str:
@@ -136,14 +140,34 @@ class BodyLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
 
-class AdmissionMiddleware:
-    """Shed prediction requests that could not start within the queueing-delay target.
+class _WaitingRequest:
+    """A request waiting in the admission gate, resolved through a future."""
 
-    Decided from the request line and the queue alone, before the body is read, parsed or
-    decoded: a refusal costs a small fraction of a prediction, so under overload the cores
-    go to the requests that are admitted. A request passes when the batcher expects a
-    request admitted now to wait at most the target and the queue has room; every refusal
-    is a 503 with ``Retry-After``.
+    __slots__ = ("admitted_at", "arrived", "future")
+
+    def __init__(self, arrived: float, future: asyncio.Future[Refusal | None]) -> None:
+        self.arrived = arrived
+        self.future = future
+        self.admitted_at: float | None = None
+
+    def alive(self) -> bool:
+        return not self.future.done()
+
+    def admit(self, admitted_at: float) -> None:
+        self.admitted_at = admitted_at
+        self.future.set_result(None)
+
+    def refuse(self, refused: Refusal) -> None:
+        self.future.set_result(refused)
+
+
+class AdmissionMiddleware:
+    """Admit prediction requests through the admission gate before their body is read.
+
+    Under uvicorn the HTTP protocol has done it already (``burstcv_serving.protocol``); this
+    is the same gate for any other server and for the test client: a request waits for a
+    service slot, its body unread, and is answered 503 with ``Retry-After`` if none frees
+    within the queueing-delay target.
     """
 
     def __init__(
@@ -169,12 +193,22 @@ class AdmissionMiddleware:
             self.metrics.shed.labels(reason="no_model").inc()
             await self.app(scope, receive, send)
             return
-        refused = refusal(service)
-        if refused is None:
-            self.metrics.admitted.inc()
+        state = scope.setdefault("state", {})
+        if state.get(ADMITTED):
             await self.app(scope, receive, send)
             return
-        self.metrics.shed.labels(reason=refused.reason).inc()
+        arrived = state.setdefault("received_at", time.perf_counter())
+        waiter = _WaitingRequest(arrived, asyncio.get_running_loop().create_future())
+        service.gate.offer(waiter)
+        try:
+            refused = await waiter.future
+            if refused is None:
+                state[ADMISSION_WAIT] = (waiter.admitted_at or arrived) - arrived
+                await self.app(scope, receive, send)
+                return
+        finally:
+            if waiter.admitted_at is not None:
+                service.gate.release(waiter.admitted_at, state.get(BODY_READ_AT))
         close = must_close(scope, self.max_discard_bytes)
         if not close and client_closes(scope):
             await discard_body(receive)

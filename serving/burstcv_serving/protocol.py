@@ -1,11 +1,12 @@
-"""Shed prediction requests in uvicorn's HTTP protocol, as soon as their headers are parsed.
+"""Admit prediction requests in uvicorn's HTTP protocol, as soon as their headers are parsed.
 
-Under overload every refused client sends again at once, so the event loop spends most of
-its time refusing; each refusal it can skip (a task, the ASGI middleware stack, two writes)
-is time the admitted requests get back. ``AdmissionHttpProtocol`` asks admission control
-(``burstcv_serving.admission``) before uvicorn starts the request's ASGI task and, when the
-answer is no, writes the whole 503 in one write and lets uvicorn's parser throw the body
-away as it arrives. Admitted requests, and every other request, go to the app unchanged.
+Under overload every refused client sends again at once, so a refusal must cost the event loop
+as little as possible, and so must a request that waits for a service slot
+(``burstcv_serving.admission``). ``AdmissionHttpProtocol`` hands each prediction request to
+the admission gate before uvicorn starts its ASGI task: an admitted one starts at once; a
+waiting one costs a small object in the gate's room, its body left to uvicorn's parser; a
+refused one is answered with the whole 503 in one write, and uvicorn's parser throws its body
+away as it arrives. Every other request goes to the app unchanged.
 
 It extends uvicorn's httptools protocol at one private method, ``_start_asgi_task``; the
 service pins uvicorn in its requirements, and tests/serving run it as a real process.
@@ -13,6 +14,8 @@ service pins uvicorn in its requirements, and tests/serving run it as a real pro
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import time
 from http import HTTPStatus
 from typing import Any
@@ -20,56 +23,135 @@ from typing import Any
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from burstcv_serving.admission import PREDICTION_PATHS, RETRY_AFTER_S, Refusal, refusal
+from burstcv_serving.admission import (
+    ADMISSION_WAIT,
+    BODY_READ_AT,
+    PREDICTION_PATHS,
+    RETRY_AFTER_S,
+    Refusal,
+)
 from burstcv_serving.metrics import ServiceMetrics
-from burstcv_serving.middleware import must_close
+from burstcv_serving.middleware import ADMITTED, must_close
+from burstcv_serving.state import ServiceState
 
 _STATUS_LINE = b"HTTP/1.1 503 " + HTTPStatus.SERVICE_UNAVAILABLE.phrase.encode() + b"\r\n"
 
 
+class _WaitingCycle:
+    """A request whose headers are parsed, waiting in the admission gate for a slot."""
+
+    __slots__ = ("app", "arrived", "cycle", "protocol", "service")
+
+    def __init__(
+        self,
+        protocol: AdmissionHttpProtocol,
+        cycle: RequestResponseCycle,
+        app: Any,
+        service: ServiceState,
+        arrived: float,
+    ) -> None:
+        self.protocol = protocol
+        self.cycle = cycle
+        self.app = app
+        self.service = service
+        self.arrived = arrived
+
+    def alive(self) -> bool:
+        return not self.cycle.disconnected and not self.protocol.transport.is_closing()
+
+    def admit(self, admitted_at: float) -> None:
+        state = self.cycle.scope["state"]
+        state[ADMITTED] = True
+        state[ADMISSION_WAIT] = admitted_at - self.arrived
+        task = self.protocol.start_task(self.cycle, self.app)
+        gate = self.service.gate
+        task.add_done_callback(lambda _: gate.release(admitted_at, state.get(BODY_READ_AT)))
+
+    def refuse(self, refused: Refusal) -> None:
+        self.protocol.refuse(self.cycle, refused)
+
+
+class _Refusals:
+    """The 503 answers of one app: each written once per reason and connection handling."""
+
+    def __init__(self, app: FastAPI) -> None:
+        metrics: ServiceMetrics = app.state.metrics
+        self.max_discard: int = app.state.settings.max_discard_bytes
+        self.counted = {
+            path: metrics.requests.labels(path=path, method="POST", status=503)
+            for path in PREDICTION_PATHS
+        }
+        self._default_headers: object = None
+        self._written: dict[tuple[Refusal, bool], bytes] = {}
+
+    def response(
+        self, refused: Refusal, close: bool, default_headers: list[tuple[bytes, bytes]]
+    ) -> bytes:
+        """Return the whole 503 (uvicorn renews its default headers, the date, every second)."""
+        if default_headers is not self._default_headers:
+            self._default_headers = default_headers
+            self._written.clear()
+        key = (refused, close)
+        written = self._written.get(key)
+        if written is None:
+            body = refused.body()
+            head = [_STATUS_LINE]
+            for name, value in default_headers:
+                head += [name, b": ", value, b"\r\n"]
+            head += [
+                b"content-type: application/json\r\ncontent-length: ",
+                str(len(body)).encode(),
+                b"\r\nretry-after: ",
+                str(RETRY_AFTER_S).encode(),
+                b"\r\n",
+                b"connection: close\r\n" if close else b"",
+                b"\r\n",
+                body,
+            ]
+            written = self._written[key] = b"".join(head)
+        return written
+
+
 class AdmissionHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, refusing shed prediction requests before their task."""
+    """uvicorn's httptools protocol, admitting prediction requests before their task starts."""
 
     app_of_service: FastAPI  # set on the subclass that ``protocol_for`` builds
+    refusals: _Refusals  # likewise
     close_after_body = False  # a refused request's body is still arriving; close after it
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         scope = cycle.scope
-        scope["state"]["received_at"] = time.perf_counter()
+        now = time.perf_counter()
+        scope["state"]["received_at"] = now
         if scope["method"] == "POST" and scope["path"] in PREDICTION_PATHS and app is self.app:
-            refused = refusal(self.app_of_service.state.service)
-            if refused is not None:
-                self._refuse(cycle, refused)
+            service: ServiceState | None = self.app_of_service.state.service
+            # Without a model the route answers 503 itself, saying why.
+            if service is not None and service.manager.current is not None:
+                service.gate.offer(_WaitingCycle(self, cycle, app, service, now))
                 return
-        super()._start_asgi_task(cycle, app)
+        self.start_task(cycle, app)
 
-    def _refuse(self, cycle: RequestResponseCycle, refused: Refusal) -> None:
+    def start_task(self, cycle: RequestResponseCycle, app: Any) -> asyncio.Task[None]:
+        """Start the request's ASGI task, as uvicorn's ``_start_asgi_task`` does."""
+        if self.config.reset_contextvars:
+            task = self.loop.create_task(cycle.run_asgi(app), context=contextvars.Context())
+        else:
+            task = self.loop.create_task(cycle.run_asgi(app))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+        return task
+
+    def refuse(self, cycle: RequestResponseCycle, refused: Refusal) -> None:
         """Write the 503 at once and finish the request as uvicorn's own send() would."""
-        state = self.app_of_service.state
-        metrics: ServiceMetrics = state.metrics
-        metrics.requests.labels(path=cycle.scope["path"], method="POST", status=503).inc()
-        metrics.shed.labels(reason=refused.reason).inc()
-        max_discard = state.settings.max_discard_bytes
-        close = not cycle.keep_alive or must_close(cycle.scope, max_discard)
-        body = refused.body()
-        head = [_STATUS_LINE]
-        for name, value in self.server_state.default_headers:
-            head += [name, b": ", value, b"\r\n"]
-        head += [
-            b"content-type: application/json\r\ncontent-length: ",
-            str(len(body)).encode(),
-            b"\r\nretry-after: ",
-            str(RETRY_AFTER_S).encode(),
-            b"\r\n",
-            b"connection: close\r\n" if close else b"",
-            b"\r\n",
-            body,
-        ]
+        refusals = self.refusals
+        refusals.counted[cycle.scope["path"]].inc()
+        unbounded = must_close(cycle.scope, refusals.max_discard)
+        close = unbounded or not cycle.keep_alive
         cycle.response_started = True
         cycle.response_complete = True  # uvicorn's parser now drops this request's body
         cycle.keep_alive = not close
-        self.transport.write(b"".join(head))
-        if close and cycle.more_body and not must_close(cycle.scope, max_discard):
+        self.transport.write(refusals.response(refused, close, self.server_state.default_headers))
+        if close and cycle.more_body and not unbounded:
             # The client asked to close (urllib does): read the body to its end first, as
             # closing on unread data would reset the connection before the 503 is read.
             self.close_after_body = True
@@ -86,4 +168,8 @@ class AdmissionHttpProtocol(HttpToolsProtocol):
 
 def protocol_for(app: FastAPI) -> type[AdmissionHttpProtocol]:
     """Return the protocol class that sheds for ``app`` (pass it to uvicorn as ``http``)."""
-    return type("AdmissionHttpProtocolForApp", (AdmissionHttpProtocol,), {"app_of_service": app})
+    return type(
+        "AdmissionHttpProtocolForApp",
+        (AdmissionHttpProtocol,),
+        {"app_of_service": app, "refusals": _Refusals(app)},
+    )

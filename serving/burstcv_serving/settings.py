@@ -62,12 +62,21 @@ class Settings(BaseSettings):
     # thread anyway, so only their parsing is delayed (and /healthz by as long).
     inline_max_ms: float = Field(default=10.0, ge=0.0)
     max_queue: int = Field(default=256, ge=1)  # images waiting for inference; beyond → 503
-    # Admission control: a prediction request is refused (503 + Retry-After, before its body
-    # is read) when the images ahead of it would keep it from starting inference within this
-    # many ms of being queued; an admitted request still waiting then is answered 503
+    # Admission control (burstcv_serving.admission): a prediction request is served only when
+    # it can start inference within this many ms of its arrival; it waits for a service slot
+    # meanwhile, its body unread, and is answered 503 + Retry-After once it has waited this
+    # long. An admitted request whose batch still cannot start by then is answered 503 too,
     # rather than late. 100 ms: far above a batch, with room for a model swap's warm-up on
     # a busy 2-core machine (50 ms shed a few requests at concurrency 16 during swaps).
     queue_delay_target_ms: float = Field(default=100.0, gt=0.0)
+    # Prediction requests in service at once (body read, decoded, batched, answered); the
+    # others wait for a slot. 0: two full batches (2 x max_batch_size), one running while
+    # the next gathers: enough to keep the model busy, few enough that the event loop
+    # answers each admitted request within the target.
+    service_slots: int = Field(default=0, ge=0)
+    # Requests that may wait for a service slot at once; beyond → 503 at once. Each holds
+    # at most uvicorn's read buffer (64 KiB) of its body while it waits.
+    max_waiting: int = Field(default=2048, ge=0)
     max_batch_files: int = Field(default=64, ge=1)  # files in one /v1/predict/batch request
 
     # Input limits.

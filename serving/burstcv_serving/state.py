@@ -13,6 +13,7 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
 
+from burstcv_serving.admission import AdmissionGate
 from burstcv_serving.batcher import MicroBatcher
 from burstcv_serving.manager import ModelManager
 from burstcv_serving.metrics import ServiceMetrics
@@ -22,10 +23,11 @@ from burstcv_serving.settings import Settings
 
 @dataclass(frozen=True)
 class ServiceState:
-    """Group what the lifespan builds: the model manager and the micro-batcher."""
+    """Group what the lifespan builds: the model manager, the micro-batcher, admission."""
 
     manager: ModelManager
     batcher: MicroBatcher
+    gate: AdmissionGate
 
 
 async def get_settings(request: Request) -> Settings:

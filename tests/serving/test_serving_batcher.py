@@ -153,10 +153,14 @@ def test_queued_images_are_redecoded_for_a_new_input_size(registry: Registry) ->
     assert asyncio.run(scenario()) == 2
 
 
-def test_http_answers_503_with_retry_after_when_the_queue_is_full(registry: Registry) -> None:
-    """Many concurrent requests against a slow model and a tiny queue: some are shed."""
+def test_http_answers_503_with_retry_after_when_the_waiting_room_is_full(
+    registry: Registry,
+) -> None:
+    """Many concurrent requests against a slow model and a tiny waiting room: some are shed."""
     registry.publish_and_promote(2, slow=True)
-    settings = make_settings(registry, max_batch_size=1, max_queue=1, max_batch_wait_ms=0)
+    settings = make_settings(
+        registry, max_batch_size=1, max_batch_wait_ms=0, service_slots=1, max_waiting=2
+    )
     app = create_app(settings)
     payload = image_bytes("PNG")
 
@@ -178,7 +182,7 @@ def test_http_answers_503_with_retry_after_when_the_queue_is_full(registry: Regi
     assert statuses.count(200) >= 1 and statuses.count(503) >= 1
     shed = next(r for r in responses if r.status_code == 503)
     assert shed.headers["retry-after"] == "1"
-    assert "queue is full" in shed.json()["detail"]
+    assert "waiting room is full" in shed.json()["detail"]
 
 
 class _CountingExecutor(ThreadPoolExecutor):

@@ -7,12 +7,13 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
 import pytest
 from servingkit import Registry, image_bytes, make_settings, running_server
-from starlette.types import Message
+from starlette.types import Message, Scope
 
 from burstcv_serving.main import create_app
 
@@ -59,18 +60,53 @@ def test_a_send_first_client_reads_the_413_for_an_oversized_body(
         assert ok.status_code == 200
 
 
-def test_a_shed_request_gets_503_and_retry_after_before_its_body_is_read(
+def _scope(body: bytes) -> Scope:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/predict",
+        "raw_path": b"/v1/predict",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"test"),
+            (b"content-type", f"multipart/form-data; boundary={BOUNDARY}".encode()),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
+
+
+def test_a_request_that_gets_no_slot_within_the_target_is_refused_unread(
     registry: Registry,
 ) -> None:
-    """With slow batches queued, a request whose wait would pass the target is refused at once."""
-    registry.publish_and_promote(2, slow=True)  # about 10 ms an image
-    settings = make_settings(registry, queue_delay_target_ms=60, max_batch_size=1, inline_max_ms=0)
+    """A slow upload holds the only service slot: the next request waits the target, unread,
+    then gets 503 + Retry-After; the upload is still served once its body arrives."""
+    settings = make_settings(registry, queue_delay_target_ms=60, service_slots=1, inline_max_ms=0)
     app = create_app(settings)
-    payload = image_bytes("PNG")
-    body = _multipart(payload)
-    received: list[Message] = []
-    sent: list[Message] = []
-    shed_by_the_call: list[float] = []
+    body = _multipart(image_bytes("PNG"))
+    upload_arrives = asyncio.Event()
+    reads: dict[str, int] = {"upload": 0, "shed": 0}
+    sent: dict[str, list[Message]] = {"upload": [], "shed": []}
+
+    def receive_for(name: str) -> Callable[[], Awaitable[Message]]:
+        async def receive() -> Message:
+            reads[name] += 1
+            if name == "upload":
+                await upload_arrives.wait()
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return receive
+
+    def send_for(name: str) -> Callable[[Message], Awaitable[None]]:
+        async def send(message: Message) -> None:
+            sent[name].append(message)
+
+        return send
 
     def shed_count() -> float:
         value = app.state.metrics.registry.get_sample_value(
@@ -78,63 +114,33 @@ def test_a_shed_request_gets_503_and_retry_after_before_its_body_is_read(
         )
         return float(value or 0.0)
 
-    async def scenario() -> None:
+    async def scenario() -> float:
         async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-                files = {"file": ("x.png", payload, "image/png")}
-                first = await client.post("/v1/predict", files=files)  # measures a batch
-                assert first.status_code == 200
-                queued = [
-                    asyncio.create_task(client.post("/v1/predict", files=files)) for _ in range(16)
-                ]
-                batcher = app.state.service.batcher
-                deadline = time.monotonic() + 10
-                while batcher.expected_delay_s() <= batcher.queue_delay_target_s:
-                    assert time.monotonic() < deadline, "the queue never built up"
-                    await asyncio.sleep(0.001)
+            gate = app.state.service.gate
+            upload = asyncio.create_task(
+                app(_scope(body), receive_for("upload"), send_for("upload"))
+            )
+            while gate.in_service == 0:  # the upload takes the slot and waits for its body
+                await asyncio.sleep(0.001)
+            started = time.perf_counter()
+            await app(_scope(body), receive_for("shed"), send_for("shed"))
+            waited = time.perf_counter() - started
+            upload_arrives.set()
+            await upload
+            return waited
 
-                async def receive() -> Message:
-                    received.append({"type": "http.request"})
-                    return {"type": "http.request", "body": body, "more_body": False}
+    waited = asyncio.run(scenario())
 
-                async def send(message: Message) -> None:
-                    sent.append(message)
-
-                scope = {
-                    "type": "http",
-                    "asgi": {"version": "3.0"},
-                    "http_version": "1.1",
-                    "method": "POST",
-                    "scheme": "http",
-                    "path": "/v1/predict",
-                    "raw_path": b"/v1/predict",
-                    "query_string": b"",
-                    "root_path": "",
-                    "headers": [
-                        (b"host", b"test"),
-                        (b"content-type", f"multipart/form-data; boundary={BOUNDARY}".encode()),
-                        (b"content-length", str(len(body)).encode()),
-                    ],
-                    "client": ("127.0.0.1", 1),
-                    "server": ("test", 80),
-                }
-                shed_before = shed_count()
-                await app(scope, receive, send)
-                shed_by_the_call.append(shed_count() - shed_before)
-                answers = await asyncio.gather(*queued)
-                assert {answer.status_code for answer in answers} <= {200, 503}
-
-    asyncio.run(scenario())
-
-    start, answer = sent
+    start, answer = sent["shed"]
     headers = dict(start["headers"])
     assert start["status"] == 503
     assert headers[b"retry-after"] == b"1"
     assert b"connection" not in headers  # a small body is discarded; the connection stays
     assert "overloaded" in json.loads(answer["body"])["detail"]
-    assert received == []  # refused from the headers: the body was never read
-    assert shed_by_the_call == [1]
+    assert reads["shed"] == 0  # refused from the headers: the body was never read
+    assert waited >= 0.06  # it waited the whole target for a slot first
+    assert shed_count() == 1
+    assert sent["upload"][0]["status"] == 200
 
 
 def test_overload_sheds_with_retry_after_and_the_counters_move(

@@ -18,7 +18,7 @@ from PIL import Image
 from starlette.concurrency import run_in_threadpool
 
 from burstcv_serving import multipart
-from burstcv_serving.admission import RETRY_AFTER_S
+from burstcv_serving.admission import ADMISSION_WAIT, BODY_READ_AT, RETRY_AFTER_S
 from burstcv_serving.batcher import (
     BatchResult,
     DeadlineExceededError,
@@ -101,8 +101,10 @@ async def _file_parts(request: Request, field: str) -> list[multipart.Part]:
             detail=f"missing multipart field '{field}' (send multipart/form-data; the "
             f"request's content type is {ctype or 'none'})",
         )
+    body = await request.body()
+    request.scope.setdefault("state", {})[BODY_READ_AT] = time.perf_counter()
     try:
-        parts = multipart.parse(await request.body(), boundary)
+        parts = multipart.parse(body, boundary)
     except multipart.MultipartError as exc:
         raise HTTPException(422, detail=str(exc)) from exc
     files = [part for part in parts if part.name == field]
@@ -154,13 +156,15 @@ async def _read_and_decode(
 
 
 async def _infer(
+    request: Request,
     service: ServiceState,
     payloads: list[bytes],
     images: np.ndarray,
     spec: PreprocessSpec,
 ) -> BatchResult:
+    waited = request.scope.get("state", {}).get(ADMISSION_WAIT, 0.0)
     try:
-        return await service.batcher.submit(payloads, images, spec)
+        return await service.batcher.submit(payloads, images, spec, waited)
     except (QueueFullError, DeadlineExceededError, NoModelError) as exc:
         raise HTTPException(
             503, detail=str(exc), headers={"Retry-After": str(RETRY_AFTER_S)}
@@ -200,7 +204,7 @@ async def predict(request: Request) -> Response:
         part = (await _file_parts(request, "file"))[0]
         label = f"file {part.filename!r}" if part.filename else "file"
         payloads, images = await _read_and_decode([part], [label], model.spec, settings.max_pixels)
-        answered_by, probabilities = await _infer(service, payloads, images, model.spec)
+        answered_by, probabilities = await _infer(request, service, payloads, images, model.spec)
     return _json(
         {
             "version": answered_by.version,
@@ -236,7 +240,7 @@ async def predict_batch(request: Request) -> Response:
             f"file {i} ({f.filename!r})" if f.filename else f"file {i}" for i, f in enumerate(files)
         ]
         payloads, images = await _read_and_decode(files, labels, model.spec, settings.max_pixels)
-        answered_by, probabilities = await _infer(service, payloads, images, model.spec)
+        answered_by, probabilities = await _infer(request, service, payloads, images, model.spec)
     return _json(
         {
             "version": answered_by.version,
