@@ -8,6 +8,14 @@ waiting one costs a small object in the gate's room, its body left to uvicorn's 
 refused one is answered with the whole 503 in one write, and uvicorn's parser throws its body
 away as it arrives. Every other request goes to the app unchanged.
 
+While requests wait in the room (the service is overloaded), a request that arrives whole in
+one read, on a keep-alive connection between requests, in the plainest form (``POST`` of a
+prediction path, HTTP/1.1, one Content-Length, no Transfer-Encoding, Expect or Upgrade
+header, no Connection header but ``keep-alive``) waits as its raw bytes, not parsed at all:
+most such requests are refused (a write of cached bytes), and parsing each one would cost
+more than the refusal. One that gets a slot is then parsed as any other. Anything else goes
+through uvicorn's parser first.
+
 It extends uvicorn's httptools protocol at one private method, ``_start_asgi_task``; the
 service pins uvicorn in its requirements, and tests/serving run it as a real process.
 """
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import re
 import time
 from http import HTTPStatus
 from typing import Any
@@ -60,15 +69,65 @@ class _WaitingCycle:
         return not self.cycle.disconnected and not self.protocol.transport.is_closing()
 
     def admit(self, admitted_at: float) -> None:
-        state = self.cycle.scope["state"]
-        state[ADMITTED] = True
-        state[ADMISSION_WAIT] = admitted_at - self.arrived
-        task = self.protocol.start_task(self.cycle, self.app)
-        gate = self.service.gate
-        task.add_done_callback(lambda _: gate.release(admitted_at, state.get(BODY_READ_AT)))
+        self.protocol.admit(self.cycle, self.app, self.service, self.arrived, admitted_at)
 
     def refuse(self, refused: Refusal) -> None:
         self.protocol.refuse(self.cycle, refused)
+
+
+_SIMPLE_REQUEST_LINES = {
+    b"POST " + path.encode() + b" HTTP/1.1\r\n": path for path in sorted(PREDICTION_PATHS)
+}
+# The headers that frame a request or change how it is answered (in a lower-cased head).
+_FRAMING = re.compile(rb"\r\n(content-length|connection|transfer-encoding|expect|upgrade):([^\r]*)")
+
+
+def simple_request(data: bytes) -> str | None:
+    """Return the path of a prediction request that ``data`` holds exactly, or None.
+
+    Exactly: one whole request and nothing more, in the plainest form (see the module
+    docstring), so that its framing and its answer need nothing from a parser.
+    """
+    line_end = data.find(b"\r\n")
+    path = _SIMPLE_REQUEST_LINES.get(data[: line_end + 2]) if line_end > 0 else None
+    if path is None:
+        return None
+    head_end = data.find(b"\r\n\r\n")
+    if head_end < 0:
+        return None
+    length = -1
+    for name, value in _FRAMING.findall(data[line_end : head_end + 2].lower()):
+        value = value.strip(b" \t")
+        if name == b"content-length" and length < 0 and value.isdigit():
+            length = int(value)
+        elif name != b"connection" or value != b"keep-alive":
+            return None  # a second length, or a header that changes the framing or answer
+    if length < 0 or head_end + 4 + length != len(data):
+        return None
+    return path
+
+
+class _WaitingBytes:
+    """A simple request (``simple_request``) waiting in the admission gate, not parsed yet."""
+
+    __slots__ = ("arrived", "length", "path", "protocol")
+
+    def __init__(
+        self, protocol: AdmissionHttpProtocol, path: str, length: int, arrived: float
+    ) -> None:
+        self.protocol = protocol
+        self.path = path
+        self.length = length
+        self.arrived = arrived
+
+    def alive(self) -> bool:
+        return not self.protocol.transport.is_closing()
+
+    def admit(self, admitted_at: float) -> None:
+        self.protocol.parse_admitted(self.arrived, admitted_at)
+
+    def refuse(self, refused: Refusal) -> None:
+        self.protocol.refuse_unparsed(self.path, self.length, refused)
 
 
 class _Refusals:
@@ -118,9 +177,90 @@ class AdmissionHttpProtocol(HttpToolsProtocol):
     app_of_service: FastAPI  # set on the subclass that ``protocol_for`` builds
     refusals: _Refusals  # likewise
     close_after_body = False  # a refused request's body is still arriving; close after it
+    in_message = False  # the parser is inside a request (between its first and last byte)
+    # A simple request waiting unparsed (and whatever arrived after it), or None.
+    unparsed: bytes | None = None
+    # (arrived, admitted_at) of an unparsed request that got a slot and is being parsed.
+    admitted: tuple[float, float] | None = None
+
+    def data_received(self, data: bytes) -> None:
+        if self.unparsed is not None:  # keep what follows the waiting request, in order
+            self.unparsed += data
+            return
+        if not self.in_message and (self.cycle is None or self.cycle.response_complete):
+            service: ServiceState | None = self.app_of_service.state.service
+            if service is not None and service.gate.waiting and not self.pipeline:
+                path = simple_request(data)
+                if path is not None and service.manager.current is not None:
+                    self._unset_keepalive_if_required()
+                    self.unparsed = data
+                    waiting = _WaitingBytes(self, path, len(data), time.perf_counter())
+                    service.gate.offer(waiting)
+                    return
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        self.in_message = True
+        super().on_message_begin()
+
+    def on_message_complete(self) -> None:
+        self.in_message = False
+        super().on_message_complete()
+        if self.close_after_body:
+            self.close_after_body = False
+            self.transport.close()
+
+    def parse_admitted(self, arrived: float, admitted_at: float) -> None:
+        """Parse an unparsed request that got a slot; its task starts without asking again."""
+        data, self.unparsed = self.unparsed, None
+        self.admitted = (arrived, admitted_at)
+        try:
+            super().data_received(data or b"")
+        finally:
+            if self.admitted is not None:  # not a request after all: give the slot back
+                self.admitted = None
+                service: ServiceState | None = self.app_of_service.state.service
+                if service is not None:
+                    service.gate.release(admitted_at)
+
+    def refuse_unparsed(self, path: str, length: int, refused: Refusal) -> None:
+        """Answer a waiting unparsed request 503 (keep-alive), then read what followed it."""
+        data, self.unparsed = self.unparsed or b"", None
+        refusals = self.refusals
+        refusals.counted[path].inc()
+        self.transport.write(refusals.response(refused, False, self.server_state.default_headers))
+        self.server_state.total_requests += 1  # as uvicorn's on_response_complete counts
+        if len(data) > length:
+            self.data_received(data[length:])
+        else:
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+
+    def admit(
+        self,
+        cycle: RequestResponseCycle,
+        app: Any,
+        service: ServiceState,
+        arrived: float,
+        admitted_at: float,
+    ) -> None:
+        """Start the task of a request that got its slot; the slot is freed when it ends."""
+        state = cycle.scope["state"]
+        state[ADMITTED] = True
+        state[ADMISSION_WAIT] = admitted_at - arrived
+        task = self.start_task(cycle, app)
+        gate = service.gate
+        task.add_done_callback(lambda _: gate.release(admitted_at, state.get(BODY_READ_AT)))
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         scope = cycle.scope
+        if self.admitted is not None:  # an unparsed request that got its slot while waiting
+            arrived, admitted_at = self.admitted
+            self.admitted = None
+            scope["state"]["received_at"] = arrived
+            self.admit(cycle, app, self.app_of_service.state.service, arrived, admitted_at)
+            return
         now = time.perf_counter()
         scope["state"]["received_at"] = now
         if scope["method"] == "POST" and scope["path"] in PREDICTION_PATHS and app is self.app:
@@ -158,12 +298,6 @@ class AdmissionHttpProtocol(HttpToolsProtocol):
         elif close:
             self.transport.close()
         cycle.on_response()
-
-    def on_message_complete(self) -> None:
-        super().on_message_complete()
-        if self.close_after_body:
-            self.close_after_body = False
-            self.transport.close()
 
 
 def protocol_for(app: FastAPI) -> type[AdmissionHttpProtocol]:
