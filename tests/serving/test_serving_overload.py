@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -194,3 +195,101 @@ def test_overload_sheds_with_retry_after_and_the_counters_move(
     assert _metric(metrics, "burstcv_serving_admission_wait_seconds_count") == admitted
     predict_503 = 'burstcv_serving_requests_total{method="POST",path="/v1/predict",status="503"}'
     assert _metric(metrics, predict_503) == statuses.count(503)
+
+
+class _Connection:
+    """A raw keep-alive HTTP/1.1 connection: send exactly the bytes given, read one answer."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.buffer = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def answer(self) -> tuple[int, dict[str, str], bytes]:
+        while b"\r\n\r\n" not in self.buffer:
+            self.buffer += self._recv()
+        head, _, self.buffer = self.buffer.partition(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+        length = int(headers["content-length"])
+        while len(self.buffer) < length:
+            self.buffer += self._recv()
+        body, self.buffer = self.buffer[:length], self.buffer[length:]
+        return int(lines[0].split()[1]), headers, body
+
+    def _recv(self) -> bytes:
+        chunk = self.sock.recv(65536)
+        assert chunk, "the server closed the connection"
+        return chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _request(body: bytes, extra: str = "") -> bytes:
+    return (
+        f"POST /v1/predict HTTP/1.1\r\nHost: test\r\n{extra}"
+        f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
+def test_waiting_requests_parsed_or_not_are_served_or_refused_on_a_kept_connection(
+    registry: Registry, tmp_path: Path
+) -> None:
+    """One slot, held by a slow upload. Behind it wait a request that was parsed (it found the
+    room empty) and one that waits as raw bytes (it found the room in use). Both are served
+    when the slot frees in time, both refused with 503 when it does not, and the connection
+    of a refused request goes on serving."""
+    body = _multipart(image_bytes("PNG"))
+    plain = _request(body)  # waits unparsed when the room is in use
+    keep_alive = _request(body, "Connection: keep-alive\r\n")  # so does this one
+
+    def gauge(url: str, name: str) -> float:
+        return _metric(httpx.get(f"{url}/metrics").text, name)
+
+    def wait_for(url: str, name: str, value: float) -> None:
+        deadline = time.monotonic() + 10
+        while gauge(url, name) != value:
+            assert time.monotonic() < deadline, f"{name} never reached {value}"
+            time.sleep(0.01)
+
+    with running_server(
+        registry, tmp_path, SERVICE_SLOTS="1", QUEUE_DELAY_TARGET_MS="1500"
+    ) as server:
+        for slot_frees_in_time in (True, False):
+            upload, parsed, unparsed = (_Connection(server.url) for _ in range(3))
+            head, rest = plain[:-200], plain[-200:]
+            upload.send(head)  # admitted; its task waits for the rest of the body
+            wait_for(server.url, "burstcv_serving_in_service_requests", 1)
+            parsed.send(plain)
+            wait_for(server.url, "burstcv_serving_waiting_requests", 1)
+            unparsed.send(keep_alive)
+            wait_for(server.url, "burstcv_serving_waiting_requests", 2)
+            if slot_frees_in_time:
+                upload.send(rest)
+                answers = [c.answer() for c in (upload, parsed, unparsed)]
+                assert [status for status, _, _ in answers] == [200, 200, 200]
+                assert all(json.loads(b)["predictions"] for _, _, b in answers)
+            else:
+                for waiting in (parsed, unparsed):
+                    status, headers, answer = waiting.answer()  # after the 1.5 s target
+                    assert status == 503
+                    assert headers["retry-after"] == "1"
+                    assert "connection" not in headers  # the connection stays open
+                    assert "queueing-delay target of 1500 ms" in json.loads(answer)["detail"]
+                upload.send(rest)
+                assert upload.answer()[0] == 200
+                unparsed.send(keep_alive)  # the refused connection serves the next request
+                assert unparsed.answer()[0] == 200
+            for connection in (upload, parsed, unparsed):
+                connection.close()
+        metrics = httpx.get(f"{server.url}/metrics").text
+
+    shed = _metric(metrics, 'burstcv_serving_shed_requests_total{reason="queue_delay"}')
+    assert shed == 2
+    # Served: three in the first round; the upload and the next request in the second.
+    assert _metric(metrics, "burstcv_serving_admitted_requests_total") == 5
