@@ -51,9 +51,16 @@ BODY_READ_AT = "burstcv_body_read_at"
 # in milliseconds, so the smallest value is the right one.
 RETRY_AFTER_S = 1
 
+# Share of the queueing-delay target that admitted requests should take from admission to
+# their answer, on average: the slot count follows the measured answer rate times this time
+# (Little's law), so that a slower machine or model admits fewer at once.
+SERVICE_SHARE = 0.5
 # Once the oldest waiting request has waited this share of the target, slots go to the
 # newest first (adaptive LIFO): a standing queue has formed.
 LIFO_SHARE = 0.25
+# Weight of the newest saturated window in the moving average of the answer rate: the last
+# few windows (a few tenths of a second) count, so bursts of answers do not swing the slots.
+_RATE_WEIGHT = 0.3
 # Weight of the newest answer in the moving average of the time an admitted request takes.
 _SERVICE_WEIGHT = 0.05
 
@@ -96,7 +103,8 @@ class AdmissionGate:
         *,
         queue_delay_target_s: float,
         max_waiting: int,
-        slots: int,
+        min_slots: int,
+        max_slots: int,
     ) -> None:
         self._batcher = batcher
         self._metrics = metrics
@@ -115,7 +123,11 @@ class AdmissionGate:
             f"({max_waiting} requests wait for a slot); retry after {RETRY_AFTER_S} s",
         )
         self._shed = {reason: metrics.shed.labels(reason=reason) for reason in SHED_REASONS}
-        self._slots = max(1, slots)
+        self._min_slots = max(1, min_slots)
+        self._max_slots = max(self._min_slots, max_slots)
+        # Two full batches to start with: one running while the next one gathers.
+        self._slots = min(2 * self._min_slots, self._max_slots)
+        self._service_target_s = queue_delay_target_s * SERVICE_SHARE
         self._in_service = 0
         self._waiting: deque[Waiter] = deque()
         self._sweep: asyncio.TimerHandle | None = None
@@ -123,9 +135,16 @@ class AdmissionGate:
         # The time an admitted request takes, from admission (or the end of its body) to its
         # answer: a moving average, what admission expects of the next one.
         self._service_s = 0.0
+        # Answers in the current window, and whether every slot was taken or a request waited
+        # in it (only then does the answer rate measure what the service can do).
+        self._window_start = time.perf_counter()
+        self._window_answers = 0
+        self._window_full = False
+        self._rate = 0.0  # moving average of the answer rate of saturated windows, per second
         # Read when /metrics is scraped, not written at every change.
         metrics.waiting.set_function(lambda: len(self._waiting))
         metrics.in_service.set_function(lambda: self._in_service)
+        metrics.admission_slots.set_function(lambda: self._slots)
 
     @property
     def in_service(self) -> int:
@@ -161,6 +180,7 @@ class AdmissionGate:
             self._refuse(waiter, self._room_full)
             return
         self._waiting.append(waiter)
+        self._window_full = True
         if self._sweep is None:
             self._arm(now)
 
@@ -176,6 +196,9 @@ class AdmissionGate:
             self._service_s = elapsed
         else:
             self._service_s += _SERVICE_WEIGHT * (elapsed - self._service_s)
+        self._window_answers += 1
+        if now - self._window_start >= self._service_target_s:
+            self._adjust(now)
         if self._waiting:
             self._fill(now)
 
@@ -198,8 +221,26 @@ class AdmissionGate:
             expected = max(expected, self._service_s)
         return waited + expected <= self._target_s
 
+    def _adjust(self, now: float) -> None:
+        """Set the slots to the answer rate of saturated windows times the service share."""
+        if self._window_full:
+            rate = self._window_answers / (now - self._window_start)
+            if self._rate == 0.0:
+                self._rate = rate
+            else:
+                self._rate += _RATE_WEIGHT * (rate - self._rate)
+            wanted = self._rate * self._service_target_s
+            # At most halve or double at once: one odd window (a GC pause) moves little.
+            wanted = min(max(wanted, self._slots / 2), self._slots * 2)
+            self._slots = int(min(max(wanted, self._min_slots), self._max_slots))
+        self._window_start = now
+        self._window_answers = 0
+        self._window_full = self._in_service >= self._slots
+
     def _admit(self, waiter: Waiter, now: float) -> None:
         self._in_service += 1
+        if self._in_service >= self._slots:
+            self._window_full = True
         self._metrics.admitted.inc()
         self._metrics.admission_wait.observe(now - waiter.arrived)
         waiter.admit(now)

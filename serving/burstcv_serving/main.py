@@ -63,7 +63,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service_metrics,
         queue_delay_target_s=settings.queue_delay_target_ms / 1000.0,
         max_waiting=settings.max_waiting,
-        slots=settings.service_slots or 2 * settings.max_batch_size,
+        # At least one full batch in service; at most what the inference queue holds.
+        min_slots=settings.service_slots or settings.max_batch_size,
+        max_slots=settings.service_slots or max(settings.max_queue, settings.max_batch_size),
     )
     logger.info("loading the model from %s", source.description)
     await manager.refresh()  # a failure leaves the service up but not ready; polling retries

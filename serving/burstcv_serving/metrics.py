@@ -93,6 +93,12 @@ class ServiceMetrics:
             "Prediction requests waiting for a service slot (their body not read yet).",
             registry=self.registry,
         )
+        self.admission_slots = Gauge(
+            "burstcv_serving_admission_slots",
+            "Prediction requests that may be in service at once: the measured answer rate "
+            "times half the queueing-delay target, within bounds.",
+            registry=self.registry,
+        )
         self.in_service = Gauge(
             "burstcv_serving_in_service_requests",
             "Prediction requests admitted and not answered yet (at most the service slots).",

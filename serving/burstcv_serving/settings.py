@@ -70,9 +70,8 @@ class Settings(BaseSettings):
     # a busy 2-core machine (50 ms shed a few requests at concurrency 16 during swaps).
     queue_delay_target_ms: float = Field(default=100.0, gt=0.0)
     # Prediction requests in service at once (body read, decoded, batched, answered); the
-    # others wait for a slot. 0: two full batches (2 x max_batch_size), one running while
-    # the next gathers: enough to keep the model busy, few enough that the event loop
-    # answers each admitted request within the target.
+    # others wait for a slot. 0: follow the measured answer rate times half the target,
+    # between one full batch and max_queue; a number fixes it.
     service_slots: int = Field(default=0, ge=0)
     # Requests that may wait for a service slot at once; beyond → 503 at once. Each holds
     # at most uvicorn's read buffer (64 KiB) of its body while it waits.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -54,7 +55,8 @@ def _gate(slots: int, max_waiting: int = 100) -> tuple[AdmissionGate, _Batcher, 
         metrics,
         queue_delay_target_s=TARGET_S,
         max_waiting=max_waiting,
-        slots=slots,
+        min_slots=slots,
+        max_slots=slots,
     )
     return gate, batcher, metrics
 
@@ -159,5 +161,52 @@ def test_a_slow_model_queue_keeps_requests_waiting_but_an_idle_service_admits() 
         batcher.delay_s = 0.0
         gate.release(cast(float, first.admitted_at))
         assert order == ["first", "second"]
+
+    asyncio.run(scenario())
+
+
+def test_the_slots_follow_the_answer_rate_of_saturated_windows() -> None:
+    """Quick answers with every slot taken raise the slots (at most doubling per window);
+    slow ones lower them (at most halving), to the rate times half the target."""
+
+    async def scenario() -> None:
+        batcher = _Batcher()
+        metrics = ServiceMetrics()
+        gate = AdmissionGate(
+            cast(MicroBatcher, batcher),
+            metrics,
+            queue_delay_target_s=TARGET_S,
+            max_waiting=100,
+            min_slots=2,
+            max_slots=64,
+        )
+        gate.start()
+        assert gate.slots == 4  # two batches to start with
+        seen = [gate.slots]
+        until = time.perf_counter() + 20 * TARGET_S
+        while gate.slots < 64 and time.perf_counter() < until:  # saturated, answered at once
+            requests = [_Request("r", time.perf_counter()) for _ in range(gate.slots)]
+            for request in requests:
+                gate.offer(request)
+            for request in requests:
+                gate.release(cast(float, request.admitted_at))
+            if gate.slots != seen[-1]:
+                seen.append(gate.slots)
+        assert seen[-1] == 64, seen
+        assert all(b <= 2 * a for a, b in itertools.pairwise(seen)), seen
+        assert _sample(metrics, "burstcv_serving_admission_slots") == 64
+
+        requests = [_Request("r", time.perf_counter()) for _ in range(64)]
+        for request in requests:
+            gate.offer(request)
+        # The moving average of the rate forgets the thousands per second above in a few
+        # tenths of a second.
+        for request in requests[:30]:  # one answer a window: far too slow for 64 slots
+            gate.offer(_Request("waits", time.perf_counter()))
+            await asyncio.sleep(TARGET_S / 2)
+            before = gate.slots
+            gate.release(cast(float, request.admitted_at))
+            assert before / 2 <= gate.slots <= before
+        assert gate.slots <= 8
 
     asyncio.run(scenario())
