@@ -3,8 +3,11 @@
 Under overload the service's limit is its event loop (reading, parsing and decoding each
 request, writing each answer), not only the model: admitting every request the model could
 batch in time would let hundreds of them wait for the loop, every one answered late. So a
-request needs one of a few *service slots* to be served (its body read, parsed, decoded,
-batched, answered): two full batches' worth by default, one running while the next gathers.
+request needs one of a limited number of *service slots* to be served (its body read,
+parsed, decoded, batched, answered). The number follows measurement: the answer rate of the
+windows in which every slot was taken, times 40% of the queueing-delay target (Little's law:
+admitted requests then take about that long), never fewer than two full batches (one
+running while the next one gathers) nor more than the inference queue holds.
 
 A request that finds every slot taken waits for one in a *waiting room*, at the cost of a
 small object: its body is not read, parsed or decoded. A freed slot goes to the oldest
@@ -53,8 +56,10 @@ RETRY_AFTER_S = 1
 
 # Share of the queueing-delay target that admitted requests should take from admission to
 # their answer, on average: the slot count follows the measured answer rate times this time
-# (Little's law), so that a slower machine or model admits fewer at once.
-SERVICE_SHARE = 0.5
+# (Little's law), so that a faster machine or model admits more at once, and a slower one
+# fewer (down to the floor). The rest of the target is for the slow tail, the wait in the
+# room, and the wait in the socket before the event loop reads the request.
+SERVICE_SHARE = 0.4
 # Once the oldest waiting request has waited this share of the target, slots go to the
 # newest first (adaptive LIFO): a standing queue has formed.
 LIFO_SHARE = 0.25
@@ -125,8 +130,7 @@ class AdmissionGate:
         self._shed = {reason: metrics.shed.labels(reason=reason) for reason in SHED_REASONS}
         self._min_slots = max(1, min_slots)
         self._max_slots = max(self._min_slots, max_slots)
-        # Two full batches to start with: one running while the next one gathers.
-        self._slots = min(2 * self._min_slots, self._max_slots)
+        self._slots = self._min_slots
         self._service_target_s = queue_delay_target_s * SERVICE_SHARE
         self._in_service = 0
         self._waiting: deque[Waiter] = deque()
