@@ -293,3 +293,38 @@ def test_waiting_requests_parsed_or_not_are_served_or_refused_on_a_kept_connecti
     assert shed == 2
     # Served: three in the first round; the upload and the next request in the second.
     assert _metric(metrics, "burstcv_serving_admitted_requests_total") == 5
+
+
+def test_a_send_first_client_reads_the_503_of_a_request_that_waited_in_vain(
+    registry: Registry, tmp_path: Path
+) -> None:
+    """urllib sends its whole body (here 1 MiB, past uvicorn's read buffer) before reading and
+    asks to close: its 503 from the waiting room still reaches it, with Retry-After."""
+    payload = image_bytes("PNG")
+    padded = _multipart(payload + b"\0" * (1024 * 1024))  # trailing bytes after the PNG
+    with running_server(
+        registry, tmp_path, SERVICE_SLOTS="1", QUEUE_DELAY_TARGET_MS="200"
+    ) as server:
+        upload = _Connection(server.url)
+        held = _request(_multipart(payload))
+        upload.send(held[:-200])  # holds the only slot
+        deadline = time.monotonic() + 10
+        while (
+            _metric(httpx.get(f"{server.url}/metrics").text, "burstcv_serving_in_service_requests")
+            != 1
+        ):
+            assert time.monotonic() < deadline, "the upload never got the slot"
+            time.sleep(0.01)
+        request = urllib.request.Request(
+            f"{server.url}/v1/predict",
+            data=padded,
+            headers={"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 503
+        assert refused.value.headers["Retry-After"] == "1"
+        assert "overloaded" in json.loads(refused.value.read())["detail"]
+        upload.send(held[-200:])
+        assert upload.answer()[0] == 200
+        upload.close()
