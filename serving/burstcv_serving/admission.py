@@ -18,9 +18,15 @@ against a target, with adaptive LIFO). A free slot is taken while the model's qu
 let the request's batch start within the target; from the room, only while the time it has
 waited plus the time an admitted request now takes (measured) still fits in the target. A
 request that has waited the whole target is answered 503 with ``Retry-After``, its body
-unread. So an admitted request is answered within its deadline, and a refused client, even
-one that retries at once, comes back at most once per target: refusals cost the event loop
-a small fraction of what the predictions it serves cost.
+unread. So an admitted request is answered within its deadline.
+
+A refusal costs the event loop far less than a prediction, but a client that ignores
+Retry-After and sends again at once would come back once per target, and hundreds of them
+would keep the loop busy refusing. So a request that arrives on a connection before the
+Retry-After of the 503 answered on it has passed (an *early retry*) may still take a slot
+while it is fresh, but otherwise gets its 503 only when that Retry-After has passed since
+its arrival: a retry storm waits for its answers instead of taking the cores from the
+requests being served. Clients that honour Retry-After never see the difference.
 
 The decision is taken as soon as a request's headers are parsed: in uvicorn's HTTP protocol
 (``burstcv_serving.protocol``) before a task is started for the request, and in the ASGI
@@ -122,6 +128,12 @@ class AdmissionGate:
             "the service is overloaded: no service slot freed within the queueing-delay "
             f"target of {queue_delay_target_s * 1000:.0f} ms; retry after {RETRY_AFTER_S} s",
         )
+        self._early_expired = Refusal(
+            "early_retry",
+            "the service is overloaded: this request came before the Retry-After of the 503 "
+            "answered on its connection had passed, and no service slot freed for it; retry "
+            f"after {RETRY_AFTER_S} s",
+        )
         self._room_full = Refusal(
             "queue_full",
             "the service is overloaded and its waiting room is full "
@@ -134,6 +146,8 @@ class AdmissionGate:
         self._service_target_s = queue_delay_target_s * SERVICE_SHARE
         self._in_service = 0
         self._waiting: deque[Waiter] = deque()
+        # Early retries (see offer): they wait up to Retry-After instead of the target.
+        self._held: deque[Waiter] = deque()
         self._sweep: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # The time an admitted request takes, from admission (or the end of its body) to its
@@ -146,7 +160,7 @@ class AdmissionGate:
         self._window_full = False
         self._rate = 0.0  # moving average of the answer rate of saturated windows, per second
         # Read when /metrics is scraped, not written at every change.
-        metrics.waiting.set_function(lambda: len(self._waiting))
+        metrics.waiting.set_function(lambda: self.waiting)
         metrics.in_service.set_function(lambda: self._in_service)
         metrics.admission_slots.set_function(lambda: self._slots)
 
@@ -158,7 +172,7 @@ class AdmissionGate:
     @property
     def waiting(self) -> int:
         """Return the number of requests waiting for a slot."""
-        return len(self._waiting)
+        return len(self._waiting) + len(self._held)
 
     @property
     def slots(self) -> int:
@@ -174,16 +188,23 @@ class AdmissionGate:
         """Bind to the running event loop (for the timer that refuses expired waiters)."""
         self._loop = asyncio.get_running_loop()
 
-    def offer(self, waiter: Waiter) -> None:
-        """Admit a request that has just arrived, park it, or refuse it when the room is full."""
+    def offer(self, waiter: Waiter, *, early_retry: bool = False) -> None:
+        """Admit a request that has just arrived, park it, or refuse it when the room is full.
+
+        ``early_retry``: it came on a connection whose last answer, a 503, asked to retry
+        after RETRY_AFTER_S, and that time has not passed. It may take a slot as any other,
+        but if it gets none its 503 comes when that Retry-After has passed since its arrival,
+        not at the target: a client that retries at once waits for its answer, instead of
+        the event loop spending itself on its retries.
+        """
         now = time.perf_counter()
         if self._can_admit(now, waiter.arrived, waited_in_room=False):
             self._admit(waiter, now)
             return
-        if len(self._waiting) >= self._max_waiting:
+        if self.waiting >= self._max_waiting:
             self._refuse(waiter, self._room_full)
             return
-        self._waiting.append(waiter)
+        (self._held if early_retry else self._waiting).append(waiter)
         self._window_full = True
         if self._sweep is None:
             self._arm(now)
@@ -203,7 +224,7 @@ class AdmissionGate:
         self._window_answers += 1
         if now - self._window_start >= self._service_target_s:
             self._adjust(now)
-        if self._waiting:
+        if self._waiting or self._held:
             self._fill(now)
 
     # --- internals ----------------------------------------------------------------------------
@@ -213,13 +234,14 @@ class AdmissionGate:
 
         A free slot is taken while the model's queue would let its batch start within the
         target; a request from the waiting room also needs the time an admitted request now
-        takes to fit in what is left of the target. An idle service admits anything.
+        takes to fit in what is left of the target. An idle service admits any request that
+        has not waited the whole target.
         """
+        waited = now - arrived
         if self._in_service == 0:
-            return True
+            return waited <= self._target_s
         if self._in_service >= self._slots:
             return False
-        waited = now - arrived
         expected = self._batcher.expected_delay_s()
         if waited_in_room:
             expected = max(expected, self._service_s)
@@ -254,38 +276,59 @@ class AdmissionGate:
         waiter.refuse(refused)
 
     def _fill(self, now: float) -> None:
-        """Give free slots to waiting requests: oldest first, newest first past a standing queue."""
-        waiting = self._waiting
-        while waiting:
-            lifo = now - waiting[0].arrived > self._lifo_after_s
-            waiter = waiting.pop() if lifo else waiting.popleft()
+        """Give free slots to waiting requests: oldest first, newest first past a standing queue.
+
+        Early retries are taken newest first, as the newest of all when the queue stands.
+        """
+        waiting, held = self._waiting, self._held
+        while waiting or held:
+            lifo = not waiting or now - waiting[0].arrived > self._lifo_after_s
+            if not lifo:
+                room = waiting
+                waiter = waiting.popleft()
+            else:
+                room = (
+                    held
+                    if not waiting or (held and held[-1].arrived > waiting[-1].arrived)
+                    else waiting
+                )
+                waiter = room.pop()
             if not waiter.alive():
                 continue
             if not self._can_admit(now, waiter.arrived, waited_in_room=True):
                 # Newest (LIFO) or oldest of a young queue: no other one can do better now.
                 if lifo:
-                    waiting.append(waiter)
+                    room.append(waiter)
                 else:
-                    waiting.appendleft(waiter)
+                    room.appendleft(waiter)
                 break
             self._admit(waiter, now)
 
     def _arm(self, now: float) -> None:
-        """Wake the sweep when the oldest waiting request reaches the target."""
+        """Wake the sweep when the first waiting request is due for its 503."""
         loop = self._loop or asyncio.get_running_loop()
-        delay = self._waiting[0].arrived + self._target_s - now
-        self._sweep = loop.call_later(max(delay, 0.001), self._expire)
+        due = min(
+            self._waiting[0].arrived + self._target_s if self._waiting else float("inf"),
+            self._held[0].arrived + RETRY_AFTER_S if self._held else float("inf"),
+        )
+        if due == float("inf"):  # nothing waits
+            self._sweep = None
+            return
+        self._sweep = loop.call_later(max(due - now, 0.001), self._expire)
 
     def _expire(self) -> None:
-        """Refuse every waiting request that has waited the whole target; admit what fits."""
+        """Refuse the requests that waited their whole time (the target, or Retry-After)."""
         self._sweep = None
         now = time.perf_counter()
-        waiting = self._waiting
-        while waiting and now - waiting[0].arrived >= self._target_s:
-            waiter = waiting.popleft()
-            if waiter.alive():
-                self._refuse(waiter, self._expired)
-        if waiting:
+        for room, patience, refused in (
+            (self._waiting, self._target_s, self._expired),
+            (self._held, float(RETRY_AFTER_S), self._early_expired),
+        ):
+            while room and now - room[0].arrived >= patience:
+                waiter = room.popleft()
+                if waiter.alive():
+                    self._refuse(waiter, refused)
+        if self._waiting or self._held:
             self._fill(now)
-        if waiting:
+        if self._waiting or self._held:  # what filling the free slots left
             self._arm(now)

@@ -21,7 +21,7 @@ _LATENCY_BUCKETS_S = (
     10.0,
 )
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-SHED_REASONS = ("queue_delay", "queue_full", "deadline", "no_model")
+SHED_REASONS = ("queue_delay", "early_retry", "queue_full", "deadline", "no_model")
 
 
 class ServiceMetrics:
@@ -67,7 +67,9 @@ class ServiceMetrics:
         self.shed = Counter(
             "burstcv_serving_shed_requests",
             "Prediction requests refused with 503 and Retry-After, by reason: queue_delay "
-            "(waited the queueing-delay target for a slot; the body never read), queue_full "
+            "(waited the queueing-delay target for a slot; the body never read), early_retry "
+            "(came back before the Retry-After of the 503 before it on its connection, and "
+            "waited that long for a slot in vain; the body never read), queue_full "
             "(the waiting room, or the inference queue, full), deadline (admitted, but its "
             "batch could not start within the target of its arrival), no_model (none loaded).",
             ["reason"],

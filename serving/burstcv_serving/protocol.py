@@ -16,6 +16,10 @@ most such requests are refused (a write of cached bytes), and parsing each one w
 more than the refusal. One that gets a slot is then parsed as any other. Anything else goes
 through uvicorn's parser first.
 
+Each connection remembers when it was last answered 503: a request it sends before that
+answer's Retry-After has passed is an early retry, which the gate makes wait up to
+Retry-After rather than the target for a slot (see ``AdmissionGate.offer``).
+
 It extends uvicorn's httptools protocol at one private method, ``_start_asgi_task``; the
 service pins uvicorn in its requirements, and tests/serving run it as a real process.
 """
@@ -182,6 +186,11 @@ class AdmissionHttpProtocol(HttpToolsProtocol):
     unparsed: bytes | None = None
     # (arrived, admitted_at) of an unparsed request that got a slot and is being parsed.
     admitted: tuple[float, float] | None = None
+    refused_at = float("-inf")  # time.perf_counter() of the last 503 written by refuse*()
+
+    def early_retry(self, now: float) -> bool:
+        """Tell whether a request arriving now comes before the last 503's Retry-After."""
+        return now - self.refused_at < RETRY_AFTER_S
 
     def data_received(self, data: bytes) -> None:
         if self.unparsed is not None:  # keep what follows the waiting request, in order
@@ -194,8 +203,9 @@ class AdmissionHttpProtocol(HttpToolsProtocol):
                 if path is not None and service.manager.current is not None:
                     self._unset_keepalive_if_required()
                     self.unparsed = data
-                    waiting = _WaitingBytes(self, path, len(data), time.perf_counter())
-                    service.gate.offer(waiting)
+                    now = time.perf_counter()
+                    waiting = _WaitingBytes(self, path, len(data), now)
+                    service.gate.offer(waiting, early_retry=self.early_retry(now))
                     return
         super().data_received(data)
 
@@ -229,6 +239,7 @@ class AdmissionHttpProtocol(HttpToolsProtocol):
         refusals = self.refusals
         refusals.counted[path].inc()
         self.transport.write(refusals.response(refused, False, self.server_state.default_headers))
+        self.refused_at = time.perf_counter()
         self.server_state.total_requests += 1  # as uvicorn's on_response_complete counts
         if len(data) > length:
             self.data_received(data[length:])
@@ -267,7 +278,8 @@ class AdmissionHttpProtocol(HttpToolsProtocol):
             service: ServiceState | None = self.app_of_service.state.service
             # Without a model the route answers 503 itself, saying why.
             if service is not None and service.manager.current is not None:
-                service.gate.offer(_WaitingCycle(self, cycle, app, service, now))
+                waiting_cycle = _WaitingCycle(self, cycle, app, service, now)
+                service.gate.offer(waiting_cycle, early_retry=self.early_retry(now))
                 return
         self.start_task(cycle, app)
 
@@ -291,6 +303,7 @@ class AdmissionHttpProtocol(HttpToolsProtocol):
         cycle.response_complete = True  # uvicorn's parser now drops this request's body
         cycle.keep_alive = not close
         self.transport.write(refusals.response(refused, close, self.server_state.default_headers))
+        self.refused_at = time.perf_counter()
         if close and cycle.more_body and not unbounded:
             # The client asked to close (urllib does): read the body to its end first, as
             # closing on unread data would reset the connection before the 503 is read.

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from burstcv_serving.admission import AdmissionGate, Refusal
+from burstcv_serving.admission import RETRY_AFTER_S, AdmissionGate, Refusal
 from burstcv_serving.batcher import MicroBatcher
 from burstcv_serving.metrics import ServiceMetrics
 
@@ -210,3 +210,67 @@ def test_the_slots_follow_the_answer_rate_of_saturated_windows() -> None:
         assert gate.slots <= 8
 
     asyncio.run(scenario())
+
+
+def test_an_early_retry_waits_until_its_retry_after_but_may_take_a_slot_while_fresh() -> None:
+    async def scenario() -> tuple[_Request, _Request, ServiceMetrics]:
+        gate, _, metrics = _gate(slots=1)
+        gate.start()
+        now = time.perf_counter()
+        holder = _Request("holder", now)
+        gate.offer(holder)
+        # Came back at once after a 503 asking for 1 s, 0.1 s ago: past the target, but its
+        # 503 is due only at Retry-After.
+        stale = _Request("stale", now - TARGET_S, log=[])
+        gate.offer(stale, early_retry=True)
+        fresh = _Request("fresh", now, log=[])
+        gate.offer(fresh, early_retry=True)
+        gate.release(cast(float, holder.admitted_at))
+        assert fresh.admitted_at is not None  # the newest takes the slot, early or not
+        await asyncio.sleep(2 * TARGET_S)
+        assert stale.refused is None  # a normal request would have had its 503 by now
+        due = _Request("due", time.perf_counter() - RETRY_AFTER_S + 0.01)
+        gate.offer(due, early_retry=True)
+        deadline = time.monotonic() + 5
+        while due.refused is None:
+            assert time.monotonic() < deadline, "the early retry was never refused"
+            await asyncio.sleep(0.005)
+        return stale, due, metrics
+
+    stale, due, metrics = asyncio.run(scenario())
+    assert due.refused is not None and due.refused.reason == "early_retry"
+    assert "Retry-After" in due.refused.detail
+    assert stale.admitted_at is None
+    shed = "burstcv_serving_shed_requests_total"
+    assert _sample(metrics, shed, reason="early_retry") >= 1
+
+
+def test_the_room_is_swept_again_after_a_sweep_admitted_everyone() -> None:
+    """A sweep that finds free slots for every waiting request leaves no timer behind, so the
+    next request to wait is refused at the target like the others."""
+
+    async def scenario() -> _Request:
+        gate, batcher, _ = _gate(slots=2)
+        gate.start()
+        now = time.perf_counter()
+        gate.offer(_Request("holder", now))
+        batcher.delay_s = 2 * TARGET_S  # no room in the model's queue: the next ones wait
+        expiring = _Request("expiring", now - TARGET_S + 0.02)  # due for its 503 in 20 ms
+        gate.offer(expiring)
+        fits = _Request("fits", now)
+        gate.offer(fits)
+        batcher.delay_s = 0.0
+        # The sweep refuses the first and, a slot being free, admits the second.
+        await asyncio.sleep(0.1)
+        assert expiring.refused is not None and fits.admitted_at is not None
+        assert gate.waiting == 0
+        gate.offer(_Request("holder 2", time.perf_counter()))  # every slot taken again
+        late = _Request("late", time.perf_counter())
+        gate.offer(late)
+        deadline = time.monotonic() + 5
+        while late.refused is None:
+            assert time.monotonic() < deadline, "no sweep refused the next waiting request"
+            await asyncio.sleep(0.005)
+        return late
+
+    assert asyncio.run(scenario()).refused is not None
