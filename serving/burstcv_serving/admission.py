@@ -5,9 +5,9 @@ request, writing each answer), not only the model: admitting every request the m
 batch in time would let hundreds of them wait for the loop, every one answered late. So a
 request needs one of a limited number of *service slots* to be served (its body read,
 parsed, decoded, batched, answered). The number follows measurement: the answer rate of the
-windows in which every slot was taken, times 40% of the queueing-delay target (Little's law:
-admitted requests then take about that long), never fewer than two full batches (one
-running while the next one gathers) nor more than the inference queue holds.
+windows in which every slot was taken, times a quarter of the queueing-delay target
+(Little's law: admitted requests then take about that long), never fewer than two full
+batches (one running while the next one gathers) nor more than the inference queue holds.
 
 A request that finds every slot taken waits for one in a *waiting room*, at the cost of a
 small object: its body is not read, parsed or decoded. A freed slot goes to the oldest
@@ -65,7 +65,7 @@ RETRY_AFTER_S = 1
 # (Little's law), so that a faster machine or model admits more at once, and a slower one
 # fewer (down to the floor). The rest of the target is for the slow tail, the wait in the
 # room, and the wait in the socket before the event loop reads the request.
-SERVICE_SHARE = 0.4
+SERVICE_SHARE = 0.25
 # Once the oldest waiting request has waited this share of the target, slots go to the
 # newest first (adaptive LIFO): a standing queue has formed.
 LIFO_SHARE = 0.25

@@ -98,7 +98,7 @@ class ServiceMetrics:
         self.admission_slots = Gauge(
             "burstcv_serving_admission_slots",
             "Prediction requests that may be in service at once: the measured answer rate "
-            "times 40% of the queueing-delay target, within bounds.",
+            "times a quarter of the queueing-delay target, within bounds.",
             registry=self.registry,
         )
         self.in_service = Gauge(

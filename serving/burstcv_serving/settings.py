@@ -70,8 +70,8 @@ class Settings(BaseSettings):
     # a busy 2-core machine (50 ms shed a few requests at concurrency 16 during swaps).
     queue_delay_target_ms: float = Field(default=100.0, gt=0.0)
     # Prediction requests in service at once (body read, decoded, batched, answered); the
-    # others wait for a slot. 0: follow the measured answer rate times 40% of the target,
-    # between two full batches and max_queue; a number fixes it.
+    # others wait for a slot. 0: follow the measured answer rate times a quarter of the
+    # target, between two full batches and max_queue; a number fixes it.
     service_slots: int = Field(default=0, ge=0)
     # Requests that may wait for a service slot at once; beyond → 503 at once. Each holds
     # at most uvicorn's read buffer (64 KiB) of its body while it waits.
