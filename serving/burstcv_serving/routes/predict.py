@@ -174,7 +174,7 @@ async def _infer(
 
 
 def _elapsed_ms(request: Request, fallback: float) -> float:
-    started = request.scope.get("state", {}).get("received_at", fallback)
+    started: float = request.scope.get("state", {}).get("received_at", fallback)
     return round((time.perf_counter() - started) * 1000.0, 3)
 
 
