@@ -292,8 +292,12 @@ class BoxSandbox:
         ).stdout
         return [int(pid) for pid in out.split()]
 
-    def boot(self, user_data: str, *, timeout_s: float = 150.0) -> Boot:
-        """Run the user-data as cloud-init would (root, clean environment) and wait for it."""
+    def boot(self, user_data: str, *, timeout_s: float = 480.0) -> Boot:
+        """Run the user-data as cloud-init would (root, clean environment) and wait for it.
+
+        ``timeout_s`` only stops a hung boot: a CPU epoch of the demo slice takes 5 s on a quiet
+        2-core machine and 40 s on a busy one, so it is generous, and no test measures time by it.
+        """
         box = self.work / f"boot-{uuid.uuid4().hex[:6]}"
         (box / "home").mkdir(parents=True)
         script = box / "user-data.sh"
