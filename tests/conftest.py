@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from burstcv_testkit import init_airflow_db
+from localserver import moto_server, use_moto
 
 REPO = Path(__file__).resolve().parents[1]
 SESSION_DIR = Path(tempfile.mkdtemp(prefix="burstcv-tests-"))
@@ -114,3 +115,25 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     get_settings.cache_clear()
     yield
     get_settings.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def moto_url() -> Iterator[str]:
+    """Run one AWS emulator (moto in server mode) on 127.0.0.1 for the session; yield its URL.
+
+    Tests that use it start from an emptied emulator (``use_moto``, or the ``s3`` fixture).
+    """
+    with moto_server() as url:
+        yield url
+
+
+@pytest.fixture
+def s3(moto_url: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Point boto3 at the emptied emulator with buckets datasets and artifacts; return a client."""
+    from burstcv_spec import storage
+
+    use_moto(moto_url, monkeypatch)
+    client = storage.s3_client()
+    client.create_bucket(Bucket="datasets")
+    client.create_bucket(Bucket="artifacts")
+    return client

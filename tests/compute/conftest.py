@@ -26,7 +26,7 @@ from typing import Any
 
 import boto3
 import pytest
-from localserver import moto_server, use_moto
+from localserver import use_moto
 
 from burstcv.compute.base import TAG_MANAGED, TAG_RUN_ID
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
@@ -59,13 +59,6 @@ def real_train_command(job_uri: str) -> list[str]:
 
 
 # --- the emulator ---------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def moto_url() -> Iterator[str]:
-    """Run one moto server on 127.0.0.1 for the session; tests reset its state."""
-    with moto_server() as url:
-        yield url
 
 
 @pytest.fixture

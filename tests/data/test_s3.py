@@ -4,35 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from localserver import moto_server, use_moto
 
 from burstcv.data.manifest import DatasetUnusableError, scan
 from burstcv.data.validate import ValidationConfig, validate_dataset
 from burstcv_spec import storage
 
 pytest.importorskip("moto.server")
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    """Start one S3 emulator on 127.0.0.1 for this module; yield its URL."""
-    with moto_server() as url:
-        yield url
-
-
-@pytest.fixture
-def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Point boto3 at an emptied emulator with two buckets; return a client."""
-    use_moto(moto_endpoint, monkeypatch)
-    client = storage.s3_client()
-    client.create_bucket(Bucket="datasets")
-    client.create_bucket(Bucket="artifacts")
-    return client
 
 
 def _upload(client: Any, root: Path, prefix: str) -> None:

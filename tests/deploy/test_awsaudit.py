@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import http.client
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from awsaudit import Check, RecordingProxy, condition_holds, evaluate
-from localserver import moto_server
 
 INSTANCE = "arn:aws:ec2:us-east-1:111:instance/*"
 
@@ -92,13 +90,6 @@ def test_condition_operators(
 def test_an_unknown_operator_is_an_error_not_a_pass() -> None:
     with pytest.raises(ValueError, match="NumericLessThan"):
         condition_holds("NumericLessThan", "k", "3", {"k": "1"})
-
-
-@pytest.fixture(scope="module")
-def moto_url() -> Iterator[str]:
-    """Run a moto server on 127.0.0.1 for this module."""
-    with moto_server() as url:
-        yield url
 
 
 def test_the_proxy_serves_on_a_socket_handed_in_and_records_each_call(

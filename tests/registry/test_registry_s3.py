@@ -3,30 +3,22 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
 import pytest
 from burstcv_testkit import make_model_dir
-from localserver import moto_server
+from localserver import use_moto
 from test_registry import check_compare_and_swap, registry_with_three, version_of
 
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Alias, Registry, _conditional_write
 
 
 @pytest.fixture
-def s3_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    with moto_server() as url:
-        for key, value in {
-            "AWS_ENDPOINT_URL": url,
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }.items():
-            monkeypatch.setenv(key, value)
-        boto3.client("s3").create_bucket(Bucket="models")
-        yield "s3://models/registry"
+def s3_root(moto_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    use_moto(moto_url, monkeypatch)
+    boto3.client("s3").create_bucket(Bucket="models")
+    return "s3://models/registry"
 
 
 def test_concurrent_promotions_on_s3_leave_a_consistent_registry(

@@ -5,13 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from localserver import moto_server, use_moto
 from pydantic import ValidationError
 from torchvision import models as tvm
 from torchvision.models import ResNet18_Weights, ResNet50_Weights
@@ -304,22 +302,6 @@ def test_a_corrupt_stored_file_is_downloaded_again(torch_home: Path, tmp_path: P
 
 # ---------------------------------------------------------------------------------------------
 # s3: a state_dict URI and the store under an s3:// artifact root (moto in server mode)
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    """Run one S3 emulator for this module; yield its URL."""
-    with moto_server() as url:
-        yield url
-
-
-@pytest.fixture
-def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Point boto3 at an emptied emulator with an artifacts bucket; return a client."""
-    use_moto(moto_endpoint, monkeypatch)
-    client = storage.s3_client()
-    client.create_bucket(Bucket="artifacts")
-    return client
 
 
 def test_weights_on_s3_are_checked_and_loaded(s3: Any, tmp_path: Path) -> None:
