@@ -30,7 +30,7 @@ from pydantic import (
 from burstcv.data.config import ValidationConfig
 from burstcv.settings import ComputeBackend, Ec2Settings, Settings, get_settings
 from burstcv.training.job import JobSpec
-from burstcv.training.names import ARCHITECTURE_NAMES, check_architecture
+from burstcv.training.names import ARCHITECTURE_NAMES, check_architecture, pretrained_kind
 
 # Form sections: the fields without one are on the form's first, open section; the others
 # fold away under these headings (Airflow's ``section``).
@@ -52,7 +52,19 @@ DATA_CHECKS = (
 )
 
 # The run params that change what training produces: same data + same values = same model.
-TRAINING_PARAMS = ("model", "epochs", "batch_size", "learning_rate", "seed", "expected_classes")
+# The image size is compared as the model was made (model.json), since empty means "chosen
+# from the data".
+TRAINING_PARAMS = (
+    "model",
+    "pretrained",
+    "epochs",
+    "batch_size",
+    "learning_rate",
+    "freeze_backbone_epochs",
+    "backbone_lr_scale",
+    "seed",
+    "expected_classes",
+)
 # ...and those that change what export makes of it (the `export` verb's options).
 EXPORT_PARAMS = ("int8", "int8_max_accuracy_drop")
 
@@ -98,6 +110,22 @@ class RunParams(BaseModel):
         title="Model",
         description="torchvision architecture to train",
         json_schema_extra={"enum": list(ARCHITECTURE_NAMES)},
+    )
+    pretrained: str = Field(
+        default=_JOB_DEFAULTS["pretrained"],
+        min_length=1,
+        title="Pretrained weights",
+        description="none: train from scratch; a torchvision weights name of the model "
+        "(DEFAULT, IMAGENET1K_V2, ...), kept in the artifact store by sha256 after the first "
+        "download; or the URI of a state_dict (a path, file://, s3://), loaded weights-only",
+    )
+    image_size: int | None = Field(
+        default=None,
+        ge=16,
+        le=640,
+        title="Image size (px)",
+        description="the square resolution the model trains and serves at; empty: chosen "
+        "from the validated data (the median short side, at most 224, never upscaling)",
     )
     epochs: int = Field(
         default=_JOB_DEFAULTS["epochs"],
@@ -175,6 +203,22 @@ class RunParams(BaseModel):
         le=10,
         title="Learning rate",
         description="peak of the one-cycle schedule (SGD with Nesterov momentum)",
+        json_schema_extra={"section": SECTION_TRAINING},
+    )
+    freeze_backbone_epochs: int = Field(
+        default=_JOB_DEFAULTS["freeze_backbone_epochs"],
+        ge=0,
+        le=500,
+        title="Frozen-backbone epochs",
+        description="pretrained runs: first epochs that train the new head alone",
+        json_schema_extra={"section": SECTION_TRAINING},
+    )
+    backbone_lr_scale: float = Field(
+        default=_JOB_DEFAULTS["backbone_lr_scale"],
+        gt=0,
+        le=1,
+        title="Backbone learning-rate scale",
+        description="pretrained runs: the backbone's learning rate over the head's",
         json_schema_extra={"section": SECTION_TRAINING},
     )
     seed: int = Field(
@@ -297,10 +341,33 @@ class RunParams(BaseModel):
     def _known_model(cls, value: str) -> str:
         return check_architecture(value)
 
+    @field_validator("pretrained")
+    @classmethod
+    def _pretrained_form(cls, value: str) -> str:
+        pretrained_kind(value)  # the form of the value; check_pretrained vets the weights
+        return value.strip()
+
     @model_validator(mode="after")
     def _data_checks_make_sense(self) -> RunParams:
         self.validation_config()  # raises ValueError naming what cannot be met
         return self
+
+    def check_weights(self) -> None:
+        """Raise a one-line ValueError if the pretrained choice cannot seed the model; no GPU.
+
+        A cross-field check the trigger form cannot express, so the run makes it before
+        renting anything: freezing needs weights, a weights name must be the model's, a state_dict
+        URI must exist, be a state_dict (read weights-only) and fit the model's backbone.
+        """
+        if self.freeze_backbone_epochs and pretrained_kind(self.pretrained) == "none":
+            raise ValueError(
+                "freeze_backbone_epochs needs pretrained weights: a backbone trained from "
+                "scratch has nothing worth freezing"
+            )
+        if pretrained_kind(self.pretrained) != "none":
+            from burstcv.training.weights import check_pretrained
+
+            check_pretrained(self.model, self.pretrained)
 
     def validation_config(self) -> ValidationConfig:
         """Return the dataset gate's thresholds for this run."""
