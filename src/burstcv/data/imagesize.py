@@ -1,0 +1,51 @@
+"""Choose the resolution a run trains and serves at, from its request and the validated data.
+
+A run may name an ``image_size``; left empty, it is taken from the data: the median short
+side of the usable images, at most ``DEFAULT_MAX_IMAGE_SIZE`` (the size ImageNet-pretrained
+networks are made for, and where CPU serving cost is still modest), and never more than the
+images hold (upscaling adds pixels, not signal). Either way it is bounded by what the run
+parameters accept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+DEFAULT_MAX_IMAGE_SIZE = 224
+MIN_IMAGE_SIZE = 16
+MAX_IMAGE_SIZE = 640
+
+
+@dataclass(frozen=True)
+class ImageSize:
+    """Hold the chosen size and why, for the logs, model.json and the report."""
+
+    px: int
+    reason: str
+
+
+def choose_image_size(manifest: pd.DataFrame, requested: int | None) -> ImageSize:
+    """Return the square training/serving size for a validated manifest.
+
+    Raises ValueError when the request is out of bounds or no image is usable.
+    """
+    if requested is not None:
+        if not MIN_IMAGE_SIZE <= requested <= MAX_IMAGE_SIZE:
+            raise ValueError(
+                f"image_size {requested} is outside {MIN_IMAGE_SIZE}..{MAX_IMAGE_SIZE} px"
+            )
+        return ImageSize(requested, "the run's image_size")
+    usable = manifest[manifest["decode_ok"].astype(bool)]
+    if usable.empty:
+        raise ValueError("no usable image to choose an image size from")
+    short = usable[["width", "height"]].min(axis=1)
+    median = int(short.median())
+    px = max(MIN_IMAGE_SIZE, min(DEFAULT_MAX_IMAGE_SIZE, median))
+    why = (
+        f"the median short side of {len(usable)} images is {median} px"
+        + (f", capped at {DEFAULT_MAX_IMAGE_SIZE}" if median > DEFAULT_MAX_IMAGE_SIZE else "")
+        + (f", raised to the {MIN_IMAGE_SIZE} px minimum" if median < MIN_IMAGE_SIZE else "")
+    )
+    return ImageSize(px, why)
