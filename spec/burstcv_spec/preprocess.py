@@ -8,11 +8,11 @@ the service all go through these functions, driven by the ``preprocess`` block o
 from __future__ import annotations
 
 import io
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 # Formats a client may send and a dataset may contain. Pillow's names.
 SUPPORTED_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP")
@@ -20,6 +20,14 @@ SUPPORTED_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP")
 # ImageNet statistics are the conventional default for torchvision models; a job may override.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# Share of the resized short side that the eval centre crop keeps: torchvision's ImageNet
+# recipe (resize 256, crop 224), so pretrained features see objects at the scale they learnt.
+CROP_FRACTION = 0.875
+
+# Pillow modes holding 16 bits per sample (a 16-bit greyscale PNG opens as I;16; older Pillow
+# opened it as I). convert("RGB") clips them at 255 instead of scaling: see _to_rgb.
+_SIXTEEN_BIT_MODES = frozenset({"I", "I;16", "I;16B", "I;16L", "I;16N"})
 
 
 class ImageDecodeError(ValueError):
@@ -36,7 +44,12 @@ class ImageTooLargeError(ImageDecodeError):
 
 @dataclass(frozen=True)
 class PreprocessSpec:
-    """Describe the eval transform: RGB, resize to (height, width), scale, normalise, NCHW."""
+    """Describe the eval transform: RGB, resize (and crop) to (height, width), normalise, NCHW.
+
+    Without ``resize_short`` the image is resized straight to height x width (aspect not
+    kept: the demo digits). With it, the short side is resized to ``resize_short`` px
+    keeping the aspect, and the centre height x width is cropped (photos).
+    """
 
     height: int = 32
     width: int = 32
@@ -47,6 +60,7 @@ class PreprocessSpec:
     layout: str = "NCHW"
     scale: float = 1.0 / 255.0
     formats: tuple[str, ...] = field(default=SUPPORTED_FORMATS)
+    resize_short: int | None = None  # px of the short side before the centre crop; None: none
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON-ready form written into model.json."""
@@ -54,6 +68,8 @@ class PreprocessSpec:
         data["mean"] = list(self.mean)
         data["std"] = list(self.std)
         data["formats"] = list(self.formats)
+        if self.resize_short is None:
+            del data["resize_short"]  # a plain-resize spec writes the model.json it always did
         return data
 
     @classmethod
@@ -69,6 +85,7 @@ class PreprocessSpec:
             layout=str(data.get("layout", "NCHW")),
             scale=float(data.get("scale", 1.0 / 255.0)),
             formats=tuple(data.get("formats", SUPPORTED_FORMATS)),
+            resize_short=_optional_px(data.get("resize_short"), "resize_short"),
         )
         if spec.interpolation not in _RESAMPLE:
             raise ValueError(
@@ -80,7 +97,67 @@ class PreprocessSpec:
             raise ValueError("height and width must be positive")
         if any(s <= 0 for s in spec.std):
             raise ValueError("std must be positive")
+        if spec.resize_short is not None and spec.resize_short < max(spec.height, spec.width):
+            raise ValueError(
+                f"resize_short {spec.resize_short} is smaller than the {spec.height}x"
+                f"{spec.width} crop taken from it"
+            )
         return spec
+
+    @property
+    def stored_size(self) -> tuple[int, int]:
+        """Return (height, width) of the images pack stores with a margin (margin_spec)."""
+        if self.resize_short is None:
+            return (self.height, self.width)
+        return (self.resize_short, self.resize_short)
+
+
+def resize_short_for(size_px: int, crop_fraction: float = CROP_FRACTION) -> int:
+    """Return the short side to resize to before a centre crop of ``size_px`` (224 -> 256)."""
+    if size_px <= 0 or not 0 < crop_fraction <= 1:
+        raise ValueError(
+            f"need size_px > 0 and 0 < crop_fraction <= 1, got {size_px}, {crop_fraction}"
+        )
+    return max(size_px, round(size_px / crop_fraction))
+
+
+def margin_spec(spec: PreprocessSpec) -> PreprocessSpec:
+    """Return the spec pack stores photos with: the square of side resize_short, uncropped.
+
+    Its images keep the margin that random crops draw from during training, and the centre
+    height x width of each one is exactly what ``spec`` makes of the same bytes (to_uint8
+    crops through that same square).
+    """
+    if spec.resize_short is None:
+        raise ValueError("a margin needs resize_short; this spec resizes straight to its size")
+    return replace(spec, height=spec.resize_short, width=spec.resize_short)
+
+
+def center_crop(images: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Return the centre height x width of HWC or NHWC images (a view; offsets round down)."""
+    full_h, full_w = images.shape[-3], images.shape[-2]
+    if height > full_h or width > full_w:
+        raise ValueError(f"cannot crop {height}x{width} from {full_h}x{full_w} images")
+    top, left = (full_h - height) // 2, (full_w - width) // 2
+    return images[..., top : top + height, left : left + width, :]
+
+
+def eval_view(images: np.ndarray, spec: PreprocessSpec) -> np.ndarray:
+    """Return stored (packed) uint8 NHWC images as the model sees them at eval.
+
+    Images already at the spec's size are returned as they are; images stored with the pack
+    margin (resize_short square) are centre-cropped, which equals ``decode_to_uint8``.
+    """
+    size = (images.shape[-3], images.shape[-2])
+    if size == (spec.height, spec.width):
+        return images
+    if spec.resize_short is not None and size == spec.stored_size:
+        return center_crop(images, spec.height, spec.width)
+    margin = f" or {spec.stored_size[0]}x{spec.stored_size[1]}" if spec.resize_short else ""
+    raise ValueError(
+        f"images are {size[0]}x{size[1]}; the preprocess spec needs {spec.height}x{spec.width}"
+        f"{margin}"
+    )
 
 
 _RESAMPLE = {
@@ -88,6 +165,16 @@ _RESAMPLE = {
     "bilinear": Image.Resampling.BILINEAR,
     "bicubic": Image.Resampling.BICUBIC,
 }
+
+
+def _optional_px(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+        raise ValueError(f"{name} must be a whole number of pixels or null, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return int(value)
 
 
 def _triple(values: Any, name: str) -> tuple[float, float, float]:
@@ -136,7 +223,9 @@ def probe_image(
         except UnidentifiedImageError:
             img = Image.open(io.BytesIO(data))  # not accepted: find out what it is, to say so
         fmt = img.format or "unknown"
-        if fmt not in formats:
+        if fmt not in formats and not (fmt == "MPO" and "JPEG" in formats):
+            # MPO: the multi-picture JPEG that cameras and phones write; its first picture
+            # is a plain JPEG, and that is the one Pillow decodes.
             raise UnsupportedFormatError(
                 f"unsupported image format {fmt}; send one of {', '.join(formats)}"
             )
@@ -159,12 +248,17 @@ def probe_image(
 
 
 def load_image(img: Image.Image) -> Image.Image:
-    """Decode the pixels of an image from probe_image and return it in RGB mode."""
+    """Decode the pixels of an image from probe_image and return it upright, in RGB mode.
+
+    The EXIF orientation is applied (a phone's portrait photo is stored landscape with a
+    rotate tag), so training and serving see the picture as a viewer shows it.
+    """
     fmt = img.format or "unknown"
     try:
         img.load()
-        if img.mode != "RGB":
-            img = img.convert("RGB")
+        # In place: no copy of the pixels when the tag is absent (the common case).
+        ImageOps.exif_transpose(img, in_place=True)
+        img = _to_rgb(img)
     except Image.DecompressionBombError as exc:
         raise ImageTooLargeError(f"decompression bomb refused: {exc}") from exc
     except Exception as exc:
@@ -175,13 +269,42 @@ def load_image(img: Image.Image) -> Image.Image:
     return img
 
 
+def _to_rgb(img: Image.Image) -> Image.Image:
+    """Return an image in RGB mode, 8 bits per channel.
+
+    16-bit greyscale keeps its high byte (as Pillow reads 16-bit RGB PNGs); CMYK uses
+    Pillow's conversion (Adobe's inverted CMYK JPEGs are read as such); palette, L, LA, RGBA
+    and the rest use convert("RGB"), which drops any alpha as torchvision's loader does.
+    """
+    if img.mode == "RGB":
+        return img
+    if img.mode in _SIXTEEN_BIT_MODES:
+        wide = np.asarray(img).astype(np.int64)  # "I" is 32-bit signed: clip to 16 bits first
+        img = Image.fromarray((np.clip(wide, 0, 65535) >> 8).astype(np.uint8))
+    return img.convert("RGB")
+
+
 def to_uint8(img: Image.Image, spec: PreprocessSpec) -> np.ndarray:
-    """Resize an RGB image to the spec's size and return it as uint8 HWC."""
-    if img.mode != "RGB":
-        img = img.convert("RGB")
-    if img.size != (spec.width, spec.height):
-        img = img.resize((spec.width, spec.height), _RESAMPLE[spec.interpolation])
-    return np.asarray(img, dtype=np.uint8)
+    """Resize (and, with resize_short, centre-crop) an image to the spec's size: uint8 HWC."""
+    img = _to_rgb(img)
+    resample = _RESAMPLE[spec.interpolation]
+    if spec.resize_short is None:
+        if img.size != (spec.width, spec.height):
+            img = img.resize((spec.width, spec.height), resample)
+        return np.asarray(img, dtype=np.uint8)
+    short = spec.resize_short
+    width, height = img.size
+    # The long side as torchvision's Resize(int) computes it (truncated).
+    if width <= height:
+        size = (short, int(short * height / width))
+    else:
+        size = (int(short * width / height), short)
+    if img.size != size:
+        img = img.resize(size, resample)
+    # Through the resize_short square first: then a stored margin image (margin_spec),
+    # centre-cropped, is this result exactly, whatever the parity of the sizes.
+    square = center_crop(np.asarray(img, dtype=np.uint8), short, short)
+    return np.ascontiguousarray(center_crop(square, spec.height, spec.width))
 
 
 def decode_to_uint8(
