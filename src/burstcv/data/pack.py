@@ -13,11 +13,13 @@ import numpy as np
 import pandas as pd
 
 from burstcv_spec import storage
-from burstcv_spec.preprocess import PreprocessSpec, decode_to_uint8
+from burstcv_spec.preprocess import PreprocessSpec, decode_to_uint8, margin_spec
 
 log = logging.getLogger(__name__)
 
 SHARD_IMAGES = 50_000  # 50k 32x32 RGB images = 150 MB per shard: one GET each, fits any box
+# Larger images make fewer per shard, so a shard stays one 150 MB GET (780 at 256x256).
+SHARD_BYTES = SHARD_IMAGES * 32 * 32 * 3
 
 
 @dataclass
@@ -32,6 +34,9 @@ class PackResult:
     # while packing so that nothing reads the shards back for them.
     train_mean: tuple[float, float, float] = (0.0, 0.0, 0.0)
     train_std: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    # (height, width) of the stored images: the spec's size, or the resize_short square
+    # when packed with the margin that training's random crops draw from.
+    stored_size: tuple[int, int] = (0, 0)
 
 
 class ChannelStats:
@@ -79,15 +84,27 @@ def pack_dataset(
     *,
     classes: list[str] | None = None,
     workers: int = 4,
+    margin: bool = False,
 ) -> PackResult:
-    """Write ``<out_uri>/{split}-NNNNN.npz`` from the decodable rows of a manifest."""
+    """Write ``<out_uri>/{split}-NNNNN.npz`` from the decodable rows of a manifest.
+
+    Images are stored as ``spec`` makes them, or with ``margin`` (photos; the spec must have
+    resize_short) as the resize_short square around that crop: training draws random crops
+    from it, and its centre height x width is exactly the eval transform of the image.
+    """
+    if margin:
+        spec = margin_spec(spec)
+    height, width = spec.height, spec.width
+    per_shard = min(SHARD_IMAGES, max(1, SHARD_BYTES // (height * width * 3)))
     rows = manifest[manifest["decode_ok"].astype(bool)].sort_values(["split", "label", "path"])
     classes = classes or class_list(rows["label"])
     index = {name: i for i, name in enumerate(classes)}
     unknown = sorted(set(rows["label"].astype(str)) - set(index))
     if unknown:
         raise ValueError(f"labels {unknown} are not among the classes {classes}")
-    result = PackResult(classes=classes, train_shards=[], val_shards=[], counts={})
+    result = PackResult(
+        classes=classes, train_shards=[], val_shards=[], counts={}, stored_size=(height, width)
+    )
     train_stats = ChannelStats()
     # Decoding is C code that releases the GIL: threads keep both cores busy without pickling.
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -96,12 +113,12 @@ def pack_dataset(
             result.counts[split] = len(part)
             uris = part["uri"].tolist()
             labels = np.array([index[str(lab)] for lab in part["label"]], dtype=np.int64)
-            for shard_no, start in enumerate(range(0, max(len(uris), 1), SHARD_IMAGES)):
-                chunk = uris[start : start + SHARD_IMAGES]
+            for shard_no, start in enumerate(range(0, max(len(uris), 1), per_shard)):
+                chunk = uris[start : start + per_shard]
                 images = (
                     np.stack(list(pool.map(lambda u: _decode(u, spec), chunk)))
                     if chunk
-                    else (np.zeros((0, spec.height, spec.width, 3), np.uint8))
+                    else (np.zeros((0, height, width, 3), np.uint8))
                 )
                 if split == "train":
                     train_stats.add(images)
@@ -109,7 +126,7 @@ def pack_dataset(
                 np.savez(
                     buf,
                     images=images,
-                    labels=labels[start : start + SHARD_IMAGES],
+                    labels=labels[start : start + per_shard],
                     classes=np.array(classes),
                 )
                 uri = storage.join(out_uri, f"{split}-{shard_no:05d}.npz")
