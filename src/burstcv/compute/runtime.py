@@ -38,8 +38,10 @@ MODULES = (
     "burstcv/training/names.py",
     "burstcv/training/preflight.py",
     "burstcv/training/train.py",
+    "burstcv/training/transforms.py",
     "burstcv/training/weights.py",
     "burstcv_spec/__init__.py",
+    "burstcv_spec/preprocess.py",
     "burstcv_spec/storage.py",
 )
 REQUIRES_PYTHON = ">=3.10"  # burstcv.training.preflight.SUPPORTED_PYTHON checks the upper end

@@ -11,19 +11,44 @@ This module ships in the training wheel and runs on the AMI's Python (3.10+).
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from burstcv.training.names import check_architecture, is_pretrained, pretrained_kind
 from burstcv_spec import storage
 
 
 class AugmentSpec(BaseModel):
-    """Describe the on-device augmentation applied to training batches."""
+    """Describe the on-device augmentation applied to training batches.
 
+    ``mode`` "shift" moves each image by up to crop_padding_px (digits); "random_resized_crop"
+    takes a random area share (rrc_scale) and aspect ratio (rrc_ratio) of the stored image
+    and resizes it to the input size (photos, torchvision's recipe); "auto" picks the latter
+    when the shards carry the pack margin (stored larger than the input size).
+    """
+
+    mode: Literal["auto", "shift", "random_resized_crop"] = "auto"
     crop_padding_px: int = Field(default=2, ge=0, le=16)  # random shift of up to N pixels
-    hflip: bool = False  # off by default: mirrored digits and text are different classes
+    # None: on for random_resized_crop (photos), off for shift (mirrored digits and text are
+    # different classes).
+    hflip: bool | None = None
+    rrc_scale: tuple[float, float] = (0.35, 1.0)  # share of the stored image's area
+    rrc_ratio: tuple[float, float] = (3 / 4, 4 / 3)  # width / height of the crop
+
+    @field_validator("rrc_scale", "rrc_ratio")
+    @classmethod
+    def _ordered_range(
+        cls, value: tuple[float, float], info: ValidationInfo
+    ) -> tuple[float, float]:
+        low, high = value
+        if not 0 < low <= high or (info.field_name == "rrc_scale" and high > 1):
+            raise ValueError(
+                f"{info.field_name} must be (low, high) with 0 < low <= high"
+                + (" <= 1" if info.field_name == "rrc_scale" else "")
+                + f", got {value}"
+            )
+        return value
 
 
 class JobSpec(BaseModel):

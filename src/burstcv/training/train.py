@@ -35,8 +35,10 @@ from burstcv.training.job import (
 )
 from burstcv.training.models import architecture, build_model, split_head
 from burstcv.training.names import is_pretrained, pretrained_kind
+from burstcv.training.transforms import train_transform
 from burstcv.training.weights import load_pretrained, resolve_weights
 from burstcv_spec import storage
+from burstcv_spec.preprocess import PreprocessSpec, eval_view
 
 log = logging.getLogger(__name__)
 
@@ -132,24 +134,18 @@ def normalize(
     return (batch_u8.float() * scale - mean) / std
 
 
-def augment(
-    batch_u8: torch.Tensor, padding: int, hflip: bool, gen: torch.Generator
-) -> torch.Tensor:
-    """Randomly shift each image by up to ``padding`` px (zero fill) and optionally mirror it."""
-    n, _, h, w = batch_u8.shape
-    device = batch_u8.device
-    if padding > 0:
-        padded = F.pad(batch_u8, (padding, padding, padding, padding))
-        dy = torch.randint(0, 2 * padding + 1, (n,), generator=gen, device="cpu").to(device)
-        dx = torch.randint(0, 2 * padding + 1, (n,), generator=gen, device="cpu").to(device)
-        rows = (torch.arange(h, device=device)[None, :] + dy[:, None])[:, :, None]  # n,h,1
-        cols = (torch.arange(w, device=device)[None, :] + dx[:, None])[:, None, :]  # n,1,w
-        idx = torch.arange(n, device=device)[:, None, None]
-        batch_u8 = padded.permute(0, 2, 3, 1)[idx, rows, cols].permute(0, 3, 1, 2)
-    if hflip:
-        flip = torch.rand(n, generator=gen, device="cpu").to(device) < 0.5
-        batch_u8 = torch.where(flip[:, None, None, None], batch_u8.flip(3), batch_u8)
-    return batch_u8
+def augment(batch_u8: torch.Tensor, job: JobSpec, gen: torch.Generator) -> torch.Tensor:
+    """Apply the job's training transform (burstcv.training.transforms) to stored images."""
+    size = (int(job.preprocess["height"]), int(job.preprocess["width"]))
+    return train_transform(batch_u8, job.augment, size, gen)
+
+
+def eval_images(images: np.ndarray, job: JobSpec) -> np.ndarray:
+    """Return stored uint8 NHWC images as serving sees them (the centre of a pack margin)."""
+    try:
+        return eval_view(images, PreprocessSpec.from_dict(job.preprocess))
+    except ValueError as exc:
+        raise JobSpecError(f"shards do not fit the job's preprocess block: {exc}") from exc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,7 +263,7 @@ def train_one_epoch(
         gen = _step_generator(job.seed, epoch, step)
         idx = order[step * job.batch_size : (step + 1) * job.batch_size]
         idx = idx[d.rank :: d.world_size][:per_rank].to(device)  # each rank its own share
-        x = augment(train.images[idx], job.augment.crop_padding_px, job.augment.hflip, gen)
+        x = augment(train.images[idx], job, gen)
         x = normalize(x, mean, std, scale)
         y = train.labels[idx]
         if device.type == "cuda":
@@ -416,10 +412,8 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
     scale = float(spec.get("scale", 1.0 / 255.0))
     tr_x, tr_y = load_shards(job.train_shards, job.classes)
     va_x, va_y = load_shards(job.val_shards, job.classes)
-    if tr_x.shape[1:3] != (spec["height"], spec["width"]):
-        raise JobSpecError(
-            f"shards are {tr_x.shape[1:3]}, the job expects {spec['height']}x{spec['width']}"
-        )
+    eval_images(tr_x[:0], job)  # the train shards fit the spec (with or without the margin)
+    va_x = eval_images(va_x, job)  # evaluation crops as serving does; training crops at random
     train, val = to_device_split(tr_x, tr_y, device), to_device_split(va_x, va_y, device)
 
     pretrained = is_pretrained(job.pretrained)
