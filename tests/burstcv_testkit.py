@@ -166,3 +166,61 @@ def write_shard(path: Path, images: Any, labels: Any, classes: list[str]) -> str
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(buf.getvalue())
     return str(path)
+
+
+PHOTO_COLOURS = {"cool": (60, 110, 190), "warm": (190, 110, 60)}
+
+
+def photo_jpeg(color: tuple[int, int, int], width: int, height: int, seed: int) -> bytes:
+    """Return a JPEG of a noisy coloured picture with a few darker blobs.
+
+    Every fifth seed is stored as a phone stores a portrait photo: pixels turned sideways,
+    with an EXIF orientation tag that turns them back.
+    """
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    pixels = np.array(color, np.float32) + rng.normal(0, 25, (height, width, 3))
+    y, x = np.ogrid[:height, :width]
+    for _ in range(3):
+        cy, cx, r = rng.integers(0, height), rng.integers(0, width), rng.integers(4, 15)
+        pixels[(y - cy) ** 2 + (x - cx) ** 2 < r**2] *= 0.5
+    img = Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
+    buf = io.BytesIO()
+    if seed % 5 == 0:
+        exif = Image.Exif()
+        exif[0x0112] = 6  # display rotated 90 degrees clockwise
+        img.transpose(Image.Transpose.ROTATE_90).save(buf, "JPEG", quality=90, exif=exif)
+    else:
+        img.save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def write_photo_dataset(root: Path, count: int = 96) -> list[dict[str, Any]]:
+    """Write a two-class photo set (warm / cool JPEGs of 40-140 px); return manifest rows.
+
+    One image in four is in the val split; rows carry what pack_dataset reads.
+    """
+    import numpy as np
+
+    rows = []
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        label = sorted(PHOTO_COLOURS)[i % 2]
+        width, height = (int(v) for v in rng.integers(40, 140, 2))
+        path = root / ("val" if i % 4 == 3 else "train") / label / f"{i}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(photo_jpeg(PHOTO_COLOURS[label], width, height, i))
+        rows.append(
+            {
+                "path": str(path.relative_to(root)),
+                "uri": str(path),
+                "split": path.parts[-3],
+                "label": label,
+                "decode_ok": True,
+            }
+        )
+    return rows

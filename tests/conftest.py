@@ -1,7 +1,8 @@
 """Isolate every test session: its own Airflow home, artifact store and registry under a temp dir.
 
 The environment is set at import time, before anything reads settings or imports Airflow.
-Session fixtures build the expensive things once: the demo dataset and a trained model.
+Session fixtures build the expensive things once: the demo dataset and a trained model, and
+a small photo set trained in photo mode (margin shards, random-resized crops).
 """
 
 from __future__ import annotations
@@ -137,3 +138,52 @@ def s3(moto_url: str, monkeypatch: pytest.MonkeyPatch) -> Any:
     client.create_bucket(Bucket="datasets")
     client.create_bucket(Bucket="artifacts")
     return client
+
+
+@pytest.fixture(scope="session")
+def trained_photos() -> dict[str, Any]:
+    """Pack a two-class JPEG set with the margin and train resnet10 on it for 3 epochs once."""
+    import json
+
+    import pandas as pd
+    from burstcv_testkit import write_photo_dataset
+
+    from burstcv.data.pack import pack_dataset
+    from burstcv.training.job import JobSpec, write_job
+    from burstcv.training.train import run_job
+    from burstcv_spec.preprocess import PreprocessSpec, resize_short_for
+
+    root = SESSION_DIR / "photos"
+    rows = write_photo_dataset(root / "data")
+    size_only = PreprocessSpec(height=32, width=32, resize_short=resize_short_for(32))
+    packed = pack_dataset(pd.DataFrame(rows), str(root / "shards"), size_only, margin=True)
+    spec = PreprocessSpec(
+        height=32,
+        width=32,
+        resize_short=size_only.resize_short,
+        mean=packed.train_mean,
+        std=packed.train_std,
+    )
+    out = root / "job"
+    job = JobSpec(
+        run_id="photos",
+        classes=packed.classes,
+        train_shards=packed.train_shards,
+        val_shards=packed.val_shards,
+        preprocess=spec.to_dict(),
+        output_uri=str(out),
+        epochs=3,
+        batch_size=16,
+        learning_rate=0.05,
+        source_commit="test",
+    )
+    job_uri = write_job(job, str(root / "job.json"))
+    assert run_job(job_uri) == 0
+    return {
+        "rows": rows,
+        "packed": packed,
+        "spec": spec,
+        "job": job,
+        "out": out,
+        "metrics": json.loads((out / "metrics.json").read_text()),
+    }

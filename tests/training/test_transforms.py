@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
-from PIL import Image
 from pydantic import ValidationError
 
-from burstcv.data.pack import pack_dataset
-from burstcv.training.job import AugmentSpec, JobSpec
-from burstcv.training.train import JobSpecError, augment, eval_images, main
+from burstcv.training.job import AugmentSpec
+from burstcv.training.train import JobSpecError, augment, eval_images
 from burstcv.training.transforms import (
     center_crop,
     random_resized_crop,
@@ -23,7 +19,7 @@ from burstcv.training.transforms import (
     shift,
     train_transform,
 )
-from burstcv_spec.preprocess import PreprocessSpec, decode_to_uint8, resize_short_for
+from burstcv_spec.preprocess import PreprocessSpec, decode_to_uint8
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -123,85 +119,27 @@ def test_old_job_json_augment_blocks_stay_valid() -> None:
 # A photo run end to end: margin shards, random-resized crops, centre-crop evaluation
 
 
-def _photo(color: tuple[int, int, int], width: int, height: int, seed: int) -> bytes:
-    """Return a JPEG of a coloured picture with noise and a few darker blobs."""
-    rng = np.random.default_rng(seed)
-    pixels = np.array(color, np.float32) + rng.normal(0, 25, (height, width, 3))
-    for _ in range(3):
-        cy, cx, r = rng.integers(0, height), rng.integers(0, width), rng.integers(4, 15)
-        y, x = np.ogrid[:height, :width]
-        pixels[(y - cy) ** 2 + (x - cx) ** 2 < r**2] *= 0.5
-    buf = io.BytesIO()
-    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
-    return buf.getvalue()
-
-
-@pytest.fixture(scope="module")
-def photo_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Pack a small two-class photo set with the margin and train on it for 3 epochs."""
-    root = tmp_path_factory.mktemp("photos")
-    rows = []
-    rng = np.random.default_rng(0)
-    for i in range(96):
-        label = ("warm", "cool")[i % 2]
-        color = (190, 110, 60) if label == "warm" else (60, 110, 190)
-        width, height = (int(v) for v in rng.integers(40, 140, 2))
-        path = root / "data" / label / f"{i}.jpg"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(_photo(color, width, height, i))
-        split = "val" if i % 4 == 3 else "train"
-        rows.append(
-            {
-                "path": f"{label}/{i}.jpg",
-                "uri": str(path),
-                "split": split,
-                "label": label,
-                "decode_ok": True,
-            }
-        )
-    spec = PreprocessSpec(height=32, width=32, resize_short=resize_short_for(32))
-    packed = pack_dataset(pd.DataFrame(rows), str(root / "shards"), spec, margin=True)
-    job = JobSpec(
-        run_id="photos",
-        arch="resnet10",
-        classes=packed.classes,
-        train_shards=packed.train_shards,
-        val_shards=packed.val_shards,
-        preprocess=PreprocessSpec(
-            height=32,
-            width=32,
-            resize_short=spec.resize_short,
-            mean=packed.train_mean,
-            std=packed.train_std,
-        ).to_dict(),
-        output_uri=str(root / "out"),
-        epochs=3,
-        batch_size=16,
-        learning_rate=0.05,
-    )
-    return {"job": job, "packed": packed, "rows": rows, "metrics": main(job)}
-
-
 def test_a_photo_run_trains_on_margin_shards_and_evaluates_their_centre(
-    photo_run: dict[str, Any],
+    trained_photos: dict[str, Any],
 ) -> None:
-    metrics, packed, job = photo_run["metrics"], photo_run["packed"], photo_run["job"]
+    metrics, packed = trained_photos["metrics"], trained_photos["packed"]
     assert packed.stored_size == (37, 37)
     assert metrics["train_images"] == 72 and metrics["val_images"] == 24
     assert len(metrics["epochs"]) == 3
     assert metrics["val_accuracy"] >= 0.9  # warm vs cool survives any crop and flip
-    assert (Path(job.output_uri) / "attempts" / "1" / "DONE").exists()
+    assert (trained_photos["out"] / "attempts" / "1" / "DONE").exists()
 
 
 def test_training_sees_random_crops_and_evaluation_sees_what_serving_sees(
-    photo_run: dict[str, Any],
+    trained_photos: dict[str, Any],
 ) -> None:
-    job, packed = photo_run["job"], photo_run["packed"]
+    job, packed = trained_photos["job"], trained_photos["packed"]
     with np.load(packed.val_shards[0], allow_pickle=False) as npz:
         stored = npz["images"]
     spec = PreprocessSpec.from_dict(job.preprocess)
     val_rows = sorted(
-        (r for r in photo_run["rows"] if r["split"] == "val"), key=lambda r: (r["label"], r["path"])
+        (r for r in trained_photos["rows"] if r["split"] == "val"),
+        key=lambda r: (r["label"], r["path"]),
     )
     served = np.stack([decode_to_uint8(Path(r["uri"]).read_bytes(), spec) for r in val_rows])
     assert np.array_equal(eval_images(stored, job), served)
@@ -212,7 +150,7 @@ def test_training_sees_random_crops_and_evaluation_sees_what_serving_sees(
     assert not torch.equal(x, torch.from_numpy(served).permute(0, 3, 1, 2).float())
 
 
-def test_shards_of_another_size_are_refused_naming_both(photo_run: dict[str, Any]) -> None:
-    job = photo_run["job"]
+def test_shards_of_another_size_are_refused_naming_both(trained_photos: dict[str, Any]) -> None:
+    job = trained_photos["job"]
     with pytest.raises(JobSpecError, match=r"images are 30x30; .* needs 32x32 or 37x37"):
         eval_images(np.zeros((2, 30, 30, 3), np.uint8), job)
