@@ -32,7 +32,7 @@ from onnxruntime.quantization import (
 )
 
 from burstcv_spec import storage
-from burstcv_spec.preprocess import PreprocessSpec, normalize
+from burstcv_spec.preprocess import PreprocessSpec, eval_view, normalize
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +225,12 @@ def choose(
     return False, f"FP32 kept ({' and '.join(why)}): {figures}"
 
 
+def _centre_if_margin(images_u8: np.ndarray, spec: PreprocessSpec) -> np.ndarray:
+    if images_u8.ndim == 4 and images_u8.shape[1:3] == spec.stored_size:
+        return np.ascontiguousarray(eval_view(images_u8, spec))
+    return images_u8
+
+
 def quantize_in_folder(
     folder: Path,
     model_json: dict[str, Any],
@@ -245,6 +251,9 @@ def quantize_in_folder(
     classes = [str(c) for c in model_json["classes"]]
     input_name = str(model_json["input"]["name"])
     expected_shape = (spec.height, spec.width, 3)
+    if spec.resize_short is not None:  # shards packed with the margin: serving sees the centre
+        train_images_u8 = _centre_if_margin(train_images_u8, spec)
+        val_images_u8 = _centre_if_margin(val_images_u8, spec)
     for what, images in (("training", train_images_u8), ("validation", val_images_u8)):
         if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != expected_shape:
             raise ValueError(

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from burstcv_spec.preprocess import PreprocessSpec, normalize
+from burstcv_spec.preprocess import PreprocessSpec, eval_view, normalize
 
 EVAL_BATCH = 256
 
@@ -17,14 +17,12 @@ def onnx_accuracy(model_dir: str | Path, images_u8: np.ndarray, labels: list[str
     """Return top-1 accuracy of the ONNX model in ``model_dir`` on uint8 NHWC images.
 
     ``labels`` are class names, so a model whose class list differs is scored by name.
-    Images must already be at the model's input size (the run's shards are).
+    Images are the run's shards: at the model's input size, or with the pack margin around
+    it (photos), of which the centre is taken, as serving computes it.
     """
     meta = json.loads((Path(model_dir) / "model.json").read_text())
     spec = PreprocessSpec.from_dict(meta["preprocess"])
-    if images_u8.shape[1:3] != (spec.height, spec.width):
-        raise ValueError(
-            f"images are {images_u8.shape[1:3]}, the model expects {spec.height}x{spec.width}"
-        )
+    images_u8 = eval_view(images_u8, spec)
     session = ort.InferenceSession(
         str(Path(model_dir) / meta["onnx_file"]), providers=["CPUExecutionProvider"]
     )
