@@ -10,10 +10,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pytest
 from PIL import Image
 
+from burstcv.data.pack import pack_dataset
 from burstcv.data.suite import add_rule_columns
 from burstcv.data.validate import (
     SUMMARY_FILES_PER_CHECK,
@@ -22,6 +24,7 @@ from burstcv.data.validate import (
     usable_rows,
     validate_dataset,
 )
+from burstcv_spec.preprocess import PreprocessSpec
 
 PETS = ["cat", "dog", "fox"]
 
@@ -219,6 +222,26 @@ def test_disallowed_format_is_named(dataset: Path, out_dir: Path, kit: Any) -> N
     report = _validate(dataset, out_dir)
     entry = _assert_fails_naming(kit, out_dir, report, "allowed_formats", {"val/fox/anim.gif"})
     assert entry["reasons"]["val/fox/anim.gif"] == "format GIF"
+
+
+def test_camera_multi_picture_jpegs_pass_and_pack(
+    dataset: Path, out_dir: Path, kit: Any, tmp_path: Path
+) -> None:
+    first, second = kit.smooth_image(77), kit.smooth_image(78)
+    first.save(
+        dataset / "train" / "cat" / "phone.jpg", "MPO", save_all=True, append_images=[second]
+    )
+    report = _validate(dataset, out_dir)
+    assert report.success, report.summary
+    manifest = usable_rows(pd.read_parquet(out_dir / "manifest.parquet"))
+    row = manifest[manifest["path"] == "train/cat/phone.jpg"]
+    assert row["format"].tolist() == ["MPO"]
+    packed = pack_dataset(row, str(tmp_path / "shards"), PreprocessSpec())
+    with np.load(packed.train_shards[0]) as npz:
+        stored = npz["images"][0].astype(int)
+    # The first picture is the one decoded (JPEG-close to it, far from the second).
+    to_first = np.abs(stored - np.asarray(first)).mean()
+    assert to_first < 12 and to_first * 3 < np.abs(stored - np.asarray(second)).mean()
 
 
 def test_unexpected_class_is_named(dataset: Path, out_dir: Path, kit: Any) -> None:

@@ -194,6 +194,14 @@ def add_rule_columns(manifest: pd.DataFrame, config: ValidationConfig) -> pd.Dat
     return df
 
 
+def _format_set(config: ValidationConfig) -> list[str]:
+    """Return the format names the manifest may show: MPO is JPEG as the service decodes it."""
+    formats = list(config.allowed_formats)
+    # Cameras and phones write multi-picture JPEGs, which Pillow names MPO; the service
+    # accepts them wherever it accepts JPEG (burstcv_spec.preprocess.probe_image).
+    return [*formats, "MPO"] if "JPEG" in formats and "MPO" not in formats else formats
+
+
 def build_checks(config: ValidationConfig) -> list[Check]:
     """Return the suite's checks, in report order, with thresholds from the config."""
     splits = list(config.splits)
@@ -214,9 +222,7 @@ def build_checks(config: ValidationConfig) -> list[Check]:
         Check(
             "allowed_formats",
             f"Image formats are among {', '.join(config.allowed_formats)}",
-            gxe.ExpectColumnValuesToBeInSet(
-                column="format", value_set=list(config.allowed_formats)
-            ),
+            gxe.ExpectColumnValuesToBeInSet(column="format", value_set=_format_set(config)),
             "format",
             "format ",
         ),
