@@ -299,11 +299,17 @@ def to_uint8(img: Image.Image, spec: PreprocessSpec) -> np.ndarray:
         size = (short, int(short * height / width))
     else:
         size = (int(short * width / height), short)
-    if img.size != size:
-        img = img.resize(size, resample)
-    # Through the resize_short square first: then a stored margin image (margin_spec),
+    # Only the centre resize_short square of the resized image is ever used: Pillow resizes
+    # just the source box under it, so a 4096x1 strip never becomes a 256x1048576 image.
+    # Every photo goes through this square, so a stored margin image (margin_spec),
     # centre-cropped, is this result exactly, whatever the parity of the sizes.
-    square = center_crop(np.asarray(img, dtype=np.uint8), short, short)
+    left, top = (size[0] - short) // 2, (size[1] - short) // 2
+    if size == img.size:
+        square = center_crop(np.asarray(img, dtype=np.uint8), short, short)
+    else:
+        sx, sy = width / size[0], height / size[1]
+        box = (left * sx, top * sy, (left + short) * sx, (top + short) * sy)
+        square = np.asarray(img.resize((short, short), resample, box=box), dtype=np.uint8)
     return np.ascontiguousarray(center_crop(square, spec.height, spec.width))
 
 
