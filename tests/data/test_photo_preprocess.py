@@ -338,3 +338,36 @@ def test_large_images_make_smaller_shards(tmp_path: Path, monkeypatch: pytest.Mo
     manifest = _manifest(tmp_path, files)
     result = pack_dataset(manifest, str(tmp_path / "shards"), PHOTO, margin=True)
     assert [len(_stored([u])) for u in result.train_shards] == [3, 3]  # 6 train images
+
+
+def test_real_photos_pack_with_a_margin_whose_centre_is_what_serving_decodes(
+    tmp_path: Path,
+) -> None:
+    from burstcv.data.photos import write_photo_dataset
+
+    written = write_photo_dataset(tmp_path / "photos", per_class=(3, 3))
+    spec = PreprocessSpec(height=224, width=224, resize_short=resize_short_for(224))
+    files = sorted((tmp_path / "photos").rglob("*.*"))
+    rows = pd.DataFrame(
+        {
+            "path": [str(f.relative_to(tmp_path / "photos")) for f in files],
+            "uri": [str(f) for f in files],
+            "split": [f.parts[-3] for f in files],
+            "label": [f.parts[-2] for f in files],
+            "decode_ok": True,
+        }
+    )
+    result = pack_dataset(rows, str(tmp_path / "shards"), spec, margin=True)
+    assert result.stored_size == (256, 256)
+    ordered = rows.sort_values(["split", "label", "path"])
+    stored = _stored(result.train_shards + result.val_shards)
+    by_path = dict(zip(ordered["uri"], eval_view(stored, spec), strict=True))
+    for path in files:
+        assert np.array_equal(by_path[str(path)], decode_to_uint8(path.read_bytes(), spec)), path
+    for path in written.sixteen_bit:  # decoded as its 8-bit grey, not clipped to white
+        with Image.open(path) as img:
+            grey8 = Image.fromarray((np.asarray(img) >> 8).astype(np.uint8))
+        assert np.array_equal(by_path[str(path)], decode_to_uint8(_encode(grey8, "PNG"), spec))
+    for path in written.exif_rotated:  # stored landscape-turned; decoded upright
+        with Image.open(path) as img:
+            assert open_image(path.read_bytes()).size == img.size[::-1]
