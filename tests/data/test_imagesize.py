@@ -40,3 +40,12 @@ def test_the_default_is_capped_at_224_and_never_upscales_tiny_images() -> None:
 def test_no_usable_image_is_an_error() -> None:
     with pytest.raises(ValueError, match="no usable image"):
         choose_image_size(_manifest([], broken=2), None)
+
+
+def test_photos_larger_than_the_margin_get_the_resize_and_centre_crop_transform() -> None:
+    photos = choose_image_size(_manifest([(640, 427)] * 3), None)
+    assert (photos.px, photos.resize_short) == (224, 256)
+    assert choose_image_size(_manifest([(640, 427)] * 3), 64).resize_short == 73
+    # The digits (32 px at 32 px) and images just over the size keep the plain resize.
+    assert choose_image_size(_manifest([(32, 32)] * 3), None).resize_short is None
+    assert choose_image_size(_manifest([(250, 250)] * 3), 224).resize_short is None

@@ -50,12 +50,14 @@ def write_demo_dataset(root: str | Path, *, size_px: int = DEMO_SIZE_PX) -> dict
     return counts
 
 
-def pack_demo(root: str | Path, out_uri: str) -> tuple[PackResult, PreprocessSpec]:
-    """Pack a demo dataset written by write_demo_dataset, without running the validation gate.
+def pack_demo(
+    root: str | Path, out_uri: str, spec: PreprocessSpec | None = None
+) -> tuple[PackResult, PreprocessSpec]:
+    """Pack a demo dataset (digits or photos), without running the validation gate.
 
     For benchmarks and test fixtures only: the demo files are known to be good, so the
-    manifest comes from the folder layout. The spec normalises with round figures close to
-    the digits' own statistics (white strokes on black).
+    manifest comes from the folder layout. The default spec is the digits': 32 px, normalised
+    with round figures close to their own statistics (white strokes on black).
     """
     root = Path(root)
     rows = [
@@ -66,7 +68,8 @@ def pack_demo(root: str | Path, out_uri: str) -> tuple[PackResult, PreprocessSpe
             "label": p.parts[-2],
             "decode_ok": True,
         }
-        for p in sorted(root.rglob("*.png"))
+        for p in sorted(root.rglob("*"))
+        if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp")
     ]
-    spec = PreprocessSpec(mean=(0.25, 0.25, 0.25), std=(0.35, 0.35, 0.35))
+    spec = spec or PreprocessSpec(mean=(0.25, 0.25, 0.25), std=(0.35, 0.35, 0.35))
     return pack_dataset(pd.DataFrame(rows), out_uri, spec), spec

@@ -5,6 +5,11 @@ side of the usable images, at most ``DEFAULT_MAX_IMAGE_SIZE`` (the size ImageNet
 networks are made for, and where CPU serving cost is still modest), and never more than the
 images hold (upscaling adds pixels, not signal). Either way it is bounded by what the run
 parameters accept.
+
+The size also decides the eval transform. Images at least as large as the margin square
+(``resize_short_for(px)``, 256 for 224) are photos: their short side is resized, keeping the
+aspect, and the centre is cropped (training draws random crops from the margin). Smaller
+ones (the digits) are resized straight to the size, as they always were.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pandas as pd
+
+from burstcv_spec.preprocess import resize_short_for
 
 DEFAULT_MAX_IMAGE_SIZE = 224
 MIN_IMAGE_SIZE = 16
@@ -24,6 +31,8 @@ class ImageSize:
 
     px: int
     reason: str
+    # The short side to resize to before the centre crop (photos), or None (plain resize).
+    resize_short: int | None = None
 
 
 def choose_image_size(manifest: pd.DataFrame, requested: int | None) -> ImageSize:
@@ -31,21 +40,26 @@ def choose_image_size(manifest: pd.DataFrame, requested: int | None) -> ImageSiz
 
     Raises ValueError when the request is out of bounds or no image is usable.
     """
-    if requested is not None:
-        if not MIN_IMAGE_SIZE <= requested <= MAX_IMAGE_SIZE:
-            raise ValueError(
-                f"image_size {requested} is outside {MIN_IMAGE_SIZE}..{MAX_IMAGE_SIZE} px"
-            )
-        return ImageSize(requested, "the run's image_size")
+    if requested is not None and not MIN_IMAGE_SIZE <= requested <= MAX_IMAGE_SIZE:
+        raise ValueError(f"image_size {requested} is outside {MIN_IMAGE_SIZE}..{MAX_IMAGE_SIZE} px")
     usable = manifest[manifest["decode_ok"].astype(bool)]
     if usable.empty:
         raise ValueError("no usable image to choose an image size from")
     short = usable[["width", "height"]].min(axis=1)
     median = int(short.median())
+    if requested is not None:
+        return _with_transform(ImageSize(requested, "the run's image_size"), median)
     px = max(MIN_IMAGE_SIZE, min(DEFAULT_MAX_IMAGE_SIZE, median))
     why = (
         f"the median short side of {len(usable)} images is {median} px"
         + (f", capped at {DEFAULT_MAX_IMAGE_SIZE}" if median > DEFAULT_MAX_IMAGE_SIZE else "")
         + (f", raised to the {MIN_IMAGE_SIZE} px minimum" if median < MIN_IMAGE_SIZE else "")
     )
-    return ImageSize(px, why)
+    return _with_transform(ImageSize(px, why), median)
+
+
+def _with_transform(size: ImageSize, median_short: int) -> ImageSize:
+    margin = resize_short_for(size.px)
+    if median_short < margin:
+        return size
+    return ImageSize(size.px, f"{size.reason}; photos: short side to {margin}, centre crop", margin)
