@@ -195,7 +195,7 @@ def main() -> None:
             eval_images_u8=val_x,
             eval_labels=val_labels,
             max_accuracy_drop=args.max_accuracy_drop,
-        )
+        ).model_dump(mode="json")
         export_s = time.perf_counter() - started
         quant = model_json["quantization"]
 

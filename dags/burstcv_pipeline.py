@@ -47,6 +47,16 @@ from burstcv.airflow.form import trigger_form
 from burstcv.airflow.operators import WaitForTrainingOperator
 from burstcv.params import RunParams
 from burstcv.settings import get_settings
+from burstcv_spec.contracts import (
+    Benchmarked,
+    Exported,
+    Packed,
+    Provisioned,
+    RunRef,
+    Trained,
+    Validated,
+    Verdict,
+)
 
 SETTINGS = get_settings()
 # Updating this Asset (an ingestion job, or POST /api/v2/assets/events with
@@ -60,6 +70,14 @@ SAFE_RETRY = {"retries": 2, "retry_delay": timedelta(seconds=30), "retry_exponen
 
 def _params(params: dict[str, Any]) -> RunParams:
     return RunParams.resolve(params, SETTINGS)
+
+
+def _run(run_id: str | None) -> RunRef:
+    return RunRef.of(str(run_id))
+
+
+# Stage results travel through XCom as JSON (model_dump(mode="json")) and are rebuilt, and
+# validated, with Model.model_validate by the task that receives them.
 
 
 @dag(
@@ -99,7 +117,7 @@ def burstcv_pipeline() -> None:
         if uri := dataset_from_asset_events(triggering_asset_events):
             run_params = run_params.model_copy(update={"dataset_uri": uri})
         try:
-            return pipeline.validate(str(run_id), run_params, SETTINGS)
+            return pipeline.validate(_run(run_id), run_params, SETTINGS).model_dump(mode="json")
         except pipeline.ValidationFailed as exc:
             raise AirflowFailException(str(exc)) from exc  # retrying cannot fix the data
 
@@ -110,12 +128,14 @@ def burstcv_pipeline() -> None:
         """Decode the validated images once into uint8 shards (skip: production's data)."""
         from burstcv import pipeline
 
-        run_params = _params(params or {})
+        run_params, checked = _params(params or {}), Validated.model_validate(validated)
         if reason := pipeline.nothing_new_to_train(
-            str(run_id), run_params, validated, settings=SETTINGS
+            _run(run_id), run_params, checked, settings=SETTINGS
         ):
             raise AirflowSkipException(reason)  # everything after it is skipped: no GPU rented
-        return pipeline.pack(str(run_id), run_params, validated, settings=SETTINGS)
+        return pipeline.pack(_run(run_id), run_params, checked, settings=SETTINGS).model_dump(
+            mode="json"
+        )
 
     @task(execution_timeout=timedelta(minutes=15), pool=SETTINGS.gpu_pool)
     def provision(
@@ -129,13 +149,13 @@ def burstcv_pipeline() -> None:
         from burstcv import pipeline
 
         return pipeline.provision(
-            str(run_id),
+            _run(run_id),
             dag.dag_id,
             _params(params or {}),
-            packed,
+            Packed.model_validate(packed),
             SETTINGS,
             attempt=int(getattr(ti, "try_number", 1) or 1),
-        )
+        ).model_dump(mode="json")
 
     # Airflow runs no teardown for a setup that failed (or whose worker died): this does.
     @task(
@@ -151,7 +171,7 @@ def burstcv_pipeline() -> None:
         from burstcv import pipeline
 
         return pipeline.clean_up_provision(
-            str(run_id), RunParams.backend_of(params or {}, SETTINGS)
+            _run(run_id), RunParams.backend_of(params or {}, SETTINGS)
         )
 
     @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
@@ -159,7 +179,8 @@ def burstcv_pipeline() -> None:
         """Terminate every box tagged with this run and record what it cost."""
         from burstcv import pipeline
 
-        return pipeline.terminate(provisioned["run_key"], provisioned["backend"])
+        boxes = Provisioned.model_validate(provisioned)
+        return pipeline.terminate(boxes.run, boxes.backend, SETTINGS).model_dump(mode="json")
 
     @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
     def export(
@@ -173,8 +194,13 @@ def burstcv_pipeline() -> None:
         from burstcv import pipeline
 
         return pipeline.export(
-            str(run_id), _params(params or {}), packed, trained, validated, SETTINGS
-        )
+            _run(run_id),
+            _params(params or {}),
+            Packed.model_validate(packed),
+            Trained.model_validate(trained),
+            Validated.model_validate(validated),
+            SETTINGS,
+        ).model_dump(mode="json")
 
     @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
     def benchmark(
@@ -188,7 +214,13 @@ def burstcv_pipeline() -> None:
         from burstcv import pipeline
 
         del exported  # ordering only: the candidate is read from the run's model folder
-        return pipeline.benchmark(str(run_id), _params(params or {}), packed, validated, SETTINGS)
+        return pipeline.benchmark(
+            _run(run_id),
+            _params(params or {}),
+            Packed.model_validate(packed),
+            Validated.model_validate(validated),
+            SETTINGS,
+        ).model_dump(mode="json")
 
     @task(execution_timeout=timedelta(minutes=10))
     def gate(
@@ -200,7 +232,13 @@ def burstcv_pipeline() -> None:
         """Judge latency and accuracy, and register the version as accepted or rejected."""
         from burstcv import pipeline
 
-        return pipeline.gate(str(run_id), _params(params or {}), exported, bench, SETTINGS)
+        return pipeline.gate(
+            _run(run_id),
+            _params(params or {}),
+            Exported.model_validate(exported),
+            Benchmarked.model_validate(bench),
+            SETTINGS,
+        ).model_dump(mode="json")
 
     @task(execution_timeout=timedelta(minutes=10))
     def deploy(
@@ -209,10 +247,10 @@ def burstcv_pipeline() -> None:
         """Move the production alias and verify the service serves the new version."""
         from burstcv import pipeline
 
-        run_params = _params(params or {})
-        if reason := pipeline.deploy_skip_reason(verdict, run_params):
+        run_params, judged = _params(params or {}), Verdict.model_validate(verdict)
+        if reason := pipeline.deploy_skip_reason(judged, run_params):
             raise AirflowSkipException(reason)
-        return pipeline.deploy(str(run_id), run_params, verdict, SETTINGS)
+        return pipeline.deploy(_run(run_id), run_params, judged, SETTINGS).model_dump(mode="json")
 
     @task(execution_timeout=timedelta(minutes=10), trigger_rule="none_failed", **SAFE_RETRY)
     def report(
@@ -222,7 +260,7 @@ def burstcv_pipeline() -> None:
         from burstcv import pipeline
 
         del verdict  # ordering only
-        return pipeline.report(str(run_id), _params(params or {}), SETTINGS)
+        return pipeline.report(_run(run_id), _params(params or {}), SETTINGS)
 
     validated = validate()
     packed = pack(validated)

@@ -14,7 +14,7 @@ import html
 import mimetypes
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, HTTPException, Request, status
 from fastapi.responses import HTMLResponse, Response
@@ -24,7 +24,18 @@ from burstcv.links import DAG_ID, URL_PREFIX
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, RegistryError
 from burstcv.settings import Settings, get_settings
 from burstcv_spec import storage
+from burstcv_spec.contracts import (
+    Artifact,
+    Billing,
+    RunRecord,
+    SkipRecord,
+    VerdictRecord,
+    read_artifact,
+)
+from burstcv_spec.layout import RunLayout
 from burstcv_spec.storage import safe_run_id
+
+A = TypeVar("A", bound=Artifact)
 
 __all__ = ["DAG_ID", "URL_PREFIX", "app", "artifact_uri", "artifact_url", "safe_run_id"]
 
@@ -75,9 +86,9 @@ def artifact_uri(settings: Settings, run_key: str, path: str) -> str:
     return uri
 
 
-def _read_json_or_none(uri: str) -> Any:
+def _read_or_none(uri: str, model: type[A]) -> A | None:
     try:
-        return storage.read_json(uri)
+        return read_artifact(uri, model)
     except storage.ArtifactNotFoundError:
         return None
 
@@ -93,19 +104,19 @@ def model_versions(settings: Settings) -> dict[str, Any]:
             entry = registry.entry(version)
         except RegistryError:  # listed then removed: nothing to show
             continue
-        candidate = (entry.get("benchmark") or {}).get("candidate") or {}
-        gate = entry.get("gate") or {}
-        run_id = (entry.get("lineage") or {}).get("run_id") or ""
+        candidate = (entry.benchmark or {}).get("candidate")
+        gate = entry.gate
+        run_id = entry.lineage.run_id
         rows.append(
             {
                 "version": version,
-                "status": entry.get("status", "unknown"),
-                "accuracy": candidate.get("accuracy"),
-                "p95_ms": candidate.get("p95_ms"),
+                "status": entry.status,
+                "accuracy": candidate.accuracy if candidate else None,
+                "p95_ms": candidate.p95_ms if candidate else None,
                 "aliases": [n for n, v in alias_versions.items() if v == version],
-                "reasons": list(gate.get("reasons") or []),
-                "summary": entry.get("reason") or gate.get("summary") or "",
-                "registered_at": entry.get("registered_at", ""),
+                "reasons": list(gate.reasons) if gate else [],
+                "summary": entry.reason or (gate.summary if gate else ""),
+                "registered_at": entry.registered_at,
                 "run_id": run_id,
                 "airflow_run_url": links.airflow_run_path(run_id) if run_id else None,
                 "report_url": artifact_url(run_id, "report") if run_id else None,
@@ -116,7 +127,10 @@ def model_versions(settings: Settings) -> dict[str, Any]:
         "registry_uri": settings.registry_uri,
         "aliases": alias_versions,
         "versions": rows,
-        "history": list(reversed(registry.history(limit=HISTORY_ROWS))),  # newest first
+        "history": [  # newest first
+            event.model_dump(mode="json", by_alias=True)
+            for event in reversed(registry.history(limit=HISTORY_ROWS))
+        ],
     }
 
 
@@ -140,29 +154,30 @@ def run_costs(settings: Settings) -> list[dict[str, Any]]:
     runs_uri = storage.join(settings.artifact_root, "runs")
     rows: list[dict[str, Any]] = []
     for key in _run_keys(runs_uri):
-        run_uri = storage.join(runs_uri, key)
-        billing = _read_json_or_none(storage.join(run_uri, "job", "billing.json")) or {}
-        verdict = _read_json_or_none(storage.join(run_uri, "bench", "verdict.json")) or {}
-        record = _read_json_or_none(storage.join(run_uri, "run.json")) or {}
-        skipped = _read_json_or_none(storage.join(run_uri, "skip.json")) or {}
+        run = RunLayout(storage.join(runs_uri, key))
+        billing = _read_or_none(run.billing, Billing)
+        verdict = _read_or_none(run.verdict, VerdictRecord)
+        record = _read_or_none(run.record, RunRecord)
+        skipped = _read_or_none(run.skip, SkipRecord)
         served = {
-            page: storage.exists(storage.join(run_uri, links.tree_path(page), links.INDEX))
+            page: storage.exists(storage.join(run.root, links.tree_path(page), links.INDEX))
             for page in links.SERVED_TREES
         }
         # run.json holds the Airflow run id (with ':' and '+'); older runs only have the key.
-        run_id = str(record.get("run_id") or key)
+        run_id = (record.run_id if record else "") or key
         rows.append(
             {
                 "run_id": run_id,
                 "run_key": key,
                 "airflow_run_url": links.airflow_run_path(run_id) if record else None,
-                "backend": billing.get("backend"),
-                "billed_seconds": billing.get("billed_seconds"),
-                "cost_usd": billing.get("cost_usd"),
-                "version": verdict.get("version"),
-                "promote": verdict.get("promote"),
-                "skipped": bool(skipped),
-                "summary": verdict.get("summary") or skipped.get("reason"),
+                "backend": billing.backend if billing else None,
+                "billed_seconds": billing.billed_seconds if billing else None,
+                "cost_usd": billing.cost_usd if billing else None,
+                "version": verdict.version if verdict else None,
+                "promote": verdict.promote if verdict else None,
+                "skipped": skipped is not None,
+                "summary": (verdict.summary if verdict else None)
+                or (skipped.reason if skipped else None),
                 "data_docs_url": artifact_url(key, "data-docs") if served["data-docs"] else None,
                 "report_url": artifact_url(key, "report") if served["report"] else None,
             }

@@ -61,27 +61,92 @@ def export_trained(trained: dict[str, Any], out: Path, **options: Any) -> dict[s
         "name": "digits",
     }
     fields.update(options)
-    return export_model(**fields)  # type: ignore[no-any-return]
+    return export_model(**fields).model_dump(mode="json")
+
+
+def model_card(onnx_bytes: bytes, **fields: Any) -> dict[str, Any]:
+    """Return a complete model.json (a ModelCard) for an ONNX file of these bytes."""
+    from burstcv_spec.contracts import ModelCard
+
+    card: dict[str, Any] = {
+        "name": "digits",
+        "arch": "resnet10",
+        "classes": [str(i) for i in range(10)],
+        "onnx_file": "model.onnx",
+        "sha256": hashlib.sha256(onnx_bytes).hexdigest(),
+        "opset": 18,
+        "input": {"name": "input", "shape": [None, 3, 32, 32], "dtype": "float32"},
+        "output": {"name": "logits", "kind": "logits"},
+        "preprocess": {
+            "height": 32,
+            "width": 32,
+            "mean": [0.5, 0.5, 0.5],
+            "std": [0.25, 0.25, 0.25],
+            "interpolation": "bilinear",
+            "color_mode": "RGB",
+            "layout": "NCHW",
+            "scale": 1 / 255,
+            "formats": ["PNG", "JPEG", "WEBP"],
+        },
+        "metrics": {"val_accuracy": 0.9},
+        "dataset_fingerprint": "fp",
+        "source_commit": "abc",
+        "run_id": "run",
+        "created_at": "2026-01-01T00:00:00+00:00",
+    }
+    card.update(fields)
+    return ModelCard.model_validate(card).model_dump(mode="json")
+
+
+def write_model_dir(root: Path, onnx_bytes: bytes, **fields: Any) -> Path:
+    """Write a model folder (model.onnx + a complete model.json) as the export stage does."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "model.onnx").write_bytes(onnx_bytes)
+    (root / "model.json").write_text(json.dumps(model_card(onnx_bytes, **fields)))
+    return root
 
 
 def make_model_dir(root: Path, tag: str) -> Path:
     """Write a model folder (model.onnx bytes + model.json) as the export stage does."""
-    root.mkdir(parents=True, exist_ok=True)
-    data = f"onnx-{tag}".encode()
-    (root / "model.onnx").write_bytes(data)
-    (root / "model.json").write_text(
-        json.dumps(
-            {
-                "name": "digits",
-                "onnx_file": "model.onnx",
-                "sha256": hashlib.sha256(data).hexdigest(),
-                "run_id": f"run-{tag}",
-                "dataset_fingerprint": "fp",
-                "source_commit": "abc",
-            }
-        )
-    )
-    return root
+    return write_model_dir(root, f"onnx-{tag}".encode(), run_id=f"run-{tag}")
+
+
+def gate_decision(
+    accuracy: float, p95_ms: float, reasons: list[str] | tuple[str, ...] = (), **fields: Any
+) -> dict[str, Any]:
+    """Return the gate's part of a registry entry: a complete verdict and candidate figures."""
+    promote = not reasons
+    summary = "promote" if promote else "not promoted: " + "; ".join(reasons)
+    candidate = {
+        "label": "candidate",
+        "requests": 100,
+        "concurrency": 4,
+        "errors": 0,
+        "p50_ms": p95_ms / 2,
+        "p95_ms": p95_ms,
+        "p99_ms": p95_ms * 1.2,
+        "mean_ms": p95_ms / 2,
+        "throughput_rps": 100.0,
+        "wall_s": 1.0,
+        "status_counts": {"200": 100},
+        "error_rate": 0.0,
+        "accuracy": accuracy,
+    }
+    decision: dict[str, Any] = {
+        "status": "accepted" if promote else "rejected",
+        "reason": summary,
+        "gate": {
+            "promote": promote,
+            "reasons": list(reasons),
+            "checks": [],
+            "suggestions": [],
+            "summary": summary,
+            "failed_figures": list(reasons),
+        },
+        "benchmark": {"candidate": candidate},
+    }
+    decision.update(fields)
+    return decision
 
 
 def init_airflow_db(env: dict[str, str], *, cwd: Path | None = None) -> None:

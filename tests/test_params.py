@@ -14,6 +14,7 @@ from burstcv.data.config import ValidationConfig
 from burstcv.params import DATA_CHECKS, RunParams, params_table, run_fields
 from burstcv.settings import Settings, get_settings
 from burstcv.training.job import JobSpec
+from burstcv_spec.contracts import RunRef
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE_BEGIN = "<!-- run-params:begin (generated from burstcv.params; see tests/test_params.py) -->"
@@ -75,11 +76,13 @@ def test_the_data_checks_take_effect_in_the_validate_stage(
 ) -> None:
     settings = Settings(home=str(tmp_path))
     given = {"dataset_uri": str(demo_dataset)}
-    passed = pipeline.validate("manual__defaults", RunParams.resolve(given, settings), settings)
-    assert Path(passed["validation_uri"]).is_file()
+    passed = pipeline.validate(
+        RunRef.of("manual__defaults"), RunParams.resolve(given, settings), settings
+    )
+    assert Path(passed.validation_uri).is_file()
     strict = RunParams.resolve({**given, "min_images_per_class": 100}, settings)
     with pytest.raises(pipeline.ValidationFailed, match="min_images_per_class"):
-        pipeline.validate("manual__strict", strict, settings)
+        pipeline.validate(RunRef.of("manual__strict"), strict, settings)
 
 
 def test_the_docs_table_is_the_generated_one() -> None:

@@ -2,40 +2,42 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from pathlib import Path
 
 import pytest
+from burstcv_testkit import write_model_dir
 
 from burstcv import pipeline
 from burstcv.params import RunParams
 from burstcv.registry.registry import Registry
 from burstcv.settings import Settings
 from burstcv_spec import storage
+from burstcv_spec.contracts import RunRef, SkipRecord, Validated, Verdict, read_artifact
 
 FINGERPRINT = "f1" * 32
-RUN_ID = "scheduled__2026-12-01T00:00:00+00:00"
+RUN = RunRef.of("scheduled__2026-12-01T00:00:00+00:00")
+
+
+def validated(fingerprint: str) -> Validated:
+    """Return validate's result for a dataset with this fingerprint."""
+    return Validated(
+        fingerprint=fingerprint,
+        manifest_uri="/a/manifest.parquet",
+        validation_uri="/a/validation.json",
+        data_docs_uri="/a/data_docs/index.html",
+    )
 
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     """Return settings whose registry has production v1, made from FINGERPRINT at 32 px."""
     s = Settings(artifact_root=str(tmp_path / "artifacts"), registry_uri=str(tmp_path / "reg"))
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    onnx = b"an onnx file: the registry only stores it"
-    (model_dir / "model.onnx").write_bytes(onnx)
-    (model_dir / "model.json").write_text(
-        json.dumps(
-            {
-                "sha256": hashlib.sha256(onnx).hexdigest(),
-                "run_id": "manual__first",
-                "dataset_fingerprint": FINGERPRINT,
-                "preprocess": {"height": 32, "width": 32},
-            }
-        )
+    model_dir = write_model_dir(
+        tmp_path / "model",
+        b"an onnx file: the registry only stores it",
+        run_id="manual__first",
+        dataset_fingerprint=FINGERPRINT,
     )
     registry = Registry(s.registry_uri, s.model_name)
     params = RunParams(dataset_uri="/data/digits", epochs=3)
@@ -48,9 +50,7 @@ def settings(tmp_path: Path) -> Settings:
 
 def decide(settings: Settings, fingerprint: str = FINGERPRINT, **params: object) -> str | None:
     run_params = RunParams(dataset_uri="/data/digits-copy", **{"epochs": 3, **params})
-    return pipeline.nothing_new_to_train(
-        RUN_ID, run_params, {"fingerprint": fingerprint}, settings=settings
-    )
+    return pipeline.nothing_new_to_train(RUN, run_params, validated(fingerprint), settings=settings)
 
 
 def test_production_data_and_params_need_no_training(
@@ -62,8 +62,8 @@ def test_production_data_and_params_need_no_training(
     assert "production version 1 (run manual__first)" in reason
     assert "model resnet10, epochs 3" in reason and "force_train" in reason
     assert reason in caplog.messages
-    skip = storage.read_json(pipeline.RunPaths.of(RUN_ID, settings).skip)
-    assert skip["reason"] == reason and skip["production_version"] == 1
+    skip = read_artifact(pipeline.run_layout(RUN, settings).skip, SkipRecord)
+    assert skip.reason == reason and skip.production_version == 1
 
 
 @pytest.mark.parametrize(
@@ -80,13 +80,13 @@ def test_new_data_other_params_or_force_train(
     settings: Settings, change: dict[str, object], why: str
 ) -> None:
     assert decide(settings, **change) is None, why
-    assert not storage.exists(pipeline.RunPaths.of(RUN_ID, settings).skip)
+    assert not storage.exists(pipeline.run_layout(RUN, settings).skip)
 
 
 def test_another_image_size_trains(settings: Settings) -> None:
     run_params = RunParams(dataset_uri="/data/digits", epochs=3)
     decided = pipeline.nothing_new_to_train(
-        RUN_ID, run_params, {"fingerprint": FINGERPRINT}, input_px=64, settings=settings
+        RUN, run_params, validated(FINGERPRINT), input_px=64, settings=settings
     )
     assert decided is None
 
@@ -99,18 +99,18 @@ def test_an_empty_registry_trains(tmp_path: Path) -> None:
 def test_a_skipped_deploy_says_which_check_failed_with_its_figures(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    verdict = {
-        "version": 7,
-        "promote": False,
-        "summary": "not promoted: accuracy 0.6890 is below the floor 0.9000",
-        "failed_figures": ["accuracy 0.6890 < floor 0.9"],
-    }
+    verdict = Verdict(
+        version=7,
+        promote=False,
+        summary="not promoted: accuracy 0.6890 is below the floor 0.9000",
+        failed_figures=["accuracy 0.6890 < floor 0.9"],
+    )
     params = RunParams(dataset_uri="/d")
     with caplog.at_level(logging.INFO, logger="burstcv"):
         reason = pipeline.deploy_skip_reason(verdict, params)
     assert reason == "version 7 not promoted: accuracy 0.6890 < floor 0.9"
     assert caplog.messages[0] == reason
-    accepted = {**verdict, "promote": True, "failed_figures": []}
+    accepted = verdict.model_copy(update={"promote": True, "failed_figures": []})
     assert pipeline.deploy_skip_reason(accepted, params) is None
     held = pipeline.deploy_skip_reason(accepted, params.model_copy(update={"promote": False}))
     assert held == "version 7 passed the gate but is not deployed: the run has promote=false"

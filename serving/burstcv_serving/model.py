@@ -23,8 +23,10 @@ import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from burstcv_serving.registry import ModelRef
+from burstcv_spec.contracts import ArtifactError, ModelCard, read_artifact
+from burstcv_spec.layout import MODEL_CARD
 from burstcv_spec.preprocess import PreprocessSpec, normalize
-from burstcv_spec.storage import join, read_bytes, read_json_object
+from burstcv_spec.storage import join, read_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -104,18 +106,21 @@ def load_model(
     spinning: bool = False,
 ) -> LoadedModel:
     """Read, verify, open and warm one model version; raise ModelLoadError saying why not."""
-    meta_uri = join(ref.location, "model.json")
+    meta_uri = join(ref.location, MODEL_CARD)
     try:
-        meta = read_json_object(meta_uri)
+        card = read_artifact(meta_uri, ModelCard)
     except FileNotFoundError as exc:
         raise ModelLoadError(f"{meta_uri} does not exist") from exc
-    except (OSError, ValueError) as exc:
+    except ArtifactError as exc:  # names the file and the field
+        raise ModelLoadError(f"cannot read {exc}") from exc
+    except OSError as exc:
         raise ModelLoadError(f"cannot read {meta_uri}: {exc}") from exc
 
-    classes, onnx_file, meta_sha, spec = _check_metadata(meta, meta_uri)
-    if isinstance(ref.version, int) and meta.get("version") not in (None, ref.version):
+    onnx_file, meta_sha = card.onnx_file, card.sha256
+    spec = card.preprocess.to_spec()  # checked when model.json was read
+    if isinstance(ref.version, int) and card.version not in (None, ref.version):
         raise ModelLoadError(
-            f"{meta_uri} says version {meta.get('version')!r} but the alias points at {ref.version}"
+            f"{meta_uri} says version {card.version!r} but the alias points at {ref.version}"
         )
 
     onnx_uri = join(ref.location, onnx_file)
@@ -149,51 +154,27 @@ def load_model(
     except ORT_ERRORS as exc:
         raise ModelLoadError(f"onnxruntime cannot load {onnx_uri}: {exc}") from exc
 
-    input_name = str(meta.get("input", {}).get("name") or session.get_inputs()[0].name)
-    output_name = str(meta.get("output", {}).get("name") or session.get_outputs()[0].name)
+    input_name, output_name = card.input.name, card.output.name
     if input_name not in {i.name for i in session.get_inputs()}:
         raise ModelLoadError(f"{onnx_uri} has no input named {input_name!r}")
     if output_name not in {o.name for o in session.get_outputs()}:
         raise ModelLoadError(f"{onnx_uri} has no output named {output_name!r}")
 
     model = LoadedModel(
-        name=str(meta.get("name", "")),
+        name=card.name,
         version=ref.version,
         sha256=actual_sha,
-        classes=classes,
-        metrics=MappingProxyType(dict(meta.get("metrics") or {})),
+        classes=tuple(card.classes),
+        metrics=MappingProxyType(dict(card.metrics)),
         spec=spec,
         session=session,
         input_name=input_name,
         output_name=output_name,
-        outputs_logits=str(meta.get("output", {}).get("kind", "logits")) == "logits",
+        outputs_logits=card.output.kind == "logits",
         max_batch_size=max_batch_size,
         loaded_at=datetime.now(UTC),
     )
     return replace(model, single_latency_s=_warm(model, onnx_uri))
-
-
-def _check_metadata(
-    meta: dict[str, Any], meta_uri: str
-) -> tuple[tuple[str, ...], str, str, PreprocessSpec]:
-    classes = meta.get("classes")
-    if not isinstance(classes, list) or not classes:
-        raise ModelLoadError(f"{meta_uri} has no 'classes' list")
-    onnx_file = meta.get("onnx_file", "model.onnx")
-    if (
-        not isinstance(onnx_file, str)
-        or onnx_file in ("", ".", "..")
-        or any(sep in onnx_file for sep in ("/", "\\"))
-    ):
-        raise ModelLoadError(f"{meta_uri} 'onnx_file' must name a file beside model.json")
-    meta_sha = meta.get("sha256")
-    if not isinstance(meta_sha, str) or len(meta_sha) != 64:
-        raise ModelLoadError(f"{meta_uri} has no hex 'sha256' of its onnx file")
-    try:
-        spec = PreprocessSpec.from_dict(meta["preprocess"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelLoadError(f"{meta_uri} has an unusable 'preprocess' block: {exc}") from exc
-    return tuple(str(c) for c in classes), onnx_file, meta_sha.lower(), spec
 
 
 def _warm(model: LoadedModel, onnx_uri: str) -> float:

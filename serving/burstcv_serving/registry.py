@@ -1,9 +1,9 @@
 """Find which model version should serve and read its files, from a registry or one directory.
 
-Layout (docs/contracts.md)::
+Layout (``burstcv_spec.layout.RegistryLayout``, docs/contracts.md)::
 
-    <registry>/<name>/aliases/<alias>.json     {"version": n, "sha256": "<hex>", ...}
-    <registry>/<name>/versions/<n>/model.json  (+ the onnx file it names)
+    <registry>/<name>/aliases/<alias>.json     AliasRecord: {"version": n, "sha256": "<hex>", ...}
+    <registry>/<name>/versions/<n>/model.json  ModelCard (+ the onnx file it names)
 
 A registry is a local folder or ``s3://bucket/prefix``, read through ``burstcv_spec.storage``
 (S3 needs boto3, which is imported only when an s3:// URI is met).
@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from burstcv_spec.storage import join, read_json_object
+from burstcv_spec.contracts import AliasRecord, ArtifactError, ModelCard, read_artifact
+from burstcv_spec.layout import MODEL_CARD, RegistryLayout
+from burstcv_spec.storage import join
 
 
 class SourceError(RuntimeError):
@@ -51,29 +53,28 @@ class RegistrySource:
         self.registry_uri = registry_uri
         self.name = name
         self.alias = alias
-        self.alias_uri = join(registry_uri, name, "aliases", f"{alias}.json")
+        self.layout = RegistryLayout(registry_uri, name)
+        self.alias_uri = self.layout.alias(alias)
         self.description = f"alias {alias!r} of model {name!r} in {registry_uri}"
 
     def resolve(self) -> ModelRef:
         """Read the alias file and return the version it points at."""
         try:
-            alias = read_json_object(self.alias_uri)
+            alias = read_artifact(self.alias_uri, AliasRecord)
         except FileNotFoundError as exc:
             raise SourceError(f"alias file {self.alias_uri} does not exist") from exc
-        except (OSError, ValueError) as exc:
+        except ArtifactError as exc:  # names the file and the field
+            raise SourceError(f"cannot read alias file {exc}") from exc
+        except OSError as exc:
             raise SourceError(f"cannot read alias file {self.alias_uri}: {exc}") from exc
-        version = alias.get("version")
-        if isinstance(version, bool) or not isinstance(version, int) or version <= 0:
-            raise SourceError(f"alias file {self.alias_uri} has no positive integer 'version'")
-        sha = alias.get("sha256")
-        return self.ref_for(version, str(sha) if sha else None)
+        return self.ref_for(alias.version, alias.sha256 or None)
 
     def ref_for(self, version: int, sha256: str | None) -> ModelRef:
         """Return the registry folder of ``version``, to be checked against ``sha256``."""
         return ModelRef(
             version=version,
             expected_sha256=sha256,
-            location=join(self.registry_uri, self.name, "versions", str(version)),
+            location=self.layout.version(version),
         )
 
 
@@ -86,20 +87,18 @@ class DirectorySource:
 
     def resolve(self) -> ModelRef:
         """Read model.json's version (or 'candidate') and sha256 from the directory."""
-        uri = join(self.model_dir, "model.json")
+        uri = join(self.model_dir, MODEL_CARD)
         try:
-            meta = read_json_object(uri)
+            card = read_artifact(uri, ModelCard)
         except FileNotFoundError as exc:
             raise SourceError(f"{uri} does not exist") from exc
-        except (OSError, ValueError) as exc:
+        except ArtifactError as exc:  # names the file and the field
+            raise SourceError(f"cannot read {exc}") from exc
+        except OSError as exc:
             raise SourceError(f"cannot read {uri}: {exc}") from exc
-        version = meta.get("version")
-        if not isinstance(version, int | str) or isinstance(version, bool) or version == "":
-            version = "candidate"
-        sha = meta.get("sha256")
         return ModelRef(
-            version=version,
-            expected_sha256=str(sha) if sha else None,
+            version="candidate" if card.version is None else card.version,
+            expected_sha256=card.sha256,
             location=self.model_dir,
         )
 

@@ -87,21 +87,22 @@ def validate(
     """
     from burstcv import pipeline
     from burstcv.data.manifest import DatasetUnusableError
+    from burstcv_spec.contracts import RunRef
 
     _setup_logging()
     settings = get_settings()
     params = _run_params({**given, "dataset_uri": dataset}, settings, code=2)
     run = run_id or _new_run_id()
     try:
-        validated = pipeline.validate(run, params, settings)
+        validated = pipeline.validate(RunRef.of(run), params, settings)
     except pipeline.ValidationFailed as exc:
         if isinstance(exc.__cause__, DatasetUnusableError):
             raise _fail(str(exc), 2) from None
         typer.echo(str(exc))
         raise typer.Exit(1) from None
     typer.echo(
-        f"passed: {dataset} (run {run})\nvalidation.json: {validated['validation_uri']}\n"
-        f"Data Docs: {validated['data_docs_uri']}"
+        f"passed: {dataset} (run {run})\nvalidation.json: {validated.validation_uri}\n"
+        f"Data Docs: {validated.data_docs_uri}"
     )
 
 
@@ -150,38 +151,57 @@ def export(
     from burstcv.export.onnx_export import CheckpointError, ParityError
     from burstcv.training.job import load_job
     from burstcv_spec import storage
+    from burstcv_spec.contracts import (
+        ArtifactError,
+        Packed,
+        PreprocessBlock,
+        RunRecord,
+        RunRef,
+        Validated,
+        read_artifact,
+    )
 
     _setup_logging()
     settings = get_settings()
-    paths = pipeline.RunPaths.of(run_id, settings)
-    job_uri, metrics_uri = (storage.join(paths.job, name) for name in ("job.json", "metrics.json"))
-    if not storage.exists(metrics_uri):
-        raise _fail(f"run {run_id} has no trained model: {metrics_uri} does not exist")
-    job = load_job(job_uri)
+    paths = pipeline.run_layout(run_id, settings)
+    if not storage.exists(paths.metrics):
+        raise _fail(f"run {run_id} has no trained model: {paths.metrics} does not exist")
+    job = load_job(paths.job_spec)
     choices = {**given, "model": job.arch}  # the architecture is the one trained
     if storage.exists(paths.record):  # the run's dataset, for the record (export reads none)
-        choices["dataset_uri"] = storage.read_json(paths.record)["dataset_uri"]
+        try:
+            record = read_artifact(paths.record, RunRecord)
+        except ArtifactError as exc:
+            raise _fail(str(exc)) from None
+        choices["dataset_uri"] = record.dataset_uri
     params = _run_params(choices, settings)
-    packed = {
-        "classes": job.classes,
-        "train_shards": job.train_shards,
-        "val_shards": job.val_shards,
-        "preprocess": job.preprocess,
-        "fingerprint": job.dataset_fingerprint,
-    }
-    trained = pipeline.collect_training(run_id, {"status": "done"}, settings)
-    validated = {"manifest_uri": storage.join(paths.dataset, "manifest.parquet")}
+    run = RunRef.of(run_id)
+    packed = Packed(
+        classes=job.classes,
+        train_shards=job.train_shards,
+        val_shards=job.val_shards,
+        counts={},  # export reads the shards, not their counts
+        preprocess=PreprocessBlock.model_validate(job.preprocess),
+        fingerprint=job.dataset_fingerprint,
+    )
+    trained = pipeline.collect_training(run, {"status": "done"}, settings)
+    # Export reads only the manifest; the validation evidence stays where validate left it.
+    validated = Validated(
+        fingerprint=job.dataset_fingerprint,
+        manifest_uri=paths.manifest,
+        validation_uri=paths.validation,
+        data_docs_uri="",
+    )
     try:
-        exported = pipeline.export(run_id, params, packed, trained, validated, settings)
+        exported = pipeline.export(run, params, packed, trained, validated, settings)
     except (CheckpointError, ParityError) as exc:
         raise _fail(str(exc)) from None
-    quantization = exported.get("quantization") or {}
     typer.echo(
-        f"exported {exported['model_dir']}/{exported['onnx_file']} sha256={exported['sha256']} "
-        f"(parity max |diff| {exported['parity_max_abs_diff']:.2e})"
+        f"exported {exported.model_dir}/{exported.onnx_file} sha256={exported.sha256} "
+        f"(parity max |diff| {exported.parity_max_abs_diff:.2e})"
     )
-    if quantization:
-        typer.echo(quantization["reason"])
+    if exported.quantization:
+        typer.echo(exported.quantization.reason)
 
 
 @app.command()
@@ -243,6 +263,7 @@ def models(
 ) -> None:
     """List the registered versions with their status, figures and aliases."""
     from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, RegistryError
+    from burstcv_spec.contracts import ArtifactError
 
     s = get_settings()
     registry = Registry(s.registry_uri, s.model_name)
@@ -259,13 +280,13 @@ def models(
             "result    detail"
         )
         for event in events:
-            moved_from, moved_to = event.get("from"), event.get("to")
+            moved_from, moved_to = event.from_version, event.to_version
             typer.echo(
-                f"{event.get('at', ''):<27} {event.get('actor', ''):<24} "
-                f"{event.get('action', ''):<8} {event.get('alias', ''):<10} "
+                f"{event.at:<27} {event.actor:<24} "
+                f"{event.action:<8} {event.alias:<10} "
                 f"{'-' if moved_from is None else moved_from:>4} "
                 f"{'-' if moved_to is None else moved_to:>4}  "
-                f"{event.get('result', ''):<9} {event.get('detail', '')}".rstrip()
+                f"{event.result:<9} {event.detail}".rstrip()
             )
         return
     aliases = {name: registry.get_alias(name) for name in (PRODUCTION, PREVIOUS)}
@@ -275,15 +296,18 @@ def models(
         return
     typer.echo(f"{'version':>7}  {'status':<9} {'alias':<11} {'accuracy':>8} {'p95 ms':>8}  run")
     for version in rows:
-        entry = registry.entry(version)
-        cand = entry.get("benchmark", {}).get("candidate", {})
+        try:
+            entry = registry.entry(version)
+        except ArtifactError as exc:
+            raise _fail(str(exc)) from None
+        cand = (entry.benchmark or {}).get("candidate")
         alias = ",".join(n for n, a in aliases.items() if a and a.version == version) or "-"
-        acc = cand.get("accuracy")
-        p95 = cand.get("p95_ms")
+        acc = cand.accuracy if cand else None
+        p95 = cand.p95_ms if cand else None
         typer.echo(
-            f"{version:>7}  {entry.get('status', '?'):<9} {alias:<11} "
+            f"{version:>7}  {entry.status:<9} {alias:<11} "
             f"{(f'{acc:.4f}' if acc is not None else '-'):>8} {(f'{p95:.2f}' if p95 else '-'):>8}  "
-            f"{entry.get('lineage', {}).get('run_id', '')}"
+            f"{entry.lineage.run_id}"
         )
 
 

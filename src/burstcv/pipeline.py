@@ -1,9 +1,10 @@
-"""Implement each pipeline stage as one function: artifacts in the store, small dicts out.
+"""Implement each pipeline stage as one function: artifacts in the store, typed results out.
 
 The Airflow tasks in dags/ are one-line calls to these functions, and ``burstcv`` CLI verbs
-call them too; nothing here imports Airflow. Every stage reads its inputs from the artifact
-store (URIs in the dicts it is given) and returns only references and figures, which is all
-that travels through XCom.
+call them too; nothing here imports Airflow. Every stage takes the run (``RunRef``) and the
+typed results of the stages before it, reads its inputs from the artifact store (URIs in
+those results) and returns a typed result of references and figures
+(``burstcv_spec.contracts``), which is all that travels through XCom.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from __future__ import annotations
 import io
 import logging
 import tempfile
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,34 @@ from burstcv.compute.base import STOPPED, InstanceInfo, LaunchRequest
 from burstcv.params import EXPORT_PARAMS, TRAINING_PARAMS, RunParams
 from burstcv.settings import Settings, get_settings
 from burstcv_spec import storage
+from burstcv_spec.contracts import (
+    AttemptRecord,
+    BenchFigures,
+    Benchmarked,
+    Billing,
+    Deployed,
+    Exported,
+    GateVerdict,
+    HostInfo,
+    InstanceRecord,
+    LatencyRecord,
+    Launch,
+    ModelCard,
+    Packed,
+    PreprocessBlock,
+    Provisioned,
+    RunRecord,
+    RunRef,
+    SkipRecord,
+    Terminated,
+    Trained,
+    Validated,
+    Verdict,
+    VerdictRecord,
+    read_artifact,
+    write_artifact,
+)
+from burstcv_spec.layout import MODEL_CARD, RunLayout
 from burstcv_spec.preprocess import PreprocessSpec
 from burstcv_spec.storage import safe_run_id
 
@@ -46,72 +74,29 @@ class TrainingFailed(StageError):
     """Raise when the training box reported FAILED or vanished without a result."""
 
 
-@dataclass(frozen=True)
-class RunPaths:
-    """Name every folder one run writes in the artifact store (docs/contracts.md)."""
-
-    root: str
-
-    @classmethod
-    def of(cls, run_id: str, settings: Settings | None = None) -> RunPaths:
-        """Return the paths of a run under the configured artifact root."""
-        s = settings or get_settings()
-        return cls(storage.join(s.artifact_root, "runs", safe_run_id(run_id)))
-
-    @property
-    def record(self) -> str:
-        """Return runs/<id>/run.json: the Airflow run id (the folder name is path-safe)."""
-        return storage.join(self.root, "run.json")
-
-    @property
-    def skip(self) -> str:
-        """Return runs/<id>/skip.json: written when the run had nothing new to train on."""
-        return storage.join(self.root, "skip.json")
-
-    @property
-    def dataset(self) -> str:
-        """Return runs/<id>/dataset."""
-        return storage.join(self.root, "dataset")
-
-    @property
-    def shards(self) -> str:
-        """Return runs/<id>/dataset/shards."""
-        return storage.join(self.root, "dataset", "shards")
-
-    @property
-    def job(self) -> str:
-        """Return runs/<id>/job."""
-        return storage.join(self.root, "job")
-
-    @property
-    def model(self) -> str:
-        """Return runs/<id>/model."""
-        return storage.join(self.root, "model")
-
-    @property
-    def bench(self) -> str:
-        """Return runs/<id>/bench."""
-        return storage.join(self.root, "bench")
-
-    @property
-    def report(self) -> str:
-        """Return runs/<id>/report."""
-        return storage.join(self.root, "report")
+def run_layout(run: RunRef | str, settings: Settings | None = None) -> RunLayout:
+    """Return the folders and files of a run under the configured artifact root."""
+    s = settings or get_settings()
+    return RunLayout.of(s.artifact_root, run.run_key if isinstance(run, RunRef) else run)
 
 
 # ---------------------------------------------------------------------------------------------
 # validate → pack
 
 
-def validate(run_id: str, params: RunParams, settings: Settings | None = None) -> dict[str, Any]:
+def validate(run: RunRef, params: RunParams, settings: Settings | None = None) -> Validated:
     """Run the dataset checks; raise ValidationFailed naming the failed checks and files."""
     from burstcv.data.validate import DatasetUnusableError, validate_dataset
 
     s = settings or get_settings()
-    paths = RunPaths.of(run_id, s)
-    storage.write_json(
+    paths = run_layout(run, s)
+    write_artifact(
         paths.record,
-        {"run_id": run_id, "dataset_uri": params.dataset_uri, "started_at": lineage.utc_now_iso()},
+        RunRecord(
+            run_id=run.airflow_run_id,
+            dataset_uri=params.dataset_uri,
+            started_at=lineage.utc_now_iso(),
+        ),
     )
     try:
         report = validate_dataset(
@@ -125,18 +110,18 @@ def validate(run_id: str, params: RunParams, settings: Settings | None = None) -
     if not report.success:
         raise ValidationFailed(report.summary)  # logged once, as the task's failure
     log.info("%s", report.summary)
-    return {
-        "fingerprint": report.fingerprint,
-        "manifest_uri": report.manifest_uri,
-        "validation_uri": report.validation_uri,
-        "data_docs_uri": report.data_docs_uri,
-    }
+    return Validated(
+        fingerprint=report.fingerprint,
+        manifest_uri=report.manifest_uri,
+        validation_uri=report.validation_uri,
+        data_docs_uri=report.data_docs_uri,
+    )
 
 
 def nothing_new_to_train(
-    run_id: str,
+    run: RunRef,
     params: RunParams,
-    validated: dict[str, Any],
+    validated: Validated,
     *,
     input_px: int = INPUT_PX,
     settings: Settings | None = None,
@@ -157,24 +142,22 @@ def nothing_new_to_train(
     if alias is None:
         return None
     entry = registry.entry(alias.version)
-    if entry.get("lineage", {}).get("dataset_fingerprint") != validated["fingerprint"]:
+    if entry.lineage.dataset_fingerprint != validated.fingerprint:
         return None
     if params.force_train:
         log.info(
             "the dataset is production v%d's (fingerprint %s); training anyway: force_train",
             alias.version,
-            validated["fingerprint"][:12],
+            validated.fingerprint[:12],
         )
         return None
-    recorded = entry.get("params")
-    if not isinstance(recorded, dict):
+    recorded = entry.params
+    if recorded is None:
         return None  # registered outside the pipeline: what made it is unknown
     mine = params.model_dump(mode="json")
     differing = [k for k in TRAINING_PARAMS + EXPORT_PARAMS if recorded.get(k) != mine.get(k)]
-    preprocess = storage.read_json(registry.version_uri(alias.version, "model.json")).get(
-        "preprocess", {}
-    )
-    if (preprocess.get("height"), preprocess.get("width")) != (input_px, input_px):
+    preprocess = registry.model_card(alias.version).preprocess
+    if (preprocess.height, preprocess.width) != (input_px, input_px):
         differing.append("image size")
     if differing:
         log.info(
@@ -188,19 +171,19 @@ def nothing_new_to_train(
     )
     reason = (
         f"nothing new to train on: the validated dataset (fingerprint "
-        f"{validated['fingerprint'][:12]}) and the params that matter ({same}, image size "
+        f"{validated.fingerprint[:12]}) and the params that matter ({same}, image size "
         f"{input_px} px) are those of production version {alias.version} (run "
-        f"{entry.get('lineage', {}).get('run_id') or '?'}); no compute was rented. Trigger "
+        f"{entry.lineage.run_id or '?'}); no compute was rented. Trigger "
         "with force_train to train anyway."
     )
-    storage.write_json(
-        RunPaths.of(run_id, s).skip,
-        {
-            "reason": reason,
-            "production_version": alias.version,
-            "fingerprint": validated["fingerprint"],
-            "decided_at": lineage.utc_now_iso(),
-        },
+    write_artifact(
+        run_layout(run, s).skip,
+        SkipRecord(
+            reason=reason,
+            production_version=alias.version,
+            fingerprint=validated.fingerprint,
+            decided_at=lineage.utc_now_iso(),
+        ),
     )
     log.info("%s", reason)
     return reason
@@ -211,18 +194,18 @@ def _read_manifest(uri: str) -> pd.DataFrame:
 
 
 def pack(
-    run_id: str,
+    run: RunRef,
     params: RunParams,
-    validated: dict[str, Any],
+    validated: Validated,
     *,
     input_px: int = INPUT_PX,
     settings: Settings | None = None,
-) -> dict[str, Any]:
+) -> Packed:
     """Decode the validated images once into uint8 shards; fix the preprocessing spec."""
     from burstcv.data.pack import pack_dataset
 
-    paths = RunPaths.of(run_id, settings)
-    manifest = _read_manifest(validated["manifest_uri"])
+    paths = run_layout(run, settings)
+    manifest = _read_manifest(validated.manifest_uri)
     size_only = PreprocessSpec(height=input_px, width=input_px)
     packed = pack_dataset(
         manifest, paths.shards, size_only, classes=params.expected_classes or None
@@ -232,14 +215,14 @@ def pack(
     spec = PreprocessSpec(
         height=input_px, width=input_px, mean=packed.train_mean, std=packed.train_std
     )
-    return {
-        "classes": packed.classes,
-        "train_shards": packed.train_shards,
-        "val_shards": packed.val_shards,
-        "counts": packed.counts,
-        "preprocess": spec.to_dict(),
-        "fingerprint": validated["fingerprint"],
-    }
+    return Packed(
+        classes=packed.classes,
+        train_shards=packed.train_shards,
+        val_shards=packed.val_shards,
+        counts=packed.counts,
+        preprocess=PreprocessBlock.of(spec),
+        fingerprint=validated.fingerprint,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,14 +230,14 @@ def pack(
 
 
 def provision(
-    run_id: str,
+    run: RunRef,
     dag_id: str,
     params: RunParams,
-    packed: dict[str, Any],
+    packed: Packed,
     settings: Settings | None = None,
     *,
     attempt: int = 1,
-) -> dict[str, Any]:
+) -> Provisioned:
     """Write job.json and start the training box(es) for this run.
 
     The run's time budget becomes an absolute deadline here, shared by every attempt, so a
@@ -267,13 +250,13 @@ def provision(
     from burstcv.training.job import JobSpec, write_job
 
     s = settings or get_settings()
-    paths = RunPaths.of(run_id, s)
+    paths = run_layout(run, s)
     time_budget_s = bounded_time_budget(params)
     deadline_at = lineage.utc_now() + timedelta(seconds=time_budget_s)
     wheel_uri, wheel_sha256, require_cuda = "", "", False
     if params.compute_backend == "ec2":
-        from burstcv.compute.ec2 import Ec2Settings
         from burstcv.compute.runtime import stage_training_wheel
+        from burstcv.settings import Ec2Settings
 
         if not storage.is_s3(s.artifact_root):
             raise StageError(
@@ -284,12 +267,12 @@ def provision(
         wheel_uri, wheel_sha256 = staged.uri, staged.sha256
         require_cuda = Ec2Settings().require_gpu
     job = JobSpec(
-        run_id=safe_run_id(run_id),
+        run_id=run.run_key,
         arch=params.model,
-        classes=packed["classes"],
-        train_shards=packed["train_shards"],
-        val_shards=packed["val_shards"],
-        preprocess=packed["preprocess"],
+        classes=packed.classes,
+        train_shards=packed.train_shards,
+        val_shards=packed.val_shards,
+        preprocess=packed.preprocess.model_dump(mode="json"),
         output_uri=paths.job,
         epochs=params.epochs,
         batch_size=params.batch_size,
@@ -300,39 +283,38 @@ def provision(
         require_cuda=require_cuda,
         source_commit=lineage.source_commit(),
         runtime_sha256=wheel_sha256,
-        dataset_fingerprint=packed["fingerprint"],
+        dataset_fingerprint=packed.fingerprint,
     )
-    job_uri = write_job(job, storage.join(paths.job, "job.json"))
-    launch = {
-        "run_id": safe_run_id(run_id),
-        "dag_id": dag_id,
-        "job_uri": job_uri,
-        "time_budget_s": time_budget_s,
-        "instance_types": list(params.instance_types),
-        "use_spot": params.use_spot,
-        "airflow_run_id": run_id,
-        "deadline_at": deadline_at.isoformat(),
-        "wheel_uri": wheel_uri,
-        "wheel_sha256": wheel_sha256,
-    }
+    job_uri = write_job(job, paths.job_spec)
+    launch = Launch(
+        run=run,
+        dag_id=dag_id,
+        job_uri=job_uri,
+        time_budget_s=time_budget_s,
+        instance_types=list(params.instance_types),
+        use_spot=params.use_spot,
+        deadline_at=deadline_at,
+        wheel_uri=wheel_uri,
+        wheel_sha256=wheel_sha256,
+    )
     try:
         ids = _launch(params.compute_backend, launch, paths.job, attempt=attempt)
     except BaseException:
-        log.error("provision of run %s failed; terminating whatever it started", run_id)
-        clean_up_provision(run_id, params.compute_backend)
+        log.error("provision of run %s failed; terminating whatever it started", run.airflow_run_id)
+        clean_up_provision(run, params.compute_backend)
         raise
-    return {
-        "job_uri": job_uri,
-        "output_uri": paths.job,
-        "instance_ids": ids,
-        "run_key": safe_run_id(run_id),
-        "backend": params.compute_backend,
-        "max_cost_usd": params.max_cost_usd,
-        "launch": launch,  # what a retry of the train task needs to start a box again
-    }
+    return Provisioned(
+        run=run,
+        job_uri=job_uri,
+        output_uri=paths.job,
+        instance_ids=ids,
+        backend=params.compute_backend,
+        max_cost_usd=params.max_cost_usd,
+        launch=launch,  # what a retry of the train task needs to start a box again
+    )
 
 
-def clean_up_provision(run_id: str, backend_name: str) -> list[str]:
+def clean_up_provision(run: RunRef, backend_name: str) -> list[str]:
     """Terminate every box tagged with the run after a failed provision; return their ids.
 
     Airflow runs no teardown for a setup task that failed (or whose worker died), so the
@@ -342,27 +324,36 @@ def clean_up_provision(run_id: str, backend_name: str) -> list[str]:
     """
     try:
         backend = get_backend(backend_name)
-        return backend.terminate_run(safe_run_id(run_id)).instance_ids
+        return backend.terminate_run(run.run_key).instance_ids
     # Broad on purpose: logged; the original failure is what the task reports.
     except Exception:
-        log.exception("could not clean up run %s on %s; the reaper will", run_id, backend_name)
+        log.exception(
+            "could not clean up run %s on %s; the reaper will", run.airflow_run_id, backend_name
+        )
         return []
 
 
 ATTEMPT_FILE = "attempt.json"  # in the job folder: the attempt the run now waits for
 
 
-def _launch(backend_name: str, launch: dict[str, Any], job_dir: str, attempt: int) -> list[str]:
-    fields = {
-        **launch,
-        "instance_types": tuple(launch["instance_types"]),
-        "deadline_at": datetime.fromisoformat(launch["deadline_at"]),
-        "attempt": attempt,
-    }
-    ids = get_backend(backend_name).launch(LaunchRequest(**fields))
-    storage.write_json(
+def _launch(backend_name: str, launch: Launch, job_dir: str, attempt: int) -> list[str]:
+    request = LaunchRequest(
+        run_id=launch.run.run_key,
+        dag_id=launch.dag_id,
+        job_uri=launch.job_uri,
+        time_budget_s=launch.time_budget_s,
+        instance_types=tuple(launch.instance_types),
+        use_spot=launch.use_spot,
+        airflow_run_id=launch.run.airflow_run_id,
+        attempt=attempt,
+        deadline_at=launch.deadline_at,
+        wheel_uri=launch.wheel_uri,
+        wheel_sha256=launch.wheel_sha256,
+    )
+    ids = get_backend(backend_name).launch(request)
+    write_artifact(
         storage.join(job_dir, ATTEMPT_FILE),
-        {"attempt": attempt, "instance_ids": ids, "launched_at": lineage.utc_now_iso()},
+        AttemptRecord(attempt=attempt, instance_ids=ids, launched_at=lineage.utc_now_iso()),
     )
     return ids
 
@@ -370,15 +361,15 @@ def _launch(backend_name: str, launch: dict[str, Any], job_dir: str, attempt: in
 def current_attempt(output_uri: str) -> int:
     """Return the run's latest launched attempt (1 before any relaunch)."""
     uri = storage.join(output_uri, ATTEMPT_FILE)
-    return int(storage.read_json(uri)["attempt"]) if storage.exists(uri) else 1
+    return read_artifact(uri, AttemptRecord).attempt if storage.exists(uri) else 1
 
 
 def run_cost_so_far(backend_name: str, instances: list[InstanceInfo]) -> float:
     """Return what the run's boxes have cost until now (every attempt; local compute is free)."""
     if backend_name != "ec2":
         return 0.0
-    from burstcv.compute.ec2 import Ec2Settings
     from burstcv.cost.pricing import UnknownPriceError, billed_seconds, cost_for_seconds
+    from burstcv.settings import Ec2Settings
 
     region = Ec2Settings().region
     now, total = lineage.utc_now(), 0.0
@@ -393,32 +384,32 @@ def run_cost_so_far(backend_name: str, instances: list[InstanceInfo]) -> float:
     return total
 
 
-def relaunch(provisioned: dict[str, Any]) -> int:
+def relaunch(provisioned: Provisioned) -> int:
     """Start the run's next attempt after a lost or interrupted box; return the attempt.
 
     The job resumes from its last checkpoint. A box of the run that still runs is waited for
     rather than doubled. The budget is the run's, not the attempt's: past the run's deadline,
     or once its boxes have cost max_cost_usd, nothing is relaunched (TrainingFailed).
     """
-    backend_name, run_key = provisioned["backend"], provisioned["run_key"]
-    attempt = current_attempt(provisioned["output_uri"])
+    backend_name, run_key = provisioned.backend, provisioned.run.run_key
+    attempt = current_attempt(provisioned.output_uri)
     instances = get_backend(backend_name).describe(run_key)
     if any(i.state != STOPPED for i in instances):
         return attempt
-    launch = provisioned["launch"]
-    deadline = datetime.fromisoformat(launch["deadline_at"])
+    launch = provisioned.launch
+    deadline = launch.deadline_at
     if lineage.utc_now() >= deadline:
         raise TrainingFailed(
             f"the run's deadline {deadline.isoformat()} has passed; no relaunch after attempt "
             f"{attempt} (raise max_cost_usd or time_budget_s for a longer run)"
         )
     spent = run_cost_so_far(backend_name, instances)
-    budget = float(provisioned.get("max_cost_usd") or 0.0)
+    budget = provisioned.max_cost_usd
     if budget and spent >= budget:
         raise TrainingFailed(
             f"the run's boxes have cost ${spent:.2f} of its ${budget:.2f} budget; no relaunch"
         )
-    ids = _launch(backend_name, launch, provisioned["output_uri"], attempt=attempt + 1)
+    ids = _launch(backend_name, launch, provisioned.output_uri, attempt=attempt + 1)
     log.warning(
         "run %s: attempt %d on %s resumes from the checkpoint (spent so far $%.2f)",
         run_key,
@@ -437,8 +428,8 @@ def bounded_time_budget(params: RunParams) -> int:
     """
     if params.compute_backend == "local":
         return params.time_budget_s
-    from burstcv.compute.ec2 import Ec2Settings
     from burstcv.cost.pricing import hourly_price, time_budget_for
+    from burstcv.settings import Ec2Settings
 
     region = Ec2Settings().region
     priciest = max(params.instance_types, key=lambda t: hourly_price(t, region, "on-demand"))
@@ -514,7 +505,8 @@ def _reaper_targets(names: list[str], settings: Settings) -> list[tuple[str, str
             except Exception as exc:
                 targets.append((name, "", exc))
             continue
-        from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
+        from burstcv.compute.ec2 import Ec2Backend
+        from burstcv.settings import Ec2Settings
 
         try:
             ec2 = Ec2Settings()
@@ -618,44 +610,43 @@ def failure_line(outcome: dict[str, Any]) -> str:
 
 
 def collect_training(
-    run_id: str, outcome: dict[str, Any], settings: Settings | None = None
-) -> dict[str, Any]:
+    run: RunRef, outcome: dict[str, Any], settings: Settings | None = None
+) -> Trained:
     """Turn the training outcome into figures, or raise TrainingFailed with the box's reason."""
     if outcome.get("status") != "done":
         raise TrainingFailed(failure_line(outcome))
-    paths = RunPaths.of(run_id, settings)
-    metrics = storage.read_json(storage.join(paths.job, "metrics.json"))
-    return {
-        "model_uri": storage.join(paths.job, "model.pt"),
-        "metrics_uri": storage.join(paths.job, "metrics.json"),
-        "val_accuracy": metrics["val_accuracy"],
-        "epochs": len(metrics["epochs"]),
-        "train_wall_s": sum(metrics["wall_s"].values()),
-        "device": metrics["device"],
-    }
+    paths = run_layout(run, settings)
+    metrics = storage.read_json(paths.metrics)
+    return Trained(
+        model_uri=paths.weights,
+        metrics_uri=paths.metrics,
+        val_accuracy=metrics["val_accuracy"],
+        epochs=len(metrics["epochs"]),
+        train_wall_s=sum(metrics["wall_s"].values()),
+        device=metrics["device"],
+    )
 
 
-def terminate(run_id: str, backend_name: str) -> dict[str, Any]:
+def terminate(run: RunRef, backend_name: str, settings: Settings | None = None) -> Terminated:
     """Terminate every instance tagged with the run and record billed seconds and cost."""
-    from burstcv import lineage
-
     backend = get_backend(backend_name)
-    report = backend.terminate_run(safe_run_id(run_id))
-    instances = [i.to_dict() for i in backend.describe(safe_run_id(run_id))]
-    billing = {
-        **report.to_dict(),
-        "backend": backend_name,
-        "instances": instances,
-        "terminated_at": lineage.utc_now_iso(),
-    }
-    storage.write_json(storage.join(RunPaths.of(run_id).job, "billing.json"), billing)
+    report = backend.terminate_run(run.run_key)
+    instances = [InstanceRecord.model_validate(i.to_dict()) for i in backend.describe(run.run_key)]
+    terminated = Terminated.model_validate(report.to_dict())
+    billing = Billing(
+        **terminated.model_dump(),
+        backend=backend_name,
+        instances=instances,
+        terminated_at=lineage.utc_now_iso(),
+    )
+    write_artifact(run_layout(run, settings).billing, billing)
     log.info(
         "terminated %s; billed seconds %s; cost $%.4f",
         report.instance_ids,
         report.billed_seconds,
         report.cost_usd,
     )
-    return report.to_dict()
+    return terminated
 
 
 # ---------------------------------------------------------------------------------------------
@@ -670,28 +661,28 @@ def _val_rows(manifest_uri: str, limit: int | None = None) -> list[tuple[str, st
 
 
 def export(
-    run_id: str,
+    run: RunRef,
     params: RunParams,
-    packed: dict[str, Any],
-    trained: dict[str, Any],
-    validated: dict[str, Any],
+    packed: Packed,
+    trained: Trained,
+    validated: Validated,
     settings: Settings | None = None,
-) -> dict[str, Any]:
+) -> Exported:
     """Export the trained weights to ONNX, proven equal to torch on real validation images."""
     from burstcv.export.onnx_export import export_model
 
     s = settings or get_settings()
-    paths = RunPaths.of(run_id, s)
+    paths = run_layout(run, s)
     images = [
         (path, storage.read_bytes(uri))
-        for path, uri, _ in _val_rows(validated["manifest_uri"], PARITY_IMAGES)
+        for path, uri, _ in _val_rows(validated.manifest_uri, PARITY_IMAGES)
     ]
-    metrics = storage.read_json(trained["metrics_uri"])
+    metrics = storage.read_json(trained.metrics_uri)
     int8_inputs: dict[str, Any] = {}
     if params.int8:
         from burstcv.training.train import load_shards
 
-        train_x, _ = load_shards(packed["train_shards"], packed["classes"])
+        train_x, _ = load_shards(packed.train_shards, packed.classes)
         val_x, val_labels = _val_arrays(packed)
         int8_inputs = {
             "int8": True,
@@ -700,45 +691,47 @@ def export(
             "eval_labels": val_labels,
             "max_accuracy_drop": params.int8_max_accuracy_drop,
         }
-    model_json = export_model(
-        checkpoint_uri=trained["model_uri"],
+    card = export_model(
+        checkpoint_uri=trained.model_uri,
         out_uri=paths.model,
         arch=params.model,
-        classes=packed["classes"],
-        spec=PreprocessSpec.from_dict(packed["preprocess"]),
+        classes=packed.classes,
+        spec=packed.preprocess.to_spec(),
         parity_images=images,
         name=s.model_name,
         opset=s.onnx_opset,
         max_abs_diff=s.parity_max_abs_diff,
         metrics={"val_accuracy": metrics["val_accuracy"], "val_loss": metrics["val_loss"]},
-        dataset_fingerprint=packed["fingerprint"],
-        run_id=run_id,
+        dataset_fingerprint=packed.fingerprint,
+        run_id=run.airflow_run_id,
         pretrained=metrics.get("pretrained", "none"),  # as trained: the stem depends on it
         **int8_inputs,
     )
-    return {
-        "model_dir": paths.model,
-        "sha256": model_json["sha256"],
-        "parity_max_abs_diff": model_json["parity"]["max_abs_diff"],
-        "onnx_file": model_json["onnx_file"],
-        "quantization": model_json.get("quantization"),
-    }
+    assert card.parity is not None  # export_model always checks parity
+    return Exported(
+        model_dir=paths.model,
+        sha256=card.sha256,
+        parity_max_abs_diff=card.parity.max_abs_diff,
+        onnx_file=card.onnx_file,
+        quantization=card.quantization,
+    )
 
 
 def _materialise(model_dir_uri: str, dest: Path) -> Path:
     """Return a local folder holding model.json and its ONNX file (downloading from S3)."""
     if not storage.is_s3(model_dir_uri):
         return Path(model_dir_uri)
-    meta = storage.read_json(storage.join(model_dir_uri, "model.json"))
-    for name in ("model.json", meta["onnx_file"]):
+    card_uri = storage.join(model_dir_uri, MODEL_CARD)
+    card = read_artifact(card_uri, ModelCard)
+    for name in (MODEL_CARD, card.onnx_file):
         storage.download_file(storage.join(model_dir_uri, name), dest / name)
     return dest
 
 
-def _val_arrays(packed: dict[str, Any]) -> tuple[np.ndarray, list[str]]:
+def _val_arrays(packed: Packed) -> tuple[np.ndarray, list[str]]:
     images: list[np.ndarray] = []
     labels: list[str] = []
-    for uri in packed["val_shards"]:
+    for uri in packed.val_shards:
         with np.load(io.BytesIO(storage.read_bytes(uri)), allow_pickle=False) as npz:
             images.append(npz["images"])
             labels.extend(str(npz["classes"][i]) for i in npz["labels"])
@@ -746,32 +739,28 @@ def _val_arrays(packed: dict[str, Any]) -> tuple[np.ndarray, list[str]]:
 
 
 def benchmark(
-    run_id: str,
+    run: RunRef,
     params: RunParams,
-    packed: dict[str, Any],
-    validated: dict[str, Any],
+    packed: Packed,
+    validated: Validated,
     settings: Settings | None = None,
-) -> dict[str, Any]:
+) -> Benchmarked:
     """Measure candidate and production side by side through staging services (latency.json)."""
-    from burstcv import lineage
     from burstcv.gate.accuracy import onnx_accuracy
     from burstcv.gate.latency import bare_onnxruntime_p50, drive, staging_service
     from burstcv.registry.registry import PRODUCTION, Registry
+    from burstcv_spec.preprocess import normalize
 
     s = settings or get_settings()
-    paths = RunPaths.of(run_id, s)
+    paths = run_layout(run, s)
     request_images = [
-        storage.read_bytes(uri) for _, uri, _ in _val_rows(validated["manifest_uri"], 64)
+        storage.read_bytes(uri) for _, uri, _ in _val_rows(validated.manifest_uri, 64)
     ]
     val_x, val_labels = _val_arrays(packed)
     registry = Registry(s.registry_uri, s.model_name)
     prod_alias = registry.get_alias(PRODUCTION)
-    results: dict[str, Any] = {
-        "measured_at": lineage.utc_now_iso(),
-        "host": lineage.host_description(),
-        "requests": s.bench_requests,
-        "concurrency": s.bench_concurrency,
-    }
+    measured_at, host = lineage.utc_now_iso(), HostInfo.model_validate(lineage.host_description())
+    results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         models = {"candidate": _materialise(paths.model, Path(tmp) / "candidate")}
         if prod_alias is not None:
@@ -808,40 +797,46 @@ def benchmark(
                 figures.errors,
                 entry["accuracy"],
             )
-        from burstcv_spec.preprocess import normalize
-
-        spec = PreprocessSpec.from_dict(
-            storage.read_json(storage.join(paths.model, "model.json"))["preprocess"]
-        )
         results["candidate"]["bare_onnxruntime_p50_ms"] = bare_onnxruntime_p50(
-            str(models["candidate"]), normalize(val_x[:1], spec)
+            str(models["candidate"]), normalize(val_x[:1], packed.preprocess.to_spec())
         )
-    uri = storage.write_json(storage.join(paths.bench, "latency.json"), results)
-    summary: dict[str, Any] = {
-        k: {m: v for m, v in results[k].items() if m != "latencies_ms"}
-        for k in ("candidate", "production")
-        if k in results
-    }
-    return {"latency_uri": uri, "host": results["host"], **summary}
+    candidate = BenchFigures.model_validate(results["candidate"])
+    production = BenchFigures.model_validate(results["production"]) if prod_alias else None
+    record = LatencyRecord(
+        measured_at=measured_at,
+        host=host,
+        requests=s.bench_requests,
+        concurrency=s.bench_concurrency,
+        candidate=candidate,
+        production=production,
+    )
+    uri = write_artifact(paths.latency, record)
+    return Benchmarked(
+        latency_uri=uri,
+        host=host,
+        candidate=candidate.summary(),
+        production=production.summary() if production else None,
+    )
 
 
 def gate(
-    run_id: str,
+    run: RunRef,
     params: RunParams,
-    exported: dict[str, Any],
-    bench: dict[str, Any],
+    exported: Exported,
+    bench: Benchmarked,
     settings: Settings | None = None,
-) -> dict[str, Any]:
+) -> Verdict:
     """Judge the candidate, register it (promotable or rejected), and return the verdict."""
-    from burstcv.compute.ec2 import Ec2Settings
     from burstcv.gate.gate import GateThresholds, ServingContext, judge
     from burstcv.registry.registry import Registry
+    from burstcv.settings import Ec2Settings
 
     s = settings or get_settings()
-    model_json = storage.read_json(storage.join(exported["model_dir"], "model.json"))
+    figures = {"candidate": bench.candidate, "production": bench.production}
+    dumped = {k: f.model_dump(mode="json") for k, f in figures.items() if f is not None}
     verdict = judge(
-        bench["candidate"],
-        bench.get("production"),
+        dumped["candidate"],
+        dumped.get("production"),
         GateThresholds(
             latency_slo_ms=params.latency_slo_ms,
             accuracy_floor=params.accuracy_floor,
@@ -849,60 +844,61 @@ def gate(
         ),
         ServingContext(
             arch=params.model,
-            int8_tried=bool(model_json.get("quantization", {}).get("int8_tried")),
+            int8_tried=bool(exported.quantization and exported.quantization.int8_tried),
             region=Ec2Settings().region,
-            measured_vcpus=bench.get("host", {}).get("cpu_count") or None,
+            measured_vcpus=bench.host.cpu_count or None,
         ),
     )
+    gate_verdict = GateVerdict.model_validate(verdict.to_dict())
     registry = Registry(s.registry_uri, s.model_name)
     version = registry.register(
-        exported["model_dir"],
+        exported.model_dir,
         {
             "status": "accepted" if verdict.promote else "rejected",
             "reason": verdict.summary,
-            "gate": verdict.to_dict(),
-            "benchmark": {k: bench[k] for k in ("candidate", "production") if k in bench},
+            "gate": gate_verdict.model_dump(mode="json"),
+            "benchmark": dumped,
             "params": params.model_dump(mode="json"),
         },
     )
-    storage.write_json(
-        storage.join(RunPaths.of(run_id, s).bench, "verdict.json"),
-        {"version": version, **verdict.to_dict()},
+    write_artifact(
+        run_layout(run, s).verdict,
+        VerdictRecord(version=version, **gate_verdict.model_dump()),
     )
     for line in verdict.check_lines():
         log.info("version %d: %s", version, line)
-    return {
-        "version": version,
-        "promote": verdict.promote,
-        "summary": verdict.summary,
-        "failed_figures": verdict.failed_figures,
-    }
+    return Verdict(
+        version=version,
+        promote=verdict.promote,
+        summary=verdict.summary,
+        failed_figures=verdict.failed_figures,
+    )
 
 
-def deploy_skip_reason(verdict: dict[str, Any], params: RunParams) -> str | None:
+def deploy_skip_reason(verdict: Verdict, params: RunParams) -> str | None:
     """Return why deploy does not run (the failed checks with their figures), or None.
 
     The line is logged here, at INFO, so the deploy task's own log says why it skipped.
     """
-    version = verdict["version"]
-    if not verdict["promote"]:
-        figures = verdict.get("failed_figures") or []
+    version = verdict.version
+    if not verdict.promote:
+        figures = verdict.failed_figures
         reason = f"version {version} not promoted: " + (
-            "; ".join(figures) if figures else verdict["summary"].removeprefix("not promoted: ")
+            "; ".join(figures) if figures else verdict.summary.removeprefix("not promoted: ")
         )
     elif not params.promote:
         reason = f"version {version} passed the gate but is not deployed: the run has promote=false"
     else:
         return None
     log.info("%s", reason)
-    if not verdict["promote"]:
-        log.info("gate: %s", verdict["summary"])
+    if not verdict.promote:
+        log.info("gate: %s", verdict.summary)
     return reason
 
 
 def deploy(
-    run_id: str, params: RunParams, verdict: dict[str, Any], settings: Settings | None = None
-) -> dict[str, Any]:
+    run: RunRef, params: RunParams, verdict: Verdict, settings: Settings | None = None
+) -> Deployed:
     """Stage the accepted version on the services, then point production at it and switch."""
     from burstcv.registry.deploy import deploy as deploy_version
     from burstcv.registry.registry import Registry
@@ -912,23 +908,23 @@ def deploy(
     urls = [u.strip().rstrip("/") for u in s.serving_url.split(",") if u.strip()]
     result = deploy_version(
         registry,
-        int(verdict["version"]),
+        verdict.version,
         service_urls=urls,
         token=s.serving_admin_token,
         timeout_s=s.deploy_verify_timeout_s,
-        actor=f"run:{run_id}",
+        actor=f"run:{run.airflow_run_id}",
     )
-    return result.to_dict()
+    return Deployed.model_validate(result.to_dict())
 
 
-def report(run_id: str, params: RunParams, settings: Settings | None = None) -> str:
+def report(run: RunRef, params: RunParams, settings: Settings | None = None) -> str:
     """Write runs/<id>/report/index.html: one self-contained page about this run."""
     from burstcv.report.render import build_report
 
     s = settings or get_settings()
     del params  # the report reads what the stages recorded, not what was asked
     return build_report(
-        RunPaths.of(run_id, s).root,
+        run_layout(run, s).root,
         registry_uri=s.registry_uri,
         model_name=s.model_name,
         serving_url=s.serving_url.split(",")[0].strip(),

@@ -38,6 +38,7 @@ from burstcv.params import RunParams
 from burstcv.settings import Settings
 from burstcv.training.job import JobSpec, attempt_dir, write_job
 from burstcv_spec import storage
+from burstcv_spec.contracts import Packed, PreprocessBlock, Provisioned, RunRef
 
 REGION = "us-east-1"
 BUCKET = "burstcv-test"
@@ -113,7 +114,7 @@ def account(aws: str, ami_python: Path, monkeypatch: pytest.MonkeyPatch) -> dict
 
 
 @pytest.fixture
-def shards(account: dict[str, Any], packed_demo: dict[str, Any]) -> dict[str, Any]:
+def shards(account: dict[str, Any], packed_demo: dict[str, Any]) -> Packed:
     """Upload a slice of the packed demo digits to the emulated S3; return the packed dict."""
     uris: dict[str, list[str]] = {}
     for split, count in (("train", TRAIN_IMAGES), ("val", VAL_IMAGES)):
@@ -124,13 +125,14 @@ def shards(account: dict[str, Any], packed_demo: dict[str, Any]) -> dict[str, An
         uri = f"{ARTIFACT_ROOT}/runs/shared/dataset/shards/{split}-000.npz"
         storage.write_bytes(uri, buffer.getvalue())
         uris[split] = [uri]
-    return {
-        "classes": packed_demo["classes"],
-        "train_shards": uris["train"],
-        "val_shards": uris["val"],
-        "preprocess": packed_demo["spec"].to_dict(),
-        "fingerprint": "demo-slice",
-    }
+    return Packed(
+        classes=packed_demo["classes"],
+        train_shards=uris["train"],
+        val_shards=uris["val"],
+        counts={"train": TRAIN_IMAGES, "val": VAL_IMAGES},
+        preprocess=PreprocessBlock.of(packed_demo["spec"]),
+        fingerprint="demo-slice",
+    )
 
 
 def settings() -> Settings:
@@ -177,12 +179,12 @@ def state(ec2: Any, instance_id: str) -> str:
     return str(reservations[0]["Instances"][0]["State"]["Name"])
 
 
-def wait_for_trigger(provisioned: dict[str, Any], attempt: int) -> dict[str, Any]:
+def wait_for_trigger(provisioned: Provisioned, attempt: int) -> dict[str, Any]:
     """Run the real trigger until it fires; return its event payload."""
     trigger = TrainingCompletionTrigger(
-        run_id=provisioned["run_key"],
+        run_id=provisioned.run.run_key,
         backend="ec2",
-        output_uri=provisioned["output_uri"],
+        output_uri=provisioned.output_uri,
         attempt=attempt,
         poll_interval_s=0.2,
     )
@@ -222,14 +224,14 @@ def stage_seconds(console: str) -> dict[str, float]:
 def test_a_clean_boot_installs_the_wheel_trains_and_powers_off(
     box: BoxSandbox,
     account: dict[str, Any],
-    shards: dict[str, Any],
+    shards: Packed,
 ) -> None:
     ec2 = account["ec2"]
     provisioned = pipeline.provision(
-        "manual__clean", "burstcv_pipeline", params(), shards, settings()
+        RunRef.of("manual__clean"), "burstcv_pipeline", params(), shards, settings()
     )
-    (instance_id,) = provisioned["instance_ids"]
-    job = JobSpec.model_validate(storage.read_json(provisioned["job_uri"]))
+    (instance_id,) = provisioned.instance_ids
+    job = JobSpec.model_validate(storage.read_json(provisioned.job_uri))
     assert job.runtime_sha256 and job.deadline_at is not None
 
     boot = boot_instance(box, ec2, instance_id)
@@ -244,7 +246,7 @@ def test_a_clean_boot_installs_the_wheel_trains_and_powers_off(
     with structlog.testing.capture_logs() as trigger_log:  # what the triggerer puts in the log
         event = wait_for_trigger(provisioned, attempt=1)
     assert event["status"] == "done", event
-    metrics = storage.read_json(f"{provisioned['output_uri']}/metrics.json")
+    metrics = storage.read_json(f"{provisioned.output_uri}/metrics.json")
     assert [e["epoch"] for e in metrics["epochs"]] == [1, 2]
     # The train task's log: one line per epoch, with money and time, from the real trigger.
     progress = [entry["event"] for entry in trigger_log if entry["event"].startswith("epoch ")]
@@ -256,9 +258,7 @@ def test_a_clean_boot_installs_the_wheel_trains_and_powers_off(
             line,
         ), line
     assert metrics["attempt"] == 1
-    log = storage.read_bytes(
-        attempt_dir(provisioned["output_uri"], 1, "logs", f"{instance_id}.log")
-    )
+    log = storage.read_bytes(attempt_dir(provisioned.output_uri, 1, "logs", f"{instance_id}.log"))
     assert b"training exited with 0" in log
     assert state(ec2, instance_id) == "terminated"
     # Every metadata read the box made carried an IMDSv2 token.
@@ -269,16 +269,16 @@ def test_a_clean_boot_installs_the_wheel_trains_and_powers_off(
 def test_a_failed_preflight_is_final_and_says_what_to_set(
     box: BoxSandbox,
     account: dict[str, Any],
-    shards: dict[str, Any],
+    shards: Packed,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     ec2 = account["ec2"]
     monkeypatch.setenv("BURSTCV_EC2_REQUIRE_GPU", "true")  # this sandbox has no NVIDIA driver
     provisioned = pipeline.provision(
-        "manual__nogpu", "burstcv_pipeline", params(), shards, settings()
+        RunRef.of("manual__nogpu"), "burstcv_pipeline", params(), shards, settings()
     )
-    (instance_id,) = provisioned["instance_ids"]
+    (instance_id,) = provisioned.instance_ids
 
     boot = boot_instance(box, ec2, instance_id)
 
@@ -289,7 +289,7 @@ def test_a_failed_preflight_is_final_and_says_what_to_set(
     assert event["resumable"] is False
     assert "BURSTCV_EC2_AMI" in event["reason"]
     assert "\n" not in event["reason"]
-    assert not storage.exists(f"{provisioned['output_uri']}/checkpoints/last.pt")
+    assert not storage.exists(f"{provisioned.output_uri}/checkpoints/last.pt")
     # Final: the train task fails without a retry, with that line and the box's log tail.
     from airflow.sdk.exceptions import AirflowFailException
 
@@ -310,15 +310,15 @@ def test_a_failed_preflight_is_final_and_says_what_to_set(
 def test_a_python_outside_the_range_fails_preflight_before_the_install(
     box: BoxSandbox,
     account: dict[str, Any],
-    shards: dict[str, Any],
+    shards: Packed,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     ec2 = account["ec2"]
     monkeypatch.setenv("BURSTCV_EC2_PYTHON", "/usr/bin/python-that-is-not-there")
     provisioned = pipeline.provision(
-        "manual__nopy", "burstcv_pipeline", params(), shards, settings()
+        RunRef.of("manual__nopy"), "burstcv_pipeline", params(), shards, settings()
     )
-    (instance_id,) = provisioned["instance_ids"]
+    (instance_id,) = provisioned.instance_ids
 
     boot = boot_instance(box, ec2, instance_id)
 
@@ -330,15 +330,19 @@ def test_a_python_outside_the_range_fails_preflight_before_the_install(
 
 
 def test_a_spot_interruption_resumes_on_the_next_attempt(
-    box: BoxSandbox, account: dict[str, Any], shards: dict[str, Any]
+    box: BoxSandbox, account: dict[str, Any], shards: Packed
 ) -> None:
     ec2 = account["ec2"]
     provisioned = pipeline.provision(
-        "manual__spot", "burstcv_pipeline", params(epochs=6, batch_size=8), shards, settings()
+        RunRef.of("manual__spot"),
+        "burstcv_pipeline",
+        params(epochs=6, batch_size=8),
+        shards,
+        settings(),
     )
-    (first_box,) = provisioned["instance_ids"]
-    progress_uri = f"{provisioned['output_uri']}/progress.json"
-    live_log = attempt_dir(provisioned["output_uri"], 1, "logs", f"{first_box}.log")
+    (first_box,) = provisioned.instance_ids
+    progress_uri = f"{provisioned.output_uri}/progress.json"
+    live_log = attempt_dir(provisioned.output_uri, 1, "logs", f"{first_box}.log")
     seen_while_running: list[bool] = []
 
     def notice_after_the_first_epoch() -> None:
@@ -358,30 +362,30 @@ def test_a_spot_interruption_resumes_on_the_next_attempt(
     assert first.shutdown_calls[-1] == ["shutdown", "-h", "now"]
     event = wait_for_trigger(provisioned, attempt=1)
     assert event["status"] == "failed" and event["resumable"] is True, event
-    interrupted_at = storage.read_json(f"{provisioned['output_uri']}/progress.json")["epochs"]
+    interrupted_at = storage.read_json(f"{provisioned.output_uri}/progress.json")["epochs"]
     assert 1 <= len(interrupted_at) < 6
 
     attempt = pipeline.relaunch(provisioned)
     assert attempt == 2
     second_box = next(
-        i.instance_id for i in Ec2Backend().describe(provisioned["run_key"]) if i.state != "stopped"
+        i.instance_id for i in Ec2Backend().describe(provisioned.run_key) if i.state != "stopped"
     )
     second = boot_instance(box, ec2, second_box)
 
     assert second.exit_code == 0, second.console
     assert "attempt 2 resumed from" in second.console
     # The old attempt's FAILED is still there; only attempt 2's marker counts now.
-    assert storage.exists(attempt_dir(provisioned["output_uri"], 1, "FAILED"))
+    assert storage.exists(attempt_dir(provisioned.output_uri, 1, "FAILED"))
     event = wait_for_trigger(provisioned, attempt=2)
     assert event["status"] == "done", event
-    metrics = storage.read_json(f"{provisioned['output_uri']}/metrics.json")
+    metrics = storage.read_json(f"{provisioned.output_uri}/metrics.json")
     assert [e["epoch"] for e in metrics["epochs"]] == [1, 2, 3, 4, 5, 6]
     assert metrics["attempt"] == 2
     assert {state(ec2, first_box), state(ec2, second_box)} == {"terminated"}
 
 
 def test_the_run_deadline_stops_training_mid_epoch_with_a_checkpoint(
-    box: BoxSandbox, account: dict[str, Any], shards: dict[str, Any]
+    box: BoxSandbox, account: dict[str, Any], shards: Packed
 ) -> None:
     ec2 = account["ec2"]
     staged = stage_training_wheel(ARTIFACT_ROOT)
@@ -431,14 +435,14 @@ def test_the_run_deadline_stops_training_mid_epoch_with_a_checkpoint(
 
 
 def test_a_wheel_that_does_not_match_its_sha256_is_never_installed(
-    box: BoxSandbox, account: dict[str, Any], shards: dict[str, Any]
+    box: BoxSandbox, account: dict[str, Any], shards: Packed
 ) -> None:
     ec2 = account["ec2"]
     provisioned = pipeline.provision(
-        "manual__tampered", "burstcv_pipeline", params(), shards, settings()
+        RunRef.of("manual__tampered"), "burstcv_pipeline", params(), shards, settings()
     )
-    (instance_id,) = provisioned["instance_ids"]
-    wheel_uri = provisioned["launch"]["wheel_uri"]
+    (instance_id,) = provisioned.instance_ids
+    wheel_uri = provisioned.launch.wheel_uri
     storage.write_bytes(wheel_uri, storage.read_bytes(wheel_uri) + b"\0")
 
     boot = boot_instance(box, ec2, instance_id)
@@ -452,13 +456,13 @@ def test_a_wheel_that_does_not_match_its_sha256_is_never_installed(
 
 
 def test_a_spot_notice_during_bootstrap_is_resumable(
-    box: BoxSandbox, account: dict[str, Any], shards: dict[str, Any]
+    box: BoxSandbox, account: dict[str, Any], shards: Packed
 ) -> None:
     ec2 = account["ec2"]
     provisioned = pipeline.provision(
-        "manual__early", "burstcv_pipeline", params(), shards, settings()
+        RunRef.of("manual__early"), "burstcv_pipeline", params(), shards, settings()
     )
-    (instance_id,) = provisioned["instance_ids"]
+    (instance_id,) = provisioned.instance_ids
     box.imds.spot_action = {"action": "terminate", "time": datetime.now(UTC).isoformat()}
 
     boot = boot_instance(box, ec2, instance_id)

@@ -26,6 +26,8 @@ from burstcv.compute.ec2 import Ec2Backend
 from burstcv.params import RunParams
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry
 from burstcv.settings import Settings
+from burstcv_spec.contracts import Packed, PreprocessBlock, RunRef
+from burstcv_spec.preprocess import PreprocessSpec
 
 AIRFLOW_RUN_ID = "manual__2026-01-01T00:00:00+00:00"
 
@@ -42,18 +44,21 @@ def test_one_pipeline_life_makes_no_call_the_policy_denies(
     key = "manual__2026-01-01T00_00_00_00_00"
     player.modes[key] = kit.HOLD
     params = RunParams.resolve({"compute_backend": "ec2", "time_budget_s": 600}, settings)
-    packed = {
-        "classes": ["0", "1"],
-        "train_shards": [f"{kit.artifact_root}/runs/{key}/dataset/shards/train-000.npz"],
-        "val_shards": [f"{kit.artifact_root}/runs/{key}/dataset/shards/val-000.npz"],
-        "preprocess": {"height": 32, "width": 32},
-        "fingerprint": "fp",
-    }
-    provisioned = pipeline.provision(AIRFLOW_RUN_ID, "burstcv_pipeline", params, packed, settings)
-    outcome = pipeline.training_outcome(key, "ec2", provisioned["output_uri"])  # the wait
+    packed = Packed(
+        classes=["0", "1"],
+        train_shards=[f"{kit.artifact_root}/runs/{key}/dataset/shards/train-000.npz"],
+        val_shards=[f"{kit.artifact_root}/runs/{key}/dataset/shards/val-000.npz"],
+        counts={"train": 2, "val": 2},
+        preprocess=PreprocessBlock.of(PreprocessSpec(height=32, width=32)),
+        fingerprint="fp",
+    )
+    run = RunRef.of(AIRFLOW_RUN_ID)
+    assert run.run_key == key
+    provisioned = pipeline.provision(run, "burstcv_pipeline", params, packed, settings)
+    outcome = pipeline.training_outcome(key, "ec2", provisioned.output_uri)  # the wait
     assert outcome == {"status": "running", "attempt": 1}
-    report = pipeline.terminate(key, "ec2")
-    assert report["instance_ids"] == provisioned["instance_ids"]
+    report = pipeline.terminate(run, "ec2", settings)
+    assert report.instance_ids == provisioned.instance_ids
     reaped = pipeline.reap(None, lambda dag, run: False, settings=settings)
     assert pipeline.reap_errors(reaped) == 0
 

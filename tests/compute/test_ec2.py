@@ -33,6 +33,8 @@ from burstcv.compute.ec2 import (
 )
 from burstcv.cost.pricing import hourly_price
 from burstcv.params import RunParams
+from burstcv_spec.contracts import Packed, PreprocessBlock, RunRef
+from burstcv_spec.preprocess import PreprocessSpec
 
 DAG_ID = "burstcv_train"
 
@@ -301,15 +303,17 @@ def test_setup_failure_after_launch_terminates_what_started(
 def provision_run(settings: Any, kit: Any, run_key: str, given: dict[str, Any]) -> str:
     """Provision a run through the pipeline stage, as the DAG does; return its one instance."""
     params = RunParams.resolve({"compute_backend": "ec2", "time_budget_s": 600, **given}, settings)
-    packed = {
-        "classes": ["0", "1"],
-        "train_shards": [f"{kit.artifact_root}/runs/{run_key}/dataset/shards/train-000.npz"],
-        "val_shards": [f"{kit.artifact_root}/runs/{run_key}/dataset/shards/val-000.npz"],
-        "preprocess": {"height": 32, "width": 32},
-        "fingerprint": run_key,
-    }
-    provisioned = pipeline.provision(run_key, "burstcv_pipeline", params, packed, settings)
-    (instance_id,) = provisioned["instance_ids"]
+    packed = Packed(
+        classes=["0", "1"],
+        train_shards=[f"{kit.artifact_root}/runs/{run_key}/dataset/shards/train-000.npz"],
+        val_shards=[f"{kit.artifact_root}/runs/{run_key}/dataset/shards/val-000.npz"],
+        counts={"train": 2, "val": 2},
+        preprocess=PreprocessBlock.of(PreprocessSpec(height=32, width=32)),
+        fingerprint=run_key,
+    )
+    run = RunRef.of(run_key)
+    provisioned = pipeline.provision(run, "burstcv_pipeline", params, packed, settings)
+    (instance_id,) = provisioned.instance_ids
     return str(instance_id)
 
 
@@ -325,7 +329,7 @@ def test_the_ec2_settings_are_a_runs_defaults_and_the_run_decides(
     inst = the_instance(ec2_client, provision_run(s3_deployment, kit, "settings-decide", {}))
     assert inst["InstanceType"] == "g5.xlarge"
     assert "InstanceLifecycle" not in inst  # on-demand
-    pipeline.terminate("settings-decide", "ec2")
+    pipeline.terminate(RunRef.of("settings-decide"), "ec2", s3_deployment)
 
     # A run's own choice wins: spot on its type, though the deployment's default is on-demand
     # (one spot setting, not the run's and the deployment's ANDed).
@@ -333,7 +337,7 @@ def test_the_ec2_settings_are_a_runs_defaults_and_the_run_decides(
     inst = the_instance(ec2_client, provision_run(s3_deployment, kit, "run-decides", given))
     assert inst["InstanceType"] == "g4dn.xlarge"
     assert inst.get("InstanceLifecycle") == "spot"
-    pipeline.terminate("run-decides", "ec2")
+    pipeline.terminate(RunRef.of("run-decides"), "ec2", s3_deployment)
     assert kit.live_managed() == []
 
 

@@ -33,6 +33,7 @@ from burstcv.compute.ec2 import (
     backstop_name,
     client_token,
 )
+from burstcv_spec.contracts import Launch, Provisioned, RunRef
 
 DAG_ID = "burstcv_pipeline"
 BACKSTOP_POLICY = os.path.join(
@@ -109,16 +110,15 @@ def test_a_failed_provision_terminates_what_it_started(
     monkeypatch.setattr(pipeline, "get_backend", lambda name: backend)
     backend.client.meta.events.register("after-call.ec2.RunInstances", after_run)
     backend.scheduler.meta.events.register("before-call.scheduler.CreateSchedule", interrupt)
-    launch = {
-        "run_id": key,
-        "dag_id": DAG_ID,
-        "job_uri": f"s3://never-read/runs/{key}/job/job.json",
-        "time_budget_s": 600,
-        "instance_types": ["g6.xlarge"],
-        "use_spot": True,
-        "airflow_run_id": run_id,
+    launch = Launch(
+        run=RunRef(airflow_run_id=run_id, run_key=key),
+        dag_id=DAG_ID,
+        job_uri=f"s3://never-read/runs/{key}/job/job.json",
+        time_budget_s=600,
+        instance_types=["g6.xlarge"],
+        use_spot=True,
         **held_launch_fields(),
-    }
+    )
     with pytest.raises(KeyboardInterrupt):
         pipeline._launch("ec2", launch, f"{kit.artifact_root}/runs/{key}/job", attempt=1)
     assert len(launched) == 1
@@ -163,7 +163,7 @@ def test_a_worker_killed_right_after_launch_is_cleaned_up_by_the_dag(
 
     # The pipeline DAG's clean-up task (provision failed: no teardown runs) ends it.
     monkeypatch.setattr(pipeline, "get_backend", lambda name: backend)
-    (iid,) = pipeline.clean_up_provision(run_id, "ec2")
+    (iid,) = pipeline.clean_up_provision(RunRef.of(run_id), "ec2")
     assert states(ec2_client, run_id) == ["terminated"]
     assert kit.live_managed() == []
     assert iid == instances_of(ec2_client, run_id)[0]["InstanceId"]
@@ -359,20 +359,27 @@ def test_a_relaunch_after_a_lost_box_is_a_new_attempt_with_a_new_token(
     run_id = "lost-then-relaunched"
     player.modes[run_id] = kit.HOLD
     monkeypatch.setattr(pipeline, "get_backend", lambda name: backend)
-    launch = {
-        "run_id": run_id,
-        "dag_id": DAG_ID,
-        "job_uri": f"s3://never-read/runs/{run_id}/job/job.json",
-        "time_budget_s": 600,
-        "instance_types": ["g6.xlarge"],
-        "use_spot": True,
-        "airflow_run_id": run_id,
+    launch = Launch(
+        run=RunRef.of(run_id),
+        dag_id=DAG_ID,
+        job_uri=f"s3://never-read/runs/{run_id}/job/job.json",
+        time_budget_s=600,
+        instance_types=["g6.xlarge"],
+        use_spot=True,
         **held_launch_fields(),
-    }
+    )
     job_dir = f"{kit.artifact_root}/runs/{run_id}/job"
     (first,) = pipeline._launch("ec2", launch, job_dir, attempt=1)
     ec2_client.terminate_instances(InstanceIds=[first])  # the box is lost (spot reclaim)
-    provisioned = {"backend": "ec2", "run_key": run_id, "launch": launch, "output_uri": job_dir}
+    provisioned = Provisioned(
+        run=launch.run,
+        job_uri=launch.job_uri,
+        output_uri=job_dir,
+        instance_ids=[first],
+        backend="ec2",
+        max_cost_usd=0.0,
+        launch=launch,
+    )
     assert pipeline.relaunch(provisioned) == 2
     (second,) = [i.instance_id for i in backend.describe(run_id) if i.state != "stopped"]
     assert second != first

@@ -8,8 +8,6 @@ answer, and only to a caller with a valid token.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from burstcv_airflow_stack import AirflowStack, airflow_stack, burstcv_env
+from burstcv_testkit import gate_decision, write_model_dir
 
 from burstcv.registry.registry import Registry
 
@@ -29,23 +28,13 @@ PLUGIN_RUN_ID = "manual__plugin-check"
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Return a folder with a registered production version and one run's pages."""
     root = tmp_path_factory.mktemp("trigger-api")
-    model_dir = root / "model"
-    model_dir.mkdir()
-    onnx = b"not a real onnx file: the registry only stores it"
-    (model_dir / "model.onnx").write_bytes(onnx)
-    (model_dir / "model.json").write_text(
-        json.dumps({"sha256": hashlib.sha256(onnx).hexdigest(), "run_id": PLUGIN_RUN_ID})
+    model_dir = write_model_dir(
+        root / "model",
+        b"not a real onnx file: the registry only stores it",
+        run_id=PLUGIN_RUN_ID,
     )
     registry = Registry(str(root / "registry"), "digits")
-    version = registry.register(
-        str(model_dir),
-        {
-            "status": "accepted",
-            "reason": "promote",
-            "gate": {"promote": True, "reasons": []},
-            "benchmark": {"candidate": {"accuracy": 0.975, "p95_ms": 8.25}},
-        },
-    )
+    version = registry.register(str(model_dir), gate_decision(accuracy=0.975, p95_ms=8.25))
     registry.promote(version)
     run = root / "artifacts" / "runs" / PLUGIN_RUN_ID
     (run / "dataset" / "data_docs").mkdir(parents=True)

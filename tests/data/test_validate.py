@@ -533,7 +533,8 @@ def test_the_validate_stage_logs_one_summary_and_nothing_of_gx(dataset: Path) ->
         "                    format='%(name)s: %(message)s')\n"
         "from burstcv import pipeline\n"
         "from burstcv.params import RunParams\n"
-        f"pipeline.validate('manual__log', RunParams(dataset_uri={str(dataset)!r}))\n"
+        "from burstcv_spec.contracts import RunRef\n"
+        f"pipeline.validate(RunRef.of('manual__log'), RunParams(dataset_uri={str(dataset)!r}))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True

@@ -145,8 +145,8 @@ def test_ui_triggered_run_trains_gates_and_deploys_on_celery(
         production = registry.get_alias(PRODUCTION)
         assert production is not None
         entry = registry.entry(production.version)
-        assert entry["status"] == "accepted"
-        assert entry["params"]["epochs"] == 2
+        assert entry.status == "accepted"
+        assert entry.params is not None and entry.params["epochs"] == 2
 
         # The plugin's task links resolve and serve the run's pages from the api-server.
         links = client.get(

@@ -27,10 +27,11 @@ import structlog.testing
 from airflow.dag_processing.dagbag import DagBag
 from localserver import prediction_service
 
-from burstcv.pipeline import RunPaths, safe_run_id
+from burstcv.pipeline import run_layout, safe_run_id
 from burstcv.registry.registry import PRODUCTION, Registry
 from burstcv.settings import get_settings
 from burstcv_spec import storage
+from burstcv_spec.contracts import SkipRecord, read_artifact
 
 pytestmark = pytest.mark.e2e
 
@@ -94,7 +95,7 @@ def test_pipeline_deploys_a_version_the_running_service_answers_with(
     assert all(s == "success" for s in tasks.values()), tasks
     reg = Registry(os.environ["BURSTCV_REGISTRY_URI"], "digits")
     version = reg.get_alias(PRODUCTION).version
-    assert reg.entry(version)["lineage"]["run_id"] == run_id
+    assert reg.entry(version).lineage.run_id == run_id
     info = httpx.get(f"{service}/v1/model", timeout=10).json()
     assert info["version"] == version
     image = sorted((demo_dataset / "val" / "7").glob("*.png"))[0]
@@ -105,7 +106,7 @@ def test_pipeline_deploys_a_version_the_running_service_answers_with(
     from burstcv.compute.local import LocalBackend
 
     assert [i for i in LocalBackend().describe(safe_run_id(run_id)) if i.state != "stopped"] == []
-    paths = RunPaths.of(run_id)
+    paths = run_layout(run_id)
     for artifact in (
         "dataset/validation.json",
         "dataset/manifest.parquet",
@@ -121,7 +122,7 @@ def test_pipeline_deploys_a_version_the_running_service_answers_with(
 def billing_and_boxes(run_id: str) -> tuple[bool, list[Path]]:
     """Return whether the run has a billing record, and the compute records of its boxes."""
     compute_dir = Path(os.environ["BURSTCV_COMPUTE_STATE_DIR"]) / safe_run_id(run_id)
-    billed = storage.exists(storage.join(RunPaths.of(run_id).job, "billing.json"))
+    billed = storage.exists(run_layout(run_id).billing)
     return billed, sorted(compute_dir.glob("*.json")) if compute_dir.exists() else []
 
 
@@ -144,8 +145,9 @@ def test_a_run_on_unchanged_data_rents_nothing_and_is_shown_as_skipped(
         r.getMessage() for r in caplog.records if "nothing new to train on" in r.getMessage()
     ]
     assert f"production version {production.version}" in reason and "force_train" in reason
-    paths = RunPaths.of(run_id)
-    assert storage.read_json(paths.skip)["production_version"] == production.version
+    paths = run_layout(run_id)
+    skip = read_artifact(paths.skip, SkipRecord)
+    assert skip.production_version == production.version and skip.schema_version == 1
     report = storage.read_bytes(storage.join(paths.report, "index.html")).decode()
     assert "Skipped: nothing new to train on" in report
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins"))
@@ -171,10 +173,9 @@ def test_a_forced_run_trains_and_a_rejected_candidate_is_not_deployed_saying_why
     assert state == "success"
     rejected = max(reg.versions())
     entry = reg.entry(rejected)
-    assert entry["status"] == "rejected"
+    assert entry.status == "rejected"
     assert (
-        entry["reason"].startswith("not promoted: p95")
-        and "exceeds the SLO 0.001 ms" in entry["reason"]
+        entry.reason.startswith("not promoted: p95") and "exceeds the SLO 0.001 ms" in entry.reason
     )
     # The deploy task's log names the failed check with what was observed and the limit.
     deploy_lines = [r.getMessage() for r in caplog.records if r.funcName == "deploy_skip_reason"]
@@ -216,7 +217,7 @@ def test_a_corrupt_png_stops_the_run_at_validate_naming_it(
     # No training process was ever started for this run.
     compute_dir = Path(os.environ["BURSTCV_COMPUTE_STATE_DIR"]) / safe_run_id(run_id)
     assert not compute_dir.exists() or not list(compute_dir.glob("*.json"))
-    validation = storage.read_json(storage.join(RunPaths.of(run_id).dataset, "validation.json"))
+    validation = storage.read_json(storage.join(run_layout(run_id).dataset, "validation.json"))
     assert validation["success"] is False
     named = io.StringIO()
     for expectation in validation["expectations"]:

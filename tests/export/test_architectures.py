@@ -70,7 +70,7 @@ def test_architecture_exports_with_parity_and_quantizes(
         parity_images=images,  # export_model raises ParityError if ORT and torch disagree
         name=arch,
         pretrained=pretrained,
-    )
+    ).model_dump(mode="json")
     assert meta["parity"]["images"] == len(images) and meta["parity"]["top1_mismatches"] == []
     assert meta["input"]["shape"] == [None, 3, SIZE_PX, SIZE_PX]
 

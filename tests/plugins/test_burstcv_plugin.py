@@ -7,7 +7,6 @@ tests/dags/test_trigger_api.py); Airflow's own plugin manager loads the plugin.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -21,7 +20,7 @@ from typing import Any
 from urllib.parse import urljoin
 
 import pytest
-from burstcv_testkit import chromium_screenshot
+from burstcv_testkit import chromium_screenshot, gate_decision, write_model_dir
 from fastapi.testclient import TestClient
 
 from burstcv.registry.registry import PRODUCTION, AliasConflictError, Registry
@@ -51,35 +50,27 @@ def seed_store(root: Path) -> Settings:
     (run / "report").mkdir(parents=True)
     (run / "report" / "index.html").write_text("<html>run report</html>")
     (run / "job").mkdir()
+    billing = {"backend": "ec2", "billed_seconds": {"i-1": 600}, "cost_usd": 0.1234}
     (run / "job" / "billing.json").write_text(
-        json.dumps({"backend": "ec2", "billed_seconds": {"i-1": 600}, "cost_usd": 0.1234})
+        json.dumps(
+            {**billing, "instance_ids": ["i-1"], "instances": [], "terminated_at": "2026-11-29"}
+        )
     )
     (run / "bench").mkdir()
-    (run / "bench" / "verdict.json").write_text(
-        json.dumps({"version": 2, "promote": False, "summary": "not promoted: p95 too slow"})
-    )
+    gate = gate_decision(0.91, 71.0, ["p95 too slow"])["gate"]
+    (run / "bench" / "verdict.json").write_text(json.dumps({"version": 2, **gate}))
     (root / "secret.txt").write_text("do not serve")
     registry = Registry(settings.registry_uri, settings.model_name)
     for accuracy, status, reasons in (
         (0.97, "accepted", []),
         (0.91, "rejected", ["p95 71.0 ms > SLO 50.0 ms"]),
     ):
-        model_dir = root / f"model-{accuracy}"
-        model_dir.mkdir()
-        onnx = f"fake onnx {accuracy}".encode()
-        (model_dir / "model.onnx").write_bytes(onnx)
-        (model_dir / "model.json").write_text(
-            json.dumps({"sha256": hashlib.sha256(onnx).hexdigest(), "run_id": RUN_ID})
+        model_dir = write_model_dir(
+            root / f"model-{accuracy}", f"fake onnx {accuracy}".encode(), run_id=RUN_ID
         )
-        registry.register(
-            str(model_dir),
-            {
-                "status": status,
-                "reason": "; ".join(reasons) or "promote",
-                "gate": {"promote": not reasons, "reasons": reasons},
-                "benchmark": {"candidate": {"accuracy": accuracy, "p95_ms": 12.5}},
-            },
-        )
+        decision = gate_decision(accuracy, 12.5, reasons)
+        assert decision["status"] == status
+        registry.register(str(model_dir), decision)
     registry.promote(1)
     return settings
 
@@ -315,7 +306,9 @@ def real_run_pages(settings: Settings, tmp_path: Path) -> None:
     shutil.rmtree(run / "dataset")
     report = validate_dataset(str(data), str(run / "dataset"), ValidationConfig(min_total_images=1))
     assert report.success, report.summary
-    (run / "run.json").write_text(json.dumps({"run_id": RUN_ID}))
+    (run / "run.json").write_text(
+        json.dumps({"run_id": RUN_ID, "dataset_uri": "/data/digits", "started_at": "2026-11-29"})
+    )
     build_report(
         str(run),
         registry_uri=settings.registry_uri,
@@ -393,10 +386,17 @@ def test_the_models_page_renders_in_headless_chromium(settings: Settings, tmp_pa
     skipped = Path(settings.artifact_root) / "runs" / "scheduled__2026-11-30T00_00_00_00_00"
     skipped.mkdir(parents=True)
     (skipped / "run.json").write_text(
-        json.dumps({"run_id": "scheduled__2026-11-30T00:00:00+00:00"})
+        json.dumps(
+            {
+                "run_id": "scheduled__2026-11-30T00:00:00+00:00",
+                "dataset_uri": "/data/digits",
+                "started_at": "2026-11-30T00:00:01+00:00",
+            }
+        )
     )
     reason = "nothing new to train on: the validated dataset ... of production version 1"
-    (skipped / "skip.json").write_text(json.dumps({"reason": reason, "production_version": 1}))
+    skip = {"reason": reason, "production_version": 1, "fingerprint": "f1", "decided_at": "now"}
+    (skipped / "skip.json").write_text(json.dumps(skip))
     page = tmp_path / "models.html"
     page.write_text(
         burstcv_views.render_page(

@@ -261,7 +261,9 @@ def test_rollback_restores_the_previous_version_in_the_running_service(
     assert result.services[service.url]["version"] == 1  # confirmed by the reload answer
     assert service.version() == 1 and service.predicted_label() == "1"
     assert aliases(registry) == (1, 2)
-    moves = [(e["action"], e["alias"], e["from"], e["to"], e["result"]) for e in registry.history()]
+    moves = [
+        (e.action, e.alias, e.from_version, e.to_version, e.result) for e in registry.history()
+    ]
     assert moves[-2:] == [
         ("rollback", PRODUCTION, 2, 1, "moved"),
         ("rollback", PREVIOUS, 1, 2, "moved"),
@@ -290,8 +292,8 @@ def test_a_version_the_service_cannot_load_never_becomes_production(
     assert info["version"] == 1 and info["last_error"] is None  # the serving state is intact
     assert service.predicted_label() == "1"
     (refusal,) = registry.history()[-1:]
-    assert (refusal["from"], refusal["to"], refusal["result"]) == (1, 2, "refused")
-    assert "onnxruntime cannot load" in refusal["detail"]
+    assert (refusal.from_version, refusal.to_version, refusal.result) == (1, 2, "refused")
+    assert "onnxruntime cannot load" in refusal.detail
 
 
 def test_an_unreachable_service_fails_the_deploy_before_production_moves(
@@ -348,9 +350,9 @@ def test_a_failed_switch_restores_production_and_every_service_goes_back(
         assert aliases(registry) == (1, None)
         assert svc.version() == 1 and svc.predicted_label() == "1"  # switched, then went back
     moves = [
-        (e["action"], e["alias"], e["from"], e["to"], e["result"])
+        (e.action, e.alias, e.from_version, e.to_version, e.result)
         for e in registry.history()
-        if e["action"] != "setup"
+        if e.action != "setup"
     ]
     assert moves[-4:] == [
         ("promote", PRODUCTION, 1, 2, "moved"),

@@ -144,24 +144,24 @@ def assert_all_agree(
     assert service.version() == production.version
     assert service.predicted_label() == str(production.version % 10)
     history = registry.history()
-    moves = [e for e in history if e["alias"] == PRODUCTION and e["result"] == "moved"]
+    moves = [e for e in history if e.alias == PRODUCTION and e.result == "moved"]
     # No lost update: every move replaced exactly what the move before it wrote.
     for before, after in itertools.pairwise(moves):
-        assert after["from"] == before["to"], (before, after)
+        assert after.from_version == before.to_version, (before, after)
     assert moves[-1]["to"] == production.version
     for command in commands:
         pid = command.process.pid
-        mine = [e for e in history if e["actor"].endswith(command.actor_suffix)]
-        moved = [e for e in mine if e["alias"] == PRODUCTION and e["result"] == "moved"]
+        mine = [e for e in history if e.actor.endswith(command.actor_suffix)]
+        moved = [e for e in mine if e.alias == PRODUCTION and e.result == "moved"]
         if command.rc == 0:
-            assert [(e["to"], e["action"]) for e in moved] == [
+            assert [(e.to_version, e.action) for e in moved] == [
                 (targets[pid], "rollback" if command.args[0] == "rollback" else "promote")
             ], mine
             assert command.stdout.startswith(f"production -> version {targets[pid]} ")
         else:
             assert command.rc == 1, command.stderr
             assert moved == [], mine  # a command that failed moved nothing
-            assert {e["result"] for e in mine} <= {"refused", "conflict"} and mine
+            assert {e.result for e in mine} <= {"refused", "conflict"} and mine
             last_line = command.stderr.strip().splitlines()[-1]
             assert last_line.startswith("error: ")
             if mine[-1]["result"] == "refused":  # the service's words, as recorded

@@ -26,8 +26,8 @@ def test_versions_are_numbered_and_carry_lineage(tmp_path: Path) -> None:
     )
     assert (v1, v2) == (1, 2) and reg.versions() == [1, 2]
     entry = reg.entry(2)
-    assert entry["status"] == "rejected" and entry["lineage"]["run_id"] == "run-b"
-    assert reg.model_json(1)["version"] == 1
+    assert entry.status == "rejected" and entry.lineage.run_id == "run-b"
+    assert reg.model_card(1).version == 1
     assert (tmp_path / "reg" / "digits" / "versions" / "1" / "model.onnx").read_bytes() == b"onnx-a"
 
 
@@ -39,7 +39,7 @@ def test_promote_moves_production_and_previous_and_rollback_swaps(tmp_path: Path
     old = reg.promote(2)
     assert old is not None and old.version == 1
     assert reg.get_alias(PRODUCTION).version == 2 and reg.get_alias(PREVIOUS).version == 1
-    assert reg.get_alias(PRODUCTION).sha256 == reg.model_json(2)["sha256"]
+    assert reg.get_alias(PRODUCTION).sha256 == reg.model_card(2).sha256
     assert reg.rollback() == (2, 1)
     assert reg.get_alias(PRODUCTION).version == 1 and reg.get_alias(PREVIOUS).version == 2
 
@@ -84,10 +84,10 @@ def test_concurrent_registrations_and_promotions_stay_consistent(tmp_path: Path)
     reg = Registry(root, "digits")
     assert reg.versions() == list(range(1, 21))  # no number lost or shared
     for v in reg.versions():
-        assert reg.entry(v)["sha256"] == reg.model_json(v)["sha256"] == reg.entry(v)["sha256"]
+        assert reg.entry(v).sha256 == reg.model_card(v).sha256 == reg.entry(v).sha256
     prod, prev = reg.get_alias(PRODUCTION), reg.get_alias(PREVIOUS)
     assert prod is not None and prev is not None and prod.version != prev.version
-    assert prod.sha256 == reg.model_json(prod.version)["sha256"]
+    assert prod.sha256 == reg.model_card(prod.version).sha256
     aliases = tmp_path / "reg" / "digits" / "aliases"
     assert sorted(p.name for p in aliases.iterdir() if not p.name.startswith(".")) == [
         "previous.json",
@@ -102,7 +102,7 @@ def version_of(reg: Registry, alias: str) -> int | None:
 
 
 def _events(reg: Registry) -> list[tuple[object, ...]]:
-    return [(e["actor"], e["alias"], e["from"], e["to"], e["result"]) for e in reg.history()]
+    return [(e.actor, e.alias, e.from_version, e.to_version, e.result) for e in reg.history()]
 
 
 def registry_with_three(root: str, tmp_path: Path) -> Registry:
@@ -124,7 +124,7 @@ def check_compare_and_swap(reg: Registry) -> None:
     # A deploy that wrote 2 and must undo it finds 3 there (a newer move): it leaves it.
     reg.promote(3, actor="op-c")
     with reg.aliases_locked("deploy-of-2") as writer:
-        restored = writer.undo(2, production=Alias(1, reg.model_json(1)["sha256"]), previous=None)
+        restored = writer.undo(2, production=Alias(1, reg.model_card(1).sha256), previous=None)
     assert restored is False
     assert version_of(reg, PRODUCTION) == 3 and version_of(reg, PREVIOUS) == 2
     # Undoing its own, still current move puts both aliases back.
@@ -150,7 +150,7 @@ def check_compare_and_swap(reg: Registry) -> None:
         ("op-d", PREVIOUS, 1, 2, "moved"),
     ]
     left = reg.history()[6]
-    assert left["action"] == "restore" and "newer move was left alone" in left["detail"]
+    assert left.action == "restore" and "newer move was left alone" in left.detail
 
 
 def test_alias_writes_are_compare_and_swap_and_recorded(tmp_path: Path) -> None:
@@ -170,7 +170,7 @@ def test_models_history_prints_every_move(tmp_path: Path) -> None:
         [sys.executable, "-c", "from burstcv.cli import app; app()", "models", "--history"],
         env={
             "PATH": "/usr/bin:/bin",
-            "PYTHONPATH": str(src),
+            "PYTHONPATH": f"{src}:{src.parent / 'spec'}",  # this checkout's, not an install's
             "BURSTCV_REGISTRY_URI": str(tmp_path / "reg"),
         },
         capture_output=True,

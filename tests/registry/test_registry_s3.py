@@ -45,7 +45,7 @@ def test_concurrent_promotions_on_s3_leave_a_consistent_registry(
     assert reg.versions() == list(range(1, 13))  # no number lost or shared
     prod, prev = reg.get_alias(PRODUCTION), reg.get_alias(PREVIOUS)
     assert prod is not None and prev is not None and prod.version != prev.version
-    assert prod.sha256 == reg.model_json(prod.version)["sha256"]
+    assert prod.sha256 == reg.model_card(prod.version).sha256
     keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="models")["Contents"]]
     assert "registry/digits/aliases/.lock" not in keys  # the lease was released
     assert reg.rollback() == (prod.version, prev.version)
@@ -64,7 +64,7 @@ def test_a_writer_whose_lease_was_taken_over_cannot_overwrite_a_newer_alias(
     stale_etag = s3.head_object(Bucket=bucket, Key=key)["ETag"]
     # Another writer moves production after this one read it (its lease had expired).
     reg.promote(2, actor="newer")
-    value = Alias(3, reg.model_json(3)["sha256"], "now", "stale")
+    value = Alias(3, reg.model_card(3).sha256, "now", "stale")
     assert _conditional_write(reg.alias_uri(PRODUCTION), value, stale_etag) is False
     assert _conditional_write(reg.alias_uri("candidate"), value, None) is True
     assert _conditional_write(reg.alias_uri("candidate"), value, None) is False  # exists now

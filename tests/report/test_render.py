@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 import re
@@ -14,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from burstcv_testkit import write_model_dir
 from PIL import Image
 
 from burstcv.cost.pricing import serving_cost_per_million
@@ -164,14 +164,7 @@ def register(registry_root: Path, tmp: Path, versions: int) -> Registry:
     """Register ``versions`` versions and promote the last one, as deploy would."""
     registry = Registry(str(registry_root), "digits")
     for n in range(1, versions + 1):
-        folder = tmp / f"model{n}"
-        folder.mkdir()
-        onnx = f"onnx-{n}".encode()
-        (folder / "model.onnx").write_bytes(onnx)
-        write(
-            folder / "model.json",
-            {"onnx_file": "model.onnx", "sha256": hashlib.sha256(onnx).hexdigest()},
-        )
+        folder = write_model_dir(tmp / f"model{n}", f"onnx-{n}".encode())
         registry.register(str(folder), {"status": "accepted"})
         registry.promote(n)
     return registry

@@ -69,10 +69,11 @@ def run_pipeline_once(conf: dict[str, Any]) -> tuple[str, str]:
     states = {ti.task_id: str(ti.state) for ti in dag_run.get_task_instances()}
     lines = [f"{DAG_ID} run {dag_run.run_id}: {dag_run.state}"]
     lines += [f"  {task:<10} {state}" for task, state in sorted(states.items())]
-    from burstcv.pipeline import RunPaths
+    from burstcv.pipeline import run_layout
+    from burstcv_spec.contracts import VerdictRecord, read_artifact
 
-    verdict_uri = storage.join(RunPaths.of(dag_run.run_id).bench, "verdict.json")
+    verdict_uri = run_layout(dag_run.run_id).verdict
     if storage.exists(verdict_uri):
-        verdict = storage.read_json(verdict_uri)
-        lines.append(f"  version {verdict['version']}: {verdict['summary']}")
+        verdict = read_artifact(verdict_uri, VerdictRecord)
+        lines.append(f"  version {verdict.version}: {verdict.summary}")
     return str(dag_run.state), "\n".join(lines)

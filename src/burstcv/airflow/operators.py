@@ -9,6 +9,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from burstcv.airflow.triggers import TrainingCompletionTrigger
+from burstcv_spec.contracts import Provisioned
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class WaitForTrainingOperator(BaseOperator):
     after the teardown task.
     """
 
-    template_fields = ("provisioned",)
+    template_fields = ("provisioned",)  # provision's XCom: Provisioned as JSON
 
     def __init__(self, *, provisioned: Any, poll_interval_s: float = 2.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -46,16 +47,14 @@ class WaitForTrainingOperator(BaseOperator):
             training_outcome,
         )
 
-        info = self.provisioned
+        info = self._boxes()
         # The attempt the run waits for: provision's (its try number), or the last relaunch.
-        attempt = current_attempt(info["output_uri"])
+        attempt = current_attempt(info.output_uri)
         ti = context.get("ti") or context.get("task_instance")
         if ti is not None and getattr(ti, "try_number", 1) > 1:
-            outcome = training_outcome(
-                info["run_key"], info["backend"], info["output_uri"], attempt
-            )
+            outcome = training_outcome(info.run.run_key, info.backend, info.output_uri, attempt)
             if outcome["status"] == "done":
-                return collect_training(context["run_id"], outcome)
+                return collect_training(info.run, outcome).model_dump(mode="json")
             if outcome["status"] in ("lost", "failed"):
                 if not _resumable(outcome):
                     self._log_box_tail(attempt)
@@ -66,9 +65,9 @@ class WaitForTrainingOperator(BaseOperator):
                     raise AirflowFailException(str(exc)) from exc
         self.defer(
             trigger=TrainingCompletionTrigger(
-                run_id=info["run_key"],
-                backend=info["backend"],
-                output_uri=info["output_uri"],
+                run_id=info.run.run_key,
+                backend=info.backend,
+                output_uri=info.output_uri,
                 attempt=attempt,
                 poll_interval_s=self.poll_interval_s,
             ),
@@ -80,7 +79,7 @@ class WaitForTrainingOperator(BaseOperator):
         from burstcv.pipeline import TrainingFailed, collect_training
 
         try:
-            return collect_training(context["run_id"], event)
+            return collect_training(self._boxes().run, event).model_dump(mode="json")
         except TrainingFailed as exc:
             self._log_box_tail(int(event.get("attempt", 1)))
             if _resumable(event):
@@ -92,15 +91,19 @@ class WaitForTrainingOperator(BaseOperator):
         """Show the end of the box's own log in this task's log."""
         from burstcv.pipeline import box_log_tail
 
-        info = self.provisioned
-        for line in box_log_tail(info["run_key"], info["backend"], info["output_uri"], attempt):
+        info = self._boxes()
+        for line in box_log_tail(info.run.run_key, info.backend, info.output_uri, attempt):
             log.info("box | %s", line)
+
+    def _boxes(self) -> Provisioned:
+        """Return provision's result, rebuilt from its XCom JSON."""
+        return Provisioned.model_validate(self.provisioned)
 
     def on_kill(self) -> None:
         """Terminate the run's instances when the task is killed."""
         from burstcv.pipeline import terminate
 
-        info = self.provisioned
-        if isinstance(info, dict) and info.get("backend"):
-            log.warning("task killed: terminating instances of run %s", info["run_key"])
-            terminate(info["run_key"], info["backend"])
+        if isinstance(self.provisioned, dict):  # else not rendered yet: nothing was read
+            info = self._boxes()
+            log.warning("task killed: terminating instances of run %s", info.run.run_key)
+            terminate(info.run, info.backend)

@@ -26,6 +26,8 @@ from burstcv.training.names import PRETRAINED_NONE, is_pretrained
 from burstcv.training.train import normalize as torch_normalize
 from burstcv.training.weights import PretrainedError, read_state_dict
 from burstcv_spec import storage
+from burstcv_spec.contracts import ModelCard, write_artifact
+from burstcv_spec.layout import MODEL_CARD
 from burstcv_spec.preprocess import PreprocessSpec, decode_to_uint8
 from burstcv_spec.preprocess import normalize as numpy_normalize
 
@@ -171,7 +173,7 @@ def export_model(
     max_accuracy_drop: float = 0.01,
     calibration_images: int = 256,
     pretrained: str = PRETRAINED_NONE,
-) -> dict[str, Any]:
+) -> ModelCard:
     """Export a checkpoint to ``<out_uri>/model.onnx`` + model.json after the parity gate passes.
 
     With ``int8`` the parity-checked file is also quantized (calibrated on
@@ -252,13 +254,13 @@ def export_model(
                 final.parent / model_json["onnx_file"],
                 storage.join(out_uri, model_json["onnx_file"]),
             )
-    digest = model_json["sha256"]
-    storage.write_json(storage.join(out_uri, "model.json"), model_json)
+    card = ModelCard.model_validate(model_json)
+    write_artifact(storage.join(out_uri, MODEL_CARD), card)
     log.info(
         "exported %s (sha256 %s…): parity max |Δ| %.2g on %d images",
-        storage.join(out_uri, model_json["onnx_file"]),
-        digest[:12],
+        storage.join(out_uri, card.onnx_file),
+        card.sha256[:12],
         parity.max_abs_diff,
         parity.images,
     )
-    return model_json
+    return card

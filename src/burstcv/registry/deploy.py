@@ -165,7 +165,7 @@ def deploy(
     except RegistryError as exc:
         _record_refusal(registry, actor, action, expected, version, str(exc))
         raise
-    sha256 = str(registry.model_json(version)["sha256"])
+    sha256 = registry.model_card(version).sha256
     urls = [url.rstrip("/") for url in service_urls]
     staged: dict[str, Any] = {}
     if urls:

@@ -29,16 +29,26 @@ from pathlib import Path
 from typing import Any
 
 from burstcv import lineage
-from burstcv_spec import storage
+from burstcv_spec import layout, storage
+from burstcv_spec.contracts import (
+    AliasRecord,
+    ArtifactError,
+    HistoryEvent,
+    ModelCard,
+    RegistryEntry,
+    parse_artifact,
+    read_artifact,
+    write_artifact,
+)
+from burstcv_spec.layout import RegistryLayout
 
 log = logging.getLogger(__name__)
 
-PRODUCTION = "production"
-PREVIOUS = "previous"
+PRODUCTION = layout.PRODUCTION
+PREVIOUS = layout.PREVIOUS
 S3_LEASE_S = 60.0  # an S3 alias lock older than this belongs to a dead writer
 S3_LOCK_WAIT_S = 120.0
 _CONDITION_FAILED = ("PreconditionFailed", "ConditionalRequestConflict")
-HISTORY_SCHEMA_VERSION = 1
 DEFAULT_ACTOR = "api"
 
 
@@ -77,14 +87,14 @@ class Alias:
     updated_at: str = ""
     updated_by: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
-        """Return the JSON form stored in aliases/<name>.json."""
-        return {
-            "version": self.version,
-            "sha256": self.sha256,
-            "updated_at": self.updated_at,
-            "updated_by": self.updated_by,
-        }
+    def record(self) -> AliasRecord:
+        """Return the typed form stored in aliases/<name>.json."""
+        return AliasRecord(
+            version=self.version,
+            sha256=self.sha256,
+            updated_at=self.updated_at,
+            updated_by=self.updated_by,
+        )
 
 
 class Registry:
@@ -93,64 +103,72 @@ class Registry:
     def __init__(self, root_uri: str, model_name: str) -> None:
         if not model_name or "/" in model_name:
             raise RegistryError(f"invalid model name {model_name!r}")
-        self.root = storage.join(root_uri, model_name)
+        self.layout = RegistryLayout(root_uri, model_name)
+        self.root = self.layout.root
         self.model_name = model_name
 
     # -- paths -----------------------------------------------------------------------------
     def version_uri(self, version: int, *parts: str) -> str:
         """Return the URI of a version folder or a file inside it."""
-        return storage.join(self.root, "versions", str(version), *parts)
+        return self.layout.version(version, *parts)
 
     def alias_uri(self, alias: str) -> str:
         """Return the URI of an alias file."""
-        return storage.join(self.root, "aliases", f"{alias}.json")
+        return self.layout.alias(alias)
 
     # -- versions --------------------------------------------------------------------------
     def versions(self) -> list[int]:
         """Return every registered version number, ascending."""
         found: set[int] = set()
-        prefix = storage.join(self.root, "versions")
+        prefix = self.layout.versions
         for uri in storage.list_files(prefix):
             rel = uri[len(prefix) :].lstrip("/").split("/")
             if rel and rel[0].isdigit() and rel[-1] == "entry.json":
                 found.add(int(rel[0]))
         return sorted(found)
 
-    def entry(self, version: int) -> dict[str, Any]:
+    def entry(self, version: int) -> RegistryEntry:
         """Return a version's entry.json (gate verdict, figures, lineage, status)."""
         try:
-            return storage.read_json(self.version_uri(version, "entry.json"))  # type: ignore[no-any-return]
+            return read_artifact(self.layout.entry(version), RegistryEntry)
         except storage.ArtifactNotFoundError as exc:
             raise RegistryError(f"{self.model_name} has no version {version}") from exc
 
-    def model_json(self, version: int) -> dict[str, Any]:
+    def model_card(self, version: int) -> ModelCard:
         """Return a version's model.json."""
-        return storage.read_json(self.version_uri(version, "model.json"))  # type: ignore[no-any-return]
+        return read_artifact(self.layout.model_card(version), ModelCard)
 
-    def register(self, model_dir_uri: str, entry: dict[str, Any]) -> int:
-        """Copy model.onnx + model.json from a run into a new version; return its number."""
-        model_json = storage.read_json(storage.join(model_dir_uri, "model.json"))
-        onnx_file = model_json.get("onnx_file", "model.onnx")
-        onnx_bytes = storage.read_bytes(storage.join(model_dir_uri, onnx_file))
-        version = self._claim_version()
-        model_json["version"] = version
-        storage.write_bytes(self.version_uri(version, onnx_file), onnx_bytes)
-        storage.write_json(self.version_uri(version, "model.json"), model_json)
-        full_entry = {
-            **entry,
-            "version": version,
+    def register(self, model_dir_uri: str, decision: dict[str, Any]) -> int:
+        """Copy model.onnx + model.json from a run into a new version; return its number.
+
+        ``decision`` is the gate's part of entry.json (status, reason, gate, benchmark,
+        params); the registry adds the version, hashes and lineage, and the whole entry is
+        validated (RegistryEntry) before anything is copied.
+        """
+        card = read_artifact(storage.join(model_dir_uri, "model.json"), ModelCard)
+        fields = {
+            **decision,
             "model": self.model_name,
-            "sha256": model_json["sha256"],
-            "registered_at": lineage.utc_now_iso(),
+            "sha256": card.sha256,
             "lineage": {
-                "run_id": model_json.get("run_id", ""),
-                "dataset_fingerprint": model_json.get("dataset_fingerprint", ""),
-                "source_commit": model_json.get("source_commit", ""),
+                "run_id": card.run_id,
+                "dataset_fingerprint": card.dataset_fingerprint,
+                "source_commit": card.source_commit,
             },
         }
+        # Checked before a version number is claimed: a bad decision leaves no empty version.
+        parse_artifact({**fields, "version": 1, "registered_at": ""}, RegistryEntry, "entry.json")
+        onnx_bytes = storage.read_bytes(storage.join(model_dir_uri, card.onnx_file))
+        version = self._claim_version()
+        storage.write_bytes(self.version_uri(version, card.onnx_file), onnx_bytes)
+        registered = card.model_copy(update={"version": version})
+        write_artifact(self.layout.model_card(version), registered)
+        entry = RegistryEntry.model_validate(
+            {**fields, "version": version, "registered_at": lineage.utc_now_iso()}
+        )
         # entry.json is written last: a version without it is incomplete and never listed.
-        storage.write_json(self.version_uri(version, "entry.json"), full_entry)
-        log.info("registered %s version %d (%s)", self.model_name, version, entry.get("status"))
+        write_artifact(self.layout.entry(version), entry)
+        log.info("registered %s version %d (%s)", self.model_name, version, entry.status)
         return version
 
     def _claim_version(self) -> int:
@@ -162,7 +180,7 @@ class Registry:
         raise RegistryError("could not claim a version number after 1000 tries")
 
     def _claimed_numbers(self) -> list[int]:
-        prefix = storage.join(self.root, "versions")
+        prefix = self.layout.versions
         if storage.is_s3(prefix):
             nums = set()
             for uri in storage.list_files(prefix):
@@ -215,7 +233,7 @@ class Registry:
             with self._s3_lease():
                 yield
             return
-        lock_path = Path(self.root) / "aliases" / ".lock"
+        lock_path = Path(self.layout.alias_lock)
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         with open(lock_path, "a+") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
@@ -233,7 +251,7 @@ class Registry:
         made under the lease are conditional too, so even a holder that outlived its lease
         cannot overwrite a move it did not see.
         """
-        bucket, _, key = storage.join(self.root, "aliases", ".lock")[5:].partition("/")
+        bucket, _, key = self.layout.alias_lock[5:].partition("/")
         client = storage.s3_client()
         body = json.dumps({"owner": uuid.uuid4().hex, "at": time.time()}).encode()
         deadline = time.monotonic() + S3_LOCK_WAIT_S
@@ -265,12 +283,12 @@ class Registry:
         finally:
             client.delete_object(Bucket=bucket, Key=key)
 
-    def check_promotable(self, version: int, *, force: bool = False) -> dict[str, Any]:
+    def check_promotable(self, version: int, *, force: bool = False) -> RegistryEntry:
         """Return a version's entry; raise RegistryError if the gate rejected it (unless forced)."""
         entry = self.entry(version)
-        if entry.get("status") == "rejected" and not force:
+        if entry.status == "rejected" and not force:
             raise RejectedVersionError(
-                f"version {version} was rejected by the gate: {entry.get('reason')}"
+                f"version {version} was rejected by the gate: {entry.reason}"
             )
         return entry
 
@@ -306,7 +324,7 @@ class Registry:
     # -- history ---------------------------------------------------------------------------
     def history_uri(self) -> str:
         """Return the folder (or S3 prefix) that holds one JSON file per alias event."""
-        return storage.join(self.root, "history")
+        return self.layout.history
 
     def record(
         self,
@@ -318,28 +336,27 @@ class Registry:
         to_version: int | None,
         result: str,
         detail: str = "",
-    ) -> dict[str, Any]:
+    ) -> HistoryEvent:
         """Append one event to the alias history and return it.
 
         Each event is its own file named by its time, so appending never rewrites (or races
         on) a shared log, on S3 as locally.
         """
-        event = {
-            "schema_version": HISTORY_SCHEMA_VERSION,
-            "at": lineage.utc_now_iso(),
-            "actor": actor,
-            "action": action,
-            "alias": alias,
-            "from": from_version,
-            "to": to_version,
-            "result": result,
-            "detail": " ".join(detail.split()),
-        }
+        event = HistoryEvent(
+            at=lineage.utc_now_iso(),
+            actor=actor,
+            action=action,
+            alias=alias,
+            from_version=from_version,
+            to_version=to_version,
+            result=result,
+            detail=" ".join(detail.split()),
+        )
         name = f"{_monotonic_ns():020d}-{uuid.uuid4().hex[:8]}.json"
-        storage.write_json(storage.join(self.history_uri(), name), event)
+        write_artifact(storage.join(self.history_uri(), name), event)
         return event
 
-    def history(self, limit: int | None = None) -> list[dict[str, Any]]:
+    def history(self, limit: int | None = None) -> list[HistoryEvent]:
         """Return the alias history, oldest first (only the newest ``limit`` events if given)."""
         uris = [u for u in storage.list_files(self.history_uri()) if u.endswith(".json")]
         if limit is not None:
@@ -347,8 +364,8 @@ class Registry:
         events = []
         for uri in uris:
             try:
-                events.append(storage.read_json(uri))
-            except (storage.ArtifactNotFoundError, ValueError) as exc:
+                events.append(read_artifact(uri, HistoryEvent))
+            except (storage.ArtifactNotFoundError, ArtifactError) as exc:
                 raise RegistryError(f"unreadable history event {uri}: {exc}") from exc
         return events
 
@@ -381,7 +398,7 @@ class AliasWriter:
             if version is None
             else Alias(
                 version,
-                self.registry.model_json(version)["sha256"],
+                self.registry.model_card(version).sha256,
                 lineage.utc_now_iso(),
                 self.actor,
             )
@@ -496,22 +513,18 @@ def _read_alias(uri: str) -> tuple[Alias | None, str | None]:
             response = client.get_object(Bucket=bucket, Key=key)
         except client.exceptions.NoSuchKey:
             return None, None
-        data, etag = json.loads(response["Body"].read()), str(response["ETag"])
+        etag: str | None = str(response["ETag"])
+        body = response["Body"].read()
     else:
         try:
-            data, etag = storage.read_json(uri), None
+            body, etag = storage.read_bytes(uri), None
         except storage.ArtifactNotFoundError:
             return None, None
     try:
-        value = Alias(
-            int(data["version"]),
-            str(data["sha256"]),
-            str(data.get("updated_at", "")),
-            str(data.get("updated_by", "")),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
+        record = parse_artifact(json.loads(body), AliasRecord, uri)
+    except ValueError as exc:  # ArtifactError, or not JSON at all
         raise RegistryError(f"alias file {uri} is malformed: {exc}") from exc
-    return value, etag
+    return Alias(record.version, record.sha256, record.updated_at, record.updated_by), etag
 
 
 def _conditional_write(uri: str, value: Alias | None, etag: str | None) -> bool:
@@ -525,7 +538,7 @@ def _conditional_write(uri: str, value: Alias | None, etag: str | None) -> bool:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(uri)
         else:
-            storage.write_json(uri, value.to_dict())
+            write_artifact(uri, value.record())
         return True
     bucket, _, key = uri[5:].partition("/")
     client = storage.s3_client()
@@ -535,7 +548,8 @@ def _conditional_write(uri: str, value: Alias | None, etag: str | None) -> bool:
             if etag is not None:
                 client.delete_object(Bucket=bucket, Key=key, IfMatch=etag)
         else:
-            body = (json.dumps(value.to_dict(), indent=2, sort_keys=True) + "\n").encode()
+            doc = value.record().model_dump(mode="json", by_alias=True)
+            body = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
             client.put_object(Bucket=bucket, Key=key, Body=body, **condition)
     except client.exceptions.ClientError as exc:
         if exc.response.get("Error", {}).get("Code") in _CONDITION_FAILED:

@@ -26,6 +26,7 @@ import jinja2
 
 from burstcv import links
 from burstcv_spec import storage
+from burstcv_spec.layout import SKIP_RECORD
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ DEFAULT_SERVING_REGION = "us-east-1"
 # Relative to report/index.html: the same link opened from the store or through the plugin.
 DATA_DOCS_LINK = links.link_between("report", "data-docs")
 MAX_OFFENDING_SHOWN = 5
-SKIP_FILE = "skip.json"  # written by the pipeline when a run had nothing new to train on
+SKIP_FILE = SKIP_RECORD  # written by the pipeline when a run had nothing new to train on
 
 # Each file the report reads, and the stage that writes it (for "not reached" notes).
 ARTIFACTS: dict[str, tuple[str, str]] = {
@@ -399,7 +400,7 @@ def _registry_view(
     try:
         registry = Registry(registry_uri, model_name)
         alias = registry.get_alias(PRODUCTION)
-        status = registry.entry(int(version)).get("status") if version is not None else None
+        status = registry.entry(int(version)).status if version is not None else None
     except (RegistryError, storage.ArtifactNotFoundError, ValueError) as exc:
         return {"error": f"Registry {registry_uri} could not be read: {exc}"}
     return {

@@ -1,0 +1,628 @@
+"""Define, once, every value that crosses a stage boundary: stage results and JSON artifacts.
+
+Stage results travel through XCom as ``model_dump(mode="json")`` and are rebuilt with
+``Model.model_validate`` by the next task (or handed on as they are by the CLI). Artifacts are
+the JSON files the pipeline writes to the artifact store and the registry; each carries a
+``schema_version`` and is validated once where it is read (``read_artifact``). A file
+without ``schema_version`` predates it and is read as version 1; a newer version than this
+code knows is refused (``SchemaVersionError``) rather than half understood.
+
+Torch-free and Airflow-free: the prediction service and the training box import it too.
+docs/contracts.md is generated from these models (``burstcv_spec.contracts_doc``).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
+
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from burstcv_spec import storage
+
+if TYPE_CHECKING:  # imported when used: readers of other contracts need no numpy or Pillow
+    from burstcv_spec.preprocess import PreprocessSpec
+
+SCHEMA_VERSION = 1  # of every artifact below; raise it when a reader must change
+
+
+class ArtifactError(ValueError):
+    """Raise when an artifact file is missing its fields or holds bad values (names both)."""
+
+
+class SchemaVersionError(ArtifactError):
+    """Raise when an artifact was written by a newer schema than this code reads."""
+
+
+class Contract(BaseModel):
+    """Hold what every contract shares: immutable, unknown keys refused.
+
+    Fields named in ``omit_when_none`` are left out of the JSON when they are None, as the
+    files have always done (a run's model.json has no registry ``version``, say).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+    omit_when_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit_nones(
+        self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
+    ) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for name in self.omit_when_none:
+            field = type(self).model_fields[name]
+            alias = field.serialization_alias
+            key = alias if info.by_alias and alias else name
+            if data.get(key, 0) is None:
+                del data[key]
+        return data
+
+
+class Artifact(Contract):
+    """Add the schema version every artifact file carries."""
+
+    schema_version: int = Field(
+        default=SCHEMA_VERSION,
+        description=(
+            f"version of this file's schema (current {SCHEMA_VERSION}; a file without it is "
+            "version 1; a newer one is refused)"
+        ),
+    )
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_version(cls, value: int) -> int:
+        if not 1 <= value <= SCHEMA_VERSION:
+            raise ValueError(f"schema_version {value} is not 1..{SCHEMA_VERSION}")
+        return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared blocks
+
+
+class RunRef(Contract):
+    """Name one pipeline run both ways: as Airflow knows it and as folders and tags do."""
+
+    airflow_run_id: str = Field(description="the Airflow run id (links to the run's page)")
+    run_key: str = Field(
+        description="the path-safe run id ([A-Za-z0-9._-]): runs/<run_key>/, instance tags"
+    )
+
+    @classmethod
+    def of(cls, airflow_run_id: str) -> RunRef:
+        """Return the reference of a run from its Airflow run id."""
+        return cls(airflow_run_id=airflow_run_id, run_key=storage.safe_run_id(airflow_run_id))
+
+
+class PreprocessBlock(Contract):
+    """Describe the eval transform as model.json and job.json carry it (PreprocessSpec)."""
+
+    height: int = Field(gt=0, description="input height in pixels")
+    width: int = Field(gt=0, description="input width in pixels")
+    mean: tuple[float, float, float] = Field(description="per-channel mean (R, G, B), 0..1 scale")
+    std: tuple[float, float, float] = Field(description="per-channel std (R, G, B), 0..1 scale")
+    interpolation: str = Field(description="Pillow resample filter when the size differs")
+    color_mode: str = Field(description="colour mode images are converted to (RGB)")
+    layout: str = Field(description="tensor layout (NCHW)")
+    scale: float = Field(description="multiplier from uint8 to 0..1 before normalising")
+    formats: list[str] = Field(description="image formats accepted (Pillow names)")
+
+    @model_validator(mode="after")
+    def _usable(self) -> PreprocessBlock:
+        self.to_spec()  # refuses unknown transforms, naming them
+        return self
+
+    @classmethod
+    def of(cls, spec: PreprocessSpec) -> PreprocessBlock:
+        """Return the block of a spec."""
+        return cls.model_validate(spec.to_dict())
+
+    def to_spec(self) -> PreprocessSpec:
+        """Return the spec this block describes."""
+        from burstcv_spec.preprocess import PreprocessSpec
+
+        return PreprocessSpec.from_dict(self.model_dump(mode="json"))
+
+
+class HostInfo(Contract):
+    """Describe the machine a measurement ran on."""
+
+    machine: str = Field(description="CPU architecture (platform.machine)")
+    processor: str = Field(description="processor name, or the architecture")
+    cpu_count: int = Field(description="logical CPUs")
+    python: str = Field(description="Python version")
+    platform: str = Field(description="operating system, terse")
+
+
+class BenchFigures(Contract):
+    """Say what one load run over HTTP measured, and the model's accuracy."""
+
+    omit_when_none = frozenset(
+        {"latencies_ms", "accuracy_note", "version", "bare_onnxruntime_p50_ms"}
+    )
+
+    label: str = Field(description="candidate or production")
+    requests: int = Field(description="requests sent after the warm-up")
+    concurrency: int = Field(description="requests in flight at once")
+    errors: int = Field(description="requests that did not get a 200")
+    p50_ms: float = Field(description="median latency, ms")
+    p95_ms: float = Field(description="95th percentile latency, ms")
+    p99_ms: float = Field(description="99th percentile latency, ms")
+    mean_ms: float = Field(description="mean latency, ms")
+    throughput_rps: float = Field(description="answered requests per second")
+    wall_s: float = Field(description="seconds the load run took")
+    status_counts: dict[str, int] = Field(description="responses by HTTP status")
+    error_rate: float = Field(description="errors / requests")
+    latencies_ms: list[float] | None = Field(
+        default=None, description="every request's latency, ms (latency.json only)"
+    )
+    accuracy: float | None = Field(
+        description="top-1 on the validation split; null when not comparable"
+    )
+    accuracy_note: str | None = Field(default=None, description="why accuracy is null")
+    version: int | None = Field(default=None, description="registry version (production only)")
+    bare_onnxruntime_p50_ms: float | None = Field(
+        default=None, description="median of onnxruntime alone, no HTTP (candidate only)"
+    )
+
+    def summary(self) -> BenchFigures:
+        """Return the figures without the raw samples (what XCom and the registry hold)."""
+        return self.model_copy(update={"latencies_ms": None})
+
+
+class GateVerdict(Contract):
+    """Say whether the gate promotes a version, every reason why not, and what would fix it."""
+
+    promote: bool = Field(description="true: every check passed")
+    reasons: list[str] = Field(description="one per failed check")
+    checks: list[dict[str, Any]] = Field(
+        description="name, passed, observed, limit (+ reason when failed) per check"
+    )
+    suggestions: list[dict[str, Any]] = Field(
+        description="priced fixes when the SLO was missed (title, estimated_p95_ms, ...)"
+    )
+    summary: str = Field(description="'promote' or 'not promoted: <reasons>'")
+    failed_figures: list[str] = Field(description="each failed check as observed vs limit")
+
+
+class ParityBlock(Contract):
+    """Say how close ONNX and torch were on real validation images."""
+
+    images: int = Field(description="images compared")
+    max_abs_diff: float = Field(description="largest absolute difference of a logit")
+    worst_input: str = Field(description="the image with that difference")
+    top1_mismatches: list[str] = Field(description="images whose top-1 class differs")
+
+
+class QuantizedFigures(Contract):
+    """Say how one of the two files (fp32, int8) did."""
+
+    accuracy: float = Field(description="top-1 on the validation split")
+    p50_ms: float = Field(description="median single-image latency, ms, in-process")
+    mean_ms: float = Field(description="mean single-image latency, ms, in-process")
+    file: str = Field(description="the ONNX file measured")
+    sha256: str = Field(description="its sha256")
+
+
+class QuantizationBlock(Contract):
+    """Say whether INT8 was tried, which file serves and why (present when INT8 was tried)."""
+
+    int8_tried: bool = Field(description="an INT8 file was made and measured")
+    serving_file: str = Field(description="the file that serves: model.onnx or model.int8.onnx")
+    reason: str = Field(description="one line: why that file serves")
+    fp32: QuantizedFigures = Field(description="the FP32 file's figures")
+    int8: QuantizedFigures = Field(description="the INT8 file's figures")
+    max_accuracy_drop: float = Field(description="accuracy INT8 may lose and still serve")
+    top1_agreement: float = Field(description="fraction of images where both agree")
+    eval_images: int = Field(description="validation images measured")
+    calibration_images: int = Field(description="training images used to calibrate")
+    method: dict[str, str] = Field(description="format, weights, activations, calibration")
+    latency: dict[str, int | str] = Field(description="batch, threads, runs, where measured")
+
+
+class TensorInput(Contract):
+    """Name the ONNX input."""
+
+    name: str = Field(description="input name in the graph")
+    shape: list[int | None] = Field(description="[batch (null: any), 3, height, width]")
+    dtype: str = Field(description="element type (float32)")
+
+
+class TensorOutput(Contract):
+    """Name the ONNX output."""
+
+    name: str = Field(description="output name in the graph")
+    kind: str = Field(description="'logits' (softmax applied by the service) or probabilities")
+
+
+class Lineage(Contract):
+    """Say what made a registered version."""
+
+    run_id: str = Field(description="the run that exported it")
+    dataset_fingerprint: str = Field(description="sha256 over the validated dataset")
+    source_commit: str = Field(description="git commit of the code, or 'unknown'")
+
+
+class InstanceRecord(Contract):
+    """Describe one training instance (or local process) at teardown."""
+
+    instance_id: str = Field(description="EC2 instance id or local process id")
+    run_id: str = Field(description="the run key it is tagged with")
+    dag_id: str = Field(description="the DAG it is tagged with")
+    state: str = Field(description="state at the last look")
+    expires_at: str | None = Field(default=None, description="ISO 8601 expiry tag")
+    instance_type: str = Field(default="", description="EC2 instance type")
+    lifecycle: str = Field(default="", description="spot, on-demand or local")
+    launched_at: str | None = Field(default=None, description="ISO 8601 launch time")
+    stopped_at: str | None = Field(default=None, description="ISO 8601 stop time")
+    airflow_run_id: str = Field(default="", description="the Airflow run id tag")
+    image_id: str = Field(default="", description="the AMI it booted (ec2)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage results (XCom)
+
+
+class Validated(Contract):
+    """Say where validate put the evidence of a dataset that passed."""
+
+    fingerprint: str = Field(description="sha256 over the validated files")
+    manifest_uri: str = Field(description="dataset/manifest.parquet: one row per file")
+    validation_uri: str = Field(description="dataset/validation.json")
+    data_docs_uri: str = Field(description="the Great Expectations Data Docs page")
+
+
+class Packed(Contract):
+    """Say where pack put the decoded shards and which preprocessing they fix."""
+
+    classes: list[str] = Field(description="class names; label i is classes[i]")
+    train_shards: list[str] = Field(description="URIs of the training .npz shards")
+    val_shards: list[str] = Field(description="URIs of the validation .npz shards")
+    counts: dict[str, int] = Field(description="images per split")
+    preprocess: PreprocessBlock = Field(description="the eval transform, with training stats")
+    fingerprint: str = Field(description="the validated dataset's fingerprint")
+
+
+class Launch(Contract):
+    """Say everything a (re)launch of the run's training box needs."""
+
+    run: RunRef = Field(description="the run the boxes are tagged with")
+    dag_id: str = Field(description="the DAG the boxes are tagged with")
+    job_uri: str = Field(description="job/job.json")
+    time_budget_s: int = Field(description="the run's time budget, seconds")
+    instance_types: list[str] = Field(description="EC2 types in order of preference")
+    use_spot: bool | None = Field(description="spot first; null: the backend's default")
+    deadline_at: datetime = Field(description="the run's absolute deadline (every attempt)")
+    wheel_uri: str = Field(description="the staged training wheel (ec2), else empty")
+    wheel_sha256: str = Field(description="its sha256, else empty")
+
+
+class Provisioned(Contract):
+    """Say which boxes provision started for the run, and how to start another."""
+
+    run: RunRef = Field(description="the run")
+    job_uri: str = Field(description="job/job.json")
+    output_uri: str = Field(description="job/: where the box writes its results")
+    instance_ids: list[str] = Field(description="the boxes of the first attempt")
+    backend: str = Field(description="compute backend: local or ec2")
+    max_cost_usd: float = Field(description="the run's budget, USD (0: none)")
+    launch: Launch = Field(description="what a retry of the train task relaunches")
+
+
+class Trained(Contract):
+    """Say where the trained weights are and how training went."""
+
+    model_uri: str = Field(description="job/model.pt: a plain state dict")
+    metrics_uri: str = Field(description="job/metrics.json")
+    val_accuracy: float = Field(description="final validation top-1")
+    epochs: int = Field(description="epochs trained")
+    train_wall_s: float = Field(description="seconds of training, all phases")
+    device: str = Field(description="cuda or cpu")
+
+
+class Terminated(Contract):
+    """Say what teardown terminated and what it cost."""
+
+    instance_ids: list[str] = Field(description="instances terminated")
+    billed_seconds: dict[str, float] = Field(description="billed seconds per instance")
+    cost_usd: float = Field(description="cost of the run's boxes, USD")
+
+
+class Exported(Contract):
+    """Say where export wrote the ONNX model and how it compares with torch."""
+
+    omit_when_none = frozenset({"quantization"})
+
+    model_dir: str = Field(description="runs/<run_key>/model/")
+    sha256: str = Field(description="sha256 of the file that serves")
+    parity_max_abs_diff: float = Field(description="largest ONNX vs torch logit difference")
+    onnx_file: str = Field(description="the file that serves, beside model.json")
+    quantization: QuantizationBlock | None = Field(
+        default=None, description="present when INT8 tried"
+    )
+
+
+class Benchmarked(Contract):
+    """Say what the benchmark measured for the candidate and production (no raw samples)."""
+
+    omit_when_none = frozenset({"production"})
+
+    latency_uri: str = Field(description="bench/latency.json: the full figures and samples")
+    host: HostInfo = Field(description="the machine measured on")
+    candidate: BenchFigures = Field(description="the candidate's figures")
+    production: BenchFigures | None = Field(
+        default=None, description="production's; absent if none"
+    )
+
+
+class Verdict(Contract):
+    """Say which version the gate registered and whether it may be deployed."""
+
+    version: int = Field(description="the registry version, accepted or rejected")
+    promote: bool = Field(description="the gate passed")
+    summary: str = Field(description="'promote' or 'not promoted: <reasons>'")
+    failed_figures: list[str] = Field(description="each failed check as observed vs limit")
+
+
+class Deployed(Contract):
+    """Say what deploy moved production to and what each service reported."""
+
+    version: int = Field(description="the version production now holds")
+    previous_version: int | None = Field(description="what production held before")
+    services: dict[str, Any] = Field(description="each service's answer after the switch")
+    staged: dict[str, Any] = Field(description="each service's answer to the stage call")
+
+
+STAGE_RESULTS: tuple[type[Contract], ...] = (
+    RunRef,
+    Validated,
+    Packed,
+    Launch,
+    Provisioned,
+    Trained,
+    Terminated,
+    Exported,
+    Benchmarked,
+    Verdict,
+    Deployed,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Artifacts (JSON files)
+
+
+class RunRecord(Artifact):
+    """runs/<run_key>/run.json: which Airflow run this folder belongs to."""
+
+    run_id: str = Field(description="the Airflow run id (the folder name is path-safe)")
+    dataset_uri: str = Field(description="the dataset the run validated")
+    started_at: str = Field(description="ISO 8601 UTC, when validate started")
+
+
+class SkipRecord(Artifact):
+    """runs/<run_key>/skip.json: why the run had nothing new to train on."""
+
+    reason: str = Field(description="the line logged and shown in the report")
+    production_version: int = Field(description="the production version it would remake")
+    fingerprint: str = Field(description="the validated dataset's fingerprint")
+    decided_at: str = Field(description="ISO 8601 UTC")
+
+
+class AttemptRecord(Artifact):
+    """runs/<run_key>/job/attempt.json: the training attempt the run now waits for."""
+
+    attempt: int = Field(ge=1, description="1 for provision, +1 per relaunch")
+    instance_ids: list[str] = Field(description="the boxes of that attempt")
+    launched_at: str = Field(description="ISO 8601 UTC")
+
+
+class Billing(Artifact):
+    """runs/<run_key>/job/billing.json: what teardown terminated and what it cost."""
+
+    instance_ids: list[str] = Field(description="instances terminated")
+    billed_seconds: dict[str, float] = Field(description="billed seconds per instance")
+    cost_usd: float = Field(description="cost of the run's boxes, USD")
+    backend: str = Field(description="compute backend: local or ec2")
+    instances: list[InstanceRecord] = Field(description="every instance of the run")
+    terminated_at: str = Field(description="ISO 8601 UTC")
+
+
+class LatencyRecord(Artifact):
+    """runs/<run_key>/bench/latency.json: the benchmark's full figures and samples."""
+
+    omit_when_none = frozenset({"production"})
+
+    measured_at: str = Field(description="ISO 8601 UTC")
+    host: HostInfo = Field(description="the machine measured on")
+    requests: int = Field(description="requests per model")
+    concurrency: int = Field(description="requests in flight at once")
+    candidate: BenchFigures = Field(description="the candidate's figures, with samples")
+    production: BenchFigures | None = Field(
+        default=None, description="production's; absent if none"
+    )
+
+
+class VerdictRecord(Artifact):
+    """runs/<run_key>/bench/verdict.json: the gate's verdict on the version it registered."""
+
+    version: int = Field(description="the registry version")
+    promote: bool = Field(description="true: every check passed")
+    reasons: list[str] = Field(description="one per failed check")
+    checks: list[dict[str, Any]] = Field(description="name, passed, observed, limit per check")
+    suggestions: list[dict[str, Any]] = Field(description="priced fixes when the SLO was missed")
+    summary: str = Field(description="'promote' or 'not promoted: <reasons>'")
+    failed_figures: list[str] = Field(description="each failed check as observed vs limit")
+
+
+class ModelCard(Artifact):
+    """model.json: makes the ONNX file self-describing; serving reads it and never imports torch."""
+
+    omit_when_none = frozenset({"version", "parity", "quantization", "versions"})
+
+    format_version: int = Field(default=1, description="model.json's original format marker (1)")
+    name: str = Field(description="the model's name (BURSTCV_MODEL_NAME)")
+    version: int | None = Field(
+        default=None, description="registry version; absent in runs/<run_key>/model/"
+    )
+    arch: str = Field(description="architecture, e.g. resnet10")
+    classes: list[str] = Field(min_length=1, description="index i of the logits is classes[i]")
+    onnx_file: str = Field(description="the file beside model.json that serves")
+    sha256: str = Field(description="hex sha256 of onnx_file")
+    opset: int = Field(description="ONNX opset")
+    input: TensorInput = Field(description="the graph's input")
+    output: TensorOutput = Field(description="the graph's output")
+    preprocess: PreprocessBlock = Field(description="the eval transform (PreprocessSpec)")
+    metrics: dict[str, float] = Field(description="validation figures, e.g. val_accuracy")
+    parity: ParityBlock | None = Field(default=None, description="ONNX vs torch on real images")
+    quantization: QuantizationBlock | None = Field(
+        default=None, description="present when INT8 tried"
+    )
+    dataset_fingerprint: str = Field(description="sha256 over the validated dataset")
+    source_commit: str = Field(description="git commit of the code, or 'unknown'")
+    run_id: str = Field(description="the run that exported it")
+    created_at: str = Field(description="ISO 8601 UTC")
+    versions: dict[str, str] | None = Field(
+        default=None, description="torch, onnx and onnxruntime versions used to export"
+    )
+
+    @field_validator("onnx_file")
+    @classmethod
+    def _beside(cls, value: str) -> str:
+        if value in ("", ".", "..") or "/" in value or "\\" in value:
+            raise ValueError("must name a file beside model.json")
+        return value
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, value: str) -> str:
+        if len(value) != 64 or any(c not in "0123456789abcdefABCDEF" for c in value):
+            raise ValueError("must be the 64 hex digits of a sha256")
+        return value.lower()
+
+
+class RegistryEntry(Artifact):
+    """<registry>/<model>/versions/<n>/entry.json: the gate's verdict, figures and lineage."""
+
+    omit_when_none = frozenset({"gate", "benchmark", "params"})
+
+    status: Literal["accepted", "rejected"] = Field(
+        description="what the gate decided: accepted (promotable) or rejected"
+    )
+    reason: str = Field(default="", description="the gate's one-line summary")
+    gate: GateVerdict | None = Field(default=None, description="the gate's full verdict")
+    benchmark: dict[str, BenchFigures] | None = Field(
+        default=None, description="candidate (and production) figures, no samples"
+    )
+    params: dict[str, Any] | None = Field(
+        default=None,
+        description="the run's parameters; absent when registered outside the pipeline",
+    )
+    version: int = Field(description="the version number")
+    model: str = Field(description="the model's name")
+    sha256: str = Field(description="sha256 of the version's serving file")
+    registered_at: str = Field(description="ISO 8601 UTC")
+    lineage: Lineage = Field(description="what made it")
+
+
+class AliasRecord(Artifact):
+    """<registry>/<model>/aliases/<alias>.json: the version an alias points at."""
+
+    version: int = Field(gt=0, description="the version the alias points at")
+    sha256: str = Field(description="sha256 of that version's serving file")
+    updated_at: str = Field(default="", description="ISO 8601 UTC of the move")
+    updated_by: str = Field(default="", description="who moved it (cli:..., run:..., api)")
+
+
+class HistoryEvent(Artifact):
+    """<registry>/<model>/history/<ns>-<id>.json: one alias move, refusal or conflict."""
+
+    at: str = Field(description="ISO 8601 UTC")
+    actor: str = Field(description="cli:<user>@<host>:<pid> | run:<run id> | api")
+    action: str = Field(description="promote | rollback | restore")
+    alias: str = Field(description="the alias, e.g. production")
+    from_version: int | None = Field(
+        validation_alias=AliasChoices("from", "from_version"),
+        serialization_alias="from",
+        description="the version it held (expected)",
+    )
+    to_version: int | None = Field(
+        validation_alias=AliasChoices("to", "to_version"),
+        serialization_alias="to",
+        description="the version asked for",
+    )
+    result: str = Field(description="moved | refused | conflict | left")
+    detail: str = Field(default="", description="one line: why, when not moved")
+
+
+ARTIFACTS: tuple[type[Artifact], ...] = (
+    RunRecord,
+    SkipRecord,
+    AttemptRecord,
+    Billing,
+    LatencyRecord,
+    VerdictRecord,
+    ModelCard,
+    RegistryEntry,
+    AliasRecord,
+    HistoryEvent,
+)
+
+A = TypeVar("A", bound=Artifact)
+
+
+def _where(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(part) for part in loc) or "(document)"
+
+
+def parse_artifact(data: Any, model: type[A], source: str) -> A:
+    """Validate a parsed JSON document as ``model``; errors name ``source`` and the field."""
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{source}: holds {type(data).__name__}, expected a JSON object")
+    version = data.get("schema_version", 1)
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"{source}: schema_version {version} is newer than this code reads "
+            f"({SCHEMA_VERSION}); upgrade burstcv to read it"
+        )
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise ArtifactError(
+            f"{source}: field '{_where(first['loc'])}': {first['msg']}{more}"
+        ) from None
+
+
+def read_artifact(uri: str, model: type[A]) -> A:
+    """Read and validate one artifact file (local path or s3:// URI), once, at the boundary.
+
+    Raise ``storage.ArtifactNotFoundError`` when it does not exist, ``SchemaVersionError``
+    when a newer schema wrote it, and ``ArtifactError`` naming the file and the field when it
+    is not JSON or does not fit ``model``.
+    """
+    raw = storage.read_bytes(uri)
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ArtifactError(f"{uri}: not JSON: {exc}") from None
+    return parse_artifact(data, model, uri)
+
+
+def write_artifact(uri: str, artifact: Artifact) -> str:
+    """Write an artifact as JSON (indented, keys sorted) atomically; return its URI."""
+    return storage.write_json(uri, artifact.model_dump(mode="json", by_alias=True))

@@ -1,0 +1,170 @@
+"""Name the folders and files of one run and of the model registry, for every reader and writer.
+
+The pipeline writes these paths, the report, the Airflow plugin and the prediction service
+read them; each side asks this module rather than joining names of its own
+(docs/contracts.md lists them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from burstcv_spec import storage
+
+RUN_RECORD = "run.json"
+SKIP_RECORD = "skip.json"
+MODEL_CARD = "model.json"
+REGISTRY_ENTRY = "entry.json"
+PRODUCTION = "production"
+PREVIOUS = "previous"
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Name every folder and file one run writes under ``<artifact root>/runs/<run_key>/``."""
+
+    root: str
+
+    @classmethod
+    def of(cls, artifact_root: str, run_id: str) -> RunLayout:
+        """Return the layout of a run (its Airflow run id or run key) under an artifact root."""
+        return cls(storage.join(artifact_root, "runs", storage.safe_run_id(run_id)))
+
+    @property
+    def record(self) -> str:
+        """Return run.json: the Airflow run id (the folder name is path-safe)."""
+        return storage.join(self.root, RUN_RECORD)
+
+    @property
+    def skip(self) -> str:
+        """Return skip.json: written when the run had nothing new to train on."""
+        return storage.join(self.root, SKIP_RECORD)
+
+    @property
+    def dataset(self) -> str:
+        """Return dataset/: manifest, validation.json, Data Docs, shards."""
+        return storage.join(self.root, "dataset")
+
+    @property
+    def manifest(self) -> str:
+        """Return dataset/manifest.parquet."""
+        return storage.join(self.dataset, "manifest.parquet")
+
+    @property
+    def validation(self) -> str:
+        """Return dataset/validation.json."""
+        return storage.join(self.dataset, "validation.json")
+
+    @property
+    def shards(self) -> str:
+        """Return dataset/shards."""
+        return storage.join(self.dataset, "shards")
+
+    @property
+    def job(self) -> str:
+        """Return job/: the training box's inputs and results."""
+        return storage.join(self.root, "job")
+
+    @property
+    def job_spec(self) -> str:
+        """Return job/job.json."""
+        return storage.join(self.job, "job.json")
+
+    @property
+    def metrics(self) -> str:
+        """Return job/metrics.json."""
+        return storage.join(self.job, "metrics.json")
+
+    @property
+    def weights(self) -> str:
+        """Return job/model.pt: the trained state dict."""
+        return storage.join(self.job, "model.pt")
+
+    @property
+    def attempt(self) -> str:
+        """Return job/attempt.json: the training attempt the run waits for."""
+        return storage.join(self.job, "attempt.json")
+
+    @property
+    def billing(self) -> str:
+        """Return job/billing.json."""
+        return storage.join(self.job, "billing.json")
+
+    @property
+    def model(self) -> str:
+        """Return model/: model.onnx, [model.int8.onnx], model.json."""
+        return storage.join(self.root, "model")
+
+    @property
+    def model_card(self) -> str:
+        """Return model/model.json."""
+        return storage.join(self.model, MODEL_CARD)
+
+    @property
+    def bench(self) -> str:
+        """Return bench/."""
+        return storage.join(self.root, "bench")
+
+    @property
+    def latency(self) -> str:
+        """Return bench/latency.json."""
+        return storage.join(self.bench, "latency.json")
+
+    @property
+    def verdict(self) -> str:
+        """Return bench/verdict.json."""
+        return storage.join(self.bench, "verdict.json")
+
+    @property
+    def report(self) -> str:
+        """Return report/."""
+        return storage.join(self.root, "report")
+
+
+@dataclass(frozen=True)
+class RegistryLayout:
+    """Name the folders of one model in a registry: versions, aliases and history."""
+
+    registry_uri: str
+    model_name: str
+
+    @property
+    def root(self) -> str:
+        """Return <registry>/<model>."""
+        return storage.join(self.registry_uri, self.model_name)
+
+    @property
+    def versions(self) -> str:
+        """Return versions/: one folder per version number."""
+        return storage.join(self.root, "versions")
+
+    def version(self, version: int, *parts: str) -> str:
+        """Return versions/<n> or a file inside it."""
+        return storage.join(self.versions, str(version), *parts)
+
+    def model_card(self, version: int) -> str:
+        """Return versions/<n>/model.json."""
+        return self.version(version, MODEL_CARD)
+
+    def entry(self, version: int) -> str:
+        """Return versions/<n>/entry.json."""
+        return self.version(version, REGISTRY_ENTRY)
+
+    @property
+    def aliases(self) -> str:
+        """Return aliases/."""
+        return storage.join(self.root, "aliases")
+
+    def alias(self, name: str) -> str:
+        """Return aliases/<name>.json."""
+        return storage.join(self.aliases, f"{name}.json")
+
+    @property
+    def alias_lock(self) -> str:
+        """Return aliases/.lock: held while an alias moves."""
+        return storage.join(self.aliases, ".lock")
+
+    @property
+    def history(self) -> str:
+        """Return history/: one JSON file per alias event."""
+        return storage.join(self.root, "history")
