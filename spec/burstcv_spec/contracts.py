@@ -98,7 +98,7 @@ class RunRef(Contract):
 
     airflow_run_id: str = Field(description="the Airflow run id (links to the run's page)")
     run_key: str = Field(
-        description="the path-safe run id ([A-Za-z0-9._-]): runs/<run_key>/, instance tags"
+        description="the path-safe run id (`[A-Za-z0-9._-]`): `runs/<run_key>/`, instance tags"
     )
 
     @classmethod
@@ -110,6 +110,8 @@ class RunRef(Contract):
 class PreprocessBlock(Contract):
     """Describe the eval transform as model.json and job.json carry it (PreprocessSpec)."""
 
+    omit_when_none = frozenset({"resize_short"})
+
     height: int = Field(gt=0, description="input height in pixels")
     width: int = Field(gt=0, description="input width in pixels")
     mean: tuple[float, float, float] = Field(description="per-channel mean (R, G, B), 0..1 scale")
@@ -119,6 +121,11 @@ class PreprocessBlock(Contract):
     layout: str = Field(description="tensor layout (NCHW)")
     scale: float = Field(description="multiplier from uint8 to 0..1 before normalising")
     formats: list[str] = Field(description="image formats accepted (Pillow names)")
+    resize_short: int | None = Field(
+        default=None,
+        description="short side (px) resized to before the centre crop (photos); "
+        "absent: resized straight to height x width",
+    )
 
     @model_validator(mode="after")
     def _usable(self) -> PreprocessBlock:
@@ -346,7 +353,7 @@ class Exported(Contract):
 
     omit_when_none = frozenset({"quantization"})
 
-    model_dir: str = Field(description="runs/<run_key>/model/")
+    model_dir: str = Field(description="`runs/<run_key>/model/`")
     sha256: str = Field(description="sha256 of the file that serves")
     parity_max_abs_diff: float = Field(description="largest ONNX vs torch logit difference")
     onnx_file: str = Field(description="the file that serves, beside model.json")
@@ -406,7 +413,7 @@ STAGE_RESULTS: tuple[type[Contract], ...] = (
 
 
 class RunRecord(Artifact):
-    """runs/<run_key>/run.json: which Airflow run this folder belongs to."""
+    """`runs/<run_key>/run.json`: which Airflow run this folder belongs to."""
 
     run_id: str = Field(description="the Airflow run id (the folder name is path-safe)")
     dataset_uri: str = Field(description="the dataset the run validated")
@@ -414,7 +421,7 @@ class RunRecord(Artifact):
 
 
 class SkipRecord(Artifact):
-    """runs/<run_key>/skip.json: why the run had nothing new to train on."""
+    """`runs/<run_key>/skip.json`: why the run had nothing new to train on."""
 
     reason: str = Field(description="the line logged and shown in the report")
     production_version: int = Field(description="the production version it would remake")
@@ -423,7 +430,7 @@ class SkipRecord(Artifact):
 
 
 class AttemptRecord(Artifact):
-    """runs/<run_key>/job/attempt.json: the training attempt the run now waits for."""
+    """`runs/<run_key>/job/attempt.json`: the training attempt the run now waits for."""
 
     attempt: int = Field(ge=1, description="1 for provision, +1 per relaunch")
     instance_ids: list[str] = Field(description="the boxes of that attempt")
@@ -431,7 +438,7 @@ class AttemptRecord(Artifact):
 
 
 class Billing(Artifact):
-    """runs/<run_key>/job/billing.json: what teardown terminated and what it cost."""
+    """`runs/<run_key>/job/billing.json`: what teardown terminated and what it cost."""
 
     instance_ids: list[str] = Field(description="instances terminated")
     billed_seconds: dict[str, float] = Field(description="billed seconds per instance")
@@ -442,7 +449,7 @@ class Billing(Artifact):
 
 
 class LatencyRecord(Artifact):
-    """runs/<run_key>/bench/latency.json: the benchmark's full figures and samples."""
+    """`runs/<run_key>/bench/latency.json`: the benchmark's full figures and samples."""
 
     omit_when_none = frozenset({"production"})
 
@@ -457,7 +464,7 @@ class LatencyRecord(Artifact):
 
 
 class VerdictRecord(Artifact):
-    """runs/<run_key>/bench/verdict.json: the gate's verdict on the version it registered."""
+    """`runs/<run_key>/bench/verdict.json`: the gate's verdict on the version it registered."""
 
     version: int = Field(description="the registry version")
     promote: bool = Field(description="true: every check passed")
@@ -476,7 +483,7 @@ class ModelCard(Artifact):
     format_version: int = Field(default=1, description="model.json's original format marker (1)")
     name: str = Field(description="the model's name (BURSTCV_MODEL_NAME)")
     version: int | None = Field(
-        default=None, description="registry version; absent in runs/<run_key>/model/"
+        default=None, description="registry version; absent in `runs/<run_key>/model/`"
     )
     arch: str = Field(description="architecture, e.g. resnet10")
     classes: list[str] = Field(min_length=1, description="index i of the logits is classes[i]")
@@ -515,7 +522,7 @@ class ModelCard(Artifact):
 
 
 class RegistryEntry(Artifact):
-    """<registry>/<model>/versions/<n>/entry.json: the gate's verdict, figures and lineage."""
+    """`<registry>/<model>/versions/<n>/entry.json`: the gate's verdict, figures and lineage."""
 
     omit_when_none = frozenset({"gate", "benchmark", "params"})
 
@@ -539,7 +546,7 @@ class RegistryEntry(Artifact):
 
 
 class AliasRecord(Artifact):
-    """<registry>/<model>/aliases/<alias>.json: the version an alias points at."""
+    """`<registry>/<model>/aliases/<alias>.json`: the version an alias points at."""
 
     version: int = Field(gt=0, description="the version the alias points at")
     sha256: str = Field(description="sha256 of that version's serving file")
@@ -548,7 +555,7 @@ class AliasRecord(Artifact):
 
 
 class HistoryEvent(Artifact):
-    """<registry>/<model>/history/<ns>-<id>.json: one alias move, refusal or conflict."""
+    """`<registry>/<model>/history/<ns>-<id>.json`: one alias move, refusal or conflict."""
 
     at: str = Field(description="ISO 8601 UTC")
     actor: str = Field(description="cli:<user>@<host>:<pid> | run:<run id> | api")

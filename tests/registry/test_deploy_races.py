@@ -148,7 +148,7 @@ def assert_all_agree(
     # No lost update: every move replaced exactly what the move before it wrote.
     for before, after in itertools.pairwise(moves):
         assert after.from_version == before.to_version, (before, after)
-    assert moves[-1]["to"] == production.version
+    assert moves[-1].to_version == production.version
     for command in commands:
         pid = command.process.pid
         mine = [e for e in history if e.actor.endswith(command.actor_suffix)]
@@ -164,10 +164,10 @@ def assert_all_agree(
             assert {e.result for e in mine} <= {"refused", "conflict"} and mine
             last_line = command.stderr.strip().splitlines()[-1]
             assert last_line.startswith("error: ")
-            if mine[-1]["result"] == "refused":  # the service's words, as recorded
-                assert mine[-1]["detail"] in last_line
+            if mine[-1].result == "refused":  # the service's words, as recorded
+                assert mine[-1].detail in last_line
             else:  # "production holds version N, not ...": the CLI names N too
-                holder = mine[-1]["detail"].split(",")[0].removeprefix("production holds ")
+                holder = mine[-1].detail.split(",")[0].removeprefix("production holds ")
                 assert f"moved to {holder} " in last_line
     return production.version
 

@@ -1,0 +1,262 @@
+"""The typed contracts between stages: round trips, one-line errors, schema versions, the doc."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from burstcv_testkit import gate_decision, model_card
+from pydantic import ValidationError
+
+from burstcv_spec import contracts_doc
+from burstcv_spec.contracts import (
+    ARTIFACTS,
+    SCHEMA_VERSION,
+    STAGE_RESULTS,
+    AliasRecord,
+    ArtifactError,
+    AttemptRecord,
+    BenchFigures,
+    Benchmarked,
+    Billing,
+    Contract,
+    Deployed,
+    Exported,
+    GateVerdict,
+    HistoryEvent,
+    HostInfo,
+    InstanceRecord,
+    LatencyRecord,
+    Launch,
+    ModelCard,
+    Packed,
+    PreprocessBlock,
+    Provisioned,
+    RegistryEntry,
+    RunRecord,
+    RunRef,
+    SchemaVersionError,
+    SkipRecord,
+    Terminated,
+    Trained,
+    Validated,
+    Verdict,
+    VerdictRecord,
+    read_artifact,
+    write_artifact,
+)
+from burstcv_spec.layout import RegistryLayout, RunLayout
+from burstcv_spec.preprocess import PreprocessSpec
+
+REPO = Path(__file__).resolve().parents[1]
+RUN = RunRef.of("manual__2026-12-01T00:00:00+00:00")
+HOST = HostInfo(machine="x86_64", processor="x86_64", cpu_count=2, python="3.12", platform="Linux")
+DECISION = gate_decision(0.97, 12.5)
+FIGURES = BenchFigures.model_validate(
+    {**DECISION["benchmark"]["candidate"], "latencies_ms": [1.0, 2.5], "bare_onnxruntime_p50_ms": 1}
+)
+GATE = GateVerdict.model_validate(DECISION["gate"])
+LAUNCH = Launch(
+    run=RUN,
+    dag_id="burstcv_pipeline",
+    job_uri="/a/runs/x/job/job.json",
+    time_budget_s=600,
+    instance_types=["g6.xlarge"],
+    use_spot=None,
+    deadline_at=datetime(2026, 12, 1, 1, 0, tzinfo=UTC),
+    wheel_uri="",
+    wheel_sha256="",
+)
+CARD = ModelCard.model_validate(model_card(b"onnx"))
+
+
+def examples() -> list[Contract]:
+    """Return one filled-in instance of every stage result and artifact."""
+    return [
+        RUN,
+        Validated(fingerprint="f" * 64, manifest_uri="m", validation_uri="v", data_docs_uri="d"),
+        Packed(
+            classes=["0", "1"],
+            train_shards=["t"],
+            val_shards=["v"],
+            counts={"train": 2, "val": 1},
+            preprocess=PreprocessBlock.of(PreprocessSpec()),
+            fingerprint="f",
+        ),
+        LAUNCH,
+        Provisioned(
+            run=RUN,
+            job_uri=LAUNCH.job_uri,
+            output_uri="/a/runs/x/job",
+            instance_ids=["i-1"],
+            backend="ec2",
+            max_cost_usd=2.5,
+            launch=LAUNCH,
+        ),
+        Trained(
+            model_uri="m.pt",
+            metrics_uri="m.json",
+            val_accuracy=0.9,
+            epochs=3,
+            train_wall_s=4.5,
+            device="cpu",
+        ),
+        Terminated(instance_ids=["i-1"], billed_seconds={"i-1": 60.0}, cost_usd=0.01),
+        Exported(model_dir="/m", sha256=CARD.sha256, parity_max_abs_diff=1e-6, onnx_file="m.onnx"),
+        Benchmarked(latency_uri="/l", host=HOST, candidate=FIGURES.summary()),
+        Verdict(version=3, promote=False, summary="not promoted: slow", failed_figures=["p95"]),
+        Deployed(version=3, previous_version=None, services={"u": {"version": 3}}, staged={}),
+        RunRecord(run_id=RUN.airflow_run_id, dataset_uri="/d", started_at="now"),
+        SkipRecord(reason="nothing new", production_version=1, fingerprint="f", decided_at="now"),
+        AttemptRecord(attempt=2, instance_ids=["i-2"], launched_at="now"),
+        Billing(
+            instance_ids=["i-1"],
+            billed_seconds={"i-1": 60.0},
+            cost_usd=0.01,
+            backend="ec2",
+            instances=[
+                InstanceRecord(instance_id="i-1", run_id=RUN.run_key, dag_id="d", state="x")
+            ],
+            terminated_at="now",
+        ),
+        LatencyRecord(measured_at="now", host=HOST, requests=2, concurrency=1, candidate=FIGURES),
+        VerdictRecord(version=3, **GATE.model_dump()),
+        CARD,
+        RegistryEntry.model_validate(
+            {
+                **DECISION,
+                "version": 1,
+                "model": "digits",
+                "sha256": CARD.sha256,
+                "registered_at": "now",
+                "lineage": {"run_id": "r", "dataset_fingerprint": "f", "source_commit": "c"},
+            }
+        ),
+        AliasRecord(version=1, sha256=CARD.sha256),
+        HistoryEvent(
+            at="now",
+            actor="api",
+            action="promote",
+            alias="production",
+            from_version=None,
+            to_version=1,
+            result="moved",
+        ),
+    ]
+
+
+def test_every_stage_result_and_artifact_has_an_example() -> None:
+    assert {type(e) for e in examples()} == set(STAGE_RESULTS) | set(ARTIFACTS)
+
+
+@pytest.mark.parametrize("value", examples(), ids=lambda v: type(v).__name__)
+def test_every_model_survives_a_round_trip_through_json(value: Contract) -> None:
+    """What a task pushes to XCom (or a stage writes) is what the next one rebuilds."""
+    text = json.dumps(value.model_dump(mode="json", by_alias=True))
+    assert type(value).model_validate(json.loads(text)) == value
+
+
+def test_stage_results_refuse_unknown_keys_and_cannot_change() -> None:
+    with pytest.raises(ValidationError, match="run_id"):
+        Trained.model_validate({**examples()[5].model_dump(), "run_id": "x"})
+    with pytest.raises(ValidationError, match="frozen"):
+        RUN.run_key = "other"  # type: ignore[misc]
+
+
+def test_files_carry_the_schema_version_and_keep_their_keys(tmp_path: Path) -> None:
+    uri = write_artifact(str(tmp_path / "model.json"), CARD)
+    written = json.loads(Path(uri).read_text())
+    assert written["schema_version"] == SCHEMA_VERSION
+    assert "version" not in written  # a run's model.json has no registry version, as before
+    assert set(written) == set(model_card(b"onnx")) | {"schema_version"}
+    event = examples()[-1].model_dump(mode="json", by_alias=True)
+    assert event["from"] is None and event["to"] == 1  # the history's keys, kept
+
+
+def test_an_old_file_without_a_schema_version_is_read_as_version_1(tmp_path: Path) -> None:
+    old = model_card(b"onnx")
+    del old["schema_version"]
+    (tmp_path / "model.json").write_text(json.dumps(old))
+    card = read_artifact(str(tmp_path / "model.json"), ModelCard)
+    assert card.schema_version == 1 and card == CARD
+
+
+def test_a_newer_schema_version_is_refused_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "verdict.json"
+    path.write_text(json.dumps({"schema_version": SCHEMA_VERSION + 1, "anything": "new"}))
+    with pytest.raises(SchemaVersionError) as caught:
+        read_artifact(str(path), VerdictRecord)
+    assert str(caught.value) == (
+        f"{path}: schema_version {SCHEMA_VERSION + 1} is newer than this code reads "
+        f"({SCHEMA_VERSION}); upgrade burstcv to read it"
+    )
+
+
+def test_a_malformed_model_json_names_the_file_and_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "runs" / "x" / "model" / "model.json"
+    path.parent.mkdir(parents=True)
+    bad = model_card(b"onnx")
+    bad["preprocess"]["height"] = "tall"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ArtifactError) as caught:
+        read_artifact(str(path), ModelCard)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: field 'preprocess.height': ")
+    assert "integer" in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "why"),
+    [
+        ({"sha256": "abc"}, "sha256", "64 hex digits"),
+        ({"onnx_file": "../model.onnx"}, "onnx_file", "beside model.json"),
+        ({"classes": []}, "classes", "at least 1 item"),
+        ({"preprocess": {"interpolation": "lanczos"}}, "preprocess", "unknown interpolation"),
+        ({"colour": "red"}, "colour", "Extra inputs are not permitted"),
+    ],
+)
+def test_each_bad_model_json_value_is_named(
+    tmp_path: Path, change: dict[str, Any], field: str, why: str
+) -> None:
+    bad = model_card(b"onnx")
+    for key, value in change.items():
+        bad[key] = {**bad[key], **value} if isinstance(value, dict) else value
+    (tmp_path / "model.json").write_text(json.dumps(bad))
+    with pytest.raises(ArtifactError, match=f"model.json: field '{field}': .*{why}"):
+        read_artifact(str(tmp_path / "model.json"), ModelCard)
+
+
+def test_a_file_that_is_not_a_json_object_says_so(tmp_path: Path) -> None:
+    (tmp_path / "production.json").write_text("[1]")
+    with pytest.raises(ArtifactError, match=r"production\.json: holds list, expected a JSON obj"):
+        read_artifact(str(tmp_path / "production.json"), AliasRecord)
+    (tmp_path / "run.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match=r"run\.json: not JSON"):
+        read_artifact(str(tmp_path / "run.json"), RunRecord)
+
+
+def test_the_layouts_name_the_documented_paths() -> None:
+    run = RunLayout.of("/store", RUN.airflow_run_id)
+    assert run.root == f"/store/runs/{RUN.run_key}"
+    assert run.model_card == f"/store/runs/{RUN.run_key}/model/model.json"
+    assert run.billing == f"/store/runs/{RUN.run_key}/job/billing.json"
+    assert run.verdict == f"/store/runs/{RUN.run_key}/bench/verdict.json"
+    registry = RegistryLayout("s3://bucket/registry", "digits")
+    assert registry.entry(3) == "s3://bucket/registry/digits/versions/3/entry.json"
+    assert registry.alias("production") == "s3://bucket/registry/digits/aliases/production.json"
+
+
+def test_the_contracts_doc_is_the_generated_one() -> None:
+    doc = REPO / "docs" / "contracts.md"
+    assert contracts_doc.updated(doc.read_text()) == doc.read_text(), (
+        "docs/contracts.md is stale: run python -m burstcv_spec.contracts_doc docs/contracts.md"
+    )
+
+
+def test_every_field_is_described() -> None:
+    for model in (*STAGE_RESULTS, *ARTIFACTS, *contracts_doc.BLOCKS):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
