@@ -32,6 +32,8 @@ from onnxruntime.quantization import (
 )
 
 from burstcv_spec import storage
+from burstcv_spec.contracts import ModelCard, read_artifact, write_artifact
+from burstcv_spec.layout import MODEL_CARD
 from burstcv_spec.preprocess import PreprocessSpec, eval_view, normalize
 
 log = logging.getLogger(__name__)
@@ -340,8 +342,8 @@ def quantize_and_choose(
     ``model.int8.onnx`` is written beside model.json only when it is kept; model.onnx (the
     parity-checked FP32 file) always stays.
     """
-    meta_uri = storage.join(model_dir, "model.json")
-    model_json = storage.read_json(meta_uri)
+    meta_uri = storage.join(model_dir, MODEL_CARD)
+    model_json = read_artifact(meta_uri, ModelCard).model_dump(mode="json")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         storage.download_file(storage.join(model_dir, FP32_FILE), folder / FP32_FILE)
@@ -357,5 +359,5 @@ def quantize_and_choose(
         )
         if block["serving_file"] == INT8_FILE:
             storage.upload_file(folder / INT8_FILE, storage.join(model_dir, INT8_FILE))
-    storage.write_json(meta_uri, model_json)
+    write_artifact(meta_uri, ModelCard.model_validate(model_json))
     return block

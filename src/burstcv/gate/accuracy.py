@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
-from burstcv_spec.preprocess import PreprocessSpec, eval_view, normalize
+from burstcv_spec.contracts import ModelCard, read_artifact
+from burstcv_spec.layout import MODEL_CARD
+from burstcv_spec.preprocess import eval_view, normalize
 
 EVAL_BATCH = 256
 
@@ -20,14 +21,14 @@ def onnx_accuracy(model_dir: str | Path, images_u8: np.ndarray, labels: list[str
     Images are the run's shards: at the model's input size, or with the pack margin around
     it (photos), of which the centre is taken, as serving computes it.
     """
-    meta = json.loads((Path(model_dir) / "model.json").read_text())
-    spec = PreprocessSpec.from_dict(meta["preprocess"])
+    card = read_artifact(str(Path(model_dir) / MODEL_CARD), ModelCard)
+    spec = card.preprocess.to_spec()
     images_u8 = eval_view(images_u8, spec)
     session = ort.InferenceSession(
-        str(Path(model_dir) / meta["onnx_file"]), providers=["CPUExecutionProvider"]
+        str(Path(model_dir) / card.onnx_file), providers=["CPUExecutionProvider"]
     )
     name = session.get_inputs()[0].name
-    classes = list(meta["classes"])
+    classes = card.classes
     correct = 0
     for start in range(0, len(images_u8), EVAL_BATCH):
         logits = session.run(None, {name: normalize(images_u8[start : start + EVAL_BATCH], spec)})[

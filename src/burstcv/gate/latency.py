@@ -26,6 +26,9 @@ from typing import Any
 import httpx
 import numpy as np
 
+from burstcv_spec.contracts import ModelCard, read_artifact
+from burstcv_spec.layout import MODEL_CARD
+
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 60.0
@@ -203,16 +206,14 @@ def bare_onnxruntime_p50(
     model_dir: str, batch: np.ndarray, *, threads: int | None = None, runs: int = 200
 ) -> float:
     """Return the in-process onnxruntime p50 latency (ms) at batch 1: the floor under HTTP."""
-    import json
-
     import onnxruntime as ort
 
-    meta = json.loads((Path(model_dir) / "model.json").read_text())
+    card = read_artifact(str(Path(model_dir) / MODEL_CARD), ModelCard)
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
     session = ort.InferenceSession(
-        str(Path(model_dir) / meta["onnx_file"]), options, providers=["CPUExecutionProvider"]
+        str(Path(model_dir) / card.onnx_file), options, providers=["CPUExecutionProvider"]
     )
     name = session.get_inputs()[0].name
     x = batch[:1]
