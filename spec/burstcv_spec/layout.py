@@ -13,6 +13,7 @@ from burstcv_spec import storage
 
 RUN_RECORD = "run.json"
 SKIP_RECORD = "skip.json"
+ATTEMPT_RECORD = "attempt.json"
 MODEL_CARD = "model.json"
 REGISTRY_ENTRY = "entry.json"
 PRODUCTION = "production"
@@ -83,7 +84,7 @@ class RunLayout:
     @property
     def attempt(self) -> str:
         """Return job/attempt.json: the training attempt the run waits for."""
-        return storage.join(self.job, "attempt.json")
+        return storage.join(self.job, ATTEMPT_RECORD)
 
     @property
     def billing(self) -> str:

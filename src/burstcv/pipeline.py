@@ -52,7 +52,7 @@ from burstcv_spec.contracts import (
     read_artifact,
     write_artifact,
 )
-from burstcv_spec.layout import MODEL_CARD, RunLayout
+from burstcv_spec.layout import ATTEMPT_RECORD, MODEL_CARD, RunLayout
 from burstcv_spec.preprocess import PreprocessSpec
 from burstcv_spec.storage import safe_run_id
 
@@ -333,7 +333,7 @@ def clean_up_provision(run: RunRef, backend_name: str) -> list[str]:
         return []
 
 
-ATTEMPT_FILE = "attempt.json"  # in the job folder: the attempt the run now waits for
+ATTEMPT_FILE = ATTEMPT_RECORD  # in the job folder: the attempt the run now waits for
 
 
 def _launch(backend_name: str, launch: Launch, job_dir: str, attempt: int) -> list[str]:

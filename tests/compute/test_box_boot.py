@@ -368,7 +368,9 @@ def test_a_spot_interruption_resumes_on_the_next_attempt(
     attempt = pipeline.relaunch(provisioned)
     assert attempt == 2
     second_box = next(
-        i.instance_id for i in Ec2Backend().describe(provisioned.run_key) if i.state != "stopped"
+        i.instance_id
+        for i in Ec2Backend().describe(provisioned.run.run_key)
+        if i.state != "stopped"
     )
     second = boot_instance(box, ec2, second_box)
 
