@@ -167,7 +167,7 @@ def test_a_forced_run_trains_and_a_rejected_candidate_is_not_deployed_saying_why
     conf = {"dataset_uri": str(demo_dataset), "epochs": 3, "latency_slo_ms": 0.001}
     with caplog.at_level(logging.INFO, logger="burstcv"):
         state, tasks, run_id = run_dag({**conf, "force_train": True})
-    assert reg.entry(max(reg.versions()))["lineage"]["run_id"] == run_id
+    assert reg.entry(max(reg.versions())).lineage.run_id == run_id
     assert tasks["train"] == "success" and billing_and_boxes(run_id)[1], tasks
     assert tasks["gate"] == "success" and tasks["deploy"] == "skipped", tasks
     assert state == "success"

@@ -161,7 +161,19 @@ class Registry:
         write_atomic(directory / "model.onnx", onnx_bytes)
         meta = model_json(version, claimed_sha256 or sha, image_size=image_size)
         write_atomic(directory / "model.json", json.dumps(meta).encode())
-        entry = {"status": "promoted", "run_id": meta["run_id"]}
+        entry = {  # a RegistryEntry, as Registry.register writes it
+            "schema_version": 1,
+            "status": "accepted",
+            "version": version,
+            "model": self.name,
+            "sha256": meta["sha256"],
+            "registered_at": "2025-01-01T00:00:00Z",
+            "lineage": {
+                "run_id": meta["run_id"],
+                "dataset_fingerprint": meta["dataset_fingerprint"],
+                "source_commit": meta["source_commit"],
+            },
+        }
         write_atomic(directory / "entry.json", json.dumps(entry).encode())
         return claimed_sha256 or sha
 
