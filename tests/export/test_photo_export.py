@@ -44,7 +44,7 @@ def photo_export(
         eval_images_u8=val_x,
         eval_labels=val_labels,
         max_accuracy_drop=1.0,  # the verdict is not under test here, only that it runs
-    )
+    ).model_dump(mode="json")
     return {"out": out, "model_json": model_json}
 
 

@@ -35,7 +35,7 @@ def photo_model(
         spec=trained_photos["spec"],
         parity_images=[(r["path"], Path(r["uri"]).read_bytes()) for r in val_rows[:4]],
         name="photos",
-    )
+    ).model_dump(mode="json")
     return {"out": out, "meta": meta}
 
 
