@@ -77,7 +77,15 @@ def examples() -> list[Contract]:
     """Return one filled-in instance of every stage result and artifact."""
     return [
         RUN,
-        Validated(fingerprint="f" * 64, manifest_uri="m", validation_uri="v", data_docs_uri="d"),
+        Validated(
+            fingerprint="f" * 64,
+            manifest_uri="m",
+            validation_uri="v",
+            data_docs_uri="d",
+            image_size=224,
+            image_size_reason="the median short side of 3 images is 427 px, capped at 224",
+            resize_short=256,
+        ),
         Packed(
             classes=["0", "1"],
             train_shards=["t"],

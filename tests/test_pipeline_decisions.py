@@ -19,13 +19,15 @@ FINGERPRINT = "f1" * 32
 RUN = RunRef.of("scheduled__2026-12-01T00:00:00+00:00")
 
 
-def validated(fingerprint: str) -> Validated:
+def validated(fingerprint: str, image_size: int = 32) -> Validated:
     """Return validate's result for a dataset with this fingerprint."""
     return Validated(
         fingerprint=fingerprint,
         manifest_uri="/a/manifest.parquet",
         validation_uri="/a/validation.json",
         data_docs_uri="/a/data_docs/index.html",
+        image_size=image_size,
+        image_size_reason="the data's",
     )
 
 
@@ -72,6 +74,8 @@ def test_production_data_and_params_need_no_training(
         ({"fingerprint": "ab" * 32}, "new data"),
         ({"epochs": 4}, "a training param"),
         ({"model": "mobilenet_v3_small"}, "the architecture"),
+        ({"pretrained": "DEFAULT"}, "pretrained weights"),
+        ({"backbone_lr_scale": 0.5}, "a fine-tuning param"),
         ({"int8": False}, "an export param"),
         ({"force_train": True}, "forced"),
     ],
@@ -86,7 +90,7 @@ def test_new_data_other_params_or_force_train(
 def test_another_image_size_trains(settings: Settings) -> None:
     run_params = RunParams(dataset_uri="/data/digits", epochs=3)
     decided = pipeline.nothing_new_to_train(
-        RUN, run_params, validated(FINGERPRINT), input_px=64, settings=settings
+        RUN, run_params, validated(FINGERPRINT, image_size=64), settings=settings
     )
     assert decided is None
 

@@ -290,6 +290,13 @@ class Validated(Contract):
     manifest_uri: str = Field(description="dataset/manifest.parquet: one row per file")
     validation_uri: str = Field(description="dataset/validation.json")
     data_docs_uri: str = Field(description="the Great Expectations Data Docs page")
+    image_size: int = Field(description="px, square: the size the model trains and serves at")
+    image_size_reason: str = Field(description="why: the run's image_size, or the data's sizes")
+    resize_short: int | None = Field(
+        default=None,
+        description="photos: the short side is resized to this before the centre crop; "
+        "null: images are resized straight to the size",
+    )
 
 
 class Packed(Contract):

@@ -191,6 +191,9 @@ def export(
         manifest_uri=paths.manifest,
         validation_uri=paths.validation,
         data_docs_uri="",
+        image_size=packed.preprocess.height,
+        image_size_reason="the trained job's",
+        resize_short=packed.preprocess.resize_short,
     )
     try:
         exported = pipeline.export(run, params, packed, trained, validated, settings)

@@ -9,6 +9,7 @@ those results) and returns a typed result of references and figures
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import tempfile
@@ -22,6 +23,7 @@ import pandas as pd
 from burstcv import lineage
 from burstcv.compute.backends import get_backend
 from burstcv.compute.base import STOPPED, InstanceInfo, LaunchRequest
+from burstcv.data.imagesize import choose_image_size
 from burstcv.params import EXPORT_PARAMS, TRAINING_PARAMS, RunParams
 from burstcv.settings import Settings, get_settings
 from burstcv_spec import storage
@@ -59,7 +61,6 @@ from burstcv_spec.storage import safe_run_id
 log = logging.getLogger(__name__)
 
 PARITY_IMAGES = 256
-INPUT_PX = 32  # the training resolution pack decodes to (px, square)
 
 
 class StageError(RuntimeError):
@@ -99,6 +100,10 @@ def validate(run: RunRef, params: RunParams, settings: Settings | None = None) -
         ),
     )
     try:
+        params.check_weights()  # the form cannot check weights; fail before renting anything
+    except ValueError as exc:
+        raise ValidationFailed(str(exc)) from exc
+    try:
         report = validate_dataset(
             params.dataset_uri,
             paths.dataset,
@@ -110,11 +115,19 @@ def validate(run: RunRef, params: RunParams, settings: Settings | None = None) -
     if not report.success:
         raise ValidationFailed(report.summary)  # logged once, as the task's failure
     log.info("%s", report.summary)
+    try:
+        size = choose_image_size(_read_manifest(report.manifest_uri), params.image_size)
+    except ValueError as exc:
+        raise ValidationFailed(str(exc)) from exc
+    log.info("image size %d px: %s", size.px, size.reason)
     return Validated(
         fingerprint=report.fingerprint,
         manifest_uri=report.manifest_uri,
         validation_uri=report.validation_uri,
         data_docs_uri=report.data_docs_uri,
+        image_size=size.px,
+        image_size_reason=size.reason,
+        resize_short=size.resize_short,
     )
 
 
@@ -123,13 +136,12 @@ def nothing_new_to_train(
     params: RunParams,
     validated: Validated,
     *,
-    input_px: int = INPUT_PX,
     settings: Settings | None = None,
 ) -> str | None:
     """Return why this run need not train (it would remake production), or None to train.
 
     Production was made from the same validated data (its dataset fingerprint) with the same
-    params that matter (``TRAINING_PARAMS``, ``EXPORT_PARAMS`` and the input size): a new
+    params that matter (``TRAINING_PARAMS``, ``EXPORT_PARAMS`` and the eval transform): a new
     run would rent a GPU to rebuild the model already serving. The reason is logged and
     written to runs/<id>/skip.json for the report and the Models page. ``force_train`` in
     the params, or a production version without recorded params, always trains.
@@ -155,9 +167,20 @@ def nothing_new_to_train(
     if recorded is None:
         return None  # registered outside the pipeline: what made it is unknown
     mine = params.model_dump(mode="json")
-    differing = [k for k in TRAINING_PARAMS + EXPORT_PARAMS if recorded.get(k) != mine.get(k)]
+    # A param production's record lacks (added since) had its default then.
+    defaults = RunParams.defaults(s)
+    differing = [
+        k
+        for k in TRAINING_PARAMS + EXPORT_PARAMS
+        if recorded.get(k, defaults.get(k)) != mine.get(k)
+    ]
     preprocess = registry.model_card(alias.version).preprocess
-    if (preprocess.height, preprocess.width) != (input_px, input_px):
+    px = validated.image_size
+    if (preprocess.height, preprocess.width, preprocess.resize_short) != (
+        px,
+        px,
+        validated.resize_short,
+    ):
         differing.append("image size")
     if differing:
         log.info(
@@ -167,12 +190,14 @@ def nothing_new_to_train(
         )
         return None
     same = ", ".join(
-        f"{k} {mine[k]}" for k in TRAINING_PARAMS + EXPORT_PARAMS if mine.get(k) not in (None, [])
+        f"{k} {mine[k]}"
+        for k in TRAINING_PARAMS + EXPORT_PARAMS
+        if mine.get(k) not in (None, []) and not (k == "pretrained" and mine[k] == "none")
     )
     reason = (
         f"nothing new to train on: the validated dataset (fingerprint "
         f"{validated.fingerprint[:12]}) and the params that matter ({same}, image size "
-        f"{input_px} px) are those of production version {alias.version} (run "
+        f"{validated.image_size} px) are those of production version {alias.version} (run "
         f"{entry.lineage.run_id or '?'}); no compute was rented. Trigger "
         "with force_train to train anyway."
     )
@@ -198,23 +223,31 @@ def pack(
     params: RunParams,
     validated: Validated,
     *,
-    input_px: int = INPUT_PX,
     settings: Settings | None = None,
 ) -> Packed:
-    """Decode the validated images once into uint8 shards; fix the preprocessing spec."""
+    """Decode the validated images once into uint8 shards; fix the preprocessing spec.
+
+    At the size validate chose; photos are stored with the margin training's random crops
+    draw from (the centre of each stored image is exactly the eval transform).
+    """
     from burstcv.data.pack import pack_dataset
+    from burstcv.training.weights import normalization
 
     paths = run_layout(run, settings)
     manifest = _read_manifest(validated.manifest_uri)
-    size_only = PreprocessSpec(height=input_px, width=input_px)
+    px = validated.image_size
+    size_only = PreprocessSpec(height=px, width=px, resize_short=validated.resize_short)
     packed = pack_dataset(
-        manifest, paths.shards, size_only, classes=params.expected_classes or None
+        manifest,
+        paths.shards,
+        size_only,
+        classes=params.expected_classes or None,
+        margin=validated.resize_short is not None,
     )
-    # Normalise with the training split's own statistics (a model trained from scratch
-    # converges faster on centred inputs); they are recorded in the spec that serving reads.
-    spec = PreprocessSpec(
-        height=input_px, width=input_px, mean=packed.train_mean, std=packed.train_std
-    )
+    # From scratch: the training split's own statistics (a model converges faster on centred
+    # inputs). Pretrained: the weights' own. Recorded in the spec that serving reads.
+    mean, std = normalization(params.model, params.pretrained, packed.train_mean, packed.train_std)
+    spec = dataclasses.replace(size_only, mean=mean, std=std)
     return Packed(
         classes=packed.classes,
         train_shards=packed.train_shards,
@@ -248,6 +281,7 @@ def provision(
     failure goes on.
     """
     from burstcv.training.job import JobSpec, write_job
+    from burstcv.training.weights import weights_store_uri
 
     s = settings or get_settings()
     paths = run_layout(run, s)
@@ -277,6 +311,10 @@ def provision(
         epochs=params.epochs,
         batch_size=params.batch_size,
         learning_rate=params.learning_rate,
+        pretrained=params.pretrained,
+        weights_store_uri=weights_store_uri(s.artifact_root),
+        freeze_backbone_epochs=params.freeze_backbone_epochs,
+        backbone_lr_scale=params.backbone_lr_scale,
         seed=params.seed,
         time_budget_s=time_budget_s,
         deadline_at=deadline_at,
