@@ -1,4 +1,4 @@
-"""Decode validated images once, on CPU, into uint8 shards that a training box loads whole."""
+"""Decode validated images once, on CPU, into uint8 shards that a training box loads or streams."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from burstcv_spec.preprocess import PreprocessSpec, decode_to_uint8, margin_spec
 
 log = logging.getLogger(__name__)
 
+TRAIN_ORDER_SEED = 0  # fixed: the same dataset packs into the same shards on every machine
 SHARD_IMAGES = 50_000  # 50k 32x32 RGB images = 150 MB per shard: one GET each, fits any box
 # Larger images make fewer per shard, so a shard stays one 150 MB GET (780 at 256x256).
 SHARD_BYTES = SHARD_IMAGES * 32 * 32 * 3
@@ -110,6 +111,10 @@ def pack_dataset(
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for split in ("train", "val"):
             part = rows[rows["split"] == split]
+            if split == "train":
+                # Streamed training holds only a few shards at a time: every shard must hold
+                # all classes in proportion, so training rows go out in a fixed shuffled order.
+                part = part.sample(frac=1.0, random_state=TRAIN_ORDER_SEED)
             result.counts[split] = len(part)
             uris = part["uri"].tolist()
             labels = np.array([index[str(lab)] for lab in part["label"]], dtype=np.int64)

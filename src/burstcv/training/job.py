@@ -75,6 +75,10 @@ class JobSpec(BaseModel):
     source_commit: str = ""  # the orchestrator's commit: the box has no git checkout
     runtime_sha256: str = ""  # sha256 of the training wheel the box installs (ec2)
     checkpoint_every_s: float = Field(default=60.0, gt=0)  # a spot box loses at most this much
+    # Host memory (MiB) the training data may take. Shards whose decoded images fit (train +
+    # val, from their headers) are loaded whole onto the device, the fastest path; a larger
+    # dataset is streamed shard by shard, holding at most 3 shards (window + prefetch) at once.
+    data_memory_budget_mb: int = Field(default=2048, ge=1)
     target_accuracy: float | None = Field(default=None, gt=0, le=1)  # early stop once reached
     augment: AugmentSpec = Field(default_factory=AugmentSpec)
     compile: str = Field(default="auto", pattern="^(auto|on|off)$")  # torch.compile on CUDA

@@ -1,8 +1,9 @@
 """Run one training job from job.json: on CPU, one GPU or many (torchrun), resumable, then DONE.
 
-Data arrives as uint8 shards that were decoded once on CPU; here they are moved to the device
-whole, and cropping, flipping and normalisation run on the device, so a GPU step never waits
-for a JPEG decoder or a host-to-device copy.
+Data arrives as uint8 shards that were decoded once on CPU. A dataset within the job's data
+memory budget is moved to the device whole, so a GPU step never waits for a host-to-device
+copy; a larger one is streamed shard by shard (burstcv.training.stream), loaded ahead in the
+background. Cropping, flipping and normalisation run on the device either way.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 import signal
 import tempfile
 import time
+from collections.abc import Generator
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,14 @@ from burstcv.training.job import (
 )
 from burstcv.training.models import architecture, build_model, split_head
 from burstcv.training.names import is_pretrained, pretrained_kind
+from burstcv.training.stream import (
+    EVAL_BATCH,
+    JobSpecError,
+    ShardInfo,
+    ShardStream,
+    load_shard,
+    read_shard_info,
+)
 from burstcv.training.transforms import train_transform
 from burstcv.training.weights import load_pretrained, resolve_weights
 from burstcv_spec import storage
@@ -47,8 +58,7 @@ EXIT_INTERRUPTED = 143  # the conventional code of a SIGTERM'd process
 EXIT_BUDGET = 4  # the run's deadline was reached: a checkpoint exists, no relaunch
 
 
-class JobSpecError(ValueError):
-    """Raise when job.json and its shards disagree (classes, shapes, missing files)."""
+__all__ = ["JobSpecError", "load_shards", "main", "run_job"]  # JobSpecError: stream's, re-exported
 
 
 class Interrupted(Exception):
@@ -80,6 +90,14 @@ class Split:
     images: torch.Tensor
     labels: torch.Tensor
 
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def device(self) -> torch.device:
+        """Return the device the split lives on."""
+        return self.images.device
+
 
 @dataclass
 class History:
@@ -98,33 +116,102 @@ class History:
 
 def load_shards(uris: list[str], classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Read .npz shards into one uint8 NHWC array and int64 labels, checking the class list."""
-    images: list[np.ndarray] = []
-    labels: list[np.ndarray] = []
-    for uri in uris:
-        try:
-            raw = storage.read_bytes(uri)
-        except storage.ArtifactNotFoundError as exc:
-            raise JobSpecError(f"missing shard {uri}") from exc
-        with np.load(io.BytesIO(raw), allow_pickle=False) as npz:
-            shard_classes = [str(c) for c in npz["classes"]]
-            if shard_classes != classes:
-                raise JobSpecError(
-                    f"shard {uri} was packed for classes {shard_classes}, the job names {classes}"
-                )
-            imgs, labs = npz["images"], npz["labels"].astype(np.int64)
-        if imgs.dtype != np.uint8 or imgs.ndim != 4 or imgs.shape[-1] != 3:
-            raise JobSpecError(f"shard {uri} holds {imgs.dtype} {imgs.shape}, not uint8 NxHxWx3")
-        if len(imgs) != len(labs) or (len(labs) and (labs.min() < 0 or labs.max() >= len(classes))):
-            raise JobSpecError(f"shard {uri} has labels outside 0..{len(classes) - 1}")
-        images.append(imgs)
-        labels.append(labs)
-    return np.concatenate(images), np.concatenate(labels)
+    parts = [load_shard(uri, classes) for uri in uris]
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
 def to_device_split(images: np.ndarray, labels: np.ndarray, device: torch.device) -> Split:
     """Move a whole split to the device once, as uint8 NCHW (4x smaller than float)."""
     tensor = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()
     return Split(tensor.to(device), torch.from_numpy(labels).to(device))
+
+
+def open_splits(
+    job: JobSpec, device: torch.device
+) -> tuple[Split | ShardStream, Split | ShardStream]:
+    """Return (train, val): whole on the device where the data fits the budget, else streamed.
+
+    Sizes come from the shards' headers, so nothing large is read to take the decision.
+    """
+    infos = {
+        name: [read_shard_info(uri, job.classes) for uri in uris]
+        for name, uris in (("train", job.train_shards), ("val", job.val_shards))
+    }
+    for size in {(i.height, i.width) for i in infos["train"] + infos["val"]}:
+        # The shards fit the spec (with or without the pack margin).
+        eval_images(np.zeros((0, *size, 3), np.uint8), job)
+    budget = job.data_memory_budget_mb * 2**20
+    sizes = {name: sum(i.nbytes for i in split) for name, split in infos.items()}
+
+    def whole(split: list[ShardInfo], *, for_eval: bool) -> Split:
+        images, labels = load_shards([i.uri for i in split], job.classes)
+        # Evaluation crops as serving does; training crops at random.
+        return to_device_split(eval_images(images, job) if for_eval else images, labels, device)
+
+    if sizes["train"] + sizes["val"] <= budget:
+        return whole(infos["train"], for_eval=False), whole(infos["val"], for_eval=True)
+    train = ShardStream(infos["train"], job.classes, device, budget_bytes=budget)
+    val: Split | ShardStream = (
+        whole(infos["val"], for_eval=True)
+        if train.peak_bytes + sizes["val"] <= budget
+        else ShardStream(
+            infos["val"],
+            job.classes,
+            device,
+            budget_bytes=budget,
+            eval_view=lambda images: eval_images(images, job),
+        )
+    )
+    log.info(
+        "data of %.0f MB > budget of %d MB: streaming train shards (%d per window, %d ahead, "
+        "%.0f MB at most), validation %s",
+        (sizes["train"] + sizes["val"]) / 2**20,
+        job.data_memory_budget_mb,
+        train.mix,
+        train.prefetch,
+        train.peak_bytes / 2**20,
+        "streamed" if isinstance(val, ShardStream) else "whole",
+    )
+    return train, val
+
+
+Batches = Generator[tuple[torch.Tensor, torch.Tensor], None, None]
+
+
+def split_batches(
+    train: Split, seed: int, epoch: int, batch_size: int, start_step: int, d: Dist
+) -> Batches:
+    """Yield an epoch's batches of a split on the device from ``start_step``: this rank's share."""
+    per_rank = batch_size // d.world_size or 1
+    order_gen = torch.Generator().manual_seed(seed * 7919 + epoch)
+    order = torch.randperm(len(train.labels), generator=order_gen)
+    for step in range(start_step, max(1, len(train) // batch_size)):
+        idx = order[step * batch_size : (step + 1) * batch_size]
+        idx = idx[d.rank :: d.world_size][:per_rank].to(train.device)  # each rank its own share
+        yield train.images[idx], train.labels[idx]
+
+
+def _train_batches(
+    train: Split | ShardStream, seed: int, epoch: int, batch_size: int, start_step: int, d: Dist
+) -> Batches:
+    if isinstance(train, Split):
+        return split_batches(train, seed, epoch, batch_size, start_step, d)
+    return train.train_batches(
+        seed=seed,
+        epoch=epoch,
+        batch_size=batch_size,
+        start_step=start_step,
+        rank=d.rank,
+        world_size=d.world_size,
+    )
+
+
+def _eval_batches(split: Split | ShardStream, batch_size: int) -> Batches:
+    if isinstance(split, ShardStream):
+        yield from split.eval_batches(batch_size)
+        return
+    for start in range(0, len(split.labels), batch_size):
+        yield split.images[start : start + batch_size], split.labels[start : start + batch_size]
 
 
 def normalize(
@@ -192,7 +279,7 @@ def _step_generator(seed: int, epoch: int, step: int) -> torch.Generator:
 
 def evaluate(
     model: nn.Module,
-    split: Split,
+    split: Split | ShardStream,
     mean: torch.Tensor,
     std: torch.Tensor,
     scale: float,
@@ -204,10 +291,9 @@ def evaluate(
     model.eval()
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.long)
     total_loss = 0.0
-    with torch.no_grad():
-        for start in range(0, len(split.labels), batch_size):
-            x = normalize(split.images[start : start + batch_size], mean, std, scale)
-            y = split.labels[start : start + batch_size]
+    with torch.no_grad(), closing(_eval_batches(split, batch_size)) as batches:
+        for x_u8, y in batches:
+            x = normalize(x_u8, mean, std, scale)
             if x.device.type == "cuda":
                 x = x.contiguous(memory_format=torch.channels_last)
             with torch.autocast(
@@ -220,7 +306,7 @@ def evaluate(
                 (y * num_classes + pred).cpu(), minlength=num_classes * num_classes
             ).reshape(num_classes, num_classes)
     model.train()
-    n = max(1, len(split.labels))
+    n = max(1, len(split))
     return {
         "loss": total_loss / n,
         "accuracy": float(confusion.diag().sum()) / n,
@@ -232,7 +318,7 @@ def train_one_epoch(
     model: nn.Module,
     opt: torch.optim.Optimizer,
     sched: torch.optim.lr_scheduler.LRScheduler,
-    train: Split,
+    train: Split | ShardStream,
     job: JobSpec,
     epoch: int,
     start_step: int,
@@ -252,20 +338,16 @@ def train_one_epoch(
     ``frozen`` parameters keep their values: their gradients are dropped before each step,
     so the optimiser skips them (no update, no weight decay, no momentum).
     """
-    device = train.images.device
-    per_rank = job.batch_size // d.world_size or 1
-    order_gen = torch.Generator().manual_seed(job.seed * 7919 + epoch)
-    order = torch.randperm(len(train.labels), generator=order_gen)
+    device = train.device
+    batches = _train_batches(train, job.seed, epoch, job.batch_size, start_step, d)
     loss_sum, seen = 0.0, 0
     t_epoch = time.perf_counter()
     for step in range(start_step, steps_per_epoch):
         t0 = time.perf_counter()
         gen = _step_generator(job.seed, epoch, step)
-        idx = order[step * job.batch_size : (step + 1) * job.batch_size]
-        idx = idx[d.rank :: d.world_size][:per_rank].to(device)  # each rank its own share
-        x = augment(train.images[idx], job, gen)
+        x_u8, y = next(batches)
+        x = augment(x_u8, job, gen)
         x = normalize(x, mean, std, scale)
-        y = train.labels[idx]
         if device.type == "cuda":
             x = x.contiguous(memory_format=torch.channels_last)
         t1 = time.perf_counter()
@@ -294,6 +376,7 @@ def train_one_epoch(
         hist.data_s += t1 - t0
         hist.compute_s += t2 - t1
         on_step(epoch, step + 1)
+    batches.close()  # stops the stream's loader thread
     elapsed = time.perf_counter() - t_epoch
     return {
         "train_loss": loss_sum / max(1, seen),
@@ -410,11 +493,7 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
     mean = torch.tensor(spec["mean"], dtype=torch.float32, device=device).view(1, 3, 1, 1)
     std = torch.tensor(spec["std"], dtype=torch.float32, device=device).view(1, 3, 1, 1)
     scale = float(spec.get("scale", 1.0 / 255.0))
-    tr_x, tr_y = load_shards(job.train_shards, job.classes)
-    va_x, va_y = load_shards(job.val_shards, job.classes)
-    eval_images(tr_x[:0], job)  # the train shards fit the spec (with or without the margin)
-    va_x = eval_images(va_x, job)  # evaluation crops as serving does; training crops at random
-    train, val = to_device_split(tr_x, tr_y, device), to_device_split(va_x, va_y, device)
+    train, val = open_splits(job, device)
 
     pretrained = is_pretrained(job.pretrained)
     model = build_model(job.arch, len(job.classes), int(spec["height"]), pretrained=pretrained)
@@ -432,7 +511,7 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
     model = model.to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
-    steps_per_epoch = max(1, len(train.labels) // job.batch_size)
+    steps_per_epoch = max(1, len(train) // job.batch_size)
     total_steps = steps_per_epoch * job.epochs
     groups = param_groups(model, job)
     opt = torch.optim.SGD(groups, lr=job.learning_rate, momentum=0.9, nesterov=True)
@@ -552,7 +631,7 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
             backbone_params if frozen else None,
         )
         t_eval = time.perf_counter()
-        ev = evaluate(model, val, mean, std, scale, len(job.classes), 1024, amp_dtype)
+        ev = evaluate(model, val, mean, std, scale, len(job.classes), EVAL_BATCH, amp_dtype)
         hist.eval_s += time.perf_counter() - t_eval
         best_acc = max(best_acc, ev["accuracy"])
         record = {
@@ -595,7 +674,7 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
             stop_reason = f"time budget {job.time_budget_s}s spent"
             break
 
-    final = evaluate(model, val, mean, std, scale, len(job.classes), 1024, amp_dtype)
+    final = evaluate(model, val, mean, std, scale, len(job.classes), EVAL_BATCH, amp_dtype)
     metrics = {
         "val_accuracy": final["accuracy"],
         "val_loss": final["loss"],
@@ -617,8 +696,8 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
         "amp_dtype": str(amp_dtype) if amp_dtype else "float32",
         "versions": {"torch": torch.__version__},
         "host": lineage.host_description(),
-        "train_images": len(train.labels),
-        "val_images": len(val.labels),
+        "train_images": len(train),
+        "val_images": len(val),
         "source_commit": job.source_commit or lineage.source_commit(),
         "dataset_fingerprint": job.dataset_fingerprint,
         "finished_at": lineage.utc_now_iso(),

@@ -1,0 +1,509 @@
+"""Stream uint8 shards to the device through a bounded window of memory, in an order fixed by
+(seed, epoch).
+
+A dataset larger than the box's memory cannot be moved to the device whole. A ShardStream reads
+every shard's headers once (image count and size, classes, label range: a bad shard fails the
+job before its first step), then for each epoch:
+
+- shuffles the shard order, groups the shards into windows of ``mix`` (1 or 2) and shuffles the
+  images of each window, so with ``mix=2`` a batch mixes the images of two shards;
+- loads the next shards in a background thread while the current window trains; at most
+  ``slots`` shards are in memory at once (the window's and the prefetched ones), so memory is
+  bounded by the shard size, whatever the dataset size;
+- gathers each batch into pinned memory and copies it to the device without blocking (CUDA).
+
+Batches run across window boundaries (the few images left at the end of a window are copied
+out and open the next batch), so every step has the job's batch size, as in the in-memory path,
+and an epoch has ``images // batch_size`` steps.
+
+Resume: the order is a pure function of (seed, epoch, shard counts), so an epoch resumed at step
+k starts at image ``k * batch_size`` of the same order; the windows before it are skipped
+unread, and the remaining steps see exactly the batches an unbroken run would have seen.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import queue
+import tempfile
+import threading
+import zipfile
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import torch
+
+from burstcv_spec import storage
+
+log = logging.getLogger(__name__)
+
+MAX_SLOTS = 3  # a window of 2 shards + 1 prefetched: more buys nothing once loading keeps up
+EVAL_BATCH = 1024  # images per evaluation batch (no gradients: memory is the activations)
+
+
+class JobSpecError(ValueError):
+    """Raise when job.json and its shards disagree (classes, shapes, missing files)."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Describe one shard from its headers: where it is, how many images, what size."""
+
+    uri: str
+    count: int
+    height: int
+    width: int
+
+    @property
+    def nbytes(self) -> int:
+        """Return the memory the decoded shard takes: uint8 HxWx3 images + int64 labels."""
+        return self.count * (self.height * self.width * 3 + 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading shards
+
+
+class _S3RangeReader(io.RawIOBase):
+    """Read an S3 object by byte ranges, so zipfile can parse a shard's headers unread."""
+
+    def __init__(self, uri: str) -> None:
+        self._bucket, self._key = storage._split_s3(uri)
+        self._client = storage.s3_client()
+        try:
+            head = self._client.head_object(Bucket=self._bucket, Key=self._key)
+        except self._client.exceptions.ClientError as exc:
+            raise storage.ArtifactNotFoundError(uri) from exc
+        self._size = int(head["ContentLength"])
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        end = min(self._pos + len(view), self._size)
+        if end <= self._pos:
+            return 0
+        body = self._client.get_object(
+            Bucket=self._bucket, Key=self._key, Range=f"bytes={self._pos}-{end - 1}"
+        )["Body"].read()
+        view[: len(body)] = body
+        self._pos += len(body)
+        return len(body)
+
+
+@contextmanager
+def _open_zip(uri: str) -> Iterator[zipfile.ZipFile]:
+    try:
+        if storage.is_s3(uri):
+            raw: IO[bytes] = io.BufferedReader(_S3RangeReader(uri), buffer_size=1 << 16)
+        else:
+            raw = open(storage.local_path(uri), "rb")  # noqa: SIM115 - closed below
+    except (storage.ArtifactNotFoundError, FileNotFoundError) as exc:
+        raise JobSpecError(f"missing shard {uri}") from exc
+    try:
+        with zipfile.ZipFile(raw) as zf:
+            yield zf
+    except zipfile.BadZipFile as exc:
+        raise JobSpecError(f"shard {uri} is not an .npz file ({exc})") from exc
+    finally:
+        raw.close()
+
+
+def _member(zf: zipfile.ZipFile, uri: str, name: str) -> IO[bytes]:
+    try:
+        return zf.open(f"{name}.npy")
+    except KeyError as exc:
+        raise JobSpecError(f"shard {uri} has no '{name}' array") from exc
+
+
+def _check_classes(uri: str, shard_classes: list[str], classes: list[str]) -> None:
+    if shard_classes != classes:
+        raise JobSpecError(
+            f"shard {uri} was packed for classes {shard_classes}, the job names {classes}"
+        )
+
+
+def _check_images(uri: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> None:
+    if dtype != np.uint8 or len(shape) != 4 or shape[-1] != 3:
+        raise JobSpecError(f"shard {uri} holds {dtype} {shape}, not uint8 NxHxWx3")
+
+
+def _check_labels(uri: str, labels: np.ndarray, count: int, num_classes: int) -> None:
+    if len(labels) != count or (len(labels) and (labels.min() < 0 or labels.max() >= num_classes)):
+        raise JobSpecError(f"shard {uri} has labels outside 0..{num_classes - 1}")
+
+
+def read_shard_info(uri: str, classes: list[str]) -> ShardInfo:
+    """Validate a shard from its headers, classes and labels, leaving its images unread."""
+    with _open_zip(uri) as zf:
+        with _member(zf, uri, "images") as fp:
+            version = np.lib.format.read_magic(fp)
+            read_header = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            shape, _, dtype = read_header(fp)
+        with _member(zf, uri, "classes") as fp:
+            shard_classes = [str(c) for c in np.lib.format.read_array(fp, allow_pickle=False)]
+        with _member(zf, uri, "labels") as fp:
+            labels = np.lib.format.read_array(fp, allow_pickle=False)
+    _check_classes(uri, shard_classes, classes)
+    _check_images(uri, dtype, tuple(shape))
+    _check_labels(uri, labels, shape[0], len(classes))
+    return ShardInfo(uri=uri, count=int(shape[0]), height=int(shape[1]), width=int(shape[2]))
+
+
+def load_shard(uri: str, classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Read one shard whole: uint8 NHWC images and int64 labels, validated like its headers.
+
+    An S3 shard is downloaded to a temporary file first, so its bytes and its decoded arrays are
+    never in memory together (numpy reads the uncompressed members straight into the arrays).
+    """
+    if storage.is_s3(uri):
+        with tempfile.TemporaryDirectory(prefix="burstcv-shard-") as tmp:
+            local = Path(tmp) / "shard.npz"
+            try:
+                storage.download_file(uri, local)
+            except storage.ArtifactNotFoundError as exc:
+                raise JobSpecError(f"missing shard {uri}") from exc
+            except Exception as exc:
+                if "404" in str(exc) or "Not Found" in str(exc):
+                    raise JobSpecError(f"missing shard {uri}") from exc
+                raise
+            return _load_local(str(local), uri, classes)
+    return _load_local(uri, uri, classes)
+
+
+def _load_local(path: str, uri: str, classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    if not Path(path).is_file():
+        raise JobSpecError(f"missing shard {uri}")
+    try:
+        npz = np.load(path, allow_pickle=False)
+    except (zipfile.BadZipFile, ValueError, OSError) as exc:
+        raise JobSpecError(f"shard {uri} is not an .npz file ({exc})") from exc
+    with npz:
+        for name in ("images", "labels", "classes"):
+            if name not in npz.files:
+                raise JobSpecError(f"shard {uri} has no '{name}' array")
+        _check_classes(uri, [str(c) for c in npz["classes"]], classes)
+        images, labels = npz["images"], npz["labels"].astype(np.int64)
+    _check_images(uri, images.dtype, images.shape)
+    _check_labels(uri, labels, len(images), len(classes))
+    return images, labels
+
+
+# ---------------------------------------------------------------------------------------------
+# The order of an epoch
+
+
+def _rng(seed: int, *keys: int) -> np.random.Generator:
+    # SeedSequence wants non-negative entropy; a job's seed may be any int.
+    return np.random.default_rng(np.random.SeedSequence([seed % 2**63, *keys]))
+
+
+def epoch_windows(counts: list[int], seed: int, epoch: int, mix: int) -> list[list[int]]:
+    """Return the shard indices of each window of an epoch: shards shuffled, ``mix`` a window."""
+    order = _rng(seed, epoch, 0).permutation(len(counts)).tolist()
+    return [order[i : i + mix] for i in range(0, len(order), mix)]
+
+
+def window_order(size: int, seed: int, epoch: int, window: int) -> np.ndarray:
+    """Return the shuffled order of a window's ``size`` images (its own stream: skippable)."""
+    return _rng(seed, epoch, 1 + window).permutation(size)
+
+
+def plan_slots(shard_bytes: int, budget_bytes: int) -> tuple[int, int]:
+    """Return (mix, prefetch): shards per window and shards loaded ahead, within the budget.
+
+    Three shards in memory buy a 2-shard shuffle window and one shard of prefetch; two, one
+    window shard and one prefetch; one, no prefetch (loading then stalls the loop).
+    """
+    slots = max(1, min(MAX_SLOTS, budget_bytes // max(1, shard_bytes)))
+    if budget_bytes < shard_bytes:
+        log.warning(
+            "one shard takes %.0f MB, more than the data memory budget of %.0f MB: "
+            "pack with smaller shards to stay within it",
+            shard_bytes / 2**20,
+            budget_bytes / 2**20,
+        )
+    mix = 2 if slots >= 3 else 1
+    return mix, slots - mix
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading ahead
+
+
+_DONE = object()
+
+
+class _Prefetcher:
+    """Load shards in a background thread, at most ``slots`` of them alive at once.
+
+    The consumer calls ``get()`` for each shard in order and ``release()`` once it has dropped
+    every reference to a shard's arrays; the thread loads the next shard only when a slot is free.
+    """
+
+    def __init__(self, uris: list[str], classes: list[str], slots: int) -> None:
+        self._uris = uris
+        self._classes = classes
+        self._free = threading.Semaphore(slots)
+        self._ready: queue.Queue[Any] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shard-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for uri in self._uris:
+                while not self._free.acquire(timeout=0.1):
+                    if self._stop.is_set():
+                        return
+                if self._stop.is_set():
+                    return
+                self._ready.put(load_shard(uri, self._classes))
+            self._ready.put(_DONE)
+        except BaseException as exc:  # handed to the consumer, which raises it
+            self._ready.put(exc)
+
+    def get(self) -> tuple[np.ndarray, np.ndarray]:
+        """Return the next shard's (images, labels), waiting for it; raise what loading raised."""
+        item = self._ready.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item is _DONE:
+            raise RuntimeError("the prefetch thread has no more shards")
+        images, labels = item
+        return images, labels
+
+    def release(self) -> None:
+        """Free the slot of one consumed shard."""
+        self._free.release()
+
+    def close(self) -> None:
+        """Stop the thread (it exits at its next slot wait) and drop what it loaded."""
+        self._stop.set()
+        self._thread.join(timeout=60)
+        while not self._ready.empty():
+            self._ready.get_nowait()
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches on the device
+
+
+class _DeviceCopier:
+    """Copy uint8 NHWC batches to the device as NCHW, through pinned buffers on CUDA.
+
+    Two pinned buffers alternate: one is filled while the other's copy may still be in flight;
+    an event per buffer says when it may be refilled.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pinned = device.type == "cuda"
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
+        self._turn = 0
+
+    def __call__(self, images: np.ndarray, labels: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = torch.from_numpy(images), torch.from_numpy(labels)
+        if not self._pinned:
+            return x.permute(0, 3, 1, 2).to(self.device), y.to(self.device)
+        if len(self._buffers) < 2:
+            self._buffers.append(
+                (
+                    torch.empty(x.shape, dtype=x.dtype).pin_memory(),
+                    torch.empty(y.shape, dtype=y.dtype).pin_memory(),
+                    torch.cuda.Event(),
+                )
+            )
+        host_x, host_y, done = self._buffers[self._turn % len(self._buffers)]
+        self._turn += 1
+        done.synchronize()  # the copy that last read this buffer has finished
+        if host_x.shape[0] < x.shape[0] or host_x.shape[1:] != x.shape[1:]:
+            host_x = torch.empty(x.shape, dtype=x.dtype).pin_memory()
+            host_y = torch.empty(y.shape, dtype=y.dtype).pin_memory()
+            self._buffers[(self._turn - 1) % len(self._buffers)] = (host_x, host_y, done)
+        n = x.shape[0]
+        host_x[:n].copy_(x)
+        host_y[:n].copy_(y)
+        dev_x = host_x[:n].to(self.device, non_blocking=True)
+        dev_y = host_y[:n].to(self.device, non_blocking=True)
+        done.record()
+        # NHWC memory seen as NCHW is channels_last, the layout the CUDA loop wants anyway.
+        return dev_x.permute(0, 3, 1, 2), dev_y
+
+
+def _gather(
+    shards: list[tuple[np.ndarray, np.ndarray]], offsets: list[int], rows: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Return the images and labels at window positions ``rows`` (in that order)."""
+    first = shards[0][0]
+    images = np.empty((len(rows), *first.shape[1:]), dtype=first.dtype)
+    labels = np.empty(len(rows), dtype=np.int64)
+    for (shard_images, shard_labels), start in zip(shards, offsets, strict=True):
+        mask = (rows >= start) & (rows < start + len(shard_labels))
+        local = rows[mask] - start
+        images[mask] = shard_images[local]
+        labels[mask] = shard_labels[local]
+    return images, labels
+
+
+class ShardStream:
+    """Serve a split's shards as device batches, bounded in memory, reproducible per epoch."""
+
+    def __init__(
+        self,
+        infos: list[ShardInfo],
+        classes: list[str],
+        device: torch.device,
+        *,
+        budget_bytes: int,
+        eval_view: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> None:
+        """Serve ``infos``' shards; ``eval_view`` maps stored images to evaluated ones."""
+        if not infos:
+            raise JobSpecError("a streamed split needs at least one shard")
+        self.infos = infos
+        self.eval_view = eval_view
+        self.classes = classes
+        self.device = device
+        self.counts = [info.count for info in infos]
+        self.count = sum(self.counts)
+        self.shard_bytes = max(info.nbytes for info in infos)
+        self.mix, self.prefetch = plan_slots(self.shard_bytes, budget_bytes)
+
+    @classmethod
+    def open(
+        cls, uris: list[str], classes: list[str], device: torch.device, *, budget_bytes: int
+    ) -> ShardStream:
+        """Read and validate every shard's headers; return the stream over them."""
+        return cls(
+            [read_shard_info(uri, classes) for uri in uris],
+            classes,
+            device,
+            budget_bytes=budget_bytes,
+        )
+
+    def __len__(self) -> int:
+        return self.count
+
+    @property
+    def peak_bytes(self) -> int:
+        """Return the most shard memory the stream holds at once."""
+        return (self.mix + self.prefetch) * self.shard_bytes
+
+    def train_batches(
+        self,
+        *,
+        seed: int,
+        epoch: int,
+        batch_size: int,
+        start_step: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
+        """Yield the epoch's batches from ``start_step`` on: this rank's share of each, on device.
+
+        Each rank takes every ``world_size``-th image of the global batch (as the in-memory
+        path does), so the ranks of a DDP run read the same shards and train disjoint shares.
+        A split smaller than one batch gives one step over all of it, as the in-memory path.
+        """
+        steps = max(1, self.count // batch_size)
+        per_rank = max(1, batch_size // world_size)
+        batch_size = min(batch_size, self.count)
+        if start_step >= steps:
+            return
+        windows = epoch_windows(self.counts, seed, epoch, self.mix)
+        sizes = [sum(self.counts[i] for i in w) for w in windows]
+        # Skip, unread, the windows that the steps already done consumed whole.
+        begin = start_step * batch_size
+        first = 0
+        while begin >= sizes[first]:
+            begin -= sizes[first]
+            first += 1
+        share = np.arange(batch_size)[rank::world_size][:per_rank]
+        copier = _DeviceCopier(self.device)
+        uris = [self.infos[i].uri for w in windows[first:] for i in w]
+        loader = _Prefetcher(uris, self.classes, self.mix + self.prefetch)
+        step = start_step
+        carry: tuple[np.ndarray, np.ndarray] | None = None  # a batch's start from the last window
+        try:
+            for number in range(first, len(windows)):
+                shards = [loader.get() for _ in windows[number]]
+                offsets = np.cumsum([0] + [len(lab) for _, lab in shards[:-1]]).tolist()
+                order = window_order(sizes[number], seed, epoch, number)
+                pos = begin if number == first else 0
+                while step < steps:
+                    held = 0 if carry is None else len(carry[1])
+                    take = batch_size - held
+                    if pos + take > len(order):
+                        break
+                    new_rows = share[share >= held] - held
+                    x, y = _gather(shards, offsets, order[pos + new_rows])
+                    if carry is not None:
+                        keep = share[share < held]
+                        x = np.concatenate([carry[0][keep], x])
+                        y = np.concatenate([carry[1][keep], y])
+                        carry = None
+                    pos += take
+                    step += 1
+                    yield copier(x, y)
+                if step < steps and pos < len(order):
+                    # Copy the window's last images out, so the window can be released.
+                    rest = _gather(shards, offsets, order[pos:])
+                    carry = (
+                        rest
+                        if carry is None
+                        else (
+                            np.concatenate([carry[0], rest[0]]),
+                            np.concatenate([carry[1], rest[1]]),
+                        )
+                    )
+                del shards
+                for _ in windows[number]:
+                    loader.release()
+                if step >= steps:
+                    return
+        finally:
+            loader.close()
+
+    def eval_batches(
+        self, batch_size: int = EVAL_BATCH
+    ) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
+        """Yield every image once, shard by shard in file order, as device batches."""
+        copier = _DeviceCopier(self.device)
+        loader = _Prefetcher(
+            [info.uri for info in self.infos], self.classes, self.mix + self.prefetch
+        )
+        try:
+            for _ in self.infos:
+                images, labels = loader.get()
+                for start in range(0, len(labels), batch_size):
+                    chunk = images[start : start + batch_size]
+                    if self.eval_view is not None:
+                        chunk = np.ascontiguousarray(self.eval_view(chunk))
+                    yield copier(chunk, labels[start : start + batch_size])
+                del images, labels
+                loader.release()
+        finally:
+            loader.close()

@@ -1,0 +1,359 @@
+"""Streamed training data: a reproducible order, bounded memory, the same errors and accuracy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from burstcv_testkit import make_job
+from localserver import moto_server, use_moto
+from PIL import Image
+
+from burstcv.data import pack
+from burstcv.data.demo import pack_demo
+from burstcv.training.job import write_job
+from burstcv.training.stream import (
+    JobSpecError,
+    ShardStream,
+    epoch_windows,
+    load_shard,
+    read_shard_info,
+)
+from burstcv.training.train import Split, open_splits, run_job
+from burstcv_spec import storage
+from burstcv_spec.preprocess import PreprocessSpec
+
+CLASSES = ["a", "b", "c"]
+CPU = torch.device("cpu")
+
+
+def write_shard(path: Path, images: np.ndarray, labels: np.ndarray, classes: list[str]) -> str:
+    """Write one shard in pack_dataset's format (uncompressed .npz of three arrays)."""
+    np.savez(path, images=images, labels=labels, classes=np.array(classes))
+    return str(path)
+
+
+def numbered_shards(root: Path, counts: list[int], px: int = 4) -> list[str]:
+    """Write shards whose every image holds its own global number (pixel 0: low, 1: high byte)."""
+    uris, start = [], 0
+    for no, count in enumerate(counts):
+        ids = np.arange(start, start + count)
+        images = np.zeros((count, px, px, 3), np.uint8)
+        images[:, 0, 0, 0], images[:, 0, 1, 0] = ids % 256, ids // 256
+        uris.append(write_shard(root / f"train-{no:05d}.npz", images, ids % 3, CLASSES))
+        start += count
+    return uris
+
+
+def ids_of(batch: tuple[torch.Tensor, torch.Tensor]) -> list[int]:
+    x, y = batch  # NCHW on the device
+    ids = (x[:, 0, 0, 0].long() + 256 * x[:, 0, 0, 1].long()).tolist()
+    assert (torch.tensor(ids) % 3).tolist() == y.tolist(), "labels travel with their images"
+    return ids
+
+
+def epoch_ids(stream: ShardStream, seed: int, epoch: int, **kw: Any) -> list[list[int]]:
+    return [ids_of(b) for b in stream.train_batches(seed=seed, epoch=epoch, batch_size=16, **kw)]
+
+
+@pytest.fixture
+def stream(tmp_path: Path) -> ShardStream:
+    """Return a stream over 7 shards of uneven sizes (251 images), a 2-shard window."""
+    uris = numbered_shards(tmp_path, [40, 40, 40, 40, 40, 40, 11])
+    stream = ShardStream.open(uris, CLASSES, CPU, budget_bytes=3 * 40 * (4 * 4 * 3 + 8))
+    assert (stream.mix, stream.prefetch, len(stream)) == (2, 1, 251)
+    return stream
+
+
+def test_an_epoch_is_a_shuffle_fixed_by_seed_and_epoch(stream: ShardStream) -> None:
+    first = epoch_ids(stream, seed=0, epoch=0)
+    assert first == epoch_ids(stream, seed=0, epoch=0)  # reproducible
+    assert len(first) == 251 // 16 and all(len(b) == 16 for b in first)  # full batches only
+    flat = [i for b in first for i in b]
+    assert len(set(flat)) == len(flat) and set(flat) <= set(range(251))  # each image at most once
+    assert flat != sorted(flat)
+    assert first != epoch_ids(stream, seed=0, epoch=1)
+    assert first != epoch_ids(stream, seed=1, epoch=0)
+    # Shards come in a new order each epoch, and a batch mixes the two shards of its window.
+    orders = {
+        tuple(w for window in epoch_windows(stream.counts, 0, e, 2) for w in window)
+        for e in range(6)
+    }
+    assert len(orders) > 1
+    assert len({i // 40 for i in first[0]}) == 2
+
+
+def test_a_resumed_epoch_continues_the_same_stream(stream: ShardStream) -> None:
+    full = epoch_ids(stream, seed=3, epoch=2)
+    for start in (1, 5, 6, 14):  # inside a window, at a batch across windows, the last step
+        assert epoch_ids(stream, seed=3, epoch=2, start_step=start) == full[start:]
+    assert epoch_ids(stream, seed=3, epoch=2, start_step=len(full)) == []
+
+
+def test_ranks_share_each_global_batch(stream: ShardStream) -> None:
+    full = epoch_ids(stream, seed=0, epoch=0)
+    ranks = [epoch_ids(stream, seed=0, epoch=0, rank=r, world_size=2) for r in (0, 1)]
+    for step, batch in enumerate(full):
+        assert ranks[0][step] == batch[0::2] and ranks[1][step] == batch[1::2]
+
+
+def test_evaluation_reads_every_image_once_in_file_order(stream: ShardStream) -> None:
+    ids = [i for b in stream.eval_batches(batch_size=32) for i in ids_of(b)]
+    assert ids == list(range(251))
+
+
+def test_a_split_smaller_than_a_batch_is_one_step(tmp_path: Path) -> None:
+    small = ShardStream.open(numbered_shards(tmp_path, [5, 4]), CLASSES, CPU, budget_bytes=1)
+    assert (small.mix, small.prefetch) == (1, 0)  # no room: one shard at a time
+    batches = [ids_of(b) for b in small.train_batches(seed=0, epoch=0, batch_size=16)]
+    assert len(batches) == 1 and sorted(batches[0]) == list(range(9))
+
+
+def test_memory_budget_picks_whole_or_streamed(packed_demo: dict[str, Any], tmp_path: Path) -> None:
+    whole = open_splits(make_job(packed_demo, tmp_path), CPU)
+    assert all(isinstance(s, Split) for s in whole)
+    streamed = open_splits(make_job(packed_demo, tmp_path, data_memory_budget_mb=1), CPU)
+    assert all(isinstance(s, ShardStream) for s in streamed)
+    assert [len(s) for s in streamed] == [len(s) for s in whole]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad shards: the errors of the in-memory path, from the headers, before any training
+
+
+def _bad(tmp_path: Path, **arrays: Any) -> str:
+    good: dict[str, Any] = {
+        "images": np.zeros((4, 4, 4, 3), np.uint8),
+        "labels": np.zeros(4, np.int64),
+        "classes": np.array(CLASSES),
+    }
+    good.update(arrays)
+    path = tmp_path / "bad.npz"
+    np.savez(path, **{k: v for k, v in good.items() if v is not None})
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("arrays", "message"),
+    [
+        ({"classes": np.array(["a", "b", "x"])}, r"was packed for classes \['a', 'b', 'x'\]"),
+        (
+            {"images": np.zeros((4, 4, 4, 3), np.float32)},
+            r"holds float32 \(4, 4, 4, 3\), not uint8",
+        ),
+        ({"images": np.zeros((4, 4, 4), np.uint8)}, r"holds uint8 \(4, 4, 4\), not uint8"),
+        ({"labels": np.array([0, 1, 2, 3])}, r"has labels outside 0\.\.2"),
+        ({"labels": np.array([0, -1, 0, 0])}, r"has labels outside 0\.\.2"),
+        ({"labels": np.zeros(3, np.int64)}, r"has labels outside 0\.\.2"),
+        ({"labels": None}, r"has no 'labels' array"),
+    ],
+)
+def test_bad_shards_fail_with_the_shard_named(
+    tmp_path: Path, arrays: dict[str, Any], message: str
+) -> None:
+    uri = _bad(tmp_path, **arrays)
+    for read in (read_shard_info, load_shard):
+        with pytest.raises(JobSpecError, match=message) as err:
+            read(uri, CLASSES)
+        assert uri in str(err.value)
+
+
+def test_missing_or_foreign_shards_fail_with_the_shard_named(tmp_path: Path) -> None:
+    for read in (read_shard_info, load_shard):
+        with pytest.raises(JobSpecError, match=r"missing shard .*nope\.npz"):
+            read(str(tmp_path / "nope.npz"), CLASSES)
+    (tmp_path / "text.npz").write_text("not a zip")
+    for read in (read_shard_info, load_shard):
+        with pytest.raises(JobSpecError, match=r"text.npz is not an .npz file"):
+            read(str(tmp_path / "text.npz"), CLASSES)
+
+
+def test_a_bad_shard_fails_a_streamed_job_before_training(
+    packed_demo: dict[str, Any], tmp_path: Path
+) -> None:
+    bad = _bad(tmp_path, labels=np.array([0, 1, 2, 99]), classes=np.array(packed_demo["classes"]))
+    job = make_job(
+        packed_demo,
+        tmp_path / "out",
+        train_shards=[*packed_demo["train_shards"], bad],
+        data_memory_budget_mb=1,
+    )
+    with pytest.raises(JobSpecError):
+        run_job(write_job(job, str(tmp_path / "job.json")))
+    failed = json.loads((tmp_path / "out" / "attempts" / "1" / "FAILED").read_text())
+    assert f"shard {bad} has labels outside 0..9" in failed["reason"]
+    assert not (tmp_path / "out" / "checkpoints" / "last.pt").exists()
+
+
+def test_s3_shards_are_sized_from_their_headers_and_streamed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    local = numbered_shards(tmp_path, [30, 25])
+    with moto_server() as url:
+        use_moto(url, monkeypatch)
+        storage.s3_client().create_bucket(Bucket="shards")
+        uris = [
+            storage.write_bytes(f"s3://shards/d/{Path(p).name}", Path(p).read_bytes())
+            for p in local
+        ]
+        infos = [read_shard_info(u, CLASSES) for u in uris]
+        assert [(i.count, i.height, i.width) for i in infos] == [(30, 4, 4), (25, 4, 4)]
+        remote = ShardStream(infos, CLASSES, CPU, budget_bytes=1 << 20)
+        assert [i for b in remote.eval_batches(16) for i in ids_of(b)] == list(range(55))
+        with pytest.raises(JobSpecError, match=r"missing shard s3://shards/d/none\.npz"):
+            read_shard_info("s3://shards/d/none.npz", CLASSES)
+        with pytest.raises(JobSpecError, match=r"missing shard s3://shards/d/none\.npz"):
+            load_shard("s3://shards/d/none.npz", CLASSES)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training on streamed shards
+
+
+@pytest.fixture(scope="module")
+def small_shards(demo_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Return the demo digits packed 200 images a shard (8 train, 2 val shards)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pack, "SHARD_IMAGES", 200)
+        result, spec = pack_demo(demo_dataset, str(tmp_path_factory.mktemp("small-shards")))
+    assert len(result.train_shards) == 8 and len(result.val_shards) == 2
+    return {
+        "classes": result.classes,
+        "train_shards": result.train_shards,
+        "val_shards": result.val_shards,
+        "spec": spec,
+    }
+
+
+def test_streamed_training_reaches_the_accuracy_of_the_in_memory_path(
+    small_shards: dict[str, Any], trained_demo: dict[str, Any], tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    job = make_job(small_shards, out, data_memory_budget_mb=1)  # 4.4 MB of train images
+    assert run_job(write_job(job, str(tmp_path / "job.json"))) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    unbroken = trained_demo["metrics"]
+    assert metrics["val_accuracy"] >= 0.90
+    assert abs(metrics["val_accuracy"] - unbroken["val_accuracy"]) <= 0.05
+    assert (metrics["train_images"], metrics["val_images"]) == (
+        unbroken["train_images"],
+        unbroken["val_images"],
+    )
+    assert len(metrics["epochs"]) == 3 and (out / "attempts" / "1" / "DONE").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Peak memory: a dataset several times the budget, trained in a child process
+
+PEAK_RSS = textwrap.dedent(
+    """
+    import json, logging, resource, sys
+    logging.basicConfig(level=logging.INFO)
+    from burstcv.training.job import load_job
+    from burstcv.training.train import main
+    metrics = main(load_job(sys.argv[1]))
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_mb": peak_kb / 1024, "train_images": metrics["train_images"]}))
+    """
+)
+
+MEMORY_PX = 128  # 48 KiB an image: data bytes grow faster than CPU training time
+MEMORY_BUDGET_MB = 32
+
+
+def _photo_like(rng: np.random.Generator, label: int) -> np.ndarray:
+    # Smooth gradients and a class-coloured block: compresses and trains like a photo, not noise.
+    y, x = np.mgrid[0:MEMORY_PX, 0:MEMORY_PX]
+    base = (x * rng.uniform(0.5, 2) + y * rng.uniform(0.5, 2)) % 256
+    img = np.stack([base, base[::-1], base[:, ::-1]], axis=-1)
+    r, c = rng.integers(0, MEMORY_PX // 2, 2)
+    img[r : r + 32, c : c + 32, label % 3] = 255
+    return img.astype(np.uint8)
+
+
+def _peak_mb(job_uri: str) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS, job_uri],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["log"] = proc.stderr
+    return result
+
+
+def test_streaming_keeps_peak_memory_within_the_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """150 MB of training images under a 32 MB budget: the child's peak RSS grows < 32 MB.
+
+    The baseline is the same job over one batch of images: torch, the model, the optimiser and
+    one step's activations, everything but the data.
+    """
+    rng = np.random.default_rng(0)
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    rows = []
+    for i in range(48):  # 48 distinct files, each listed many times: decoding is the cost
+        path = photos / f"{i}.png"
+        Image.fromarray(_photo_like(rng, i)).save(path)
+        rows.append((str(path), str(i % 4)))
+    spec = PreprocessSpec(height=MEMORY_PX, width=MEMORY_PX, mean=(0.5,) * 3, std=(0.25,) * 3)
+
+    def packed(name: str, train: int, val: int) -> dict[str, Any]:
+        manifest = pd.DataFrame(
+            [
+                {
+                    "path": f"{split}/{n}.png",
+                    "uri": rows[n % 48][0],
+                    "split": split,
+                    "label": rows[n % 48][1],
+                    "decode_ok": True,
+                }
+                for split, count in (("train", train), ("val", val))
+                for n in range(count)
+            ]
+        )
+        monkeypatch.setattr(pack, "SHARD_IMAGES", 128)  # 6 MB shards
+        result = pack.pack_dataset(manifest, str(tmp_path / name), spec, workers=2)
+        return {
+            "classes": result.classes,
+            "train_shards": result.train_shards,
+            "val_shards": result.val_shards,
+            "spec": spec,
+        }
+
+    common = {
+        "arch": "mobilenet_v3_small",
+        "epochs": 1,
+        "batch_size": 32,
+        "data_memory_budget_mb": MEMORY_BUDGET_MB,
+        "augment": {"crop_padding_px": 0},
+    }
+    baseline_job = make_job(packed("one-batch", 32, 32), tmp_path / "base", **common)
+    big_job = make_job(packed("big", 3200, 512), tmp_path / "big", **common)
+    data_mb = sum(Path(u).stat().st_size for u in big_job.train_shards + big_job.val_shards) / 2**20
+    assert data_mb > 4 * MEMORY_BUDGET_MB  # loading it whole could not fit
+
+    baseline = _peak_mb(write_job(baseline_job, str(tmp_path / "base.json")))
+    streamed = _peak_mb(write_job(big_job, str(tmp_path / "big.json")))
+    assert streamed["train_images"] == 3200
+    assert "streaming train shards" in streamed["log"]
+    growth = streamed["peak_mb"] - baseline["peak_mb"]
+    assert growth < MEMORY_BUDGET_MB, (
+        f"peak RSS {streamed['peak_mb']:.0f} MB, baseline {baseline['peak_mb']:.0f} MB, "
+        f"data {data_mb:.0f} MB"
+    )
