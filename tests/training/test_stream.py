@@ -267,7 +267,10 @@ PEAK_RSS = textwrap.dedent(
 )
 
 MEMORY_PX = 128  # 48 KiB an image: data bytes grow faster than CPU training time
-MEMORY_BUDGET_MB = 32
+MEMORY_BUDGET_MB = 24
+MEMORY_SHARD_IMAGES = 64  # 3 MB shards: the stream holds 3 of them
+MEMORY_TRAIN_IMAGES = 2000  # 94 MB, with 18 MB of validation images: > 4x the budget
+MEMORY_VAL_IMAGES = 384
 
 
 def _photo_like(rng: np.random.Generator, label: int) -> np.ndarray:
@@ -280,13 +283,58 @@ def _photo_like(rng: np.random.Generator, label: int) -> np.ndarray:
     return img.astype(np.uint8)
 
 
-def _peak_mb(job_uri: str) -> dict[str, Any]:
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+def pack_photos(root: Path, train: int, val: int) -> dict[str, Any]:
+    """Pack ``train`` + ``val`` images of 4 classes (48 distinct PNGs, each used many times)."""
+    rng = np.random.default_rng(0)
+    (root / "photos").mkdir(parents=True, exist_ok=True)
+    files = []
+    for i in range(48):
+        path = root / "photos" / f"{i}.png"
+        Image.fromarray(_photo_like(rng, i)).save(path)
+        files.append((str(path), str(i % 4)))
+    spec = PreprocessSpec(height=MEMORY_PX, width=MEMORY_PX, mean=(0.5,) * 3, std=(0.25,) * 3)
+    manifest = pd.DataFrame(
+        [
+            {
+                "path": f"{split}/{n}.png",
+                "uri": files[n % 48][0],
+                "split": split,
+                "label": files[n % 48][1],
+                "decode_ok": True,
+            }
+            for split, count in (("train", train), ("val", val))
+            for n in range(count)
+        ]
+    )
+    result = pack.pack_dataset(manifest, str(root / "shards"), spec, workers=2)
+    return {
+        "classes": result.classes,
+        "train_shards": result.train_shards,
+        "val_shards": result.val_shards,
+        "spec": spec,
+    }
+
+
+def memory_job(packed: dict[str, Any], out: Path) -> Any:
+    """Return a one-epoch job over photo shards, small batches, under MEMORY_BUDGET_MB."""
+    return make_job(
+        packed,
+        out,
+        arch="mobilenet_v3_small",
+        epochs=1,
+        batch_size=32,
+        data_memory_budget_mb=MEMORY_BUDGET_MB,
+        augment={"crop_padding_px": 0},
+    )
+
+
+def peak_rss_mb(job_uri: str) -> dict[str, Any]:
+    """Run the job in a child process; return its peak RSS (MB), image count and log."""
     proc = subprocess.run(
         [sys.executable, "-c", PEAK_RSS, job_uri],
         capture_output=True,
         text=True,
-        env=env,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -298,60 +346,27 @@ def _peak_mb(job_uri: str) -> dict[str, Any]:
 def test_streaming_keeps_peak_memory_within_the_budget(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """150 MB of training images under a 32 MB budget: the child's peak RSS grows < 32 MB.
+    """112 MB of images under a 24 MB budget: the child's peak RSS grows by less than 24 MB.
 
-    The baseline is the same job over one batch of images: torch, the model, the optimiser and
-    one step's activations, everything but the data.
+    The baseline is the same job over two batches and one shard of validation images: torch,
+    the model, the optimiser and the activations of a training and an evaluation batch (as big
+    as a streamed one), everything but the data. The growth is the 3 shards the stream
+    holds (9 MB), its batch buffers and the allocator's slack; loading the data whole would
+    take over 112 MB.
     """
-    rng = np.random.default_rng(0)
-    photos = tmp_path / "photos"
-    photos.mkdir()
-    rows = []
-    for i in range(48):  # 48 distinct files, each listed many times: decoding is the cost
-        path = photos / f"{i}.png"
-        Image.fromarray(_photo_like(rng, i)).save(path)
-        rows.append((str(path), str(i % 4)))
-    spec = PreprocessSpec(height=MEMORY_PX, width=MEMORY_PX, mean=(0.5,) * 3, std=(0.25,) * 3)
-
-    def packed(name: str, train: int, val: int) -> dict[str, Any]:
-        manifest = pd.DataFrame(
-            [
-                {
-                    "path": f"{split}/{n}.png",
-                    "uri": rows[n % 48][0],
-                    "split": split,
-                    "label": rows[n % 48][1],
-                    "decode_ok": True,
-                }
-                for split, count in (("train", train), ("val", val))
-                for n in range(count)
-            ]
-        )
-        monkeypatch.setattr(pack, "SHARD_IMAGES", 128)  # 6 MB shards
-        result = pack.pack_dataset(manifest, str(tmp_path / name), spec, workers=2)
-        return {
-            "classes": result.classes,
-            "train_shards": result.train_shards,
-            "val_shards": result.val_shards,
-            "spec": spec,
-        }
-
-    common = {
-        "arch": "mobilenet_v3_small",
-        "epochs": 1,
-        "batch_size": 32,
-        "data_memory_budget_mb": MEMORY_BUDGET_MB,
-        "augment": {"crop_padding_px": 0},
-    }
-    baseline_job = make_job(packed("one-batch", 32, 32), tmp_path / "base", **common)
-    big_job = make_job(packed("big", 3200, 512), tmp_path / "big", **common)
-    data_mb = sum(Path(u).stat().st_size for u in big_job.train_shards + big_job.val_shards) / 2**20
+    monkeypatch.setattr(pack, "SHARD_IMAGES", MEMORY_SHARD_IMAGES)
+    baseline_job = memory_job(pack_photos(tmp_path / "two-batches", 64, 64), tmp_path / "base")
+    big_job = memory_job(
+        pack_photos(tmp_path / "big", MEMORY_TRAIN_IMAGES, MEMORY_VAL_IMAGES), tmp_path / "big"
+    )
+    shards = big_job.train_shards + big_job.val_shards
+    data_mb = sum(Path(u).stat().st_size for u in shards) / 2**20
     assert data_mb > 4 * MEMORY_BUDGET_MB  # loading it whole could not fit
 
-    baseline = _peak_mb(write_job(baseline_job, str(tmp_path / "base.json")))
-    streamed = _peak_mb(write_job(big_job, str(tmp_path / "big.json")))
-    assert streamed["train_images"] == 3200
-    assert "streaming train shards" in streamed["log"]
+    baseline = peak_rss_mb(write_job(baseline_job, str(tmp_path / "base.json")))
+    streamed = peak_rss_mb(write_job(big_job, str(tmp_path / "big.json")))
+    assert streamed["train_images"] == MEMORY_TRAIN_IMAGES
+    assert "streaming train shards" in streamed["log"] and "validation streamed" in streamed["log"]
     growth = streamed["peak_mb"] - baseline["peak_mb"]
     assert growth < MEMORY_BUDGET_MB, (
         f"peak RSS {streamed['peak_mb']:.0f} MB, baseline {baseline['peak_mb']:.0f} MB, "

@@ -23,8 +23,11 @@ unread, and the remaining steps see exactly the batches an unbroken run would ha
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import io
 import logging
+import mmap
 import queue
 import tempfile
 import threading
@@ -43,6 +46,7 @@ from burstcv_spec import storage
 log = logging.getLogger(__name__)
 
 MAX_SLOTS = 3  # a window of 2 shards + 1 prefetched: more buys nothing once loading keeps up
+READ_CHUNK = 1 << 16  # bytes per read of image data: small blocks that malloc recycles
 EVAL_BATCH = 1024  # images per evaluation batch (no gradients: memory is the activations)
 
 
@@ -110,12 +114,14 @@ class _S3RangeReader(io.RawIOBase):
 
 
 @contextmanager
-def _open_zip(uri: str) -> Iterator[zipfile.ZipFile]:
+def _open_zip(path: str, uri: str | None = None) -> Iterator[zipfile.ZipFile]:
+    """Open the shard at ``path`` (a local file or s3://) as a zip; errors name ``uri``."""
+    uri = uri or path
     try:
-        if storage.is_s3(uri):
-            raw: IO[bytes] = io.BufferedReader(_S3RangeReader(uri), buffer_size=1 << 16)
+        if storage.is_s3(path):
+            raw: IO[bytes] = io.BufferedReader(_S3RangeReader(path), buffer_size=1 << 16)
         else:
-            raw = open(storage.local_path(uri), "rb")  # noqa: SIM115 - closed below
+            raw = open(storage.local_path(path), "rb")  # noqa: SIM115 - closed below
     except (storage.ArtifactNotFoundError, FileNotFoundError) as exc:
         raise JobSpecError(f"missing shard {uri}") from exc
     try:
@@ -151,63 +157,81 @@ def _check_labels(uri: str, labels: np.ndarray, count: int, num_classes: int) ->
         raise JobSpecError(f"shard {uri} has labels outside 0..{num_classes - 1}")
 
 
+def _array_header(fp: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype[Any]]:
+    version = np.lib.format.read_magic(fp)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(fp)
+    else:
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(fp)
+    return tuple(shape), bool(fortran), dtype
+
+
+def _read_images(
+    fp: IO[bytes], uri: str, shape: tuple[int, ...], fortran: bool, dtype: np.dtype[Any]
+) -> np.ndarray:
+    """Read an array's data into fresh anonymous memory, returned to the OS when it is freed.
+
+    Shard-sized buffers from malloc raise glibc's mmap threshold and then fragment its heap:
+    the process would keep every shard it ever loaded. An mmap of its own is unmapped as soon
+    as the last view of the array goes.
+    """
+    count = int(np.prod(shape))
+    nbytes = count * dtype.itemsize
+    buffer = mmap.mmap(-1, max(1, nbytes))
+    with memoryview(buffer) as view:
+        done = 0
+        while done < nbytes:
+            n = fp.readinto(view[done : done + READ_CHUNK])  # type: ignore[attr-defined]
+            if not n:
+                raise JobSpecError(f"shard {uri} is truncated ({done} of {nbytes} image bytes)")
+            done += n
+    images = np.frombuffer(buffer, dtype=dtype, count=count)
+    return images.reshape(shape[::-1]).T if fortran else images.reshape(shape)
+
+
+def _read_shard(
+    zf: zipfile.ZipFile, uri: str, classes: list[str], *, with_images: bool
+) -> tuple[ShardInfo, np.ndarray | None, np.ndarray]:
+    with _member(zf, uri, "classes") as fp:
+        shard_classes = [str(c) for c in np.lib.format.read_array(fp, allow_pickle=False)]
+    _check_classes(uri, shard_classes, classes)
+    with _member(zf, uri, "labels") as fp:
+        labels = np.lib.format.read_array(fp, allow_pickle=False).astype(np.int64)
+    with _member(zf, uri, "images") as fp:
+        shape, fortran, dtype = _array_header(fp)
+        _check_images(uri, dtype, shape)
+        _check_labels(uri, labels, shape[0], len(classes))
+        images = _read_images(fp, uri, shape, fortran, dtype) if with_images else None
+    info = ShardInfo(uri=uri, count=int(shape[0]), height=int(shape[1]), width=int(shape[2]))
+    return info, images, labels
+
+
 def read_shard_info(uri: str, classes: list[str]) -> ShardInfo:
     """Validate a shard from its headers, classes and labels, leaving its images unread."""
     with _open_zip(uri) as zf:
-        with _member(zf, uri, "images") as fp:
-            version = np.lib.format.read_magic(fp)
-            read_header = (
-                np.lib.format.read_array_header_1_0
-                if version == (1, 0)
-                else np.lib.format.read_array_header_2_0
-            )
-            shape, _, dtype = read_header(fp)
-        with _member(zf, uri, "classes") as fp:
-            shard_classes = [str(c) for c in np.lib.format.read_array(fp, allow_pickle=False)]
-        with _member(zf, uri, "labels") as fp:
-            labels = np.lib.format.read_array(fp, allow_pickle=False)
-    _check_classes(uri, shard_classes, classes)
-    _check_images(uri, dtype, tuple(shape))
-    _check_labels(uri, labels, shape[0], len(classes))
-    return ShardInfo(uri=uri, count=int(shape[0]), height=int(shape[1]), width=int(shape[2]))
+        return _read_shard(zf, uri, classes, with_images=False)[0]
 
 
 def load_shard(uri: str, classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Read one shard whole: uint8 NHWC images and int64 labels, validated like its headers.
 
     An S3 shard is downloaded to a temporary file first, so its bytes and its decoded arrays are
-    never in memory together (numpy reads the uncompressed members straight into the arrays).
+    never in memory together (the uncompressed members are read straight into the arrays).
     """
-    if storage.is_s3(uri):
-        with tempfile.TemporaryDirectory(prefix="burstcv-shard-") as tmp:
-            local = Path(tmp) / "shard.npz"
-            try:
-                storage.download_file(uri, local)
-            except storage.ArtifactNotFoundError as exc:
-                raise JobSpecError(f"missing shard {uri}") from exc
-            except Exception as exc:
-                if "404" in str(exc) or "Not Found" in str(exc):
-                    raise JobSpecError(f"missing shard {uri}") from exc
-                raise
-            return _load_local(str(local), uri, classes)
-    return _load_local(uri, uri, classes)
+    if not storage.is_s3(uri):
+        return _load_local(uri, uri, classes)
+    with tempfile.TemporaryDirectory(prefix="burstcv-shard-") as tmp:
+        local = Path(tmp) / "shard.npz"
+        if not storage.exists(uri):
+            raise JobSpecError(f"missing shard {uri}")
+        storage.download_file(uri, local)
+        return _load_local(str(local), uri, classes)
 
 
 def _load_local(path: str, uri: str, classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    if not Path(path).is_file():
-        raise JobSpecError(f"missing shard {uri}")
-    try:
-        npz = np.load(path, allow_pickle=False)
-    except (zipfile.BadZipFile, ValueError, OSError) as exc:
-        raise JobSpecError(f"shard {uri} is not an .npz file ({exc})") from exc
-    with npz:
-        for name in ("images", "labels", "classes"):
-            if name not in npz.files:
-                raise JobSpecError(f"shard {uri} has no '{name}' array")
-        _check_classes(uri, [str(c) for c in npz["classes"]], classes)
-        images, labels = npz["images"], npz["labels"].astype(np.int64)
-    _check_images(uri, images.dtype, images.shape)
-    _check_labels(uri, labels, len(images), len(classes))
+    with _open_zip(path, uri) as zf:
+        _, images, labels = _read_shard(zf, uri, classes, with_images=True)
+    assert images is not None
     return images, labels
 
 
@@ -254,6 +278,27 @@ def plan_slots(shard_bytes: int, budget_bytes: int) -> tuple[int, int]:
 
 
 _DONE = object()
+
+
+def _load_malloc_trim() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def trim_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc), after a window's shards are freed.
+
+    glibc keeps freed blocks of a few MB (batches, activations) in its heaps; as the blocks
+    move, the process's resident memory would creep up by tens of MB over an epoch.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 class _Prefetcher:
@@ -482,6 +527,7 @@ class ShardStream:
                 del shards
                 for _ in windows[number]:
                     loader.release()
+                trim_heap()
                 if step >= steps:
                     return
         finally:
@@ -505,5 +551,6 @@ class ShardStream:
                     yield copier(chunk, labels[start : start + batch_size])
                 del images, labels
                 loader.release()
+                trim_heap()
         finally:
             loader.close()
