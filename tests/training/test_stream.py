@@ -226,6 +226,8 @@ def small_shards(demo_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -
         mp.setattr(pack, "SHARD_IMAGES", 200)
         result, spec = pack_demo(demo_dataset, str(tmp_path_factory.mktemp("small-shards")))
     assert len(result.train_shards) == 8 and len(result.val_shards) == 2
+    for uri in result.train_shards:  # pack deals the label-sorted rows out: every class a shard
+        assert set(load_shard(uri, result.classes)[1].tolist()) == set(range(10))
     return {
         "classes": result.classes,
         "train_shards": result.train_shards,

@@ -17,7 +17,6 @@ from burstcv_spec.preprocess import PreprocessSpec, decode_to_uint8, margin_spec
 
 log = logging.getLogger(__name__)
 
-TRAIN_ORDER_SEED = 0  # fixed: the same dataset packs into the same shards on every machine
 SHARD_IMAGES = 50_000  # 50k 32x32 RGB images = 150 MB per shard: one GET each, fits any box
 # Larger images make fewer per shard, so a shard stays one 150 MB GET (780 at 256x256).
 SHARD_BYTES = SHARD_IMAGES * 32 * 32 * 3
@@ -74,6 +73,22 @@ def class_list(labels: Iterable[str]) -> list[str]:
     return sorted({str(label) for label in labels}, key=natural_key)
 
 
+def spread_order(rows: int, per_shard: int) -> np.ndarray:
+    """Return an order of sorted rows in which each ``per_shard`` chunk samples them evenly.
+
+    Each shard in turn takes evenly spaced rows of those left, so a shard of label-sorted rows
+    holds every label in proportion; one shard's rows keep their order.
+    """
+    left = np.arange(rows)
+    chunks = []
+    while len(left):
+        take = min(per_shard, len(left))
+        picks = np.round(np.linspace(0, len(left) - 1, take)).astype(np.int64)
+        chunks.append(left[picks])
+        left = np.delete(left, picks)
+    return np.concatenate(chunks) if chunks else left
+
+
 def _decode(uri: str, spec: PreprocessSpec) -> np.ndarray:
     return decode_to_uint8(storage.read_bytes(uri), spec)
 
@@ -111,10 +126,10 @@ def pack_dataset(
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for split in ("train", "val"):
             part = rows[rows["split"] == split]
-            if split == "train":
-                # Streamed training holds only a few shards at a time: every shard must hold
-                # all classes in proportion, so training rows go out in a fixed shuffled order.
-                part = part.sample(frac=1.0, random_state=TRAIN_ORDER_SEED)
+            if split == "train" and len(part) > per_shard:
+                # Streamed training holds a few shards at a time: every shard must hold all
+                # classes in proportion, not the label-sorted rows' runs of one class.
+                part = part.iloc[spread_order(len(part), per_shard)]
             result.counts[split] = len(part)
             uris = part["uri"].tolist()
             labels = np.array([index[str(lab)] for lab in part["label"]], dtype=np.int64)
