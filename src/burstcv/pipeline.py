@@ -787,7 +787,7 @@ def benchmark(
     from burstcv.gate.accuracy import onnx_accuracy
     from burstcv.gate.latency import bare_onnxruntime_p50, drive, staging_service
     from burstcv.registry.registry import PRODUCTION, Registry
-    from burstcv_spec.preprocess import normalize
+    from burstcv_spec.preprocess import eval_view, normalize
 
     s = settings or get_settings()
     paths = run_layout(run, s)
@@ -835,8 +835,9 @@ def benchmark(
                 figures.errors,
                 entry["accuracy"],
             )
+        spec = packed.preprocess.to_spec()
         results["candidate"]["bare_onnxruntime_p50_ms"] = bare_onnxruntime_p50(
-            str(models["candidate"]), normalize(val_x[:1], packed.preprocess.to_spec())
+            str(models["candidate"]), normalize(eval_view(val_x[:1], spec), spec)
         )
     candidate = BenchFigures.model_validate(results["candidate"])
     production = BenchFigures.model_validate(results["production"]) if prod_alias else None
