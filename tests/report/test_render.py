@@ -236,6 +236,15 @@ def test_a_complete_run_renders_every_section_in_one_self_contained_page(
     assert f"${per_million:,.4f} per 1M predictions" in page
     assert "c7i.large</code> (on-demand, us-east-1" in page
     assert "production v1" in page and "Not reached" not in page
+    assert "32×32 RGB (resized)" in page
+
+
+def test_a_photo_model_shows_its_eval_transform(full_run: tuple[Path, Path]) -> None:
+    run = full_run[0]
+    model = json.loads((run / "model" / "model.json").read_text())
+    photo = {"height": 224, "width": 224, "resize_short": 256, "color_mode": "RGB"}
+    write(run / "model" / "model.json", {**model, "preprocess": photo})
+    assert "224×224 RGB (short side resized to 256 px, centre crop)" in render(*full_run)
 
 
 def test_a_run_that_stopped_after_validation_says_what_was_not_reached(tmp_path: Path) -> None:

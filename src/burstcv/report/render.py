@@ -270,6 +270,7 @@ def _model_view(record: RunRecord) -> dict[str, Any]:
         "classes": ", ".join(map(str, meta.get("classes") or [])),
         "height": pre.get("height"),
         "width": pre.get("width"),
+        "resize_short": pre.get("resize_short"),
         "color_mode": pre.get("color_mode"),
         "onnx_file": meta.get("onnx_file", "?"),
         "opset": meta.get("opset"),
