@@ -220,6 +220,42 @@ def gratings(
     return (images.clip(0, 1) * 255).round().astype(np.uint8), labels.astype(np.int64)
 
 
+def pretrain_on_gratings(
+    path: Path, arch: str, angles_deg: list[float], *, size_px: int = 32, steps: int = 40
+) -> Path:
+    """Make "pretrained" weights: ``arch`` (torchvision's layout) taught grating orientations.
+
+    512 gratings, normalised as pretrained models are (ImageNet mean/std), ``steps`` SGD
+    steps of 32 on CPU with fixed seeds; the state_dict is saved to ``path``.
+    """
+    import torch
+    from torch.nn import functional as F
+
+    from burstcv.training.models import build_model
+    from burstcv.training.train import normalize
+    from burstcv.training.weights import normalization
+
+    torch.manual_seed(0)
+    images, labels = gratings(512, angles_deg, size_px=size_px, seed=1)
+    model = build_model(arch, len(angles_deg), size_px, pretrained=True)
+    mean, std = (
+        torch.tensor(v).view(1, 3, 1, 1) for v in normalization(arch, "w.pt", (0, 0, 0), (1, 1, 1))
+    )
+    x = normalize(torch.from_numpy(images).permute(0, 3, 1, 2), mean, std, 1 / 255)
+    y = torch.from_numpy(labels)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    order = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(steps):
+        idx = torch.randint(0, len(y), (32,), generator=order)
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    torch.save(model.state_dict(), path)
+    return path
+
+
 def write_shard(path: Path, images: Any, labels: Any, classes: list[str]) -> str:
     """Write one training shard (.npz of uint8 NHWC images, labels, classes) as pack does."""
     import io

@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-from burstcv_testkit import gratings, write_shard
-from torch.nn import functional as F
+from burstcv_testkit import gratings, pretrain_on_gratings, write_shard
 
 from burstcv.training.job import JobSpec
-from burstcv.training.models import build_model, head_prefix
-from burstcv.training.train import main, normalize
+from burstcv.training.models import head_prefix
+from burstcv.training.train import main
 from burstcv.training.weights import normalization
 
 ARCH = "resnet10"
@@ -32,26 +31,8 @@ ACCURACY_FLOOR = 0.9
 @pytest.fixture(scope="module")
 def pretrained_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Pretrain on the 8-orientation task with the fine-tuning normalisation; save state_dict."""
-    torch.manual_seed(0)
-    images, labels = gratings(512, PRETRAIN_ANGLES, size_px=SIZE_PX, seed=1)
-    model = build_model(ARCH, len(PRETRAIN_ANGLES), SIZE_PX, pretrained=True)
-    mean, std = (
-        torch.tensor(v).view(1, 3, 1, 1) for v in normalization(ARCH, "w.pt", (0, 0, 0), (1, 1, 1))
-    )
-    x = normalize(torch.from_numpy(images).permute(0, 3, 1, 2), mean, std, 1 / 255)
-    y = torch.from_numpy(labels)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
-    order = torch.Generator().manual_seed(0)
-    model.train()
-    for _ in range(PRETRAIN_STEPS):
-        idx = torch.randint(0, len(y), (32,), generator=order)
-        loss = F.cross_entropy(model(x[idx]), y[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
     path = tmp_path_factory.mktemp("pretrained") / "gratings8.pt"
-    torch.save(model.state_dict(), path)
-    return path
+    return pretrain_on_gratings(path, ARCH, PRETRAIN_ANGLES, size_px=SIZE_PX, steps=PRETRAIN_STEPS)
 
 
 @pytest.fixture(scope="module")
