@@ -395,10 +395,10 @@ def test_the_run_deadline_stops_training_mid_epoch_with_a_checkpoint(
     deadline = datetime.now(UTC) + timedelta(seconds=25)
     job = JobSpec(
         run_id="budget",
-        classes=shards["classes"],
-        train_shards=shards["train_shards"] * 40,  # one long epoch: the deadline falls in it
-        val_shards=shards["val_shards"],
-        preprocess=shards["preprocess"],
+        classes=shards.classes,
+        train_shards=shards.train_shards * 40,  # one long epoch: the deadline falls in it
+        val_shards=shards.val_shards,
+        preprocess=shards.preprocess.model_dump(mode="json"),
         output_uri=job_dir,
         epochs=1,
         batch_size=8,
