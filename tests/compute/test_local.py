@@ -54,6 +54,40 @@ def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     get_settings.cache_clear()
 
 
+def provisioned_for(
+    run_key: str,
+    out: Path,
+    *,
+    job_uri: str = "",
+    deadline_at: datetime | None = None,
+    max_cost_usd: float = 0.0,
+) -> dict[str, Any]:
+    """Return provision's XCom (a Provisioned as JSON) for a local run with these facts."""
+    from burstcv_spec.contracts import Launch, Provisioned, RunRef
+
+    run = RunRef(airflow_run_id=f"manual__{run_key}", run_key=run_key)
+    launch = Launch(
+        run=run,
+        dag_id="d",
+        job_uri=job_uri,
+        time_budget_s=600,
+        instance_types=[],
+        use_spot=True,
+        deadline_at=deadline_at or datetime.now(UTC) + timedelta(seconds=600),
+        wheel_uri="",
+        wheel_sha256="",
+    )
+    return Provisioned(
+        run=run,
+        job_uri=job_uri,
+        output_uri=str(out),
+        instance_ids=[],
+        backend="local",
+        max_cost_usd=max_cost_usd,
+        launch=launch,
+    ).model_dump(mode="json")
+
+
 @pytest.fixture
 def long_job(packed_demo: dict[str, Any], tmp_path: Path) -> tuple[str, Path]:
     out = tmp_path / "job"
@@ -74,7 +108,7 @@ def test_on_kill_of_the_train_task_terminates_the_box(
     assert [i.state for i in backend.describe("r-kill")] == [RUNNING]
     op = WaitForTrainingOperator(
         task_id="train",
-        provisioned={"backend": "local", "run_key": "r-kill", "output_uri": str(out)},
+        provisioned=provisioned_for("r-kill", out, job_uri=job_uri),
     )
     op.on_kill()
     infos = backend.describe("r-kill")
@@ -147,26 +181,18 @@ def test_a_retry_after_a_lost_box_relaunches_and_resumes_from_the_checkpoint(
 
     out = tmp_path / "job"
     job_uri = write_job(make_job(packed_demo, out), str(tmp_path / "job.json"))
-    launch = {
-        "run_id": "r-spot",
-        "dag_id": "d",
-        "job_uri": job_uri,
-        "time_budget_s": 600,
-        "instance_types": [],
-        "use_spot": True,
-        "airflow_run_id": "manual__r-spot",
-        "deadline_at": (datetime.now(UTC) + timedelta(seconds=600)).isoformat(),
-        "wheel_uri": "",
-        "wheel_sha256": "",
-    }
+    provisioned = provisioned_for("r-spot", out, job_uri=job_uri)
+    launch = provisioned["launch"]
     backend = LocalBackend()
     first = backend.launch(
         LaunchRequest(
-            **{
-                **launch,
-                "instance_types": (),
-                "deadline_at": datetime.fromisoformat(launch["deadline_at"]),
-            }
+            run_id="r-spot",
+            dag_id="d",
+            job_uri=job_uri,
+            time_budget_s=600,
+            use_spot=True,
+            airflow_run_id="manual__r-spot",
+            deadline_at=datetime.fromisoformat(launch["deadline_at"]),
         )
     )
     wait_for(lambda: (out / "checkpoints" / "last.pt").exists(), timeout_s=240)
@@ -175,13 +201,6 @@ def test_a_retry_after_a_lost_box_relaunches_and_resumes_from_the_checkpoint(
     wait_for(lambda: all(i.state == STOPPED for i in backend.describe("r-spot")))
     assert training_outcome("r-spot", "local", str(out))["status"] == "lost"
 
-    provisioned = {
-        "backend": "local",
-        "run_key": "r-spot",
-        "output_uri": str(out),
-        "job_uri": job_uri,
-        "launch": launch,
-    }
     op = WaitForTrainingOperator(task_id="train", provisioned=provisioned)
     with pytest.raises(TaskDeferred):
         op.execute({"ti": SimpleNamespace(try_number=2), "run_id": "manual__r-spot"})
@@ -219,7 +238,7 @@ def test_a_retry_after_a_job_failure_fails_without_relaunching(
     )
     op = WaitForTrainingOperator(
         task_id="train",
-        provisioned={"backend": "local", "run_key": "r-bad", "output_uri": str(out), "launch": {}},
+        provisioned=provisioned_for("r-bad", out),
     )
     with pytest.raises(AirflowFailException, match="bad shard"):
         op.execute({"ti": SimpleNamespace(try_number=2), "run_id": "manual__r-bad"})
@@ -231,13 +250,11 @@ def test_no_relaunch_after_the_runs_deadline(tmp_path: Path, state_dir: Path) ->
 
     out = tmp_path / "job"
     out.mkdir()
-    provisioned = {
-        "backend": "local",
-        "run_key": "r-late",
-        "output_uri": str(out),
-        "max_cost_usd": 5.0,
-        "launch": {"deadline_at": (datetime.now(UTC) - timedelta(seconds=1)).isoformat()},
-    }
+    from burstcv_spec.contracts import Provisioned
+
+    provisioned = provisioned_for(
+        "r-late", out, deadline_at=datetime.now(UTC) - timedelta(seconds=1), max_cost_usd=5.0
+    )
     with pytest.raises(TrainingFailed, match=r"deadline .* has passed; no relaunch"):
-        relaunch(provisioned)
+        relaunch(Provisioned.model_validate(provisioned))
     assert LocalBackend().describe("r-late") == []
