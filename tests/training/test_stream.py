@@ -337,7 +337,7 @@ def peak_rss_mb(job_uri: str) -> dict[str, Any]:
         capture_output=True,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "2"},
-        timeout=300,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
