@@ -233,6 +233,9 @@ def test_a_clean_boot_installs_the_wheel_trains_and_powers_off(
     (instance_id,) = provisioned.instance_ids
     job = JobSpec.model_validate(storage.read_json(provisioned.job_uri))
     assert job.runtime_sha256 and job.deadline_at is not None
+    # A data memory budget smaller than the data: the box streams the shards from S3, as for a
+    # dataset larger than its memory, and keeps them on its disk after the first download.
+    write_job(job.model_copy(update={"data_memory_budget_mb": 1}), provisioned.job_uri)
 
     boot = boot_instance(box, ec2, instance_id)
     print("boot stages (s):", stage_seconds(boot.console), "total", round(boot.seconds, 1))
@@ -258,6 +261,15 @@ def test_a_clean_boot_installs_the_wheel_trains_and_powers_off(
             line,
         ), line
     assert metrics["attempt"] == 1
+    # Each shard was downloaded once; every later epoch and evaluation read the box's copy,
+    # and the copies went when training ended.
+    assert "streaming train shards" in boot.console
+    cache = re.search(r"shard cache: (\d+) downloads, (\d+) local reads", boot.console)
+    assert cache, boot.console[-3000:]
+    val_streamed = "validation streamed" in boot.console
+    assert int(cache.group(1)) == len(shards.train_shards) + val_streamed * len(shards.val_shards)
+    assert int(cache.group(2)) >= 2 * len(shards.train_shards)
+    assert not any((boot.box_dir / "opt" / "shard-cache").rglob("*.npz"))
     log = storage.read_bytes(attempt_dir(provisioned.output_uri, 1, "logs", f"{instance_id}.log"))
     assert b"training exited with 0" in log
     assert state(ec2, instance_id) == "terminated"

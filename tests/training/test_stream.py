@@ -22,7 +22,9 @@ from burstcv.data import pack
 from burstcv.data.demo import pack_demo
 from burstcv.training.job import write_job
 from burstcv.training.stream import (
+    SHARD_CACHE_ENV,
     JobSpecError,
+    ShardCache,
     ShardStream,
     epoch_windows,
     load_shard,
@@ -215,6 +217,67 @@ def test_s3_shards_are_sized_from_their_headers_and_streamed(
             load_shard("s3://shards/d/none.npz", CLASSES)
 
 
+def test_a_shard_cache_downloads_each_s3_shard_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Epochs after the first read the box's own copy; a full disk falls back to per-epoch."""
+    local = numbered_shards(tmp_path, [40, 40, 40, 11])
+    downloads: list[str] = []
+    real_download = storage.download_file
+
+    def counted(uri: str, path: str | Path) -> Path:
+        downloads.append(uri)
+        return real_download(uri, path)
+
+    with moto_server() as url:
+        use_moto(url, monkeypatch)
+        monkeypatch.setattr(storage, "download_file", counted)
+        storage.s3_client().create_bucket(Bucket="shards")
+        uris = [
+            storage.write_bytes(f"s3://shards/d/{Path(p).name}", Path(p).read_bytes())
+            for p in local
+        ]
+        infos = [read_shard_info(u, CLASSES) for u in uris]
+        budget = 3 * 40 * (4 * 4 * 3 + 8)
+        plain = ShardStream(infos, CLASSES, CPU, budget_bytes=budget)
+        expected = [epoch_ids(plain, seed=3, epoch=e) for e in range(3)]
+        assert len(downloads) == 3 * len(uris)  # no cache: every epoch downloads every shard
+
+        downloads.clear()
+        cache = ShardCache(tmp_path / "cache")
+        cached = ShardStream(infos, CLASSES, CPU, budget_bytes=budget, cache=cache)
+        assert [epoch_ids(cached, seed=3, epoch=e) for e in range(3)] == expected
+        assert sorted(downloads) == sorted(uris)
+        assert (cache.downloads, cache.hits) == (len(uris), 2 * len(uris))
+        assert sorted(p.name for p in cache.root.iterdir()) == sorted(
+            cache.path(u).name for u in uris
+        )
+        cache.clear()
+        assert not cache.root.exists()
+
+        # A disk without room beyond the reserve: nothing is kept, each epoch downloads again,
+        # into a temporary file under the cache folder that goes at once.
+        downloads.clear()
+        full = ShardCache(tmp_path / "full", reserve_bytes=1 << 60)
+        crowded = ShardStream(infos, CLASSES, CPU, budget_bytes=budget, cache=full)
+        assert [epoch_ids(crowded, seed=3, epoch=e) for e in range(2)] == expected[:2]
+        assert len(downloads) == 2 * len(uris) and full.full and full.downloads == 0
+        assert list(full.root.iterdir()) == []
+
+        with pytest.raises(JobSpecError, match=r"missing shard s3://shards/d/none\.npz"):
+            load_shard("s3://shards/d/none.npz", CLASSES, ShardCache(tmp_path / "c2"))
+
+
+def test_the_shard_cache_is_per_run_under_the_box_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(SHARD_CACHE_ENV, raising=False)
+    assert ShardCache.from_env("r1") is None  # off the box: no cache, local shards read in place
+    monkeypatch.setenv(SHARD_CACHE_ENV, str(tmp_path / "box"))
+    cache = ShardCache.from_env("r1")
+    assert cache is not None and cache.root == tmp_path / "box" / "r1" and cache.root.is_dir()
+
+
 # ---------------------------------------------------------------------------------------------
 # Training on streamed shards
 
@@ -251,6 +314,41 @@ def test_streamed_training_reaches_the_accuracy_of_the_in_memory_path(
         unbroken["val_images"],
     )
     assert len(metrics["epochs"]) == 3 and (out / "attempts" / "1" / "DONE").exists()
+
+
+def test_two_ddp_ranks_train_on_streamed_shards(
+    small_shards: dict[str, Any], trained_demo: dict[str, Any], tmp_path: Path
+) -> None:
+    """torchrun with 2 gloo ranks, both streaming: each its share of every global batch."""
+    out = tmp_path / "out"
+    job_uri = write_job(make_job(small_shards, out, data_memory_budget_mb=1), str(tmp_path / "j"))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "burstcv.cli",
+            "train",
+            "--job",
+            job_uri,
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "streaming train shards" in result.stdout + result.stderr
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == 2
+    assert metrics["train_images"] == trained_demo["metrics"]["train_images"]
+    assert metrics["val_accuracy"] >= 0.90
+    assert abs(metrics["val_accuracy"] - trained_demo["metrics"]["val_accuracy"]) <= 0.05
+    assert (out / "attempts" / "1" / "DONE").exists()
 
 
 # ---------------------------------------------------------------------------------------------

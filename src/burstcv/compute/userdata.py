@@ -207,7 +207,10 @@ stamp "preflight passed"
 # A notice seen before training starts ends the attempt here (resumable), not mid-launch.
 [ -f "$WORK/spot-notice" ] && exit 143
 STAGE=train
-"$BURSTCV" train --job "$JOB_URI" --attempt "$ATTEMPT" &
+# Streamed shards are kept on this box's disk after their first download (epochs 2+ read
+# them locally); the folder goes with the box.
+BURSTCV_SHARD_CACHE_DIR="$WORK/shard-cache" \
+  "$BURSTCV" train --job "$JOB_URI" --attempt "$ATTEMPT" &
 echo $! > "$WORK/train.pid"
 set +e
 wait "$(cat "$WORK/train.pid")"

@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import hashlib
 import io
 import logging
 import mmap
+import os
 import queue
+import shutil
 import tempfile
 import threading
 import zipfile
@@ -45,6 +48,8 @@ from burstcv_spec import storage
 
 log = logging.getLogger(__name__)
 
+SHARD_CACHE_ENV = "BURSTCV_SHARD_CACHE_DIR"  # the training box sets it to a folder on its disk
+CACHE_RESERVE_BYTES = 2 * 2**30  # disk the cache always leaves free (logs, checkpoints, pip)
 MAX_SLOTS = 3  # a window of 2 shards + 1 prefetched: more buys nothing once loading keeps up
 READ_CHUNK = 1 << 16  # bytes per read of image data: small blocks that malloc recycles
 EVAL_BATCH = 1024  # images per evaluation batch (no gradients: memory is the activations)
@@ -212,18 +217,101 @@ def read_shard_info(uri: str, classes: list[str]) -> ShardInfo:
         return _read_shard(zf, uri, classes, with_images=False)[0]
 
 
-def load_shard(uri: str, classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
+class ShardCache:
+    """Keep the S3 shards a box has downloaded on its own disk, for the epochs after the first.
+
+    A streamed dataset is read once per epoch; without a cache every epoch downloads it again
+    (paid seconds on the box, and S3 requests). The first epoch downloads each shard into the
+    cache folder (written under a temporary name, renamed when complete, so a half-written file
+    is never read); later epochs read the local copy. Once the disk's free space would drop
+    below ``reserve_bytes`` the cache takes nothing more, and the shards it does not hold are
+    downloaded per epoch into a temporary file in the same folder (on the disk, not in a RAM
+    /tmp) as before.
+    """
+
+    def __init__(self, root: str | Path, *, reserve_bytes: int = CACHE_RESERVE_BYTES) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.reserve_bytes = reserve_bytes
+        self.full = False
+        self.hits = 0
+        self.downloads = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls, run_id: str) -> ShardCache | None:
+        """Return the cache of ``run_id`` under $BURSTCV_SHARD_CACHE_DIR, or None if unset."""
+        root = os.environ.get(SHARD_CACHE_ENV)
+        return cls(Path(root) / run_id) if root else None
+
+    def path(self, uri: str) -> Path:
+        """Return where the cached copy of ``uri`` lives (whether or not it is there yet)."""
+        digest = hashlib.sha256(uri.encode()).hexdigest()[:32]
+        return self.root / f"{digest}.npz"
+
+    def local_copy(self, uri: str) -> Path | None:
+        """Return a local copy of S3 shard ``uri``, downloading it once; None if it won't fit."""
+        cached = self.path(uri)
+        if cached.exists():
+            with self._lock:
+                self.hits += 1
+            return cached
+        if self.full:
+            return None
+        if shutil.disk_usage(self.root).free - _object_size(uri) < self.reserve_bytes:
+            log.warning(
+                "shard cache %s: the disk has less than %.1f GB free beyond this shard; "
+                "shards not cached by now are downloaded again every epoch",
+                self.root,
+                self.reserve_bytes / 2**30,
+            )
+            self.full = True
+            return None
+        partial = cached.with_name(f"{cached.name}.{os.getpid()}.{threading.get_ident()}.part")
+        try:
+            storage.download_file(uri, partial)
+            os.replace(partial, cached)  # atomic: readers see the whole file or none
+        finally:
+            partial.unlink(missing_ok=True)
+        with self._lock:
+            self.downloads += 1
+        return cached
+
+    def clear(self) -> None:
+        """Delete the cached shards (the job is over)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _object_size(uri: str) -> int:
+    """Return the size of S3 object ``uri``; a missing one is a missing shard."""
+    bucket, key = storage._split_s3(uri)
+    client = storage.s3_client()
+    try:
+        return int(client.head_object(Bucket=bucket, Key=key)["ContentLength"])
+    except client.exceptions.ClientError as exc:
+        raise JobSpecError(f"missing shard {uri}") from exc
+
+
+def load_shard(
+    uri: str, classes: list[str], cache: ShardCache | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Read one shard whole: uint8 NHWC images and int64 labels, validated like its headers.
 
-    An S3 shard is downloaded to a temporary file first, so its bytes and its decoded arrays are
-    never in memory together (the uncompressed members are read straight into the arrays).
+    An S3 shard is read from ``cache`` (downloaded into it the first time), or else downloaded
+    to a temporary file first, so its bytes and its decoded arrays are never in memory together
+    (the uncompressed members are read straight into the arrays).
     """
     if not storage.is_s3(uri):
         return _load_local(uri, uri, classes)
-    with tempfile.TemporaryDirectory(prefix="burstcv-shard-") as tmp:
+    if cache is not None:
+        local_copy = cache.local_copy(uri)
+        if local_copy is not None:
+            return _load_local(str(local_copy), uri, classes)
+    if not storage.exists(uri):
+        raise JobSpecError(f"missing shard {uri}")
+    scratch = str(cache.root) if cache is not None else None
+    with tempfile.TemporaryDirectory(prefix="burstcv-shard-", dir=scratch) as tmp:
         local = Path(tmp) / "shard.npz"
-        if not storage.exists(uri):
-            raise JobSpecError(f"missing shard {uri}")
         storage.download_file(uri, local)
         return _load_local(str(local), uri, classes)
 
@@ -308,9 +396,12 @@ class _Prefetcher:
     every reference to a shard's arrays; the thread loads the next shard only when a slot is free.
     """
 
-    def __init__(self, uris: list[str], classes: list[str], slots: int) -> None:
+    def __init__(
+        self, uris: list[str], classes: list[str], slots: int, cache: ShardCache | None = None
+    ) -> None:
         self._uris = uris
         self._classes = classes
+        self._cache = cache
         self._free = threading.Semaphore(slots)
         self._ready: queue.Queue[Any] = queue.Queue()
         self._stop = threading.Event()
@@ -325,7 +416,7 @@ class _Prefetcher:
                         return
                 if self._stop.is_set():
                     return
-                self._ready.put(load_shard(uri, self._classes))
+                self._ready.put(load_shard(uri, self._classes, self._cache))
             self._ready.put(_DONE)
         except BaseException as exc:  # handed to the consumer, which raises it
             self._ready.put(exc)
@@ -425,8 +516,13 @@ class ShardStream:
         *,
         budget_bytes: int,
         eval_view: Callable[[np.ndarray], np.ndarray] | None = None,
+        cache: ShardCache | None = None,
     ) -> None:
-        """Serve ``infos``' shards; ``eval_view`` maps stored images to evaluated ones."""
+        """Serve ``infos``' shards; ``eval_view`` maps stored images to evaluated ones.
+
+        ``cache`` keeps downloaded S3 shards on local disk for the epochs after the first.
+        """
+        self.cache = cache
         if not infos:
             raise JobSpecError("a streamed split needs at least one shard")
         self.infos = infos
@@ -490,7 +586,7 @@ class ShardStream:
         share = np.arange(batch_size)[rank::world_size][:per_rank]
         copier = _DeviceCopier(self.device)
         uris = [self.infos[i].uri for w in windows[first:] for i in w]
-        loader = _Prefetcher(uris, self.classes, self.mix + self.prefetch)
+        loader = _Prefetcher(uris, self.classes, self.mix + self.prefetch, self.cache)
         step = start_step
         carry: tuple[np.ndarray, np.ndarray] | None = None  # a batch's start from the last window
         try:
@@ -540,7 +636,7 @@ class ShardStream:
         """Yield every image once, shard by shard in file order, as device batches."""
         copier = _DeviceCopier(self.device)
         loader = _Prefetcher(
-            [info.uri for info in self.infos], self.classes, self.mix + self.prefetch
+            [info.uri for info in self.infos], self.classes, self.mix + self.prefetch, self.cache
         )
         try:
             for _ in self.infos:

@@ -41,6 +41,7 @@ from burstcv.training.names import is_pretrained, pretrained_kind
 from burstcv.training.stream import (
     EVAL_BATCH,
     JobSpecError,
+    ShardCache,
     ShardInfo,
     ShardStream,
     load_shard,
@@ -127,11 +128,12 @@ def to_device_split(images: np.ndarray, labels: np.ndarray, device: torch.device
 
 
 def open_splits(
-    job: JobSpec, device: torch.device
+    job: JobSpec, device: torch.device, cache: ShardCache | None = None
 ) -> tuple[Split | ShardStream, Split | ShardStream]:
     """Return (train, val): whole on the device where the data fits the budget, else streamed.
 
     Sizes come from the shards' headers, so nothing large is read to take the decision.
+    ``cache`` keeps streamed S3 shards on the box's disk after their first download.
     """
     infos = {
         name: [read_shard_info(uri, job.classes) for uri in uris]
@@ -150,7 +152,7 @@ def open_splits(
 
     if sizes["train"] + sizes["val"] <= budget:
         return whole(infos["train"], for_eval=False), whole(infos["val"], for_eval=True)
-    train = ShardStream(infos["train"], job.classes, device, budget_bytes=budget)
+    train = ShardStream(infos["train"], job.classes, device, budget_bytes=budget, cache=cache)
     val: Split | ShardStream = (
         whole(infos["val"], for_eval=True)
         if train.peak_bytes + sizes["val"] <= budget
@@ -160,6 +162,7 @@ def open_splits(
             device,
             budget_bytes=budget,
             eval_view=lambda images: eval_images(images, job),
+            cache=cache,
         )
     )
     log.info(
@@ -493,7 +496,8 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
     mean = torch.tensor(spec["mean"], dtype=torch.float32, device=device).view(1, 3, 1, 1)
     std = torch.tensor(spec["std"], dtype=torch.float32, device=device).view(1, 3, 1, 1)
     scale = float(spec.get("scale", 1.0 / 255.0))
-    train, val = open_splits(job, device)
+    cache = ShardCache.from_env(job.run_id)  # set on the training box: a folder on its disk
+    train, val = open_splits(job, device, cache)
 
     pretrained = is_pretrained(job.pretrained)
     model = build_model(job.arch, len(job.classes), int(spec["height"]), pretrained=pretrained)
@@ -720,6 +724,10 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
     if d.world_size > 1:
         dist.barrier()
         dist.destroy_process_group()
+    if cache is not None and d.is_main:  # every rank is done with the shards
+        if cache.hits or cache.downloads:
+            log.info("shard cache: %d downloads, %d local reads", cache.downloads, cache.hits)
+        cache.clear()
     return metrics
 
 
