@@ -1,45 +1,99 @@
-"""Measure training throughput: the burstcv job against a plain PyTorch baseline, same device.
+"""Measure training throughput: the burstcv data path against torchvision's, same model, same box.
 
-The baseline is what most training scripts do: torchvision ImageFolder decoding the PNG files
-every epoch through a DataLoader, fp32, default memory format. The job under test is
-``burstcv.training.train.main`` on pre-packed uint8 shards with on-device augmentation
-(plus bf16 autocast, channels_last and torch.compile on CUDA). Both train the same
-architecture on the same images for the same number of steps, in one run, and the ratio of
-images/s is printed. On CUDA the achieved fraction of the GPU's bf16 peak is printed too.
+The baseline is what most photo training scripts do: torchvision ImageFolder decoding every
+JPEG every epoch through a DataLoader (RandomResizedCrop + flip on the CPU workers). The job
+under test is ``burstcv.training.train.main`` on the shards burstcv's pack step writes (uint8,
+at the training size with the random-crop margin), streamed or whole as the data memory budget
+decides, with the crops and flips done on the device. Both train the same architecture from
+scratch on the same images, with the same precision and memory format (bf16 autocast and
+channels_last on CUDA; fp32 on a CPU), each in its own child process, and the ratio of
+steady-state images/s (the last epoch) is printed, with each side's peak RSS and, on CUDA, its
+mean GPU utilisation (nvidia-smi samples over the last epoch) and the fraction of NVIDIA's
+published single-GPU ResNet-50 mixed-precision training throughput for that GPU.
 
-    python bench/train.py                     # demo digits, resnet10, 2 epochs each
-    python bench/train.py --arch resnet18 --epochs 3 --scale 4
+Packing runs once before either trainer, on the orchestrator's CPUs, not in paid GPU time, and
+is timed apart. ``--vcpus`` (default 4) pins both children to that many CPUs: the vCPUs of
+the g4dn/g5/g6.xlarge boxes burstcv rents, where the DataLoader's decode workers compete with
+the training loop.
+
+    python bench/train.py --model resnet50 --image-size 224                     # a lent GPU
+    python bench/train.py --model resnet18 --image-size 96 --images 1200 --epochs 2   # a CPU
+    python bench/train.py --data digits --model resnet10 --scale 4             # the digits
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import resource
+import shutil
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
-import torch
-from torch import nn
-
-# Dense bf16 tensor-core peaks (TFLOP/s) by device name fragment, from the vendors' data sheets.
-BF16_PEAK_TFLOPS = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "A100": 312.0,
-    "L4": 121.0,
-    "A10G": 70.0,
-    "L40S": 362.0,
-    "T4": 65.0,
+# NVIDIA's published single-GPU ResNet-50 v1.5 training throughput, mixed precision, PyTorch
+# (DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5, NGC 21.03), images/s.
+# A GPU not listed gets no fraction unless --reference gives one.
+PUBLISHED_RN50_AMP = {
+    "A100-SXM4-80GB": 2470.0,
+    "A100 80GB": 2470.0,
+    "V100-SXM2-16GB": 1200.0,
+    "V100-SXM2-32GB": 1156.0,
 }
+GPU_SAMPLE_S = 0.2
+PRECISION = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
-def prepare(root: Path, scale: int) -> tuple[Path, dict]:
-    """Write the demo digits (``scale`` copies of the train split) and pack them into shards."""
-    import shutil
+# ---------------------------------------------------------------------------------------------
+# Data
 
+
+def prepare_photos(root: Path, images: int, val: int, px: int) -> dict[str, Any]:
+    """Write a JPEG photo folder of ``images`` training files and pack it at ``px``."""
+    import dataclasses
+
+    from burstcv.data.manifest import scan
+    from burstcv.data.pack import pack_dataset
+    from burstcv.data.photos import PHOTO_CLASSES, write_photo_dataset
+    from burstcv_spec.preprocess import PreprocessSpec, resize_short_for
+
+    per_class = (-(-images // len(PHOTO_CLASSES)), max(1, val // len(PHOTO_CLASSES)))
+    t0 = time.perf_counter()
+    write_photo_dataset(root / "photos", per_class=per_class)
+    write_s = time.perf_counter() - t0
+    manifest = scan(str(root / "photos"), phash=False).manifest
+    spec = PreprocessSpec(height=px, width=px, resize_short=resize_short_for(px))
+    t1 = time.perf_counter()
+    packed = pack_dataset(
+        manifest, str(root / "shards"), spec, workers=os.cpu_count() or 1, margin=True
+    )
+    pack_s = time.perf_counter() - t1
+    spec = dataclasses.replace(spec, mean=packed.train_mean, std=packed.train_std)
+    return {
+        "data": str(root / "photos"),
+        "classes": packed.classes,
+        "train_shards": packed.train_shards,
+        "val_shards": packed.val_shards,
+        "counts": packed.counts,
+        "preprocess": spec.to_dict(),
+        "px": px,
+        "photos": True,
+        "write_s": write_s,
+        "pack_s": pack_s,
+        "shard_bytes": sum(Path(p).stat().st_size for p in packed.train_shards),
+        "file_bytes": sum(p.stat().st_size for p in (root / "photos" / "train").rglob("*.*")),
+    }
+
+
+def prepare_digits(root: Path, scale: int) -> dict[str, Any]:
+    """Write the demo digits (``scale`` copies of the train split) and pack them at 32 px."""
     from burstcv.data.demo import pack_demo, write_demo_dataset
 
     data = root / "digits"
@@ -48,158 +102,380 @@ def prepare(root: Path, scale: int) -> tuple[Path, dict]:
         for path in list((data / "train").rglob("*.png")):
             if "_c" not in path.stem:
                 shutil.copy(path, path.with_name(f"{path.stem}_c{copy}.png"))
-    packed, spec = pack_demo(data, str(root / "shards"))
-    return data, {"packed": packed, "spec": spec}
-
-
-def run_burstcv(root: Path, prepared: dict, arch: str, epochs: int, batch: int) -> dict:
-    """Train with the burstcv job and return its own metrics."""
-    from burstcv.training.job import JobSpec
-    from burstcv.training.train import main
-
-    packed = prepared["packed"]
-    job = JobSpec(
-        run_id="bench",
-        arch=arch,
-        classes=packed.classes,
-        train_shards=packed.train_shards,
-        val_shards=packed.val_shards,
-        preprocess=prepared["spec"].to_dict(),
-        output_uri=str(root / "job"),
-        epochs=epochs,
-        batch_size=batch,
-        checkpoint_every_s=1e9,
-    )
     t0 = time.perf_counter()
-    metrics = main(job)
-    wall = time.perf_counter() - t0
-    images = metrics["train_images"] * epochs
+    packed, spec = pack_demo(data, str(root / "shards"))
     return {
-        "images_per_s": images / metrics["wall_s"]["compute"]
-        if metrics["wall_s"]["compute"]
-        else 0,
-        "end_to_end_images_per_s": images / wall,
-        "wall_s": wall,
-        "val_accuracy": metrics["val_accuracy"],
-        "epochs": metrics["epochs"],
+        "data": str(data),
+        "classes": packed.classes,
+        "train_shards": packed.train_shards,
+        "val_shards": packed.val_shards,
+        "counts": packed.counts,
+        "preprocess": spec.to_dict(),
+        "px": spec.height,
+        "photos": False,
+        "write_s": 0.0,
+        "pack_s": time.perf_counter() - t0,
+        "shard_bytes": sum(Path(p).stat().st_size for p in packed.train_shards),
+        "file_bytes": sum(p.stat().st_size for p in (data / "train").rglob("*.png")),
     }
 
 
-def run_baseline(
-    data: Path, prepared: dict, arch: str, epochs: int, batch: int, device: torch.device
-) -> dict:
-    """Train the plain way: ImageFolder + DataLoader decoding PNGs every epoch, fp32."""
+# ---------------------------------------------------------------------------------------------
+# Measuring, inside a child
+
+
+class GpuSampler:
+    """Sample nvidia-smi's GPU utilisation every GPU_SAMPLE_S s, with monotonic timestamps."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+
+    def _run(self) -> None:
+        while not self._stop.wait(GPU_SAMPLE_S):
+            try:
+                out = subprocess.run(
+                    [
+                        "nvidia-smi",
+                        "-i",
+                        self._index,
+                        "--query-gpu=utilization.gpu",
+                        "--format=csv,noheader,nounits",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=5,
+                    check=True,
+                ).stdout
+                self.samples.append((time.monotonic(), float(out.strip().splitlines()[0])))
+            except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+                return
+
+    def __enter__(self) -> GpuSampler:
+        if shutil.which("nvidia-smi"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def mean(self, start: float, end: float) -> float | None:
+        """Return the mean utilisation (%) of the samples taken between start and end."""
+        inside = [u for t, u in self.samples if start <= t <= end]
+        return sum(inside) / len(inside) if inside else None
+
+
+def _rss_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _children_peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+def child_baseline(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Train the torchvision way: ImageFolder + DataLoader, decode and augment on the CPU."""
+    import torch
+    from torch import nn
     from torchvision import datasets, transforms
 
     from burstcv.training.models import build_model
+    from burstcv.training.train import _amp_dtype
 
-    spec = prepared["spec"]
-    tf = transforms.Compose(
-        [
-            transforms.RandomCrop(32, padding=2),
-            transforms.ToTensor(),
-            transforms.Normalize(spec.mean, spec.std),
-        ]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    px, spec = cfg["px"], cfg["preprocess"]
+    augment = (
+        [transforms.RandomResizedCrop(px, antialias=True), transforms.RandomHorizontalFlip()]
+        if cfg["photos"]
+        else [transforms.RandomCrop(px, padding=2)]
     )
-    dataset = datasets.ImageFolder(str(data / "train"), transform=tf)
-    workers = min(4, os.cpu_count() or 1)
+    tf = transforms.Compose(
+        [*augment, transforms.ToTensor(), transforms.Normalize(spec["mean"], spec["std"])]
+    )
+    dataset = datasets.ImageFolder(str(Path(cfg["data"]) / "train"), transform=tf)
     loader = torch.utils.data.DataLoader(
         dataset,
-        batch_size=batch,
+        batch_size=cfg["batch"],
         shuffle=True,
         drop_last=True,
-        num_workers=workers,
+        num_workers=cfg["workers"],
         pin_memory=device.type == "cuda",
-        persistent_workers=True,
+        persistent_workers=cfg["workers"] > 0,
+        prefetch_factor=4 if cfg["workers"] > 0 else None,
     )
-    model = build_model(arch, len(dataset.classes), 32).to(device)
+    model = build_model(cfg["model"], len(dataset.classes), px).to(device)
+    # The precision the burstcv job picks on this device (train._amp_dtype): bf16, else fp16.
+    amp = _amp_dtype(device)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
+    if device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=0.1)
-    seen = 0
-    t0 = time.perf_counter()
-    for _ in range(epochs):
-        for x, y in loader:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = loss_fn(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            seen += len(y)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    return {"images_per_s": seen / wall, "wall_s": wall}
+    before_kb = _rss_kb("VmRSS")
+    epochs: list[dict[str, float]] = []
+    with GpuSampler() as gpu:
+        for _ in range(cfg["epochs"]):
+            seen, start = 0, time.monotonic()
+            for x, y in loader:
+                x = x.to(device, non_blocking=True)
+                y = y.to(device, non_blocking=True)
+                if device.type == "cuda":
+                    x = x.contiguous(memory_format=torch.channels_last)
+                autocast = (
+                    torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
+                )
+                with autocast:
+                    loss = loss_fn(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                seen += len(y)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            end = time.monotonic()
+            epochs.append({"images_per_s": seen / (end - start), "start": start, "end": end})
+    last = epochs[-1]
+    return {
+        "images_per_s": last["images_per_s"],
+        "epoch_images_per_s": [e["images_per_s"] for e in epochs],
+        "gpu_util": gpu.mean(last["start"], last["end"]),
+        "rss_growth_mb": (_rss_kb("VmHWM") - before_kb) / 1024,
+        "workers_peak_rss_mb": _children_peak_mb(),
+        "precision": PRECISION.get(str(amp), "fp32"),
+    }
 
 
-def train_flops_per_image(arch: str, classes: int) -> float:
-    """Return forward+backward FLOPs for one 32x32 image (3x the forward count)."""
+def child_burstcv(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Train with the burstcv job on the packed shards; time its last epoch."""
+    import logging
+
+    import torch
+
+    from burstcv.training.job import JobSpec
+    from burstcv.training.train import main
+
+    boundaries: list[float] = []
+    streamed: list[bool] = []
+
+    class EpochMarks(logging.Handler):
+        """Note when each epoch ends, and whether the job chose to stream its shards."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            message = str(record.msg)
+            if message.startswith("epoch "):
+                boundaries.append(time.monotonic())
+            elif message.startswith("data of "):
+                streamed.append(True)
+
+    logging.getLogger("burstcv.training.train").addHandler(EpochMarks())
+    logging.getLogger("burstcv.training.train").setLevel(logging.INFO)
+    job = JobSpec(
+        run_id="bench",
+        arch=cfg["model"],
+        classes=cfg["classes"],
+        train_shards=cfg["train_shards"],
+        val_shards=cfg["val_shards"],
+        preprocess=cfg["preprocess"],
+        output_uri=cfg["out"],
+        epochs=cfg["epochs"],
+        batch_size=cfg["batch"],
+        checkpoint_every_s=1e9,
+        data_memory_budget_mb=cfg["budget_mb"],
+    )
+    torch.zeros(1).sum()
+    before_kb = _rss_kb("VmRSS")
+    with GpuSampler() as gpu:
+        started = time.monotonic()
+        metrics = main(job)
+    last = metrics["epochs"][-1]
+    window = (boundaries[-2] if len(boundaries) > 1 else started, boundaries[-1])
+    return {
+        "images_per_s": last["images_per_s"],
+        "epoch_images_per_s": [e["images_per_s"] for e in metrics["epochs"]],
+        "gpu_util": gpu.mean(*window),
+        "rss_growth_mb": (_rss_kb("VmHWM") - before_kb) / 1024,
+        "precision": PRECISION.get(metrics["amp_dtype"], "fp32"),
+        "val_accuracy": metrics["val_accuracy"],
+        "data_path": "streamed" if streamed else "whole on the device",
+        "wall_s": metrics["wall_s"],
+    }
+
+
+def run_child(
+    kind: str, cfg: dict[str, Any], root: Path, vcpus: list[int] | None
+) -> dict[str, Any]:
+    """Run one trainer in its own process (pinned to ``vcpus``) and return its JSON line."""
+    path = root / f"{kind}.json"
+    path.write_text(json.dumps(cfg))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if vcpus:
+        env["OMP_NUM_THREADS"] = str(len(vcpus))
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", kind, str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        preexec_fn=(lambda: os.sched_setaffinity(0, vcpus)) if vcpus else None,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"{kind} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def train_flops_per_image(model_name: str, classes: int, px: int) -> float:
+    """Return forward+backward FLOPs for one image (3x the forward count)."""
+    import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from burstcv.training.models import build_model
 
-    model = build_model(arch, classes, 32)
+    model = build_model(model_name, classes, px)
     with FlopCounterMode(display=False) as counter:
-        model(torch.zeros(1, 3, 32, 32))
-    return 3.0 * counter.get_total_flops()
+        model(torch.zeros(1, 3, px, px))
+    return 3.0 * float(counter.get_total_flops())
+
+
+def _device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return str(torch.cuda.get_device_name())
+    return platform.processor() or platform.machine() or "cpu"
 
 
 def main() -> None:
-    """Run both trainers side by side and print the comparison."""
+    """Prepare the data once, run both trainers side by side, print the comparison."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--arch", default="resnet10")
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--data", choices=("photos", "digits"), default="photos")
+    parser.add_argument("--model", "--arch", dest="model", default="resnet50")
+    parser.add_argument("--image-size", type=int, default=224, help="photos only (digits: 32)")
+    parser.add_argument("--images", type=int, default=6000, help="photo training images")
+    parser.add_argument("--scale", type=int, default=1, help="digits: copies of the train split")
+    parser.add_argument("--epochs", type=int, default=2, help="the last one is measured")
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--scale", type=int, default=1, help="copies of the train split")
+    parser.add_argument("--vcpus", type=int, default=4, help="CPUs each trainer may use (0: all)")
+    parser.add_argument("--workers", type=int, help="DataLoader workers (default: --vcpus)")
+    parser.add_argument(
+        "--budget-mb", type=int, help="burstcv data memory budget (default: the job's, 2048)"
+    )
+    parser.add_argument("--reference", type=float, help="published RN50 img/s for this GPU")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.child:
+        kind, cfg_path = args.child
+        cfg = json.loads(Path(cfg_path).read_text())
+        measured = child_baseline(cfg) if kind == "baseline" else child_burstcv(cfg)
+        print(json.dumps(measured))
+        return
+
+    from burstcv.training.job import JobSpec
+
+    cpus = sorted(os.sched_getaffinity(0))
+    vcpus = cpus[: args.vcpus] if 0 < args.vcpus < len(cpus) else None
+    n_cpu = len(vcpus or cpus)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        data, prepared = prepare(root, args.scale)
-        base = run_baseline(data, prepared, args.arch, args.epochs, args.batch, device)
-        ours = run_burstcv(root, prepared, args.arch, args.epochs, args.batch)
-    result = {
-        "device": torch.cuda.get_device_name()
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "arch": args.arch,
+        if args.data == "photos":
+            prepared = prepare_photos(
+                root, args.images, max(30, args.images // 20), args.image_size
+            )
+        else:
+            prepared = prepare_digits(root, args.scale)
+        cfg = {
+            **prepared,
+            "model": args.model,
+            "epochs": args.epochs,
+            "batch": args.batch,
+            "workers": args.workers if args.workers is not None else n_cpu,
+            "budget_mb": args.budget_mb or JobSpec.model_fields["data_memory_budget_mb"].default,
+            "out": str(root / "job"),
+        }
+        base = run_child("baseline", cfg, root, vcpus)
+        ours = run_child("burstcv", cfg, root, vcpus)
+    device = _device_name()
+    result: dict[str, Any] = {
+        "device": device,
+        "vcpus": n_cpu,
+        "model": args.model,
+        "image_size": prepared["px"],
+        "data": args.data,
+        "train_images": prepared["counts"]["train"],
         "epochs": args.epochs,
         "batch": args.batch,
-        "train_images": prepared["packed"].counts["train"],
+        "write_s": prepared["write_s"],
+        "pack_s": prepared["pack_s"],
+        "file_mb": prepared["file_bytes"] / 2**20,
+        "shard_mb": prepared["shard_bytes"] / 2**20,
+        "baseline": base,
+        "burstcv": ours,
+        "speedup": ours["images_per_s"] / base["images_per_s"],
+        # Kept for bench/gpu_check.sh and earlier readers.
         "baseline_images_per_s": base["images_per_s"],
-        "burstcv_images_per_s": ours["end_to_end_images_per_s"],
-        "burstcv_compute_images_per_s": ours["images_per_s"],
-        "speedup": ours["end_to_end_images_per_s"] / base["images_per_s"],
-        "burstcv_val_accuracy": ours["val_accuracy"],
+        "burstcv_images_per_s": ours["images_per_s"],
     }
-    if device.type == "cuda":
-        flops = train_flops_per_image(args.arch, len(prepared["packed"].classes))
-        name = torch.cuda.get_device_name()
-        peak = next((v for k, v in BF16_PEAK_TFLOPS.items() if k in name), None)
-        achieved = flops * ours["images_per_s"] / 1e12
-        result["achieved_tflops"] = achieved
-        result["bf16_peak_fraction"] = achieved / peak if peak else None
-    print(
-        f"device {result['device']}  torch {result['torch']}  {args.arch}  "
-        f"{result['train_images']} train images x {args.epochs} epochs, batch {args.batch}"
+    reference = args.reference or next(
+        (v for k, v in PUBLISHED_RN50_AMP.items() if k in device), None
     )
-    print(f"  baseline (ImageFolder+DataLoader, fp32): {base['images_per_s']:10.1f} images/s")
-    print(
-        f"  burstcv job (shards, device aug):       {ours['end_to_end_images_per_s']:10.1f} img/s "
-        f"(compute only {ours['images_per_s']:.1f})"
-    )
-    print(f"  speedup: {result['speedup']:.2f}x   burstcv val accuracy {ours['val_accuracy']:.4f}")
-    if "achieved_tflops" in result:
-        frac = result["bf16_peak_fraction"]
-        print(
-            f"  achieved {result['achieved_tflops']:.2f} TFLOP/s"
-            + (f" = {frac:.1%} of bf16 peak" if frac else "")
-        )
+    if reference and args.model == "resnet50" and prepared["px"] == 224:
+        result["published_rn50_amp_images_per_s"] = reference
+        result["published_fraction"] = ours["images_per_s"] / reference
+    if ours["precision"] != "fp32":  # CUDA: the TFLOP/s the GPU sustained
+        flops = train_flops_per_image(args.model, len(prepared["classes"]), prepared["px"])
+        result["achieved_tflops"] = flops * ours["images_per_s"] / 1e12
+    _print(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+
+
+def _print(r: dict[str, Any]) -> None:
+    base, ours = r["baseline"], r["burstcv"]
+    print(
+        f"device {r['device']} ({r['vcpus']} vCPUs)  {r['model']} at {r['image_size']} px  "
+        f"{r['train_images']} {r['data']} train images, batch {r['batch']}, "
+        f"last of {r['epochs']} epochs measured"
+    )
+    print(
+        f"  data: {r['file_mb']:.0f} MB of files -> {r['shard_mb']:.0f} MB of shards "
+        f"(packed in {r['pack_s']:.1f} s on the orchestrator, before any GPU is rented)"
+    )
+
+    def util(side: dict[str, Any]) -> str:
+        return f", GPU util {side['gpu_util']:.0f}%" if side.get("gpu_util") is not None else ""
+
+    rows = [
+        (f"torchvision ImageFolder+DataLoader ({base['precision']})", base),
+        (f"burstcv shards, {ours['data_path']} ({ours['precision']})", ours),
+    ]
+    width = max(len(label) for label, _ in rows)
+    for label, side in rows:
+        extra = (
+            f" (+ decode workers, up to {side['workers_peak_rss_mb']:.0f} MB each)"
+            if "workers_peak_rss_mb" in side
+            else ""
+        )
+        print(
+            f"  {label.ljust(width)} {side['images_per_s']:9.1f} img/s{util(side)}, "
+            f"peak RSS +{side['rss_growth_mb']:.0f} MB{extra}"
+        )
+    print(f"  ratio burstcv / torchvision: {r['speedup']:.2f}x")
+    if "published_fraction" in r:
+        print(
+            f"  {r['published_fraction']:.0%} of NVIDIA's published ResNet-50 AMP figure "
+            f"for this GPU ({r['published_rn50_amp_images_per_s']:.0f} img/s)"
+        )
+    if "achieved_tflops" in r:
+        print(f"  achieved {r['achieved_tflops']:.1f} TFLOP/s (forward + backward)")
 
 
 if __name__ == "__main__":
