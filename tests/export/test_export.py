@@ -18,6 +18,7 @@ from burstcv.export.onnx_export import (
     CheckpointError,
     ParityError,
     check_parity,
+    export_onnx,
     load_state_dict,
 )
 from burstcv.training.models import build_model
@@ -113,6 +114,29 @@ def test_wrong_normalisation_in_model_json_fails_parity(
             demo_val_images(demo_dataset),
             max_abs_diff=1e-3,
         )
+
+
+def test_parity_is_relative_for_large_logits_and_still_catches_a_wrong_transform(
+    trained_demo: dict[str, Any], demo_dataset: Path, tmp_path: Path
+) -> None:
+    """fp32 rounding grows with the logits: logits of ~1e6 differ by more than 1e-3 between two
+    correct runtimes, yet a wrong normalisation still fails at that size."""
+    spec = PreprocessSpec.from_dict(trained_demo["job"].preprocess)
+    model = build_model("resnet10", 10, 32)
+    model.load_state_dict(torch.load(trained_demo["out"] / "model.pt", weights_only=True))
+    with torch.no_grad():  # the same classifier, its logits 1e5 times larger
+        model.fc.weight.mul_(1e5)
+        model.fc.bias.mul_(1e5)
+    path = tmp_path / "large.onnx"
+    export_onnx(model.eval(), spec, path, 18)
+    images = demo_val_images(demo_dataset)
+    report = check_parity(model, path, spec, spec, images, max_abs_diff=1e-3)
+    assert report.top1_mismatches == []
+    print("max |Δlogit| at logits x1e5:", report.max_abs_diff)
+    assert report.max_abs_diff > 1e-3  # an absolute bound would refuse a correct export
+    broken = replace(spec, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+    with pytest.raises(ParityError, match=r"x \|logit\|"):
+        check_parity(model, path, broken, spec, images, max_abs_diff=1e-3)
 
 
 def test_wrong_input_size_in_model_json_fails_parity(
