@@ -34,6 +34,7 @@ import queue
 import shutil
 import tempfile
 import threading
+import time
 import zipfile
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
@@ -454,8 +455,11 @@ class _DeviceCopier:
     an event per buffer says when it may be refilled.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(
+        self, device: torch.device, on_wait: Callable[[float], None] | None = None
+    ) -> None:
         self.device = device
+        self._on_wait = on_wait  # told the seconds spent waiting on the GPU for a free buffer
         self._pinned = device.type == "cuda"
         self._buffers: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
         self._turn = 0
@@ -474,7 +478,12 @@ class _DeviceCopier:
             )
         host_x, host_y, done = self._buffers[self._turn % len(self._buffers)]
         self._turn += 1
+        waited = time.perf_counter()
         done.synchronize()  # the copy that last read this buffer has finished
+        if self._on_wait is not None:
+            # Waiting here is waiting for the GPU (the copy queued behind its steps): busy GPU
+            # time, not data time.
+            self._on_wait(time.perf_counter() - waited)
         if host_x.shape[0] < x.shape[0] or host_x.shape[1:] != x.shape[1:]:
             host_x = torch.empty(x.shape, dtype=x.dtype).pin_memory()
             host_y = torch.empty(y.shape, dtype=y.dtype).pin_memory()
@@ -523,6 +532,7 @@ class ShardStream:
         ``cache`` keeps downloaded S3 shards on local disk for the epochs after the first.
         """
         self.cache = cache
+        self.gpu_wait_s = 0.0  # time batches waited for the GPU to free a pinned buffer
         if not infos:
             raise JobSpecError("a streamed split needs at least one shard")
         self.infos = infos
@@ -548,6 +558,9 @@ class ShardStream:
 
     def __len__(self) -> int:
         return self.count
+
+    def _add_gpu_wait(self, seconds: float) -> None:
+        self.gpu_wait_s += seconds
 
     @property
     def peak_bytes(self) -> int:
@@ -584,7 +597,7 @@ class ShardStream:
             begin -= sizes[first]
             first += 1
         share = np.arange(batch_size)[rank::world_size][:per_rank]
-        copier = _DeviceCopier(self.device)
+        copier = _DeviceCopier(self.device, self._add_gpu_wait)
         uris = [self.infos[i].uri for w in windows[first:] for i in w]
         loader = _Prefetcher(uris, self.classes, self.mix + self.prefetch, self.cache)
         step = start_step

@@ -54,6 +54,10 @@ from burstcv_spec.preprocess import PreprocessSpec, eval_view
 
 log = logging.getLogger(__name__)
 
+# DDP ranks agree on a SIGTERM or the deadline every this many steps (seconds on a GPU; a spot
+# notice leaves two minutes).
+DDP_STOP_CHECK_STEPS = 10
+
 CHECKPOINT = "checkpoints/last.pt"
 EXIT_INTERRUPTED = 143  # the conventional code of a SIGTERM'd process
 EXIT_BUDGET = 4  # the run's deadline was reached: a checkpoint exists, no relaunch
@@ -343,12 +347,17 @@ def train_one_epoch(
     """
     device = train.device
     batches = _train_batches(train, job.seed, epoch, job.batch_size, start_step, d)
-    loss_sum, seen = 0.0, 0
+    # Summed on the device and read once an epoch: reading a GPU value every step would make
+    # the host wait for each step to finish before it prepares the next batch (an idle GPU).
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    seen = 0
     t_epoch = time.perf_counter()
     for step in range(start_step, steps_per_epoch):
         t0 = time.perf_counter()
+        gpu_wait = getattr(train, "gpu_wait_s", 0.0)
         gen = _step_generator(job.seed, epoch, step)
         x_u8, y = next(batches)
+        t0 += getattr(train, "gpu_wait_s", 0.0) - gpu_wait  # that wait was compute, not data
         x = augment(x_u8, job, gen)
         x = normalize(x, mean, std, scale)
         if device.type == "cuda":
@@ -373,16 +382,19 @@ def train_one_epoch(
         else:
             opt.step()
         sched.step()
-        loss_sum += float(loss.detach()) * len(y)
+        loss_sum += loss.detach().float() * len(y)
         seen += len(y)
         t2 = time.perf_counter()
         hist.data_s += t1 - t0
         hist.compute_s += t2 - t1
         on_step(epoch, step + 1)
     batches.close()  # stops the stream's loader thread
+    t_drain = time.perf_counter()
+    train_loss = float(loss_sum) / max(1, seen)  # waits for the last queued steps
+    hist.compute_s += time.perf_counter() - t_drain
     elapsed = time.perf_counter() - t_epoch
     return {
-        "train_loss": loss_sum / max(1, seen),
+        "train_loss": train_loss,
         "images_per_s": seen * d.world_size / max(elapsed, 1e-9),
     }
 
@@ -580,8 +592,11 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
 
     first_step_logged = {"done": False}
 
-    def stop_flags() -> tuple[bool, bool]:
+    def stop_flags(st: int) -> tuple[bool, bool]:
         # Every rank must take the same decision, or the others hang in the next collective.
+        # Agreeing is an all-reduce the host waits on: once every DDP_STOP_CHECK_STEPS steps.
+        if d.world_size > 1 and st % DDP_STOP_CHECK_STEPS:
+            return False, False
         flags = [interrupted["flag"], deadline is not None and time.time() >= deadline]
         if d.world_size > 1:
             t = torch.tensor([int(f) for f in flags], device=device)
@@ -595,7 +610,7 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
         if not first_step_logged["done"]:
             first_step_logged["done"] = True
             log.info("first step done %.2f s after the job started", time.perf_counter() - t_setup)
-        sigterm, past_deadline = stop_flags()
+        sigterm, past_deadline = stop_flags(st)
         if sigterm:
             checkpoint(ep, st)
             raise Interrupted(f"SIGTERM: checkpoint saved at epoch {ep} step {st}")
