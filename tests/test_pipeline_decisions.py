@@ -118,3 +118,32 @@ def test_a_skipped_deploy_says_which_check_failed_with_its_figures(
     assert pipeline.deploy_skip_reason(accepted, params) is None
     held = pipeline.deploy_skip_reason(accepted, params.model_copy(update={"promote": False}))
     assert held == "version 7 passed the gate but is not deployed: the run has promote=false"
+
+
+def test_export_and_gate_read_a_bounded_sample_of_a_split_a_shard_at_a_time(
+    tmp_path: Path,
+) -> None:
+    """A split larger than the limit gives evenly spaced images over all its shards; a smaller
+    one is returned whole, in order, with its labels."""
+    import numpy as np
+
+    classes = ["a", "b", "c"]
+    uris, start = [], 0
+    for no, count in enumerate([40, 40, 11]):
+        ids = np.arange(start, start + count)
+        images = np.zeros((count, 4, 4, 3), np.uint8)
+        images[:, 0, 0, 0] = ids
+        path = tmp_path / f"val-{no:05d}.npz"
+        np.savez(path, images=images, labels=ids % 3, classes=np.array(classes))
+        uris.append(str(path))
+        start += count
+
+    images, labels = pipeline.sample_split(uris, classes, 10)
+    ids = images[:, 0, 0, 0].astype(int)
+    assert ids.tolist() == np.linspace(0, 90, 10).round().astype(int).tolist()
+    assert (labels == ids % 3).all()
+    assert {int(i) // 40 for i in ids} == {0, 1, 2}  # every shard contributes
+
+    whole, whole_labels = pipeline.sample_split(uris, classes, 1000)
+    assert whole[:, 0, 0, 0].tolist() == list(range(91))
+    assert whole_labels.tolist() == [i % 3 for i in range(91)]

@@ -718,10 +718,10 @@ def export(
     metrics = storage.read_json(trained.metrics_uri)
     int8_inputs: dict[str, Any] = {}
     if params.int8:
-        from burstcv.training.train import load_shards
+        from burstcv.export.quantize import CALIBRATION_IMAGES
 
-        train_x, _ = load_shards(packed.train_shards, packed.classes)
-        val_x, val_labels = _val_arrays(packed)
+        train_x, _ = sample_split(packed.train_shards, packed.classes, CALIBRATION_IMAGES)
+        val_x, val_labels = _val_arrays(packed, s.eval_max_images)
         int8_inputs = {
             "int8": True,
             "calibration_images_u8": train_x,
@@ -766,14 +766,37 @@ def _materialise(model_dir_uri: str, dest: Path) -> Path:
     return dest
 
 
-def _val_arrays(packed: Packed) -> tuple[np.ndarray, list[str]]:
+def sample_split(uris: list[str], classes: list[str], limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """Return up to ``limit`` images (and label indices) evenly spaced over a split's shards.
+
+    The orchestrator never holds a whole split: shard sizes come from their headers, and the
+    shards are read one at a time, keeping only the chosen rows. A split of ``limit`` images or
+    fewer is returned whole, in shard order.
+    """
+    from burstcv.training.stream import load_shard, read_shard_info
+
+    counts = [read_shard_info(uri, classes).count for uri in uris]
+    total = sum(counts)
+    picks = np.unique(np.linspace(0, total - 1, num=min(limit, total)).round().astype(np.int64))
     images: list[np.ndarray] = []
-    labels: list[str] = []
-    for uri in packed.val_shards:
-        with np.load(io.BytesIO(storage.read_bytes(uri)), allow_pickle=False) as npz:
-            images.append(npz["images"])
-            labels.extend(str(npz["classes"][i]) for i in npz["labels"])
-    return np.concatenate(images), labels
+    labels: list[np.ndarray] = []
+    start = 0
+    for uri, count in zip(uris, counts, strict=True):
+        local = picks[(picks >= start) & (picks < start + count)] - start
+        if len(local):
+            shard_images, shard_labels = load_shard(uri, classes)
+            images.append(shard_images[local])  # a copy: the shard's memory goes at once
+            labels.append(shard_labels[local])
+            del shard_images
+        start += count
+    if not images:
+        raise ValueError(f"no images in the shards {uris[:3]}")
+    return np.concatenate(images), np.concatenate(labels)
+
+
+def _val_arrays(packed: Packed, limit: int) -> tuple[np.ndarray, list[str]]:
+    images, labels = sample_split(packed.val_shards, packed.classes, limit)
+    return images, [packed.classes[i] for i in labels]
 
 
 def benchmark(
@@ -794,7 +817,7 @@ def benchmark(
     request_images = [
         storage.read_bytes(uri) for _, uri, _ in _val_rows(validated.manifest_uri, 64)
     ]
-    val_x, val_labels = _val_arrays(packed)
+    val_x, val_labels = _val_arrays(packed, s.eval_max_images)
     registry = Registry(s.registry_uri, s.model_name)
     prod_alias = registry.get_alias(PRODUCTION)
     measured_at, host = lineage.utc_now_iso(), HostInfo.model_validate(lineage.host_description())

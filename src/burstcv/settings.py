@@ -98,6 +98,9 @@ class Settings(BaseSettings):
     # Export: this deployment's toolchain limits, not a run's choice.
     onnx_opset: int = 18
     parity_max_abs_diff: float = 1e-3  # logits; fp32 torch vs onnxruntime on the same images
+    # Validation images the INT8 check and the accuracy gate score on the orchestrator, evenly
+    # spaced over the split (all of a smaller one); bounds its memory, read a shard at a time.
+    eval_max_images: int = Field(default=2048, ge=32)
 
     # Benchmark load: how this deployment measures latency (the SLO is a run parameter).
     bench_requests: int = 200

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 FP32_FILE = "model.onnx"
 INT8_FILE = "model.int8.onnx"
+CALIBRATION_IMAGES = 256  # training images the INT8 ranges are calibrated on
 CALIBRATION_BATCH = 32  # images per calibration step: bounds the augmented model's memory
 EVAL_BATCH = 256  # images per session.run when scoring the validation split
 LATENCY_WARMUP_RUNS = 30  # per engine, not timed: allocator and thread pool settle first
@@ -241,7 +242,7 @@ def quantize_in_folder(
     val_labels: Sequence[str],
     *,
     max_accuracy_drop: float = 0.01,
-    calibration_images: int = 256,
+    calibration_images: int = CALIBRATION_IMAGES,
     threads: int | None = None,
 ) -> dict[str, Any]:
     """Try INT8 beside ``folder/model.onnx``; update ``model_json`` in memory; return the block.
@@ -334,7 +335,7 @@ def quantize_and_choose(
     val_labels: list[str],
     *,
     max_accuracy_drop: float = 0.01,
-    calibration_images: int = 256,
+    calibration_images: int = CALIBRATION_IMAGES,
     threads: int | None = None,
 ) -> dict[str, Any]:
     """Try INT8 for the model in ``model_dir`` (local or S3); update model.json; return the block.
