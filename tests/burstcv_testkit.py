@@ -36,6 +36,31 @@ def make_job(packed: dict[str, Any], out: Path, **overrides: Any) -> Any:
     return JobSpec(**fields)
 
 
+def run_ddp_job(job_uri: str, ranks: int = 2) -> subprocess.CompletedProcess[str]:
+    """Run ``burstcv train --job`` under torchrun with ``ranks`` CPU (gloo) processes."""
+    import os
+
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(ranks),
+            "-m",
+            "burstcv.cli",
+            "train",
+            "--job",
+            job_uri,
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
+
+
 def demo_val_images(dataset: Path, n: int = 64) -> list[tuple[str, bytes]]:
     """Return ``n`` validation PNGs of the demo dataset, spread over its classes: (name, bytes)."""
     files = sorted((dataset / "val").rglob("*.png"))[:: max(1, 360 // n)][:n]

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from burstcv_testkit import make_job
+from burstcv_testkit import make_job, run_ddp_job
 from localserver import moto_server, use_moto
 from PIL import Image
 
@@ -322,25 +322,7 @@ def test_two_ddp_ranks_train_on_streamed_shards(
     """torchrun with 2 gloo ranks, both streaming: each its share of every global batch."""
     out = tmp_path / "out"
     job_uri = write_job(make_job(small_shards, out, data_memory_budget_mb=1), str(tmp_path / "j"))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "burstcv.cli",
-            "train",
-            "--job",
-            job_uri,
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=600,
-    )
+    result = run_ddp_job(job_uri)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "streaming train shards" in result.stdout + result.stderr
     metrics = json.loads((out / "metrics.json").read_text())

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from burstcv_testkit import make_job
+from burstcv_testkit import make_job, run_ddp_job
 from pydantic import ValidationError
 from torchvision import models as tvm
 
@@ -145,26 +145,7 @@ def test_ddp_two_gloo_processes_train_to_the_same_accuracy_band(
 ) -> None:
     out = tmp_path / "out"
     job_uri = write_job(make_job(packed_demo, out), str(tmp_path / "job.json"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "burstcv.cli",
-            "train",
-            "--job",
-            job_uri,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    result = run_ddp_job(job_uri)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["world_size"] == 2
