@@ -269,6 +269,31 @@ def load_image(img: Image.Image) -> Image.Image:
     return img
 
 
+# A JPEG larger than the transform needs is decoded at 1/2, 1/4 or 1/8 scale (libjpeg's scaled
+# IDCT: cheaper in proportion, and itself a low-pass filter), keeping at least this many times
+# the size the resize ends at, so the resize that follows still antialiases from a larger
+# image. A 4032x3024 phone photo at 224 px: 1008x756 decoded, 3x faster, pixels within a
+# few levels of a full decode.
+DRAFT_OVERSAMPLE = 2
+
+
+def load_for(img: Image.Image, spec: PreprocessSpec) -> Image.Image:
+    """Decode an image from probe_image for ``spec``: as load_image, a large JPEG scaled down.
+
+    Pack, the parity check and the service all decode through here (``decode_to_uint8``), so
+    the scale chosen, which depends only on the file and the spec's output size, is the same
+    for the same bytes everywhere.
+    """
+    if img.format in ("JPEG", "MPO"):
+        # Both sides at least the target: the short side survives an EXIF rotation too.
+        side = DRAFT_OVERSAMPLE * (spec.resize_short or max(spec.height, spec.width))
+        try:
+            img.draft(None, (side, side))
+        except Exception as exc:  # untrusted bytes: as load_image does
+            raise ImageDecodeError(f"corrupt or truncated {img.format} data: {exc}") from exc
+    return load_image(img)
+
+
 def _to_rgb(img: Image.Image) -> Image.Image:
     """Return an image in RGB mode, 8 bits per channel.
 
@@ -317,7 +342,9 @@ def decode_to_uint8(
     data: bytes, spec: PreprocessSpec, *, max_pixels: int = 4096 * 4096
 ) -> np.ndarray:
     """Decode image bytes into the uint8 HWC array that training and serving both start from."""
-    return to_uint8(open_image(data, max_pixels=max_pixels, formats=spec.formats), spec)
+    return to_uint8(
+        load_for(probe_image(data, max_pixels=max_pixels, formats=spec.formats), spec), spec
+    )
 
 
 def normalize(batch: np.ndarray, spec: PreprocessSpec) -> np.ndarray:

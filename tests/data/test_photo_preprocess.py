@@ -20,9 +20,13 @@ from burstcv_spec.preprocess import (
     PreprocessSpec,
     decode_to_uint8,
     eval_view,
+    load_for,
+    load_image,
     margin_spec,
     open_image,
+    probe_image,
     resize_short_for,
+    to_uint8,
 )
 
 ORIENTATION = 0x0112
@@ -371,3 +375,35 @@ def test_real_photos_pack_with_a_margin_whose_centre_is_what_serving_decodes(
     for path in written.exif_rotated:  # stored landscape-turned; decoded upright
         with Image.open(path) as img:
             assert open_image(path.read_bytes()).size == img.size[::-1]
+
+
+def test_a_large_jpeg_is_decoded_at_a_reduced_scale_close_to_a_full_decode() -> None:
+    """A 2400x1800 JPEG for 224 px (short side 256) decodes at 1/2 scale (both sides >= 512):
+    the same pixels within a few levels of a full decode, in pack and serving alike."""
+    spec = PreprocessSpec(height=224, width=224, resize_short=256)
+    data = _encode(_scene(2400, 1800), "JPEG", quality=92)
+    assert load_for(probe_image(data), spec).size == (1200, 900)
+    full = to_uint8(load_image(probe_image(data)), spec).astype(int)
+    scaled = decode_to_uint8(data, spec).astype(int)
+    assert np.abs(full - scaled).mean() < 1.0 and np.abs(full - scaled).max() <= 12
+    # Pack stores the margin square; its centre is what serving computes from the same bytes.
+    stored = decode_to_uint8(data, margin_spec(spec))
+    assert np.array_equal(eval_view(stored[None], spec)[0], decode_to_uint8(data, spec))
+
+
+def test_the_reduced_scale_keeps_the_short_side_of_a_rotated_photo() -> None:
+    """A portrait photo stored sideways: after the EXIF turn its short side is still >= 2x."""
+    spec = PreprocessSpec(height=96, width=96, resize_short=110)
+    data = _stored_sideways(_scene(1500, 2000), "JPEG", quality=92)
+    upright = load_for(probe_image(data), spec)
+    assert upright.size == (375, 500) and min(upright.size) >= 2 * 110
+    full = to_uint8(load_image(probe_image(data)), spec).astype(int)
+    assert np.abs(full - decode_to_uint8(data, spec).astype(int)).mean() < 1.0
+
+
+def test_only_jpegs_larger_than_needed_are_scaled() -> None:
+    spec = PreprocessSpec(height=224, width=224, resize_short=256)
+    small = _encode(_scene(900, 700), "JPEG", quality=92)  # 450x350 would be < 512: kept
+    assert load_for(probe_image(small), spec).size == (900, 700)
+    png = _encode(_scene(2400, 1800), "PNG")
+    assert load_for(probe_image(png), spec).size == (2400, 1800)

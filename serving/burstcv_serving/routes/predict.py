@@ -35,7 +35,7 @@ from burstcv_spec.preprocess import (
     PreprocessSpec,
     UnsupportedFormatError,
     decode_to_uint8,
-    load_image,
+    load_for,
     probe_image,
     to_uint8,
 )
@@ -123,8 +123,8 @@ async def _file_parts(request: Request, field: str) -> list[multipart.Part]:
 def _decode_probed(probed: list[Image.Image], spec: PreprocessSpec) -> np.ndarray:
     """Decode images whose headers probe_image already checked, at the model's input size."""
     if len(probed) == 1:
-        return to_uint8(load_image(probed[0]), spec)[None]
-    return np.stack([to_uint8(load_image(img), spec) for img in probed])
+        return to_uint8(load_for(probed[0], spec), spec)[None]
+    return np.stack([to_uint8(load_for(img, spec), spec) for img in probed])
 
 
 async def _read_and_decode(
