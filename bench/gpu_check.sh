@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One short check on a machine with an NVIDIA GPU (under 8 minutes): environment, the CUDA
+# One short check on a machine with an NVIDIA GPU (about 10 minutes): environment, the CUDA
 # tests, and the training benchmark, ending with one summary. Run from the repo root:
 #   bash bench/gpu_check.sh
 # It uses .venv when present (build it with `make setup`), else installs requirements.txt

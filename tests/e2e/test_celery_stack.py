@@ -113,12 +113,13 @@ def test_ui_triggered_run_trains_gates_and_deploys_on_celery(
     with stack.client() as client:
         wait_for_dag(client)
         assert client.patch(f"/api/v2/dags/{DAG_ID}", json={"is_paused": False}).is_success
-        # Two epochs reach ~0.7 on the digits; this test is about the distributed run, so the
-        # gate's floors are set where a short run on a busy 2-core CI box passes them.
+        # Two epochs reach 0.45-0.7 on the digits (chance is 0.1), depending on the box's
+        # threads; this test is about the distributed run, so the gate's floors are set where
+        # a short run on a busy 2-core CI box passes them.
         conf = {
             "dataset_uri": str(demo_dataset),
             "epochs": 2,
-            "accuracy_floor": 0.5,
+            "accuracy_floor": 0.3,
             "latency_slo_ms": 1000,
         }
         response = client.post(
