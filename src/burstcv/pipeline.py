@@ -120,6 +120,10 @@ def validate(run: RunRef, params: RunParams, settings: Settings | None = None) -
     except ValueError as exc:
         raise ValidationFailed(str(exc)) from exc
     log.info("image size %d px: %s", size.px, size.reason)
+    # Beside the checks in validation.json, for the report: which size and why.
+    doc = storage.read_json(report.validation_uri)
+    doc["image_size"] = {"px": size.px, "reason": size.reason, "resize_short": size.resize_short}
+    storage.write_json(report.validation_uri, doc)
     return Validated(
         fingerprint=report.fingerprint,
         manifest_uri=report.manifest_uri,

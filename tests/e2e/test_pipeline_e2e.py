@@ -117,6 +117,9 @@ def test_pipeline_deploys_a_version_the_running_service_answers_with(
         "bench/verdict.json",
     ):
         assert storage.exists(storage.join(paths.root, artifact)), artifact
+    # The report says the size the model trains and serves at, and why validate chose it.
+    report = storage.read_bytes(storage.join(paths.report, "index.html")).decode()
+    assert re.search(r"32×32 RGB \(resized\); size: the median short side of \d+ images", report)
 
 
 def billing_and_boxes(run_id: str) -> tuple[bool, list[Path]]:

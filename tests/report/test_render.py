@@ -245,6 +245,12 @@ def test_a_photo_model_shows_its_eval_transform(full_run: tuple[Path, Path]) -> 
     photo = {"height": 224, "width": 224, "resize_short": 256, "color_mode": "RGB"}
     write(run / "model" / "model.json", {**model, "preprocess": photo})
     assert "224×224 RGB (short side resized to 256 px, centre crop)" in render(*full_run)
+    # Why that size, as validate chose it (validation.json).
+    reason = "median short side 612 px of the training images, capped at 224"
+    doc = json.loads((run / "dataset" / "validation.json").read_text())
+    doc["image_size"] = {"px": 224, "reason": reason, "resize_short": 256}
+    write(run / "dataset" / "validation.json", doc)
+    assert f"centre crop); size: {reason}" in render(*full_run)
 
 
 def test_a_run_that_stopped_after_validation_says_what_was_not_reached(tmp_path: Path) -> None:

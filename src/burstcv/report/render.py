@@ -264,8 +264,10 @@ def _model_view(record: RunRecord) -> dict[str, Any]:
     if meta is None:
         return {"missing": record.missing["model"]}
     pre = meta.get("preprocess") or {}
+    size = (record.get("validation") or {}).get("image_size") or {}
     return {
         "missing": None,
+        "image_size_reason": size.get("reason") if size.get("px") == pre.get("height") else None,
         "arch": meta.get("arch", "?"),
         "classes": ", ".join(map(str, meta.get("classes") or [])),
         "height": pre.get("height"),
