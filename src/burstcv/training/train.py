@@ -594,8 +594,9 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
 
     def stop_flags(st: int) -> tuple[bool, bool]:
         # Every rank must take the same decision, or the others hang in the next collective.
-        # Agreeing is an all-reduce the host waits on: once every DDP_STOP_CHECK_STEPS steps.
-        if d.world_size > 1 and st % DDP_STOP_CHECK_STEPS:
+        # Agreeing is an all-reduce the host waits on: once every DDP_STOP_CHECK_STEPS steps,
+        # and at the last step of every epoch (an epoch shorter than that still checks).
+        if d.world_size > 1 and st % DDP_STOP_CHECK_STEPS and st != steps_per_epoch:
             return False, False
         flags = [interrupted["flag"], deadline is not None and time.time() >= deadline]
         if d.world_size > 1:
