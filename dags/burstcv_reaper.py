@@ -48,11 +48,11 @@ def burstcv_reaper() -> None:
     @task(execution_timeout=timedelta(minutes=8))
     def reap() -> list[dict[str, Any]]:
         """Terminate expired or orphaned burstcv boxes on every backend and region."""
-        from burstcv.airflow.runs import dag_run_is_active_sdk
+        from burstcv.airflow.runs import run_activity_sdk
         from burstcv.pipeline import reap as reap_backends
         from burstcv.pipeline import reap_errors
 
-        reports = reap_backends(SETTINGS.reaper_backend_names(), dag_run_is_active_sdk)
+        reports = reap_backends(SETTINGS.reaper_backend_names(), run_activity_sdk)
         if errors := reap_errors(reports):
             raise RuntimeError(f"reaper pass done with {errors} error(s): {reports}")
         return reports

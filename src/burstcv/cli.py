@@ -385,10 +385,10 @@ def reap(
     _setup_logging()
     for key, value in embedded_airflow_env().items():
         os.environ.setdefault(key, value)
-    from burstcv.airflow.runs import dag_run_is_active_db
+    from burstcv.airflow.runs import run_activity_db
 
     names = [b.strip() for b in (backend or get_settings().reaper_backends).split(",") if b.strip()]
-    reports = reap_backends(names, dag_run_is_active_db, dry_run=dry_run)
+    reports = reap_backends(names, run_activity_db, dry_run=dry_run)
     for report in reports:
         verb = "would terminate" if dry_run else "terminated"
         ids = [
@@ -398,6 +398,8 @@ def reap(
         typer.echo(f"{where}: {verb} {len(ids)} {ids}; kept {len(report['kept'])}")
         for error in report.get("errors", []):
             typer.echo(f"{where}: error: {error}", err=True)
+        for warning in report.get("warnings", []):
+            typer.echo(f"{where}: warning: {warning}", err=True)
     if errors := reap_errors(reports):
         # Every other box was still handled; a non-zero exit makes the failure visible.
         raise _fail(f"reaper: {errors} error(s) in this pass (see above)")

@@ -23,6 +23,7 @@ import pandas as pd
 from burstcv import lineage
 from burstcv.compute.backends import get_backend
 from burstcv.compute.base import STOPPED, InstanceInfo, LaunchRequest
+from burstcv.compute.reaper import RunActivity, RunActivityCheck
 from burstcv.data.imagesize import choose_image_size
 from burstcv.params import EXPORT_PARAMS, TRAINING_PARAMS, RunParams
 from burstcv.settings import Settings, get_settings
@@ -480,7 +481,7 @@ def bounded_time_budget(params: RunParams) -> int:
 
 def reap(
     backend_names: list[str] | None,
-    is_run_active: Any,
+    run_activity: RunActivityCheck,
     *,
     dry_run: bool = False,
     settings: Settings | None = None,
@@ -492,8 +493,9 @@ def reap(
     per backend and region; an error about a backend, a region or one box is logged and
     counted in its report's ``errors`` and never stops the rest.
 
-    ``is_run_active(dag_id, airflow_run_id)`` answers from Airflow. Boxes are tagged with a
-    path-safe run key; the raw Airflow run id travels in its own tag for this question.
+    ``run_activity(dag_id, airflow_run_id)`` answers from Airflow (active, over, or unknown:
+    kept). Boxes are tagged with a path-safe run key; the raw Airflow run id travels in its
+    own tag for this question.
     """
     from burstcv.compute.reaper import reap as reap_backend
 
@@ -512,12 +514,12 @@ def reap(
             continue
         raw_ids = {(i.dag_id, i.run_id): i.airflow_run_id or i.run_id for i in managed}
 
-        def active(
+        def activity(
             dag_id: str, run_key: str, raw_ids: dict[tuple[str, str], str] = raw_ids
-        ) -> bool:
-            return bool(is_run_active(dag_id, raw_ids.get((dag_id, run_key), run_key)))
+        ) -> RunActivity:
+            return run_activity(dag_id, raw_ids.get((dag_id, run_key), run_key))
 
-        report = reap_backend(backend, is_run_active=active, dry_run=dry_run, managed=managed)
+        report = reap_backend(backend, run_activity=activity, dry_run=dry_run, managed=managed)
         reports.append({**where, **report.to_dict()})
     return reports
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -16,7 +17,7 @@ from burstcv_testkit import make_job
 
 from burstcv.compute.base import RUNNING, STOPPED, LaunchRequest
 from burstcv.compute.local import LocalBackend
-from burstcv.compute.reaper import reap
+from burstcv.compute.reaper import RunActivity, reap
 from burstcv.settings import get_settings
 from burstcv.training.job import write_job
 
@@ -52,6 +53,10 @@ def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     get_settings.cache_clear()
     yield state
     get_settings.cache_clear()
+    # Whatever a test asserted, no box it started outlives it.
+    for run_dir in state.glob("*"):
+        if run_dir.is_dir():
+            LocalBackend(str(state)).terminate_run(run_dir.name)
 
 
 def provisioned_for(
@@ -134,6 +139,81 @@ def test_a_box_that_dies_without_a_marker_is_reported_lost(
     assert "without writing DONE or FAILED" in outcome["reason"]
 
 
+def box_processes(pgid: int) -> dict[int, str]:
+    """Return the live processes of one box's process group: pid -> command line."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            found[int(proc.name)] = cmdline
+    return found
+
+
+def trainer_pid(pgid: int) -> int:
+    """Wait for the box's trainer (``burstcv train --job``) to start; return its pid."""
+    found: list[int] = []
+
+    def started() -> bool:
+        found[:] = [
+            pid
+            for pid, cmd in box_processes(pgid).items()
+            if cmd.startswith(sys.executable) and " burstcv.cli train --job " in cmd
+        ]
+        return bool(found)
+
+    wait_for(started)
+    return found[0]
+
+
+def test_a_trainer_killed_by_the_oom_killer_is_seen_lost_within_a_poll(
+    long_job: tuple[str, Path], state_dir: Path
+) -> None:
+    from burstcv.compute.local import WATCHDOG_POLL_S
+    from burstcv.pipeline import training_outcome
+
+    job_uri, out = long_job
+    backend = LocalBackend()
+    backend.launch(LaunchRequest(run_id="r-oom", dag_id="d", job_uri=job_uri, time_budget_s=3600))
+    wrapper = json.loads(next((state_dir / "r-oom").glob("local-*.json")).read_text())["pid"]
+    os.kill(trainer_pid(wrapper), signal.SIGKILL)  # the trainer alone: wrapper and watchdog live
+    killed = time.monotonic()
+    # An hour-long watchdog sleep kept the box "alive" until the deadline: now the box ends
+    # within the watchdog's poll (bounded generously: this machine is shared).
+    wait_for(lambda: backend.describe("r-oom")[0].state == STOPPED, timeout_s=30)
+    assert time.monotonic() - killed < 10 * WATCHDOG_POLL_S + 5
+    assert box_processes(wrapper) == {}
+    outcome = training_outcome("r-oom", "local", str(out))
+    assert outcome["status"] == "lost", outcome
+    assert backend.describe("r-oom")[0].stopped_at is not None  # the wrapper recorded the stop
+    assert processes_running(job_uri) == []
+
+
+def test_a_killed_wrapper_leaves_the_trainer_to_finish_and_the_box_ends_with_it(
+    packed_demo: dict[str, Any], tmp_path: Path, state_dir: Path
+) -> None:
+    from burstcv.pipeline import training_outcome
+
+    out = tmp_path / "job"
+    job_uri = write_job(make_job(packed_demo, out, epochs=1), str(tmp_path / "job.json"))
+    backend = LocalBackend()
+    backend.launch(LaunchRequest(run_id="r-wrap", dag_id="d", job_uri=job_uri, time_budget_s=600))
+    wrapper = json.loads(next((state_dir / "r-wrap").glob("local-*.json")).read_text())["pid"]
+    trainer = trainer_pid(wrapper)
+    os.kill(wrapper, signal.SIGKILL)
+    assert backend.describe("r-wrap")[0].state == RUNNING  # the trainer still trains
+    wait_for(lambda: backend.describe("r-wrap")[0].state == STOPPED, timeout_s=300)
+    assert not Path(f"/proc/{trainer}").exists() or box_processes(wrapper) == {}
+    assert training_outcome("r-wrap", "local", str(out))["status"] == "done"
+    assert box_processes(wrapper) == {}  # the watchdog went with its trainer
+    assert processes_running(job_uri) == []
+
+
 def test_reaper_terminates_expired_and_orphaned_boxes_only(
     long_job: tuple[str, Path], state_dir: Path
 ) -> None:
@@ -154,13 +234,13 @@ def test_reaper_terminates_expired_and_orphaned_boxes_only(
     data["expires_at"] = (datetime.now(UTC) - timedelta(minutes=1)).isoformat()
     record.write_text(json.dumps(data))
 
-    def is_active(dag_id: str, run_id: str) -> bool:
-        return run_id != "r-orphan"
+    def is_active(dag_id: str, run_id: str) -> RunActivity:
+        return RunActivity.OVER if run_id == "r-orphan" else RunActivity.ACTIVE
 
-    dry = reap(backend, is_run_active=is_active, dry_run=True)
+    dry = reap(backend, run_activity=is_active, dry_run=True)
     assert sorted(d.run_id for d in dry.decisions) == ["r-expired", "r-orphan"]
     assert all(i.state == RUNNING for i in backend.list_managed())
-    report = reap(backend, is_run_active=is_active)
+    report = reap(backend, run_activity=is_active)
     assert sorted(d.reason for d in report.decisions) == ["expired", "run-not-active"]
     assert [i.run_id for i in backend.list_managed()] == ["r-live"]
     backend.terminate_run("r-live")

@@ -16,6 +16,7 @@ from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.compute.reaper import (
     REASON_EXPIRED,
     REASON_RUN_NOT_ACTIVE,
+    RunActivity,
     reap,
 )
 from burstcv.settings import Settings
@@ -66,7 +67,7 @@ def test_expired_instance_of_a_dead_orchestrator_is_terminated(
     (info,) = backend.describe("orphan")
     assert info.expires_at is not None
     # The orchestrator died and its metadata still says "running": expiry alone decides.
-    report = reap(backend, is_run_active=lambda dag, run: True, now=info.expires_at)
+    report = reap(backend, run_activity=lambda dag, run: RunActivity.ACTIVE, now=info.expires_at)
     assert report.instance_ids == [iid]
     assert report.decisions[0].reason == REASON_EXPIRED
     assert report.to_dict()["terminated"][0]["instance_id"] == iid
@@ -81,11 +82,11 @@ def test_instance_of_a_finished_run_is_terminated_before_expiry(
     keep = launch_held(backend, player, "still-running")
     leak = launch_held(backend, player, "finished")
 
-    def is_run_active(dag_id: str, run_id: str) -> bool:
+    def run_activity(dag_id: str, run_id: str) -> RunActivity:
         asked.append((dag_id, run_id))
-        return run_id == "still-running"
+        return RunActivity.ACTIVE if run_id == "still-running" else RunActivity.OVER
 
-    report = reap(backend, is_run_active=is_run_active)
+    report = reap(backend, run_activity=run_activity)
     assert report.instance_ids == [leak]
     assert report.decisions[0].reason == REASON_RUN_NOT_ACTIVE
     assert report.kept == [keep]
@@ -103,7 +104,9 @@ def test_reaper_leaves_instances_without_the_burstcv_tags_alone(
     (info,) = backend.describe("leaked")
     assert info.expires_at is not None
     report = reap(
-        backend, is_run_active=lambda dag, run: False, now=info.expires_at + timedelta(days=1)
+        backend,
+        run_activity=lambda dag, run: RunActivity.OVER,
+        now=info.expires_at + timedelta(days=1),
     )
     assert report.instance_ids == [leak]
     assert [state(ec2_client, iid) for iid in others] == ["running", "running"]
@@ -115,12 +118,12 @@ def test_dry_run_terminates_nothing_and_says_what_it_would(
     backend: Ec2Backend, ec2_client: Any, player: Any, kit: Any
 ) -> None:
     leak = launch_held(backend, player, "dry")
-    report = reap(backend, is_run_active=lambda dag, run: False, dry_run=True)
+    report = reap(backend, run_activity=lambda dag, run: RunActivity.OVER, dry_run=True)
     assert report.dry_run and report.instance_ids == [leak]
     assert report.to_dict()["would_terminate"][0]["reason"] == REASON_RUN_NOT_ACTIVE
     assert "would terminate" in report.summary()
     assert state(ec2_client, leak) == "running"
-    reap(backend, is_run_active=lambda dag, run: False)
+    reap(backend, run_activity=lambda dag, run: RunActivity.OVER)
     assert kit.live_managed() == []
 
 
@@ -134,18 +137,18 @@ def test_an_airflow_error_about_one_box_stops_none_of_the_others(
     assert info.expires_at is not None
     asked: list[str] = []
 
-    def is_run_active(dag_id: str, run_id: str) -> bool:
+    def run_activity(dag_id: str, run_id: str) -> RunActivity:
         asked.append(run_id)
         if run_id == "unknown":
             raise ConnectionError("metadata database unreachable")
-        return False
+        return RunActivity.OVER
 
     # "now" is past the expiry of "expired" only.
     later = info.expires_at + timedelta(seconds=1)
     for run_id in ("unknown", "finished"):
         (other,) = backend.describe(run_id)
         assert other.expires_at is not None and other.expires_at > later
-    report = reap(backend, is_run_active=is_run_active, now=later)
+    report = reap(backend, run_activity=run_activity, now=later)
 
     # Expired first, without asking; the finished run's box despite the error before it.
     assert report.decisions[0].instance_id == expired
@@ -184,7 +187,7 @@ def test_a_refused_terminate_stops_none_of_the_others(
     backend.client.meta.events.register(
         "before-parameter-build.ec2.TerminateInstances", refuse_first
     )
-    report = reap(backend, is_run_active=lambda dag, run: False)
+    report = reap(backend, run_activity=lambda dag, run: RunActivity.OVER)
     assert refused_ids == [first]
     assert report.instance_ids == [second]
     assert [(e.instance_id, e.step) for e in report.errors] == [(first, "terminate")]
@@ -216,7 +219,7 @@ def test_the_pipeline_reaper_sweeps_every_enabled_region(
         monkeypatch.setenv(key, value)
     settings = Settings(reaper_backends="", reaper_regions="", compute_backend="ec2")
     assert settings.reaper_backend_names() == ["local", "ec2"]
-    reports = pipeline.reap(["ec2"], lambda dag, run: False, settings=settings)
+    reports = pipeline.reap(["ec2"], lambda dag, run: RunActivity.OVER, settings=settings)
     by_region = {r["region"]: r for r in reports}
     assert {"us-east-1", "eu-west-1"} <= set(by_region)
     assert [d["instance_id"] for d in by_region["eu-west-1"]["terminated"]] == [iid]
@@ -238,7 +241,7 @@ def test_ec2_is_swept_whenever_aws_is_configured(monkeypatch: Any) -> None:
 
 
 def test_nothing_to_reap_reports_so(backend: Ec2Backend, ec2_client: Any) -> None:
-    report = reap(backend, is_run_active=lambda dag, run: True)
+    report = reap(backend, run_activity=lambda dag, run: RunActivity.ACTIVE)
     assert report.instance_ids == [] and "nothing to terminate" in report.summary()
 
 

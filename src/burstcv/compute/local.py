@@ -72,6 +72,46 @@ def _proc_start_ticks(pid: int) -> int | None:
     return int(fields[19])
 
 
+WATCHDOG_POLL_S = 1  # how soon the watchdog notices its trainer is gone, and so the box ends
+KILL_GRACE_S = 30  # between the watchdog's SIGTERM (checkpoint) and its SIGKILL
+
+
+def wrapper_script(train_cmd: list[str], budget_s: int, stopped_file: Path) -> str:
+    """Return the bash that runs one box: the trainer, its watchdog, and the stop record.
+
+    It mirrors the EC2 user-data: a watchdog bounds the run (from the run's deadline, like the
+    box's), and the stop time is recorded when the job ends. Everything stays in this one
+    process group (no `timeout`, which makes its own group and would survive a killpg), so
+    terminating the group ends the whole box. The watchdog lives exactly as long as the
+    trainer: it polls the trainer's process every WATCHDOG_POLL_S, so the box's process
+    group, which is what liveness reads, ends within a poll of the trainer's end, whoever
+    killed which process (the out-of-memory killer's kill -9 of the trainer, or of this
+    wrapper: the trainer then runs on and writes its own markers). A single long `sleep`
+    here outlived a killed trainer and made the box look alive until the deadline.
+    """
+    return (
+        # A zombie (exited, not yet reaped: the wrapper is gone) no longer trains.
+        'alive() { local s; s=$(cat /proc/"$1"/stat 2>/dev/null) || return 1; s=${s##*) }; '
+        '[ "${s%% *}" != Z ]; }\n'
+        f"{shlex.join(train_cmd)} & child=$!\n"
+        f"deadline=$(( $(date +%s) + {budget_s} ))\n"
+        "( while alive $child; do\n"
+        "    if [ $(date +%s) -ge $deadline ]; then\n"
+        f"      kill -TERM $child; grace=$(( $(date +%s) + {KILL_GRACE_S} ))\n"
+        "      while alive $child && [ $(date +%s) -lt $grace ]; do\n"
+        f"        sleep {WATCHDOG_POLL_S}\n"
+        "      done\n"
+        "      kill -KILL $child; break\n"
+        "    fi\n"
+        f"    sleep {WATCHDOG_POLL_S}\n"
+        "  done ) >/dev/null 2>&1 & watchdog=$!\n"
+        "wait $child; rc=$?\n"
+        "kill $watchdog 2>/dev/null\n"
+        f"date +%s.%N > {shlex.quote(str(stopped_file))}\n"
+        "exit $rc\n"
+    )
+
+
 class LocalBackend:
     """Start training jobs as local processes and find them again by run id."""
 
@@ -138,22 +178,10 @@ class LocalBackend:
                 "--attempt",
                 str(request.attempt),
             ]
-            # The wrapper mirrors the EC2 user-data: a watchdog bounds the run (from the run's
-            # deadline, like the box's), and the stop time is recorded when the job ends.
-            # Everything stays in this one process group (no `timeout`, which makes its own
-            # group and would survive a killpg), so terminating the group ends the whole box.
             launched = lineage.utc_now()
             deadline = request.deadline_at or launched + timedelta(seconds=request.time_budget_s)
             budget = max(1, int((deadline - launched).total_seconds())) + 60
-            script = (
-                f"{shlex.join(train_cmd)} & child=$!\n"
-                f"( sleep {budget}; kill -TERM $child; sleep 30; kill -KILL $child ) "
-                ">/dev/null 2>&1 & watchdog=$!\n"
-                "wait $child; rc=$?\n"
-                "kill $watchdog 2>/dev/null\n"
-                f"date +%s.%N > {shlex.quote(str(stopped_file))}\n"
-                "exit $rc\n"
-            )
+            script = wrapper_script(train_cmd, budget, stopped_file)
             with open(log_path, "ab") as log_fh:
                 proc = subprocess.Popen(
                     ["bash", "-c", script],

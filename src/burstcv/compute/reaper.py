@@ -4,9 +4,11 @@ The reaper is the fourth of five layers against a leaked GPU: it trusts nothing 
 on the instances and the answer to "is this DAG run still running?", so it cleans up after an
 orchestrator that died mid-run. Each pass first terminates every box past its expiry,
 unconditionally (no question to Airflow is asked, so none can fail or keep it), then asks
-Airflow about the rest. An error about one box (a refused terminate, Airflow failing to
-answer) is logged and counted in the report and never stops the others; a box whose run
-cannot be checked is kept, because a reaper must not guess that a run is over. It never
+Airflow about the rest. A box goes only when the answer is that its run is OVER
+(:class:`RunActivity`); a run that is ACTIVE keeps its boxes, and so does one whose state the
+question could not classify (UNKNOWN: kept, with a warning), because a reaper must not guess
+that a run is over. An error about one box (a refused terminate, Airflow failing to answer) is
+logged and counted in the report and never stops the others. It never
 touches an instance without the burstcv tags (``list_managed`` only returns managed ones and
 ``terminate`` refuses the rest).
 """
@@ -17,6 +19,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from enum import Enum
 from typing import Any
 
 from burstcv.compute.base import STOPPED, ComputeBackend, InstanceInfo
@@ -26,6 +29,17 @@ log = logging.getLogger(__name__)
 REASON_EXPIRED = "expired"
 REASON_RUN_NOT_ACTIVE = "run-not-active"
 REASON_UNTRACEABLE = "missing-run-tags"
+
+
+class RunActivity(Enum):
+    """Say whether a DAG run still owns its boxes: the reaper's one question to Airflow."""
+
+    ACTIVE = "active"  # the run, or its train task, is still going: keep its boxes
+    OVER = "over"  # the run ended (or never existed) and its train task is done
+    UNKNOWN = "unknown"  # a state the question could not classify: keep, with a warning
+
+
+RunActivityCheck = Callable[[str, str], RunActivity]
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,7 @@ class ReapReport:
     decisions: list[ReapDecision] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
     errors: list[ReapError] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def instance_ids(self) -> list[str]:
@@ -74,12 +89,14 @@ class ReapReport:
             ],
             "kept": list(self.kept),
             "errors": [asdict(e) for e in self.errors],
+            "warnings": list(self.warnings),
         }
 
     def summary(self) -> str:
         """Return one line for logs and the CLI."""
         verb = "would terminate" if self.dry_run else "terminated"
         errors = f"; {len(self.errors)} error(s)" if self.errors else ""
+        errors += f"; {len(self.warnings)} warning(s)" if self.warnings else ""
         if not self.decisions:
             return (
                 f"reaper: nothing to terminate ({len(self.kept)} managed instance(s) kept)" + errors
@@ -96,9 +113,9 @@ def _expiry_decision(info: InstanceInfo) -> ReapDecision:
 
 
 def decide(
-    info: InstanceInfo, *, is_run_active: Callable[[str, str], bool], now: datetime
+    info: InstanceInfo, *, run_activity: RunActivityCheck, now: datetime
 ) -> ReapDecision | None:
-    """Return why ``info`` must go, or None to keep it."""
+    """Return why ``info`` must go, or None to keep it (its run is active or unclassified)."""
     if info.expires_at is not None and info.expires_at <= now:
         return _expiry_decision(info)
     if not info.run_id or not info.dag_id:
@@ -109,7 +126,10 @@ def decide(
             REASON_UNTRACEABLE,
             "managed but without run-id/dag-id tags: no run can own it",
         )
-    if not is_run_active(info.dag_id, info.run_id):
+    activity = run_activity(info.dag_id, info.run_id)
+    if not isinstance(activity, RunActivity):
+        raise TypeError(f"run_activity answered {activity!r}, not a RunActivity")
+    if activity is RunActivity.OVER:
         return ReapDecision(
             info.instance_id,
             info.run_id,
@@ -127,15 +147,16 @@ def _expired(info: InstanceInfo, now: datetime) -> bool:
 def reap(
     backend: ComputeBackend,
     *,
-    is_run_active: Callable[[str, str], bool],
+    run_activity: RunActivityCheck,
     now: datetime | None = None,
     dry_run: bool = False,
     managed: list[InstanceInfo] | None = None,
 ) -> ReapReport:
     """Terminate managed instances whose expiry passed, then those whose DAG run is not running.
 
-    ``is_run_active(dag_id, run_id)`` answers from Airflow; when it raises for a box, that
-    box is kept (and the error counted), and the pass goes on. ``managed`` is the backend's
+    ``run_activity(dag_id, run_id)`` answers from Airflow; when it raises for a box, that
+    box is kept (and the error counted), and the pass goes on; when it answers UNKNOWN, the
+    box is kept with a warning. ``managed`` is the backend's
     ``list_managed()`` when the caller already has it.
     """
     checked_at = now or datetime.now(UTC)
@@ -151,7 +172,9 @@ def reap(
         if _expired(info, checked_at):
             continue
         try:
-            decision = decide(info, is_run_active=is_run_active, now=checked_at)
+            decision = decide(
+                info, run_activity=_noting_unknown(run_activity, report), now=checked_at
+            )
         # Broad on purpose: counted in the report; the pass goes on.
         except Exception as exc:
             log.exception("reaper: could not check the run of %s; keeping it", info.instance_id)
@@ -168,6 +191,23 @@ def reap(
             _terminate(backend, decision, report)
     log.info("%s", report.summary())
     return report
+
+
+def _noting_unknown(check: RunActivityCheck, report: ReapReport) -> RunActivityCheck:
+    """Wrap ``check`` so that every UNKNOWN answer lands in the report's warnings."""
+
+    def noted(dag_id: str, run_id: str) -> RunActivity:
+        activity = check(dag_id, run_id)
+        if activity is RunActivity.UNKNOWN:
+            warning = (
+                f"kept the boxes of {dag_id}/{run_id}: its state could not be classified "
+                "(a reaper never guesses that a run is over; their expiry still ends them)"
+            )
+            log.warning("reaper: %s", warning)
+            report.warnings.append(warning)
+        return activity
+
+    return noted
 
 
 def _terminate(backend: ComputeBackend, decision: ReapDecision, report: ReapReport) -> None:
