@@ -227,6 +227,7 @@ def prediction_service(
     ready_path: str = "/readyz",
     timeout_s: float = READY_TIMEOUT_S,
     serving_dir: Path | str = REPO_ROOT / "serving",
+    port: int | None = None,
 ) -> Iterator[LocalServer]:
     """Run ``python -m burstcv_serving`` on a free ``HOST`` port until the block ends.
 
@@ -234,9 +235,10 @@ def prediction_service(
     the rest of the environment is inherited, with the host and port set here and the log
     level at warning unless a setting says otherwise. The service package is imported from
     ``serving_dir`` (another checkout's, to compare versions) with the burstcv_spec beside it.
-    ``ready_path="/healthz"`` waits for the process only, not for a model.
+    ``ready_path="/healthz"`` waits for the process only, not for a model. ``port`` names the
+    port (a service restarted where clients already call it); by default a free one.
     """
-    port = free_port()
+    port = port or free_port()
     serving_dir = Path(serving_dir)
     path = [str(serving_dir), str(serving_dir.parent / "spec"), os.environ.get("PYTHONPATH", "")]
     env = {

@@ -95,7 +95,12 @@ class Service(LocalServer):
 
 @contextlib.contextmanager
 def running_service(
-    registry: Registry, tmp: Path, *, poll_s: float = POLL_S, alias: str = PRODUCTION
+    registry: Registry,
+    tmp: Path,
+    *,
+    poll_s: float = POLL_S,
+    alias: str = PRODUCTION,
+    port: int | None = None,
 ) -> Iterator[Service]:
     """Run ``python -m burstcv_serving`` on one of the registry's aliases; stop it after."""
     settings = {
@@ -109,7 +114,7 @@ def running_service(
         "MAX_BATCH_SIZE": 4,
     }
     log_path = tmp / f"service-{len(list(tmp.glob('service-*.log')))}.log"  # kept after a run
-    with prediction_service(settings, log_path=log_path) as server:
+    with prediction_service(settings, log_path=log_path, port=port) as server:
         yield Service(server.url, server.port, server.process, server.log_path)
 
 
@@ -312,6 +317,40 @@ def test_an_unreachable_service_fails_the_deploy_before_production_moves(
         f"{service.url}/v1/admin/staged", headers={"Authorization": f"Bearer {TOKEN}"}
     )
     assert staged.json() == {"staged": [2], "serving_version": 1}
+
+
+def test_a_service_restarting_during_the_deploy_delays_it_and_does_not_fail_it(
+    registry: Registry, tmp_path: Path
+) -> None:
+    v2 = registry.register(str(write_model_dir(tmp_path / "v2", 2)), {"status": "accepted"})
+    port = free_port()
+    with running_service(registry, tmp_path, port=port) as before:
+        assert before.version() == 1
+    # The service is down (restarting): the deploy starts while nothing listens on its port.
+    outcome: dict[str, Any] = {}
+
+    def deploy_now() -> None:
+        try:
+            outcome["result"] = deploy(
+                registry,
+                v2,
+                service_urls=[f"http://127.0.0.1:{port}"],
+                token=TOKEN,
+                timeout_s=VERIFY_TIMEOUT_S,
+            )
+        except Exception as exc:  # handed to the test's thread below
+            outcome["error"] = exc
+
+    caller = threading.Thread(target=deploy_now)
+    caller.start()
+    time.sleep(1.0)  # the deploy has met a refused connection at least once by now
+    assert caller.is_alive(), f"the deploy gave up on a restarting service: {outcome}"
+    with running_service(registry, tmp_path, port=port, poll_s=0) as after:
+        caller.join(timeout=VERIFY_TIMEOUT_S + 30)
+        assert "error" not in outcome, outcome
+        assert outcome["result"].version == 2 and outcome["result"].previous_version == 1
+        assert after.version() == 2 and after.predicted_label() == "2"
+    assert aliases(registry) == (2, 1)
 
 
 def test_the_reload_call_carries_the_bearer_token(registry: Registry, tmp_path: Path) -> None:

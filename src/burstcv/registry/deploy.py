@@ -12,12 +12,18 @@
 The alias lock is held only for the switch, which moves no model bytes: a version that cannot
 load never reaches production, and no other alias move can slip between this deploy's move and
 its verification. Every move, refusal and conflict lands in the registry's history.
+
+A service that cannot be reached, or answers 503 (it is restarting, loading, or shedding
+load), has not refused anything: each call is retried with backoff until the deploy's
+timeout, so a service restart during a deploy delays it instead of failing the run. Only a
+service's own answer (4xx, 5xx other than 503, a wrong version) counts as a refusal.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,17 +81,60 @@ def _service_words(response: httpx.Response) -> str:
     return one_line(f"HTTP {response.status_code}: {text}")
 
 
+RETRY_FIRST_S = 0.25  # the first wait before calling an unreachable service again
+RETRY_MAX_S = 2.0  # the longest wait between two calls
+# Not refusals: the service is not there yet (restarting) or not ready (loading, shedding).
+UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+NOT_READY = 503
+
+
+class Unreachable(RuntimeError):
+    """Raise when a service could not be reached before the deploy's timeout."""
+
+
+def post_until_answered(
+    client: httpx.Client, url: str, *, timeout_s: float, **kwargs: Any
+) -> httpx.Response:
+    """POST to a service, retrying with backoff while it is unreachable or answers 503.
+
+    Return its first other answer (or its last 503 once ``timeout_s`` is spent); raise
+    Unreachable, naming the last error and the tries, when it never answered in time.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay, tries = RETRY_FIRST_S, 0
+    while True:
+        tries += 1
+        left = max(0.5, deadline - time.monotonic())
+        try:
+            response = client.post(url, timeout=left, **kwargs)
+        except UNREACHABLE as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() + delay >= deadline:
+                raise Unreachable(one_line(f"{why} ({tries} tries over {timeout_s:g} s)")) from exc
+        else:
+            if response.status_code != NOT_READY or time.monotonic() + delay >= deadline:
+                return response
+            why = f"HTTP {NOT_READY}"
+        log.info("%s: %s; calling again in %.2f s", url, one_line(why), delay)
+        time.sleep(delay)
+        delay = min(2 * delay, RETRY_MAX_S)
+
+
 def _stage_one(
     url: str, version: int, sha256: str, token: str, timeout_s: float
 ) -> tuple[str, dict[str, Any] | None, str]:
     """Ask one service to stage a version; return (url, its answer or None, why not)."""
     try:
-        response = httpx.post(
-            f"{url}/v1/admin/stage",
-            json={"version": version, "sha256": sha256},
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=timeout_s,
-        )
+        with httpx.Client() as client:
+            response = post_until_answered(
+                client,
+                f"{url}/v1/admin/stage",
+                timeout_s=timeout_s,
+                json={"version": version, "sha256": sha256},
+                headers={"Authorization": f"Bearer {token}"},
+            )
+    except Unreachable as exc:
+        return url, None, str(exc)
     except httpx.HTTPError as exc:
         return url, None, one_line(f"{type(exc).__name__}: {exc}")
     if response.status_code != 200:
@@ -122,12 +171,18 @@ def switch_everywhere(
     """Ask every service to reload the alias; return (answers, why each failed one failed)."""
     seen: dict[str, Any] = {}
     failed: dict[str, str] = {}
-    with httpx.Client(timeout=timeout_s) as client:
+    with httpx.Client() as client:
         for url in urls:
             try:
-                response = client.post(
-                    f"{url}/v1/admin/reload", headers={"Authorization": f"Bearer {token}"}
+                response = post_until_answered(
+                    client,
+                    f"{url}/v1/admin/reload",
+                    timeout_s=timeout_s,
+                    headers={"Authorization": f"Bearer {token}"},
                 )
+            except Unreachable as exc:
+                seen[url] = failed[url] = str(exc)
+                continue
             except httpx.HTTPError as exc:
                 seen[url] = failed[url] = one_line(f"{type(exc).__name__}: {exc}")
                 continue
