@@ -17,7 +17,8 @@ service **only if** it meets the latency SLO and does not lose accuracy.
 | `benchmark` | p50/p95/p99 over HTTP through a staging copy of the service | no |
 | `gate` | latency SLO, accuracy floor, no regression; registers the version | no |
 | `deploy` | moves the `production` alias, verifies the service serves it, else rolls back | no |
-| `report` | one HTML page: data checks, curves, latency, verdict, cost (skipped runs too) | no |
+| `report` | one HTML page: data checks, curves, latency, verdict, cost (whatever failed) | no |
+| `outcome` (teardown) | fails the run when any task failed (a user's mark-failed too) | no |
 
 A run whose validated dataset and training params are those of the production model has
 nothing new to train on: `pack` skips with that reason, and nothing after it runs (no GPU is
@@ -252,7 +253,8 @@ def burstcv_pipeline() -> None:
             raise AirflowSkipException(reason)
         return pipeline.deploy(_run(run_id), run_params, judged, SETTINGS).model_dump(mode="json")
 
-    @task(execution_timeout=timedelta(minutes=10), trigger_rule="none_failed", **SAFE_RETRY)
+    # all_done: the report is the page that says what went wrong, so it runs whatever failed.
+    @task(execution_timeout=timedelta(minutes=10), trigger_rule="all_done", **SAFE_RETRY)
     def report(
         verdict: dict[str, Any], params: dict[str, Any] | None = None, run_id: str | None = None
     ) -> str:
@@ -261,6 +263,18 @@ def burstcv_pipeline() -> None:
 
         del verdict  # ordering only
         return pipeline.report(_run(run_id), _params(params or {}), SETTINGS)
+
+    # A teardown, so that it runs even after a user marks the run failed (Airflow skips every
+    # other pending task then, and leaves the run running until its teardowns are done), and
+    # counted in the run's state (on_failure_fail_dagrun): without it, an all_done report and
+    # the skipped rest would end such a run, or one whose deploy failed, as a success.
+    @task(execution_timeout=timedelta(minutes=5))
+    def outcome(run_id: str | None = None, dag: Any = None, ti: Any = None) -> None:
+        """Fail the run when any of its tasks failed (a user's mark-failed included)."""
+        from burstcv.airflow.runs import failed_tasks
+
+        if failed := failed_tasks(dag.dag_id, str(run_id), besides=ti.task_id):
+            raise AirflowFailException(f"the run failed: {', '.join(failed)} failed")
 
     validated = validate()
     packed = pack(validated)
@@ -280,11 +294,14 @@ def burstcv_pipeline() -> None:
     provisioned >> trained >> teardown
     # Hung on train (upstream_failed when provision failed): a setup's own downstream tasks
     # must wait for its success. It also runs, harmlessly, when training failed.
-    trained >> clean_up_failed_provision()
+    cleaned = clean_up_failed_provision()
+    trained >> cleaned
     exported = export(packed, trained.output, validated)
     bench = benchmark(exported, packed, validated)
     verdict = gate(exported, bench)
-    deploy(verdict) >> report(verdict)
+    reported = report(verdict)
+    deploy(verdict) >> reported
+    [reported, teardown, cleaned] >> outcome().as_teardown(on_failure_fail_dagrun=True)
 
 
 burstcv_pipeline()

@@ -91,6 +91,17 @@ def test_pipeline_params_form_schema(dagbag) -> None:  # type: ignore[no-untyped
         assert spec.get("title"), f"param {key} has no title"
 
 
+def test_every_failure_fails_the_run_and_the_report_is_written_whatever_failed(dagbag) -> None:  # type: ignore[no-untyped-def]
+    t = dagbag.dags["burstcv_pipeline"].task_dict
+    assert t["report"].trigger_rule == "all_done"  # the page that says what went wrong
+    outcome = t["outcome"]
+    # A teardown: Airflow skips every other pending task of a run a user marks failed, and
+    # runs its teardowns; on_failure_fail_dagrun makes its failure the run's.
+    assert outcome.is_teardown and outcome.on_failure_fail_dagrun
+    assert outcome.upstream_task_ids == {"report", "terminate", "clean_up_failed_provision"}
+    assert outcome.downstream_task_ids == set()
+
+
 def test_reaper_is_on_from_the_start(dagbag) -> None:  # type: ignore[no-untyped-def]
     dag = dagbag.dags["burstcv_reaper"]
     assert dag.is_paused_upon_creation is False  # a safety net nobody has to remember

@@ -213,6 +213,10 @@ def test_a_corrupt_png_stops_the_run_at_validate_naming_it(
     state, tasks, run_id = run_dag({"dataset_uri": str(data), "epochs": 1})
     assert state == "failed"
     assert tasks["validate"] == "failed"
+    # The report still says what went wrong; the outcome teardown makes the run's state say it.
+    assert tasks["report"] == "success" and tasks["outcome"] == "failed", tasks
+    page = storage.read_bytes(storage.join(run_layout(run_id).root, "report", "index.html"))
+    assert victim.name in page.decode()
     assert all(
         tasks[t] in ("upstream_failed", "skipped", "None")
         for t in ("pack", "provision", "train", "export", "deploy")
