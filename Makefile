@@ -24,6 +24,8 @@ export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN := sqlite:///$(AIRFLOW_HOME)/airflow.
 AIRFLOW_PORT ?= 8080
 export AIRFLOW__API__HOST := 127.0.0.1
 export AIRFLOW__API__PORT := $(AIRFLOW_PORT)
+# Tasks report to the execution API of this Airflow, on whichever port it listens.
+export AIRFLOW__CORE__EXECUTION_API_SERVER_URL := http://127.0.0.1:$(AIRFLOW_PORT)/execution/
 export PYTHONUNBUFFERED := 1
 # Airflow's standalone mode starts its components as `airflow ...` subprocesses.
 export PATH := $(BIN):$(PATH)
@@ -47,14 +49,18 @@ TEST312 := tests/serving tests/test_packaging.py tests/dags/test_dag_integrity.p
 # pip's notes about this machine's local index folders are filtered out, not its errors.
 QUIET_PIP := quiet() { "$$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
-.PHONY: help setup sysdeps demo test test312 lint airflow serve stop clean distclean
+.PHONY: help setup sysdeps demo test test312 lint airflow serve stop airflow-stop serve-stop clean \
+  distclean chaos
 
 help:
 	@echo "make demo   - set up, run the pipeline DAG on the demo digits, serve it, predict"
 	@echo "make test   - set up and run the whole test suite (and make test312)"
 	@echo "make test312 - the torch-free tests on Python 3.12, in .venv312"
 	@echo "make lint   - ruff + mypy"
-	@echo "make airflow / serve / stop / clean"
+	@echo "make airflow / serve - start Airflow (restarting it when a component died) / the service"
+	@echo "make airflow-stop / serve-stop / stop - stop Airflow / the service / both"
+	@echo "make chaos  - inject faults into a running pipeline and say what survived (slow)"
+	@echo "make clean"
 
 $(STAMP): requirements.txt serving/requirements.txt pyproject.toml
 	@echo ">> building $(VENV) (requirements changed or first run; a few minutes)"
@@ -160,45 +166,79 @@ serve: $(STAMP)
 	[ -n "$$up" ] || { echo ">> the service did not answer within 20 s:"; tail -20 $(RUN)/serve.log; exit 1; }
 	$(PORTCHECK) ours $(SERVE_PORT) --pid $$pid $(SERVE_CHECK) || {
 	  kill -TERM -$$pid 2>/dev/null || true; rm -f $(RUN)/serve.pid; exit 1; }
-	echo ">> service on $(SERVE_URL) (pid $$pid, log $(RUN)/serve.log); make stop ends it"
+	echo ">> service on $(SERVE_URL) (pid $$pid, log $(RUN)/serve.log); make serve-stop ends it"
 
+AIRFLOW_URL := http://127.0.0.1:$(AIRFLOW_PORT)
+AIRFLOW_HEALTH := $(BIN)/python -m burstcv.airflow.health $(AIRFLOW_URL)
+
+# Standalone Airflow never restarts a component that died (a killed triggerer leaves every
+# deferred task waiting without a word): a second `make airflow` checks each component's
+# health and restarts Airflow alone (not the service) when one is down.
 airflow: $(STAMP) $(AIRFLOW_HOME)/airflow.db
 	@mkdir -p $(RUN)
 	if [ -f $(RUN)/airflow.pid ] && kill -0 $$(cat $(RUN)/airflow.pid) 2>/dev/null; then
 	  $(PORTCHECK) ours $(AIRFLOW_PORT) --pid $$(cat $(RUN)/airflow.pid) --var AIRFLOW_PORT --target airflow
-	  echo ">> Airflow already running (pid $$(cat $(RUN)/airflow.pid))"
-	else
+	  if bad=$$($(AIRFLOW_HEALTH)); then
+	    echo ">> Airflow already running (pid $$(cat $(RUN)/airflow.pid)), every component healthy"
+	  else
+	    echo ">> Airflow (pid $$(cat $(RUN)/airflow.pid)) is running but not healthy: $$bad; restarting Airflow (the service keeps running)"
+	    $(MAKE) --no-print-directory airflow-stop
+	  fi
+	fi
+	if ! { [ -f $(RUN)/airflow.pid ] && kill -0 $$(cat $(RUN)/airflow.pid) 2>/dev/null; }; then
 	  $(PORTCHECK) free $(AIRFLOW_PORT) --var AIRFLOW_PORT --target airflow --what "the Airflow UI"
-	  setsid nohup $(BIN)/airflow standalone > $(RUN)/airflow.log 2>&1 &
+	  setsid nohup $(BIN)/airflow standalone >> $(RUN)/airflow.log 2>&1 &
 	  pid=$$!
 	  echo $$pid > $(RUN)/airflow.pid
 	  up=""
+	  bad=""
 	  for i in $$(seq 1 300); do
-	    curl -sf http://127.0.0.1:$(AIRFLOW_PORT)/api/v2/version > /dev/null && { up=1; break; }
+	    # Up means every component heartbeats, not only the UI answering.
+	    bad=$$($(AIRFLOW_HEALTH)) && { up=1; break; }
 	    kill -0 $$pid 2>/dev/null || { tail -40 $(RUN)/airflow.log; rm -f $(RUN)/airflow.pid; exit 1; }
 	    sleep 1
 	  done
-	  [ -n "$$up" ] || { echo ">> Airflow did not answer within 300 s:"; tail -40 $(RUN)/airflow.log; exit 1; }
+	  [ -n "$$up" ] || { echo ">> Airflow not healthy within 300 s ($$bad):"; tail -40 $(RUN)/airflow.log; exit 1; }
 	  $(PORTCHECK) ours $(AIRFLOW_PORT) --pid $$pid --var AIRFLOW_PORT --target airflow || {
 	    kill -TERM -$$pid 2>/dev/null || true; rm -f $(RUN)/airflow.pid; exit 1; }
 	fi
-	echo ">> Airflow UI: http://127.0.0.1:$(AIRFLOW_PORT)  (log $(RUN)/airflow.log; make stop ends it)"
+	echo ">> Airflow UI: $(AIRFLOW_URL)  (log $(RUN)/airflow.log; make airflow-stop ends it)"
 	echo ">> login: admin / $$($(BIN)/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["admin"])' $(AIRFLOW_HOME)/simple_auth_manager_passwords.json.generated)"
 
+# Stop one thing: `make airflow-stop` leaves the prediction service serving, and `make
+# serve-stop` leaves Airflow (and its runs) alone; `make stop` ends both.
+define STOP_ONE
+stop_one() {
+  pidfile=$(RUN)/$$1.pid
+  if [ -f $$pidfile ]; then
+    pid=$$(cat $$pidfile)
+    if kill -0 $$pid 2>/dev/null; then
+      kill -TERM -$$pid 2>/dev/null || kill -TERM $$pid 2>/dev/null || true
+      for i in $$(seq 1 50); do kill -0 $$pid 2>/dev/null || break; sleep 0.2; done
+      kill -KILL -$$pid 2>/dev/null || kill -KILL $$pid 2>/dev/null || true
+      echo ">> stopped $$1 (pid $$pid)"
+    fi
+    rm -f $$pidfile
+  fi
+}
+endef
+
+airflow-stop:
+	@$(STOP_ONE)
+	stop_one airflow
+
+serve-stop:
+	@$(STOP_ONE)
+	stop_one serve
+
 stop:
-	@for name in serve airflow; do
-	  pidfile=$(RUN)/$$name.pid
-	  if [ -f $$pidfile ]; then
-	    pid=$$(cat $$pidfile)
-	    if kill -0 $$pid 2>/dev/null; then
-	      kill -TERM -$$pid 2>/dev/null || kill -TERM $$pid 2>/dev/null || true
-	      for i in $$(seq 1 50); do kill -0 $$pid 2>/dev/null || break; sleep 0.2; done
-	      kill -KILL -$$pid 2>/dev/null || kill -KILL $$pid 2>/dev/null || true
-	      echo ">> stopped $$name (pid $$pid)"
-	    fi
-	    rm -f $$pidfile
-	  fi
-	done
+	@$(STOP_ONE)
+	stop_one serve
+	stop_one airflow
+
+# A fault drill on a throwaway home (never var/): one pipeline run per fault, a verdict each.
+chaos: $(STAMP)
+	$(BIN)/python bench/chaos.py $(CHAOS_ARGS)
 
 clean: stop
 	rm -rf $(VAR) .pytest_cache .ruff_cache .mypy_cache

@@ -42,6 +42,7 @@ from burstcv_spec.contracts import (
     SkipRecord,
     Terminated,
     Trained,
+    TriggerHeartbeat,
     Validated,
     Verdict,
     VerdictRecord,
@@ -120,6 +121,7 @@ def examples() -> list[Contract]:
         RunRecord(run_id=RUN.airflow_run_id, dataset_uri="/d", started_at="now"),
         SkipRecord(reason="nothing new", production_version=1, fingerprint="f", decided_at="now"),
         AttemptRecord(attempt=2, instance_ids=["i-2"], launched_at="now"),
+        TriggerHeartbeat(attempt=2, polled_at="2026-12-01T16:00:00+00:00", every_s=60.0),
         Billing(
             instance_ids=["i-1"],
             billed_seconds={"i-1": 60.0},

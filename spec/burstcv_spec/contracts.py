@@ -444,6 +444,14 @@ class AttemptRecord(Artifact):
     launched_at: str = Field(description="ISO 8601 UTC")
 
 
+class TriggerHeartbeat(Artifact):
+    """`runs/<run_key>/job/attempts/<n>/trigger.json`: when the attempt's trigger last polled."""
+
+    attempt: int = Field(ge=1, description="the training attempt the trigger waits on")
+    polled_at: str = Field(description="ISO 8601 UTC of the last poll that wrote it")
+    every_s: float = Field(gt=0, description="seconds between two writes while it runs")
+
+
 class Billing(Artifact):
     """`runs/<run_key>/job/billing.json`: what teardown terminated and what it cost."""
 
@@ -586,6 +594,7 @@ ARTIFACTS: tuple[type[Artifact], ...] = (
     RunRecord,
     SkipRecord,
     AttemptRecord,
+    TriggerHeartbeat,
     Billing,
     LatencyRecord,
     VerdictRecord,

@@ -14,6 +14,7 @@ from burstcv_spec import storage
 RUN_RECORD = "run.json"
 SKIP_RECORD = "skip.json"
 ATTEMPT_RECORD = "attempt.json"
+TRIGGER_HEARTBEAT = "trigger.json"  # in an attempt's folder: when its trigger last polled
 MODEL_CARD = "model.json"
 REGISTRY_ENTRY = "entry.json"
 PRODUCTION = "production"

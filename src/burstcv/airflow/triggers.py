@@ -1,12 +1,65 @@
-"""Wait for a training job without holding a worker slot: an Airflow trigger on its markers."""
+"""Wait for a training job without holding a worker slot: an Airflow trigger on its markers.
+
+While it polls, the trigger leaves a heartbeat in the attempt's folder (at most once a
+minute). A trigger that starts again after a silence (the triggerer died, or was too busy)
+says in the train task's log how long nobody watched the training, and where to look.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import importlib
+import time
 from collections.abc import AsyncIterator
+from datetime import datetime
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from burstcv import lineage
+from burstcv_spec import storage
+from burstcv_spec.contracts import ArtifactError, TriggerHeartbeat, read_artifact, write_artifact
+from burstcv_spec.layout import TRIGGER_HEARTBEAT
+
+HEARTBEAT_EVERY_S = 60.0  # a write per minute at most: an S3 PUT per minute per waiting run
+SILENCE_AFTER_S = 3 * HEARTBEAT_EVERY_S  # three missed heartbeats: nobody was watching
+
+
+def heartbeat_uri(output_uri: str, attempt: int) -> str:
+    """Return where one attempt's trigger heartbeat lives (beside its DONE/FAILED markers)."""
+    from burstcv.training.job import attempt_dir
+
+    return attempt_dir(output_uri, attempt, TRIGGER_HEARTBEAT)
+
+
+def write_heartbeat(output_uri: str, attempt: int, now: datetime | None = None) -> None:
+    """Record that the attempt's trigger polled now."""
+    beat = TriggerHeartbeat(
+        attempt=attempt,
+        polled_at=(now or lineage.utc_now()).isoformat(),
+        every_s=HEARTBEAT_EVERY_S,
+    )
+    write_artifact(heartbeat_uri(output_uri, attempt), beat)
+
+
+def silence_line(output_uri: str, attempt: int, now: datetime | None = None) -> str | None:
+    """Return the warning a restarted trigger logs after a silence, or None if there was none."""
+    uri = heartbeat_uri(output_uri, attempt)
+    if not storage.exists(uri):
+        return None  # the first trigger of this attempt: nothing to compare with
+    try:
+        last = datetime.fromisoformat(read_artifact(uri, TriggerHeartbeat).polled_at)
+    except (ArtifactError, ValueError) as exc:
+        return f"the trigger's last heartbeat cannot be read ({exc}); watching again now"
+    silent_s = ((now or lineage.utc_now()) - last).total_seconds()
+    if silent_s < SILENCE_AFTER_S:
+        return None
+    return (
+        f"no word from this task's trigger for {silent_s / 60:.1f} min (last heartbeat "
+        f"{last.isoformat(timespec='seconds')}): the triggerer was down or too busy to run it, "
+        "so nobody watched the training meanwhile (the box kept training, and its markers "
+        "are read now); see docs/airflow.md, 'A deferred train task that hears nothing'"
+    )
 
 
 class TrainingCompletionTrigger(BaseTrigger):
@@ -42,10 +95,18 @@ class TrainingCompletionTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Poll the artifact store and the backend until the job has an outcome."""
+        # The pipeline module's first import (pandas, numpy) would block the triggerer's loop.
+        await asyncio.to_thread(importlib.import_module, "burstcv.pipeline")
         from burstcv.pipeline import progress_lines, training_outcome
 
-        logged = 0
+        silence = await asyncio.to_thread(silence_line, self.output_uri, self.attempt)
+        if silence:
+            self.log.warning("%s", silence)
+        logged, beat_at = 0, float("-inf")
         while True:
+            if time.monotonic() - beat_at >= HEARTBEAT_EVERY_S:
+                await asyncio.to_thread(write_heartbeat, self.output_uri, self.attempt)
+                beat_at = time.monotonic()
             # Storage and cloud calls are blocking: keep them off the triggerer's event loop.
             outcome = await asyncio.to_thread(
                 training_outcome, self.run_id, self.backend, self.output_uri, self.attempt

@@ -1,0 +1,400 @@
+"""Inject one fault per pipeline run into the standalone Airflow and say what survived.
+
+Not a benchmark of speed: a fault drill an operator can rerun (`make chaos`). It builds a
+throwaway home (its own artifact store, registry, Airflow database and free ports, so it never
+touches var/ or a running `make airflow`), starts the service and the standalone Airflow through
+the Makefile's own targets, and for each fault triggers one run of the digits with the local
+backend, injects the fault at the moment an operator saw it happen, and waits for the run to
+end. Each fault gets one verdict:
+
+- survived: the run ended as it would have without the fault (and no box outlived it);
+- degraded: the run failed, but cleanly (the reason is recorded, no box left, production kept);
+- broken: the run hung, ended in the wrong state, or left a training box running.
+
+    python bench/chaos.py                       # every fault
+    python bench/chaos.py --faults reaper,trainer-kill --epochs 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = REPO / ".venv" / "bin"
+sys.path.insert(0, str(REPO / "spec"))
+from burstcv_spec.storage import safe_run_id  # noqa: E402  (the checkout's spec, no install)
+
+PIPELINE, REAPER = "burstcv_pipeline", "burstcv_reaper"
+RUN_TIMEOUT_S = 20 * 60
+
+
+def free_port() -> int:
+    """Return a TCP port nothing listens on at 127.0.0.1 now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Verdict:
+    """One fault's outcome: survived, degraded or broken, with what was seen."""
+
+    fault: str
+    verdict: str
+    seconds: float
+    detail: str
+
+
+class Drill:
+    """A throwaway burstcv home with the service and standalone Airflow started by make."""
+
+    def __init__(self, home: Path, epochs: int) -> None:
+        self.home = home
+        self.epochs = epochs
+        self.airflow_port, self.serve_port = free_port(), free_port()
+        self.api = f"http://127.0.0.1:{self.airflow_port}"
+        self.dataset = home / "data" / "digits"
+        # Only this drill's settings: nothing of the caller's burstcv or Airflow leaks in.
+        self.env = {
+            k: v for k, v in os.environ.items() if not k.startswith(("BURSTCV_", "AIRFLOW"))
+        }
+        self.env.update(
+            {
+                # Standalone's log servers would take the default ports of a running Airflow.
+                "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+                "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+            }
+        )
+        self._client: httpx.Client | None = None
+
+    # -- make, the way an operator runs it ----------------------------------------------------
+    def make(self, target: str) -> str:
+        """Run one Makefile target against this drill's home; return its output."""
+        done = subprocess.run(
+            [
+                "make",
+                "--no-print-directory",
+                "-C",
+                str(REPO),
+                target,
+                f"VAR={self.home}",
+                f"AIRFLOW_PORT={self.airflow_port}",
+                f"SERVE_PORT={self.serve_port}",
+            ],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"make {target} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            )
+        return done.stdout
+
+    def start(self) -> None:
+        """Make the demo data, start the service and Airflow, and unpause the pipeline."""
+        subprocess.run(
+            [str(BIN / "burstcv"), "demo-data", str(self.dataset)],
+            env={**self.env, "BURSTCV_HOME": str(self.home)},
+            check=True,
+            capture_output=True,
+        )
+        self.make("serve")
+        self.make("airflow")
+        self.wait("the DAGs", lambda: self.client.get(f"/api/v2/dags/{PIPELINE}").is_success, 300)
+        self.client.patch(f"/api/v2/dags/{PIPELINE}", json={"is_paused": False}).raise_for_status()
+
+    def stop(self) -> None:
+        """Stop Airflow and the service, and any box a fault left running."""
+        if self._client is not None:
+            self._client.close()
+        subprocess.run(
+            ["make", "--no-print-directory", "-C", str(REPO), "stop", f"VAR={self.home}"],
+            env=self.env,
+            capture_output=True,
+        )
+        for pgid in self.live_boxes():
+            os.killpg(pgid, signal.SIGKILL)
+
+    # -- the REST API --------------------------------------------------------------------------
+    @property
+    def client(self) -> httpx.Client:
+        """Return an API client logged in as the standalone's admin."""
+        if self._client is None:
+            passwords = self.home / "airflow" / "simple_auth_manager_passwords.json.generated"
+            password = json.loads(passwords.read_text())["admin"]
+            token = httpx.post(
+                f"{self.api}/auth/token",
+                json={"username": "admin", "password": password},
+                timeout=30,
+            )
+            token.raise_for_status()
+            self._client = httpx.Client(
+                base_url=self.api,
+                headers={"Authorization": f"Bearer {token.json()['access_token']}"},
+                timeout=60,
+            )
+        return self._client
+
+    def trigger(self, dag_id: str, conf: dict[str, Any] | None = None) -> str:
+        """Start a run as the trigger form does; return its run id."""
+        body = {"logical_date": None, "conf": conf or {}}
+        response = self.client.post(f"/api/v2/dags/{dag_id}/dagRuns", json=body)
+        response.raise_for_status()
+        return str(response.json()["dag_run_id"])
+
+    def train(self) -> str:
+        """Start one pipeline run on the digits; gate limits a short CPU run passes."""
+        return self.trigger(
+            PIPELINE,
+            {
+                "dataset_uri": str(self.dataset),
+                "epochs": self.epochs,
+                "force_train": True,
+                "accuracy_floor": 0.3,
+                "latency_slo_ms": 1000,
+            },
+        )
+
+    def state(self, run_id: str, dag_id: str = PIPELINE) -> str:
+        """Return a run's state."""
+        return str(self.client.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}").json()["state"])
+
+    def tasks(self, run_id: str, dag_id: str = PIPELINE) -> dict[str, dict[str, Any]]:
+        """Return a run's task instances by task id."""
+        tis = self.client.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances").json()
+        return {ti["task_id"]: ti for ti in tis["task_instances"]}
+
+    def wait(self, what: str, predicate: Callable[[], bool], timeout_s: float) -> float:
+        """Wait until ``predicate`` holds; return the seconds it took (raise on timeout)."""
+        started = time.monotonic()
+        while True:
+            try:
+                if predicate():
+                    return time.monotonic() - started
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass  # Airflow restarting: ask again
+            if time.monotonic() - started > timeout_s:
+                raise TimeoutError(f"{what}: not within {timeout_s:.0f} s")
+            time.sleep(2)
+
+    def wait_end(self, run_id: str, dag_id: str = PIPELINE) -> str:
+        """Wait for a run to end; return its final state."""
+        self.wait(
+            "the run to end",
+            lambda: self.state(run_id, dag_id) in ("success", "failed"),
+            RUN_TIMEOUT_S,
+        )
+        return self.state(run_id, dag_id)
+
+    def wait_training(self, run_id: str, epochs_done: int = 1) -> None:
+        """Wait until train is deferred and the box has finished ``epochs_done`` epochs."""
+        progress = self.home / "artifacts" / "runs" / safe_run_id(run_id) / "job" / "progress.json"
+
+        def trained() -> bool:
+            if self.tasks(run_id).get("train", {}).get("state") != "deferred":
+                return False
+            return (
+                progress.exists() and len(json.loads(progress.read_text())["epochs"]) >= epochs_done
+            )
+
+        self.wait("training to be under way", trained, 900)
+
+    # -- the boxes -------------------------------------------------------------------------------
+    def records(self, run_id: str) -> list[dict[str, Any]]:
+        """Return the local backend's records of a run's boxes."""
+        folder = self.home / "compute" / safe_run_id(run_id)
+        return [json.loads(p.read_text()) for p in sorted(folder.glob("local-*.json"))]
+
+    def live_boxes(self, run_id: str | None = None) -> list[int]:
+        """Return the process groups of boxes (of one run, or all) that still have a process."""
+        pattern = f"{safe_run_id(run_id)}/local-*.json" if run_id else "*/local-*.json"
+        alive = []
+        for path in (self.home / "compute").glob(pattern):
+            pgid = json.loads(path.read_text())["pid"]
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                continue
+            alive.append(pgid)
+        return alive
+
+    def box_process(self, pgid: int, needle: str) -> int:
+        """Return the pid in a box's process group whose command line holds ``needle``."""
+        for proc in Path("/proc").iterdir():
+            try:
+                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except (OSError, ValueError):
+                continue
+            if int(fields[2]) == pgid and cmd.startswith(needle):
+                return int(proc.name)
+        raise LookupError(f"no process {needle!r} in group {pgid}")
+
+    def airflow_process(self, component: str) -> int:
+        """Return the pid of one of standalone Airflow's component processes."""
+        pgid = int((self.home / "run" / "airflow.pid").read_text())
+        return self.box_process(pgid, f"{BIN / 'python'} {BIN / 'airflow'} {component}")
+
+
+# -- the faults ---------------------------------------------------------------------------------
+def reaper_beside_live_training(drill: Drill) -> tuple[str, str]:
+    run = drill.train()
+    drill.wait_training(run)
+    reaper = drill.trigger(REAPER)
+    reaped = drill.wait_end(reaper, REAPER)
+    kept = bool(drill.live_boxes(run))
+    final = drill.wait_end(run)
+    detail = f"reaper run {reaped}; live box {'kept' if kept else 'TERMINATED'}; run {final}"
+    return ("survived" if reaped == "success" and kept and final == "success" else "broken"), detail
+
+
+def trainer_killed(drill: Drill) -> tuple[str, str]:
+    run = drill.train()
+    drill.wait_training(run)
+    (pgid,) = drill.live_boxes(run)
+    os.kill(drill.box_process(pgid, str(BIN / "python")), signal.SIGKILL)  # the OOM killer
+    return _resumed(drill, run, "trainer killed (-9)")
+
+
+def wrapper_killed(drill: Drill) -> tuple[str, str]:
+    run = drill.train()
+    drill.wait_training(run)
+    (pgid,) = drill.live_boxes(run)
+    os.kill(pgid, signal.SIGKILL)
+    return _resumed(drill, run, "box wrapper killed (-9)")
+
+
+def _resumed(drill: Drill, run: str, what: str) -> tuple[str, str]:
+    final = drill.wait_end(run)
+    tries = drill.tasks(run)["train"]["try_number"]
+    boxes = len(drill.records(run))
+    detail = f"{what}; run {final}; train try {tries}; {boxes} box(es) over the run"
+    if drill.live_boxes(run):
+        return "broken", detail + "; a box outlived the run"
+    return ("survived" if final == "success" else "degraded"), detail
+
+
+def triggerer_killed(drill: Drill) -> tuple[str, str]:
+    run = drill.train()
+    drill.wait_training(run)
+    os.kill(drill.airflow_process("triggerer"), signal.SIGKILL)
+    # What an operator does: make airflow again, which must see the dead component.
+    time.sleep(45)  # past the triggerer's health threshold (30 s)
+    said = drill.make("airflow")
+    restarted = "restarting Airflow" in said
+    final = drill.wait_end(run)
+    detail = f"make airflow {'restarted it' if restarted else 'did NOT notice'}; run {final}"
+    return ("survived" if restarted and final == "success" else "broken"), detail
+
+
+def airflow_killed(drill: Drill) -> tuple[str, str]:
+    run = drill.train()
+    drill.wait_training(run)
+    drill.make("airflow-stop")
+    drill._client = None  # a new api-server: log in again
+    drill.make("airflow")
+    return _resumed(drill, run, "whole Airflow stopped and started")
+
+
+def service_restart_during_deploy(drill: Drill) -> tuple[str, str]:
+    run = drill.train()
+    drill.wait(
+        "the gate",
+        lambda: drill.tasks(run).get("gate", {}).get("state") in ("success", "failed"),
+        RUN_TIMEOUT_S,
+    )
+    drill.make("serve-stop")
+    time.sleep(2)
+    drill.make("serve")
+    final = drill.wait_end(run)
+    deploy = drill.tasks(run)["deploy"]["state"]
+    detail = f"service restarted as deploy began; deploy {deploy}; run {final}"
+    if final == "success" and deploy == "success":
+        return "survived", detail
+    return ("degraded" if deploy == "failed" else "broken"), detail
+
+
+def marked_failed(drill: Drill) -> tuple[str, str]:
+    run = drill.train()
+    drill.wait_training(run)
+    drill.client.patch(f"/api/v2/dags/{PIPELINE}/dagRuns/{run}", json={"state": "failed"})
+    drill.wait(
+        "the teardowns",
+        lambda: (
+            drill.tasks(run)["outcome"]["state"] in ("success", "failed", "skipped")
+            and drill.state(run) in ("success", "failed")
+        ),
+        600,
+    )
+    time.sleep(10)
+    final, left = drill.state(run), drill.live_boxes(run)
+    detail = f"run {final}; {'a box outlived it' if left else 'box terminated'}"
+    return ("survived" if final == "failed" and not left else "broken"), detail
+
+
+FAULTS: dict[str, Callable[[Drill], tuple[str, str]]] = {
+    "reaper": reaper_beside_live_training,
+    "trainer-kill": trainer_killed,
+    "wrapper-kill": wrapper_killed,
+    "triggerer-kill": triggerer_killed,
+    "airflow-kill": airflow_killed,
+    "service-restart": service_restart_during_deploy,
+    "mark-failed": marked_failed,
+}
+
+
+def main() -> int:
+    """Run the chosen faults, one pipeline run each; print a verdict per fault."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--faults", default=",".join(FAULTS), help=f"from {', '.join(FAULTS)}")
+    parser.add_argument("--epochs", type=int, default=12, help="per run (enough to inject into)")
+    parser.add_argument("--keep", action="store_true", help="keep the drill's home folder")
+    args = parser.parse_args()
+    chosen = [f.strip() for f in args.faults.split(",") if f.strip()]
+    unknown = [f for f in chosen if f not in FAULTS]
+    if unknown:
+        parser.error(f"unknown fault(s) {unknown}; choose from {', '.join(FAULTS)}")
+    home = Path(tempfile.mkdtemp(prefix="burstcv-chaos-"))
+    drill = Drill(home, args.epochs)
+    verdicts: list[Verdict] = []
+    try:
+        drill.start()
+        for name in chosen:
+            started = time.monotonic()
+            try:
+                verdict, detail = FAULTS[name](drill)
+            except (TimeoutError, RuntimeError, LookupError, httpx.HTTPError) as exc:
+                verdict, detail = "broken", f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            verdicts.append(Verdict(name, verdict, time.monotonic() - started, detail))
+            print(f"{name:16} {verdict:9} {verdicts[-1].seconds:6.0f} s  {detail}", flush=True)
+    finally:
+        drill.stop()
+        if not args.keep:
+            subprocess.run(["rm", "-rf", str(home)], check=False)
+        else:
+            print(f"home kept: {home}")
+    counts = {
+        v: sum(1 for x in verdicts if x.verdict == v) for v in ("survived", "degraded", "broken")
+    }
+    print("chaos: " + ", ".join(f"{n} {v}" for v, n in counts.items()))
+    return 1 if counts["broken"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

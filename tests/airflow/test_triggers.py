@@ -1,0 +1,88 @@
+"""The training trigger's heartbeat: a trigger restarted after a silence says so in the log."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from burstcv import lineage
+from burstcv.airflow.triggers import (
+    SILENCE_AFTER_S,
+    TrainingCompletionTrigger,
+    heartbeat_uri,
+    silence_line,
+    write_heartbeat,
+)
+from burstcv_spec.contracts import TriggerHeartbeat, read_artifact
+
+
+@pytest.fixture
+def finished_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Return a job folder whose attempt 1 already wrote DONE (local backend, no box)."""
+    from burstcv.settings import get_settings
+
+    monkeypatch.setenv("BURSTCV_COMPUTE_STATE_DIR", str(tmp_path / "state"))
+    get_settings.cache_clear()
+    out = tmp_path / "job"
+    (out / "attempts" / "1").mkdir(parents=True)
+    (out / "attempts" / "1" / "DONE").write_text(json.dumps({"epochs": 1}))
+    yield out
+    get_settings.cache_clear()
+
+
+def fire(out: Path) -> dict[str, Any]:
+    trigger = TrainingCompletionTrigger(
+        run_id="r-quiet", backend="local", output_uri=str(out), attempt=1, poll_interval_s=0.1
+    )
+
+    async def first() -> dict[str, Any]:
+        async for event in trigger.run():
+            return dict(event.payload)
+        raise AssertionError("the trigger ended without an event")
+
+    return asyncio.run(asyncio.wait_for(first(), timeout=60))
+
+
+def test_a_trigger_back_after_a_dead_triggerer_says_how_long_nobody_watched(
+    finished_job: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    went_quiet = lineage.utc_now() - timedelta(minutes=47)
+    write_heartbeat(str(finished_job), 1, now=went_quiet)
+    assert fire(finished_job)["status"] == "done"
+    # Triggers log through Airflow's structlog: what the task log shows is the output.
+    (warning,) = [line for line in capsys.readouterr().out.splitlines() if "no word from" in line]
+    assert "warning" in warning
+    assert "for 47.0 min" in warning and "docs/airflow.md" in warning
+    beat = read_artifact(heartbeat_uri(str(finished_job), 1), TriggerHeartbeat)
+    assert lineage.utc_now() - timedelta(seconds=30) < _at(beat) <= lineage.utc_now()
+    # The page the warning names exists and says what to do.
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "airflow.md").read_text()
+    assert "A deferred train task that hears nothing" in guide
+
+
+def test_no_warning_for_a_first_trigger_or_a_short_gap(finished_job: Path) -> None:
+    out = str(finished_job)
+    assert silence_line(out, 1) is None  # no heartbeat yet: the attempt's first trigger
+    now = lineage.utc_now()
+    write_heartbeat(out, 1, now=now - timedelta(seconds=SILENCE_AFTER_S - 1))
+    assert silence_line(out, 1, now=now) is None
+    write_heartbeat(out, 1, now=now - timedelta(seconds=SILENCE_AFTER_S))
+    assert "for 3.0 min" in (silence_line(out, 1, now=now) or "")
+
+
+def test_an_unreadable_heartbeat_is_said_and_not_raised(finished_job: Path) -> None:
+    Path(heartbeat_uri(str(finished_job), 1)).write_text("{not json")
+    line = silence_line(str(finished_job), 1)
+    assert line is not None and "cannot be read" in line
+    assert fire(finished_job)["status"] == "done"
+
+
+def _at(beat: TriggerHeartbeat) -> Any:
+    from datetime import datetime
+
+    return datetime.fromisoformat(beat.polled_at)
