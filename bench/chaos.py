@@ -74,6 +74,8 @@ class Drill:
         }
         self.env.update(
             {
+                # No cron runs: a scheduled run would hold the DAG's one active-run slot.
+                "BURSTCV_SCHEDULE": "",
                 # Standalone's log servers would take the default ports of a running Airflow.
                 "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
                 "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),

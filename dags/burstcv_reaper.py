@@ -3,12 +3,15 @@
 
 A layer against a leaked GPU, **on from the start** (created unpaused). Every 10 minutes,
 terminate any burstcv-managed training box whose **expiry has passed** (first, whatever
-Airflow says) or whose **DAG run is no longer running**, on every backend the deployment uses
-(`BURSTCV_REAPER_BACKENDS`; by default local, and EC2 whenever AWS is configured) and in every
-EC2 region (`BURSTCV_REAPER_REGIONS`, by default every region enabled for the account). An
-error about one box is logged and counted and never stops the others; the task fails after
-the whole pass when any error was counted. It touches nothing without the burstcv tags, and
-it runs independently of the pipeline run that leaked: the orchestrator itself can die.
+Airflow says) or whose **DAG run is over** (ended or gone, with its `train` task done), on
+every backend the deployment uses (`BURSTCV_REAPER_BACKENDS`; by default local, and EC2
+whenever AWS is configured) and in every EC2 region (`BURSTCV_REAPER_REGIONS`, by default
+every region enabled for the account). A run whose `train` task is queued, running or deferred
+keeps its boxes, and so does a run whose state cannot be classified (a warning in this task's
+log): a reaper never guesses that a run is over. An error about one box is logged and counted
+and never stops the others; the task fails after the whole pass when any error was counted.
+It touches nothing without the burstcv tags, and it runs independently of the pipeline run
+that leaked: the orchestrator itself can die.
 
 Same logic from a shell: `burstcv reap --dry-run`.
 """
