@@ -236,22 +236,34 @@ class Drill:
             alive.append(pgid)
         return alive
 
-    def box_process(self, pgid: int, needle: str) -> int:
-        """Return the pid in a box's process group whose command line holds ``needle``."""
+    def processes(self, pgid: int, needle: str) -> list[int]:
+        """Return the pids in a process group whose command line holds ``needle``."""
+        found = []
         for proc in Path("/proc").iterdir():
             try:
                 fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
                 cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except (OSError, ValueError):
                 continue
-            if int(fields[2]) == pgid and cmd.startswith(needle):
-                return int(proc.name)
-        raise LookupError(f"no process {needle!r} in group {pgid}")
+            if int(fields[2]) == pgid and needle in cmd and fields[0] not in ("Z", "X"):
+                found.append(int(proc.name))
+        if not found:
+            raise LookupError(f"no process {needle!r} in group {pgid}")
+        return found
 
-    def airflow_process(self, component: str) -> int:
-        """Return the pid of one of standalone Airflow's component processes."""
+    def trainer(self, pgid: int) -> int:
+        """Return the pid of a box's trainer (not its wrapper, whose script names it too)."""
+        (pid,) = [
+            p
+            for p in self.processes(pgid, " -m burstcv.cli train --job ")
+            if not Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"bash")
+        ]
+        return pid
+
+    def airflow_component(self, component: str) -> list[int]:
+        """Return the pids of one of standalone Airflow's components (it may fork helpers)."""
         pgid = int((self.home / "run" / "airflow.pid").read_text())
-        return self.box_process(pgid, f"{BIN / 'python'} {BIN / 'airflow'} {component}")
+        return self.processes(pgid, f"{BIN / 'airflow'} {component}")
 
 
 # -- the faults ---------------------------------------------------------------------------------
@@ -270,7 +282,7 @@ def trainer_killed(drill: Drill) -> tuple[str, str]:
     run = drill.train()
     drill.wait_training(run)
     (pgid,) = drill.live_boxes(run)
-    os.kill(drill.box_process(pgid, str(BIN / "python")), signal.SIGKILL)  # the OOM killer
+    os.kill(drill.trainer(pgid), signal.SIGKILL)  # as the out-of-memory killer does
     return _resumed(drill, run, "trainer killed (-9)")
 
 
@@ -295,7 +307,8 @@ def _resumed(drill: Drill, run: str, what: str) -> tuple[str, str]:
 def triggerer_killed(drill: Drill) -> tuple[str, str]:
     run = drill.train()
     drill.wait_training(run)
-    os.kill(drill.airflow_process("triggerer"), signal.SIGKILL)
+    for pid in drill.airflow_component("triggerer"):
+        os.kill(pid, signal.SIGKILL)
     # What an operator does: make airflow again, which must see the dead component.
     time.sleep(45)  # past the triggerer's health threshold (30 s)
     said = drill.make("airflow")
