@@ -275,6 +275,16 @@ def burstcv_env(store: Path, dataset: Path, *, serving_url: str = "") -> dict[st
     }
 
 
+def end_every_box(store: Path) -> None:
+    """Terminate every local box recorded under ``store/compute`` (a failed run's included)."""
+    from burstcv.compute.local import LocalBackend
+
+    backend = LocalBackend(str(store / "compute"))
+    for run_dir in (store / "compute").glob("*"):
+        if run_dir.is_dir():
+            backend.terminate_run(run_dir.name)
+
+
 def _start(
     component: str, api_port: int, env: dict[str, str], log_dir: Path
 ) -> subprocess.Popen[bytes]:

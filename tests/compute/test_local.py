@@ -130,13 +130,20 @@ def test_a_box_that_dies_without_a_marker_is_reported_lost(
 
     job_uri, out = long_job
     backend = LocalBackend()
-    backend.launch(LaunchRequest(run_id="r-lost", dag_id="d", job_uri=job_uri, time_budget_s=600))
-    record = json.loads(next((state_dir / "r-lost").glob("local-*.json")).read_text())
-    os.killpg(record["pid"], signal.SIGKILL)  # no chance to write FAILED: a vanished machine
+    # No chance to write FAILED: a vanished machine.
+    os.killpg(launch_box(state_dir, "r-lost", job_uri), signal.SIGKILL)
     wait_for(lambda: backend.describe("r-lost")[0].state == STOPPED)
     outcome = training_outcome("r-lost", "local", str(out))
     assert outcome["status"] == "lost"
     assert "without writing DONE or FAILED" in outcome["reason"]
+
+
+def launch_box(state_dir: Path, run_id: str, job_uri: str, time_budget_s: int = 600) -> int:
+    """Launch one local box for ``run_id``; return its wrapper's pid (its process group)."""
+    LocalBackend().launch(
+        LaunchRequest(run_id=run_id, dag_id="d", job_uri=job_uri, time_budget_s=time_budget_s)
+    )
+    return int(json.loads(next((state_dir / run_id).glob("local-*.json")).read_text())["pid"])
 
 
 def box_processes(pgid: int) -> dict[int, str]:
@@ -179,8 +186,7 @@ def test_a_trainer_killed_by_the_oom_killer_is_seen_lost_within_a_poll(
 
     job_uri, out = long_job
     backend = LocalBackend()
-    backend.launch(LaunchRequest(run_id="r-oom", dag_id="d", job_uri=job_uri, time_budget_s=3600))
-    wrapper = json.loads(next((state_dir / "r-oom").glob("local-*.json")).read_text())["pid"]
+    wrapper = launch_box(state_dir, "r-oom", job_uri, time_budget_s=3600)
     os.kill(trainer_pid(wrapper), signal.SIGKILL)  # the trainer alone: wrapper and watchdog live
     killed = time.monotonic()
     # An hour-long watchdog sleep kept the box "alive" until the deadline: now the box ends
@@ -202,8 +208,7 @@ def test_a_killed_wrapper_leaves_the_trainer_to_finish_and_the_box_ends_with_it(
     out = tmp_path / "job"
     job_uri = write_job(make_job(packed_demo, out, epochs=1), str(tmp_path / "job.json"))
     backend = LocalBackend()
-    backend.launch(LaunchRequest(run_id="r-wrap", dag_id="d", job_uri=job_uri, time_budget_s=600))
-    wrapper = json.loads(next((state_dir / "r-wrap").glob("local-*.json")).read_text())["pid"]
+    wrapper = launch_box(state_dir, "r-wrap", job_uri)
     trainer = trainer_pid(wrapper)
     os.kill(wrapper, signal.SIGKILL)
     assert backend.describe("r-wrap")[0].state == RUNNING  # the trainer still trains

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from burstcv_airflow_stack import AirflowStack, airflow_stack, burstcv_env
+from burstcv_airflow_stack import AirflowStack, airflow_stack, burstcv_env, end_every_box
 from burstcv_testkit import chromium_screenshot
 
 from burstcv.registry.registry import PRODUCTION, Registry
@@ -45,12 +45,7 @@ def stack(store: Path, demo_dataset: Path) -> Iterator[AirflowStack]:
             yield running
     finally:
         # A failed run must not leave a training process behind (the teardown normally does).
-        from burstcv.compute.local import LocalBackend
-
-        backend = LocalBackend(str(store / "compute"))
-        for run_dir in (store / "compute").glob("*"):
-            if run_dir.is_dir():
-                backend.terminate_run(run_dir.name)
+        end_every_box(store)
 
 
 def wait_for_dag(client: httpx.Client, timeout_s: float = 180) -> None:

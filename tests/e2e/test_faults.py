@@ -23,7 +23,13 @@ from typing import Any
 
 import httpx
 import pytest
-from burstcv_airflow_stack import AirflowStack, _start, airflow_stack, burstcv_env
+from burstcv_airflow_stack import (
+    AirflowStack,
+    _start,
+    airflow_stack,
+    burstcv_env,
+    end_every_box,
+)
 from burstcv_testkit import make_job
 
 from burstcv.airflow.health import check
@@ -54,10 +60,7 @@ def stack(store: Path, demo_dataset: Path) -> Iterator[AirflowStack]:
         with airflow_stack(env, executor="LocalExecutor", components=STACK, home=home) as up:
             yield up
     finally:
-        backend = LocalBackend(str(store / "compute"))
-        for run_dir in (store / "compute").glob("*"):
-            if run_dir.is_dir():
-                backend.terminate_run(run_dir.name)
+        end_every_box(store)
 
 
 def wait_until(
