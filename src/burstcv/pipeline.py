@@ -22,7 +22,7 @@ import pandas as pd
 
 from burstcv import lineage
 from burstcv.compute.backends import get_backend
-from burstcv.compute.base import STOPPED, InstanceInfo, LaunchRequest
+from burstcv.compute.base import WORKING, InstanceInfo, LaunchRequest
 from burstcv.compute.reaper import RunActivity, RunActivityCheck
 from burstcv.data.imagesize import choose_image_size
 from burstcv.params import EXPORT_PARAMS, TRAINING_PARAMS, RunParams
@@ -427,24 +427,62 @@ def run_cost_so_far(backend_name: str, instances: list[InstanceInfo]) -> float:
     return total
 
 
-def relaunch(provisioned: Provisioned) -> int:
+def resumable(outcome: dict[str, Any]) -> bool:
+    """Return whether an attempt's outcome may be resumed by a new box.
+
+    A box that vanished (spot reclaim, crash, shutting down without a marker) or was
+    interrupted on purpose left a checkpoint to continue from; a job that failed on its own
+    would fail again.
+    """
+    return outcome.get("status") == "lost" or (
+        outcome.get("status") == "failed" and bool(outcome.get("resumable"))
+    )
+
+
+def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
     """Start the run's next attempt after a lost or interrupted box; return the attempt.
 
-    The job resumes from its last checkpoint. A box of the run that still runs is waited for
-    rather than doubled. The budget is the run's, not the attempt's: past the run's deadline,
-    or once its boxes have cost max_cost_usd, nothing is relaunched (TrainingFailed).
+    The job resumes from its last checkpoint. While the attempt still has a working box and no
+    marker, or once it is done, nothing starts and its own number comes back. An attempt that
+    ended resumable (its boxes shutting down, stopped or gone without a marker, or a resumable
+    FAILED) is relaunched; any of its boxes still up is terminated first (its checkpoint is
+    written before the marker). A final failure raises TrainingFailed with the box's reason.
+
+    Relaunches are bounded by the run, not the attempt: past the run's deadline, once its boxes
+    have cost max_cost_usd, or after BURSTCV_MAX_RELAUNCHES relaunches (a run whose boxes
+    keep vanishing is more likely broken than unlucky), nothing is relaunched (TrainingFailed).
     """
+    s = settings or get_settings()
     backend_name, run_key = provisioned.backend, provisioned.run.run_key
     attempt = current_attempt(provisioned.output_uri)
-    instances = get_backend(backend_name).describe(run_key)
-    if any(i.state != STOPPED for i in instances):
+    outcome = training_outcome(run_key, backend_name, provisioned.output_uri, attempt)
+    if outcome["status"] in ("running", "done"):
         return attempt
+    if not resumable(outcome):
+        raise TrainingFailed(failure_line(outcome))
+    backend = get_backend(backend_name)
+    instances = backend.describe(run_key)
+    still_up = [i.instance_id for i in instances if i.state in WORKING]
+    if still_up:
+        log.warning(
+            "run %s: attempt %d ended (%s); terminating its boxes still up %s",
+            run_key,
+            attempt,
+            failure_line(outcome),
+            still_up,
+        )
+        backend.terminate(still_up)
     launch = provisioned.launch
     deadline = launch.deadline_at
     if lineage.utc_now() >= deadline:
         raise TrainingFailed(
             f"the run's deadline {deadline.isoformat()} has passed; no relaunch after attempt "
             f"{attempt} (raise max_cost_usd or time_budget_s for a longer run)"
+        )
+    if attempt > s.max_relaunches:
+        raise TrainingFailed(
+            f"attempt {attempt} ended ({failure_line(outcome)}) and the run has been "
+            f"relaunched {attempt - 1} times, its limit; no relaunch (BURSTCV_MAX_RELAUNCHES)"
         )
     spent = run_cost_so_far(backend_name, instances)
     budget = provisioned.max_cost_usd
@@ -454,8 +492,11 @@ def relaunch(provisioned: Provisioned) -> int:
         )
     ids = _launch(backend_name, launch, provisioned.output_uri, attempt=attempt + 1)
     log.warning(
-        "run %s: attempt %d on %s resumes from the checkpoint (spent so far $%.2f)",
+        "run %s: attempt %d ended (%s); attempt %d on %s resumes from the checkpoint "
+        "(spent so far $%.2f)",
         run_key,
+        attempt,
+        outcome.get("reason", outcome["status"]),
         attempt + 1,
         ids,
         spent,

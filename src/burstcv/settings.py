@@ -92,6 +92,10 @@ class Settings(BaseSettings):
     # Comma-separated EC2 regions the reaper looks in; empty: every region enabled for the
     # account (so every region burstcv ever launched in, whatever the settings said then).
     reaper_regions: str = ""
+    # Relaunches of a run's training after a lost or interrupted box (spot reclaim), within
+    # the same train task try; the run's deadline and max_cost_usd bound them too. A run whose
+    # boxes keep vanishing is more likely broken (a boot that cannot start) than unlucky.
+    max_relaunches: int = Field(default=3, ge=0)
     gpu_pool: str = "burstcv_gpu"  # Airflow pool that bounds live training boxes
     gpu_pool_slots: int = 4  # set to the account's GPU instance quota
 

@@ -25,6 +25,7 @@ from typing import Any, Literal
 from botocore.exceptions import BotoCoreError, ClientError
 
 from burstcv.compute.base import (
+    ENDING,
     PENDING,
     RUNNING,
     STOPPED,
@@ -34,6 +35,7 @@ from burstcv.compute.base import (
     TAG_MANAGED,
     TAG_NAME,
     TAG_RUN_ID,
+    WORKING,
     InstanceInfo,
     LaunchRequest,
     TerminationReport,
@@ -77,13 +79,14 @@ _SETTING_OF_ERROR = (
 BACKSTOP_TARGET_ARN = "arn:aws:scheduler:::aws-sdk:ec2:terminateInstances"
 BACKSTOP_GROUP = "default"
 
-# EC2 states that still exist (and may still bill, if only for EBS) versus gone.
+# EC2 states: working, ending (still exists and may still bill, if only for EBS, but will
+# never train again: a reclaimed spot box is shutting-down for minutes), or gone.
 _EC2_TO_STATE = {
     "pending": PENDING,
     "running": RUNNING,
-    "shutting-down": RUNNING,
-    "stopping": RUNNING,
-    "stopped": RUNNING,  # a stopped instance keeps its volume (and its bill): not gone
+    "shutting-down": ENDING,
+    "stopping": ENDING,
+    "stopped": ENDING,  # a stopped instance keeps its volume (and its bill): not gone
     "terminated": STOPPED,
 }
 _LIVE_EC2_STATES = ["pending", "running", "shutting-down", "stopping", "stopped"]
@@ -277,9 +280,10 @@ class Ec2Backend:
         """Start the run's instance(s), spot first, and return their ids.
 
         Idempotent: when instances tagged with the run id are already pending or running
-        (a retried task), returns those instead of starting more.
+        (a retried task), returns those instead of starting more. One that is shutting down
+        or stopped (a reclaimed spot box) is no reason not to launch.
         """
-        existing = [i.instance_id for i in self.describe(request.run_id) if i.state != STOPPED]
+        existing = [i.instance_id for i in self.describe(request.run_id) if i.state in WORKING]
         if existing:
             log.info("run %s already has live instances %s", request.run_id, existing)
             return existing
