@@ -62,13 +62,19 @@ CAPACITY_ERRORS = frozenset(
 # spot is unavailable to this account but on-demand still works.
 SPOT_ROLE_ERRORS = frozenset({"AuthFailure.ServiceLinkedRoleCreationNotPermitted"})
 NEXT_OPTION_ERRORS = CAPACITY_ERRORS | SPOT_ROLE_ERRORS
+# Refusals of one Availability Zone (capacity, and whether it offers the type at all are per
+# AZ): the same option is tried in the next subnet first. The others (quotas, the spot role)
+# are the account's: no other AZ would answer differently.
+ZONE_ERRORS = frozenset(
+    {"InsufficientInstanceCapacity", "InsufficientCapacity", "Unsupported", "SpotMaxPriceTooLow"}
+)
 # Dry-run refusals that mean "this identity may not", as opposed to a wrong parameter.
 _PERMISSION_ERRORS = ("UnauthorizedOperation", "AccessDenied", "AuthFailure", "Blocked")
 # Parameter errors, and the setting that supplies the parameter (matched in the error's code
 # and message, lower-cased and without spaces).
 _SETTING_OF_ERROR = (
     ("invalidamiid", "BURSTCV_EC2_AMI"),
-    ("subnet", "BURSTCV_EC2_SUBNET_ID"),
+    ("subnet", "BURSTCV_EC2_SUBNET_IDS"),
     ("securitygroup", "BURSTCV_EC2_SECURITY_GROUP_IDS"),
     ("invalidgroup", "BURSTCV_EC2_SECURITY_GROUP_IDS"),
     ("instanceprofile", "BURSTCV_EC2_INSTANCE_PROFILE"),
@@ -119,6 +125,17 @@ class LaunchAttempt:
     market: Literal["spot", "on-demand"]
 
 
+@dataclass(frozen=True)
+class Subnet:
+    """Name one subnet a launch may use, and its Availability Zone (None: EC2's choice)."""
+
+    subnet_id: str | None
+    zone: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.subnet_id} ({self.zone})" if self.subnet_id else "EC2's default subnet"
+
+
 def launch_plan(instance_types: Iterable[str], use_spot: bool) -> list[LaunchAttempt]:
     """Return the options in order: spot on every type, then on-demand on every type."""
     types = list(instance_types)
@@ -126,14 +143,19 @@ def launch_plan(instance_types: Iterable[str], use_spot: bool) -> list[LaunchAtt
     return plan + [LaunchAttempt(t, "on-demand") for t in types]
 
 
-def client_token(run_id: str, attempt: int, option: LaunchAttempt) -> str:
-    """Return the RunInstances ClientToken of one option of one launch attempt of a run.
+def client_token(
+    run_id: str, attempt: int, option: LaunchAttempt, subnet_id: str | None = None
+) -> str:
+    """Return the RunInstances ClientToken of one option, in one subnet, of one launch attempt.
 
     EC2 answers a repeated token with the first call's instances instead of starting more,
     so a retried call (a lost response, a retried task) cannot double-launch; a relaunch is a
-    new attempt and gets a new token. At most 64 ASCII characters, as EC2 requires.
+    new attempt, and another subnet other parameters, and each gets a new token. At most 64
+    ASCII characters, as EC2 requires.
     """
     key = f"{run_id}|{attempt}|{option.instance_type}|{option.market}"
+    if subnet_id:
+        key += f"|{subnet_id}"
     return "burstcv-" + hashlib.sha256(key.encode()).hexdigest()[:48]
 
 
@@ -313,30 +335,20 @@ class Ec2Backend:
         image_id = self.resolve_ami()
         base_params = self._run_params(request, image_id, user_data, expires_at)
 
+        subnets = self.launch_subnets()
         refusals: list[str] = []
         for option in self.plan(request):
-            params = self._option_params(base_params, option)
-            # Zero cost: a missing permission or a wrong setting fails here, before renting.
-            refused = self._dry_run(params, option)
-            if refused is None:
-                params["ClientToken"] = client_token(request.run_id, request.attempt, option)
-                refused, ids = self._run(params, request.run_id)
-            if refused is not None:
-                refusals.append(f"{option.instance_type} {option.market}: {refused}")
-                log.warning(
-                    "no %s %s for run %s (%s); trying the next option",
-                    option.instance_type,
-                    option.market,
-                    request.run_id,
-                    refused,
-                )
+            launched = self._launch_option(request, base_params, option, subnets, refusals)
+            if launched is None:
                 continue
+            subnet, ids = launched
             log.info(
-                "run %s: launched %s as %s %s (expires %s)",
+                "run %s: launched %s as %s %s in %s (expires %s)",
                 request.run_id,
                 ids,
                 option.instance_type,
                 option.market,
+                subnet,
                 format_expiry(expires_at),
             )
             try:
@@ -349,10 +361,75 @@ class Ec2Backend:
                 raise
             return ids
         raise CapacityUnavailableError(
-            f"no capacity for run {request.run_id}: tried "
+            f"no capacity for run {request.run_id} in {len(subnets)} subnet(s): tried "
             + "; ".join(refusals)
             + " (a quota of 0 vCPUs looks the same: docs/aws.md, one-time account setup)"
         )
+
+    def _launch_option(
+        self,
+        request: LaunchRequest,
+        base_params: dict[str, Any],
+        option: LaunchAttempt,
+        subnets: list[Subnet],
+        refusals: list[str],
+    ) -> tuple[Subnet, list[str]] | None:
+        """Launch one option in the first subnet that has room; None (refusals noted) if none.
+
+        A refusal of the zone (no capacity there) moves to the next subnet; a refusal of the
+        account (a quota, the spot role) ends this option at once.
+        """
+        for subnet in subnets:
+            params = self._option_params(base_params, option, subnet)
+            # Zero cost: a missing permission or a wrong setting fails here, before renting.
+            refused = self._dry_run(params, option)
+            if refused is None:
+                params["ClientToken"] = client_token(
+                    request.run_id, request.attempt, option, subnet.subnet_id
+                )
+                refused, ids = self._run(params, request.run_id)
+                if refused is None:
+                    return subnet, ids
+            refusals.append(f"{option.instance_type} {option.market} in {subnet}: {refused}")
+            zone_only = refused in ZONE_ERRORS
+            log.warning(
+                "no %s %s for run %s in %s (%s); trying the next %s",
+                option.instance_type,
+                option.market,
+                request.run_id,
+                subnet,
+                refused,
+                "subnet" if zone_only else "option",
+            )
+            if not zone_only:
+                return None
+        return None
+
+    def launch_subnets(self) -> list[Subnet]:
+        """Return the subnets a launch tries, in order, with their Availability Zones.
+
+        BURSTCV_EC2_SUBNET_IDS as listed; unset, the default subnet of every AZ of the region
+        (by AZ name), so a capacity shortage in one AZ is not the end of the run; with no
+        default VPC, EC2's own choice (which then asks for a subnet).
+        """
+        s = self.settings
+        try:
+            if s.subnet_ids:
+                found = self.client.describe_subnets(SubnetIds=list(s.subnet_ids))["Subnets"]
+                zones = {sub["SubnetId"]: sub["AvailabilityZone"] for sub in found}
+                return [Subnet(sid, zones.get(sid, "")) for sid in s.subnet_ids]
+            found = self.client.describe_subnets(
+                Filters=[{"Name": "default-for-az", "Values": ["true"]}]
+            )["Subnets"]
+        except ClientError as exc:
+            raise LaunchCheckError(
+                f"the subnets {list(s.subnet_ids)} cannot be read in {s.region} "
+                f"({_error_code(exc)}: {_error_message(exc)}); check BURSTCV_EC2_SUBNET_IDS"
+            ) from exc
+        defaults = sorted(found, key=lambda sub: str(sub["AvailabilityZone"]))
+        if not defaults:
+            return [Subnet(None)]
+        return [Subnet(sub["SubnetId"], sub["AvailabilityZone"]) for sub in defaults]
 
     def plan(self, request: LaunchRequest) -> list[LaunchAttempt]:
         """Return a launch's options in order: the run's choices, else this deployment's.
@@ -375,9 +452,11 @@ class Ec2Backend:
         image_id = self.resolve_ami()
         base_params = self._run_params(request, image_id, "#!/bin/bash\n", expires_at)
         results: list[tuple[LaunchAttempt, str]] = []
+        first_subnet = self.launch_subnets()[0]
         for option in self.plan(request):
             try:
-                refused = self._dry_run(self._option_params(base_params, option), option)
+                params = self._option_params(base_params, option, first_subnet)
+                refused = self._dry_run(params, option)
             except LaunchCheckError as exc:
                 refused = str(exc)
             results.append((option, refused or ""))
@@ -410,8 +489,12 @@ class Ec2Backend:
             )
         return ""
 
-    def _option_params(self, base_params: dict[str, Any], option: LaunchAttempt) -> dict[str, Any]:
+    def _option_params(
+        self, base_params: dict[str, Any], option: LaunchAttempt, subnet: Subnet
+    ) -> dict[str, Any]:
         params = dict(base_params, InstanceType=option.instance_type)
+        if subnet.subnet_id:
+            params["SubnetId"] = subnet.subnet_id
         if option.market == "spot":
             params["InstanceMarketOptions"] = {
                 "MarketType": "spot",
@@ -682,8 +765,6 @@ class Ec2Backend:
         if s.instance_profile:
             key = "Arn" if s.instance_profile.startswith("arn:") else "Name"
             params["IamInstanceProfile"] = {key: s.instance_profile}
-        if s.subnet_id:
-            params["SubnetId"] = s.subnet_id
         if s.security_group_ids:
             params["SecurityGroupIds"] = list(s.security_group_ids)
         return params
