@@ -277,6 +277,7 @@ class InstanceRecord(Contract):
     stopped_at: str | None = Field(default=None, description="ISO 8601 stop time")
     airflow_run_id: str = Field(default="", description="the Airflow run id tag")
     image_id: str = Field(default="", description="the AMI it booted (ec2)")
+    zone: str = Field(default="", description="its Availability Zone (ec2)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,6 +453,24 @@ class TriggerHeartbeat(Artifact):
     every_s: float = Field(gt=0, description="seconds between two writes while it runs")
 
 
+class PriceQuote(Artifact):
+    """`prices/<region>/<type>/<market>.json`: one hourly price, where and when it came from.
+
+    Fetched by the orchestrator (the AWS Price List API for on-demand, the EC2 spot price
+    history for the Availability Zone launched) and cached in the artifact store; the bundled
+    table only when AWS cannot be asked.
+    """
+
+    instance_type: str = Field(description="EC2 instance type")
+    region: str = Field(description="AWS region")
+    market: str = Field(description="on-demand or spot")
+    zone: str = Field(default="", description="the Availability Zone (spot), else empty")
+    usd_per_hour: float = Field(ge=0, description="USD per instance-hour, Linux")
+    source: str = Field(description="which API (or the bundled table) gave it")
+    as_of: str = Field(description="ISO 8601 UTC of the price itself (the table's date)")
+    fetched_at: str = Field(description="ISO 8601 UTC of when it was read")
+
+
 class Billing(Artifact):
     """`runs/<run_key>/job/billing.json`: what teardown terminated and what it cost."""
 
@@ -595,6 +614,7 @@ ARTIFACTS: tuple[type[Artifact], ...] = (
     SkipRecord,
     AttemptRecord,
     TriggerHeartbeat,
+    PriceQuote,
     Billing,
     LatencyRecord,
     VerdictRecord,

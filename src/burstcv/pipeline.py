@@ -102,7 +102,8 @@ def validate(run: RunRef, params: RunParams, settings: Settings | None = None) -
     )
     try:
         params.check_weights()  # the form cannot check weights; fail before renting anything
-    except ValueError as exc:
+        bounded_time_budget(params, s)  # a run nobody can price fails here, not at provision
+    except (ValueError, StageError) as exc:
         raise ValidationFailed(str(exc)) from exc
     try:
         report = validate_dataset(
@@ -290,7 +291,7 @@ def provision(
 
     s = settings or get_settings()
     paths = run_layout(run, s)
-    time_budget_s = bounded_time_budget(params)
+    time_budget_s = bounded_time_budget(params, s)
     deadline_at = lineage.utc_now() + timedelta(seconds=time_budget_s)
     wheel_uri, wheel_sha256, require_cuda = "", "", False
     if params.compute_backend == "ec2":
@@ -407,23 +408,40 @@ def current_attempt(output_uri: str) -> int:
     return read_artifact(uri, AttemptRecord).attempt if storage.exists(uri) else 1
 
 
-def run_cost_so_far(backend_name: str, instances: list[InstanceInfo]) -> float:
-    """Return what the run's boxes have cost until now (every attempt; local compute is free)."""
+def run_cost_so_far(
+    backend_name: str, instances: list[InstanceInfo], candidates: list[str] | None = None
+) -> float:
+    """Return what the run's boxes have cost until now (every attempt; local compute is free).
+
+    Each box at the price AWS quotes for it (spot: in its AZ); a box nobody can price counts
+    at the highest known on-demand price of the run's ``candidates``, so the budget sees it.
+    """
     if backend_name != "ec2":
         return 0.0
-    from burstcv.cost.pricing import UnknownPriceError, billed_seconds, cost_for_seconds
+    from burstcv.compute.ec2 import Ec2Backend
+    from burstcv.cost.pricing import billed_seconds
     from burstcv.settings import Ec2Settings
 
-    region = Ec2Settings().region
-    now, total = lineage.utc_now(), 0.0
+    backend = Ec2Backend(Ec2Settings())
+    now, total, fallback = lineage.utc_now(), 0.0, None
     for info in instances:
         if info.launched_at is None:
             continue
         seconds = billed_seconds(info.launched_at, max(info.stopped_at or now, info.launched_at))
-        try:
-            total += cost_for_seconds(info.instance_type, region, info.lifecycle, seconds)
-        except UnknownPriceError as exc:
-            log.warning("run cost leaves out %s: %s", info.instance_id, exc)
+        usd_per_hour = backend.hourly_price(info)
+        if usd_per_hour is None:
+            if fallback is None:
+                known = candidate_prices(candidates or [info.instance_type]).values()
+                fallback = max((usd for usd in known if usd is not None), default=0.0)
+            log.warning(
+                "no price for %s %s; counted at the highest known price of the run's types, "
+                "$%.4f/h",
+                info.lifecycle,
+                info.instance_type,
+                fallback,
+            )
+            usd_per_hour = fallback
+        total += usd_per_hour * seconds / 3600.0
     return total
 
 
@@ -484,7 +502,7 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
             f"attempt {attempt} ended ({failure_line(outcome)}) and the run has been "
             f"relaunched {attempt - 1} times, its limit; no relaunch (BURSTCV_MAX_RELAUNCHES)"
         )
-    spent = run_cost_so_far(backend_name, instances)
+    spent = run_cost_so_far(backend_name, instances, launch.instance_types)
     budget = provisioned.max_cost_usd
     if budget and spent >= budget:
         raise TrainingFailed(
@@ -504,20 +522,71 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
     return attempt + 1
 
 
-def bounded_time_budget(params: RunParams) -> int:
+def candidate_prices(
+    instance_types: list[str], settings: Settings | None = None
+) -> dict[str, float | None]:
+    """Return the on-demand $/hour of each candidate type (None: nobody knows it).
+
+    On-demand is a launch's worst case (spot falls back to it). Quoted from AWS through the
+    EC2 backend's connection, cached in the artifact store, the bundled table only offline.
+    """
+    from burstcv.compute.ec2 import Ec2Backend
+    from burstcv.cost.quotes import quote
+    from burstcv.settings import Ec2Settings
+
+    s = settings or get_settings()
+    backend = Ec2Backend(Ec2Settings())
+    sources = backend.price_sources(s.artifact_root)
+    region = backend.settings.region
+    prices: dict[str, float | None] = {}
+    for instance_type in instance_types:
+        found = quote(instance_type, region, "on-demand", sources)
+        prices[instance_type] = None if found is None else found.usd_per_hour
+    return prices
+
+
+def bounded_time_budget(params: RunParams, settings: Settings | None = None) -> int:
     """Return the run's time budget, lowered so the most expensive launch stays under max_cost_usd.
 
     The worst case is on-demand on the priciest allowed type (spot may fall back to it); the
-    training box's watchdog is armed from this number, so it is what bounds the bill.
+    training box's watchdog is armed from this number, so it is what bounds the bill. A type
+    nobody can price is assumed to cost the highest known price of the others; if none of
+    them has a price, StageError says what to set.
     """
     if params.compute_backend == "local":
         return params.time_budget_s
-    from burstcv.cost.pricing import hourly_price, time_budget_for
+    from burstcv.cost.pricing import time_budget_for
     from burstcv.settings import Ec2Settings
 
     region = Ec2Settings().region
-    priciest = max(params.instance_types, key=lambda t: hourly_price(t, region, "on-demand"))
-    return time_budget_for(params.max_cost_usd, priciest, region, "on-demand", params.time_budget_s)
+    prices = candidate_prices(list(params.instance_types), settings)
+    known = {t: usd for t, usd in prices.items() if usd is not None}
+    if not known:
+        raise StageError(
+            f"no price for any of the run's instance types ({', '.join(prices)}) in {region}: "
+            "the AWS Price List API did not answer and the bundled table has none; allow "
+            "pricing:GetProducts to the orchestrator (deploy/iam-policy.json) or set "
+            "BURSTCV_PRICE_TABLE to a table that prices one of them"
+        )
+    priciest = max(known, key=lambda t: known[t])
+    unpriced = [t for t, usd in prices.items() if usd is None]
+    if unpriced:
+        log.warning(
+            "no price for %s in %s; the budget counts them at the highest known price, "
+            "%s's $%.4f/h",
+            ", ".join(unpriced),
+            region,
+            priciest,
+            known[priciest],
+        )
+    return time_budget_for(
+        params.max_cost_usd,
+        priciest,
+        region,
+        "on-demand",
+        params.time_budget_s,
+        usd_per_hour=known[priciest],
+    )
 
 
 def reap(
@@ -651,8 +720,8 @@ def progress_lines(
         for i in instances
         if i.launched_at is not None
     )
-    spent = run_cost_so_far(backend_name, instances)
     job = JobSpec.model_validate(storage.read_json(storage.join(output_uri, "job.json")))
+    spent = run_cost_so_far(backend_name, instances)
     if job.deadline_at is not None:
         left_s = max(0.0, (job.deadline_at - now).total_seconds())
         budget = f"{left_s / 60:.1f} min left before the run's deadline"

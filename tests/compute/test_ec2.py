@@ -33,8 +33,10 @@ from burstcv.compute.ec2 import (
     parse_expiry,
 )
 from burstcv.cost.pricing import hourly_price
+from burstcv.cost.quotes import SOURCE_SPOT_HISTORY, quote_uri
 from burstcv.params import RunParams
-from burstcv_spec.contracts import Packed, PreprocessBlock, RunRef
+from burstcv.settings import get_settings
+from burstcv_spec.contracts import Packed, PreprocessBlock, PriceQuote, RunRef, read_artifact
 from burstcv_spec.preprocess import PreprocessSpec
 
 DAG_ID = "burstcv_train"
@@ -185,13 +187,19 @@ def test_launch_spells_out_every_safe_default(
     assert 'shutdown -h "+$WATCHDOG_MIN"' in user_data
     assert f"s3://never-read/runs/{run_id}/job/job.json" in user_data
 
+    (info,) = backend.describe(run_id)
     report = backend.terminate_run(run_id)
     assert report.instance_ids == ids
     assert kit.live_managed() == []
     assert ec2_client.describe_volumes(VolumeIds=[])["Volumes"] == []  # deleted with the box
     assert report.billed_seconds[ids[0]] == 60.0  # the one-minute minimum
-    expected = hourly_price("g6.xlarge", "us-east-1", "spot") * 60 / 3600
-    assert report.cost_usd == pytest.approx(expected)
+    # At the spot price AWS quotes for the box's own AZ, cached with its source.
+    spot = read_artifact(
+        quote_uri(get_settings().artifact_root, "g6.xlarge", "us-east-1", "spot", info.zone),
+        PriceQuote,
+    )
+    assert spot.source == SOURCE_SPOT_HISTORY and info.zone == "us-east-1a"
+    assert report.cost_usd == pytest.approx(spot.usd_per_hour * 60 / 3600)
 
 
 def test_launch_is_idempotent_for_a_live_run(

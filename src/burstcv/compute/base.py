@@ -82,6 +82,7 @@ class InstanceInfo:
     stopped_at: datetime | None = None
     airflow_run_id: str = ""
     image_id: str = ""  # the AMI the box booted (ec2), recorded in billing.json
+    zone: str = ""  # its Availability Zone (ec2): where its spot price is quoted
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-ready dict (datetimes as ISO strings)."""

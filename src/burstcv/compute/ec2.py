@@ -41,7 +41,8 @@ from burstcv.compute.base import (
     TerminationReport,
 )
 from burstcv.compute.userdata import UserDataSpec, expiry_of, render_user_data
-from burstcv.cost.pricing import UnknownPriceError, billed_seconds, cost_for_seconds
+from burstcv.cost.pricing import PRICING_API_REGION, billed_seconds
+from burstcv.cost.quotes import PriceSources, quote
 from burstcv.settings import Ec2Settings
 
 log = logging.getLogger(__name__)
@@ -234,6 +235,7 @@ def _info(instance: dict[str, Any]) -> InstanceInfo:
         stopped_at=_stopped_at(instance),
         airflow_run_id=tags.get(TAG_AIRFLOW_RUN_ID, ""),
         image_id=instance.get("ImageId", ""),
+        zone=instance.get("Placement", {}).get("AvailabilityZone", ""),
     )
 
 
@@ -259,15 +261,42 @@ class Ec2Backend:
         )
         return hook.conn
 
-    def _aws_client(self, client_type: str) -> Any:
+    def _aws_client(self, client_type: str, region: str | None = None) -> Any:
         from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
 
         hook = AwsBaseHook(
             aws_conn_id=self.settings.aws_conn_id,
             client_type=client_type,
-            region_name=self.settings.region,
+            region_name=region or self.settings.region,
         )
         return hook.conn
+
+    @cached_property
+    def pricing(self) -> Any:
+        """Return the Price List API client (its endpoint is in us-east-1, for every region)."""
+        return self._aws_client("pricing", PRICING_API_REGION)
+
+    def price_sources(self, artifact_root: str | None = None) -> PriceSources:
+        """Return where this backend's prices come from: AWS, cached in the artifact store."""
+        from burstcv.settings import get_settings
+
+        return PriceSources(
+            artifact_root=artifact_root or get_settings().artifact_root,
+            pricing=lambda: self.pricing,
+            ec2=lambda: self.client,
+        )
+
+    def hourly_price(self, info: InstanceInfo, sources: PriceSources | None = None) -> float | None:
+        """Return what one of this backend's boxes costs an hour (spot: in its AZ), or None."""
+        market = "spot" if info.lifecycle == "spot" else "on-demand"
+        found = quote(
+            info.instance_type,
+            self.settings.region,
+            market,
+            sources or self.price_sources(),
+            zone=info.zone if market == "spot" else "",
+        )
+        return None if found is None else found.usd_per_hour
 
     @cached_property
     def scheduler(self) -> Any:
@@ -664,8 +693,9 @@ class Ec2Backend:
     def terminate_run(self, run_id: str) -> TerminationReport:
         """Terminate every instance tagged with the run id, wait until gone, report cost.
 
-        Instances that already shut themselves down are billed too. A type missing from the
-        price table is logged and left out of the cost rather than failing the teardown.
+        Instances that already shut themselves down are billed too, at the price AWS quotes
+        for their type (spot: in their AZ). A price nobody knows is logged and left out of the
+        cost rather than failing the teardown.
         """
         described = self.describe(run_id)
         live = [i.instance_id for i in described if i.state != STOPPED]
@@ -683,12 +713,17 @@ class Ec2Backend:
             stopped = info.stopped_at or observed_at
             seconds = billed_seconds(info.launched_at, max(stopped, info.launched_at))
             report.billed_seconds[info.instance_id] = float(seconds)
-            try:
-                report.cost_usd += cost_for_seconds(
-                    info.instance_type, self.settings.region, info.lifecycle, seconds
+            usd_per_hour = self.hourly_price(info)
+            if usd_per_hour is None:
+                log.warning(
+                    "run %s: no price for %s %s in %s; left out of the cost",
+                    run_id,
+                    info.lifecycle,
+                    info.instance_type,
+                    self.settings.region,
                 )
-            except UnknownPriceError as exc:
-                log.warning("run %s: %s; left out of the cost", run_id, exc)
+                continue
+            report.cost_usd += usd_per_hour * seconds / 3600.0
         log.info(
             "run %s: %d instance(s) gone, billed %s, $%.4f",
             run_id,
