@@ -22,7 +22,7 @@ import pandas as pd
 
 from burstcv import lineage
 from burstcv.compute.backends import get_backend
-from burstcv.compute.base import WORKING, InstanceInfo, LaunchRequest
+from burstcv.compute.base import STOPPED, WORKING, ComputeBackend, InstanceInfo, LaunchRequest
 from burstcv.compute.reaper import RunActivity, RunActivityCheck
 from burstcv.data.imagesize import choose_image_size
 from burstcv.params import EXPORT_PARAMS, TRAINING_PARAMS, RunParams
@@ -394,55 +394,67 @@ def _launch(backend_name: str, launch: Launch, job_dir: str, attempt: int) -> li
         wheel_uri=launch.wheel_uri,
         wheel_sha256=launch.wheel_sha256,
     )
-    ids = get_backend(backend_name).launch(request)
+    backend = get_backend(backend_name)
+    ids = backend.launch(request)
     write_artifact(
         storage.join(job_dir, ATTEMPT_FILE),
         AttemptRecord(attempt=attempt, instance_ids=ids, launched_at=lineage.utc_now_iso()),
     )
+    _record_launch(backend_name, backend, launch, job_dir, attempt, ids)
     return ids
+
+
+def _record_launch(
+    backend_name: str,
+    backend: ComputeBackend,
+    launch: Launch,
+    job_dir: str,
+    attempt: int,
+    ids: list[str],
+) -> None:
+    """Write the attempt's launch record: each box's place, price (quoted now) and launch."""
+    from burstcv.compute.billing import record_launch
+    from burstcv.compute.ec2 import Ec2Backend
+
+    region = ""
+    fallback: list[float] = []
+
+    def price_of(info: InstanceInfo) -> tuple[float, str]:
+        if not isinstance(backend, Ec2Backend):
+            return 0.0, "local compute"
+        found = backend.price_quote(info)
+        if found is not None:
+            return found.usd_per_hour, f"{found.source}, {found.as_of}"
+        if not fallback:  # a price nobody has: the highest known of the run's types
+            known = candidate_prices(launch.instance_types or [info.instance_type]).values()
+            fallback.append(max((usd for usd in known if usd is not None), default=0.0))
+        log.warning(
+            "no price for %s %s; billed at the highest known price of the run's types, $%.4f/h",
+            info.lifecycle,
+            info.instance_type,
+            fallback[0],
+        )
+        return fallback[0], "no quote: the highest known price of the run's types"
+
+    if isinstance(backend, Ec2Backend):
+        region = backend.settings.region
+    record_launch(
+        job_dir,
+        attempt,
+        run_key=launch.run.run_key,
+        dag_id=launch.dag_id,
+        backend=backend_name,
+        region=region,
+        boxes=[i for i in backend.describe(launch.run.run_key) if i.instance_id in ids],
+        price_of=price_of,
+        now=lineage.utc_now(),
+    )
 
 
 def current_attempt(output_uri: str) -> int:
     """Return the run's latest launched attempt (1 before any relaunch)."""
     uri = storage.join(output_uri, ATTEMPT_FILE)
     return read_artifact(uri, AttemptRecord).attempt if storage.exists(uri) else 1
-
-
-def run_cost_so_far(
-    backend_name: str, instances: list[InstanceInfo], candidates: list[str] | None = None
-) -> float:
-    """Return what the run's boxes have cost until now (every attempt; local compute is free).
-
-    Each box at the price AWS quotes for it (spot: in its AZ); a box nobody can price counts
-    at the highest known on-demand price of the run's ``candidates``, so the budget sees it.
-    """
-    if backend_name != "ec2":
-        return 0.0
-    from burstcv.compute.ec2 import Ec2Backend
-    from burstcv.cost.pricing import billed_seconds
-    from burstcv.settings import Ec2Settings
-
-    backend = Ec2Backend(Ec2Settings())
-    now, total, fallback = lineage.utc_now(), 0.0, None
-    for info in instances:
-        if info.launched_at is None:
-            continue
-        seconds = billed_seconds(info.launched_at, max(info.stopped_at or now, info.launched_at))
-        usd_per_hour = backend.hourly_price(info)
-        if usd_per_hour is None:
-            if fallback is None:
-                known = candidate_prices(candidates or [info.instance_type]).values()
-                fallback = max((usd for usd in known if usd is not None), default=0.0)
-            log.warning(
-                "no price for %s %s; counted at the highest known price of the run's types, "
-                "$%.4f/h",
-                info.lifecycle,
-                info.instance_type,
-                fallback,
-            )
-            usd_per_hour = fallback
-        total += usd_per_hour * seconds / 3600.0
-    return total
 
 
 def resumable(outcome: dict[str, Any]) -> bool:
@@ -502,7 +514,11 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
             f"attempt {attempt} ended ({failure_line(outcome)}) and the run has been "
             f"relaunched {attempt - 1} times, its limit; no relaunch (BURSTCV_MAX_RELAUNCHES)"
         )
-    spent = run_cost_so_far(backend_name, instances, launch.instance_types)
+    from burstcv.compute.billing import record_end, run_bill
+
+    now = lineage.utc_now()
+    record_end(provisioned.output_uri, attempt, instances, now)  # the attempt is over
+    spent = run_bill(provisioned.output_uri, attempt, now).cost_usd
     budget = provisioned.max_cost_usd
     if budget and spent >= budget:
         raise TrainingFailed(
@@ -713,15 +729,12 @@ def progress_lines(
     epochs = mine[already_logged:]
     if not epochs:
         return []
-    instances = get_backend(backend_name).describe(safe_run_id(run_id))
+    from burstcv.compute.billing import run_bill
+
     now = lineage.utc_now()
-    billed = sum(
-        (max(i.stopped_at or now, i.launched_at) - i.launched_at).total_seconds()
-        for i in instances
-        if i.launched_at is not None
-    )
+    bill = run_bill(output_uri, attempt, now)  # the attempt records, never the cloud's memory
+    billed, spent = sum(bill.billed_seconds.values()), bill.cost_usd
     job = JobSpec.model_validate(storage.read_json(storage.join(output_uri, "job.json")))
-    spent = run_cost_so_far(backend_name, instances)
     if job.deadline_at is not None:
         left_s = max(0.0, (job.deadline_at - now).total_seconds())
         budget = f"{left_s / 60:.1f} min left before the run's deadline"
@@ -782,11 +795,49 @@ def collect_training(
 
 
 def terminate(run: RunRef, backend_name: str, settings: Settings | None = None) -> Terminated:
-    """Terminate every instance tagged with the run and record billed seconds and cost."""
+    """Terminate every instance tagged with the run and record billed seconds and cost.
+
+    The bill comes from the attempts' launch and end records (each attempt's end written now
+    if it has none), never from DescribeInstances alone, which forgets terminated instances
+    after about an hour. A run launched before those records existed is billed as the
+    backend still sees it.
+    """
+    from burstcv.compute.billing import attempt_bills, record_end, run_bill
+
     backend = get_backend(backend_name)
     report = backend.terminate_run(run.run_key)
-    instances = [InstanceRecord.model_validate(i.to_dict()) for i in backend.describe(run.run_key)]
-    terminated = Terminated.model_validate(report.to_dict())
+    job_dir = run_layout(run, settings).job
+    last = current_attempt(job_dir)
+    described, now = backend.describe(run.run_key), lineage.utc_now()
+    for attempt in range(1, last + 1):
+        record_end(job_dir, attempt, described, now)
+    bill = run_bill(job_dir, last, now)
+    if bill.boxes:
+        instances = [
+            InstanceRecord(
+                instance_id=box.instance_id,
+                run_id=record.run_key,
+                dag_id=record.dag_id,
+                state=STOPPED,
+                instance_type=box.instance_type,
+                lifecycle=box.market,
+                launched_at=box.launched_at,
+                stopped_at=box.ended_at,
+                airflow_run_id=run.airflow_run_id,
+                image_id=box.image_id,
+                zone=box.zone,
+            )
+            for record in attempt_bills(job_dir, last)
+            for box in record.boxes
+        ]
+        terminated = Terminated(
+            instance_ids=[box.instance_id for box in bill.boxes],
+            billed_seconds=bill.billed_seconds,
+            cost_usd=bill.cost_usd,
+        )
+    else:
+        instances = [InstanceRecord.model_validate(i.to_dict()) for i in described]
+        terminated = Terminated.model_validate(report.to_dict())
     billing = Billing(
         **terminated.model_dump(),
         backend=backend_name,
@@ -796,9 +847,9 @@ def terminate(run: RunRef, backend_name: str, settings: Settings | None = None) 
     write_artifact(run_layout(run, settings).billing, billing)
     log.info(
         "terminated %s; billed seconds %s; cost $%.4f",
-        report.instance_ids,
-        report.billed_seconds,
-        report.cost_usd,
+        terminated.instance_ids,
+        terminated.billed_seconds,
+        terminated.cost_usd,
     )
     return terminated
 

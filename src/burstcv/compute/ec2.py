@@ -44,6 +44,7 @@ from burstcv.compute.userdata import UserDataSpec, expiry_of, render_user_data
 from burstcv.cost.pricing import PRICING_API_REGION, billed_seconds
 from burstcv.cost.quotes import PriceSources, quote
 from burstcv.settings import Ec2Settings
+from burstcv_spec.contracts import PriceQuote
 
 log = logging.getLogger(__name__)
 
@@ -286,16 +287,22 @@ class Ec2Backend:
             ec2=lambda: self.client,
         )
 
-    def hourly_price(self, info: InstanceInfo, sources: PriceSources | None = None) -> float | None:
-        """Return what one of this backend's boxes costs an hour (spot: in its AZ), or None."""
+    def price_quote(
+        self, info: InstanceInfo, sources: PriceSources | None = None
+    ) -> PriceQuote | None:
+        """Return the quoted hourly price of one of this backend's boxes (spot: in its AZ)."""
         market = "spot" if info.lifecycle == "spot" else "on-demand"
-        found = quote(
+        return quote(
             info.instance_type,
             self.settings.region,
             market,
             sources or self.price_sources(),
             zone=info.zone if market == "spot" else "",
         )
+
+    def hourly_price(self, info: InstanceInfo, sources: PriceSources | None = None) -> float | None:
+        """Return what one of this backend's boxes costs an hour (spot: in its AZ), or None."""
+        found = self.price_quote(info, sources)
         return None if found is None else found.usd_per_hour
 
     @cached_property
