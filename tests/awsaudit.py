@@ -111,6 +111,9 @@ class RecordingProxy:
         self.account_id = account_id
         self.instance_profile_roles = dict(instance_profile_roles or {})
         self.calls: list[AwsCall] = []
+        # Recorded responses for calls the emulator does not model (the Price List API):
+        # action -> (status, JSON body). The call is still recorded and audited.
+        self.answers: dict[str, tuple[int, bytes]] = {}
         self._lock = threading.Lock()
         handler = _handler_for(self)
         if sock is None:
@@ -227,7 +230,11 @@ def _handler_for(proxy: RecordingProxy) -> type[BaseHTTPRequestHandler]:
             body = self._body()
             headers = list(self.headers.items())
             call = describe_request(proxy, self.command, self.path, dict(self.headers), body)
-            status, out_headers, data = proxy.forward(self.command, self.path, headers, body)
+            if call.action in proxy.answers:
+                status, data = proxy.answers[call.action]
+                out_headers = [("Content-Type", "application/x-amz-json-1.1")]
+            else:
+                status, out_headers, data = proxy.forward(self.command, self.path, headers, body)
             call.status = status
             proxy.record(call)
             self.send_response(status)

@@ -350,3 +350,29 @@ def write_photo_dataset(root: Path, count: int = 96) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def reclaim_in_emulator(instance_id: str, region: str = "us-east-1") -> None:
+    """Put an emulated instance where a reclaimed spot box stays for minutes: shutting-down.
+
+    moto's TerminateInstances ends an instance at once; EC2 shows ``shutting-down`` first. The
+    emulator runs in this process (``localserver.moto_server``), so its instance is set there.
+    """
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.ec2.models import ec2_backends
+
+    instance = ec2_backends[DEFAULT_ACCOUNT_ID][region].get_instance(instance_id)
+    instance._state.name = "shutting-down"
+    instance._state.code = 32
+    instance._reason = "Server.SpotInstanceTermination: Spot instance termination"
+
+
+def forget_in_emulator(instance_ids: list[str], region: str = "us-east-1") -> None:
+    """Make the emulator forget instances, as EC2 does about an hour after their termination."""
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.ec2.models import ec2_backends
+
+    backend = ec2_backends[DEFAULT_ACCOUNT_ID][region]
+    for reservation_id, reservation in list(backend.reservations.items()):
+        if {i.id for i in reservation.instances} & set(instance_ids):
+            del backend.reservations[reservation_id]

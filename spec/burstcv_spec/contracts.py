@@ -277,6 +277,7 @@ class InstanceRecord(Contract):
     stopped_at: str | None = Field(default=None, description="ISO 8601 stop time")
     airflow_run_id: str = Field(default="", description="the Airflow run id tag")
     image_id: str = Field(default="", description="the AMI it booted (ec2)")
+    zone: str = Field(default="", description="its Availability Zone (ec2)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,6 +453,54 @@ class TriggerHeartbeat(Artifact):
     every_s: float = Field(gt=0, description="seconds between two writes while it runs")
 
 
+class PriceQuote(Artifact):
+    """`prices/<region>/<type>/<market>.json`: one hourly price, where and when it came from.
+
+    Fetched by the orchestrator (the AWS Price List API for on-demand, the EC2 spot price
+    history for the Availability Zone launched) and cached in the artifact store; the bundled
+    table only when AWS cannot be asked.
+    """
+
+    instance_type: str = Field(description="EC2 instance type")
+    region: str = Field(description="AWS region")
+    market: str = Field(description="on-demand or spot")
+    zone: str = Field(default="", description="the Availability Zone (spot), else empty")
+    usd_per_hour: float = Field(ge=0, description="USD per instance-hour, Linux")
+    source: str = Field(description="which API (or the bundled table) gave it")
+    as_of: str = Field(description="ISO 8601 UTC of the price itself (the table's date)")
+    fetched_at: str = Field(description="ISO 8601 UTC of when it was read")
+
+
+class BoxBill(Contract):
+    """Say where one box of one attempt ran, at what price, and from when to when."""
+
+    instance_id: str = Field(description="EC2 instance id or local process id")
+    instance_type: str = Field(default="", description="EC2 instance type")
+    market: str = Field(description="spot, on-demand or local")
+    zone: str = Field(default="", description="its Availability Zone (ec2)")
+    image_id: str = Field(default="", description="the AMI it booted (ec2)")
+    usd_per_hour: float = Field(ge=0, description="the price it is billed at, USD per hour")
+    price_source: str = Field(description="where that price came from, and its date")
+    launched_at: str = Field(description="ISO 8601 UTC launch time")
+    ended_at: str | None = Field(default=None, description="ISO 8601 UTC end; null: running")
+
+
+class AttemptBill(Artifact):
+    """`runs/<run_key>/job/attempts/<n>/{launch,end}.json`: one attempt's boxes, as billed.
+
+    Written when the attempt launches (``launch.json``, no end times) and when it ends
+    (``end.json``): billing.json, the budget and the progress lines read these records, never
+    the cloud's memory of terminated instances (EC2 lists them for about an hour).
+    """
+
+    attempt: int = Field(ge=1, description="1 for provision, +1 per relaunch")
+    run_key: str = Field(description="the run key the boxes are tagged with")
+    dag_id: str = Field(description="the DAG the boxes are tagged with")
+    backend: str = Field(description="compute backend: local or ec2")
+    region: str = Field(default="", description="AWS region (ec2)")
+    boxes: list[BoxBill] = Field(description="every box of the attempt")
+
+
 class Billing(Artifact):
     """`runs/<run_key>/job/billing.json`: what teardown terminated and what it cost."""
 
@@ -595,6 +644,8 @@ ARTIFACTS: tuple[type[Artifact], ...] = (
     SkipRecord,
     AttemptRecord,
     TriggerHeartbeat,
+    PriceQuote,
+    AttemptBill,
     Billing,
     LatencyRecord,
     VerdictRecord,

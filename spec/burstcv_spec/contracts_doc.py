@@ -20,6 +20,7 @@ from burstcv_spec.contracts import (
     SCHEMA_VERSION,
     STAGE_RESULTS,
     BenchFigures,
+    BoxBill,
     Contract,
     GateVerdict,
     HostInfo,
@@ -47,6 +48,7 @@ BLOCKS: tuple[type[Contract], ...] = (
     GateVerdict,
     Lineage,
     InstanceRecord,
+    BoxBill,
 )
 
 

@@ -22,7 +22,7 @@ import pandas as pd
 
 from burstcv import lineage
 from burstcv.compute.backends import get_backend
-from burstcv.compute.base import STOPPED, InstanceInfo, LaunchRequest
+from burstcv.compute.base import STOPPED, WORKING, ComputeBackend, InstanceInfo, LaunchRequest
 from burstcv.compute.reaper import RunActivity, RunActivityCheck
 from burstcv.data.imagesize import choose_image_size
 from burstcv.params import EXPORT_PARAMS, TRAINING_PARAMS, RunParams
@@ -102,7 +102,8 @@ def validate(run: RunRef, params: RunParams, settings: Settings | None = None) -
     )
     try:
         params.check_weights()  # the form cannot check weights; fail before renting anything
-    except ValueError as exc:
+        bounded_time_budget(params, s)  # a run nobody can price fails here, not at provision
+    except (ValueError, StageError) as exc:
         raise ValidationFailed(str(exc)) from exc
     try:
         report = validate_dataset(
@@ -290,7 +291,7 @@ def provision(
 
     s = settings or get_settings()
     paths = run_layout(run, s)
-    time_budget_s = bounded_time_budget(params)
+    time_budget_s = bounded_time_budget(params, s)
     deadline_at = lineage.utc_now() + timedelta(seconds=time_budget_s)
     wheel_uri, wheel_sha256, require_cuda = "", "", False
     if params.compute_backend == "ec2":
@@ -393,12 +394,61 @@ def _launch(backend_name: str, launch: Launch, job_dir: str, attempt: int) -> li
         wheel_uri=launch.wheel_uri,
         wheel_sha256=launch.wheel_sha256,
     )
-    ids = get_backend(backend_name).launch(request)
+    backend = get_backend(backend_name)
+    ids = backend.launch(request)
     write_artifact(
         storage.join(job_dir, ATTEMPT_FILE),
         AttemptRecord(attempt=attempt, instance_ids=ids, launched_at=lineage.utc_now_iso()),
     )
+    _record_launch(backend_name, backend, launch, job_dir, attempt, ids)
     return ids
+
+
+def _record_launch(
+    backend_name: str,
+    backend: ComputeBackend,
+    launch: Launch,
+    job_dir: str,
+    attempt: int,
+    ids: list[str],
+) -> None:
+    """Write the attempt's launch record: each box's place, price (quoted now) and launch."""
+    from burstcv.compute.billing import record_launch
+    from burstcv.compute.ec2 import Ec2Backend
+
+    region = ""
+    fallback: list[float] = []
+
+    def price_of(info: InstanceInfo) -> tuple[float, str]:
+        if not isinstance(backend, Ec2Backend):
+            return 0.0, "local compute"
+        found = backend.price_quote(info)
+        if found is not None:
+            return found.usd_per_hour, f"{found.source}, {found.as_of}"
+        if not fallback:  # a price nobody has: the highest known of the run's types
+            known = candidate_prices(launch.instance_types or [info.instance_type]).values()
+            fallback.append(max((usd for usd in known if usd is not None), default=0.0))
+        log.warning(
+            "no price for %s %s; billed at the highest known price of the run's types, $%.4f/h",
+            info.lifecycle,
+            info.instance_type,
+            fallback[0],
+        )
+        return fallback[0], "no quote: the highest known price of the run's types"
+
+    if isinstance(backend, Ec2Backend):
+        region = backend.settings.region
+    record_launch(
+        job_dir,
+        attempt,
+        run_key=launch.run.run_key,
+        dag_id=launch.dag_id,
+        backend=backend_name,
+        region=region,
+        boxes=[i for i in backend.describe(launch.run.run_key) if i.instance_id in ids],
+        price_of=price_of,
+        now=lineage.utc_now(),
+    )
 
 
 def current_attempt(output_uri: str) -> int:
@@ -407,38 +457,51 @@ def current_attempt(output_uri: str) -> int:
     return read_artifact(uri, AttemptRecord).attempt if storage.exists(uri) else 1
 
 
-def run_cost_so_far(backend_name: str, instances: list[InstanceInfo]) -> float:
-    """Return what the run's boxes have cost until now (every attempt; local compute is free)."""
-    if backend_name != "ec2":
-        return 0.0
-    from burstcv.cost.pricing import UnknownPriceError, billed_seconds, cost_for_seconds
-    from burstcv.settings import Ec2Settings
+def resumable(outcome: dict[str, Any]) -> bool:
+    """Return whether an attempt's outcome may be resumed by a new box.
 
-    region = Ec2Settings().region
-    now, total = lineage.utc_now(), 0.0
-    for info in instances:
-        if info.launched_at is None:
-            continue
-        seconds = billed_seconds(info.launched_at, max(info.stopped_at or now, info.launched_at))
-        try:
-            total += cost_for_seconds(info.instance_type, region, info.lifecycle, seconds)
-        except UnknownPriceError as exc:
-            log.warning("run cost leaves out %s: %s", info.instance_id, exc)
-    return total
+    A box that vanished (spot reclaim, crash, shutting down without a marker) or was
+    interrupted on purpose left a checkpoint to continue from; a job that failed on its own
+    would fail again.
+    """
+    return outcome.get("status") == "lost" or (
+        outcome.get("status") == "failed" and bool(outcome.get("resumable"))
+    )
 
 
-def relaunch(provisioned: Provisioned) -> int:
+def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
     """Start the run's next attempt after a lost or interrupted box; return the attempt.
 
-    The job resumes from its last checkpoint. A box of the run that still runs is waited for
-    rather than doubled. The budget is the run's, not the attempt's: past the run's deadline,
-    or once its boxes have cost max_cost_usd, nothing is relaunched (TrainingFailed).
+    The job resumes from its last checkpoint. While the attempt still has a working box and no
+    marker, or once it is done, nothing starts and its own number comes back. An attempt that
+    ended resumable (its boxes shutting down, stopped or gone without a marker, or a resumable
+    FAILED) is relaunched; any of its boxes still up is terminated first (its checkpoint is
+    written before the marker). A final failure raises TrainingFailed with the box's reason.
+
+    Relaunches are bounded by the run, not the attempt: past the run's deadline, once its boxes
+    have cost max_cost_usd, or after BURSTCV_MAX_RELAUNCHES relaunches (a run whose boxes
+    keep vanishing is more likely broken than unlucky), nothing is relaunched (TrainingFailed).
     """
+    s = settings or get_settings()
     backend_name, run_key = provisioned.backend, provisioned.run.run_key
     attempt = current_attempt(provisioned.output_uri)
-    instances = get_backend(backend_name).describe(run_key)
-    if any(i.state != STOPPED for i in instances):
+    outcome = training_outcome(run_key, backend_name, provisioned.output_uri, attempt)
+    if outcome["status"] in ("running", "done"):
         return attempt
+    if not resumable(outcome):
+        raise TrainingFailed(failure_line(outcome))
+    backend = get_backend(backend_name)
+    instances = backend.describe(run_key)
+    still_up = [i.instance_id for i in instances if i.state in WORKING]
+    if still_up:
+        log.warning(
+            "run %s: attempt %d ended (%s); terminating its boxes still up %s",
+            run_key,
+            attempt,
+            failure_line(outcome),
+            still_up,
+        )
+        backend.terminate(still_up)
     launch = provisioned.launch
     deadline = launch.deadline_at
     if lineage.utc_now() >= deadline:
@@ -446,7 +509,16 @@ def relaunch(provisioned: Provisioned) -> int:
             f"the run's deadline {deadline.isoformat()} has passed; no relaunch after attempt "
             f"{attempt} (raise max_cost_usd or time_budget_s for a longer run)"
         )
-    spent = run_cost_so_far(backend_name, instances)
+    if attempt > s.max_relaunches:
+        raise TrainingFailed(
+            f"attempt {attempt} ended ({failure_line(outcome)}) and the run has been "
+            f"relaunched {attempt - 1} times, its limit; no relaunch (BURSTCV_MAX_RELAUNCHES)"
+        )
+    from burstcv.compute.billing import record_end, run_bill
+
+    now = lineage.utc_now()
+    record_end(provisioned.output_uri, attempt, instances, now)  # the attempt is over
+    spent = run_bill(provisioned.output_uri, attempt, now).cost_usd
     budget = provisioned.max_cost_usd
     if budget and spent >= budget:
         raise TrainingFailed(
@@ -454,8 +526,11 @@ def relaunch(provisioned: Provisioned) -> int:
         )
     ids = _launch(backend_name, launch, provisioned.output_uri, attempt=attempt + 1)
     log.warning(
-        "run %s: attempt %d on %s resumes from the checkpoint (spent so far $%.2f)",
+        "run %s: attempt %d ended (%s); attempt %d on %s resumes from the checkpoint "
+        "(spent so far $%.2f)",
         run_key,
+        attempt,
+        outcome.get("reason", outcome["status"]),
         attempt + 1,
         ids,
         spent,
@@ -463,20 +538,71 @@ def relaunch(provisioned: Provisioned) -> int:
     return attempt + 1
 
 
-def bounded_time_budget(params: RunParams) -> int:
+def candidate_prices(
+    instance_types: list[str], settings: Settings | None = None
+) -> dict[str, float | None]:
+    """Return the on-demand $/hour of each candidate type (None: nobody knows it).
+
+    On-demand is a launch's worst case (spot falls back to it). Quoted from AWS through the
+    EC2 backend's connection, cached in the artifact store, the bundled table only offline.
+    """
+    from burstcv.compute.ec2 import Ec2Backend
+    from burstcv.cost.quotes import quote
+    from burstcv.settings import Ec2Settings
+
+    s = settings or get_settings()
+    backend = Ec2Backend(Ec2Settings())
+    sources = backend.price_sources(s.artifact_root)
+    region = backend.settings.region
+    prices: dict[str, float | None] = {}
+    for instance_type in instance_types:
+        found = quote(instance_type, region, "on-demand", sources)
+        prices[instance_type] = None if found is None else found.usd_per_hour
+    return prices
+
+
+def bounded_time_budget(params: RunParams, settings: Settings | None = None) -> int:
     """Return the run's time budget, lowered so the most expensive launch stays under max_cost_usd.
 
     The worst case is on-demand on the priciest allowed type (spot may fall back to it); the
-    training box's watchdog is armed from this number, so it is what bounds the bill.
+    training box's watchdog is armed from this number, so it is what bounds the bill. A type
+    nobody can price is assumed to cost the highest known price of the others; if none of
+    them has a price, StageError says what to set.
     """
     if params.compute_backend == "local":
         return params.time_budget_s
-    from burstcv.cost.pricing import hourly_price, time_budget_for
+    from burstcv.cost.pricing import time_budget_for
     from burstcv.settings import Ec2Settings
 
     region = Ec2Settings().region
-    priciest = max(params.instance_types, key=lambda t: hourly_price(t, region, "on-demand"))
-    return time_budget_for(params.max_cost_usd, priciest, region, "on-demand", params.time_budget_s)
+    prices = candidate_prices(list(params.instance_types), settings)
+    known = {t: usd for t, usd in prices.items() if usd is not None}
+    if not known:
+        raise StageError(
+            f"no price for any of the run's instance types ({', '.join(prices)}) in {region}: "
+            "the AWS Price List API did not answer and the bundled table has none; allow "
+            "pricing:GetProducts to the orchestrator (deploy/iam-policy.json) or set "
+            "BURSTCV_PRICE_TABLE to a table that prices one of them"
+        )
+    priciest = max(known, key=lambda t: known[t])
+    unpriced = [t for t, usd in prices.items() if usd is None]
+    if unpriced:
+        log.warning(
+            "no price for %s in %s; the budget counts them at the highest known price, "
+            "%s's $%.4f/h",
+            ", ".join(unpriced),
+            region,
+            priciest,
+            known[priciest],
+        )
+    return time_budget_for(
+        params.max_cost_usd,
+        priciest,
+        region,
+        "on-demand",
+        params.time_budget_s,
+        usd_per_hour=known[priciest],
+    )
 
 
 def reap(
@@ -603,14 +729,11 @@ def progress_lines(
     epochs = mine[already_logged:]
     if not epochs:
         return []
-    instances = get_backend(backend_name).describe(safe_run_id(run_id))
+    from burstcv.compute.billing import run_bill
+
     now = lineage.utc_now()
-    billed = sum(
-        (max(i.stopped_at or now, i.launched_at) - i.launched_at).total_seconds()
-        for i in instances
-        if i.launched_at is not None
-    )
-    spent = run_cost_so_far(backend_name, instances)
+    bill = run_bill(output_uri, attempt, now)  # the attempt records, never the cloud's memory
+    billed, spent = sum(bill.billed_seconds.values()), bill.cost_usd
     job = JobSpec.model_validate(storage.read_json(storage.join(output_uri, "job.json")))
     if job.deadline_at is not None:
         left_s = max(0.0, (job.deadline_at - now).total_seconds())
@@ -672,11 +795,49 @@ def collect_training(
 
 
 def terminate(run: RunRef, backend_name: str, settings: Settings | None = None) -> Terminated:
-    """Terminate every instance tagged with the run and record billed seconds and cost."""
+    """Terminate every instance tagged with the run and record billed seconds and cost.
+
+    The bill comes from the attempts' launch and end records (each attempt's end written now
+    if it has none), never from DescribeInstances alone, which forgets terminated instances
+    after about an hour. A run launched before those records existed is billed as the
+    backend still sees it.
+    """
+    from burstcv.compute.billing import attempt_bills, record_end, run_bill
+
     backend = get_backend(backend_name)
     report = backend.terminate_run(run.run_key)
-    instances = [InstanceRecord.model_validate(i.to_dict()) for i in backend.describe(run.run_key)]
-    terminated = Terminated.model_validate(report.to_dict())
+    job_dir = run_layout(run, settings).job
+    last = current_attempt(job_dir)
+    described, now = backend.describe(run.run_key), lineage.utc_now()
+    for attempt in range(1, last + 1):
+        record_end(job_dir, attempt, described, now)
+    bill = run_bill(job_dir, last, now)
+    if bill.boxes:
+        instances = [
+            InstanceRecord(
+                instance_id=box.instance_id,
+                run_id=record.run_key,
+                dag_id=record.dag_id,
+                state=STOPPED,
+                instance_type=box.instance_type,
+                lifecycle=box.market,
+                launched_at=box.launched_at,
+                stopped_at=box.ended_at,
+                airflow_run_id=run.airflow_run_id,
+                image_id=box.image_id,
+                zone=box.zone,
+            )
+            for record in attempt_bills(job_dir, last)
+            for box in record.boxes
+        ]
+        terminated = Terminated(
+            instance_ids=[box.instance_id for box in bill.boxes],
+            billed_seconds=bill.billed_seconds,
+            cost_usd=bill.cost_usd,
+        )
+    else:
+        instances = [InstanceRecord.model_validate(i.to_dict()) for i in described]
+        terminated = Terminated.model_validate(report.to_dict())
     billing = Billing(
         **terminated.model_dump(),
         backend=backend_name,
@@ -686,9 +847,9 @@ def terminate(run: RunRef, backend_name: str, settings: Settings | None = None) 
     write_artifact(run_layout(run, settings).billing, billing)
     log.info(
         "terminated %s; billed seconds %s; cost $%.4f",
-        report.instance_ids,
-        report.billed_seconds,
-        report.cost_usd,
+        terminated.instance_ids,
+        terminated.billed_seconds,
+        terminated.cost_usd,
     )
     return terminated
 

@@ -92,6 +92,10 @@ class Settings(BaseSettings):
     # Comma-separated EC2 regions the reaper looks in; empty: every region enabled for the
     # account (so every region burstcv ever launched in, whatever the settings said then).
     reaper_regions: str = ""
+    # Relaunches of a run's training after a lost or interrupted box (spot reclaim), within
+    # the same train task try; the run's deadline and max_cost_usd bound them too. A run whose
+    # boxes keep vanishing is more likely broken (a boot that cannot start) than unlucky.
+    max_relaunches: int = Field(default=3, ge=0)
     gpu_pool: str = "burstcv_gpu"  # Airflow pool that bounds live training boxes
     gpu_pool_slots: int = 4  # set to the account's GPU instance quota
 
@@ -180,7 +184,10 @@ class Ec2Settings(BaseSettings):
     # The defaults of a run's instance_types and use_spot (its trigger form's): comma-separated,
     # most preferred first; spot is tried on each before on-demand on each.
     instance_types: Annotated[tuple[str, ...], NoDecode] = ("g6.xlarge", "g5.xlarge", "g4dn.xlarge")
-    subnet_id: str | None = None  # None: the default VPC's subnet
+    # Comma-separated, tried in order for each instance type and market when one refuses for
+    # capacity (capacity is per Availability Zone), before the next type; empty: the default
+    # subnet of every AZ of the region. Security groups must be in the subnets' VPC.
+    subnet_ids: Annotated[tuple[str, ...], NoDecode] = ()
     security_group_ids: Annotated[tuple[str, ...], NoDecode] = ()  # no inbound rule is needed
     # Name or ARN of the instance profile (deploy/instance-role-policy.json): required, the
     # box reads its job and writes its results with it.
@@ -198,7 +205,18 @@ class Ec2Settings(BaseSettings):
     waiter_delay_s: float = Field(default=5.0, gt=0)  # between describe calls while waiting
     waiter_max_attempts: int = Field(default=120, ge=1)
 
-    @field_validator("instance_types", "security_group_ids", mode="before")
+    @model_validator(mode="before")
+    @classmethod
+    def _no_single_subnet_setting(cls, data: Any) -> Any:
+        if "BURSTCV_EC2_SUBNET_ID" in os.environ:
+            raise ValueError(
+                "BURSTCV_EC2_SUBNET_ID is now BURSTCV_EC2_SUBNET_IDS (comma-separated subnets, "
+                "tried in order on a capacity shortage; empty: every AZ's default subnet); "
+                "rename it"
+            )
+        return data
+
+    @field_validator("instance_types", "security_group_ids", "subnet_ids", mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):

@@ -81,6 +81,9 @@ def test_one_pipeline_life_makes_no_call_the_policy_denies(
         "ec2:DescribeInstances",
         "ec2:DescribeImages",
         "ec2:TerminateInstances",
+        "ec2:DescribeSubnets",  # every AZ's default subnet, for capacity failover
+        "ec2:DescribeSpotPriceHistory",  # the spot price of the box's own AZ
+        "pricing:GetProducts",  # on-demand prices for the run's budget
         "ssm:GetParameter",
         "scheduler:CreateSchedule",
         "scheduler:DeleteSchedule",

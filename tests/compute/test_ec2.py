@@ -27,13 +27,16 @@ from burstcv.compute.ec2 import (
     CapacityUnavailableError,
     Ec2Backend,
     Ec2Settings,
+    LaunchCheckError,
     NotManagedError,
     launch_plan,
     parse_expiry,
 )
 from burstcv.cost.pricing import hourly_price
+from burstcv.cost.quotes import SOURCE_SPOT_HISTORY, quote_uri
 from burstcv.params import RunParams
-from burstcv_spec.contracts import Packed, PreprocessBlock, RunRef
+from burstcv.settings import get_settings
+from burstcv_spec.contracts import Packed, PreprocessBlock, PriceQuote, RunRef, read_artifact
 from burstcv_spec.preprocess import PreprocessSpec
 
 DAG_ID = "burstcv_train"
@@ -65,22 +68,26 @@ def wait_outcome(backend: Ec2Backend, run_id: str, timeout_s: float = 30.0) -> s
 
 
 def inject_run_errors(
-    backend: Ec2Backend, refuse: Callable[[str, str], str | None]
-) -> list[tuple[str, str]]:
-    """Make real RunInstances calls fail with the code ``refuse(type, market)`` returns; log each.
+    backend: Ec2Backend,
+    refuse: Callable[[str, str, str], str | None],
+) -> list[tuple[str, str, str]]:
+    """Make RunInstances fail with the code ``refuse(type, market, zone)`` returns; log each.
 
     A botocore event hook on the backend's real client: the request never reaches the
     emulator when refused, exactly as EC2 answers a capacity shortage (which a dry run,
-    checking only permissions and parameters, does not see).
+    checking only permissions and parameters, does not see). The zone is that of the call's
+    subnet: capacity is per Availability Zone.
     """
-    attempts: list[tuple[str, str]] = []
+    attempts: list[tuple[str, str, str]] = []
+    zone_of = {s.subnet_id: s.zone for s in backend.launch_subnets()}
 
     def before_run_instances(params: dict[str, Any], **_: Any) -> None:
         if params.get("DryRun"):
             return
         market = "spot" if "InstanceMarketOptions" in params else "on-demand"
-        attempts.append((params["InstanceType"], market))
-        code = refuse(params["InstanceType"], market)
+        zone = zone_of.get(params.get("SubnetId"), "")
+        attempts.append((params["InstanceType"], market, zone))
+        code = refuse(params["InstanceType"], market, zone)
         if code:
             raise ClientError(
                 {"Error": {"Code": code, "Message": f"injected {code}"}}, "RunInstances"
@@ -180,13 +187,19 @@ def test_launch_spells_out_every_safe_default(
     assert 'shutdown -h "+$WATCHDOG_MIN"' in user_data
     assert f"s3://never-read/runs/{run_id}/job/job.json" in user_data
 
+    (info,) = backend.describe(run_id)
     report = backend.terminate_run(run_id)
     assert report.instance_ids == ids
     assert kit.live_managed() == []
     assert ec2_client.describe_volumes(VolumeIds=[])["Volumes"] == []  # deleted with the box
     assert report.billed_seconds[ids[0]] == 60.0  # the one-minute minimum
-    expected = hourly_price("g6.xlarge", "us-east-1", "spot") * 60 / 3600
-    assert report.cost_usd == pytest.approx(expected)
+    # At the spot price AWS quotes for the box's own AZ, cached with its source.
+    spot = read_artifact(
+        quote_uri(get_settings().artifact_root, "g6.xlarge", "us-east-1", "spot", info.zone),
+        PriceQuote,
+    )
+    assert spot.source == SOURCE_SPOT_HISTORY and info.zone == "us-east-1a"
+    assert report.cost_usd == pytest.approx(spot.usd_per_hour * 60 / 3600)
 
 
 def test_launch_is_idempotent_for_a_live_run(
@@ -216,12 +229,14 @@ def test_spot_capacity_error_on_first_type_falls_back_to_next_type(
     run_id = "spot-fallback"
     player.modes[run_id] = kit.HOLD
 
-    def refuse(instance_type: str, market: str) -> str | None:
+    def refuse(instance_type: str, market: str, zone: str) -> str | None:
         return "InsufficientInstanceCapacity" if instance_type == "g6.xlarge" else None
 
     attempts = inject_run_errors(backend, refuse)
     (iid,) = backend.launch(request(run_id))
-    assert attempts == [("g6.xlarge", "spot"), ("g5.xlarge", "spot")]
+    zones = [s.zone for s in backend.launch_subnets()]
+    # Every AZ's default subnet for the first type, then the next type in the first AZ.
+    assert attempts == [("g6.xlarge", "spot", z) for z in zones] + [("g5.xlarge", "spot", zones[0])]
     inst = the_instance(ec2_client, iid)
     assert inst["InstanceType"] == "g5.xlarge"
     assert inst.get("InstanceLifecycle") == "spot"
@@ -229,19 +244,84 @@ def test_spot_capacity_error_on_first_type_falls_back_to_next_type(
     assert kit.live_managed() == []
 
 
+def test_a_capacity_shortage_in_one_az_launches_in_the_next(
+    backend: Ec2Backend, ec2_client: Any, player: Any, kit: Any
+) -> None:
+    run_id = "az-failover"
+    player.modes[run_id] = kit.HOLD
+    subnets = backend.launch_subnets()
+    assert [s.zone for s in subnets] == sorted(s.zone for s in subnets)
+    assert len(subnets) > 1 and all(s.subnet_id for s in subnets)  # every AZ's default subnet
+
+    def refuse(instance_type: str, market: str, zone: str) -> str | None:
+        return "InsufficientInstanceCapacity" if zone == subnets[0].zone else None
+
+    attempts = inject_run_errors(backend, refuse)
+    (iid,) = backend.launch(request(run_id))
+    assert attempts == [
+        ("g6.xlarge", "spot", subnets[0].zone),
+        ("g6.xlarge", "spot", subnets[1].zone),
+    ]
+    inst = the_instance(ec2_client, iid)
+    assert inst["InstanceType"] == "g6.xlarge" and inst.get("InstanceLifecycle") == "spot"
+    assert inst["SubnetId"] == subnets[1].subnet_id
+    assert inst["Placement"]["AvailabilityZone"] == subnets[1].zone
+    backend.terminate_run(run_id)
+    assert kit.live_managed() == []
+
+
+def test_the_subnet_setting_is_tried_in_its_order(
+    ec2_settings: Ec2Settings, ec2_client: Any, player: Any, kit: Any
+) -> None:
+    run_id = "listed-subnets"
+    player.modes[run_id] = kit.HOLD
+    defaults = Ec2Backend(ec2_settings).launch_subnets()
+    chosen = (defaults[2].subnet_id or "", defaults[0].subnet_id or "")
+    backend = Ec2Backend(ec2_settings.model_copy(update={"subnet_ids": chosen}))
+    assert [s.subnet_id for s in backend.launch_subnets()] == list(chosen)
+    attempts = inject_run_errors(
+        backend, lambda t, m, z: "InsufficientInstanceCapacity" if z == defaults[2].zone else None
+    )
+    (iid,) = backend.launch(request(run_id))
+    assert [z for _, _, z in attempts] == [defaults[2].zone, defaults[0].zone]
+    assert the_instance(ec2_client, iid)["SubnetId"] == chosen[1]
+    backend.terminate_run(run_id)
+
+
+def test_a_subnet_that_does_not_exist_is_named_before_anything_is_rented(
+    ec2_settings: Ec2Settings, kit: Any
+) -> None:
+    backend = Ec2Backend(ec2_settings.model_copy(update={"subnet_ids": ("subnet-0nothere",)}))
+    with pytest.raises(LaunchCheckError, match="BURSTCV_EC2_SUBNET_IDS") as refused:
+        backend.launch(request("bad-subnet"))
+    assert "\n" not in str(refused.value)
+    assert kit.live_managed() == []
+
+
+def test_the_single_subnet_setting_is_refused_with_its_new_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("BURSTCV_EC2_SUBNET_ID", "subnet-1")
+    with pytest.raises(ValueError, match="BURSTCV_EC2_SUBNET_IDS"):
+        Ec2Settings()
+    monkeypatch.delenv("BURSTCV_EC2_SUBNET_ID")
+    monkeypatch.setenv("BURSTCV_EC2_SUBNET_IDS", "subnet-1, subnet-2")
+    assert Ec2Settings().subnet_ids == ("subnet-1", "subnet-2")
+
+
 def test_no_spot_anywhere_falls_back_to_on_demand(
     backend: Ec2Backend, ec2_client: Any, player: Any, kit: Any
 ) -> None:
     run_id = "on-demand-fallback"
     player.modes[run_id] = kit.HOLD
-    codes = iter(["SpotMaxPriceTooLow", "MaxSpotInstanceCountExceeded", "InsufficientCapacity"])
 
-    def refuse(instance_type: str, market: str) -> str | None:
-        return next(codes) if market == "spot" else None
+    def refuse(instance_type: str, market: str, zone: str) -> str | None:
+        # The account's spot limit: no other AZ would answer differently, so no other is tried.
+        return "MaxSpotInstanceCountExceeded" if market == "spot" else None
 
     attempts = inject_run_errors(backend, refuse)
     (iid,) = backend.launch(request(run_id))
-    assert [m for _, m in attempts] == ["spot", "spot", "spot", "on-demand"]
+    assert [m for _, m, _ in attempts] == ["spot", "spot", "spot", "on-demand"]
     inst = the_instance(ec2_client, iid)
     assert inst["InstanceType"] == "g6.xlarge"
     assert "InstanceLifecycle" not in inst
@@ -254,15 +334,18 @@ def test_no_spot_anywhere_falls_back_to_on_demand(
 def test_no_capacity_anywhere_raises_and_leaves_nothing(
     backend: Ec2Backend, ec2_client: Any, kit: Any
 ) -> None:
-    attempts = inject_run_errors(backend, lambda t, m: "Unsupported")
-    with pytest.raises(CapacityUnavailableError, match=r"g4dn\.xlarge on-demand: Unsupported"):
+    attempts = inject_run_errors(backend, lambda t, m, z: "Unsupported")
+    with pytest.raises(
+        CapacityUnavailableError,
+        match=r"g4dn\.xlarge on-demand in subnet-\w+ \(us-east-1f\): Unsupported",
+    ):
         backend.launch(request("no-capacity"))
-    assert len(attempts) == 6
+    assert len(attempts) == 6 * len(backend.launch_subnets())  # 3 types x 2 markets x every AZ
     assert kit.live_managed() == []
 
 
 def test_other_errors_are_raised_at_once(backend: Ec2Backend, ec2_client: Any, kit: Any) -> None:
-    attempts = inject_run_errors(backend, lambda t, m: "UnauthorizedOperation")
+    attempts = inject_run_errors(backend, lambda t, m, z: "UnauthorizedOperation")
     with pytest.raises(ClientError, match="UnauthorizedOperation"):
         backend.launch(request("not-allowed"))
     assert len(attempts) == 1

@@ -340,9 +340,15 @@ def test_every_launch_carries_a_client_token_of_run_attempt_and_option(
         if c.action == "ec2:RunInstances" and c.params.get("DryRun") != "true"
     ]
     spot = LaunchAttempt("g6.xlarge", "spot")
-    assert sent == [client_token("tokens", 1, spot), client_token("tokens", 2, spot)]
+    subnet = backend.launch_subnets()[0].subnet_id
+    assert sent == [
+        client_token("tokens", 1, spot, subnet),
+        client_token("tokens", 2, spot, subnet),
+    ]
     assert len(set(sent)) == 2 and all(len(t) <= 64 for t in sent if t)
-    assert client_token("tokens", 1, LaunchAttempt("g6.xlarge", "on-demand")) != sent[0]
+    assert client_token("tokens", 1, LaunchAttempt("g6.xlarge", "on-demand"), subnet) != sent[0]
+    # Another AZ's subnet is another request: its own token.
+    assert client_token("tokens", 1, spot, "subnet-other") != sent[0]
     assert len(instances_of(ec2_client, "tokens")) == 2
     backend.terminate_run("tokens")
     assert kit.live_managed() == []
@@ -389,6 +395,7 @@ def test_a_relaunch_after_a_lost_box_is_a_new_attempt_with_a_new_token(
         if c.action == "ec2:RunInstances" and c.params.get("DryRun") != "true"
     ]
     spot = LaunchAttempt("g6.xlarge", "spot")
-    assert tokens == [client_token(run_id, 1, spot), client_token(run_id, 2, spot)]
+    subnet = backend.launch_subnets()[0].subnet_id
+    assert tokens == [client_token(run_id, 1, spot, subnet), client_token(run_id, 2, spot, subnet)]
     backend.terminate_run(run_id)
     assert kit.live_managed() == []

@@ -23,6 +23,8 @@ POLICY_PATH = DEPLOY / "iam-policy.json"
 UNSCOPABLE = {
     "DescribeAnything": ["ec2:Describe*"],
     "DecodeLaunchRefusals": ["sts:DecodeAuthorizationMessage"],
+    # The Price List API has no resource-level permissions: it answers for any region and type.
+    "ReadOnDemandPrices": ["pricing:GetProducts"],
 }
 
 

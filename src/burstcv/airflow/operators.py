@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException
 
 from burstcv.airflow.triggers import TrainingCompletionTrigger
 from burstcv_spec.contracts import Provisioned
@@ -14,17 +14,14 @@ from burstcv_spec.contracts import Provisioned
 log = logging.getLogger(__name__)
 
 
-def _resumable(outcome: dict[str, Any]) -> bool:
-    # A box that vanished (spot reclaim, crash) or was interrupted on purpose left a
-    # checkpoint to continue from; a job that failed on its own would fail again.
-    return outcome.get("status") == "lost" or bool(outcome.get("resumable"))
-
-
 class WaitForTrainingOperator(BaseOperator):
-    """Defer until the training job of this run finishes; fail fast if its box is lost.
+    """Defer until the training job of this run finishes; resume a lost box in the same try.
 
-    A retry of this task starts a new box when the last one was lost or interrupted, and
-    the job resumes from its last checkpoint. ``on_kill`` (a user marking the task failed, a
+    An attempt whose box was lost (a spot reclaim, still shutting down or gone) or interrupted
+    (a resumable FAILED) is relaunched by this same try, and the job resumes from its last
+    checkpoint: no Airflow retry is spent. ``pipeline.relaunch`` bounds the relaunches by the
+    run's deadline, budget and BURSTCV_MAX_RELAUNCHES. A retry (a worker that died while
+    waiting) picks the wait up where it was. ``on_kill`` (a user marking the task failed, a
     timeout) terminates every instance of the run: the second layer against a leaked GPU,
     after the teardown task.
     """
@@ -38,14 +35,7 @@ class WaitForTrainingOperator(BaseOperator):
 
     def execute(self, context: Any) -> Any:
         """Hand the wait to the triggerer (relaunching first if this is a retry after a loss)."""
-        from burstcv.pipeline import (
-            TrainingFailed,
-            collect_training,
-            current_attempt,
-            failure_line,
-            relaunch,
-            training_outcome,
-        )
+        from burstcv.pipeline import collect_training, current_attempt, training_outcome
 
         info = self._boxes()
         # The attempt the run waits for: provision's (its try number), or the last relaunch.
@@ -56,13 +46,39 @@ class WaitForTrainingOperator(BaseOperator):
             if outcome["status"] == "done":
                 return collect_training(info.run, outcome).model_dump(mode="json")
             if outcome["status"] in ("lost", "failed"):
-                if not _resumable(outcome):
-                    self._log_box_tail(attempt)
-                    raise AirflowFailException(failure_line(outcome))
-                try:
-                    attempt = relaunch(info)
-                except TrainingFailed as exc:
-                    raise AirflowFailException(str(exc)) from exc
+                attempt = self._relaunch_or_fail(outcome)
+        self._wait_for(attempt)
+
+    def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
+        """Return the training figures; relaunch a lost attempt; else fail with the box's reason."""
+        from burstcv.pipeline import TrainingFailed, collect_training
+
+        try:
+            return collect_training(self._boxes().run, event).model_dump(mode="json")
+        except TrainingFailed:
+            attempt = self._relaunch_or_fail(event)
+        self._wait_for(attempt)  # the same try waits for the next attempt
+        return None
+
+    def _relaunch_or_fail(self, outcome: dict[str, Any]) -> int:
+        """Start the next attempt of a resumable outcome, or fail the task for good."""
+        from burstcv.pipeline import TrainingFailed, failure_line, relaunch, resumable
+
+        attempt = int(outcome.get("attempt", 1))
+        if not resumable(outcome):
+            self._log_box_tail(attempt)
+            log.error("%s", failure_line(outcome))
+            raise AirflowFailException(failure_line(outcome))  # retrying cannot fix the job
+        log.warning("%s; relaunching in this try", failure_line(outcome))
+        try:
+            return relaunch(self._boxes())
+        except TrainingFailed as exc:
+            self._log_box_tail(attempt)
+            raise AirflowFailException(str(exc)) from exc
+
+    def _wait_for(self, attempt: int) -> None:
+        """Defer to the trigger that watches one attempt's markers and boxes."""
+        info = self._boxes()
         self.defer(
             trigger=TrainingCompletionTrigger(
                 run_id=info.run.run_key,
@@ -73,19 +89,6 @@ class WaitForTrainingOperator(BaseOperator):
             ),
             method_name="execute_complete",
         )
-
-    def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
-        """Return the training figures, or fail with the box's own reason (and its log tail)."""
-        from burstcv.pipeline import TrainingFailed, collect_training
-
-        try:
-            return collect_training(self._boxes().run, event).model_dump(mode="json")
-        except TrainingFailed as exc:
-            self._log_box_tail(int(event.get("attempt", 1)))
-            if _resumable(event):
-                raise AirflowException(f"{exc} (a retry resumes from the checkpoint)") from exc
-            log.error("%s", exc)
-            raise AirflowFailException(str(exc)) from exc  # retrying cannot fix the job
 
     def _log_box_tail(self, attempt: int) -> None:
         """Show the end of the box's own log in this task's log."""

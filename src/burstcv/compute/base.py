@@ -17,8 +17,13 @@ from burstcv_spec import storage
 # Instance states every backend maps its own onto.
 PENDING = "pending"
 RUNNING = "running"
+# Shutting down, stopping or stopped: it will never train again (a reclaimed spot box stays
+# shutting-down for minutes), but it still exists and may still bill, so teardown and the
+# reaper still terminate it.
+ENDING = "ending"
 STOPPED = "stopped"  # gone: terminated, shut down, or exited
-STATES = (PENDING, RUNNING, STOPPED)
+STATES = (PENDING, RUNNING, ENDING, STOPPED)
+WORKING = (PENDING, RUNNING)  # the states of a box that may still write a marker
 
 JobOutcome = Literal["done", "failed", "lost", "running"]
 
@@ -77,6 +82,7 @@ class InstanceInfo:
     stopped_at: datetime | None = None
     airflow_run_id: str = ""
     image_id: str = ""  # the AMI the box booted (ec2), recorded in billing.json
+    zone: str = ""  # its Availability Zone (ec2): where its spot price is quoted
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-ready dict (datetimes as ISO strings)."""
@@ -129,17 +135,18 @@ class ComputeBackend(Protocol):
 def job_outcome(
     backend: ComputeBackend, run_id: str, job_dir_uri: str, attempt: int = 1
 ) -> JobOutcome:
-    """Return done, failed, lost (every box gone without a marker) or running for one attempt.
+    """Return done, failed, lost (every box ending or gone without a marker) or running.
 
     Only this attempt's markers count: an earlier attempt's FAILED never ends the wait for a
     relaunch. The boxes' state is read before the markers, so a marker written just before
-    its box went away is still seen. DONE wins over FAILED (training writes DONE last).
+    its box went away is still seen. DONE wins over FAILED (training writes DONE last). A box
+    that is shutting down, stopping or stopped counts as gone: it will never write a marker.
     """
     instances = backend.describe(run_id)
     if storage.exists(attempt_dir(job_dir_uri, attempt, "DONE")):
         return "done"
     if storage.exists(attempt_dir(job_dir_uri, attempt, "FAILED")):
         return "failed"
-    if all(info.state == STOPPED for info in instances):
+    if not any(info.state in WORKING for info in instances):
         return "lost"
     return "running"

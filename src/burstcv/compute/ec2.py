@@ -25,6 +25,7 @@ from typing import Any, Literal
 from botocore.exceptions import BotoCoreError, ClientError
 
 from burstcv.compute.base import (
+    ENDING,
     PENDING,
     RUNNING,
     STOPPED,
@@ -34,13 +35,16 @@ from burstcv.compute.base import (
     TAG_MANAGED,
     TAG_NAME,
     TAG_RUN_ID,
+    WORKING,
     InstanceInfo,
     LaunchRequest,
     TerminationReport,
 )
 from burstcv.compute.userdata import UserDataSpec, expiry_of, render_user_data
-from burstcv.cost.pricing import UnknownPriceError, billed_seconds, cost_for_seconds
+from burstcv.cost.pricing import PRICING_API_REGION, billed_seconds
+from burstcv.cost.quotes import PriceSources, quote
 from burstcv.settings import Ec2Settings
+from burstcv_spec.contracts import PriceQuote
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +64,19 @@ CAPACITY_ERRORS = frozenset(
 # spot is unavailable to this account but on-demand still works.
 SPOT_ROLE_ERRORS = frozenset({"AuthFailure.ServiceLinkedRoleCreationNotPermitted"})
 NEXT_OPTION_ERRORS = CAPACITY_ERRORS | SPOT_ROLE_ERRORS
+# Refusals of one Availability Zone (capacity, and whether it offers the type at all are per
+# AZ): the same option is tried in the next subnet first. The others (quotas, the spot role)
+# are the account's: no other AZ would answer differently.
+ZONE_ERRORS = frozenset(
+    {"InsufficientInstanceCapacity", "InsufficientCapacity", "Unsupported", "SpotMaxPriceTooLow"}
+)
 # Dry-run refusals that mean "this identity may not", as opposed to a wrong parameter.
 _PERMISSION_ERRORS = ("UnauthorizedOperation", "AccessDenied", "AuthFailure", "Blocked")
 # Parameter errors, and the setting that supplies the parameter (matched in the error's code
 # and message, lower-cased and without spaces).
 _SETTING_OF_ERROR = (
     ("invalidamiid", "BURSTCV_EC2_AMI"),
-    ("subnet", "BURSTCV_EC2_SUBNET_ID"),
+    ("subnet", "BURSTCV_EC2_SUBNET_IDS"),
     ("securitygroup", "BURSTCV_EC2_SECURITY_GROUP_IDS"),
     ("invalidgroup", "BURSTCV_EC2_SECURITY_GROUP_IDS"),
     ("instanceprofile", "BURSTCV_EC2_INSTANCE_PROFILE"),
@@ -77,13 +87,14 @@ _SETTING_OF_ERROR = (
 BACKSTOP_TARGET_ARN = "arn:aws:scheduler:::aws-sdk:ec2:terminateInstances"
 BACKSTOP_GROUP = "default"
 
-# EC2 states that still exist (and may still bill, if only for EBS) versus gone.
+# EC2 states: working, ending (still exists and may still bill, if only for EBS, but will
+# never train again: a reclaimed spot box is shutting-down for minutes), or gone.
 _EC2_TO_STATE = {
     "pending": PENDING,
     "running": RUNNING,
-    "shutting-down": RUNNING,
-    "stopping": RUNNING,
-    "stopped": RUNNING,  # a stopped instance keeps its volume (and its bill): not gone
+    "shutting-down": ENDING,
+    "stopping": ENDING,
+    "stopped": ENDING,  # a stopped instance keeps its volume (and its bill): not gone
     "terminated": STOPPED,
 }
 _LIVE_EC2_STATES = ["pending", "running", "shutting-down", "stopping", "stopped"]
@@ -116,6 +127,17 @@ class LaunchAttempt:
     market: Literal["spot", "on-demand"]
 
 
+@dataclass(frozen=True)
+class Subnet:
+    """Name one subnet a launch may use, and its Availability Zone (None: EC2's choice)."""
+
+    subnet_id: str | None
+    zone: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.subnet_id} ({self.zone})" if self.subnet_id else "EC2's default subnet"
+
+
 def launch_plan(instance_types: Iterable[str], use_spot: bool) -> list[LaunchAttempt]:
     """Return the options in order: spot on every type, then on-demand on every type."""
     types = list(instance_types)
@@ -123,14 +145,19 @@ def launch_plan(instance_types: Iterable[str], use_spot: bool) -> list[LaunchAtt
     return plan + [LaunchAttempt(t, "on-demand") for t in types]
 
 
-def client_token(run_id: str, attempt: int, option: LaunchAttempt) -> str:
-    """Return the RunInstances ClientToken of one option of one launch attempt of a run.
+def client_token(
+    run_id: str, attempt: int, option: LaunchAttempt, subnet_id: str | None = None
+) -> str:
+    """Return the RunInstances ClientToken of one option, in one subnet, of one launch attempt.
 
     EC2 answers a repeated token with the first call's instances instead of starting more,
     so a retried call (a lost response, a retried task) cannot double-launch; a relaunch is a
-    new attempt and gets a new token. At most 64 ASCII characters, as EC2 requires.
+    new attempt, and another subnet other parameters, and each gets a new token. At most 64
+    ASCII characters, as EC2 requires.
     """
     key = f"{run_id}|{attempt}|{option.instance_type}|{option.market}"
+    if subnet_id:
+        key += f"|{subnet_id}"
     return "burstcv-" + hashlib.sha256(key.encode()).hexdigest()[:48]
 
 
@@ -209,6 +236,7 @@ def _info(instance: dict[str, Any]) -> InstanceInfo:
         stopped_at=_stopped_at(instance),
         airflow_run_id=tags.get(TAG_AIRFLOW_RUN_ID, ""),
         image_id=instance.get("ImageId", ""),
+        zone=instance.get("Placement", {}).get("AvailabilityZone", ""),
     )
 
 
@@ -234,15 +262,48 @@ class Ec2Backend:
         )
         return hook.conn
 
-    def _aws_client(self, client_type: str) -> Any:
+    def _aws_client(self, client_type: str, region: str | None = None) -> Any:
         from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
 
         hook = AwsBaseHook(
             aws_conn_id=self.settings.aws_conn_id,
             client_type=client_type,
-            region_name=self.settings.region,
+            region_name=region or self.settings.region,
         )
         return hook.conn
+
+    @cached_property
+    def pricing(self) -> Any:
+        """Return the Price List API client (its endpoint is in us-east-1, for every region)."""
+        return self._aws_client("pricing", PRICING_API_REGION)
+
+    def price_sources(self, artifact_root: str | None = None) -> PriceSources:
+        """Return where this backend's prices come from: AWS, cached in the artifact store."""
+        from burstcv.settings import get_settings
+
+        return PriceSources(
+            artifact_root=artifact_root or get_settings().artifact_root,
+            pricing=lambda: self.pricing,
+            ec2=lambda: self.client,
+        )
+
+    def price_quote(
+        self, info: InstanceInfo, sources: PriceSources | None = None
+    ) -> PriceQuote | None:
+        """Return the quoted hourly price of one of this backend's boxes (spot: in its AZ)."""
+        market = "spot" if info.lifecycle == "spot" else "on-demand"
+        return quote(
+            info.instance_type,
+            self.settings.region,
+            market,
+            sources or self.price_sources(),
+            zone=info.zone if market == "spot" else "",
+        )
+
+    def hourly_price(self, info: InstanceInfo, sources: PriceSources | None = None) -> float | None:
+        """Return what one of this backend's boxes costs an hour (spot: in its AZ), or None."""
+        found = self.price_quote(info, sources)
+        return None if found is None else found.usd_per_hour
 
     @cached_property
     def scheduler(self) -> Any:
@@ -277,9 +338,10 @@ class Ec2Backend:
         """Start the run's instance(s), spot first, and return their ids.
 
         Idempotent: when instances tagged with the run id are already pending or running
-        (a retried task), returns those instead of starting more.
+        (a retried task), returns those instead of starting more. One that is shutting down
+        or stopped (a reclaimed spot box) is no reason not to launch.
         """
-        existing = [i.instance_id for i in self.describe(request.run_id) if i.state != STOPPED]
+        existing = [i.instance_id for i in self.describe(request.run_id) if i.state in WORKING]
         if existing:
             log.info("run %s already has live instances %s", request.run_id, existing)
             return existing
@@ -309,30 +371,20 @@ class Ec2Backend:
         image_id = self.resolve_ami()
         base_params = self._run_params(request, image_id, user_data, expires_at)
 
+        subnets = self.launch_subnets()
         refusals: list[str] = []
         for option in self.plan(request):
-            params = self._option_params(base_params, option)
-            # Zero cost: a missing permission or a wrong setting fails here, before renting.
-            refused = self._dry_run(params, option)
-            if refused is None:
-                params["ClientToken"] = client_token(request.run_id, request.attempt, option)
-                refused, ids = self._run(params, request.run_id)
-            if refused is not None:
-                refusals.append(f"{option.instance_type} {option.market}: {refused}")
-                log.warning(
-                    "no %s %s for run %s (%s); trying the next option",
-                    option.instance_type,
-                    option.market,
-                    request.run_id,
-                    refused,
-                )
+            launched = self._launch_option(request, base_params, option, subnets, refusals)
+            if launched is None:
                 continue
+            subnet, ids = launched
             log.info(
-                "run %s: launched %s as %s %s (expires %s)",
+                "run %s: launched %s as %s %s in %s (expires %s)",
                 request.run_id,
                 ids,
                 option.instance_type,
                 option.market,
+                subnet,
                 format_expiry(expires_at),
             )
             try:
@@ -345,10 +397,75 @@ class Ec2Backend:
                 raise
             return ids
         raise CapacityUnavailableError(
-            f"no capacity for run {request.run_id}: tried "
+            f"no capacity for run {request.run_id} in {len(subnets)} subnet(s): tried "
             + "; ".join(refusals)
             + " (a quota of 0 vCPUs looks the same: docs/aws.md, one-time account setup)"
         )
+
+    def _launch_option(
+        self,
+        request: LaunchRequest,
+        base_params: dict[str, Any],
+        option: LaunchAttempt,
+        subnets: list[Subnet],
+        refusals: list[str],
+    ) -> tuple[Subnet, list[str]] | None:
+        """Launch one option in the first subnet that has room; None (refusals noted) if none.
+
+        A refusal of the zone (no capacity there) moves to the next subnet; a refusal of the
+        account (a quota, the spot role) ends this option at once.
+        """
+        for subnet in subnets:
+            params = self._option_params(base_params, option, subnet)
+            # Zero cost: a missing permission or a wrong setting fails here, before renting.
+            refused = self._dry_run(params, option)
+            if refused is None:
+                params["ClientToken"] = client_token(
+                    request.run_id, request.attempt, option, subnet.subnet_id
+                )
+                refused, ids = self._run(params, request.run_id)
+                if refused is None:
+                    return subnet, ids
+            refusals.append(f"{option.instance_type} {option.market} in {subnet}: {refused}")
+            zone_only = refused in ZONE_ERRORS
+            log.warning(
+                "no %s %s for run %s in %s (%s); trying the next %s",
+                option.instance_type,
+                option.market,
+                request.run_id,
+                subnet,
+                refused,
+                "subnet" if zone_only else "option",
+            )
+            if not zone_only:
+                return None
+        return None
+
+    def launch_subnets(self) -> list[Subnet]:
+        """Return the subnets a launch tries, in order, with their Availability Zones.
+
+        BURSTCV_EC2_SUBNET_IDS as listed; unset, the default subnet of every AZ of the region
+        (by AZ name), so a capacity shortage in one AZ is not the end of the run; with no
+        default VPC, EC2's own choice (which then asks for a subnet).
+        """
+        s = self.settings
+        try:
+            if s.subnet_ids:
+                found = self.client.describe_subnets(SubnetIds=list(s.subnet_ids))["Subnets"]
+                zones = {sub["SubnetId"]: sub["AvailabilityZone"] for sub in found}
+                return [Subnet(sid, zones.get(sid, "")) for sid in s.subnet_ids]
+            found = self.client.describe_subnets(
+                Filters=[{"Name": "default-for-az", "Values": ["true"]}]
+            )["Subnets"]
+        except ClientError as exc:
+            raise LaunchCheckError(
+                f"the subnets {list(s.subnet_ids)} cannot be read in {s.region} "
+                f"({_error_code(exc)}: {_error_message(exc)}); check BURSTCV_EC2_SUBNET_IDS"
+            ) from exc
+        defaults = sorted(found, key=lambda sub: str(sub["AvailabilityZone"]))
+        if not defaults:
+            return [Subnet(None)]
+        return [Subnet(sub["SubnetId"], sub["AvailabilityZone"]) for sub in defaults]
 
     def plan(self, request: LaunchRequest) -> list[LaunchAttempt]:
         """Return a launch's options in order: the run's choices, else this deployment's.
@@ -371,9 +488,11 @@ class Ec2Backend:
         image_id = self.resolve_ami()
         base_params = self._run_params(request, image_id, "#!/bin/bash\n", expires_at)
         results: list[tuple[LaunchAttempt, str]] = []
+        first_subnet = self.launch_subnets()[0]
         for option in self.plan(request):
             try:
-                refused = self._dry_run(self._option_params(base_params, option), option)
+                params = self._option_params(base_params, option, first_subnet)
+                refused = self._dry_run(params, option)
             except LaunchCheckError as exc:
                 refused = str(exc)
             results.append((option, refused or ""))
@@ -406,8 +525,12 @@ class Ec2Backend:
             )
         return ""
 
-    def _option_params(self, base_params: dict[str, Any], option: LaunchAttempt) -> dict[str, Any]:
+    def _option_params(
+        self, base_params: dict[str, Any], option: LaunchAttempt, subnet: Subnet
+    ) -> dict[str, Any]:
         params = dict(base_params, InstanceType=option.instance_type)
+        if subnet.subnet_id:
+            params["SubnetId"] = subnet.subnet_id
         if option.market == "spot":
             params["InstanceMarketOptions"] = {
                 "MarketType": "spot",
@@ -577,8 +700,9 @@ class Ec2Backend:
     def terminate_run(self, run_id: str) -> TerminationReport:
         """Terminate every instance tagged with the run id, wait until gone, report cost.
 
-        Instances that already shut themselves down are billed too. A type missing from the
-        price table is logged and left out of the cost rather than failing the teardown.
+        Instances that already shut themselves down are billed too, at the price AWS quotes
+        for their type (spot: in their AZ). A price nobody knows is logged and left out of the
+        cost rather than failing the teardown.
         """
         described = self.describe(run_id)
         live = [i.instance_id for i in described if i.state != STOPPED]
@@ -596,12 +720,17 @@ class Ec2Backend:
             stopped = info.stopped_at or observed_at
             seconds = billed_seconds(info.launched_at, max(stopped, info.launched_at))
             report.billed_seconds[info.instance_id] = float(seconds)
-            try:
-                report.cost_usd += cost_for_seconds(
-                    info.instance_type, self.settings.region, info.lifecycle, seconds
+            usd_per_hour = self.hourly_price(info)
+            if usd_per_hour is None:
+                log.warning(
+                    "run %s: no price for %s %s in %s; left out of the cost",
+                    run_id,
+                    info.lifecycle,
+                    info.instance_type,
+                    self.settings.region,
                 )
-            except UnknownPriceError as exc:
-                log.warning("run %s: %s; left out of the cost", run_id, exc)
+                continue
+            report.cost_usd += usd_per_hour * seconds / 3600.0
         log.info(
             "run %s: %d instance(s) gone, billed %s, $%.4f",
             run_id,
@@ -678,8 +807,6 @@ class Ec2Backend:
         if s.instance_profile:
             key = "Arn" if s.instance_profile.startswith("arn:") else "Name"
             params["IamInstanceProfile"] = {key: s.instance_profile}
-        if s.subnet_id:
-            params["SubnetId"] = s.subnet_id
         if s.security_group_ids:
             params["SecurityGroupIds"] = list(s.security_group_ids)
         return params

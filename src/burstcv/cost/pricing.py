@@ -2,7 +2,8 @@
 
 The table (``prices.json`` beside this module, or the file named by ``BURSTCV_PRICE_TABLE``)
 holds on-demand and spot $/hour per region and instance type, with its source and date.
-Spot figures are indicative: the real price moves by hour and Availability Zone.
+Spot figures are indicative: the real price moves by hour and Availability Zone. A training
+run quotes AWS itself (``burstcv.cost.quotes``) and falls back on this table only offline.
 """
 
 from __future__ import annotations
@@ -147,17 +148,23 @@ def time_budget_for(
     cap_s: int,
     *,
     path: Path | None = None,
+    usd_per_hour: float | None = None,
 ) -> int:
     """Return the seconds a run may last: ``cap_s``, lowered so it cannot cost over the budget.
 
     Pass the worst-case lifecycle (on-demand when spot may fall back to it): the watchdog on
-    the instance is set from this number, so it is what bounds the bill.
+    the instance is set from this number, so it is what bounds the bill. ``usd_per_hour``,
+    when given (a price quoted from AWS), is used instead of the table's.
     """
     if cap_s <= 0:
         raise ValueError(f"cap_s must be positive, got {cap_s}")
     if max_cost_usd is None:
         return cap_s
-    per_hour = hourly_price(instance_type, region, lifecycle, path=path)
+    per_hour = (
+        hourly_price(instance_type, region, lifecycle, path=path)
+        if usd_per_hour is None
+        else usd_per_hour
+    )
     if per_hour == 0.0:
         return cap_s
     affordable_s = math.floor(max_cost_usd / per_hour * 3600.0)
@@ -171,7 +178,7 @@ def time_budget_for(
 
 
 def _on_demand_usd_per_hour(price_item: dict[str, Any]) -> float | None:
-    """Return the hourly on-demand USD rate in one Pricing API product document, if any."""
+    """Return the hourly on-demand USD rate in one Price List API product document, if any."""
     for offer in price_item.get("terms", {}).get("OnDemand", {}).values():
         for dimension in offer.get("priceDimensions", {}).values():
             if dimension.get("unit") != "Hrs":
@@ -180,6 +187,32 @@ def _on_demand_usd_per_hour(price_item: dict[str, Any]) -> float | None:
             if usd is not None and float(usd) > 0:
                 return float(usd)
     return None
+
+
+def on_demand_from_price_list(client: Any, instance_type: str, region: str) -> float:
+    """Return the Linux on-demand $/hour the Price List API gives, or raise UnknownPriceError."""
+    response = client.get_products(
+        ServiceCode="AmazonEC2",
+        Filters=[
+            {"Type": "TERM_MATCH", "Field": "instanceType", "Value": instance_type},
+            {"Type": "TERM_MATCH", "Field": "regionCode", "Value": region},
+            {"Type": "TERM_MATCH", "Field": "operatingSystem", "Value": "Linux"},
+            {"Type": "TERM_MATCH", "Field": "tenancy", "Value": "Shared"},
+            {"Type": "TERM_MATCH", "Field": "preInstalledSw", "Value": "NA"},
+            {"Type": "TERM_MATCH", "Field": "capacitystatus", "Value": "Used"},
+        ],
+        MaxResults=10,
+    )
+    rates = [
+        rate
+        for item in response.get("PriceList", [])
+        if (rate := _on_demand_usd_per_hour(json.loads(item))) is not None
+    ]
+    if not rates:
+        raise UnknownPriceError(
+            f"the Price List API has no Linux on-demand price for {instance_type} in {region}"
+        )
+    return min(rates)
 
 
 def refresh_from_pricing_api(
@@ -193,7 +226,9 @@ def refresh_from_pricing_api(
     """Return the price table with on-demand rates re-read from the AWS Pricing API.
 
     Spot rates are kept from the current table (the Pricing API has none). Writes the new
-    table to ``output`` when given; point ``BURSTCV_PRICE_TABLE`` at it to use it.
+    table to ``output`` when given; point ``BURSTCV_PRICE_TABLE`` at it to use it. Runs need
+    no refreshed table: they quote AWS themselves (``burstcv.cost.quotes``); this is for an
+    offline deployment's fallback.
     """
     import copy
     from datetime import UTC
@@ -206,29 +241,9 @@ def refresh_from_pricing_api(
     for region in regions:
         region_prices = table["regions"].setdefault(region, {})
         for instance_type in instance_types:
-            response = client.get_products(
-                ServiceCode="AmazonEC2",
-                Filters=[
-                    {"Type": "TERM_MATCH", "Field": "instanceType", "Value": instance_type},
-                    {"Type": "TERM_MATCH", "Field": "regionCode", "Value": region},
-                    {"Type": "TERM_MATCH", "Field": "operatingSystem", "Value": "Linux"},
-                    {"Type": "TERM_MATCH", "Field": "tenancy", "Value": "Shared"},
-                    {"Type": "TERM_MATCH", "Field": "preInstalledSw", "Value": "NA"},
-                    {"Type": "TERM_MATCH", "Field": "capacitystatus", "Value": "Used"},
-                ],
-                MaxResults=10,
-            )
-            rates = [
-                rate
-                for item in response.get("PriceList", [])
-                if (rate := _on_demand_usd_per_hour(json.loads(item))) is not None
-            ]
-            if not rates:
-                raise UnknownPriceError(
-                    f"the Pricing API has no Linux on-demand price for {instance_type} in {region}"
-                )
-            region_prices.setdefault(instance_type, {})["on-demand"] = min(rates)
-            log.info("on-demand %s in %s: $%.4f/h", instance_type, region, min(rates))
+            rate = on_demand_from_price_list(client, instance_type, region)
+            region_prices.setdefault(instance_type, {})["on-demand"] = rate
+            log.info("on-demand %s in %s: $%.4f/h", instance_type, region, rate)
     table["as_of"] = as_of or datetime.now(UTC).date().isoformat()
     table["source"] = (
         "On-demand: AWS Pricing API (get_products, Linux, shared tenancy). "

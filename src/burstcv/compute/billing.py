@@ -1,0 +1,132 @@
+"""Write each training attempt's launch and end records, and bill a run from those records only.
+
+An attempt's boxes are recorded when they launch (``attempts/<n>/launch.json``: instance,
+type, market, AZ, the price quoted then, launch time) and when the attempt ends
+(``end.json``: the same, with end times). billing.json, the run's budget and the progress
+lines all read these records through ``run_bill``: EC2 lists a terminated instance for only
+about an hour, so a bill remembered by the cloud would forget early attempts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from burstcv.compute.base import InstanceInfo
+from burstcv.cost.pricing import billed_seconds
+from burstcv.training.job import attempt_dir
+from burstcv_spec import storage
+from burstcv_spec.contracts import AttemptBill, BoxBill, read_artifact, write_artifact
+from burstcv_spec.layout import END_RECORD, LAUNCH_RECORD
+
+log = logging.getLogger(__name__)
+
+# Returns a box's $/hour and where that price came from (the backend's quote, or a fallback).
+PriceOf = Callable[[InstanceInfo], tuple[float, str]]
+
+
+@dataclass
+class RunBill:
+    """Say what a run's boxes have been billed, per box and in all, from the attempt records."""
+
+    boxes: list[BoxBill] = field(default_factory=list)
+    billed_seconds: dict[str, float] = field(default_factory=dict)
+    cost_usd: float = 0.0
+
+
+def record_launch(
+    job_dir: str,
+    attempt: int,
+    *,
+    run_key: str,
+    dag_id: str,
+    backend: str,
+    region: str,
+    boxes: list[InstanceInfo],
+    price_of: PriceOf,
+    now: datetime,
+) -> AttemptBill:
+    """Write the attempt's launch.json: each box with its place, price and launch time."""
+    bill = AttemptBill(
+        attempt=attempt,
+        run_key=run_key,
+        dag_id=dag_id,
+        backend=backend,
+        region=region,
+        boxes=[_box(info, *price_of(info), now) for info in boxes],
+    )
+    write_artifact(attempt_dir(job_dir, attempt, LAUNCH_RECORD), bill)
+    return bill
+
+
+def record_end(
+    job_dir: str, attempt: int, described: list[InstanceInfo], now: datetime
+) -> AttemptBill | None:
+    """Write the attempt's end.json once (end times: as the backend saw them, else now).
+
+    Returns the record (the one already written, if any), or None when the attempt has no
+    launch record (launched before records existed, or never launched).
+    """
+    end_uri = attempt_dir(job_dir, attempt, END_RECORD)
+    if storage.exists(end_uri):
+        return read_artifact(end_uri, AttemptBill)
+    launch_uri = attempt_dir(job_dir, attempt, LAUNCH_RECORD)
+    if not storage.exists(launch_uri):
+        return None
+    launched = read_artifact(launch_uri, AttemptBill)
+    seen = {info.instance_id: info for info in described}
+    boxes = []
+    for box in launched.boxes:
+        info = seen.get(box.instance_id)
+        ended = info.stopped_at if info is not None and info.stopped_at is not None else now
+        boxes.append(box.model_copy(update={"ended_at": ended.isoformat()}))
+    ended_bill = launched.model_copy(update={"boxes": boxes})
+    write_artifact(end_uri, ended_bill)
+    return ended_bill
+
+
+def attempt_bills(job_dir: str, last_attempt: int) -> list[AttemptBill]:
+    """Return the record of each attempt up to ``last_attempt``: end.json, else launch.json."""
+    bills = []
+    for attempt in range(1, last_attempt + 1):
+        for name in (END_RECORD, LAUNCH_RECORD):
+            uri = attempt_dir(job_dir, attempt, name)
+            if storage.exists(uri):
+                bills.append(read_artifact(uri, AttemptBill))
+                break
+    return bills
+
+
+def run_bill(job_dir: str, last_attempt: int, now: datetime) -> RunBill:
+    """Return the run's bill from its attempt records (a box still running: until now).
+
+    EC2's rule for each box: per second, at least 60 s, launch to end.
+    """
+    bill = RunBill()
+    for attempt in attempt_bills(job_dir, last_attempt):
+        for box in attempt.boxes:
+            launched = datetime.fromisoformat(box.launched_at)
+            ended = datetime.fromisoformat(box.ended_at) if box.ended_at else now
+            seconds = float(billed_seconds(launched, max(ended, launched)))
+            if box.market == "local":
+                seconds = max(ended, launched).timestamp() - launched.timestamp()
+            bill.boxes.append(box)
+            bill.billed_seconds[box.instance_id] = seconds
+            bill.cost_usd += box.usd_per_hour * seconds / 3600.0
+    return bill
+
+
+def _box(info: InstanceInfo, usd_per_hour: float, source: str, now: datetime) -> BoxBill:
+    launched = info.launched_at or now
+    return BoxBill(
+        instance_id=info.instance_id,
+        instance_type=info.instance_type,
+        market=info.lifecycle or "on-demand",
+        zone=info.zone,
+        image_id=info.image_id,
+        usd_per_hour=usd_per_hour,
+        price_source=source,
+        launched_at=launched.isoformat(),
+    )

@@ -1,0 +1,153 @@
+"""Resume a lost or interrupted attempt in the same train task try, against the EC2 emulator.
+
+A reclaimed spot box stays ``shutting-down`` for minutes and writes no marker (or a resumable
+FAILED on its notice): the train task relaunches at once, without spending an Airflow retry,
+and stops relaunching at the run's bound. The full boot of both attempts runs in the sandbox
+(test_box_boot.py); here the boxes are held, their markers written as a box would.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
+from burstcv_testkit import HELD_WHEEL, reclaim_in_emulator
+
+from burstcv import pipeline
+from burstcv.airflow.operators import WaitForTrainingOperator
+from burstcv.compute.ec2 import Ec2Backend
+from burstcv.settings import Settings
+from burstcv.training.job import attempt_dir
+from burstcv_spec import storage
+from burstcv_spec.contracts import Launch, Provisioned, RunRef
+
+DAG_ID = "burstcv_pipeline"
+
+
+@pytest.fixture
+def provisioned(
+    backend: Ec2Backend, player: Any, kit: Any, monkeypatch: pytest.MonkeyPatch
+) -> Provisioned:
+    """Launch attempt 1 of a run through the pipeline, its box held; return provision's result."""
+    run = RunRef.of("manual__reclaimed")
+    player.modes[run.run_key] = kit.HOLD
+    monkeypatch.setattr(pipeline, "get_backend", lambda name: backend)
+    launch = Launch(
+        run=run,
+        dag_id=DAG_ID,
+        job_uri=f"{kit.job_dir(run.run_key)}/job.json",
+        time_budget_s=600,
+        instance_types=["g6.xlarge"],
+        use_spot=True,
+        deadline_at=datetime.now(UTC) + timedelta(seconds=600),
+        **HELD_WHEEL,
+    )
+    ids = pipeline._launch("ec2", launch, kit.job_dir(run.run_key), attempt=1)
+    return Provisioned(
+        run=run,
+        job_uri=launch.job_uri,
+        output_uri=kit.job_dir(run.run_key),
+        instance_ids=ids,
+        backend="ec2",
+        max_cost_usd=0.0,
+        launch=launch,
+    )
+
+
+def states(kit: Any, run_key: str) -> dict[str, str]:
+    """Return each emulated instance of the run and its EC2 state."""
+    pages = kit.ec2.get_paginator("describe_instances").paginate(
+        Filters=[{"Name": "tag:burstcv:run-id", "Values": [run_key]}]
+    )
+    return {
+        i["InstanceId"]: i["State"]["Name"]
+        for p in pages
+        for r in p["Reservations"]
+        for i in r["Instances"]
+    }
+
+
+def wait_event(provisioned: Provisioned, attempt: int) -> dict[str, Any]:
+    """Return what the trigger would fire now for the attempt."""
+    run = provisioned.run.run_key
+    return pipeline.training_outcome(run, "ec2", provisioned.output_uri, attempt)
+
+
+def resumed_in_this_try(operator: WaitForTrainingOperator, event: dict[str, Any]) -> int:
+    """Hand the trigger's event to the task; return the attempt it now defers on."""
+    with pytest.raises(TaskDeferred) as deferred:
+        operator.execute_complete({"run_id": "manual__reclaimed"}, event)
+    return int(deferred.value.trigger.attempt)
+
+
+def test_a_reclaimed_box_still_shutting_down_is_relaunched_in_the_same_try(
+    provisioned: Provisioned, kit: Any
+) -> None:
+    (first,) = provisioned.instance_ids
+    reclaim_in_emulator(first)  # no marker: reclaimed without (or before) its notice
+
+    event = wait_event(provisioned, 1)
+    assert event["status"] == "lost", event  # shutting-down is gone, not running
+    operator = WaitForTrainingOperator(task_id="train", provisioned=provisioned.model_dump())
+    assert resumed_in_this_try(operator, event) == 2
+
+    assert pipeline.current_attempt(provisioned.output_uri) == 2
+    boxes = states(kit, provisioned.run.run_key)
+    (second,) = [iid for iid in boxes if iid != first]
+    assert boxes == {first: "shutting-down", second: "running"}
+    assert wait_event(provisioned, 2)["status"] == "running"
+    Ec2Backend().terminate_run(provisioned.run.run_key)
+    assert kit.live_managed() == []
+
+
+def test_a_resumable_failed_with_its_box_still_up_relaunches_and_ends_that_box(
+    provisioned: Provisioned, kit: Any
+) -> None:
+    (first,) = provisioned.instance_ids
+    notice = {"stage": "train", "reason": "spot interruption notice", "resumable": True}
+    storage.write_json(attempt_dir(provisioned.output_uri, 1, "FAILED"), notice)
+
+    event = wait_event(provisioned, 1)
+    assert event["status"] == "failed" and event["resumable"] is True
+    operator = WaitForTrainingOperator(task_id="train", provisioned=provisioned.model_dump())
+    assert resumed_in_this_try(operator, event) == 2
+
+    boxes = states(kit, provisioned.run.run_key)
+    assert boxes[first] == "terminated"  # it wrote its checkpoint and marker: done with it
+    assert sorted(boxes.values()) == ["running", "terminated"]
+    Ec2Backend().terminate_run(provisioned.run.run_key)
+
+
+def test_relaunches_stop_at_the_runs_bound_with_one_line(
+    provisioned: Provisioned, kit: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pipeline, "get_settings", lambda: Settings(max_relaunches=1))
+    operator = WaitForTrainingOperator(task_id="train", provisioned=provisioned.model_dump())
+    (first,) = provisioned.instance_ids
+    reclaim_in_emulator(first)
+    assert resumed_in_this_try(operator, wait_event(provisioned, 1)) == 2
+
+    (second,) = [i for i in states(kit, provisioned.run.run_key) if i != first]
+    reclaim_in_emulator(second)
+    with pytest.raises(AirflowFailException) as failed:
+        operator.execute_complete({}, wait_event(provisioned, 2))
+    assert "relaunched 1 times, its limit" in str(failed.value)
+    assert "BURSTCV_MAX_RELAUNCHES" in str(failed.value) and "\n" not in str(failed.value)
+    assert len(states(kit, provisioned.run.run_key)) == 2  # no third box
+    Ec2Backend().terminate_run(provisioned.run.run_key)
+
+
+def test_a_final_failure_is_never_relaunched(provisioned: Provisioned, kit: Any) -> None:
+    final = {"stage": "train", "reason": "loss is NaN", "resumable": False}
+    storage.write_bytes(
+        attempt_dir(provisioned.output_uri, 1, "FAILED"), json.dumps(final).encode()
+    )
+    operator = WaitForTrainingOperator(task_id="train", provisioned=provisioned.model_dump())
+    with pytest.raises(AirflowFailException, match="loss is NaN"):
+        operator.execute_complete({}, wait_event(provisioned, 1))
+    assert pipeline.current_attempt(provisioned.output_uri) == 1
+    assert len(states(kit, provisioned.run.run_key)) == 1
+    Ec2Backend().terminate_run(provisioned.run.run_key)
