@@ -457,6 +457,18 @@ def divergence(loss: float, num_classes: int, *, validation: bool = False) -> st
     return None
 
 
+# Validation accuracy within this much of the better of chance and the majority-class rate is
+# near chance: the model guesses (the report warns on it too).
+NEAR_CHANCE_MARGIN = 0.1
+
+
+def near_chance(accuracy: float, confusion: list[list[int]]) -> bool:
+    """Return True when ``accuracy`` is within NEAR_CHANCE_MARGIN of guessing (per the matrix)."""
+    totals = [sum(row) for row in confusion]
+    floor = max(1 / len(confusion), max(totals) / max(1, sum(totals)))
+    return accuracy < floor + NEAR_CHANCE_MARGIN
+
+
 def _amp_dtype(device: torch.device) -> torch.dtype | None:
     if device.type != "cuda":
         return None  # fp32 on CPU: bf16 autocast is slower than fp32 on most CPUs
@@ -900,6 +912,14 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
     if best_state is not None:  # the best validation epoch is the model, not the last
         model.load_state_dict(best_state)
     final = evaluate(model, val, mean, std, scale, num_classes, EVAL_BATCH, amp_dtype)
+    if recoveries and near_chance(final["accuracy"], final["confusion"]):
+        # Recovered from divergence only to a model that guesses: not worth exporting.
+        raise TrainingDiverged(
+            f"training diverged {len(recoveries)} time(s) and recovered only to a near-chance "
+            f"model (validation accuracy {final['accuracy']:.3f}, chance "
+            f"{1 / num_classes:.3f}); the first: {recoveries[0]['reason']}; lower "
+            "learning_rate (or leave it at auto)"
+        )
     epochs_run = len(hist.epochs)
     early = stop_reason.startswith(("early stop", "target accuracy"))
     metrics = {
