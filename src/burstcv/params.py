@@ -69,6 +69,7 @@ TRAINING_PARAMS = (
     "optimizer",
     "warmup_steps",
     "early_stop_patience",
+    "lr_range_test",
     "freeze_backbone_epochs",
     "backbone_lr_scale",
     "seed",
@@ -247,6 +248,14 @@ class RunParams(BaseModel):
         "(the best epoch is exported either way); empty: auto, a quarter of the epochs, at "
         "least 4",
         json_schema_extra={"section": SECTION_TRAINING, "auto": True},
+    )
+    lr_range_test: bool = Field(
+        default=_JOB_DEFAULTS["lr_range_test"],
+        title="Learning-rate range test",
+        description="sweep the rate over at most 100 steps on the training box before "
+        "training, and train at a tenth of the rate with the lowest loss (its seconds are "
+        "counted; the rate is in metrics.json and the report); learning_rate is the fallback",
+        json_schema_extra={"section": SECTION_TRAINING},
     )
     freeze_backbone_epochs: int = Field(
         default=_JOB_DEFAULTS["freeze_backbone_epochs"],

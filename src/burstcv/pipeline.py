@@ -378,6 +378,7 @@ def training_job(
         optimizer=training.optimizer,
         warmup_steps=training.warmup_steps,
         early_stop_patience=training.early_stop_patience,
+        lr_range_test=params.lr_range_test,
         pretrained=training.pretrained,
         weights_store_uri=weights_store_uri(s.artifact_root),
         freeze_backbone_epochs=params.freeze_backbone_epochs,

@@ -277,6 +277,17 @@ def model_quality(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _range_test_line(test: dict[str, Any] | None) -> str | None:
+    """Return the learning-rate range test in one line, or None when the run had none."""
+    if not test:
+        return None
+    return (
+        f"{test.get('steps')} steps in {fmt(test.get('seconds'), '.1f', ' s')}, the lowest loss "
+        f"at {fmt(test.get('min_loss_lr'), '.3g')}: trained at {fmt(test.get('chosen_lr'), '.3g')} "
+        f"(instead of {fmt(test.get('fallback_lr'), '.3g')})"
+    )
+
+
 def _training_view(record: RunRecord) -> dict[str, Any]:
     """Show the training curves, the per-epoch table and where the time went."""
     metrics = record.get("metrics")
@@ -307,6 +318,7 @@ def _training_view(record: RunRecord) -> dict[str, Any]:
             f"good state, learning rate x{float(r.get('lr_scale', 1.0)):.3g}"
             for r in metrics.get("recoveries") or []
         ],
+        "range_test": _range_test_line(metrics.get("lr_range_test")),
         **model_quality(metrics),
         "val_accuracy": metrics.get("val_accuracy"),
         "val_loss": metrics.get("val_loss"),

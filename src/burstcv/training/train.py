@@ -425,6 +425,107 @@ def train_one_epoch(
 
 
 # ---------------------------------------------------------------------------------------------
+# Learning-rate range test
+
+# The sweep: the rate grows geometrically from RANGE_START to RANGE_END times the job's rate
+# over at most RANGE_TEST_STEPS steps (two epochs of a small dataset, fewer when that is
+# shorter), and stops once the smoothed loss is RANGE_STOP_FACTOR times its minimum.
+RANGE_TEST_STEPS = 100
+RANGE_START, RANGE_END = 1e-3, 30.0
+RANGE_STOP_FACTOR = 4.0
+RANGE_SMOOTHING = 0.9  # exponential moving average of the step losses
+RANGE_EPOCH = 1_000_000  # the sweep's batches are those of epochs no run reaches
+
+
+def lr_range_test(
+    model: nn.Module,
+    train: Split | ShardStream,
+    job: JobSpec,
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    scale: float,
+    amp_dtype: torch.dtype | None,
+) -> dict[str, Any]:
+    """Sweep the rate over a few steps and return the one to train at, with what was seen.
+
+    The model and its optimiser state are restored afterwards: training starts from the same
+    weights as without the sweep. The rate chosen is a tenth of the one with the lowest
+    smoothed loss (past it the loss is about to climb; fastai's ``lr_min``), bounded by the
+    sweep's range. Every rank sweeps the same batches, so every rank chooses the same rate.
+    """
+    t0 = time.perf_counter()
+    saved = copy.deepcopy(model.state_dict())
+    opt = make_optimizer(param_groups(model, job), job)
+    shares = [group["lr"] / job.learning_rate for group in opt.param_groups]
+    steps_per_epoch = max(1, len(train) // job.batch_size)
+    steps = max(10, min(RANGE_TEST_STEPS, 2 * steps_per_epoch))
+    ratio = (RANGE_END / RANGE_START) ** (1 / max(1, steps - 1))
+    device = train.device
+    lrs: list[float] = []
+    losses: list[float] = []
+    smooth, best_loss = 0.0, math.inf
+    model.train()
+    step = 0
+    for epoch in (RANGE_EPOCH, RANGE_EPOCH + 1):
+        batches = _train_batches(train, job.seed, epoch, job.batch_size, 0, Dist())
+        try:
+            for x_u8, y in batches:
+                if step >= steps:
+                    break
+                lr = job.learning_rate * RANGE_START * ratio**step
+                for group, share in zip(opt.param_groups, shares, strict=True):
+                    group["lr"] = lr * share
+                x = normalize(
+                    augment(x_u8, job, _step_generator(job.seed, epoch, step)), mean, std, scale
+                )
+                if device.type == "cuda":
+                    x = x.contiguous(memory_format=torch.channels_last)
+                with torch.autocast(
+                    device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
+                ):
+                    loss = F.cross_entropy(model(x), y, label_smoothing=job.label_smoothing)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                value = float(loss)  # the sweep reads every step: it is short
+                step += 1
+                smooth = RANGE_SMOOTHING * smooth + (1 - RANGE_SMOOTHING) * value
+                debiased = smooth / (1 - RANGE_SMOOTHING**step)
+                lrs.append(lr)
+                losses.append(debiased)
+                best_loss = min(best_loss, debiased)
+                if not math.isfinite(debiased) or debiased > RANGE_STOP_FACTOR * best_loss:
+                    step = steps
+        finally:
+            batches.close()
+        if step >= steps:
+            break
+    model.load_state_dict(saved)
+    finite = [(loss, lr) for loss, lr in zip(losses, lrs, strict=True) if math.isfinite(loss)]
+    at_min = min(finite)[1] if finite else job.learning_rate
+    chosen = min(max(at_min / 10, job.learning_rate * RANGE_START), job.learning_rate * RANGE_END)
+    result = {
+        "chosen_lr": chosen,
+        "min_loss_lr": at_min,
+        "fallback_lr": job.learning_rate,
+        "steps": len(lrs),
+        "seconds": time.perf_counter() - t0,
+        "lrs": lrs,
+        "losses": losses,
+    }
+    log.info(
+        "learning-rate range test: %d steps in %.1f s, lowest loss at %.3g: training at %.3g "
+        "(instead of %.3g)",
+        len(lrs),
+        result["seconds"],
+        at_min,
+        chosen,
+        job.learning_rate,
+    )
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
 # Divergence
 
 # Every this many steps (and at an epoch's last) the mean loss since the last check is read:
@@ -638,6 +739,13 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
     model = model.to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
+    range_test: dict[str, Any] | None = None
+    if ckpt is not None:
+        range_test = json.loads(ckpt.get("lr_range_test", "null"))
+    elif job.lr_range_test:
+        range_test = lr_range_test(model, train, job, mean, std, scale, _amp_dtype(device))
+    if range_test is not None:  # the rate the sweep found is the run's peak rate
+        job = job.model_copy(update={"learning_rate": range_test["chosen_lr"]})
     steps_per_epoch = max(1, len(train) // job.batch_size)
     total_steps = steps_per_epoch * job.epochs
     groups = param_groups(model, job)
@@ -705,6 +813,7 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
                     "history": json.dumps(hist.epochs),
                     "lr_scale": lr_scale.value,
                     "recoveries": json.dumps(recoveries),
+                    "lr_range_test": json.dumps(range_test),
                     "job": json.dumps(job.model_dump(mode="json")),
                     "seed": job.seed,
                     "source_commit": job.source_commit or lineage.source_commit(),
@@ -940,6 +1049,7 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
         ),
         "stop_reason": stop_reason,
         "recoveries": recoveries,
+        "lr_range_test": range_test,  # None unless the job asked for the sweep
         "optimizer": {
             "name": job.optimizer,
             "learning_rate": job.learning_rate,
