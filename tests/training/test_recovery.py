@@ -38,19 +38,21 @@ def test_a_huge_rate_that_keeps_diverging_ends_the_run_with_the_reason(
 def test_a_too_high_rate_is_lowered_and_the_run_trains_on(
     packed_demo: dict[str, Any], tmp_path: Path
 ) -> None:
-    # 4.0 (SGD, batch 128) blows the loss up within the first ten steps; 0.3x and 0.09x of it
-    # are what the recovery tries next.
-    job = make_job(packed_demo, tmp_path / "out", epochs=2, learning_rate=4.0)
+    # 4.0 (SGD, batch 128) blows the training loss up within ten steps, and 0.3x of it too;
+    # at 0.09x the validation loss reaches the thousands at chance accuracy (BatchNorm's
+    # statistics wrecked: the run); 0.027x trains.
+    job = make_job(packed_demo, tmp_path / "out", epochs=3, learning_rate=4.0)
     code, out = _run(job, tmp_path)
     assert code == 0
     metrics = json.loads((out / "metrics.json").read_text())
     recoveries = metrics["recoveries"]
     assert 1 <= len(recoveries) <= job.max_recoveries
-    assert all("training loss" in r["reason"] for r in recoveries)
+    assert "training loss" in recoveries[0]["reason"]
+    assert all(" is over " in r["reason"] or " is nan" in r["reason"] for r in recoveries)
     assert recoveries[-1]["lr_scale"] == pytest.approx(0.3 ** len(recoveries))
     assert metrics["optimizer"]["lr_scale"] == pytest.approx(0.3 ** len(recoveries))
-    assert len(metrics["epochs"]) == 2  # the diverged attempts left no epoch behind
-    assert metrics["val_accuracy"] >= 0.85, metrics["epochs"]
+    assert len(metrics["epochs"]) == 3  # the diverged attempts left no epoch behind
+    assert metrics["val_accuracy"] >= 0.85, (recoveries, metrics["epochs"])
 
 
 def _shuffled_val(packed: dict[str, Any], root: Path) -> list[str]:

@@ -533,9 +533,11 @@ def lr_range_test(
 DIVERGENCE_CHECK_STEPS = DDP_STOP_CHECK_STEPS
 # A mean training loss this many times the loss of a model that knows nothing (ln of the
 # class count, at least 1) has left the range training comes back from. A validation loss
-# counts only when it is not finite: early in a run, at the peak rate, BatchNorm's running
-# statistics lag the weights and the validation loss spikes, then comes back by itself.
+# gets more room, and counts only with a model that guesses (accuracy near chance): early in
+# a run, at the peak rate, BatchNorm's running statistics lag the weights and the validation
+# loss may spike while the model is fine; thousands at chance accuracy is the issue's wreck.
 DIVERGENCE_FACTOR = 3.0
+VAL_DIVERGENCE_FACTOR = 10.0
 RECOVERY_LR_FACTOR = 0.3  # the rate (the whole schedule) is multiplied by this per recovery
 
 
@@ -544,16 +546,23 @@ def chance_loss(num_classes: int) -> float:
     return max(1.0, math.log(num_classes))
 
 
-def divergence(loss: float, num_classes: int, *, validation: bool = False) -> str | None:
-    """Return why a loss counts as diverged (non-finite, or far above chance), or None."""
+def divergence(
+    loss: float, num_classes: int, *, validation: bool = False, guessing: bool = False
+) -> str | None:
+    """Return why a loss counts as diverged (non-finite, or far above chance), or None.
+
+    A validation loss counts when it is far above chance and the model ``guessing``.
+    """
     what = "validation loss" if validation else "training loss"
     if not math.isfinite(loss):
         return f"{what} is {loss}"
-    limit = DIVERGENCE_FACTOR * chance_loss(num_classes)
-    if not validation and loss > limit:
+    factor = VAL_DIVERGENCE_FACTOR if validation else DIVERGENCE_FACTOR
+    limit = factor * chance_loss(num_classes)
+    if loss > limit and (guessing or not validation):
         return (
             f"{what} {loss:.4g} is over {limit:.3g} (a model that knows nothing scores "
             f"{math.log(num_classes):.3g})"
+            + (" and the accuracy is near chance" if validation else "")
         )
     return None
 
@@ -950,7 +959,10 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
             ev = evaluate(model, val, mean, std, scale, num_classes, EVAL_BATCH, amp_dtype)
             hist.eval_s += time.perf_counter() - t_eval
             why = divergence(stats["train_loss"], num_classes) or divergence(
-                ev["loss"], num_classes, validation=True
+                ev["loss"],
+                num_classes,
+                validation=True,
+                guessing=near_chance(ev["accuracy"], ev["confusion"]),
             )
             if d.world_size > 1:  # each rank's training loss is its own share's: agree
                 flag = torch.tensor([int(why is not None)], device=device)
