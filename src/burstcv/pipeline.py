@@ -23,7 +23,7 @@ import pandas as pd
 from burstcv import lineage
 from burstcv.compute.backends import get_backend
 from burstcv.compute.base import STOPPED, InstanceInfo, LaunchRequest
-from burstcv.data.imagesize import ImageSize, choose_image_size
+from burstcv.data.imagesize import choose_image_size
 from burstcv.params import EXPORT_PARAMS, TRAINING_PARAMS, RunParams
 from burstcv.settings import Settings, get_settings
 from burstcv_spec import storage
@@ -122,7 +122,13 @@ def validate(run: RunRef, params: RunParams, settings: Settings | None = None) -
     manifest = _read_manifest(report.manifest_uri)
     try:
         size = choose_image_size(manifest, params.image_size)
-        training = choose_training(params, manifest, size, s)
+        usable = manifest[manifest["decode_ok"].astype(bool)]
+        training = choose_training(
+            params,
+            train_images=int((usable["split"] == "train").sum()),
+            photos=size.resize_short is not None,
+            settings=s,
+        )
     except ValueError as exc:
         raise ValidationFailed(str(exc)) from exc
     log.info("image size %d px: %s", size.px, size.reason)
@@ -147,7 +153,7 @@ def validate(run: RunRef, params: RunParams, settings: Settings | None = None) -
 
 
 def choose_training(
-    params: RunParams, manifest: pd.DataFrame, size: ImageSize, settings: Settings | None = None
+    params: RunParams, *, train_images: int, photos: bool, settings: Settings | None = None
 ) -> TrainingChoice:
     """Return how the run will train: its explicit values, the rest derived from the data.
 
@@ -160,10 +166,8 @@ def choose_training(
     from burstcv.training.recipe import RecipeRequest, choose_recipe
 
     s = settings or get_settings()
-    usable = manifest[manifest["decode_ok"].astype(bool)]
-    photos = size.resize_short is not None
     recipe = choose_recipe(
-        int((usable["split"] == "train").sum()),
+        train_images,
         photos=photos,
         request=RecipeRequest(
             model=None if params.model == MODEL_AUTO else params.model,
@@ -203,12 +207,29 @@ def choose_training(
     )
 
 
-def _training_of(result: Validated | Packed) -> TrainingChoice:
-    if result.training is None:
+def _training_of(validated: Validated) -> TrainingChoice:
+    if validated.training is None:
         raise StageError(
             "no training recipe: validate chooses it (run validate again with this code)"
         )
-    return result.training
+    return validated.training
+
+
+def _packed_training(params: RunParams, packed: Packed, settings: Settings) -> TrainingChoice:
+    """Return validate's choice as pack handed it on; for a Packed made without one (by hand,
+    a re-run of an older run), the same rules applied to the packed counts and transform.
+    """
+    if packed.training is not None:
+        return packed.training
+    try:
+        return choose_training(
+            params,
+            train_images=packed.counts.get("train", 0),
+            photos=packed.preprocess.resize_short is not None,
+            settings=settings,
+        )
+    except ValueError as exc:
+        raise StageError(str(exc)) from exc
 
 
 def nothing_new_to_train(
@@ -363,7 +384,7 @@ def training_job(
     from burstcv.training.weights import weights_store_uri
 
     s = settings or get_settings()
-    training = _training_of(packed)
+    training = _packed_training(params, packed, s)
     return JobSpec(
         run_id=run.run_key,
         arch=training.model,
