@@ -770,7 +770,9 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
     hist = History()
     epoch, step = 0, 0
     # The best validation epoch so far (ties: the later) and its weights: what is exported.
-    best: dict[str, Any] = {"epoch": 0, "val_accuracy": -1.0}
+    # "improved_at": the last epoch that beat every earlier one (a tie does not): what early
+    # stopping's patience counts from.
+    best: dict[str, Any] = {"epoch": 0, "val_accuracy": -1.0, "improved_at": 0}
     best_state: dict[str, torch.Tensor] | None = None
     recoveries: list[dict[str, Any]] = []
     best_uri = job.uri(BEST_CHECKPOINT)
@@ -990,7 +992,14 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
             record["gpu_max_memory_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
         hist.epochs.append(record)
         if improved:
-            best = {"epoch": epoch + 1, "val_accuracy": ev["accuracy"], "val_loss": ev["loss"]}
+            best = {
+                "epoch": epoch + 1,
+                "val_accuracy": ev["accuracy"],
+                "val_loss": ev["loss"],
+                "improved_at": (
+                    epoch + 1 if ev["accuracy"] > best["val_accuracy"] else best["improved_at"]
+                ),
+            }
             best_state = copy.deepcopy(model.state_dict())
             if d.is_main:
                 save_checkpoint(best_uri, {"model": best_state, "best": json.dumps(best)})
@@ -1017,10 +1026,13 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
             stop_reason = f"target accuracy {job.target_accuracy} reached"
             break
         patience = job.early_stop_patience
-        if patience is not None and epoch < job.epochs and epoch - best["epoch"] >= patience:
+        stale_from = int(best.get("improved_at", best["epoch"]))
+        stale = epoch - stale_from
+        if patience is not None and epoch < job.epochs and stale >= patience:
             stop_reason = (
                 f"early stop: validation accuracy has not improved for {patience} epochs "
-                f"(best {best['val_accuracy']:.4f} at epoch {best['epoch']})"
+                f"(best {best['val_accuracy']:.4f}, reached at epoch {stale_from}, "
+                f"last at epoch {best['epoch']})"
             )
             break
         if deadline is not None and time.time() + epoch_s > deadline:
