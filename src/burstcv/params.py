@@ -29,6 +29,7 @@ from pydantic import (
 
 from burstcv.data.config import ValidationConfig
 from burstcv.settings import ComputeBackend, Ec2Settings, Settings, get_settings
+from burstcv.training import recipe as R
 from burstcv.training.job import JobSpec
 from burstcv.training.names import (
     ARCHITECTURE_NAMES,
@@ -118,8 +119,8 @@ class RunParams(BaseModel):
     model: str = Field(
         default=MODEL_AUTO,
         title="Model",
-        description="torchvision architecture to train; auto: resnet18 for photos (it has "
-        "ImageNet weights), resnet10 for small images such as the digits",
+        description=f"torchvision architecture to train; auto: {R.PHOTO_MODEL} for photos (it "
+        f"has ImageNet weights), {R.SMALL_IMAGE_MODEL} for small images such as the digits",
         json_schema_extra={"enum": [MODEL_AUTO, *ARCHITECTURE_NAMES]},
     )
     pretrained: str = Field(
@@ -146,8 +147,8 @@ class RunParams(BaseModel):
         le=500,
         title="Epochs",
         description="passes over the training split; empty: auto, enough that a small "
-        "training set is seen 4,500 images' worth (6 to 30); early stopping or the time "
-        "budget may stop training earlier",
+        f"training set is seen {R.IMAGES_SEEN:,} images' worth ({R.MIN_EPOCHS} to "
+        f"{R.MAX_EPOCHS}); early stopping or the time budget may stop training earlier",
         json_schema_extra={"auto": True},
     )
     compute_backend: ComputeBackend = _from_deployment(
@@ -211,7 +212,7 @@ class RunParams(BaseModel):
         le=8192,
         title="Batch size",
         description="images per optimizer step, over all GPUs; empty: auto, the largest power "
-        "of two up to 128 that gives an epoch 8 steps",
+        f"of two up to {R.MAX_BATCH} that gives an epoch {R.MIN_STEPS_PER_EPOCH} steps",
         json_schema_extra={"section": SECTION_TRAINING, "auto": True},
     )
     learning_rate: float | None = Field(
@@ -220,14 +221,15 @@ class RunParams(BaseModel):
         le=10,
         title="Learning rate",
         description="peak of the schedule (linear warm-up, cosine decay); empty: auto, scaled "
-        "with the batch (AdamW 1e-3 x sqrt(batch/32), SGD 0.1 x batch/256)",
+        f"with the batch (AdamW {R.ADAMW_LR_AT_32:g} x sqrt(batch/32), SGD "
+        f"{R.SGD_LR_PER_256:g} x batch/256)",
         json_schema_extra={"section": SECTION_TRAINING, "auto": True},
     )
     optimizer: Literal["auto", "sgd", "adamw"] = Field(
         default="auto",
         title="Optimizer",
-        description="auto: AdamW for runs under 10,000 steps, SGD with Nesterov momentum for "
-        "longer ones",
+        description=f"auto: AdamW for runs under {R.SGD_MIN_STEPS:,} steps, SGD with Nesterov "
+        "momentum for longer ones",
         json_schema_extra={"section": SECTION_TRAINING},
     )
     warmup_steps: int | None = Field(
@@ -236,7 +238,7 @@ class RunParams(BaseModel):
         le=100_000,
         title="Warm-up steps",
         description="optimizer steps of linear warm-up; empty: auto, a quarter of the run, at "
-        "most max(3 epochs, 100 steps)",
+        f"most max(3 epochs, {R.MIN_WARMUP_CAP_STEPS} steps)",
         json_schema_extra={"section": SECTION_TRAINING, "auto": True},
     )
     early_stop_patience: int | None = Field(
@@ -246,7 +248,7 @@ class RunParams(BaseModel):
         title="Early-stop patience (epochs)",
         description="stop when validation accuracy has not improved for this many epochs "
         "(the best epoch is exported either way); empty: auto, a quarter of the epochs, at "
-        "least 4",
+        f"least {R.MIN_PATIENCE}",
         json_schema_extra={"section": SECTION_TRAINING, "auto": True},
     )
     lr_range_test: bool = Field(
