@@ -255,7 +255,8 @@ class RunParams(BaseModel):
         default=_JOB_DEFAULTS["lr_range_test"],
         title="Learning-rate range test",
         description="sweep the rate over at most 100 steps on the training box before "
-        "training, and train at a tenth of the rate with the lowest loss (its seconds are "
+        "training, and train at the lower of a tenth of the lowest-loss rate and the rate of "
+        "the steepest descent (its seconds are "
         "counted; the rate is in metrics.json and the report); learning_rate is the fallback",
         json_schema_extra={"section": SECTION_TRAINING},
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import io
+import itertools
 import json
 import logging
 import math
@@ -435,6 +436,7 @@ RANGE_MIN_STEPS = 30
 RANGE_START, RANGE_END = 1e-3, 30.0
 RANGE_STOP_FACTOR = 4.0
 RANGE_SMOOTHING = 0.9  # exponential moving average of the step losses
+RANGE_SKIP_START = 5  # the first smoothed losses are noise: no slope is read from them
 RANGE_EPOCH = 1_000_000  # the sweep's batches are those of epochs no run reaches
 
 
@@ -451,8 +453,9 @@ def lr_range_test(
 
     The model and its optimiser state are restored afterwards: training starts from the same
     weights as without the sweep. The rate chosen is a tenth of the one with the lowest
-    smoothed loss (past it the loss is about to climb; fastai's ``lr_min``), bounded by the
-    sweep's range. Every rank sweeps the same batches, so every rank chooses the same rate.
+    smoothed loss (past it the loss is about to climb; fastai's ``lr_min``), or the rate of
+    the steepest descent when that is lower, bounded by the sweep's range. Every rank sweeps
+    the same batches, so every rank chooses the same rate.
     """
     t0 = time.perf_counter()
     saved = copy.deepcopy(model.state_dict())
@@ -504,10 +507,18 @@ def lr_range_test(
     model.load_state_dict(saved)
     finite = [(loss, lr) for loss, lr in zip(losses, lrs, strict=True) if math.isfinite(loss)]
     at_min = min(finite)[1] if finite else job.learning_rate
-    chosen = min(max(at_min / 10, job.learning_rate * RANGE_START), job.learning_rate * RANGE_END)
+    # Steepest descent: where the smoothed loss falls fastest per step of log(rate), before
+    # its minimum. On a short sweep from scratch the loss still falls because the model is
+    # learning, so the minimum sits late: the lower of the two is the safer rate.
+    before = [(loss, lr) for loss, lr in finite[RANGE_SKIP_START:] if lr <= at_min]
+    slopes = [(b[0] - a[0], a[1]) for a, b in itertools.pairwise(before)]
+    steepest = min(slopes)[1] if slopes else at_min
+    chosen = min(steepest, at_min / 10)
+    chosen = min(max(chosen, job.learning_rate * RANGE_START), job.learning_rate * RANGE_END)
     result = {
         "chosen_lr": chosen,
         "min_loss_lr": at_min,
+        "steepest_lr": steepest,
         "fallback_lr": job.learning_rate,
         "steps": len(lrs),
         "seconds": time.perf_counter() - t0,
