@@ -55,7 +55,7 @@ def pretrained_kind(pretrained: str) -> PretrainedKind:
     if _WEIGHTS_NAME.match(value):
         return "torchvision"
     raise ValueError(
-        f"pretrained {pretrained!r} is neither 'none', 'auto', a torchvision weights name "
+        f"pretrained {pretrained!r} is neither 'none', a torchvision weights name "
         "(DEFAULT, IMAGENET1K_V1, ...) nor a state_dict URI (a path, file://, s3://)"
     )
 
