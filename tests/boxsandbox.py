@@ -101,6 +101,7 @@ class Imds:
     region: str = "us-east-1"
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
     spot_action: dict[str, str] | None = None
+    credentials_delay_s: float = 0.0  # how slowly the role's credentials come, as on a busy box
     requests: list[tuple[str, str, bool]] = field(default_factory=list)  # method, path, token?
 
     def answer(self, method: str, path: str, token: str | None) -> tuple[int, str]:
@@ -132,6 +133,8 @@ class Imds:
         if meta == "spot/instance-action":
             return (200, json.dumps(self.spot_action)) if self.spot_action else (404, "")
         if meta in values:
+            if meta.startswith("iam/security-credentials/") and self.credentials_delay_s:
+                time.sleep(self.credentials_delay_s)
             return 200, values[meta]
         return 404, ""
 

@@ -287,7 +287,8 @@ def use_moto(url: str, monkeypatch: Any, region: str = "us-east-1") -> None:
     import urllib.request
 
     reset = urllib.request.Request(f"{url}/moto-api/reset", method="POST")
-    urllib.request.urlopen(reset, timeout=10).close()
+    # The emulator shares this process with the test: on a busy machine a reset can wait long.
+    urllib.request.urlopen(reset, timeout=120).close()
     monkeypatch.setenv("AWS_ENDPOINT_URL", url)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")

@@ -296,10 +296,14 @@ def test_a_failed_preflight_is_final_and_says_what_to_set(
         RunRef.of("manual__nogpu"), "burstcv_pipeline", params(), shards, settings()
     )
     (instance_id,) = provisioned.instance_ids
+    # The role's credentials come slower than botocore's default 1 s wait: the box still gets
+    # them (the failure below is the GPU check's, not a credential fetch's).
+    box.imds.credentials_delay_s = 2.0
 
     boot = boot_instance(box, ec2, instance_id)
 
     assert boot.exit_code == 3, boot.console
+    assert "NoCredentialsError" not in boot.console, boot.console
     assert boot.shutdown_calls[-1] == ["shutdown", "-h", "now"]
     event = wait_for_trigger(provisioned, attempt=1)
     assert event["status"] == "failed" and event["stage"] == "preflight"

@@ -102,6 +102,11 @@ INSTANCE_TYPE=$(imds meta-data/instance-type) || INSTANCE_TYPE=""
 AWS_REGION=$(imds meta-data/placement/region) || AWS_REGION="$FALLBACK_REGION"
 AWS_DEFAULT_REGION="$AWS_REGION"
 export AWS_REGION AWS_DEFAULT_REGION
+# Credentials come from the instance profile through IMDS. botocore asks once and waits 1 s: a
+# box busy installing or training can answer slower, and one missed fetch fails the attempt.
+AWS_METADATA_SERVICE_TIMEOUT=5
+AWS_METADATA_SERVICE_NUM_ATTEMPTS=5
+export AWS_METADATA_SERVICE_TIMEOUT AWS_METADATA_SERVICE_NUM_ATTEMPTS
 LOG_URI="$ATTEMPT_DIR/logs/$INSTANCE_ID.log"
 stamp "instance $INSTANCE_ID ($INSTANCE_TYPE) in $AWS_REGION"
 
