@@ -19,6 +19,14 @@ the training loop.
     python bench/train.py --model resnet50 --image-size 224                     # a lent GPU
     python bench/train.py --model resnet18 --image-size 96 --images 1200 --epochs 2   # a CPU
     python bench/train.py --data digits --model resnet10 --scale 4             # the digits
+
+``--measure accuracy`` compares what the two reach instead, after ``--epochs`` epochs each on
+real photos (crops of scikit-learn's): the plain torchvision recipe (ResNet-18 from scratch,
+AdamW 1e-3, cosine, batch 32, RandomResizedCrop + flip) against the burstcv job with every
+training default it derives from the data (burstcv.training.recipe; from scratch too, no
+early stop, so both train the same number of epochs):
+
+    python bench/train.py --data photos --measure accuracy --images 300 --image-size 128 --epochs 15
 """
 
 from __future__ import annotations
@@ -216,7 +224,12 @@ def child_baseline(cfg: dict[str, Any]) -> dict[str, Any]:
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    plain = cfg.get("measure") == "accuracy"
+    if plain:  # the plain torchvision recipe: AdamW 1e-3, cosine over the run
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, cfg["epochs"] * len(loader))
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=0.1)
     before_kb = _rss_kb("VmRSS")
     epochs: list[dict[str, float]] = []
@@ -237,13 +250,15 @@ def child_baseline(cfg: dict[str, Any]) -> dict[str, Any]:
                 scaler.scale(loss).backward()
                 scaler.step(opt)
                 scaler.update()
+                if plain:
+                    sched.step()
                 seen += len(y)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             end = time.monotonic()
             epochs.append({"images_per_s": seen / (end - start), "start": start, "end": end})
     last = epochs[-1]
-    return {
+    result = {
         "images_per_s": last["images_per_s"],
         "epoch_images_per_s": [e["images_per_s"] for e in epochs],
         "gpu_util": gpu.mean(last["start"], last["end"]),
@@ -251,6 +266,33 @@ def child_baseline(cfg: dict[str, Any]) -> dict[str, Any]:
         "workers_peak_rss_mb": _children_peak_mb(),
         "precision": PRECISION.get(str(amp), "fp32"),
     }
+    if plain:
+        result["val_accuracy"] = _baseline_accuracy(model, cfg, device)
+        result["recipe"] = f"AdamW 1e-3, cosine, batch {cfg['batch']}, {cfg['epochs']} epochs"
+    return result
+
+
+def _baseline_accuracy(model: Any, cfg: dict[str, Any], device: Any) -> float:
+    """Return top-1 on the val folder, decoded as serving does (short side, centre crop)."""
+    import torch
+    from torchvision import datasets, transforms
+
+    spec = cfg["preprocess"]
+    tf = transforms.Compose(
+        [
+            transforms.Resize(spec.get("resize_short") or cfg["px"], antialias=True),
+            transforms.CenterCrop(cfg["px"]),
+            transforms.ToTensor(),
+            transforms.Normalize(spec["mean"], spec["std"]),
+        ]
+    )
+    dataset = datasets.ImageFolder(str(Path(cfg["data"]) / "val"), transform=tf)
+    model.eval()
+    right = 0
+    with torch.no_grad():
+        for x, y in torch.utils.data.DataLoader(dataset, batch_size=64):
+            right += int((model(x.to(device)).argmax(1).cpu() == y).sum())
+    return right / max(1, len(dataset))
 
 
 def child_burstcv(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -290,6 +332,25 @@ def child_burstcv(cfg: dict[str, Any]) -> dict[str, Any]:
         checkpoint_every_s=1e9,
         data_memory_budget_mb=cfg["budget_mb"],
     )
+    recipe = None
+    if cfg.get("measure") == "accuracy":  # every training default, for --epochs epochs
+        from burstcv.training.recipe import RecipeRequest, choose_recipe
+
+        recipe = choose_recipe(
+            cfg["counts"]["train"],
+            photos=cfg["photos"],
+            request=RecipeRequest(epochs=cfg["epochs"], early_stop_patience=cfg["epochs"]),
+        )
+        job = job.model_copy(
+            update={
+                "arch": recipe.model,
+                "batch_size": recipe.batch_size,
+                "learning_rate": recipe.learning_rate,
+                "optimizer": recipe.optimizer,
+                "warmup_steps": recipe.warmup_steps,
+                "early_stop_patience": recipe.early_stop_patience,
+            }
+        )
     torch.zeros(1).sum()
     before_kb = _rss_kb("VmRSS")
     with GpuSampler() as gpu:
@@ -306,6 +367,7 @@ def child_burstcv(cfg: dict[str, Any]) -> dict[str, Any]:
         "val_accuracy": metrics["val_accuracy"],
         "data_path": "streamed" if streamed else "whole on the device",
         "wall_s": metrics["wall_s"],
+        "recipe": recipe.reason if recipe else None,
     }
 
 
@@ -357,6 +419,13 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--data", choices=("photos", "digits"), default="photos")
+    parser.add_argument(
+        "--measure",
+        choices=("throughput", "accuracy"),
+        default="throughput",
+        help="accuracy: validation top-1 after --epochs, the plain torchvision recipe "
+        "(resnet18, batch 32) against burstcv's training defaults",
+    )
     parser.add_argument("--model", "--arch", dest="model", default="resnet50")
     parser.add_argument("--image-size", type=int, default=224, help="photos only (digits: 32)")
     parser.add_argument("--images", type=int, default=6000, help="photo training images")
@@ -386,10 +455,12 @@ def main() -> None:
     n_cpu = len(vcpus or cpus)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        accuracy = args.measure == "accuracy"
+        if accuracy:  # the plain recipe's model and batch
+            args.model, args.batch = "resnet18", 32
         if args.data == "photos":
-            prepared = prepare_photos(
-                root, args.images, max(30, args.images // 20), args.image_size
-            )
+            val = args.images // 4 if accuracy else max(30, args.images // 20)
+            prepared = prepare_photos(root, args.images, val, args.image_size)
         else:
             prepared = prepare_digits(root, args.scale)
         cfg = {
@@ -400,6 +471,7 @@ def main() -> None:
             "workers": args.workers if args.workers is not None else n_cpu,
             "budget_mb": args.budget_mb or JobSpec.model_fields["data_memory_budget_mb"].default,
             "out": str(root / "job"),
+            "measure": args.measure,
         }
         base = run_child("baseline", cfg, root, vcpus)
         ours = run_child("burstcv", cfg, root, vcpus)
@@ -433,9 +505,23 @@ def main() -> None:
     if ours["precision"] != "fp32":  # CUDA: the TFLOP/s the GPU sustained
         flops = train_flops_per_image(args.model, len(prepared["classes"]), prepared["px"])
         result["achieved_tflops"] = flops * ours["images_per_s"] / 1e12
-    _print(result)
+    if accuracy:
+        _print_accuracy(result)
+    else:
+        _print(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+
+
+def _print_accuracy(r: dict[str, Any]) -> None:
+    base, ours = r["baseline"], r["burstcv"]
+    print(
+        f"device {r['device']} ({r['vcpus']} vCPUs)  {r['train_images']} {r['data']} train "
+        f"images at {r['image_size']} px, validation top-1 after {r['epochs']} epochs each"
+    )
+    print(f"  torchvision plain recipe (resnet18, {base['recipe']}): {base['val_accuracy']:.4f}")
+    print(f"  burstcv defaults ({ours['recipe']}): {ours['val_accuracy']:.4f}")
+    print(f"  difference burstcv - torchvision: {ours['val_accuracy'] - base['val_accuracy']:+.4f}")
 
 
 def _print(r: dict[str, Any]) -> None:

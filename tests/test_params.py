@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from burstcv import pipeline
 from burstcv.data.config import ValidationConfig
-from burstcv.params import DATA_CHECKS, RunParams, params_table, run_fields
+from burstcv.params import DATA_CHECKS, RunParams, describe_default, params_table, run_fields
 from burstcv.settings import Settings, get_settings
 from burstcv.training.job import JobSpec
 from burstcv_spec.contracts import RunRef
@@ -39,10 +39,13 @@ def test_defaults_have_one_home_each(clean_env: None, monkeypatch: pytest.Monkey
     assert params.time_budget_s == 1800
     assert params.instance_types == ["g5.xlarge", "g4dn.xlarge"]
     assert params.use_spot is False
-    # Training choices: the training job's contract.
+    # Training choices: auto (validate derives them from the data), or the job's contract.
     job = JobSpec.model_fields
-    assert params.model == job["arch"].default
-    for name in ("epochs", "batch_size", "learning_rate", "seed"):
+    assert (params.model, params.pretrained, params.optimizer) == ("auto", "auto", "auto")
+    for name in ("epochs", "batch_size", "learning_rate", "warmup_steps", "early_stop_patience"):
+        assert getattr(params, name) is None, name
+        assert run_fields()[name].auto and describe_default(run_fields()[name]) == "auto"
+    for name in ("seed", "freeze_backbone_epochs", "backbone_lr_scale"):
         assert getattr(params, name) == job[name].default, name
     # Data checks: the dataset gate's own defaults.
     checks = ValidationConfig()
@@ -55,8 +58,9 @@ def test_a_given_none_empties_a_field_that_may_be_empty() -> None:
     config = params.validation_config()
     assert config.near_duplicate_max_distance is None  # off, not the default 0
     assert config.drift_max == 0.2
-    with pytest.raises(ValidationError, match="epochs"):
-        RunParams.resolve({"epochs": None})  # not a field that may be empty
+    assert RunParams.resolve({"epochs": None}).epochs is None  # empty: auto
+    with pytest.raises(ValidationError, match="seed"):
+        RunParams.resolve({"seed": None})  # not a field that may be empty
 
 
 def test_data_checks_that_cannot_be_met_are_refused() -> None:
@@ -180,7 +184,8 @@ def cli_accepts(cli_run: Any, name: str, value: Any) -> bool:
 
     command, ctx = cli_run
     (option,) = [p for p in command.params if p.name == name]
-    text = "none" if value is None else ",".join(value) if isinstance(value, list) else str(value)
+    empty = "auto" if run_fields()[name].auto else "none"  # a field whose empty means auto
+    text = empty if value is None else ",".join(value) if isinstance(value, list) else str(value)
     try:
         option.process_value(ctx, text)
     except typer.BadParameter:

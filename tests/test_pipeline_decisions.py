@@ -62,7 +62,7 @@ def test_production_data_and_params_need_no_training(
         reason = decide(settings)
     assert reason is not None and reason.startswith("nothing new to train on:")
     assert "production version 1 (run manual__first)" in reason
-    assert "model resnet10, epochs 3" in reason and "force_train" in reason
+    assert "model auto, pretrained auto, epochs 3" in reason and "force_train" in reason
     assert reason in caplog.messages
     skip = read_artifact(pipeline.run_layout(RUN, settings).skip, SkipRecord)
     assert skip.reason == reason and skip.production_version == 1

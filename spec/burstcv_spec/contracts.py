@@ -280,12 +280,36 @@ class InstanceRecord(Contract):
     zone: str = Field(default="", description="its Availability Zone (ec2)")
 
 
+class TrainingChoice(Contract):
+    """Say how the run will train: each value the run's own or derived from the data, and why."""
+
+    omit_when_none = frozenset({"warning"})
+
+    model: str = Field(description="architecture to train")
+    pretrained: str = Field(description="'none', a torchvision weights name, or a state_dict URI")
+    batch_size: int = Field(gt=0, description="images per optimizer step, over all GPUs")
+    learning_rate: float = Field(gt=0, description="peak rate, after the warm-up")
+    epochs: int = Field(gt=0, description="passes over the training split asked for")
+    optimizer: Literal["sgd", "adamw"] = Field(description="SGD (Nesterov) or AdamW")
+    warmup_steps: int = Field(ge=0, description="optimizer steps of linear warm-up")
+    early_stop_patience: int = Field(
+        gt=0, description="epochs without a better validation accuracy before stopping"
+    )
+    derived: list[str] = Field(description="the values chosen from the data (auto), by name")
+    reason: str = Field(description="one line: what was chosen and why")
+    warning: str | None = Field(
+        default=None, description="one line when an auto choice fell back (no pretrained weights)"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Stage results (XCom)
 
 
 class Validated(Contract):
     """Say where validate put the evidence of a dataset that passed."""
+
+    omit_when_none = frozenset({"training"})
 
     fingerprint: str = Field(description="sha256 over the validated files")
     manifest_uri: str = Field(description="dataset/manifest.parquet: one row per file")
@@ -298,10 +322,16 @@ class Validated(Contract):
         description="photos: the short side is resized to this before the centre crop; "
         "null: images are resized straight to the size",
     )
+    training: TrainingChoice | None = Field(
+        default=None,
+        description="how the run will train (absent: not chosen, as for a re-export)",
+    )
 
 
 class Packed(Contract):
     """Say where pack put the decoded shards and which preprocessing they fix."""
+
+    omit_when_none = frozenset({"training"})
 
     classes: list[str] = Field(description="class names; label i is classes[i]")
     train_shards: list[str] = Field(description="URIs of the training .npz shards")
@@ -309,6 +339,9 @@ class Packed(Contract):
     counts: dict[str, int] = Field(description="images per split")
     preprocess: PreprocessBlock = Field(description="the eval transform, with training stats")
     fingerprint: str = Field(description="the validated dataset's fingerprint")
+    training: TrainingChoice | None = Field(
+        default=None, description="validate's training choice, handed on to provision"
+    )
 
 
 class Launch(Contract):

@@ -26,6 +26,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 GIVEN = "given"  # the parameter of a command that receives the run options it was given
 _CONTEXT = "_run_options_context"  # the Typer context the wrapper asks where values came from
 EMPTY_WORDS = ("none", "off", "")  # what leaves a field that may be empty (JSON null) empty
+AUTO_WORDS = ("auto", "")  # what leaves a field whose empty means auto on auto
 
 
 def value_parser(spec: RunField) -> Callable[[Any], Any]:
@@ -41,7 +42,8 @@ def value_parser(spec: RunField) -> Callable[[Any], Any]:
         if isinstance(raw, str):
             text = raw.strip()
             try:
-                if spec.nullable and text.lower() in EMPTY_WORDS:
+                empty_words = AUTO_WORDS if spec.auto else EMPTY_WORDS
+                if spec.nullable and text.lower() in empty_words:
                     value = None
                 elif kind == "array":
                     value = [item.strip() for item in text.split(",") if item.strip()]
@@ -79,14 +81,15 @@ def option_parameter(spec: RunField) -> inspect.Parameter:
     declared = f"{flag}/--no-{flag[2:]}" if kind == "boolean" else flag
     help_text = spec.description
     if kind != "boolean":  # in parentheses: Typer's help reads [brackets] as markup
-        allowed = describe_values(spec).replace("; or empty", "; or 'none' to leave it empty")
+        allowed = describe_values(spec).replace("; or empty (auto)", "; or 'auto'")
+        allowed = allowed.replace("; or empty", "; or 'none' to leave it empty")
         help_text += f" ({allowed}" + (", comma-separated)" if kind == "array" else ")")
     option = typer.Option(
         declared,
         help=help_text,
         parser=None if kind == "boolean" else value_parser(spec),
         # A deployment's default is named, not read: the settings are read when it runs.
-        show_default=describe_default(spec).strip("`") if spec.default_from else True,
+        show_default=describe_default(spec).strip("`") if spec.default_from or spec.auto else True,
     )
     python_type: Any = _PYTHON_TYPES[kind]
     if spec.default is None:

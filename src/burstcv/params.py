@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -29,8 +29,15 @@ from pydantic import (
 
 from burstcv.data.config import ValidationConfig
 from burstcv.settings import ComputeBackend, Ec2Settings, Settings, get_settings
+from burstcv.training import recipe as R
 from burstcv.training.job import JobSpec
-from burstcv.training.names import ARCHITECTURE_NAMES, check_architecture, pretrained_kind
+from burstcv.training.names import (
+    ARCHITECTURE_NAMES,
+    MODEL_AUTO,
+    PRETRAINED_AUTO,
+    check_architecture,
+    pretrained_kind,
+)
 
 # Form sections: the fields without one are on the form's first, open section; the others
 # fold away under these headings (Airflow's ``section``).
@@ -60,6 +67,10 @@ TRAINING_PARAMS = (
     "epochs",
     "batch_size",
     "learning_rate",
+    "optimizer",
+    "warmup_steps",
+    "early_stop_patience",
+    "lr_range_test",
     "freeze_backbone_epochs",
     "backbone_lr_scale",
     "seed",
@@ -106,16 +117,19 @@ class RunParams(BaseModel):
         description="ImageFolder root: <root>/{train,val}/<class>/<image>; a folder or s3://",
     )
     model: str = Field(
-        default=_JOB_DEFAULTS["arch"],
+        default=MODEL_AUTO,
         title="Model",
-        description="torchvision architecture to train",
-        json_schema_extra={"enum": list(ARCHITECTURE_NAMES)},
+        description=f"torchvision architecture to train; auto: {R.PHOTO_MODEL} for photos (it "
+        f"has ImageNet weights), {R.SMALL_IMAGE_MODEL} for small images such as the digits",
+        json_schema_extra={"enum": [MODEL_AUTO, *ARCHITECTURE_NAMES]},
     )
     pretrained: str = Field(
-        default=_JOB_DEFAULTS["pretrained"],
+        default=PRETRAINED_AUTO,
         min_length=1,
         title="Pretrained weights",
-        description="none: train from scratch; a torchvision weights name of the model "
+        description="auto: for photos, the model's ImageNet weights, fetched once into the "
+        "artifact store at validate (from scratch, with a warning, where they cannot be "
+        "fetched); none: train from scratch; a torchvision weights name of the model "
         "(DEFAULT, IMAGENET1K_V2, ...), kept in the artifact store by sha256 after the first "
         "download; or the URI of a state_dict (a path, file://, s3://), loaded weights-only",
     )
@@ -127,12 +141,15 @@ class RunParams(BaseModel):
         description="the square resolution the model trains and serves at; empty: chosen "
         "from the validated data (the median short side, at most 224, never upscaling)",
     )
-    epochs: int = Field(
-        default=_JOB_DEFAULTS["epochs"],
+    epochs: int | None = Field(
+        default=None,
         ge=1,
         le=500,
         title="Epochs",
-        description="passes over the training split; the time budget may stop training earlier",
+        description="passes over the training split; empty: auto, enough that a small "
+        f"training set is seen {R.IMAGES_SEEN:,} images' worth ({R.MIN_EPOCHS} to "
+        f"{R.MAX_EPOCHS}); early stopping or the time budget may stop training earlier",
+        json_schema_extra={"auto": True},
     )
     compute_backend: ComputeBackend = _from_deployment(
         "BURSTCV_COMPUTE_BACKEND",
@@ -189,20 +206,58 @@ class RunParams(BaseModel):
     )
 
     # Training details.
-    batch_size: int = Field(
-        default=_JOB_DEFAULTS["batch_size"],
+    batch_size: int | None = Field(
+        default=None,
         ge=8,
         le=8192,
         title="Batch size",
-        description="images per optimizer step, over all GPUs",
-        json_schema_extra={"section": SECTION_TRAINING},
+        description="images per optimizer step, over all GPUs; empty: auto, the largest power "
+        f"of two up to {R.MAX_BATCH} that gives an epoch {R.MIN_STEPS_PER_EPOCH} steps",
+        json_schema_extra={"section": SECTION_TRAINING, "auto": True},
     )
-    learning_rate: float = Field(
-        default=_JOB_DEFAULTS["learning_rate"],
+    learning_rate: float | None = Field(
+        default=None,
         gt=0,
         le=10,
         title="Learning rate",
-        description="peak of the one-cycle schedule (SGD with Nesterov momentum)",
+        description="peak of the schedule (linear warm-up, cosine decay); empty: auto, scaled "
+        f"with the batch (AdamW {R.ADAMW_LR_AT_32:g} x sqrt(batch/32), SGD "
+        f"{R.SGD_LR_PER_256:g} x batch/256)",
+        json_schema_extra={"section": SECTION_TRAINING, "auto": True},
+    )
+    optimizer: Literal["auto", "sgd", "adamw"] = Field(
+        default="auto",
+        title="Optimizer",
+        description=f"auto: AdamW for runs under {R.SGD_MIN_STEPS:,} steps, SGD with Nesterov "
+        "momentum for longer ones",
+        json_schema_extra={"section": SECTION_TRAINING},
+    )
+    warmup_steps: int | None = Field(
+        default=None,
+        ge=0,
+        le=100_000,
+        title="Warm-up steps",
+        description="optimizer steps of linear warm-up; empty: auto, a quarter of the run, at "
+        f"most max(3 epochs, {R.MIN_WARMUP_CAP_STEPS} steps)",
+        json_schema_extra={"section": SECTION_TRAINING, "auto": True},
+    )
+    early_stop_patience: int | None = Field(
+        default=None,
+        ge=1,
+        le=500,
+        title="Early-stop patience (epochs)",
+        description="stop when validation accuracy has not improved for this many epochs "
+        "(the best epoch is exported either way); empty: auto, a quarter of the epochs, at "
+        f"least {R.MIN_PATIENCE}",
+        json_schema_extra={"section": SECTION_TRAINING, "auto": True},
+    )
+    lr_range_test: bool = Field(
+        default=_JOB_DEFAULTS["lr_range_test"],
+        title="Learning-rate range test",
+        description="sweep the rate over at most 100 steps on the training box before "
+        "training, and train at the lower of a tenth of the lowest-loss rate and the rate of "
+        "the steepest descent (its seconds are "
+        "counted; the rate is in metrics.json and the report); learning_rate is the fallback",
         json_schema_extra={"section": SECTION_TRAINING},
     )
     freeze_backbone_epochs: int = Field(
@@ -339,7 +394,7 @@ class RunParams(BaseModel):
     @field_validator("model")
     @classmethod
     def _known_model(cls, value: str) -> str:
-        return check_architecture(value)
+        return value if value == MODEL_AUTO else check_architecture(value)
 
     @field_validator("pretrained")
     @classmethod
@@ -352,22 +407,27 @@ class RunParams(BaseModel):
         self.validation_config()  # raises ValueError naming what cannot be met
         return self
 
-    def check_weights(self) -> None:
+    def check_weights(self, model: str | None = None, pretrained: str | None = None) -> None:
         """Raise a one-line ValueError if the pretrained choice cannot seed the model; no GPU.
 
         A cross-field check the trigger form cannot express, so the run makes it before
         renting anything: freezing needs weights, a weights name must be the model's, a state_dict
         URI must exist, be a state_dict (read weights-only) and fit the model's backbone.
+        ``model`` and ``pretrained`` are the values chosen where the run left them on auto.
         """
-        if self.freeze_backbone_epochs and pretrained_kind(self.pretrained) == "none":
+        model = model or self.model
+        pretrained = pretrained or self.pretrained
+        kind = pretrained_kind(pretrained)
+        if self.freeze_backbone_epochs and kind == "none":
             raise ValueError(
                 "freeze_backbone_epochs needs pretrained weights: a backbone trained from "
                 "scratch has nothing worth freezing"
+                + (" (pretrained auto found none to use)" if self.pretrained != pretrained else "")
             )
-        if pretrained_kind(self.pretrained) != "none":
+        if kind not in ("none", "auto") and model != MODEL_AUTO:
             from burstcv.training.weights import check_pretrained
 
-            check_pretrained(self.model, self.pretrained)
+            check_pretrained(model, pretrained)
 
     def validation_config(self) -> ValidationConfig:
         """Return the dataset gate's thresholds for this run."""
@@ -434,6 +494,8 @@ class RunField:
     default: Any  # None when default_from names the setting it comes from
     default_from: str | None = None
     maximum_from: str | None = None  # the setting that also bounds the value from above
+    # Empty (JSON null) means auto: validate derives the value from the data and the model.
+    auto: bool = False
 
     def deployment_schema(self, settings: Settings | None = None) -> dict[str, Any]:
         """Return the schema with this deployment's bounds (``maximum_from``) applied."""
@@ -485,6 +547,7 @@ def _run_fields() -> dict[str, RunField]:
         description = str(prop.pop("description"))
         default_from = prop.pop("default_from", None)
         maximum_from = prop.pop("maximum_from", None)
+        auto = bool(prop.pop("auto", False))
         if "anyOf" in prop:  # T | None: one branch carries the type and its bounds
             (branch,) = [b for b in prop.pop("anyOf") if b.get("type") != "null"]
             prop.update(branch)
@@ -500,6 +563,7 @@ def _run_fields() -> dict[str, RunField]:
             default=None if default_from else _json_ready(info.default),
             default_from=default_from,
             maximum_from=maximum_from,
+            auto=auto,
         )
     return fields
 
@@ -530,7 +594,7 @@ def describe_values(spec: RunField) -> str:
     if spec.maximum_from:
         text += f", ≤ `{spec.maximum_from}`"
     if spec.nullable:
-        text += "; or empty"
+        text += "; or empty (auto)" if spec.auto else "; or empty"
     return text
 
 
@@ -550,6 +614,8 @@ def describe_default(spec: RunField) -> str:
     """Return a field's default as the docs show it (a setting's name, not its value here)."""
     if spec.default_from:
         return f"`{spec.default_from}`"
+    if spec.auto and spec.default is None:
+        return "auto"
     if spec.default in (None, []):
         return "empty"
     return f"`{json.dumps(spec.default)}`"

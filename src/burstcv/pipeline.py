@@ -13,9 +13,9 @@ import dataclasses
 import io
 import logging
 import tempfile
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -49,6 +49,7 @@ from burstcv_spec.contracts import (
     SkipRecord,
     Terminated,
     Trained,
+    TrainingChoice,
     Validated,
     Verdict,
     VerdictRecord,
@@ -58,6 +59,9 @@ from burstcv_spec.contracts import (
 from burstcv_spec.layout import ATTEMPT_RECORD, MODEL_CARD, RunLayout
 from burstcv_spec.preprocess import PreprocessSpec
 from burstcv_spec.storage import safe_run_id
+
+if TYPE_CHECKING:  # the training module is imported where it is used: it pulls in torch
+    from burstcv.training.job import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -117,14 +121,26 @@ def validate(run: RunRef, params: RunParams, settings: Settings | None = None) -
     if not report.success:
         raise ValidationFailed(report.summary)  # logged once, as the task's failure
     log.info("%s", report.summary)
+    manifest = _read_manifest(report.manifest_uri)
     try:
-        size = choose_image_size(_read_manifest(report.manifest_uri), params.image_size)
+        size = choose_image_size(manifest, params.image_size)
+        usable = manifest[manifest["decode_ok"].astype(bool)]
+        training = choose_training(
+            params,
+            train_images=int((usable["split"] == "train").sum()),
+            photos=size.resize_short is not None,
+            settings=s,
+        )
     except ValueError as exc:
         raise ValidationFailed(str(exc)) from exc
     log.info("image size %d px: %s", size.px, size.reason)
-    # Beside the checks in validation.json, for the report: which size and why.
+    log.info("training: %s", training.reason)
+    if training.warning:
+        log.warning("%s", training.warning)
+    # Beside the checks in validation.json, for the report: which size and recipe, and why.
     doc = storage.read_json(report.validation_uri)
     doc["image_size"] = {"px": size.px, "reason": size.reason, "resize_short": size.resize_short}
+    doc["training"] = training.model_dump(mode="json")
     storage.write_json(report.validation_uri, doc)
     return Validated(
         fingerprint=report.fingerprint,
@@ -134,7 +150,88 @@ def validate(run: RunRef, params: RunParams, settings: Settings | None = None) -
         image_size=size.px,
         image_size_reason=size.reason,
         resize_short=size.resize_short,
+        training=training,
     )
+
+
+def choose_training(
+    params: RunParams, *, train_images: int, photos: bool, settings: Settings | None = None
+) -> TrainingChoice:
+    """Return how the run will train: its explicit values, the rest derived from the data.
+
+    The recipe (``burstcv.training.recipe``) follows the training split's size and whether
+    the images are photos; ``pretrained=auto`` fetches the model's ImageNet weights into the
+    artifact store for photos, or falls back to training from scratch with a warning. Raises
+    ValueError when the chosen weights cannot seed the chosen model.
+    """
+    from burstcv.training.names import MODEL_AUTO, pretrained_kind
+    from burstcv.training.recipe import RecipeRequest, choose_recipe
+
+    s = settings or get_settings()
+    recipe = choose_recipe(
+        train_images,
+        photos=photos,
+        request=RecipeRequest(
+            model=None if params.model == MODEL_AUTO else params.model,
+            batch_size=params.batch_size,
+            learning_rate=params.learning_rate,
+            epochs=params.epochs,
+            optimizer=None if params.optimizer == "auto" else params.optimizer,
+            warmup_steps=params.warmup_steps,
+            early_stop_patience=params.early_stop_patience,
+        ),
+    )
+    derived, reason, warning = list(recipe.derived), recipe.reason, None
+    pretrained = params.pretrained
+    if pretrained_kind(pretrained) == "auto":
+        from burstcv.training.weights import auto_pretrained, weights_store_uri
+
+        auto = auto_pretrained(
+            recipe.model, photos=photos, store=weights_store_uri(s.artifact_root)
+        )
+        pretrained, warning = auto.pretrained, auto.warning
+        derived.append("pretrained")
+        reason = f"weights {auto.reason}; {reason}"
+    if params.model == MODEL_AUTO or params.pretrained != pretrained:
+        params.check_weights(recipe.model, pretrained)  # what the form could not check
+    return TrainingChoice(
+        model=recipe.model,
+        pretrained=pretrained,
+        batch_size=recipe.batch_size,
+        learning_rate=recipe.learning_rate,
+        epochs=recipe.epochs,
+        optimizer=recipe.optimizer,
+        warmup_steps=recipe.warmup_steps,
+        early_stop_patience=recipe.early_stop_patience,
+        derived=derived,
+        reason=reason,
+        warning=warning,
+    )
+
+
+def _training_of(validated: Validated) -> TrainingChoice:
+    if validated.training is None:
+        raise StageError(
+            "no training recipe: validate chooses it (run validate again with this code)"
+        )
+    return validated.training
+
+
+def _packed_training(params: RunParams, packed: Packed, settings: Settings) -> TrainingChoice:
+    """Return validate's choice as pack handed it on; for a Packed made without one (by hand,
+    a re-run of an older run), the same rules applied to the packed counts and transform.
+    """
+    if packed.training is not None:
+        return packed.training
+    try:
+        return choose_training(
+            params,
+            train_images=packed.counts.get("train", 0),
+            photos=packed.preprocess.resize_short is not None,
+            settings=settings,
+        )
+    except ValueError as exc:
+        raise StageError(str(exc)) from exc
 
 
 def nothing_new_to_train(
@@ -252,7 +349,10 @@ def pack(
     )
     # From scratch: the training split's own statistics (a model converges faster on centred
     # inputs). Pretrained: the weights' own. Recorded in the spec that serving reads.
-    mean, std = normalization(params.model, params.pretrained, packed.train_mean, packed.train_std)
+    training = _training_of(validated)
+    mean, std = normalization(
+        training.model, training.pretrained, packed.train_mean, packed.train_std
+    )
     spec = dataclasses.replace(size_only, mean=mean, std=std)
     return Packed(
         classes=packed.classes,
@@ -261,11 +361,57 @@ def pack(
         counts=packed.counts,
         preprocess=PreprocessBlock.of(spec),
         fingerprint=validated.fingerprint,
+        training=training,  # handed on to provision
     )
 
 
 # ---------------------------------------------------------------------------------------------
 # provision → train → terminate
+
+
+def training_job(
+    run: RunRef,
+    params: RunParams,
+    packed: Packed,
+    *,
+    time_budget_s: int,
+    deadline_at: datetime | None = None,
+    settings: Settings | None = None,
+) -> JobSpec:
+    """Return the job.json of a run: the packed shards and validate's training choice.
+
+    ``deadline_at`` is the run's absolute deadline (provision sets it from the time budget).
+    """
+    from burstcv.training.job import JobSpec
+    from burstcv.training.weights import weights_store_uri
+
+    s = settings or get_settings()
+    training = _packed_training(params, packed, s)
+    return JobSpec(
+        run_id=run.run_key,
+        arch=training.model,
+        classes=packed.classes,
+        train_shards=packed.train_shards,
+        val_shards=packed.val_shards,
+        preprocess=packed.preprocess.model_dump(mode="json"),
+        output_uri=run_layout(run, s).job,
+        epochs=training.epochs,
+        batch_size=training.batch_size,
+        learning_rate=training.learning_rate,
+        optimizer=training.optimizer,
+        warmup_steps=training.warmup_steps,
+        early_stop_patience=training.early_stop_patience,
+        lr_range_test=params.lr_range_test,
+        pretrained=training.pretrained,
+        weights_store_uri=weights_store_uri(s.artifact_root),
+        freeze_backbone_epochs=params.freeze_backbone_epochs,
+        backbone_lr_scale=params.backbone_lr_scale,
+        seed=params.seed,
+        time_budget_s=time_budget_s,
+        deadline_at=deadline_at,
+        source_commit=lineage.source_commit(),
+        dataset_fingerprint=packed.fingerprint,
+    )
 
 
 def provision(
@@ -286,8 +432,7 @@ def provision(
     launch, a task timeout included, the run's boxes are terminated by tag before the
     failure goes on.
     """
-    from burstcv.training.job import JobSpec, write_job
-    from burstcv.training.weights import weights_store_uri
+    from burstcv.training.job import write_job
 
     s = settings or get_settings()
     paths = run_layout(run, s)
@@ -306,29 +451,9 @@ def provision(
         staged = stage_training_wheel(s.artifact_root)
         wheel_uri, wheel_sha256 = staged.uri, staged.sha256
         require_cuda = Ec2Settings().require_gpu
-    job = JobSpec(
-        run_id=run.run_key,
-        arch=params.model,
-        classes=packed.classes,
-        train_shards=packed.train_shards,
-        val_shards=packed.val_shards,
-        preprocess=packed.preprocess.model_dump(mode="json"),
-        output_uri=paths.job,
-        epochs=params.epochs,
-        batch_size=params.batch_size,
-        learning_rate=params.learning_rate,
-        pretrained=params.pretrained,
-        weights_store_uri=weights_store_uri(s.artifact_root),
-        freeze_backbone_epochs=params.freeze_backbone_epochs,
-        backbone_lr_scale=params.backbone_lr_scale,
-        seed=params.seed,
-        time_budget_s=time_budget_s,
-        deadline_at=deadline_at,
-        require_cuda=require_cuda,
-        source_commit=lineage.source_commit(),
-        runtime_sha256=wheel_sha256,
-        dataset_fingerprint=packed.fingerprint,
-    )
+    job = training_job(
+        run, params, packed, time_budget_s=time_budget_s, deadline_at=deadline_at, settings=s
+    ).model_copy(update={"require_cuda": require_cuda, "runtime_sha256": wheel_sha256})
     job_uri = write_job(job, paths.job_spec)
     launch = Launch(
         run=run,
@@ -899,7 +1024,7 @@ def export(
     card = export_model(
         checkpoint_uri=trained.model_uri,
         out_uri=paths.model,
-        arch=params.model,
+        arch=str(metrics.get("arch") or params.model),  # as trained (auto resolved)
         classes=packed.classes,
         spec=packed.preprocess.to_spec(),
         parity_images=images,
@@ -1072,7 +1197,8 @@ def gate(
             max_accuracy_drop=params.max_accuracy_drop,
         ),
         ServingContext(
-            arch=params.model,
+            # The exported model's: a run's model may have been auto.
+            arch=read_artifact(storage.join(exported.model_dir, MODEL_CARD), ModelCard).arch,
             int8_tried=bool(exported.quantization and exported.quantization.int8_tried),
             region=Ec2Settings().region,
             measured_vcpus=bench.host.cpu_count or None,

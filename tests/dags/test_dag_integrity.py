@@ -79,7 +79,7 @@ def test_pipeline_params_form_schema(dagbag) -> None:  # type: ignore[no-untyped
     dag = dagbag.dags["burstcv_pipeline"]
     params = dag.params
     schema = {k: params.get_param(k).schema for k in params}
-    assert schema["model"]["enum"][0] == "resnet10"
+    assert schema["model"]["enum"][:2] == ["auto", "resnet10"]
     assert schema["compute_backend"]["enum"] == ["local", "ec2"]
     # Bounds under allOf: Airflow refuses an out-of-range value there (tests/test_params.py),
     # where top-level ones make the UI's number input clamp it without a word.

@@ -357,3 +357,57 @@ def test_the_page_renders_in_headless_chromium(full_run: tuple[Path, Path], tmp_
     assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 200
     if target := os.environ.get("BURSTCV_REPORT_SCREENSHOT"):
         shutil.copy(shot, target)
+
+
+def test_a_good_run_shows_its_recipe_and_best_epoch_without_a_warning(
+    full_run: tuple[Path, Path],
+) -> None:
+    run, _ = full_run
+    doc = json.loads((run / "dataset" / "validation.json").read_text())
+    recipe = "batch 128 (1437 training images: 11 steps an epoch); AdamW (66 steps: under 10,000)"
+    doc["training"] = {"reason": recipe, "warning": None}
+    write(run / "dataset" / "validation.json", doc)
+    metrics = json.loads((run / "job" / "metrics.json").read_text())
+    metrics.update(best_epoch=5, epochs_asked=8, seconds_saved=3.2, stop_reason="early stop")
+    write(run / "job" / "metrics.json", metrics)
+    page = render(*full_run)
+    assert f"Training recipe: {recipe}." in page
+    assert "the best epoch (5), exported, after 6 of 8 epochs" in page
+    assert "(about 3 s saved)" in page
+    assert "Chance: 10.0%; the majority class: 10." in page
+    assert "worst classes" in page
+    assert "near chance" not in page and "diverged" not in page
+
+
+def test_a_near_chance_model_that_diverged_is_not_shown_without_a_word(
+    full_run: tuple[Path, Path],
+) -> None:
+    run, _ = full_run
+    doc = json.loads((run / "dataset" / "validation.json").read_text())
+    fallback = "pretrained auto: the ImageNet weights of resnet18 could not be fetched"
+    doc["training"] = {"reason": "weights from scratch", "warning": fallback}
+    write(run / "dataset" / "validation.json", doc)
+    metrics = json.loads((run / "job" / "metrics.json").read_text())
+    # The run: every photo predicted as one class, the validation loss in thousands.
+    confusion = [[0] * 5 for _ in range(5)]
+    for row in range(5):
+        confusion[row][2] = 15
+    metrics.update(
+        classes=["a", "b", "c", "d", "e"],
+        confusion=confusion,
+        val_accuracy=0.2,
+        recoveries=[
+            {"epoch": 1, "step": 10, "reason": "training loss 9.1 is over 4.83", "lr_scale": 0.3}
+        ],
+    )
+    metrics["epochs"][-1]["val_loss"] = 2113.0
+    write(run / "job" / "metrics.json", metrics)
+    page = render(*full_run)
+    assert (
+        "warning: the model is near chance: validation accuracy 20.0% against chance 20.0%" in page
+    )
+    assert "warning: the loss curve diverged: training diverged 1 time(s) and recovered" in page
+    assert "the validation loss reached 2113" in page
+    assert f"warning: {fallback}" in page
+    assert "divergence caught at epoch 1 step 10: training loss 9.1 is over 4.83" in page
+    assert "<td>a</td><td>0.0%</td>" in page  # the worst classes, with their accuracy

@@ -17,6 +17,7 @@ import base64
 import functools
 import json
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -214,6 +215,79 @@ def _data_view(record: RunRecord) -> dict[str, Any]:
     }
 
 
+# Validation accuracy within this much of the better of chance and the majority-class rate is
+# "near chance": the model has learned little beyond guessing the most common class.
+NEAR_CHANCE_MARGIN = 0.1
+WORST_CLASSES = 3  # per-class accuracy shown for this many of the worst classes
+
+
+def model_quality(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Return chance, the majority-class rate, the worst classes and warnings of a run's model.
+
+    From metrics.json: the confusion matrix (rows: true class) of the exported model, and the
+    per-epoch losses. A warning when the model is near chance, or when the loss diverged
+    (a recovery, or a validation loss that is not finite or far above chance).
+    """
+    confusion, classes = metrics.get("confusion"), metrics.get("classes") or []
+    accuracy = metrics.get("val_accuracy")
+    out: dict[str, Any] = {
+        "chance": None,
+        "majority": None,
+        "worst_classes": [],
+        "quality_warnings": [],
+    }
+    if not confusion or not classes or accuracy is None:
+        return out
+    totals = [sum(row) for row in confusion]
+    n = sum(totals) or 1
+    chance, majority = 1 / len(classes), max(totals) / n
+    out["chance"], out["majority"] = chance, majority
+    per_class: list[tuple[str, float, int]] = [
+        (str(name), row[i] / total, total)
+        for i, (name, row, total) in enumerate(zip(classes, confusion, totals, strict=False))
+        if total
+    ]
+    ranked = sorted(per_class, key=lambda c: c[1])
+    out["worst_classes"] = [
+        [name, f"{acc:.1%}", f"{total:,}"] for name, acc, total in ranked[:WORST_CLASSES]
+    ]
+    warnings = out["quality_warnings"]
+    floor = max(chance, majority)
+    if accuracy < floor + NEAR_CHANCE_MARGIN:
+        warnings.append(
+            f"the model is near chance: validation accuracy {accuracy:.1%} against chance "
+            f"{chance:.1%} and the majority-class rate {majority:.1%}; it has learned little "
+            "(see the training details: more data, pretrained weights, or more epochs)"
+        )
+    limit = 10 * max(1.0, math.log(len(classes)))
+    val_losses = [e.get("val_loss") for e in metrics.get("epochs") or []]
+    blown = [
+        v for v in val_losses if isinstance(v, (int, float)) and (not math.isfinite(v) or v > limit)
+    ]
+    if metrics.get("recoveries") or blown:
+        what = []
+        if metrics.get("recoveries"):
+            what.append(f"training diverged {len(metrics['recoveries'])} time(s) and recovered")
+        if blown:
+            what.append(f"the validation loss reached {max(blown):.4g} (chance: {limit / 10:.3g})")
+        warnings.append(
+            "the loss curve diverged: " + "; ".join(what) + "; a lower learning rate or a "
+            "larger batch may train better"
+        )
+    return out
+
+
+def _range_test_line(test: dict[str, Any] | None) -> str | None:
+    """Return the learning-rate range test in one line, or None when the run had none."""
+    if not test:
+        return None
+    return (
+        f"{test.get('steps')} steps in {fmt(test.get('seconds'), '.1f', ' s')}, the lowest loss "
+        f"at {fmt(test.get('min_loss_lr'), '.3g')}: trained at {fmt(test.get('chosen_lr'), '.3g')} "
+        f"(instead of {fmt(test.get('fallback_lr'), '.3g')})"
+    )
+
+
 def _training_view(record: RunRecord) -> dict[str, Any]:
     """Show the training curves, the per-epoch table and where the time went."""
     metrics = record.get("metrics")
@@ -231,8 +305,21 @@ def _training_view(record: RunRecord) -> dict[str, Any]:
         from burstcv.report.charts import confusion_matrix
 
         confusion_chart = _chart(lambda: confusion_matrix(confusion, classes), "confusion matrix")
+    recipe = (record.get("validation") or {}).get("training") or {}
     return {
         "missing": None,
+        "recipe": recipe.get("reason"),
+        "recipe_warning": recipe.get("warning"),
+        "best_epoch": metrics.get("best_epoch"),
+        "epochs_asked": metrics.get("epochs_asked"),
+        "seconds_saved": metrics.get("seconds_saved") or 0.0,
+        "recoveries": [
+            f"epoch {r.get('epoch')} step {r.get('step')}: {r.get('reason')}; restored the last "
+            f"good state, learning rate x{float(r.get('lr_scale', 1.0)):.3g}"
+            for r in metrics.get("recoveries") or []
+        ],
+        "range_test": _range_test_line(metrics.get("lr_range_test")),
+        **model_quality(metrics),
         "val_accuracy": metrics.get("val_accuracy"),
         "val_loss": metrics.get("val_loss"),
         "epoch_count": len(epochs),

@@ -63,9 +63,24 @@ class JobSpec(BaseModel):
     output_uri: str
     epochs: int = Field(default=6, ge=1, le=1000)
     batch_size: int = Field(default=128, ge=1, le=65536)
-    learning_rate: float = Field(default=0.2, gt=0)  # peak of the one-cycle schedule, SGD+nesterov
-    weight_decay: float = Field(default=5e-4, ge=0)
+    learning_rate: float = Field(default=0.2, gt=0)  # peak of the schedule (after the warm-up)
+    # The optimiser: SGD with Nesterov momentum (long runs, the torchvision recipes) or AdamW
+    # (short runs: it needs fewer steps to settle; Ultralytics' optimizer=auto rule).
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    # None: the optimiser's usual decay (SGD 5e-4, AdamW's decoupled 0.05).
+    weight_decay: float | None = Field(default=None, ge=0)
+    # Optimizer steps of linear warm-up before the cosine decay; None: the first quarter of
+    # the run (the one-cycle shape the digits were tuned with).
+    warmup_steps: int | None = Field(default=None, ge=0)
     label_smoothing: float = Field(default=0.1, ge=0, lt=1)
+    # Stop when validation accuracy has not improved for this many epochs; None: never.
+    early_stop_patience: int | None = Field(default=None, ge=1)
+    # A diverged epoch (a non-finite loss, or one far above where training started) is
+    # undone: the last good state is restored and the rate lowered, at most this many times.
+    max_recoveries: int = Field(default=3, ge=0, le=10)
+    # Before training, sweep the rate over a few steps on the box and train at the one the
+    # sweep suggests (learning_rate=auto); learning_rate is then only the fallback.
+    lr_range_test: bool = False
     seed: int = 0
     time_budget_s: int = Field(default=3600, ge=10)  # the run's budget; sets deadline_at
     # Absolute end of the whole run, across attempts, bootstrap included: training stops
@@ -105,7 +120,8 @@ class JobSpec(BaseModel):
     @field_validator("pretrained")
     @classmethod
     def _pretrained_form(cls, value: str) -> str:
-        pretrained_kind(value)
+        if pretrained_kind(value) == "auto":
+            raise ValueError("pretrained 'auto' is resolved at validate; name the weights")
         return value.strip()
 
     @model_validator(mode="after")

@@ -24,7 +24,11 @@ ARCHITECTURE_NAMES: tuple[str, ...] = (
 # enum's full spelling "ResNet50_Weights.IMAGENET1K_V2". Anything that looks like a path or
 # a URI (a '/', a scheme, a .pt/.pth file name): a state_dict to load.
 PRETRAINED_NONE = "none"
-PretrainedKind = Literal["none", "torchvision", "uri"]
+# "auto" (a run parameter only, resolved at validate): the architecture's ImageNet weights for
+# photos when they can be fetched, else none; never in job.json.
+PRETRAINED_AUTO = "auto"
+MODEL_AUTO = "auto"  # a run parameter only: the model validate chooses for the data
+PretrainedKind = Literal["none", "auto", "torchvision", "uri"]
 _WEIGHTS_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z][A-Za-z0-9_]*)?$")
 _WEIGHTS_FILE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -44,6 +48,8 @@ def pretrained_kind(pretrained: str) -> PretrainedKind:
     value = pretrained.strip()
     if value.lower() == PRETRAINED_NONE:
         return "none"
+    if value.lower() == PRETRAINED_AUTO:
+        return "auto"
     if "://" in value or "/" in value or "\\" in value or value.endswith(_WEIGHTS_FILE_SUFFIXES):
         return "uri"
     if _WEIGHTS_NAME.match(value):
@@ -55,5 +61,11 @@ def pretrained_kind(pretrained: str) -> PretrainedKind:
 
 
 def is_pretrained(pretrained: str) -> bool:
-    """Return True unless ``pretrained`` is "none" (the model is trained from scratch)."""
-    return pretrained_kind(pretrained) != "none"
+    """Return True unless ``pretrained`` is "none" (the model is trained from scratch).
+
+    Raises ValueError for "auto", which must be resolved (at validate) before anyone asks.
+    """
+    kind = pretrained_kind(pretrained)
+    if kind == "auto":
+        raise ValueError("pretrained 'auto' is resolved at validate; a job names its weights")
+    return kind != "none"

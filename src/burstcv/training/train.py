@@ -8,9 +8,12 @@ background. Cropping, flipping and normalisation run on the device either way.
 
 from __future__ import annotations
 
+import copy
 import io
+import itertools
 import json
 import logging
+import math
 import os
 import signal
 import tempfile
@@ -59,8 +62,10 @@ log = logging.getLogger(__name__)
 DDP_STOP_CHECK_STEPS = 10
 
 CHECKPOINT = "checkpoints/last.pt"
+BEST_CHECKPOINT = "checkpoints/best.pt"  # the weights of the best validation epoch
 EXIT_INTERRUPTED = 143  # the conventional code of a SIGTERM'd process
 EXIT_BUDGET = 4  # the run's deadline was reached: a checkpoint exists, no relaunch
+EXIT_DIVERGED = 5  # training diverged after every recovery: nothing worth exporting
 
 
 __all__ = ["JobSpecError", "load_shards", "main", "run_job"]  # JobSpecError: stream's, re-exported
@@ -72,6 +77,14 @@ class Interrupted(Exception):
 
 class BudgetExhausted(Exception):
     """Raise inside the loop when the run's deadline is reached (checkpoint saved)."""
+
+
+class Diverged(Exception):
+    """Raise inside an epoch when the loss left the range training can come back from."""
+
+
+class TrainingDiverged(RuntimeError):
+    """Raise when training still diverges after every recovery the job allows."""
 
 
 @dataclass
@@ -343,52 +356,65 @@ def train_one_epoch(
     """Train for the rest of one epoch from ``start_step``; return loss and images/s.
 
     ``frozen`` parameters keep their values: their gradients are dropped before each step,
-    so the optimiser skips them (no update, no weight decay, no momentum).
+    so the optimiser skips them (no update, no weight decay, no momentum). ``on_step(epoch,
+    step, window_loss)`` runs after every step; every ``DIVERGENCE_CHECK_STEPS`` steps and at
+    the epoch's last it gets the mean loss since the last such step (else None), and may
+    raise (Diverged, Interrupted, BudgetExhausted) to end the epoch there.
     """
     device = train.device
     batches = _train_batches(train, job.seed, epoch, job.batch_size, start_step, d)
     # Summed on the device and read once an epoch: reading a GPU value every step would make
     # the host wait for each step to finish before it prepares the next batch (an idle GPU).
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    window_sum = torch.zeros((), dtype=torch.float32, device=device)
+    window_n = 0
     seen = 0
     t_epoch = time.perf_counter()
-    for step in range(start_step, steps_per_epoch):
-        t0 = time.perf_counter()
-        gpu_wait = getattr(train, "gpu_wait_s", 0.0)
-        gen = _step_generator(job.seed, epoch, step)
-        x_u8, y = next(batches)
-        t0 += getattr(train, "gpu_wait_s", 0.0) - gpu_wait  # that wait was compute, not data
-        x = augment(x_u8, job, gen)
-        x = normalize(x, mean, std, scale)
-        if device.type == "cuda":
-            x = x.contiguous(memory_format=torch.channels_last)
-        t1 = time.perf_counter()
-        with torch.autocast(
-            device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
-        ):
-            loss = F.cross_entropy(model(x), y, label_smoothing=job.label_smoothing)
-        opt.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-        else:
-            loss.backward()
-        # Gradients still flow through a frozen backbone (DistributedDataParallel expects
-        # every parameter's gradient each step); they are only not applied.
-        for param in frozen or ():
-            param.grad = None
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        sched.step()
-        loss_sum += loss.detach().float() * len(y)
-        seen += len(y)
-        t2 = time.perf_counter()
-        hist.data_s += t1 - t0
-        hist.compute_s += t2 - t1
-        on_step(epoch, step + 1)
-    batches.close()  # stops the stream's loader thread
+    try:
+        for step in range(start_step, steps_per_epoch):
+            t0 = time.perf_counter()
+            gpu_wait = getattr(train, "gpu_wait_s", 0.0)
+            gen = _step_generator(job.seed, epoch, step)
+            x_u8, y = next(batches)
+            t0 += getattr(train, "gpu_wait_s", 0.0) - gpu_wait  # that wait was compute, not data
+            x = augment(x_u8, job, gen)
+            x = normalize(x, mean, std, scale)
+            if device.type == "cuda":
+                x = x.contiguous(memory_format=torch.channels_last)
+            t1 = time.perf_counter()
+            with torch.autocast(
+                device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
+            ):
+                loss = F.cross_entropy(model(x), y, label_smoothing=job.label_smoothing)
+            opt.zero_grad(set_to_none=True)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+            else:
+                loss.backward()
+            # Gradients still flow through a frozen backbone (DistributedDataParallel expects
+            # every parameter's gradient each step); they are only not applied.
+            for param in frozen or ():
+                param.grad = None
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            sched.step()
+            loss_sum += loss.detach().float() * len(y)
+            window_sum += loss.detach().float()
+            window_n += 1
+            seen += len(y)
+            t2 = time.perf_counter()
+            hist.data_s += t1 - t0
+            hist.compute_s += t2 - t1
+            window: torch.Tensor | None = None
+            if (step + 1) % DIVERGENCE_CHECK_STEPS == 0 or step + 1 == steps_per_epoch:
+                window = window_sum / window_n
+                window_sum, window_n = torch.zeros_like(window_sum), 0
+            on_step(epoch, step + 1, window)
+    finally:
+        batches.close()  # stops the stream's loader thread
     t_drain = time.perf_counter()
     train_loss = float(loss_sum) / max(1, seen)  # waits for the last queued steps
     hist.compute_s += time.perf_counter() - t_drain
@@ -397,6 +423,172 @@ def train_one_epoch(
         "train_loss": train_loss,
         "images_per_s": seen * d.world_size / max(elapsed, 1e-9),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning-rate range test
+
+# The sweep: the rate grows geometrically from RANGE_START to RANGE_END times the job's rate
+# over two epochs' steps, at least RANGE_MIN_STEPS (fewer is noise) and at most
+# RANGE_TEST_STEPS, and stops once the smoothed loss is RANGE_STOP_FACTOR times its minimum.
+RANGE_TEST_STEPS = 100
+RANGE_MIN_STEPS = 30
+RANGE_START, RANGE_END = 1e-3, 30.0
+RANGE_STOP_FACTOR = 4.0
+RANGE_SMOOTHING = 0.9  # exponential moving average of the step losses
+RANGE_SKIP_START = 5  # the first smoothed losses are noise: no slope is read from them
+RANGE_EPOCH = 1_000_000  # the sweep's batches are those of epochs no run reaches
+
+
+def lr_range_test(
+    model: nn.Module,
+    train: Split | ShardStream,
+    job: JobSpec,
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    scale: float,
+    amp_dtype: torch.dtype | None,
+) -> dict[str, Any]:
+    """Sweep the rate over a few steps and return the one to train at, with what was seen.
+
+    The model and its optimiser state are restored afterwards: training starts from the same
+    weights as without the sweep. The rate chosen is a tenth of the one with the lowest
+    smoothed loss (past it the loss is about to climb; fastai's ``lr_min``), or the rate of
+    the steepest descent when that is lower, bounded by the sweep's range. Every rank sweeps
+    the same batches, so every rank chooses the same rate.
+    """
+    t0 = time.perf_counter()
+    saved = copy.deepcopy(model.state_dict())
+    opt = make_optimizer(param_groups(model, job), job)
+    shares = [group["lr"] / job.learning_rate for group in opt.param_groups]
+    steps_per_epoch = max(1, len(train) // job.batch_size)
+    steps = max(RANGE_MIN_STEPS, min(RANGE_TEST_STEPS, 2 * steps_per_epoch))
+    ratio = (RANGE_END / RANGE_START) ** (1 / max(1, steps - 1))
+    device = train.device
+    lrs: list[float] = []
+    losses: list[float] = []
+    smooth, best_loss = 0.0, math.inf
+    model.train()
+    step = 0
+    for epoch in range(RANGE_EPOCH, RANGE_EPOCH + RANGE_TEST_STEPS):  # until enough steps
+        batches = _train_batches(train, job.seed, epoch, job.batch_size, 0, Dist())
+        try:
+            for x_u8, y in batches:
+                if step >= steps:
+                    break
+                lr = job.learning_rate * RANGE_START * ratio**step
+                for group, share in zip(opt.param_groups, shares, strict=True):
+                    group["lr"] = lr * share
+                x = normalize(
+                    augment(x_u8, job, _step_generator(job.seed, epoch, step)), mean, std, scale
+                )
+                if device.type == "cuda":
+                    x = x.contiguous(memory_format=torch.channels_last)
+                with torch.autocast(
+                    device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
+                ):
+                    loss = F.cross_entropy(model(x), y, label_smoothing=job.label_smoothing)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                value = float(loss.detach())  # the sweep reads every step: it is short
+                step += 1
+                smooth = RANGE_SMOOTHING * smooth + (1 - RANGE_SMOOTHING) * value
+                debiased = smooth / (1 - RANGE_SMOOTHING**step)
+                lrs.append(lr)
+                losses.append(debiased)
+                best_loss = min(best_loss, debiased)
+                if not math.isfinite(debiased) or debiased > RANGE_STOP_FACTOR * best_loss:
+                    step = steps
+        finally:
+            batches.close()
+        if step >= steps:
+            break
+    model.load_state_dict(saved)
+    finite = [(loss, lr) for loss, lr in zip(losses, lrs, strict=True) if math.isfinite(loss)]
+    at_min = min(finite)[1] if finite else job.learning_rate
+    # Steepest descent: where the smoothed loss falls fastest per step of log(rate), before
+    # its minimum. On a short sweep from scratch the loss still falls because the model is
+    # learning, so the minimum sits late: the lower of the two is the safer rate.
+    before = [(loss, lr) for loss, lr in finite[RANGE_SKIP_START:] if lr <= at_min]
+    slopes = [(b[0] - a[0], a[1]) for a, b in itertools.pairwise(before)]
+    steepest = min(slopes)[1] if slopes else at_min
+    chosen = min(steepest, at_min / 10)
+    chosen = min(max(chosen, job.learning_rate * RANGE_START), job.learning_rate * RANGE_END)
+    result = {
+        "chosen_lr": chosen,
+        "min_loss_lr": at_min,
+        "steepest_lr": steepest,
+        "fallback_lr": job.learning_rate,
+        "steps": len(lrs),
+        "seconds": time.perf_counter() - t0,
+        "lrs": lrs,
+        "losses": losses,
+    }
+    log.info(
+        "learning-rate range test: %d steps in %.1f s, lowest loss at %.3g: training at %.3g "
+        "(instead of %.3g)",
+        len(lrs),
+        result["seconds"],
+        at_min,
+        chosen,
+        job.learning_rate,
+    )
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Divergence
+
+# Every this many steps (and at an epoch's last) the mean loss since the last check is read:
+# the same cadence at which DDP ranks agree on stopping, so they decide together.
+DIVERGENCE_CHECK_STEPS = DDP_STOP_CHECK_STEPS
+# A mean training loss this many times the loss of a model that knows nothing (ln of the
+# class count, at least 1) has left the range training comes back from. A validation loss
+# gets more room, and counts only with a model that guesses (accuracy near chance): early in
+# a run, at the peak rate, BatchNorm's running statistics lag the weights and the validation
+# loss may spike while the model is fine; thousands at chance accuracy is the issue's wreck.
+DIVERGENCE_FACTOR = 3.0
+VAL_DIVERGENCE_FACTOR = 10.0
+RECOVERY_LR_FACTOR = 0.3  # the rate (the whole schedule) is multiplied by this per recovery
+
+
+def chance_loss(num_classes: int) -> float:
+    """Return the reference loss divergence is judged against: ln(classes), at least 1."""
+    return max(1.0, math.log(num_classes))
+
+
+def divergence(
+    loss: float, num_classes: int, *, validation: bool = False, guessing: bool = False
+) -> str | None:
+    """Return why a loss counts as diverged (non-finite, or far above chance), or None.
+
+    A validation loss counts when it is far above chance and the model ``guessing``.
+    """
+    what = "validation loss" if validation else "training loss"
+    if not math.isfinite(loss):
+        return f"{what} is {loss}"
+    factor = VAL_DIVERGENCE_FACTOR if validation else DIVERGENCE_FACTOR
+    limit = factor * chance_loss(num_classes)
+    if loss > limit and (guessing or not validation):
+        return (
+            f"{what} {loss:.4g} is over {limit:.3g} (a model that knows nothing scores "
+            f"{math.log(num_classes):.3g})"
+            + (" and the accuracy is near chance" if validation else "")
+        )
+    return None
+
+
+# Validation accuracy within this much of the better of chance and the majority-class rate is
+# near chance: the model guesses (the report warns on it too).
+NEAR_CHANCE_MARGIN = 0.1
+
+
+def near_chance(accuracy: float, confusion: list[list[int]]) -> bool:
+    """Return True when ``accuracy`` is within NEAR_CHANCE_MARGIN of guessing (per the matrix)."""
+    totals = [sum(row) for row in confusion]
+    floor = max(1 / len(confusion), max(totals) / max(1, sum(totals)))
+    return accuracy < floor + NEAR_CHANCE_MARGIN
 
 
 def _amp_dtype(device: torch.device) -> torch.dtype | None:
@@ -417,7 +609,7 @@ def _should_compile(job: JobSpec, device: torch.device, total_steps: int) -> boo
 
 
 def param_groups(model: nn.Module, job: JobSpec) -> list[dict[str, Any]]:
-    """Return SGD parameter groups: head then backbone, each with and without weight decay.
+    """Return parameter groups: head then backbone, each with and without weight decay.
 
     A pretrained backbone learns at ``backbone_lr_scale`` times the head's rate; from scratch
     every group has the job's rate. Biases and norm parameters (1-D) get no weight decay.
@@ -429,24 +621,65 @@ def param_groups(model: nn.Module, job: JobSpec) -> list[dict[str, Any]]:
         decay = [p for p in params if p.ndim > 1]
         no_decay = [p for p in params if p.ndim <= 1]
         groups += [
-            {"params": decay, "weight_decay": job.weight_decay, "lr": lr},
+            {"params": decay, "weight_decay": weight_decay(job), "lr": lr},
             {"params": no_decay, "weight_decay": 0.0, "lr": lr},
         ]
     return [g for g in groups if g["params"]]
 
 
-def one_cycle(
-    opt: torch.optim.Optimizer, max_lrs: list[float], total_steps: int
-) -> torch.optim.lr_scheduler.OneCycleLR:
-    """Return the one-cycle schedule: 25% warm-up to each group's rate, then cosine decay.
+# The optimiser's usual weight decay: SGD's L2 (torchvision's recipes), AdamW's decoupled one.
+WEIGHT_DECAY = {"sgd": 5e-4, "adamw": 0.05}
+WARMUP_START = 0.04  # the warm-up starts at this share of the peak rate (one-cycle's 1/25)
+FINAL_LR_SHARE = 1e-3  # the cosine decay ends here, a share of the peak
 
-    OneCycleLR divides by zero when a phase is shorter than one step; a run of a few steps
-    (a tiny fine-tuning set) gets a longer warm-up share and a cycle of at least 4 steps.
+
+def weight_decay(job: JobSpec) -> float:
+    """Return the job's weight decay, or its optimiser's usual one."""
+    return WEIGHT_DECAY[job.optimizer] if job.weight_decay is None else job.weight_decay
+
+
+def make_optimizer(groups: list[dict[str, Any]], job: JobSpec) -> torch.optim.Optimizer:
+    """Return the job's optimiser over the parameter groups (each with its own rate)."""
+    if job.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=job.learning_rate)
+    return torch.optim.SGD(groups, lr=job.learning_rate, momentum=0.9, nesterov=True)
+
+
+def warmup_steps(job: JobSpec, total_steps: int) -> int:
+    """Return the steps of linear warm-up: the job's, else a quarter of the run (one-cycle)."""
+    steps = round(total_steps / 4) if job.warmup_steps is None else job.warmup_steps
+    return min(steps, max(0, total_steps - 1))
+
+
+class LrScale:
+    """Hold the factor every rate of the schedule is multiplied by (lowered on divergence)."""
+
+    def __init__(self, value: float = 1.0) -> None:
+        self.value = value
+
+
+def warmup_cosine(
+    opt: torch.optim.Optimizer, total_steps: int, warmup: int, scale: LrScale
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Return the schedule: linear warm-up over ``warmup`` steps to each group's rate, then
+    cosine decay to a thousandth of it; every rate times ``scale.value``.
     """
-    cycle = max(total_steps, 4)
-    return torch.optim.lr_scheduler.OneCycleLR(
-        opt, max_lr=max_lrs, total_steps=cycle, pct_start=max(0.25, 2 / cycle)
-    )
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            share = WARMUP_START + (1 - WARMUP_START) * step / warmup
+        else:
+            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            share = FINAL_LR_SHARE + (1 - FINAL_LR_SHARE) * 0.5 * (1 + math.cos(math.pi * progress))
+        return share * scale.value
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def apply_schedule(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """Set every group's rate to what the schedule says now (after its scale changed)."""
+    for group, base, fn in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
+        group["lr"] = base * fn(sched.last_epoch)
 
 
 def backbone_frozen(job: JobSpec, epoch: int) -> bool:
@@ -527,18 +760,34 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
     model = model.to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
+    range_test: dict[str, Any] | None = None
+    if ckpt is not None:
+        range_test = json.loads(ckpt.get("lr_range_test", "null"))
+    elif job.lr_range_test:
+        range_test = lr_range_test(model, train, job, mean, std, scale, _amp_dtype(device))
+    if range_test is not None:  # the rate the sweep found is the run's peak rate
+        job = job.model_copy(update={"learning_rate": range_test["chosen_lr"]})
     steps_per_epoch = max(1, len(train) // job.batch_size)
     total_steps = steps_per_epoch * job.epochs
     groups = param_groups(model, job)
-    opt = torch.optim.SGD(groups, lr=job.learning_rate, momentum=0.9, nesterov=True)
-    sched = one_cycle(opt, [g["lr"] for g in groups], total_steps)
+    opt = make_optimizer(groups, job)
+    lr_scale = LrScale()
+    warmup = warmup_steps(job, total_steps)
+    sched = warmup_cosine(opt, total_steps, warmup, lr_scale)
     backbone_params, _ = split_head(model, job.arch)
     amp_dtype = _amp_dtype(device)
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
+    num_classes = len(job.classes)
 
     hist = History()
     epoch, step = 0, 0
-    best_acc = 0.0
+    # The best validation epoch so far (ties: the later) and its weights: what is exported.
+    # "improved_at": the last epoch that beat every earlier one (a tie does not): what early
+    # stopping's patience counts from.
+    best: dict[str, Any] = {"epoch": 0, "val_accuracy": -1.0, "improved_at": 0}
+    best_state: dict[str, torch.Tensor] | None = None
+    recoveries: list[dict[str, Any]] = []
+    best_uri = job.uri(BEST_CHECKPOINT)
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
@@ -546,6 +795,12 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
         torch.set_rng_state(ckpt["rng_cpu"])
         epoch, step = int(ckpt["epoch"]), int(ckpt["step"])
         hist.epochs = json.loads(ckpt["history"])
+        lr_scale.value = float(ckpt.get("lr_scale", 1.0))
+        recoveries = json.loads(ckpt.get("recoveries", "[]"))
+        saved_best = load_checkpoint(best_uri)
+        if saved_best is not None:
+            best_state = saved_best["model"]
+            best = json.loads(saved_best["best"])
         log.info("attempt %d resumed from %s at epoch %d step %d", attempt, ckpt_uri, epoch, step)
 
     fwd_model: nn.Module = model
@@ -579,6 +834,9 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
                     "epoch": ep,
                     "step": st,
                     "history": json.dumps(hist.epochs),
+                    "lr_scale": lr_scale.value,
+                    "recoveries": json.dumps(recoveries),
+                    "lr_range_test": json.dumps(range_test),
                     "job": json.dumps(job.model_dump(mode="json")),
                     "seed": job.seed,
                     "source_commit": job.source_commit or lineage.source_commit(),
@@ -590,28 +848,50 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
         if d.world_size > 1:
             dist.barrier()
 
+    def snapshot() -> dict[str, Any]:
+        # The last good state, in memory: a periodic checkpoint may already hold diverged
+        # weights, an epoch that passed its checks does not.
+        return {
+            "model": copy.deepcopy(model.state_dict()),
+            "optimizer": copy.deepcopy(opt.state_dict()),
+            "scheduler": sched.state_dict(),
+            "epoch": epoch,
+            "step": step,
+        }
+
+    good = snapshot()
     first_step_logged = {"done": False}
 
-    def stop_flags(st: int) -> tuple[bool, bool]:
+    def stop_flags(st: int, window: torch.Tensor | None) -> tuple[bool, bool, str | None]:
         # Every rank must take the same decision, or the others hang in the next collective.
         # Agreeing is an all-reduce the host waits on: once every DDP_STOP_CHECK_STEPS steps,
         # and at the last step of every epoch (an epoch shorter than that still checks).
+        # The loss window comes at those same steps.
         if d.world_size > 1 and st % DDP_STOP_CHECK_STEPS and st != steps_per_epoch:
-            return False, False
-        flags = [interrupted["flag"], deadline is not None and time.time() >= deadline]
+            return False, False, None
+        why = divergence(float(window), num_classes) if window is not None else None
+        flags = [
+            interrupted["flag"],
+            deadline is not None and time.time() >= deadline,
+            why is not None,
+        ]
         if d.world_size > 1:
             t = torch.tensor([int(f) for f in flags], device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             flags = [bool(v) for v in t.tolist()]
-        return flags[0], flags[1]
+        if flags[2] and why is None:
+            why = "another rank's training loss diverged"
+        return flags[0], flags[1], why
 
-    def on_step(ep: int, st: int) -> None:
+    def on_step(ep: int, st: int, window: torch.Tensor | None) -> None:
         nonlocal last_ckpt
         position.update(epoch=ep, step=st)
         if not first_step_logged["done"]:
             first_step_logged["done"] = True
             log.info("first step done %.2f s after the job started", time.perf_counter() - t_setup)
-        sigterm, past_deadline = stop_flags(st)
+        sigterm, past_deadline, diverged = stop_flags(st, window)
+        if diverged:
+            raise Diverged(f"{diverged} at epoch {ep + 1} step {st}")
         if sigterm:
             checkpoint(ep, st)
             raise Interrupted(f"SIGTERM: checkpoint saved at epoch {ep} step {st}")
@@ -625,35 +905,90 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
             checkpoint(ep, st)
             last_ckpt = time.monotonic()
 
+    def recover(reason: str) -> None:
+        # Back to the last good state, the whole schedule lowered; bounded.
+        nonlocal epoch, step
+        recoveries.append(
+            {
+                "epoch": position["epoch"] + 1,
+                "step": position["step"],
+                "reason": reason,
+                "lr_scale": lr_scale.value * RECOVERY_LR_FACTOR,
+            }
+        )
+        if len(recoveries) > job.max_recoveries:
+            raise TrainingDiverged(
+                f"training diverged {len(recoveries)} times and {job.max_recoveries} "
+                f"recoveries are allowed; the last: {reason}, with the learning rate already "
+                f"lowered to {lr_scale.value:.3g}x {job.learning_rate:g}; lower learning_rate "
+                "(or leave it at auto)"
+            )
+        model.load_state_dict(good["model"])
+        opt.load_state_dict(good["optimizer"])
+        sched.load_state_dict(good["scheduler"])
+        lr_scale.value *= RECOVERY_LR_FACTOR
+        apply_schedule(opt, sched)
+        if scaler is not None:  # its scale may have collapsed on the non-finite steps
+            scaler.update(2.0**16)
+        epoch, step = int(good["epoch"]), int(good["step"])
+        log.warning(
+            "%s: restored the state of epoch %d step %d and lowered the learning rate to "
+            "%.3gx (recovery %d of %d)",
+            reason,
+            epoch,
+            step,
+            lr_scale.value,
+            len(recoveries),
+            job.max_recoveries,
+        )
+
     hist.setup_s = time.perf_counter() - t_setup
     stop_reason = "epochs"
+    epoch_seconds: list[float] = []
     while epoch < job.epochs:
         t_epoch_start = time.perf_counter()
         frozen = backbone_frozen(job, epoch)
         set_train_mode(model, job.arch, frozen=frozen)
-        stats = train_one_epoch(
-            fwd_model,
-            opt,
-            sched,
-            train,
-            job,
-            epoch,
-            step,
-            steps_per_epoch,
-            mean,
-            std,
-            scale,
-            amp_dtype,
-            scaler,
-            d,
-            hist,
-            on_step,
-            backbone_params if frozen else None,
-        )
-        t_eval = time.perf_counter()
-        ev = evaluate(model, val, mean, std, scale, len(job.classes), EVAL_BATCH, amp_dtype)
-        hist.eval_s += time.perf_counter() - t_eval
-        best_acc = max(best_acc, ev["accuracy"])
+        try:
+            stats = train_one_epoch(
+                fwd_model,
+                opt,
+                sched,
+                train,
+                job,
+                epoch,
+                step,
+                steps_per_epoch,
+                mean,
+                std,
+                scale,
+                amp_dtype,
+                scaler,
+                d,
+                hist,
+                on_step,
+                backbone_params if frozen else None,
+            )
+            t_eval = time.perf_counter()
+            ev = evaluate(model, val, mean, std, scale, num_classes, EVAL_BATCH, amp_dtype)
+            hist.eval_s += time.perf_counter() - t_eval
+            why = divergence(stats["train_loss"], num_classes) or divergence(
+                ev["loss"],
+                num_classes,
+                validation=True,
+                guessing=near_chance(ev["accuracy"], ev["confusion"]),
+            )
+            if d.world_size > 1:  # each rank's training loss is its own share's: agree
+                flag = torch.tensor([int(why is not None)], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                if flag.item() and why is None:
+                    why = "another rank's training loss diverged"
+            if why is not None:
+                raise Diverged(f"{why} after epoch {epoch + 1}")
+        except Diverged as exc:
+            recover(str(exc))
+            continue
+        improved = ev["accuracy"] >= best["val_accuracy"]  # ties: the later epoch
         record = {
             "epoch": epoch + 1,
             **stats,
@@ -668,6 +1003,18 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
         if device.type == "cuda":
             record["gpu_max_memory_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
         hist.epochs.append(record)
+        if improved:
+            best = {
+                "epoch": epoch + 1,
+                "val_accuracy": ev["accuracy"],
+                "val_loss": ev["loss"],
+                "improved_at": (
+                    epoch + 1 if ev["accuracy"] > best["val_accuracy"] else best["improved_at"]
+                ),
+            }
+            best_state = copy.deepcopy(model.state_dict())
+            if d.is_main:
+                save_checkpoint(best_uri, {"model": best_state, "best": json.dumps(best)})
         if d.is_main:
             # What the orchestrator shows while the run goes on (one line per epoch).
             storage.write_json(
@@ -675,18 +1022,31 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
                 {"attempt": attempt, "epochs_total": job.epochs, "epochs": hist.epochs},
             )
         log.info(
-            "epoch %d/%d %s",
+            "epoch %d/%d %s%s",
             epoch + 1,
             job.epochs,
             " ".join(f"{k}={v:.4g}" for k, v in record.items() if isinstance(v, float)),
+            " (best so far)" if improved else "",
         )
         epoch, step = epoch + 1, 0
         checkpoint(epoch, 0)
+        good = snapshot()
         last_ckpt = time.monotonic()
+        epoch_s = time.perf_counter() - t_epoch_start
+        epoch_seconds.append(epoch_s)
         if job.target_accuracy is not None and ev["accuracy"] >= job.target_accuracy:
             stop_reason = f"target accuracy {job.target_accuracy} reached"
             break
-        epoch_s = time.perf_counter() - t_epoch_start
+        patience = job.early_stop_patience
+        stale_from = int(best.get("improved_at", best["epoch"]))
+        stale = epoch - stale_from
+        if patience is not None and epoch < job.epochs and stale >= patience:
+            stop_reason = (
+                f"early stop: validation accuracy has not improved for {patience} epochs "
+                f"(best {best['val_accuracy']:.4f}, reached at epoch {stale_from}, "
+                f"last at epoch {best['epoch']})"
+            )
+            break
         if deadline is not None and time.time() + epoch_s > deadline:
             stop_reason = f"another epoch (~{epoch_s:.0f} s) would end past the run's deadline"
             break
@@ -694,14 +1054,49 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
             stop_reason = f"time budget {job.time_budget_s}s spent"
             break
 
-    final = evaluate(model, val, mean, std, scale, len(job.classes), EVAL_BATCH, amp_dtype)
+    if best_state is not None:  # the best validation epoch is the model, not the last
+        model.load_state_dict(best_state)
+    final = evaluate(model, val, mean, std, scale, num_classes, EVAL_BATCH, amp_dtype)
+    if recoveries and near_chance(final["accuracy"], final["confusion"]):
+        # Recovered from divergence only to a model that guesses: not worth exporting.
+        raise TrainingDiverged(
+            f"training diverged {len(recoveries)} time(s) and recovered only to a near-chance "
+            f"model (validation accuracy {final['accuracy']:.3f}, chance "
+            f"{1 / num_classes:.3f}); the first: {recoveries[0]['reason']}; lower "
+            "learning_rate (or leave it at auto)"
+        )
+    epochs_run = len(hist.epochs)
+    early = stop_reason.startswith(("early stop", "target accuracy"))
     metrics = {
         "val_accuracy": final["accuracy"],
         "val_loss": final["loss"],
         "confusion": final["confusion"],
         "classes": job.classes,
+        "arch": job.arch,
         "epochs": hist.epochs,
+        "best_epoch": best["epoch"],
+        "epochs_asked": job.epochs,
+        "epochs_run": epochs_run,
+        # Epochs not run times the mean epoch of this attempt.
+        "seconds_saved": (
+            (job.epochs - epochs_run) * sum(epoch_seconds) / len(epoch_seconds)
+            if early and epoch_seconds
+            else 0.0
+        ),
         "stop_reason": stop_reason,
+        "recoveries": recoveries,
+        "lr_range_test": range_test,  # None unless the job asked for the sweep
+        "optimizer": {
+            "name": job.optimizer,
+            "learning_rate": job.learning_rate,
+            "lr_scale": lr_scale.value,
+            "weight_decay": weight_decay(job),
+            "batch_size": job.batch_size,
+            "warmup_steps": warmup,
+            "steps_per_epoch": steps_per_epoch,
+            "total_steps": total_steps,
+            "schedule": "linear warm-up, cosine decay",
+        },
         "wall_s": {
             "setup": hist.setup_s,
             "data": hist.data_s,
@@ -768,6 +1163,10 @@ def run_job(job_uri: str, attempt: int = 1) -> int:
         _write_failed(output_uri, attempt, STAGE_BUDGET, str(exc), resumable=False)
         log.error("%s", exc)
         return EXIT_BUDGET
+    except TrainingDiverged as exc:
+        _write_failed(output_uri, attempt, STAGE_TRAIN, str(exc), resumable=False)
+        log.error("%s", exc)
+        return EXIT_DIVERGED
     except BaseException as exc:
         _write_failed(
             output_uri, attempt, STAGE_TRAIN, f"{type(exc).__name__}: {exc}", resumable=False

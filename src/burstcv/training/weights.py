@@ -354,3 +354,40 @@ def check_pretrained(arch: str, pretrained: str) -> None:
         state = read_weights_uri(pretrained)
         # The backbone does not depend on the class count or (pretrained) the input size.
         _fit(build_model(arch, 2, 224, pretrained=True), arch, state, pretrained)
+
+
+@dataclass(frozen=True)
+class AutoWeights:
+    """Say what ``pretrained=auto`` resolved to, why, and the warning when it fell back."""
+
+    pretrained: str  # "none" or the full torchvision weights name
+    reason: str
+    warning: str | None = None
+
+
+def auto_pretrained(arch: str, *, photos: bool, store: str | None) -> AutoWeights:
+    """Resolve ``pretrained=auto``: for photos, the architecture's ImageNet weights.
+
+    They are fetched once, here on the orchestrator, into the artifact store (``store``), so
+    the training box never needs the internet; a later run finds them there, sha256-checked.
+    Where they cannot be fetched (no internet), the run trains from scratch with a warning.
+    Small images (the digits) train from scratch: ImageNet features at 224 px do not fit them.
+    """
+    if not photos:
+        return AutoWeights("none", "from scratch (small images, not photos)")
+    if architecture(arch).torchvision_name is None:
+        return AutoWeights("none", f"from scratch ({arch} has no ImageNet weights)")
+    weights = resolve_weights(arch, "DEFAULT")
+    key = weights_key(weights)
+    try:
+        _, source = fetch_weights(weights, store)
+    except (OSError, RuntimeError, ValueError) as exc:  # no network, a bad download
+        reason = _reason(exc)
+        return AutoWeights(
+            "none",
+            f"from scratch ({key} could not be fetched)",
+            f"pretrained auto: the ImageNet weights of {arch} ({key}) could not be fetched "
+            f"({reason}); training from scratch, which needs more data and epochs to reach "
+            "the same accuracy",
+        )
+    return AutoWeights(key, f"{key} (ImageNet), kept in the artifact store: {source}")
