@@ -50,7 +50,7 @@ TEST312 := tests/serving tests/test_packaging.py tests/dags/test_dag_integrity.p
 QUIET_PIP := quiet() { "$$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
 .PHONY: help setup sysdeps demo test test312 lint airflow serve stop airflow-stop serve-stop clean \
-  distclean chaos
+  distclean chaos serve-port airflow-port
 
 help:
 	@echo "make demo   - set up, run the pipeline DAG on the demo digits, serve it, predict"
@@ -97,7 +97,7 @@ $(AIRFLOW_HOME)/airflow.db: $(STAMP)
 $(DEMO_DATA): | $(STAMP)
 	@$(BIN)/burstcv demo-data $(DEMO_DATA) 2>/dev/null
 
-demo: $(STAMP) $(AIRFLOW_HOME)/airflow.db $(DEMO_DATA)
+demo: serve-port $(STAMP) $(AIRFLOW_HOME)/airflow.db $(DEMO_DATA)
 	@$(MAKE) --no-print-directory serve
 	start=$$(date +%s)
 	echo ">> running the burstcv_pipeline DAG once (Airflow dag.test); full log: $(RUN)/demo-run.log"
@@ -147,7 +147,22 @@ lint: $(STAMP)
 PORTCHECK := $(BIN)/python -m burstcv.localports
 SERVE_CHECK := --var SERVE_PORT --target serve --registry $(BURSTCV_SERVING_REGISTRY_URI)
 
-serve: $(STAMP)
+# Before any setup (a fresh clone builds .venv for minutes), a busy port stops the target at
+# once: the bare Python runs the same check, without naming the holder until psutil is there.
+EARLY_PORTCHECK := PYTHONPATH=$(REPO)/src $$([ -x $(BIN)/python ] && echo $(BIN)/python || echo $(PYTHON)) \
+  -m burstcv.localports free
+
+serve-port:
+	@if ! { [ -f $(RUN)/serve.pid ] && kill -0 $$(cat $(RUN)/serve.pid) 2>/dev/null; }; then
+	  $(EARLY_PORTCHECK) $(SERVE_PORT) --var SERVE_PORT --target serve --what "the prediction service"
+	fi
+
+airflow-port:
+	@if ! { [ -f $(RUN)/airflow.pid ] && kill -0 $$(cat $(RUN)/airflow.pid) 2>/dev/null; }; then
+	  $(EARLY_PORTCHECK) $(AIRFLOW_PORT) --var AIRFLOW_PORT --target airflow --what "the Airflow UI"
+	fi
+
+serve: serve-port $(STAMP)
 	@mkdir -p $(RUN)
 	if [ -f $(RUN)/serve.pid ] && kill -0 $$(cat $(RUN)/serve.pid) 2>/dev/null; then
 	  $(PORTCHECK) ours $(SERVE_PORT) --pid $$(cat $(RUN)/serve.pid) $(SERVE_CHECK)
@@ -174,7 +189,7 @@ AIRFLOW_HEALTH := $(BIN)/python -m burstcv.airflow.health $(AIRFLOW_URL)
 # Standalone Airflow never restarts a component that died (a killed triggerer leaves every
 # deferred task waiting without a word): a second `make airflow` checks each component's
 # health and restarts Airflow alone (not the service) when one is down.
-airflow: $(STAMP) $(AIRFLOW_HOME)/airflow.db
+airflow: airflow-port $(STAMP) $(AIRFLOW_HOME)/airflow.db
 	@mkdir -p $(RUN)
 	if [ -f $(RUN)/airflow.pid ] && kill -0 $$(cat $(RUN)/airflow.pid) 2>/dev/null; then
 	  $(PORTCHECK) ours $(AIRFLOW_PORT) --pid $$(cat $(RUN)/airflow.pid) --var AIRFLOW_PORT --target airflow

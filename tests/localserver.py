@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from burstcv import localports
 from burstcv.gate.latency import free_port
@@ -154,10 +155,9 @@ def _check_ours(server: LocalServer) -> None:
     if holder is None or holder.pid is None:  # gone already, or this user cannot tell
         return
     family = {server.process.pid}
-    with contextlib.suppress(localports.psutil.NoSuchProcess):
+    with contextlib.suppress(psutil.NoSuchProcess):
         family |= {
-            child.pid
-            for child in localports.psutil.Process(server.process.pid).children(recursive=True)
+            child.pid for child in psutil.Process(server.process.pid).children(recursive=True)
         }
     if holder.pid not in family:
         raise RuntimeError(

@@ -135,3 +135,33 @@ def test_make_serve_stops_at_once_on_a_busy_port(dummy_listener: int) -> None:
     )
     assert "make serve SERVE_PORT=" in done.stderr and "service on" not in done.stdout
     assert time.monotonic() - started < 60  # at once, not after a health-check timeout
+
+
+@pytest.mark.parametrize(("target", "var"), [("serve", "SERVE_PORT"), ("airflow", "AIRFLOW_PORT")])
+def test_a_busy_port_stops_the_target_before_any_setup(
+    dummy_listener: int, tmp_path: Path, target: str, var: str
+) -> None:
+    """A fresh clone (no venv yet) learns of the busy port at once, not after the build."""
+    if shutil.which("make") is None:
+        pytest.skip("needs make")
+    repo = Path(__file__).resolve().parents[1]
+    venv = tmp_path / "venv-not-built"
+    done = subprocess.run(
+        # The bare interpreter the Makefile would build the venv with (no psutil in it).
+        [
+            "make",
+            "-s",
+            f"VENV={venv}",
+            f"VAR={tmp_path / 'var'}",
+            target,
+            f"{var}={dummy_listener}",
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert f"port {dummy_listener} on 127.0.0.1 is already in use" in done.stderr, done.stderr
+    assert f"make {target} {var}=" in done.stderr
+    assert not venv.exists(), "the venv build started before the port was checked"

@@ -5,7 +5,9 @@ naming the port, the program that holds it (when this user may see it) and the m
 that chooses another port. After starting one, ``ours`` confirms that the listener is the
 process just started (or one of its children) and, for the prediction service, that it
 serves this checkout's registry: a health check answered by some other program must not
-pass for ours. Linux and macOS, through psutil (an Airflow dependency).
+pass for ours. Linux and macOS, through psutil (an Airflow dependency). ``free`` also runs
+on a bare Python before any setup (the make targets check their port first): without
+psutil it knocks on the port and cannot name the holder.
 
     python -m burstcv.localports free 8000 --var SERVE_PORT --what "the prediction service"
     python -m burstcv.localports ours 8000 --pid 1234 --var SERVE_PORT --registry var/registry
@@ -18,8 +20,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-import psutil
+from typing import Any
 
 REGISTRY_ENV = "BURSTCV_SERVING_REGISTRY_URI"  # what the service reads its registry from
 HOST = "127.0.0.1"
@@ -37,9 +38,12 @@ class Listener:
     command: str = ""
     cwd: str = ""
     registry: str | None = None
+    inspected: bool = True  # False: found by knocking, before psutil is installed
 
     def describe(self) -> str:
         """Return 'pid N (command, in cwd, registry R)' or 'another user's program'."""
+        if not self.inspected:
+            return "another program (make setup, then run this again, to see which)"
         if self.pid is None:
             return "a program this user cannot inspect"
         details = [self.command or "?"]
@@ -57,8 +61,19 @@ def _answers(port: int) -> bool:
         return sock.connect_ex((HOST, port)) == 0
 
 
+def _psutil() -> Any:
+    try:
+        import psutil
+    except ImportError:  # a bare Python before setup
+        return None
+    return psutil
+
+
 def listener(port: int) -> Listener | None:
     """Return the process listening on ``port`` (on 127.0.0.1 or all interfaces), or None."""
+    psutil = _psutil()
+    if psutil is None:
+        return Listener(None, inspected=False) if _answers(port) else None
     try:
         connections = psutil.net_connections(kind="tcp")
     except psutil.AccessDenied:  # macOS without root: fall back to knocking on the port
@@ -75,6 +90,8 @@ def listener(port: int) -> Listener | None:
 
 
 def _describe(pid: int) -> Listener:
+    import psutil
+
     try:
         proc = psutil.Process(pid)
         command = " ".join(proc.cmdline()) or proc.name()
@@ -124,6 +141,8 @@ def check_ours(port: int, *, pid: int, var: str, target: str, registry: str | No
     With ``registry``, the listener must also read that registry (its environment's
     BURSTCV_SERVING_REGISTRY_URI): a service of another checkout is not this one's.
     """
+    import psutil
+
     found = listener(port)
     if found is None:
         raise PortProblem(f"nothing listens on port {port} on {HOST}; see the log")
