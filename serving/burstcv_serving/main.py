@@ -8,6 +8,7 @@ import gc
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +27,7 @@ from burstcv_serving.middleware import (
 )
 from burstcv_serving.registry import DirectorySource, ModelSource, RegistrySource
 from burstcv_serving.routes import admin, health, metrics, model_info, predict
+from burstcv_serving.schemas import ErrorOut
 from burstcv_serving.settings import Settings
 from burstcv_serving.state import ServiceState
 
@@ -96,23 +98,69 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def _describe_validation_errors(request: Request, exc: RequestValidationError) -> str:
+    multipart = request.url.path.startswith("/v1/predict")  # the admin routes take JSON
+    kind = "multipart field" if multipart else "field"
     reasons = []
+    whole_body = False  # the body itself is wrong (absent, not JSON, not an object)
     for error in exc.errors():
         field = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
-        if error.get("type") == "missing":
-            reasons.append(f"missing multipart field '{field}'")
+        if error.get("type") == "json_invalid":
+            field = ""
+        whole_body = whole_body or not field
+        if error.get("type") == "json_invalid":
+            reasons.append(f"the body is not valid JSON ({error.get('ctx', {}).get('error', '?')})")
+        elif error.get("type") == "missing":
+            reasons.append(f"missing {kind} '{field}'" if field else "the request has no body")
         else:
-            reasons.append(f"field '{field}': {error.get('msg', 'invalid')}")
+            where = f"{kind} '{field}'" if field else "the body"
+            reasons.append(f"{where}: {error.get('msg', 'invalid')}")
     detail = "; ".join(reasons) or "invalid request"
     ctype = request.headers.get("content-type", "")
-    if request.method == "POST" and not ctype.startswith("multipart/form-data"):
+    if multipart and request.method == "POST" and not ctype.startswith("multipart/form-data"):
         detail += f" (send multipart/form-data; the request's content type is {ctype or 'none'})"
+    elif not multipart and request.method == "POST" and whole_body:
+        detail += " (send a JSON object, as the OpenAPI document at /openapi.json describes)"
     return detail
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     return JSONResponse({"detail": _describe_validation_errors(request, exc)}, status_code=422)
+
+
+VALIDATION_422 = (
+    "The request does not match this endpoint's schema; detail says which field and why."
+)
+
+
+def _document_string_details(app: FastAPI) -> None:
+    """Make the OpenAPI document say what a 422 is: an ``ErrorOut`` (one ``detail`` string).
+
+    FastAPI documents its own 422 body (a list of errors); this service answers every 4xx the
+    same way, a sentence a client can act on, and its document says so.
+    """
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = generate()
+        error_ref = {"$ref": "#/components/schemas/ErrorOut"}
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                if "422" in operation.get("responses", {}):
+                    operation["responses"]["422"] = {
+                        "description": VALIDATION_422,
+                        "content": {"application/json": {"schema": error_ref}},
+                    }
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.setdefault("ErrorOut", ErrorOut.model_json_schema())
+        for unused in ("HTTPValidationError", "ValidationError"):
+            components.pop(unused, None)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -131,6 +179,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (predict, model_info, health, metrics, admin):
         app.include_router(module.router)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    _document_string_details(app)
     # Added last = outermost: metrics see every answer, including early 413s and 503s. The
     # body limit comes before admission: a body that is too large would never be served.
     app.add_middleware(
