@@ -21,6 +21,7 @@ HELD_WHEEL: dict[str, str] = {
 def make_job(packed: dict[str, Any], out: Path, **overrides: Any) -> Any:
     """Return a JobSpec over the packed demo shards writing into ``out``."""
     from burstcv.training.job import JobSpec
+    from burstcv.training.recipe import learning_rate_for
 
     fields: dict[str, Any] = {
         "run_id": out.name,
@@ -30,6 +31,9 @@ def make_job(packed: dict[str, Any], out: Path, **overrides: Any) -> Any:
         "preprocess": packed["spec"].to_dict(),
         "output_uri": str(out),
         "epochs": 3,
+        # What the pipeline's recipe gives the digits (short run: AdamW, its rate at batch 128).
+        "optimizer": "adamw",
+        "learning_rate": learning_rate_for("adamw", 128),
         "dataset_fingerprint": "demo",
     }
     fields.update(overrides)
