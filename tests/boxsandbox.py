@@ -248,6 +248,8 @@ class BoxSandbox:
         self._servers: list[_Server] = []
         self._threads: list[threading.Thread] = []
         self.shims = work / "shims"
+        # What cloud-init's PATH holds on the box: no AWS CLI (the script must not need one).
+        self.path = f"{self.shims}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
     def __enter__(self) -> BoxSandbox:
         _ip("netns", "add", self.netns)
@@ -285,8 +287,6 @@ class BoxSandbox:
         )
         shim.chmod(0o755)
         (self.shims / "poweroff").symlink_to(shim)
-        # The AMI's AWS CLI: the real one (awscli) from this environment.
-        (self.shims / "aws").symlink_to(Path(sys.executable).parent / "aws")
 
     def processes(self) -> list[int]:
         """Return the pids still running in the namespace."""
@@ -306,7 +306,7 @@ class BoxSandbox:
         script = box / "user-data.sh"
         script.write_text(user_data)
         env = {
-            "PATH": f"{self.shims}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "PATH": self.path,
             "HOME": str(box / "home"),
             "LANG": "C.UTF-8",
             # Where "S3" is inside the sandbox; on EC2 the CLI and boto3 find it themselves.

@@ -164,8 +164,9 @@ class Settings(BaseSettings):
 
 # The PyTorch Deep Learning AMI for the region, resolved through its public SSM parameter at
 # each launch (the resolved ami-… is recorded in billing.json). It brings the NVIDIA driver,
-# CUDA torch + torchvision, boto3 and the AWS CLI in /opt/pytorch (Python 3.12), so a box
-# downloads only burstcv's own training wheel (tens of KB) before its first step.
+# CUDA torch + torchvision and boto3 in /opt/pytorch (Python 3.12), so a box downloads only
+# burstcv's own training wheel (tens of KB) before its first step; its S3 calls go through that
+# boto3 (the boot never needs the AWS CLI).
 DEFAULT_AMI = (
     "/aws/service/deeplearning/ami/x86_64/oss-nvidia-driver-gpu-pytorch-2.9-ubuntu-24.04"
     "/latest/ami-id"

@@ -15,6 +15,7 @@ import asyncio
 import io
 import json
 import re
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -246,6 +247,8 @@ def test_a_clean_boot_installs_the_wheel_trains_and_powers_off(
     print("boot stages (s):", stage_seconds(boot.console), "total", round(boot.seconds, 1))
 
     assert boot.exit_code == 0, boot.console
+    # No AWS CLI on the box's PATH: the wheel, the markers and the log went through boto3.
+    assert shutil.which("aws", path=box.path) is None
     assert boot.shutdown_calls[0][:2] == ["shutdown", "-h"] and boot.shutdown_calls[0][2][0] == "+"
     assert boot.shutdown_calls[-1] == ["shutdown", "-h", "now"]
     assert "preflight passed" in boot.console

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from datetime import UTC, datetime, timedelta
@@ -86,7 +87,7 @@ def test_watchdog_minutes_and_the_expiry_tag() -> None:
 def test_exit_trap_is_set_before_any_work_and_shuts_down() -> None:
     script = render_user_data(SPEC)
     trap_at = script.index("trap finish EXIT")
-    for step in ('aws s3 cp --quiet "$WHEEL_URI"', "pip install", "preflight --job", "train --job"):
+    for step in ('s3 cp "$WHEEL_URI"', "pip install", "preflight --job", "train --job"):
         assert trap_at < script.index(step), step
     finish = script[script.index("finish() {") : trap_at]
     # A marker for this attempt, then the log, then an immediate shutdown.
@@ -95,7 +96,16 @@ def test_exit_trap_is_set_before_any_work_and_shuts_down() -> None:
     assert finish.index('"$LOG_URI"') < finish.index("shutdown -h now")
     assert "trap 'exit 143' TERM INT HUP" in script
     # A marker check that needs no ListBucket-wide listing.
-    assert "aws s3 ls" not in script and "s3api head-object" in script
+    assert "s3.head_object(" in script and "list_objects" not in script
+
+
+def test_every_s3_call_goes_through_boto3_never_the_aws_cli() -> None:
+    script = render_user_data(SPEC)
+    commands = [line.strip() for line in script.splitlines()]
+    assert not [c for c in commands if re.match(r"^(\|\s*)?aws\s", c)], "the script runs aws"
+    assert not re.search(r"[|;&(]\s*aws\s", script)
+    # The helper is written before the exit trap, which needs it for the marker and the log.
+    assert script.index("s3io.py") < script.index("trap finish EXIT")
 
 
 def test_the_order_is_poller_and_log_then_install_preflight_train() -> None:

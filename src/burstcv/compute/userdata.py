@@ -3,6 +3,8 @@
 The script's order is the safety argument:
 1. arm a ``shutdown -h +N`` watchdog from the run's absolute deadline, before anything else;
 2. learn the box's identity and region from IMDSv2 and export the region for every AWS call;
+   every S3 call on the box goes through boto3 in the AMI's Python (a small helper the script
+   writes), never the AWS CLI, whose place on an AMI is not certain;
 3. on every exit path (the EXIT trap) make sure the attempt has DONE or FAILED, upload the
    log and ``shutdown -h now`` (with ``InstanceInitiatedShutdownBehavior=terminate`` that
    destroys the box: no idle tail);
@@ -98,7 +100,7 @@ imds() {
 }
 INSTANCE_ID=$(imds meta-data/instance-id) || INSTANCE_ID=unknown
 INSTANCE_TYPE=$(imds meta-data/instance-type) || INSTANCE_TYPE=""
-# Every AWS call on the box (the CLI here, boto3 in training) goes to the box's own region.
+# Every AWS call on the box (boto3, here and in training) goes to the box's own region.
 AWS_REGION=$(imds meta-data/placement/region) || AWS_REGION="$FALLBACK_REGION"
 AWS_DEFAULT_REGION="$AWS_REGION"
 export AWS_REGION AWS_DEFAULT_REGION
@@ -110,10 +112,65 @@ export AWS_METADATA_SERVICE_TIMEOUT AWS_METADATA_SERVICE_NUM_ATTEMPTS
 LOG_URI="$ATTEMPT_DIR/logs/$INSTANCE_ID.log"
 stamp "instance $INSTANCE_ID ($INSTANCE_TYPE) in $AWS_REGION"
 
+# S3 through boto3: the AMI's PyTorch Python has it (the training wheel needs it too).
+cat > "$WORK/s3io.py" << 'S3IO'
+# burstcv box: copy to and from S3, or check that an object exists, through boto3.
+import sys
+
+import boto3
+from botocore.exceptions import ClientError
+
+
+def split(uri):
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    return bucket, key
+
+
+def run(command, *args):
+    s3 = boto3.client("s3")
+    if command == "exists":
+        try:
+            s3.head_object(Bucket=split(args[0])[0], Key=split(args[0])[1])
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return 1
+            raise
+        return 0
+    source, target = args
+    if source.startswith("s3://"):
+        s3.download_file(*split(source), target)
+    elif source == "-":
+        s3.put_object(Body=sys.stdin.buffer.read(), **dict(zip(("Bucket", "Key"), split(target))))
+    else:
+        s3.upload_file(source, *split(target))
+    return 0
+
+
+try:
+    sys.exit(run(*sys.argv[1:]))
+except Exception as exc:  # one line in the box's log, not a traceback
+    print(f"s3: {' '.join(sys.argv[1:])}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    sys.exit(2)
+S3IO
+S3PY=""
+for candidate in "$PYTHON" python3; do
+  if "$candidate" -c "import boto3" > /dev/null 2>&1; then
+    S3PY=$(command -v "$candidate")
+    break
+  fi
+done
+s3() {  # s3 cp SRC DST (an s3:// URI, a file, or - for stdin) | s3 exists URI
+  if [ -z "$S3PY" ]; then
+    stamp "cannot reach S3: no Python with boto3 (tried $PYTHON and python3); set \
+BURSTCV_EC2_PYTHON to the AMI's PyTorch interpreter"
+    return 2
+  fi
+  "$S3PY" "$WORK/s3io.py" "$@"
+}
+
 # HeadObject needs only GetObject (plus ListBucket on the prefix for a 404 on a missing key).
 s3_object_exists() {
-  local path=${1#s3://}
-  aws s3api head-object --bucket "${path%%/*}" --key "${path#*/}" > /dev/null 2>&1
+  s3 exists "$1" > /dev/null 2>&1
 }
 
 write_failed() {  # stage, resumable (true|false), reason, exit code
@@ -121,7 +178,7 @@ write_failed() {  # stage, resumable (true|false), reason, exit code
   doc+='"attempt": %s, "exit_code": %d, "instance_id": "%s"}\n'
   # shellcheck disable=SC2059
   printf "$doc" "$1" "$2" "${3//\"/\'}" "$ATTEMPT" "$4" "$INSTANCE_ID" \
-    | aws s3 cp - "$ATTEMPT_DIR/FAILED"
+    | s3 cp - "$ATTEMPT_DIR/FAILED"
 }
 
 # Runs on every exit: the attempt gets a marker, the log goes up, the box goes down.
@@ -142,7 +199,7 @@ finish() {
     fi
   fi
   stamp "done (exit code $rc); shutting down now"
-  aws s3 cp --quiet "$LOG" "$LOG_URI"
+  s3 cp "$LOG" "$LOG_URI"
   shutdown -h now
 }
 trap finish EXIT
@@ -178,7 +235,7 @@ POLLER_PID=$!
 
 # The log reaches the store while the box runs, so a box that dies hard leaves its last lines.
 ship_log() {
-  while sleep "$LOG_EVERY_S"; do aws s3 cp --quiet "$LOG" "$LOG_URI" || true; done
+  while sleep "$LOG_EVERY_S"; do s3 cp "$LOG" "$LOG_URI" || true; done
 }
 ship_log &
 SHIPPER_PID=$!
@@ -194,7 +251,7 @@ fi
 STAGE=install
 stamp "installing $WHEEL_URI"
 WHEEL="$WORK/$(basename "$WHEEL_URI")"
-aws s3 cp --quiet "$WHEEL_URI" "$WHEEL"
+s3 cp "$WHEEL_URI" "$WHEEL"
 echo "$WHEEL_SHA256  $WHEEL" | sha256sum -c --quiet - \
   || fail_final "the training wheel at $WHEEL_URI does not match its sha256 $WHEEL_SHA256"
 "$PYTHON" -m pip --version > /dev/null 2>&1 || "$PYTHON" -m ensurepip --upgrade > /dev/null
