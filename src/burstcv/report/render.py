@@ -325,6 +325,7 @@ def _training_view(record: RunRecord) -> dict[str, Any]:
         "epoch_count": len(epochs),
         "device": metrics.get("device", "?"),
         "device_name": metrics.get("device_name"),
+        "precision": metrics.get("precision"),
         "stop_reason": metrics.get("stop_reason"),
         "wall": [(stage, float(seconds)) for stage, seconds in wall.items()],
         "total_wall": sum(float(v) for v in wall.values()) if wall else None,

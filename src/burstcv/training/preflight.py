@@ -1,4 +1,9 @@
-"""Check a training box before it trains: Python, torch, CUDA, the driver and the GPU count.
+"""Check a training box before it trains: Python, torch, CUDA, the driver, the GPUs.
+
+The GPU checks: as many GPUs as the instance type has, each one an architecture torch's build
+has kernels for (a V100 on a torch built for sm_75 and newer fails at its first kernel, not at
+import), and the mixed precision it runs natively (bf16 from compute capability 8.0; below,
+fp16 with a gradient scaler: a T4 emulates bf16, slowly, and cuDNN has no bf16 convolutions).
 
 Every second on a GPU box is billed, and a box that cannot train should say why in one line
 and power off at once. The checks run as ``burstcv preflight`` before ``burstcv train``; a
@@ -59,6 +64,9 @@ GPUS_PER_INSTANCE_TYPE: dict[str, int] = {
 }
 
 AMI_HINT = "set BURSTCV_EC2_AMI to a PyTorch Deep Learning AMI (docs/aws.md)"
+
+NATIVE_BF16_FROM = (8, 0)  # Ampere: bf16 tensor cores; below, bf16 is emulated
+_ARCH = re.compile(r"(sm|compute)_(\d+)(\d)([af]?)")  # sm_86, compute_90, sm_90a, sm_100f
 
 
 @dataclass
@@ -142,6 +150,64 @@ def check_gpu_count(found: int, instance_type: str | None) -> str | None:
     )
 
 
+def runs_on(capability: tuple[int, int], arch_list: list[str]) -> bool:
+    """Return True when a build for ``arch_list`` has kernels a GPU of ``capability`` runs.
+
+    CUDA's rules: a cubin (``sm_XY``) runs on the same major version at minor Y or later; PTX
+    (``compute_XY``) is compiled by the driver for any later GPU; an arch-specific cubin
+    (``sm_90a``) runs on that exact capability only.
+    """
+    for arch in arch_list:
+        match = _ARCH.fullmatch(arch)
+        if match is None:
+            continue
+        kind, suffix = match.group(1), match.group(4)
+        built = (int(match.group(2)), int(match.group(3)))
+        if suffix == "a":
+            runs = built == capability
+        elif kind == "sm":
+            runs = built[0] == capability[0] and built[1] <= capability[1]
+        else:
+            runs = built <= capability
+        if runs:
+            return True
+    return False
+
+
+def capability_text(capability: tuple[int, int]) -> str:
+    """Return a compute capability as NVIDIA writes it (``8.6``)."""
+    return f"{capability[0]}.{capability[1]}"
+
+
+def check_gpu_arch(
+    name: str,
+    capability: tuple[int, int],
+    arch_list: list[str],
+    torch_version: str,
+    torch_cuda: str,
+) -> str | None:
+    """Return a problem if torch's build has no kernels for this GPU's compute capability."""
+    if runs_on(capability, arch_list):
+        return None
+    built = ", ".join(arch_list) or "no CUDA architecture"
+    return (
+        f"GPU {name} (compute capability {capability_text(capability)}) is not among the "
+        f"architectures torch {torch_version} (CUDA {torch_cuda}) was built for ({built}): it "
+        f"would fail at its first kernel; choose a newer GPU type (instance_types, e.g. "
+        f"g6.xlarge) or an AMI whose PyTorch still builds for it ({AMI_HINT})"
+    )
+
+
+def native_bf16(capability: tuple[int, int]) -> bool:
+    """Return True when the GPU computes bf16 in hardware (compute capability 8.0 and later)."""
+    return tuple(capability) >= NATIVE_BF16_FROM
+
+
+def precision_for(capability: tuple[int, int]) -> str:
+    """Return the mixed precision training uses on this GPU: ``bf16``, or ``fp16`` below 8.0."""
+    return "bf16" if native_bf16(capability) else "fp16"
+
+
 def nvidia_driver_version() -> str | None:
     """Return the driver version nvidia-smi reports, or None without a working driver."""
     if shutil.which("nvidia-smi") is None:
@@ -201,4 +267,15 @@ def run_checks(require_cuda: bool, instance_type: str | None) -> Findings:
     found.facts["gpus"] = gpus
     if problem := check_gpu_count(gpus, instance_type):
         found.problems.append(problem)
+    arch_list = list(torch.cuda.get_arch_list())
+    for index in range(gpus):
+        major, minor = torch.cuda.get_device_capability(index)
+        capability = (int(major), int(minor))
+        name = torch.cuda.get_device_name(index)
+        if problem := check_gpu_arch(name, capability, arch_list, torch_version, torch_cuda):
+            found.problems.append(problem)
+            return found
+        if index == 0:
+            found.facts["gpu"] = f"{name} (compute capability {capability_text(capability)})"
+            found.facts["precision"] = precision_for(capability)
     return found

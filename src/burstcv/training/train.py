@@ -41,6 +41,7 @@ from burstcv.training.job import (
 )
 from burstcv.training.models import architecture, build_model, split_head
 from burstcv.training.names import is_pretrained, pretrained_kind
+from burstcv.training.preflight import native_bf16
 from burstcv.training.stream import (
     EVAL_BATCH,
     JobSpecError,
@@ -594,7 +595,10 @@ def near_chance(accuracy: float, confusion: list[list[int]]) -> bool:
 def _amp_dtype(device: torch.device) -> torch.dtype | None:
     if device.type != "cuda":
         return None  # fp32 on CPU: bf16 autocast is slower than fp32 on most CPUs
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    # bf16 only where the GPU computes it natively: is_bf16_supported() is also true where
+    # it is emulated (a T4), which is slow and has no cuDNN bf16 convolutions.
+    major, minor = torch.cuda.get_device_capability(device)
+    return torch.bfloat16 if native_bf16((int(major), int(minor))) else torch.float16
 
 
 def _should_compile(job: JobSpec, device: torch.device, total_steps: int) -> bool:
@@ -1109,6 +1113,10 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
         "pretrained": job.pretrained,
         "pretrained_loaded": loaded,  # what load_pretrained reported (None from scratch)
         "amp_dtype": str(amp_dtype) if amp_dtype else "float32",
+        # What ran: bf16 (native), fp16 with a gradient scaler (GPUs below 8.0), or fp32 (CPU).
+        "precision": {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+            amp_dtype or torch.float32, "fp32"
+        ),
         "versions": {"torch": torch.__version__},
         "host": lineage.host_description(),
         "train_images": len(train),
