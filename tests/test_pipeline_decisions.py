@@ -9,7 +9,7 @@ import pytest
 from burstcv_testkit import write_model_dir
 
 from burstcv import pipeline
-from burstcv.params import RunParams
+from burstcv.params import EXPORT_PARAMS, TRAINING_PARAMS, Affects, RunParams
 from burstcv.registry.registry import Registry
 from burstcv.settings import Settings
 from burstcv_spec import storage
@@ -85,6 +85,61 @@ def test_new_data_other_params_or_force_train(
 ) -> None:
     assert decide(settings, **change) is None, why
     assert not storage.exists(pipeline.run_layout(RUN, settings).skip)
+
+
+def test_every_run_param_says_what_it_changes() -> None:
+    """A new field must say whether it changes the model: else a run could skip over it."""
+    for name, field in RunParams.model_fields.items():
+        declared = [m for m in field.metadata if isinstance(m, Affects)]
+        assert len(declared) == 1, f"RunParams.{name} declares {declared}, not one Affects"
+
+
+# A value other than the fixture's production params for every param that changes the model
+# or its export. A new such param fails the test below until it has one here.
+CHANGED = {
+    "model": "mobilenet_v3_small",
+    "pretrained": "none",
+    "epochs": 4,
+    "batch_size": 64,
+    "learning_rate": 0.01,
+    "optimizer": "sgd",
+    "warmup_steps": 10,
+    "early_stop_patience": 3,
+    "lr_range_test": True,
+    "freeze_backbone_epochs": 1,
+    "backbone_lr_scale": 0.5,
+    "seed": 7,
+    "expected_classes": [str(d) for d in range(10)],
+    "int8": False,
+    "int8_max_accuracy_drop": 0.05,
+}
+
+
+def test_a_change_to_any_param_that_changes_the_model_trains(settings: Settings) -> None:
+    assert set(CHANGED) == set(TRAINING_PARAMS + EXPORT_PARAMS), "give the new param a value"
+    for name, value in CHANGED.items():
+        change = {name: value}
+        if name == "freeze_backbone_epochs":  # freezing needs weights to freeze
+            change["pretrained"] = "DEFAULT"
+        assert decide(settings, **change) is None, f"{name}={value!r} was skipped over"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"max_cost_usd": 9.0},
+        {"latency_slo_ms": 20.0},
+        {"accuracy_floor": 0.5},
+        {"promote": False},
+        {"use_spot": False},
+        {"min_images_per_class": 1},
+        {"max_accuracy_drop": 0.1},
+    ],
+)
+def test_a_change_to_how_the_run_goes_is_still_nothing_new(
+    settings: Settings, change: dict[str, object]
+) -> None:
+    assert decide(settings, **change) is not None
 
 
 def test_another_image_size_trains(settings: Settings) -> None:

@@ -16,7 +16,8 @@ import dataclasses
 import functools
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from enum import StrEnum
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -58,26 +59,18 @@ DATA_CHECKS = (
     "drift_max",
 )
 
-# The run params that change what training produces: same data + same values = same model.
-# The image size is compared as the model was made (model.json), since empty means "chosen
-# from the data".
-TRAINING_PARAMS = (
-    "model",
-    "pretrained",
-    "epochs",
-    "batch_size",
-    "learning_rate",
-    "optimizer",
-    "warmup_steps",
-    "early_stop_patience",
-    "lr_range_test",
-    "freeze_backbone_epochs",
-    "backbone_lr_scale",
-    "seed",
-    "expected_classes",
-)
-# ...and those that change what export makes of it (the `export` verb's options).
-EXPORT_PARAMS = ("int8", "int8_max_accuracy_drop")
+
+class Affects(StrEnum):
+    """Say what a run param changes; every RunParams field declares one (a test checks).
+
+    "Nothing new to train on" compares the params that change the model or its export with
+    production's, so a field that changes training and says so can never be skipped over.
+    """
+
+    MODEL = "model"  # what training makes of the same data
+    EXPORT = "export"  # what export makes of the trained model (which file serves)
+    RUN = "run"  # where and within which limits the run goes, what it checks and gates
+
 
 _JOB_DEFAULTS: dict[str, Any] = {name: f.default for name, f in JobSpec.model_fields.items()}
 _CHECK_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ValidationConfig)}
@@ -110,20 +103,20 @@ class RunParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # The form's first section: what most runs change.
-    dataset_uri: str = _from_deployment(
+    dataset_uri: Annotated[str, Affects.RUN] = _from_deployment(
         "BURSTCV_DATASET_URI",
         min_length=1,
         title="Dataset URI",
         description="ImageFolder root: <root>/{train,val}/<class>/<image>; a folder or s3://",
     )
-    model: str = Field(
+    model: Annotated[str, Affects.MODEL] = Field(
         default=MODEL_AUTO,
         title="Model",
         description=f"torchvision architecture to train; auto: {R.PHOTO_MODEL} for photos (it "
         f"has ImageNet weights), {R.SMALL_IMAGE_MODEL} for small images such as the digits",
         json_schema_extra={"enum": [MODEL_AUTO, *ARCHITECTURE_NAMES]},
     )
-    pretrained: str = Field(
+    pretrained: Annotated[str, Affects.MODEL] = Field(
         default=PRETRAINED_AUTO,
         min_length=1,
         title="Pretrained weights",
@@ -133,7 +126,7 @@ class RunParams(BaseModel):
         "(DEFAULT, IMAGENET1K_V2, ...), kept in the artifact store by sha256 after the first "
         "download; or the URI of a state_dict (a path, file://, s3://), loaded weights-only",
     )
-    image_size: int | None = Field(
+    image_size: Annotated[int | None, Affects.MODEL] = Field(
         default=None,
         ge=16,
         le=640,
@@ -141,7 +134,7 @@ class RunParams(BaseModel):
         description="the square resolution the model trains and serves at; empty: chosen "
         "from the validated data (the median short side, at most 224, never upscaling)",
     )
-    epochs: int | None = Field(
+    epochs: Annotated[int | None, Affects.MODEL] = Field(
         default=None,
         ge=1,
         le=500,
@@ -151,54 +144,54 @@ class RunParams(BaseModel):
         f"{R.MAX_EPOCHS}); early stopping or the time budget may stop training earlier",
         json_schema_extra={"auto": True},
     )
-    compute_backend: ComputeBackend = _from_deployment(
+    compute_backend: Annotated[ComputeBackend, Affects.RUN] = _from_deployment(
         "BURSTCV_COMPUTE_BACKEND",
         title="Compute backend",
         description="local: a process on the worker; ec2: ephemeral GPU instances",
     )
-    instance_types: list[str] = _from_deployment(
+    instance_types: Annotated[list[str], Affects.RUN] = _from_deployment(
         "BURSTCV_EC2_INSTANCE_TYPES",
         min_length=1,
         title="GPU instance types",
         description="EC2 types in order of preference",
     )
-    use_spot: bool = _from_deployment(
+    use_spot: Annotated[bool, Affects.RUN] = _from_deployment(
         "BURSTCV_EC2_USE_SPOT",
         title="Use spot instances",
         description="spot on every type first, then on-demand on every type",
     )
-    max_cost_usd: float = Field(
+    max_cost_usd: Annotated[float, Affects.RUN] = Field(
         default=5.0,
         gt=0,
         le=10_000,
         title="Max cost (USD)",
         description="per-run budget; bounds the watchdog that shuts the box down",
     )
-    latency_slo_ms: float = Field(
+    latency_slo_ms: Annotated[float, Affects.RUN] = Field(
         default=50.0,
         gt=0,
         title="Latency SLO (ms)",
         description="p95 over HTTP, one image per request, the gate's limit",
     )
-    accuracy_floor: float = Field(
+    accuracy_floor: Annotated[float, Affects.RUN] = Field(
         default=0.9,
         ge=0,
         le=1,
         title="Accuracy floor",
         description="validation top-1 the candidate must reach",
     )
-    int8: bool = Field(
+    int8: Annotated[bool, Affects.EXPORT] = Field(
         default=True,
         title="Try INT8",
         description="also export a static INT8 model; it serves only if as accurate (within "
         "the INT8 accuracy drop) and faster",
     )
-    promote: bool = Field(
+    promote: Annotated[bool, Affects.RUN] = Field(
         default=True,
         title="Promote",
         description="deploy the candidate if it passes the gate (off: gate and register only)",
     )
-    force_train: bool = Field(
+    force_train: Annotated[bool, Affects.RUN] = Field(
         default=False,
         title="Force training",
         description="train even when the dataset and training params are production's "
@@ -206,7 +199,7 @@ class RunParams(BaseModel):
     )
 
     # Training details.
-    batch_size: int | None = Field(
+    batch_size: Annotated[int | None, Affects.MODEL] = Field(
         default=None,
         ge=8,
         le=8192,
@@ -215,7 +208,7 @@ class RunParams(BaseModel):
         f"of two up to {R.MAX_BATCH} that gives an epoch {R.MIN_STEPS_PER_EPOCH} steps",
         json_schema_extra={"section": SECTION_TRAINING, "auto": True},
     )
-    learning_rate: float | None = Field(
+    learning_rate: Annotated[float | None, Affects.MODEL] = Field(
         default=None,
         gt=0,
         le=10,
@@ -225,14 +218,14 @@ class RunParams(BaseModel):
         f"{R.SGD_LR_PER_256:g} x batch/256)",
         json_schema_extra={"section": SECTION_TRAINING, "auto": True},
     )
-    optimizer: Literal["auto", "sgd", "adamw"] = Field(
+    optimizer: Annotated[Literal["auto", "sgd", "adamw"], Affects.MODEL] = Field(
         default="auto",
         title="Optimizer",
         description=f"auto: AdamW for runs under {R.SGD_MIN_STEPS:,} steps, SGD with Nesterov "
         "momentum for longer ones",
         json_schema_extra={"section": SECTION_TRAINING},
     )
-    warmup_steps: int | None = Field(
+    warmup_steps: Annotated[int | None, Affects.MODEL] = Field(
         default=None,
         ge=0,
         le=100_000,
@@ -241,7 +234,7 @@ class RunParams(BaseModel):
         f"most max(3 epochs, {R.MIN_WARMUP_CAP_STEPS} steps)",
         json_schema_extra={"section": SECTION_TRAINING, "auto": True},
     )
-    early_stop_patience: int | None = Field(
+    early_stop_patience: Annotated[int | None, Affects.MODEL] = Field(
         default=None,
         ge=1,
         le=500,
@@ -251,7 +244,7 @@ class RunParams(BaseModel):
         f"least {R.MIN_PATIENCE}",
         json_schema_extra={"section": SECTION_TRAINING, "auto": True},
     )
-    lr_range_test: bool = Field(
+    lr_range_test: Annotated[bool, Affects.MODEL] = Field(
         default=_JOB_DEFAULTS["lr_range_test"],
         title="Learning-rate range test",
         description="sweep the rate over at most 100 steps on the training box before "
@@ -260,7 +253,7 @@ class RunParams(BaseModel):
         "counted; the rate is in metrics.json and the report); learning_rate is the fallback",
         json_schema_extra={"section": SECTION_TRAINING},
     )
-    freeze_backbone_epochs: int = Field(
+    freeze_backbone_epochs: Annotated[int, Affects.MODEL] = Field(
         default=_JOB_DEFAULTS["freeze_backbone_epochs"],
         ge=0,
         le=500,
@@ -268,7 +261,7 @@ class RunParams(BaseModel):
         description="pretrained runs: first epochs that train the new head alone",
         json_schema_extra={"section": SECTION_TRAINING},
     )
-    backbone_lr_scale: float = Field(
+    backbone_lr_scale: Annotated[float, Affects.MODEL] = Field(
         default=_JOB_DEFAULTS["backbone_lr_scale"],
         gt=0,
         le=1,
@@ -276,14 +269,14 @@ class RunParams(BaseModel):
         description="pretrained runs: the backbone's learning rate over the head's",
         json_schema_extra={"section": SECTION_TRAINING},
     )
-    seed: int = Field(
+    seed: Annotated[int, Affects.MODEL] = Field(
         default=_JOB_DEFAULTS["seed"],
         ge=0,
         title="Seed",
         description="random seed of initialisation, shuffling and augmentation",
         json_schema_extra={"section": SECTION_TRAINING},
     )
-    time_budget_s: int = _from_deployment(
+    time_budget_s: Annotated[int, Affects.RUN] = _from_deployment(
         "BURSTCV_TRAIN_TIMEOUT_S",
         ge=60,
         le=7 * 24 * 3600,
@@ -295,35 +288,35 @@ class RunParams(BaseModel):
     )
 
     # Data checks (ValidationConfig's names and defaults).
-    expected_classes: list[str] = Field(
+    expected_classes: Annotated[list[str], Affects.MODEL] = Field(
         default=[],
         title="Expected classes",
         description="class folder names the dataset must have, exactly; empty: the class "
         "folders found",
         json_schema_extra={"section": SECTION_DATA},
     )
-    min_images_per_class: int = Field(
+    min_images_per_class: Annotated[int, Affects.RUN] = Field(
         default=_CHECK_DEFAULTS["min_images_per_class"],
         ge=1,
         title="Min images per class",
         description="in every split: fewer cannot train or measure a class",
         json_schema_extra={"section": SECTION_DATA},
     )
-    min_total_images: int = Field(
+    min_total_images: Annotated[int, Affects.RUN] = Field(
         default=_CHECK_DEFAULTS["min_total_images"],
         ge=1,
         title="Min total images",
         description="usable images over all splits",
         json_schema_extra={"section": SECTION_DATA},
     )
-    max_imbalance_ratio: float = Field(
+    max_imbalance_ratio: Annotated[float, Affects.RUN] = Field(
         default=_CHECK_DEFAULTS["max_imbalance_ratio"],
         ge=1,
         title="Max class imbalance",
         description="largest class / smallest class, per split",
         json_schema_extra={"section": SECTION_DATA},
     )
-    min_width: int = Field(
+    min_width: Annotated[int, Affects.RUN] = Field(
         default=_CHECK_DEFAULTS["min_width"],
         ge=1,
         le=4096,
@@ -331,7 +324,7 @@ class RunParams(BaseModel):
         description="smaller images carry no signal after resizing",
         json_schema_extra={"section": SECTION_DATA},
     )
-    max_width: int = Field(
+    max_width: Annotated[int, Affects.RUN] = Field(
         default=_CHECK_DEFAULTS["max_width"],
         ge=1,
         le=4096,
@@ -339,7 +332,7 @@ class RunParams(BaseModel):
         description="the service refuses images over 4096x4096 pixels",
         json_schema_extra={"section": SECTION_DATA},
     )
-    min_height: int = Field(
+    min_height: Annotated[int, Affects.RUN] = Field(
         default=_CHECK_DEFAULTS["min_height"],
         ge=1,
         le=4096,
@@ -347,7 +340,7 @@ class RunParams(BaseModel):
         description="smaller images carry no signal after resizing",
         json_schema_extra={"section": SECTION_DATA},
     )
-    max_height: int = Field(
+    max_height: Annotated[int, Affects.RUN] = Field(
         default=_CHECK_DEFAULTS["max_height"],
         ge=1,
         le=4096,
@@ -355,7 +348,7 @@ class RunParams(BaseModel):
         description="the service refuses images over 4096x4096 pixels",
         json_schema_extra={"section": SECTION_DATA},
     )
-    near_duplicate_max_distance: int | None = Field(
+    near_duplicate_max_distance: Annotated[int | None, Affects.RUN] = Field(
         default=_CHECK_DEFAULTS["near_duplicate_max_distance"],
         ge=0,
         le=16,
@@ -364,7 +357,7 @@ class RunParams(BaseModel):
         "of one in another (0: the same hash); empty: no near-duplicate check",
         json_schema_extra={"section": SECTION_DATA},
     )
-    drift_max: float | None = Field(
+    drift_max: Annotated[float | None, Affects.RUN] = Field(
         default=_CHECK_DEFAULTS["drift_max"],
         ge=0,
         title="Max drift",
@@ -374,7 +367,7 @@ class RunParams(BaseModel):
     )
 
     # Gate details.
-    max_accuracy_drop: float = Field(
+    max_accuracy_drop: Annotated[float, Affects.RUN] = Field(
         default=0.02,
         ge=0,
         le=1,
@@ -382,7 +375,7 @@ class RunParams(BaseModel):
         description="accuracy the candidate may lose against the production model",
         json_schema_extra={"section": SECTION_GATE},
     )
-    int8_max_accuracy_drop: float = Field(
+    int8_max_accuracy_drop: Annotated[float, Affects.EXPORT] = Field(
         default=0.01,
         ge=0,
         le=1,
@@ -479,6 +472,19 @@ class RunParams(BaseModel):
                         f"{spec.maximum_from} {ceiling}; lower it, or raise the setting"
                     )
         return params
+
+
+def params_that(affect: Affects) -> tuple[str, ...]:
+    """Return the RunParams fields that declare ``affect``, in the form's order."""
+    return tuple(name for name, f in RunParams.model_fields.items() if affect in f.metadata)
+
+
+# The params that change what training produces: same data + same values = same model. The
+# image size is compared as the model was made (model.json), since empty means "chosen from
+# the data".
+TRAINING_PARAMS = tuple(name for name in params_that(Affects.MODEL) if name != "image_size")
+# ...and those that change what export makes of it (the `export` verb's options).
+EXPORT_PARAMS = params_that(Affects.EXPORT)
 
 
 @dataclass(frozen=True)
