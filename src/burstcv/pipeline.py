@@ -835,14 +835,25 @@ def training_outcome(
     return {"status": "running", "attempt": attempt}
 
 
+def _usd(amount: float) -> str:
+    return f"${amount:.2f}" if amount >= 0.1 or amount == 0 else f"${amount:.4f}"
+
+
 def progress_lines(
-    run_id: str, backend_name: str, output_uri: str, attempt: int, already_logged: int
+    run_id: str,
+    backend_name: str,
+    output_uri: str,
+    attempt: int,
+    already_logged: int,
+    max_cost_usd: float = 0.0,
 ) -> list[str]:
     """Return a line per epoch the attempt finished after its first ``already_logged`` ones.
 
-    Read from the job's progress.json (the box writes it at every epoch end): losses,
-    accuracy, images/s and elapsed time, plus what the run's boxes have cost so far and the
-    time left before the run's deadline. Costs no GPU time: it reads the artifact store.
+    Read from the job's progress.json (the box writes it at every epoch end). The figures a
+    reader scans for come first, so they fit the log viewer's width: the epoch, validation
+    accuracy and loss, the dollars spent and left of ``max_cost_usd`` (0: no budget), the
+    minutes left before the run's deadline; then train loss, speed, time and billed seconds.
+    Costs no GPU time: it reads the artifact store.
     """
     from burstcv.training.job import JobSpec
 
@@ -862,15 +873,21 @@ def progress_lines(
     job = JobSpec.model_validate(storage.read_json(storage.join(output_uri, "job.json")))
     if job.deadline_at is not None:
         left_s = max(0.0, (job.deadline_at - now).total_seconds())
-        budget = f"{left_s / 60:.1f} min left before the run's deadline"
+        time_left = f"{left_s / 60:.1f} min to the deadline"
     else:
-        budget = "no deadline"
+        time_left = "no deadline"
+    if max_cost_usd > 0:
+        money = (
+            f"{_usd(spent)} of {_usd(max_cost_usd)}, {_usd(max(0.0, max_cost_usd - spent))} left"
+        )
+    else:
+        money = f"{_usd(spent)} spent, no budget"
     total = progress.get("epochs_total", job.epochs)
     return [
-        f"epoch {e['epoch']}/{total} (attempt {attempt}): "
-        f"train_loss {e['train_loss']:.4f}, val_loss {e['val_loss']:.4f}, "
-        f"val_accuracy {e['val_accuracy']:.4f}, {e['images_per_s']:.0f} images/s, "
-        f"elapsed {e['elapsed_s']:.0f} s; billed {billed:.0f} s, ${spent:.4f} so far; {budget}"
+        f"epoch {e['epoch']}/{total} val_accuracy {e['val_accuracy']:.4f} "
+        f"val_loss {e['val_loss']:.4f} | {money} | {time_left} | "
+        f"train_loss {e['train_loss']:.4f}, {e['images_per_s']:.0f} images/s, "
+        f"{e['elapsed_s']:.0f} s, billed {billed:.0f} s, attempt {attempt}"
         for e in epochs
     ]
 

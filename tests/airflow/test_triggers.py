@@ -86,3 +86,54 @@ def _at(beat: TriggerHeartbeat) -> Any:
     from datetime import datetime
 
     return datetime.fromisoformat(beat.polled_at)
+
+
+def test_a_progress_line_leads_with_accuracy_dollars_left_and_minutes_left(
+    finished_job: Path, packed_demo: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from burstcv_testkit import make_job
+
+    from burstcv.training.job import write_job
+
+    deadline = lineage.utc_now() + timedelta(minutes=30)
+    job = make_job(packed_demo, finished_job, epochs=3, deadline_at=deadline)
+    write_job(job, str(finished_job / "job.json"))
+    epoch = {"train_loss": 0.5, "val_loss": 0.25, "images_per_s": 812.4, "elapsed_s": 23.2}
+    (finished_job / "progress.json").write_text(
+        json.dumps(
+            {
+                "epochs_total": 3,
+                "epochs": [
+                    {"epoch": 1, "attempt": 1, "val_accuracy": 0.8, **epoch},
+                    {"epoch": 2, "attempt": 1, "val_accuracy": 0.9412, **epoch},
+                ],
+            }
+        )
+    )
+    trigger = TrainingCompletionTrigger(
+        run_id="r-quiet",
+        backend="local",
+        output_uri=str(finished_job),
+        attempt=1,
+        poll_interval_s=0.1,
+        max_cost_usd=5.0,
+    )
+    assert trigger.serialize()[1]["max_cost_usd"] == 5.0  # a restarted triggerer keeps it
+
+    async def first() -> dict[str, Any]:
+        async for event in trigger.run():
+            return dict(event.payload)
+        raise AssertionError("the trigger ended without an event")
+
+    assert asyncio.run(asyncio.wait_for(first(), timeout=60))["status"] == "done"
+    lines = [line for line in capsys.readouterr().out.splitlines() if "epoch " in line]
+    assert len(lines) == 2, lines
+    line = lines[1][lines[1].index("epoch 2/3") :]
+    head = line.split(" | train_loss")[0]
+    # The local backend bills nothing: every dollar of the budget is left.
+    assert head.startswith("epoch 2/3 val_accuracy 0.9412 val_loss 0.2500 | $0.00 of $5.00, ")
+    assert "$5.00 left | " in head and " min to the deadline" in head
+    minutes = float(head.split(" | ")[2].split()[0])
+    assert 28 <= minutes <= 30
+    assert len(head) <= 110  # the log viewer's width, after its own timestamp and level
+    assert "812 images/s, 23 s, billed 0 s, attempt 1" in line

@@ -261,13 +261,16 @@ def test_a_clean_boot_installs_the_wheel_trains_and_powers_off(
     assert [e["epoch"] for e in metrics["epochs"]] == [1, 2]
     # The train task's log: one line per epoch, with money and time, from the real trigger.
     progress = [entry["event"] for entry in trigger_log if entry["event"].startswith("epoch ")]
-    assert [line.split(" (")[0] for line in progress] == ["epoch 1/2", "epoch 2/2"]
+    assert [line.split(" val_accuracy")[0] for line in progress] == ["epoch 1/2", "epoch 2/2"]
     for line in progress:
-        assert re.search(
-            r"val_accuracy [\d.]+, \d+ images/s, elapsed \d+ s; billed \d+ s, "
-            r"\$[\d.]+ so far; [\d.]+ min left before the run's deadline",
+        # What a reader scans for first: accuracy, dollars spent and left, minutes left.
+        assert re.match(
+            r"epoch \d/2 val_accuracy [\d.]+ val_loss [\d.]+ \| \$[\d.]+ of \$[\d.]+, "
+            r"\$[\d.]+ left \| [\d.]+ min to the deadline \| train_loss [\d.]+, "
+            r"\d+ images/s, \d+ s, billed \d+ s, attempt 1$",
             line,
         ), line
+        assert len(line.split(" | train_loss")[0]) <= 110, line
     assert metrics["attempt"] == 1
     # Each shard was downloaded once; every later epoch and evaluation read the box's copy,
     # and the copies went when training ended.

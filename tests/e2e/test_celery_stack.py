@@ -162,7 +162,7 @@ def test_ui_triggered_run_trains_gates_and_deploys_on_celery(
 
         # The train task's own log (the triggerer wrote it) holds one progress line per epoch.
         train_log = task_log(client, run_id, "train", by_task["train"]["try_number"])
-        progress = re.findall(r"epoch (\d)/2 \(attempt 1\): train_loss .*? so far; ", train_log)
+        progress = re.findall(r"epoch (\d)/2 val_accuracy .*? left \| ", train_log)
         assert progress == ["1", "2"], train_log
         screenshot_task_log(stack, run_id, store / "train-log.png")
 

@@ -82,12 +82,16 @@ def test_pipeline_deploys_a_version_the_running_service_answers_with(
     progress = [
         str(e["event"]) for e in trigger_log if str(e.get("event", "")).startswith("epoch ")
     ]
-    assert [line.split(" (")[0] for line in progress] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"]
+    assert [line.split(" val_accuracy")[0] for line in progress] == [
+        "epoch 1/3",
+        "epoch 2/3",
+        "epoch 3/3",
+    ]
     for line in progress:
-        assert re.search(
-            r"\(attempt 1\): train_loss [\d.]+, val_loss [\d.]+, val_accuracy [\d.]+, "
-            r"\d+ images/s, elapsed \d+ s; billed \d+ s, \$[\d.]+ so far; "
-            r"[\d.]+ min left before the run's deadline",
+        assert re.match(
+            r"epoch \d/3 val_accuracy [\d.]+ val_loss [\d.]+ \| \$[\d.]+ of \$[\d.]+, "
+            r"\$[\d.]+ left \| [\d.]+ min to the deadline \| train_loss [\d.]+, "
+            r"\d+ images/s, \d+ s, billed \d+ s, attempt 1$",
             line,
         ), line
     # The clean-up path of a failed provision has nothing to do on a good run.

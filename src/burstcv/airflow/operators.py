@@ -86,6 +86,7 @@ class WaitForTrainingOperator(BaseOperator):
                 output_uri=info.output_uri,
                 attempt=attempt,
                 poll_interval_s=self.poll_interval_s,
+                max_cost_usd=info.max_cost_usd,
             ),
             method_name="execute_complete",
         )

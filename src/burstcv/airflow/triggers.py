@@ -72,6 +72,7 @@ class TrainingCompletionTrigger(BaseTrigger):
         output_uri: str,
         attempt: int = 1,
         poll_interval_s: float = 5.0,
+        max_cost_usd: float = 0.0,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # BaseTrigger.__init__ has no annotations
         self.run_id = run_id
@@ -79,6 +80,7 @@ class TrainingCompletionTrigger(BaseTrigger):
         self.output_uri = output_uri
         self.attempt = attempt  # only this attempt's markers end the wait
         self.poll_interval_s = poll_interval_s
+        self.max_cost_usd = max_cost_usd  # the run's budget, for the progress lines (0: none)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """Return the classpath and kwargs the triggerer rebuilds this trigger from."""
@@ -90,6 +92,7 @@ class TrainingCompletionTrigger(BaseTrigger):
                 "output_uri": self.output_uri,
                 "attempt": self.attempt,
                 "poll_interval_s": self.poll_interval_s,
+                "max_cost_usd": self.max_cost_usd,
             },
         )
 
@@ -113,7 +116,13 @@ class TrainingCompletionTrigger(BaseTrigger):
             )
             # One line per finished epoch in the task log, as the box writes them.
             lines = await asyncio.to_thread(
-                progress_lines, self.run_id, self.backend, self.output_uri, self.attempt, logged
+                progress_lines,
+                self.run_id,
+                self.backend,
+                self.output_uri,
+                self.attempt,
+                logged,
+                self.max_cost_usd,
             )
             for line in lines:
                 self.log.info(line)
