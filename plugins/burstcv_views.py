@@ -267,7 +267,8 @@ def _airflow_link(url: str | None, text: str) -> str:
     if not url:
         return html.escape(text)
     # The page is served at <base>/burstcv/: one level up is Airflow's own base URL.
-    return f'<a href="..{html.escape(url)}">{html.escape(text)}</a>'
+    # target=_top: Airflow's UI replaces the page, not the plugin's frame within it.
+    return f'<a href="..{html.escape(url)}" target="_top">{html.escape(text)}</a>'
 
 
 def _usd(value: Any) -> str:

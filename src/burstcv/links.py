@@ -58,3 +58,18 @@ def served_page_of(path: str) -> str | None:
 def airflow_run_path(run_id: str, dag_id: str = DAG_ID) -> str:
     """Return the Airflow UI's path (below its base URL) of a DAG run's page."""
     return f"/dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}"
+
+
+MODELS_PAGE = URL_PREFIX + "/"  # the plugin's Models page
+
+
+def from_page(run_id: str, page: str, target: str) -> str:
+    """Return ``target`` (a path on the Airflow host) relative to a run's served page.
+
+    For the links that leave the run's own files (its Airflow run, the Models page): relative,
+    so they survive a proxy's path prefix; they resolve when the page is opened through
+    Airflow, not from the artifact folder.
+    """
+    here = posixpath.dirname(page_url(run_id, page))
+    relative = posixpath.relpath(target, here)
+    return relative + "/" if target.endswith("/") else relative

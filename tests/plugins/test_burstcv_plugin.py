@@ -126,6 +126,9 @@ def test_page_shows_the_versions_and_costs_tables(client: TestClient) -> None:
     assert "p95 71.0 ms &gt; SLO 50.0 ms" in page
     # Links are relative to the page, so they survive a proxy's path prefix.
     assert f'href="runs/{RUN_KEY}/report/index.html"' in page
+    # Airflow's pages open at the top level, not inside the plugin's frame.
+    airflow_links = re.findall(r'<a href="\.\./dags/[^"]+"([^>]*)>', page)
+    assert airflow_links and all(attrs == ' target="_top"' for attrs in airflow_links)
 
 
 def test_page_shows_the_alias_history_newest_first(client: TestClient, settings: Settings) -> None:

@@ -225,9 +225,12 @@ def test_a_complete_run_renders_every_section_in_one_self_contained_page(
     images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
     assert len(images) == 3
     assert all(base64.b64decode(data).startswith(b"\x89PNG") for data in images)
-    # Self-contained: no script, no resource fetched from anywhere, one relative link.
+    # Self-contained: no script, no resource fetched from anywhere; relative links only: the
+    # Models page (in Airflow, opened at the top level, not in the plugin's frame) and the
+    # run's Data Docs. This run has no run.json: no link to an Airflow run it cannot name.
     assert "<script" not in page and 'src="http' not in page and "<link" not in page
-    assert re.findall(r'href="([^"#]+)"', page) == ["../dataset/data_docs/index.html"]
+    assert re.findall(r'href="([^"#]+)"', page) == ["../../../", "../dataset/data_docs/index.html"]
+    assert '<a href="../../../" target="_top">Models page</a>' in page
     assert "PROMOTE: version 2" in page
     assert "version 2 is <b>accepted</b>; production points at version 2 (this run)" in page
     # Run cost from billing.json, and serving cost per 1M at the measured throughput.

@@ -640,6 +640,18 @@ NAV = (
 )
 
 
+def _airflow_run_id(run_root: str) -> str | None:
+    """Return the Airflow run id run.json records for the run folder, or None without one."""
+    from burstcv_spec.contracts import ArtifactError, read_artifact
+    from burstcv_spec.contracts import RunRecord as RunJson
+    from burstcv_spec.layout import RunLayout
+
+    try:
+        return read_artifact(RunLayout(run_root.rstrip("/")).record, RunJson).run_id
+    except (storage.ArtifactNotFoundError, ArtifactError):
+        return None
+
+
 def render_html(
     record: RunRecord,
     *,
@@ -651,11 +663,20 @@ def render_html(
     training_region: str = DEFAULT_SERVING_REGION,
 ) -> str:
     """Return the whole report page for a run record."""
+    run_key = record.root.rstrip("/").rsplit("/", 1)[-1]
+    airflow_run_id = _airflow_run_id(record.root)
     return (
         _templates()
         .get_template("report.html.j2")
         .render(
-            run_id=record.root.rstrip("/").rsplit("/", 1)[-1],
+            run_id=run_key,
+            # Back to Airflow: the run's page (when run.json names it) and the Models page.
+            airflow_run_link=links.from_page(
+                run_key, "report", links.airflow_run_path(airflow_run_id)
+            )
+            if airflow_run_id
+            else None,
+            models_link=links.from_page(run_key, "report", links.MODELS_PAGE),
             run_root=record.root,
             model_name=model_name,
             generated=datetime.now(UTC).isoformat(timespec="seconds"),
