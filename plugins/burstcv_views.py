@@ -343,7 +343,7 @@ code {{ background: #edf2f7; padding: 0 .25rem; }}
 <b>{_fmt(models["aliases"].get(PRODUCTION), "d")}</b>, previous is version
 {_fmt(models["aliases"].get(PREVIOUS), "d")}. JSON: <a href="api/models">api/models</a>.</p>
 <h2>Versions</h2>
-<table id="versions"><thead><tr><th>version</th><th>status</th><th>accuracy</th>
+<table id="versions"><thead><tr><th>version</th><th>status</th><th>accuracy (top-1)</th>
 <th>p95 latency</th><th>alias</th><th>gate</th><th></th></tr></thead>
 <tbody>{version_rows}</tbody></table>
 <h2>Alias history</h2>

@@ -232,6 +232,9 @@ def test_a_complete_run_renders_every_section_in_one_self_contained_page(
     assert re.findall(r'href="([^"#]+)"', page) == ["../../../", "../dataset/data_docs/index.html"]
     assert '<a href="../../../" target="_top">Models page</a>' in page
     assert "PROMOTE: version 2" in page
+    # Every gate figure with its unit: observed and limit read as what they measure.
+    assert "<td>12.10 ms</td><td>50.00 ms</td>" in page
+    assert "<td>0.0%</td><td>0.0%</td>" in page and "<td>0.9806</td><td>0.9000</td>" in page
     assert "version 2 is <b>accepted</b>; production points at version 2 (this run)" in page
     # Run cost from billing.json, and serving cost per 1M at the measured throughput.
     assert f"${BILLING['cost_usd']:,.4f}" in page and "412 billed GPU-instance seconds" in page

@@ -133,6 +133,14 @@ _AT_MOST = {"latency_p95", "error_rate", "no_latency_regression"}
 _COMPUTED_LIMITS = {"no_regression", "no_latency_regression"}
 
 
+def format_figure(name: str, value: float | None) -> str:
+    """Return a check's observed value or limit with its unit (``4.85 ms``, ``0.5%``)."""
+    if value is None:
+        return "—"
+    _, _, spec, unit = _CHECK_FIGURES.get(name, (name, "limit", ".4g", ""))
+    return f"{format(float(value), spec)}{unit}"
+
+
 def describe_check(check: dict[str, Any]) -> str:
     """Return one gate check as observed vs limit with the comparison that decided it."""
     name = str(check["name"])

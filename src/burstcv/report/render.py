@@ -26,6 +26,7 @@ from typing import Any
 import jinja2
 
 from burstcv import links
+from burstcv.gate.gate import format_figure
 from burstcv_spec import storage
 from burstcv_spec.layout import SKIP_RECORD
 
@@ -458,8 +459,9 @@ def _gate_view(
             {
                 "name": c.get("name"),
                 "passed": bool(c.get("passed")),
-                "observed": c.get("observed"),
-                "limit": c.get("limit"),
+                # With the check's unit: "4.85 ms" vs "50.00 ms", not 4.854 vs 50.
+                "observed": format_figure(str(c.get("name")), c.get("observed")),
+                "limit": format_figure(str(c.get("name")), c.get("limit")),
                 "reason": c.get("reason", ""),
             }
             for c in verdict.get("checks") or []
