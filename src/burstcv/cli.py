@@ -411,7 +411,12 @@ app.add_typer(aws_app, name="aws")
 
 @aws_app.command("check")
 def aws_check() -> None:
-    """Dry-run each launch option, the backstop and the S3 access; print what is missing."""
+    """Check the account a first EC2 run needs, renting nothing; print what is missing.
+
+    Dry-runs each launch option and the backstop, probes the S3 prefixes, and reads the vCPU
+    quotas, the training role's S3 access, each subnet's route to S3, the bucket's region,
+    the default EBS key, the Spot role and the candidates' prices (docs/aws.md).
+    """
     from burstcv.compute.awscheck import check_account
 
     _setup_logging()

@@ -1,15 +1,41 @@
-"""`burstcv aws check` against the emulator: what is in place, what is missing, nothing rented."""
+"""`burstcv aws check` against the emulator: what is in place, what is missing, nothing rented.
+
+The emulator (moto) models most of what the check reads: instance types and their vCPUs,
+subnets, route tables and S3 gateway endpoints, the bucket's region (HeadBucket), EBS
+encryption by default, KMS keys (customer managed ones), IAM roles and instance profiles, the
+spot price history, and the absence of any EC2 vCPU quota (its Service Quotas knows only VPC
+quotas, so GetServiceQuota for ec2 answers NoSuchResourceException, as for a quota never set).
+What it does not model is answered by the recording proxy with recorded responses in each
+API's documented shape (the calls are still recorded and audited against
+deploy/iam-policy.json): the applied vCPU quotas of a prepared account (one answer for every
+quota code), ec2:GetEbsDefaultKmsKeyId (not implemented), kms:DescribeKey of the AWS managed
+``aws/ebs`` key (moto calls every key CUSTOMER managed), iam:SimulatePrincipalPolicy (not
+implemented; the decisions are those of deploy/instance-role-policy.json as the audit's own
+IAM evaluator judges it) and pricing:GetProducts (an empty price list: the bundled table prices
+on demand).
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+from xml.sax.saxutils import escape
 
+import boto3
 import pytest
-from awsaudit import RecordingProxy
+from awsaudit import MOTO_ACCOUNT_ID, Check, RecordingProxy, evaluate
 from typer.testing import CliRunner
 
 from burstcv.cli import app
+from burstcv.compute.awscheck import instance_role_requests
 from burstcv.settings import get_settings
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+ACCOUNT = MOTO_ACCOUNT_ID
+EBS_ALIAS_ARN = f"arn:aws:kms:us-east-1:{ACCOUNT}:alias/aws/ebs"
+SPOT_ROLE_PATH = "/aws-service-role/spot.amazonaws.com/"
 
 
 def run_check() -> Any:
@@ -17,8 +43,212 @@ def run_check() -> Any:
     return CliRunner().invoke(app, ["aws", "check"])
 
 
+# --- recorded responses, for what the emulator does not model -----------------------------------
+
+
+def quota_answer(value: float) -> bytes:
+    """Return a GetServiceQuota response (Service Quotas' JSON) applying ``value`` vCPUs."""
+    quota = {
+        "ServiceCode": "ec2",
+        "ServiceName": "Amazon Elastic Compute Cloud (Amazon EC2)",
+        "QuotaArn": f"arn:aws:servicequotas:us-east-1:{ACCOUNT}:ec2/L-DB2E81BA",
+        "QuotaCode": "L-DB2E81BA",
+        "QuotaName": "Running On-Demand G and VT instances",
+        "Value": value,
+        "Unit": "None",
+        "Adjustable": True,
+        "GlobalQuota": False,
+    }
+    return json.dumps({"Quota": quota}).encode()
+
+
+def ebs_default_key_answer(key_id: str) -> bytes:
+    """Return an EC2 GetEbsDefaultKmsKeyId response naming ``key_id``."""
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>'
+        '<GetEbsDefaultKmsKeyIdResponse xmlns="http://ec2.amazonaws.com/doc/2016-11-15/">'
+        "<requestId>5c1b1c4c-0000-4000-8000-000000000000</requestId>"
+        f"<kmsKeyId>{escape(key_id)}</kmsKeyId>"
+        "</GetEbsDefaultKmsKeyIdResponse>"
+    ).encode()
+
+
+def aws_managed_ebs_key_answer() -> bytes:
+    """Return a KMS DescribeKey response for the account's AWS managed ``aws/ebs`` key."""
+    key_id = "7adeb491-68c9-4a5b-86ec-a86ce5364094"
+    metadata = {
+        "AWSAccountId": ACCOUNT,
+        "KeyId": key_id,
+        "Arn": f"arn:aws:kms:us-east-1:{ACCOUNT}:key/{key_id}",
+        "CreationDate": 1700000000.0,
+        "Enabled": True,
+        "Description": "Default key that protects my EBS volumes when no other key is defined",
+        "KeyUsage": "ENCRYPT_DECRYPT",
+        "KeyState": "Enabled",
+        "Origin": "AWS_KMS",
+        "KeyManager": "AWS",
+        "CustomerMasterKeySpec": "SYMMETRIC_DEFAULT",
+        "KeySpec": "SYMMETRIC_DEFAULT",
+        "EncryptionAlgorithms": ["SYMMETRIC_DEFAULT"],
+        "MultiRegion": False,
+    }
+    return json.dumps({"KeyMetadata": metadata}).encode()
+
+
+def simulation_answer(policy: dict[str, Any], variables: dict[str, str]) -> bytes:
+    """Return IAM's SimulatePrincipalPolicy response for a role whose only policy is ``policy``.
+
+    Every action is evaluated on every resource the check asks about (IAM's cross product);
+    each decision is the audit's IAM evaluator's.
+    """
+    wanted = instance_role_requests(get_settings().artifact_root)
+    members = []
+    for action in sorted({a for a, _ in wanted}):
+        for resource in sorted({r for _, r in wanted}):
+            allowed, reason = evaluate(policy, Check(action, resource), variables)
+            decision = (
+                "allowed"
+                if allowed
+                else "explicitDeny"
+                if "denied by" in reason
+                else "implicitDeny"
+            )
+            members.append(
+                "<member>"
+                f"<EvalActionName>{action}</EvalActionName>"
+                f"<EvalResourceName>{escape(resource)}</EvalResourceName>"
+                f"<EvalDecision>{decision}</EvalDecision>"
+                "<MatchedStatements/><MissingContextValues/>"
+                "</member>"
+            )
+    return (
+        '<SimulatePrincipalPolicyResponse xmlns="https://iam.amazonaws.com/doc/2010-05-08/">'
+        "<SimulatePrincipalPolicyResult><IsTruncated>false</IsTruncated>"
+        f"<EvaluationResults>{''.join(members)}</EvaluationResults>"
+        "</SimulatePrincipalPolicyResult>"
+        "<ResponseMetadata><RequestId>7a62c49f-347e-4fc4-9331-6e8eEXAMPLE</RequestId>"
+        "</ResponseMetadata></SimulatePrincipalPolicyResponse>"
+    ).encode()
+
+
+EMPTY_PRICE_LIST = json.dumps({"FormatVersion": "aws_v1", "PriceList": []}).encode()
+
+
+def instance_role_policy_variables(kit: Any) -> dict[str, str]:
+    """Return the values docs/aws.md substitutes into deploy/instance-role-policy.json."""
+    return {
+        "BURSTCV_BUCKET": kit.bucket,
+        "ARTIFACT_ROOT": kit.artifact_root.removeprefix("s3://"),
+    }
+
+
+class Answers:
+    """Set the proxy's recorded responses for one test; the next test starts without them."""
+
+    def __init__(self, proxy: RecordingProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.proxy = proxy
+        self.monkeypatch = monkeypatch
+        # Only what a test sets: the emulator answers everything else, pricing aside.
+        for action in (
+            "servicequotas:GetServiceQuota",
+            "ec2:GetEbsDefaultKmsKeyId",
+            "kms:DescribeKey",
+            "iam:SimulatePrincipalPolicy",
+        ):
+            monkeypatch.delitem(proxy.answers, action, raising=False)
+        self.set("pricing:GetProducts", EMPTY_PRICE_LIST)
+
+    def set(self, action: str, body: bytes, status: int = 200) -> None:
+        """Answer ``action`` with ``body`` for the rest of the test."""
+        self.monkeypatch.setitem(self.proxy.answers, action, (status, body))
+
+
+@pytest.fixture
+def answers(audited_calls: RecordingProxy, monkeypatch: pytest.MonkeyPatch) -> Answers:
+    """Return the recorded responses of this test (pricing: an empty price list)."""
+    return Answers(audited_calls, monkeypatch)
+
+
+@pytest.fixture(autouse=True)
+def iam_resources_audited(audited_calls: RecordingProxy | None, aws: str) -> Iterator[None]:
+    """Give the check's IAM and KMS reads the resource ARNs AWS authorizes them on.
+
+    The proxy records calls of services without resource-level parsing as on ``*``; the
+    policy scopes these reads to the training role, the Spot role and the account's keys, so
+    before the audit judges the test's calls each is given its real resource.
+    """
+    yield
+    if audited_calls is None:
+        return
+    iam = boto3.client("iam", region_name="us-east-1", endpoint_url=aws)
+    kms = boto3.client("kms", region_name="us-east-1", endpoint_url=aws)
+    for call in audited_calls.snapshot():
+        params = call.params
+        if call.action == "iam:GetInstanceProfile":
+            name = params["InstanceProfileName"]
+            resource = f"arn:aws:iam::{ACCOUNT}:instance-profile/{name}"
+        elif call.action == "iam:SimulatePrincipalPolicy":
+            resource = params["PolicySourceArn"]
+        elif call.action == "iam:GetRole":
+            try:
+                resource = iam.get_role(RoleName=params["RoleName"])["Role"]["Arn"]
+            except iam.exceptions.NoSuchEntityException:
+                resource = f"arn:aws:iam::{ACCOUNT}:role/{params['RoleName']}"
+        elif call.action == "kms:DescribeKey":
+            resource = kms.describe_key(KeyId=params["KeyId"])["KeyMetadata"]["Arn"]
+        else:
+            continue
+        call.checks = [Check(call.action, resource)]
+
+
+@pytest.fixture
+def prepared_account(s3_deployment: Any, kit: Any, aws: str, answers: Answers) -> None:
+    """Set up the account as docs/aws.md asks: quotas, route to S3, roles, keys, prices."""
+    ec2 = boto3.client("ec2", region_name=kit.region, endpoint_url=aws)
+    (main,) = ec2.describe_route_tables(Filters=[{"Name": "association.main", "Values": ["true"]}])[
+        "RouteTables"
+    ]
+    ec2.create_vpc_endpoint(
+        VpcId=main["VpcId"],
+        ServiceName=f"com.amazonaws.{kit.region}.s3",
+        VpcEndpointType="Gateway",
+        RouteTableIds=[main["RouteTableId"]],
+    )
+    iam = boto3.client("iam", region_name=kit.region, endpoint_url=aws)
+    # moto's CreateServiceLinkedRole names the spot role AWSServiceRoleForspot: create it as
+    # AWS names it.
+    iam.create_role(
+        RoleName="AWSServiceRoleForEC2Spot",
+        Path=SPOT_ROLE_PATH,
+        AssumeRolePolicyDocument=json.dumps(
+            {
+                "Version": "2012-10-17",
+                "Statement": [
+                    {
+                        "Effect": "Allow",
+                        "Principal": {"Service": "spot.amazonaws.com"},
+                        "Action": "sts:AssumeRole",
+                    }
+                ],
+            }
+        ),
+    )
+    role_policy = json.loads((DEPLOY / "instance-role-policy.json").read_text())
+    variables = instance_role_policy_variables(kit)
+    text = json.dumps(role_policy)
+    for name, value in variables.items():
+        text = text.replace(name, value)
+    iam.put_role_policy(
+        RoleName="burstcv-training", PolicyName="burstcv-training", PolicyDocument=text
+    )
+    answers.set("servicequotas:GetServiceQuota", quota_answer(64.0))
+    answers.set("ec2:GetEbsDefaultKmsKeyId", ebs_default_key_answer(EBS_ALIAS_ARN))
+    answers.set("kms:DescribeKey", aws_managed_ebs_key_answer())
+    answers.set("iam:SimulatePrincipalPolicy", simulation_answer(role_policy, variables))
+
+
 def test_a_ready_account_passes_every_check_and_rents_nothing(
-    s3_deployment: Any, kit: Any, audited_calls: RecordingProxy
+    prepared_account: None, kit: Any, audited_calls: RecordingProxy
 ) -> None:
     result = run_check()
     assert result.exit_code == 0, result.output
@@ -29,17 +259,105 @@ def test_a_ready_account_passes_every_check_and_rents_nothing(
     assert any(
         "s3:DeleteObject under s3://burstcv-test/registry/digits/aliases" in x for x in lines
     )
+    for market, code in (("on-demand", "L-DB2E81BA"), ("spot", "L-3819A6DF")):
+        assert (
+            f"ok       vCPU quota G and VT {market} ({code}) in us-east-1: 64 vCPUs, "
+            "g6.xlarge needs 4" in lines
+        )
+    assert (
+        "ok       training role burstcv-training: S3 access under s3://burstcv-test/artifacts"
+        in lines
+    )
+    routes = [x for x in lines if "route to S3 from subnet" in x]
+    assert len(routes) == 6  # the default subnet of each of us-east-1's six AZs
+    assert all(x.startswith("ok") and "via S3 gateway endpoint vpce-" in x for x in routes)
+    assert "ok       bucket burstcv-test in the run's region us-east-1" in lines
+    assert any(x.startswith("ok       default EBS encryption key: AWS managed key") for x in lines)
+    assert "ok       Spot service-linked role AWSServiceRoleForEC2Spot" in lines
+    prices = [x for x in lines if x.startswith("ok       price ")]
+    assert len(prices) == 6, lines  # three types, two markets
     assert "nothing was rented" in lines[-1]
+    assert not [x for x in lines if x.startswith("MISSING")]
     assert kit.live_managed() == []
-    launches = [c for c in audited_calls.snapshot() if c.action == "ec2:RunInstances"]
+    calls = audited_calls.snapshot()
+    launches = [c for c in calls if c.action == "ec2:RunInstances"]
     assert len(launches) == 6 and all(c.params.get("DryRun") == "true" for c in launches)
+    asked = sorted(c.params["QuotaCode"] for c in calls if c.action.startswith("servicequotas"))
+    assert asked == ["L-3819A6DF", "L-DB2E81BA"]
     # The probes are gone again.
     listed = kit.s3.list_objects_v2(Bucket=kit.bucket).get("Contents", [])
     assert not [o["Key"] for o in listed if ".burstcv-check" in o["Key"]]
 
 
-def test_what_is_missing_is_printed_one_line_each(
+def test_a_fresh_account_is_told_each_thing_to_set_up(
     s3_deployment: Any,
+    kit: Any,
+    aws: str,
+    answers: Answers,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # g6e.xlarge: no price in the bundled table (and the Price List API answers nothing).
+    monkeypatch.setenv("BURSTCV_EC2_INSTANCE_TYPES", "g6.xlarge,g6e.xlarge,p4d.24xlarge")
+    get_settings.cache_clear()
+    # The bucket lives in another region than the runs.
+    kit.s3.delete_bucket(Bucket=kit.bucket)
+    boto3.client("s3", region_name="eu-west-1", endpoint_url=aws).create_bucket(
+        Bucket=kit.bucket, CreateBucketConfiguration={"LocationConstraint": "eu-west-1"}
+    )
+    # EBS volumes default to a customer managed key.
+    key_arn = boto3.client("kms", region_name=kit.region, endpoint_url=aws).create_key()[
+        "KeyMetadata"
+    ]["Arn"]
+    answers.set("ec2:GetEbsDefaultKmsKeyId", ebs_default_key_answer(key_arn))
+    # The training role exists but has no policy.
+    answers.set(
+        "iam:SimulatePrincipalPolicy",
+        simulation_answer({"Version": "2012-10-17", "Statement": []}, {}),
+    )
+
+    result = run_check()
+
+    assert result.exit_code == 1
+    missing = [x for x in result.output.splitlines() if x.startswith("MISSING")]
+    request = "aws service-quotas request-service-quota-increase --service-code ec2"
+    expected_quotas = {
+        ("G and VT on-demand", "L-DB2E81BA", 16),  # 4 vCPUs x 4 boxes (BURSTCV_GPU_POOL_SLOTS)
+        ("G and VT spot", "L-3819A6DF", 16),
+        ("P on-demand", "L-417A185B", 384),  # a p4d.24xlarge has 96 vCPUs
+        ("P spot", "L-7212CCBC", 384),
+    }
+    for family, code, desired in expected_quotas:
+        (line,) = [x for x in missing if f"vCPU quota {family} ({code})" in x]
+        assert line.endswith(
+            f"{request} --quota-code {code} --desired-value {desired} --region us-east-1"
+        ), line
+    routes = [x for x in missing if "route to S3 from subnet" in x]
+    assert len(routes) == 6 and all(
+        "aws ec2 create-vpc-endpoint" in x and "com.amazonaws.us-east-1.s3" in x for x in routes
+    )
+    (region,) = [x for x in missing if "bucket burstcv-test" in x]
+    assert "it is in eu-west-1" in region and "BURSTCV_EC2_REGION=eu-west-1" in region
+    (ebs,) = [x for x in missing if "default EBS encryption key" in x]
+    assert key_arn in ebs and "kms:CreateGrant" in ebs and "kms:ReEncrypt*" in ebs
+    assert "AWSServiceRoleForEC2Spot" in ebs  # spot boxes need the key too
+    (spot,) = [x for x in missing if "Spot service-linked role" in x]
+    assert spot.endswith("aws iam create-service-linked-role --aws-service-name spot.amazonaws.com")
+    (role,) = [x for x in missing if "training role burstcv-training" in x]
+    assert "s3:GetObject on runs/burstcv-check/job/job.json (implicitDeny)" in role
+    assert "s3:GetObject on runtime/burstcv-check/" in role  # the training wheel
+    assert "s3:PutObject on runs/burstcv-check/job/attempts/1/DONE (implicitDeny)" in role
+    assert "s3:ListBucket on burstcv-test (implicitDeny)" in role
+    assert "deploy/instance-role-policy.json" in role
+    (price,) = [x for x in missing if "price " in x]
+    assert price.startswith("MISSING  price g6e.xlarge on-demand in us-east-1")
+    assert "BURSTCV_PRICE_TABLE" in price and "pricing:GetProducts" in price
+    # Nothing else: the launches, the backstop, the probes and the profile are in place.
+    assert len(missing) == 4 + 6 + 1 + 1 + 1 + 1 + 1, "\n".join(missing)
+    assert kit.live_managed() == []
+
+
+def test_what_is_missing_is_printed_one_line_each(
+    prepared_account: None,
     kit: Any,
     audited_calls: RecordingProxy,
     monkeypatch: pytest.MonkeyPatch,
@@ -54,7 +372,10 @@ def test_what_is_missing_is_printed_one_line_each(
     assert len(launch) == 6 and all("BURSTCV_EC2_INSTANCE_PROFILE" in x for x in launch)
     registry = [x for x in missing if "s3://no-such-bucket" in x]
     assert len(registry) == 4 and all("NoSuchBucket" in x for x in registry)
-    assert not [x for x in missing if "burstcv-test" in x]  # the artifact store is fine
-    assert "10 of" in result.output
+    (role,) = [x for x in missing if "training role" in x]
+    assert "no instance profile no-such-profile" in role
+    # The artifact store is fine; only the role's line names it.
+    assert not [x for x in missing if "burstcv-test" in x and x != role]
+    assert "11 of" in result.output
     assert kit.live_managed() == []
     audited_calls.clear()  # the refused PassRole of a wrong profile is this test's point

@@ -2,20 +2,27 @@
 
 Every check is free: launches are dry runs, the backstop schedule is created disabled and
 deleted at once, and the S3 checks write, read, list and delete one small probe object under
-the prefixes the pipeline writes (the run folders and the registry's aliases).
+the prefixes the pipeline writes (the run folders and the registry's aliases). The rest only
+reads: the vCPU quotas of the candidate types' families, the training role's S3 access (IAM's
+policy simulator), each launch subnet's route to S3, the bucket's region, the default EBS
+encryption key, the Spot service-linked role and a price for every type and market. Each
+check yields one line or a few: ``ok``, or ``MISSING`` with the command or setting that fixes it.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
 from burstcv.compute.base import LaunchRequest
-from burstcv.compute.ec2 import Ec2Backend
+from burstcv.compute.ec2 import Ec2Backend, LaunchAttempt, Subnet, launch_plan
+from burstcv.cost.quotes import quote
 from burstcv.settings import Ec2Settings, Settings
 from burstcv_spec import storage
 
@@ -73,8 +80,503 @@ def check_s3_prefix(label: str, prefix: str) -> list[Finding]:
     return findings
 
 
+# --- vCPU quotas ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VcpuQuota:
+    """Name the two EC2 quotas (Service Quotas codes) that count one family's vCPUs in a region."""
+
+    family: str
+    on_demand: str
+    spot: str
+
+    def code(self, market: str) -> str:
+        """Return the quota code of ``market`` (spot or on-demand)."""
+        return self.spot if market == "spot" else self.on_demand
+
+
+GPU_G_AND_VT = VcpuQuota("G and VT", on_demand="L-DB2E81BA", spot="L-3819A6DF")
+GPU_P = VcpuQuota("P", on_demand="L-417A185B", spot="L-7212CCBC")
+STANDARD = VcpuQuota("Standard (A, C, D, H, I, M, R, T, Z)", "L-1216C47A", "L-34B43A08")
+_STANDARD_LETTERS = frozenset("acdhimrtz")
+
+
+def vcpu_quota_of(instance_type: str) -> VcpuQuota | None:
+    """Return the quota family an instance type counts against (None: one not known here)."""
+    match = re.match(r"[a-z]+", instance_type)
+    letters = match.group(0) if match else ""
+    if letters.startswith("g") or letters == "vt":  # g4dn, g5, g6, g6e, gr6, vt1
+        return GPU_G_AND_VT
+    if letters == "p":  # p3, p4d, p5
+        return GPU_P
+    if letters in _STANDARD_LETTERS:
+        return STANDARD
+    return None
+
+
+def check_vcpu_quotas(backend: Ec2Backend, settings: Settings) -> list[Finding]:
+    """Compare each market's vCPU quota of each family with the largest candidate's vCPUs.
+
+    A new account has 0 vCPUs of G and VT and of P instances, on demand and spot: every
+    launch is refused (``VcpuLimitExceeded``) until an increase is granted. Only the markets
+    the settings use are checked; the increase asked for fits BURSTCV_GPU_POOL_SLOTS boxes.
+    """
+    s = backend.settings
+    plan = launch_plan(s.instance_types, s.use_spot)
+    described = backend.client.describe_instance_types(InstanceTypes=list(s.instance_types))
+    vcpus = {
+        t["InstanceType"]: int(t["VCpuInfo"]["DefaultVCpus"]) for t in described["InstanceTypes"]
+    }
+    quotas = backend._aws_client("service-quotas")  # the backend's connection and region
+    findings: list[Finding] = []
+    needs: dict[tuple[VcpuQuota, str], tuple[str, int]] = {}  # (family, market) -> largest
+    for option in plan:
+        family = vcpu_quota_of(option.instance_type)
+        if family is None:
+            findings.append(
+                Finding(
+                    f"vCPU quota of {option.instance_type} {option.market}",
+                    "not a G, VT, P or standard family: find its quota in Service Quotas "
+                    f"(Amazon EC2) for {s.region} and check it yourself",
+                )
+            )
+            continue
+        if option.instance_type not in vcpus:
+            findings.append(
+                Finding(
+                    f"vCPU quota of {option.instance_type} {option.market}",
+                    f"EC2 does not describe {option.instance_type} in {s.region}; check "
+                    "BURSTCV_EC2_INSTANCE_TYPES",
+                )
+            )
+            continue
+        largest = needs.get((family, option.market))
+        if largest is None or vcpus[option.instance_type] > largest[1]:
+            needs[(family, option.market)] = (option.instance_type, vcpus[option.instance_type])
+    for (family, market), (instance_type, need) in needs.items():
+        code = family.code(market)
+        name = f"vCPU quota {family.family} {market} ({code}) in {s.region}"
+        try:
+            value = float(
+                quotas.get_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"]
+            )
+        except ClientError as exc:
+            if _code(exc) != "NoSuchResourceException":
+                findings.append(
+                    Finding(name, f"{_reason(exc)}; allow servicequotas:GetServiceQuota")
+                )
+                continue
+            value = 0.0  # no applied quota at all: nothing may run
+        if value >= need:
+            findings.append(Finding(f"{name}: {value:g} vCPUs, {instance_type} needs {need}"))
+            continue
+        desired = need * max(settings.gpu_pool_slots, 1)
+        findings.append(
+            Finding(
+                name,
+                f"{value:g} vCPUs, a {instance_type} needs {need}; ask for {desired} "
+                f"({settings.gpu_pool_slots} boxes at once, BURSTCV_GPU_POOL_SLOTS): aws "
+                f"service-quotas request-service-quota-increase --service-code ec2 "
+                f"--quota-code {code} --desired-value {desired} --region {s.region}",
+            )
+        )
+    return findings
+
+
+# --- the training role's own S3 access ----------------------------------------------------------
+
+CHECK_RUN = "burstcv-check"  # the run name in the objects the simulation asks about
+S3_READ, S3_WRITE, S3_LIST = "s3:GetObject", "s3:PutObject", "s3:ListBucket"
+
+
+def _s3_arn(uri: str) -> str:
+    return "arn:aws:s3:::" + uri.removeprefix("s3://")
+
+
+def instance_role_requests(artifact_root: str) -> list[tuple[str, str]]:
+    """Return the (action, resource ARN) pairs a training box needs under ``artifact_root``.
+
+    It reads its job, its shards and the training wheel (and pretrained weights kept in the
+    store), writes its checkpoints, metrics, markers and logs into its run's job folder, and
+    lists the bucket so that a marker not yet written answers 404, not 403.
+    """
+    run = storage.join(artifact_root, "runs", CHECK_RUN)
+    bucket = artifact_root.removeprefix("s3://").split("/", 1)[0]
+    reads = (
+        storage.join(run, "job", "job.json"),
+        storage.join(run, "dataset", "shards", "train-00000.tar"),
+        storage.join(artifact_root, "runtime", CHECK_RUN, "burstcv_train-0-py3-none-any.whl"),
+        storage.join(artifact_root, "weights", "sha256", f"{CHECK_RUN}.pth"),
+    )
+    writes = (
+        storage.join(run, "job", "checkpoints", "last.pt"),
+        storage.join(run, "job", "attempts", "1", "DONE"),
+    )
+    return [
+        *((S3_READ, _s3_arn(uri)) for uri in reads),
+        *((S3_WRITE, _s3_arn(uri)) for uri in writes),
+        (S3_LIST, f"arn:aws:s3:::{bucket}"),
+    ]
+
+
+def _simulated_decisions(results: Iterable[dict[str, Any]]) -> dict[tuple[str, str], str]:
+    """Return {(action, resource): decision} from IAM's EvaluationResults."""
+    decisions: dict[tuple[str, str], str] = {}
+    for result in results:
+        action = str(result["EvalActionName"])
+        specific = result.get("ResourceSpecificResults") or []
+        for entry in specific:
+            decisions[(action, str(entry["EvalResourceName"]))] = str(entry["EvalResourceDecision"])
+        if not specific:
+            resource = str(result.get("EvalResourceName", "*"))
+            decisions[(action, resource)] = str(result["EvalDecision"])
+    return decisions
+
+
+def check_instance_role_s3(backend: Ec2Backend, artifact_root: str) -> list[Finding]:
+    """Ask IAM's policy simulator whether the training role may read and write its run's files.
+
+    The role is the one behind BURSTCV_EC2_INSTANCE_PROFILE. A box without these rights boots,
+    is billed, and fails at its first S3 call; the dry-run launch cannot see it.
+    """
+    profile = backend.settings.instance_profile
+    if not profile or not storage.is_s3(artifact_root):
+        return []  # the instance profile and artifact store lines already say what to set
+    iam = backend._aws_client("iam")
+    profile_name = profile.rsplit("/", 1)[-1]
+    name = f"training role's S3 access under {artifact_root}"
+    try:
+        roles = iam.get_instance_profile(InstanceProfileName=profile_name)["InstanceProfile"][
+            "Roles"
+        ]
+    except ClientError as exc:
+        if _code(exc) == "NoSuchEntity":
+            return [
+                Finding(name, f"no instance profile {profile_name}: create it (docs/aws.md, IAM)")
+            ]
+        return [Finding(name, f"{_reason(exc)}; allow iam:GetInstanceProfile on {profile_name}")]
+    if not roles:
+        return [
+            Finding(
+                name,
+                f"instance profile {profile_name} holds no role: aws iam "
+                f"add-role-to-instance-profile --instance-profile-name {profile_name} "
+                "--role-name burstcv-training",
+            )
+        ]
+    role_arn = str(roles[0]["Arn"])
+    name = f"training role {role_arn.rsplit('/', 1)[-1]}: S3 access under {artifact_root}"
+    wanted = instance_role_requests(artifact_root)
+    try:
+        pages = iam.get_paginator("simulate_principal_policy").paginate(
+            PolicySourceArn=role_arn,
+            ActionNames=sorted({action for action, _ in wanted}),
+            ResourceArns=sorted({resource for _, resource in wanted}),
+        )
+        decisions = _simulated_decisions(r for page in pages for r in page["EvaluationResults"])
+    except ClientError as exc:
+        return [Finding(name, f"{_reason(exc)}; allow iam:SimulatePrincipalPolicy on {role_arn}")]
+    under_root = _s3_arn(artifact_root) + "/"
+    refused = [
+        f"{action} on {resource.removeprefix(under_root).removeprefix('arn:aws:s3:::')}"
+        f" ({decisions.get((action, resource), 'not simulated')})"
+        for action, resource in wanted
+        if decisions.get((action, resource)) != "allowed"
+    ]
+    if not refused:
+        return [Finding(name)]
+    return [
+        Finding(
+            name,
+            f"the role may not {'; '.join(refused)}: give it deploy/instance-role-policy.json "
+            "(docs/aws.md, the training instance's role)",
+        )
+    ]
+
+
+# --- network: a route from each launch subnet to S3 ---------------------------------------------
+
+
+def _s3_route(
+    table: dict[str, Any], s3_endpoints: dict[str, set[str]], public_ip: bool
+) -> tuple[str, str]:
+    """Return (how the table reaches S3, "") or ("", why it does not)."""
+    table_id = str(table["RouteTableId"])
+    for endpoint_id, tables in s3_endpoints.items():
+        if table_id in tables:
+            return f"S3 gateway endpoint {endpoint_id}", ""
+    routes = [r for r in table.get("Routes", []) if r.get("State") != "blackhole"]
+    for route in routes:
+        if str(route.get("GatewayId", "")) in s3_endpoints:
+            return f"S3 gateway endpoint {route['GatewayId']}", ""
+    default = [r for r in routes if r.get("DestinationCidrBlock") == "0.0.0.0/0"]
+    for route in default:
+        if route.get("NatGatewayId"):
+            return f"NAT gateway {route['NatGatewayId']}", ""
+    for route in default:
+        gateway = str(route.get("GatewayId", ""))
+        if gateway.startswith("igw-"):
+            if public_ip:
+                return f"internet gateway {gateway} (public IPs on launch)", ""
+            return "", (
+                f"its route table {table_id} goes to internet gateway {gateway}, but the subnet "
+                "gives instances no public IP: turn on its auto-assign public IPv4 address "
+                "(aws ec2 modify-subnet-attribute --map-public-ip-on-launch --subnet-id …), "
+                "or add an S3 gateway endpoint"
+            )
+    for route in default:
+        for target in ("TransitGatewayId", "NetworkInterfaceId", "InstanceId"):
+            if route.get(target):
+                return f"default route via {route[target]} (not followed further)", ""
+    return "", f"its route table {table_id} has no S3 gateway endpoint, NAT or internet gateway"
+
+
+def check_subnet_routes(backend: Ec2Backend) -> list[Finding]:
+    """Check every subnet a launch may use can reach S3 (the box's job, wheel and results).
+
+    The table is the subnet's explicit association, else its VPC's main table; S3 is reached
+    through an S3 gateway endpoint, a NAT gateway, or an internet gateway with a public IP.
+    """
+    region = backend.settings.region
+    subnets: list[Subnet] = backend.launch_subnets()
+    ids = [sub.subnet_id for sub in subnets if sub.subnet_id]
+    findings = [
+        Finding(
+            "route to S3",
+            f"{region} has no default VPC: set BURSTCV_EC2_SUBNET_IDS to subnets with a route "
+            "to S3 (docs/aws.md, network)",
+        )
+        for sub in subnets
+        if not sub.subnet_id
+    ]
+    if not ids:
+        return findings
+    ec2 = backend.client
+    described = {s["SubnetId"]: s for s in ec2.describe_subnets(SubnetIds=ids)["Subnets"]}
+    vpcs = sorted({str(s["VpcId"]) for s in described.values()})
+    tables = [
+        t
+        for page in ec2.get_paginator("describe_route_tables").paginate(
+            Filters=[{"Name": "vpc-id", "Values": vpcs}]
+        )
+        for t in page["RouteTables"]
+    ]
+    endpoints = ec2.describe_vpc_endpoints(
+        Filters=[
+            {"Name": "vpc-id", "Values": vpcs},
+            {"Name": "service-name", "Values": [f"com.amazonaws.{region}.s3"]},
+            {"Name": "vpc-endpoint-type", "Values": ["Gateway"]},
+        ]
+    )["VpcEndpoints"]
+    s3_endpoints = {
+        str(e["VpcEndpointId"]): set(e.get("RouteTableIds", []))
+        for e in endpoints
+        if e.get("State", "available").lower() == "available"
+    }
+    for sub in subnets:
+        if not sub.subnet_id:
+            continue
+        info = described[sub.subnet_id]
+        name = f"route to S3 from subnet {sub}"
+        table = _route_table_of(tables, sub.subnet_id, str(info["VpcId"]))
+        if table is None:
+            findings.append(Finding(name, f"VPC {info['VpcId']} has no main route table"))
+            continue
+        via, missing = _s3_route(table, s3_endpoints, bool(info.get("MapPublicIpOnLaunch")))
+        if via:
+            findings.append(Finding(f"{name} via {via}"))
+            continue
+        findings.append(
+            Finding(
+                name,
+                f"{missing}: aws ec2 create-vpc-endpoint --vpc-id {info['VpcId']} --service-name "
+                f"com.amazonaws.{region}.s3 --route-table-ids {table['RouteTableId']} "
+                f"--region {region} (free), or a NAT gateway",
+            )
+        )
+    return findings
+
+
+def _route_table_of(
+    tables: list[dict[str, Any]], subnet_id: str, vpc_id: str
+) -> dict[str, Any] | None:
+    """Return the subnet's route table: its explicit association, else the VPC's main table."""
+    for table in tables:
+        if any(a.get("SubnetId") == subnet_id for a in table.get("Associations", [])):
+            return table
+    for table in tables:
+        if table.get("VpcId") == vpc_id and any(
+            a.get("Main") for a in table.get("Associations", [])
+        ):
+            return table
+    return None
+
+
+# --- the bucket's region --------------------------------------------------------------------------
+
+
+def check_bucket_region(artifact_root: str, region: str) -> list[Finding]:
+    """Check the artifact bucket is in the run's region.
+
+    Asked with HeadBucket, which needs only s3:ListBucket (the orchestrator has it) and
+    answers with the bucket's region (``x-amz-bucket-region``) even when it refuses. A bucket
+    elsewhere is reached across regions: billed per GB each way, slower, and never through
+    an S3 gateway endpoint (it serves its own region's buckets only).
+    """
+    if not storage.is_s3(artifact_root):
+        return []
+    bucket = artifact_root.removeprefix("s3://").split("/", 1)[0]
+    name = f"bucket {bucket} in the run's region {region}"
+    try:
+        response = storage.s3_client().head_bucket(Bucket=bucket)
+    except ClientError as exc:
+        response = exc.response
+        if not _bucket_region(response):
+            return [Finding(name, f"{_reason(exc)}; its region cannot be read")]
+    where = _bucket_region(response) or "us-east-1"
+    if where == region:
+        return [Finding(name)]
+    return [
+        Finding(
+            name,
+            f"it is in {where}: every shard, checkpoint and log would cross regions (billed per "
+            f"GB, and no S3 gateway endpoint reaches it); use a bucket in {region} for "
+            f"BURSTCV_ARTIFACT_ROOT, or set BURSTCV_EC2_REGION={where}",
+        )
+    ]
+
+
+def _bucket_region(response: Any) -> str:
+    headers = response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+    return str(response.get("BucketRegion") or headers.get("x-amz-bucket-region") or "")
+
+
+# --- the default EBS encryption key -------------------------------------------------------------
+
+# What a launch needs on a customer managed key that encrypts its volumes (AWS's EBS docs),
+# besides kms:CreateGrant with kms:GrantIsForAWSResource=true.
+EBS_KMS_ACTIONS = (
+    "kms:Decrypt",
+    "kms:DescribeKey",
+    "kms:GenerateDataKeyWithoutPlaintext",
+    "kms:ReEncrypt*",
+)
+
+
+def check_ebs_key(backend: Ec2Backend, use_spot: bool) -> list[Finding]:
+    """Check which KMS key encrypts the boxes' volumes, and what a customer managed one needs.
+
+    burstcv asks for an encrypted root volume without naming a key, so EC2 uses the account's
+    default EBS key: the AWS managed ``aws/ebs`` needs nothing; a customer managed key needs
+    the launching identity (and, for spot, the Spot service-linked role) allowed to use it, or
+    the instance is terminated during launch (``Client.InvalidKMSKey.InvalidState``).
+    """
+    ec2 = backend.client
+    by_default = bool(ec2.get_ebs_encryption_by_default()["EbsEncryptionByDefault"])
+    key_id = str(ec2.get_ebs_default_kms_key_id()["KmsKeyId"])
+    kms = backend._aws_client("kms")
+    name = f"default EBS encryption key {key_id}"
+    try:
+        meta = kms.describe_key(KeyId=key_id)["KeyMetadata"]
+    except ClientError as exc:
+        return [Finding(name, f"{_reason(exc)}; allow kms:DescribeKey on the account's keys")]
+    arn = str(meta.get("Arn", key_id))
+    if meta.get("KeyManager") == "AWS":
+        account_default = "on" if by_default else "off"
+        return [
+            Finding(
+                f"default EBS encryption key: AWS managed key (encryption by default "
+                f"{account_default}; burstcv encrypts its volumes either way)"
+            )
+        ]
+    spot = (
+        "; and, for spot, a key policy statement letting the role AWSServiceRoleForEC2Spot "
+        "use the key (docs/aws.md)"
+        if use_spot
+        else ""
+    )
+    return [
+        Finding(
+            f"default EBS encryption key {arn}",
+            "a customer managed key encrypts every root volume: add to the orchestrator's "
+            f"policy (deploy/iam-policy.json) {', '.join(EBS_KMS_ACTIONS)} and kms:CreateGrant "
+            f"(with the condition kms:GrantIsForAWSResource=true) on {arn}" + spot,
+        )
+    ]
+
+
+# --- the Spot service-linked role ---------------------------------------------------------------
+
+SPOT_ROLE = "AWSServiceRoleForEC2Spot"
+
+
+def check_spot_role(backend: Ec2Backend) -> list[Finding]:
+    """Check the EC2 Spot service-linked role exists (a first spot launch needs it)."""
+    name = f"Spot service-linked role {SPOT_ROLE}"
+    try:
+        backend._aws_client("iam").get_role(RoleName=SPOT_ROLE)
+    except ClientError as exc:
+        if _code(exc) == "NoSuchEntity":
+            return [
+                Finding(
+                    name,
+                    "aws iam create-service-linked-role --aws-service-name spot.amazonaws.com",
+                )
+            ]
+        return [Finding(name, f"{_reason(exc)}; allow iam:GetRole on {SPOT_ROLE}")]
+    return [Finding(name)]
+
+
+# --- prices --------------------------------------------------------------------------------------
+
+
+def check_prices(
+    backend: Ec2Backend, plan: list[LaunchAttempt], artifact_root: str
+) -> list[Finding]:
+    """Quote every candidate type and market as a run does (AWS, the store, the bundled table)."""
+    region = backend.settings.region
+    sources = backend.price_sources(artifact_root)
+    findings = []
+    for option in plan:
+        found = quote(option.instance_type, region, option.market, sources)
+        name = f"price {option.instance_type} {option.market} in {region}"
+        if found is not None:
+            findings.append(Finding(f"{name}: ${found.usd_per_hour:.4f}/h ({found.source})"))
+            continue
+        api = (
+            "pricing:GetProducts"
+            if option.market == "on-demand"
+            else "ec2:DescribeSpotPriceHistory"
+        )
+        findings.append(
+            Finding(
+                name,
+                f"neither AWS ({api}) nor the bundled table prices it: allow {api} to the "
+                "orchestrator (deploy/iam-policy.json), or set BURSTCV_PRICE_TABLE to a table "
+                f"that prices {option.instance_type} {option.market} in {region}",
+            )
+        )
+    return findings
+
+
+# --- the whole check ----------------------------------------------------------------------------
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _guarded(label: str, check: Callable[[], list[Finding]]) -> list[Finding]:
+    """Run one check; a refusal or an unreachable service becomes its MISSING line."""
+    try:
+        return check()
+    except (ClientError, BotoCoreError, RuntimeError) as exc:
+        return [Finding(label, f"{_reason(exc)}; see docs/aws.md")]
+
+
 def check_account(settings: Settings, ec2: Ec2Settings | None = None) -> list[Finding]:
-    """Return every finding: identity, AMI, each launch option, backstop, S3 prefixes."""
+    """Return every finding: identity, launches, backstop, S3, role, quotas, network, prices."""
     backend = Ec2Backend(ec2 or Ec2Settings())
     s = backend.settings
     findings: list[Finding] = []
@@ -111,4 +613,18 @@ def check_account(settings: Settings, ec2: Ec2Settings | None = None) -> list[Fi
             "" if store_ok else "set BURSTCV_ARTIFACT_ROOT=s3://bucket/prefix for the ec2 backend",
         )
     )
+    # What the dry run cannot see: each would fail the first real run after it was billed,
+    # or (quotas) refuse every launch with a message that looks like a capacity shortage.
+    root = settings.artifact_root
+    plan = launch_plan(s.instance_types, s.use_spot)
+    findings += _guarded("vCPU quotas", lambda: check_vcpu_quotas(backend, settings))
+    findings += _guarded("training role's S3 access", lambda: check_instance_role_s3(backend, root))
+    findings += _guarded("route to S3", lambda: check_subnet_routes(backend))
+    findings += _guarded("bucket region", lambda: check_bucket_region(root, s.region))
+    findings += _guarded("default EBS encryption key", lambda: check_ebs_key(backend, s.use_spot))
+    if s.use_spot:
+        findings += _guarded(
+            f"Spot service-linked role {SPOT_ROLE}", lambda: check_spot_role(backend)
+        )
+    findings += _guarded("prices", lambda: check_prices(backend, plan, root))
     return findings
