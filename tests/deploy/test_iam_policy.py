@@ -25,6 +25,10 @@ UNSCOPABLE = {
     "DecodeLaunchRefusals": ["sts:DecodeAuthorizationMessage"],
     # The Price List API has no resource-level permissions: it answers for any region and type.
     "ReadOnDemandPrices": ["pricing:GetProducts"],
+    # `burstcv aws check` reads the vCPU quotas and the account's EBS encryption defaults:
+    # none of these actions has resource-level permissions.
+    "ReadVcpuQuotas": ["servicequotas:GetServiceQuota"],
+    "ReadEbsEncryptionDefaults": ["ec2:GetEbsEncryptionByDefault", "ec2:GetEbsDefaultKmsKeyId"],
 }
 
 
