@@ -61,6 +61,9 @@ class ModelInfo(BaseModel):
 
     name: str
     version: int | str
+    registry: str | None = Field(
+        default=None, description="the registry this service reads (none: one model folder)"
+    )
     classes: list[str]
     sha256: str
     metrics: dict[str, Any]

@@ -301,6 +301,31 @@ def test_a_version_the_service_cannot_load_never_becomes_production(
     assert "onnxruntime cannot load" in refusal.detail
 
 
+def test_another_checkouts_registry_cannot_deploy_to_this_service(
+    registry: Registry, service: Service, tmp_path: Path
+) -> None:
+    """The service on the default URL belongs to another registry: it refuses, in one line."""
+    other = Registry(str(tmp_path / "other-checkout" / "registry"), MODEL)
+    for version in (1, 2):  # a registry whose version 2 would load fine anywhere
+        other.register(str(write_model_dir(tmp_path / f"o{version}", 3)), {"status": "accepted"})
+    other.promote(1)
+    with pytest.raises(DeployError) as caught:
+        deploy(other, 2, service_urls=[service.url], token=TOKEN, timeout_s=FAIL_TIMEOUT_S)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert f"this service reads registry {registry.layout.registry_uri}, not " in message
+    assert str(tmp_path / "other-checkout" / "registry") in message
+    assert aliases(other) == (1, None)  # the deploying registry did not move either
+    assert service.version() == 1 and service.predicted_label() == "1"
+    staged = httpx.get(
+        f"{service.url}/v1/admin/staged", headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    assert staged.json()["staged"] == []  # refused before anything was loaded
+    # The service says what it serves, for whoever points a deploy at it.
+    info = service.model()
+    assert info["name"] == MODEL and info["registry"] == registry.layout.registry_uri
+
+
 def test_an_unreachable_service_fails_the_deploy_before_production_moves(
     registry: Registry, service: Service, tmp_path: Path
 ) -> None:

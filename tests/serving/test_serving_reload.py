@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import time
 from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -224,3 +226,29 @@ def test_a_service_on_one_model_directory_cannot_stage(registry: Registry) -> No
         response = client.post("/v1/admin/stage", headers=ADMIN, json={"version": 1})
     assert response.status_code == 409
     assert "not a registry alias; it cannot stage version 1" in response.json()["detail"]
+
+
+def test_a_stage_for_another_model_or_registry_is_refused_and_nothing_loads(
+    client: TestClient, registry: Registry, tmp_path: Path
+) -> None:
+    def stage(**whose: str) -> Any:
+        return client.post("/v1/admin/stage", json={"version": 1, **whose}, headers=ADMIN)
+
+    other_model = stage(model="cats")
+    assert other_model.status_code == 409
+    assert (
+        f"this service serves model '{registry.name}', not 'cats'" in other_model.json()["detail"]
+    )
+    elsewhere = tmp_path / "another-checkout"
+    elsewhere.mkdir()
+    other_registry = stage(model=registry.name, registry=str(elsewhere))
+    assert other_registry.status_code == 409
+    assert f"not {elsewhere}" in other_registry.json()["detail"]
+    assert stage(registry="s3://bucket/registry").status_code == 409
+    assert client.get("/v1/admin/staged", headers=ADMIN).json()["staged"] == []
+    # Its own registry, by any path to it; and a folder this host cannot see (the deploying
+    # host's path, mounted elsewhere in a container): not judged, the sha256 check still is.
+    same = stage(model=registry.name, registry=str(registry.root / "." / "."))
+    assert same.status_code == 200, same.text
+    assert stage(registry="/nowhere/on/this/host/registry").status_code == 200
+    assert client.get("/v1/model").json()["registry"] == str(registry.root)

@@ -8,6 +8,7 @@ then asks each to reload (``POST /v1/admin/reload``), which swaps in the staged 
 from __future__ import annotations
 
 import hmac
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException
@@ -17,6 +18,7 @@ from pydantic import BaseModel, Field
 from burstcv_serving.model import ModelLoadError
 from burstcv_serving.registry import SourceError
 from burstcv_serving.schemas import ErrorOut, ReloadOut
+from burstcv_serving.settings import Settings
 from burstcv_serving.state import ServiceDep, SettingsDep
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
@@ -77,6 +79,17 @@ class StageIn(BaseModel):
         pattern="^[0-9a-f]{64}$",
         description="sha256 the alias will carry; the file must match it",
     )
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        description="the model name the deploy is for; refused if this service serves another",
+    )
+    registry: str | None = Field(
+        default=None,
+        min_length=1,
+        description="the deploying registry (s3:// or an absolute folder); refused if this "
+        "service reads another",
+    )
 
 
 class StagedOut(BaseModel):
@@ -97,8 +110,10 @@ class StagedOut(BaseModel):
         409: {"model": ErrorOut, "description": "The version cannot serve here, and why."},
     },
 )
-async def stage_model(body: StageIn, service: ServiceDep) -> StagedOut:
+async def stage_model(body: StageIn, service: ServiceDep, settings: SettingsDep) -> StagedOut:
     """Load, verify and warm a version beside the serving model without switching to it."""
+    if other := another_registrys_deploy(settings, body.model, body.registry):
+        raise HTTPException(409, detail=other)
     manager = service.manager
     try:
         model, loaded_now = await manager.stage(body.version, body.sha256)
@@ -115,6 +130,40 @@ async def stage_model(body: StageIn, service: ServiceDep) -> StagedOut:
         loaded_now=loaded_now,
         serving_version=None if serving is None else serving.version,
     )
+
+
+def same_registry(mine: str, theirs: str) -> bool | None:
+    """Return whether two registry locations are one (None: this host cannot tell).
+
+    S3 URIs compare as written; folders by what they are on this host (a service in a
+    container may see the deploying host's folder under another path, or not at all).
+    """
+    if mine.startswith("s3://") or theirs.startswith("s3://"):
+        return mine.rstrip("/") == theirs.rstrip("/")
+    theirs_path = Path(theirs)
+    if not theirs_path.is_absolute() or not theirs_path.exists():
+        return None
+    try:
+        return Path(mine).resolve().samefile(theirs_path)
+    except OSError:
+        return False
+
+
+def another_registrys_deploy(settings: Settings, model: str | None, registry: str | None) -> str:
+    """Return why a deploy of ``model`` from ``registry`` is not this service's, or ''."""
+    if settings.model_dir is not None:
+        return ""  # serving one model directory: no registry to compare
+    if model is not None and model != settings.model_name:
+        return (
+            f"this service serves model {settings.model_name!r}, not {model!r}: the deploy is "
+            "meant for another service (check the serving URL)"
+        )
+    if registry is not None and same_registry(settings.registry_uri, registry) is False:
+        return (
+            f"this service reads registry {settings.registry_uri}, not {registry}: the deploy is "
+            "meant for another service (check the serving URL)"
+        )
+    return ""
 
 
 class StagedListOut(BaseModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from burstcv_serving.schemas import ErrorOut, LoadErrorOut, ModelInfo
-from burstcv_serving.state import ModelDep, ServiceDep
+from burstcv_serving.state import ModelDep, ServiceDep, SettingsDep
 
 router = APIRouter(prefix="/v1", tags=["model"])
 
@@ -15,12 +15,13 @@ router = APIRouter(prefix="/v1", tags=["model"])
     response_model=ModelInfo,
     responses={503: {"model": ErrorOut, "description": "No model is loaded."}},
 )
-async def model_info(model: ModelDep, service: ServiceDep) -> ModelInfo:
+async def model_info(model: ModelDep, service: ServiceDep, settings: SettingsDep) -> ModelInfo:
     """Describe the serving model: name, version, classes, sha256, metrics, load error."""
     error = service.manager.last_error
     return ModelInfo(
         name=model.name,
         version=model.version,
+        registry=None if settings.model_dir is not None else settings.registry_uri,
         classes=list(model.classes),
         sha256=model.sha256,
         metrics=dict(model.metrics),

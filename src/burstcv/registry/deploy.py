@@ -25,6 +25,7 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -38,6 +39,7 @@ from burstcv.registry.registry import (
     Registry,
     RegistryError,
 )
+from burstcv_spec import storage
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +123,7 @@ def post_until_answered(
 
 
 def _stage_one(
-    url: str, version: int, sha256: str, token: str, timeout_s: float
+    url: str, version: int, sha256: str, token: str, timeout_s: float, whose: dict[str, str]
 ) -> tuple[str, dict[str, Any] | None, str]:
     """Ask one service to stage a version; return (url, its answer or None, why not)."""
     try:
@@ -130,7 +132,8 @@ def _stage_one(
                 client,
                 f"{url}/v1/admin/stage",
                 timeout_s=timeout_s,
-                json={"version": version, "sha256": sha256},
+                # whose: the registry and model, so another registry's service refuses.
+                json={"version": version, "sha256": sha256, **whose},
                 headers={"Authorization": f"Bearer {token}"},
             )
     except Unreachable as exc:
@@ -142,8 +145,20 @@ def _stage_one(
     return url, response.json(), ""
 
 
+def _whose(registry: Registry) -> dict[str, str]:
+    """Return the registry (absolute, as the service host may see it) and model of a deploy."""
+    root = registry.layout.registry_uri
+    where = root.rstrip("/") if storage.is_s3(root) else str(Path(root).resolve())
+    return {"registry": where, "model": registry.model_name}
+
+
 def stage_everywhere(
-    urls: list[str], version: int, sha256: str, token: str, timeout_s: float
+    urls: list[str],
+    version: int,
+    sha256: str,
+    token: str,
+    timeout_s: float,
+    whose: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Have every service load and warm ``version`` without switching; return their answers.
 
@@ -153,7 +168,9 @@ def stage_everywhere(
     answers: dict[str, Any] = {}
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(urls)))
     try:
-        futures = [pool.submit(_stage_one, u, version, sha256, token, timeout_s) for u in urls]
+        futures = [
+            pool.submit(_stage_one, u, version, sha256, token, timeout_s, whose or {}) for u in urls
+        ]
         for future in concurrent.futures.as_completed(futures):
             url, answer, why = future.result()
             if answer is None:
@@ -225,7 +242,7 @@ def deploy(
     staged: dict[str, Any] = {}
     if urls:
         try:
-            staged = stage_everywhere(urls, version, sha256, token, timeout_s)
+            staged = stage_everywhere(urls, version, sha256, token, timeout_s, _whose(registry))
         except DeployError as exc:
             _record_refusal(registry, actor, action, expected, version, str(exc))
             raise DeployError(f"{exc}; production left at {_name(expected)}") from None
