@@ -56,8 +56,9 @@ def run_pipeline_once(conf: dict[str, Any]) -> tuple[str, str]:
         )
     from airflow.dag_processing.dagbag import DagBag
 
-    from burstcv.airflow.setup import ensure_gpu_pool
+    from burstcv.airflow.setup import ensure_gpu_pool, ensure_metadata_db
 
+    ensure_metadata_db()  # a fresh AIRFLOW_HOME: created here, not a missing-table traceback
     ensure_gpu_pool()
     bag = DagBag(dag_folder=dags_folder)
     if bag.import_errors:

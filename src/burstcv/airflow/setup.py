@@ -1,4 +1,4 @@
-"""Prepare an Airflow metadata DB for burstcv: the pool that bounds live GPU instances."""
+"""Prepare an Airflow metadata DB for burstcv: migrated, with the pool that bounds GPU boxes."""
 
 from __future__ import annotations
 
@@ -25,3 +25,24 @@ def ensure_gpu_pool(settings: Settings | None = None) -> None:
         include_deferred=True,
     )
     log.info("pool %s: %d slots (deferred tasks count)", s.gpu_pool, s.gpu_pool_slots)
+
+
+def ensure_metadata_db() -> bool:
+    """Create or migrate the Airflow metadata DB when it is missing or behind; return if it did.
+
+    What ``airflow db migrate`` does, so ``burstcv run`` works on a fresh ``AIRFLOW_HOME``
+    instead of failing on a missing table. A DB that is up to date is left alone.
+    """
+    from airflow import settings as airflow_settings
+    from airflow.utils import db
+
+    try:
+        db.check_migrations(timeout=1)
+        return False
+    except TimeoutError:
+        pass
+    engine = airflow_settings.engine
+    where = engine.url.render_as_string(hide_password=True) if engine is not None else "?"
+    log.info("the Airflow metadata DB (%s) is missing or behind: migrating it", where)
+    db.upgradedb()
+    return True
