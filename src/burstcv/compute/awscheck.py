@@ -21,7 +21,7 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from burstcv.compute.base import LaunchRequest
-from burstcv.compute.ec2 import Ec2Backend, LaunchAttempt, Subnet, launch_plan
+from burstcv.compute.ec2 import Ec2Backend, LaunchAttempt, LaunchCheckError, Subnet, launch_plan
 from burstcv.cost.quotes import quote
 from burstcv.settings import Ec2Settings, Settings
 from burstcv_spec import storage
@@ -571,7 +571,7 @@ def _guarded(label: str, check: Callable[[], list[Finding]]) -> list[Finding]:
     """Run one check; a refusal or an unreachable service becomes its MISSING line."""
     try:
         return check()
-    except (ClientError, BotoCoreError, RuntimeError) as exc:
+    except (ClientError, BotoCoreError, LaunchCheckError) as exc:
         return [Finding(label, f"{_reason(exc)}; see docs/aws.md")]
 
 
