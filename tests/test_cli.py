@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -92,3 +95,61 @@ def test_export_runs_the_export_stage_with_int8_calibration(
     assert quantization["calibration_images"] == 256  # drawn from the training shards
     assert model_json["parity"]["images"] == 256  # real validation images from the manifest
     assert quantization["reason"] in exported.output
+
+
+def _fresh_env(tmp_path: Path) -> dict[str, str]:
+    """Return a shell's environment with no Airflow or burstcv setting: a new user's."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("AIRFLOW", "BURSTCV_", "AWS_")) and k != "HOME"
+    }
+    env.update(HOME=str(tmp_path / "user"), BURSTCV_HOME=str(tmp_path / "burstcv"))
+    (tmp_path / "user").mkdir()
+    return env
+
+
+def burstcv(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "burstcv.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_run_on_a_fresh_home_prepares_airflow_and_answers_in_a_few_lines(tmp_path: Path) -> None:
+    """No `airflow db migrate` first; the answer is the summary and why, not Airflow's log."""
+    env = _fresh_env(tmp_path)
+    missing = tmp_path / "no-such-dataset"
+    done = burstcv(["run", "--dataset-uri", str(missing)], env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    out = done.stdout
+    assert "no such table" not in out + done.stderr and "Traceback" not in out + done.stderr
+    assert out.startswith("burstcv_pipeline run manual__"), out
+    assert "  failed: burstcv_pipeline.validate run manual__" in out
+    assert f"dataset path {missing} does not exist" in out
+    log = tmp_path / "burstcv" / "run" / "last-run.log"
+    assert f"  full log: {log}" in out
+    assert len(out.splitlines()) < 25 and "[info" not in out and done.stderr == ""
+    assert "Filling up the DagBag" in log.read_text()  # Airflow's lines are kept, there
+    assert (tmp_path / "burstcv" / "airflow" / "airflow.db").exists()
+    assert not (tmp_path / "user" / "airflow").exists()
+
+
+def test_aws_check_leaves_the_users_airflow_home_alone(tmp_path: Path) -> None:
+    env = _fresh_env(tmp_path)
+    # No AWS here: a port nothing listens on, so the check stops at the credentials line.
+    env.update(
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL="http://127.0.0.1:9",
+        AWS_MAX_ATTEMPTS="1",
+    )
+    done = burstcv(["aws", "check"], env)
+    assert done.returncode == 1
+    assert "MISSING  credentials: EndpointConnectionError" in done.stdout
+    assert not (tmp_path / "user" / "airflow").exists()
+    assert "Reading the config" not in done.stderr  # Airflow's INFO lines: only with -v

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,6 +20,30 @@ from burstcv.settings import Settings, get_settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 log = logging.getLogger("burstcv")
+
+# Third-party loggers whose INFO lines only `burstcv -v` shows (Airflow's config, DAG bag and
+# DB lines would otherwise bury burstcv's own answer).
+QUIET_NAMESPACES = ("airflow", "sqlalchemy", "alembic", "botocore", "py.warnings")
+_VERBOSE = {"on": False}
+
+
+@app.callback()
+def _main(
+    ctx: typer.Context,
+    verbose: Annotated[
+        bool,
+        typer.Option("--verbose", "-v", help="show third-party INFO logs (Airflow's, boto's)"),
+    ] = False,
+) -> None:
+    """burstcv: train on ephemeral GPUs, serve on right-sized CPUs."""
+    _VERBOSE["on"] = verbose
+    # `run` sends everything to its log file instead, Airflow's INFO lines included.
+    if not verbose and ctx.invoked_subcommand != "run":
+        # Before Airflow is imported: its logging config reads this (a user's own value wins).
+        levels = " ".join(f"{name}=WARNING" for name in QUIET_NAMESPACES)
+        os.environ.setdefault("AIRFLOW__LOGGING__NAMESPACE_LEVELS", levels)
+        for name in QUIET_NAMESPACES:
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _setup_logging(verbose: bool = False) -> None:
@@ -417,6 +443,12 @@ def aws_check() -> None:
     quotas, the training role's S3 access, each subnet's route to S3, the bucket's region,
     the default EBS key, the Spot role and the candidates' prices (docs/aws.md).
     """
+    from burstcv.airflow.local_run import embedded_airflow_env
+
+    # The AWS connection is Airflow's: read from the embedded Airflow burstcv runs (in the
+    # burstcv home), never from an ~/airflow that importing Airflow would otherwise create.
+    for key, value in embedded_airflow_env().items():
+        os.environ.setdefault(key, value)
     from burstcv.compute.awscheck import check_account
 
     _setup_logging()
@@ -466,17 +498,65 @@ def run(
     *,
     given: dict[str, Any],
 ) -> None:
-    """Run the burstcv_pipeline DAG once, locally, with Airflow's dag.test()."""
+    """Run the burstcv_pipeline DAG once, locally, with Airflow's dag.test().
+
+    The tasks' own output (Airflow's and burstcv's logs) goes to a log file whose path is
+    printed; the terminal gets the run's summary and, for a failed run, why each task failed.
+    With ``burstcv -v run`` everything is printed as it happens instead.
+    """
     from burstcv.airflow.local_run import run_pipeline_once
 
     _setup_logging()
+    log_path = None if _VERBOSE["on"] else Path(get_settings().home) / "run" / "last-run.log"
     try:
-        state, summary = run_pipeline_once({**json.loads(conf), **given})
+        with _output_to(log_path):
+            state, summary = run_pipeline_once({**json.loads(conf), **given})
     except (ValueError, RuntimeError) as exc:
         raise _fail(str(exc)) from None
     typer.echo(summary)
+    if log_path is not None:
+        for reason in _failure_reasons(log_path):
+            typer.echo(f"  failed: {reason}")
+        typer.echo(f"  full log: {log_path} (or run burstcv -v run to see it as it happens)")
     if state != "success":
         raise typer.Exit(1)
+
+
+@contextlib.contextmanager
+def _output_to(path: Path | None) -> Iterator[None]:
+    """Send this process's stdout and stderr (its subprocesses' too) to ``path`` meanwhile."""
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    try:
+        with open(path, "wb") as sink:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
+def _failure_reasons(log_path: Path) -> list[str]:
+    """Return each task's one-line failure reason the run logged (burstcv.airflow.callbacks)."""
+    marker = "burstcv FAILED "
+    reasons: list[str] = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        if marker not in line or "no exception recorded" in line:
+            continue
+        reason = line.split(marker, 1)[1].split(" [burstcv.airflow]")[0].strip()
+        if reason not in reasons:
+            reasons.append(reason)
+    return reasons
 
 
 if __name__ == "__main__":
