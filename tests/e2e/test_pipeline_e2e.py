@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -72,12 +73,24 @@ def predict(url: str, image: Path) -> dict[str, object]:
     return response.json()  # type: ignore[no-any-return]
 
 
-def test_pipeline_deploys_a_version_the_running_service_answers_with(
-    service: str, demo_dataset: Path
-) -> None:
+@pytest.fixture(scope="module")
+def deployed(service: str, demo_dataset: Path) -> dict[str, Any]:
+    """Run the pipeline once on the demo digits: the version it deploys is the module's production.
+
+    The later runs (unchanged data, a forced run) need a production to compare with; as a
+    fixture, each of them also runs alone or in any order.
+    """
     # What the triggerer writes into the train task's log (structlog, as Airflow routes it).
     with structlog.testing.capture_logs() as trigger_log:
         state, tasks, run_id = run_dag({"dataset_uri": str(demo_dataset), "epochs": 3})
+    return {"state": state, "tasks": tasks, "run_id": run_id, "trigger_log": list(trigger_log)}
+
+
+def test_pipeline_deploys_a_version_the_running_service_answers_with(
+    service: str, demo_dataset: Path, deployed: dict[str, Any]
+) -> None:
+    state, tasks, run_id = deployed["state"], dict(deployed["tasks"]), deployed["run_id"]
+    trigger_log = deployed["trigger_log"]
     assert state == "success", tasks
     progress = [
         str(e["event"]) for e in trigger_log if str(e.get("event", "")).startswith("epoch ")
@@ -134,11 +147,11 @@ def billing_and_boxes(run_id: str) -> tuple[bool, list[Path]]:
 
 
 def test_a_run_on_unchanged_data_rents_nothing_and_is_shown_as_skipped(
-    service: str, demo_dataset: Path, caplog: pytest.LogCaptureFixture
+    service: str, demo_dataset: Path, deployed: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     reg = Registry(os.environ["BURSTCV_REGISTRY_URI"], "digits")
     production = reg.get_alias(PRODUCTION)
-    assert production is not None, "runs after the deploying test (same data, same params)"
+    assert production is not None, deployed["tasks"]  # the same data, the same params
     versions = reg.versions()
     with caplog.at_level(logging.INFO, logger="burstcv"):
         state, tasks, run_id = run_dag({"dataset_uri": str(demo_dataset), "epochs": 3})
@@ -165,11 +178,11 @@ def test_a_run_on_unchanged_data_rents_nothing_and_is_shown_as_skipped(
 
 
 def test_a_forced_run_trains_and_a_rejected_candidate_is_not_deployed_saying_why(
-    service: str, demo_dataset: Path, caplog: pytest.LogCaptureFixture
+    service: str, demo_dataset: Path, deployed: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     reg = Registry(os.environ["BURSTCV_REGISTRY_URI"], "digits")
     before = reg.get_alias(PRODUCTION)
-    assert before is not None, "runs after the deploying test"
+    assert before is not None, deployed["tasks"]
     # The data and params of production: only force_train makes this run train.
     conf = {"dataset_uri": str(demo_dataset), "epochs": 3, "latency_slo_ms": 0.001}
     with caplog.at_level(logging.INFO, logger="burstcv"):
