@@ -377,9 +377,18 @@ def test_data_docs_say_that_their_styling_needs_internet(
     real_run_pages(settings, tmp_path)
     index = client.get(f"/runs/{RUN_KEY}/dataset/data_docs/index.html").text
     assert "https://maxcdn.bootstrapcdn.com/" in index  # GX's pages do load CDN assets...
-    assert CDN_NOTICE in index  # ...and say so at the top, hidden once Bootstrap has loaded
-    assert index.index(CDN_NOTICE) < index.index("</body>")
+    # ...and say so at the top, hidden once Bootstrap has loaded
+    assert CDN_NOTICE.removesuffix("</div>") in index
+    assert index.index(CDN_NOTICE.removesuffix("</div>")) < index.index("</body>")
     assert 'class="d-none burstcv-offline-note"' in CDN_NOTICE
+    # Offline, GX's own table of validation pages stays empty: the notice links each of them,
+    # and each link opens the page.
+    notice = index[index.index("burstcv-offline-note") :].split("</div>")[0]
+    pages = re.findall(r'<a href="(validations/[^"]+\.html)">', notice)
+    assert pages, notice
+    for page in pages:
+        opened = client.get(f"/runs/{RUN_KEY}/dataset/data_docs/{page}")
+        assert opened.status_code == 200 and "Validation" in opened.text
 
 
 def test_the_models_page_renders_in_headless_chromium(settings: Settings, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ so the Data Docs page shows why as well as how many.
 from __future__ import annotations
 
 import functools
+import html
 import itertools
 import logging
 import operator
@@ -434,6 +435,11 @@ CDN_NOTICE = (
     "them: without internet access the page shows unstyled and its tables stay empty. The same "
     "results are in the run report (Data checks) and in validation.json.</div>"
 )
+# On the index, the notice also lists the validation pages: its table of them is drawn by a
+# CDN script, so offline it would link nowhere.
+_PAGES_HEADING = (
+    '<p style="margin:.4rem 0 .2rem;font-weight:600">The validation results on this site:</p>'
+)
 _BODY_TAG = re.compile(r"<body[^>]*>", re.IGNORECASE)
 _CDN_REFERENCE = re.compile(r"""(?:src|href)=["']https?://""", re.IGNORECASE)
 
@@ -459,9 +465,25 @@ def finish_data_docs(docs_dir: Path) -> None:
             and _CDN_REFERENCE.search(fixed)
             and "burstcv-offline-note" not in fixed
         ):
-            fixed = fixed[: body.end()] + CDN_NOTICE + fixed[body.end() :]
+            notice = _offline_notice(docs_dir) if page == docs_dir / "index.html" else CDN_NOTICE
+            fixed = fixed[: body.end()] + notice + fixed[body.end() :]
         if fixed != text:
             page.write_text(fixed, encoding="utf-8")
+
+
+def _offline_notice(docs_dir: Path) -> str:
+    """Return the index's notice with a plain list of links to every validation page."""
+    pages = sorted(docs_dir.glob("validations/**/*.html"))
+    if not pages:
+        return CDN_NOTICE
+    items = "".join(
+        f'<li><a href="{html.escape(p.relative_to(docs_dir).as_posix())}">'
+        f"{html.escape(p.relative_to(docs_dir / 'validations').with_suffix('').as_posix())}"
+        "</a></li>"
+        for p in pages
+    )
+    listing = f'{_PAGES_HEADING}<ul style="margin:0;padding-left:1.2rem">{items}</ul>'
+    return CDN_NOTICE.removesuffix("</div>") + listing + "</div>"
 
 
 def _repaired_link(match: re.Match[str], *, page: Path, root: Path) -> str:
