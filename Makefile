@@ -27,7 +27,8 @@ export AIRFLOW__API__PORT := $(AIRFLOW_PORT)
 # Tasks report to the execution API of this Airflow, on whichever port it listens.
 export AIRFLOW__CORE__EXECUTION_API_SERVER_URL := http://127.0.0.1:$(AIRFLOW_PORT)/execution/
 export PYTHONUNBUFFERED := 1
-# Airflow's standalone mode starts its components as `airflow ...` subprocesses.
+# `make airflow` starts Airflow's components as `airflow ...` subprocesses
+# (burstcv.airflow.standalone).
 export PATH := $(BIN):$(PATH)
 
 SERVE_PORT ?= 8000
@@ -202,7 +203,8 @@ airflow: airflow-port $(STAMP) $(AIRFLOW_HOME)/airflow.db
 	fi
 	if ! { [ -f $(RUN)/airflow.pid ] && kill -0 $$(cat $(RUN)/airflow.pid) 2>/dev/null; }; then
 	  $(PORTCHECK) free $(AIRFLOW_PORT) --var AIRFLOW_PORT --target airflow --what "the Airflow UI"
-	  setsid nohup $(BIN)/airflow standalone >> $(RUN)/airflow.log 2>&1 &
+	  # Airflow's standalone set, without the log servers that bind every interface.
+	  setsid nohup $(BIN)/python -m burstcv.airflow.standalone >> $(RUN)/airflow.log 2>&1 &
 	  pid=$$!
 	  echo $$pid > $(RUN)/airflow.pid
 	  up=""

@@ -1,9 +1,10 @@
 """Say which Airflow components are unhealthy, so `make airflow` restarts what stopped.
 
-Airflow's standalone mode starts the scheduler, dag-processor and triggerer once and never
-restarts them: a triggerer killed (or out of memory) leaves every deferred task waiting
-without a word, while the api-server still answers. ``GET /api/v2/monitor/health`` tells,
-from each component's heartbeat in the metadata database.
+``make airflow`` (burstcv.airflow.standalone) starts the scheduler, dag-processor and
+triggerer once and never restarts them: a triggerer killed (or out of memory) leaves every
+deferred task waiting without a word, while the api-server still answers.
+``GET /api/v2/monitor/health`` tells, from each component's heartbeat in the metadata
+database.
 
     python -m burstcv.airflow.health http://127.0.0.1:8080   # exit 0 healthy, 1 not, 2 no answer
 """
