@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import random
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -42,6 +43,39 @@ AIRFLOW_HOME.mkdir(parents=True, exist_ok=True)
 
 # Reproducible CPU numbers: tests must not fight over the 2 cores with oversubscribed threads.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """Add ``--shuffle SEED``: every test must pass alone and in any order."""
+    parser.addoption(
+        "--shuffle",
+        metavar="SEED",
+        default=os.environ.get("BURSTCV_TEST_SHUFFLE") or None,
+        help="run the test modules, and the tests within each, in an order shuffled by SEED "
+        "(the same seed repeats the order; BURSTCV_TEST_SHUFFLE sets it too)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Shuffle the modules and the tests in each (module fixtures still set up once each)."""
+    seed = config.getoption("--shuffle")
+    if not seed:
+        return
+    rng = random.Random(str(seed))
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    groups = list(modules.values())
+    rng.shuffle(groups)
+    for group in groups:
+        rng.shuffle(group)
+    items[:] = [item for group in groups for item in group]
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    """Say the order's seed, so a failure that depends on it can be repeated."""
+    seed = config.getoption("--shuffle")
+    return f"test order shuffled with seed {seed} (--shuffle {seed} repeats it)" if seed else None
 
 
 def pytest_configure(config: pytest.Config) -> None:
