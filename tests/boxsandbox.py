@@ -288,6 +288,10 @@ class BoxSandbox:
         shim.chmod(0o755)
         (self.shims / "poweroff").symlink_to(shim)
 
+    def add_aws_cli(self) -> None:
+        """Put the AWS CLI (the real awscli of this environment) on the box's PATH."""
+        (self.shims / "aws").symlink_to(Path(sys.executable).parent / "aws")
+
     def processes(self) -> list[int]:
         """Return the pids still running in the namespace."""
         out = subprocess.run(

@@ -193,6 +193,7 @@ def wait_for_trigger(provisioned: Provisioned, attempt: int) -> dict[str, Any]:
         output_uri=provisioned.output_uri,
         attempt=attempt,
         poll_interval_s=0.2,
+        max_cost_usd=provisioned.max_cost_usd,
     )
 
     async def first() -> dict[str, Any]:
@@ -346,8 +347,12 @@ def test_a_python_outside_the_range_fails_preflight_before_the_install(
         RunRef.of("manual__nopy"), "burstcv_pipeline", params(), shards, settings()
     )
     (instance_id,) = provisioned.instance_ids
+    # No Python with boto3 on this box: the AMI's AWS CLI (DLAMIs have one) still writes the
+    # FAILED marker that says what to set, instead of a box "lost" without a word.
+    box.add_aws_cli()
 
     boot = boot_instance(box, ec2, instance_id)
+    assert "S3 through the AWS CLI" in boot.console, boot.console
 
     event = wait_for_trigger(provisioned, attempt=1)
     assert event["status"] == "failed" and event["stage"] == "preflight", event

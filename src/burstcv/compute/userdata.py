@@ -159,13 +159,25 @@ for candidate in "$PYTHON" python3; do
     break
   fi
 done
-s3() {  # s3 cp SRC DST (an s3:// URI, a file, or - for stdin) | s3 exists URI
-  if [ -z "$S3PY" ]; then
-    stamp "cannot reach S3: no Python with boto3 (tried $PYTHON and python3); set \
-BURSTCV_EC2_PYTHON to the AMI's PyTorch interpreter"
-    return 2
+if [ -z "$S3PY" ]; then
+  # Only a wrong BURSTCV_EC2_PYTHON gets here: the AWS CLI, where the AMI has one, still lets
+  # the box say so in its FAILED marker instead of vanishing as "lost".
+  if command -v aws > /dev/null; then
+    stamp "no Python with boto3 (tried $PYTHON and python3): S3 through the AWS CLI"
+  else
+    stamp "cannot reach S3: no Python with boto3 (tried $PYTHON and python3) and no AWS CLI; \
+set BURSTCV_EC2_PYTHON to the AMI's PyTorch interpreter"
   fi
-  "$S3PY" "$WORK/s3io.py" "$@"
+fi
+s3() {  # s3 cp SRC DST (an s3:// URI, a file, or - for stdin) | s3 exists URI
+  if [ -n "$S3PY" ]; then
+    "$S3PY" "$WORK/s3io.py" "$@"
+  elif [ "$1" = exists ]; then
+    local path=${2#s3://}
+    aws s3api head-object --bucket "${path%%/*}" --key "${path#*/}" > /dev/null 2>&1
+  else
+    aws s3 cp --quiet "$2" "$3"
+  fi
 }
 
 # HeadObject needs only GetObject (plus ListBucket on the prefix for a 404 on a missing key).
