@@ -21,7 +21,13 @@ from burstcv.registry.registry import Registry
 from burstcv.report.render import build_report
 
 CLASSES = [str(i) for i in range(10)]
-RNG = np.random.default_rng(0)
+
+
+def rng() -> np.random.Generator:
+    """Return a generator seeded afresh: each document is the same whatever ran before."""
+    return np.random.default_rng(0)
+
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_TIMEOUT_S = 90
 
@@ -80,7 +86,7 @@ def metrics_doc() -> dict[str, Any]:
         }
         for e in range(1, 7)
     ]
-    confusion = np.diag(RNG.integers(33, 37, size=10))
+    confusion = np.diag(rng().integers(33, 37, size=10))
     confusion[3, 5] = 2
     confusion[8, 1] = 1
     return {
@@ -115,8 +121,9 @@ CANDIDATE_RPS = 412.5
 
 
 def latency_doc() -> dict[str, Any]:
-    cand = RNG.gamma(6.0, 0.9, size=200) + 3.0
-    prod = RNG.gamma(6.0, 1.3, size=200) + 3.5
+    draws = rng()
+    cand = draws.gamma(6.0, 0.9, size=200) + 3.0
+    prod = draws.gamma(6.0, 1.3, size=200) + 3.5
     return {
         "measured_at": "2025-01-01T10:09:00Z",
         "host": {"cpu_count": 2, "processor": "x86_64"},
