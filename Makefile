@@ -101,7 +101,7 @@ $(DEMO_DATA): | $(STAMP)
 demo: serve-port $(STAMP) $(AIRFLOW_HOME)/airflow.db $(DEMO_DATA)
 	@$(MAKE) --no-print-directory serve
 	start=$$(date +%s)
-	echo ">> running the burstcv_pipeline DAG once (Airflow dag.test); full log: $(RUN)/demo-run.log"
+	echo ">> running the burstcv_pipeline DAG once (Airflow dag.test); its tasks' log: $(RUN)/last-run.log"
 	if ! $(BIN)/burstcv run --conf '{"dataset_uri": "$(DEMO_DATA)"}' > $(RUN)/demo-run.log 2>&1; then
 	  tail -60 $(RUN)/demo-run.log; exit 1
 	fi
