@@ -164,3 +164,19 @@ def test_shellcheck_finds_no_errors(tmp_path: Path) -> None:
         ["shellcheck", "--severity=error", str(script)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout
+
+
+def test_the_script_fits_ec2s_user_data_limit_with_long_names() -> None:
+    """RunInstances refuses user data over 16 KB (before base64): the boot script stays under."""
+    from dataclasses import replace
+
+    long_run = "manual__" + "x" * 250  # Airflow run ids go up to 250 characters
+    long_prefix = "s3://" + "b" * 63 + "/" + "p" * 200
+    spec = replace(
+        SPEC,
+        run_id=long_run,
+        job_uri=f"{long_prefix}/runs/{long_run}/job/job.json",
+        wheel_uri=f"{long_prefix}/runtime/{'a' * 64}/burstcv_train-0.1.0-py3-none-any.whl",
+    )
+    size = len(render_user_data(spec).encode())
+    assert size < 16 * 1024 * 0.75, f"{size} bytes: keep a quarter of the limit free"
