@@ -404,13 +404,12 @@ def reap(
     backend: Annotated[str, typer.Option(help="comma-separated backends (default: settings)")] = "",
 ) -> None:
     """Terminate burstcv boxes whose expiry passed or whose DAG run is no longer running."""
-    from burstcv.airflow.local_run import embedded_airflow_env
+    from burstcv.airflow.local_run import use_embedded_airflow
     from burstcv.pipeline import reap as reap_backends
     from burstcv.pipeline import reap_errors
 
     _setup_logging()
-    for key, value in embedded_airflow_env().items():
-        os.environ.setdefault(key, value)
+    use_embedded_airflow()
     from burstcv.airflow.runs import run_activity_db
 
     names = [b.strip() for b in (backend or get_settings().reaper_backends).split(",") if b.strip()]
@@ -443,12 +442,11 @@ def aws_check() -> None:
     quotas, the training role's S3 access, each subnet's route to S3, the bucket's region,
     the default EBS key, the Spot role and the candidates' prices (docs/aws.md).
     """
-    from burstcv.airflow.local_run import embedded_airflow_env
+    from burstcv.airflow.local_run import use_embedded_airflow
 
     # The AWS connection is Airflow's: read from the embedded Airflow burstcv runs (in the
     # burstcv home), never from an ~/airflow that importing Airflow would otherwise create.
-    for key, value in embedded_airflow_env().items():
-        os.environ.setdefault(key, value)
+    use_embedded_airflow()
     from burstcv.compute.awscheck import check_account
 
     _setup_logging()
@@ -479,12 +477,11 @@ def home(
 @app.command("airflow-init")
 def airflow_init() -> None:
     """Prepare the Airflow metadata DB for burstcv (run after `airflow db migrate`)."""
-    from burstcv.airflow.local_run import embedded_airflow_env
+    from burstcv.airflow.local_run import use_embedded_airflow
     from burstcv.airflow.setup import ensure_gpu_pool
 
     _setup_logging()
-    for key, value in embedded_airflow_env().items():
-        os.environ.setdefault(key, value)
+    use_embedded_airflow()
     ensure_gpu_pool()
     typer.echo("burstcv Airflow setup done")
 
@@ -548,7 +545,8 @@ def _output_to(path: Path | None) -> Iterator[None]:
 
 def _failure_reasons(log_path: Path) -> list[str]:
     """Return each task's one-line failure reason the run logged (burstcv.airflow.callbacks)."""
-    marker = "burstcv FAILED "
+    from burstcv.airflow.callbacks import FAILURE_MARKER as marker
+
     reasons: list[str] = []
     for line in log_path.read_text(errors="replace").splitlines():
         if marker not in line or "no exception recorded" in line:

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 log = logging.getLogger("burstcv.airflow")
+FAILURE_MARKER = "burstcv FAILED "  # begins each failure line (`burstcv run` reads them back)
 
 
 def log_failure_summary(context: dict[str, Any]) -> None:
@@ -16,7 +17,7 @@ def log_failure_summary(context: dict[str, Any]) -> None:
     where = (
         f"{ti.dag_id}.{ti.task_id} run {ti.run_id} try {ti.try_number}" if ti else "unknown task"
     )
-    log.error("burstcv FAILED %s: %s", where, reason)
+    log.error("%s%s: %s", FAILURE_MARKER, where, reason)
 
 
 def dataset_from_asset_events(events: Any) -> str | None:

@@ -44,10 +44,19 @@ def embedded_airflow_env() -> dict[str, str]:
     return env
 
 
-def run_pipeline_once(conf: dict[str, Any]) -> tuple[str, str]:
-    """Run the DAG once with ``conf`` as its params; return (state, a human summary)."""
+def use_embedded_airflow() -> None:
+    """Point this process at the embedded Airflow, wherever a variable does not say otherwise.
+
+    Call before Airflow is imported: its first import reads ``AIRFLOW_HOME`` (and would make
+    ``~/airflow`` when unset).
+    """
     for key, value in embedded_airflow_env().items():
         os.environ.setdefault(key, value)
+
+
+def run_pipeline_once(conf: dict[str, Any]) -> tuple[str, str]:
+    """Run the DAG once with ``conf`` as its params; return (state, a human summary)."""
+    use_embedded_airflow()
     dags_folder = os.environ.get(DAGS_FOLDER_ENV)
     if not dags_folder:
         raise RuntimeError(
