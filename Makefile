@@ -51,7 +51,7 @@ TEST312 := tests/serving tests/test_packaging.py tests/dags/test_dag_integrity.p
 QUIET_PIP := quiet() { "$$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
 .PHONY: help setup sysdeps demo test test312 lint airflow serve stop airflow-stop serve-stop clean \
-  distclean chaos serve-port airflow-port
+  distclean chaos mutation serve-port airflow-port
 
 help:
 	@echo "make demo   - set up, run the pipeline DAG on the demo digits, serve it, predict"
@@ -61,6 +61,7 @@ help:
 	@echo "make airflow / serve - start Airflow (restarting it when a component died) / the service"
 	@echo "make airflow-stop / serve-stop / stop - stop Airflow / the service / both"
 	@echo "make chaos  - inject faults into a running pipeline and say what survived (slow)"
+	@echo "make mutation - mutation testing of the decision modules: score per module, survivors"
 	@echo "make clean"
 
 $(STAMP): requirements.txt serving/requirements.txt pyproject.toml
@@ -256,6 +257,13 @@ stop:
 # A fault drill on a throwaway home (never var/): one pipeline run per fault, a verdict each.
 chaos: $(STAMP)
 	$(BIN)/python bench/chaos.py $(CHAOS_ARGS)
+
+# Mutation testing of the modules that decide (gate, registry, deploy, the service's admission
+# and model manager, reaper, preflight, "nothing new to train on", budget, deadline, pricing):
+# a score per module and the surviving mutants. Not part of make test (several minutes).
+# MUTATION_ARGS="gate reaper" picks modules; --list shows the mutants without running them.
+mutation: $(STAMP)
+	$(BIN)/python tests/mutation/run.py $(MUTATION_ARGS)
 
 clean: stop
 	rm -rf $(VAR) .pytest_cache .ruff_cache .mypy_cache

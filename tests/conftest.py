@@ -21,8 +21,13 @@ from burstcv_testkit import init_airflow_db
 from localserver import moto_server, use_moto
 
 REPO = Path(__file__).resolve().parents[1]
-SESSION_DIR = Path(tempfile.mkdtemp(prefix="burstcv-tests-"))
-atexit.register(shutil.rmtree, SESSION_DIR, ignore_errors=True)
+# One folder per test session; a caller that runs many sessions in one process (mutation
+# testing, tests/mutation/run.py) names its own and removes it itself.
+if os.environ.get("BURSTCV_TEST_SESSION_DIR"):
+    SESSION_DIR = Path(os.environ["BURSTCV_TEST_SESSION_DIR"])
+else:
+    SESSION_DIR = Path(tempfile.mkdtemp(prefix="burstcv-tests-"))
+    atexit.register(shutil.rmtree, SESSION_DIR, ignore_errors=True)
 
 AIRFLOW_HOME = SESSION_DIR / "airflow"
 TEST_ENV = {
@@ -79,9 +84,17 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Create the Airflow metadata DB once per session (a few seconds on SQLite)."""
+    """Create the Airflow metadata DB once per process (a few seconds on SQLite).
+
+    A second pytest session in the same process (mutation testing runs one per mutant, in a
+    fork) reuses the DB the first one made.
+    """
     del config
+    db = AIRFLOW_HOME / "airflow.db"
+    if os.environ.get("BURSTCV_TEST_AIRFLOW_DB") == str(db) and db.exists():
+        return
     init_airflow_db({**os.environ})
+    os.environ["BURSTCV_TEST_AIRFLOW_DB"] = str(db)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -1,0 +1,689 @@
+"""Mutation testing of the modules that decide: `make mutation` (not part of `make test`).
+
+Each mutant is one small, deliberate bug (a comparison flipped, `and`/`or` swapped, a `not`
+dropped, a number nudged, a `min` made `max`, a returned value dropped) in a function of a
+decision module, or in a number of one of its module-level tables. The module's own tests run
+against it; a mutant that no test notices *survived*, and is printed with its line.
+
+How it runs: one process imports the tests once, records which test calls which function of
+the module (with its duration), then forks a child per mutant. The child swaps the mutated
+function's code object into the live function (every reference the tests hold sees it), or
+re-executes the mutated table assignment, and runs only the tests that call that function,
+fastest first, stopping at the first failure. Two children run at a time; a child that runs
+past its time limit is killed and counts as caught (a mutant that hangs is noticed).
+
+Usage: python tests/mutation/run.py [TARGET ...] [--list] [--jobs N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import importlib
+import json
+import os
+import select
+import signal
+import sys
+import tempfile
+import threading
+import time
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One decision module, the tests that are its own, and (for big modules) its functions."""
+
+    name: str
+    module: str
+    tests: tuple[str, ...]
+    functions: tuple[str, ...] = ()  # qualnames to mutate; empty: all, and the tables
+    tables: tuple[str, ...] = ()  # module-level names whose numbers are mutated
+
+
+TARGETS = (
+    Target("gate", "burstcv.gate.gate", ("tests/gate/test_gate.py",), tables=("*",)),
+    Target("registry", "burstcv.registry.registry", ("tests/registry/test_registry.py",)),
+    Target(
+        "deploy",
+        "burstcv.registry.deploy",
+        ("tests/registry/test_deploy.py", "tests/registry/test_deploy_races.py"),
+    ),
+    Target(
+        "admission",
+        "burstcv_serving.admission",
+        ("tests/serving/test_serving_admission.py",),
+        tables=("*",),
+    ),
+    Target("model-manager", "burstcv_serving.manager", ("tests/serving/test_serving_reload.py",)),
+    Target("reaper", "burstcv.compute.reaper", ("tests/compute/test_reaper.py",)),
+    Target(
+        "preflight",
+        "burstcv.training.preflight",
+        ("tests/training/test_preflight.py",),
+        tables=("*",),
+    ),
+    Target(
+        "nothing-new",
+        "burstcv.pipeline",
+        ("tests/test_pipeline_decisions.py",),
+        functions=("nothing_new_to_train",),
+    ),
+    Target(
+        "budget",
+        "burstcv.pipeline",
+        ("tests/test_pipeline_decisions.py", "tests/cost/test_pricing.py"),
+        functions=("bounded_time_budget",),
+    ),
+    Target(
+        "deadline",
+        "burstcv.compute.userdata",
+        ("tests/compute/test_userdata.py",),
+        functions=("watchdog_minutes", "expiry_of"),
+    ),
+    Target(
+        "pricing",
+        "burstcv.cost.pricing",
+        ("tests/cost/test_pricing.py", "tests/compute/test_prices.py"),
+        tables=("*",),
+    ),
+)
+
+_SWAP_COMPARE: dict[type[ast.cmpop], type[ast.cmpop]] = {
+    ast.Lt: ast.LtE,
+    ast.LtE: ast.Lt,
+    ast.Gt: ast.GtE,
+    ast.GtE: ast.Gt,
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.In: ast.NotIn,
+    ast.NotIn: ast.In,
+    ast.Is: ast.IsNot,
+    ast.IsNot: ast.Is,
+}
+_SWAP_BINOP: dict[type[ast.operator], type[ast.operator]] = {
+    ast.Add: ast.Sub,
+    ast.Sub: ast.Add,
+    ast.Mult: ast.Div,
+    ast.Div: ast.Mult,
+    ast.FloorDiv: ast.Mult,
+}
+_OP_TEXT = {
+    ast.Lt: "<",
+    ast.LtE: "<=",
+    ast.Gt: ">",
+    ast.GtE: ">=",
+    ast.Eq: "==",
+    ast.NotEq: "!=",
+    ast.In: "in",
+    ast.NotIn: "not in",
+    ast.Is: "is",
+    ast.IsNot: "is not",
+    ast.Add: "+",
+    ast.Sub: "-",
+    ast.Mult: "*",
+    ast.Div: "/",
+    ast.FloorDiv: "//",
+    ast.And: "and",
+    ast.Or: "or",
+}
+
+
+@dataclass
+class Mutant:
+    """One deliberate bug: where it is, what it changes, and how to put it in."""
+
+    index: int  # the site's rank in the walk (mutants are re-derived from a fresh parse)
+    line: int
+    function: str  # the outermost function's qualname; "" for a module-level table
+    what: str
+    source_line: str = ""
+    status: str = ""  # caught | survived | timeout | no-tests | not-applied
+    tests: list[str] = field(default_factory=list)
+
+
+def _nudge(value: int | float) -> int | float:
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    return value * 1.5 if value else 1.0
+
+
+class _Sites(ast.NodeVisitor):
+    """Walk a module and yield each mutation site with a function that applies it."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.stack: list[str] = []
+        self.outer = ""
+        self.in_table = False
+        self.sites: list[tuple[ast.AST, str, str]] = []  # node, outer function, description
+
+    # Scopes -------------------------------------------------------------------------------
+    def _wanted_function(self, name: str) -> bool:
+        return not self.target.functions or name in self.target.functions
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        self.stack.append(node.name)
+        for stmt in node.body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                self.visit(stmt)
+        self.stack.pop()
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        qualname = ".".join([*self.stack, node.name])
+        if self.outer:  # a nested function: part of the outer one's code
+            self._body(node)
+            return
+        if not self._wanted_function(qualname):
+            return
+        self.outer = qualname
+        self._body(node)
+        self.outer = ""
+
+    visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
+
+    def _body(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        body = node.body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # the docstring
+        for d in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
+            self.visit(d)
+        for stmt in body:
+            self.visit(stmt)
+
+    def visit_Module(self, node: ast.Module) -> None:
+        for stmt in node.body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                self.visit(stmt)
+            elif isinstance(stmt, (ast.Assign, ast.AnnAssign)) and self._is_table(stmt):
+                self.in_table = True
+                if stmt.value is not None:
+                    self.visit(stmt.value)
+                self.in_table = False
+
+    def _is_table(self, stmt: ast.Assign | ast.AnnAssign) -> bool:
+        if not self.target.tables or self.target.functions:
+            return False
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+        names = [t.id for t in targets if isinstance(t, ast.Name)]
+        return any(n in self.target.tables or "*" in self.target.tables for n in names)
+
+    # Sites ---------------------------------------------------------------------------------
+    def _add(self, node: ast.AST, what: str) -> None:
+        if self.outer or self.in_table:
+            self.sites.append((node, self.outer, what))
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        if node.value is not None:
+            self.visit(node.value)  # not the annotation
+
+    def visit_JoinedStr(self, node: ast.JoinedStr) -> None:
+        for value in node.values:  # an f-string's expressions, not its format specs
+            if isinstance(value, ast.FormattedValue):
+                self.visit(value.value)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        func = node.func
+        if (
+            isinstance(func, ast.Attribute)
+            and func.attr in {"debug", "info", "warning", "error", "exception"}
+            and isinstance(func.value, ast.Name)
+            and func.value.id in {"log", "logger"}
+        ):
+            return  # log lines: what they say is not a decision
+        if isinstance(func, ast.Name) and func.id in ("min", "max"):
+            self._add(node, f"{func.id}() -> {'max' if func.id == 'min' else 'min'}()")
+        self.generic_visit(node)
+
+    def visit_Compare(self, node: ast.Compare) -> None:
+        for i, op in enumerate(node.ops):
+            swap = _SWAP_COMPARE.get(type(op))
+            if swap is not None:
+                self._add(node, f"cmp{i}: {_OP_TEXT[type(op)]} -> {_OP_TEXT[swap]}")
+        self.generic_visit(node)
+
+    def visit_BoolOp(self, node: ast.BoolOp) -> None:
+        a, b = ("and", "or") if isinstance(node.op, ast.And) else ("or", "and")
+        self._add(node, f"{a} -> {b}")
+        self.generic_visit(node)
+
+    def visit_UnaryOp(self, node: ast.UnaryOp) -> None:
+        if isinstance(node.op, ast.Not):
+            self._add(node, "not dropped")
+        self.generic_visit(node)
+
+    def visit_BinOp(self, node: ast.BinOp) -> None:
+        swap = _SWAP_BINOP.get(type(node.op))
+        if swap is not None and not _is_string_format(node):
+            self._add(node, f"{_OP_TEXT[type(node.op)]} -> {_OP_TEXT[swap]}")
+        self.generic_visit(node)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        swap = _SWAP_BINOP.get(type(node.op))
+        if swap is not None:
+            self._add(node, f"{_OP_TEXT[type(node.op)]}= -> {_OP_TEXT[swap]}=")
+        self.generic_visit(node)
+
+    def visit_Constant(self, node: ast.Constant) -> None:
+        if isinstance(node.value, (bool, int, float)) and not isinstance(node.value, complex):
+            self._add(node, f"{node.value!r} -> {_nudge(node.value)!r}")
+
+    def visit_Return(self, node: ast.Return) -> None:
+        if node.value is not None and not (
+            isinstance(node.value, ast.Constant) and node.value.value is None
+        ):
+            self._add(node, "return value dropped (None)")
+        self.generic_visit(node)
+
+
+def _is_string_format(node: ast.BinOp) -> bool:
+    return any(
+        isinstance(side, (ast.JoinedStr,))
+        or (isinstance(side, ast.Constant) and isinstance(side.value, str))
+        for side in (node.left, node.right)
+    )
+
+
+def _apply(node: ast.AST, what: str) -> None:
+    """Change ``node`` in place as ``what`` says."""
+    if isinstance(node, ast.Compare):
+        i = int(what.split(":")[0][3:])
+        node.ops[i] = _SWAP_COMPARE[type(node.ops[i])]()
+    elif isinstance(node, ast.BoolOp):
+        node.op = ast.Or() if isinstance(node.op, ast.And) else ast.And()
+    elif isinstance(node, (ast.BinOp, ast.AugAssign)):
+        node.op = _SWAP_BINOP[type(node.op)]()
+    elif isinstance(node, ast.Constant):
+        node.value = _nudge(node.value)
+    elif isinstance(node, ast.Return):
+        node.value = None
+    elif isinstance(node, ast.Call):
+        assert isinstance(node.func, ast.Name)
+        node.func.id = "max" if node.func.id == "min" else "min"
+    else:
+        raise AssertionError(what)
+
+
+def _drop_not(tree: ast.AST, target: ast.UnaryOp) -> None:
+    for parent in ast.walk(tree):
+        for name, value in ast.iter_fields(parent):
+            if value is target:
+                setattr(parent, name, target.operand)
+                return
+            if isinstance(value, list):
+                for i, item in enumerate(value):
+                    if item is target:
+                        value[i] = target.operand
+                        return
+
+
+def sites(target: Target, source: str) -> tuple[ast.Module, list[tuple[ast.AST, str, str]]]:
+    tree = ast.parse(source)
+    walker = _Sites(target)
+    walker.visit(tree)
+    return tree, walker.sites
+
+
+def mutants_of(target: Target, source: str) -> list[Mutant]:
+    lines = source.splitlines()
+    _, found = sites(target, source)
+    return [
+        Mutant(i, node.lineno, outer, what, lines[node.lineno - 1].strip())  # type: ignore[attr-defined]
+        for i, (node, outer, what) in enumerate(found)
+    ]
+
+
+# Putting a mutant into the live module -------------------------------------------------------
+def _live_functions(module: types.ModuleType) -> dict[str, list[types.FunctionType]]:
+    """Every function object defined in ``module``'s file, by qualname."""
+    found: dict[str, list[types.FunctionType]] = {}
+    seen: set[int] = set()
+    filename = module.__file__
+
+    def add(obj: Any) -> None:
+        while True:
+            if isinstance(obj, (staticmethod, classmethod)):
+                obj = obj.__func__
+            elif isinstance(obj, property):
+                for part in (obj.fget, obj.fset, obj.fdel):
+                    if part is not None:
+                        add(part)
+                return
+            elif hasattr(obj, "__wrapped__") and not isinstance(obj, types.FunctionType):
+                obj = obj.__wrapped__
+            else:
+                break
+        if isinstance(obj, types.FunctionType) and id(obj) not in seen:
+            seen.add(id(obj))
+            if obj.__code__.co_filename == filename:
+                found.setdefault(obj.__code__.co_qualname, []).append(obj)
+            wrapped = getattr(obj, "__wrapped__", None)
+            if wrapped is not None:
+                add(wrapped)
+
+    def walk(namespace: dict[str, Any], depth: int) -> None:
+        for value in list(namespace.values()):
+            if isinstance(value, type) and value.__module__ == module.__name__ and depth < 4:
+                walk(dict(vars(value)), depth + 1)
+            else:
+                add(value)
+
+    walk(vars(module), 0)
+    return found
+
+
+def _code_named(code: types.CodeType, qualname: str) -> types.CodeType | None:
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            if const.co_qualname == qualname:
+                return const
+            inner = _code_named(const, qualname)
+            if inner is not None:
+                return inner
+    return None
+
+
+def put_in(target: Target, mutant: Mutant) -> bool:
+    """Put ``mutant`` into the imported module; False if it cannot be (nothing to swap)."""
+    module = importlib.import_module(target.module)
+    path = Path(module.__file__ or "")
+    tree, found = sites(target, path.read_text())
+    node, outer, what = found[mutant.index]
+    if what == "not dropped":
+        assert isinstance(node, ast.UnaryOp)
+        _drop_not(tree, node)
+    else:
+        _apply(node, what)
+    ast.fix_missing_locations(tree)
+    if not outer:  # a module-level table: re-run its assignment
+        for stmt in tree.body:
+            if stmt.lineno <= mutant.line <= (stmt.end_lineno or stmt.lineno):
+                exec(compile(ast.Module([stmt], []), str(path), "exec"), vars(module))
+                return True
+        return False
+    compiled = compile(tree, str(path), "exec")
+    code = _code_named(compiled, outer)
+    live = _live_functions(module).get(outer, [])
+    if code is None or not live:
+        return False
+    for function in live:
+        try:
+            function.__code__ = code
+        except ValueError:  # free variables differ (cannot happen for one-token mutants)
+            return False
+    return True
+
+
+# Running tests in forked children ------------------------------------------------------------
+class _Recorder:
+    """A pytest plugin: which test calls which function of the module, and how long it takes."""
+
+    def __init__(self, filename: str) -> None:
+        self.filename = filename
+        self.current: str | None = None
+        self.calls: dict[str, set[str]] = {}
+        self.durations: dict[str, float] = {}
+        self.failed: list[str] = []
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        del arg
+        if event == "call" and self.current is not None:
+            code = frame.f_code
+            if code.co_filename == self.filename:
+                outer = code.co_qualname.split(".<locals>.")[0]
+                self.calls.setdefault(outer, set()).add(self.current)
+
+    def pytest_runtest_setup(self, item: Any) -> None:
+        self.current = item.nodeid
+        sys.setprofile(self._profile)
+        threading.setprofile(self._profile)
+
+    def pytest_runtest_teardown(self, item: Any) -> None:
+        del item
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        self.durations[report.nodeid] = self.durations.get(report.nodeid, 0.0) + report.duration
+        if report.failed:
+            self.failed.append(report.nodeid)
+        if report.when == "teardown":
+            sys.setprofile(None)
+            threading.setprofile(None)  # type: ignore[arg-type]
+            self.current = None
+
+
+def _pytest_args(tests: list[str]) -> list[str]:
+    return ["-x", "-q", "--no-header", "-p", "no:cacheprovider", "-p", "no:randomly", *tests]
+
+
+def _in_child(fn: Any, timeout_s: float | None = None) -> tuple[str, Any]:
+    """Run ``fn`` in a forked child; return ("ok", value) | ("error", text) | ("timeout", None)."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_fd)
+        try:
+            value = ("ok", fn())
+        except BaseException as exc:
+            value = ("error", repr(exc))
+        with os.fdopen(write_fd, "w") as out:
+            json.dump(value, out)
+        os._exit(0)
+    os.close(write_fd)
+    return _wait_child(pid, read_fd, timeout_s)
+
+
+def _wait_child(pid: int, read_fd: int, timeout_s: float | None) -> tuple[str, Any]:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    chunks: list[bytes] = []
+    while True:
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, _, _ = select.select([read_fd], [], [], wait)
+        if not ready:
+            os.killpg(pid, signal.SIGKILL) if _own_group(pid) else os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(read_fd)
+            return ("timeout", None)
+        chunk = os.read(read_fd, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(read_fd)
+    os.waitpid(pid, 0)
+    if not chunks:
+        return ("error", "the child died without a word")
+    status, value = json.loads(b"".join(chunks))
+    return status, value
+
+
+def _own_group(pid: int) -> bool:
+    try:
+        return os.getpgid(pid) == pid
+    except OSError:
+        return False
+
+
+def _quiet() -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+
+
+def baseline(target: Target) -> tuple[dict[str, list[str]], dict[str, float]]:
+    """Run the target's tests unmutated; return the tests per function and their durations."""
+    module = importlib.import_module(target.module)
+
+    def record() -> dict[str, Any]:
+        import pytest
+
+        os.setpgid(0, 0)
+        _quiet()
+        recorder = _Recorder(module.__file__ or "")
+        code = pytest.main(["-q", "-p", "no:cacheprovider", *target.tests], plugins=[recorder])
+        return {
+            "code": int(code),
+            "failed": recorder.failed,
+            "calls": {k: sorted(v) for k, v in recorder.calls.items()},
+            "durations": recorder.durations,
+        }
+
+    status, value = _in_child(record)
+    if status != "ok" or value["code"] != 0:
+        raise SystemExit(
+            f"{target.name}: its tests do not pass unmutated ({status}: "
+            f"{value if status != 'ok' else value['failed']}); fix them first"
+        )
+    return value["calls"], value["durations"]
+
+
+def warm_up(target: Target) -> None:
+    """Import the tests, their conftest and the Airflow DB they need once, in this process.
+
+    Every forked child then starts from them; pytest's sessions in the children reuse the
+    imported modules, so a mutant swapped into a function is seen by every test.
+    """
+    import pytest
+
+    code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *target.tests])
+    if code != 0:
+        raise SystemExit(f"{target.name}: its tests cannot be collected (pytest exit {code})")
+
+
+def run_target(target: Target, jobs: int) -> list[Mutant]:
+    warm_up(target)
+    module = importlib.import_module(target.module)
+    source = Path(module.__file__ or "").read_text()
+    mutants = mutants_of(target, source)
+    calls, durations = baseline(target)
+    everything = sorted(durations, key=durations.__getitem__)
+    for m in mutants:
+        chosen = calls.get(m.function, []) if m.function else everything
+        m.tests = sorted(set(chosen), key=lambda t: durations.get(t, 0.0))
+        if not m.tests:
+            m.status = "no-tests"
+    queue: Iterator[Mutant] = iter([m for m in mutants if not m.status])
+    running: dict[int, tuple[Mutant, int, float]] = {}  # pid -> mutant, read fd, deadline
+    started = time.monotonic()
+    while True:
+        while len(running) < jobs:
+            m = next(queue, None)
+            if m is None:
+                break
+            limit = 3 * sum(durations.get(t, 0.0) for t in m.tests) + 20.0
+            pid, fd = _start_mutant(target, m)
+            running[pid] = (m, fd, time.monotonic() + limit)
+        if not running:
+            break
+        _reap_one(running)
+    print(f"  {target.name}: {len(mutants)} mutants in {time.monotonic() - started:.0f} s")
+    return mutants
+
+
+def _start_mutant(target: Target, m: Mutant) -> tuple[int, int]:
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_fd)
+        os.setpgid(0, 0)
+        try:
+            if not put_in(target, m):
+                result = "not-applied"
+            else:
+                import pytest
+
+                _quiet()
+                code = int(pytest.main(_pytest_args(m.tests)))
+                result = "survived" if code == 0 else "caught"
+        except BaseException:
+            result = "caught"
+        os.write(write_fd, result.encode())
+        os._exit(0)
+    os.close(write_fd)
+    return pid, read_fd
+
+
+def _reap_one(running: dict[int, tuple[Mutant, int, float]]) -> None:
+    fds = {fd: pid for pid, (_, fd, _) in running.items()}
+    soonest = min(deadline for _, _, deadline in running.values())
+    ready, _, _ = select.select(list(fds), [], [], max(0.0, soonest - time.monotonic()))
+    now = time.monotonic()
+    for pid, (m, fd, deadline) in list(running.items()):
+        if fd in ready:
+            m.status = os.read(fd, 64).decode() or "caught"  # died without a word: caught
+        elif now >= deadline:
+            m.status = "timeout"
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+        else:
+            continue
+        os.close(fd)
+        os.waitpid(pid, 0)
+        del running[pid]
+
+
+def score(mutants: list[Mutant]) -> tuple[int, int, float]:
+    counted = [m for m in mutants if m.status != "not-applied"]
+    caught = sum(m.status in ("caught", "timeout") for m in counted)
+    return caught, len(counted), 100.0 * caught / len(counted) if counted else 100.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("targets", nargs="*", help="target names (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
+    parser.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)))
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    chosen = [t for t in TARGETS if not args.targets or t.name in args.targets]
+    unknown = set(args.targets) - {t.name for t in TARGETS}
+    if unknown:
+        parser.error(
+            f"unknown target(s) {', '.join(sorted(unknown))}; "
+            f"known: {', '.join(t.name for t in TARGETS)}"
+        )
+    os.chdir(REPO)
+    sys.path.insert(0, str(REPO / "tests"))
+    results: dict[str, list[Mutant]] = {}
+    for target in chosen:
+        module = importlib.import_module(target.module)
+        if args.list:
+            for m in mutants_of(target, Path(module.__file__ or "").read_text()):
+                print(f"{target.name}:{m.line} {m.function or '(table)'}: {m.what}")
+            continue
+        results[target.name] = run_target(target, args.jobs)
+    if args.list:
+        return 0
+    print()
+    print(f"{'module':<15} {'mutants':>8} {'caught':>7} {'score':>7}")
+    for name, mutants in results.items():
+        caught, total, pct = score(mutants)
+        print(f"{name:<15} {total:>8} {caught:>7} {pct:>6.1f}%")
+    for name, mutants in results.items():
+        target = next(t for t in TARGETS if t.name == name)
+        left = [m for m in mutants if m.status in ("survived", "no-tests")]
+        if left:
+            print(f"\nsurviving in {name} ({target.module}):")
+            for m in left:
+                note = " (no test calls it)" if m.status == "no-tests" else ""
+                print(f"  line {m.line} {m.function or '(table)'}: {m.what}{note}")
+                print(f"      {m.source_line[:100]}")
+    if args.json:
+        args.json.write_text(
+            json.dumps({name: [m.__dict__ for m in ms] for name, ms in results.items()}, indent=1)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory(prefix="burstcv-mutation-") as session:
+        os.environ["BURSTCV_TEST_SESSION_DIR"] = session  # tests/conftest.py: one for all runs
+        sys.exit(main())
