@@ -108,3 +108,18 @@ def test_every_target_names_a_module_and_tests_that_exist() -> None:
         got = {m.function for m in mutation.mutants_of(target, source)}
         for function in target.functions:
             assert function in got, f"{target.name}: no mutant in {function}"
+
+
+def test_a_default_value_mutant_changes_the_default_the_function_uses(toy: str) -> None:
+    source = SOURCE + "\n\ndef ceiling(load: int, limit: int = 4, *, spare: int = 1) -> bool:\n"
+    source += "    return load <= limit - spare\n"
+    module_file = Path(importlib.import_module(toy).__file__ or "")
+    module_file.write_text(source)
+    module = importlib.reload(importlib.import_module(toy))
+    ceiling = module.ceiling
+    target = mutation.Target("toy", toy, ())
+    found = {(m.function, m.what, m.line): m for m in mutation.mutants_of(target, source)}
+    limit_line = next(m for m in found.values() if m.function == "ceiling" and m.what == "4 -> 5")
+    assert ceiling(4) is False
+    assert mutation.put_in(target, limit_line)
+    assert ceiling(4) is True  # the default is now 5: the mutant is live

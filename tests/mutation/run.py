@@ -63,7 +63,11 @@ TARGETS = (
         ("tests/serving/test_serving_admission.py",),
         tables=("*",),
     ),
-    Target("model-manager", "burstcv_serving.manager", ("tests/serving/test_serving_reload.py",)),
+    Target(
+        "model-manager",
+        "burstcv_serving.manager",
+        ("tests/serving/test_serving_reload.py", "tests/serving/test_serving_manager.py"),
+    ),
     Target("reaper", "burstcv.compute.reaper", ("tests/compute/test_reaper.py",)),
     Target(
         "preflight",
@@ -416,12 +420,51 @@ def put_in(target: Target, mutant: Mutant) -> bool:
     live = _live_functions(module).get(outer, [])
     if code is None or not live:
         return False
+    defaults = _defaults_holding(tree, outer, node)
     for function in live:
         try:
             function.__code__ = code
         except ValueError:  # free variables differ (cannot happen for one-token mutants)
             return False
+        if defaults is not None:  # defaults are values made at definition, not code
+            try:
+                _set_defaults(function, defaults, module, path)
+            except Exception:  # e.g. a default naming a class attribute
+                return False
     return True
+
+
+def _defaults_holding(tree: ast.Module, outer: str, node: ast.AST) -> ast.arguments | None:
+    """Return the arguments of function ``outer`` if ``node`` is in one of its defaults."""
+    stack: list[tuple[list[str], ast.AST]] = [([], tree)]
+    while stack:
+        names, parent = stack.pop()
+        for child in ast.iter_child_nodes(parent):
+            if isinstance(child, ast.ClassDef):
+                stack.append(([*names, child.name], child))
+            elif (
+                isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and ".".join([*names, child.name]) == outer
+            ):
+                given = [*child.args.defaults, *(d for d in child.args.kw_defaults if d)]
+                if any(node is n for d in given for n in ast.walk(d)):
+                    return child.args
+                return None
+    return None
+
+
+def _set_defaults(
+    function: types.FunctionType, args: ast.arguments, module: types.ModuleType, path: Path
+) -> None:
+    def value(expr: ast.expr) -> Any:
+        return eval(compile(ast.Expression(expr), str(path), "eval"), vars(module))
+
+    if args.defaults:
+        function.__defaults__ = tuple(value(d) for d in args.defaults)
+    pairs = zip(args.kwonlyargs, args.kw_defaults, strict=True)
+    kw = {a.arg: value(d) for a, d in pairs if d is not None}
+    if kw:
+        function.__kwdefaults__ = kw
 
 
 # Running tests in forked children ------------------------------------------------------------
@@ -642,6 +685,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
     parser.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--fail-under",
+        type=float,
+        default=0.0,
+        metavar="PCT",
+        help="exit 1 when a module's score is under PCT",
+    )
     args = parser.parse_args(argv)
     chosen = [t for t in TARGETS if not args.targets or t.name in args.targets]
     unknown = set(args.targets) - {t.name for t in TARGETS}
@@ -676,11 +726,14 @@ def main(argv: list[str] | None = None) -> int:
                 note = " (no test calls it)" if m.status == "no-tests" else ""
                 print(f"  line {m.line} {m.function or '(table)'}: {m.what}{note}")
                 print(f"      {m.source_line[:100]}")
+    below = [name for name, ms in results.items() if score(ms)[2] < args.fail_under]
+    if below:
+        print(f"\nunder {args.fail_under:g}%: {', '.join(below)}")
     if args.json:
         args.json.write_text(
             json.dumps({name: [m.__dict__ for m in ms] for name, ms in results.items()}, indent=1)
         )
-    return 0
+    return 1 if below else 0
 
 
 if __name__ == "__main__":
