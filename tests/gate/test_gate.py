@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import copy
+import json
+from pathlib import Path
+
 import pytest
 
-from burstcv.cost.pricing import serving_cost_per_million
-from burstcv.gate.gate import ARCH_MMACS, GateThresholds, ServingContext, advise, judge
+from burstcv.cost.pricing import PRICE_TABLE_ENV, load_price_table, serving_cost_per_million
+from burstcv.gate import gate as gate_module
+from burstcv.gate.gate import (
+    ARCH_MMACS,
+    GateThresholds,
+    ServingContext,
+    advise,
+    describe_check,
+    format_figure,
+    judge,
+)
 from burstcv.training.names import ARCHITECTURE_NAMES
 
 LIMITS = GateThresholds(latency_slo_ms=20.0, accuracy_floor=0.9, max_accuracy_drop=0.02)
@@ -142,3 +155,301 @@ def test_latency_regression_against_production_refuses_when_asked() -> None:
     assert not slower.promote and "1.8x production v7" in slower.summary
     faster = judge(cand(p95=4.0), {"accuracy": 0.97, "p95_ms": 5.0, "version": 7}, limits)
     assert faster.promote and "no_latency_regression" in {c["name"] for c in faster.checks}
+
+
+# -- limits, exactly at the line -----------------------------------------------------------------
+
+
+def test_a_p95_exactly_at_the_slo_meets_it() -> None:
+    at_slo = judge(cand(p95=20.0), None, LIMITS)
+    assert at_slo.promote and at_slo.suggestions == []
+    just_over = judge(cand(p95=20.01), None, LIMITS)
+    assert not just_over.promote
+
+
+def test_the_slo_reason_says_how_many_times_too_slow() -> None:
+    verdict = judge(cand(p95=30.0), None, LIMITS)
+    assert verdict.reasons[0] == "p95 30.00 ms exceeds the SLO 20 ms by 10.00 ms (1.5x)"
+
+
+def test_accuracy_exactly_at_the_floor_passes() -> None:
+    assert judge(cand(acc=0.9), None, LIMITS).promote
+    assert not judge(cand(acc=0.8999), None, LIMITS).promote
+
+
+def test_accuracy_exactly_the_allowed_drop_below_production_passes() -> None:
+    limits = GateThresholds(latency_slo_ms=20.0, accuracy_floor=0.25, max_accuracy_drop=0.25)
+    production = {"accuracy": 0.75, "version": 2}
+    assert judge(cand(acc=0.5), production, limits).promote
+    refused = judge(cand(acc=0.375), production, limits)
+    assert refused.reasons == [
+        "accuracy 0.3750 drops 0.3750 below production v2 (0.7500); at most 0.2500 allowed"
+    ]
+
+
+def test_p95_exactly_at_the_allowed_increase_over_production_passes() -> None:
+    limits = GateThresholds(20.0, 0.9, 0.02, max_latency_increase=0.25)
+    production = {"accuracy": 0.97, "p95_ms": 8.0, "version": 7}
+    at_ceiling = judge(cand(p95=10.0), production, limits)
+    assert at_ceiling.promote
+    latency = next(c for c in at_ceiling.checks if c["name"] == "no_latency_regression")
+    assert latency["limit"] == 10.0  # 8 ms + 25%
+    over = judge(cand(p95=10.01), production, limits)
+    assert not over.promote
+    assert over.reasons == ["p95 10.01 ms is 1.3x production v7's 8.00 ms; at most +25% allowed"]
+    assert over.failed_figures == ["p95 10.01 ms > production's plus allowed increase 10.00 ms"]
+
+
+def test_latency_regression_is_not_checked_without_production_p95() -> None:
+    limits = GateThresholds(20.0, 0.9, 0.02, max_latency_increase=0.25)
+    verdict = judge(cand(p95=15.0), {"accuracy": 0.97, "version": 7}, limits)
+    assert verdict.promote
+    assert "no_latency_regression" not in {c["name"] for c in verdict.checks}
+
+
+# -- how figures read ----------------------------------------------------------------------------
+
+
+def test_figures_read_with_their_units() -> None:
+    assert format_figure("latency_p95", 4.851) == "4.85 ms"
+    assert format_figure("error_rate", 0.005) == "0.5%"
+    assert format_figure("accuracy_floor", 0.91234) == "0.9123"
+    assert format_figure("no_latency_regression", 6.0) == "6.00 ms"
+    assert format_figure("latency_p95", None) == "—"
+    assert format_figure("some_new_check", 1234567.0) == "1.235e+06"
+
+
+def test_an_allowed_error_rate_reads_as_a_percentage() -> None:
+    check = {"name": "error_rate", "passed": False, "observed": 0.02, "limit": 0.01}
+    assert describe_check(check) == "error rate 2.0% > allowed 1%"
+    ok = {"name": "error_rate", "passed": True, "observed": 0.0, "limit": 0.025}
+    assert describe_check(ok) == "error rate 0.0% <= allowed 2.5%"
+
+
+# -- the tables the estimates rest on ------------------------------------------------------------
+
+
+def test_vcpus_are_awss_published_figures() -> None:
+    assert gate_module.VCPUS == {
+        "c7i.large": 2,
+        "c7i.xlarge": 4,
+        "c7i.2xlarge": 8,
+        "m7i.large": 2,
+        "g4dn.xlarge": 4,
+        "g5.xlarge": 4,
+        "g6.xlarge": 4,
+    }
+
+
+def test_multiply_adds_per_architecture_are_the_measured_figures() -> None:
+    # Measured with torch's FlopCounterMode at 32x32; smaller-model advice scales by them.
+    assert gate_module.ARCH_MMACS == {
+        "resnet10": 63.4,
+        "resnet18": 138.9,
+        "resnet34": 289.9,
+        "resnet50": 324.5,
+        "mobilenet_v3_small": 5.5,
+        "mobilenet_v3_large": 20.1,
+        "efficientnet_b0": 32.0,
+        "convnext_tiny": 363.7,
+    }
+
+
+# -- the estimates and figures in each suggestion ------------------------------------------------
+
+
+def slow_advice(**kwargs: object) -> dict[str, dict[str, object]]:
+    context: dict[str, object] = {"arch": "resnet18", "int8_tried": False, "region": "us-east-1"}
+    context.update(kwargs)
+    suggestions = advise(SLOW, SLO_50, **context)  # type: ignore[arg-type]
+    return {str(s["action"]): s for s in suggestions}
+
+
+def test_each_suggestion_carries_the_figures_a_user_reads() -> None:
+    by_action = slow_advice(measured_vcpus=2)
+    int8 = by_action["int8"]
+    # 10 ms fixed + 70 ms compute at half the time; throughput grows as latency shrinks.
+    assert int8["estimated_p95_ms"] == 45.0
+    assert int8["estimated_throughput_rps"] == 177.78  # 100 req/s x 80/45, to the cent
+    assert int8["cost_per_million_usd"] == 0.1395
+    assert "10.00 ms fixed" in str(int8["assumption"])
+    assert "70.00 ms that scales with compute speed" in str(int8["assumption"])
+    larger = by_action["larger_instance"]
+    assert larger["title"] == "serve on c7i.xlarge (4 vCPUs) instead of c7i.large"
+    assert larger["estimated_p95_ms"] == 45.0  # the compute share halves on twice the vCPUs
+    assert larger["estimated_throughput_rps"] == 200.0
+    assert larger["cost_per_million_usd"] == 0.2479
+    gpu = by_action["gpu_serving"]
+    # The cheapest one-GPU type in us-east-1; HTTP + decode stay, compute becomes ~1 ms.
+    assert gpu["instance_type"] == "g4dn.xlarge"
+    assert gpu["estimated_p95_ms"] == 11.0
+    assert gpu["estimated_throughput_rps"] == 200.0  # its 4 vCPUs against the 2 measured
+    assert gpu["cost_per_million_usd"] == 0.7306
+    smaller = by_action["smaller_model"]
+    assert "63.4M vs 138.9M per image" in str(smaller["assumption"])
+
+
+def test_the_largest_smaller_architecture_that_meets_the_slo_is_suggested() -> None:
+    smaller = slow_advice()["smaller_model"]
+    # resnet10 (~42 ms) meets the SLO and keeps more accuracy than the mobilenets.
+    assert smaller["title"] == "retrain as resnet10 instead of resnet18"
+    assert smaller["meets_slo"] is True
+
+
+def test_a_smaller_architecture_exactly_at_the_slo_is_the_one_suggested() -> None:
+    # No fixed share measured: all of p95 scales; resnet10 is 63.4/138.9 of resnet18.
+    candidate = {"p95_ms": 1389.0, "error_rate": 0.0, "accuracy": 0.97}
+    limits = GateThresholds(latency_slo_ms=634.0, accuracy_floor=0.9, max_accuracy_drop=0.02)
+    suggestions = advise(candidate, limits, arch="resnet18", int8_tried=True, region="us-east-1")
+    smaller = next(s for s in suggestions if s["action"] == "smaller_model")
+    assert smaller["title"] == "retrain as resnet10 instead of resnet18"
+    assert smaller["estimated_p95_ms"] == 634.0 and smaller["meets_slo"] is True
+
+
+def test_when_no_architecture_meets_the_slo_the_smallest_is_suggested() -> None:
+    hopeless = {**SLOW, "p95_ms": 2000.0, "p50_ms": None}
+    suggestions = advise(hopeless, SLO_50, arch="resnet18", int8_tried=True, region="us-east-1")
+    smaller = next(s for s in suggestions if s["action"] == "smaller_model")
+    assert smaller["title"] == "retrain as mobilenet_v3_small instead of resnet18"
+    assert smaller["meets_slo"] is False
+
+
+def test_an_unknown_architecture_gets_no_smaller_model_advice() -> None:
+    assert "smaller_model" not in slow_advice(arch="vit_b_16")
+    assert "smaller_model" not in slow_advice(arch=None)
+
+
+def test_an_instance_upgrade_exactly_at_the_slo_is_the_one_suggested() -> None:
+    # c7i.xlarge halves the 70 ms compute share: 10 + 35 = 45 ms, exactly the SLO.
+    limits = GateThresholds(latency_slo_ms=45.0, accuracy_floor=0.9, max_accuracy_drop=0.02)
+    suggestions = advise(SLOW, limits, arch=None, int8_tried=True, region="us-east-1")
+    larger = next(s for s in suggestions if s["action"] == "larger_instance")
+    assert larger["instance_type"] == "c7i.xlarge" and larger["meets_slo"] is True
+
+
+def test_no_upgrade_is_offered_from_a_host_as_big_as_the_largest_type() -> None:
+    assert "larger_instance" not in slow_advice(measured_vcpus=8)
+    only_bigger = slow_advice(measured_vcpus=4)["larger_instance"]
+    assert only_bigger["instance_type"] == "c7i.2xlarge"
+
+
+def test_serving_on_an_m7i_large_counts_its_two_vcpus() -> None:
+    larger = slow_advice(arch=None, instance_type="m7i.large")["larger_instance"]
+    assert larger["title"] == "serve on c7i.xlarge (4 vCPUs) instead of m7i.large"
+    assert larger["estimated_p95_ms"] == 45.0
+    assert "2 measured → 4" in str(larger["assumption"])
+
+
+@pytest.mark.parametrize(
+    ("sold", "suggested"),
+    [
+        (("g4dn.xlarge", "g5.xlarge", "g6.xlarge"), "g4dn.xlarge"),
+        (("g5.xlarge", "g6.xlarge"), "g6.xlarge"),
+        (("g5.xlarge",), "g5.xlarge"),
+    ],
+)
+def test_gpu_serving_suggests_the_cheapest_gpu_type_sold_in_the_region(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sold: tuple[str, ...], suggested: str
+) -> None:
+    table = copy.deepcopy(load_price_table())
+    prices = table["regions"]["us-east-1"]
+    table["regions"] = {
+        "xx-test-1": {t: p for t, p in prices.items() if t in sold or t.startswith("c7i")}
+    }
+    path = tmp_path / "prices.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv(PRICE_TABLE_ENV, str(path))
+    suggestions = advise(SLOW, SLO_50, arch=None, int8_tried=True, region="xx-test-1")
+    gpu = next(s for s in suggestions if s["action"] == "gpu_serving")
+    assert gpu["instance_type"] == suggested
+    # Each of these one-GPU types has 4 vCPUs: throughput as on 4 of the 2 measured.
+    assert gpu["estimated_throughput_rps"] == 200.0
+    assert "stay on its 4 vCPUs" in str(gpu["assumption"])
+    assert gpu["cost_per_million_usd"] is not None
+
+
+def test_an_unknown_serving_type_is_assumed_to_have_two_vcpus() -> None:
+    larger = slow_advice(arch=None, instance_type="x9.unknown")["larger_instance"]
+    # 2 → 4 vCPUs: 10 ms fixed + 70 ms x 2/4.
+    assert larger["estimated_p95_ms"] == 45.0
+    assert "2 measured → 4" in str(larger["assumption"])
+
+
+def test_estimates_and_gap_are_rounded_to_the_microsecond() -> None:
+    odd = {"p95_ms": 80.0012, "error_rate": 0.0, "accuracy": 0.97, "throughput_rps": 100.0}
+    suggestions = advise(odd, SLO_50, arch=None, int8_tried=False, region="us-east-1")
+    int8 = next(s for s in suggestions if s["action"] == "int8")
+    assert int8["estimated_p95_ms"] == 40.001
+    assert int8["gap_ms"] == 30.001
+
+
+def test_a_p95_that_int8_brings_exactly_to_the_slo_meets_it() -> None:
+    exact = {"p95_ms": 100.0, "error_rate": 0.0, "accuracy": 0.97}
+    suggestions = advise(exact, SLO_50, arch=None, int8_tried=False, region="us-east-1")
+    int8 = next(s for s in suggestions if s["action"] == "int8")
+    assert int8["estimated_p95_ms"] == 50.0 and int8["meets_slo"] is True
+
+
+def test_without_a_bare_onnxruntime_figure_all_of_p95_is_assumed_to_scale() -> None:
+    for extra in ({}, {"p50_ms": 40.0}, {"bare_onnxruntime_p50_ms": 30.0}):
+        candidate = {"p95_ms": 80.0, "error_rate": 0.0, "accuracy": 0.97, **extra}
+        by_action = {
+            s["action"]: s
+            for s in advise(candidate, SLO_50, arch=None, int8_tried=False, region="us-east-1")
+        }
+        assert by_action["int8"]["estimated_p95_ms"] == 40.0
+        assert by_action["gpu_serving"]["estimated_p95_ms"] == 1.0  # no fixed share left
+        assert "all of p95 is assumed to scale" in by_action["int8"]["assumption"]
+
+
+def test_a_bare_onnxruntime_median_above_the_served_one_leaves_no_fixed_share() -> None:
+    odd = {**SLOW, "p50_ms": 30.0, "bare_onnxruntime_p50_ms": 40.0}
+    by_action = {
+        s["action"]: s for s in advise(odd, SLO_50, arch=None, int8_tried=False, region="us-east-1")
+    }
+    assert by_action["int8"]["estimated_p95_ms"] == 40.0
+    assert by_action["gpu_serving"]["estimated_p95_ms"] == 1.0
+
+
+def test_a_trickle_of_throughput_is_still_priced() -> None:
+    trickle = {**SLOW, "throughput_rps": 0.5}
+    suggestions = advise(trickle, SLO_50, arch=None, int8_tried=False, region="us-east-1")
+    int8 = next(s for s in suggestions if s["action"] == "int8")
+    assert int8["estimated_throughput_rps"] == pytest.approx(0.89, abs=0.01)
+    assert int8["cost_per_million_usd"] is not None and int8["cost_per_million_usd"] > 0
+
+
+def test_no_measured_throughput_leaves_the_advice_unpriced_saying_so() -> None:
+    unmeasured = {**SLOW, "throughput_rps": None}
+    suggestions = advise(unmeasured, SLO_50, arch="resnet18", int8_tried=False, region="us-east-1")
+    assert len(suggestions) == 4
+    assert all(s["cost_per_million_usd"] is None for s in suggestions)
+    assert all(s["price_note"] == "no measured throughput to price from" for s in suggestions)
+
+
+# -- the order of advice -------------------------------------------------------------------------
+
+
+def test_advice_that_meets_the_slo_comes_before_cheaper_advice_that_does_not() -> None:
+    hopeless = {**SLOW, "p95_ms": 900.0}
+    suggestions = advise(hopeless, SLO_50, arch=None, int8_tried=False, region="us-east-1")
+    assert [s["action"] for s in suggestions] == ["gpu_serving", "int8", "larger_instance"]
+    assert [s["meets_slo"] for s in suggestions] == [True, False, False]
+    # The CPU options cost less per 1M yet cannot close the gap.
+    assert suggestions[1]["cost_per_million_usd"] < suggestions[0]["cost_per_million_usd"]
+
+
+def test_advice_is_cheapest_first_and_unpriced_advice_comes_last() -> None:
+    by_cost = advise(SLOW, SLO_50, arch="resnet18", int8_tried=False, region="us-east-1")
+    assert [s["action"] for s in by_cost] == [
+        "smaller_model",
+        "int8",
+        "larger_instance",
+        "gpu_serving",
+    ]
+    # Serving on a type the price table lacks: the advice that stays on it has no price.
+    mixed = advise(
+        SLOW, SLO_50, arch="resnet18", int8_tried=False, region="us-east-1", instance_type="x9.big"
+    )
+    assert [s["cost_per_million_usd"] is None for s in mixed] == [False, False, True, True]
+    assert all(s["meets_slo"] for s in mixed)
