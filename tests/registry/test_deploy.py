@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from onnx import numpy_helper
 
 from burstcv.gate.gate import GateThresholds, judge
 from burstcv.gate.latency import drive, staging_service
+from burstcv.registry import deploy as deploy_module
 from burstcv.registry.deploy import DeployError, deploy, rollback
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, RegistryError
 
@@ -462,3 +464,355 @@ def test_deploys_under_load_drop_no_request(registry: Registry, tmp_path: Path) 
     assert len(answers) > 50 and failures == [], failures[:3]
     assert {version for _, version, _ in answers} == {1, *versions}
     assert all(label == str((version or 0) % 10) for _, version, label in answers)
+
+
+# -- the deploy's decisions, against in-process stand-in services ------------------------------
+
+
+@dataclass
+class Answer:
+    """What a stand-in service answers one call with (after ``delay_s``)."""
+
+    status: int = 200
+    body: Any = None  # a dict is sent as JSON, a str as text/plain
+    delay_s: float = 0.0
+    together: threading.Barrier | None = None  # answer only once every party has been called
+
+
+class FakeService:
+    """A stand-in serving process: answers stage and reload as scripted, records every call.
+
+    By default it stages anything and, on reload, serves what production names (as the real
+    service does); ``stage`` / ``reload`` answers queued here are used first, in order.
+    """
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self.stage: list[Answer] = []
+        self.reload: list[Answer] = []
+        self.stage_always: Answer | None = None
+        self.reload_always: Answer | None = None
+        self.calls: list[tuple[str, Any, str]] = []  # path, JSON body, Authorization
+        self.lock = threading.Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                fake.answer(self, raw)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def paths(self) -> list[str]:
+        """Return the paths called, in order."""
+        return [path for path, _, _ in self.calls]
+
+    def answer(self, handler: BaseHTTPRequestHandler, raw: bytes) -> None:
+        path = handler.path
+        with self.lock:
+            self.calls.append(
+                (path, json.loads(raw) if raw else None, handler.headers.get("Authorization", ""))
+            )
+            queue, always = (
+                (self.stage, self.stage_always)
+                if path.endswith("/stage")
+                else (self.reload, self.reload_always)
+            )
+            scripted = queue.pop(0) if queue else always
+        if scripted is None:
+            body = json.loads(raw) if path.endswith("/stage") else None
+            prod = self.registry.get_alias(PRODUCTION)
+            scripted = Answer(body={"version": body["version"] if body else prod.version})
+        time.sleep(scripted.delay_s)
+        if scripted.together is not None:
+            try:
+                scripted.together.wait()
+            except threading.BrokenBarrierError:
+                scripted = Answer(500, {"detail": "called alone: the calls were not in parallel"})
+        text = scripted.body if isinstance(scripted.body, str) else json.dumps(scripted.body)
+        data = text.encode()
+        try:
+            handler.send_response(scripted.status)
+            kind = "text/plain" if isinstance(scripted.body, str) else "application/json"
+            handler.send_header("Content-Type", kind)
+            handler.send_header("Content-Length", str(len(data)))
+            handler.end_headers()
+            handler.wfile.write(data)
+        except OSError:
+            pass  # the caller gave up waiting
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fakes(registry: Registry) -> Iterator[list[FakeService]]:
+    """Return two stand-in services for the registry (production on version 1)."""
+    made = [FakeService(registry), FakeService(registry)]
+    yield made
+    for fake in made:
+        fake.close()
+
+
+class VirtualClock:
+    """Stand in for the deploy module's ``time``: sleeps advance a clock instead of waiting."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> VirtualClock:
+    """Make the deploy's retries wait on a virtual clock (calls still go over real HTTP)."""
+    virtual = VirtualClock()
+    monkeypatch.setattr(deploy_module, "time", virtual)
+    return virtual
+
+
+def register(registry: Registry, tmp_path: Path, seed: int, status: str = "accepted") -> int:
+    """Register a real classifier for ``seed`` and return its version."""
+    return registry.register(
+        str(write_model_dir(tmp_path / f"v{seed}-{status}", seed)),
+        {"status": status, "reason": "" if status == "accepted" else "p95 too high"},
+    )
+
+
+def test_a_deploy_stages_everywhere_then_switches_every_service(
+    registry: Registry, fakes: list[FakeService], tmp_path: Path
+) -> None:
+    v2 = register(registry, tmp_path, 2)
+    urls = [f.url + "/" for f in fakes]  # a trailing slash is tolerated
+    result = deploy(registry, v2, service_urls=urls, token=TOKEN, timeout_s=VERIFY_TIMEOUT_S)
+    assert result.to_dict() == {
+        "version": 2,
+        "previous_version": 1,
+        "services": {f.url: {"version": 2} for f in fakes},
+        "staged": {f.url: {"version": 2} for f in fakes},
+    }
+    assert aliases(registry) == (2, 1)
+    whose = {"registry": str((tmp_path / "registry").resolve()), "model": MODEL}
+    for fake in fakes:  # asked once each: stage (saying whose model), then reload
+        assert fake.calls == [
+            (
+                "/v1/admin/stage",
+                {"version": 2, "sha256": registry.model_card(2).sha256, **whose},
+                f"Bearer {TOKEN}",
+            ),
+            ("/v1/admin/reload", None, f"Bearer {TOKEN}"),
+        ]
+
+
+def test_services_stage_in_parallel(
+    registry: Registry, fakes: list[FakeService], tmp_path: Path
+) -> None:
+    v2 = register(registry, tmp_path, 2)
+    both_asked = threading.Barrier(2, timeout=5)  # each answers once the other is asked too
+    for fake in fakes:
+        fake.stage.append(Answer(body={"version": 2}, together=both_asked))
+    result = deploy(registry, v2, service_urls=[f.url for f in fakes], token=TOKEN, timeout_s=10)
+    assert result.version == 2 and aliases(registry) == (2, 1)
+
+
+def test_with_no_service_configured_only_the_registry_moves(
+    registry: Registry, tmp_path: Path
+) -> None:
+    v2 = register(registry, tmp_path, 2)
+    result = deploy(registry, v2, service_urls=[], token=TOKEN, timeout_s=1)
+    assert (result.version, result.previous_version, result.services, result.staged) == (
+        2,
+        1,
+        {},
+        {},
+    )
+    assert aliases(registry) == (2, 1)
+
+
+def test_a_refusal_ends_the_deploy_without_waiting_for_slower_services(
+    registry: Registry, fakes: list[FakeService], tmp_path: Path
+) -> None:
+    v2 = register(registry, tmp_path, 2)
+    refusing, slow = fakes
+    refusing.stage.append(Answer(409, {"detail": "version 2 failed:\n  out of memory"}))
+    slow.stage.append(Answer(delay_s=4.0, body={"version": 2}))
+    started = time.monotonic()
+    with pytest.raises(DeployError) as caught:
+        deploy(registry, v2, service_urls=[refusing.url, slow.url], token=TOKEN, timeout_s=10)
+    assert time.monotonic() - started < 3.0
+    assert str(caught.value) == (
+        f"{refusing.url} cannot serve version 2: HTTP 409: version 2 failed: out of memory; "
+        "production left at version 1"
+    )
+    assert aliases(registry) == (1, None)
+    assert "/v1/admin/reload" not in refusing.paths() + slow.paths()
+
+
+@pytest.mark.parametrize(
+    ("answer", "words"),
+    [
+        (Answer(500, "disk full\n"), "HTTP 500: disk full"),
+        (Answer(500, ""), "HTTP 500: Internal Server Error"),
+        (Answer(422, {"detail": [{"msg": "bad"}]}), 'HTTP 422: {"detail": [{"msg": "bad"}]}'),
+    ],
+)
+def test_a_refusal_quotes_the_service_in_one_line(
+    registry: Registry, fakes: list[FakeService], tmp_path: Path, answer: Answer, words: str
+) -> None:
+    v2 = register(registry, tmp_path, 2)
+    fakes[0].stage.append(answer)
+    with pytest.raises(DeployError) as caught:
+        deploy(registry, v2, service_urls=[fakes[0].url], token=TOKEN, timeout_s=5)
+    assert str(caught.value) == (
+        f"{fakes[0].url} cannot serve version 2: {words}; production left at version 1"
+    )
+    (refusal,) = registry.history()[-1:]
+    assert (refusal.from_version, refusal.to_version, refusal.result) == (1, 2, "refused")
+
+
+def test_a_busy_service_is_called_again_with_growing_waits(
+    registry: Registry, fakes: list[FakeService], tmp_path: Path, clock: VirtualClock
+) -> None:
+    v2 = register(registry, tmp_path, 2)
+    busy = fakes[0]
+    busy.stage.extend([Answer(503, {"detail": "loading"})] * 6)
+    result = deploy(registry, v2, service_urls=[busy.url], token=TOKEN, timeout_s=30)
+    assert result.version == 2 and aliases(registry) == (2, 1)
+    assert clock.sleeps == [0.25, 0.5, 1.0, 2.0, 2.0, 2.0]  # doubling, at most 2 s
+    assert busy.paths() == ["/v1/admin/stage"] * 7 + ["/v1/admin/reload"]
+
+
+def test_a_service_still_busy_at_the_timeout_refuses_with_its_last_answer(
+    registry: Registry, fakes: list[FakeService], tmp_path: Path, clock: VirtualClock
+) -> None:
+    v2 = register(registry, tmp_path, 2)
+    busy = fakes[0]
+    busy.stage_always = Answer(503, {"detail": "shedding load"})
+    # Calls at 0, 0.25 and 0.75 s; the next would come at 1.75 s, the deadline: it is not made.
+    with pytest.raises(DeployError, match=r"HTTP 503: shedding load; production left at version 1"):
+        deploy(registry, v2, service_urls=[busy.url], token=TOKEN, timeout_s=1.75)
+    assert clock.sleeps == [0.25, 0.5] and len(busy.calls) == 3
+    assert aliases(registry) == (1, None)
+
+
+def test_a_service_that_never_listens_is_given_up_on_at_the_timeout(
+    registry: Registry, tmp_path: Path, clock: VirtualClock
+) -> None:
+    v2 = register(registry, tmp_path, 2)
+    nobody = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(DeployError) as caught:
+        deploy(registry, v2, service_urls=[nobody], token=TOKEN, timeout_s=1.75)
+    message = str(caught.value)
+    assert message.startswith(f"{nobody} cannot serve version 2: ConnectError")
+    assert message.endswith("(3 tries over 1.75 s); production left at version 1")
+    assert clock.sleeps == [0.25, 0.5]
+    assert aliases(registry) == (1, None)
+
+
+def test_every_call_gets_at_least_half_a_second_to_answer(
+    registry: Registry, fakes: list[FakeService], tmp_path: Path
+) -> None:
+    v2 = register(registry, tmp_path, 2)
+    prompt, slow = fakes
+    prompt.stage.append(Answer(delay_s=0.2, body={"version": 2}))
+    assert deploy(registry, v2, service_urls=[prompt.url], token=TOKEN, timeout_s=0.01).version == 2
+    v3 = register(registry, tmp_path, 3)
+    slow.stage.append(Answer(delay_s=0.65, body={"version": 3}))
+    with pytest.raises(DeployError, match=f"{slow.url} cannot serve version 3: ReadTimeout"):
+        deploy(registry, v3, service_urls=[slow.url], token=TOKEN, timeout_s=0.01)
+    assert aliases(registry) == (2, 1)
+
+
+def test_a_failed_switch_puts_production_back_and_switches_every_service_back(
+    registry: Registry, fakes: list[FakeService], tmp_path: Path
+) -> None:
+    v2 = register(registry, tmp_path, 2)
+    good, stuck = fakes
+    stuck.reload_always = Answer(body={"version": 1})  # it keeps serving version 1
+    with pytest.raises(DeployError) as caught:
+        deploy(registry, v2, service_urls=[good.url, stuck.url], token=TOKEN, timeout_s=5)
+    assert str(caught.value) == (
+        f"version 2 failed to switch ({stuck.url}: it serves version 1, not 2); "
+        "production restored to version 1"
+    )
+    assert aliases(registry) == (1, None)
+    # Both are told to reload again: the good one had switched to 2 and must come back.
+    assert good.paths() == ["/v1/admin/stage", "/v1/admin/reload", "/v1/admin/reload"]
+    assert stuck.paths() == ["/v1/admin/stage", "/v1/admin/reload", "/v1/admin/reload"]
+
+
+def test_a_failed_first_deploy_unsets_production_and_reloads_nothing_more(
+    tmp_path: Path,
+) -> None:
+    reg = Registry(str(tmp_path / "registry"), MODEL)
+    v1 = register(reg, tmp_path, 1)
+    fake = FakeService(reg)
+    try:
+        fake.reload_always = Answer(503, {"detail": "no model yet"})
+        with pytest.raises(DeployError, match=r"; production restored to nothing$"):
+            deploy(reg, v1, service_urls=[fake.url], token=TOKEN, timeout_s=0.01)
+        assert aliases(reg) == (None, None)
+        assert fake.paths() == ["/v1/admin/stage", "/v1/admin/reload"]
+    finally:
+        fake.close()
+
+
+def test_redeploying_production_that_a_service_does_not_serve_says_so(
+    registry: Registry, fakes: list[FakeService]
+) -> None:
+    fakes[0].reload_always = Answer(body={"version": 7})
+    with pytest.raises(DeployError) as caught:
+        deploy(registry, 1, service_urls=[fakes[0].url], token=TOKEN, timeout_s=5)
+    assert str(caught.value) == (
+        f"version 1 is production but not served: {fakes[0].url}: it serves version 7, not 1"
+    )
+    assert aliases(registry) == (1, None)  # nothing to put back
+
+
+def test_a_rejected_version_is_refused_before_any_service_is_called(
+    registry: Registry, fakes: list[FakeService], tmp_path: Path
+) -> None:
+    rejected = register(registry, tmp_path, 2, status="rejected")
+    with pytest.raises(RegistryError, match="rejected by the gate: p95 too high"):
+        deploy(registry, rejected, service_urls=[fakes[0].url], token=TOKEN, timeout_s=5)
+    assert fakes[0].calls == [] and aliases(registry) == (1, None)
+    refusal = registry.history()[-1]
+    assert (refusal.from_version, refusal.to_version, refusal.result) == (1, 2, "refused")
+
+
+def test_rollback_returns_to_a_previous_version_even_one_the_gate_rejected(
+    tmp_path: Path,
+) -> None:
+    reg = Registry(str(tmp_path / "registry"), MODEL)
+    forced = register(reg, tmp_path, 1, status="rejected")
+    reg.promote(forced, force=True)  # an operator's explicit call
+    fake = FakeService(reg)
+    try:
+        deploy(reg, register(reg, tmp_path, 2), service_urls=[fake.url], token=TOKEN, timeout_s=5)
+        result = rollback(reg, service_urls=[fake.url], token=TOKEN, timeout_s=5)
+    finally:
+        fake.close()
+    assert (result.version, result.previous_version) == (1, 2)
+    assert result.services == {fake.url: {"version": 1}}
+    assert aliases(reg) == (1, 2)
+
+
+def test_rollback_without_a_previous_version_calls_no_service(
+    registry: Registry, fakes: list[FakeService]
+) -> None:
+    with pytest.raises(RegistryError, match="digits has no previous version to roll back to"):
+        rollback(registry, service_urls=[fakes[0].url], token=TOKEN, timeout_s=5)
+    assert fakes[0].calls == [] and aliases(registry) == (1, None)
