@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import os
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import boto3
+import pytest
 from botocore.exceptions import ClientError
 from burstcv_testkit import HELD_WHEEL
 
 from burstcv import pipeline
-from burstcv.compute.base import TAG_RUN_ID, LaunchRequest
+from burstcv.compute.base import ENDING, RUNNING, STOPPED, TAG_RUN_ID, InstanceInfo, LaunchRequest
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.compute.reaper import (
     REASON_EXPIRED,
     REASON_RUN_NOT_ACTIVE,
+    REASON_UNTRACEABLE,
     RunActivity,
+    decide,
     reap,
 )
 from burstcv.settings import Settings
@@ -269,3 +272,305 @@ def test_burstcv_reap_exits_non_zero_when_the_pass_counted_errors(
     assert "throttled" in result.output and "1 error(s) in this pass" in result.output
     pass_with_an_error[0]["errors"] = []
     assert CliRunner().invoke(cli.app, ["reap"]).exit_code == 0
+
+
+# --- The decision, without the emulator: an in-memory backend and a scripted Airflow. ---
+
+NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
+
+
+def box(
+    iid: str,
+    run_id: str = "",
+    *,
+    expires_at: datetime | None = None,
+    state: str = RUNNING,
+    dag_id: str = DAG_ID,
+) -> InstanceInfo:
+    """Return a managed box of ``run_id`` (by default its id doubles as its run id)."""
+    return InstanceInfo(iid, run_id or f"run-{iid}", dag_id, state, expires_at=expires_at)
+
+
+class FakeBackend:
+    """Hold managed boxes in memory; record every terminate and refuse the ids it is told to."""
+
+    name = "fake"
+
+    def __init__(self, *boxes: InstanceInfo, refuse: tuple[str, ...] = ()) -> None:
+        self.boxes = list(boxes)
+        self.refuse = set(refuse)
+        self.terminated: list[str] = []
+        self.events: list[str] = []
+        self.listings = 0
+
+    def list_managed(self) -> list[InstanceInfo]:
+        self.listings += 1
+        return list(self.boxes)
+
+    def terminate(self, instance_ids: list[str]) -> None:
+        for iid in instance_ids:
+            self.events.append(f"terminate {iid}")
+            if iid in self.refuse:
+                raise RuntimeError(f"refused to terminate {iid}")
+            self.terminated.append(iid)
+
+
+class Airflow:
+    """Answer the reaper's one question from a table of run states; record who was asked."""
+
+    def __init__(
+        self,
+        answers: dict[str, object],
+        events: list[str] | None = None,
+    ) -> None:
+        self.answers = answers
+        self.asked: list[tuple[str, str]] = []
+        self.events = events if events is not None else []
+
+    def __call__(self, dag_id: str, run_id: str) -> RunActivity:
+        self.asked.append((dag_id, run_id))
+        self.events.append(f"ask {run_id}")
+        answer = self.answers.get(run_id, RunActivity.ACTIVE)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer  # type: ignore[return-value]
+
+
+def test_a_live_runs_box_is_kept_and_a_finished_runs_box_goes() -> None:
+    live, done = box("i-live", "live"), box("i-done", "done")
+    backend = FakeBackend(live, done)
+    airflow = Airflow({"live": RunActivity.ACTIVE, "done": RunActivity.OVER})
+    report = reap(backend, run_activity=airflow, now=NOW)
+    assert backend.terminated == ["i-done"]
+    assert report.instance_ids == ["i-done"]
+    assert report.decisions[0].reason == REASON_RUN_NOT_ACTIVE
+    assert (report.decisions[0].run_id, report.decisions[0].dag_id) == ("done", DAG_ID)
+    assert report.kept == ["i-live"]
+    assert report.errors == [] and report.warnings == []
+    assert sorted(airflow.asked) == [(DAG_ID, "done"), (DAG_ID, "live")]
+    assert backend.listings == 1
+
+
+def test_a_box_without_an_expiry_tag_lives_as_long_as_its_run() -> None:
+    backend = FakeBackend(box("i-1", "live"))
+    report = reap(backend, run_activity=Airflow({"live": RunActivity.ACTIVE}), now=NOW)
+    assert backend.terminated == [] and report.kept == ["i-1"]
+    assert report.errors == []
+
+
+def test_an_expired_box_goes_even_while_airflow_says_its_run_is_active() -> None:
+    backend = FakeBackend(box("i-old", "live", expires_at=NOW - timedelta(minutes=1)))
+    airflow = Airflow({"live": RunActivity.ACTIVE})
+    report = reap(backend, run_activity=airflow, now=NOW)
+    assert backend.terminated == ["i-old"]
+    assert [d.reason for d in report.decisions] == [REASON_EXPIRED]
+    assert airflow.asked == []  # expiry alone decides: Airflow is not even asked
+    assert report.kept == []
+
+
+def test_a_box_goes_exactly_at_its_expiry_instant_and_not_a_moment_before() -> None:
+    airflow = Airflow({"live": RunActivity.ACTIVE})
+    at = FakeBackend(box("i-1", "live", expires_at=NOW))
+    assert reap(at, run_activity=airflow, now=NOW).instance_ids == ["i-1"]
+    before = FakeBackend(box("i-1", "live", expires_at=NOW + timedelta(microseconds=1)))
+    report = reap(before, run_activity=airflow, now=NOW)
+    assert before.terminated == [] and report.kept == ["i-1"]
+
+
+def test_expired_boxes_go_before_airflow_is_asked_about_any_other() -> None:
+    # Listed after a finished run's box, the box that expires right now still goes first:
+    # a slow or hanging Airflow can never keep an expired box alive.
+    backend = FakeBackend(box("i-finished", "finished"), box("i-expired", "live", expires_at=NOW))
+    airflow = Airflow({"finished": RunActivity.OVER}, events=backend.events)
+    report = reap(backend, run_activity=airflow, now=NOW)
+    assert backend.events == ["terminate i-expired", "ask finished", "terminate i-finished"]
+    assert report.instance_ids == ["i-expired", "i-finished"]
+    assert [d.reason for d in report.decisions] == [REASON_EXPIRED, REASON_RUN_NOT_ACTIVE]
+
+
+def test_expired_boxes_go_while_airflow_is_down() -> None:
+    backend = FakeBackend(
+        box("i-expired", "a", expires_at=NOW - timedelta(hours=1)),
+        box("i-young", "b", expires_at=NOW + timedelta(hours=1)),
+    )
+    down = ConnectionError("metadata database unreachable")
+    report = reap(backend, run_activity=Airflow({"a": down, "b": down}), now=NOW)
+    assert backend.terminated == ["i-expired"]
+    assert report.kept == ["i-young"]
+    assert [(e.instance_id, e.step) for e in report.errors] == [("i-young", "check-run")]
+    assert "ConnectionError: metadata database unreachable" in report.errors[0].error
+
+
+def test_a_box_missing_its_run_or_dag_tag_goes_without_asking_airflow() -> None:
+    no_run = InstanceInfo("i-no-run", "", DAG_ID, RUNNING)
+    no_dag = InstanceInfo("i-no-dag", "some-run", "", RUNNING)
+    backend = FakeBackend(no_run, no_dag)
+    airflow = Airflow({})  # would say ACTIVE to anything
+    report = reap(backend, run_activity=airflow, now=NOW)
+    assert backend.terminated == ["i-no-run", "i-no-dag"]
+    assert [d.reason for d in report.decisions] == [REASON_UNTRACEABLE, REASON_UNTRACEABLE]
+    assert airflow.asked == [] and report.kept == []
+
+
+def test_an_unclassified_run_keeps_its_box_with_a_warning() -> None:
+    backend = FakeBackend(box("i-1", "odd"), box("i-2", "live"))
+    airflow = Airflow({"odd": RunActivity.UNKNOWN, "live": RunActivity.ACTIVE})
+    report = reap(backend, run_activity=airflow, now=NOW)
+    assert backend.terminated == [] and report.kept == ["i-1", "i-2"]
+    (warning,) = report.warnings  # one, about the unclassified run only
+    assert f"{DAG_ID}/odd" in warning
+    assert report.errors == []
+    assert "1 warning(s)" in report.summary()
+    assert report.to_dict()["warnings"] == [warning]
+
+
+def test_an_answer_that_is_not_a_run_activity_keeps_the_box_and_counts_an_error() -> None:
+    backend = FakeBackend(box("i-1", "odd"), box("i-2", "done"))
+    report = reap(backend, run_activity=Airflow({"odd": "over", "done": RunActivity.OVER}), now=NOW)
+    assert backend.terminated == ["i-2"]
+    assert report.kept == ["i-1"]
+    assert [(e.instance_id, e.run_id, e.step) for e in report.errors] == [
+        ("i-1", "odd", "check-run")
+    ]
+    assert report.errors[0].error.startswith("TypeError")
+
+
+def test_a_refused_terminate_is_counted_and_the_others_still_go() -> None:
+    backend = FakeBackend(
+        box("i-expired-refused", expires_at=NOW),
+        box("i-expired", expires_at=NOW),
+        box("i-done-refused", "done-1"),
+        box("i-done", "done-2"),
+        refuse=("i-expired-refused", "i-done-refused"),
+    )
+    airflow = Airflow({"done-1": RunActivity.OVER, "done-2": RunActivity.OVER})
+    report = reap(backend, run_activity=airflow, now=NOW)
+    assert backend.terminated == ["i-expired", "i-done"]
+    assert report.instance_ids == ["i-expired", "i-done"]  # only what really went
+    assert [(e.instance_id, e.step) for e in report.errors] == [
+        ("i-expired-refused", "terminate"),
+        ("i-done-refused", "terminate"),
+    ]
+    assert "refused to terminate i-done-refused" in report.errors[1].error
+    assert report.summary() == (
+        "reaper: terminated i-expired (expired), i-done (run-not-active); kept 0; 2 error(s)"
+    )
+
+
+def test_a_stopped_box_is_neither_terminated_nor_asked_about_nor_kept() -> None:
+    backend = FakeBackend(
+        box("i-gone", "done", state=STOPPED, expires_at=NOW - timedelta(hours=1)),
+        box("i-ending", "done", state=ENDING),
+    )
+    airflow = Airflow({"done": RunActivity.OVER})
+    report = reap(backend, run_activity=airflow, now=NOW)
+    # A shutting-down box still bills: it goes; a stopped one is already gone.
+    assert backend.terminated == ["i-ending"]
+    assert airflow.asked == [(DAG_ID, "done")]
+    assert report.kept == [] and report.errors == []
+
+
+def test_the_boxes_the_caller_already_listed_are_the_ones_reaped() -> None:
+    listed = box("i-listed", "done")
+    backend = FakeBackend(box("i-other", "done"))
+    report = reap(
+        backend,
+        run_activity=Airflow({"done": RunActivity.OVER}),
+        now=NOW,
+        managed=[listed],
+    )
+    assert backend.listings == 0
+    assert backend.terminated == ["i-listed"]
+    assert report.instance_ids == ["i-listed"]
+
+
+def test_without_a_now_the_pass_uses_the_current_time() -> None:
+    backend = FakeBackend(
+        box("i-past", expires_at=datetime.now(UTC) - timedelta(minutes=1)),
+        box("i-future", expires_at=datetime.now(UTC) + timedelta(hours=1)),
+    )
+    before = datetime.now(UTC)
+    report = reap(backend, run_activity=Airflow({}))
+    assert before <= report.checked_at <= datetime.now(UTC)
+    assert backend.terminated == ["i-past"] and report.kept == ["i-future"]
+
+
+def test_the_given_now_decides_not_the_clock() -> None:
+    # A pass replayed for a moment long past: boxes young then are kept, whatever today is.
+    then = datetime(2020, 1, 1, tzinfo=UTC)
+    backend = FakeBackend(box("i-1", expires_at=then + timedelta(hours=1)))
+    report = reap(backend, run_activity=Airflow({}), now=then)
+    assert report.checked_at == then
+    assert backend.terminated == [] and report.kept == ["i-1"]
+
+
+def test_a_dry_run_terminates_nothing_and_reports_what_it_would() -> None:
+    backend = FakeBackend(box("i-expired", expires_at=NOW), box("i-done", "done"), box("i-live"))
+    airflow = Airflow({"done": RunActivity.OVER})
+    report = reap(backend, run_activity=airflow, now=NOW, dry_run=True)
+    assert backend.terminated == [] and backend.events == []
+    assert report.dry_run and report.instance_ids == ["i-expired", "i-done"]
+    data = report.to_dict()
+    assert "terminated" not in data
+    assert [d["instance_id"] for d in data["would_terminate"]] == ["i-expired", "i-done"]
+    assert data["kept"] == ["i-live"] and data["checked_at"] == NOW.isoformat()
+    assert report.summary() == (
+        "reaper: would terminate i-expired (expired), i-done (run-not-active); kept 1"
+    )
+
+
+def test_a_real_pass_terminates_by_default_and_reports_it() -> None:
+    backend = FakeBackend(box("i-done", "done"))
+    report = reap(backend, run_activity=Airflow({"done": RunActivity.OVER}), now=NOW)
+    assert backend.terminated == ["i-done"]
+    assert not report.dry_run
+    data = report.to_dict()
+    assert "would_terminate" not in data and data["dry_run"] is False
+    assert [d["reason"] for d in data["terminated"]] == [REASON_RUN_NOT_ACTIVE]
+    assert report.summary() == "reaper: terminated i-done (run-not-active); kept 0"
+
+
+def test_a_pass_with_nothing_to_terminate_says_how_many_it_kept() -> None:
+    backend = FakeBackend(box("i-1"), box("i-2", "odd"), box("i-3", "broken"))
+    airflow = Airflow({"odd": RunActivity.UNKNOWN, "broken": ConnectionError("down")})
+    report = reap(backend, run_activity=airflow, now=NOW)
+    assert report.instance_ids == []
+    assert report.summary() == (
+        "reaper: nothing to terminate (3 managed instance(s) kept); 1 error(s); 1 warning(s)"
+    )
+    assert reap(FakeBackend(), run_activity=airflow, now=NOW).summary() == (
+        "reaper: nothing to terminate (0 managed instance(s) kept)"
+    )
+
+
+def test_decide_says_why_a_box_goes_or_none_to_keep_it() -> None:
+    airflow = Airflow({"live": RunActivity.ACTIVE, "done": RunActivity.OVER})
+    expired = decide(box("i-1", "live", expires_at=NOW), run_activity=airflow, now=NOW)
+    assert expired is not None
+    assert (expired.instance_id, expired.reason) == ("i-1", REASON_EXPIRED)
+    assert expired.detail == f"expired at {NOW.isoformat()}"
+    assert airflow.asked == []  # an expired box needs no question
+    young = box("i-2", "live", expires_at=NOW + timedelta(seconds=1))
+    assert decide(young, run_activity=airflow, now=NOW) is None
+    assert decide(box("i-3", "live"), run_activity=airflow, now=NOW) is None
+    over = decide(box("i-4", "done"), run_activity=airflow, now=NOW)
+    assert over is not None and over.reason == REASON_RUN_NOT_ACTIVE
+    assert f"{DAG_ID}/done" in over.detail
+    assert airflow.asked == [(DAG_ID, "live"), (DAG_ID, "live"), (DAG_ID, "done")]
+
+
+def test_decide_keeps_nothing_that_no_run_can_own() -> None:
+    airflow = Airflow({})
+    for info in (
+        InstanceInfo("i-1", "", DAG_ID, RUNNING),
+        InstanceInfo("i-2", "run", "", RUNNING),
+        InstanceInfo("i-3", "", "", RUNNING),
+    ):
+        decision = decide(info, run_activity=airflow, now=NOW)
+        assert decision is not None and decision.reason == REASON_UNTRACEABLE, info
+    assert airflow.asked == []
+
+
+def test_decide_refuses_an_answer_that_is_not_a_run_activity() -> None:
+    with pytest.raises(TypeError, match="not a RunActivity"):
+        decide(box("i-1"), run_activity=lambda dag, run: True, now=NOW)  # type: ignore[arg-type,return-value]
