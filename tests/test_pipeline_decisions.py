@@ -1,4 +1,5 @@
-"""The pipeline's own decisions: when a run has nothing new to train on, why deploy skips."""
+"""The pipeline's own decisions: when a run has nothing new to train on, why deploy skips,
+how long a run may last on its budget."""
 
 from __future__ import annotations
 
@@ -50,6 +51,18 @@ def settings(tmp_path: Path) -> Settings:
     return s
 
 
+def promote_production(settings: Settings, tmp_path: Path, recorded: dict[str, object]) -> None:
+    """Register and promote a new production version made from FINGERPRINT with these params."""
+    model_dir = write_model_dir(
+        tmp_path / "model-v2",
+        b"another onnx file",
+        run_id="manual__second",
+        dataset_fingerprint=FINGERPRINT,
+    )
+    registry = Registry(settings.registry_uri, settings.model_name)
+    registry.promote(registry.register(str(model_dir), {"status": "accepted", "params": recorded}))
+
+
 def decide(settings: Settings, fingerprint: str = FINGERPRINT, **params: object) -> str | None:
     run_params = RunParams(dataset_uri="/data/digits-copy", **{"epochs": 3, **params})
     return pipeline.nothing_new_to_train(RUN, run_params, validated(fingerprint), settings=settings)
@@ -63,6 +76,9 @@ def test_production_data_and_params_need_no_training(
     assert reason is not None and reason.startswith("nothing new to train on:")
     assert "production version 1 (run manual__first)" in reason
     assert "model auto, pretrained auto, epochs 3" in reason and "force_train" in reason
+    assert f"(fingerprint {FINGERPRINT[:12]})" in reason
+    # Params left unset are not listed as if they had a value.
+    assert "None" not in reason and "batch_size" not in reason and "expected_classes" not in reason
     assert reason in caplog.messages
     skip = read_artifact(pipeline.run_layout(RUN, settings).skip, SkipRecord)
     assert skip.reason == reason and skip.production_version == 1
@@ -142,12 +158,41 @@ def test_a_change_to_how_the_run_goes_is_still_nothing_new(
     assert decide(settings, **change) is not None
 
 
+def test_no_pretrained_weights_is_not_listed_as_a_param(settings: Settings, tmp_path: Path) -> None:
+    from_scratch = RunParams(dataset_uri="/data/digits", epochs=3, pretrained="none")
+    promote_production(settings, tmp_path, from_scratch.model_dump(mode="json"))
+    reason = decide(settings, pretrained="none")
+    assert reason is not None and "production version 2 (run manual__second)" in reason
+    assert "model auto, epochs 3" in reason and "pretrained" not in reason
+
+
+def test_a_param_production_did_not_record_had_its_default(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """A production version made before a param existed was made with that param's default."""
+    recorded = RunParams(dataset_uri="/data/digits", epochs=3).model_dump(mode="json")
+    del recorded["backbone_lr_scale"], recorded["int8_max_accuracy_drop"]
+    promote_production(settings, tmp_path, recorded)
+    reason = decide(settings)
+    assert reason is not None and "production version 2" in reason
+    assert decide(settings, backbone_lr_scale=0.5) is None
+    assert decide(settings, int8_max_accuracy_drop=0.05) is None
+
+
 def test_another_image_size_trains(settings: Settings) -> None:
     run_params = RunParams(dataset_uri="/data/digits", epochs=3)
     decided = pipeline.nothing_new_to_train(
         RUN, run_params, validated(FINGERPRINT, image_size=64), settings=settings
     )
     assert decided is None
+
+
+def test_the_same_image_size_with_another_resize_trains(settings: Settings) -> None:
+    run_params = RunParams(dataset_uri="/data/digits", epochs=3)
+    resized = validated(FINGERPRINT).model_copy(update={"resize_short": 48})
+    assert pipeline.nothing_new_to_train(RUN, run_params, resized, settings=settings) is None
+    same = pipeline.nothing_new_to_train(RUN, run_params, validated(FINGERPRINT), settings=settings)
+    assert same is not None and "image size 32 px" in same
 
 
 def test_an_empty_registry_trains(tmp_path: Path) -> None:
@@ -202,3 +247,87 @@ def test_export_and_gate_read_a_bounded_sample_of_a_split_a_shard_at_a_time(
     whole, whole_labels = pipeline.sample_split(uris, classes, 1000)
     assert whole[:, 0, 0, 0].tolist() == list(range(91))
     assert whole_labels.tolist() == [i % 3 for i in range(91)]
+
+
+class Prices:
+    """Stand in for AWS's on-demand quotes ($/hour; None: nobody can price the type)."""
+
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, usd_per_hour: dict[str, float | None]
+    ) -> None:
+        self.usd_per_hour = usd_per_hour
+        self.asked: list[list[str]] = []
+        monkeypatch.setattr(pipeline, "candidate_prices", self.quote)
+        monkeypatch.setenv("BURSTCV_EC2_REGION", "us-west-2")
+
+    def quote(
+        self, instance_types: list[str], settings: Settings | None = None
+    ) -> dict[str, float | None]:
+        self.asked.append(instance_types)
+        return {t: self.usd_per_hour[t] for t in instance_types}
+
+
+def ec2_run(instance_types: list[str], max_cost_usd: float) -> RunParams:
+    """Return an EC2 run of two hours at most on these types, within this budget."""
+    return RunParams(
+        dataset_uri="/d",
+        compute_backend="ec2",
+        instance_types=instance_types,
+        max_cost_usd=max_cost_usd,
+        time_budget_s=7200,
+    )
+
+
+def test_the_budget_bounds_the_priciest_allowed_type_exactly_at_the_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    Prices(monkeypatch, {"g6.xlarge": 1.8, "g6.12xlarge": 3.6, "g4dn.xlarge": 0.9})
+    run = ec2_run(["g6.xlarge", "g6.12xlarge", "g4dn.xlarge"], max_cost_usd=1.8)
+    budget_s = pipeline.bounded_time_budget(run)
+    assert budget_s == 1800  # half an hour of the $3.60/h type is the whole $1.80
+    assert 3.6 * budget_s / 3600 <= 1.8
+    # A generous budget leaves the run's own time budget alone.
+    assert pipeline.bounded_time_budget(ec2_run(["g4dn.xlarge"], 100.0)) == 7200
+
+
+def test_a_type_nobody_can_price_counts_at_the_highest_known_price(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    Prices(monkeypatch, {"g6.xlarge": 1.8, "g5.48xlarge": None, "g4dn.xlarge": 0.9})
+    run = ec2_run(["g5.48xlarge", "g4dn.xlarge", "g6.xlarge"], max_cost_usd=0.9)
+    with caplog.at_level(logging.WARNING, logger="burstcv"):
+        assert pipeline.bounded_time_budget(run) == 1800
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith("no price for g5.48xlarge in us-west-2;")
+    assert "g6.xlarge's $1.8000/h" in warning
+
+
+def test_priced_types_need_no_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    Prices(monkeypatch, {"g6.xlarge": 1.8, "g4dn.xlarge": 0.9})
+    with caplog.at_level(logging.WARNING, logger="burstcv"):
+        assert pipeline.bounded_time_budget(ec2_run(["g6.xlarge", "g4dn.xlarge"], 0.9)) == 1800
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_run_no_type_of_which_has_a_price_is_refused_with_what_to_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    Prices(monkeypatch, {"x9.huge": None, "x9.bigger": None})
+    with pytest.raises(pipeline.StageError) as refused:
+        pipeline.bounded_time_budget(ec2_run(["x9.huge", "x9.bigger"], 5.0))
+    message = str(refused.value)
+    assert (
+        "no price for any of the run's instance types (x9.huge, x9.bigger) in us-west-2" in message
+    )
+    assert "pricing:GetProducts" in message and "BURSTCV_PRICE_TABLE" in message
+
+
+def test_a_local_run_keeps_its_time_budget_and_asks_no_prices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prices = Prices(monkeypatch, {"g6.xlarge": 1.8})
+    run = RunParams(dataset_uri="/d", compute_backend="local", max_cost_usd=0.01, time_budget_s=900)
+    assert pipeline.bounded_time_budget(run) == 900
+    assert prices.asked == []

@@ -16,6 +16,7 @@ from burstcv.cost.pricing import (
     billed_seconds,
     hourly_price,
     load_price_table,
+    on_demand_from_price_list,
     price_source,
     refresh_from_pricing_api,
     run_cost,
@@ -65,6 +66,11 @@ def test_billing_is_per_second_with_a_one_minute_minimum(elapsed_s: float, bille
 def test_billing_refuses_naive_or_backwards_times() -> None:
     with pytest.raises(ValueError, match="timezone"):
         billed_seconds(datetime(2024, 1, 1), datetime(2024, 1, 2))
+    naive = datetime(2024, 5, 1, 10, 0)
+    with pytest.raises(ValueError, match="timezone"):
+        billed_seconds(naive, T0 + timedelta(hours=1))
+    with pytest.raises(ValueError, match="timezone"):
+        billed_seconds(T0, naive + timedelta(hours=1))
     with pytest.raises(ValueError, match="before"):
         billed_seconds(T0, T0 - timedelta(seconds=1))
 
@@ -79,6 +85,29 @@ def test_run_cost_applies_the_rule() -> None:
         "g5.xlarge", "us-east-1", "spot", launched=T0, stopped=T0 + timedelta(seconds=10)
     )
     assert ten_s == pytest.approx(hourly_price("g5.xlarge", "us-east-1", "spot") / 60)
+
+
+def write_table(tmp_path: Path, on_demand: float) -> Path:
+    """Write a price table with one type, x1.test in us-east-1, at ``on_demand`` $/hour."""
+    path = tmp_path / "prices.json"
+    regions = {"us-east-1": {"x1.test": {"on-demand": on_demand, "spot": on_demand / 3}}}
+    path.write_text(json.dumps({"source": "a test", "as_of": "2026-01-01", "regions": regions}))
+    return path
+
+
+def test_serving_cost_per_million_predictions_in_dollars(tmp_path: Path) -> None:
+    table = write_table(tmp_path, on_demand=3.6)
+    # $3.60/h at 100 predictions/s: 360,000 predictions cost $3.60, so 1M cost $10.
+    assert serving_cost_per_million("x1.test", "us-east-1", 100.0, path=table) == pytest.approx(
+        10.0, rel=1e-9
+    )
+    # A slow model (one prediction every 2 s) is still priced: 1M take 2M s, 555.6 h.
+    assert serving_cost_per_million("x1.test", "us-east-1", 0.5, path=table) == pytest.approx(
+        2000.0, rel=1e-9
+    )
+    for rps in (0, -1.0):
+        with pytest.raises(ValueError, match="throughput_rps must be positive"):
+            serving_cost_per_million("x1.test", "us-east-1", rps, path=table)
 
 
 def test_serving_cost_per_million_predictions() -> None:
@@ -100,6 +129,36 @@ def test_budget_lowers_the_time_budget_and_the_cap_still_holds() -> None:
     assert time_budget_for(0.0, "cpu", "local", "local", 900) == 900  # free is never capped
     with pytest.raises(BudgetTooSmallError, match="60 s minimum"):
         time_budget_for(0.001, "g6.xlarge", "us-east-1", "on-demand", 3600)
+
+
+def test_a_budget_that_buys_exactly_the_minute_minimum_is_enough() -> None:
+    # $3.60/h is $0.06 a minute: exactly EC2's minimum charge.
+    assert time_budget_for(0.06, "x1.test", "us-east-1", "on-demand", 3600, usd_per_hour=3.6) == 60
+    with pytest.raises(BudgetTooSmallError) as too_small:
+        time_budget_for(0.0599, "x1.test", "us-east-1", "on-demand", 3600, usd_per_hour=3.6)
+    # The error says what the minimum would cost, so the user knows what to raise it to.
+    message = str(too_small.value)
+    assert "$0.0599 does not cover the 60 s minimum" in message
+    assert "x1.test on-demand in us-east-1 ($0.0600)" in message
+
+
+def test_a_budget_exactly_at_the_limit_buys_the_time_it_pays_for() -> None:
+    # $1.80 at $3.60/h is half an hour; a cap below that still holds.
+    budget_s = time_budget_for(1.8, "x1.test", "us-east-1", "on-demand", 7200, usd_per_hour=3.6)
+    assert budget_s == 1800
+    assert 3.6 * budget_s / 3600 <= 1.8
+    assert time_budget_for(1.8, "x1.test", "us-east-1", "on-demand", 1799, usd_per_hour=3.6) == 1799
+    # A quoted price wins over the table's.
+    assert time_budget_for(1.8, "g6.xlarge", "us-east-1", "on-demand", 7200, usd_per_hour=3.6) == (
+        1800
+    )
+
+
+def test_a_time_budget_needs_a_positive_cap() -> None:
+    assert time_budget_for(None, "g6.xlarge", "us-east-1", "on-demand", 1) == 1
+    for cap_s in (0, -60):
+        with pytest.raises(ValueError, match="cap_s must be positive"):
+            time_budget_for(None, "g6.xlarge", "us-east-1", "on-demand", cap_s)
 
 
 def pricing_product(instance_type: str, usd: str) -> str:
@@ -148,3 +207,51 @@ def test_refresh_from_pricing_api_updates_on_demand_keeps_spot(tmp_path: Path) -
     )
     assert table["as_of"] == "2030-01-01" and "Pricing API" in table["source"]
     assert hourly_price("g6.xlarge", "us-east-1", "on-demand", path=output) == 0.9
+
+
+def price_list_item(dimensions: list[dict[str, object]]) -> str:
+    """Return one Pricing API product document with these price dimensions."""
+    return json.dumps(
+        {
+            "product": {"attributes": {"instanceType": "g6.xlarge", "regionCode": "us-east-1"}},
+            "terms": {
+                "OnDemand": {
+                    "SKU.TERM": {
+                        "priceDimensions": {f"SKU.TERM.{i}": d for i, d in enumerate(dimensions)}
+                    }
+                }
+            },
+        }
+    )
+
+
+def answer_price_list(items: list[str]) -> float:
+    """Return the on-demand rate read from a Pricing API that answers with these products."""
+    client = boto3.client(
+        "pricing", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
+    )
+    with Stubber(client) as stub:
+        stub.add_response("get_products", {"PriceList": items, "FormatVersion": "aws_v1"})
+        return on_demand_from_price_list(client, "g6.xlarge", "us-east-1")
+
+
+def test_a_zero_or_missing_dollar_rate_is_not_a_price() -> None:
+    items = [
+        price_list_item([{"unit": "Hrs", "pricePerUnit": {"USD": "0.0000000000"}}]),
+        price_list_item([{"unit": "Hrs", "pricePerUnit": {"CNY": "6.0000000000"}}]),
+        price_list_item([{"unit": "Quantity", "pricePerUnit": {"USD": "0.0100000000"}}]),
+        price_list_item([{"unit": "Hrs", "pricePerUnit": {"USD": "0.8048000000"}}]),
+    ]
+    assert answer_price_list(items) == 0.8048
+    with pytest.raises(UnknownPriceError, match=r"g6\.xlarge in us-east-1"):
+        answer_price_list(items[:3])
+
+
+def test_of_several_matching_products_the_plain_rate_is_taken() -> None:
+    # Variants that add a charge (a licence, say) list higher rates than the plain instance.
+    items = [
+        price_list_item([{"unit": "Hrs", "pricePerUnit": {"USD": "1.2000000000"}}]),
+        price_list_item([{"unit": "Hrs", "pricePerUnit": {"USD": "0.8048000000"}}]),
+        price_list_item([{"unit": "Hrs", "pricePerUnit": {"USD": "0.9500000000"}}]),
+    ]
+    assert answer_price_list(items) == 0.8048
