@@ -66,6 +66,19 @@ def test_rejected_version_is_never_aliased_without_force(tmp_path: Path) -> None
     assert reg.get_alias(PRODUCTION).version == 1
 
 
+def test_the_promotable_check_hands_back_the_entry_and_refuses_a_rejected_one(
+    tmp_path: Path,
+) -> None:
+    reg = Registry(str(tmp_path / "reg"), "digits")
+    reg.register(str(make_model_dir(tmp_path / "a", "a")), {"status": "accepted"})
+    reg.register(str(make_model_dir(tmp_path / "b", "b")), {"status": "rejected", "reason": "slow"})
+    entry = reg.check_promotable(1)
+    assert (entry.version, entry.status) == (1, "accepted")
+    with pytest.raises(RegistryError, match="version 2 was rejected by the gate: slow"):
+        reg.check_promotable(2)  # not forced unless asked
+    assert reg.check_promotable(2, force=True).status == "rejected"
+
+
 def test_rollback_without_previous_is_a_clear_error(tmp_path: Path) -> None:
     reg = Registry(str(tmp_path / "reg"), "digits")
     reg.register(str(make_model_dir(tmp_path / "a", "a")), {"status": "accepted"})
