@@ -92,7 +92,9 @@ def test_a_table_mutant_changes_what_the_functions_read(toy: str) -> None:
 def test_the_score_counts_timeouts_as_caught_and_leaves_out_what_could_not_be_applied() -> None:
     ms = [
         mutation.Mutant(i, 1, "f", "x", status=s)
-        for i, s in enumerate(["caught", "timeout", "survived", "no-tests", "not-applied"])
+        for i, s in enumerate(
+            ["caught", "timeout", "survived", "no-tests", "not-applied", "equivalent"]
+        )
     ]
     assert mutation.score(ms) == (2, 4, 50.0)
 
@@ -123,3 +125,16 @@ def test_a_default_value_mutant_changes_the_default_the_function_uses(toy: str) 
     assert ceiling(4) is False
     assert mutation.put_in(target, limit_line)
     assert ceiling(4) is True  # the default is now 5: the mutant is live
+
+
+def test_every_listed_equivalent_mutant_is_one_the_module_has() -> None:
+    for target in mutation.TARGETS:
+        module = importlib.import_module(target.module)
+        mutants = mutation.mutants_of(target, Path(module.__file__ or "").read_text())
+        for function, what, fragment, _ in mutation.EQUIVALENT.get(target.name, ()):
+            assert any(
+                target.equivalent(m)
+                and (m.function, m.what) == (function, what)
+                and fragment in m.source_line
+                for m in mutants
+            ), f"{target.name}: no mutant {function}: {what} on a line with {fragment!r}"

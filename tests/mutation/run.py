@@ -48,6 +48,79 @@ class Target:
     functions: tuple[str, ...] = ()  # qualnames to mutate; empty: all, and the tables
     tables: tuple[str, ...] = ()  # module-level names whose numbers are mutated
 
+    def equivalent(self, m: Mutant) -> str:
+        """Return why ``m`` is an equivalent mutant (no test can tell it apart), or ""."""
+        for function, what, fragment, why in EQUIVALENT.get(self.name, ()):
+            if (m.function, m.what) == (function, what) and fragment in m.source_line:
+                return why
+        return ""
+
+
+# Survivors that no test can tell apart from the original: (function, mutation, a fragment of
+# the line, why). They are listed apart and not counted in the score.
+_TRUTHY = "its callers test the result's truth; None and False read alike"
+_JSON = "JSON layout only; every reader parses it the same"
+EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
+    "gate": (
+        ("_price", "cmp0: <= -> <", "throughput_rps <= 0", "`not throughput_rps` refuses 0"),
+        ("advise", "1e-06 -> 1.5e-06", "1e-6)", "a divide-by-zero guard; no p95 is that small"),
+        ("advise", "0.0 -> 1.0", "or 0.0", "sort key of unpriced advice, after priced either way"),
+    ),
+    "registry": (
+        ("Registry.register", "1 -> 2", '"version": 1', "placeholder to validate the fields"),
+        ("Registry._claim_version", "1000 -> 1001", "range(1000)", "retry bound, never reached"),
+        ("Registry._try_claim", "return value dropped (None)", "return False", _TRUTHY),
+        ("Registry._s3_lease", "cmp0: > -> >=", "> S3_LEASE_S", "a float clock never equals it"),
+        ("Registry._s3_lease", "0 -> 1", 'get("at", 0)', "a lock with no time is stale either way"),
+        ("Registry._s3_lease", "cmp0: > -> >=", "> deadline", "a float clock never equals it"),
+        ("Registry._s3_lease", "0.05 -> 0.07500000000000001", "sleep(0.05)", "poll interval"),
+        ("Registry.record", "8 -> 9", "hex[:8]", "length of a random file-name suffix"),
+        ("_monotonic_ns", "1 -> 2", "_last_ns + 1", "still strictly increasing"),
+        ("_conditional_write", "True -> False", "by_alias=True", "AliasRecord has no aliases"),
+        ("_conditional_write", "2 -> 3", "indent=2", _JSON),
+        ("_conditional_write", "True -> False", "sort_keys=True", _JSON),
+        ("_conditional_write", "return value dropped (None)", "return False", _TRUTHY),
+    ),
+    "deploy": (
+        (
+            "stage_everywhere",
+            "True -> False",
+            "cancel_futures=True",
+            "every call has its own worker: nothing is ever queued to cancel",
+        ),
+    ),
+    "admission": (
+        ("AdmissionGate._can_admit", "return value dropped (None)", "return False", _TRUTHY),
+        (
+            "AdmissionGate._adjust",
+            "2 -> 3",
+            "self._slots / 2",
+            "the halving floor never binds: the average moves 30% toward each window",
+        ),
+        (
+            "AdmissionGate._fill",
+            "cmp0: > -> >=",
+            "arrived > waiting",
+            "differs only for two arrivals at the same perf_counter reading",
+        ),
+        ("AdmissionGate._arm", "0.001 -> 0.0015", "0.001)", "shortest delay of an overdue sweep"),
+    ),
+    "preflight": (
+        ("check_python", "2 -> 3", "version[:2]", "a 3-part version compares the same"),
+        ("check_torch_version", "2 -> 3", "[:2]", "a 3-part version compares the same"),
+        ("nvidia_driver_version", "30 -> 31", "timeout=30", "the time nvidia-smi is given"),
+    ),
+    "pricing": (
+        (
+            "on_demand_from_price_list",
+            "10 -> 11",
+            "MaxResults=10",
+            "page size of a filtered query whose lowest rate is taken",
+        ),
+        ("refresh_from_pricing_api", "2 -> 3", "indent=2", _JSON),
+    ),
+}
+
 
 TARGETS = (
     Target("gate", "burstcv.gate.gate", ("tests/gate/test_gate.py",), tables=("*",)),
@@ -150,7 +223,8 @@ class Mutant:
     function: str  # the outermost function's qualname; "" for a module-level table
     what: str
     source_line: str = ""
-    status: str = ""  # caught | survived | timeout | no-tests | not-applied
+    status: str = ""  # caught | survived | timeout | no-tests | not-applied | equivalent
+    why: str = ""  # for an equivalent mutant
     tests: list[str] = field(default_factory=list)
 
 
@@ -627,7 +701,14 @@ def run_target(target: Target, jobs: int) -> list[Mutant]:
         if not running:
             break
         _reap_one(running)
-    print(f"  {target.name}: {len(mutants)} mutants in {time.monotonic() - started:.0f} s")
+    for m in mutants:
+        if m.status in ("survived", "no-tests") and (why := target.equivalent(m)):
+            m.status, m.why = "equivalent", why
+    caught, total, pct = score(mutants)
+    print(
+        f"  {target.name}: {len(mutants)} mutants in {time.monotonic() - started:.0f} s: "
+        f"{caught} of {total} caught ({pct:.1f}%)"
+    )
     return mutants
 
 
@@ -674,7 +755,7 @@ def _reap_one(running: dict[int, tuple[Mutant, int, float]]) -> None:
 
 
 def score(mutants: list[Mutant]) -> tuple[int, int, float]:
-    counted = [m for m in mutants if m.status != "not-applied"]
+    counted = [m for m in mutants if m.status not in ("not-applied", "equivalent")]
     caught = sum(m.status in ("caught", "timeout") for m in counted)
     return caught, len(counted), 100.0 * caught / len(counted) if counted else 100.0
 
@@ -713,10 +794,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         return 0
     print()
-    print(f"{'module':<15} {'mutants':>8} {'caught':>7} {'score':>7}")
+    print(f"{'module':<15} {'mutants':>8} {'caught':>7} {'score':>7} {'equivalent':>11}")
     for name, mutants in results.items():
         caught, total, pct = score(mutants)
-        print(f"{name:<15} {total:>8} {caught:>7} {pct:>6.1f}%")
+        same = sum(m.status == "equivalent" for m in mutants)
+        print(f"{name:<15} {total:>8} {caught:>7} {pct:>6.1f}% {same:>11}")
     for name, mutants in results.items():
         target = next(t for t in TARGETS if t.name == name)
         left = [m for m in mutants if m.status in ("survived", "no-tests")]
@@ -726,6 +808,11 @@ def main(argv: list[str] | None = None) -> int:
                 note = " (no test calls it)" if m.status == "no-tests" else ""
                 print(f"  line {m.line} {m.function or '(table)'}: {m.what}{note}")
                 print(f"      {m.source_line[:100]}")
+        same = [m for m in mutants if m.status == "equivalent"]
+        if same:
+            print(f"\nequivalent in {name} (not counted):")
+            for m in same:
+                print(f"  line {m.line} {m.function}: {m.what}: {m.why}")
     below = [name for name, ms in results.items() if score(ms)[2] < args.fail_under]
     if below:
         print(f"\nunder {args.fail_under:g}%: {', '.join(below)}")
