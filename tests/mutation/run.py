@@ -118,6 +118,7 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
             "page size of a filtered query whose lowest rate is taken",
         ),
         ("refresh_from_pricing_api", "2 -> 3", "indent=2", _JSON),
+        ("refresh_from_pricing_api", "True -> False", "sort_keys=True", _JSON),
     ),
 }
 
