@@ -56,7 +56,7 @@ from burstcv_spec.contracts import (
     RunRef,
     Trained,
     Validated,
-    Verdict,
+    VerdictRecord,
 )
 
 SETTINGS = get_settings()
@@ -248,7 +248,7 @@ def burstcv_pipeline() -> None:
         """Move the production alias and verify the service serves the new version."""
         from burstcv import pipeline
 
-        run_params, judged = _params(params or {}), Verdict.model_validate(verdict)
+        run_params, judged = _params(params or {}), VerdictRecord.model_validate(verdict)
         if reason := pipeline.deploy_skip_reason(judged, run_params):
             raise AirflowSkipException(reason)
         return pipeline.deploy(_run(run_id), run_params, judged, SETTINGS).model_dump(mode="json")

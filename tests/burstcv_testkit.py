@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from burstcv_spec.contracts import BenchFigures
+
 # What a launch of a held box names as its training wheel: held boxes never boot, so never
 # read it (the boot path itself runs for real in tests/compute/test_box_boot.py).
 HELD_WHEEL: dict[str, str] = {
@@ -140,27 +142,34 @@ def make_model_dir(root: Path, tag: str) -> Path:
     return write_model_dir(root, f"onnx-{tag}".encode(), run_id=f"run-{tag}")
 
 
+def bench_figures(**fields: Any) -> BenchFigures:
+    """Return one model's benchmark figures: a fast, accurate, error-free run unless told."""
+    p95 = float(fields.get("p95_ms", 5.0))
+    defaults: dict[str, Any] = {
+        "label": "candidate",
+        "requests": 100,
+        "concurrency": 4,
+        "errors": 0,
+        "p50_ms": p95 / 2,
+        "p95_ms": p95,
+        "p99_ms": p95 * 1.2,
+        "mean_ms": p95 / 2,
+        "throughput_rps": 100.0,
+        "wall_s": 1.0,
+        "status_counts": {"200": 100},
+        "error_rate": 0.0,
+        "accuracy": 0.97,
+    }
+    return BenchFigures.model_validate({**defaults, **fields})
+
+
 def gate_decision(
     accuracy: float, p95_ms: float, reasons: list[str] | tuple[str, ...] = (), **fields: Any
 ) -> dict[str, Any]:
     """Return the gate's part of a registry entry: a complete verdict and candidate figures."""
     promote = not reasons
     summary = "promote" if promote else "not promoted: " + "; ".join(reasons)
-    candidate = {
-        "label": "candidate",
-        "requests": 100,
-        "concurrency": 4,
-        "errors": 0,
-        "p50_ms": p95_ms / 2,
-        "p95_ms": p95_ms,
-        "p99_ms": p95_ms * 1.2,
-        "mean_ms": p95_ms / 2,
-        "throughput_rps": 100.0,
-        "wall_s": 1.0,
-        "status_counts": {"200": 100},
-        "error_rate": 0.0,
-        "accuracy": accuracy,
-    }
+    candidate = bench_figures(p95_ms=p95_ms, accuracy=accuracy).model_dump(mode="json")
     decision: dict[str, Any] = {
         "status": "accepted" if promote else "rejected",
         "reason": summary,

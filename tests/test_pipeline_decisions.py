@@ -14,7 +14,14 @@ from burstcv.params import EXPORT_PARAMS, TRAINING_PARAMS, Affects, RunParams
 from burstcv.registry.registry import Registry
 from burstcv.settings import Settings
 from burstcv_spec import storage
-from burstcv_spec.contracts import RunRef, SkipRecord, Validated, Verdict, read_artifact
+from burstcv_spec.contracts import (
+    GateCheck,
+    RunRef,
+    SkipRecord,
+    Validated,
+    VerdictRecord,
+    read_artifact,
+)
 
 FINGERPRINT = "f1" * 32
 RUN = RunRef.of("scheduled__2026-12-01T00:00:00+00:00")
@@ -203,9 +210,12 @@ def test_an_empty_registry_trains(tmp_path: Path) -> None:
 def test_a_skipped_deploy_says_which_check_failed_with_its_figures(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    verdict = Verdict(
+    verdict = VerdictRecord(
         version=7,
         promote=False,
+        reasons=["accuracy 0.6890 is below the floor 0.9000"],
+        checks=[GateCheck(name="accuracy_floor", passed=False, observed=0.689, limit=0.9)],
+        suggestions=[],
         summary="not promoted: accuracy 0.6890 is below the floor 0.9000",
         failed_figures=["accuracy 0.6890 < floor 0.9"],
     )

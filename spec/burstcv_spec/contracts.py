@@ -190,16 +190,53 @@ class BenchFigures(Contract):
         return self.model_copy(update={"latencies_ms": None})
 
 
+class GateCheck(Contract):
+    """Say how one gate check went: the figure observed, the limit, and why it failed."""
+
+    omit_when_none = frozenset({"reason"})
+
+    name: str = Field(
+        description="latency_p95, error_rate, accuracy_floor, no_regression or "
+        "no_latency_regression"
+    )
+    passed: bool = Field(description="the observed figure is within the limit")
+    observed: float = Field(description="the candidate's figure")
+    limit: float = Field(description="the limit it was held to")
+    reason: str | None = Field(default=None, description="one line, when the check failed")
+
+
+SuggestionAction = Literal["int8", "smaller_model", "larger_instance", "gpu_serving"]
+
+
+class Suggestion(Contract):
+    """Say one priced way to bring p95 under the SLO (an estimate for the next run)."""
+
+    action: SuggestionAction = Field(description="what to change")
+    title: str = Field(description="the change, in a line")
+    estimated_p95_ms: float = Field(description="p95 expected after the change, ms")
+    meets_slo: bool = Field(description="the estimate is within the SLO")
+    gap_ms: float = Field(description="how far the measured p95 is over the SLO, ms")
+    instance_type: str = Field(description="the CPU or GPU type it would serve on")
+    region: str = Field(description="the region priced")
+    estimated_throughput_rps: float | None = Field(
+        description="requests per second expected on one replica; null: not measured"
+    )
+    cost_per_million_usd: float | None = Field(
+        description="USD per 1M predictions at that throughput; null: not priceable"
+    )
+    price_note: str = Field(description="how it was priced, or why it could not be")
+    assumption: str = Field(description="what the estimate assumes")
+    detail: str = Field(description="the change with its figures, in a line")
+
+
 class GateVerdict(Contract):
     """Say whether the gate promotes a version, every reason why not, and what would fix it."""
 
     promote: bool = Field(description="true: every check passed")
     reasons: list[str] = Field(description="one per failed check")
-    checks: list[dict[str, Any]] = Field(
-        description="name, passed, observed, limit (+ reason when failed) per check"
-    )
-    suggestions: list[dict[str, Any]] = Field(
-        description="priced fixes when the SLO was missed (title, estimated_p95_ms, ...)"
+    checks: list[GateCheck] = Field(description="every check made, in order")
+    suggestions: list[Suggestion] = Field(
+        description="priced fixes when the SLO was missed, those that meet it first"
     )
     summary: str = Field(description="'promote' or 'not promoted: <reasons>'")
     failed_figures: list[str] = Field(description="each failed check as observed vs limit")
@@ -381,14 +418,6 @@ class Trained(Contract):
     device: str = Field(description="cuda or cpu")
 
 
-class Terminated(Contract):
-    """Say what teardown terminated and what it cost."""
-
-    instance_ids: list[str] = Field(description="instances terminated")
-    billed_seconds: dict[str, float] = Field(description="billed seconds per instance")
-    cost_usd: float = Field(description="cost of the run's boxes, USD")
-
-
 class Exported(Contract):
     """Say where export wrote the ONNX model and how it compares with torch."""
 
@@ -416,15 +445,6 @@ class Benchmarked(Contract):
     )
 
 
-class Verdict(Contract):
-    """Say which version the gate registered and whether it may be deployed."""
-
-    version: int = Field(description="the registry version, accepted or rejected")
-    promote: bool = Field(description="the gate passed")
-    summary: str = Field(description="'promote' or 'not promoted: <reasons>'")
-    failed_figures: list[str] = Field(description="each failed check as observed vs limit")
-
-
 class Deployed(Contract):
     """Say what deploy moved production to and what each service reported."""
 
@@ -441,10 +461,8 @@ STAGE_RESULTS: tuple[type[Contract], ...] = (
     Launch,
     Provisioned,
     Trained,
-    Terminated,
     Exported,
     Benchmarked,
-    Verdict,
     Deployed,
 )
 
@@ -535,7 +553,10 @@ class AttemptBill(Artifact):
 
 
 class Billing(Artifact):
-    """`runs/<run_key>/job/billing.json`: what teardown terminated and what it cost."""
+    """`runs/<run_key>/job/billing.json`: what teardown terminated and what it cost.
+
+    Also the teardown stage's result.
+    """
 
     instance_ids: list[str] = Field(description="instances terminated")
     billed_seconds: dict[str, float] = Field(description="billed seconds per instance")
@@ -560,16 +581,13 @@ class LatencyRecord(Artifact):
     )
 
 
-class VerdictRecord(Artifact):
-    """`runs/<run_key>/bench/verdict.json`: the gate's verdict on the version it registered."""
+class VerdictRecord(GateVerdict, Artifact):
+    """`runs/<run_key>/bench/verdict.json`: the gate's verdict on the version it registered.
 
-    version: int = Field(description="the registry version")
-    promote: bool = Field(description="true: every check passed")
-    reasons: list[str] = Field(description="one per failed check")
-    checks: list[dict[str, Any]] = Field(description="name, passed, observed, limit per check")
-    suggestions: list[dict[str, Any]] = Field(description="priced fixes when the SLO was missed")
-    summary: str = Field(description="'promote' or 'not promoted: <reasons>'")
-    failed_figures: list[str] = Field(description="each failed check as observed vs limit")
+    Also the gate stage's result: deploy reads the version and whether to promote from it.
+    """
+
+    version: int = Field(description="the registry version, accepted or rejected")
 
 
 class ModelCard(Artifact):

@@ -22,6 +22,7 @@ from burstcv_spec.contracts import (
     BenchFigures,
     BoxBill,
     Contract,
+    GateCheck,
     GateVerdict,
     HostInfo,
     InstanceRecord,
@@ -30,6 +31,7 @@ from burstcv_spec.contracts import (
     PreprocessBlock,
     QuantizationBlock,
     QuantizedFigures,
+    Suggestion,
     TensorInput,
     TensorOutput,
 )
@@ -46,6 +48,8 @@ BLOCKS: tuple[type[Contract], ...] = (
     BenchFigures,
     HostInfo,
     GateVerdict,
+    GateCheck,
+    Suggestion,
     Lineage,
     InstanceRecord,
     BoxBill,
@@ -99,6 +103,9 @@ def render() -> str:
         'Each task returns its result as `model_dump(mode="json")`; the next task rebuilds '
         "it with `Model.model_validate`.\n",
         *(model_table(m) for m in STAGE_RESULTS),
+        "The teardown and gate stages return the artifacts they write: "
+        "[Billing](#billing) (`job/billing.json`) and [VerdictRecord](#verdictrecord) "
+        "(`bench/verdict.json`).\n",
         f"### Artifacts (JSON files, `schema_version` {SCHEMA_VERSION})\n",
         *(model_table(m) for m in ARTIFACTS),
         "### Blocks inside them\n",

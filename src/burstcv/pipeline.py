@@ -35,7 +35,6 @@ from burstcv_spec.contracts import (
     Billing,
     Deployed,
     Exported,
-    GateVerdict,
     HostInfo,
     InstanceRecord,
     LatencyRecord,
@@ -47,11 +46,9 @@ from burstcv_spec.contracts import (
     RunRecord,
     RunRef,
     SkipRecord,
-    Terminated,
     Trained,
     TrainingChoice,
     Validated,
-    Verdict,
     VerdictRecord,
     read_artifact,
     write_artifact,
@@ -493,7 +490,7 @@ def clean_up_provision(run: RunRef, backend_name: str) -> list[str]:
     """
     try:
         backend = get_backend(backend_name)
-        return backend.terminate_run(run.run_key).instance_ids
+        return backend.terminate_run(run.run_key)
     # Broad on purpose: logged; the original failure is what the task reports.
     except Exception:
         log.exception(
@@ -936,26 +933,32 @@ def collect_training(
     )
 
 
-def terminate(run: RunRef, backend_name: str, settings: Settings | None = None) -> Terminated:
+def terminate(run: RunRef, backend_name: str, settings: Settings | None = None) -> Billing:
     """Terminate every instance tagged with the run and record billed seconds and cost.
 
     The bill comes from the attempts' launch and end records (each attempt's end written now
-    if it has none), never from DescribeInstances alone, which forgets terminated instances
-    after about an hour. A run launched before those records existed is billed as the
-    backend still sees it.
+    if it has none), never from DescribeInstances, which forgets terminated instances after
+    about an hour: the same rule as the budget and the progress lines (``run_bill``).
     """
     from burstcv.compute.billing import attempt_bills, record_end, run_bill
 
     backend = get_backend(backend_name)
-    report = backend.terminate_run(run.run_key)
+    gone = backend.terminate_run(run.run_key)
     job_dir = run_layout(run, settings).job
     last = current_attempt(job_dir)
     described, now = backend.describe(run.run_key), lineage.utc_now()
     for attempt in range(1, last + 1):
         record_end(job_dir, attempt, described, now)
     bill = run_bill(job_dir, last, now)
-    if bill.boxes:
-        instances = [
+    unbilled = sorted(set(gone) - set(bill.billed_seconds))
+    if unbilled:  # launched without a launch record: nothing says what it cost
+        log.warning("no launch record for %s: not in the bill", unbilled)
+    billing = Billing(
+        instance_ids=[box.instance_id for box in bill.boxes] + unbilled,
+        billed_seconds=bill.billed_seconds,
+        cost_usd=bill.cost_usd,
+        backend=backend_name,
+        instances=[
             InstanceRecord(
                 instance_id=box.instance_id,
                 run_id=record.run_key,
@@ -971,29 +974,17 @@ def terminate(run: RunRef, backend_name: str, settings: Settings | None = None) 
             )
             for record in attempt_bills(job_dir, last)
             for box in record.boxes
-        ]
-        terminated = Terminated(
-            instance_ids=[box.instance_id for box in bill.boxes],
-            billed_seconds=bill.billed_seconds,
-            cost_usd=bill.cost_usd,
-        )
-    else:
-        instances = [InstanceRecord.model_validate(i.to_dict()) for i in described]
-        terminated = Terminated.model_validate(report.to_dict())
-    billing = Billing(
-        **terminated.model_dump(),
-        backend=backend_name,
-        instances=instances,
+        ],
         terminated_at=lineage.utc_now_iso(),
     )
     write_artifact(run_layout(run, settings).billing, billing)
     log.info(
         "terminated %s; billed seconds %s; cost $%.4f",
-        terminated.instance_ids,
-        terminated.billed_seconds,
-        terminated.cost_usd,
+        billing.instance_ids,
+        billing.billed_seconds,
+        billing.cost_usd,
     )
-    return terminated
+    return billing
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1130,7 +1121,7 @@ def benchmark(
     registry = Registry(s.registry_uri, s.model_name)
     prod_alias = registry.get_alias(PRODUCTION)
     measured_at, host = lineage.utc_now_iso(), HostInfo.model_validate(lineage.host_description())
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, BenchFigures] = {}
     with tempfile.TemporaryDirectory() as tmp:
         models = {"candidate": _materialise(paths.model, Path(tmp) / "candidate")}
         if prod_alias is not None:
@@ -1147,16 +1138,21 @@ def benchmark(
                     warmup=s.bench_warmup_requests,
                     label=label,
                 )
-            entry = figures.to_dict()
+            measured: dict[str, Any] = {"accuracy_note": None}
             try:
-                entry["accuracy"] = onnx_accuracy(folder, val_x, val_labels)
+                measured["accuracy"] = onnx_accuracy(folder, val_x, val_labels)
             except ValueError as exc:  # production expects another input size: not comparable
-                entry["accuracy"] = None
-                entry["accuracy_note"] = str(exc)
+                measured["accuracy_note"] = str(exc)
             if label == "production":
                 assert prod_alias is not None
-                entry["version"] = prod_alias.version
-            results[label] = entry
+                measured["version"] = prod_alias.version
+            else:
+                spec = packed.preprocess.to_spec()
+                measured["bare_onnxruntime_p50_ms"] = bare_onnxruntime_p50(
+                    str(folder), normalize(eval_view(val_x[:1], spec), spec)
+                )
+            figures = figures.model_copy(update=measured)
+            results[label] = figures
             log.info(
                 "%s: p50 %.2f ms p95 %.2f ms p99 %.2f ms, %.1f req/s, errors %d, accuracy %s",
                 label,
@@ -1165,14 +1161,9 @@ def benchmark(
                 figures.p99_ms,
                 figures.throughput_rps,
                 figures.errors,
-                entry["accuracy"],
+                figures.accuracy,
             )
-        spec = packed.preprocess.to_spec()
-        results["candidate"]["bare_onnxruntime_p50_ms"] = bare_onnxruntime_p50(
-            str(models["candidate"]), normalize(eval_view(val_x[:1], spec), spec)
-        )
-    candidate = BenchFigures.model_validate(results["candidate"])
-    production = BenchFigures.model_validate(results["production"]) if prod_alias else None
+    candidate, production = results["candidate"], results.get("production")
     record = LatencyRecord(
         measured_at=measured_at,
         host=host,
@@ -1196,18 +1187,16 @@ def gate(
     exported: Exported,
     bench: Benchmarked,
     settings: Settings | None = None,
-) -> Verdict:
+) -> VerdictRecord:
     """Judge the candidate, register it (promotable or rejected), and return the verdict."""
-    from burstcv.gate.gate import GateThresholds, ServingContext, judge
+    from burstcv.gate.gate import GateThresholds, ServingContext, check_lines, judge
     from burstcv.registry.registry import Registry
     from burstcv.settings import Ec2Settings
 
     s = settings or get_settings()
-    figures = {"candidate": bench.candidate, "production": bench.production}
-    dumped = {k: f.model_dump(mode="json") for k, f in figures.items() if f is not None}
     verdict = judge(
-        dumped["candidate"],
-        dumped.get("production"),
+        bench.candidate,
+        bench.production,
         GateThresholds(
             latency_slo_ms=params.latency_slo_ms,
             accuracy_floor=params.accuracy_floor,
@@ -1221,33 +1210,26 @@ def gate(
             measured_vcpus=bench.host.cpu_count or None,
         ),
     )
-    gate_verdict = GateVerdict.model_validate(verdict.to_dict())
+    figures = {"candidate": bench.candidate, "production": bench.production}
     registry = Registry(s.registry_uri, s.model_name)
     version = registry.register(
         exported.model_dir,
         {
             "status": "accepted" if verdict.promote else "rejected",
             "reason": verdict.summary,
-            "gate": gate_verdict.model_dump(mode="json"),
-            "benchmark": dumped,
+            "gate": verdict.model_dump(mode="json"),
+            "benchmark": {k: f.model_dump(mode="json") for k, f in figures.items() if f},
             "params": params.model_dump(mode="json"),
         },
     )
-    write_artifact(
-        run_layout(run, s).verdict,
-        VerdictRecord(version=version, **gate_verdict.model_dump()),
-    )
-    for line in verdict.check_lines():
+    record = VerdictRecord(version=version, **dict(verdict))
+    write_artifact(run_layout(run, s).verdict, record)
+    for line in check_lines(verdict):
         log.info("version %d: %s", version, line)
-    return Verdict(
-        version=version,
-        promote=verdict.promote,
-        summary=verdict.summary,
-        failed_figures=verdict.failed_figures,
-    )
+    return record
 
 
-def deploy_skip_reason(verdict: Verdict, params: RunParams) -> str | None:
+def deploy_skip_reason(verdict: VerdictRecord, params: RunParams) -> str | None:
     """Return why deploy does not run (the failed checks with their figures), or None.
 
     The line is logged here, at INFO, so the deploy task's own log says why it skipped.
@@ -1269,7 +1251,7 @@ def deploy_skip_reason(verdict: Verdict, params: RunParams) -> str | None:
 
 
 def deploy(
-    run: RunRef, params: RunParams, verdict: Verdict, settings: Settings | None = None
+    run: RunRef, params: RunParams, verdict: VerdictRecord, settings: Settings | None = None
 ) -> Deployed:
     """Stage the accepted version on the services, then point production at it and switch."""
     from burstcv.registry.deploy import deploy as deploy_version

@@ -76,7 +76,7 @@ def test_billing_json_is_the_same_when_the_cloud_has_forgotten_the_instances(
     assert Ec2Backend().describe(provisioned.run.run_key) == []
     forgotten = pipeline.terminate(provisioned.run, "ec2")
     second_billing = read_artifact(billing_uri, Billing)
-    assert forgotten == remembered
+    assert (remembered, forgotten) == (first_billing, second_billing)  # what the stage returns
     assert second_billing.model_dump(exclude={"terminated_at"}) == first_billing.model_dump(
         exclude={"terminated_at"}
     )

@@ -119,8 +119,7 @@ def test_on_kill_of_the_train_task_terminates_the_box(
     infos = backend.describe("r-kill")
     assert [i.instance_id for i in infos] == ids and [i.state for i in infos] == [STOPPED]
     assert processes_running(job_uri) == []  # the whole box: wrapper, watchdog and trainer
-    report = backend.terminate_run("r-kill")  # idempotent: a second teardown is harmless
-    assert report.billed_seconds[ids[0]] > 0
+    assert backend.terminate_run("r-kill") == ids  # a second teardown is harmless
 
 
 def test_a_box_that_dies_without_a_marker_is_reported_lost(

@@ -31,6 +31,7 @@ from burstcv.gate.latency import drive, staging_service
 from burstcv.registry import deploy as deploy_module
 from burstcv.registry.deploy import DeployError, deploy, rollback
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, RegistryError
+from burstcv_spec.contracts import BenchFigures
 
 # The serving tests' model builders (real ONNX graphs, model.json as the contract says).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
@@ -149,7 +150,7 @@ class Measured:
     """A model folder and its latency figures measured through a staging service."""
 
     folder: Path
-    figures: dict[str, Any]
+    figures: BenchFigures
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +168,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Measured]:
             )
         assert result.errors == 0, result.status_counts
         # Accuracy is not what this comparison is about: both models score the same.
-        out[name] = Measured(folder, {**result.to_dict(with_samples=False), "accuracy": 0.95})
+        out[name] = Measured(folder, result.summary().model_copy(update={"accuracy": 0.95}))
     return out
 
 
@@ -176,21 +177,21 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Measured]:
 
 def test_a_slower_candidate_is_not_promoted(measured: dict[str, Measured]) -> None:
     fast, slow = measured["fast"].figures, measured["slow"].figures
-    assert slow["p95_ms"] > 2 * fast["p95_ms"], (fast["p95_ms"], slow["p95_ms"])
-    production = {**fast, "version": 1}
+    assert slow.p95_ms > 2 * fast.p95_ms, (fast.p95_ms, slow.p95_ms)
+    production = fast.model_copy(update={"version": 1})
     # Within a loose SLO, the regression check against production is what refuses it...
     loose = GateThresholds(
         latency_slo_ms=10_000, accuracy_floor=0.9, max_accuracy_drop=0.02, max_latency_increase=0.2
     )
     verdict = judge(slow, production, loose)
-    failed = {c["name"] for c in verdict.checks if not c["passed"]}
+    failed = {c.name for c in verdict.checks if not c.passed}
     assert not verdict.promote and failed == {"no_latency_regression"}
     assert "production v1" in verdict.summary
     # ...and an SLO production meets with 2x headroom refuses it with priced suggestions.
-    tight = GateThresholds(2 * fast["p95_ms"], accuracy_floor=0.9, max_accuracy_drop=0.02)
+    tight = GateThresholds(2 * fast.p95_ms, accuracy_floor=0.9, max_accuracy_drop=0.02)
     verdict = judge(slow, production, tight)
     assert not verdict.promote and "exceeds the SLO" in verdict.summary
-    assert verdict.suggestions and all("cost_per_million_usd" in s for s in verdict.suggestions)
+    assert verdict.suggestions and all(s.cost_per_million_usd for s in verdict.suggestions)
 
 
 def test_a_faster_candidate_is_promoted_and_served(
@@ -202,10 +203,12 @@ def test_a_faster_candidate_is_promoted_and_served(
     limits = GateThresholds(
         latency_slo_ms=10_000, accuracy_floor=0.9, max_accuracy_drop=0.02, max_latency_increase=0.2
     )
-    verdict = judge(measured["fast"].figures, {**measured["slow"].figures, "version": 1}, limits)
+    production = measured["slow"].figures.model_copy(update={"version": 1})
+    verdict = judge(measured["fast"].figures, production, limits)
     assert verdict.promote, verdict.summary
     version = registry.register(
-        str(measured["fast"].folder), {"status": "accepted", "gate": verdict.to_dict()}
+        str(measured["fast"].folder),
+        {"status": "accepted", "gate": verdict.model_dump(mode="json")},
     )
     with running_service(registry, tmp_path) as svc:
         assert svc.predicted_label() == "1"

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from burstcv_testkit import write_model_dir
+from burstcv_testkit import bench_figures, write_model_dir
 from PIL import Image
 
 from burstcv.cost.pricing import serving_cost_per_million
@@ -298,18 +298,18 @@ def test_a_failed_gate_shows_each_failed_check_and_the_priced_options(
     run, registry = full_run
     latency = json.loads((run / "bench" / "latency.json").read_text())
     verdict = judge(
-        latency["candidate"],
-        latency["production"],
+        bench_figures(**latency["candidate"]),
+        bench_figures(**latency["production"], label="production"),
         GateThresholds(latency_slo_ms=5.0, accuracy_floor=0.9, max_accuracy_drop=0.02),
         ServingContext(arch="resnet18", measured_vcpus=2),
     )
-    write(run / "bench" / "verdict.json", {"version": 2, **verdict.to_dict()})
+    write(run / "bench" / "verdict.json", {"version": 2, **verdict.model_dump(mode="json")})
     write(run / "job" / "billing.json", {**BILLING, "backend": "local", "cost_usd": 0.0})
     page = render(run, registry)
     assert "NOT PROMOTED: version 2" in page and "exceeds the SLO 5 ms" in page
     assert "What would meet the latency SLO" in page
     for s in verdict.suggestions:
-        assert str(s["title"]).split(" (")[0] in page
+        assert s.title.split(" (")[0] in page
     assert "<b>$0.00</b>: the <code>local</code> backend" in page and "no GPU was rented" in page
 
 

@@ -7,9 +7,9 @@ a teardown or the reaper can clean up after a process that died.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 from burstcv.training.job import attempt_dir
 from burstcv_spec import storage
@@ -84,27 +84,6 @@ class InstanceInfo:
     image_id: str = ""  # the AMI the box booted (ec2), recorded in billing.json
     zone: str = ""  # its Availability Zone (ec2): where its spot price is quoted
 
-    def to_dict(self) -> dict[str, Any]:
-        """Return a JSON-ready dict (datetimes as ISO strings)."""
-        data = asdict(self)
-        for key in ("expires_at", "launched_at", "stopped_at"):
-            if data[key] is not None:
-                data[key] = data[key].isoformat()
-        return data
-
-
-@dataclass
-class TerminationReport:
-    """Say what a teardown terminated and what it cost."""
-
-    instance_ids: list[str] = field(default_factory=list)
-    billed_seconds: dict[str, float] = field(default_factory=dict)
-    cost_usd: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return a JSON-ready dict."""
-        return asdict(self)
-
 
 class ComputeBackend(Protocol):
     """Launch, watch and destroy training boxes; every call is safe to repeat."""
@@ -119,8 +98,12 @@ class ComputeBackend(Protocol):
         """Return every instance tagged with the run id, in any state."""
         ...
 
-    def terminate_run(self, run_id: str) -> TerminationReport:
-        """Terminate every instance tagged with the run id, wait until gone, report cost."""
+    def terminate_run(self, run_id: str) -> list[str]:
+        """Terminate every instance tagged with the run id, wait until gone; return their ids.
+
+        Billing is not the backend's: ``burstcv.compute.billing`` bills a run from its
+        attempts' launch and end records, one rule for every backend.
+        """
         ...
 
     def list_managed(self) -> list[InstanceInfo]:

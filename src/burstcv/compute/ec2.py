@@ -38,10 +38,9 @@ from burstcv.compute.base import (
     WORKING,
     InstanceInfo,
     LaunchRequest,
-    TerminationReport,
 )
 from burstcv.compute.userdata import UserDataSpec, expiry_of, render_user_data
-from burstcv.cost.pricing import PRICING_API_REGION, billed_seconds
+from burstcv.cost.pricing import PRICING_API_REGION
 from burstcv.cost.quotes import PriceSources, quote
 from burstcv.settings import Ec2Settings
 from burstcv_spec.contracts import PriceQuote
@@ -299,11 +298,6 @@ class Ec2Backend:
             sources or self.price_sources(),
             zone=info.zone if market == "spot" else "",
         )
-
-    def hourly_price(self, info: InstanceInfo, sources: PriceSources | None = None) -> float | None:
-        """Return what one of this backend's boxes costs an hour (spot: in its AZ), or None."""
-        found = self.price_quote(info, sources)
-        return None if found is None else found.usd_per_hour
 
     @cached_property
     def scheduler(self) -> Any:
@@ -697,12 +691,11 @@ class Ec2Backend:
         ]
         return [_info(inst) for inst in self._instances(filters)]
 
-    def terminate_run(self, run_id: str) -> TerminationReport:
-        """Terminate every instance tagged with the run id, wait until gone, report cost.
+    def terminate_run(self, run_id: str) -> list[str]:
+        """Terminate every instance tagged with the run id, wait until gone; return their ids.
 
-        Instances that already shut themselves down are billed too, at the price AWS quotes
-        for their type (spot: in their AZ). A price nobody knows is logged and left out of the
-        cost rather than failing the teardown.
+        Instances that already shut themselves down are listed too, and their backstop
+        schedules removed with the others'.
         """
         described = self.describe(run_id)
         live = [i.instance_id for i in described if i.state != STOPPED]
@@ -710,35 +703,10 @@ class Ec2Backend:
             log.info("run %s: terminating %s", run_id, live)
             self.client.terminate_instances(InstanceIds=live)
             self._wait_terminated(live)
-        self._remove_backstops([i.instance_id for i in described])
-        observed_at = datetime.now(UTC)
-        report = TerminationReport()
-        for info in self.describe(run_id):
-            report.instance_ids.append(info.instance_id)
-            if info.launched_at is None:
-                continue
-            stopped = info.stopped_at or observed_at
-            seconds = billed_seconds(info.launched_at, max(stopped, info.launched_at))
-            report.billed_seconds[info.instance_id] = float(seconds)
-            usd_per_hour = self.hourly_price(info)
-            if usd_per_hour is None:
-                log.warning(
-                    "run %s: no price for %s %s in %s; left out of the cost",
-                    run_id,
-                    info.lifecycle,
-                    info.instance_type,
-                    self.settings.region,
-                )
-                continue
-            report.cost_usd += usd_per_hour * seconds / 3600.0
-        log.info(
-            "run %s: %d instance(s) gone, billed %s, $%.4f",
-            run_id,
-            len(report.instance_ids),
-            report.billed_seconds,
-            report.cost_usd,
-        )
-        return report
+        ids = [i.instance_id for i in described]
+        self._remove_backstops(ids)
+        log.info("run %s: %d instance(s) gone", run_id, len(ids))
+        return ids
 
     def list_managed(self) -> list[InstanceInfo]:
         """Return every burstcv-managed instance that still exists (stopped ones included)."""

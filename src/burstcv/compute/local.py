@@ -28,7 +28,6 @@ from burstcv.compute.base import (
     STOPPED,
     InstanceInfo,
     LaunchRequest,
-    TerminationReport,
 )
 from burstcv.settings import get_settings
 
@@ -229,19 +228,13 @@ class LocalBackend:
             if rec["instance_id"] in wanted:
                 self._stop(path, rec)
 
-    def terminate_run(self, run_id: str) -> TerminationReport:
-        """Stop every process of the run and report billed seconds (local compute costs 0)."""
-        report = TerminationReport()
+    def terminate_run(self, run_id: str) -> list[str]:
+        """Stop every process of the run; return their ids."""
+        ids = []
         for path, rec in self._records(run_id):
             self._stop(path, rec)
-            info = self._info(path, rec)
-            end = info.stopped_at or lineage.utc_now()
-            assert info.launched_at is not None
-            report.instance_ids.append(info.instance_id)
-            report.billed_seconds[info.instance_id] = max(
-                0.0, (end - info.launched_at).total_seconds()
-            )
-        return report
+            ids.append(rec["instance_id"])
+        return ids
 
     def _stop(self, path: Path, rec: dict[str, Any]) -> None:
         pid = rec["pid"]  # the wrapper leads the box's process group: pgid == pid

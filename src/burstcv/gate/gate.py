@@ -8,11 +8,17 @@ p95 and cost per 1M predictions, and the assumption behind the estimate.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from burstcv.cost.pricing import UnknownPriceError, hourly_price, serving_cost_per_million
 from burstcv.training.names import ARCHITECTURE_NAMES
+from burstcv_spec.contracts import (
+    BenchFigures,
+    GateCheck,
+    GateVerdict,
+    Suggestion,
+    SuggestionAction,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,48 +82,38 @@ class ServingContext:
     measured_vcpus: int | None = None
 
 
-@dataclass
-class Verdict:
-    """Say whether to promote and, if not, every reason why and what would fix it."""
+def verdict_of(checks: list[GateCheck], suggestions: list[Suggestion]) -> GateVerdict:
+    """Return the verdict of these checks: promote when all passed, else each reason.
 
-    promote: bool
-    reasons: list[str] = field(default_factory=list)
-    checks: list[dict[str, Any]] = field(default_factory=list)
-    suggestions: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def summary(self) -> str:
-        """Return one line: 'promote' or 'not promoted: <reasons>' (+ the cheapest fix)."""
-        if self.promote:
-            return "promote"
-        line = "not promoted: " + "; ".join(self.reasons)
-        fix = next((s for s in self.suggestions if s.get("meets_slo")), None)
+    The summary is one line: 'promote' or 'not promoted: <reasons>' (+ the cheapest fix).
+    """
+    reasons = [c.reason or c.name for c in checks if not c.passed]
+    summary = "promote"
+    if reasons:
+        summary = "not promoted: " + "; ".join(reasons)
+        fix = next((s for s in suggestions if s.meets_slo), None)
         if fix is not None:
-            line += f"; cheapest fix: {fix['title']} (est. p95 {fix['estimated_p95_ms']:.1f} ms"
-            cost = fix.get("cost_per_million_usd")
-            line += f", ${cost:.2f} per 1M)" if cost is not None else ")"
-        return line
+            summary += f"; cheapest fix: {fix.title} (est. p95 {fix.estimated_p95_ms:.1f} ms"
+            cost = fix.cost_per_million_usd
+            summary += f", ${cost:.2f} per 1M)" if cost is not None else ")"
+    return GateVerdict(
+        promote=not reasons,
+        reasons=reasons,
+        checks=checks,
+        suggestions=suggestions,
+        summary=summary,
+        failed_figures=[describe_check(c) for c in checks if not c.passed],
+    )
 
-    @property
-    def failed_figures(self) -> list[str]:
-        """Return each failed check as observed vs limit, e.g. 'accuracy 0.6890 < floor 0.9000'."""
-        return [describe_check(c) for c in self.checks if not c["passed"]]
 
-    def check_lines(self) -> list[str]:
-        """Return a line per check (observed vs limit, passed or failed) and the verdict."""
-        lines = [
-            f"gate check {c['name']}: {describe_check(c)}: {'passed' if c['passed'] else 'FAILED'}"
-            for c in self.checks
-        ]
-        lines.append(f"gate verdict: {self.summary}")
-        return lines
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return a JSON-ready dict."""
-        data = asdict(self)
-        data["summary"] = self.summary
-        data["failed_figures"] = self.failed_figures
-        return data
+def check_lines(verdict: GateVerdict) -> list[str]:
+    """Return a line per check (observed vs limit, passed or failed) and the verdict."""
+    lines = [
+        f"gate check {c.name}: {describe_check(c)}: {'passed' if c.passed else 'FAILED'}"
+        for c in verdict.checks
+    ]
+    lines.append(f"gate verdict: {verdict.summary}")
+    return lines
 
 
 # How each check reads as "<observed> <op> <limit>": (what, limit's name, format, unit).
@@ -141,15 +137,14 @@ def format_figure(name: str, value: float | None) -> str:
     return f"{format(float(value), spec)}{unit}"
 
 
-def describe_check(check: dict[str, Any]) -> str:
+def describe_check(check: GateCheck) -> str:
     """Return one gate check as observed vs limit with the comparison that decided it."""
-    name = str(check["name"])
+    name = check.name
     what, limit_name, spec, unit = _CHECK_FIGURES.get(name, (name, "limit", ".4g", ""))
-    passed = bool(check["passed"])
     ops = ("<=", ">") if name in _AT_MOST else (">=", "<")
-    op = ops[0] if passed else ops[1]
-    observed = format(float(check["observed"]), spec)
-    limit_value = float(check["limit"])
+    op = ops[0] if check.passed else ops[1]
+    observed = format(check.observed, spec)
+    limit_value = check.limit
     if name in _COMPUTED_LIMITS:  # derived from production's figures: rounded like observed
         limit = format(limit_value, spec)
     else:  # as the user set it (SLO 0.001 ms, floor 0.9)
@@ -158,30 +153,26 @@ def describe_check(check: dict[str, Any]) -> str:
 
 
 def judge(
-    candidate: dict[str, Any],
-    production: dict[str, Any] | None,
+    candidate: BenchFigures,
+    production: BenchFigures | None,
     limits: GateThresholds,
     serving: ServingContext | None = None,
-) -> Verdict:
-    """Judge a candidate's figures (p95_ms, error_rate, accuracy) against limits and production.
+) -> GateVerdict:
+    """Judge a candidate's figures (p95, error rate, accuracy) against limits and production.
 
     A candidate that misses the SLO gets priced suggestions from ``advise``, using ``serving``
     (default: unknown architecture, INT8 not tried, c7i.large in us-east-1).
     """
-    checks: list[dict[str, Any]] = []
+    checks: list[GateCheck] = []
 
     def check(name: str, ok: bool, observed: float, limit: float, reason: str) -> None:
         checks.append(
-            {
-                "name": name,
-                "passed": ok,
-                "observed": observed,
-                "limit": limit,
-                **({} if ok else {"reason": reason}),
-            }
+            GateCheck(
+                name=name, passed=ok, observed=observed, limit=limit, reason=None if ok else reason
+            )
         )
 
-    p95 = float(candidate["p95_ms"])
+    p95 = candidate.p95_ms
     slo_met = p95 <= limits.latency_slo_ms
     check(
         "latency_p95",
@@ -191,18 +182,21 @@ def judge(
         f"p95 {p95:.2f} ms exceeds the SLO {limits.latency_slo_ms:g} ms by "
         f"{p95 - limits.latency_slo_ms:.2f} ms ({p95 / limits.latency_slo_ms:.1f}x)",
     )
-    errors = float(candidate["error_rate"])
+    errors = candidate.error_rate
     check("error_rate", errors == 0.0, errors, 0.0, f"{errors:.1%} of benchmark requests failed")
-    acc = float(candidate["accuracy"])
+    acc = candidate.accuracy if candidate.accuracy is not None else 0.0
     check(
         "accuracy_floor",
-        acc >= limits.accuracy_floor,
+        candidate.accuracy is not None and acc >= limits.accuracy_floor,
         acc,
         limits.accuracy_floor,
-        f"accuracy {acc:.4f} is below the floor {limits.accuracy_floor:.4f}",
+        f"accuracy {acc:.4f} is below the floor {limits.accuracy_floor:.4f}"
+        if candidate.accuracy is not None
+        # Not measured: it fails the floor, with the benchmark's reason.
+        else f"accuracy was not measured ({candidate.accuracy_note or 'no reason given'})",
     )
-    if production is not None and production.get("accuracy") is not None:
-        prod_acc = float(production["accuracy"])
+    if production is not None and production.accuracy is not None:
+        prod_acc = production.accuracy
         floor = prod_acc - limits.max_accuracy_drop
         check(
             "no_regression",
@@ -210,26 +204,21 @@ def judge(
             acc,
             floor,
             f"accuracy {acc:.4f} drops {prod_acc - acc:.4f} below production "
-            f"v{production.get('version')} ({prod_acc:.4f}); "
+            f"v{production.version} ({prod_acc:.4f}); "
             f"at most {limits.max_accuracy_drop:.4f} allowed",
         )
-    if (
-        limits.max_latency_increase is not None
-        and production is not None
-        and production.get("p95_ms") is not None
-    ):
-        prod_p95 = float(production["p95_ms"])
+    if limits.max_latency_increase is not None and production is not None:
+        prod_p95 = production.p95_ms
         ceiling = prod_p95 * (1.0 + limits.max_latency_increase)
         check(
             "no_latency_regression",
             p95 <= ceiling,
             p95,
             ceiling,
-            f"p95 {p95:.2f} ms is {p95 / prod_p95:.1f}x production v{production.get('version')}"
+            f"p95 {p95:.2f} ms is {p95 / prod_p95:.1f}x production v{production.version}"
             f"'s {prod_p95:.2f} ms; at most +{limits.max_latency_increase:.0%} allowed",
         )
-    reasons = [c["reason"] for c in checks if not c["passed"]]
-    suggestions: list[dict[str, Any]] = []
+    suggestions: list[Suggestion] = []
     if not slo_met:
         ctx = serving or ServingContext()
         suggestions = advise(
@@ -241,7 +230,7 @@ def judge(
             instance_type=ctx.instance_type,
             measured_vcpus=ctx.measured_vcpus,
         )
-    return Verdict(promote=not reasons, reasons=reasons, checks=checks, suggestions=suggestions)
+    return verdict_of(checks, suggestions)
 
 
 @dataclass(frozen=True)
@@ -254,18 +243,18 @@ class _LatencySplit:
     note: str
 
     @classmethod
-    def of(cls, candidate: dict[str, Any]) -> _LatencySplit:
-        p95 = float(candidate["p95_ms"])
-        bare = candidate.get("bare_onnxruntime_p50_ms")
-        p50 = candidate.get("p50_ms")
-        if bare is None or p50 is None:
+    def of(cls, candidate: BenchFigures) -> _LatencySplit:
+        p95 = candidate.p95_ms
+        bare = candidate.bare_onnxruntime_p50_ms
+        p50 = candidate.p50_ms
+        if bare is None:
             return cls(
                 p95,
                 0.0,
                 p95,
                 "no bare-onnxruntime figure: all of p95 is assumed to scale (optimistic)",
             )
-        fixed = min(max(0.0, float(p50) - float(bare)), p95)
+        fixed = min(max(0.0, p50 - bare), p95)
         return cls(
             p95,
             fixed,
@@ -294,7 +283,7 @@ def _price(
 
 
 def advise(
-    candidate: dict[str, Any],
+    candidate: BenchFigures,
     limits: GateThresholds,
     *,
     arch: str | None,
@@ -302,24 +291,21 @@ def advise(
     region: str,
     instance_type: str = DEFAULT_SERVING_INSTANCE,
     measured_vcpus: int | None = None,
-) -> list[dict[str, Any]]:
+) -> list[Suggestion]:
     """Return priced ways to bring p95 under the SLO, those that meet it first, cheapest first.
 
-    Each suggestion holds ``action``, ``title``, ``estimated_p95_ms``, ``meets_slo``,
-    ``instance_type``, ``region``, ``estimated_throughput_rps``, ``cost_per_million_usd``
-    (None when unpriceable, with ``price_note``), ``assumption`` and ``detail``. Estimates
+    A suggestion's cost is None when it cannot be priced (``price_note`` says why). Estimates
     scale the measured p95's compute share; they are a guide for the next run, not a promise.
     """
     split = _LatencySplit.of(candidate)
     slo = limits.latency_slo_ms
-    rps = candidate.get("throughput_rps")
-    throughput = float(rps) if rps else None
+    throughput = candidate.throughput_rps or None
     base_vcpus = measured_vcpus or VCPUS.get(instance_type, 2)
     gap = split.p95_ms - slo
-    out: list[dict[str, Any]] = []
+    out: list[Suggestion] = []
 
     def suggest(
-        action: str,
+        action: SuggestionAction,
         title: str,
         p95_est: float,
         on_type: str,
@@ -328,23 +314,23 @@ def advise(
     ) -> None:
         cost, price_note = _price(on_type, region, throughput_est)
         out.append(
-            {
-                "action": action,
-                "title": title,
-                "estimated_p95_ms": round(p95_est, 3),
-                "meets_slo": p95_est <= slo,
-                "gap_ms": round(gap, 3),
-                "instance_type": on_type,
-                "region": region,
-                "estimated_throughput_rps": None
+            Suggestion(
+                action=action,
+                title=title,
+                estimated_p95_ms=round(p95_est, 3),
+                meets_slo=p95_est <= slo,
+                gap_ms=round(gap, 3),
+                instance_type=on_type,
+                region=region,
+                estimated_throughput_rps=None
                 if throughput_est is None
                 else round(throughput_est, 2),
-                "cost_per_million_usd": None if cost is None else round(cost, 4),
-                "price_note": price_note,
-                "assumption": f"{assumption}; {split.note}",
-                "detail": f"{title}: p95 {split.p95_ms:.1f} → ~{p95_est:.1f} ms "
+                cost_per_million_usd=None if cost is None else round(cost, 4),
+                price_note=price_note,
+                assumption=f"{assumption}; {split.note}",
+                detail=f"{title}: p95 {split.p95_ms:.1f} → ~{p95_est:.1f} ms "
                 f"(SLO {slo:g} ms) on {on_type}",
-            }
+            )
         )
 
     def throughput_at(p95_est: float) -> float | None:
@@ -414,9 +400,9 @@ def advise(
 
     out.sort(
         key=lambda s: (
-            not s["meets_slo"],
-            s["cost_per_million_usd"] is None,
-            s["cost_per_million_usd"] or 0.0,
+            not s.meets_slo,
+            s.cost_per_million_usd is None,
+            s.cost_per_million_usd or 0.0,
         )
     )
     return out

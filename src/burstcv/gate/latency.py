@@ -19,50 +19,17 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
 
-from burstcv_spec.contracts import ModelCard, read_artifact
+from burstcv_spec.contracts import BenchFigures, ModelCard, read_artifact
 from burstcv_spec.layout import MODEL_CARD
 
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 60.0
-
-
-@dataclass
-class LatencyResult:
-    """Hold what one load run measured."""
-
-    label: str
-    requests: int
-    concurrency: int
-    errors: int
-    p50_ms: float
-    p95_ms: float
-    p99_ms: float
-    mean_ms: float
-    throughput_rps: float
-    wall_s: float
-    latencies_ms: list[float] = field(default_factory=list, repr=False)
-    status_counts: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def error_rate(self) -> float:
-        """Return the fraction of requests that did not get a 200."""
-        return self.errors / max(1, self.requests)
-
-    def to_dict(self, *, with_samples: bool = True) -> dict[str, Any]:
-        """Return a JSON-ready dict (optionally without the raw samples)."""
-        data = asdict(self)
-        data["error_rate"] = self.error_rate
-        if not with_samples:
-            data.pop("latencies_ms")
-        return data
 
 
 def free_port() -> int:
@@ -145,8 +112,12 @@ def drive(
     warmup: int,
     label: str,
     content_type: str = "image/png",
-) -> LatencyResult:
-    """Send ``requests`` predictions (cycling through ``images``) from ``concurrency`` clients."""
+) -> BenchFigures:
+    """Send ``requests`` predictions (cycling through ``images``) from ``concurrency`` clients.
+
+    The figures' accuracy is left unmeasured (None): the caller measures it on the validation
+    split, which the request mix is too small to judge.
+    """
     if not images:
         raise ValueError("no images to send")
     endpoint = f"{url}/v1/predict"
@@ -186,11 +157,13 @@ def drive(
             pool.submit(worker)
     wall = time.perf_counter() - t_start
     arr = np.asarray(latencies)
-    return LatencyResult(
+    errors = sum(n for code, n in statuses.items() if code != "200")
+    return BenchFigures(
         label=label,
         requests=len(latencies),
         concurrency=concurrency,
-        errors=sum(n for code, n in statuses.items() if code != "200"),
+        errors=errors,
+        error_rate=errors / max(1, len(latencies)),
         p50_ms=float(np.percentile(arr, 50)),
         p95_ms=float(np.percentile(arr, 95)),
         p99_ms=float(np.percentile(arr, 99)),
@@ -199,6 +172,8 @@ def drive(
         wall_s=wall,
         latencies_ms=[round(x, 4) for x in latencies],
         status_counts=statuses,
+        accuracy=None,
+        accuracy_note="not measured: latency only",
     )
 
 
