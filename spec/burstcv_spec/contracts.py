@@ -340,6 +340,191 @@ class TrainingChoice(Contract):
 
 
 # ---------------------------------------------------------------------------------------------
+# What the training box writes
+
+
+class EpochRecord(Contract):
+    """Say how one epoch of training went (progress.json and metrics.json, one each)."""
+
+    omit_when_none = frozenset({"backbone_frozen", "gpu_max_memory_mb"})
+
+    epoch: int = Field(ge=1, description="1-based epoch number")
+    train_loss: float = Field(description="mean training loss over the epoch")
+    images_per_s: float = Field(description="training images per second, all GPUs")
+    val_loss: float = Field(description="validation loss after the epoch")
+    val_accuracy: float = Field(description="validation top-1 after the epoch")
+    lr: float = Field(description="learning rate at the epoch's end")
+    elapsed_s: float = Field(description="seconds since this attempt started training")
+    attempt: int = Field(default=1, ge=1, description="the training attempt that ran it")
+    backbone_frozen: bool | None = Field(
+        default=None, description="pretrained: the backbone was frozen (head-only warm-up)"
+    )
+    gpu_max_memory_mb: float | None = Field(
+        default=None, description="peak GPU memory allocated, MiB (CUDA only)"
+    )
+
+
+class Recovery(Contract):
+    """Say where training diverged and how it recovered (back to the last good checkpoint)."""
+
+    epoch: int = Field(description="the epoch it diverged in")
+    step: int = Field(description="the step of that epoch it resumed from")
+    reason: str = Field(description="what diverged (a loss not finite, or far above chance)")
+    lr_scale: float = Field(description="the learning rate's scale from then on")
+
+
+class RangeTest(Contract):
+    """Say what the learning-rate range test swept and the rate it chose."""
+
+    chosen_lr: float = Field(description="the peak rate the run trained at")
+    min_loss_lr: float = Field(description="the rate at the lowest smoothed loss")
+    steepest_lr: float = Field(description="the rate where the loss fell fastest")
+    fallback_lr: float = Field(description="the rate the job asked for")
+    steps: int = Field(description="optimizer steps swept")
+    seconds: float = Field(description="seconds the sweep took")
+    lrs: list[float] = Field(description="the rate at each step")
+    losses: list[float | None] = Field(description="the smoothed loss (null: not finite)")
+
+
+class OptimizerBlock(Contract):
+    """Say how the weights were optimised."""
+
+    name: str = Field(description="sgd or adamw")
+    learning_rate: float = Field(description="peak rate, after the warm-up")
+    lr_scale: float = Field(description="the rate's scale after recoveries (1: none)")
+    weight_decay: float = Field(description="decay on weights (not norms or biases)")
+    batch_size: int = Field(description="images per optimizer step, over all GPUs")
+    warmup_steps: int = Field(description="optimizer steps of linear warm-up")
+    steps_per_epoch: int = Field(description="optimizer steps per epoch")
+    total_steps: int = Field(description="optimizer steps over the epochs asked for")
+    schedule: str = Field(description="the rate's schedule, in words")
+
+
+class WallSeconds(Contract):
+    """Say where training's time went, seconds."""
+
+    setup: float = Field(description="model, data and checkpoint set-up")
+    data: float = Field(description="waiting for batches")
+    compute: float = Field(description="forward, backward and optimizer steps")
+    eval: float = Field(description="validation passes")
+
+
+class PretrainedLoad(Contract):
+    """Say what loading pretrained weights did to the model."""
+
+    source: str = Field(description="the URI the tensors came from")
+    loaded: int = Field(description="tensors copied from the weights")
+    head: int = Field(description="tensors of the classifier head, left freshly initialised")
+    unused: int = Field(description="tensors of the weights with no place in the model")
+
+
+class TrainingProgress(Artifact):
+    """`runs/<run_key>/job/progress.json`: the epochs so far, rewritten at each epoch's end."""
+
+    attempt: int = Field(ge=1, description="the attempt that last wrote it")
+    epochs_total: int = Field(description="epochs the job asks for")
+    epochs: list[EpochRecord] = Field(description="every epoch so far, all attempts")
+
+
+class TrainingMetrics(Artifact):
+    """`runs/<run_key>/job/metrics.json`: what training made, on the best validation epoch."""
+
+    omit_when_none = frozenset({"lr_range_test", "pretrained_loaded"})
+
+    val_accuracy: float = Field(description="validation top-1 of the model kept")
+    val_loss: float = Field(description="its validation loss")
+    confusion: list[list[int]] = Field(description="rows: true class, columns: predicted")
+    classes: list[str] = Field(description="class names; label i is classes[i]")
+    arch: str = Field(description="the architecture trained")
+    epochs: list[EpochRecord] = Field(description="every epoch, all attempts")
+    best_epoch: int = Field(description="the epoch whose weights were kept")
+    epochs_asked: int = Field(description="epochs the job asked for")
+    epochs_run: int = Field(description="epochs run (fewer when stopped early)")
+    seconds_saved: float = Field(description="estimated seconds an early stop saved")
+    stop_reason: str = Field(description="why training stopped, in a line")
+    recoveries: list[Recovery] = Field(description="each divergence recovered from")
+    lr_range_test: RangeTest | None = Field(
+        default=None, description="the range test, when the job asked for it"
+    )
+    optimizer: OptimizerBlock = Field(description="how the weights were optimised")
+    wall_s: WallSeconds = Field(description="where the time went")
+    device: str = Field(description="cuda:<n> or cpu")
+    device_name: str = Field(description="the GPU's name, or cpu")
+    world_size: int = Field(description="processes (GPUs) that trained")
+    pretrained: str = Field(description="'none', a torchvision weights name, or a state_dict URI")
+    pretrained_loaded: PretrainedLoad | None = Field(
+        default=None, description="what loading the weights did; absent from scratch"
+    )
+    amp_dtype: str = Field(description="autocast dtype, or float32")
+    precision: str = Field(description="bf16, fp16 (with a gradient scaler) or fp32")
+    versions: dict[str, str] = Field(description="torch's version")
+    host: HostInfo = Field(description="the machine that trained")
+    train_images: int = Field(description="training images")
+    val_images: int = Field(description="validation images")
+    source_commit: str = Field(description="git commit of the code, or 'unknown'")
+    dataset_fingerprint: str = Field(description="sha256 over the validated dataset")
+    finished_at: str = Field(description="ISO 8601 UTC")
+    attempt: int = Field(ge=1, description="the attempt that finished")
+
+    @property
+    def train_wall_s(self) -> float:
+        """Return the seconds of training, all phases."""
+        w = self.wall_s
+        return w.setup + w.data + w.compute + w.eval
+
+
+class DoneMarker(Artifact):
+    """`runs/<run_key>/job/attempts/<n>/DONE`: the attempt finished; metrics.json is written."""
+
+    val_accuracy: float = Field(description="validation top-1 of the model kept")
+    finished_at: str = Field(description="ISO 8601 UTC")
+    attempt: int = Field(ge=1, description="the attempt")
+
+
+class FailedMarker(Artifact):
+    """`runs/<run_key>/job/attempts/<n>/FAILED`: where the attempt stopped and why.
+
+    Written by training (``write_failed``) or, when training could not, by the box's boot
+    script (with its exit code and instance id).
+    """
+
+    omit_when_none = frozenset({"at", "exit_code", "instance_id"})
+
+    stage: str = Field(description="bootstrap, preflight, train, budget or interrupted")
+    reason: str = Field(description="one line: why")
+    resumable: bool = Field(description="a relaunch resumes from the checkpoint")
+    attempt: int = Field(ge=1, description="the attempt")
+    at: str | None = Field(default=None, description="ISO 8601 UTC (training's markers)")
+    exit_code: int | None = Field(default=None, description="the stage's exit code (boot script)")
+    instance_id: str | None = Field(default=None, description="the box (boot script)")
+
+
+class TrainingOutcome(Contract):
+    """Say how a training attempt stands: what the trigger hands the train task."""
+
+    omit_when_none = frozenset({"stage"})
+
+    status: Literal["done", "failed", "lost", "running"] = Field(
+        description="done (DONE marker), failed (FAILED marker), lost (every box gone "
+        "without a marker) or running"
+    )
+    attempt: int = Field(ge=1, description="the attempt")
+    stage: str | None = Field(default=None, description="failed: where it stopped")
+    reason: str = Field(default="", description="failed or lost: why, in a line")
+    resumable: bool = Field(
+        default=False, description="a relaunch may resume it (interrupted, or lost)"
+    )
+
+    def line(self) -> str:
+        """Return the one line a user reads about an attempt that did not finish."""
+        stage = f" at {self.stage}" if self.stage else ""
+        return (
+            f"training {self.status}{stage} (attempt {self.attempt}): "
+            f"{self.reason or 'no reason given'}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
 # Stage results (XCom)
 
 
@@ -461,6 +646,7 @@ STAGE_RESULTS: tuple[type[Contract], ...] = (
     Launch,
     Provisioned,
     Trained,
+    TrainingOutcome,
     Exported,
     Benchmarked,
     Deployed,
@@ -697,6 +883,10 @@ ARTIFACTS: tuple[type[Artifact], ...] = (
     TriggerHeartbeat,
     PriceQuote,
     AttemptBill,
+    TrainingProgress,
+    TrainingMetrics,
+    DoneMarker,
+    FailedMarker,
     Billing,
     LatencyRecord,
     VerdictRecord,

@@ -18,6 +18,12 @@ TRIGGER_HEARTBEAT = "trigger.json"  # in an attempt's folder: when its trigger l
 LAUNCH_RECORD = "launch.json"  # in an attempt's folder: its boxes as launched (AttemptBill)
 END_RECORD = "end.json"  # in an attempt's folder: its boxes as ended (AttemptBill)
 MODEL_CARD = "model.json"
+# The training box's files, in the job folder (progress, metrics) and in an attempt's folder
+# (the markers: exactly one of them ends an attempt).
+PROGRESS = "progress.json"
+METRICS = "metrics.json"
+DONE_MARKER = "DONE"
+FAILED_MARKER = "FAILED"
 REGISTRY_ENTRY = "entry.json"
 PRODUCTION = "production"
 PREVIOUS = "previous"
@@ -77,7 +83,12 @@ class RunLayout:
     @property
     def metrics(self) -> str:
         """Return job/metrics.json."""
-        return storage.join(self.job, "metrics.json")
+        return storage.join(self.job, METRICS)
+
+    @property
+    def progress(self) -> str:
+        """Return job/progress.json: the epochs so far, rewritten at each epoch's end."""
+        return storage.join(self.job, PROGRESS)
 
     @property
     def weights(self) -> str:

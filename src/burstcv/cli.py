@@ -210,7 +210,7 @@ def export(
         preprocess=PreprocessBlock.model_validate(job.preprocess),
         fingerprint=job.dataset_fingerprint,
     )
-    trained = pipeline.collect_training(run, {"status": "done"}, settings)
+    trained = pipeline.trained(run, settings)
     # Export reads only the manifest; the validation evidence stays where validate left it.
     validated = Validated(
         fingerprint=job.dataset_fingerprint,

@@ -29,12 +29,14 @@ from burstcv.params import EXPORT_PARAMS, TRAINING_PARAMS, RunParams
 from burstcv.settings import Settings, get_settings
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
+    ArtifactError,
     AttemptRecord,
     BenchFigures,
     Benchmarked,
     Billing,
     Deployed,
     Exported,
+    FailedMarker,
     HostInfo,
     InstanceRecord,
     LatencyRecord,
@@ -48,12 +50,15 @@ from burstcv_spec.contracts import (
     SkipRecord,
     Trained,
     TrainingChoice,
+    TrainingMetrics,
+    TrainingOutcome,
+    TrainingProgress,
     Validated,
     VerdictRecord,
     read_artifact,
     write_artifact,
 )
-from burstcv_spec.layout import ATTEMPT_RECORD, MODEL_CARD, RunLayout
+from burstcv_spec.layout import ATTEMPT_RECORD, FAILED_MARKER, MODEL_CARD, PROGRESS, RunLayout
 from burstcv_spec.preprocess import PreprocessSpec
 from burstcv_spec.storage import safe_run_id
 
@@ -579,16 +584,14 @@ def current_attempt(output_uri: str) -> int:
     return read_artifact(uri, AttemptRecord).attempt if storage.exists(uri) else 1
 
 
-def resumable(outcome: dict[str, Any]) -> bool:
+def resumable(outcome: TrainingOutcome) -> bool:
     """Return whether an attempt's outcome may be resumed by a new box.
 
     A box that vanished (spot reclaim, crash, shutting down without a marker) or was
     interrupted on purpose left a checkpoint to continue from; a job that failed on its own
     would fail again.
     """
-    return outcome.get("status") == "lost" or (
-        outcome.get("status") == "failed" and bool(outcome.get("resumable"))
-    )
+    return outcome.status == "lost" or (outcome.status == "failed" and outcome.resumable)
 
 
 def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
@@ -608,10 +611,10 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
     backend_name, run_key = provisioned.backend, provisioned.run.run_key
     attempt = current_attempt(provisioned.output_uri)
     outcome = training_outcome(run_key, backend_name, provisioned.output_uri, attempt)
-    if outcome["status"] in ("running", "done"):
+    if outcome.status in ("running", "done"):
         return attempt
     if not resumable(outcome):
-        raise TrainingFailed(failure_line(outcome))
+        raise TrainingFailed(outcome.line())
     backend = get_backend(backend_name)
     instances = backend.describe(run_key)
     still_up = [i.instance_id for i in instances if i.state in WORKING]
@@ -620,7 +623,7 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
             "run %s: attempt %d ended (%s); terminating its boxes still up %s",
             run_key,
             attempt,
-            failure_line(outcome),
+            outcome.line(),
             still_up,
         )
         backend.terminate(still_up)
@@ -633,7 +636,7 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
         )
     if attempt > s.max_relaunches:
         raise TrainingFailed(
-            f"attempt {attempt} ended ({failure_line(outcome)}) and the run has been "
+            f"attempt {attempt} ended ({outcome.line()}) and the run has been "
             f"relaunched {attempt - 1} times, its limit; no relaunch (BURSTCV_MAX_RELAUNCHES)"
         )
     from burstcv.compute.billing import record_end, run_bill
@@ -652,7 +655,7 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
         "(spent so far $%.2f)",
         run_key,
         attempt,
-        outcome.get("reason", outcome["status"]),
+        outcome.reason or outcome.status,
         attempt + 1,
         ids,
         spent,
@@ -814,22 +817,35 @@ def _reaper_targets(names: list[str], settings: Settings) -> list[tuple[str, str
 
 def training_outcome(
     run_id: str, backend_name: str, output_uri: str, attempt: int = 1
-) -> dict[str, Any]:
+) -> TrainingOutcome:
     """Return an attempt's state: done, failed (stage, reason), lost (no marker) or running."""
     from burstcv.compute.base import job_outcome
     from burstcv.training.job import attempt_dir
 
     status = job_outcome(get_backend(backend_name), safe_run_id(run_id), output_uri, attempt)
-    if status in ("done", "failed"):
-        marker = attempt_dir(output_uri, attempt, "DONE" if status == "done" else "FAILED")
-        return {"status": status, **storage.read_json(marker), "attempt": attempt}
+    if status == "failed":
+        uri = attempt_dir(output_uri, attempt, FAILED_MARKER)
+        try:
+            failed = read_artifact(uri, FailedMarker)
+        except ArtifactError as exc:  # failed all the same: say so rather than crash the wait
+            return TrainingOutcome(
+                status="failed", attempt=attempt, reason=f"unreadable FAILED marker: {exc}"
+            )
+        return TrainingOutcome(
+            status="failed",
+            attempt=attempt,
+            stage=failed.stage,
+            reason=failed.reason,
+            resumable=failed.resumable,
+        )
     if status == "lost":
-        return {
-            "status": "lost",
-            "reason": "every training instance stopped without writing DONE or FAILED",
-            "attempt": attempt,
-        }
-    return {"status": "running", "attempt": attempt}
+        return TrainingOutcome(
+            status="lost",
+            attempt=attempt,
+            reason="every training instance stopped without writing DONE or FAILED",
+            resumable=True,
+        )
+    return TrainingOutcome(status=status, attempt=attempt)
 
 
 def _usd(amount: float) -> str:
@@ -854,11 +870,11 @@ def progress_lines(
     """
     from burstcv.training.job import JobSpec
 
-    uri = storage.join(output_uri, "progress.json")
+    uri = storage.join(output_uri, PROGRESS)
     if not storage.exists(uri):
         return []
-    progress = storage.read_json(uri)
-    mine = [e for e in progress.get("epochs", []) if e.get("attempt", 1) == attempt]
+    progress = read_artifact(uri, TrainingProgress)
+    mine = [e for e in progress.epochs if e.attempt == attempt]
     epochs = mine[already_logged:]
     if not epochs:
         return []
@@ -879,12 +895,12 @@ def progress_lines(
         )
     else:
         money = f"{_usd(spent)} spent, no budget"
-    total = progress.get("epochs_total", job.epochs)
+    total = progress.epochs_total
     return [
-        f"epoch {e['epoch']}/{total} val_accuracy {e['val_accuracy']:.4f} "
-        f"val_loss {e['val_loss']:.4f} | {money} | {time_left} | "
-        f"train_loss {e['train_loss']:.4f}, {e['images_per_s']:.0f} images/s, "
-        f"{e['elapsed_s']:.0f} s, billed {billed:.0f} s, attempt {attempt}"
+        f"epoch {e.epoch}/{total} val_accuracy {e.val_accuracy:.4f} "
+        f"val_loss {e.val_loss:.4f} | {money} | {time_left} | "
+        f"train_loss {e.train_loss:.4f}, {e.images_per_s:.0f} images/s, "
+        f"{e.elapsed_s:.0f} s, billed {billed:.0f} s, attempt {attempt}"
         for e in epochs
     ]
 
@@ -906,30 +922,26 @@ def box_log_tail(
     return tail
 
 
-def failure_line(outcome: dict[str, Any]) -> str:
-    """Return the one line a user reads about an attempt that did not finish."""
-    stage = f" at {outcome['stage']}" if outcome.get("stage") else ""
-    return (
-        f"training {outcome.get('status')}{stage} (attempt {outcome.get('attempt', 1)}): "
-        f"{outcome.get('reason', 'no reason given')}"
-    )
-
-
 def collect_training(
-    run: RunRef, outcome: dict[str, Any], settings: Settings | None = None
+    run: RunRef, outcome: TrainingOutcome, settings: Settings | None = None
 ) -> Trained:
     """Turn the training outcome into figures, or raise TrainingFailed with the box's reason."""
-    if outcome.get("status") != "done":
-        raise TrainingFailed(failure_line(outcome))
+    if outcome.status != "done":
+        raise TrainingFailed(outcome.line())
+    return trained(run, settings)
+
+
+def trained(run: RunRef, settings: Settings | None = None) -> Trained:
+    """Return the figures of the run's trained model, from metrics.json."""
     paths = run_layout(run, settings)
-    metrics = storage.read_json(paths.metrics)
+    metrics = read_artifact(paths.metrics, TrainingMetrics)
     return Trained(
         model_uri=paths.weights,
         metrics_uri=paths.metrics,
-        val_accuracy=metrics["val_accuracy"],
-        epochs=len(metrics["epochs"]),
-        train_wall_s=sum(metrics["wall_s"].values()),
-        device=metrics["device"],
+        val_accuracy=metrics.val_accuracy,
+        epochs=len(metrics.epochs),
+        train_wall_s=metrics.train_wall_s,
+        device=metrics.device,
     )
 
 
@@ -1015,7 +1027,7 @@ def export(
         (path, storage.read_bytes(uri))
         for path, uri, _ in _val_rows(validated.manifest_uri, PARITY_IMAGES)
     ]
-    metrics = storage.read_json(trained.metrics_uri)
+    metrics = read_artifact(trained.metrics_uri, TrainingMetrics)
     int8_inputs: dict[str, Any] = {}
     if params.int8:
         from burstcv.export.quantize import CALIBRATION_IMAGES
@@ -1032,17 +1044,17 @@ def export(
     card = export_model(
         checkpoint_uri=trained.model_uri,
         out_uri=paths.model,
-        arch=str(metrics.get("arch") or params.model),  # as trained (auto resolved)
+        arch=metrics.arch,  # as trained (auto resolved)
         classes=packed.classes,
         spec=packed.preprocess.to_spec(),
         parity_images=images,
         name=s.model_name,
         opset=s.onnx_opset,
         max_abs_diff=s.parity_max_abs_diff,
-        metrics={"val_accuracy": metrics["val_accuracy"], "val_loss": metrics["val_loss"]},
+        metrics={"val_accuracy": metrics.val_accuracy, "val_loss": metrics.val_loss},
         dataset_fingerprint=packed.fingerprint,
         run_id=run.airflow_run_id,
-        pretrained=metrics.get("pretrained", "none"),  # as trained: the stem depends on it
+        pretrained=metrics.pretrained,  # as trained: the stem depends on it
         **int8_inputs,
     )
     assert card.parity is not None  # export_model always checks parity

@@ -18,7 +18,14 @@ from burstcv.airflow.triggers import (
     silence_line,
     write_heartbeat,
 )
-from burstcv_spec.contracts import TriggerHeartbeat, read_artifact
+from burstcv_spec.contracts import (
+    EpochRecord,
+    TrainingProgress,
+    TriggerHeartbeat,
+    read_artifact,
+    write_artifact,
+)
+from burstcv_spec.layout import PROGRESS
 
 
 @pytest.fixture
@@ -99,16 +106,16 @@ def test_a_progress_line_leads_with_accuracy_dollars_left_and_minutes_left(
     job = make_job(packed_demo, finished_job, epochs=3, deadline_at=deadline)
     write_job(job, str(finished_job / "job.json"))
     epoch = {"train_loss": 0.5, "val_loss": 0.25, "images_per_s": 812.4, "elapsed_s": 23.2}
-    (finished_job / "progress.json").write_text(
-        json.dumps(
-            {
-                "epochs_total": 3,
-                "epochs": [
-                    {"epoch": 1, "attempt": 1, "val_accuracy": 0.8, **epoch},
-                    {"epoch": 2, "attempt": 1, "val_accuracy": 0.9412, **epoch},
-                ],
-            }
-        )
+    write_artifact(
+        str(finished_job / PROGRESS),
+        TrainingProgress(
+            attempt=1,
+            epochs_total=3,
+            epochs=[
+                EpochRecord(epoch=1, val_accuracy=0.8, lr=0.1, **epoch),
+                EpochRecord(epoch=2, val_accuracy=0.9412, lr=0.05, **epoch),
+            ],
+        ),
     )
     trigger = TrainingCompletionTrigger(
         run_id="r-quiet",

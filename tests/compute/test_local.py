@@ -133,8 +133,8 @@ def test_a_box_that_dies_without_a_marker_is_reported_lost(
     os.killpg(launch_box(state_dir, "r-lost", job_uri), signal.SIGKILL)
     wait_for(lambda: backend.describe("r-lost")[0].state == STOPPED)
     outcome = training_outcome("r-lost", "local", str(out))
-    assert outcome["status"] == "lost"
-    assert "without writing DONE or FAILED" in outcome["reason"]
+    assert outcome.status == "lost"
+    assert "without writing DONE or FAILED" in outcome.reason
 
 
 def launch_box(state_dir: Path, run_id: str, job_uri: str, time_budget_s: int = 600) -> int:
@@ -194,7 +194,7 @@ def test_a_trainer_killed_by_the_oom_killer_is_seen_lost_within_a_poll(
     assert time.monotonic() - killed < 10 * WATCHDOG_POLL_S + 5
     assert box_processes(wrapper) == {}
     outcome = training_outcome("r-oom", "local", str(out))
-    assert outcome["status"] == "lost", outcome
+    assert outcome.status == "lost", outcome
     assert backend.describe("r-oom")[0].stopped_at is not None  # the wrapper recorded the stop
     assert processes_running(job_uri) == []
 
@@ -213,7 +213,7 @@ def test_a_killed_wrapper_leaves_the_trainer_to_finish_and_the_box_ends_with_it(
     assert backend.describe("r-wrap")[0].state == RUNNING  # the trainer still trains
     wait_for(lambda: backend.describe("r-wrap")[0].state == STOPPED, timeout_s=300)
     assert not Path(f"/proc/{trainer}").exists() or box_processes(wrapper) == {}
-    assert training_outcome("r-wrap", "local", str(out))["status"] == "done"
+    assert training_outcome("r-wrap", "local", str(out)).status == "done"
     assert box_processes(wrapper) == {}  # the watchdog went with its trainer
     assert processes_running(job_uri) == []
 
@@ -283,7 +283,7 @@ def test_a_retry_after_a_lost_box_relaunches_and_resumes_from_the_checkpoint(
     record = json.loads(next((state_dir / "r-spot").glob("local-*.json")).read_text())
     os.killpg(record["pid"], signal.SIGKILL)
     wait_for(lambda: all(i.state == STOPPED for i in backend.describe("r-spot")))
-    assert training_outcome("r-spot", "local", str(out))["status"] == "lost"
+    assert training_outcome("r-spot", "local", str(out)).status == "lost"
 
     op = WaitForTrainingOperator(task_id="train", provisioned=provisioned)
     with pytest.raises(TaskDeferred):
@@ -292,11 +292,11 @@ def test_a_retry_after_a_lost_box_relaunches_and_resumes_from_the_checkpoint(
     assert len(second) == 1, "the retry started exactly one new box"
     assert current_attempt(str(out)) == 2
     wait_for(
-        lambda: training_outcome("r-spot", "local", str(out), 2)["status"] != "running",
+        lambda: training_outcome("r-spot", "local", str(out), 2).status != "running",
         timeout_s=300,
     )
     outcome = training_outcome("r-spot", "local", str(out), 2)
-    assert outcome["status"] == "done", outcome
+    assert outcome.status == "done", outcome
     resumed = json.loads((out / "metrics.json").read_text())
     unbroken = trained_demo["metrics"]
     assert resumed["val_accuracy"] == pytest.approx(unbroken["val_accuracy"], abs=1e-6)
@@ -313,13 +313,11 @@ def test_a_retry_after_a_job_failure_fails_without_relaunching(
     from airflow.sdk.exceptions import AirflowFailException
 
     from burstcv.airflow.operators import WaitForTrainingOperator
+    from burstcv.training.job import STAGE_TRAIN, write_failed
 
     out = tmp_path / "job"
     out.mkdir()
-    (out / "attempts" / "1").mkdir(parents=True)
-    (out / "attempts" / "1" / "FAILED").write_text(
-        json.dumps({"reason": "ValueError: bad shard", "resumable": False})
-    )
+    write_failed(str(out), 1, STAGE_TRAIN, "ValueError: bad shard", resumable=False)
     op = WaitForTrainingOperator(
         task_id="train",
         provisioned=provisioned_for("r-bad", out),

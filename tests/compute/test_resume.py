@@ -22,7 +22,7 @@ from burstcv.compute.ec2 import Ec2Backend
 from burstcv.settings import Settings
 from burstcv.training.job import attempt_dir
 from burstcv_spec import storage
-from burstcv_spec.contracts import Launch, Provisioned, RunRef
+from burstcv_spec.contracts import Launch, Provisioned, RunRef, TrainingOutcome
 
 DAG_ID = "burstcv_pipeline"
 
@@ -70,7 +70,7 @@ def states(kit: Any, run_key: str) -> dict[str, str]:
     }
 
 
-def wait_event(provisioned: Provisioned, attempt: int) -> dict[str, Any]:
+def wait_event(provisioned: Provisioned, attempt: int) -> TrainingOutcome:
     """Return what the trigger would fire now for the attempt."""
     run = provisioned.run.run_key
     return pipeline.training_outcome(run, "ec2", provisioned.output_uri, attempt)
@@ -90,7 +90,7 @@ def test_a_reclaimed_box_still_shutting_down_is_relaunched_in_the_same_try(
     reclaim_in_emulator(first)  # no marker: reclaimed without (or before) its notice
 
     event = wait_event(provisioned, 1)
-    assert event["status"] == "lost", event  # shutting-down is gone, not running
+    assert event.status == "lost", event  # shutting-down is gone, not running
     operator = WaitForTrainingOperator(task_id="train", provisioned=provisioned.model_dump())
     assert resumed_in_this_try(operator, event) == 2
 
@@ -98,7 +98,7 @@ def test_a_reclaimed_box_still_shutting_down_is_relaunched_in_the_same_try(
     boxes = states(kit, provisioned.run.run_key)
     (second,) = [iid for iid in boxes if iid != first]
     assert boxes == {first: "shutting-down", second: "running"}
-    assert wait_event(provisioned, 2)["status"] == "running"
+    assert wait_event(provisioned, 2).status == "running"
     Ec2Backend().terminate_run(provisioned.run.run_key)
     assert kit.live_managed() == []
 
@@ -111,7 +111,7 @@ def test_a_resumable_failed_with_its_box_still_up_relaunches_and_ends_that_box(
     storage.write_json(attempt_dir(provisioned.output_uri, 1, "FAILED"), notice)
 
     event = wait_event(provisioned, 1)
-    assert event["status"] == "failed" and event["resumable"] is True
+    assert event.status == "failed" and event.resumable is True
     operator = WaitForTrainingOperator(task_id="train", provisioned=provisioned.model_dump())
     assert resumed_in_this_try(operator, event) == 2
 

@@ -344,7 +344,7 @@ PEAK_RSS = textwrap.dedent(
     from burstcv.training.train import main
     metrics = main(load_job(sys.argv[1]))
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_mb": peak_kb / 1024, "train_images": metrics["train_images"]}))
+    print(json.dumps({"peak_mb": peak_kb / 1024, "train_images": metrics.train_images}))
     """
 )
 

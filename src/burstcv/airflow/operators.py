@@ -9,7 +9,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
 from burstcv.airflow.triggers import TrainingCompletionTrigger
-from burstcv_spec.contracts import Provisioned
+from burstcv_spec.contracts import Provisioned, TrainingOutcome
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,9 @@ class WaitForTrainingOperator(BaseOperator):
         ti = context.get("ti") or context.get("task_instance")
         if ti is not None and getattr(ti, "try_number", 1) > 1:
             outcome = training_outcome(info.run.run_key, info.backend, info.output_uri, attempt)
-            if outcome["status"] == "done":
+            if outcome.status == "done":
                 return collect_training(info.run, outcome).model_dump(mode="json")
-            if outcome["status"] in ("lost", "failed"):
+            if outcome.status in ("lost", "failed"):
                 attempt = self._relaunch_or_fail(outcome)
         self._wait_for(attempt)
 
@@ -53,23 +53,24 @@ class WaitForTrainingOperator(BaseOperator):
         """Return the training figures; relaunch a lost attempt; else fail with the box's reason."""
         from burstcv.pipeline import TrainingFailed, collect_training
 
+        outcome = TrainingOutcome.model_validate(event)
         try:
-            return collect_training(self._boxes().run, event).model_dump(mode="json")
+            return collect_training(self._boxes().run, outcome).model_dump(mode="json")
         except TrainingFailed:
-            attempt = self._relaunch_or_fail(event)
+            attempt = self._relaunch_or_fail(outcome)
         self._wait_for(attempt)  # the same try waits for the next attempt
         return None
 
-    def _relaunch_or_fail(self, outcome: dict[str, Any]) -> int:
+    def _relaunch_or_fail(self, outcome: TrainingOutcome) -> int:
         """Start the next attempt of a resumable outcome, or fail the task for good."""
-        from burstcv.pipeline import TrainingFailed, failure_line, relaunch, resumable
+        from burstcv.pipeline import TrainingFailed, relaunch, resumable
 
-        attempt = int(outcome.get("attempt", 1))
+        attempt = outcome.attempt
         if not resumable(outcome):
             self._log_box_tail(attempt)
-            log.error("%s", failure_line(outcome))
-            raise AirflowFailException(failure_line(outcome))  # retrying cannot fix the job
-        log.warning("%s; relaunching in this try", failure_line(outcome))
+            log.error("%s", outcome.line())
+            raise AirflowFailException(outcome.line())  # retrying cannot fix the job
+        log.warning("%s; relaunching in this try", outcome.line())
         try:
             return relaunch(self._boxes())
         except TrainingFailed as exc:

@@ -127,7 +127,7 @@ class TrainingCompletionTrigger(BaseTrigger):
             for line in lines:
                 self.log.info(line)
             logged += len(lines)
-            if outcome["status"] != "running":
-                yield TriggerEvent(outcome)
+            if outcome.status != "running":
+                yield TriggerEvent(outcome.model_dump(mode="json"))
                 return
             await asyncio.sleep(self.poll_interval_s)

@@ -13,6 +13,7 @@ from typing import Literal, Protocol
 
 from burstcv.training.job import attempt_dir
 from burstcv_spec import storage
+from burstcv_spec.layout import DONE_MARKER, FAILED_MARKER
 
 # Instance states every backend maps its own onto.
 PENDING = "pending"
@@ -126,9 +127,9 @@ def job_outcome(
     that is shutting down, stopping or stopped counts as gone: it will never write a marker.
     """
     instances = backend.describe(run_id)
-    if storage.exists(attempt_dir(job_dir_uri, attempt, "DONE")):
+    if storage.exists(attempt_dir(job_dir_uri, attempt, DONE_MARKER)):
         return "done"
-    if storage.exists(attempt_dir(job_dir_uri, attempt, "FAILED")):
+    if storage.exists(attempt_dir(job_dir_uri, attempt, FAILED_MARKER)):
         return "failed"
     if not any(info.state in WORKING for info in instances):
         return "lost"

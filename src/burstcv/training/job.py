@@ -17,6 +17,8 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_va
 
 from burstcv.training.names import check_architecture, is_pretrained, pretrained_kind
 from burstcv_spec import storage
+from burstcv_spec.contracts import FailedMarker, write_artifact
+from burstcv_spec.layout import FAILED_MARKER
 
 
 class AugmentSpec(BaseModel):
@@ -188,14 +190,13 @@ def write_failed(
     """Write an attempt's FAILED marker: where it stopped, why, and whether to resume."""
     from burstcv import lineage
 
-    return storage.write_json(
-        attempt_dir(job_dir_uri, attempt, "FAILED"),
-        {
-            "schema_version": 1,
-            "stage": stage,
-            "reason": reason,
-            "resumable": resumable,
-            "attempt": attempt,
-            "at": lineage.utc_now_iso(),
-        },
+    return write_artifact(
+        attempt_dir(job_dir_uri, attempt, FAILED_MARKER),
+        FailedMarker(
+            stage=stage,
+            reason=reason,
+            resumable=resumable,
+            attempt=attempt,
+            at=lineage.utc_now_iso(),
+        ),
     )

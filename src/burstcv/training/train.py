@@ -20,9 +20,9 @@ import tempfile
 import time
 from collections.abc import Generator
 from contextlib import closing
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -54,7 +54,24 @@ from burstcv.training.stream import (
 from burstcv.training.transforms import train_transform
 from burstcv.training.weights import load_pretrained, resolve_weights
 from burstcv_spec import storage
+from burstcv_spec.contracts import (
+    Contract,
+    DoneMarker,
+    EpochRecord,
+    HostInfo,
+    OptimizerBlock,
+    PretrainedLoad,
+    RangeTest,
+    Recovery,
+    TrainingMetrics,
+    TrainingProgress,
+    WallSeconds,
+    write_artifact,
+)
+from burstcv_spec.layout import DONE_MARKER, METRICS, PROGRESS
 from burstcv_spec.preprocess import PreprocessSpec, eval_view
+
+C = TypeVar("C", bound=Contract)
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +139,7 @@ class Split:
 class History:
     """Collect per-epoch metrics and the wall-time split of the whole run."""
 
-    epochs: list[dict[str, Any]] = field(default_factory=list)
+    epochs: list[EpochRecord] = field(default_factory=list)
     setup_s: float = 0.0
     data_s: float = 0.0
     compute_s: float = 0.0
@@ -449,7 +466,7 @@ def lr_range_test(
     std: torch.Tensor,
     scale: float,
     amp_dtype: torch.dtype | None,
-) -> dict[str, Any]:
+) -> RangeTest:
     """Sweep the rate over a few steps and return the one to train at, with what was seen.
 
     The model and its optimiser state are restored afterwards: training starts from the same
@@ -516,21 +533,21 @@ def lr_range_test(
     steepest = min(slopes)[1] if slopes else at_min
     chosen = min(steepest, at_min / 10)
     chosen = min(max(chosen, job.learning_rate * RANGE_START), job.learning_rate * RANGE_END)
-    result = {
-        "chosen_lr": chosen,
-        "min_loss_lr": at_min,
-        "steepest_lr": steepest,
-        "fallback_lr": job.learning_rate,
-        "steps": len(lrs),
-        "seconds": time.perf_counter() - t0,
-        "lrs": lrs,
-        "losses": losses,
-    }
+    result = RangeTest(
+        chosen_lr=chosen,
+        min_loss_lr=at_min,
+        steepest_lr=steepest,
+        fallback_lr=job.learning_rate,
+        steps=len(lrs),
+        seconds=time.perf_counter() - t0,
+        lrs=lrs,
+        losses=[loss if math.isfinite(loss) else None for loss in losses],
+    )
     log.info(
         "learning-rate range test: %d steps in %.1f s, lowest loss at %.3g: training at %.3g "
         "(instead of %.3g)",
         len(lrs),
-        result["seconds"],
+        result.seconds,
         at_min,
         chosen,
         job.learning_rate,
@@ -725,7 +742,13 @@ def _deadline_ts(job: JobSpec) -> float | None:
     return job.deadline_at.timestamp() if job.deadline_at is not None else None
 
 
-def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
+def _from_checkpoint(ckpt: dict[str, Any], key: str, model: type[C]) -> C | None:
+    """Return a contract a checkpoint keeps as JSON under ``key`` (None when it has none)."""
+    raw = ckpt.get(key, "null")
+    return None if raw == "null" else model.model_validate_json(raw)
+
+
+def main(job: JobSpec, attempt: int = 1) -> TrainingMetrics:
     """Train as the job says; write checkpoints, metrics, weights and DONE; return the metrics."""
     t_setup = time.perf_counter()
     deadline = _deadline_ts(job)
@@ -752,25 +775,24 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
     model = build_model(job.arch, len(job.classes), int(spec["height"]), pretrained=pretrained)
     ckpt_uri = job.uri(CHECKPOINT)
     ckpt = load_checkpoint(ckpt_uri)
-    loaded: dict[str, Any] | None = None
+    loaded: PretrainedLoad | None = None
     if ckpt is not None:
-        loaded = json.loads(ckpt.get("pretrained_loaded", "null"))
+        loaded = _from_checkpoint(ckpt, "pretrained_loaded", PretrainedLoad)
     elif pretrained:  # a resumed run has its weights in the checkpoint: no second download
         _warn_on_normalisation(job)
-        report = load_pretrained(
+        loaded = load_pretrained(
             model, job.arch, job.pretrained, weights_store=job.weights_store_uri
         )
-        loaded = asdict(report)
     model = model.to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
-    range_test: dict[str, Any] | None = None
+    range_test: RangeTest | None = None
     if ckpt is not None:
-        range_test = json.loads(ckpt.get("lr_range_test", "null"))
+        range_test = _from_checkpoint(ckpt, "lr_range_test", RangeTest)
     elif job.lr_range_test:
         range_test = lr_range_test(model, train, job, mean, std, scale, _amp_dtype(device))
     if range_test is not None:  # the rate the sweep found is the run's peak rate
-        job = job.model_copy(update={"learning_rate": range_test["chosen_lr"]})
+        job = job.model_copy(update={"learning_rate": range_test.chosen_lr})
     steps_per_epoch = max(1, len(train) // job.batch_size)
     total_steps = steps_per_epoch * job.epochs
     groups = param_groups(model, job)
@@ -790,7 +812,7 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
     # stopping's patience counts from.
     best: dict[str, Any] = {"epoch": 0, "val_accuracy": -1.0, "improved_at": 0}
     best_state: dict[str, torch.Tensor] | None = None
-    recoveries: list[dict[str, Any]] = []
+    recoveries: list[Recovery] = []
     best_uri = job.uri(BEST_CHECKPOINT)
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
@@ -798,9 +820,9 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
         sched.load_state_dict(ckpt["scheduler"])
         torch.set_rng_state(ckpt["rng_cpu"])
         epoch, step = int(ckpt["epoch"]), int(ckpt["step"])
-        hist.epochs = json.loads(ckpt["history"])
+        hist.epochs = [EpochRecord.model_validate(e) for e in json.loads(ckpt["history"])]
         lr_scale.value = float(ckpt.get("lr_scale", 1.0))
-        recoveries = json.loads(ckpt.get("recoveries", "[]"))
+        recoveries = [Recovery.model_validate(r) for r in json.loads(ckpt.get("recoveries", "[]"))]
         saved_best = load_checkpoint(best_uri)
         if saved_best is not None:
             best_state = saved_best["model"]
@@ -837,16 +859,16 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
                     "rng_cpu": torch.get_rng_state(),
                     "epoch": ep,
                     "step": st,
-                    "history": json.dumps(hist.epochs),
+                    "history": json.dumps([e.model_dump(mode="json") for e in hist.epochs]),
                     "lr_scale": lr_scale.value,
-                    "recoveries": json.dumps(recoveries),
-                    "lr_range_test": json.dumps(range_test),
+                    "recoveries": json.dumps([r.model_dump(mode="json") for r in recoveries]),
+                    "lr_range_test": range_test.model_dump_json() if range_test else "null",
                     "job": json.dumps(job.model_dump(mode="json")),
                     "seed": job.seed,
                     "source_commit": job.source_commit or lineage.source_commit(),
                     "dataset_fingerprint": job.dataset_fingerprint,
                     "attempt": attempt,
-                    "pretrained_loaded": json.dumps(loaded),
+                    "pretrained_loaded": loaded.model_dump_json() if loaded else "null",
                 },
             )
         if d.world_size > 1:
@@ -913,12 +935,12 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
         # Back to the last good state, the whole schedule lowered; bounded.
         nonlocal epoch, step
         recoveries.append(
-            {
-                "epoch": position["epoch"] + 1,
-                "step": position["step"],
-                "reason": reason,
-                "lr_scale": lr_scale.value * RECOVERY_LR_FACTOR,
-            }
+            Recovery(
+                epoch=position["epoch"] + 1,
+                step=position["step"],
+                reason=reason,
+                lr_scale=lr_scale.value * RECOVERY_LR_FACTOR,
+            )
         )
         if len(recoveries) > job.max_recoveries:
             raise TrainingDiverged(
@@ -993,19 +1015,20 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
             recover(str(exc))
             continue
         improved = ev["accuracy"] >= best["val_accuracy"]  # ties: the later epoch
-        record = {
-            "epoch": epoch + 1,
-            **stats,
-            "val_loss": ev["loss"],
-            "val_accuracy": ev["accuracy"],
-            "lr": sched.get_last_lr()[0],
-            "elapsed_s": time.monotonic() - started,
-            "attempt": attempt,
-        }
-        if pretrained:
-            record["backbone_frozen"] = frozen
-        if device.type == "cuda":
-            record["gpu_max_memory_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+        record = EpochRecord(
+            epoch=epoch + 1,
+            train_loss=stats["train_loss"],
+            images_per_s=stats["images_per_s"],
+            val_loss=ev["loss"],
+            val_accuracy=ev["accuracy"],
+            lr=float(sched.get_last_lr()[0]),
+            elapsed_s=time.monotonic() - started,
+            attempt=attempt,
+            backbone_frozen=frozen if pretrained else None,
+            gpu_max_memory_mb=torch.cuda.max_memory_allocated(device) / 2**20
+            if device.type == "cuda"
+            else None,
+        )
         hist.epochs.append(record)
         if improved:
             best = {
@@ -1021,15 +1044,15 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
                 save_checkpoint(best_uri, {"model": best_state, "best": json.dumps(best)})
         if d.is_main:
             # What the orchestrator shows while the run goes on (one line per epoch).
-            storage.write_json(
-                job.uri("progress.json"),
-                {"attempt": attempt, "epochs_total": job.epochs, "epochs": hist.epochs},
+            write_artifact(
+                job.uri(PROGRESS),
+                TrainingProgress(attempt=attempt, epochs_total=job.epochs, epochs=hist.epochs),
             )
         log.info(
             "epoch %d/%d %s%s",
             epoch + 1,
             job.epochs,
-            " ".join(f"{k}={v:.4g}" for k, v in record.items() if isinstance(v, float)),
+            " ".join(f"{k}={v:.4g}" for k, v in dict(record).items() if isinstance(v, float)),
             " (best so far)" if improved else "",
         )
         epoch, step = epoch + 1, 0
@@ -1066,79 +1089,74 @@ def main(job: JobSpec, attempt: int = 1) -> dict[str, Any]:
         raise TrainingDiverged(
             f"training diverged {len(recoveries)} time(s) and recovered only to a near-chance "
             f"model (validation accuracy {final['accuracy']:.3f}, chance "
-            f"{1 / num_classes:.3f}); the first: {recoveries[0]['reason']}; lower "
+            f"{1 / num_classes:.3f}); the first: {recoveries[0].reason}; lower "
             "learning_rate (or leave it at auto)"
         )
     epochs_run = len(hist.epochs)
     early = stop_reason.startswith(("early stop", "target accuracy"))
-    metrics = {
-        "val_accuracy": final["accuracy"],
-        "val_loss": final["loss"],
-        "confusion": final["confusion"],
-        "classes": job.classes,
-        "arch": job.arch,
-        "epochs": hist.epochs,
-        "best_epoch": best["epoch"],
-        "epochs_asked": job.epochs,
-        "epochs_run": epochs_run,
+    metrics = TrainingMetrics(
+        val_accuracy=final["accuracy"],
+        val_loss=final["loss"],
+        confusion=final["confusion"],
+        classes=job.classes,
+        arch=job.arch,
+        epochs=hist.epochs,
+        best_epoch=best["epoch"],
+        epochs_asked=job.epochs,
+        epochs_run=epochs_run,
         # Epochs not run times the mean epoch of this attempt.
-        "seconds_saved": (
+        seconds_saved=(
             (job.epochs - epochs_run) * sum(epoch_seconds) / len(epoch_seconds)
             if early and epoch_seconds
             else 0.0
         ),
-        "stop_reason": stop_reason,
-        "recoveries": recoveries,
-        "lr_range_test": range_test,  # None unless the job asked for the sweep
-        "optimizer": {
-            "name": job.optimizer,
-            "learning_rate": job.learning_rate,
-            "lr_scale": lr_scale.value,
-            "weight_decay": weight_decay(job),
-            "batch_size": job.batch_size,
-            "warmup_steps": warmup,
-            "steps_per_epoch": steps_per_epoch,
-            "total_steps": total_steps,
-            "schedule": "linear warm-up, cosine decay",
-        },
-        "wall_s": {
-            "setup": hist.setup_s,
-            "data": hist.data_s,
-            "compute": hist.compute_s,
-            "eval": hist.eval_s,
-        },
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "world_size": d.world_size,
-        "pretrained": job.pretrained,
-        "pretrained_loaded": loaded,  # what load_pretrained reported (None from scratch)
-        "amp_dtype": str(amp_dtype) if amp_dtype else "float32",
+        stop_reason=stop_reason,
+        recoveries=recoveries,
+        lr_range_test=range_test,  # None unless the job asked for the sweep
+        optimizer=OptimizerBlock(
+            name=job.optimizer,
+            learning_rate=job.learning_rate,
+            lr_scale=lr_scale.value,
+            weight_decay=weight_decay(job),
+            batch_size=job.batch_size,
+            warmup_steps=warmup,
+            steps_per_epoch=steps_per_epoch,
+            total_steps=total_steps,
+            schedule="linear warm-up, cosine decay",
+        ),
+        wall_s=WallSeconds(
+            setup=hist.setup_s, data=hist.data_s, compute=hist.compute_s, eval=hist.eval_s
+        ),
+        device=str(device),
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        world_size=d.world_size,
+        pretrained=job.pretrained,
+        pretrained_loaded=loaded,  # what load_pretrained reported (None from scratch)
+        amp_dtype=str(amp_dtype) if amp_dtype else "float32",
         # What ran: bf16 (native), fp16 with a gradient scaler (GPUs below 8.0), or fp32 (CPU).
-        "precision": {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        precision={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
             amp_dtype or torch.float32, "fp32"
         ),
-        "versions": {"torch": torch.__version__},
-        "host": lineage.host_description(),
-        "train_images": len(train),
-        "val_images": len(val),
-        "source_commit": job.source_commit or lineage.source_commit(),
-        "dataset_fingerprint": job.dataset_fingerprint,
-        "finished_at": lineage.utc_now_iso(),
-        "attempt": attempt,
-    }
+        versions={"torch": torch.__version__},
+        host=HostInfo.model_validate(lineage.host_description()),
+        train_images=len(train),
+        val_images=len(val),
+        source_commit=job.source_commit or lineage.source_commit(),
+        dataset_fingerprint=job.dataset_fingerprint,
+        finished_at=lineage.utc_now_iso(),
+        attempt=attempt,
+    )
     if d.is_main:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "model.pt"
             torch.save(model.state_dict(), path)
             storage.upload_file(path, job.uri("model.pt"))
-        storage.write_json(job.uri("metrics.json"), metrics)
-        storage.write_json(
-            job.attempt_uri(attempt, "DONE"),
-            {
-                "val_accuracy": final["accuracy"],
-                "finished_at": metrics["finished_at"],
-                "attempt": attempt,
-            },
+        write_artifact(job.uri(METRICS), metrics)
+        write_artifact(
+            job.attempt_uri(attempt, DONE_MARKER),
+            DoneMarker(
+                val_accuracy=metrics.val_accuracy, finished_at=metrics.finished_at, attempt=attempt
+            ),
         )
     if d.world_size > 1:
         dist.barrier()

@@ -35,6 +35,7 @@ from burstcv.training.names import (
     pretrained_kind,
 )
 from burstcv_spec import storage
+from burstcv_spec.contracts import PretrainedLoad
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +48,6 @@ _NESTED_STATE_KEYS = ("model", "state_dict")
 
 class PretrainedError(ValueError):
     """Raise when pretrained weights cannot be used; the one-line message says why."""
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    """Say what loading pretrained weights did to a model."""
-
-    source: str  # the URI the tensors came from
-    loaded: int  # tensors copied from the weights (parameters and buffers)
-    head: int  # tensors of the classifier head, left freshly initialised
-    unused: int  # tensors of the weights with no place in the model (the old head, ...)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,7 +262,7 @@ def fetch_weights(weights: WeightsEnum, store: str | None) -> tuple[dict[str, to
 
 def _fit(
     model: nn.Module, arch: str, state: dict[str, torch.Tensor], source: str
-) -> tuple[dict[str, torch.Tensor], LoadReport]:
+) -> tuple[dict[str, torch.Tensor], PretrainedLoad]:
     """Return the tensors of ``state`` to load into the backbone, or raise if they do not fit."""
     own = model.state_dict()
     prefix = head_prefix(arch)
@@ -299,7 +290,7 @@ def _fit(
             "architecture?)"
         )
     usable = {k: state[k] for k in backbone if k in state}
-    report = LoadReport(
+    report = PretrainedLoad(
         source=source,
         loaded=len(usable),
         head=len(own) - len(backbone),
@@ -310,7 +301,7 @@ def _fit(
 
 def load_pretrained(
     model: nn.Module, arch: str, pretrained: str, *, weights_store: str | None = None
-) -> LoadReport:
+) -> PretrainedLoad:
     """Load the backbone of ``model`` (built with ``pretrained=True``) from ``pretrained``.
 
     Every backbone tensor must be in the weights with its shape; the classifier head keeps
