@@ -25,14 +25,19 @@ from burstcv_spec.contracts import (
     Billing,
     BoxBill,
     Contract,
+    DatasetCounts,
+    DatasetProfile,
     Deployed,
     DoneMarker,
+    DriftBlock,
     EpochRecord,
+    ExpectationResult,
     Exported,
     FailedMarker,
     GateVerdict,
     HistoryEvent,
     HostInfo,
+    ImageSizeChoice,
     InstanceRecord,
     LatencyRecord,
     Launch,
@@ -56,6 +61,7 @@ from burstcv_spec.contracts import (
     TrainingProgress,
     TriggerHeartbeat,
     Validated,
+    ValidationRecord,
     VerdictRecord,
     WallSeconds,
     read_artifact,
@@ -118,7 +124,7 @@ METRICS = TrainingMetrics(
         steps=3,
         seconds=1.5,
         lrs=[0.01, 0.1, 1.0],
-        losses=[2.3, 1.9, None],
+        losses=[2.3, 1.9, 2.0],
     ),
     optimizer=OptimizerBlock(
         name="sgd",
@@ -235,6 +241,43 @@ def examples() -> list[Contract]:
                 InstanceRecord(instance_id="i-1", run_id=RUN.run_key, dag_id="d", state="x")
             ],
             terminated_at="now",
+        ),
+        ValidationRecord(
+            success=False,
+            dataset_uri="/d",
+            fingerprint="f",
+            counts=DatasetCounts(
+                files=3, usable=2, errors=1, ignored=0, per_split={"train": {"a": 2}}
+            ),
+            expectations=[
+                ExpectationResult(
+                    name="decodable",
+                    description="every image decodes",
+                    expectation_type="expect_column_values_to_be_in_set",
+                    success=False,
+                    observed={"unexpected_count": 1},
+                    offending_files=["train/a/bad.png"],
+                    reasons={"train/a/bad.png": "truncated"},
+                )
+            ],
+            ignored=[],
+            drift=DriftBlock(status="no_baseline", message="no earlier validated dataset"),
+            warnings=[],
+            config={"min_images_per_class": 5},
+            manifest_uri="/m.parquet",
+            data_docs_uri="/docs/index.html",
+            validated_at="now",
+            versions={"great_expectations": "1.0", "pillow": "11.0"},
+            image_size=ImageSizeChoice(px=32, reason="the data's sizes"),
+        ),
+        DatasetProfile(
+            dataset_uri="/d",
+            fingerprint="f",
+            validated_at="now",
+            images=2,
+            class_proportions={"a": 1.0},
+            median_width=32.0,
+            median_height=None,
         ),
         PROGRESS,
         METRICS,
@@ -379,3 +422,11 @@ def test_every_field_is_described() -> None:
     for model in (*STAGE_RESULTS, *ARTIFACTS, *contracts_doc.BLOCKS):
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no description"
+
+
+def test_no_budget_is_null_and_a_run_provisioned_with_0_reads_as_none() -> None:
+    provisioned = next(e for e in examples() if isinstance(e, Provisioned))
+    assert provisioned.max_cost_usd == 2.5
+    older = {**provisioned.model_dump(mode="json"), "max_cost_usd": 0.0}
+    assert Provisioned.model_validate(older).max_cost_usd is None
+    assert provisioned.model_copy(update={"max_cost_usd": None}).max_cost_usd is None

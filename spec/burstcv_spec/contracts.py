@@ -53,7 +53,11 @@ class Contract(BaseModel):
     files have always done (a run's model.json has no registry ``version``, say).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+    # A loss that blew up stays NaN or Infinity in the file (as json.dumps writes them), so it
+    # reads back as the number it was rather than failing as null.
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", populate_by_name=True, ser_json_inf_nan="constants"
+    )
     omit_when_none: ClassVar[frozenset[str]] = frozenset()
 
     @model_serializer(mode="wrap")
@@ -315,6 +319,10 @@ class InstanceRecord(Contract):
     airflow_run_id: str = Field(default="", description="the Airflow run id tag")
     image_id: str = Field(default="", description="the AMI it booted (ec2)")
     zone: str = Field(default="", description="its Availability Zone (ec2)")
+    usd_per_hour: float | None = Field(
+        default=None, description="the price it was billed at, USD per hour"
+    )
+    cost_usd: float | None = Field(default=None, description="what it cost, USD")
 
 
 class TrainingChoice(Contract):
@@ -336,6 +344,118 @@ class TrainingChoice(Contract):
     reason: str = Field(description="one line: what was chosen and why")
     warning: str | None = Field(
         default=None, description="one line when an auto choice fell back (no pretrained weights)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# What validate writes
+
+
+class DatasetCounts(Contract):
+    """Count a dataset's files: all of them, the usable ones, and per split and class."""
+
+    files: int = Field(description="image files found (hidden and system files excluded)")
+    usable: int = Field(description="files that decode")
+    errors: int = Field(description="files that do not decode")
+    ignored: int = Field(description="hidden and system files skipped")
+    per_split: dict[str, dict[str, int]] = Field(description="usable images per split and class")
+
+
+class ExpectationResult(Contract):
+    """Say how one Great Expectations check went, naming the files that broke it."""
+
+    name: str = Field(description="the check's name (decodable, min_images_per_class, ...)")
+    description: str = Field(description="what it expects, in words")
+    expectation_type: str = Field(description="the Great Expectations expectation run")
+    success: bool = Field(description="the check passed")
+    observed: Any = Field(description="what the check saw (counts, a value, a list)")
+    offending_files: list[str] = Field(description="files that broke it, relative to the root")
+    reasons: dict[str, str] = Field(default_factory=dict, description="why, per offending file")
+    details: dict[str, Any] = Field(default_factory=dict, description="the check's own figures")
+
+
+class DriftBlock(Contract):
+    """Say how far the dataset moved from the last one of its name that passed."""
+
+    omit_when_none = frozenset(
+        {
+            "score",
+            "class_proportion_tvd",
+            "median_size_change",
+            "drift_warn",
+            "drift_max",
+            "baseline",
+            "current",
+        }
+    )
+
+    status: Literal["no_baseline", "ok", "warning", "failed"] = Field(
+        description="no_baseline, ok, warning (above drift_warn) or failed (above drift_max)"
+    )
+    message: str = Field(description="the movement in a line")
+    score: float | None = Field(default=None, description="the larger of the two movements")
+    class_proportion_tvd: float | None = Field(
+        default=None, description="total variation distance of the class proportions"
+    )
+    median_size_change: float | None = Field(
+        default=None, description="relative change of the median width or height"
+    )
+    drift_warn: float | None = Field(default=None, description="the warning threshold")
+    drift_max: float | None = Field(default=None, description="the failing threshold (null: none)")
+    baseline: dict[str, Any] | None = Field(
+        default=None, description="the baseline's fingerprint, date, proportions and sizes"
+    )
+    current: dict[str, Any] | None = Field(
+        default=None, description="this dataset's proportions and sizes"
+    )
+
+
+class DatasetProfile(Artifact):
+    """`<history>/<dataset name>.json`: the last dataset of that name that passed, for drift."""
+
+    format_version: int = Field(default=1, description="the profile's original format marker")
+    dataset_uri: str = Field(description="the dataset validated")
+    fingerprint: str = Field(description="sha256 over its validated files")
+    validated_at: str = Field(description="ISO 8601 UTC")
+    images: int = Field(description="usable images")
+    class_proportions: dict[str, float] = Field(description="share of the images per class")
+    median_width: float | None = Field(description="median width, px (null: no images)")
+    median_height: float | None = Field(description="median height, px (null: no images)")
+
+
+class ImageSizeChoice(Contract):
+    """Say which square size the model trains and serves at, and why."""
+
+    px: int = Field(gt=0, description="height and width, px")
+    reason: str = Field(description="the run's image_size, or what the data's sizes gave")
+    resize_short: int | None = Field(
+        default=None, description="photos: the short side resized to before the centre crop"
+    )
+
+
+class ValidationRecord(Artifact):
+    """`runs/<run_key>/dataset/validation.json`: every check, its files, the drift, the choices."""
+
+    omit_when_none = frozenset({"image_size", "training"})
+
+    success: bool = Field(description="every check passed and drift stayed under drift_max")
+    dataset_uri: str = Field(description="the dataset validated")
+    fingerprint: str = Field(description="sha256 over the validated files")
+    counts: DatasetCounts = Field(description="files, usable, errors, per split and class")
+    expectations: list[ExpectationResult] = Field(description="every check, in order")
+    ignored: list[dict[str, str]] = Field(description="hidden and system files skipped")
+    drift: DriftBlock = Field(description="movement against the last dataset that passed")
+    warnings: list[str] = Field(description="one line each: what passed but deserves a look")
+    config: dict[str, Any] = Field(description="the thresholds the checks used")
+    manifest_uri: str = Field(description="dataset/manifest.parquet")
+    data_docs_uri: str = Field(description="the Great Expectations Data Docs page")
+    validated_at: str = Field(description="ISO 8601 UTC")
+    versions: dict[str, str] = Field(description="Great Expectations and Pillow versions")
+    image_size: ImageSizeChoice | None = Field(
+        default=None, description="the size chosen after the checks passed (pipeline runs)"
+    )
+    training: TrainingChoice | None = Field(
+        default=None, description="how the run will train (pipeline runs)"
     )
 
 
@@ -383,7 +503,7 @@ class RangeTest(Contract):
     steps: int = Field(description="optimizer steps swept")
     seconds: float = Field(description="seconds the sweep took")
     lrs: list[float] = Field(description="the rate at each step")
-    losses: list[float | None] = Field(description="the smoothed loss (null: not finite)")
+    losses: list[float] = Field(description="the smoothed loss at each step (NaN: not finite)")
 
 
 class OptimizerBlock(Contract):
@@ -588,8 +708,13 @@ class Provisioned(Contract):
     output_uri: str = Field(description="job/: where the box writes its results")
     instance_ids: list[str] = Field(description="the boxes of the first attempt")
     backend: str = Field(description="compute backend: local or ec2")
-    max_cost_usd: float = Field(description="the run's budget, USD (0: none)")
+    max_cost_usd: float | None = Field(description="the run's budget, USD (null: none)")
     launch: Launch = Field(description="what a retry of the train task relaunches")
+
+    @field_validator("max_cost_usd", mode="before")
+    @classmethod
+    def _no_budget(cls, value: Any) -> Any:
+        return None if value == 0 else value  # runs provisioned before null meant none: 0
 
 
 class Trained(Contract):
@@ -878,6 +1003,8 @@ class HistoryEvent(Artifact):
 
 ARTIFACTS: tuple[type[Artifact], ...] = (
     RunRecord,
+    ValidationRecord,
+    DatasetProfile,
     SkipRecord,
     AttemptRecord,
     TriggerHeartbeat,

@@ -29,7 +29,7 @@ from pydantic import (
 )
 
 from burstcv.data.config import ValidationConfig
-from burstcv.settings import ComputeBackend, Ec2Settings, Settings, get_settings
+from burstcv.settings import BackendName, Ec2Settings, Settings, get_settings
 from burstcv.training import recipe as R
 from burstcv.training.job import JobSpec
 from burstcv.training.names import (
@@ -74,7 +74,7 @@ class Affects(StrEnum):
 
 _JOB_DEFAULTS: dict[str, Any] = {name: f.default for name, f in JobSpec.model_fields.items()}
 _CHECK_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ValidationConfig)}
-_BACKEND: TypeAdapter[ComputeBackend] = TypeAdapter(ComputeBackend)
+_BACKEND: TypeAdapter[BackendName] = TypeAdapter(BackendName)
 # JSON-schema keywords that bound a number. The form keeps them under ``allOf``: Airflow's
 # validation (jsonschema) applies them there all the same, but the UI's number input reads
 # only top-level bounds and would silently clamp an out-of-range value instead of refusing.
@@ -144,7 +144,7 @@ class RunParams(BaseModel):
         f"{R.MAX_EPOCHS}); early stopping or the time budget may stop training earlier",
         json_schema_extra={"auto": True},
     )
-    compute_backend: Annotated[ComputeBackend, Affects.RUN] = _from_deployment(
+    compute_backend: Annotated[BackendName, Affects.RUN] = _from_deployment(
         "BURSTCV_COMPUTE_BACKEND",
         title="Compute backend",
         description="local: a process on the worker; ec2: ephemeral GPU instances",
@@ -441,7 +441,7 @@ class RunParams(BaseModel):
         return values
 
     @classmethod
-    def backend_of(cls, given: dict[str, Any], settings: Settings | None = None) -> ComputeBackend:
+    def backend_of(cls, given: dict[str, Any], settings: Settings | None = None) -> BackendName:
         """Return a run's compute backend alone, whatever its other values.
 
         For the clean-up of a failed provision: it must run even when a run was refused for

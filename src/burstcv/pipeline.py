@@ -38,6 +38,7 @@ from burstcv_spec.contracts import (
     Exported,
     FailedMarker,
     HostInfo,
+    ImageSizeChoice,
     InstanceRecord,
     LatencyRecord,
     Launch,
@@ -54,6 +55,7 @@ from burstcv_spec.contracts import (
     TrainingOutcome,
     TrainingProgress,
     Validated,
+    ValidationRecord,
     VerdictRecord,
     read_artifact,
     write_artifact,
@@ -140,10 +142,12 @@ def validate(run: RunRef, params: RunParams, settings: Settings | None = None) -
     if training.warning:
         log.warning("%s", training.warning)
     # Beside the checks in validation.json, for the report: which size and recipe, and why.
-    doc = storage.read_json(report.validation_uri)
-    doc["image_size"] = {"px": size.px, "reason": size.reason, "resize_short": size.resize_short}
-    doc["training"] = training.model_dump(mode="json")
-    storage.write_json(report.validation_uri, doc)
+    recorded = read_artifact(report.validation_uri, ValidationRecord)
+    chosen = ImageSizeChoice(px=size.px, reason=size.reason, resize_short=size.resize_short)
+    write_artifact(
+        report.validation_uri,
+        recorded.model_copy(update={"image_size": chosen, "training": training}),
+    )
     return Validated(
         fingerprint=report.fingerprint,
         manifest_uri=report.manifest_uri,
@@ -645,7 +649,7 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
     record_end(provisioned.output_uri, attempt, instances, now)  # the attempt is over
     spent = run_bill(provisioned.output_uri, attempt, now).cost_usd
     budget = provisioned.max_cost_usd
-    if budget and spent >= budget:
+    if budget is not None and spent >= budget:
         raise TrainingFailed(
             f"the run's boxes have cost ${spent:.2f} of its ${budget:.2f} budget; no relaunch"
         )
@@ -858,17 +862,16 @@ def progress_lines(
     output_uri: str,
     attempt: int,
     already_logged: int,
-    max_cost_usd: float = 0.0,
+    max_cost_usd: float | None = None,
 ) -> list[str]:
     """Return a line per epoch the attempt finished after its first ``already_logged`` ones.
 
     Read from the job's progress.json (the box writes it at every epoch end). The figures a
     reader scans for come first, so they fit the log viewer's width: the epoch, validation
-    accuracy and loss, the dollars spent and left of ``max_cost_usd`` (0: no budget), the
+    accuracy and loss, the dollars spent and left of ``max_cost_usd`` (None: no budget), the
     minutes left before the run's deadline; then train loss, speed, time and billed seconds.
     Costs no GPU time: it reads the artifact store.
     """
-    from burstcv.training.job import JobSpec
 
     uri = storage.join(output_uri, PROGRESS)
     if not storage.exists(uri):
@@ -883,13 +886,15 @@ def progress_lines(
     now = lineage.utc_now()
     bill = run_bill(output_uri, attempt, now)  # the attempt records, never the cloud's memory
     billed, spent = sum(bill.billed_seconds.values()), bill.cost_usd
-    job = JobSpec.model_validate(storage.read_json(storage.join(output_uri, "job.json")))
+    from burstcv.training.job import load_job
+
+    job = load_job(storage.join(output_uri, "job.json"))
     if job.deadline_at is not None:
         left_s = max(0.0, (job.deadline_at - now).total_seconds())
         time_left = f"{left_s / 60:.1f} min to the deadline"
     else:
         time_left = "no deadline"
-    if max_cost_usd > 0:
+    if max_cost_usd is not None:
         money = (
             f"{_usd(spent)} of {_usd(max_cost_usd)}, {_usd(max(0.0, max_cost_usd - spent))} left"
         )
@@ -983,6 +988,8 @@ def terminate(run: RunRef, backend_name: str, settings: Settings | None = None) 
                 airflow_run_id=run.airflow_run_id,
                 image_id=box.image_id,
                 zone=box.zone,
+                usd_per_hour=box.usd_per_hour,
+                cost_usd=bill.cost_by_box[box.instance_id],
             )
             for record in attempt_bills(job_dir, last)
             for box in record.boxes

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-ComputeBackend = Literal["local", "ec2"]
+BackendName = Literal["local", "ec2"]
 
 HOME_ENV = "BURSTCV_HOME"
 
@@ -81,7 +81,7 @@ class Settings(BaseSettings):
     schedule: str = "@weekly"
 
     # Compute.
-    compute_backend: ComputeBackend = "local"  # a run's default backend (the form's default)
+    compute_backend: BackendName = "local"  # a run's default backend (the form's default)
     compute_state_dir: str = _under_home("compute")  # local backend's record of live processes
     # The longest a run may train, watchdog included: the train task's execution timeout is
     # set from it, so a run's time_budget_s above it is refused (it would be cut short).

@@ -383,7 +383,7 @@ def test_a_relaunch_after_a_lost_box_is_a_new_attempt_with_a_new_token(
         output_uri=job_dir,
         instance_ids=[first],
         backend="ec2",
-        max_cost_usd=0.0,
+        max_cost_usd=None,
         launch=launch,
     )
     assert pipeline.relaunch(provisioned) == 2

@@ -65,7 +65,7 @@ def provisioned_for(
     *,
     job_uri: str = "",
     deadline_at: datetime | None = None,
-    max_cost_usd: float = 0.0,
+    max_cost_usd: float | None = None,
 ) -> dict[str, Any]:
     """Return provision's XCom (a Provisioned as JSON) for a local run with these facts."""
     from burstcv_spec.contracts import Launch, Provisioned, RunRef

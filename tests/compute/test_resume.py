@@ -8,7 +8,6 @@ and stops relaunching at the run's bound. The full boot of both attempts runs in
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -20,8 +19,7 @@ from burstcv import pipeline
 from burstcv.airflow.operators import WaitForTrainingOperator
 from burstcv.compute.ec2 import Ec2Backend
 from burstcv.settings import Settings
-from burstcv.training.job import attempt_dir
-from burstcv_spec import storage
+from burstcv.training.job import write_failed
 from burstcv_spec.contracts import Launch, Provisioned, RunRef, TrainingOutcome
 
 DAG_ID = "burstcv_pipeline"
@@ -52,7 +50,7 @@ def provisioned(
         output_uri=kit.job_dir(run.run_key),
         instance_ids=ids,
         backend="ec2",
-        max_cost_usd=0.0,
+        max_cost_usd=None,
         launch=launch,
     )
 
@@ -76,10 +74,10 @@ def wait_event(provisioned: Provisioned, attempt: int) -> TrainingOutcome:
     return pipeline.training_outcome(run, "ec2", provisioned.output_uri, attempt)
 
 
-def resumed_in_this_try(operator: WaitForTrainingOperator, event: dict[str, Any]) -> int:
+def resumed_in_this_try(operator: WaitForTrainingOperator, event: TrainingOutcome) -> int:
     """Hand the trigger's event to the task; return the attempt it now defers on."""
     with pytest.raises(TaskDeferred) as deferred:
-        operator.execute_complete({"run_id": "manual__reclaimed"}, event)
+        operator.execute_complete({"run_id": "manual__reclaimed"}, event.model_dump(mode="json"))
     return int(deferred.value.trigger.attempt)
 
 
@@ -107,8 +105,7 @@ def test_a_resumable_failed_with_its_box_still_up_relaunches_and_ends_that_box(
     provisioned: Provisioned, kit: Any
 ) -> None:
     (first,) = provisioned.instance_ids
-    notice = {"stage": "train", "reason": "spot interruption notice", "resumable": True}
-    storage.write_json(attempt_dir(provisioned.output_uri, 1, "FAILED"), notice)
+    write_failed(provisioned.output_uri, 1, "train", "spot interruption notice", resumable=True)
 
     event = wait_event(provisioned, 1)
     assert event.status == "failed" and event.resumable is True
@@ -133,7 +130,7 @@ def test_relaunches_stop_at_the_runs_bound_with_one_line(
     (second,) = [i for i in states(kit, provisioned.run.run_key) if i != first]
     reclaim_in_emulator(second)
     with pytest.raises(AirflowFailException) as failed:
-        operator.execute_complete({}, wait_event(provisioned, 2))
+        operator.execute_complete({}, wait_event(provisioned, 2).model_dump(mode="json"))
     assert "relaunched 1 times, its limit" in str(failed.value)
     assert "BURSTCV_MAX_RELAUNCHES" in str(failed.value) and "\n" not in str(failed.value)
     assert len(states(kit, provisioned.run.run_key)) == 2  # no third box
@@ -141,13 +138,10 @@ def test_relaunches_stop_at_the_runs_bound_with_one_line(
 
 
 def test_a_final_failure_is_never_relaunched(provisioned: Provisioned, kit: Any) -> None:
-    final = {"stage": "train", "reason": "loss is NaN", "resumable": False}
-    storage.write_bytes(
-        attempt_dir(provisioned.output_uri, 1, "FAILED"), json.dumps(final).encode()
-    )
+    write_failed(provisioned.output_uri, 1, "train", "loss is NaN", resumable=False)
     operator = WaitForTrainingOperator(task_id="train", provisioned=provisioned.model_dump())
     with pytest.raises(AirflowFailException, match="loss is NaN"):
-        operator.execute_complete({}, wait_event(provisioned, 1))
+        operator.execute_complete({}, wait_event(provisioned, 1).model_dump(mode="json"))
     assert pipeline.current_attempt(provisioned.output_uri) == 1
     assert len(states(kit, provisioned.run.run_key)) == 1
     Ec2Backend().terminate_run(provisioned.run.run_key)

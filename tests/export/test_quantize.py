@@ -28,6 +28,7 @@ from burstcv.gate.accuracy import onnx_accuracy
 from burstcv.training.train import load_shards
 from burstcv_serving.model import load_model
 from burstcv_serving.registry import ModelRef
+from burstcv_spec.contracts import QuantizedFigures
 from burstcv_spec.preprocess import PreprocessSpec, normalize
 from burstcv_spec.storage import sha256_file
 
@@ -160,10 +161,10 @@ def test_an_impossible_bound_never_keeps_int8(
         calibration_images=64,
     )
     meta = json.loads((tmp_path / "model.json").read_text())
-    assert block["serving_file"] == meta["onnx_file"] == FP32_FILE
-    assert meta["sha256"] == sha256_file(tmp_path / FP32_FILE) == block["fp32"]["sha256"]
-    assert block["reason"].startswith("FP32 kept (accuracy drop exceeds the bound")
-    assert block["max_accuracy_drop"] == -1.0 and block["calibration_images"] == 64
+    assert block.serving_file == meta["onnx_file"] == FP32_FILE
+    assert meta["sha256"] == sha256_file(tmp_path / FP32_FILE) == block.fp32.sha256
+    assert block.reason.startswith("FP32 kept (accuracy drop exceeds the bound")
+    assert block.max_accuracy_drop == -1.0 and block.calibration_images == 64
     assert not (tmp_path / INT8_FILE).exists()
     # Everything but the quantization verdict is as the export wrote it.
     before = dict(int8_export["model_json"])
@@ -195,8 +196,13 @@ def test_the_quantization_block_round_trips(int8_export: dict[str, Any]) -> None
 def test_choose_keeps_int8_only_when_accurate_and_faster(
     int8_accuracy: float, int8_p50_ms: float, kept: bool, why: str
 ) -> None:
-    fp32 = {"accuracy": 0.95, "p50_ms": 2.0}
-    keep, reason = choose(fp32, {"accuracy": int8_accuracy, "p50_ms": int8_p50_ms}, 0.01)
+    def figures(accuracy: float, p50_ms: float, file: str) -> QuantizedFigures:
+        return QuantizedFigures(
+            accuracy=accuracy, p50_ms=p50_ms, mean_ms=p50_ms, file=file, sha256="0" * 64
+        )
+
+    fp32 = figures(0.95, 2.0, FP32_FILE)
+    keep, reason = choose(fp32, figures(int8_accuracy, int8_p50_ms, INT8_FILE), 0.01)
     assert keep is kept and why in reason
 
 

@@ -19,13 +19,12 @@ from burstcv.registry import registry as registry_module
 from burstcv.registry.registry import (
     PREVIOUS,
     PRODUCTION,
-    Alias,
     AliasConflictError,
     AliasWriter,
     Registry,
     RegistryError,
 )
-from burstcv_spec.contracts import ModelCard
+from burstcv_spec.contracts import AliasRecord, ModelCard
 
 
 def test_versions_are_numbered_and_carry_lineage(tmp_path: Path) -> None:
@@ -147,12 +146,16 @@ def check_compare_and_swap(reg: Registry) -> None:
     # A deploy that wrote 2 and must undo it finds 3 there (a newer move): it leaves it.
     reg.promote(3, actor="op-c")
     with reg.aliases_locked("deploy-of-2") as writer:
-        restored = writer.undo(2, production=Alias(1, reg.model_card(1).sha256), previous=None)
+        restored = writer.undo(
+            2, production=AliasRecord(version=1, sha256=reg.model_card(1).sha256), previous=None
+        )
     assert restored is False
     assert version_of(reg, PRODUCTION) == 3 and version_of(reg, PREVIOUS) == 2
     # Undoing its own, still current move puts both aliases back.
     with reg.aliases_locked("deploy-of-3") as writer:
-        assert writer.undo(3, production=reg.get_alias(PREVIOUS), previous=Alias(1, "x"))
+        assert writer.undo(
+            3, production=reg.get_alias(PREVIOUS), previous=AliasRecord(version=1, sha256="x")
+        )
     assert version_of(reg, PRODUCTION) == 2 and version_of(reg, PREVIOUS) == 1
     # Rollback is a compare-and-swap as well.
     with pytest.raises(AliasConflictError):

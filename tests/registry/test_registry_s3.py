@@ -11,7 +11,8 @@ from burstcv_testkit import make_model_dir
 from localserver import use_moto
 from test_registry import check_compare_and_swap, registry_with_three, version_of
 
-from burstcv.registry.registry import PREVIOUS, PRODUCTION, Alias, Registry, _conditional_write
+from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, _conditional_write
+from burstcv_spec.contracts import AliasRecord
 
 
 @pytest.fixture
@@ -64,7 +65,9 @@ def test_a_writer_whose_lease_was_taken_over_cannot_overwrite_a_newer_alias(
     stale_etag = s3.head_object(Bucket=bucket, Key=key)["ETag"]
     # Another writer moves production after this one read it (its lease had expired).
     reg.promote(2, actor="newer")
-    value = Alias(3, reg.model_card(3).sha256, "now", "stale")
+    value = AliasRecord(
+        version=3, sha256=reg.model_card(3).sha256, updated_at="now", updated_by="stale"
+    )
     assert _conditional_write(reg.alias_uri(PRODUCTION), value, stale_etag) is False
     assert _conditional_write(reg.alias_uri("candidate"), value, None) is True
     assert _conditional_write(reg.alias_uri("candidate"), value, None) is False  # exists now

@@ -13,12 +13,20 @@ from typing import Any
 
 import numpy as np
 import pytest
-from burstcv_testkit import bench_figures, write_model_dir
+from burstcv_testkit import bench_figures, model_card, write_model_dir
 from PIL import Image
 
 from burstcv.cost.pricing import serving_cost_per_million
 from burstcv.registry.registry import Registry
 from burstcv.report.render import build_report
+from burstcv_spec.contracts import (
+    BenchFigures,
+    Billing,
+    TrainingChoice,
+    TrainingMetrics,
+    ValidationRecord,
+    VerdictRecord,
+)
 
 CLASSES = [str(i) for i in range(10)]
 
@@ -38,7 +46,8 @@ def write(path: Path, doc: Any) -> None:
 
 
 def validation_doc(success: bool = True) -> dict[str, Any]:
-    return {
+    """Return a complete validation.json (a ValidationRecord) of the demo digits."""
+    doc = {
         "success": success,
         "dataset_uri": "/data/digits",
         "fingerprint": "ab" * 32,
@@ -56,6 +65,7 @@ def validation_doc(success: bool = True) -> dict[str, Any]:
             {
                 "name": "decodable",
                 "description": "every image decodes",
+                "expectation_type": "expect_column_values_to_be_in_set",
                 "success": success,
                 "observed": {"unexpected_count": 0 if success else 2},
                 "offending_files": [] if success else ["train/3/bad.png", "val/7/trunc.png"],
@@ -63,17 +73,43 @@ def validation_doc(success: bool = True) -> dict[str, Any]:
             {
                 "name": "min_images_per_class",
                 "description": "each class has at least 5 images per split",
+                "expectation_type": "expect_column_min_to_be_between",
                 "success": True,
                 "observed": {"min": 36},
                 "offending_files": [],
             },
         ],
-        "drift": {"status": "passed", "message": "class proportions within 0.10"},
+        "ignored": [{"path": "train/.DS_Store", "reason": "hidden file"}],
+        "drift": {"status": "ok", "message": "class proportions within 0.10"},
         "warnings": [],
+        "config": {"min_images_per_class": 5},
+        "manifest_uri": "/a/runs/r/dataset/manifest.parquet",
+        "data_docs_uri": "/a/runs/r/dataset/data_docs/index.html",
+        "validated_at": "2025-01-01T10:00:00+00:00",
+        "versions": {"great_expectations": "1.0", "pillow": "11.0"},
     }
+    return ValidationRecord.model_validate(doc).model_dump(mode="json")
+
+
+def training_choice(reason: str, warning: str | None = None) -> dict[str, Any]:
+    """Return validate's training choice (a TrainingChoice) with this reason."""
+    return TrainingChoice(
+        model="resnet18",
+        pretrained="none",
+        batch_size=128,
+        learning_rate=0.01,
+        epochs=8,
+        optimizer="adamw",
+        warmup_steps=10,
+        early_stop_patience=3,
+        derived=["model", "batch_size"],
+        reason=reason,
+        warning=warning,
+    ).model_dump(mode="json")
 
 
 def metrics_doc() -> dict[str, Any]:
+    """Return a complete metrics.json (a TrainingMetrics) of six epochs on the digits."""
     epochs = [
         {
             "epoch": e,
@@ -89,82 +125,132 @@ def metrics_doc() -> dict[str, Any]:
     confusion = np.diag(rng().integers(33, 37, size=10))
     confusion[3, 5] = 2
     confusion[8, 1] = 1
-    return {
+    doc = {
         "val_accuracy": 0.9806,
         "val_loss": 0.071,
         "epochs": epochs,
         "confusion": confusion.tolist(),
         "classes": CLASSES,
+        "arch": "resnet10",
+        "best_epoch": 6,
+        "epochs_asked": 6,
+        "epochs_run": 6,
+        "seconds_saved": 0.0,
+        "stop_reason": "all epochs run",
+        "recoveries": [],
+        "optimizer": {
+            "name": "sgd",
+            "learning_rate": 0.2,
+            "lr_scale": 1.0,
+            "weight_decay": 5e-5,
+            "batch_size": 128,
+            "warmup_steps": 10,
+            "steps_per_epoch": 11,
+            "total_steps": 66,
+            "schedule": "linear warm-up, cosine decay",
+        },
         "wall_s": {"setup": 2.1, "data": 0.4, "compute": 8.9, "eval": 0.6},
         "device": "cuda:0",
         "device_name": "NVIDIA L4",
-        "stop_reason": "all epochs run",
+        "world_size": 1,
+        "pretrained": "none",
+        "amp_dtype": "torch.bfloat16",
+        "precision": "bf16",
+        "versions": {"torch": "2.14.1"},
+        "host": HOST,
+        "train_images": 1437,
+        "val_images": 360,
+        "source_commit": "abc",
+        "dataset_fingerprint": "ab" * 32,
+        "finished_at": "2025-01-01T10:06:40+00:00",
+        "attempt": 1,
     }
+    return TrainingMetrics.model_validate(doc).model_dump(mode="json")
 
 
-BILLING = {
-    "backend": "ec2",
-    "instance_ids": ["i-0abc123"],
-    "billed_seconds": {"i-0abc123": 412.0},
-    "cost_usd": 412.0 * 0.3548 / 3600,
-    "instances": [
-        {
-            "instance_id": "i-0abc123",
-            "instance_type": "g6.xlarge",
-            "lifecycle": "spot",
-            "launched_at": "2025-01-01T10:00:00+00:00",
-            "stopped_at": "2025-01-01T10:06:52+00:00",
-        }
-    ],
+HOST = {
+    "machine": "x86_64",
+    "processor": "x86_64",
+    "cpu_count": 2,
+    "python": "3.11",
+    "platform": "Linux",
 }
+BILLING = Billing.model_validate(
+    {
+        "backend": "ec2",
+        "instance_ids": ["i-0abc123"],
+        "billed_seconds": {"i-0abc123": 412.0},
+        "cost_usd": 412.0 * 0.3548 / 3600,
+        "instances": [
+            {
+                "instance_id": "i-0abc123",
+                "run_id": "manual__2025-01-01T10_00_00",
+                "dag_id": "burstcv_pipeline",
+                "state": "stopped",
+                "instance_type": "g6.xlarge",
+                "lifecycle": "spot",
+                "launched_at": "2025-01-01T10:00:00+00:00",
+                "stopped_at": "2025-01-01T10:06:52+00:00",
+                "usd_per_hour": 0.3548,
+                "cost_usd": 412.0 * 0.3548 / 3600,
+            }
+        ],
+        "terminated_at": "2025-01-01T10:06:53+00:00",
+    }
+).model_dump(mode="json")
 CANDIDATE_RPS = 412.5
 
 
 def latency_doc() -> dict[str, Any]:
+    """Return a complete latency.json (a LatencyRecord): candidate and production v1."""
     draws = rng()
     cand = draws.gamma(6.0, 0.9, size=200) + 3.0
     prod = draws.gamma(6.0, 1.3, size=200) + 3.5
+
+    def figures(label: str, samples: np.ndarray, **fields: Any) -> dict[str, Any]:
+        return bench_figures(
+            label=label,
+            requests=len(samples),
+            p50_ms=float(np.percentile(samples, 50)),
+            p95_ms=float(np.percentile(samples, 95)),
+            p99_ms=float(np.percentile(samples, 99)),
+            mean_ms=float(samples.mean()),
+            latencies_ms=samples.round(3).tolist(),
+            **fields,
+        ).model_dump(mode="json")
+
     return {
         "measured_at": "2025-01-01T10:09:00Z",
-        "host": {"cpu_count": 2, "processor": "x86_64"},
+        "host": HOST,
         "requests": 200,
         "concurrency": 4,
-        "candidate": {
-            "p50_ms": float(np.percentile(cand, 50)),
-            "p95_ms": float(np.percentile(cand, 95)),
-            "p99_ms": float(np.percentile(cand, 99)),
-            "throughput_rps": CANDIDATE_RPS,
-            "error_rate": 0.0,
-            "accuracy": 0.9806,
-            "latencies_ms": cand.round(3).tolist(),
-            "bare_onnxruntime_p50_ms": 1.2,
-        },
-        "production": {
-            "p50_ms": float(np.percentile(prod, 50)),
-            "p95_ms": float(np.percentile(prod, 95)),
-            "p99_ms": float(np.percentile(prod, 99)),
-            "throughput_rps": 301.0,
-            "error_rate": 0.0,
-            "accuracy": 0.975,
-            "latencies_ms": prod.round(3).tolist(),
-            "version": 1,
-        },
+        "candidate": figures(
+            "candidate",
+            cand,
+            throughput_rps=CANDIDATE_RPS,
+            accuracy=0.9806,
+            bare_onnxruntime_p50_ms=1.2,
+        ),
+        "production": figures("production", prod, throughput_rps=301.0, accuracy=0.975, version=1),
     }
 
 
-VERDICT = {
-    "version": 2,
-    "promote": True,
-    "reasons": [],
-    "summary": "promote",
-    "checks": [
-        {"name": "latency_p95", "passed": True, "observed": 12.1, "limit": 50.0},
-        {"name": "error_rate", "passed": True, "observed": 0.0, "limit": 0.0},
-        {"name": "accuracy_floor", "passed": True, "observed": 0.9806, "limit": 0.9},
-        {"name": "no_regression", "passed": True, "observed": 0.9806, "limit": 0.955},
-    ],
-    "suggestions": [],
-}
+VERDICT = VerdictRecord.model_validate(
+    {
+        "version": 2,
+        "promote": True,
+        "reasons": [],
+        "summary": "promote",
+        "checks": [
+            {"name": "latency_p95", "passed": True, "observed": 12.1, "limit": 50.0},
+            {"name": "error_rate", "passed": True, "observed": 0.0, "limit": 0.0},
+            {"name": "accuracy_floor", "passed": True, "observed": 0.9806, "limit": 0.9},
+            {"name": "no_regression", "passed": True, "observed": 0.9806, "limit": 0.955},
+        ],
+        "suggestions": [],
+        "failed_figures": [],
+    }
+).model_dump(mode="json")
 
 
 def register(registry_root: Path, tmp: Path, versions: int) -> Registry:
@@ -186,18 +272,8 @@ def full_run(tmp_path: Path) -> tuple[Path, Path]:
     (run / "dataset" / "data_docs" / "index.html").write_text("<html>docs</html>")
     write(run / "job" / "metrics.json", metrics_doc())
     write(run / "job" / "billing.json", BILLING)
-    write(
-        run / "model" / "model.json",
-        {
-            "arch": "resnet10",
-            "classes": CLASSES,
-            "onnx_file": "model.onnx",
-            "sha256": "f" * 64,
-            "opset": 18,
-            "preprocess": {"height": 32, "width": 32, "color_mode": "RGB"},
-            "parity": {"max_abs_diff": 3.1e-6},
-        },
-    )
+    parity = {"images": 64, "max_abs_diff": 3.1e-6, "worst_input": "v.png", "top1_mismatches": []}
+    write(run / "model" / "model.json", model_card(b"onnx", parity=parity))
     write(run / "bench" / "latency.json", latency_doc())
     write(run / "bench" / "verdict.json", VERDICT)
     register(tmp_path / "registry", tmp_path, versions=2)
@@ -255,7 +331,7 @@ def test_a_complete_run_renders_every_section_in_one_self_contained_page(
 def test_a_photo_model_shows_its_eval_transform(full_run: tuple[Path, Path]) -> None:
     run = full_run[0]
     model = json.loads((run / "model" / "model.json").read_text())
-    photo = {"height": 224, "width": 224, "resize_short": 256, "color_mode": "RGB"}
+    photo = {**model["preprocess"], "height": 224, "width": 224, "resize_short": 256}
     write(run / "model" / "model.json", {**model, "preprocess": photo})
     assert "224×224 RGB (short side resized to 256 px, centre crop)" in render(*full_run)
     # Why that size, as validate chose it (validation.json).
@@ -281,7 +357,8 @@ def test_a_run_with_nothing_new_to_train_on_says_it_skipped_and_why(tmp_path: Pa
     run = tmp_path / "run"
     write(run / "dataset" / "validation.json", validation_doc())
     reason = "nothing new to train on: the validated dataset ... are those of production version 3"
-    write(run / "skip.json", {"reason": reason, "production_version": 3, "decided_at": "now"})
+    skip = {"reason": reason, "production_version": 3, "fingerprint": "f", "decided_at": "now"}
+    write(run / "skip.json", skip)
     page = render(run, tmp_path / "registry")
     assert '<section id="skipped"><h2>Skipped: nothing new to train on</h2>' in page
     assert reason in page and "production stays version 3" in page
@@ -298,8 +375,8 @@ def test_a_failed_gate_shows_each_failed_check_and_the_priced_options(
     run, registry = full_run
     latency = json.loads((run / "bench" / "latency.json").read_text())
     verdict = judge(
-        bench_figures(**latency["candidate"]),
-        bench_figures(**latency["production"], label="production"),
+        BenchFigures.model_validate(latency["candidate"]),
+        BenchFigures.model_validate(latency["production"]),
         GateThresholds(latency_slo_ms=5.0, accuracy_floor=0.9, max_accuracy_drop=0.02),
         ServingContext(arch="resnet18", measured_vcpus=2),
     )
@@ -378,7 +455,7 @@ def test_a_good_run_shows_its_recipe_and_best_epoch_without_a_warning(
     run, _ = full_run
     doc = json.loads((run / "dataset" / "validation.json").read_text())
     recipe = "batch 128 (1437 training images: 11 steps an epoch); AdamW (66 steps: under 10,000)"
-    doc["training"] = {"reason": recipe, "warning": None}
+    doc["training"] = training_choice(recipe)
     write(run / "dataset" / "validation.json", doc)
     metrics = json.loads((run / "job" / "metrics.json").read_text())
     metrics.update(best_epoch=5, epochs_asked=8, seconds_saved=3.2, stop_reason="early stop")
@@ -398,7 +475,7 @@ def test_a_near_chance_model_that_diverged_is_not_shown_without_a_word(
     run, _ = full_run
     doc = json.loads((run / "dataset" / "validation.json").read_text())
     fallback = "pretrained auto: the ImageNet weights of resnet18 could not be fetched"
-    doc["training"] = {"reason": "weights from scratch", "warning": fallback}
+    doc["training"] = training_choice("weights from scratch", fallback)
     write(run / "dataset" / "validation.json", doc)
     metrics = json.loads((run / "job" / "metrics.json").read_text())
     # The issue's run: every photo predicted as one class, the validation loss in thousands.

@@ -18,6 +18,7 @@ from burstcv.training.job import JobSpec
 from burstcv.training.models import head_prefix
 from burstcv.training.train import main
 from burstcv.training.weights import normalization
+from burstcv_spec.contracts import PretrainedLoad, TrainingMetrics
 
 ARCH = "resnet10"
 SIZE_PX = 32
@@ -84,21 +85,18 @@ def test_frozen_epochs_keep_the_loaded_backbone_and_later_epochs_train_it(
     assert set(_backbone(after)) == set(weights)
     for name, tensor in weights.items():
         assert torch.equal(after[name], tensor), name
-    assert frozen["pretrained_loaded"] == {
-        "source": str(pretrained_file),
-        "loaded": len(weights),
-        "head": 2,
-        "unused": 2,
-    }
-    assert [e["backbone_frozen"] for e in frozen["epochs"]] == [True]
+    assert frozen.pretrained_loaded == PretrainedLoad(
+        source=str(pretrained_file), loaded=len(weights), head=2, unused=2
+    )
+    assert [e.backbone_frozen for e in frozen.epochs] == [True]
     # The head alone learned the new task on the pretrained features.
-    assert frozen["val_accuracy"] >= 0.7
+    assert frozen.val_accuracy >= 0.7
 
     # One frozen epoch, then one that trains the backbone (at 0.1x the head's rate).
     out = tmp_path / "unfrozen"
     thawed = main(_job(task, out, str(pretrained_file), epochs=2, freeze_backbone_epochs=1))
     after = torch.load(out / "model.pt", weights_only=True)
-    assert [e["backbone_frozen"] for e in thawed["epochs"]] == [True, False]
+    assert [e.backbone_frozen for e in thawed.epochs] == [True, False]
     changed = [
         k for k, v in weights.items() if v.is_floating_point() and not torch.equal(after[k], v)
     ]
@@ -123,11 +121,12 @@ def test_fine_tuning_reaches_the_floor_in_fewer_epochs_than_scratch(
         _job(task, tmp_path / "scratch", "none", epochs=epochs, target_accuracy=ACCURACY_FLOOR)
     )
 
-    def epochs_to_floor(metrics: dict[str, Any]) -> int:
-        reached = [e["epoch"] for e in metrics["epochs"] if e["val_accuracy"] >= ACCURACY_FLOOR]
+    def epochs_to_floor(metrics: TrainingMetrics) -> int:
+        reached = [e.epoch for e in metrics.epochs if e.val_accuracy >= ACCURACY_FLOOR]
         return reached[0] if reached else epochs + 1  # not within the run: more than it had
 
-    assert tuned["pretrained_loaded"]["loaded"] > 0 and scratch["pretrained_loaded"] is None
-    assert epochs_to_floor(tuned) <= 2, tuned["epochs"]
-    assert epochs_to_floor(tuned) < epochs_to_floor(scratch), (tuned["epochs"], scratch["epochs"])
-    assert tuned["stop_reason"] == f"target accuracy {ACCURACY_FLOOR} reached"
+    assert tuned.pretrained_loaded is not None and tuned.pretrained_loaded.loaded > 0
+    assert scratch.pretrained_loaded is None
+    assert epochs_to_floor(tuned) <= 2, tuned.epochs
+    assert epochs_to_floor(tuned) < epochs_to_floor(scratch), (tuned.epochs, scratch.epochs)
+    assert tuned.stop_reason == f"target accuracy {ACCURACY_FLOOR} reached"

@@ -72,7 +72,7 @@ class TrainingCompletionTrigger(BaseTrigger):
         output_uri: str,
         attempt: int = 1,
         poll_interval_s: float = 5.0,
-        max_cost_usd: float = 0.0,
+        max_cost_usd: float | None = None,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # BaseTrigger.__init__ has no annotations
         self.run_id = run_id
@@ -80,7 +80,9 @@ class TrainingCompletionTrigger(BaseTrigger):
         self.output_uri = output_uri
         self.attempt = attempt  # only this attempt's markers end the wait
         self.poll_interval_s = poll_interval_s
-        self.max_cost_usd = max_cost_usd  # the run's budget, for the progress lines (0: none)
+        # The run's budget, for the progress lines (None: none; 0 from a trigger serialized
+        # before None said it).
+        self.max_cost_usd = max_cost_usd or None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """Return the classpath and kwargs the triggerer rebuilds this trigger from."""

@@ -33,6 +33,7 @@ class RunBill:
 
     boxes: list[BoxBill] = field(default_factory=list)
     billed_seconds: dict[str, float] = field(default_factory=dict)
+    cost_by_box: dict[str, float] = field(default_factory=dict)
     cost_usd: float = 0.0
 
 
@@ -114,7 +115,8 @@ def run_bill(job_dir: str, last_attempt: int, now: datetime) -> RunBill:
                 seconds = max(ended, launched).timestamp() - launched.timestamp()
             bill.boxes.append(box)
             bill.billed_seconds[box.instance_id] = seconds
-            bill.cost_usd += box.usd_per_hour * seconds / 3600.0
+            bill.cost_by_box[box.instance_id] = box.usd_per_hour * seconds / 3600.0
+            bill.cost_usd += bill.cost_by_box[box.instance_id]
     return bill
 
 

@@ -42,6 +42,8 @@ MODULES = (
     "burstcv/training/transforms.py",
     "burstcv/training/weights.py",
     "burstcv_spec/__init__.py",
+    "burstcv_spec/contracts.py",
+    "burstcv_spec/layout.py",
     "burstcv_spec/preprocess.py",
     "burstcv_spec/storage.py",
 )

@@ -31,6 +31,7 @@ from burstcv.data.gx_tuning import gx_tuning
 from burstcv.data.manifest import DatasetUnusableError, scan, write_manifest
 from burstcv.data.suite import CheckResult, run_suite, usable_mask
 from burstcv_spec import storage
+from burstcv_spec.contracts import DatasetProfile, ValidationRecord, read_artifact, write_artifact
 
 __all__ = [
     "DatasetUnusableError",
@@ -106,23 +107,25 @@ class ValidationReport:
         lines.append(f"details: {self.validation_uri}")
         return "\n".join(lines)
 
-    def to_dict(self) -> dict[str, Any]:
+    def record(self) -> ValidationRecord:
         """Return the validation.json document."""
-        return {
-            "success": self.success,
-            "dataset_uri": self.dataset_uri,
-            "fingerprint": self.fingerprint,
-            "counts": self.counts,
-            "expectations": [check.to_dict() for check in self.checks],
-            "ignored": self.ignored,
-            "drift": self.drift,
-            "warnings": self.warnings,
-            "config": self.config.to_dict(),
-            "manifest_uri": self.manifest_uri,
-            "data_docs_uri": self.data_docs_uri,
-            "validated_at": self.validated_at,
-            "versions": {"great_expectations": gx.__version__, "pillow": PIL.__version__},
-        }
+        return ValidationRecord.model_validate(
+            {
+                "success": self.success,
+                "dataset_uri": self.dataset_uri,
+                "fingerprint": self.fingerprint,
+                "counts": self.counts,
+                "expectations": [check.to_dict() for check in self.checks],
+                "ignored": self.ignored,
+                "drift": self.drift,
+                "warnings": self.warnings,
+                "config": self.config.to_dict(),
+                "manifest_uri": self.manifest_uri,
+                "data_docs_uri": self.data_docs_uri,
+                "validated_at": self.validated_at,
+                "versions": {"great_expectations": gx.__version__, "pillow": PIL.__version__},
+            }
+        )
 
 
 def validate_dataset(
@@ -241,9 +244,9 @@ def _validate(
         validation_uri=validation_uri,
         data_docs_uri=data_docs_uri,
     )
-    storage.write_json(validation_uri, report.to_dict())
+    write_artifact(validation_uri, report.record())
     if success and history_uri is not None:
-        storage.write_json(_history_entry_uri(history_uri, dataset_uri), profile)
+        write_artifact(_history_entry_uri(history_uri, dataset_uri), profile)
     # The caller shows report.summary (the pipeline logs it once, the CLI prints it).
     return report
 
@@ -332,57 +335,58 @@ def _history_entry_uri(history_uri: str, dataset_uri: str) -> str:
     return storage.join(history_uri, f"{dataset_name(dataset_uri)}.json")
 
 
-def _load_baseline(history_uri: str | None, dataset_uri: str) -> dict[str, Any] | None:
+def _load_baseline(history_uri: str | None, dataset_uri: str) -> DatasetProfile | None:
     if history_uri is None:
         return None
     uri = _history_entry_uri(history_uri, dataset_uri)
     if not storage.exists(uri):
         return None
-    doc: dict[str, Any] = storage.read_json(uri)
-    return doc
+    return read_artifact(uri, DatasetProfile)
 
 
 def _profile(
     manifest: pd.DataFrame, config: ValidationConfig, fingerprint: str, dataset_uri: str
-) -> dict[str, Any]:
+) -> DatasetProfile:
     # Counts and medians only: no need for usable_rows' sort.
     usable = manifest.loc[usable_mask(manifest, config.splits), ["label", "width", "height"]]
     total = max(len(usable), 1)
     proportions = {str(label): n / total for label, n in usable.groupby("label").size().items()}
-    return {
-        "format_version": _HISTORY_FORMAT,
-        "dataset_uri": dataset_uri,
-        "fingerprint": fingerprint,
-        "validated_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "images": len(usable),
-        "class_proportions": proportions,
-        "median_width": float(usable["width"].median()) if len(usable) else None,
-        "median_height": float(usable["height"].median()) if len(usable) else None,
-    }
+    return DatasetProfile(
+        format_version=_HISTORY_FORMAT,
+        dataset_uri=dataset_uri,
+        fingerprint=fingerprint,
+        validated_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        images=len(usable),
+        class_proportions=proportions,
+        median_width=float(usable["width"].median()) if len(usable) else None,
+        median_height=float(usable["height"].median()) if len(usable) else None,
+    )
 
 
 def _drift(
-    profile: dict[str, Any], baseline: dict[str, Any] | None, config: ValidationConfig
+    profile: DatasetProfile, baseline: DatasetProfile | None, config: ValidationConfig
 ) -> dict[str, Any]:
     """Compare a profile with the baseline: class-proportion TVD and median size change."""
     if baseline is None:
         return {"status": "no_baseline", "message": "no earlier validated dataset of this name"}
-    old_p: dict[str, float] = baseline.get("class_proportions", {})
-    new_p: dict[str, float] = profile["class_proportions"]
+    old_p, new_p = baseline.class_proportions, profile.class_proportions
     labels = set(old_p) | set(new_p)
     # Total variation distance: the share of images that would have to change class.
     class_tvd = 0.5 * sum(abs(new_p.get(k, 0.0) - old_p.get(k, 0.0)) for k in labels)
     size_changes = [
-        abs(profile[key] - baseline[key]) / baseline[key]
-        for key in ("median_width", "median_height")
-        if profile.get(key) and baseline.get(key)
+        abs(new - old) / old
+        for new, old in (
+            (profile.median_width, baseline.median_width),
+            (profile.median_height, baseline.median_height),
+        )
+        if new and old
     ]
     size_change = max(size_changes, default=0.0)
     score = max(class_tvd, size_change)
     message = (
         f"class proportions moved by {class_tvd:.1%} (total variation) and median image size "
-        f"by {size_change:.1%} since {baseline.get('validated_at', '?')} "
-        f"(fingerprint {str(baseline.get('fingerprint', '?'))[:12]})"
+        f"by {size_change:.1%} since {baseline.validated_at} "
+        f"(fingerprint {baseline.fingerprint[:12]})"
     )
     if config.drift_max is not None and score > config.drift_max:
         status = "failed"
@@ -398,18 +402,18 @@ def _drift(
         "median_size_change": size_change,
         "drift_warn": config.drift_warn,
         "drift_max": config.drift_max,
-        "baseline": {
-            "fingerprint": baseline.get("fingerprint"),
-            "validated_at": baseline.get("validated_at"),
-            "dataset_uri": baseline.get("dataset_uri"),
-            "class_proportions": old_p,
-            "median_width": baseline.get("median_width"),
-            "median_height": baseline.get("median_height"),
-        },
-        "current": {
-            "class_proportions": new_p,
-            "median_width": profile["median_width"],
-            "median_height": profile["median_height"],
-        },
+        "baseline": baseline.model_dump(
+            include={
+                "fingerprint",
+                "validated_at",
+                "dataset_uri",
+                "class_proportions",
+                "median_width",
+                "median_height",
+            }
+        ),
+        "current": profile.model_dump(
+            include={"class_proportions", "median_width", "median_height"}
+        ),
         "message": message,
     }

@@ -7,10 +7,8 @@ training transform: a mismatch in either the graph or the preprocessing fails th
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,14 @@ from burstcv.training.names import PRETRAINED_NONE, is_pretrained
 from burstcv.training.train import normalize as torch_normalize
 from burstcv.training.weights import PretrainedError, read_state_dict
 from burstcv_spec import storage
-from burstcv_spec.contracts import ModelCard, write_artifact
+from burstcv_spec.contracts import (
+    ModelCard,
+    ParityBlock,
+    PreprocessBlock,
+    TensorInput,
+    TensorOutput,
+    write_artifact,
+)
 from burstcv_spec.layout import MODEL_CARD
 from burstcv_spec.preprocess import PreprocessSpec, decode_to_uint8
 from burstcv_spec.preprocess import normalize as numpy_normalize
@@ -45,20 +50,6 @@ class CheckpointError(ValueError):
 
 class ParityError(AssertionError):
     """Raise when onnxruntime and torch disagree on a real image."""
-
-
-@dataclass
-class ParityReport:
-    """Say how close ONNX and torch are and on which input they differ most."""
-
-    images: int
-    max_abs_diff: float
-    worst_input: str
-    top1_mismatches: list[str]
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return a JSON-ready dict."""
-        return self.__dict__.copy()
 
 
 def load_state_dict(data: bytes) -> dict[str, torch.Tensor]:
@@ -109,7 +100,7 @@ def check_parity(
     images: list[tuple[str, bytes]],
     *,
     max_abs_diff: float,
-) -> ParityReport:
+) -> ParityBlock:
     """Compare torch and onnxruntime logits image by image; raise ParityError on a mismatch.
 
     Each side runs its own path end to end: onnxruntime gets the bytes through the service's
@@ -145,7 +136,12 @@ def check_parity(
     scale = np.maximum(1.0, np.abs(torch_logits).max(axis=1))
     worst = int((diff / scale).argmax())
     mismatches = [names[i] for i in np.flatnonzero(onnx_logits.argmax(1) != torch_logits.argmax(1))]
-    report = ParityReport(len(images), float(diff.max()), names[worst], mismatches)
+    report = ParityBlock(
+        images=len(images),
+        max_abs_diff=float(diff.max()),
+        worst_input=names[worst],
+        top1_mismatches=mismatches,
+    )
     if diff[worst] > max_abs_diff * scale[worst] or mismatches:
         bound = f"{max_abs_diff:.3g}" + (
             f" x |logit| {scale[worst]:.3g}" if scale[worst] > 1 else ""
@@ -206,47 +202,45 @@ def export_model(
         raw, final = Path(tmp) / "raw.onnx", Path(tmp) / "model.onnx"
         export_onnx(model, spec, raw, opset)
         optimize_offline(raw, final)
-        model_json: dict[str, Any] = {
-            "format_version": MODEL_JSON_FORMAT,
-            "name": name,
-            "arch": arch,
-            "classes": list(classes),
-            "onnx_file": "model.onnx",
-            "sha256": storage.sha256_file(final),
-            "opset": opset,
-            "input": {
-                "name": INPUT_NAME,
-                "shape": [None, 3, spec.height, spec.width],
-                "dtype": "float32",
-            },
-            "output": {"name": OUTPUT_NAME, "kind": "logits"},
-            "preprocess": spec.to_dict(),
-            "metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, int | float)},
-            "dataset_fingerprint": dataset_fingerprint,
-            "source_commit": lineage.source_commit(),
-            "run_id": run_id,
-            "created_at": lineage.utc_now_iso(),
-            "versions": {
+        card = ModelCard(
+            format_version=MODEL_JSON_FORMAT,
+            name=name,
+            arch=arch,
+            classes=list(classes),
+            onnx_file="model.onnx",
+            sha256=storage.sha256_file(final),
+            opset=opset,
+            input=TensorInput(
+                name=INPUT_NAME, shape=[None, 3, spec.height, spec.width], dtype="float32"
+            ),
+            output=TensorOutput(name=OUTPUT_NAME, kind="logits"),
+            preprocess=PreprocessBlock.of(spec),
+            metrics={k: v for k, v in (metrics or {}).items() if isinstance(v, int | float)},
+            dataset_fingerprint=dataset_fingerprint,
+            source_commit=lineage.source_commit(),
+            run_id=run_id,
+            created_at=lineage.utc_now_iso(),
+            versions={
                 "torch": torch.__version__,
                 "onnx": onnx.__version__,
                 "onnxruntime": ort.__version__,
             },
-        }
-        # Parity reads the spec back from the JSON that serving will read, not from memory.
-        serving_spec = PreprocessSpec.from_dict(json.loads(json.dumps(model_json))["preprocess"])
+        )
+        # Parity reads the spec back from model.json as serving will, not from memory.
+        serving_spec = ModelCard.model_validate_json(card.model_dump_json()).preprocess.to_spec()
         parity = check_parity(
             model, final, serving_spec, spec, parity_images, max_abs_diff=max_abs_diff
         )
-        model_json["parity"] = parity.to_dict()
+        card = card.model_copy(update={"parity": parity})
         if int8:
             # Imported here: onnxruntime.quantization is only needed when INT8 is asked for.
             from burstcv.export.quantize import quantize_in_folder
 
             assert calibration_images_u8 is not None and eval_images_u8 is not None
             assert eval_labels is not None
-            quantize_in_folder(
+            card = quantize_in_folder(
                 final.parent,
-                model_json,
+                card,
                 calibration_images_u8,
                 eval_images_u8,
                 eval_labels,
@@ -254,12 +248,10 @@ def export_model(
                 calibration_images=calibration_images,
             )
         storage.upload_file(final, storage.join(out_uri, "model.onnx"))
-        if model_json["onnx_file"] != "model.onnx":
+        if card.onnx_file != "model.onnx":
             storage.upload_file(
-                final.parent / model_json["onnx_file"],
-                storage.join(out_uri, model_json["onnx_file"]),
+                final.parent / card.onnx_file, storage.join(out_uri, card.onnx_file)
             )
-    card = ModelCard.model_validate(model_json)
     write_artifact(storage.join(out_uri, MODEL_CARD), card)
     log.info(
         "exported %s (sha256 %s…): parity max |Δ| %.2g on %d images",

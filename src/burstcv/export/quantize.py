@@ -16,7 +16,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
@@ -32,7 +31,13 @@ from onnxruntime.quantization import (
 )
 
 from burstcv_spec import storage
-from burstcv_spec.contracts import ModelCard, read_artifact, write_artifact
+from burstcv_spec.contracts import (
+    ModelCard,
+    QuantizationBlock,
+    QuantizedFigures,
+    read_artifact,
+    write_artifact,
+)
 from burstcv_spec.layout import MODEL_CARD
 from burstcv_spec.preprocess import PreprocessSpec, eval_view, normalize
 
@@ -206,16 +211,16 @@ def interleaved_latency_ms(
 
 
 def choose(
-    fp32: dict[str, Any], int8: dict[str, Any], max_accuracy_drop: float
+    fp32: QuantizedFigures, int8: QuantizedFigures, max_accuracy_drop: float
 ) -> tuple[bool, str]:
     """Return (keep INT8?, why): kept only if accuracy drops ≤ the bound and p50 is lower."""
-    drop = fp32["accuracy"] - int8["accuracy"]
-    speedup = fp32["p50_ms"] / int8["p50_ms"] if int8["p50_ms"] > 0 else float("inf")
+    drop = fp32.accuracy - int8.accuracy
+    speedup = fp32.p50_ms / int8.p50_ms if int8.p50_ms > 0 else float("inf")
     accurate = drop <= max_accuracy_drop + ACCURACY_TOLERANCE
-    faster = int8["p50_ms"] < fp32["p50_ms"]
+    faster = int8.p50_ms < fp32.p50_ms
     figures = (
-        f"accuracy {fp32['accuracy']:.4f} -> {int8['accuracy']:.4f} (drop {drop:+.4f}, bound "
-        f"{max_accuracy_drop:.4f}); batch-1 p50 {fp32['p50_ms']:.3f} -> {int8['p50_ms']:.3f} ms "
+        f"accuracy {fp32.accuracy:.4f} -> {int8.accuracy:.4f} (drop {drop:+.4f}, bound "
+        f"{max_accuracy_drop:.4f}); batch-1 p50 {fp32.p50_ms:.3f} -> {int8.p50_ms:.3f} ms "
         f"({speedup:.2f}x)"
     )
     if accurate and faster:
@@ -236,7 +241,7 @@ def _centre_if_margin(images_u8: np.ndarray, spec: PreprocessSpec) -> np.ndarray
 
 def quantize_in_folder(
     folder: Path,
-    model_json: dict[str, Any],
+    card: ModelCard,
     train_images_u8: np.ndarray,
     val_images_u8: np.ndarray,
     val_labels: Sequence[str],
@@ -244,15 +249,16 @@ def quantize_in_folder(
     max_accuracy_drop: float = 0.01,
     calibration_images: int = CALIBRATION_IMAGES,
     threads: int | None = None,
-) -> dict[str, Any]:
-    """Try INT8 beside ``folder/model.onnx``; update ``model_json`` in memory; return the block.
+) -> ModelCard:
+    """Try INT8 beside ``folder/model.onnx``; return the card with the file that serves.
 
     Writes ``folder/model.int8.onnx`` whatever the verdict (the caller decides what to keep);
-    ``model_json['onnx_file']`` and ``['sha256']`` name the file that should serve.
+    the returned card's ``onnx_file`` and ``sha256`` name the file that should serve, and its
+    ``quantization`` block says why.
     """
-    spec = PreprocessSpec.from_dict(model_json["preprocess"])
-    classes = [str(c) for c in model_json["classes"]]
-    input_name = str(model_json["input"]["name"])
+    spec = card.preprocess.to_spec()
+    classes = card.classes
+    input_name = card.input.name
     expected_shape = (spec.height, spec.width, 3)
     if spec.resize_short is not None:  # shards packed with the margin: serving sees the centre
         train_images_u8 = _centre_if_margin(train_images_u8, spec)
@@ -286,46 +292,45 @@ def quantize_in_folder(
     }
     predicted = {label: predict(s, val_images_u8, spec) for label, s in sessions.items()}
     latency = interleaved_latency_ms(sessions, normalize(val_images_u8[:1], spec))
-    figures: dict[str, dict[str, Any]] = {
-        label: {
-            "accuracy": accuracy(predicted[label], val_labels, classes),
-            "p50_ms": latency[label]["p50_ms"],
-            "mean_ms": latency[label]["mean_ms"],
-            "file": path.name,
-            "sha256": storage.sha256_file(path),
-        }
+    figures = {
+        label: QuantizedFigures(
+            accuracy=accuracy(predicted[label], val_labels, classes),
+            p50_ms=latency[label]["p50_ms"],
+            mean_ms=latency[label]["mean_ms"],
+            file=path.name,
+            sha256=storage.sha256_file(path),
+        )
         for label, path in (("fp32", fp32_path), ("int8", int8_path))
     }
     keep, reason = choose(figures["fp32"], figures["int8"], max_accuracy_drop)
-    serving_file = INT8_FILE if keep else FP32_FILE
-    block: dict[str, Any] = {
-        "int8_tried": True,
-        "serving_file": serving_file,
-        "reason": reason,
-        "fp32": figures["fp32"],
-        "int8": figures["int8"],
-        "max_accuracy_drop": max_accuracy_drop,
-        "top1_agreement": float(np.mean(predicted["fp32"] == predicted["int8"])),
-        "eval_images": len(val_labels),
-        "calibration_images": len(calibration),
-        "method": {
+    serving = figures["int8" if keep else "fp32"]
+    block = QuantizationBlock(
+        int8_tried=True,
+        serving_file=serving.file,
+        reason=reason,
+        fp32=figures["fp32"],
+        int8=figures["int8"],
+        max_accuracy_drop=max_accuracy_drop,
+        top1_agreement=float(np.mean(predicted["fp32"] == predicted["int8"])),
+        eval_images=len(val_labels),
+        calibration_images=len(calibration),
+        method={
             "format": "QDQ",
             "weights": "int8 per-channel",
             "activations": "uint8 per-tensor",
             "calibration": "MinMax",
         },
-        "latency": {
+        latency={
             "batch": 1,
             "threads": threads or host_cores(),
-            "runs": latency["fp32"]["runs"],
+            "runs": int(latency["fp32"]["runs"]),
             "where": "in-process onnxruntime, the service's session settings",
         },
-    }
-    model_json["onnx_file"] = serving_file
-    model_json["sha256"] = figures["int8" if keep else "fp32"]["sha256"]
-    model_json["quantization"] = block
+    )
     log.info("%s", reason)
-    return block
+    return card.model_copy(
+        update={"onnx_file": serving.file, "sha256": serving.sha256, "quantization": block}
+    )
 
 
 def quantize_and_choose(
@@ -337,20 +342,20 @@ def quantize_and_choose(
     max_accuracy_drop: float = 0.01,
     calibration_images: int = CALIBRATION_IMAGES,
     threads: int | None = None,
-) -> dict[str, Any]:
+) -> QuantizationBlock:
     """Try INT8 for the model in ``model_dir`` (local or S3); update model.json; return the block.
 
     ``model.int8.onnx`` is written beside model.json only when it is kept; model.onnx (the
     parity-checked FP32 file) always stays.
     """
     meta_uri = storage.join(model_dir, MODEL_CARD)
-    model_json = read_artifact(meta_uri, ModelCard).model_dump(mode="json")
+    card = read_artifact(meta_uri, ModelCard)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         storage.download_file(storage.join(model_dir, FP32_FILE), folder / FP32_FILE)
-        block = quantize_in_folder(
+        card = quantize_in_folder(
             folder,
-            model_json,
+            card,
             train_images_u8,
             val_images_u8,
             val_labels,
@@ -358,7 +363,8 @@ def quantize_and_choose(
             calibration_images=calibration_images,
             threads=threads,
         )
-        if block["serving_file"] == INT8_FILE:
+        if card.onnx_file == INT8_FILE:
             storage.upload_file(folder / INT8_FILE, storage.join(model_dir, INT8_FILE))
-    write_artifact(meta_uri, ModelCard.model_validate(model_json))
-    return block
+    write_artifact(meta_uri, card)
+    assert card.quantization is not None
+    return card.quantization

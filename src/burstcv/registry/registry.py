@@ -24,7 +24,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,25 +75,6 @@ class Current:
 
 
 CURRENT = Current()
-
-
-@dataclass(frozen=True)
-class Alias:
-    """Point an alias at a version (with the sha256 of its ONNX file)."""
-
-    version: int
-    sha256: str
-    updated_at: str = ""
-    updated_by: str = ""
-
-    def record(self) -> AliasRecord:
-        """Return the typed form stored in aliases/<name>.json."""
-        return AliasRecord(
-            version=self.version,
-            sha256=self.sha256,
-            updated_at=self.updated_at,
-            updated_by=self.updated_by,
-        )
 
 
 class Registry:
@@ -214,7 +194,7 @@ class Registry:
         return True
 
     # -- aliases ---------------------------------------------------------------------------
-    def get_alias(self, alias: str) -> Alias | None:
+    def get_alias(self, alias: str) -> AliasRecord | None:
         """Return where an alias points, or None if it was never set."""
         return _read_alias(self.alias_uri(alias))[0]
 
@@ -299,7 +279,7 @@ class Registry:
         force: bool = False,
         expect: int | Current | None = CURRENT,
         actor: str = DEFAULT_ACTOR,
-    ) -> Alias | None:
+    ) -> AliasRecord | None:
         """Point production at a version and previous at what production was; return the old one.
 
         A version the gate rejected is refused unless ``force`` (an operator's explicit call).
@@ -377,13 +357,13 @@ class AliasWriter:
         self.registry = registry
         self.actor = actor
 
-    def read(self, alias: str) -> Alias | None:
+    def read(self, alias: str) -> AliasRecord | None:
         """Return where an alias points now."""
         return self.registry.get_alias(alias)
 
     def swap(
         self, alias: str, *, expect: int | None, version: int | None, action: str
-    ) -> Alias | None:
+    ) -> AliasRecord | None:
         """Point ``alias`` at ``version`` (None: remove it) only if it still holds ``expect``.
 
         Raise AliasConflictError (after recording it) when the alias holds anything else; on
@@ -396,11 +376,11 @@ class AliasWriter:
         value = (
             None
             if version is None
-            else Alias(
-                version,
-                self.registry.model_card(version).sha256,
-                lineage.utc_now_iso(),
-                self.actor,
+            else AliasRecord(
+                version=version,
+                sha256=self.registry.model_card(version).sha256,
+                updated_at=lineage.utc_now_iso(),
+                updated_by=self.actor,
             )
         )
         if found != expect or not _conditional_write(uri, value, etag):
@@ -429,7 +409,7 @@ class AliasWriter:
 
     def promote(
         self, version: int, *, expect: int | Current | None = CURRENT, action: str = "promote"
-    ) -> Alias | None:
+    ) -> AliasRecord | None:
         """Point production at ``version`` and previous at what production held; return that.
 
         Nothing moves if production already holds ``version``.
@@ -452,7 +432,9 @@ class AliasWriter:
         log.info("%s production: %s -> %d", self.registry.model_name, old_version, version)
         return old
 
-    def undo(self, wrote: int, *, production: Alias | None, previous: Alias | None) -> bool:
+    def undo(
+        self, wrote: int, *, production: AliasRecord | None, previous: AliasRecord | None
+    ) -> bool:
         """Put production (and previous) back as they were, only if production still holds
         ``wrote``; return False, leaving the newer state alone, when something moved it since.
         """
@@ -504,7 +486,7 @@ def _monotonic_ns() -> int:
         return _last_ns
 
 
-def _read_alias(uri: str) -> tuple[Alias | None, str | None]:
+def _read_alias(uri: str) -> tuple[AliasRecord | None, str | None]:
     """Return an alias file's value and, on S3, the ETag a conditional write must match."""
     if storage.is_s3(uri):
         bucket, _, key = uri[5:].partition("/")
@@ -524,10 +506,10 @@ def _read_alias(uri: str) -> tuple[Alias | None, str | None]:
         record = parse_artifact(json.loads(body), AliasRecord, uri)
     except ValueError as exc:  # ArtifactError, or not JSON at all
         raise RegistryError(f"alias file {uri} is malformed: {exc}") from exc
-    return Alias(record.version, record.sha256, record.updated_at, record.updated_by), etag
+    return record, etag
 
 
-def _conditional_write(uri: str, value: Alias | None, etag: str | None) -> bool:
+def _conditional_write(uri: str, value: AliasRecord | None, etag: str | None) -> bool:
     """Write (or remove, for None) an alias file; on S3 only if it is still ``etag``.
 
     ``etag`` None means the object must not exist. Return False when the condition failed.
@@ -538,7 +520,7 @@ def _conditional_write(uri: str, value: Alias | None, etag: str | None) -> bool:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(uri)
         else:
-            write_artifact(uri, value.record())
+            write_artifact(uri, value)
         return True
     bucket, _, key = uri[5:].partition("/")
     client = storage.s3_client()
@@ -548,7 +530,7 @@ def _conditional_write(uri: str, value: Alias | None, etag: str | None) -> bool:
             if etag is not None:
                 client.delete_object(Bucket=bucket, Key=key, IfMatch=etag)
         else:
-            doc = value.record().model_dump(mode="json", by_alias=True)
+            doc = value.model_dump(mode="json", by_alias=True)
             body = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
             client.put_object(Bucket=bucket, Key=key, Body=body, **condition)
     except client.exceptions.ClientError as exc:

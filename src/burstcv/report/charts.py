@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from burstcv_spec.contracts import EpochRecord
 
 DPI = 100
 CANDIDATE_COLOUR = "#1f77b4"
@@ -37,19 +40,16 @@ def _pyplot() -> Any:
     return plt
 
 
-def training_curves(epochs: Sequence[dict[str, Any]]) -> bytes:
+def training_curves(epochs: Sequence[EpochRecord]) -> bytes:
     """Draw loss (train and val) and validation accuracy per epoch, side by side."""
     plt = _pyplot()
-    xs = [int(e.get("epoch", i + 1)) for i, e in enumerate(epochs)]
+    xs = [e.epoch for e in epochs]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9.5, 3.4))
-    for key, label, style in (("train_loss", "train", "-o"), ("val_loss", "validation", "-s")):
-        ys = [e.get(key) for e in epochs]
-        if any(y is not None for y in ys):
-            ax_loss.plot(xs, [float("nan") if y is None else y for y in ys], style, label=label)
+    ax_loss.plot(xs, [e.train_loss for e in epochs], "-o", label="train")
+    ax_loss.plot(xs, [e.val_loss for e in epochs], "-s", label="validation")
     ax_loss.set(title="Loss", xlabel="epoch", ylabel="cross-entropy")
     ax_loss.legend()
-    accs = [e.get("val_accuracy") for e in epochs]
-    ax_acc.plot(xs, [float("nan") if a is None else a for a in accs], "-o", color="#2ca02c")
+    ax_acc.plot(xs, [e.val_accuracy for e in epochs], "-o", color="#2ca02c")
     ax_acc.set(title="Validation accuracy", xlabel="epoch", ylabel="top-1")
     ax_acc.set_ylim(0.0, 1.0)
     for ax in (ax_loss, ax_acc):

@@ -14,6 +14,7 @@ name or a file path from a dataset is always shown as text.
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import json
 import logging
@@ -28,7 +29,22 @@ import jinja2
 from burstcv import links
 from burstcv.gate.gate import format_figure
 from burstcv_spec import storage
-from burstcv_spec.layout import SKIP_RECORD
+from burstcv_spec.contracts import (
+    Artifact,
+    ArtifactError,
+    BenchFigures,
+    Billing,
+    LatencyRecord,
+    ModelCard,
+    RangeTest,
+    RunRecord,
+    SkipRecord,
+    TrainingMetrics,
+    ValidationRecord,
+    VerdictRecord,
+    read_artifact,
+)
+from burstcv_spec.layout import RunLayout
 
 log = logging.getLogger(__name__)
 
@@ -37,53 +53,57 @@ DEFAULT_SERVING_REGION = "us-east-1"
 # Relative to report/index.html: the same link opened from the store or through the plugin.
 DATA_DOCS_LINK = links.link_between("report", "data-docs")
 MAX_OFFENDING_SHOWN = 5
-SKIP_FILE = SKIP_RECORD  # written by the pipeline when a run had nothing new to train on
 
-# Each file the report reads, and the stage that writes it (for "not reached" notes).
-ARTIFACTS: dict[str, tuple[str, str]] = {
-    "validation": ("dataset/validation.json", "validate"),
-    "metrics": ("job/metrics.json", "train"),
-    "billing": ("job/billing.json", "terminate"),
-    "model": ("model/model.json", "export"),
-    "latency": ("bench/latency.json", "benchmark"),
-    "verdict": ("bench/verdict.json", "gate"),
+# Each file the report reads: its contract, its RunLayout name, and the stage that writes it
+# (for "not reached" notes).
+READS: dict[str, tuple[type[Artifact], str, str]] = {
+    "validation": (ValidationRecord, "validation", "validate"),
+    "metrics": (TrainingMetrics, "metrics", "train"),
+    "billing": (Billing, "billing", "terminate"),
+    "model": (ModelCard, "model_card", "export"),
+    "latency": (LatencyRecord, "latency", "benchmark"),
+    "verdict": (VerdictRecord, "verdict", "gate"),
 }
 
 
 @dataclass
-class RunRecord:
-    """Hold what one run's stages wrote, and why each missing document is missing."""
+class RunDocs:
+    """Hold what one run's stages wrote (each read through its contract) and why any is missing."""
 
     root: str
-    docs: dict[str, Any] = field(default_factory=dict)
+    skip: SkipRecord | None = None
+    validation: ValidationRecord | None = None
+    metrics: TrainingMetrics | None = None
+    billing: Billing | None = None
+    model: ModelCard | None = None
+    latency: LatencyRecord | None = None
+    verdict: VerdictRecord | None = None
     missing: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def read(cls, run_root: str) -> RunRecord:
+    def read(cls, run_root: str) -> RunDocs:
         """Read every artifact the report uses; note those absent or unreadable."""
-        record = cls(run_root)
-        skip_uri = storage.join(run_root, SKIP_FILE)
-        if storage.exists(skip_uri):
-            record.docs["skip"] = storage.read_json(skip_uri)
-        for key, (rel, stage) in ARTIFACTS.items():
-            uri = storage.join(run_root, rel)
+        layout = RunLayout(run_root.rstrip("/"))
+        docs = cls(run_root)
+        if storage.exists(layout.skip):
+            with contextlib.suppress(ArtifactError):
+                docs.skip = read_artifact(layout.skip, SkipRecord)
+        for key, (model, name, stage) in READS.items():
+            uri = getattr(layout, name)
+            rel = uri.removeprefix(layout.root).lstrip("/")
             try:
-                record.docs[key] = storage.read_json(uri)
+                setattr(docs, key, read_artifact(uri, model))
             except storage.ArtifactNotFoundError:
-                record.missing[key] = (
+                docs.missing[key] = (
                     f"Skipped: nothing new to train on, so the {stage} stage did not run."
-                    if "skip" in record.docs
+                    if docs.skip is not None
                     else f"Not reached: {rel} was not written; the run stopped before the "
                     f"{stage} stage finished."
                 )
-            except ValueError as exc:  # json.JSONDecodeError: a stage wrote a broken file
-                log.warning("cannot parse %s: %s", uri, exc)
-                record.missing[key] = f"{rel} exists but is not valid JSON ({exc})."
-        return record
-
-    def get(self, key: str) -> Any:
-        """Return a document, or None when it is missing."""
-        return self.docs.get(key)
+            except ArtifactError as exc:  # a stage wrote a broken file: say which, and why
+                log.warning("cannot read %s: %s", uri, exc)
+                docs.missing[key] = f"{rel} exists but cannot be read ({exc})."
+        return docs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,53 +170,50 @@ def _templates() -> jinja2.Environment:
 # section views: what each section says, as plain values
 
 
-def _skip_view(record: RunRecord) -> dict[str, Any] | None:
+def _skip_view(record: RunDocs) -> dict[str, Any] | None:
     """Say, first thing, that the run ended after validation and why (or None)."""
-    skip = record.get("skip")
+    skip = record.skip
     if skip is None:
         return None
     return {
-        "reason": skip.get("reason", "no reason recorded"),
-        "decided_at": skip.get("decided_at"),
-        "production_version": skip.get("production_version"),
+        "reason": skip.reason,
+        "decided_at": skip.decided_at,
+        "production_version": skip.production_version,
     }
 
 
-def _data_view(record: RunRecord) -> dict[str, Any]:
+def _data_view(record: RunDocs) -> dict[str, Any]:
     """Describe the dataset checks: verdict, counts, each expectation, a link to Data Docs."""
-    doc = record.get("validation")
+    doc = record.validation
     if doc is None:
         return {"missing": record.missing["validation"]}
-    counts = doc.get("counts", {})
-    expectations = doc.get("expectations", [])
-    failed = [e for e in expectations if not e.get("success")]
+    counts = doc.counts
+    expectations = doc.expectations
+    failed = [e for e in expectations if not e.success]
     docs_rel = f"{links.tree_path('data-docs')}/{links.INDEX}"
-    per_split = counts.get("per_split") or {}
+    per_split = counts.per_split
     classes = sorted({c for split in per_split.values() for c in split})
-    drift = doc.get("drift") or {}
-    rows = []
-    for e in expectations:
-        offending = list(e.get("offending_files") or [])
-        rows.append(
-            {
-                "name": e.get("name", "?"),
-                "description": e.get("description", ""),
-                "success": bool(e.get("success")),
-                "observed": short_json(e.get("observed")),
-                "shown": offending[:MAX_OFFENDING_SHOWN],
-                "more": max(0, len(offending) - MAX_OFFENDING_SHOWN),
-            }
-        )
+    rows = [
+        {
+            "name": e.name,
+            "description": e.description,
+            "success": e.success,
+            "observed": short_json(e.observed),
+            "shown": e.offending_files[:MAX_OFFENDING_SHOWN],
+            "more": max(0, len(e.offending_files) - MAX_OFFENDING_SHOWN),
+        }
+        for e in expectations
+    ]
     return {
         "missing": None,
-        "success": bool(doc.get("success")),
+        "success": doc.success,
         "met": len(expectations) - len(failed),
         "total": len(expectations),
-        "dataset_uri": doc.get("dataset_uri", "?"),
-        "usable": counts.get("usable"),
-        "files": counts.get("files"),
-        "errors": counts.get("errors", 0),
-        "ignored": counts.get("ignored", 0),
+        "dataset_uri": doc.dataset_uri,
+        "usable": counts.usable,
+        "files": counts.files,
+        "errors": counts.errors,
+        "ignored": counts.ignored,
         "docs_rel": docs_rel,
         "docs_link": DATA_DOCS_LINK,
         "docs_written": storage.exists(storage.join(record.root, docs_rel)),
@@ -210,9 +227,9 @@ def _data_view(record: RunRecord) -> dict[str, Any]:
             for split in per_split
         ],
         "expectations": rows,
-        "drift_status": drift.get("status"),
-        "drift_message": drift.get("message"),
-        "warnings": doc.get("warnings") or [],
+        "drift_status": doc.drift.status,
+        "drift_message": doc.drift.message,
+        "warnings": doc.warnings,
     }
 
 
@@ -222,29 +239,28 @@ NEAR_CHANCE_MARGIN = 0.1
 WORST_CLASSES = 3  # per-class accuracy shown for this many of the worst classes
 
 
-def model_quality(metrics: dict[str, Any]) -> dict[str, Any]:
+def model_quality(metrics: TrainingMetrics) -> dict[str, Any]:
     """Return chance, the majority-class rate, the worst classes and warnings of a run's model.
 
     From metrics.json: the confusion matrix (rows: true class) of the exported model, and the
     per-epoch losses. A warning when the model is near chance, or when the loss diverged
     (a recovery, or a validation loss that is not finite or far above chance).
     """
-    confusion, classes = metrics.get("confusion"), metrics.get("classes") or []
-    accuracy = metrics.get("val_accuracy")
+    confusion, classes, accuracy = metrics.confusion, metrics.classes, metrics.val_accuracy
     out: dict[str, Any] = {
         "chance": None,
         "majority": None,
         "worst_classes": [],
         "quality_warnings": [],
     }
-    if not confusion or not classes or accuracy is None:
+    if not confusion or not classes:
         return out
     totals = [sum(row) for row in confusion]
     n = sum(totals) or 1
     chance, majority = 1 / len(classes), max(totals) / n
     out["chance"], out["majority"] = chance, majority
     per_class: list[tuple[str, float, int]] = [
-        (str(name), row[i] / total, total)
+        (name, row[i] / total, total)
         for i, (name, row, total) in enumerate(zip(classes, confusion, totals, strict=False))
         if total
     ]
@@ -261,14 +277,13 @@ def model_quality(metrics: dict[str, Any]) -> dict[str, Any]:
             "(see the training details: more data, pretrained weights, or more epochs)"
         )
     limit = 10 * max(1.0, math.log(len(classes)))
-    val_losses = [e.get("val_loss") for e in metrics.get("epochs") or []]
     blown = [
-        v for v in val_losses if isinstance(v, (int, float)) and (not math.isfinite(v) or v > limit)
+        e.val_loss for e in metrics.epochs if not math.isfinite(e.val_loss) or e.val_loss > limit
     ]
-    if metrics.get("recoveries") or blown:
+    if metrics.recoveries or blown:
         what = []
-        if metrics.get("recoveries"):
-            what.append(f"training diverged {len(metrics['recoveries'])} time(s) and recovered")
+        if metrics.recoveries:
+            what.append(f"training diverged {len(metrics.recoveries)} time(s) and recovered")
         if blown:
             what.append(f"the validation loss reached {max(blown):.4g} (chance: {limit / 10:.3g})")
         warnings.append(
@@ -278,68 +293,68 @@ def model_quality(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _range_test_line(test: dict[str, Any] | None) -> str | None:
+def _range_test_line(test: RangeTest | None) -> str | None:
     """Return the learning-rate range test in one line, or None when the run had none."""
-    if not test:
+    if test is None:
         return None
     return (
-        f"{test.get('steps')} steps in {fmt(test.get('seconds'), '.1f', ' s')}, the lowest loss "
-        f"at {fmt(test.get('min_loss_lr'), '.3g')}: trained at {fmt(test.get('chosen_lr'), '.3g')} "
-        f"(instead of {fmt(test.get('fallback_lr'), '.3g')})"
+        f"{test.steps} steps in {fmt(test.seconds, '.1f', ' s')}, the lowest loss "
+        f"at {fmt(test.min_loss_lr, '.3g')}: trained at {fmt(test.chosen_lr, '.3g')} "
+        f"(instead of {fmt(test.fallback_lr, '.3g')})"
     )
 
 
-def _training_view(record: RunRecord) -> dict[str, Any]:
+def _training_view(record: RunDocs) -> dict[str, Any]:
     """Show the training curves, the per-epoch table and where the time went."""
-    metrics = record.get("metrics")
+    metrics = record.metrics
     if metrics is None:
         return {"missing": record.missing["metrics"]}
-    epochs = metrics.get("epochs") or []
-    wall = metrics.get("wall_s") or {}
+    epochs = metrics.epochs
     curves = confusion_chart = None
     if epochs:
         from burstcv.report.charts import training_curves
 
         curves = _chart(lambda: training_curves(epochs), "training curves")
-    confusion, classes = metrics.get("confusion"), metrics.get("classes")
+    confusion, classes = metrics.confusion, metrics.classes
     if confusion and classes:
         from burstcv.report.charts import confusion_matrix
 
         confusion_chart = _chart(lambda: confusion_matrix(confusion, classes), "confusion matrix")
-    recipe = (record.get("validation") or {}).get("training") or {}
+    recipe = record.validation.training if record.validation else None
+    wall = metrics.wall_s.model_dump()
     return {
         "missing": None,
-        "recipe": recipe.get("reason"),
-        "recipe_warning": recipe.get("warning"),
-        "best_epoch": metrics.get("best_epoch"),
-        "epochs_asked": metrics.get("epochs_asked"),
-        "seconds_saved": metrics.get("seconds_saved") or 0.0,
+        "recipe": recipe.reason if recipe else None,
+        "recipe_warning": recipe.warning if recipe else None,
+        "best_epoch": metrics.best_epoch,
+        "epochs_asked": metrics.epochs_asked,
+        "seconds_saved": metrics.seconds_saved,
         "recoveries": [
-            f"epoch {r.get('epoch')} step {r.get('step')}: {r.get('reason')}; restored the last "
-            f"good state, learning rate x{float(r.get('lr_scale', 1.0)):.3g}"
-            for r in metrics.get("recoveries") or []
+            f"epoch {r.epoch} step {r.step}: {r.reason}; restored the last "
+            f"good state, learning rate x{r.lr_scale:.3g}"
+            for r in metrics.recoveries
         ],
-        "range_test": _range_test_line(metrics.get("lr_range_test")),
+        "range_test": _range_test_line(metrics.lr_range_test),
         **model_quality(metrics),
-        "val_accuracy": metrics.get("val_accuracy"),
-        "val_loss": metrics.get("val_loss"),
+        "val_accuracy": metrics.val_accuracy,
+        "val_loss": metrics.val_loss,
         "epoch_count": len(epochs),
-        "device": metrics.get("device", "?"),
-        "device_name": metrics.get("device_name"),
-        "precision": metrics.get("precision"),
-        "stop_reason": metrics.get("stop_reason"),
-        "wall": [(stage, float(seconds)) for stage, seconds in wall.items()],
-        "total_wall": sum(float(v) for v in wall.values()) if wall else None,
+        "device": metrics.device,
+        "device_name": metrics.device_name,
+        "precision": metrics.precision,
+        "stop_reason": metrics.stop_reason,
+        "wall": list(wall.items()),
+        "total_wall": metrics.train_wall_s,
         "curves": curves,
         "epoch_rows": [
             [
-                fmt(e.get("epoch")),
-                fmt(e.get("train_loss"), ".4f"),
-                fmt(e.get("val_loss"), ".4f"),
-                fmt(e.get("val_accuracy"), ".4f"),
-                fmt(e.get("images_per_s"), ",.0f"),
-                fmt(e.get("lr"), ".4g"),
-                fmt(e.get("elapsed_s"), ".1f", " s"),
+                fmt(e.epoch),
+                fmt(e.train_loss, ".4f"),
+                fmt(e.val_loss, ".4f"),
+                fmt(e.val_accuracy, ".4f"),
+                fmt(e.images_per_s, ",.0f"),
+                fmt(e.lr, ".4g"),
+                fmt(e.elapsed_s, ".1f", " s"),
             ]
             for e in epochs
         ],
@@ -347,40 +362,39 @@ def _training_view(record: RunRecord) -> dict[str, Any]:
     }
 
 
-def _model_view(record: RunRecord) -> dict[str, Any]:
+def _model_view(record: RunDocs) -> dict[str, Any]:
     """Describe the exported model: architecture, input, opset, hash, lineage."""
-    meta = record.get("model")
-    if meta is None:
+    card = record.model
+    if card is None:
         return {"missing": record.missing["model"]}
-    pre = meta.get("preprocess") or {}
-    size = (record.get("validation") or {}).get("image_size") or {}
+    pre = card.preprocess
+    size = record.validation.image_size if record.validation else None
     return {
         "missing": None,
-        "image_size_reason": size.get("reason") if size.get("px") == pre.get("height") else None,
-        "arch": meta.get("arch", "?"),
-        "classes": ", ".join(map(str, meta.get("classes") or [])),
-        "height": pre.get("height"),
-        "width": pre.get("width"),
-        "resize_short": pre.get("resize_short"),
-        "color_mode": pre.get("color_mode"),
-        "onnx_file": meta.get("onnx_file", "?"),
-        "opset": meta.get("opset"),
-        "sha256": meta.get("sha256", "?"),
-        "parity_max_abs_diff": (meta.get("parity") or {}).get("max_abs_diff"),
-        "dataset_fingerprint": meta.get("dataset_fingerprint", "?"),
-        "source_commit": meta.get("source_commit", "?"),
+        "image_size_reason": size.reason if size and size.px == pre.height else None,
+        "arch": card.arch,
+        "classes": ", ".join(card.classes),
+        "height": pre.height,
+        "width": pre.width,
+        "resize_short": pre.resize_short,
+        "color_mode": pre.color_mode,
+        "onnx_file": card.onnx_file,
+        "opset": card.opset,
+        "sha256": card.sha256,
+        "parity_max_abs_diff": card.parity.max_abs_diff if card.parity else None,
+        "dataset_fingerprint": card.dataset_fingerprint,
+        "source_commit": card.source_commit,
     }
 
 
-def _latency_sources(latency: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    out = [("candidate", latency["candidate"])] if "candidate" in latency else []
-    if latency.get("production"):
-        prod = latency["production"]
-        out.append((f"production v{prod.get('version', '?')}", prod))
+def _latency_sources(latency: LatencyRecord) -> list[tuple[str, BenchFigures]]:
+    out = [("candidate", latency.candidate)]
+    if latency.production is not None:
+        out.append((f"production v{latency.production.version or '?'}", latency.production))
     return out
 
 
-# The latency table's rows: label, latency.json key, number format, unit.
+# The latency table's rows: label, BenchFigures field, number format, unit.
 LATENCY_ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("p50", "p50_ms", ".2f", " ms"),
     ("p95", "p95_ms", ".2f", " ms"),
@@ -390,21 +404,19 @@ LATENCY_ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("accuracy", "accuracy", ".4f", ""),
     ("bare onnxruntime p50 (floor)", "bare_onnxruntime_p50_ms", ".3f", " ms"),
 )
+assert {row[1] for row in LATENCY_ROWS} <= set(BenchFigures.model_fields)
 
 
-def _latency_view(record: RunRecord) -> dict[str, Any]:
+def _latency_view(record: RunDocs) -> dict[str, Any]:
     """Compare candidate and production latency over HTTP: table and overlaid histogram."""
-    latency = record.get("latency")
+    latency = record.latency
     if latency is None:
         return {"missing": record.missing["latency"]}
     sources = _latency_sources(latency)
-    if not sources:
-        return {"missing": "latency.json has no candidate."}
-    host = latency.get("host") or {}
     histogram = None
-    prod = latency.get("production") or {}
-    prod_ms = prod.get("latencies_ms") or None
-    candidate_ms = latency.get("candidate", {}).get("latencies_ms") or []
+    prod = latency.production
+    prod_ms = (prod.latencies_ms if prod else None) or None
+    candidate_ms = latency.candidate.latencies_ms or []
     if candidate_ms:
         from burstcv.report.charts import latency_histogram
 
@@ -414,20 +426,20 @@ def _latency_view(record: RunRecord) -> dict[str, Any]:
                 candidate_ms,
                 prod_ms,
                 slo_ms=slo,
-                production_label=f"production v{prod.get('version', '?')}",
+                production_label=f"production v{prod.version if prod else '?'}",
             ),
             "latency histogram",
         )
     return {
         "missing": None,
-        "measured_at": latency.get("measured_at"),
-        "cpu_count": host.get("cpu_count"),
-        "processor": host.get("processor", "?"),
-        "requests": latency.get("requests"),
-        "concurrency": latency.get("concurrency"),
+        "measured_at": latency.measured_at,
+        "cpu_count": latency.host.cpu_count,
+        "processor": latency.host.processor,
+        "requests": latency.requests,
+        "concurrency": latency.concurrency,
         "labels": [label for label, _ in sources],
         "rows": [
-            [name, *(fmt(figures.get(key), spec, suffix) for _, figures in sources)]
+            [name, *(fmt(getattr(figures, key), spec, suffix) for _, figures in sources)]
             for name, key, spec, suffix in LATENCY_ROWS
         ],
         "histogram": histogram,
@@ -435,66 +447,61 @@ def _latency_view(record: RunRecord) -> dict[str, Any]:
     }
 
 
-def _slo_ms(record: RunRecord) -> float | None:
-    verdict = record.get("verdict") or {}
-    for check in verdict.get("checks") or []:
-        if check.get("name") == "latency_p95":
-            return float(check["limit"])
-    return None
+def _slo_ms(record: RunDocs) -> float | None:
+    verdict = record.verdict
+    checks = verdict.checks if verdict else []
+    return next((c.limit for c in checks if c.name == "latency_p95"), None)
 
 
 def _gate_view(
-    record: RunRecord, *, registry_uri: str, model_name: str, serving_url: str
+    record: RunDocs, *, registry_uri: str, model_name: str, serving_url: str
 ) -> dict[str, Any]:
     """Show the gate's verdict, each check, priced suggestions, and where production points."""
-    verdict = record.get("verdict")
+    verdict = record.verdict
     if verdict is None:
         return {"missing": record.missing["verdict"]}
     return {
         "missing": None,
-        "promote": bool(verdict.get("promote")),
-        "version": verdict.get("version"),
-        "summary": str(verdict.get("summary", "")).removeprefix("not promoted: "),
+        "promote": verdict.promote,
+        "version": verdict.version,
+        "summary": verdict.summary.removeprefix("not promoted: "),
         "checks": [
             {
-                "name": c.get("name"),
-                "passed": bool(c.get("passed")),
+                "name": c.name,
+                "passed": c.passed,
                 # With the check's unit: "4.85 ms" vs "50.00 ms", not 4.854 vs 50.
-                "observed": format_figure(str(c.get("name")), c.get("observed")),
-                "limit": format_figure(str(c.get("name")), c.get("limit")),
-                "reason": c.get("reason", ""),
+                "observed": format_figure(c.name, c.observed),
+                "limit": format_figure(c.name, c.limit),
+                "reason": c.reason or "",
             }
-            for c in verdict.get("checks") or []
+            for c in verdict.checks
         ],
         "suggestions": [
             {
-                "title": s.get("title"),
-                "estimated_p95_ms": s.get("estimated_p95_ms"),
-                "meets_slo": s.get("meets_slo"),
-                "instance_type": s.get("instance_type"),
-                "region": s.get("region"),
-                "cost": usd(s.get("cost_per_million_usd"))
-                if s.get("cost_per_million_usd") is not None
-                else s.get("price_note", "—"),
-                "assumption": s.get("assumption", ""),
+                "title": s.title,
+                "estimated_p95_ms": s.estimated_p95_ms,
+                "meets_slo": s.meets_slo,
+                "instance_type": s.instance_type,
+                "region": s.region,
+                "cost": usd(s.cost_per_million_usd)
+                if s.cost_per_million_usd is not None
+                else s.price_note,
+                "assumption": s.assumption,
             }
-            for s in verdict.get("suggestions") or []
+            for s in verdict.suggestions
         ],
-        "registry": _registry_view(verdict, registry_uri, model_name, serving_url),
+        "registry": _registry_view(verdict.version, registry_uri, model_name, serving_url),
     }
 
 
-def _registry_view(
-    verdict: dict[str, Any], registry_uri: str, model_name: str, url: str
-) -> dict[str, Any]:
+def _registry_view(version: int, registry_uri: str, model_name: str, url: str) -> dict[str, Any]:
     from burstcv.registry.registry import PRODUCTION, Registry, RegistryError
 
-    version = verdict.get("version")
     try:
         registry = Registry(registry_uri, model_name)
         alias = registry.get_alias(PRODUCTION)
-        status = registry.entry(int(version)).status if version is not None else None
-    except (RegistryError, storage.ArtifactNotFoundError, ValueError) as exc:
+        status = registry.entry(version).status
+    except (RegistryError, storage.ArtifactNotFoundError, ArtifactError, ValueError) as exc:
         return {"error": f"Registry {registry_uri} could not be read: {exc}"}
     return {
         "error": None,
@@ -509,10 +516,10 @@ def _registry_view(
 
 
 def _cost_view(
-    record: RunRecord, *, serving_instance_type: str, serving_region: str, training_region: str
+    record: RunDocs, *, serving_instance_type: str, serving_region: str, training_region: str
 ) -> dict[str, Any]:
-    """Price this run's GPU time and one million predictions at the measured throughput."""
-    from burstcv.cost.pricing import UnknownPriceError, hourly_price, price_source
+    """Show what this run's GPU time cost (billing.json) and one million predictions would."""
+    from burstcv.cost.pricing import price_source
 
     source = price_source()
     view: dict[str, Any] = {
@@ -522,48 +529,36 @@ def _cost_view(
         "prices_as_of": source["as_of"],
         "prices_source": source["source"],
     }
-    billing = record.get("billing")
+    billing = record.billing
     if billing is None:
         return view
-    billed = billing.get("billed_seconds") or {}
-    instances = []
-    for inst in billing.get("instances") or []:
-        iid = inst.get("instance_id", "?")
-        itype, life = inst.get("instance_type", ""), inst.get("lifecycle", "")
-        try:
-            rate: float | None = hourly_price(itype, training_region, life)
-        except UnknownPriceError:
-            rate = None
-        seconds = billed.get(iid)
-        instances.append(
-            {
-                "instance_id": iid,
-                "instance_type": itype or "?",
-                "lifecycle": life or "?",
-                "billed_seconds": seconds,
-                "price": "—" if rate is None else f"${rate:.4f}/h",
-                "cost_usd": None
-                if rate is None or seconds is None
-                else rate * float(seconds) / 3600,
-            }
-        )
     view.update(
-        backend=billing.get("backend", "?"),
-        billed_seconds=f"{sum(float(s) for s in billed.values()):,.0f}",
-        cost_usd=float(billing.get("cost_usd") or 0.0),
-        instances=instances,
+        backend=billing.backend,
+        billed_seconds=f"{sum(billing.billed_seconds.values()):,.0f}",
+        cost_usd=billing.cost_usd,
+        instances=[
+            {
+                "instance_id": inst.instance_id,
+                "instance_type": inst.instance_type or "?",
+                "lifecycle": inst.lifecycle or "?",
+                "billed_seconds": billing.billed_seconds.get(inst.instance_id),
+                "price": "—" if inst.usd_per_hour is None else f"${inst.usd_per_hour:.4f}/h",
+                "cost_usd": inst.cost_usd,
+            }
+            for inst in billing.instances
+        ],
     )
     return view
 
 
-def _serving_cost_view(record: RunRecord, instance_type: str, region: str) -> dict[str, Any]:
+def _serving_cost_view(record: RunDocs, instance_type: str, region: str) -> dict[str, Any]:
     """Price one million predictions on one serving instance at the measured throughput."""
     from burstcv.cost.pricing import UnknownPriceError, hourly_price, serving_cost_per_million
 
-    latency = record.get("latency")
-    rps = ((latency or {}).get("candidate") or {}).get("throughput_rps")
+    latency = record.latency
     if latency is None:
         return {"note": record.missing["latency"], "note_class": "missing"}
+    rps = latency.candidate.throughput_rps
     if not rps:
         return {
             "note": "The benchmark measured no throughput: serving cost is unknown.",
@@ -574,59 +569,43 @@ def _serving_cost_view(record: RunRecord, instance_type: str, region: str) -> di
         rate = hourly_price(instance_type, region, "on-demand")
     except UnknownPriceError as exc:
         return {"note": f"Serving cost unknown: {exc}", "note_class": "warn"}
-    prod = latency.get("production") or {}
+    prod = latency.production
     production = None
-    if prod.get("throughput_rps"):
+    if prod is not None and prod.throughput_rps:
         production = {
-            "version": prod.get("version", "?"),
-            "per_million_usd": serving_cost_per_million(
-                instance_type, region, float(prod["throughput_rps"])
-            ),
+            "version": prod.version or "?",
+            "per_million_usd": serving_cost_per_million(instance_type, region, prod.throughput_rps),
         }
-    host = latency.get("host") or {}
     return {
         "note": None,
         "per_million_usd": per_million,
         "instance_type": instance_type,
         "region": region,
         "hourly": f"${rate:.4f}/h",
-        "throughput_rps": f"{float(rps):.1f}",
+        "throughput_rps": f"{rps:.1f}",
         "production": production,
-        "cpu_count": host.get("cpu_count"),
-        "concurrency": latency.get("concurrency"),
+        "cpu_count": latency.host.cpu_count,
+        "concurrency": latency.concurrency,
     }
 
 
-def _cards(record: RunRecord) -> list[tuple[str, str]]:
+def _cards(record: RunDocs) -> list[tuple[str, str]]:
     """Return the one-glance summary: data, accuracy, latency, gate, run cost."""
-    validation = record.get("validation")
-    metrics = record.get("metrics")
-    verdict = record.get("verdict")
-    billing = record.get("billing")
-    latency = record.get("latency")
-    unreached = "skipped" if record.get("skip") else "not reached"
+    validation, metrics, verdict = record.validation, record.metrics, record.verdict
+    billing, latency = record.billing, record.latency
+    unreached = "skipped" if record.skip else "not reached"
     return [
         (
             "Data checks",
-            "passed"
-            if validation and validation.get("success")
-            else ("failed" if validation else unreached),
+            ("passed" if validation.success else "failed") if validation else unreached,
         ),
-        (
-            "Validation accuracy",
-            fmt((metrics or {}).get("val_accuracy"), ".4f") if metrics else unreached,
-        ),
-        (
-            "Candidate p95",
-            fmt(((latency or {}).get("candidate") or {}).get("p95_ms"), ".2f", " ms")
-            if latency
-            else unreached,
-        ),
+        ("Validation accuracy", fmt(metrics.val_accuracy, ".4f") if metrics else unreached),
+        ("Candidate p95", fmt(latency.candidate.p95_ms, ".2f", " ms") if latency else unreached),
         (
             "Gate",
-            ("promote" if verdict.get("promote") else "not promoted") if verdict else unreached,
+            ("promote" if verdict.promote else "not promoted") if verdict else unreached,
         ),
-        ("Run cost", usd(float(billing.get("cost_usd") or 0.0)) if billing else unreached),
+        ("Run cost", usd(billing.cost_usd) if billing else unreached),
     ]
 
 
@@ -644,18 +623,14 @@ NAV = (
 
 def _airflow_run_id(run_root: str) -> str | None:
     """Return the Airflow run id run.json records for the run folder, or None without one."""
-    from burstcv_spec.contracts import ArtifactError, read_artifact
-    from burstcv_spec.contracts import RunRecord as RunJson
-    from burstcv_spec.layout import RunLayout
-
     try:
-        return read_artifact(RunLayout(run_root.rstrip("/")).record, RunJson).run_id
+        return read_artifact(RunLayout(run_root.rstrip("/")).record, RunRecord).run_id
     except (storage.ArtifactNotFoundError, ArtifactError):
         return None
 
 
 def render_html(
-    record: RunRecord,
+    record: RunDocs,
     *,
     registry_uri: str,
     model_name: str,
@@ -714,7 +689,7 @@ def build_report(
     """Write ``<run_root>/report/index.html`` from what the run recorded; return its URI."""
     from burstcv.settings import Ec2Settings
 
-    record = RunRecord.read(run_root)
+    record = RunDocs.read(run_root)
     page = render_html(
         record,
         registry_uri=registry_uri,

@@ -541,7 +541,7 @@ def lr_range_test(
         steps=len(lrs),
         seconds=time.perf_counter() - t0,
         lrs=lrs,
-        losses=[loss if math.isfinite(loss) else None for loss in losses],
+        losses=losses,
     )
     log.info(
         "learning-rate range test: %d steps in %.1f s, lowest loss at %.3g: training at %.3g "
