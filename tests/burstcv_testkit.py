@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from burstcv_spec.contracts import BenchFigures
+from burstcv_spec.contracts import BenchFigures, Launch, RunRef
 
 # What a launch of a held box names as its training wheel: held boxes never boot, so never
 # read it (the boot path itself runs for real in tests/compute/test_box_boot.py).
@@ -140,6 +140,34 @@ def write_model_dir(root: Path, onnx_bytes: bytes, **fields: Any) -> Path:
 def make_model_dir(root: Path, tag: str) -> Path:
     """Write a model folder (model.onnx bytes + model.json) as the export stage does."""
     return write_model_dir(root, f"onnx-{tag}".encode(), run_id=f"run-{tag}")
+
+
+def launch_of(
+    run_id: str,
+    job_uri: str | None = None,
+    *,
+    dag_id: str = "d",
+    time_budget_s: int = 600,
+    airflow_run_id: str = "",
+    **fields: Any,
+) -> Launch:
+    """Return the launch of a run keyed ``run_id``: its deadline ``time_budget_s`` from now."""
+    from datetime import UTC, datetime, timedelta
+
+    defaults: dict[str, Any] = {
+        "instance_types": [],
+        "use_spot": None,
+        "deadline_at": datetime.now(UTC) + timedelta(seconds=time_budget_s),
+        "wheel_uri": "",
+        "wheel_sha256": "",
+    }
+    return Launch(
+        run=RunRef(airflow_run_id=airflow_run_id, run_key=run_id),
+        dag_id=dag_id,
+        job_uri=job_uri or f"s3://never-read/runs/{run_id}/job/job.json",
+        time_budget_s=time_budget_s,
+        **{**defaults, **fields},
+    )
 
 
 def bench_figures(**fields: Any) -> BenchFigures:

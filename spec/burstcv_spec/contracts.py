@@ -693,8 +693,11 @@ class Launch(Contract):
     dag_id: str = Field(description="the DAG the boxes are tagged with")
     job_uri: str = Field(description="job/job.json")
     time_budget_s: int = Field(description="the run's time budget, seconds")
-    instance_types: list[str] = Field(description="EC2 types in order of preference")
+    instance_types: list[str] = Field(
+        description="EC2 types in order of preference; empty: the backend's default"
+    )
     use_spot: bool | None = Field(description="spot first; null: the backend's default")
+    count: int = Field(default=1, ge=1, description="boxes per attempt, started all or none")
     deadline_at: datetime = Field(description="the run's absolute deadline (every attempt)")
     wheel_uri: str = Field(description="the staged training wheel (ec2), else empty")
     wheel_sha256: str = Field(description="its sha256, else empty")

@@ -22,7 +22,7 @@ import pandas as pd
 
 from burstcv import lineage
 from burstcv.compute.backends import get_backend
-from burstcv.compute.base import STOPPED, WORKING, ComputeBackend, InstanceInfo, LaunchRequest
+from burstcv.compute.base import STOPPED, WORKING, ComputeBackend, InstanceInfo
 from burstcv.compute.reaper import RunActivity, RunActivityCheck
 from burstcv.data.imagesize import choose_image_size
 from burstcv.params import EXPORT_PARAMS, TRAINING_PARAMS, RunParams
@@ -512,21 +512,8 @@ ATTEMPT_FILE = ATTEMPT_RECORD  # in the job folder: the attempt the run now wait
 
 
 def _launch(backend_name: str, launch: Launch, job_dir: str, attempt: int) -> list[str]:
-    request = LaunchRequest(
-        run_id=launch.run.run_key,
-        dag_id=launch.dag_id,
-        job_uri=launch.job_uri,
-        time_budget_s=launch.time_budget_s,
-        instance_types=tuple(launch.instance_types),
-        use_spot=launch.use_spot,
-        airflow_run_id=launch.run.airflow_run_id,
-        attempt=attempt,
-        deadline_at=launch.deadline_at,
-        wheel_uri=launch.wheel_uri,
-        wheel_sha256=launch.wheel_sha256,
-    )
     backend = get_backend(backend_name)
-    ids = backend.launch(request)
+    ids = backend.launch(launch, attempt)
     write_artifact(
         storage.join(job_dir, ATTEMPT_FILE),
         AttemptRecord(attempt=attempt, instance_ids=ids, launched_at=lineage.utc_now_iso()),

@@ -30,12 +30,11 @@ import structlog.testing
 from airflow.sdk.exceptions import TaskDeferred
 from awsaudit import RecordingProxy, denied
 from boxsandbox import Boot, BoxSandbox, SandboxUnavailable, make_ami_python
-from burstcv_testkit import reclaim_in_emulator
+from burstcv_testkit import launch_of, reclaim_in_emulator
 
 from burstcv import pipeline
 from burstcv.airflow.operators import WaitForTrainingOperator
 from burstcv.airflow.triggers import TrainingCompletionTrigger
-from burstcv.compute.base import LaunchRequest
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.compute.runtime import stage_training_wheel
 from burstcv.params import RunParams
@@ -457,10 +456,10 @@ def test_the_run_deadline_stops_training_mid_epoch_with_a_checkpoint(
     job_uri = write_job(job, f"{job_dir}/job.json")
     backend = Ec2Backend(Ec2Settings())
     (instance_id,) = backend.launch(
-        LaunchRequest(
-            run_id="budget",
+        launch_of(
+            "budget",
+            job_uri,
             dag_id="burstcv_pipeline",
-            job_uri=job_uri,
             time_budget_s=90,
             deadline_at=deadline,
             wheel_uri=staged.uri,

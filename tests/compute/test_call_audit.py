@@ -17,16 +17,16 @@ from typing import Any
 
 import pytest
 from awsaudit import AwsCall, Check, RecordingProxy, denied, evaluate
-from burstcv_testkit import HELD_WHEEL, make_model_dir
+from burstcv_testkit import HELD_WHEEL, launch_of, make_model_dir
 
 from burstcv import pipeline
 from burstcv.compute import ec2 as ec2_module
-from burstcv.compute.base import MANAGED_TAG_KEYS, TAG_AIRFLOW_RUN_ID, LaunchRequest
+from burstcv.compute.base import MANAGED_TAG_KEYS, TAG_AIRFLOW_RUN_ID
 from burstcv.compute.ec2 import Ec2Backend
 from burstcv.params import RunParams
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry
 from burstcv.settings import Settings
-from burstcv_spec.contracts import Packed, PreprocessBlock, RunRef
+from burstcv_spec.contracts import Launch, Packed, PreprocessBlock, RunRef
 from burstcv_spec.preprocess import PreprocessSpec
 
 AIRFLOW_RUN_ID = "manual__2026-01-01T00:00:00+00:00"
@@ -56,7 +56,7 @@ def test_one_pipeline_life_makes_no_call_the_policy_denies(
     assert run.run_key == key
     provisioned = pipeline.provision(run, "burstcv_pipeline", params, packed, settings)
     outcome = pipeline.training_outcome(key, "ec2", provisioned.output_uri)  # the wait
-    assert outcome == {"status": "running", "attempt": 1}
+    assert (outcome.status, outcome.attempt) == ("running", 1)
     report = pipeline.terminate(run, "ec2", settings)
     assert report.instance_ids == provisioned.instance_ids
     reaped = pipeline.reap(None, lambda dag, run: False, settings=settings)
@@ -115,12 +115,12 @@ def test_a_tag_key_added_to_the_code_but_not_the_policy_is_denied(
     player.modes["new-tag"] = kit.HOLD
     original = ec2_module.instance_tags
 
-    def with_an_owner(request: LaunchRequest, expires_at: Any) -> list[dict[str, str]]:
-        return [*original(request, expires_at), {"Key": "burstcv:owner", "Value": "ml-team"}]
+    def with_an_owner(launch: Launch, expires_at: Any) -> list[dict[str, str]]:
+        return [*original(launch, expires_at), {"Key": "burstcv:owner", "Value": "ml-team"}]
 
     monkeypatch.setattr(ec2_module, "instance_tags", with_an_owner)
     (iid,) = backend.launch(
-        LaunchRequest("new-tag", "dag", "s3://never-read/job.json", 600, **HELD_WHEEL)
+        launch_of("new-tag", "s3://never-read/job.json", dag_id="dag", **HELD_WHEEL)
     )
     launches = [c for c in audited_calls.snapshot() if c.action == "ec2:RunInstances"]
     refused = denied(deployment_policy[0], launches, deployment_policy[1])
@@ -131,8 +131,8 @@ def test_a_tag_key_added_to_the_code_but_not_the_policy_is_denied(
     ec2_client.terminate_instances(InstanceIds=[iid])
     player.modes["old-tags"] = kit.HOLD
     backend.launch(
-        LaunchRequest(
-            "old-tags", "dag", "s3://never-read/job.json", 600, airflow_run_id="r", **HELD_WHEEL
+        launch_of(
+            "old-tags", "s3://never-read/job.json", dag_id="dag", airflow_run_id="r", **HELD_WHEEL
         )
     )
     launches = [c for c in audited_calls.snapshot() if c.action == "ec2:RunInstances"]
@@ -144,7 +144,7 @@ def test_the_code_sends_exactly_the_tag_keys_of_the_one_definition() -> None:
     from datetime import UTC, datetime
 
     tags = ec2_module.instance_tags(
-        LaunchRequest("run", "dag", "s3://b/job.json", 600, airflow_run_id="manual__x"),
+        launch_of("run", "s3://b/job.json", dag_id="dag", airflow_run_id="manual__x"),
         datetime(2026, 1, 1, tzinfo=UTC),
     )
     assert [t["Key"] for t in tags] == [*MANAGED_TAG_KEYS[:4], "Name", TAG_AIRFLOW_RUN_ID]

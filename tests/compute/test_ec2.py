@@ -10,7 +10,7 @@ from typing import Any
 import boto3
 import pytest
 from botocore.exceptions import ClientError, WaiterError
-from burstcv_testkit import HELD_WHEEL
+from burstcv_testkit import HELD_WHEEL, launch_of
 
 from burstcv import pipeline
 from burstcv.compute.base import (
@@ -20,7 +20,6 @@ from burstcv.compute.base import (
     TAG_EXPIRES_AT,
     TAG_MANAGED,
     TAG_RUN_ID,
-    LaunchRequest,
     job_outcome,
 )
 from burstcv.compute.ec2 import (
@@ -36,23 +35,24 @@ from burstcv.cost.pricing import hourly_price
 from burstcv.cost.quotes import SOURCE_SPOT_HISTORY, quote_uri
 from burstcv.params import RunParams
 from burstcv.settings import get_settings
-from burstcv_spec.contracts import Packed, PreprocessBlock, PriceQuote, RunRef, read_artifact
+from burstcv_spec.contracts import (
+    Launch,
+    Packed,
+    PreprocessBlock,
+    PriceQuote,
+    RunRef,
+    read_artifact,
+)
 from burstcv_spec.preprocess import PreprocessSpec
 
 DAG_ID = "burstcv_train"
 
 
-def request(run_id: str, job_uri: str | None = None, **overrides: Any) -> LaunchRequest:
-    """Return a launch request for a run."""
-    return LaunchRequest(
-        run_id=run_id,
-        dag_id=DAG_ID,
-        # Held instances never read their job or wheel: any S3 URIs will do (the boot path
-        # itself runs for real in test_box_boot.py).
-        job_uri=job_uri or f"s3://never-read/runs/{run_id}/job/job.json",
-        time_budget_s=overrides.pop("time_budget_s", 600),
-        **{**HELD_WHEEL, **overrides},
-    )
+def request(run_id: str, job_uri: str | None = None, **overrides: Any) -> Launch:
+    """Return the launch of a run."""
+    # Held instances never read their job or wheel: any S3 URIs will do (the boot path
+    # itself runs for real in test_box_boot.py).
+    return launch_of(run_id, job_uri, dag_id=DAG_ID, **{**HELD_WHEEL, **overrides})
 
 
 def wait_outcome(backend: Ec2Backend, run_id: str, timeout_s: float = 30.0) -> str:

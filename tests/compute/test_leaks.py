@@ -20,10 +20,10 @@ import pytest
 from airflow.sdk.exceptions import AirflowTaskTimeout
 from awsaudit import RecordingProxy, denied, evaluate
 from botocore.exceptions import ClientError
-from burstcv_testkit import HELD_WHEEL
+from burstcv_testkit import HELD_WHEEL, launch_of
 
 from burstcv import pipeline
-from burstcv.compute.base import TAG_EXPIRES_AT, TAG_RUN_ID, LaunchRequest
+from burstcv.compute.base import TAG_EXPIRES_AT, TAG_RUN_ID
 from burstcv.compute.ec2 import (
     BACKSTOP_TARGET_ARN,
     Ec2Backend,
@@ -41,15 +41,9 @@ BACKSTOP_POLICY = os.path.join(
 )
 
 
-def request(run_id: str, **overrides: Any) -> LaunchRequest:
-    """Return a launch request whose box the harness holds (its job is never read)."""
-    return LaunchRequest(
-        run_id=run_id,
-        dag_id=DAG_ID,
-        job_uri=f"s3://never-read/runs/{run_id}/job/job.json",
-        time_budget_s=600,
-        **{**HELD_WHEEL, **overrides},
-    )
+def request(run_id: str, **overrides: Any) -> Launch:
+    """Return a launch whose box the harness holds (its job is never read)."""
+    return launch_of(run_id, dag_id=DAG_ID, **{**HELD_WHEEL, **overrides})
 
 
 def instances_of(ec2_client: Any, run_id: str) -> list[dict[str, Any]]:
@@ -144,17 +138,21 @@ def test_a_worker_killed_right_after_launch_is_cleaned_up_by_the_dag(
     worker = textwrap.dedent(
         f"""
         import os, signal
-        from burstcv.compute.base import LaunchRequest
+        from datetime import UTC, datetime, timedelta
         from burstcv.compute.ec2 import Ec2Backend
+        from burstcv_spec.contracts import Launch, RunRef
 
         backend = Ec2Backend()
         def die(parsed, **_):
             if parsed.get("Instances"):  # the real launch returned (not the dry run)
                 os.kill(os.getpid(), signal.SIGKILL)  # the worker dies: no Python code runs
         backend.client.meta.events.register("after-call.ec2.RunInstances", die)
-        backend.launch(LaunchRequest(run_id={run_id!r}, dag_id={DAG_ID!r},
-                       job_uri="s3://never-read/job.json", time_budget_s=600,
-                       wheel_uri="s3://never-read/t.whl", wheel_sha256="0" * 64))
+        backend.launch(Launch(
+            run=RunRef(airflow_run_id="", run_key={run_id!r}), dag_id={DAG_ID!r},
+            job_uri="s3://never-read/job.json", time_budget_s=600,
+            instance_types=[], use_spot=None,
+            deadline_at=datetime.now(UTC) + timedelta(seconds=600),
+            wheel_uri="s3://never-read/t.whl", wheel_sha256="0" * 64))
         """
     )
     result = subprocess.run([sys.executable, "-c", worker], env=env, timeout=120)
@@ -333,7 +331,7 @@ def test_every_launch_carries_a_client_token_of_run_attempt_and_option(
     player.modes["tokens"] = kit.HOLD
     backend.launch(request("tokens"))
     backend.terminate_run("tokens")
-    backend.launch(request("tokens", attempt=2))  # a relaunch: a new token, a new box
+    backend.launch(request("tokens"), 2)  # a relaunch: a new token, a new box
     sent = [
         c.params.get("ClientToken")
         for c in audited_calls.snapshot()

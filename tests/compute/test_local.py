@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from burstcv_testkit import make_job
+from burstcv_testkit import launch_of, make_job
 
-from burstcv.compute.base import RUNNING, STOPPED, LaunchRequest
+from burstcv.compute.base import RUNNING, STOPPED
 from burstcv.compute.local import LocalBackend
 from burstcv.compute.reaper import RunActivity, reap
 from burstcv.settings import get_settings
@@ -107,9 +107,7 @@ def test_on_kill_of_the_train_task_terminates_the_box(
 
     job_uri, out = long_job
     backend = LocalBackend()
-    ids = backend.launch(
-        LaunchRequest(run_id="r-kill", dag_id="d", job_uri=job_uri, time_budget_s=600)
-    )
+    ids = backend.launch(launch_of("r-kill", job_uri))
     assert [i.state for i in backend.describe("r-kill")] == [RUNNING]
     op = WaitForTrainingOperator(
         task_id="train",
@@ -139,9 +137,7 @@ def test_a_box_that_dies_without_a_marker_is_reported_lost(
 
 def launch_box(state_dir: Path, run_id: str, job_uri: str, time_budget_s: int = 600) -> int:
     """Launch one local box for ``run_id``; return its wrapper's pid (its process group)."""
-    LocalBackend().launch(
-        LaunchRequest(run_id=run_id, dag_id="d", job_uri=job_uri, time_budget_s=time_budget_s)
-    )
+    LocalBackend().launch(launch_of(run_id, job_uri, time_budget_s=time_budget_s))
     return int(json.loads(next((state_dir / run_id).glob("local-*.json")).read_text())["pid"])
 
 
@@ -225,13 +221,7 @@ def test_reaper_terminates_expired_and_orphaned_boxes_only(
     backend = LocalBackend()
     for run in ("r-live", "r-orphan", "r-expired"):
         backend.launch(
-            LaunchRequest(
-                run_id=run,
-                dag_id="burstcv_pipeline",
-                job_uri=job_uri,
-                time_budget_s=600,
-                airflow_run_id=f"manual__{run}",
-            )
+            launch_of(run, job_uri, dag_id="burstcv_pipeline", airflow_run_id=f"manual__{run}")
         )
     record = next((state_dir / "r-expired").glob("local-*.json"))
     data = json.loads(record.read_text())
@@ -269,11 +259,9 @@ def test_a_retry_after_a_lost_box_relaunches_and_resumes_from_the_checkpoint(
     launch = provisioned["launch"]
     backend = LocalBackend()
     first = backend.launch(
-        LaunchRequest(
-            run_id="r-spot",
-            dag_id="d",
-            job_uri=job_uri,
-            time_budget_s=600,
+        launch_of(
+            "r-spot",
+            job_uri,
             use_spot=True,
             airflow_run_id="manual__r-spot",
             deadline_at=datetime.fromisoformat(launch["deadline_at"]),

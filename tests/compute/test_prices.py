@@ -15,10 +15,9 @@ from typing import Any
 
 import pytest
 from awsaudit import RecordingProxy
-from burstcv_testkit import HELD_WHEEL
+from burstcv_testkit import HELD_WHEEL, launch_of
 
 from burstcv import pipeline
-from burstcv.compute.base import LaunchRequest
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.cost.quotes import SOURCE_PRICE_LIST, SOURCE_SPOT_HISTORY, quote_uri
 from burstcv.params import RunParams
@@ -120,7 +119,7 @@ def test_a_spot_box_is_billed_at_its_own_azs_spot_price(
     player.modes["far-spot"] = kit.HOLD
     backend = Ec2Backend(Ec2Settings())
     (iid,) = backend.launch(
-        LaunchRequest("far-spot", "dag", "s3://never-read/job.json", 600, **HELD_WHEEL)
+        launch_of("far-spot", "s3://never-read/job.json", dag_id="dag", **HELD_WHEEL)
     )
     (info,) = backend.describe("far-spot")
     assert info.lifecycle == "spot" and info.zone.startswith(REGION)

@@ -9,10 +9,10 @@ from typing import Any
 import boto3
 import pytest
 from botocore.exceptions import ClientError
-from burstcv_testkit import HELD_WHEEL
+from burstcv_testkit import HELD_WHEEL, launch_of
 
 from burstcv import pipeline
-from burstcv.compute.base import ENDING, RUNNING, STOPPED, TAG_RUN_ID, InstanceInfo, LaunchRequest
+from burstcv.compute.base import ENDING, RUNNING, STOPPED, TAG_RUN_ID, InstanceInfo
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.compute.reaper import (
     REASON_EXPIRED,
@@ -31,13 +31,7 @@ def launch_held(backend: Ec2Backend, player: Any, run_id: str, time_budget_s: in
     """Launch one instance for ``run_id`` that the harness leaves running (a leak)."""
     player.modes[run_id] = player.HOLD
     (iid,) = backend.launch(
-        LaunchRequest(
-            run_id=run_id,
-            dag_id=DAG_ID,
-            job_uri=f"s3://never-read/runs/{run_id}/job/job.json",  # held: never read
-            time_budget_s=time_budget_s,
-            **HELD_WHEEL,
-        )
+        launch_of(run_id, dag_id=DAG_ID, time_budget_s=time_budget_s, **HELD_WHEEL)
     )
     return iid
 
@@ -205,15 +199,7 @@ def test_the_pipeline_reaper_sweeps_every_enabled_region(
 ) -> None:
     far = Ec2Backend(ec2_settings.model_copy(update={"region": "eu-west-1"}))
     player.modes["far-away"] = player.HOLD
-    (iid,) = far.launch(
-        LaunchRequest(
-            run_id="far-away",
-            dag_id=DAG_ID,
-            job_uri="s3://never-read/runs/far-away/job/job.json",
-            time_budget_s=600,
-            **HELD_WHEEL,
-        )
-    )
+    (iid,) = far.launch(launch_of("far-away", dag_id=DAG_ID, **HELD_WHEEL))
     for key, value in {
         "BURSTCV_EC2_REGION": "us-east-1",  # the settings name another region entirely
         "BURSTCV_EC2_AMI": kit.ami_parameter,

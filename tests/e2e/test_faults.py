@@ -30,10 +30,10 @@ from burstcv_airflow_stack import (
     burstcv_env,
     end_every_box,
 )
-from burstcv_testkit import make_job
+from burstcv_testkit import launch_of, make_job
 
 from burstcv.airflow.health import check
-from burstcv.compute.base import RUNNING, STOPPED, LaunchRequest
+from burstcv.compute.base import RUNNING, STOPPED
 from burstcv.compute.local import LocalBackend
 from burstcv.training.job import write_job
 from burstcv_spec.storage import safe_run_id
@@ -88,12 +88,8 @@ def launch_box(store: Path, packed_demo: dict[str, Any], run_key: str, airflow_r
     out = store / "boxes" / run_key
     job_uri = write_job(make_job(packed_demo, out, epochs=200), str(out.parent / f"{run_key}.json"))
     (iid,) = LocalBackend(str(store / "compute")).launch(
-        LaunchRequest(
-            run_id=run_key,
-            dag_id=PIPELINE,
-            job_uri=job_uri,
-            time_budget_s=3600,
-            airflow_run_id=airflow_run_id,
+        launch_of(
+            run_key, job_uri, dag_id=PIPELINE, time_budget_s=3600, airflow_run_id=airflow_run_id
         )
     )
     return iid

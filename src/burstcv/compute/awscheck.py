@@ -16,15 +16,17 @@ import re
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from burstcv.compute.base import LaunchRequest
+from burstcv import lineage
 from burstcv.compute.ec2 import Ec2Backend, LaunchAttempt, LaunchCheckError, Subnet, launch_plan
 from burstcv.cost.quotes import quote
 from burstcv.settings import Ec2Settings, Settings
 from burstcv_spec import storage
+from burstcv_spec.contracts import Launch, RunRef
 
 log = logging.getLogger(__name__)
 
@@ -560,6 +562,21 @@ def check_prices(
     return findings
 
 
+def check_launch_of(budget_s: int = 3600) -> Launch:
+    """Return the launch the check dry-runs: the deployment's types and spot choice."""
+    return Launch(
+        run=RunRef(airflow_run_id=CHECK_RUN, run_key=CHECK_RUN),
+        dag_id=CHECK_RUN,
+        job_uri="s3://check/job.json",
+        time_budget_s=budget_s,
+        instance_types=[],  # the backend's: BURSTCV_EC2_INSTANCE_TYPES
+        use_spot=None,  # the backend's: BURSTCV_EC2_USE_SPOT
+        deadline_at=lineage.utc_now() + timedelta(seconds=budget_s),
+        wheel_uri="",
+        wheel_sha256="",
+    )
+
+
 # --- the whole check ----------------------------------------------------------------------------
 
 
@@ -586,8 +603,7 @@ def check_account(settings: Settings, ec2: Ec2Settings | None = None) -> list[Fi
     except (ClientError, BotoCoreError) as exc:
         return [Finding("credentials", f"{_reason(exc)}; see docs/aws.md, the connection")]
     try:
-        request = LaunchRequest("burstcv-check", "burstcv-check", "s3://check/job.json", 3600)
-        for option, refused in backend.check_launch(request):
+        for option, refused in backend.check_launch(check_launch_of()):
             name = f"dry-run launch {option.instance_type} {option.market}"
             findings.append(Finding(name, refused))
     except (ClientError, BotoCoreError, ValueError) as exc:

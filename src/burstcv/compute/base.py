@@ -13,6 +13,7 @@ from typing import Literal, Protocol
 
 from burstcv.training.job import attempt_dir
 from burstcv_spec import storage
+from burstcv_spec.contracts import Launch
 from burstcv_spec.layout import DONE_MARKER, FAILED_MARKER
 
 # Instance states every backend maps its own onto.
@@ -47,27 +48,6 @@ MANAGED_TAG_KEYS = (
 )
 
 
-@dataclass(frozen=True)
-class LaunchRequest:
-    """Describe one training launch: which job, for which run, within which budget."""
-
-    run_id: str
-    dag_id: str
-    job_uri: str
-    time_budget_s: int
-    instance_types: tuple[str, ...] = ()  # empty: the backend's default (BURSTCV_EC2_...)
-    use_spot: bool | None = None  # None: the backend's default (BURSTCV_EC2_USE_SPOT)
-    count: int = 1
-    airflow_run_id: str = ""  # the orchestrator's own run id, for the reaper's "still running?"
-    # Which launch of the run this is (1 for provision, +1 for each relaunch): markers are
-    # per attempt, and it is part of the EC2 ClientToken, so a retried call cannot start a
-    # second box while a relaunch can.
-    attempt: int = 1
-    deadline_at: datetime | None = None  # the run's absolute deadline (None: now + budget)
-    wheel_uri: str = ""  # the staged training wheel (ec2: what user-data installs)
-    wheel_sha256: str = ""
-
-
 @dataclass
 class InstanceInfo:
     """Describe one managed instance (or local process) as its tags and state say."""
@@ -91,8 +71,12 @@ class ComputeBackend(Protocol):
 
     name: str
 
-    def launch(self, request: LaunchRequest) -> list[str]:
-        """Start the box(es) for a run and return their ids; clean up what started on failure."""
+    def launch(self, launch: Launch, attempt: int = 1) -> list[str]:
+        """Start attempt ``attempt`` of the run's box(es) and return their ids.
+
+        Clean up what started on failure. ``attempt`` names the markers' folder and keys the
+        launch's idempotency token: a retried call cannot start a second box, a relaunch can.
+        """
         ...
 
     def describe(self, run_id: str) -> list[InstanceInfo]:

@@ -37,13 +37,12 @@ from burstcv.compute.base import (
     TAG_RUN_ID,
     WORKING,
     InstanceInfo,
-    LaunchRequest,
 )
 from burstcv.compute.userdata import UserDataSpec, expiry_of, render_user_data
 from burstcv.cost.pricing import PRICING_API_REGION
 from burstcv.cost.quotes import PriceSources, quote
 from burstcv.settings import Ec2Settings
-from burstcv_spec.contracts import PriceQuote
+from burstcv_spec.contracts import Launch, PriceQuote
 
 log = logging.getLogger(__name__)
 
@@ -165,17 +164,17 @@ def backstop_name(instance_id: str) -> str:
     return f"burstcv-backstop-{instance_id}"
 
 
-def instance_tags(request: LaunchRequest, expires_at: datetime) -> list[dict[str, str]]:
+def instance_tags(launch: Launch, expires_at: datetime) -> list[dict[str, str]]:
     """Return the tags a launch puts on its instances and volumes (keys: MANAGED_TAG_KEYS)."""
     tags = [
         {"Key": TAG_MANAGED, "Value": "true"},
-        {"Key": TAG_RUN_ID, "Value": request.run_id},
-        {"Key": TAG_DAG_ID, "Value": request.dag_id},
+        {"Key": TAG_RUN_ID, "Value": launch.run.run_key},
+        {"Key": TAG_DAG_ID, "Value": launch.dag_id},
         {"Key": TAG_EXPIRES_AT, "Value": format_expiry(expires_at)},
-        {"Key": TAG_NAME, "Value": f"burstcv-{request.run_id}"[:255]},
+        {"Key": TAG_NAME, "Value": f"burstcv-{launch.run.run_key}"[:255]},
     ]
-    if request.airflow_run_id:
-        tags.append({"Key": TAG_AIRFLOW_RUN_ID, "Value": request.airflow_run_id[:255]})
+    if launch.run.airflow_run_id:
+        tags.append({"Key": TAG_AIRFLOW_RUN_ID, "Value": launch.run.airflow_run_id[:255]})
     return tags
 
 
@@ -328,32 +327,30 @@ class Ec2Backend:
 
     # --- ComputeBackend ---
 
-    def launch(self, request: LaunchRequest) -> list[str]:
-        """Start the run's instance(s), spot first, and return their ids.
+    def launch(self, launch: Launch, attempt: int = 1) -> list[str]:
+        """Start attempt ``attempt`` of the run's instance(s), spot first; return their ids.
 
         Idempotent: when instances tagged with the run id are already pending or running
         (a retried task), returns those instead of starting more. One that is shutting down
         or stopped (a reclaimed spot box) is no reason not to launch.
         """
-        existing = [i.instance_id for i in self.describe(request.run_id) if i.state in WORKING]
+        existing = [i.instance_id for i in self.describe(launch.run.run_key) if i.state in WORKING]
         if existing:
-            log.info("run %s already has live instances %s", request.run_id, existing)
+            log.info("run %s already has live instances %s", launch.run.run_key, existing)
             return existing
 
         s = self.settings
         s.required_instance_profile()
-        if not request.wheel_uri:
+        if not launch.wheel_uri:
             raise ValueError("an EC2 launch needs the staged training wheel (wheel_uri)")
-        deadline_at = request.deadline_at or (
-            datetime.now(UTC) + timedelta(seconds=request.time_budget_s)
-        )
+        deadline_at = launch.deadline_at
         user_data = render_user_data(
             UserDataSpec(
-                run_id=request.run_id,
-                job_uri=request.job_uri,
-                attempt=request.attempt,
-                wheel_uri=request.wheel_uri,
-                wheel_sha256=request.wheel_sha256,
+                run_id=launch.run.run_key,
+                job_uri=launch.job_uri,
+                attempt=attempt,
+                wheel_uri=launch.wheel_uri,
+                wheel_sha256=launch.wheel_sha256,
                 deadline_at=deadline_at,
                 region=s.region,
                 margin_min=s.watchdog_margin_min,
@@ -363,18 +360,18 @@ class Ec2Backend:
         )
         expires_at = expiry_of(deadline_at, s.watchdog_margin_min)
         image_id = self.resolve_ami()
-        base_params = self._run_params(request, image_id, user_data, expires_at)
+        base_params = self._run_params(launch, image_id, user_data, expires_at)
 
         subnets = self.launch_subnets()
         refusals: list[str] = []
-        for option in self.plan(request):
-            launched = self._launch_option(request, base_params, option, subnets, refusals)
+        for option in self.plan(launch):
+            launched = self._launch_option(launch, attempt, base_params, option, subnets, refusals)
             if launched is None:
                 continue
             subnet, ids = launched
             log.info(
                 "run %s: launched %s as %s %s in %s (expires %s)",
-                request.run_id,
+                launch.run.run_key,
                 ids,
                 option.instance_type,
                 option.market,
@@ -382,23 +379,26 @@ class Ec2Backend:
                 format_expiry(expires_at),
             )
             try:
-                self._arm_backstop(ids, request.run_id, expires_at)
-                self._confirm_findable(ids, request.run_id)
+                self._arm_backstop(ids, launch.run.run_key, expires_at)
+                self._confirm_findable(ids, launch.run.run_key)
             except BaseException:
                 # Anything after run_instances returned: destroy what started, then re-raise.
-                log.error("run %s: setup failed after launch; terminating %s", request.run_id, ids)
+                log.error(
+                    "run %s: setup failed after launch; terminating %s", launch.run.run_key, ids
+                )
                 self._terminate_after_failed_setup(ids)
                 raise
             return ids
         raise CapacityUnavailableError(
-            f"no capacity for run {request.run_id} in {len(subnets)} subnet(s): tried "
+            f"no capacity for run {launch.run.run_key} in {len(subnets)} subnet(s): tried "
             + "; ".join(refusals)
             + " (a quota of 0 vCPUs looks the same: docs/aws.md, one-time account setup)"
         )
 
     def _launch_option(
         self,
-        request: LaunchRequest,
+        launch: Launch,
+        attempt: int,
         base_params: dict[str, Any],
         option: LaunchAttempt,
         subnets: list[Subnet],
@@ -415,9 +415,9 @@ class Ec2Backend:
             refused = self._dry_run(params, option)
             if refused is None:
                 params["ClientToken"] = client_token(
-                    request.run_id, request.attempt, option, subnet.subnet_id
+                    launch.run.run_key, attempt, option, subnet.subnet_id
                 )
-                refused, ids = self._run(params, request.run_id)
+                refused, ids = self._run(params, launch.run.run_key)
                 if refused is None:
                     return subnet, ids
             refusals.append(f"{option.instance_type} {option.market} in {subnet}: {refused}")
@@ -426,7 +426,7 @@ class Ec2Backend:
                 "no %s %s for run %s in %s (%s); trying the next %s",
                 option.instance_type,
                 option.market,
-                request.run_id,
+                launch.run.run_key,
                 subnet,
                 refused,
                 "subnet" if zone_only else "option",
@@ -461,29 +461,29 @@ class Ec2Backend:
             return [Subnet(None)]
         return [Subnet(sub["SubnetId"], sub["AvailabilityZone"]) for sub in defaults]
 
-    def plan(self, request: LaunchRequest) -> list[LaunchAttempt]:
+    def plan(self, launch: Launch) -> list[LaunchAttempt]:
         """Return a launch's options in order: the run's choices, else this deployment's.
 
         The run's types and spot choice decide alone (its trigger form defaults to
-        BURSTCV_EC2_INSTANCE_TYPES and BURSTCV_EC2_USE_SPOT); a request that leaves one
+        BURSTCV_EC2_INSTANCE_TYPES and BURSTCV_EC2_USE_SPOT); a launch that leaves one
         unset (the account check) gets the setting.
         """
         s = self.settings
-        use_spot = s.use_spot if request.use_spot is None else request.use_spot
-        return launch_plan(request.instance_types or s.instance_types, use_spot)
+        use_spot = s.use_spot if launch.use_spot is None else launch.use_spot
+        return launch_plan(launch.instance_types or s.instance_types, use_spot)
 
-    def check_launch(self, request: LaunchRequest) -> list[tuple[LaunchAttempt, str]]:
+    def check_launch(self, launch: Launch) -> list[tuple[LaunchAttempt, str]]:
         """Dry-run every option of a launch; return (option, "" if allowed, else why not).
 
         Nothing is started: every call carries DryRun. The user data is a stand-in of the
         real one's shape (EC2 checks permissions and parameters, not the script).
         """
-        expires_at = datetime.now(UTC) + timedelta(seconds=request.time_budget_s)
+        expires_at = datetime.now(UTC) + timedelta(seconds=launch.time_budget_s)
         image_id = self.resolve_ami()
-        base_params = self._run_params(request, image_id, "#!/bin/bash\n", expires_at)
+        base_params = self._run_params(launch, image_id, "#!/bin/bash\n", expires_at)
         results: list[tuple[LaunchAttempt, str]] = []
         first_subnet = self.launch_subnets()[0]
-        for option in self.plan(request):
+        for option in self.plan(launch):
             try:
                 params = self._option_params(base_params, option, first_subnet)
                 refused = self._dry_run(params, option)
@@ -734,15 +734,15 @@ class Ec2Backend:
     # --- helpers ---
 
     def _run_params(
-        self, request: LaunchRequest, image_id: str, user_data: str, expires_at: datetime
+        self, launch: Launch, image_id: str, user_data: str, expires_at: datetime
     ) -> dict[str, Any]:
         s = self.settings
-        tags = instance_tags(request, expires_at)
+        tags = instance_tags(launch, expires_at)
         params: dict[str, Any] = {
             "ImageId": image_id,
             # All or nothing: a multi-instance run never starts with part of its boxes.
-            "MinCount": request.count,
-            "MaxCount": request.count,
+            "MinCount": launch.count,
+            "MaxCount": launch.count,
             "UserData": user_data,
             # `shutdown -h` on the box (watchdog or job end) destroys it instead of stopping it.
             "InstanceInitiatedShutdownBehavior": "terminate",

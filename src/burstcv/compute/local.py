@@ -27,9 +27,9 @@ from burstcv.compute.base import (
     RUNNING,
     STOPPED,
     InstanceInfo,
-    LaunchRequest,
 )
 from burstcv.settings import get_settings
+from burstcv_spec.contracts import Launch
 
 log = logging.getLogger(__name__)
 
@@ -157,12 +157,12 @@ class LocalBackend:
         )
 
     # -- protocol --------------------------------------------------------------------------
-    def launch(self, request: LaunchRequest) -> list[str]:
+    def launch(self, launch: Launch, attempt: int = 1) -> list[str]:
         """Start ``burstcv train --job`` in its own process group; return its id."""
-        folder = self._run_dir(request.run_id)
+        folder = self._run_dir(launch.run.run_key)
         folder.mkdir(parents=True, exist_ok=True)
         ids = []
-        for _ in range(request.count):
+        for _ in range(launch.count):
             instance_id = f"local-{uuid.uuid4().hex[:12]}"
             record_path = folder / f"{instance_id}.json"
             stopped_file = record_path.with_suffix(".stopped")
@@ -173,12 +173,12 @@ class LocalBackend:
                 "burstcv.cli",
                 "train",
                 "--job",
-                request.job_uri,
+                launch.job_uri,
                 "--attempt",
-                str(request.attempt),
+                str(attempt),
             ]
             launched = lineage.utc_now()
-            deadline = request.deadline_at or launched + timedelta(seconds=request.time_budget_s)
+            deadline = launch.deadline_at
             budget = max(1, int((deadline - launched).total_seconds())) + 60
             script = wrapper_script(train_cmd, budget, stopped_file)
             with open(log_path, "ab") as log_fh:
@@ -193,12 +193,12 @@ class LocalBackend:
                 "instance_id": instance_id,
                 "pid": proc.pid,
                 "start_ticks": _proc_start_ticks(proc.pid),
-                "run_id": request.run_id,
-                "dag_id": request.dag_id,
-                "job_uri": request.job_uri,
-                "airflow_run_id": request.airflow_run_id,
+                "run_id": launch.run.run_key,
+                "dag_id": launch.dag_id,
+                "job_uri": launch.job_uri,
+                "airflow_run_id": launch.run.airflow_run_id,
                 "launched_at": launched.isoformat(),
-                "attempt": request.attempt,
+                "attempt": attempt,
                 "expires_at": (deadline + timedelta(seconds=120)).isoformat(),
                 "log": str(log_path),
             }
@@ -208,7 +208,7 @@ class LocalBackend:
                 "launched %s (pid %d) for run %s, log %s",
                 instance_id,
                 proc.pid,
-                request.run_id,
+                launch.run.run_key,
                 log_path,
             )
         return ids
