@@ -83,7 +83,7 @@ def prepare_photos(root: Path, images: int, val: int, px: int) -> dict[str, Any]
         manifest, str(root / "shards"), spec, workers=os.cpu_count() or 1, margin=True
     )
     pack_s = time.perf_counter() - t1
-    spec = dataclasses.replace(spec, mean=packed.train_mean, std=packed.train_std)
+    spec = dataclasses.replace(spec, mean=packed.preprocess.mean, std=packed.preprocess.std)
     return {
         "data": str(root / "photos"),
         "classes": packed.classes,

@@ -208,8 +208,8 @@ def trained_photos() -> dict[str, Any]:
         height=32,
         width=32,
         resize_short=size_only.resize_short,
-        mean=packed.train_mean,
-        std=packed.train_std,
+        mean=packed.preprocess.mean,
+        std=packed.preprocess.std,
     )
     out = root / "job"
     job = JobSpec(

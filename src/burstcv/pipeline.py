@@ -352,23 +352,16 @@ def pack(
         size_only,
         classes=params.expected_classes or None,
         margin=validated.resize_short is not None,
+        fingerprint=validated.fingerprint,
     )
     # From scratch: the training split's own statistics (a model converges faster on centred
     # inputs). Pretrained: the weights' own. Recorded in the spec that serving reads.
     training = _training_of(validated)
-    mean, std = normalization(
-        training.model, training.pretrained, packed.train_mean, packed.train_std
-    )
+    stats = packed.preprocess
+    mean, std = normalization(training.model, training.pretrained, stats.mean, stats.std)
     spec = dataclasses.replace(size_only, mean=mean, std=std)
-    return Packed(
-        classes=packed.classes,
-        train_shards=packed.train_shards,
-        val_shards=packed.val_shards,
-        counts=packed.counts,
-        preprocess=PreprocessBlock.of(spec),
-        fingerprint=validated.fingerprint,
-        training=training,  # handed on to provision
-    )
+    # validate's training choice is handed on to provision.
+    return packed.model_copy(update={"preprocess": PreprocessBlock.of(spec), "training": training})
 
 
 # ---------------------------------------------------------------------------------------------

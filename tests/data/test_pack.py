@@ -80,5 +80,5 @@ def test_channel_statistics_come_from_every_train_shard_and_no_val_image(
             images.append(npz["images"])
     pixels = np.concatenate(images).reshape(-1, 3).astype(np.float64) / 255.0
 
-    np.testing.assert_allclose(result.train_mean, pixels.mean(axis=0), rtol=1e-9)
-    np.testing.assert_allclose(result.train_std, pixels.std(axis=0), rtol=1e-9)
+    np.testing.assert_allclose(result.preprocess.mean, pixels.mean(axis=0), rtol=1e-9)
+    np.testing.assert_allclose(result.preprocess.std, pixels.std(axis=0), rtol=1e-9)

@@ -293,7 +293,7 @@ def test_the_centre_of_a_margin_shard_is_the_eval_transform(
     result = pack_dataset(manifest, str(tmp_path / "shards"), spec, margin=True, workers=2)
 
     side = spec.resize_short
-    assert result.stored_size == (side, side)
+    assert _stored(result.train_shards).shape[1:3] == (side, side)
     # Shards hold rows sorted by (split, label, path), as pack_dataset reads them.
     rows = manifest.sort_values(["split", "label", "path"])
     for split, uris in (("train", result.train_shards), ("val", result.val_shards)):
@@ -317,8 +317,8 @@ def test_pack_without_the_margin_stores_the_eval_images(tmp_path: Path) -> None:
         "b.png": _encode(_scene(9, 9), "PNG"),
     }
     result = pack_dataset(_manifest(tmp_path, files), str(tmp_path / "shards"), PHOTO)
-    assert result.stored_size == (56, 56)
     stored = _stored(result.train_shards)
+    assert stored.shape[1:3] == (56, 56)
     assert np.array_equal(stored[0], decode_to_uint8(files["a.jpg"], PHOTO))
     assert eval_view(stored, PHOTO) is stored
 
@@ -362,9 +362,9 @@ def test_real_photos_pack_with_a_margin_whose_centre_is_what_serving_decodes(
         }
     )
     result = pack_dataset(rows, str(tmp_path / "shards"), spec, margin=True)
-    assert result.stored_size == (256, 256)
     ordered = rows.sort_values(["split", "label", "path"])
     stored = _stored(result.train_shards + result.val_shards)
+    assert stored.shape[1:3] == (256, 256)
     by_path = dict(zip(ordered["uri"], eval_view(stored, spec), strict=True))
     for path in files:
         assert np.array_equal(by_path[str(path)], decode_to_uint8(path.read_bytes(), spec)), path

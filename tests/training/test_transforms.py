@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +124,8 @@ def test_a_photo_run_trains_on_margin_shards_and_evaluates_their_centre(
     trained_photos: dict[str, Any],
 ) -> None:
     metrics, packed = trained_photos["metrics"], trained_photos["packed"]
-    assert packed.stored_size == (37, 37)
+    with np.load(io.BytesIO(Path(packed.train_shards[0]).read_bytes())) as shard:
+        assert shard["images"].shape[1:3] == (37, 37)  # the resize_short square: the margin
     assert metrics["train_images"] == 72 and metrics["val_images"] == 24
     assert len(metrics["epochs"]) == 3
     assert metrics["val_accuracy"] >= 0.9  # warm vs cool survives any crop and flip

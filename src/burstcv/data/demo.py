@@ -9,7 +9,8 @@ import numpy as np
 import pandas as pd
 from PIL import Image
 
-from burstcv.data.pack import PackResult, pack_dataset
+from burstcv.data.pack import pack_dataset
+from burstcv_spec.contracts import Packed
 from burstcv_spec.preprocess import PreprocessSpec
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ def write_demo_dataset(root: str | Path, *, size_px: int = DEMO_SIZE_PX) -> dict
 
 def pack_demo(
     root: str | Path, out_uri: str, spec: PreprocessSpec | None = None
-) -> tuple[PackResult, PreprocessSpec]:
+) -> tuple[Packed, PreprocessSpec]:
     """Pack a demo dataset (digits or photos), without running the validation gate.
 
     For benchmarks and test fixtures only: the demo files are known to be good, so the

@@ -7,12 +7,13 @@ import logging
 import re
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
 
 from burstcv_spec import storage
+from burstcv_spec.contracts import Packed, PreprocessBlock
 from burstcv_spec.preprocess import PreprocessSpec, decode_to_uint8, margin_spec
 
 log = logging.getLogger(__name__)
@@ -20,23 +21,6 @@ log = logging.getLogger(__name__)
 SHARD_IMAGES = 50_000  # 50k 32x32 RGB images = 150 MB per shard: one GET each, fits any box
 # Larger images make fewer per shard, so a shard stays one 150 MB GET (780 at 256x256).
 SHARD_BYTES = SHARD_IMAGES * 32 * 32 * 3
-
-
-@dataclass
-class PackResult:
-    """Say where the shards went and what they hold."""
-
-    classes: list[str]
-    train_shards: list[str]
-    val_shards: list[str]
-    counts: dict[str, int]
-    # Per-channel (R, G, B) statistics of the training images on a 0..1 scale, gathered
-    # while packing so that nothing reads the shards back for them.
-    train_mean: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    train_std: tuple[float, float, float] = (1.0, 1.0, 1.0)
-    # (height, width) of the stored images: the spec's size, or the resize_short square
-    # when packed with the margin that training's random crops draw from.
-    stored_size: tuple[int, int] = (0, 0)
 
 
 class ChannelStats:
@@ -101,13 +85,17 @@ def pack_dataset(
     classes: list[str] | None = None,
     workers: int = 4,
     margin: bool = False,
-) -> PackResult:
+    fingerprint: str = "",
+) -> Packed:
     """Write ``<out_uri>/{split}-NNNNN.npz`` from the decodable rows of a manifest.
 
     Images are stored as ``spec`` makes them, or with ``margin`` (photos; the spec must have
     resize_short) as the resize_short square around that crop: training draws random crops
-    from it, and its centre height x width is exactly the eval transform of the image.
+    from it, and its centre height x width is exactly the eval transform of the image. The
+    result's preprocessing is ``spec`` with the training images' per-channel mean and std
+    (0..1 scale), gathered while packing so that nothing reads the shards back for them.
     """
+    eval_spec = spec
     if margin:
         spec = margin_spec(spec)
     height, width = spec.height, spec.width
@@ -118,9 +106,8 @@ def pack_dataset(
     unknown = sorted(set(rows["label"].astype(str)) - set(index))
     if unknown:
         raise ValueError(f"labels {unknown} are not among the classes {classes}")
-    result = PackResult(
-        classes=classes, train_shards=[], val_shards=[], counts={}, stored_size=(height, width)
-    )
+    shards: dict[str, list[str]] = {"train": [], "val": []}
+    counts: dict[str, int] = {}
     train_stats = ChannelStats()
     # Decoding is C code that releases the GIL: threads keep both cores busy without pickling.
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -130,7 +117,7 @@ def pack_dataset(
                 # Streamed training holds a few shards at a time: every shard must hold all
                 # classes in proportion, not the label-sorted rows' runs of one class.
                 part = part.iloc[spread_order(len(part), per_shard)]
-            result.counts[split] = len(part)
+            counts[split] = len(part)
             uris = part["uri"].tolist()
             labels = np.array([index[str(lab)] for lab in part["label"]], dtype=np.int64)
             for shard_no, start in enumerate(range(0, max(len(uris), 1), per_shard)):
@@ -151,7 +138,14 @@ def pack_dataset(
                 )
                 uri = storage.join(out_uri, f"{split}-{shard_no:05d}.npz")
                 storage.write_bytes(uri, buf.getvalue())
-                (result.train_shards if split == "train" else result.val_shards).append(uri)
-    result.train_mean, result.train_std = train_stats.mean_std()
-    log.info("packed %s into %s", result.counts, out_uri)
-    return result
+                shards[split].append(uri)
+    mean, std = train_stats.mean_std()
+    log.info("packed %s into %s", counts, out_uri)
+    return Packed(
+        classes=classes,
+        train_shards=shards["train"],
+        val_shards=shards["val"],
+        counts=counts,
+        preprocess=PreprocessBlock.of(replace(eval_spec, mean=mean, std=std)),
+        fingerprint=fingerprint,
+    )
