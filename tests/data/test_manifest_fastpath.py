@@ -396,6 +396,16 @@ def _rows(
     return out
 
 
+@pytest.fixture(autouse=True)
+def _probed_before_any_patch() -> None:
+    """Probe this process's Capabilities (cached) before a test patches what the probes use.
+
+    A test that swaps dhash or the decoder for a reference version would otherwise be the
+    first caller, and the cache would keep probes made against the stand-ins.
+    """
+    capabilities()
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Write every case into one folder and return it."""

@@ -465,3 +465,14 @@ def test_a_candidate_whose_accuracy_was_not_measured_fails_the_floor_saying_why(
     verdict = judge(unmeasured, None, LIMITS)
     assert not verdict.promote
     assert verdict.reasons == ["accuracy was not measured (the classes differ from the data)"]
+    floor = next(c for c in verdict.checks if c.name == "accuracy_floor")
+    assert (floor.passed, floor.observed) == (False, 0.0)  # nothing measured counts as 0
+
+
+def test_an_unpriced_fix_is_named_in_the_summary_without_a_price() -> None:
+    verdict = judge(SLOW, None, SLO_50, ServingContext(arch="resnet18", region="eu-west-9"))
+    fix = verdict.suggestions[0]
+    assert fix.meets_slo and fix.cost_per_million_usd is None
+    assert verdict.summary.endswith(
+        f"; cheapest fix: {fix.title} (est. p95 {fix.estimated_p95_ms:.1f} ms)"
+    )

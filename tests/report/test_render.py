@@ -501,3 +501,15 @@ def test_a_near_chance_model_that_diverged_is_not_shown_without_a_word(
     assert f"warning: {fallback}" in page
     assert "divergence caught at epoch 1 step 10: training loss 9.1 is over 4.83" in page
     assert "<td>a</td><td>0.0%</td>" in page  # the worst classes, with their accuracy
+
+
+def test_a_file_that_does_not_fit_its_contract_is_named_not_fatal(
+    full_run: tuple[Path, Path],
+) -> None:
+    run, registry = full_run
+    broken = {k: v for k, v in VERDICT.items() if k != "checks"}
+    write(run / "bench" / "verdict.json", broken)
+    page = render(run, registry)
+    assert "bench/verdict.json exists but cannot be read" in page
+    assert "field &#39;checks&#39;: Field required" in page  # which field, escaped as text
+    assert "Latency benchmark" in page and "Not reached" not in page  # the rest renders
