@@ -356,17 +356,17 @@ def child_burstcv(cfg: dict[str, Any]) -> dict[str, Any]:
     with GpuSampler() as gpu:
         started = time.monotonic()
         metrics = main(job)
-    last = metrics["epochs"][-1]
+    last = metrics.epochs[-1]
     window = (boundaries[-2] if len(boundaries) > 1 else started, boundaries[-1])
     return {
-        "images_per_s": last["images_per_s"],
-        "epoch_images_per_s": [e["images_per_s"] for e in metrics["epochs"]],
+        "images_per_s": last.images_per_s,
+        "epoch_images_per_s": [e.images_per_s for e in metrics.epochs],
         "gpu_util": gpu.mean(*window),
         "rss_growth_mb": (_rss_kb("VmHWM") - before_kb) / 1024,
-        "precision": PRECISION.get(metrics["amp_dtype"], "fp32"),
-        "val_accuracy": metrics["val_accuracy"],
+        "precision": PRECISION.get(metrics.amp_dtype, "fp32"),
+        "val_accuracy": metrics.val_accuracy,
         "data_path": "streamed" if streamed else "whole on the device",
-        "wall_s": metrics["wall_s"],
+        "wall_s": metrics.wall_s.model_dump(),
         "recipe": recipe.reason if recipe else None,
     }
 
