@@ -34,7 +34,11 @@ class RunBill:
     boxes: list[BoxBill] = field(default_factory=list)
     billed_seconds: dict[str, float] = field(default_factory=dict)
     cost_by_box: dict[str, float] = field(default_factory=dict)
-    cost_usd: float = 0.0
+
+    @property
+    def cost_usd(self) -> float:
+        """Return what the run's boxes cost in all, USD."""
+        return sum(self.cost_by_box.values())
 
 
 def record_launch(
@@ -116,7 +120,6 @@ def run_bill(job_dir: str, last_attempt: int, now: datetime) -> RunBill:
             bill.boxes.append(box)
             bill.billed_seconds[box.instance_id] = seconds
             bill.cost_by_box[box.instance_id] = box.usd_per_hour * seconds / 3600.0
-            bill.cost_usd += bill.cost_by_box[box.instance_id]
     return bill
 
 
