@@ -54,7 +54,6 @@ from burstcv_spec.contracts import (
     Packed,
     Provisioned,
     RunRef,
-    Trained,
     Validated,
     VerdictRecord,
 )
@@ -172,7 +171,7 @@ def burstcv_pipeline() -> None:
         from burstcv import pipeline
 
         return pipeline.clean_up_provision(
-            _run(run_id), RunParams.backend_of(params or {}, SETTINGS)
+            _run(run_id), RunParams.backend_of(params or {}, SETTINGS), SETTINGS
         )
 
     @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
@@ -184,44 +183,20 @@ def burstcv_pipeline() -> None:
         return pipeline.terminate(boxes.run, boxes.backend, SETTINGS).model_dump(mode="json")
 
     @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
-    def export(
-        packed: dict[str, Any],
-        trained: dict[str, Any],
-        validated: dict[str, Any],
-        params: dict[str, Any] | None = None,
-        run_id: str | None = None,
-    ) -> dict[str, Any]:
-        """Convert the checkpoint to ONNX and prove it equals torch on real images."""
+    def export(params: dict[str, Any] | None = None, run_id: str | None = None) -> dict[str, Any]:
+        """Convert the run's checkpoint to ONNX and prove it equals torch on real images."""
         from burstcv import pipeline
 
-        return pipeline.export(
-            _run(run_id),
-            _params(params or {}),
-            Packed.model_validate(packed),
-            Trained.model_validate(trained),
-            Validated.model_validate(validated),
-            SETTINGS,
-        ).model_dump(mode="json")
+        return pipeline.export(_run(run_id), _params(params or {}), SETTINGS).model_dump(
+            mode="json"
+        )
 
     @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
-    def benchmark(
-        exported: dict[str, Any],
-        packed: dict[str, Any],
-        validated: dict[str, Any],
-        params: dict[str, Any] | None = None,
-        run_id: str | None = None,
-    ) -> dict[str, Any]:
+    def benchmark(run_id: str | None = None) -> dict[str, Any]:
         """Measure candidate and production latency through staging copies of the service."""
         from burstcv import pipeline
 
-        del exported  # ordering only: the candidate is read from the run's model folder
-        return pipeline.benchmark(
-            _run(run_id),
-            _params(params or {}),
-            Packed.model_validate(packed),
-            Validated.model_validate(validated),
-            SETTINGS,
-        ).model_dump(mode="json")
+        return pipeline.benchmark(_run(run_id), SETTINGS).model_dump(mode="json")
 
     @task(execution_timeout=timedelta(minutes=10))
     def gate(
@@ -255,13 +230,10 @@ def burstcv_pipeline() -> None:
 
     # all_done: the report is the page that says what went wrong, so it runs whatever failed.
     @task(execution_timeout=timedelta(minutes=10), trigger_rule="all_done", **SAFE_RETRY)
-    def report(
-        verdict: dict[str, Any], params: dict[str, Any] | None = None, run_id: str | None = None
-    ) -> str:
+    def report(params: dict[str, Any] | None = None, run_id: str | None = None) -> str:
         """Write the run's one-page HTML report (data checks, curves, latency, verdict, cost)."""
         from burstcv import pipeline
 
-        del verdict  # ordering only
         return pipeline.report(_run(run_id), _params(params or {}), SETTINGS)
 
     # A teardown, so that it runs even after a user marks the run failed (Airflow skips every
@@ -296,10 +268,14 @@ def burstcv_pipeline() -> None:
     # must wait for its success. It also runs, harmlessly, when training failed.
     cleaned = clean_up_failed_provision()
     trained >> cleaned
-    exported = export(packed, trained.output, validated)
-    bench = benchmark(exported, packed, validated)
+    # Export reads the trained run's folder, the benchmark its exported model: ordering only.
+    exported = export()
+    trained >> exported
+    bench = benchmark()
+    exported >> bench
     verdict = gate(exported, bench)
-    reported = report(verdict)
+    reported = report()  # after the verdict: it reads the run's folder (ordering only)
+    verdict >> reported
     deploy(verdict) >> reported
     [reported, teardown, cleaned] >> outcome().as_teardown(on_failure_fail_dagrun=True)
 

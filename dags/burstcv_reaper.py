@@ -52,13 +52,15 @@ def burstcv_reaper() -> None:
     def reap() -> list[dict[str, Any]]:
         """Terminate expired or orphaned burstcv boxes on every backend and region."""
         from burstcv.airflow.runs import run_activity_sdk
-        from burstcv.pipeline import reap as reap_backends
-        from burstcv.pipeline import reap_errors
+        from burstcv.compute.reaper import reap_errors, reap_everywhere
 
-        reports = reap_backends(SETTINGS.reaper_backend_names(), run_activity_sdk)
+        reports = reap_everywhere(
+            SETTINGS.reaper_backend_names(), run_activity_sdk, settings=SETTINGS
+        )
         if errors := reap_errors(reports):
-            raise RuntimeError(f"reaper pass done with {errors} error(s): {reports}")
-        return reports
+            lines = "; ".join(r.summary() for r in reports if r.errors)
+            raise RuntimeError(f"reaper pass done with {errors} error(s): {lines}")
+        return [report.model_dump(mode="json") for report in reports]
 
     reap()
 

@@ -49,6 +49,9 @@ from burstcv_spec.contracts import (
     PriceQuote,
     Provisioned,
     RangeTest,
+    ReapDecision,
+    ReaperReport,
+    ReapError,
     Recovery,
     RegistryEntry,
     RunRecord,
@@ -198,6 +201,23 @@ def examples() -> list[Contract]:
         Exported(model_dir="/m", sha256=CARD.sha256, parity_max_abs_diff=1e-6, onnx_file="m.onnx"),
         Benchmarked(latency_uri="/l", host=HOST, candidate=FIGURES.summary()),
         Deployed(version=3, previous_version=None, services={"u": {"version": 3}}, staged={}),
+        ReaperReport(
+            backend="ec2",
+            region="eu-west-1",
+            checked_at=datetime(2026, 12, 1, 16, 0, tzinfo=UTC),
+            dry_run=False,
+            decisions=[
+                ReapDecision(
+                    instance_id="i-1",
+                    run_id="manual__x",
+                    dag_id="burstcv_pipeline",
+                    reason="run-not-active",
+                    detail="DAG run burstcv_pipeline/manual__x is not running",
+                )
+            ],
+            kept=["i-2"],
+            errors=[ReapError(instance_id="i-3", step="terminate", error="ClientError: x")],
+        ),
         RunRecord(run_id=RUN.airflow_run_id, dataset_uri="/d", started_at="now"),
         SkipRecord(reason="nothing new", production_version=1, fingerprint="f", decided_at="now"),
         AttemptRecord(attempt=2, instance_ids=["i-2"], launched_at="now"),

@@ -10,12 +10,14 @@ import pytest
 from burstcv_testkit import write_model_dir
 
 from burstcv import pipeline
+from burstcv.cost import budget
 from burstcv.params import EXPORT_PARAMS, TRAINING_PARAMS, Affects, RunParams
 from burstcv.registry.registry import Registry
 from burstcv.settings import Settings
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
     GateCheck,
+    RegistryDecision,
     RunRef,
     SkipRecord,
     Validated,
@@ -52,7 +54,10 @@ def settings(tmp_path: Path) -> Settings:
     registry = Registry(s.registry_uri, s.model_name)
     params = RunParams(dataset_uri="/data/digits", epochs=3)
     version = registry.register(
-        str(model_dir), {"status": "accepted", "params": params.model_dump(mode="json")}
+        str(model_dir),
+        RegistryDecision.model_validate(
+            {"status": "accepted", "params": params.model_dump(mode="json")}
+        ),
     )
     registry.promote(version)
     return s
@@ -67,7 +72,12 @@ def promote_production(settings: Settings, tmp_path: Path, recorded: dict[str, o
         dataset_fingerprint=FINGERPRINT,
     )
     registry = Registry(settings.registry_uri, settings.model_name)
-    registry.promote(registry.register(str(model_dir), {"status": "accepted", "params": recorded}))
+    registry.promote(
+        registry.register(
+            str(model_dir),
+            RegistryDecision.model_validate({"status": "accepted", "params": recorded}),
+        )
+    )
 
 
 def decide(settings: Settings, fingerprint: str = FINGERPRINT, **params: object) -> str | None:
@@ -237,6 +247,8 @@ def test_export_and_gate_read_a_bounded_sample_of_a_split_a_shard_at_a_time(
     one is returned whole, in order, with its labels."""
     import numpy as np
 
+    from burstcv.training.stream import sample_split
+
     classes = ["a", "b", "c"]
     uris, start = [], 0
     for no, count in enumerate([40, 40, 11]):
@@ -248,13 +260,13 @@ def test_export_and_gate_read_a_bounded_sample_of_a_split_a_shard_at_a_time(
         uris.append(str(path))
         start += count
 
-    images, labels = pipeline.sample_split(uris, classes, 10)
+    images, labels = sample_split(uris, classes, 10)
     ids = images[:, 0, 0, 0].astype(int)
     assert ids.tolist() == np.linspace(0, 90, 10).round().astype(int).tolist()
     assert (labels == ids % 3).all()
     assert {int(i) // 40 for i in ids} == {0, 1, 2}  # every shard contributes
 
-    whole, whole_labels = pipeline.sample_split(uris, classes, 1000)
+    whole, whole_labels = sample_split(uris, classes, 1000)
     assert whole[:, 0, 0, 0].tolist() == list(range(91))
     assert whole_labels.tolist() == [i % 3 for i in range(91)]
 
@@ -267,7 +279,7 @@ class Prices:
     ) -> None:
         self.usd_per_hour = usd_per_hour
         self.asked: list[list[str]] = []
-        monkeypatch.setattr(pipeline, "candidate_prices", self.quote)
+        monkeypatch.setattr(budget, "candidate_prices", self.quote)
         monkeypatch.setenv("BURSTCV_EC2_REGION", "us-west-2")
 
     def quote(
@@ -293,11 +305,11 @@ def test_the_budget_bounds_the_priciest_allowed_type_exactly_at_the_limit(
 ) -> None:
     Prices(monkeypatch, {"g6.xlarge": 1.8, "g6.12xlarge": 3.6, "g4dn.xlarge": 0.9})
     run = ec2_run(["g6.xlarge", "g6.12xlarge", "g4dn.xlarge"], max_cost_usd=1.8)
-    budget_s = pipeline.bounded_time_budget(run)
+    budget_s = budget.bounded_time_budget(run, Settings())
     assert budget_s == 1800  # half an hour of the $3.60/h type is the whole $1.80
     assert 3.6 * budget_s / 3600 <= 1.8
     # A generous budget leaves the run's own time budget alone.
-    assert pipeline.bounded_time_budget(ec2_run(["g4dn.xlarge"], 100.0)) == 7200
+    assert budget.bounded_time_budget(ec2_run(["g4dn.xlarge"], 100.0), Settings()) == 7200
 
 
 def test_a_type_nobody_can_price_counts_at_the_highest_known_price(
@@ -306,7 +318,7 @@ def test_a_type_nobody_can_price_counts_at_the_highest_known_price(
     Prices(monkeypatch, {"g6.xlarge": 1.8, "g5.48xlarge": None, "g4dn.xlarge": 0.9})
     run = ec2_run(["g5.48xlarge", "g4dn.xlarge", "g6.xlarge"], max_cost_usd=0.9)
     with caplog.at_level(logging.WARNING, logger="burstcv"):
-        assert pipeline.bounded_time_budget(run) == 1800
+        assert budget.bounded_time_budget(run, Settings()) == 1800
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warning.startswith("no price for g5.48xlarge in us-west-2;")
     assert "g6.xlarge's $1.8000/h" in warning
@@ -317,7 +329,10 @@ def test_priced_types_need_no_warning(
 ) -> None:
     Prices(monkeypatch, {"g6.xlarge": 1.8, "g4dn.xlarge": 0.9})
     with caplog.at_level(logging.WARNING, logger="burstcv"):
-        assert pipeline.bounded_time_budget(ec2_run(["g6.xlarge", "g4dn.xlarge"], 0.9)) == 1800
+        assert (
+            budget.bounded_time_budget(ec2_run(["g6.xlarge", "g4dn.xlarge"], 0.9), Settings())
+            == 1800
+        )
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
@@ -325,8 +340,8 @@ def test_a_run_no_type_of_which_has_a_price_is_refused_with_what_to_set(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     Prices(monkeypatch, {"x9.huge": None, "x9.bigger": None})
-    with pytest.raises(pipeline.StageError) as refused:
-        pipeline.bounded_time_budget(ec2_run(["x9.huge", "x9.bigger"], 5.0))
+    with pytest.raises(budget.UnpricedRunError) as refused:
+        budget.bounded_time_budget(ec2_run(["x9.huge", "x9.bigger"], 5.0), Settings())
     message = str(refused.value)
     assert (
         "no price for any of the run's instance types (x9.huge, x9.bigger) in us-west-2" in message
@@ -339,5 +354,5 @@ def test_a_local_run_keeps_its_time_budget_and_asks_no_prices(
 ) -> None:
     prices = Prices(monkeypatch, {"g6.xlarge": 1.8})
     run = RunParams(dataset_uri="/d", compute_backend="local", max_cost_usd=0.01, time_budget_s=900)
-    assert pipeline.bounded_time_budget(run) == 900
+    assert budget.bounded_time_budget(run, Settings()) == 900
     assert prices.asked == []

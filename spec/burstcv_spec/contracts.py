@@ -767,6 +767,68 @@ class Deployed(Contract):
     staged: dict[str, Any] = Field(description="each service's answer to the stage call")
 
 
+class ReapDecision(Contract):
+    """One box the reaper terminated (or, on a dry run, would), and why."""
+
+    instance_id: str = Field(description="the EC2 instance id or local process id")
+    run_id: str = Field(description="the box's run key tag ('' without one)")
+    dag_id: str = Field(description="the box's DAG tag ('' without one)")
+    reason: Literal["expired", "run-not-active", "missing-run-tags"] = Field(
+        description="past its expiry, its DAG run over, or no run tags at all"
+    )
+    detail: str = Field(description="one line for a person")
+
+
+class ReapError(Contract):
+    """Something that went wrong in a reaper pass; the box was left as it was, the pass went on."""
+
+    instance_id: str = Field(description="'' when the error was about listing the boxes")
+    run_id: str = Field(default="", description="the box's run key tag")
+    step: Literal["list", "check-run", "terminate"] = Field(
+        description="listing the boxes, asking Airflow about a run, or terminating a box"
+    )
+    error: str = Field(description="the exception's type and message")
+
+
+class ReaperReport(Contract):
+    """What one reaper pass over one backend (and EC2 region) terminated, kept and failed on.
+
+    The reaper DAG task's result and what ``burstcv reap`` prints.
+    """
+
+    backend: str = Field(default="", description="local or ec2")
+    region: str = Field(default="", description="the EC2 region swept; '' for local")
+    checked_at: datetime = Field(description="when the pass looked (expiry is against it)")
+    dry_run: bool = Field(description="true: decisions are what would have been terminated")
+    decisions: list[ReapDecision] = Field(
+        default_factory=list, description="the boxes terminated (or that would be), and why"
+    )
+    kept: list[str] = Field(default_factory=list, description="ids of managed boxes kept")
+    errors: list[ReapError] = Field(default_factory=list, description="what went wrong")
+    warnings: list[str] = Field(
+        default_factory=list, description="runs whose state could not be classified (kept)"
+    )
+
+    @property
+    def instance_ids(self) -> list[str]:
+        """Return the ids terminated (or, on a dry run, that would be)."""
+        return [d.instance_id for d in self.decisions]
+
+    def summary(self) -> str:
+        """Return one line for logs and the CLI."""
+        verb = "would terminate" if self.dry_run else "terminated"
+        where = f"{self.backend} {self.region}".strip()
+        head = f"reaper ({where})" if where else "reaper"
+        notes = f"; {len(self.errors)} error(s)" if self.errors else ""
+        notes += f"; {len(self.warnings)} warning(s)" if self.warnings else ""
+        if not self.decisions:
+            return (
+                f"{head}: nothing to terminate ({len(self.kept)} managed instance(s) kept){notes}"
+            )
+        listed = ", ".join(f"{d.instance_id} ({d.reason})" for d in self.decisions)
+        return f"{head}: {verb} {listed}; kept {len(self.kept)}{notes}"
+
+
 STAGE_RESULTS: tuple[type[Contract], ...] = (
     RunRef,
     Validated,
@@ -778,6 +840,7 @@ STAGE_RESULTS: tuple[type[Contract], ...] = (
     Exported,
     Benchmarked,
     Deployed,
+    ReaperReport,
 )
 
 
@@ -950,8 +1013,8 @@ class ModelCard(Artifact):
         return value.lower()
 
 
-class RegistryEntry(Artifact):
-    """`<registry>/<model>/versions/<n>/entry.json`: the gate's verdict, figures and lineage."""
+class RegistryDecision(Contract):
+    """The gate's part of a registry entry: what it decided, and on which figures and params."""
 
     omit_when_none = frozenset({"gate", "benchmark", "params"})
 
@@ -967,6 +1030,11 @@ class RegistryEntry(Artifact):
         default=None,
         description="the run's parameters; absent when registered outside the pipeline",
     )
+
+
+class RegistryEntry(RegistryDecision, Artifact):
+    """`<registry>/<model>/versions/<n>/entry.json`: the gate's verdict, figures and lineage."""
+
     version: int = Field(description="the version number")
     model: str = Field(description="the model's name")
     sha256: str = Field(description="sha256 of the version's serving file")

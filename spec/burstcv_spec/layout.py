@@ -20,6 +20,9 @@ END_RECORD = "end.json"  # in an attempt's folder: its boxes as ended (AttemptBi
 MODEL_CARD = "model.json"
 # The training box's files, in the job folder (progress, metrics) and in an attempt's folder
 # (the markers: exactly one of them ends an attempt).
+MANIFEST = "manifest.parquet"  # in dataset/: one row per file
+VALIDATION_RECORD = "validation.json"  # in dataset/, beside the manifest
+JOB_SPEC = "job.json"  # in the job folder: what the training box runs (JobSpec)
 PROGRESS = "progress.json"
 METRICS = "metrics.json"
 DONE_MARKER = "DONE"
@@ -58,12 +61,12 @@ class RunLayout:
     @property
     def manifest(self) -> str:
         """Return dataset/manifest.parquet."""
-        return storage.join(self.dataset, "manifest.parquet")
+        return storage.join(self.dataset, MANIFEST)
 
     @property
     def validation(self) -> str:
         """Return dataset/validation.json."""
-        return storage.join(self.dataset, "validation.json")
+        return storage.join(self.dataset, VALIDATION_RECORD)
 
     @property
     def shards(self) -> str:
@@ -78,7 +81,7 @@ class RunLayout:
     @property
     def job_spec(self) -> str:
         """Return job/job.json."""
-        return storage.join(self.job, "job.json")
+        return storage.join(self.job, JOB_SPEC)
 
     @property
     def metrics(self) -> str:

@@ -177,15 +177,7 @@ def export(
     from burstcv.export.onnx_export import CheckpointError, ParityError
     from burstcv.training.job import load_job
     from burstcv_spec import storage
-    from burstcv_spec.contracts import (
-        ArtifactError,
-        Packed,
-        PreprocessBlock,
-        RunRecord,
-        RunRef,
-        Validated,
-        read_artifact,
-    )
+    from burstcv_spec.contracts import ArtifactError, RunRecord, RunRef, read_artifact
 
     _setup_logging()
     settings = get_settings()
@@ -201,28 +193,8 @@ def export(
             raise _fail(str(exc)) from None
         choices["dataset_uri"] = record.dataset_uri
     params = _run_params(choices, settings)
-    run = RunRef.of(run_id)
-    packed = Packed(
-        classes=job.classes,
-        train_shards=job.train_shards,
-        val_shards=job.val_shards,
-        counts={},  # export reads the shards, not their counts
-        preprocess=PreprocessBlock.model_validate(job.preprocess),
-        fingerprint=job.dataset_fingerprint,
-    )
-    trained = pipeline.trained(run, settings)
-    # Export reads only the manifest; the validation evidence stays where validate left it.
-    validated = Validated(
-        fingerprint=job.dataset_fingerprint,
-        manifest_uri=paths.manifest,
-        validation_uri=paths.validation,
-        data_docs_uri="",
-        image_size=packed.preprocess.height,
-        image_size_reason="the trained job's",
-        resize_short=packed.preprocess.resize_short,
-    )
     try:
-        exported = pipeline.export(run, params, packed, trained, validated, settings)
+        exported = pipeline.export(RunRef.of(run_id), params, settings)
     except (CheckpointError, ParityError) as exc:
         raise _fail(str(exc)) from None
     typer.echo(
@@ -405,25 +377,23 @@ def reap(
 ) -> None:
     """Terminate burstcv boxes whose expiry passed or whose DAG run is no longer running."""
     from burstcv.airflow.local_run import use_embedded_airflow
-    from burstcv.pipeline import reap as reap_backends
-    from burstcv.pipeline import reap_errors
+    from burstcv.compute.reaper import reap_errors, reap_everywhere
 
     _setup_logging()
     use_embedded_airflow()
     from burstcv.airflow.runs import run_activity_db
 
-    names = [b.strip() for b in (backend or get_settings().reaper_backends).split(",") if b.strip()]
-    reports = reap_backends(names, run_activity_db, dry_run=dry_run)
+    settings = get_settings()
+    names = [b.strip() for b in (backend or settings.reaper_backends).split(",") if b.strip()]
+    reports = reap_everywhere(names, run_activity_db, dry_run=dry_run, settings=settings)
     for report in reports:
         verb = "would terminate" if dry_run else "terminated"
-        ids = [
-            d["instance_id"] for d in report.get("terminated", report.get("would_terminate", []))
-        ]
-        where = f"{report['backend']} {report['region']}".strip()
-        typer.echo(f"{where}: {verb} {len(ids)} {ids}; kept {len(report['kept'])}")
-        for error in report.get("errors", []):
-            typer.echo(f"{where}: error: {error}", err=True)
-        for warning in report.get("warnings", []):
+        where = f"{report.backend} {report.region}".strip()
+        ids = report.instance_ids
+        typer.echo(f"{where}: {verb} {len(ids)} {ids}; kept {len(report.kept)}")
+        for error in report.errors:
+            typer.echo(f"{where}: error: {error.step} {error.instance_id}: {error.error}", err=True)
+        for warning in report.warnings:
             typer.echo(f"{where}: warning: {warning}", err=True)
     if errors := reap_errors(reports):
         # Every other box was still handled; a non-zero exit makes the failure visible.

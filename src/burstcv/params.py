@@ -34,10 +34,12 @@ from burstcv.training import recipe as R
 from burstcv.training.job import JobSpec
 from burstcv.training.names import (
     ARCHITECTURE_NAMES,
+    FREEZE_NEEDS_WEIGHTS,
     MODEL_AUTO,
     PRETRAINED_AUTO,
     check_architecture,
     pretrained_kind,
+    pretrained_value,
 )
 
 # Form sections: the fields without one are on the form's first, open section; the others
@@ -392,8 +394,8 @@ class RunParams(BaseModel):
     @field_validator("pretrained")
     @classmethod
     def _pretrained_form(cls, value: str) -> str:
-        pretrained_kind(value)  # the form of the value; check_pretrained vets the weights
-        return value.strip()
+        # The form of the value; check_weights vets the weights themselves.
+        return pretrained_value(value, auto_allowed=True)
 
     @model_validator(mode="after")
     def _data_checks_make_sense(self) -> RunParams:
@@ -413,8 +415,7 @@ class RunParams(BaseModel):
         kind = pretrained_kind(pretrained)
         if self.freeze_backbone_epochs and kind == "none":
             raise ValueError(
-                "freeze_backbone_epochs needs pretrained weights: a backbone trained from "
-                "scratch has nothing worth freezing"
+                FREEZE_NEEDS_WEIGHTS
                 + (" (pretrained auto found none to use)" if self.pretrained != pretrained else "")
             )
         if kind not in ("none", "auto") and model != MODEL_AUTO:

@@ -10,7 +10,6 @@ those results) and returns a typed result of references and figures
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import tempfile
 from datetime import datetime, timedelta
@@ -18,25 +17,28 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from burstcv import lineage
+from burstcv.compute.attempts import (
+    current_attempt,
+    launch_attempt,
+    resumable,
+    training_outcome,
+)
 from burstcv.compute.backends import get_backend
-from burstcv.compute.base import STOPPED, WORKING, ComputeBackend, InstanceInfo
-from burstcv.compute.reaper import RunActivity, RunActivityCheck
+from burstcv.compute.base import STOPPED, WORKING
+from burstcv.cost.budget import UnpricedRunError, bounded_time_budget
 from burstcv.data.imagesize import choose_image_size
+from burstcv.data.manifest import read_manifest
 from burstcv.params import EXPORT_PARAMS, TRAINING_PARAMS, RunParams
 from burstcv.settings import Settings, get_settings
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
-    ArtifactError,
-    AttemptRecord,
     BenchFigures,
     Benchmarked,
     Billing,
     Deployed,
     Exported,
-    FailedMarker,
     HostInfo,
     ImageSizeChoice,
     InstanceRecord,
@@ -46,6 +48,7 @@ from burstcv_spec.contracts import (
     Packed,
     PreprocessBlock,
     Provisioned,
+    RegistryDecision,
     RunRecord,
     RunRef,
     SkipRecord,
@@ -53,16 +56,13 @@ from burstcv_spec.contracts import (
     TrainingChoice,
     TrainingMetrics,
     TrainingOutcome,
-    TrainingProgress,
     Validated,
-    ValidationRecord,
     VerdictRecord,
     read_artifact,
     write_artifact,
 )
-from burstcv_spec.layout import ATTEMPT_RECORD, FAILED_MARKER, MODEL_CARD, PROGRESS, RunLayout
+from burstcv_spec.layout import MODEL_CARD, RunLayout
 from burstcv_spec.preprocess import PreprocessSpec
-from burstcv_spec.storage import safe_run_id
 
 if TYPE_CHECKING:  # the training module is imported where it is used: it pulls in torch
     from burstcv.training.job import JobSpec
@@ -96,7 +96,7 @@ def run_layout(run: RunRef | str, settings: Settings | None = None) -> RunLayout
 
 def validate(run: RunRef, params: RunParams, settings: Settings | None = None) -> Validated:
     """Run the dataset checks; raise ValidationFailed naming the failed checks and files."""
-    from burstcv.data.validate import DatasetUnusableError, validate_dataset
+    from burstcv.data.validate import DatasetUnusableError, summary, validate_dataset
 
     s = settings or get_settings()
     paths = run_layout(run, s)
@@ -111,10 +111,10 @@ def validate(run: RunRef, params: RunParams, settings: Settings | None = None) -
     try:
         params.check_weights()  # the form cannot check weights; fail before renting anything
         bounded_time_budget(params, s)  # a run nobody can price fails here, not at provision
-    except (ValueError, StageError) as exc:
+    except (ValueError, UnpricedRunError) as exc:
         raise ValidationFailed(str(exc)) from exc
     try:
-        report = validate_dataset(
+        record = validate_dataset(
             params.dataset_uri,
             paths.dataset,
             params.validation_config(),
@@ -122,10 +122,10 @@ def validate(run: RunRef, params: RunParams, settings: Settings | None = None) -
         )
     except DatasetUnusableError as exc:
         raise ValidationFailed(f"dataset {params.dataset_uri} is unusable: {exc}") from exc
-    if not report.success:
-        raise ValidationFailed(report.summary)  # logged once, as the task's failure
-    log.info("%s", report.summary)
-    manifest = _read_manifest(report.manifest_uri)
+    if not record.success:
+        raise ValidationFailed(summary(record))  # logged once, as the task's failure
+    log.info("%s", summary(record))
+    manifest = read_manifest(record.manifest_uri)
     try:
         size = choose_image_size(manifest, params.image_size)
         usable = manifest[manifest["decode_ok"].astype(bool)]
@@ -142,17 +142,15 @@ def validate(run: RunRef, params: RunParams, settings: Settings | None = None) -
     if training.warning:
         log.warning("%s", training.warning)
     # Beside the checks in validation.json, for the report: which size and recipe, and why.
-    recorded = read_artifact(report.validation_uri, ValidationRecord)
     chosen = ImageSizeChoice(px=size.px, reason=size.reason, resize_short=size.resize_short)
     write_artifact(
-        report.validation_uri,
-        recorded.model_copy(update={"image_size": chosen, "training": training}),
+        paths.validation, record.model_copy(update={"image_size": chosen, "training": training})
     )
     return Validated(
-        fingerprint=report.fingerprint,
-        manifest_uri=report.manifest_uri,
-        validation_uri=report.validation_uri,
-        data_docs_uri=report.data_docs_uri,
+        fingerprint=record.fingerprint,
+        manifest_uri=record.manifest_uri,
+        validation_uri=paths.validation,
+        data_docs_uri=record.data_docs_uri,
         image_size=size.px,
         image_size_reason=size.reason,
         resize_short=size.resize_short,
@@ -323,10 +321,6 @@ def nothing_new_to_train(
     return reason
 
 
-def _read_manifest(uri: str) -> pd.DataFrame:
-    return pd.read_parquet(io.BytesIO(storage.read_bytes(uri)))
-
-
 def pack(
     run: RunRef,
     params: RunParams,
@@ -343,7 +337,7 @@ def pack(
     from burstcv.training.weights import normalization
 
     paths = run_layout(run, settings)
-    manifest = _read_manifest(validated.manifest_uri)
+    manifest = read_manifest(validated.manifest_uri)
     px = validated.image_size
     size_only = PreprocessSpec(height=px, width=px, resize_short=validated.resize_short)
     packed = pack_dataset(
@@ -440,7 +434,6 @@ def provision(
     wheel_uri, wheel_sha256, require_cuda = "", "", False
     if params.compute_backend == "ec2":
         from burstcv.compute.runtime import stage_training_wheel
-        from burstcv.settings import Ec2Settings
 
         if not storage.is_s3(s.artifact_root):
             raise StageError(
@@ -449,7 +442,7 @@ def provision(
             )
         staged = stage_training_wheel(s.artifact_root)
         wheel_uri, wheel_sha256 = staged.uri, staged.sha256
-        require_cuda = Ec2Settings().require_gpu
+        require_cuda = s.ec2.require_gpu
     job = training_job(
         run, params, packed, time_budget_s=time_budget_s, deadline_at=deadline_at, settings=s
     ).model_copy(update={"require_cuda": require_cuda, "runtime_sha256": wheel_sha256})
@@ -466,10 +459,10 @@ def provision(
         wheel_sha256=wheel_sha256,
     )
     try:
-        ids = _launch(params.compute_backend, launch, paths.job, attempt=attempt)
+        ids = launch_attempt(params.compute_backend, launch, paths.job, attempt, s)
     except BaseException:
         log.error("provision of run %s failed; terminating whatever it started", run.airflow_run_id)
-        clean_up_provision(run, params.compute_backend)
+        clean_up_provision(run, params.compute_backend, s)
         raise
     return Provisioned(
         run=run,
@@ -482,7 +475,9 @@ def provision(
     )
 
 
-def clean_up_provision(run: RunRef, backend_name: str) -> list[str]:
+def clean_up_provision(
+    run: RunRef, backend_name: str, settings: Settings | None = None
+) -> list[str]:
     """Terminate every box tagged with the run after a failed provision; return their ids.
 
     Airflow runs no teardown for a setup task that failed (or whose worker died), so the
@@ -491,7 +486,7 @@ def clean_up_provision(run: RunRef, backend_name: str) -> list[str]:
     and the AWS-side backstop remain.
     """
     try:
-        backend = get_backend(backend_name)
+        backend = get_backend(backend_name, settings)
         return backend.terminate_run(run.run_key)
     # Broad on purpose: logged; the original failure is what the task reports.
     except Exception:
@@ -499,83 +494,6 @@ def clean_up_provision(run: RunRef, backend_name: str) -> list[str]:
             "could not clean up run %s on %s; the reaper will", run.airflow_run_id, backend_name
         )
         return []
-
-
-ATTEMPT_FILE = ATTEMPT_RECORD  # in the job folder: the attempt the run now waits for
-
-
-def _launch(backend_name: str, launch: Launch, job_dir: str, attempt: int) -> list[str]:
-    backend = get_backend(backend_name)
-    ids = backend.launch(launch, attempt)
-    write_artifact(
-        storage.join(job_dir, ATTEMPT_FILE),
-        AttemptRecord(attempt=attempt, instance_ids=ids, launched_at=lineage.utc_now_iso()),
-    )
-    _record_launch(backend_name, backend, launch, job_dir, attempt, ids)
-    return ids
-
-
-def _record_launch(
-    backend_name: str,
-    backend: ComputeBackend,
-    launch: Launch,
-    job_dir: str,
-    attempt: int,
-    ids: list[str],
-) -> None:
-    """Write the attempt's launch record: each box's place, price (quoted now) and launch."""
-    from burstcv.compute.billing import record_launch
-    from burstcv.compute.ec2 import Ec2Backend
-
-    region = ""
-    fallback: list[float] = []
-
-    def price_of(info: InstanceInfo) -> tuple[float, str]:
-        if not isinstance(backend, Ec2Backend):
-            return 0.0, "local compute"
-        found = backend.price_quote(info)
-        if found is not None:
-            return found.usd_per_hour, f"{found.source}, {found.as_of}"
-        if not fallback:  # a price nobody has: the highest known of the run's types
-            known = candidate_prices(launch.instance_types or [info.instance_type]).values()
-            fallback.append(max((usd for usd in known if usd is not None), default=0.0))
-        log.warning(
-            "no price for %s %s; billed at the highest known price of the run's types, $%.4f/h",
-            info.lifecycle,
-            info.instance_type,
-            fallback[0],
-        )
-        return fallback[0], "no quote: the highest known price of the run's types"
-
-    if isinstance(backend, Ec2Backend):
-        region = backend.settings.region
-    record_launch(
-        job_dir,
-        attempt,
-        run_key=launch.run.run_key,
-        dag_id=launch.dag_id,
-        backend=backend_name,
-        region=region,
-        boxes=[i for i in backend.describe(launch.run.run_key) if i.instance_id in ids],
-        price_of=price_of,
-        now=lineage.utc_now(),
-    )
-
-
-def current_attempt(output_uri: str) -> int:
-    """Return the run's latest launched attempt (1 before any relaunch)."""
-    uri = storage.join(output_uri, ATTEMPT_FILE)
-    return read_artifact(uri, AttemptRecord).attempt if storage.exists(uri) else 1
-
-
-def resumable(outcome: TrainingOutcome) -> bool:
-    """Return whether an attempt's outcome may be resumed by a new box.
-
-    A box that vanished (spot reclaim, crash, shutting down without a marker) or was
-    interrupted on purpose left a checkpoint to continue from; a job that failed on its own
-    would fail again.
-    """
-    return outcome.status == "lost" or (outcome.status == "failed" and outcome.resumable)
 
 
 def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
@@ -594,12 +512,12 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
     s = settings or get_settings()
     backend_name, run_key = provisioned.backend, provisioned.run.run_key
     attempt = current_attempt(provisioned.output_uri)
-    outcome = training_outcome(run_key, backend_name, provisioned.output_uri, attempt)
+    outcome = training_outcome(run_key, backend_name, provisioned.output_uri, attempt, s)
     if outcome.status in ("running", "done"):
         return attempt
     if not resumable(outcome):
         raise TrainingFailed(outcome.line())
-    backend = get_backend(backend_name)
+    backend = get_backend(backend_name, s)
     instances = backend.describe(run_key)
     still_up = [i.instance_id for i in instances if i.state in WORKING]
     if still_up:
@@ -633,7 +551,7 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
         raise TrainingFailed(
             f"the run's boxes have cost ${spent:.2f} of its ${budget:.2f} budget; no relaunch"
         )
-    ids = _launch(backend_name, launch, provisioned.output_uri, attempt=attempt + 1)
+    ids = launch_attempt(backend_name, launch, provisioned.output_uri, attempt + 1, s)
     log.warning(
         "run %s: attempt %d ended (%s); attempt %d on %s resumes from the checkpoint "
         "(spent so far $%.2f)",
@@ -645,266 +563,6 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
         spent,
     )
     return attempt + 1
-
-
-def candidate_prices(
-    instance_types: list[str], settings: Settings | None = None
-) -> dict[str, float | None]:
-    """Return the on-demand $/hour of each candidate type (None: nobody knows it).
-
-    On-demand is a launch's worst case (spot falls back to it). Quoted from AWS through the
-    EC2 backend's connection, cached in the artifact store, the bundled table only offline.
-    """
-    from burstcv.compute.ec2 import Ec2Backend
-    from burstcv.cost.quotes import quote
-    from burstcv.settings import Ec2Settings
-
-    s = settings or get_settings()
-    backend = Ec2Backend(Ec2Settings())
-    sources = backend.price_sources(s.artifact_root)
-    region = backend.settings.region
-    prices: dict[str, float | None] = {}
-    for instance_type in instance_types:
-        found = quote(instance_type, region, "on-demand", sources)
-        prices[instance_type] = None if found is None else found.usd_per_hour
-    return prices
-
-
-def bounded_time_budget(params: RunParams, settings: Settings | None = None) -> int:
-    """Return the run's time budget, lowered so the most expensive launch stays under max_cost_usd.
-
-    The worst case is on-demand on the priciest allowed type (spot may fall back to it); the
-    training box's watchdog is armed from this number, so it is what bounds the bill. A type
-    nobody can price is assumed to cost the highest known price of the others; if none of
-    them has a price, StageError says what to set.
-    """
-    if params.compute_backend == "local":
-        return params.time_budget_s
-    from burstcv.cost.pricing import time_budget_for
-    from burstcv.settings import Ec2Settings
-
-    region = Ec2Settings().region
-    prices = candidate_prices(list(params.instance_types), settings)
-    known = {t: usd for t, usd in prices.items() if usd is not None}
-    if not known:
-        raise StageError(
-            f"no price for any of the run's instance types ({', '.join(prices)}) in {region}: "
-            "the AWS Price List API did not answer and the bundled table has none; allow "
-            "pricing:GetProducts to the orchestrator (deploy/iam-policy.json) or set "
-            "BURSTCV_PRICE_TABLE to a table that prices one of them"
-        )
-    priciest = max(known, key=lambda t: known[t])
-    unpriced = [t for t, usd in prices.items() if usd is None]
-    if unpriced:
-        log.warning(
-            "no price for %s in %s; the budget counts them at the highest known price, "
-            "%s's $%.4f/h",
-            ", ".join(unpriced),
-            region,
-            priciest,
-            known[priciest],
-        )
-    return time_budget_for(
-        params.max_cost_usd,
-        priciest,
-        region,
-        "on-demand",
-        params.time_budget_s,
-        usd_per_hour=known[priciest],
-    )
-
-
-def reap(
-    backend_names: list[str] | None,
-    run_activity: RunActivityCheck,
-    *,
-    dry_run: bool = False,
-    settings: Settings | None = None,
-) -> list[dict[str, Any]]:
-    """Terminate managed boxes whose expiry passed or whose DAG run is over, everywhere.
-
-    ``backend_names`` empty: the settings' (local, and ec2 whenever AWS is configured). EC2
-    is swept in every configured region, or every region enabled for the account. One report
-    per backend and region; an error about a backend, a region or one box is logged and
-    counted in its report's ``errors`` and never stops the rest.
-
-    ``run_activity(dag_id, airflow_run_id)`` answers from Airflow (active, over, or unknown:
-    kept). Boxes are tagged with a path-safe run key; the raw Airflow run id travels in its
-    own tag for this question.
-    """
-    from burstcv.compute.reaper import reap as reap_backend
-
-    s = settings or get_settings()
-    reports = []
-    for name, region, backend in _reaper_targets(backend_names or s.reaper_backend_names(), s):
-        where = {"backend": name, "region": region}
-        try:
-            if isinstance(backend, BaseException):
-                raise backend
-            managed = backend.list_managed()
-        # Broad on purpose: counted in the report; the other backends and regions go on.
-        except Exception as exc:
-            log.exception("reaper: could not list %s boxes in %s", name, region or "-")
-            reports.append({**where, **_failed_sweep(exc, dry_run)})
-            continue
-        raw_ids = {(i.dag_id, i.run_id): i.airflow_run_id or i.run_id for i in managed}
-
-        def activity(
-            dag_id: str, run_key: str, raw_ids: dict[tuple[str, str], str] = raw_ids
-        ) -> RunActivity:
-            return run_activity(dag_id, raw_ids.get((dag_id, run_key), run_key))
-
-        report = reap_backend(backend, run_activity=activity, dry_run=dry_run, managed=managed)
-        reports.append({**where, **report.to_dict()})
-    return reports
-
-
-def reap_errors(reports: list[dict[str, Any]]) -> int:
-    """Return how many errors a reaper pass counted over all its reports."""
-    return sum(len(r.get("errors", [])) for r in reports)
-
-
-def _failed_sweep(exc: BaseException, dry_run: bool) -> dict[str, Any]:
-    return {
-        "dry_run": dry_run,
-        "terminated" if not dry_run else "would_terminate": [],
-        "kept": [],
-        "errors": [{"step": "list", "error": f"{type(exc).__name__}: {exc}"}],
-    }
-
-
-def _reaper_targets(names: list[str], settings: Settings) -> list[tuple[str, str, Any]]:
-    """Return (backend name, region, backend or the error that prevented making it)."""
-    targets: list[tuple[str, str, Any]] = []
-    for name in names:
-        if name != "ec2":
-            try:
-                targets.append((name, "", get_backend(name)))
-            # Broad on purpose: reported as that backend's error.
-            except Exception as exc:
-                targets.append((name, "", exc))
-            continue
-        from burstcv.compute.ec2 import Ec2Backend
-        from burstcv.settings import Ec2Settings
-
-        try:
-            ec2 = Ec2Settings()
-            regions = settings.reaper_region_names() or Ec2Backend(ec2).enabled_regions()
-        # Broad on purpose: reported as that backend's error.
-        except Exception as exc:
-            targets.append((name, "", exc))
-            continue
-        for region in regions:
-            targets.append((name, region, Ec2Backend(ec2.model_copy(update={"region": region}))))
-    return targets
-
-
-def training_outcome(
-    run_id: str, backend_name: str, output_uri: str, attempt: int = 1
-) -> TrainingOutcome:
-    """Return an attempt's state: done, failed (stage, reason), lost (no marker) or running."""
-    from burstcv.compute.base import job_outcome
-    from burstcv.training.job import attempt_dir
-
-    status = job_outcome(get_backend(backend_name), safe_run_id(run_id), output_uri, attempt)
-    if status == "failed":
-        uri = attempt_dir(output_uri, attempt, FAILED_MARKER)
-        try:
-            failed = read_artifact(uri, FailedMarker)
-        except ArtifactError as exc:  # failed all the same: say so rather than crash the wait
-            return TrainingOutcome(
-                status="failed", attempt=attempt, reason=f"unreadable FAILED marker: {exc}"
-            )
-        return TrainingOutcome(
-            status="failed",
-            attempt=attempt,
-            stage=failed.stage,
-            reason=failed.reason,
-            resumable=failed.resumable,
-        )
-    if status == "lost":
-        return TrainingOutcome(
-            status="lost",
-            attempt=attempt,
-            reason="every training instance stopped without writing DONE or FAILED",
-            resumable=True,
-        )
-    return TrainingOutcome(status=status, attempt=attempt)
-
-
-def _usd(amount: float) -> str:
-    return f"${amount:.2f}" if amount >= 0.1 or amount == 0 else f"${amount:.4f}"
-
-
-def progress_lines(
-    run_id: str,
-    backend_name: str,
-    output_uri: str,
-    attempt: int,
-    already_logged: int,
-    max_cost_usd: float | None = None,
-) -> list[str]:
-    """Return a line per epoch the attempt finished after its first ``already_logged`` ones.
-
-    Read from the job's progress.json (the box writes it at every epoch end). The figures a
-    reader scans for come first, so they fit the log viewer's width: the epoch, validation
-    accuracy and loss, the dollars spent and left of ``max_cost_usd`` (None: no budget), the
-    minutes left before the run's deadline; then train loss, speed, time and billed seconds.
-    Costs no GPU time: it reads the artifact store.
-    """
-
-    uri = storage.join(output_uri, PROGRESS)
-    if not storage.exists(uri):
-        return []
-    progress = read_artifact(uri, TrainingProgress)
-    mine = [e for e in progress.epochs if e.attempt == attempt]
-    epochs = mine[already_logged:]
-    if not epochs:
-        return []
-    from burstcv.compute.billing import run_bill
-
-    now = lineage.utc_now()
-    bill = run_bill(output_uri, attempt, now)  # the attempt records, never the cloud's memory
-    billed, spent = sum(bill.billed_seconds.values()), bill.cost_usd
-    from burstcv.training.job import load_job
-
-    job = load_job(storage.join(output_uri, "job.json"))
-    if job.deadline_at is not None:
-        left_s = max(0.0, (job.deadline_at - now).total_seconds())
-        time_left = f"{left_s / 60:.1f} min to the deadline"
-    else:
-        time_left = "no deadline"
-    if max_cost_usd is not None:
-        money = (
-            f"{_usd(spent)} of {_usd(max_cost_usd)}, {_usd(max(0.0, max_cost_usd - spent))} left"
-        )
-    else:
-        money = f"{_usd(spent)} spent, no budget"
-    total = progress.epochs_total
-    return [
-        f"epoch {e.epoch}/{total} val_accuracy {e.val_accuracy:.4f} "
-        f"val_loss {e.val_loss:.4f} | {money} | {time_left} | "
-        f"train_loss {e.train_loss:.4f}, {e.images_per_s:.0f} images/s, "
-        f"{e.elapsed_s:.0f} s, billed {billed:.0f} s, attempt {attempt}"
-        for e in epochs
-    ]
-
-
-def box_log_tail(
-    run_id: str, backend_name: str, output_uri: str, attempt: int, lines: int = 40
-) -> list[str]:
-    """Return the last lines of each log the attempt's boxes shipped (newest box last)."""
-    from burstcv.training.job import attempt_dir
-
-    tail: list[str] = []
-    for info in get_backend(backend_name).describe(safe_run_id(run_id)):
-        uri = attempt_dir(output_uri, attempt, "logs", f"{info.instance_id}.log")
-        if not storage.exists(uri):
-            continue
-        text = storage.read_bytes(uri).decode("utf-8", errors="replace")
-        tail.append(f"--- {info.instance_id} ({uri}), last {lines} lines ---")
-        tail.extend(text.splitlines()[-lines:])
-    return tail
 
 
 def collect_training(
@@ -939,7 +597,7 @@ def terminate(run: RunRef, backend_name: str, settings: Settings | None = None) 
     """
     from burstcv.compute.billing import attempt_bills, record_end, run_bill
 
-    backend = get_backend(backend_name)
+    backend = get_backend(backend_name, settings)
     gone = backend.terminate_run(run.run_key)
     job_dir = run_layout(run, settings).job
     last = current_attempt(job_dir)
@@ -991,36 +649,35 @@ def terminate(run: RunRef, backend_name: str, settings: Settings | None = None) 
 
 
 def _val_rows(manifest_uri: str, limit: int | None = None) -> list[tuple[str, str, str]]:
-    df = _read_manifest(manifest_uri)
+    df = read_manifest(manifest_uri)
     df = df[(df["split"] == "val") & df["decode_ok"].astype(bool)].sort_values("path")
     rows = list(zip(df["path"], df["uri"], df["label"].astype(str), strict=True))
     return rows[:limit] if limit else rows
 
 
-def export(
-    run: RunRef,
-    params: RunParams,
-    packed: Packed,
-    trained: Trained,
-    validated: Validated,
-    settings: Settings | None = None,
-) -> Exported:
-    """Export the trained weights to ONNX, proven equal to torch on real validation images."""
+def export(run: RunRef, params: RunParams, settings: Settings | None = None) -> Exported:
+    """Export the run's trained weights to ONNX, proven equal to torch on real validation images.
+
+    Everything comes from the run's folder: the job as trained (classes, shards,
+    preprocessing, dataset), its metrics and weights, and the validated manifest.
+    """
     from burstcv.export.onnx_export import export_model
+    from burstcv.training.job import load_job
 
     s = settings or get_settings()
     paths = run_layout(run, s)
+    job = load_job(paths.job_spec)
     images = [
-        (path, storage.read_bytes(uri))
-        for path, uri, _ in _val_rows(validated.manifest_uri, PARITY_IMAGES)
+        (path, storage.read_bytes(uri)) for path, uri, _ in _val_rows(paths.manifest, PARITY_IMAGES)
     ]
-    metrics = read_artifact(trained.metrics_uri, TrainingMetrics)
+    metrics = read_artifact(paths.metrics, TrainingMetrics)
     int8_inputs: dict[str, Any] = {}
     if params.int8:
         from burstcv.export.quantize import CALIBRATION_IMAGES
+        from burstcv.training.stream import sample_split
 
-        train_x, _ = sample_split(packed.train_shards, packed.classes, CALIBRATION_IMAGES)
-        val_x, val_labels = _val_arrays(packed, s.eval_max_images)
+        train_x, _ = sample_split(job.train_shards, job.classes, CALIBRATION_IMAGES)
+        val_x, val_labels = _val_arrays(job.val_shards, job.classes, s.eval_max_images)
         int8_inputs = {
             "int8": True,
             "calibration_images_u8": train_x,
@@ -1029,17 +686,17 @@ def export(
             "max_accuracy_drop": params.int8_max_accuracy_drop,
         }
     card = export_model(
-        checkpoint_uri=trained.model_uri,
+        checkpoint_uri=paths.weights,
         out_uri=paths.model,
         arch=metrics.arch,  # as trained (auto resolved)
-        classes=packed.classes,
-        spec=packed.preprocess.to_spec(),
+        classes=job.classes,
+        spec=PreprocessSpec.from_dict(job.preprocess),
         parity_images=images,
         name=s.model_name,
         opset=s.onnx_opset,
         max_abs_diff=s.parity_max_abs_diff,
         metrics={"val_accuracy": metrics.val_accuracy, "val_loss": metrics.val_loss},
-        dataset_fingerprint=packed.fingerprint,
+        dataset_fingerprint=job.dataset_fingerprint,
         run_id=run.airflow_run_id,
         pretrained=metrics.pretrained,  # as trained: the stem depends on it
         **int8_inputs,
@@ -1065,58 +722,32 @@ def _materialise(model_dir_uri: str, dest: Path) -> Path:
     return dest
 
 
-def sample_split(uris: list[str], classes: list[str], limit: int) -> tuple[np.ndarray, np.ndarray]:
-    """Return up to ``limit`` images (and label indices) evenly spaced over a split's shards.
+def _val_arrays(
+    val_shards: list[str], classes: list[str], limit: int
+) -> tuple[np.ndarray, list[str]]:
+    from burstcv.training.stream import sample_split
 
-    The orchestrator never holds a whole split: shard sizes come from their headers, and the
-    shards are read one at a time, keeping only the chosen rows. A split of ``limit`` images or
-    fewer is returned whole, in shard order.
+    images, labels = sample_split(val_shards, classes, limit)
+    return images, [classes[i] for i in labels]
+
+
+def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
+    """Measure candidate and production side by side through staging services (latency.json).
+
+    The candidate is the run's exported model; accuracy is scored on the validation shards
+    of the job as trained, the requests are validated images of the run's manifest.
     """
-    from burstcv.training.stream import load_shard, read_shard_info
-
-    counts = [read_shard_info(uri, classes).count for uri in uris]
-    total = sum(counts)
-    picks = np.unique(np.linspace(0, total - 1, num=min(limit, total)).round().astype(np.int64))
-    images: list[np.ndarray] = []
-    labels: list[np.ndarray] = []
-    start = 0
-    for uri, count in zip(uris, counts, strict=True):
-        local = picks[(picks >= start) & (picks < start + count)] - start
-        if len(local):
-            shard_images, shard_labels = load_shard(uri, classes)
-            images.append(shard_images[local])  # a copy: the shard's memory goes at once
-            labels.append(shard_labels[local])
-            del shard_images
-        start += count
-    if not images:
-        raise ValueError(f"no images in the shards {uris[:3]}")
-    return np.concatenate(images), np.concatenate(labels)
-
-
-def _val_arrays(packed: Packed, limit: int) -> tuple[np.ndarray, list[str]]:
-    images, labels = sample_split(packed.val_shards, packed.classes, limit)
-    return images, [packed.classes[i] for i in labels]
-
-
-def benchmark(
-    run: RunRef,
-    params: RunParams,
-    packed: Packed,
-    validated: Validated,
-    settings: Settings | None = None,
-) -> Benchmarked:
-    """Measure candidate and production side by side through staging services (latency.json)."""
     from burstcv.gate.accuracy import onnx_accuracy
     from burstcv.gate.latency import bare_onnxruntime_p50, drive, staging_service
     from burstcv.registry.registry import PRODUCTION, Registry
+    from burstcv.training.job import load_job
     from burstcv_spec.preprocess import eval_view, normalize
 
     s = settings or get_settings()
     paths = run_layout(run, s)
-    request_images = [
-        storage.read_bytes(uri) for _, uri, _ in _val_rows(validated.manifest_uri, 64)
-    ]
-    val_x, val_labels = _val_arrays(packed, s.eval_max_images)
+    job = load_job(paths.job_spec)
+    request_images = [storage.read_bytes(uri) for _, uri, _ in _val_rows(paths.manifest, 64)]
+    val_x, val_labels = _val_arrays(job.val_shards, job.classes, s.eval_max_images)
     registry = Registry(s.registry_uri, s.model_name)
     prod_alias = registry.get_alias(PRODUCTION)
     measured_at, host = lineage.utc_now_iso(), HostInfo.model_validate(lineage.host_description())
@@ -1146,7 +777,7 @@ def benchmark(
                 assert prod_alias is not None
                 measured["version"] = prod_alias.version
             else:
-                spec = packed.preprocess.to_spec()
+                spec = PreprocessSpec.from_dict(job.preprocess)
                 measured["bare_onnxruntime_p50_ms"] = bare_onnxruntime_p50(
                     str(folder), normalize(eval_view(val_x[:1], spec), spec)
                 )
@@ -1190,7 +821,6 @@ def gate(
     """Judge the candidate, register it (promotable or rejected), and return the verdict."""
     from burstcv.gate.gate import GateThresholds, ServingContext, check_lines, judge
     from burstcv.registry.registry import Registry
-    from burstcv.settings import Ec2Settings
 
     s = settings or get_settings()
     verdict = judge(
@@ -1205,7 +835,7 @@ def gate(
             # The exported model's: a run's model may have been auto.
             arch=read_artifact(storage.join(exported.model_dir, MODEL_CARD), ModelCard).arch,
             int8_tried=bool(exported.quantization and exported.quantization.int8_tried),
-            region=Ec2Settings().region,
+            region=s.ec2.region,
             measured_vcpus=bench.host.cpu_count or None,
         ),
     )
@@ -1213,13 +843,13 @@ def gate(
     registry = Registry(s.registry_uri, s.model_name)
     version = registry.register(
         exported.model_dir,
-        {
-            "status": "accepted" if verdict.promote else "rejected",
-            "reason": verdict.summary,
-            "gate": verdict.model_dump(mode="json"),
-            "benchmark": {k: f.model_dump(mode="json") for k, f in figures.items() if f},
-            "params": params.model_dump(mode="json"),
-        },
+        RegistryDecision(
+            status="accepted" if verdict.promote else "rejected",
+            reason=verdict.summary,
+            gate=verdict,
+            benchmark={k: f for k, f in figures.items() if f},
+            params=params.model_dump(mode="json"),
+        ),
     )
     record = VerdictRecord(version=version, **dict(verdict))
     write_artifact(run_layout(run, s).verdict, record)

@@ -17,7 +17,7 @@ its unit in its name.
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -115,6 +115,21 @@ class Settings(BaseSettings):
     serving_url: str = "http://127.0.0.1:8000"
     serving_admin_token: str = "dev-token"
     deploy_verify_timeout_s: float = 30.0
+
+    @cached_property
+    def ec2(self) -> Ec2Settings:
+        """Return the EC2 backend's settings (``BURSTCV_EC2_*``), read once per ``Settings``.
+
+        Stages reach them through the settings they are given, so a caller (or a test) that
+        passes settings decides them; nothing below reads the environment again.
+        """
+        return Ec2Settings()
+
+    def with_ec2(self, ec2: Ec2Settings) -> Settings:
+        """Return a copy of these settings whose EC2 settings are ``ec2``."""
+        copy = self.model_copy()
+        copy.__dict__["ec2"] = ec2
+        return copy
 
     @model_validator(mode="before")
     @classmethod

@@ -87,7 +87,7 @@ def test_a_run_the_reaper_cannot_classify_keeps_its_box_with_a_warning() -> None
     assert report.kept == ["i-odd", "i-live"]
     (warning,) = report.warnings
     assert "burstcv_pipeline/odd" in warning and "could not be classified" in warning
-    assert report.to_dict()["warnings"] == [warning] and "1 warning(s)" in report.summary()
+    assert report.warnings == [warning] and "1 warning(s)" in report.summary()
 
 
 def test_a_yes_no_answer_is_refused_not_read_as_over() -> None:

@@ -13,6 +13,7 @@ import pytest
 from burstcv_testkit import HELD_WHEEL, forget_in_emulator, reclaim_in_emulator
 
 from burstcv import pipeline
+from burstcv.compute import attempts
 from burstcv.compute.ec2 import Ec2Backend
 from burstcv.settings import Settings
 from burstcv.training.job import attempt_dir
@@ -27,7 +28,8 @@ def provisioned(
     """Launch attempt 1 of a run through the pipeline, its box held; return provision's result."""
     run = RunRef.of("manual__billed")
     player.modes[run.run_key] = kit.HOLD
-    monkeypatch.setattr(pipeline, "get_backend", lambda name: backend)
+    for module in (pipeline, attempts):
+        monkeypatch.setattr(module, "get_backend", lambda name, settings=None: backend)
     launch = Launch(
         run=run,
         dag_id="burstcv_pipeline",
@@ -38,7 +40,7 @@ def provisioned(
         deadline_at=datetime.now(UTC) + timedelta(seconds=600),
         **HELD_WHEEL,
     )
-    ids = pipeline._launch("ec2", launch, kit.job_dir(run.run_key), attempt=1)
+    ids = attempts.launch_attempt("ec2", launch, kit.job_dir(run.run_key), 1, s3_deployment)
     return Provisioned(
         run=run,
         job_uri=launch.job_uri,
@@ -93,5 +95,5 @@ def test_the_budget_counts_an_attempt_the_cloud_has_forgotten(
     tight = provisioned.model_copy(update={"max_cost_usd": box.usd_per_hour * 59 / 3600})
     with pytest.raises(pipeline.TrainingFailed, match="budget; no relaunch"):
         pipeline.relaunch(tight)
-    assert pipeline.current_attempt(provisioned.output_uri) == 1
+    assert attempts.current_attempt(provisioned.output_uri) == 1
     assert kit.live_managed() == []

@@ -20,13 +20,14 @@ from awsaudit import AwsCall, Check, RecordingProxy, denied, evaluate
 from burstcv_testkit import HELD_WHEEL, launch_of, make_model_dir
 
 from burstcv import pipeline
+from burstcv.compute import attempts, reaper
 from burstcv.compute import ec2 as ec2_module
 from burstcv.compute.base import MANAGED_TAG_KEYS, TAG_AIRFLOW_RUN_ID
 from burstcv.compute.ec2 import Ec2Backend
 from burstcv.params import RunParams
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry
 from burstcv.settings import Settings
-from burstcv_spec.contracts import Launch, Packed, PreprocessBlock, RunRef
+from burstcv_spec.contracts import Launch, Packed, PreprocessBlock, RegistryDecision, RunRef
 from burstcv_spec.preprocess import PreprocessSpec
 
 AIRFLOW_RUN_ID = "manual__2026-01-01T00:00:00+00:00"
@@ -55,16 +56,20 @@ def test_one_pipeline_life_makes_no_call_the_policy_denies(
     run = RunRef.of(AIRFLOW_RUN_ID)
     assert run.run_key == key
     provisioned = pipeline.provision(run, "burstcv_pipeline", params, packed, settings)
-    outcome = pipeline.training_outcome(key, "ec2", provisioned.output_uri)  # the wait
+    outcome = attempts.training_outcome(key, "ec2", provisioned.output_uri)  # the wait
     assert (outcome.status, outcome.attempt) == ("running", 1)
     report = pipeline.terminate(run, "ec2", settings)
     assert report.instance_ids == provisioned.instance_ids
-    reaped = pipeline.reap(None, lambda dag, run: False, settings=settings)
-    assert pipeline.reap_errors(reaped) == 0
+    reaped = reaper.reap_everywhere(None, lambda dag, run: False, settings=settings)
+    assert reaper.reap_errors(reaped) == 0
 
     registry = Registry(settings.registry_uri, "digits")
-    v1 = registry.register(str(make_model_dir(tmp_path / "a", "a")), {"status": "accepted"})
-    v2 = registry.register(str(make_model_dir(tmp_path / "b", "b")), {"status": "accepted"})
+    v1 = registry.register(
+        str(make_model_dir(tmp_path / "a", "a")), RegistryDecision(status="accepted")
+    )
+    v2 = registry.register(
+        str(make_model_dir(tmp_path / "b", "b")), RegistryDecision(status="accepted")
+    )
     registry.promote(v1)
     with registry.aliases_locked("audit") as aliases:  # a failed deploy undoes its own move
         production, previous = aliases.read(PRODUCTION), aliases.read(PREVIOUS)

@@ -23,6 +23,7 @@ from botocore.exceptions import ClientError
 from burstcv_testkit import HELD_WHEEL, launch_of
 
 from burstcv import pipeline
+from burstcv.compute import attempts
 from burstcv.compute.base import TAG_EXPIRES_AT, TAG_RUN_ID
 from burstcv.compute.ec2 import (
     BACKSTOP_TARGET_ARN,
@@ -33,6 +34,7 @@ from burstcv.compute.ec2 import (
     backstop_name,
     client_token,
 )
+from burstcv.settings import Settings
 from burstcv_spec.contracts import Launch, Provisioned, RunRef
 
 DAG_ID = "burstcv_pipeline"
@@ -101,7 +103,8 @@ def test_a_failed_provision_terminates_what_it_started(
         if launched:
             raise KeyboardInterrupt  # any BaseException, after the box exists
 
-    monkeypatch.setattr(pipeline, "get_backend", lambda name: backend)
+    for module in (pipeline, attempts):
+        monkeypatch.setattr(module, "get_backend", lambda name, settings=None: backend)
     backend.client.meta.events.register("after-call.ec2.RunInstances", after_run)
     backend.scheduler.meta.events.register("before-call.scheduler.CreateSchedule", interrupt)
     launch = Launch(
@@ -114,7 +117,7 @@ def test_a_failed_provision_terminates_what_it_started(
         **held_launch_fields(),
     )
     with pytest.raises(KeyboardInterrupt):
-        pipeline._launch("ec2", launch, f"{kit.artifact_root}/runs/{key}/job", attempt=1)
+        attempts.launch_attempt("ec2", launch, f"{kit.artifact_root}/runs/{key}/job", 1, Settings())
     assert len(launched) == 1
     assert states(ec2_client, key) == ["terminated"]
 
@@ -160,7 +163,8 @@ def test_a_worker_killed_right_after_launch_is_cleaned_up_by_the_dag(
     assert states(ec2_client, run_id) == ["running"]  # what a killed worker leaves behind
 
     # The pipeline DAG's clean-up task (provision failed: no teardown runs) ends it.
-    monkeypatch.setattr(pipeline, "get_backend", lambda name: backend)
+    for module in (pipeline, attempts):
+        monkeypatch.setattr(module, "get_backend", lambda name, settings=None: backend)
     (iid,) = pipeline.clean_up_provision(RunRef.of(run_id), "ec2")
     assert states(ec2_client, run_id) == ["terminated"]
     assert kit.live_managed() == []
@@ -362,7 +366,8 @@ def test_a_relaunch_after_a_lost_box_is_a_new_attempt_with_a_new_token(
 ) -> None:
     run_id = "lost-then-relaunched"
     player.modes[run_id] = kit.HOLD
-    monkeypatch.setattr(pipeline, "get_backend", lambda name: backend)
+    for module in (pipeline, attempts):
+        monkeypatch.setattr(module, "get_backend", lambda name, settings=None: backend)
     launch = Launch(
         run=RunRef.of(run_id),
         dag_id=DAG_ID,
@@ -373,7 +378,7 @@ def test_a_relaunch_after_a_lost_box_is_a_new_attempt_with_a_new_token(
         **held_launch_fields(),
     )
     job_dir = f"{kit.artifact_root}/runs/{run_id}/job"
-    (first,) = pipeline._launch("ec2", launch, job_dir, attempt=1)
+    (first,) = attempts.launch_attempt("ec2", launch, job_dir, 1, Settings())
     ec2_client.terminate_instances(InstanceIds=[first])  # the box is lost (spot reclaim)
     provisioned = Provisioned(
         run=launch.run,

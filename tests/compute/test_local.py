@@ -123,7 +123,7 @@ def test_on_kill_of_the_train_task_terminates_the_box(
 def test_a_box_that_dies_without_a_marker_is_reported_lost(
     long_job: tuple[str, Path], state_dir: Path
 ) -> None:
-    from burstcv.pipeline import training_outcome
+    from burstcv.compute.attempts import training_outcome
 
     job_uri, out = long_job
     backend = LocalBackend()
@@ -176,8 +176,8 @@ def trainer_pid(pgid: int) -> int:
 def test_a_trainer_killed_by_the_oom_killer_is_seen_lost_within_a_poll(
     long_job: tuple[str, Path], state_dir: Path
 ) -> None:
+    from burstcv.compute.attempts import training_outcome
     from burstcv.compute.local import WATCHDOG_POLL_S
-    from burstcv.pipeline import training_outcome
 
     job_uri, out = long_job
     backend = LocalBackend()
@@ -198,7 +198,7 @@ def test_a_trainer_killed_by_the_oom_killer_is_seen_lost_within_a_poll(
 def test_a_killed_wrapper_leaves_the_trainer_to_finish_and_the_box_ends_with_it(
     packed_demo: dict[str, Any], tmp_path: Path, state_dir: Path
 ) -> None:
-    from burstcv.pipeline import training_outcome
+    from burstcv.compute.attempts import training_outcome
 
     out = tmp_path / "job"
     job_uri = write_job(make_job(packed_demo, out, epochs=1), str(tmp_path / "job.json"))
@@ -251,7 +251,7 @@ def test_a_retry_after_a_lost_box_relaunches_and_resumes_from_the_checkpoint(
     from airflow.sdk.exceptions import TaskDeferred
 
     from burstcv.airflow.operators import WaitForTrainingOperator
-    from burstcv.pipeline import current_attempt, training_outcome
+    from burstcv.compute.attempts import current_attempt, training_outcome
 
     out = tmp_path / "job"
     job_uri = write_job(make_job(packed_demo, out), str(tmp_path / "job.json"))

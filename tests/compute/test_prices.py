@@ -19,6 +19,7 @@ from burstcv_testkit import HELD_WHEEL, launch_of
 
 from burstcv import pipeline
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
+from burstcv.cost import budget
 from burstcv.cost.quotes import SOURCE_PRICE_LIST, SOURCE_SPOT_HISTORY, quote_uri
 from burstcv.params import RunParams
 from burstcv.settings import Settings
@@ -97,7 +98,7 @@ def actions(proxy: RecordingProxy) -> list[str]:
 def test_a_region_and_type_outside_the_table_are_priced_from_aws_and_cached(
     far_deployment: Settings, audited_calls: RecordingProxy
 ) -> None:
-    budget_s = pipeline.bounded_time_budget(params(), far_deployment)
+    budget_s = budget.bounded_time_budget(params(), far_deployment)
     assert budget_s == int(1.0 / float(ON_DEMAND_USD) * 3600)  # $1 at $1.318/h: 45 min
     (call,) = [c for c in audited_calls.snapshot() if c.action == "pricing:GetProducts"]
     assert call.region == "us-east-1"  # the Price List API's endpoint, for every region
@@ -109,7 +110,7 @@ def test_a_region_and_type_outside_the_table_are_priced_from_aws_and_cached(
     assert cached.source == SOURCE_PRICE_LIST and cached.fetched_at and cached.as_of
 
     audited_calls.clear()
-    assert pipeline.bounded_time_budget(params(), far_deployment) == budget_s
+    assert budget.bounded_time_budget(params(), far_deployment) == budget_s
     assert "pricing:GetProducts" not in actions(audited_calls)  # fresh in the store: not asked
 
 
@@ -143,7 +144,7 @@ def test_without_aws_the_bundled_table_answers_and_says_so(
     audited_calls.answers["pricing:GetProducts"] = (400, denied)
     monkeypatch.setenv("BURSTCV_EC2_REGION", "us-east-1")
 
-    prices = pipeline.candidate_prices(["g6.xlarge"], s3_deployment)
+    prices = budget.candidate_prices(["g6.xlarge"], s3_deployment)
 
     assert prices == {"g6.xlarge": 0.8048}
     cached_uri = quote_uri(s3_deployment.artifact_root, "g6.xlarge", "us-east-1", "on-demand", "")
@@ -158,7 +159,7 @@ def test_a_type_nobody_prices_counts_at_the_highest_known_price(
     monkeypatch.setenv("BURSTCV_EC2_REGION", "us-east-1")
     # g5.2xlarge has no price anywhere; g6.xlarge is in the bundled table for us-east-1.
     run = params(instance_types=[TYPE, "g6.xlarge"], max_cost_usd=0.8048)
-    assert pipeline.bounded_time_budget(run, far_deployment) == 3600
+    assert budget.bounded_time_budget(run, far_deployment) == 3600
 
 
 def test_a_run_nobody_can_price_fails_at_validate_with_one_line(

@@ -11,7 +11,7 @@ import pytest
 from botocore.exceptions import ClientError
 from burstcv_testkit import HELD_WHEEL, launch_of
 
-from burstcv import pipeline
+from burstcv.compute import reaper
 from burstcv.compute.base import ENDING, RUNNING, STOPPED, TAG_RUN_ID, InstanceInfo
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.compute.reaper import (
@@ -23,6 +23,7 @@ from burstcv.compute.reaper import (
     reap,
 )
 from burstcv.settings import Settings
+from burstcv_spec.contracts import ReapDecision, ReaperReport, ReapError
 
 DAG_ID = "burstcv_train"
 
@@ -67,7 +68,7 @@ def test_expired_instance_of_a_dead_orchestrator_is_terminated(
     report = reap(backend, run_activity=lambda dag, run: RunActivity.ACTIVE, now=info.expires_at)
     assert report.instance_ids == [iid]
     assert report.decisions[0].reason == REASON_EXPIRED
-    assert report.to_dict()["terminated"][0]["instance_id"] == iid
+    assert report.model_dump(mode="json")["decisions"][0]["instance_id"] == iid
     assert state(ec2_client, iid) in ("shutting-down", "terminated")
     assert kit.live_managed() == []
 
@@ -117,7 +118,7 @@ def test_dry_run_terminates_nothing_and_says_what_it_would(
     leak = launch_held(backend, player, "dry")
     report = reap(backend, run_activity=lambda dag, run: RunActivity.OVER, dry_run=True)
     assert report.dry_run and report.instance_ids == [leak]
-    assert report.to_dict()["would_terminate"][0]["reason"] == REASON_RUN_NOT_ACTIVE
+    assert report.model_dump(mode="json")["decisions"][0]["reason"] == REASON_RUN_NOT_ACTIVE
     assert "would terminate" in report.summary()
     assert state(ec2_client, leak) == "running"
     reap(backend, run_activity=lambda dag, run: RunActivity.OVER)
@@ -159,7 +160,7 @@ def test_an_airflow_error_about_one_box_stops_none_of_the_others(
     (error,) = report.errors
     assert (error.instance_id, error.step) == (unknown, "check-run")
     assert "metadata database unreachable" in error.error
-    assert report.to_dict()["errors"][0]["instance_id"] == unknown
+    assert report.errors[0].instance_id == unknown
     assert "1 error(s)" in report.summary()
     assert state(ec2_client, unknown) == "running"
     backend.terminate_run("unknown")
@@ -208,11 +209,11 @@ def test_the_pipeline_reaper_sweeps_every_enabled_region(
         monkeypatch.setenv(key, value)
     settings = Settings(reaper_backends="", reaper_regions="", compute_backend="ec2")
     assert settings.reaper_backend_names() == ["local", "ec2"]
-    reports = pipeline.reap(["ec2"], lambda dag, run: RunActivity.OVER, settings=settings)
-    by_region = {r["region"]: r for r in reports}
+    reports = reaper.reap_everywhere(["ec2"], lambda dag, run: RunActivity.OVER, settings=settings)
+    by_region = {r.region: r for r in reports}
     assert {"us-east-1", "eu-west-1"} <= set(by_region)
-    assert [d["instance_id"] for d in by_region["eu-west-1"]["terminated"]] == [iid]
-    assert pipeline.reap_errors(reports) == 0
+    assert by_region["eu-west-1"].instance_ids == [iid]
+    assert reaper.reap_errors(reports) == 0
     far_ec2 = boto3.client(
         "ec2", region_name="eu-west-1", endpoint_url=ec2_client.meta.endpoint_url
     )
@@ -241,22 +242,27 @@ def test_burstcv_reap_exits_non_zero_when_the_pass_counted_errors(
 
     from burstcv import cli
 
+    expired = ReapDecision(
+        instance_id="i-expired", run_id="r", dag_id="d", reason="expired", detail="expired"
+    )
+    throttled = ReapError(instance_id="i-other", step="terminate", error="ClientError: throttled")
     pass_with_an_error = [
-        {
-            "backend": "ec2",
-            "region": "us-east-1",
-            "terminated": [{"instance_id": "i-expired"}],
-            "kept": [],
-            "errors": [{"instance_id": "i-other", "error": "ClientError: throttled"}],
-        }
+        ReaperReport(
+            backend="ec2",
+            region="us-east-1",
+            checked_at=NOW,
+            dry_run=False,
+            decisions=[expired],
+            errors=[throttled],
+        )
     ]
     monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
-    monkeypatch.setattr(pipeline, "reap", lambda *args, **kwargs: pass_with_an_error)
+    monkeypatch.setattr(reaper, "reap_everywhere", lambda *args, **kwargs: pass_with_an_error)
     result = CliRunner().invoke(cli.app, ["reap"])
     assert result.exit_code == 1
     assert "ec2 us-east-1: terminated 1 ['i-expired']" in result.output
     assert "throttled" in result.output and "1 error(s) in this pass" in result.output
-    pass_with_an_error[0]["errors"] = []
+    pass_with_an_error[0] = pass_with_an_error[0].model_copy(update={"errors": []})
     assert CliRunner().invoke(cli.app, ["reap"]).exit_code == 0
 
 
@@ -407,7 +413,7 @@ def test_an_unclassified_run_keeps_its_box_with_a_warning() -> None:
     assert f"{DAG_ID}/odd" in warning
     assert report.errors == []
     assert "1 warning(s)" in report.summary()
-    assert report.to_dict()["warnings"] == [warning]
+    assert report.warnings == [warning]
 
 
 def test_an_answer_that_is_not_a_run_activity_keeps_the_box_and_counts_an_error() -> None:
@@ -496,10 +502,10 @@ def test_a_dry_run_terminates_nothing_and_reports_what_it_would() -> None:
     report = reap(backend, run_activity=airflow, now=NOW, dry_run=True)
     assert backend.terminated == [] and backend.events == []
     assert report.dry_run and report.instance_ids == ["i-expired", "i-done"]
-    data = report.to_dict()
-    assert "terminated" not in data
-    assert [d["instance_id"] for d in data["would_terminate"]] == ["i-expired", "i-done"]
-    assert data["kept"] == ["i-live"] and data["checked_at"] == NOW.isoformat()
+    data = ReaperReport.model_validate_json(report.model_dump_json())
+    assert data == report and data.dry_run
+    assert [d.instance_id for d in data.decisions] == ["i-expired", "i-done"]
+    assert data.kept == ["i-live"] and data.checked_at == NOW
     assert report.summary() == (
         "reaper: would terminate i-expired (expired), i-done (run-not-active); kept 1"
     )
@@ -510,9 +516,7 @@ def test_a_real_pass_terminates_by_default_and_reports_it() -> None:
     report = reap(backend, run_activity=Airflow({"done": RunActivity.OVER}), now=NOW)
     assert backend.terminated == ["i-done"]
     assert not report.dry_run
-    data = report.to_dict()
-    assert "would_terminate" not in data and data["dry_run"] is False
-    assert [d["reason"] for d in data["terminated"]] == [REASON_RUN_NOT_ACTIVE]
+    assert [d.reason for d in report.decisions] == [REASON_RUN_NOT_ACTIVE]
     assert report.summary() == "reaper: terminated i-done (run-not-active); kept 0"
 
 

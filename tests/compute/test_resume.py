@@ -17,6 +17,7 @@ from burstcv_testkit import HELD_WHEEL, reclaim_in_emulator
 
 from burstcv import pipeline
 from burstcv.airflow.operators import WaitForTrainingOperator
+from burstcv.compute import attempts
 from burstcv.compute.ec2 import Ec2Backend
 from burstcv.settings import Settings
 from burstcv.training.job import write_failed
@@ -32,7 +33,8 @@ def provisioned(
     """Launch attempt 1 of a run through the pipeline, its box held; return provision's result."""
     run = RunRef.of("manual__reclaimed")
     player.modes[run.run_key] = kit.HOLD
-    monkeypatch.setattr(pipeline, "get_backend", lambda name: backend)
+    for module in (pipeline, attempts):
+        monkeypatch.setattr(module, "get_backend", lambda name, settings=None: backend)
     launch = Launch(
         run=run,
         dag_id=DAG_ID,
@@ -43,7 +45,7 @@ def provisioned(
         deadline_at=datetime.now(UTC) + timedelta(seconds=600),
         **HELD_WHEEL,
     )
-    ids = pipeline._launch("ec2", launch, kit.job_dir(run.run_key), attempt=1)
+    ids = attempts.launch_attempt("ec2", launch, kit.job_dir(run.run_key), 1, Settings())
     return Provisioned(
         run=run,
         job_uri=launch.job_uri,
@@ -71,7 +73,7 @@ def states(kit: Any, run_key: str) -> dict[str, str]:
 def wait_event(provisioned: Provisioned, attempt: int) -> TrainingOutcome:
     """Return what the trigger would fire now for the attempt."""
     run = provisioned.run.run_key
-    return pipeline.training_outcome(run, "ec2", provisioned.output_uri, attempt)
+    return attempts.training_outcome(run, "ec2", provisioned.output_uri, attempt)
 
 
 def resumed_in_this_try(operator: WaitForTrainingOperator, event: TrainingOutcome) -> int:
@@ -92,7 +94,7 @@ def test_a_reclaimed_box_still_shutting_down_is_relaunched_in_the_same_try(
     operator = WaitForTrainingOperator(task_id="train", provisioned=provisioned.model_dump())
     assert resumed_in_this_try(operator, event) == 2
 
-    assert pipeline.current_attempt(provisioned.output_uri) == 2
+    assert attempts.current_attempt(provisioned.output_uri) == 2
     boxes = states(kit, provisioned.run.run_key)
     (second,) = [iid for iid in boxes if iid != first]
     assert boxes == {first: "shutting-down", second: "running"}
@@ -142,6 +144,6 @@ def test_a_final_failure_is_never_relaunched(provisioned: Provisioned, kit: Any)
     operator = WaitForTrainingOperator(task_id="train", provisioned=provisioned.model_dump())
     with pytest.raises(AirflowFailException, match="loss is NaN"):
         operator.execute_complete({}, wait_event(provisioned, 1).model_dump(mode="json"))
-    assert pipeline.current_attempt(provisioned.output_uri) == 1
+    assert attempts.current_attempt(provisioned.output_uri) == 1
     assert len(states(kit, provisioned.run.run_key)) == 1
     Ec2Backend().terminate_run(provisioned.run.run_key)

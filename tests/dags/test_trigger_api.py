@@ -19,6 +19,7 @@ from burstcv_airflow_stack import AirflowStack, airflow_stack, burstcv_env
 from burstcv_testkit import gate_decision, write_model_dir
 
 from burstcv.registry.registry import Registry
+from burstcv_spec.contracts import RegistryDecision
 
 DAG_ID = "burstcv_pipeline"
 PLUGIN_RUN_ID = "manual__plugin-check"
@@ -34,7 +35,8 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
         run_id=PLUGIN_RUN_ID,
     )
     registry = Registry(str(root / "registry"), "digits")
-    version = registry.register(str(model_dir), gate_decision(accuracy=0.975, p95_ms=8.25))
+    decision = RegistryDecision.model_validate(gate_decision(accuracy=0.975, p95_ms=8.25))
+    version = registry.register(str(model_dir), decision)
     registry.promote(version)
     run = root / "artifacts" / "runs" / PLUGIN_RUN_ID
     (run / "dataset" / "data_docs").mkdir(parents=True)

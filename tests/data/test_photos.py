@@ -8,7 +8,7 @@ from PIL import Image
 
 from burstcv.data.config import ValidationConfig
 from burstcv.data.photos import EXIF_ORIENTATION, PHOTO_CLASSES, ROTATED_90_CW, write_photo_dataset
-from burstcv.data.validate import validate_dataset
+from burstcv.data.validate import summary, validate_dataset
 
 
 def test_photos_are_varied_jpegs_with_the_files_photo_folders_hold(tmp_path: Path) -> None:
@@ -30,4 +30,4 @@ def test_photos_are_varied_jpegs_with_the_files_photo_folders_hold(tmp_path: Pat
             assert img.mode == "I;16"
 
     report = validate_dataset(str(tmp_path / "photos"), str(tmp_path / "out"), ValidationConfig())
-    assert report.success, report.summary
+    assert report.success, summary(report)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from burstcv.data.manifest import DatasetUnusableError, scan
-from burstcv.data.validate import ValidationConfig, validate_dataset
+from burstcv.data.validate import ValidationConfig, summary, validate_dataset
 from burstcv_spec import storage
 
 pytest.importorskip("moto.server")
@@ -68,7 +68,7 @@ def test_s3_pass_records_the_drift_baseline(s3: Any, dataset: Path) -> None:
         ValidationConfig(),
         history_uri="s3://artifacts/history",
     )
-    assert report.success, report.summary
+    assert report.success, summary(report)
     baseline = storage.read_json("s3://artifacts/history/pets.json")
     assert baseline["fingerprint"] == report.fingerprint
 

@@ -21,6 +21,7 @@ from burstcv.data.validate import (
     SUMMARY_FILES_PER_CHECK,
     DatasetUnusableError,
     ValidationConfig,
+    summary,
     usable_rows,
     validate_dataset,
 )
@@ -43,9 +44,9 @@ def _assert_fails_naming(
     assert kit.failed_names(doc) == {check}
     entry = kit.expectation(doc, check)
     assert set(entry["offending_files"]) == files
-    assert f"- {check}:" in report.summary
+    assert f"- {check}:" in summary(report)
     for path in entry["offending_files"][:SUMMARY_FILES_PER_CHECK]:  # the first ones, named
-        assert path in report.summary
+        assert path in summary(report)
     return entry
 
 
@@ -53,7 +54,7 @@ def test_clean_dataset_passes_and_writes_the_evidence(
     dataset: Path, out_dir: Path, kit: Any
 ) -> None:
     report = _validate(dataset, out_dir)
-    assert report.success, report.summary
+    assert report.success, summary(report)
     doc = kit.read_validation(out_dir)
     assert doc["success"] is True and doc["fingerprint"] == report.fingerprint
     assert doc["counts"]["files"] == doc["counts"]["usable"] == 60
@@ -78,7 +79,7 @@ def test_clean_dataset_passes_and_writes_the_evidence(
     html = index.read_text()
     assert "<html" in html.lower() and "burstcv_dataset" in html
     assert list((out_dir / "data_docs" / "validations").rglob("*.html"))
-    assert report.summary.startswith(f"dataset {dataset}: PASSED")
+    assert summary(report).startswith(f"dataset {dataset}: PASSED")
 
 
 def test_fingerprint_follows_the_bytes(dataset: Path, tmp_path: Path, kit: Any) -> None:
@@ -187,7 +188,7 @@ def test_system_files_are_ignored_not_failed(dataset: Path, out_dir: Path, kit: 
     (dataset / "val" / "fox" / "Thumbs.db").write_bytes(b"\xd0\xcf\x11\xe0")
     (dataset / "desktop.ini").write_text("[.ShellClassInfo]")
     report = _validate(dataset, out_dir)
-    assert report.success, report.summary
+    assert report.success, summary(report)
     doc = kit.read_validation(out_dir)
     assert {item["path"] for item in doc["ignored"]} == {
         "train/cat/.DS_Store",
@@ -214,7 +215,7 @@ def test_too_small_image_is_named(dataset: Path, out_dir: Path, kit: Any) -> Non
     doc = kit.read_validation(out_dir)
     assert kit.failed_names(doc) == {"width_in_bounds", "height_in_bounds"}
     assert kit.expectation(doc, "width_in_bounds")["offending_files"] == ["train/dog/tiny.png"]
-    assert "train/dog/tiny.png: width 4" in report.summary
+    assert "train/dog/tiny.png: width 4" in summary(report)
 
 
 def test_disallowed_format_is_named(dataset: Path, out_dir: Path, kit: Any) -> None:
@@ -232,7 +233,7 @@ def test_camera_multi_picture_jpegs_pass_and_pack(
         dataset / "train" / "cat" / "phone.jpg", "MPO", save_all=True, append_images=[second]
     )
     report = _validate(dataset, out_dir)
-    assert report.success, report.summary
+    assert report.success, summary(report)
     manifest = usable_rows(pd.read_parquet(out_dir / "manifest.parquet"))
     row = manifest[manifest["path"] == "train/cat/phone.jpg"]
     assert row["format"].tolist() == ["MPO"]
@@ -257,11 +258,11 @@ def test_unexpected_class_is_named(dataset: Path, out_dir: Path, kit: Any) -> No
     entry = kit.expectation(doc, "labels_expected")
     assert len(entry["offending_files"]) == 12
     assert all("/wolf/" in path for path in entry["offending_files"])
-    assert "unexpected class wolf" in report.summary
+    assert "unexpected class wolf" in summary(report)
     # One screen: the first five files are named, the rest counted.
-    assert sum("/wolf/" in line for line in report.summary.splitlines()) == 5
-    assert "    ... and 7 more (see validation.json and the manifest)" in report.summary
-    assert "  val: 36 images in 4 classes (cat 10, dog 10, fox 10, wolf 6)" in report.summary
+    assert sum("/wolf/" in line for line in summary(report).splitlines()) == 5
+    assert "    ... and 7 more (see validation.json and the manifest)" in summary(report)
+    assert "  val: 36 images in 4 classes (cat 10, dog 10, fox 10, wolf 6)" in summary(report)
 
 
 def test_missing_expected_class_fails(tmp_path: Path, out_dir: Path, kit: Any) -> None:
@@ -294,7 +295,7 @@ def test_class_imbalance_reports_the_ratio(tmp_path: Path, out_dir: Path, kit: A
     doc = kit.read_validation(out_dir)
     assert kit.failed_names(doc) == {"class_imbalance"}
     assert kit.expectation(doc, "class_imbalance")["observed"] == 2.5
-    assert "class_imbalance" in report.summary
+    assert "class_imbalance" in summary(report)
 
 
 def test_exact_duplicate_within_a_split_is_named(dataset: Path, out_dir: Path, kit: Any) -> None:
@@ -352,10 +353,10 @@ def test_near_duplicate_distance_is_a_threshold(dataset: Path, tmp_path: Path, k
     assert _validate(dataset, tmp_path / "d0").success
     report = _validate(dataset, tmp_path / "d4", near_duplicate_max_distance=4)
     assert kit.failed_names(kit.read_validation(tmp_path / "d4")) == {"no_leakage_near"}
-    assert "val/dog/again.jpg: looks like train/dog/004.png" in report.summary
+    assert "val/dog/again.jpg: looks like train/dog/004.png" in summary(report)
     off = _validate(dataset, tmp_path / "off", near_duplicate_max_distance=None)
     assert off.success
-    assert "no_leakage_near" not in {c.name for c in off.checks}
+    assert "no_leakage_near" not in {c.name for c in off.expectations}
     assert pd.read_parquet(off.manifest_uri)["phash"].isna().all()  # not computed when unused
 
 
@@ -365,7 +366,7 @@ def test_too_few_images_in_total(tmp_path: Path, out_dir: Path, kit: Any) -> Non
     doc = kit.read_validation(out_dir)
     assert kit.failed_names(doc) == {"min_total_images"}
     assert kit.expectation(doc, "min_total_images")["observed"] == 18
-    assert "min_total_images" in report.summary
+    assert "min_total_images" in summary(report)
 
 
 def test_drift_fails_or_warns_against_the_last_pass(tmp_path: Path, kit: Any) -> None:
@@ -374,7 +375,7 @@ def test_drift_fails_or_warns_against_the_last_pass(tmp_path: Path, kit: Any) ->
     baseline = validate_dataset(
         str(first), str(tmp_path / "o1"), ValidationConfig(), history_uri=str(history)
     )
-    assert baseline.success and baseline.drift["status"] == "no_baseline"
+    assert baseline.success and baseline.drift.status == "no_baseline"
     assert (history / "pets.json").is_file()
 
     # Same name, cats now 60% of the images instead of a third.
@@ -390,20 +391,20 @@ def test_drift_fails_or_warns_against_the_last_pass(tmp_path: Path, kit: Any) ->
         history_uri=str(history),
     )
     assert not strict.success
-    assert strict.drift["status"] == "failed"
-    assert strict.drift["class_proportion_tvd"] == pytest.approx(0.6 - 1 / 3)
-    assert "- drift:" in strict.summary and "above drift_max" in strict.summary
-    assert all(check.success for check in strict.checks)  # only drift failed
+    assert strict.drift.status == "failed"
+    assert strict.drift.class_proportion_tvd == pytest.approx(0.6 - 1 / 3)
+    assert "- drift:" in summary(strict) and "above drift_max" in summary(strict)
+    assert all(check.success for check in strict.expectations)  # only drift failed
     assert kit.read_validation(tmp_path / "o2")["drift"]["status"] == "failed"
 
     # A failed run is no baseline: the comparison is still against v1.
     warned = validate_dataset(
         str(second), str(tmp_path / "o3"), ValidationConfig(), history_uri=str(history)
     )
-    assert warned.success, warned.summary
-    assert warned.drift["status"] == "warning"
-    assert warned.drift["baseline"]["fingerprint"] == baseline.fingerprint
-    assert "warning: drift:" in warned.summary
+    assert warned.success, summary(warned)
+    assert warned.drift.status == "warning"
+    assert warned.drift.baseline["fingerprint"] == baseline.fingerprint
+    assert "warning: drift:" in summary(warned)
     assert kit.read_validation(tmp_path / "o3")["warnings"] == warned.warnings
 
     # That pass became the baseline: validating the same data again shows no drift.
@@ -413,7 +414,7 @@ def test_drift_fails_or_warns_against_the_last_pass(tmp_path: Path, kit: Any) ->
         ValidationConfig(drift_max=0.2),
         history_uri=str(history),
     )
-    assert again.success and again.drift["status"] == "ok" and again.drift["score"] == 0
+    assert again.success and again.drift.status == "ok" and again.drift.score == 0
 
 
 def test_unusable_datasets_raise_one_line_reasons(tmp_path: Path, kit: Any) -> None:
@@ -463,7 +464,7 @@ def test_dataset_of_only_broken_files_fails_without_crashing(tmp_path: Path, kit
     assert {"every_file_decodes", "min_images_per_class", "min_total_images"} <= kit.failed_names(
         doc
     )
-    assert "nothing to measure" in report.summary
+    assert "nothing to measure" in summary(report)
 
 
 def test_thousands_of_copies_are_flagged_in_linear_time() -> None:
@@ -494,8 +495,8 @@ def test_demo_digits_pass_without_false_near_duplicates(tmp_path: Path) -> None:
     write_demo_dataset(tmp_path / "digits")
     config = ValidationConfig(expected_classes=[str(d) for d in range(10)])
     report = validate_dataset(str(tmp_path / "digits"), str(tmp_path / "out"), config)
-    assert report.success, report.summary
-    assert {c.name for c in report.checks} >= {"no_leakage_near", "no_leakage_exact"}
+    assert report.success, summary(report)
+    assert {c.name for c in report.expectations} >= {"no_leakage_near", "no_leakage_exact"}
 
 
 def test_validation_leaves_no_thread_behind_and_caches_doc_templates(

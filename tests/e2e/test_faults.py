@@ -154,7 +154,7 @@ def test_a_live_run_survives_the_reaper_a_dead_triggerer_and_ends_failed_when_ma
                 "/xcomEntries/return_value"
             )
             for report in xcom.json().get("value") or [] if xcom.status_code == 200 else []:
-                terminated.update({d["instance_id"]: d["reason"] for d in report["terminated"]})
+                terminated.update({d["instance_id"]: d["reason"] for d in report["decisions"]})
         assert terminated == {orphan: "run-not-active", expired: "expired"}
 
         # The same question from a shell, against the same metadata database.

@@ -28,11 +28,12 @@ import structlog.testing
 from airflow.dag_processing.dagbag import DagBag
 from localserver import prediction_service
 
-from burstcv.pipeline import run_layout, safe_run_id
+from burstcv.pipeline import run_layout
 from burstcv.registry.registry import PRODUCTION, Registry
 from burstcv.settings import get_settings
 from burstcv_spec import storage
 from burstcv_spec.contracts import SkipRecord, read_artifact
+from burstcv_spec.storage import safe_run_id
 
 pytestmark = pytest.mark.e2e
 

@@ -157,8 +157,12 @@ TARGETS = (
     ),
     Target(
         "budget",
-        "burstcv.pipeline",
-        ("tests/test_pipeline_decisions.py", "tests/cost/test_pricing.py"),
+        "burstcv.cost.budget",
+        (
+            "tests/test_pipeline_decisions.py",
+            "tests/cost/test_pricing.py",
+            "tests/compute/test_prices.py",
+        ),
         functions=("bounded_time_budget",),
     ),
     Target(

@@ -25,6 +25,7 @@ from fastapi.testclient import TestClient
 
 from burstcv.registry.registry import PRODUCTION, AliasConflictError, Registry
 from burstcv.settings import Settings
+from burstcv_spec.contracts import RegistryDecision
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "plugins"))
@@ -70,7 +71,7 @@ def seed_store(root: Path) -> Settings:
         )
         decision = gate_decision(accuracy, 12.5, reasons)
         assert decision["status"] == status
-        registry.register(str(model_dir), decision)
+        registry.register(str(model_dir), RegistryDecision.model_validate(decision))
     registry.promote(1)
     return settings
 
@@ -93,7 +94,7 @@ def client(settings: Settings) -> Iterator[TestClient]:
 
 
 def test_safe_run_id_matches_the_pipeline_rule() -> None:
-    from burstcv.pipeline import safe_run_id
+    from burstcv_spec.storage import safe_run_id
 
     for run_id in (RUN_ID, "asset_triggered__2026-01-01T00:00:00.123+00:00", "a/b\\c d"):
         assert burstcv_views.safe_run_id(run_id) == safe_run_id(run_id)

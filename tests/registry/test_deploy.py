@@ -31,7 +31,7 @@ from burstcv.gate.latency import drive, staging_service
 from burstcv.registry import deploy as deploy_module
 from burstcv.registry.deploy import DeployError, deploy, rollback
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, RegistryError
-from burstcv_spec.contracts import BenchFigures
+from burstcv_spec.contracts import BenchFigures, RegistryDecision
 
 # The serving tests' model builders (real ONNX graphs, model.json as the contract says).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
@@ -131,7 +131,9 @@ def aliases(registry: Registry) -> tuple[int | None, int | None]:
 def registry(tmp_path: Path) -> Registry:
     """Return a registry with version 1 (answers class '1') registered and in production."""
     reg = Registry(str(tmp_path / "registry"), MODEL)
-    version = reg.register(str(write_model_dir(tmp_path / "v1", 1)), {"status": "accepted"})
+    version = reg.register(
+        str(write_model_dir(tmp_path / "v1", 1)), RegistryDecision(status="accepted")
+    )
     assert version == 1
     reg.promote(1)
     return reg
@@ -198,7 +200,7 @@ def test_a_faster_candidate_is_promoted_and_served(
     measured: dict[str, Measured], tmp_path: Path
 ) -> None:
     registry = Registry(str(tmp_path / "registry"), MODEL)
-    assert registry.register(str(measured["slow"].folder), {"status": "accepted"}) == 1
+    assert registry.register(str(measured["slow"].folder), RegistryDecision(status="accepted")) == 1
     registry.promote(1)
     limits = GateThresholds(
         latency_slo_ms=10_000, accuracy_floor=0.9, max_accuracy_drop=0.02, max_latency_increase=0.2
@@ -208,7 +210,9 @@ def test_a_faster_candidate_is_promoted_and_served(
     assert verdict.promote, verdict.summary
     version = registry.register(
         str(measured["fast"].folder),
-        {"status": "accepted", "gate": verdict.model_dump(mode="json")},
+        RegistryDecision.model_validate(
+            {"status": "accepted", "gate": verdict.model_dump(mode="json")}
+        ),
     )
     with running_service(registry, tmp_path) as svc:
         assert svc.predicted_label() == "1"
@@ -228,7 +232,8 @@ def test_a_rejected_version_is_not_aliased_and_production_keeps_serving(
     registry: Registry, service: Service, tmp_path: Path
 ) -> None:
     rejected = registry.register(
-        str(write_model_dir(tmp_path / "v2", 2)), {"status": "rejected", "reason": "p95 too high"}
+        str(write_model_dir(tmp_path / "v2", 2)),
+        RegistryDecision(status="rejected", reason="p95 too high"),
     )
     seen: list[tuple[int, Any]] = []
     stop = threading.Event()
@@ -263,7 +268,9 @@ def test_a_rejected_version_is_not_aliased_and_production_keeps_serving(
 def test_rollback_restores_the_previous_version_in_the_running_service(
     registry: Registry, service: Service, tmp_path: Path
 ) -> None:
-    v2 = registry.register(str(write_model_dir(tmp_path / "v2", 2)), {"status": "accepted"})
+    v2 = registry.register(
+        str(write_model_dir(tmp_path / "v2", 2)), RegistryDecision(status="accepted")
+    )
     deploy(registry, v2, service_urls=[service.url], token=TOKEN, timeout_s=VERIFY_TIMEOUT_S)
     assert service.version() == 2
     result = rollback(registry, service_urls=[service.url], token=TOKEN, timeout_s=VERIFY_TIMEOUT_S)
@@ -286,7 +293,7 @@ def test_a_version_the_service_cannot_load_never_becomes_production(
     # The registry accepts it (model.json's sha256 matches the bytes); onnxruntime does not.
     corrupt = registry.register(
         str(write_raw_model_dir(tmp_path / "v2", b"this is not an ONNX model")),
-        {"status": "accepted"},
+        RegistryDecision(status="accepted"),
     )
     started = time.monotonic()
     with pytest.raises(DeployError) as caught:
@@ -312,7 +319,9 @@ def test_another_checkouts_registry_cannot_deploy_to_this_service(
     """The service on the default URL belongs to another registry: it refuses, in one line."""
     other = Registry(str(tmp_path / "other-checkout" / "registry"), MODEL)
     for version in (1, 2):  # a registry whose version 2 would load fine anywhere
-        other.register(str(write_model_dir(tmp_path / f"o{version}", 3)), {"status": "accepted"})
+        other.register(
+            str(write_model_dir(tmp_path / f"o{version}", 3)), RegistryDecision(status="accepted")
+        )
     other.promote(1)
     with pytest.raises(DeployError) as caught:
         deploy(other, 2, service_urls=[service.url], token=TOKEN, timeout_s=FAIL_TIMEOUT_S)
@@ -334,7 +343,9 @@ def test_another_checkouts_registry_cannot_deploy_to_this_service(
 def test_an_unreachable_service_fails_the_deploy_before_production_moves(
     registry: Registry, service: Service, tmp_path: Path
 ) -> None:
-    v2 = registry.register(str(write_model_dir(tmp_path / "v2", 2)), {"status": "accepted"})
+    v2 = registry.register(
+        str(write_model_dir(tmp_path / "v2", 2)), RegistryDecision(status="accepted")
+    )
     nobody = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(DeployError, match=f"{nobody} cannot serve version 2: ConnectError"):
         deploy(
@@ -352,7 +363,9 @@ def test_an_unreachable_service_fails_the_deploy_before_production_moves(
 def test_a_service_restarting_during_the_deploy_delays_it_and_does_not_fail_it(
     registry: Registry, tmp_path: Path
 ) -> None:
-    v2 = registry.register(str(write_model_dir(tmp_path / "v2", 2)), {"status": "accepted"})
+    v2 = registry.register(
+        str(write_model_dir(tmp_path / "v2", 2)), RegistryDecision(status="accepted")
+    )
     port = free_port()
     with running_service(registry, tmp_path, port=port) as before:
         assert before.version() == 1
@@ -385,8 +398,12 @@ def test_a_service_restarting_during_the_deploy_delays_it_and_does_not_fail_it(
 
 def test_the_reload_call_carries_the_bearer_token(registry: Registry, tmp_path: Path) -> None:
     # With polling off, only an authenticated reload can make the service change versions.
-    v2 = registry.register(str(write_model_dir(tmp_path / "v2", 2)), {"status": "accepted"})
-    v3 = registry.register(str(write_model_dir(tmp_path / "v3", 3)), {"status": "accepted"})
+    v2 = registry.register(
+        str(write_model_dir(tmp_path / "v2", 2)), RegistryDecision(status="accepted")
+    )
+    v3 = registry.register(
+        str(write_model_dir(tmp_path / "v3", 3)), RegistryDecision(status="accepted")
+    )
     with running_service(registry, tmp_path, poll_s=0) as svc:
         deploy(registry, v2, service_urls=[svc.url], token=TOKEN, timeout_s=VERIFY_TIMEOUT_S)
         assert svc.version() == 2
@@ -403,7 +420,9 @@ def test_a_failed_switch_restores_production_and_every_service_goes_back(
 ) -> None:
     # The second service watches another alias: it stages version 2 like any service, but a
     # reload leaves it on what its alias names, so the switch fails after production moved.
-    v2 = registry.register(str(write_model_dir(tmp_path / "v2", 2)), {"status": "accepted"})
+    v2 = registry.register(
+        str(write_model_dir(tmp_path / "v2", 2)), RegistryDecision(status="accepted")
+    )
     with registry.aliases_locked("test") as writer:
         writer.swap("canary", expect=None, version=1, action="setup")
     with (
@@ -435,7 +454,9 @@ def test_deploys_under_load_drop_no_request(registry: Registry, tmp_path: Path) 
     # The two-phase deploy keeps the hot swap's promise: clients see no failed request and
     # every answer comes from a version that production named at some moment.
     versions = [
-        registry.register(str(write_model_dir(tmp_path / f"v{seed}", seed)), {"status": "accepted"})
+        registry.register(
+            str(write_model_dir(tmp_path / f"v{seed}", seed)), RegistryDecision(status="accepted")
+        )
         for seed in (2, 3, 4)
     ]
     answers: list[tuple[int, int | None, str | None]] = []
@@ -591,7 +612,9 @@ def register(registry: Registry, tmp_path: Path, seed: int, status: str = "accep
     """Register a real classifier for ``seed`` and return its version."""
     return registry.register(
         str(write_model_dir(tmp_path / f"v{seed}-{status}", seed)),
-        {"status": status, "reason": "" if status == "accepted" else "p95 too high"},
+        RegistryDecision.model_validate(
+            {"status": status, "reason": "" if status == "accepted" else "p95 too high"}
+        ),
     )
 
 

@@ -30,6 +30,7 @@ from test_registry_s3 import s3_root  # noqa: F401  (a fixture, used by name bel
 
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry
 from burstcv_spec import storage
+from burstcv_spec.contracts import RegistryDecision
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STAGE_WAIT_S = 60.0  # a busy 2-core box starts two Python CLIs and loads two models
@@ -175,7 +176,7 @@ def assert_all_agree(
 def register(registry: Registry, tmp_path: Path, seed: int) -> int:
     """Register a good model that answers class ``seed``."""
     return registry.register(
-        str(write_model_dir(tmp_path / f"m{seed}", seed)), {"status": "accepted"}
+        str(write_model_dir(tmp_path / f"m{seed}", seed)), RegistryDecision(status="accepted")
     )
 
 

@@ -24,14 +24,14 @@ from burstcv.registry.registry import (
     Registry,
     RegistryError,
 )
-from burstcv_spec.contracts import AliasRecord, ModelCard
+from burstcv_spec.contracts import AliasRecord, ModelCard, RegistryDecision
 
 
 def test_versions_are_numbered_and_carry_lineage(tmp_path: Path) -> None:
     reg = Registry(str(tmp_path / "reg"), "digits")
-    v1 = reg.register(str(make_model_dir(tmp_path / "a", "a")), {"status": "accepted"})
+    v1 = reg.register(str(make_model_dir(tmp_path / "a", "a")), RegistryDecision(status="accepted"))
     v2 = reg.register(
-        str(make_model_dir(tmp_path / "b", "b")), {"status": "rejected", "reason": "slow"}
+        str(make_model_dir(tmp_path / "b", "b")), RegistryDecision(status="rejected", reason="slow")
     )
     assert (v1, v2) == (1, 2) and reg.versions() == [1, 2]
     entry = reg.entry(2)
@@ -43,7 +43,7 @@ def test_versions_are_numbered_and_carry_lineage(tmp_path: Path) -> None:
 def test_promote_moves_production_and_previous_and_rollback_swaps(tmp_path: Path) -> None:
     reg = Registry(str(tmp_path / "reg"), "digits")
     for tag in "abc":
-        reg.register(str(make_model_dir(tmp_path / tag, tag)), {"status": "accepted"})
+        reg.register(str(make_model_dir(tmp_path / tag, tag)), RegistryDecision(status="accepted"))
     assert reg.promote(1) is None
     old = reg.promote(2)
     assert old is not None and old.version == 1
@@ -56,7 +56,8 @@ def test_promote_moves_production_and_previous_and_rollback_swaps(tmp_path: Path
 def test_rejected_version_is_never_aliased_without_force(tmp_path: Path) -> None:
     reg = Registry(str(tmp_path / "reg"), "digits")
     reg.register(
-        str(make_model_dir(tmp_path / "a", "a")), {"status": "rejected", "reason": "p95 too high"}
+        str(make_model_dir(tmp_path / "a", "a")),
+        RegistryDecision(status="rejected", reason="p95 too high"),
     )
     with pytest.raises(RegistryError, match="rejected by the gate: p95 too high"):
         reg.promote(1)
@@ -69,8 +70,10 @@ def test_the_promotable_check_hands_back_the_entry_and_refuses_a_rejected_one(
     tmp_path: Path,
 ) -> None:
     reg = Registry(str(tmp_path / "reg"), "digits")
-    reg.register(str(make_model_dir(tmp_path / "a", "a")), {"status": "accepted"})
-    reg.register(str(make_model_dir(tmp_path / "b", "b")), {"status": "rejected", "reason": "slow"})
+    reg.register(str(make_model_dir(tmp_path / "a", "a")), RegistryDecision(status="accepted"))
+    reg.register(
+        str(make_model_dir(tmp_path / "b", "b")), RegistryDecision(status="rejected", reason="slow")
+    )
     entry = reg.check_promotable(1)
     assert (entry.version, entry.status) == (1, "accepted")
     with pytest.raises(RegistryError, match="version 2 was rejected by the gate: slow"):
@@ -80,7 +83,7 @@ def test_the_promotable_check_hands_back_the_entry_and_refuses_a_rejected_one(
 
 def test_rollback_without_previous_is_a_clear_error(tmp_path: Path) -> None:
     reg = Registry(str(tmp_path / "reg"), "digits")
-    reg.register(str(make_model_dir(tmp_path / "a", "a")), {"status": "accepted"})
+    reg.register(str(make_model_dir(tmp_path / "a", "a")), RegistryDecision(status="accepted"))
     reg.promote(1)
     with pytest.raises(RegistryError, match="no previous version"):
         reg.rollback()
@@ -93,7 +96,7 @@ def _register_and_promote(args: tuple[str, str, int]) -> int:
     reg = Registry(root, "digits")
     last = 0
     for _ in range(rounds):
-        last = reg.register(model_dir, {"status": "accepted"})
+        last = reg.register(model_dir, RegistryDecision(status="accepted"))
         reg.promote(last)
     return last
 
@@ -131,7 +134,7 @@ def registry_with_three(root: str, tmp_path: Path) -> Registry:
     """Return a registry (local folder or S3) with versions 1-3 and production on 1."""
     reg = Registry(root, "digits")
     for tag in "abc":
-        reg.register(str(make_model_dir(tmp_path / tag, tag)), {"status": "accepted"})
+        reg.register(str(make_model_dir(tmp_path / tag, tag)), RegistryDecision(status="accepted"))
     reg.promote(1, actor="setup")
     return reg
 
@@ -222,7 +225,7 @@ def test_a_model_name_that_is_empty_or_has_a_slash_is_refused(tmp_path: Path, na
 
 def test_unfinished_versions_and_stray_files_are_not_listed(tmp_path: Path) -> None:
     reg = Registry(str(tmp_path / "reg"), "digits")
-    reg.register(str(make_model_dir(tmp_path / "a", "a")), {"status": "accepted"})
+    reg.register(str(make_model_dir(tmp_path / "a", "a")), RegistryDecision(status="accepted"))
     versions = tmp_path / "reg" / "digits" / "versions"
     # A writer died after claiming 2 and copying the model, before entry.json.
     (versions / "2").mkdir()
@@ -231,7 +234,10 @@ def test_unfinished_versions_and_stray_files_are_not_listed(tmp_path: Path) -> N
     (versions / "notes" / "entry.json").write_text("{}")
     assert reg.versions() == [1]
     # The next registration does not reuse the dead writer's number.
-    assert reg.register(str(make_model_dir(tmp_path / "b", "b")), {"status": "accepted"}) == 3
+    assert (
+        reg.register(str(make_model_dir(tmp_path / "b", "b")), RegistryDecision(status="accepted"))
+        == 3
+    )
     assert reg.versions() == [1, 3]
 
 
@@ -262,16 +268,23 @@ def test_a_registration_that_loses_the_race_for_a_number_takes_the_next(
         numbers = listed()
         if not raced:  # another writer claims the same number between listing and claiming
             raced.append(
-                other.register(str(make_model_dir(tmp_path / "o", "o")), {"status": "accepted"})
+                other.register(
+                    str(make_model_dir(tmp_path / "o", "o")), RegistryDecision(status="accepted")
+                )
             )
         return numbers
 
     monkeypatch.setattr(reg, "_claimed_numbers", list_then_lose_the_race)
-    mine = reg.register(str(make_model_dir(tmp_path / "m", "m")), {"status": "accepted"})
+    mine = reg.register(
+        str(make_model_dir(tmp_path / "m", "m")), RegistryDecision(status="accepted")
+    )
     assert (raced, mine) == ([1], 2)
     assert reg.versions() == [1, 2]
     assert (reg.entry(1).lineage.run_id, reg.entry(2).lineage.run_id) == ("run-o", "run-m")
-    assert reg.register(str(make_model_dir(tmp_path / "n", "n")), {"status": "accepted"}) == 3
+    assert (
+        reg.register(str(make_model_dir(tmp_path / "n", "n")), RegistryDecision(status="accepted"))
+        == 3
+    )
 
 
 # -- promote, undo and the aliases they leave ---------------------------------------------------

@@ -12,7 +12,7 @@ from localserver import use_moto
 from test_registry import check_compare_and_swap, registry_with_three, version_of
 
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, _conditional_write
-from burstcv_spec.contracts import AliasRecord
+from burstcv_spec.contracts import AliasRecord, RegistryDecision
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def test_concurrent_promotions_on_s3_leave_a_consistent_registry(
         try:
             reg = Registry(s3_root, "digits")
             for _ in range(3):
-                reg.promote(reg.register(model_dir, {"status": "accepted"}))
+                reg.promote(reg.register(model_dir, RegistryDecision(status="accepted")))
         except BaseException as exc:
             errors.append(exc)
 

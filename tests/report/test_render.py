@@ -22,6 +22,7 @@ from burstcv.report.render import build_report
 from burstcv_spec.contracts import (
     BenchFigures,
     Billing,
+    RegistryDecision,
     TrainingChoice,
     TrainingMetrics,
     ValidationRecord,
@@ -258,7 +259,7 @@ def register(registry_root: Path, tmp: Path, versions: int) -> Registry:
     registry = Registry(str(registry_root), "digits")
     for n in range(1, versions + 1):
         folder = write_model_dir(tmp / f"model{n}", f"onnx-{n}".encode())
-        registry.register(str(folder), {"status": "accepted"})
+        registry.register(str(folder), RegistryDecision(status="accepted"))
         registry.promote(n)
     return registry
 

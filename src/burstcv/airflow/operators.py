@@ -35,7 +35,8 @@ class WaitForTrainingOperator(BaseOperator):
 
     def execute(self, context: Any) -> Any:
         """Hand the wait to the triggerer (relaunching first if this is a retry after a loss)."""
-        from burstcv.pipeline import collect_training, current_attempt, training_outcome
+        from burstcv.compute.attempts import current_attempt, training_outcome
+        from burstcv.pipeline import collect_training
 
         info = self._boxes()
         # The attempt the run waits for: provision's (its try number), or the last relaunch.
@@ -63,7 +64,8 @@ class WaitForTrainingOperator(BaseOperator):
 
     def _relaunch_or_fail(self, outcome: TrainingOutcome) -> int:
         """Start the next attempt of a resumable outcome, or fail the task for good."""
-        from burstcv.pipeline import TrainingFailed, relaunch, resumable
+        from burstcv.compute.attempts import resumable
+        from burstcv.pipeline import TrainingFailed, relaunch
 
         attempt = outcome.attempt
         if not resumable(outcome):
@@ -94,7 +96,7 @@ class WaitForTrainingOperator(BaseOperator):
 
     def _log_box_tail(self, attempt: int) -> None:
         """Show the end of the box's own log in this task's log."""
-        from burstcv.pipeline import box_log_tail
+        from burstcv.compute.attempts import box_log_tail
 
         info = self._boxes()
         for line in box_log_tail(info.run.run_key, info.backend, info.output_uri, attempt):

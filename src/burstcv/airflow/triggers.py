@@ -100,9 +100,9 @@ class TrainingCompletionTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Poll the artifact store and the backend until the job has an outcome."""
-        # The pipeline module's first import (pandas, numpy) would block the triggerer's loop.
-        await asyncio.to_thread(importlib.import_module, "burstcv.pipeline")
-        from burstcv.pipeline import progress_lines, training_outcome
+        # The attempts module's first import (pandas, numpy) would block the triggerer's loop.
+        await asyncio.to_thread(importlib.import_module, "burstcv.compute.attempts")
+        from burstcv.compute.attempts import progress_lines, training_outcome
 
         silence = await asyncio.to_thread(silence_line, self.output_uri, self.attempt)
         if silence:

@@ -6,23 +6,34 @@ needs every backend, so it lives here, above them, and ``base`` imports none of 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from burstcv.compute.base import ComputeBackend
+
+if TYPE_CHECKING:
+    from burstcv.settings import Settings
 
 
 class UnknownBackendError(ValueError):
     """Raise for a backend name that does not exist."""
 
 
-def get_backend(name: str) -> ComputeBackend:
-    """Return the backend called ``name``: local or ec2."""
+def get_backend(name: str, settings: Settings | None = None) -> ComputeBackend:
+    """Return the backend called ``name`` (local or ec2), set up from ``settings``.
+
+    ``settings`` None: the process's (``get_settings``).
+    """
+    from burstcv.settings import get_settings
+
+    s = settings or get_settings()
     # Each backend is imported only when chosen: the EC2 one pulls in botocore, which a
     # local run does not need.
     if name == "local":
         from burstcv.compute.local import LocalBackend
 
-        return LocalBackend()
+        return LocalBackend(s.compute_state_dir)
     if name == "ec2":
         from burstcv.compute.ec2 import Ec2Backend
 
-        return Ec2Backend()
+        return Ec2Backend(s.ec2)
     raise UnknownBackendError(f"unknown compute backend {name!r}; choose local, ec2")

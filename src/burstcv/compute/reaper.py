@@ -17,18 +17,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from enum import Enum
-from typing import Any
+from typing import Final
 
+from burstcv.compute.backends import get_backend
 from burstcv.compute.base import STOPPED, ComputeBackend, InstanceInfo
+from burstcv.settings import Settings
+from burstcv_spec.contracts import ReapDecision, ReaperReport, ReapError
 
 log = logging.getLogger(__name__)
 
-REASON_EXPIRED = "expired"
-REASON_RUN_NOT_ACTIVE = "run-not-active"
-REASON_UNTRACEABLE = "missing-run-tags"
+REASON_EXPIRED: Final = "expired"
+REASON_RUN_NOT_ACTIVE: Final = "run-not-active"
+REASON_UNTRACEABLE: Final = "missing-run-tags"
 
 
 class RunActivity(Enum):
@@ -42,73 +44,14 @@ class RunActivity(Enum):
 RunActivityCheck = Callable[[str, str], RunActivity]
 
 
-@dataclass(frozen=True)
-class ReapDecision:
-    """Say which instance the reaper terminates (or would) and why."""
-
-    instance_id: str
-    run_id: str
-    dag_id: str
-    reason: str
-    detail: str
-
-
-@dataclass(frozen=True)
-class ReapError:
-    """Say what went wrong about one box: it was left as it was, and the pass went on."""
-
-    instance_id: str
-    run_id: str
-    step: str  # "check-run" (asking Airflow) or "terminate"
-    error: str
-
-
-@dataclass
-class ReapReport:
-    """List what one reaper pass found, terminated (or would), and kept."""
-
-    checked_at: datetime
-    dry_run: bool
-    decisions: list[ReapDecision] = field(default_factory=list)
-    kept: list[str] = field(default_factory=list)
-    errors: list[ReapError] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
-    @property
-    def instance_ids(self) -> list[str]:
-        """Return the ids terminated (or, on a dry run, that would be)."""
-        return [d.instance_id for d in self.decisions]
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return a JSON-ready dict."""
-        return {
-            "checked_at": self.checked_at.isoformat(),
-            "dry_run": self.dry_run,
-            "terminated" if not self.dry_run else "would_terminate": [
-                asdict(d) for d in self.decisions
-            ],
-            "kept": list(self.kept),
-            "errors": [asdict(e) for e in self.errors],
-            "warnings": list(self.warnings),
-        }
-
-    def summary(self) -> str:
-        """Return one line for logs and the CLI."""
-        verb = "would terminate" if self.dry_run else "terminated"
-        errors = f"; {len(self.errors)} error(s)" if self.errors else ""
-        errors += f"; {len(self.warnings)} warning(s)" if self.warnings else ""
-        if not self.decisions:
-            return (
-                f"reaper: nothing to terminate ({len(self.kept)} managed instance(s) kept)" + errors
-            )
-        listed = ", ".join(f"{d.instance_id} ({d.reason})" for d in self.decisions)
-        return f"reaper: {verb} {listed}; kept {len(self.kept)}{errors}"
-
-
 def _expiry_decision(info: InstanceInfo) -> ReapDecision:
     expires_at = info.expires_at.isoformat() if info.expires_at else "?"
     return ReapDecision(
-        info.instance_id, info.run_id, info.dag_id, REASON_EXPIRED, f"expired at {expires_at}"
+        instance_id=info.instance_id,
+        run_id=info.run_id,
+        dag_id=info.dag_id,
+        reason=REASON_EXPIRED,
+        detail=f"expired at {expires_at}",
     )
 
 
@@ -120,22 +63,22 @@ def decide(
         return _expiry_decision(info)
     if not info.run_id or not info.dag_id:
         return ReapDecision(
-            info.instance_id,
-            info.run_id,
-            info.dag_id,
-            REASON_UNTRACEABLE,
-            "managed but without run-id/dag-id tags: no run can own it",
+            instance_id=info.instance_id,
+            run_id=info.run_id,
+            dag_id=info.dag_id,
+            reason=REASON_UNTRACEABLE,
+            detail="managed but without run-id/dag-id tags: no run can own it",
         )
     activity = run_activity(info.dag_id, info.run_id)
     if not isinstance(activity, RunActivity):
         raise TypeError(f"run_activity answered {activity!r}, not a RunActivity")
     if activity is RunActivity.OVER:
         return ReapDecision(
-            info.instance_id,
-            info.run_id,
-            info.dag_id,
-            REASON_RUN_NOT_ACTIVE,
-            f"DAG run {info.dag_id}/{info.run_id} is not running",
+            instance_id=info.instance_id,
+            run_id=info.run_id,
+            dag_id=info.dag_id,
+            reason=REASON_RUN_NOT_ACTIVE,
+            detail=f"DAG run {info.dag_id}/{info.run_id} is not running",
         )
     return None
 
@@ -151,16 +94,21 @@ def reap(
     now: datetime | None = None,
     dry_run: bool = False,
     managed: list[InstanceInfo] | None = None,
-) -> ReapReport:
+    backend_name: str = "",
+    region: str = "",
+) -> ReaperReport:
     """Terminate managed instances whose expiry passed, then those whose DAG run is not running.
 
     ``run_activity(dag_id, run_id)`` answers from Airflow; when it raises for a box, that
     box is kept (and the error counted), and the pass goes on; when it answers UNKNOWN, the
     box is kept with a warning. ``managed`` is the backend's
-    ``list_managed()`` when the caller already has it.
+    ``list_managed()`` when the caller already has it; ``backend_name`` and ``region`` name
+    the sweep in the report.
     """
     checked_at = now or datetime.now(UTC)
-    report = ReapReport(checked_at=checked_at, dry_run=dry_run)
+    report = ReaperReport(
+        backend=backend_name, region=region, checked_at=checked_at, dry_run=dry_run
+    )
     live = [i for i in (backend.list_managed() if managed is None else managed)]
     live = [i for i in live if i.state != STOPPED]
     # Pass 1: past its expiry, a box goes whatever Airflow would say (Airflow may be down).
@@ -180,7 +128,10 @@ def reap(
             log.exception("reaper: could not check the run of %s; keeping it", info.instance_id)
             report.errors.append(
                 ReapError(
-                    info.instance_id, info.run_id, "check-run", f"{type(exc).__name__}: {exc}"
+                    instance_id=info.instance_id,
+                    run_id=info.run_id,
+                    step="check-run",
+                    error=f"{type(exc).__name__}: {exc}",
                 )
             )
             report.kept.append(info.instance_id)
@@ -193,7 +144,7 @@ def reap(
     return report
 
 
-def _noting_unknown(check: RunActivityCheck, report: ReapReport) -> RunActivityCheck:
+def _noting_unknown(check: RunActivityCheck, report: ReaperReport) -> RunActivityCheck:
     """Wrap ``check`` so that every UNKNOWN answer lands in the report's warnings."""
 
     def noted(dag_id: str, run_id: str) -> RunActivity:
@@ -210,7 +161,7 @@ def _noting_unknown(check: RunActivityCheck, report: ReapReport) -> RunActivityC
     return noted
 
 
-def _terminate(backend: ComputeBackend, decision: ReapDecision, report: ReapReport) -> None:
+def _terminate(backend: ComputeBackend, decision: ReapDecision, report: ReaperReport) -> None:
     """Terminate one box (or, on a dry run, say so); a failure is counted, never raised."""
     log.warning(
         "reaper: %s %s (run %s, dag %s): %s",
@@ -228,11 +179,104 @@ def _terminate(backend: ComputeBackend, decision: ReapDecision, report: ReapRepo
             log.exception("reaper: could not terminate %s", decision.instance_id)
             report.errors.append(
                 ReapError(
-                    decision.instance_id,
-                    decision.run_id,
-                    "terminate",
-                    f"{type(exc).__name__}: {exc}",
+                    instance_id=decision.instance_id,
+                    run_id=decision.run_id,
+                    step="terminate",
+                    error=f"{type(exc).__name__}: {exc}",
                 )
             )
             return
     report.decisions.append(decision)
+
+
+def reap_everywhere(
+    backend_names: list[str] | None,
+    run_activity: RunActivityCheck,
+    *,
+    dry_run: bool = False,
+    settings: Settings,
+) -> list[ReaperReport]:
+    """Terminate managed boxes whose expiry passed or whose DAG run is over, everywhere.
+
+    ``backend_names`` empty: the settings' (local, and ec2 whenever AWS is configured). EC2
+    is swept in every configured region, or every region enabled for the account. One report
+    per backend and region; an error about a backend, a region or one box is logged and
+    counted in its report's ``errors`` and never stops the rest.
+
+    ``run_activity(dag_id, airflow_run_id)`` answers from Airflow (active, over, or unknown:
+    kept). Boxes are tagged with a path-safe run key; the raw Airflow run id travels in its
+    own tag for this question.
+    """
+    reports = []
+    for name, region, backend in _reaper_targets(
+        backend_names or settings.reaper_backend_names(), settings
+    ):
+        try:
+            if isinstance(backend, BaseException):
+                raise backend
+            managed = backend.list_managed()
+        # Broad on purpose: counted in the report; the other backends and regions go on.
+        except Exception as exc:
+            log.exception("reaper: could not list %s boxes in %s", name, region or "-")
+            reports.append(_failed_sweep(name, region, exc, dry_run))
+            continue
+        raw_ids = {(i.dag_id, i.run_id): i.airflow_run_id or i.run_id for i in managed}
+
+        def activity(
+            dag_id: str, run_key: str, raw_ids: dict[tuple[str, str], str] = raw_ids
+        ) -> RunActivity:
+            return run_activity(dag_id, raw_ids.get((dag_id, run_key), run_key))
+
+        reports.append(
+            reap(
+                backend,
+                run_activity=activity,
+                dry_run=dry_run,
+                managed=managed,
+                backend_name=name,
+                region=region,
+            )
+        )
+    return reports
+
+
+def reap_errors(reports: list[ReaperReport]) -> int:
+    """Return how many errors a reaper pass counted over all its reports."""
+    return sum(len(r.errors) for r in reports)
+
+
+def _failed_sweep(backend: str, region: str, exc: BaseException, dry_run: bool) -> ReaperReport:
+    return ReaperReport(
+        backend=backend,
+        region=region,
+        checked_at=datetime.now(UTC),
+        dry_run=dry_run,
+        errors=[ReapError(instance_id="", step="list", error=f"{type(exc).__name__}: {exc}")],
+    )
+
+
+def _reaper_targets(
+    names: list[str], settings: Settings
+) -> list[tuple[str, str, ComputeBackend | BaseException]]:
+    """Return (backend name, region, backend or the error that prevented making it)."""
+    targets: list[tuple[str, str, ComputeBackend | BaseException]] = []
+    for name in names:
+        if name != "ec2":
+            try:
+                targets.append((name, "", get_backend(name, settings)))
+            # Broad on purpose: reported as that backend's error.
+            except Exception as exc:
+                targets.append((name, "", exc))
+            continue
+        from burstcv.compute.ec2 import Ec2Backend
+
+        try:
+            ec2 = settings.ec2
+            regions = settings.reaper_region_names() or Ec2Backend(ec2).enabled_regions()
+        # Broad on purpose: reported as that backend's error.
+        except Exception as exc:
+            targets.append((name, "", exc))
+            continue
+        for region in regions:
+            targets.append((name, region, Ec2Backend(ec2.model_copy(update={"region": region}))))
+    return targets

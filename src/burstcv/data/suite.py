@@ -19,7 +19,7 @@ import operator
 import os
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,7 @@ from great_expectations.data_context.types.base import (
 )
 
 from burstcv.data.config import ValidationConfig
+from burstcv_spec.contracts import ExpectationResult
 
 if TYPE_CHECKING:
     from great_expectations.expectations.expectation import Expectation
@@ -63,39 +64,12 @@ class Check:
     reason_prefix: str = ""
 
 
-@dataclass(frozen=True)
-class CheckResult:
-    """Hold the outcome of one expectation: GX's observed value and the offending files."""
-
-    name: str
-    description: str
-    expectation_type: str
-    success: bool
-    observed: Any
-    offending_files: list[str] = field(default_factory=list)
-    reasons: dict[str, str] = field(default_factory=dict)  # path -> why, for offending files
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return the JSON-ready form written into validation.json."""
-        return {
-            "name": self.name,
-            "description": self.description,
-            "expectation_type": self.expectation_type,
-            "success": self.success,
-            "observed": self.observed,
-            "offending_files": self.offending_files,
-            "reasons": self.reasons,
-            "details": self.details,
-        }
-
-
 @dataclass
 class SuiteOutcome:
     """Hold the suite's verdict, one result per check, and where the Data Docs were written."""
 
     success: bool
-    checks: list[CheckResult]
+    checks: list[ExpectationResult]
     data_docs_index: Path | None = None
     class_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # split -> label -> n
 
@@ -407,7 +381,7 @@ def run_suite(
     counts = class_counts(df, tuple(config.splits))
     for i, outcome in enumerate(outcomes):
         if outcome.name in ("min_images_per_class", "class_imbalance"):
-            outcomes[i] = replace(outcome, details={"class_counts": counts})
+            outcomes[i] = outcome.model_copy(update={"details": {"class_counts": counts}})
 
     index = None
     if data_docs_dir is not None:
@@ -497,7 +471,7 @@ def _repaired_link(match: re.Match[str], *, page: Path, root: Path) -> str:
     return f"{head}{os.path.relpath(meant, page.parent).replace(os.sep, '/')}{tail}"
 
 
-def _check_result(check: Check, result: Any, rows: pd.DataFrame) -> CheckResult:
+def _check_result(check: Check, result: Any, rows: pd.DataFrame) -> ExpectationResult:
     raw = result.to_json_dict()
     payload: dict[str, Any] = raw.get("result") or {}
     exception = raw.get("exception_info") or {}
@@ -526,7 +500,7 @@ def _check_result(check: Check, result: Any, rows: pd.DataFrame) -> CheckResult:
             value = rows.at[path, check.reason_column] if path in rows.index else None
             if value is not None and not pd.isna(value):
                 reasons[path] = f"{check.reason_prefix}{value}"
-    return CheckResult(
+    return ExpectationResult(
         name=check.name,
         description=check.description,
         expectation_type=str(raw["expectation_config"]["type"]),

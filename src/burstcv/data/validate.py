@@ -18,9 +18,8 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import great_expectations as gx
 import pandas as pd
@@ -29,16 +28,24 @@ import PIL
 from burstcv.data.config import ValidationConfig
 from burstcv.data.gx_tuning import gx_tuning
 from burstcv.data.manifest import DatasetUnusableError, scan, write_manifest
-from burstcv.data.suite import CheckResult, run_suite, usable_mask
+from burstcv.data.suite import run_suite, usable_mask
 from burstcv_spec import storage
-from burstcv_spec.contracts import DatasetProfile, ValidationRecord, read_artifact, write_artifact
+from burstcv_spec.contracts import (
+    DatasetCounts,
+    DatasetProfile,
+    DriftBlock,
+    ValidationRecord,
+    read_artifact,
+    write_artifact,
+)
+from burstcv_spec.layout import MANIFEST, VALIDATION_RECORD
 
 __all__ = [
     "DatasetUnusableError",
     "ValidationConfig",
-    "ValidationReport",
     "dataset_fingerprint",
     "describe_observed",
+    "summary",
     "usable_rows",
     "validate_dataset",
 ]
@@ -50,82 +57,44 @@ SUMMARY_FILES_PER_CHECK = 5  # offending files named per failed check (all are i
 SUMMARY_MAX_CLASSES = 20  # per-class counts listed up to this many classes per split
 
 
-@dataclass
-class ValidationReport:
-    """Hold the verdict of one validation and where its evidence was written."""
-
-    success: bool
-    dataset_uri: str
-    fingerprint: str
-    counts: dict[str, Any]
-    checks: list[CheckResult]
-    ignored: list[dict[str, str]]
-    drift: dict[str, Any]
-    warnings: list[str]
-    config: ValidationConfig
-    manifest_uri: str
-    validation_uri: str
-    data_docs_uri: str
-    validated_at: str = field(
-        default_factory=lambda: dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    )
-
-    @property
-    def failed_checks(self) -> list[CheckResult]:
-        """Return the checks that failed, in report order."""
-        return [check for check in self.checks if not check.success]
-
-    @property
-    def summary(self) -> str:
-        """Return one screen of text: verdict, counts per split and class, failed checks."""
-        files = self.counts["files"]
-        usable = self.counts["usable"]
-        head = "PASSED" if self.success else "FAILED"
-        met = len(self.checks) - len(self.failed_checks)
-        lines = [
-            f"dataset {self.dataset_uri}: {head} ({usable} usable of {files} files; "
-            f"{met} of {len(self.checks)} expectations met)"
-        ]
-        lines.extend(split_count_lines(self.counts.get("per_split") or {}))
-        for check in self.failed_checks:
-            observed = describe_observed(check.observed)
-            lines.append(f"- {check.name}: {check.description} (observed: {observed})")
-            shown = check.offending_files[:SUMMARY_FILES_PER_CHECK]
-            for path in shown:
-                reason = check.reasons.get(path)
-                lines.append(f"    {path}" + (f": {reason}" if reason else ""))
-            unexpected = (
-                check.observed.get("unexpected_count") if isinstance(check.observed, dict) else None
-            )
-            total = unexpected if isinstance(unexpected, int) else len(check.offending_files)
-            if total > len(shown):
-                more = total - len(shown)
-                lines.append(f"    ... and {more} more (see validation.json and the manifest)")
-        if self.drift.get("status") == "failed":
-            lines.append(f"- drift: {self.drift['message']}")
-        lines.extend(f"warning: {text}" for text in self.warnings)
-        lines.append(f"details: {self.validation_uri}")
-        return "\n".join(lines)
-
-    def record(self) -> ValidationRecord:
-        """Return the validation.json document."""
-        return ValidationRecord.model_validate(
-            {
-                "success": self.success,
-                "dataset_uri": self.dataset_uri,
-                "fingerprint": self.fingerprint,
-                "counts": self.counts,
-                "expectations": [check.to_dict() for check in self.checks],
-                "ignored": self.ignored,
-                "drift": self.drift,
-                "warnings": self.warnings,
-                "config": self.config.to_dict(),
-                "manifest_uri": self.manifest_uri,
-                "data_docs_uri": self.data_docs_uri,
-                "validated_at": self.validated_at,
-                "versions": {"great_expectations": gx.__version__, "pillow": PIL.__version__},
-            }
+def summary(record: ValidationRecord) -> str:
+    """Return one screen of text: verdict, counts per split and class, failed checks."""
+    counts = record.counts
+    head = "PASSED" if record.success else "FAILED"
+    failed = [check for check in record.expectations if not check.success]
+    met = len(record.expectations) - len(failed)
+    lines = [
+        f"dataset {record.dataset_uri}: {head} ({counts.usable} usable of {counts.files} files; "
+        f"{met} of {len(record.expectations)} expectations met)"
+    ]
+    lines.extend(split_count_lines(counts.per_split))
+    for check in failed:
+        observed = describe_observed(check.observed)
+        lines.append(f"- {check.name}: {check.description} (observed: {observed})")
+        shown = check.offending_files[:SUMMARY_FILES_PER_CHECK]
+        for path in shown:
+            reason = check.reasons.get(path)
+            lines.append(f"    {path}" + (f": {reason}" if reason else ""))
+        unexpected = (
+            check.observed.get("unexpected_count") if isinstance(check.observed, dict) else None
         )
+        total = unexpected if isinstance(unexpected, int) else len(check.offending_files)
+        if total > len(shown):
+            more = total - len(shown)
+            lines.append(f"    ... and {more} more (see validation.json and the manifest)")
+    if record.drift.status == "failed":
+        lines.append(f"- drift: {record.drift.message}")
+    lines.extend(f"warning: {text}" for text in record.warnings)
+    lines.append(f"details: {validation_uri_of(record)}")
+    return "\n".join(lines)
+
+
+def validation_uri_of(record: ValidationRecord) -> str:
+    """Return where ``record`` was written: validation.json beside its manifest."""
+    manifest = record.manifest_uri
+    if storage.is_s3(manifest):
+        return f"{manifest.rsplit('/', 1)[0]}/{VALIDATION_RECORD}"
+    return str(Path(manifest).with_name(VALIDATION_RECORD))
 
 
 def validate_dataset(
@@ -135,13 +104,14 @@ def validate_dataset(
     *,
     history_uri: str | None = None,
     workers: int | None = None,
-) -> ValidationReport:
+) -> ValidationRecord:
     """Scan and validate a dataset; write manifest, validation.json and Data Docs to out_uri.
 
     Raises DatasetUnusableError (one-line reason) when there is nothing to validate: a missing
     path, no files, or no file in the ``<split>/<class>/<file>`` layout. Every other problem is
-    a failed check in the returned report. After a pass, the dataset's profile is stored under
-    ``history_uri`` as the baseline for the next drift comparison.
+    a failed check in the returned record (``summary`` puts it on one screen). After a pass,
+    the dataset's profile is stored under ``history_uri`` as the baseline for the next drift
+    comparison.
     """
     with _gc_spares_existing_objects():
         return _validate(dataset_uri, out_uri, config or ValidationConfig(), history_uri, workers)
@@ -172,7 +142,7 @@ def _validate(
     config: ValidationConfig,
     history_uri: str | None,
     workers: int | None,
-) -> ValidationReport:
+) -> ValidationRecord:
     scanned = scan(
         dataset_uri,
         workers=workers,
@@ -187,8 +157,8 @@ def _validate(
             f"(e.g. train/cat/1.png); found {len(manifest)} file(s) elsewhere"
         )
 
-    manifest_uri = storage.join(out_uri, "manifest.parquet")
-    validation_uri = storage.join(out_uri, "validation.json")
+    manifest_uri = storage.join(out_uri, MANIFEST)
+    validation_uri = storage.join(out_uri, VALIDATION_RECORD)
     data_docs_uri = storage.join(out_uri, "data_docs", "index.html")
     # The parquet encoding, upload or fsync mostly runs outside the GIL: it overlaps the suite.
     with (
@@ -218,37 +188,34 @@ def _validate(
         example = scanned.ignored[0]["path"]
         warnings.append(f"{len(scanned.ignored)} hidden/system file(s) ignored, e.g. {example}")
     drift = _drift(profile, _load_baseline(history_uri, dataset_uri), config)
-    if drift["status"] == "warning":
-        warnings.append(f"drift: {drift['message']}")
-    success = outcome.success and drift["status"] != "failed"
-
-    usable = int(manifest["decode_ok"].sum())
-    counts = {
-        "files": len(manifest),
-        "usable": usable,
-        "errors": int((~manifest["decode_ok"]).sum()),
-        "ignored": len(scanned.ignored),
-        "per_split": outcome.class_counts,
-    }
-    report = ValidationReport(
-        success=success,
+    if drift.status == "warning":
+        warnings.append(f"drift: {drift.message}")
+    record = ValidationRecord(
+        success=outcome.success and drift.status != "failed",
         dataset_uri=dataset_uri,
         fingerprint=fingerprint,
-        counts=counts,
-        checks=outcome.checks,
+        counts=DatasetCounts(
+            files=len(manifest),
+            usable=int(manifest["decode_ok"].sum()),
+            errors=int((~manifest["decode_ok"]).sum()),
+            ignored=len(scanned.ignored),
+            per_split=outcome.class_counts,
+        ),
+        expectations=outcome.checks,
         ignored=scanned.ignored,
         drift=drift,
         warnings=warnings,
-        config=config,
+        config=config.to_dict(),
         manifest_uri=manifest_uri,
-        validation_uri=validation_uri,
         data_docs_uri=data_docs_uri,
+        validated_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        versions={"great_expectations": gx.__version__, "pillow": PIL.__version__},
     )
-    write_artifact(validation_uri, report.record())
-    if success and history_uri is not None:
+    write_artifact(validation_uri, record)
+    if record.success and history_uri is not None:
         write_artifact(_history_entry_uri(history_uri, dataset_uri), profile)
-    # The caller shows report.summary (the pipeline logs it once, the CLI prints it).
-    return report
+    # The caller shows summary(record) (the pipeline logs it once, the CLI prints it).
+    return record
 
 
 def split_count_lines(per_split: dict[str, dict[str, int]]) -> list[str]:
@@ -365,10 +332,10 @@ def _profile(
 
 def _drift(
     profile: DatasetProfile, baseline: DatasetProfile | None, config: ValidationConfig
-) -> dict[str, Any]:
+) -> DriftBlock:
     """Compare a profile with the baseline: class-proportion TVD and median size change."""
     if baseline is None:
-        return {"status": "no_baseline", "message": "no earlier validated dataset of this name"}
+        return DriftBlock(status="no_baseline", message="no earlier validated dataset of this name")
     old_p, new_p = baseline.class_proportions, profile.class_proportions
     labels = set(old_p) | set(new_p)
     # Total variation distance: the share of images that would have to change class.
@@ -388,21 +355,20 @@ def _drift(
         f"by {size_change:.1%} since {baseline.validated_at} "
         f"(fingerprint {baseline.fingerprint[:12]})"
     )
+    status: Literal["ok", "warning", "failed"] = "ok"
     if config.drift_max is not None and score > config.drift_max:
         status = "failed"
         message += f"; above drift_max {config.drift_max:.1%}"
     elif score > config.drift_warn:
         status = "warning"
-    else:
-        status = "ok"
-    return {
-        "status": status,
-        "score": score,
-        "class_proportion_tvd": class_tvd,
-        "median_size_change": size_change,
-        "drift_warn": config.drift_warn,
-        "drift_max": config.drift_max,
-        "baseline": baseline.model_dump(
+    return DriftBlock(
+        status=status,
+        score=score,
+        class_proportion_tvd=class_tvd,
+        median_size_change=size_change,
+        drift_warn=config.drift_warn,
+        drift_max=config.drift_max,
+        baseline=baseline.model_dump(
             include={
                 "fingerprint",
                 "validated_at",
@@ -412,8 +378,6 @@ def _drift(
                 "median_height",
             }
         ),
-        "current": profile.model_dump(
-            include={"class_proportions", "median_width", "median_height"}
-        ),
-        "message": message,
-    }
+        current=profile.model_dump(include={"class_proportions", "median_width", "median_height"}),
+        message=message,
+    )

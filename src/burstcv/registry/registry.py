@@ -25,7 +25,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from burstcv import lineage
 from burstcv_spec import layout, storage
@@ -33,13 +32,15 @@ from burstcv_spec.contracts import (
     AliasRecord,
     ArtifactError,
     HistoryEvent,
+    Lineage,
     ModelCard,
+    RegistryDecision,
     RegistryEntry,
     parse_artifact,
     read_artifact,
     write_artifact,
 )
-from burstcv_spec.layout import RegistryLayout
+from burstcv_spec.layout import MODEL_CARD, RegistryLayout
 
 log = logging.getLogger(__name__)
 
@@ -118,33 +119,29 @@ class Registry:
         """Return a version's model.json."""
         return read_artifact(self.layout.model_card(version), ModelCard)
 
-    def register(self, model_dir_uri: str, decision: dict[str, Any]) -> int:
+    def register(self, model_dir_uri: str, decision: RegistryDecision) -> int:
         """Copy model.onnx + model.json from a run into a new version; return its number.
 
         ``decision`` is the gate's part of entry.json (status, reason, gate, benchmark,
-        params); the registry adds the version, hashes and lineage, and the whole entry is
-        validated (RegistryEntry) before anything is copied.
+        params); the registry adds the version, hashes and lineage.
         """
-        card = read_artifact(storage.join(model_dir_uri, "model.json"), ModelCard)
-        fields = {
-            **decision,
-            "model": self.model_name,
-            "sha256": card.sha256,
-            "lineage": {
-                "run_id": card.run_id,
-                "dataset_fingerprint": card.dataset_fingerprint,
-                "source_commit": card.source_commit,
-            },
-        }
-        # Checked before a version number is claimed: a bad decision leaves no empty version.
-        parse_artifact({**fields, "version": 1, "registered_at": ""}, RegistryEntry, "entry.json")
+        card = read_artifact(storage.join(model_dir_uri, MODEL_CARD), ModelCard)
         onnx_bytes = storage.read_bytes(storage.join(model_dir_uri, card.onnx_file))
         version = self._claim_version()
         storage.write_bytes(self.version_uri(version, card.onnx_file), onnx_bytes)
         registered = card.model_copy(update={"version": version})
         write_artifact(self.layout.model_card(version), registered)
-        entry = RegistryEntry.model_validate(
-            {**fields, "version": version, "registered_at": lineage.utc_now_iso()}
+        entry = RegistryEntry(
+            **dict(decision),
+            version=version,
+            model=self.model_name,
+            sha256=card.sha256,
+            registered_at=lineage.utc_now_iso(),
+            lineage=Lineage(
+                run_id=card.run_id,
+                dataset_fingerprint=card.dataset_fingerprint,
+                source_commit=card.source_commit,
+            ),
         )
         # entry.json is written last: a version without it is incomplete and never listed.
         write_artifact(self.layout.entry(version), entry)

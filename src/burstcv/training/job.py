@@ -15,7 +15,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
-from burstcv.training.names import check_architecture, is_pretrained, pretrained_kind
+from burstcv.training.names import (
+    FREEZE_NEEDS_WEIGHTS,
+    check_architecture,
+    is_pretrained,
+    pretrained_value,
+)
 from burstcv_spec import storage
 from burstcv_spec.contracts import FailedMarker, write_artifact
 from burstcv_spec.layout import FAILED_MARKER
@@ -122,17 +127,12 @@ class JobSpec(BaseModel):
     @field_validator("pretrained")
     @classmethod
     def _pretrained_form(cls, value: str) -> str:
-        if pretrained_kind(value) == "auto":
-            raise ValueError("pretrained 'auto' is resolved at validate; name the weights")
-        return value.strip()
+        return pretrained_value(value, auto_allowed=False)
 
     @model_validator(mode="after")
     def _freeze_needs_weights(self) -> JobSpec:
         if self.freeze_backbone_epochs and not is_pretrained(self.pretrained):
-            raise ValueError(
-                "freeze_backbone_epochs needs pretrained weights: a backbone trained from "
-                "scratch has nothing worth freezing"
-            )
+            raise ValueError(FREEZE_NEEDS_WEIGHTS)
         return self
 
     @field_validator("classes")

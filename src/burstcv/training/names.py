@@ -60,6 +60,22 @@ def pretrained_kind(pretrained: str) -> PretrainedKind:
     )
 
 
+def pretrained_value(pretrained: str, *, auto_allowed: bool) -> str:
+    """Return a ``pretrained`` value, stripped; raise ValueError for one of no known form.
+
+    ``auto`` is allowed where it is still to be resolved (a run's params), not in a job.
+    """
+    if pretrained_kind(pretrained) == "auto" and not auto_allowed:
+        raise ValueError("pretrained 'auto' is resolved at validate; name the weights")
+    return pretrained.strip()
+
+
+FREEZE_NEEDS_WEIGHTS = (
+    "freeze_backbone_epochs needs pretrained weights: a backbone trained from scratch has "
+    "nothing worth freezing"
+)
+
+
 def is_pretrained(pretrained: str) -> bool:
     """Return True unless ``pretrained`` is "none" (the model is trained from scratch).
 

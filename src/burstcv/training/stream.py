@@ -664,3 +664,29 @@ class ShardStream:
                 trim_heap()
         finally:
             loader.close()
+
+
+def sample_split(uris: list[str], classes: list[str], limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """Return up to ``limit`` images (and label indices) evenly spaced over a split's shards.
+
+    The orchestrator never holds a whole split: shard sizes come from their headers, and the
+    shards are read one at a time, keeping only the chosen rows. A split of ``limit`` images or
+    fewer is returned whole, in shard order.
+    """
+    counts = [read_shard_info(uri, classes).count for uri in uris]
+    total = sum(counts)
+    picks = np.unique(np.linspace(0, total - 1, num=min(limit, total)).round().astype(np.int64))
+    images: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
+    start = 0
+    for uri, count in zip(uris, counts, strict=True):
+        local = picks[(picks >= start) & (picks < start + count)] - start
+        if len(local):
+            shard_images, shard_labels = load_shard(uri, classes)
+            images.append(shard_images[local])  # a copy: the shard's memory goes at once
+            labels.append(shard_labels[local])
+            del shard_images
+        start += count
+    if not images:
+        raise ValueError(f"no images in the shards {uris[:3]}")
+    return np.concatenate(images), np.concatenate(labels)

@@ -1,0 +1,229 @@
+"""Follow a run's training attempts: launch one, read its state, progress and box logs.
+
+A run trains in one or more attempts (a relaunch after a lost box resumes from the
+checkpoint). Each attempt has its record in the job folder (the attempt the run waits for,
+each box's launch, place and price), and its boxes write markers, progress and logs there.
+The pipeline's provision and relaunch start attempts through ``launch_attempt``; the train
+task's trigger and operator read an attempt's state, progress lines and box logs from here.
+Everything is read from the artifact store and the backend's description of the boxes: no
+GPU time is spent to look.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from burstcv import lineage
+from burstcv.compute.backends import get_backend
+from burstcv.compute.base import ComputeBackend, InstanceInfo, job_outcome
+from burstcv.compute.billing import record_launch, run_bill
+from burstcv.settings import Settings
+from burstcv.training.job import attempt_dir, load_job
+from burstcv_spec import storage
+from burstcv_spec.contracts import (
+    ArtifactError,
+    AttemptRecord,
+    FailedMarker,
+    Launch,
+    TrainingOutcome,
+    TrainingProgress,
+    read_artifact,
+    write_artifact,
+)
+from burstcv_spec.layout import ATTEMPT_RECORD, FAILED_MARKER, JOB_SPEC, PROGRESS
+from burstcv_spec.storage import safe_run_id
+
+log = logging.getLogger(__name__)
+
+
+ATTEMPT_FILE = ATTEMPT_RECORD  # in the job folder: the attempt the run now waits for
+
+
+def launch_attempt(
+    backend_name: str, launch: Launch, job_dir: str, attempt: int, settings: Settings
+) -> list[str]:
+    """Start an attempt's boxes; record the attempt and each box's place and price."""
+    backend = get_backend(backend_name, settings)
+    ids = backend.launch(launch, attempt)
+    write_artifact(
+        storage.join(job_dir, ATTEMPT_FILE),
+        AttemptRecord(attempt=attempt, instance_ids=ids, launched_at=lineage.utc_now_iso()),
+    )
+    _record_launch(backend_name, backend, launch, job_dir, attempt, ids, settings)
+    return ids
+
+
+def _record_launch(
+    backend_name: str,
+    backend: ComputeBackend,
+    launch: Launch,
+    job_dir: str,
+    attempt: int,
+    ids: list[str],
+    settings: Settings,
+) -> None:
+    """Write the attempt's launch record: each box's place, price (quoted now) and launch."""
+    from burstcv.compute.ec2 import Ec2Backend
+    from burstcv.cost.budget import candidate_prices
+
+    region = ""
+    fallback: list[float] = []
+
+    def price_of(info: InstanceInfo) -> tuple[float, str]:
+        if not isinstance(backend, Ec2Backend):
+            return 0.0, "local compute"
+        found = backend.price_quote(info)
+        if found is not None:
+            return found.usd_per_hour, f"{found.source}, {found.as_of}"
+        if not fallback:  # a price nobody has: the highest known of the run's types
+            known = candidate_prices(
+                launch.instance_types or [info.instance_type], settings
+            ).values()
+            fallback.append(max((usd for usd in known if usd is not None), default=0.0))
+        log.warning(
+            "no price for %s %s; billed at the highest known price of the run's types, $%.4f/h",
+            info.lifecycle,
+            info.instance_type,
+            fallback[0],
+        )
+        return fallback[0], "no quote: the highest known price of the run's types"
+
+    if isinstance(backend, Ec2Backend):
+        region = backend.settings.region
+    record_launch(
+        job_dir,
+        attempt,
+        run_key=launch.run.run_key,
+        dag_id=launch.dag_id,
+        backend=backend_name,
+        region=region,
+        boxes=[i for i in backend.describe(launch.run.run_key) if i.instance_id in ids],
+        price_of=price_of,
+        now=lineage.utc_now(),
+    )
+
+
+def current_attempt(output_uri: str) -> int:
+    """Return the run's latest launched attempt (1 before any relaunch)."""
+    uri = storage.join(output_uri, ATTEMPT_FILE)
+    return read_artifact(uri, AttemptRecord).attempt if storage.exists(uri) else 1
+
+
+def resumable(outcome: TrainingOutcome) -> bool:
+    """Return whether an attempt's outcome may be resumed by a new box.
+
+    A box that vanished (spot reclaim, crash, shutting down without a marker) or was
+    interrupted on purpose left a checkpoint to continue from; a job that failed on its own
+    would fail again.
+    """
+    return outcome.status == "lost" or (outcome.status == "failed" and outcome.resumable)
+
+
+def training_outcome(
+    run_id: str,
+    backend_name: str,
+    output_uri: str,
+    attempt: int = 1,
+    settings: Settings | None = None,
+) -> TrainingOutcome:
+    """Return an attempt's state: done, failed (stage, reason), lost (no marker) or running."""
+    status = job_outcome(
+        get_backend(backend_name, settings), safe_run_id(run_id), output_uri, attempt
+    )
+    if status == "failed":
+        uri = attempt_dir(output_uri, attempt, FAILED_MARKER)
+        try:
+            failed = read_artifact(uri, FailedMarker)
+        except ArtifactError as exc:  # failed all the same: say so rather than crash the wait
+            return TrainingOutcome(
+                status="failed", attempt=attempt, reason=f"unreadable FAILED marker: {exc}"
+            )
+        return TrainingOutcome(
+            status="failed",
+            attempt=attempt,
+            stage=failed.stage,
+            reason=failed.reason,
+            resumable=failed.resumable,
+        )
+    if status == "lost":
+        return TrainingOutcome(
+            status="lost",
+            attempt=attempt,
+            reason="every training instance stopped without writing DONE or FAILED",
+            resumable=True,
+        )
+    return TrainingOutcome(status=status, attempt=attempt)
+
+
+def _usd(amount: float) -> str:
+    return f"${amount:.2f}" if amount >= 0.1 or amount == 0 else f"${amount:.4f}"
+
+
+def progress_lines(
+    run_id: str,
+    backend_name: str,
+    output_uri: str,
+    attempt: int,
+    already_logged: int,
+    max_cost_usd: float | None = None,
+) -> list[str]:
+    """Return a line per epoch the attempt finished after its first ``already_logged`` ones.
+
+    Read from the job's progress.json (the box writes it at every epoch end). The figures a
+    reader scans for come first, so they fit the log viewer's width: the epoch, validation
+    accuracy and loss, the dollars spent and left of ``max_cost_usd`` (None: no budget), the
+    minutes left before the run's deadline; then train loss, speed, time and billed seconds.
+    Costs no GPU time: it reads the artifact store.
+    """
+
+    uri = storage.join(output_uri, PROGRESS)
+    if not storage.exists(uri):
+        return []
+    progress = read_artifact(uri, TrainingProgress)
+    mine = [e for e in progress.epochs if e.attempt == attempt]
+    epochs = mine[already_logged:]
+    if not epochs:
+        return []
+    now = lineage.utc_now()
+    bill = run_bill(output_uri, attempt, now)  # the attempt records, never the cloud's memory
+    billed, spent = sum(bill.billed_seconds.values()), bill.cost_usd
+    job = load_job(storage.join(output_uri, JOB_SPEC))
+    if job.deadline_at is not None:
+        left_s = max(0.0, (job.deadline_at - now).total_seconds())
+        time_left = f"{left_s / 60:.1f} min to the deadline"
+    else:
+        time_left = "no deadline"
+    if max_cost_usd is not None:
+        money = (
+            f"{_usd(spent)} of {_usd(max_cost_usd)}, {_usd(max(0.0, max_cost_usd - spent))} left"
+        )
+    else:
+        money = f"{_usd(spent)} spent, no budget"
+    total = progress.epochs_total
+    return [
+        f"epoch {e.epoch}/{total} val_accuracy {e.val_accuracy:.4f} "
+        f"val_loss {e.val_loss:.4f} | {money} | {time_left} | "
+        f"train_loss {e.train_loss:.4f}, {e.images_per_s:.0f} images/s, "
+        f"{e.elapsed_s:.0f} s, billed {billed:.0f} s, attempt {attempt}"
+        for e in epochs
+    ]
+
+
+def box_log_tail(
+    run_id: str,
+    backend_name: str,
+    output_uri: str,
+    attempt: int,
+    lines: int = 40,
+    settings: Settings | None = None,
+) -> list[str]:
+    """Return the last lines of each log the attempt's boxes shipped (newest box last)."""
+    tail: list[str] = []
+    for info in get_backend(backend_name, settings).describe(safe_run_id(run_id)):
+        uri = attempt_dir(output_uri, attempt, "logs", f"{info.instance_id}.log")
+        if not storage.exists(uri):
+            continue
+        text = storage.read_bytes(uri).decode("utf-8", errors="replace")
+        tail.append(f"--- {info.instance_id} ({uri}), last {lines} lines ---")
+        tail.extend(text.splitlines()[-lines:])
+    return tail
