@@ -21,12 +21,21 @@ service at every step, p99 against the queueing-delay target) are printed beside
 and compares concurrency-1 latency (add 1 to ``--connections``) and concurrency-16 goodput;
 ``--repeat N`` measures every step N times (medians), for a noisy shared machine.
 
+``--protocols`` instead weighs the service's fast HTTP protocol (``burstcv_serving.protocol``,
+built on uvicorn's private API) against its public fallback (uvicorn's httptools protocol,
+admission in ASGI middleware): the same checkout runs twice, ``FAST_PROTOCOL=true`` and
+``false``, both running, the same closed-loop steps alternating between them ``--repeat``
+times (medians). Per step: goodput, 503s per second, p50/p99 of the 200s and the server's
+CPU time per answer, and the ratios fast/public; then the gain on the figures the fast path
+is for (goodput and the p99 of the 200s under overload), against the 10% that keeps it.
+
 Load comes from ``wrk`` when it is installed (Debian: ``apt-get install -y wrk``), else from
 an asyncio/httpx generator in this process (which can itself become the bottleneck).
 
     python bench/serving.py [--model-dir DIR] [--torch-checkpoint model.pt] [--duration-s 5]
     python bench/serving.py --overload [--connections 16,64,256,400,800] [--duration-s 5]
         [--baseline-serving-dir ../main/serving] [--repeat 3]
+    python bench/serving.py --protocols [--connections 1,16,64,400,800] [--repeat 5]
 
 Without ``--model-dir`` a synthetic classifier (Conv → ReLU → GlobalAveragePool → Gemm) is
 built with onnx.helper, and the torch baseline is the same network as an nn.Module.
@@ -126,6 +135,11 @@ def write_synthetic_model(directory: Path) -> Path:
         "output": {"name": "logits", "kind": "logits"},
         "preprocess": spec.to_dict(),
         "metrics": {},
+        # Lineage, required by the model.json contract (there is none: it was built here).
+        "dataset_fingerprint": "0" * 64,
+        "source_commit": "unknown",
+        "run_id": "bench-synthetic",
+        "created_at": "2025-01-01T00:00:00Z",
     }
     (directory / "model.json").write_text(json.dumps(meta, indent=2))
     return directory
@@ -656,6 +670,139 @@ def overload(args: argparse.Namespace, model_dir: Path, body: bytes, work: Path)
         Path(args.json).write_text(json.dumps(results, indent=2))
 
 
+# The fast path stays only if it gains at least this much on the figure it serves.
+FAST_PATH_MIN_GAIN = 0.10
+# Steps at or past this many connections are overload: the service refuses most requests
+# (with the bench's model on 2 cores it sheds from a few hundred connections on).
+OVERLOAD_CONNECTIONS = 256
+
+
+def protocols(args: argparse.Namespace, model_dir: Path, body: bytes, work: Path) -> None:
+    """Step closed-loop connections against the fast protocol and the public fallback.
+
+    Both services run for the whole measurement, from the same checkout, and the steps
+    alternate between them (the order flipping each repeat), so a shift in the machine's load
+    hits both sides alike. Each log is checked for which protocol actually ran.
+    """
+    import httpx
+    import psutil
+
+    steps = [int(c) for c in args.connections.split(",")]
+    target_ms = Settings(model_dir=str(model_dir)).queue_delay_target_ms
+    load_start = _load_average()
+    with contextlib.ExitStack() as running:
+        servers = {
+            name: running.enter_context(
+                prediction_service(
+                    {
+                        **bench_service_settings(model_dir, args.threads),
+                        "FAST_PROTOCOL": str(fast).lower(),
+                        "LOG_LEVEL": "info",  # the line saying the fast path is off
+                    },
+                    log_path=work / f"{name}.log",
+                    serving_dir=args.serving_dir,
+                )
+            )
+            for name, fast in (("fast", True), ("public", False))
+        }
+        for name, server in servers.items():
+            off = "fast HTTP protocol off" in server.log_path.read_text()
+            if off != (name == "public"):
+                raise SystemExit(
+                    f"the {name} service did not run the {name} protocol:\n{server.log_tail()}"
+                )
+        cpu = {name: psutil.Process(server.process.pid) for name, server in servers.items()}
+        rows: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
+        for connections in steps:
+            runs: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
+            for repeat in range(args.repeat):
+                for name in list(servers)[:: 1 if repeat % 2 == 0 else -1]:
+                    url = f"{servers[name].url}/v1/predict"
+                    before = sum(cpu[name].cpu_times()[:2])
+                    row = load_closed_loop(url, body, connections, args.duration_s)
+                    # CPU over the warm-up, the window and the drain, per answer over the
+                    # warm-up and the window (answered at the window's rate; the drain
+                    # answers a request per connection at most).
+                    spent_s = sum(cpu[name].cpu_times()[:2]) - before
+                    answers = (row["ok_per_s"] + row["shed_per_s"]) * (args.duration_s + 1.0)
+                    row["cpu_ms_per_answer"] = 1000.0 * spent_s / max(answers, 1.0)
+                    runs[name].append(row)
+                    logger.info("%s at %d connections: %s", name, connections, row)
+            for name, measured in runs.items():
+                rows[name].append(_median_row(measured))
+        counters = {
+            name: shed_counters(httpx.get(f"{server.url}/metrics").text)
+            for name, server in servers.items()
+        }
+    results = {
+        "machine": {"cpus": len(os.sched_getaffinity(0)), "platform": platform.platform()},
+        "load_average": {"start": load_start, "end": _load_average()},
+        "queue_delay_target_ms": target_ms,
+        "repeat": args.repeat,
+        "steps": rows,
+        "counters": counters,
+    }
+    report_protocols(results, args.duration_s)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def report_protocols(results: dict[str, Any], seconds: float) -> None:
+    """Print both protocols per step, the ratios, and the gain against FAST_PATH_MIN_GAIN."""
+    fast, public = results["steps"]["fast"], results["steps"]["public"]
+    header = f"{'connections':>11}" + "".join(
+        f" | {name + ' 200/s':>12}{'503/s':>7}{'p50 ms':>8}{'p99 ms':>8}{'cpu ms':>7}{'other':>6}"
+        for name in ("fast", "public")
+    )
+    header += f" | {'200/s f/p':>9}{'p50 p/f':>8}{'p99 p/f':>8}{'cpu p/f':>8}"
+    lines = [
+        f"machine: {results['machine']}",
+        f"load average (1, 5, 15 min): {results['load_average']['start']} at start, "
+        f"{results['load_average']['end']} at end",
+        f"closed-loop clients, {seconds:.0f} s per step after 1 s of warm-up, median of "
+        f"{results['repeat']} (the two services alternating); a 503 is sent again at once "
+        "(Retry-After ignored); p50/p99 of the 200s alone; 'cpu ms' = the server's CPU time "
+        "per answer (200 or 503); ratios above 1 favour the fast protocol",
+        f"queue-delay target {results['queue_delay_target_ms']:.0f} ms",
+        "",
+        header,
+        "-" * len(header),
+    ]
+    overload: dict[str, list[float]] = {"goodput": [], "p99": []}
+    for ours, theirs in zip(fast, public, strict=True):
+        line = f"{ours['connections']:>11}"
+        for row in (ours, theirs):
+            line += (
+                f" | {row['ok_per_s']:>12.0f}{row['shed_per_s']:>7.0f}{row['ok_p50_ms']:>8.1f}"
+                f"{row['ok_p99_ms']:>8.1f}{row['cpu_ms_per_answer']:>7.2f}"
+                f"{row['other'] + row['errors']:>6.0f}"
+            )
+        goodput = _ratio(ours["ok_per_s"], theirs["ok_per_s"])
+        p99 = _ratio(theirs["ok_p99_ms"], ours["ok_p99_ms"])
+        line += (
+            f" | {goodput:>8.2f}x{_ratio(theirs['ok_p50_ms'], ours['ok_p50_ms']):>7.2f}x"
+            f"{p99:>7.2f}x{_ratio(theirs['cpu_ms_per_answer'], ours['cpu_ms_per_answer']):>7.2f}x"
+        )
+        lines.append(line)
+        if ours["connections"] >= OVERLOAD_CONNECTIONS:
+            overload["goodput"].append(goodput)
+            overload["p99"].append(p99)
+    if overload["goodput"]:
+        gain = max(
+            statistics.median(overload["goodput"]) - 1, statistics.median(overload["p99"]) - 1
+        )
+        verdict = "keep it" if gain >= FAST_PATH_MIN_GAIN else "delete it"
+        lines += [
+            "",
+            f"at {OVERLOAD_CONNECTIONS}+ connections, median over the steps: goodput fast/public "
+            f"{statistics.median(overload['goodput']):.3f}x, p99 of the 200s public/fast "
+            f"{statistics.median(overload['p99']):.3f}x",
+            f"fast path's gain: {gain:+.1%} (rule: keep at >= {FAST_PATH_MIN_GAIN:.0%}): {verdict}",
+        ]
+    lines += [f"{name} counters: {values}" for name, values in results["counters"].items()]
+    sys.stdout.write("\n".join(lines) + "\n")
+
+
 def _median_row(measured: list[dict[str, float]]) -> dict[str, float]:
     """Return the median of each figure over repeated measurements of one step."""
     medians = {key: statistics.median(row[key] for row in measured) for key in measured[0]}
@@ -763,13 +910,22 @@ def main() -> None:
         "the 200s, beside a plain FastAPI + onnxruntime service",
     )
     parser.add_argument(
-        "--connections", default="16,64,256,400,800", help="--overload steps, comma-separated"
+        "--protocols",
+        action="store_true",
+        help="step closed-loop connections against the fast HTTP protocol and its public "
+        "fallback (FAST_PROTOCOL=false), side by side",
+    )
+    parser.add_argument(
+        "--connections",
+        help="--overload/--protocols steps, comma-separated (default 16,64,256,400,800; "
+        "1,16,64,400,800 for --protocols)",
     )
     parser.add_argument(
         "--repeat",
         type=int,
         default=1,
-        help="--overload: measure each step this many times per service and report medians",
+        help="--overload/--protocols: measure each step this many times per service and "
+        "report medians",
     )
     parser.add_argument(
         "--baseline-serving-dir",
@@ -801,7 +957,12 @@ def main() -> None:
         raise SystemExit("--torch-checkpoint needs the --model-dir it was exported to")
     body_path = work / "body.bin"
     body_path.write_bytes(multipart_body(sample_png()))
+    if args.protocols:
+        args.connections = args.connections or "1,16,64,400,800"
+        protocols(args, model_dir, body_path.read_bytes(), work)
+        return
     if args.overload:
+        args.connections = args.connections or "16,64,256,400,800"
         overload(args, model_dir, body_path.read_bytes(), work)
         return
     use_wrk = shutil.which("wrk") is not None and not args.no_wrk

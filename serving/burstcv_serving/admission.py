@@ -28,10 +28,12 @@ while it is fresh, but otherwise gets its 503 only when that Retry-After has pas
 its arrival: a retry storm waits for its answers instead of taking the cores from the
 requests being served. Clients that honour Retry-After never see the difference.
 
-The decision is taken as soon as a request's headers are parsed: in uvicorn's HTTP protocol
-(``burstcv_serving.protocol``) before a task is started for the request, and in the ASGI
-middleware for any other server (and the test client). Everything here runs on the event
-loop: no lock.
+The decision is taken as soon as a request's headers are parsed: in the service's HTTP
+protocol (``burstcv_serving.protocol``) before a task is started for the request, and in the
+ASGI middleware under uvicorn's public protocol (the fallback ``protocol_for`` picks when the
+installed uvicorn is not the one the service's protocol was written for, or the setting
+``fast_protocol`` is off), any other server and the test client. Everything here runs on
+the event loop: no lock.
 """
 
 from __future__ import annotations
@@ -149,6 +151,7 @@ class AdmissionGate:
         # Early retries (see offer): they wait up to Retry-After instead of the target.
         self._held: deque[Waiter] = deque()
         self._sweep: asyncio.TimerHandle | None = None
+        self._sweep_due = float("inf")  # time.perf_counter() the sweep is armed for
         self._loop: asyncio.AbstractEventLoop | None = None
         # The time an admitted request takes, from admission (or the end of its body) to its
         # answer: a moving average, what admission expects of the next one.
@@ -207,6 +210,10 @@ class AdmissionGate:
         (self._held if early_retry else self._waiting).append(waiter)
         self._window_full = True
         if self._sweep is None:
+            self._arm(now)
+        elif not early_retry and waiter.arrived + self._target_s < self._sweep_due:
+            # The first to wait for the target, behind early retries due at Retry-After.
+            self._sweep.cancel()
             self._arm(now)
 
     def release(self, admitted_at: float, body_read_at: float | None = None) -> None:
@@ -314,6 +321,7 @@ class AdmissionGate:
         if due == float("inf"):  # nothing waits
             self._sweep = None
             return
+        self._sweep_due = due
         self._sweep = loop.call_later(max(due - now, 0.001), self._expire)
 
     def _expire(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
@@ -140,6 +141,10 @@ class BodyLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
 
+# An ASGI scope's client: (address, port), which names a connection while it is open.
+Client = tuple[object, ...]
+
+
 class _WaitingRequest:
     """A request waiting in the admission gate, resolved through a future."""
 
@@ -164,10 +169,13 @@ class _WaitingRequest:
 class AdmissionMiddleware:
     """Admit prediction requests through the admission gate before their body is read.
 
-    Under uvicorn the HTTP protocol has done it already (``burstcv_serving.protocol``); this
-    is the same gate for any other server and for the test client: a request waits for a
-    service slot, its body unread, and is answered 503 with ``Retry-After`` if none frees
-    within the queueing-delay target.
+    The service's own HTTP protocol has done it already (``burstcv_serving.protocol``); this
+    is the same gate under uvicorn's public protocol (``protocol_for``'s fallback), any other
+    server and the test client: a request waits for a service slot, its body unread, and is
+    answered 503 with ``Retry-After`` if none frees within the queueing-delay target.
+
+    Early retries (``AdmissionGate.offer``) are known by the client's address and port, which
+    name its connection while it is open: a 503's time is kept for Retry-After per client.
     """
 
     def __init__(
@@ -182,6 +190,27 @@ class AdmissionMiddleware:
         self.metrics = metrics
         self.max_discard_bytes = max_discard_bytes
         self.retry_after = ((b"retry-after", str(RETRY_AFTER_S).encode()),)
+        # time.perf_counter() of the last 503 per client (address, port), for Retry-After; and
+        # the same in time order, to forget each once its Retry-After has passed.
+        self._refused_at: dict[Client, float] = {}
+        self._refusals: deque[tuple[float, Client]] = deque()
+
+    def _early_retry(self, client: Client | None, now: float) -> bool:
+        """Tell whether a request from ``client`` comes before its last 503's Retry-After."""
+        refused_at = None if client is None else self._refused_at.get(client)
+        return refused_at is not None and now - refused_at < RETRY_AFTER_S
+
+    def _refused(self, client: Client | None) -> None:
+        """Remember that ``client`` was answered 503 now; forget those past Retry-After."""
+        now = time.perf_counter()
+        refusals, refused_at = self._refusals, self._refused_at
+        while refusals and now - refusals[0][0] >= RETRY_AFTER_S:
+            then, old = refusals.popleft()
+            if refused_at.get(old) == then:
+                del refused_at[old]
+        if client is not None:
+            refused_at[client] = now
+            refusals.append((now, client))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
@@ -199,7 +228,8 @@ class AdmissionMiddleware:
             return
         arrived = state.setdefault("received_at", time.perf_counter())
         waiter = _WaitingRequest(arrived, asyncio.get_running_loop().create_future())
-        service.gate.offer(waiter)
+        client = tuple(scope["client"]) if scope.get("client") else None
+        service.gate.offer(waiter, early_retry=self._early_retry(client, arrived))
         try:
             refused = await waiter.future
             if refused is None:
@@ -213,6 +243,7 @@ class AdmissionMiddleware:
         if not close and client_closes(scope):
             await discard_body(receive)
         await send_error(send, 503, refused.detail, close=close, extra_headers=self.retry_after)
+        self._refused(client)
 
 
 class MetricsMiddleware:

@@ -20,19 +20,29 @@ Each connection remembers when it was last answered 503: a request it sends befo
 answer's Retry-After has passed is an early retry, which the gate makes wait up to
 Retry-After rather than the target for a slot (see ``AdmissionGate.offer``).
 
-It extends uvicorn's httptools protocol at one private method, ``_start_asgi_task``; the
-service pins uvicorn in its requirements, and tests/serving run it as a real process.
+It extends uvicorn's httptools protocol at one private method, ``_start_asgi_task``, and
+reads its private state (the parser, the pipeline, the current cycle), so it is written for
+one uvicorn version (``WRITTEN_FOR_UVICORN``, the one serving/requirements.txt pins).
+``protocol_for`` is the one door: it hands uvicorn this protocol only when the installed
+uvicorn is that version and its ``_start_asgi_task`` has the expected signature, and the
+setting ``fast_protocol`` is on; otherwise uvicorn's own httptools protocol runs and the ASGI
+middleware (``burstcv_serving.middleware.AdmissionMiddleware``) admits the same requests
+through the same gate, after uvicorn has started their task. tests/serving run the
+shedding tests both ways, as real processes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
+import logging
 import re
 import time
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Literal
 
+import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
@@ -46,6 +56,14 @@ from burstcv_serving.admission import (
 from burstcv_serving.metrics import ServiceMetrics
 from burstcv_serving.middleware import ADMITTED, must_close
 from burstcv_serving.state import ServiceState
+
+# The uvicorn release this module was written against (serving/requirements.txt pins it; a
+# test keeps the two equal). Any other release runs uvicorn's public protocol instead.
+WRITTEN_FOR_UVICORN = "0.54.0"
+# The parameters of the private method it overrides, in that release.
+_START_ASGI_TASK_PARAMETERS = ("self", "cycle", "app")
+
+log = logging.getLogger(__name__)
 
 _STATUS_LINE = b"HTTP/1.1 503 " + HTTPStatus.SERVICE_UNAVAILABLE.phrase.encode() + b"\r\n"
 
@@ -313,8 +331,44 @@ class AdmissionHttpProtocol(HttpToolsProtocol):
         cycle.on_response()
 
 
-def protocol_for(app: FastAPI) -> type[AdmissionHttpProtocol]:
-    """Return the protocol class that sheds for ``app`` (pass it to uvicorn as ``http``)."""
+def fast_path_mismatch() -> str | None:
+    """Say why the installed uvicorn cannot run ``AdmissionHttpProtocol``, or None if it can."""
+    installed = uvicorn.__version__
+    if installed != WRITTEN_FOR_UVICORN:
+        return f"uvicorn is {installed}, the protocol was written for {WRITTEN_FOR_UVICORN}"
+    method = getattr(HttpToolsProtocol, "_start_asgi_task", None)
+    if method is None:
+        return "uvicorn's HttpToolsProtocol has no _start_asgi_task"
+    try:
+        parameters = tuple(inspect.signature(method).parameters)
+    except (TypeError, ValueError):
+        parameters = ()
+    if parameters != _START_ASGI_TASK_PARAMETERS:
+        return (
+            f"uvicorn's HttpToolsProtocol._start_asgi_task takes {parameters}, "
+            f"not {_START_ASGI_TASK_PARAMETERS}"
+        )
+    return None
+
+
+def protocol_for(app: FastAPI) -> type[AdmissionHttpProtocol] | Literal["httptools"]:
+    """Return the HTTP protocol to serve ``app`` with (pass it to uvicorn as ``http``).
+
+    The protocol that sheds for ``app`` when the setting ``fast_protocol`` is on and the
+    installed uvicorn is the one it was written for (``fast_path_mismatch``); otherwise
+    uvicorn's own httptools protocol, the ASGI middleware admitting requests.
+    """
+    if not app.state.settings.fast_protocol:
+        log.info("fast HTTP protocol off (setting): uvicorn's httptools protocol admits in ASGI")
+        return "httptools"
+    mismatch = fast_path_mismatch()
+    if mismatch is not None:
+        log.warning(
+            "fast HTTP protocol off: %s; serving with uvicorn's httptools protocol, admitting "
+            "requests in ASGI middleware",
+            mismatch,
+        )
+        return "httptools"
     return type(
         "AdmissionHttpProtocolForApp",
         (AdmissionHttpProtocol,),

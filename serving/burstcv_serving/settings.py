@@ -77,6 +77,10 @@ class Settings(BaseSettings):
     # at most uvicorn's read buffer (64 KiB) of its body while it waits.
     max_waiting: int = Field(default=2048, ge=0)
     max_batch_files: int = Field(default=64, ge=1)  # files in one /v1/predict/batch request
+    # Admit prediction requests in the service's own HTTP protocol (burstcv_serving.protocol,
+    # built on uvicorn's private API), when the installed uvicorn is the one it was written
+    # for; false: always uvicorn's public httptools protocol, admitting in ASGI middleware.
+    fast_protocol: bool = True
 
     # Input limits.
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)  # whole request body

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from servingkit import Registry, make_settings
+from servingkit import PROTOCOLS, Registry, make_settings
 
 from burstcv_serving.main import create_app
 
@@ -25,3 +25,9 @@ def client(registry: Registry) -> Iterator[TestClient]:
     """Return a TestClient on the real app (lifespan run) serving version 1."""
     with TestClient(create_app(make_settings(registry))) as test_client:
         yield test_client
+
+
+@pytest.fixture(params=PROTOCOLS)
+def protocol(request: pytest.FixtureRequest) -> str:
+    """Run the test once per HTTP protocol of the service (pass it to running_server)."""
+    return str(request.param)

@@ -225,14 +225,35 @@ def png_header_only(width: int, height: int) -> bytes:
     )
 
 
+# The service's HTTP protocols (burstcv_serving.protocol.protocol_for): its own, admitting
+# requests as their headers are parsed, and uvicorn's public one, admitting in ASGI middleware.
+PROTOCOLS = ("fast", "public")
+# What the service logs when it serves with uvicorn's public protocol.
+PUBLIC_PROTOCOL_LOG = "fast HTTP protocol off"
+
+
 @contextlib.contextmanager
-def running_server(registry: Registry, log_dir: Path, **env: str) -> Iterator[Server]:
+def running_server(
+    registry: Registry, log_dir: Path, *, protocol: str = "fast", **env: str
+) -> Iterator[Server]:
     """Run ``python -m burstcv_serving`` on a free port until the block ends.
 
     ``env`` adds BURSTCV_SERVING_* settings (name without the prefix, e.g. MAX_QUEUE="4").
+    ``protocol`` (one of PROTOCOLS) says which HTTP protocol it serves with; its log says
+    which one ran, and that is checked before the block starts.
     """
-    settings = {"REGISTRY_URI": registry.root, "POLL_INTERVAL_S": 0, "INTRA_OP_THREADS": 1}
+    settings = {
+        "REGISTRY_URI": registry.root,
+        "POLL_INTERVAL_S": 0,
+        "INTRA_OP_THREADS": 1,
+        "FAST_PROTOCOL": str(protocol == "fast").lower(),
+        "LOG_LEVEL": "info",  # the line naming the public protocol
+    }
     with prediction_service(
         {**settings, **env}, log_path=log_dir / "server.log", timeout_s=30
     ) as server:
+        public = PUBLIC_PROTOCOL_LOG in server.log_path.read_text(errors="replace")
+        assert public == (protocol == "public"), (
+            f"not the {protocol} protocol:\n{server.log_tail()}"
+        )
         yield server

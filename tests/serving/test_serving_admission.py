@@ -627,6 +627,26 @@ def test_each_waiting_request_is_refused_at_its_own_target_not_before() -> None:
     assert cast(float, first.refused_at) < second.arrived + target_s  # not at the second's
 
 
+def test_a_request_behind_an_early_retry_is_refused_at_its_target_not_at_retry_after() -> None:
+    async def scenario() -> _Request:
+        gate, _, _ = _gate(1)
+        gate.start()
+        now = time.perf_counter()
+        gate.offer(_Request("holder", now))
+        gate.offer(_Request("early retry", now), early_retry=True)  # the sweep: in 1 s
+        waits = _Request("waits", now)
+        gate.offer(waits)  # due at the 100 ms target
+        deadline = time.monotonic() + 5
+        while waits.refused is None:
+            assert time.monotonic() < deadline, "the waiting request was never refused"
+            await asyncio.sleep(0.005)
+        return waits
+
+    waits = asyncio.run(scenario())
+    assert waits.refused is not None and waits.refused.reason == "queue_delay"
+    assert cast(float, waits.refused_at) < waits.arrived + RETRY_AFTER_S / 2
+
+
 @pytest.mark.parametrize("early_retry_first", [True, False], ids=["retry first", "retry last"])
 def test_waiting_requests_cost_the_event_loop_nothing_until_one_is_due(
     early_retry_first: bool,

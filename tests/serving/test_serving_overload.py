@@ -16,6 +16,7 @@ import pytest
 from servingkit import Registry, image_bytes, make_settings, running_server
 from starlette.types import Message, Scope
 
+from burstcv_serving.admission import RETRY_AFTER_S
 from burstcv_serving.main import create_app
 from burstcv_serving.metrics import SHED_REASONS
 
@@ -62,7 +63,7 @@ def test_a_send_first_client_reads_the_413_for_an_oversized_body(
         assert ok.status_code == 200
 
 
-def _scope(body: bytes) -> Scope:
+def _scope(body: bytes, client: tuple[str, int] = ("127.0.0.1", 1)) -> Scope:
     return {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -78,7 +79,7 @@ def _scope(body: bytes) -> Scope:
             (b"content-type", f"multipart/form-data; boundary={BOUNDARY}".encode()),
             (b"content-length", str(len(body)).encode()),
         ],
-        "client": ("127.0.0.1", 1),
+        "client": client,
         "server": ("test", 80),
     }
 
@@ -145,10 +146,64 @@ def test_a_request_that_gets_no_slot_within_the_target_is_refused_unread(
     assert sent["upload"][0]["status"] == 200
 
 
-def test_overload_sheds_with_retry_after_and_the_counters_move(
-    registry: Registry, tmp_path: Path
+def test_the_middleware_knows_an_early_retry_by_its_client_and_makes_it_wait_retry_after(
+    registry: Registry,
 ) -> None:
-    """48 closed-loop clients against a slow model for two seconds, on a real server process."""
+    """uvicorn's public protocol admits in ASGI middleware, which sees no connection: a client
+    (address and port) that sends again before its 503's Retry-After waits that long for its
+    503, while another client's request is refused at the target."""
+    settings = make_settings(registry, queue_delay_target_ms=60, service_slots=1, inline_max_ms=0)
+    app = create_app(settings)
+    body = _multipart(image_bytes("PNG"))
+    upload_arrives = asyncio.Event()
+
+    async def receive() -> Message:
+        await upload_arrives.wait()
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def request(client: tuple[str, int]) -> tuple[int, float]:
+        """Send a request from ``client``; return its status and how long it took."""
+        sent: list[Message] = []
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+
+        started = time.perf_counter()
+        await app(_scope(body, client), receive, send)
+        return sent[0]["status"], time.perf_counter() - started
+
+    def shed(reason: str) -> float:
+        value = app.state.metrics.registry.get_sample_value(
+            "burstcv_serving_shed_requests_total", {"reason": reason}
+        )
+        return float(value or 0.0)
+
+    async def scenario() -> list[tuple[int, float]]:
+        async with app.router.lifespan_context(app):
+            gate = app.state.service.gate
+            upload = asyncio.create_task(request(("127.0.0.1", 1)))
+            while gate.in_service == 0:  # the upload takes the only slot, waits for its body
+                await asyncio.sleep(0.001)
+            first = await request(("127.0.0.1", 2))
+            retry, other = await asyncio.gather(
+                request(("127.0.0.1", 2)), request(("127.0.0.1", 3))
+            )
+            upload_arrives.set()
+            return [first, retry, other, await upload]
+
+    (first, retry, other, upload) = asyncio.run(scenario())
+
+    assert [first[0], retry[0], other[0], upload[0]] == [503, 503, 503, 200]
+    assert first[1] < RETRY_AFTER_S / 2 and other[1] < RETRY_AFTER_S / 2  # at the 60 ms target
+    assert retry[1] >= RETRY_AFTER_S * 0.99  # the early retry waited out its Retry-After
+    assert (shed("queue_delay"), shed("early_retry")) == (2, 1)
+
+
+def test_overload_sheds_with_retry_after_and_the_counters_move(
+    registry: Registry, tmp_path: Path, protocol: str
+) -> None:
+    """48 closed-loop clients against a slow model for two seconds, on a real server process,
+    with each HTTP protocol."""
     registry.publish_and_promote(2, slow=True)
     payload = image_bytes("PNG")
     statuses: list[int] = []
@@ -172,7 +227,12 @@ def test_overload_sheds_with_retry_after_and_the_counters_move(
     # waiting: slots stay taken far longer than the 100 ms target, so the room refuses on any
     # machine; the first batch starts on an idle model, so some requests are answered too.
     with running_server(
-        registry, tmp_path, QUEUE_DELAY_TARGET_MS="100", MAX_BATCH_SIZE="4", SERVICE_SLOTS="4"
+        registry,
+        tmp_path,
+        protocol=protocol,
+        QUEUE_DELAY_TARGET_MS="100",
+        MAX_BATCH_SIZE="4",
+        SERVICE_SLOTS="4",
     ) as server:
         asyncio.run(load(server.url))
         metrics = httpx.get(f"{server.url}/metrics").text
@@ -241,12 +301,13 @@ def _request(body: bytes, extra: str = "") -> bytes:
 
 
 def test_waiting_requests_parsed_or_not_are_served_or_refused_on_a_kept_connection(
-    registry: Registry, tmp_path: Path
+    registry: Registry, tmp_path: Path, protocol: str
 ) -> None:
     """One slot, held by a slow upload. Behind it wait a request that was parsed (it found the
-    room empty) and one that waits as raw bytes (it found the room in use). Both are served
-    when the slot frees in time, both refused with 503 when it does not, and the connection
-    of a refused request goes on serving."""
+    room empty) and one that, with the fast protocol, waits as raw bytes (it found the room
+    in use; the public protocol parses both). Both are served when the slot frees in time,
+    both refused with 503 when it does not, and the connection of a refused request goes on
+    serving."""
     body = _multipart(image_bytes("PNG"))
     plain = _request(body)  # waits unparsed when the room is in use
     keep_alive = _request(body, "Connection: keep-alive\r\n")  # so does this one
@@ -261,7 +322,7 @@ def test_waiting_requests_parsed_or_not_are_served_or_refused_on_a_kept_connecti
             time.sleep(0.01)
 
     with running_server(
-        registry, tmp_path, SERVICE_SLOTS="1", QUEUE_DELAY_TARGET_MS="1500"
+        registry, tmp_path, protocol=protocol, SERVICE_SLOTS="1", QUEUE_DELAY_TARGET_MS="1500"
     ) as server:
         for slot_frees_in_time in (True, False):
             upload, parsed, unparsed = (_Connection(server.url) for _ in range(3))
@@ -299,14 +360,14 @@ def test_waiting_requests_parsed_or_not_are_served_or_refused_on_a_kept_connecti
 
 
 def test_a_send_first_client_reads_the_503_of_a_request_that_waited_in_vain(
-    registry: Registry, tmp_path: Path
+    registry: Registry, tmp_path: Path, protocol: str
 ) -> None:
     """urllib sends its whole body (here 1 MiB, past uvicorn's read buffer) before reading and
     asks to close: its 503 from the waiting room still reaches it, with Retry-After."""
     payload = image_bytes("PNG")
     padded = _multipart(payload + b"\0" * (1024 * 1024))  # trailing bytes after the PNG
     with running_server(
-        registry, tmp_path, SERVICE_SLOTS="1", QUEUE_DELAY_TARGET_MS="200"
+        registry, tmp_path, protocol=protocol, SERVICE_SLOTS="1", QUEUE_DELAY_TARGET_MS="200"
     ) as server:
         upload = _Connection(server.url)
         held = _request(_multipart(payload))
