@@ -889,7 +889,7 @@ def deploy(
     s = settings or get_settings()
     registry = Registry(s.registry_uri, s.model_name)
     urls = [u.strip().rstrip("/") for u in s.serving_url.split(",") if u.strip()]
-    result = deploy_version(
+    return deploy_version(
         registry,
         verdict.version,
         service_urls=urls,
@@ -897,7 +897,6 @@ def deploy(
         timeout_s=s.deploy_verify_timeout_s,
         actor=f"run:{run.airflow_run_id}",
     )
-    return Deployed.model_validate(result.to_dict())
 
 
 def report(run: RunRef, params: RunParams, settings: Settings | None = None) -> str:

@@ -624,7 +624,7 @@ def test_a_deploy_stages_everywhere_then_switches_every_service(
     v2 = register(registry, tmp_path, 2)
     urls = [f.url + "/" for f in fakes]  # a trailing slash is tolerated
     result = deploy(registry, v2, service_urls=urls, token=TOKEN, timeout_s=VERIFY_TIMEOUT_S)
-    assert result.to_dict() == {
+    assert result.model_dump(mode="json") == {
         "version": 2,
         "previous_version": 1,
         "services": {f.url: {"version": 2} for f in fakes},

@@ -24,7 +24,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,31 +39,13 @@ from burstcv.registry.registry import (
     RegistryError,
 )
 from burstcv_spec import storage
+from burstcv_spec.contracts import Deployed
 
 log = logging.getLogger(__name__)
 
 
 class DeployError(RuntimeError):
     """Raise when a deploy did not happen; the message is one line saying why, and what moved."""
-
-
-@dataclass
-class DeployResult:
-    """Say what was deployed where, and what each service reported."""
-
-    version: int
-    previous_version: int | None
-    services: dict[str, Any] = field(default_factory=dict)
-    staged: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return a JSON-ready dict."""
-        return {
-            "version": self.version,
-            "previous_version": self.previous_version,
-            "services": self.services,
-            "staged": self.staged,
-        }
 
 
 def one_line(text: str) -> str:
@@ -223,7 +204,7 @@ def deploy(
     actor: str = "api",
     action: str = "promote",
     expect: int | Current | None = CURRENT,
-) -> DeployResult:
+) -> Deployed:
     """Stage ``version`` on every service, then move production to it and switch them.
 
     ``expect`` is the version production must hold for the move (by default what it holds
@@ -260,13 +241,17 @@ def deploy(
                 f"{exc.alias} was moved to {_name(exc.found)} while version {version} was being "
                 f"staged; that move was left alone (run the command again to replace it)"
             ) from None
-        result = DeployResult(version, old.version if old else None, staged=staged)
+        previous_version = old.version if old else None
         if not urls:
-            return result
-        result.services, failed = switch_everywhere(urls, version, token, timeout_s)
+            return Deployed(
+                version=version, previous_version=previous_version, services={}, staged=staged
+            )
+        services, failed = switch_everywhere(urls, version, token, timeout_s)
         if not failed:
             log.info("version %d serving on %s", version, ", ".join(urls))
-            return result
+            return Deployed(
+                version=version, previous_version=previous_version, services=services, staged=staged
+            )
         why = "; ".join(f"{url}: {words}" for url, words in failed.items())
         if old is not None and old.version == version:
             raise DeployError(f"version {version} is production but not served: {why}")
@@ -292,7 +277,7 @@ def rollback(
     token: str,
     timeout_s: float,
     actor: str = "api",
-) -> DeployResult:
+) -> Deployed:
     """Deploy the previous version in place of production (staged first, like any deploy)."""
     current, previous = registry.get_alias(PRODUCTION), registry.get_alias(PREVIOUS)
     if current is None or previous is None:
