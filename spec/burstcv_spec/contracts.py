@@ -932,15 +932,20 @@ class AttemptBill(Artifact):
 class Billing(Artifact):
     """`runs/<run_key>/job/billing.json`: what teardown terminated and what it cost.
 
-    Also the teardown stage's result.
+    Also the teardown stage's result, and, with no ``terminated_at``, a run's bill so far (the
+    budget and the progress lines): one computation, from the attempts' records.
     """
 
-    instance_ids: list[str] = Field(description="instances terminated")
+    omit_when_none = frozenset({"terminated_at"})
+
+    instance_ids: list[str] = Field(description="instances terminated (or billed so far)")
     billed_seconds: dict[str, float] = Field(description="billed seconds per instance")
     cost_usd: float = Field(description="cost of the run's boxes, USD")
     backend: str = Field(description="compute backend: local or ec2")
     instances: list[InstanceRecord] = Field(description="every instance of the run")
-    terminated_at: str = Field(description="ISO 8601 UTC")
+    terminated_at: str | None = Field(
+        default=None, description="ISO 8601 UTC; null: a bill so far, the boxes may be up"
+    )
 
 
 class LatencyRecord(Artifact):

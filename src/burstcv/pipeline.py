@@ -26,7 +26,7 @@ from burstcv.compute.attempts import (
     training_outcome,
 )
 from burstcv.compute.backends import get_backend
-from burstcv.compute.base import STOPPED, WORKING
+from burstcv.compute.base import WORKING
 from burstcv.cost.budget import UnpricedRunError, bounded_time_budget
 from burstcv.data.imagesize import choose_image_size
 from burstcv.data.manifest import read_manifest
@@ -41,7 +41,6 @@ from burstcv_spec.contracts import (
     Exported,
     HostInfo,
     ImageSizeChoice,
-    InstanceRecord,
     LatencyRecord,
     Launch,
     ModelCard,
@@ -545,7 +544,7 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
 
     now = lineage.utc_now()
     record_end(provisioned.output_uri, attempt, instances, now)  # the attempt is over
-    spent = run_bill(provisioned.output_uri, attempt, now).cost_usd
+    spent = run_bill(provisioned.output_uri, attempt, now, backend=backend_name).cost_usd
     budget = provisioned.max_cost_usd
     if budget is not None and spent >= budget:
         raise TrainingFailed(
@@ -595,7 +594,7 @@ def terminate(run: RunRef, backend_name: str, settings: Settings | None = None) 
     if it has none), never from DescribeInstances, which forgets terminated instances after
     about an hour: the same rule as the budget and the progress lines (``run_bill``).
     """
-    from burstcv.compute.billing import attempt_bills, record_end, run_bill
+    from burstcv.compute.billing import record_end, run_bill
 
     backend = get_backend(backend_name, settings)
     gone = backend.terminate_run(run.run_key)
@@ -604,35 +603,15 @@ def terminate(run: RunRef, backend_name: str, settings: Settings | None = None) 
     described, now = backend.describe(run.run_key), lineage.utc_now()
     for attempt in range(1, last + 1):
         record_end(job_dir, attempt, described, now)
-    bill = run_bill(job_dir, last, now)
+    bill = run_bill(job_dir, last, now, backend=backend_name, airflow_run_id=run.airflow_run_id)
     unbilled = sorted(set(gone) - set(bill.billed_seconds))
     if unbilled:  # launched without a launch record: nothing says what it cost
         log.warning("no launch record for %s: not in the bill", unbilled)
-    billing = Billing(
-        instance_ids=[box.instance_id for box in bill.boxes] + unbilled,
-        billed_seconds=bill.billed_seconds,
-        cost_usd=bill.cost_usd,
-        backend=backend_name,
-        instances=[
-            InstanceRecord(
-                instance_id=box.instance_id,
-                run_id=record.run_key,
-                dag_id=record.dag_id,
-                state=STOPPED,
-                instance_type=box.instance_type,
-                lifecycle=box.market,
-                launched_at=box.launched_at,
-                stopped_at=box.ended_at,
-                airflow_run_id=run.airflow_run_id,
-                image_id=box.image_id,
-                zone=box.zone,
-                usd_per_hour=box.usd_per_hour,
-                cost_usd=bill.cost_by_box[box.instance_id],
-            )
-            for record in attempt_bills(job_dir, last)
-            for box in record.boxes
-        ],
-        terminated_at=lineage.utc_now_iso(),
+    billing = bill.model_copy(
+        update={
+            "instance_ids": bill.instance_ids + unbilled,
+            "terminated_at": lineage.utc_now_iso(),
+        }
     )
     write_artifact(run_layout(run, settings).billing, billing)
     log.info(

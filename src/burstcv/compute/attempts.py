@@ -185,7 +185,8 @@ def progress_lines(
     if not epochs:
         return []
     now = lineage.utc_now()
-    bill = run_bill(output_uri, attempt, now)  # the attempt records, never the cloud's memory
+    # The attempt records, never the cloud's memory.
+    bill = run_bill(output_uri, attempt, now, backend=backend_name)
     billed, spent = sum(bill.billed_seconds.values()), bill.cost_usd
     job = load_job(storage.join(output_uri, JOB_SPEC))
     if job.deadline_at is not None:

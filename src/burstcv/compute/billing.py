@@ -11,34 +11,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime
 
-from burstcv.compute.base import InstanceInfo
+from burstcv.compute.base import RUNNING, STOPPED, InstanceInfo
 from burstcv.cost.pricing import billed_seconds
 from burstcv.training.job import attempt_dir
 from burstcv_spec import storage
-from burstcv_spec.contracts import AttemptBill, BoxBill, read_artifact, write_artifact
+from burstcv_spec.contracts import (
+    AttemptBill,
+    Billing,
+    BoxBill,
+    InstanceRecord,
+    read_artifact,
+    write_artifact,
+)
 from burstcv_spec.layout import END_RECORD, LAUNCH_RECORD
 
 log = logging.getLogger(__name__)
 
 # Returns a box's $/hour and where that price came from (the backend's quote, or a fallback).
 PriceOf = Callable[[InstanceInfo], tuple[float, str]]
-
-
-@dataclass
-class RunBill:
-    """Say what a run's boxes have been billed, per box and in all, from the attempt records."""
-
-    boxes: list[BoxBill] = field(default_factory=list)
-    billed_seconds: dict[str, float] = field(default_factory=dict)
-    cost_by_box: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def cost_usd(self) -> float:
-        """Return what the run's boxes cost in all, USD."""
-        return sum(self.cost_by_box.values())
 
 
 def record_launch(
@@ -104,12 +96,16 @@ def attempt_bills(job_dir: str, last_attempt: int) -> list[AttemptBill]:
     return bills
 
 
-def run_bill(job_dir: str, last_attempt: int, now: datetime) -> RunBill:
+def run_bill(
+    job_dir: str, last_attempt: int, now: datetime, *, backend: str, airflow_run_id: str = ""
+) -> Billing:
     """Return the run's bill from its attempt records (a box still running: until now).
 
-    EC2's rule for each box: per second, at least 60 s, launch to end.
+    EC2's rule for each box: per second, at least 60 s, launch to end. ``terminated_at`` is
+    left unset: teardown sets it on the bill it writes as billing.json.
     """
-    bill = RunBill()
+    instances: list[InstanceRecord] = []
+    seconds_by_box: dict[str, float] = {}
     for attempt in attempt_bills(job_dir, last_attempt):
         for box in attempt.boxes:
             launched = datetime.fromisoformat(box.launched_at)
@@ -117,10 +113,31 @@ def run_bill(job_dir: str, last_attempt: int, now: datetime) -> RunBill:
             seconds = float(billed_seconds(launched, max(ended, launched)))
             if box.market == "local":
                 seconds = max(ended, launched).timestamp() - launched.timestamp()
-            bill.boxes.append(box)
-            bill.billed_seconds[box.instance_id] = seconds
-            bill.cost_by_box[box.instance_id] = box.usd_per_hour * seconds / 3600.0
-    return bill
+            seconds_by_box[box.instance_id] = seconds
+            instances.append(
+                InstanceRecord(
+                    instance_id=box.instance_id,
+                    run_id=attempt.run_key,
+                    dag_id=attempt.dag_id,
+                    state=STOPPED if box.ended_at else RUNNING,
+                    instance_type=box.instance_type,
+                    lifecycle=box.market,
+                    launched_at=box.launched_at,
+                    stopped_at=box.ended_at,
+                    airflow_run_id=airflow_run_id,
+                    image_id=box.image_id,
+                    zone=box.zone,
+                    usd_per_hour=box.usd_per_hour,
+                    cost_usd=box.usd_per_hour * seconds / 3600.0,
+                )
+            )
+    return Billing(
+        instance_ids=[box.instance_id for box in instances],
+        billed_seconds=seconds_by_box,
+        cost_usd=sum(box.cost_usd or 0.0 for box in instances),
+        backend=backend,
+        instances=instances,
+    )
 
 
 def _box(info: InstanceInfo, usd_per_hour: float, source: str, now: datetime) -> BoxBill:
