@@ -26,7 +26,6 @@ PARSES_OTHER_JSON: dict[str, str] = {
     "src/burstcv/cli.py": "the --conf option of `burstcv run`: run params typed by a user",
     "src/burstcv/params.py": "a JSON round trip that makes a param value plain JSON",
     "src/burstcv/compute/ec2.py": "STS DecodeAuthorizationMessage's answer, to name a refusal",
-    "src/burstcv/compute/local.py": "the local backend's own process records (pid, times)",
     "src/burstcv/cost/pricing.py": "the bundled price table and the Price List API's answers",
     "src/burstcv/registry/registry.py": "an alias file (then parse_artifact) and a lock's body",
     "src/burstcv/training/train.py": "checkpoint fields (then model_validate) and a job.json "

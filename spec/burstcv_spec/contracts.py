@@ -873,6 +873,31 @@ class AttemptRecord(Artifact):
     launched_at: str = Field(description="ISO 8601 UTC")
 
 
+class LocalProcessRecord(Artifact):
+    """`<compute state dir>/<run_key>/local-<id>.json`: one training process of the local backend.
+
+    The local backend's own record of a box it started (the state dir is on the worker, not
+    in the artifact store): enough to find, describe and stop the process group later.
+    """
+
+    omit_when_none = frozenset({"stopped_at", "start_ticks"})
+
+    instance_id: str = Field(description="local-<12 hex>: the box's id")
+    pid: int = Field(description="the wrapper's pid, which leads the process group")
+    start_ticks: int | None = Field(
+        default=None, description="the wrapper's start time in clock ticks (guards pid reuse)"
+    )
+    run_id: str = Field(description="the run key")
+    dag_id: str = Field(description="the DAG that launched it")
+    job_uri: str = Field(description="the job.json it trains")
+    airflow_run_id: str = Field(default="", description="the raw Airflow run id")
+    launched_at: str = Field(description="ISO 8601 UTC")
+    attempt: int = Field(ge=1, description="the training attempt")
+    expires_at: str = Field(description="ISO 8601 UTC: the reaper stops it after this")
+    log: str = Field(description="path of its log file")
+    stopped_at: str | None = Field(default=None, description="ISO 8601 UTC, once stopped")
+
+
 class TriggerHeartbeat(Artifact):
     """`runs/<run_key>/job/attempts/<n>/trigger.json`: when the attempt's trigger last polled."""
 
@@ -1083,6 +1108,7 @@ ARTIFACTS: tuple[type[Artifact], ...] = (
     DatasetProfile,
     SkipRecord,
     AttemptRecord,
+    LocalProcessRecord,
     TriggerHeartbeat,
     PriceQuote,
     AttemptBill,

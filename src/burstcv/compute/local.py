@@ -9,7 +9,6 @@ find processes by run id from these records, never from ids kept elsewhere.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shlex
@@ -20,7 +19,6 @@ import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 from burstcv import lineage
 from burstcv.compute.base import (
@@ -29,7 +27,7 @@ from burstcv.compute.base import (
     InstanceInfo,
 )
 from burstcv.settings import get_settings
-from burstcv_spec.contracts import Launch
+from burstcv_spec.contracts import Launch, LocalProcessRecord, read_artifact, write_artifact
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +51,10 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _alive(rec: dict[str, Any]) -> bool:
-    _reap(rec["pid"])
+def _alive(rec: LocalProcessRecord) -> bool:
+    _reap(rec.pid)
     # The group outlives its leader (the wrapper) while the training process finishes.
-    return _proc_start_ticks(rec["pid"]) == rec["start_ticks"] or _group_alive(rec["pid"])
+    return _proc_start_ticks(rec.pid) == rec.start_ticks or _group_alive(rec.pid)
 
 
 def _proc_start_ticks(pid: int) -> int | None:
@@ -123,7 +121,7 @@ class LocalBackend:
     def _run_dir(self, run_id: str) -> Path:
         return self.state_dir / run_id
 
-    def _records(self, run_id: str | None = None) -> list[tuple[Path, dict[str, Any]]]:
+    def _records(self, run_id: str | None = None) -> list[tuple[Path, LocalProcessRecord]]:
         dirs = (
             [self._run_dir(run_id)]
             if run_id
@@ -132,28 +130,28 @@ class LocalBackend:
         out = []
         for folder in dirs:
             for path in sorted(folder.glob("local-*.json")):
-                out.append((path, json.loads(path.read_text())))
+                out.append((path, read_artifact(str(path), LocalProcessRecord)))
         return out
 
-    def _info(self, path: Path, rec: dict[str, Any]) -> InstanceInfo:
+    def _info(self, path: Path, rec: LocalProcessRecord) -> InstanceInfo:
         alive = _alive(rec)
         stopped_file = path.with_suffix(".stopped")
         stopped_at = None
         if stopped_file.exists():
             stopped_at = datetime.fromtimestamp(float(stopped_file.read_text().split()[0]), UTC)
-        elif rec.get("stopped_at"):
-            stopped_at = datetime.fromisoformat(rec["stopped_at"])
+        elif rec.stopped_at:
+            stopped_at = datetime.fromisoformat(rec.stopped_at)
         return InstanceInfo(
-            instance_id=rec["instance_id"],
-            run_id=rec["run_id"],
-            dag_id=rec["dag_id"],
+            instance_id=rec.instance_id,
+            run_id=rec.run_id,
+            dag_id=rec.dag_id,
             state=RUNNING if alive else STOPPED,
-            expires_at=datetime.fromisoformat(rec["expires_at"]),
+            expires_at=datetime.fromisoformat(rec.expires_at),
             instance_type="local",
             lifecycle="local",
-            launched_at=datetime.fromisoformat(rec["launched_at"]),
+            launched_at=datetime.fromisoformat(rec.launched_at),
             stopped_at=stopped_at,
-            airflow_run_id=rec.get("airflow_run_id", ""),
+            airflow_run_id=rec.airflow_run_id,
         )
 
     # -- protocol --------------------------------------------------------------------------
@@ -189,20 +187,20 @@ class LocalBackend:
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )
-            record = {
-                "instance_id": instance_id,
-                "pid": proc.pid,
-                "start_ticks": _proc_start_ticks(proc.pid),
-                "run_id": launch.run.run_key,
-                "dag_id": launch.dag_id,
-                "job_uri": launch.job_uri,
-                "airflow_run_id": launch.run.airflow_run_id,
-                "launched_at": launched.isoformat(),
-                "attempt": attempt,
-                "expires_at": (deadline + timedelta(seconds=120)).isoformat(),
-                "log": str(log_path),
-            }
-            record_path.write_text(json.dumps(record, indent=2))
+            record = LocalProcessRecord(
+                instance_id=instance_id,
+                pid=proc.pid,
+                start_ticks=_proc_start_ticks(proc.pid),
+                run_id=launch.run.run_key,
+                dag_id=launch.dag_id,
+                job_uri=launch.job_uri,
+                airflow_run_id=launch.run.airflow_run_id,
+                launched_at=launched.isoformat(),
+                attempt=attempt,
+                expires_at=(deadline + timedelta(seconds=120)).isoformat(),
+                log=str(log_path),
+            )
+            write_artifact(str(record_path), record)
             ids.append(instance_id)
             log.info(
                 "launched %s (pid %d) for run %s, log %s",
@@ -225,7 +223,7 @@ class LocalBackend:
         """Stop the given processes: SIGTERM to the group, SIGKILL after the grace period."""
         wanted = set(instance_ids)
         for path, rec in self._records():
-            if rec["instance_id"] in wanted:
+            if rec.instance_id in wanted:
                 self._stop(path, rec)
 
     def terminate_run(self, run_id: str) -> list[str]:
@@ -233,14 +231,14 @@ class LocalBackend:
         ids = []
         for path, rec in self._records(run_id):
             self._stop(path, rec)
-            ids.append(rec["instance_id"])
+            ids.append(rec.instance_id)
         return ids
 
-    def _stop(self, path: Path, rec: dict[str, Any]) -> None:
-        pid = rec["pid"]  # the wrapper leads the box's process group: pgid == pid
+    def _stop(self, path: Path, rec: LocalProcessRecord) -> None:
+        pid = rec.pid  # the wrapper leads the box's process group: pgid == pid
         if not _alive(rec):
             return
-        log.info("terminating %s (process group %d)", rec["instance_id"], pid)
+        log.info("terminating %s (process group %d)", rec.instance_id, pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGTERM)  # training checkpoints on SIGTERM, then exits
         deadline = time.monotonic() + TERMINATE_GRACE_S
@@ -248,11 +246,13 @@ class LocalBackend:
             time.sleep(0.1)
         if _alive(rec):
             log.warning(
-                "%s ignored SIGTERM for %.0fs: killing it", rec["instance_id"], TERMINATE_GRACE_S
+                "%s ignored SIGTERM for %.0fs: killing it", rec.instance_id, TERMINATE_GRACE_S
             )
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
             while _alive(rec) and time.monotonic() < deadline + 10:
                 time.sleep(0.1)
-        rec["stopped_at"] = rec.get("stopped_at") or lineage.utc_now().isoformat()
-        path.write_text(json.dumps(rec, indent=2))
+        if rec.stopped_at is None:
+            write_artifact(
+                str(path), rec.model_copy(update={"stopped_at": lineage.utc_now().isoformat()})
+            )
