@@ -210,7 +210,7 @@ def examples() -> list[Contract]:
             decisions=[
                 ReapDecision(
                     instance_id="i-1",
-                    run_id="manual__x",
+                    run_key="manual__x",
                     dag_id="burstcv_pipeline",
                     reason="run-not-active",
                     detail="DAG run burstcv_pipeline/manual__x is not running",
@@ -226,7 +226,7 @@ def examples() -> list[Contract]:
             instance_id="local-0123456789ab",
             pid=4242,
             start_ticks=123456,
-            run_id="manual__x",
+            run_key="manual__x",
             dag_id="burstcv_pipeline",
             job_uri="/a/runs/manual__x/job/job.json",
             launched_at="2026-12-01T16:00:00+00:00",

@@ -771,7 +771,7 @@ class ReapDecision(Contract):
     """One box the reaper terminated (or, on a dry run, would), and why."""
 
     instance_id: str = Field(description="the EC2 instance id or local process id")
-    run_id: str = Field(description="the box's run key tag ('' without one)")
+    run_key: str = Field(description="the box's run key tag ('' without one)")
     dag_id: str = Field(description="the box's DAG tag ('' without one)")
     reason: Literal["expired", "run-not-active", "missing-run-tags"] = Field(
         description="past its expiry, its DAG run over, or no run tags at all"
@@ -783,7 +783,7 @@ class ReapError(Contract):
     """Something that went wrong in a reaper pass; the box was left as it was, the pass went on."""
 
     instance_id: str = Field(description="'' when the error was about listing the boxes")
-    run_id: str = Field(default="", description="the box's run key tag")
+    run_key: str = Field(default="", description="the box's run key tag")
     step: Literal["list", "check-run", "terminate"] = Field(
         description="listing the boxes, asking Airflow about a run, or terminating a box"
     )
@@ -887,7 +887,10 @@ class LocalProcessRecord(Artifact):
     start_ticks: int | None = Field(
         default=None, description="the wrapper's start time in clock ticks (guards pid reuse)"
     )
-    run_id: str = Field(description="the run key")
+    # Records written before the field was named run_key say run_id.
+    run_key: str = Field(
+        validation_alias=AliasChoices("run_key", "run_id"), description="the run key"
+    )
     dag_id: str = Field(description="the DAG that launched it")
     job_uri: str = Field(description="the job.json it trains")
     airflow_run_id: str = Field(default="", description="the raw Airflow run id")

@@ -232,7 +232,7 @@ def test_reaper_terminates_expired_and_orphaned_boxes_only(
         return RunActivity.OVER if run_id == "r-orphan" else RunActivity.ACTIVE
 
     dry = reap(backend, run_activity=is_active, dry_run=True)
-    assert sorted(d.run_id for d in dry.decisions) == ["r-expired", "r-orphan"]
+    assert sorted(d.run_key for d in dry.decisions) == ["r-expired", "r-orphan"]
     assert all(i.state == RUNNING for i in backend.list_managed())
     report = reap(backend, run_activity=is_active)
     assert sorted(d.reason for d in report.decisions) == ["expired", "run-not-active"]

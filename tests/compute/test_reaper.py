@@ -243,7 +243,7 @@ def test_burstcv_reap_exits_non_zero_when_the_pass_counted_errors(
     from burstcv import cli
 
     expired = ReapDecision(
-        instance_id="i-expired", run_id="r", dag_id="d", reason="expired", detail="expired"
+        instance_id="i-expired", run_key="r", dag_id="d", reason="expired", detail="expired"
     )
     throttled = ReapError(instance_id="i-other", step="terminate", error="ClientError: throttled")
     pass_with_an_error = [
@@ -336,7 +336,7 @@ def test_a_live_runs_box_is_kept_and_a_finished_runs_box_goes() -> None:
     assert backend.terminated == ["i-done"]
     assert report.instance_ids == ["i-done"]
     assert report.decisions[0].reason == REASON_RUN_NOT_ACTIVE
-    assert (report.decisions[0].run_id, report.decisions[0].dag_id) == ("done", DAG_ID)
+    assert (report.decisions[0].run_key, report.decisions[0].dag_id) == ("done", DAG_ID)
     assert report.kept == ["i-live"]
     assert report.errors == [] and report.warnings == []
     assert sorted(airflow.asked) == [(DAG_ID, "done"), (DAG_ID, "live")]
@@ -421,7 +421,7 @@ def test_an_answer_that_is_not_a_run_activity_keeps_the_box_and_counts_an_error(
     report = reap(backend, run_activity=Airflow({"odd": "over", "done": RunActivity.OVER}), now=NOW)
     assert backend.terminated == ["i-2"]
     assert report.kept == ["i-1"]
-    assert [(e.instance_id, e.run_id, e.step) for e in report.errors] == [
+    assert [(e.instance_id, e.run_key, e.step) for e in report.errors] == [
         ("i-1", "odd", "check-run")
     ]
     assert report.errors[0].error.startswith("TypeError")

@@ -143,7 +143,7 @@ class LocalBackend:
             stopped_at = datetime.fromisoformat(rec.stopped_at)
         return InstanceInfo(
             instance_id=rec.instance_id,
-            run_id=rec.run_id,
+            run_id=rec.run_key,
             dag_id=rec.dag_id,
             state=RUNNING if alive else STOPPED,
             expires_at=datetime.fromisoformat(rec.expires_at),
@@ -191,7 +191,7 @@ class LocalBackend:
                 instance_id=instance_id,
                 pid=proc.pid,
                 start_ticks=_proc_start_ticks(proc.pid),
-                run_id=launch.run.run_key,
+                run_key=launch.run.run_key,
                 dag_id=launch.dag_id,
                 job_uri=launch.job_uri,
                 airflow_run_id=launch.run.airflow_run_id,

@@ -48,7 +48,7 @@ def _expiry_decision(info: InstanceInfo) -> ReapDecision:
     expires_at = info.expires_at.isoformat() if info.expires_at else "?"
     return ReapDecision(
         instance_id=info.instance_id,
-        run_id=info.run_id,
+        run_key=info.run_id,
         dag_id=info.dag_id,
         reason=REASON_EXPIRED,
         detail=f"expired at {expires_at}",
@@ -64,7 +64,7 @@ def decide(
     if not info.run_id or not info.dag_id:
         return ReapDecision(
             instance_id=info.instance_id,
-            run_id=info.run_id,
+            run_key=info.run_id,
             dag_id=info.dag_id,
             reason=REASON_UNTRACEABLE,
             detail="managed but without run-id/dag-id tags: no run can own it",
@@ -75,7 +75,7 @@ def decide(
     if activity is RunActivity.OVER:
         return ReapDecision(
             instance_id=info.instance_id,
-            run_id=info.run_id,
+            run_key=info.run_id,
             dag_id=info.dag_id,
             reason=REASON_RUN_NOT_ACTIVE,
             detail=f"DAG run {info.dag_id}/{info.run_id} is not running",
@@ -129,7 +129,7 @@ def reap(
             report.errors.append(
                 ReapError(
                     instance_id=info.instance_id,
-                    run_id=info.run_id,
+                    run_key=info.run_id,
                     step="check-run",
                     error=f"{type(exc).__name__}: {exc}",
                 )
@@ -167,7 +167,7 @@ def _terminate(backend: ComputeBackend, decision: ReapDecision, report: ReaperRe
         "reaper: %s %s (run %s, dag %s): %s",
         "would terminate" if report.dry_run else "terminating",
         decision.instance_id,
-        decision.run_id,
+        decision.run_key,
         decision.dag_id,
         decision.detail,
     )
@@ -180,7 +180,7 @@ def _terminate(backend: ComputeBackend, decision: ReapDecision, report: ReaperRe
             report.errors.append(
                 ReapError(
                     instance_id=decision.instance_id,
-                    run_id=decision.run_id,
+                    run_key=decision.run_key,
                     step="terminate",
                     error=f"{type(exc).__name__}: {exc}",
                 )
