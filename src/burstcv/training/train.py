@@ -135,17 +135,6 @@ class Split:
         return self.images.device
 
 
-@dataclass
-class History:
-    """Collect per-epoch metrics and the wall-time split of the whole run."""
-
-    epochs: list[EpochRecord] = field(default_factory=list)
-    setup_s: float = 0.0
-    data_s: float = 0.0
-    compute_s: float = 0.0
-    eval_s: float = 0.0
-
-
 # ---------------------------------------------------------------------------------------------
 # Data
 
@@ -315,6 +304,12 @@ def _step_generator(seed: int, epoch: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + epoch * 10_007 + step)
 
 
+def _autocast(device: torch.device, amp_dtype: torch.dtype | None) -> torch.autocast:
+    return torch.autocast(
+        device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
+    )
+
+
 def evaluate(
     model: nn.Module,
     split: Split | ShardStream,
@@ -334,9 +329,7 @@ def evaluate(
             x = normalize(x_u8, mean, std, scale)
             if x.device.type == "cuda":
                 x = x.contiguous(memory_format=torch.channels_last)
-            with torch.autocast(
-                x.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
-            ):
+            with _autocast(x.device, amp_dtype):
                 logits = model(x)
             total_loss += float(F.cross_entropy(logits.float(), y, reduction="sum"))
             pred = logits.argmax(1)
@@ -352,95 +345,192 @@ def evaluate(
     }
 
 
-def train_one_epoch(
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    sched: torch.optim.lr_scheduler.LRScheduler,
-    train: Split | ShardStream,
-    job: JobSpec,
-    epoch: int,
-    start_step: int,
-    steps_per_epoch: int,
-    mean: torch.Tensor,
-    std: torch.Tensor,
-    scale: float,
-    amp_dtype: torch.dtype | None,
-    scaler: torch.amp.GradScaler | None,
-    d: Dist,
-    hist: History,
-    on_step: Any,
-    frozen: list[nn.Parameter] | None = None,
-) -> dict[str, float]:
-    """Train for the rest of one epoch from ``start_step``; return loss and images/s.
+@dataclass(frozen=True)
+class Run:
+    """Hold what stays the same through a run: the job, where it runs, the model, its optimiser."""
 
-    ``frozen`` parameters keep their values: their gradients are dropped before each step,
-    so the optimiser skips them (no update, no weight decay, no momentum). ``on_step(epoch,
-    step, window_loss)`` runs after every step; every ``DIVERGENCE_CHECK_STEPS`` steps and at
-    the epoch's last it gets the mean loss since the last such step (else None), and may
-    raise (Diverged, Interrupted, BudgetExhausted) to end the epoch there.
+    job: JobSpec  # its learning_rate is the range test's where the job asked for the sweep
+    attempt: int
+    d: Dist
+    device: torch.device
+    t_setup: float  # time.perf_counter() when the job started
+    deadline: float | None  # time.time() of the run's deadline
+    mean: torch.Tensor
+    std: torch.Tensor
+    scale: float
+    amp_dtype: torch.dtype | None
+    scaler: torch.amp.GradScaler | None
+    model: nn.Module  # the bare model: state dicts, evaluation
+    net: nn.Module  # what a training step calls: the model for DDP and/or compiled, or itself
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    lr_scale: LrScale  # a recovery lowers it in place
+    steps_per_epoch: int
+    loaded: PretrainedLoad | None  # what load_pretrained reported (None from scratch)
+    range_test: RangeTest | None  # None unless the job asked for the sweep
+
+
+class MetricLogger:
+    """Meter the run: the wall-time split, and the running epoch's loss and images per second.
+
+    Losses are summed on the device and read once an epoch: reading a GPU value every step
+    would make the host wait for each step to finish before it prepares the next batch (an
+    idle GPU). The divergence check reads a window's mean every DIVERGENCE_CHECK_STEPS steps.
     """
-    device = train.device
-    batches = _train_batches(train, job.seed, epoch, job.batch_size, start_step, d)
-    # Summed on the device and read once an epoch: reading a GPU value every step would make
-    # the host wait for each step to finish before it prepares the next batch (an idle GPU).
-    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    window_sum = torch.zeros((), dtype=torch.float32, device=device)
-    window_n = 0
-    seen = 0
-    t_epoch = time.perf_counter()
+
+    def __init__(self) -> None:
+        self.setup_s = self.data_s = self.compute_s = self.eval_s = 0.0
+        self.start_epoch(torch.device("cpu"))
+
+    def start_epoch(self, device: torch.device) -> None:
+        """Zero the epoch's meters (kept on ``device``) and start its clock."""
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        self.window_sum, self.window_n = torch.zeros_like(self.loss_sum), 0
+        self.seen, self.t_epoch = 0, time.perf_counter()
+
+    def update(self, loss: torch.Tensor, images: int, data_s: float, compute_s: float) -> None:
+        """Add a step: its mean loss over ``images`` images, and where its time went."""
+        self.loss_sum += loss.detach().float() * images
+        self.window_sum += loss.detach().float()
+        self.window_n += 1
+        self.seen += images
+        self.data_s += data_s
+        self.compute_s += compute_s
+
+    def window_loss(self) -> torch.Tensor:
+        """Return the mean loss of the steps since the last call (on the device); start anew."""
+        window = self.window_sum / self.window_n
+        self.window_sum, self.window_n = torch.zeros_like(self.window_sum), 0
+        return window
+
+    def end_epoch(self, world_size: int) -> dict[str, float]:
+        """Return the epoch's mean training loss and images/s (every rank's)."""
+        t_drain = time.perf_counter()
+        train_loss = float(self.loss_sum) / max(1, self.seen)  # waits for the last queued steps
+        self.compute_s += time.perf_counter() - t_drain
+        elapsed = time.perf_counter() - self.t_epoch
+        return {
+            "train_loss": train_loss,
+            "images_per_s": self.seen * world_size / max(elapsed, 1e-9),
+        }
+
+
+@dataclass
+class RunState:
+    """Hold what the loop changes as it goes; the steps that change it are passed it."""
+
+    epoch: int = 0  # where training is: the epoch, and the last step done in it
+    step: int = 0
+    epochs: list[EpochRecord] = field(default_factory=list)
+    # The best validation epoch so far (ties: the later) and its weights: what is exported.
+    # "improved_at": the last epoch that beat every earlier one (a tie does not): what early
+    # stopping's patience counts from.
+    best: dict[str, Any] = field(
+        default_factory=lambda: {"epoch": 0, "val_accuracy": -1.0, "improved_at": 0}
+    )
+    best_state: dict[str, torch.Tensor] | None = None
+    recoveries: list[Recovery] = field(default_factory=list)
+    good: dict[str, Any] = field(default_factory=dict)  # what a recovery goes back to
+    epoch_seconds: list[float] = field(default_factory=list)
+    meters: MetricLogger = field(default_factory=MetricLogger)
+    started: float = 0.0  # time.monotonic() when the loop started
+    last_ckpt: float = 0.0  # time.monotonic() of the last periodic or end-of-epoch checkpoint
+    first_step_logged: bool = False
+    sigterm: bool = False
+
+    def on_sigterm(self, signum: int, frame: Any) -> None:
+        """Note a SIGTERM: the loop checkpoints and exits where the ranks next agree."""
+        self.sigterm = True
+
+
+def train_one_epoch(ctx: Run, state: RunState, train: Split | ShardStream) -> dict[str, float]:
+    """Train for the rest of epoch ``state.epoch`` from ``state.step``; return loss and images/s.
+
+    During the job's ``freeze_backbone_epochs`` the backbone keeps its values: its gradients
+    are dropped before each step, so the optimiser skips it (no update, no weight decay, no
+    momentum). After every step ``_after_step`` may end the epoch there (Diverged,
+    Interrupted, BudgetExhausted).
+    """
+    job, epoch, device, meters = ctx.job, state.epoch, train.device, state.meters
+    frozen = backbone_frozen(job, epoch)
+    set_train_mode(ctx.model, job.arch, frozen=frozen)
+    frozen_params = split_head(ctx.model, job.arch)[0] if frozen else []
+    batches = _train_batches(train, job.seed, epoch, job.batch_size, state.step, ctx.d)
+    meters.start_epoch(device)
     try:
-        for step in range(start_step, steps_per_epoch):
+        for step in range(state.step, ctx.steps_per_epoch):
             t0 = time.perf_counter()
             gpu_wait = getattr(train, "gpu_wait_s", 0.0)
             gen = _step_generator(job.seed, epoch, step)
             x_u8, y = next(batches)
             t0 += getattr(train, "gpu_wait_s", 0.0) - gpu_wait  # that wait was compute, not data
-            x = augment(x_u8, job, gen)
-            x = normalize(x, mean, std, scale)
+            x = normalize(augment(x_u8, job, gen), ctx.mean, ctx.std, ctx.scale)
             if device.type == "cuda":
                 x = x.contiguous(memory_format=torch.channels_last)
             t1 = time.perf_counter()
-            with torch.autocast(
-                device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
-            ):
-                loss = F.cross_entropy(model(x), y, label_smoothing=job.label_smoothing)
-            opt.zero_grad(set_to_none=True)
-            if scaler is not None:
-                scaler.scale(loss).backward()
+            with _autocast(device, ctx.amp_dtype):
+                loss = F.cross_entropy(ctx.net(x), y, label_smoothing=job.label_smoothing)
+            ctx.opt.zero_grad(set_to_none=True)
+            if ctx.scaler is not None:
+                ctx.scaler.scale(loss).backward()
             else:
                 loss.backward()
             # Gradients still flow through a frozen backbone (DistributedDataParallel expects
             # every parameter's gradient each step); they are only not applied.
-            for param in frozen or ():
+            for param in frozen_params:
                 param.grad = None
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
+            if ctx.scaler is not None:
+                ctx.scaler.step(ctx.opt)
+                ctx.scaler.update()
             else:
-                opt.step()
-            sched.step()
-            loss_sum += loss.detach().float() * len(y)
-            window_sum += loss.detach().float()
-            window_n += 1
-            seen += len(y)
-            t2 = time.perf_counter()
-            hist.data_s += t1 - t0
-            hist.compute_s += t2 - t1
-            window: torch.Tensor | None = None
-            if (step + 1) % DIVERGENCE_CHECK_STEPS == 0 or step + 1 == steps_per_epoch:
-                window = window_sum / window_n
-                window_sum, window_n = torch.zeros_like(window_sum), 0
-            on_step(epoch, step + 1, window)
+                ctx.opt.step()
+            ctx.sched.step()
+            meters.update(loss, len(y), t1 - t0, time.perf_counter() - t1)
+            check = (step + 1) % DIVERGENCE_CHECK_STEPS == 0 or step + 1 == ctx.steps_per_epoch
+            _after_step(ctx, state, step + 1, meters.window_loss() if check else None)
     finally:
         batches.close()  # stops the stream's loader thread
-    t_drain = time.perf_counter()
-    train_loss = float(loss_sum) / max(1, seen)  # waits for the last queued steps
-    hist.compute_s += time.perf_counter() - t_drain
-    elapsed = time.perf_counter() - t_epoch
-    return {
-        "train_loss": train_loss,
-        "images_per_s": seen * d.world_size / max(elapsed, 1e-9),
-    }
+    return meters.end_epoch(ctx.d.world_size)
+
+
+def _after_step(ctx: Run, state: RunState, step: int, window: torch.Tensor | None) -> None:
+    """Note ``step`` done; stop on divergence, SIGTERM or the deadline; checkpoint when due.
+
+    ``window``: the mean loss since the last check, at the steps the ranks agree at (else None).
+    """
+    d, job, epoch = ctx.d, ctx.job, state.epoch
+    state.step = step
+    if not state.first_step_logged:
+        state.first_step_logged = True
+        log.info("first step done %.2f s after the job started", time.perf_counter() - ctx.t_setup)
+    # Every rank must take the same decision, or the others hang in the next collective.
+    # Agreeing is an all-reduce the host waits on: once every DDP_STOP_CHECK_STEPS steps,
+    # and at the last step of every epoch (an epoch shorter than that still checks).
+    # The loss window comes at those same steps.
+    if d.world_size == 1 or step % DDP_STOP_CHECK_STEPS == 0 or step == ctx.steps_per_epoch:
+        why = divergence(float(window), len(job.classes)) if window is not None else None
+        deadline = ctx.deadline
+        flags = [state.sigterm, deadline is not None and time.time() >= deadline, why is not None]
+        if d.world_size > 1:
+            t = torch.tensor([int(f) for f in flags], device=ctx.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flags = [bool(v) for v in t.tolist()]
+        sigterm, past_deadline, diverged = flags
+        if diverged:
+            why = why or "another rank's training loss diverged"
+            raise Diverged(f"{why} at epoch {epoch + 1} step {step}")
+        if sigterm:
+            _save_last(ctx, state)
+            raise Interrupted(f"SIGTERM: checkpoint saved at epoch {epoch} step {step}")
+        if past_deadline:
+            _save_last(ctx, state)
+            raise BudgetExhausted(
+                f"the run's deadline {job.deadline_at} was reached at epoch {epoch + 1} step "
+                f"{step}; checkpoint saved (raise max_cost_usd or time_budget_s to train longer)"
+            )
+    if time.monotonic() - state.last_ckpt >= job.checkpoint_every_s:
+        _save_last(ctx, state)
+        state.last_ckpt = time.monotonic()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,9 +592,7 @@ def lr_range_test(
                 )
                 if device.type == "cuda":
                     x = x.contiguous(memory_format=torch.channels_last)
-                with torch.autocast(
-                    device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
-                ):
+                with _autocast(device, amp_dtype):
                     loss = F.cross_entropy(model(x), y, label_smoothing=job.label_smoothing)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -763,18 +851,55 @@ def main(job: JobSpec, attempt: int = 1) -> TrainingMetrics:
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    cache = ShardCache.from_env(job.run_id)  # set on the training box: a folder on its disk
+    train, val = open_splits(job, device, cache)
+    ckpt = load_checkpoint(job.uri(CHECKPOINT))
+    ctx = _build_run(job, attempt, d, device, t_setup, train, ckpt)
+    state = _resume(ctx, ckpt)
+    signal.signal(signal.SIGTERM, state.on_sigterm)  # checkpoint-and-exit at the next agreement
+    state.started = state.last_ckpt = time.monotonic()
+    state.good = _snapshot(ctx, state)
+    state.meters.setup_s = time.perf_counter() - t_setup
+    stop_reason: str | None = None
+    while stop_reason is None and state.epoch < job.epochs:
+        t_epoch = time.perf_counter()
+        try:
+            stats = train_one_epoch(ctx, state, train)
+            ev = _validate(ctx, state, val, stats["train_loss"])
+        except Diverged as exc:
+            _recover(ctx, state, str(exc))
+            continue
+        _end_epoch(ctx, state, stats, ev)
+        state.epoch_seconds.append(time.perf_counter() - t_epoch)
+        stop_reason = _stop_reason(ctx, state, ev["accuracy"])
+    metrics = _final_metrics(ctx, state, train, val, stop_reason or "epochs")
+    if d.is_main:
+        _write_results(ctx, metrics)
+    if d.world_size > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    if cache is not None and d.is_main:  # every rank is done with the shards
+        if cache.hits or cache.downloads:
+            log.info("shard cache: %d downloads, %d local reads", cache.downloads, cache.hits)
+        cache.clear()
+    return metrics
 
-    spec = job.preprocess
+
+def _build_run(
+    job: JobSpec,
+    attempt: int,
+    d: Dist,
+    device: torch.device,
+    t_setup: float,
+    train: Split | ShardStream,
+    ckpt: dict[str, Any] | None,
+) -> Run:
+    """Build the model, its optimiser and schedule: a new run's, or restored from ``ckpt``."""
+    spec, pretrained = job.preprocess, is_pretrained(job.pretrained)
     mean = torch.tensor(spec["mean"], dtype=torch.float32, device=device).view(1, 3, 1, 1)
     std = torch.tensor(spec["std"], dtype=torch.float32, device=device).view(1, 3, 1, 1)
     scale = float(spec.get("scale", 1.0 / 255.0))
-    cache = ShardCache.from_env(job.run_id)  # set on the training box: a folder on its disk
-    train, val = open_splits(job, device, cache)
-
-    pretrained = is_pretrained(job.pretrained)
     model = build_model(job.arch, len(job.classes), int(spec["height"]), pretrained=pretrained)
-    ckpt_uri = job.uri(CHECKPOINT)
-    ckpt = load_checkpoint(ckpt_uri)
     loaded: PretrainedLoad | None = None
     if ckpt is not None:
         loaded = _from_checkpoint(ckpt, "pretrained_loaded", PretrainedLoad)
@@ -786,352 +911,300 @@ def main(job: JobSpec, attempt: int = 1) -> TrainingMetrics:
     model = model.to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
+    amp_dtype = _amp_dtype(device)
     range_test: RangeTest | None = None
     if ckpt is not None:
         range_test = _from_checkpoint(ckpt, "lr_range_test", RangeTest)
     elif job.lr_range_test:
-        range_test = lr_range_test(model, train, job, mean, std, scale, _amp_dtype(device))
+        range_test = lr_range_test(model, train, job, mean, std, scale, amp_dtype)
     if range_test is not None:  # the rate the sweep found is the run's peak rate
         job = job.model_copy(update={"learning_rate": range_test.chosen_lr})
     steps_per_epoch = max(1, len(train) // job.batch_size)
     total_steps = steps_per_epoch * job.epochs
-    groups = param_groups(model, job)
-    opt = make_optimizer(groups, job)
+    opt = make_optimizer(param_groups(model, job), job)
     lr_scale = LrScale()
-    warmup = warmup_steps(job, total_steps)
-    sched = warmup_cosine(opt, total_steps, warmup, lr_scale)
-    backbone_params, _ = split_head(model, job.arch)
-    amp_dtype = _amp_dtype(device)
-    scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
-    num_classes = len(job.classes)
-
-    hist = History()
-    epoch, step = 0, 0
-    # The best validation epoch so far (ties: the later) and its weights: what is exported.
-    # "improved_at": the last epoch that beat every earlier one (a tie does not): what early
-    # stopping's patience counts from.
-    best: dict[str, Any] = {"epoch": 0, "val_accuracy": -1.0, "improved_at": 0}
-    best_state: dict[str, torch.Tensor] | None = None
-    recoveries: list[Recovery] = []
-    best_uri = job.uri(BEST_CHECKPOINT)
+    sched = warmup_cosine(opt, total_steps, warmup_steps(job, total_steps), lr_scale)
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         sched.load_state_dict(ckpt["scheduler"])
         torch.set_rng_state(ckpt["rng_cpu"])
-        epoch, step = int(ckpt["epoch"]), int(ckpt["step"])
-        hist.epochs = [EpochRecord.model_validate(e) for e in json.loads(ckpt["history"])]
         lr_scale.value = float(ckpt.get("lr_scale", 1.0))
-        recoveries = [Recovery.model_validate(r) for r in json.loads(ckpt.get("recoveries", "[]"))]
-        saved_best = load_checkpoint(best_uri)
-        if saved_best is not None:
-            best_state = saved_best["model"]
-            best = json.loads(saved_best["best"])
-        log.info("attempt %d resumed from %s at epoch %d step %d", attempt, ckpt_uri, epoch, step)
-
-    fwd_model: nn.Module = model
+    net: nn.Module = model
     if d.world_size > 1:
-        fwd_model = nn.parallel.DistributedDataParallel(
+        net = nn.parallel.DistributedDataParallel(
             model, device_ids=[d.local_rank] if device.type == "cuda" else None
         )
     if _should_compile(job, device, total_steps):
-        fwd_model = torch.compile(fwd_model)  # type: ignore[assignment]
+        net = torch.compile(net)  # type: ignore[assignment]
+    return Run(
+        job=job,
+        attempt=attempt,
+        d=d,
+        device=device,
+        t_setup=t_setup,
+        deadline=_deadline_ts(job),
+        mean=mean,
+        std=std,
+        scale=scale,
+        amp_dtype=amp_dtype,
+        scaler=torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None,
+        model=model,
+        net=net,
+        opt=opt,
+        sched=sched,
+        lr_scale=lr_scale,
+        steps_per_epoch=steps_per_epoch,
+        loaded=loaded,
+        range_test=range_test,
+    )
 
-    interrupted = {"flag": False}
 
-    def _on_sigterm(signum: int, frame: Any) -> None:
-        interrupted["flag"] = True
-
-    signal.signal(signal.SIGTERM, _on_sigterm)
-
-    started = time.monotonic()
-    last_ckpt = time.monotonic()
-    position = {"epoch": epoch, "step": step}
-
-    def checkpoint(ep: int, st: int) -> None:
-        if d.is_main:
-            save_checkpoint(
-                ckpt_uri,
-                {
-                    "model": model.state_dict(),
-                    "optimizer": opt.state_dict(),
-                    "scheduler": sched.state_dict(),
-                    "rng_cpu": torch.get_rng_state(),
-                    "epoch": ep,
-                    "step": st,
-                    "history": json.dumps([e.model_dump(mode="json") for e in hist.epochs]),
-                    "lr_scale": lr_scale.value,
-                    "recoveries": json.dumps([r.model_dump(mode="json") for r in recoveries]),
-                    "lr_range_test": range_test.model_dump_json() if range_test else "null",
-                    "job": json.dumps(job.model_dump(mode="json")),
-                    "seed": job.seed,
-                    "source_commit": job.source_commit or lineage.source_commit(),
-                    "dataset_fingerprint": job.dataset_fingerprint,
-                    "attempt": attempt,
-                    "pretrained_loaded": loaded.model_dump_json() if loaded else "null",
-                },
-            )
-        if d.world_size > 1:
-            dist.barrier()
-
-    def snapshot() -> dict[str, Any]:
-        # The last good state, in memory: a periodic checkpoint may already hold diverged
-        # weights, an epoch that passed its checks does not.
-        return {
-            "model": copy.deepcopy(model.state_dict()),
-            "optimizer": copy.deepcopy(opt.state_dict()),
-            "scheduler": sched.state_dict(),
-            "epoch": epoch,
-            "step": step,
-        }
-
-    good = snapshot()
-    first_step_logged = {"done": False}
-
-    def stop_flags(st: int, window: torch.Tensor | None) -> tuple[bool, bool, str | None]:
-        # Every rank must take the same decision, or the others hang in the next collective.
-        # Agreeing is an all-reduce the host waits on: once every DDP_STOP_CHECK_STEPS steps,
-        # and at the last step of every epoch (an epoch shorter than that still checks).
-        # The loss window comes at those same steps.
-        if d.world_size > 1 and st % DDP_STOP_CHECK_STEPS and st != steps_per_epoch:
-            return False, False, None
-        why = divergence(float(window), num_classes) if window is not None else None
-        flags = [
-            interrupted["flag"],
-            deadline is not None and time.time() >= deadline,
-            why is not None,
+def _resume(ctx: Run, ckpt: dict[str, Any] | None) -> RunState:
+    """Return the loop's state: a new run's, or where the checkpoint left it."""
+    state = RunState()
+    if ckpt is not None:
+        state.epoch, state.step = int(ckpt["epoch"]), int(ckpt["step"])
+        state.epochs = [EpochRecord.model_validate(e) for e in json.loads(ckpt["history"])]
+        state.recoveries = [
+            Recovery.model_validate(r) for r in json.loads(ckpt.get("recoveries", "[]"))
         ]
-        if d.world_size > 1:
-            t = torch.tensor([int(f) for f in flags], device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flags = [bool(v) for v in t.tolist()]
-        if flags[2] and why is None:
-            why = "another rank's training loss diverged"
-        return flags[0], flags[1], why
-
-    def on_step(ep: int, st: int, window: torch.Tensor | None) -> None:
-        nonlocal last_ckpt
-        position.update(epoch=ep, step=st)
-        if not first_step_logged["done"]:
-            first_step_logged["done"] = True
-            log.info("first step done %.2f s after the job started", time.perf_counter() - t_setup)
-        sigterm, past_deadline, diverged = stop_flags(st, window)
-        if diverged:
-            raise Diverged(f"{diverged} at epoch {ep + 1} step {st}")
-        if sigterm:
-            checkpoint(ep, st)
-            raise Interrupted(f"SIGTERM: checkpoint saved at epoch {ep} step {st}")
-        if past_deadline:
-            checkpoint(ep, st)
-            raise BudgetExhausted(
-                f"the run's deadline {job.deadline_at} was reached at epoch {ep + 1} step {st}; "
-                "checkpoint saved (raise max_cost_usd or time_budget_s to train longer)"
-            )
-        if time.monotonic() - last_ckpt >= job.checkpoint_every_s:
-            checkpoint(ep, st)
-            last_ckpt = time.monotonic()
-
-    def recover(reason: str) -> None:
-        # Back to the last good state, the whole schedule lowered; bounded.
-        nonlocal epoch, step
-        recoveries.append(
-            Recovery(
-                epoch=position["epoch"] + 1,
-                step=position["step"],
-                reason=reason,
-                lr_scale=lr_scale.value * RECOVERY_LR_FACTOR,
-            )
-        )
-        if len(recoveries) > job.max_recoveries:
-            raise TrainingDiverged(
-                f"training diverged {len(recoveries)} times and {job.max_recoveries} "
-                f"recoveries are allowed; the last: {reason}, with the learning rate already "
-                f"lowered to {lr_scale.value:.3g}x {job.learning_rate:g}; lower learning_rate "
-                "(or leave it at auto)"
-            )
-        model.load_state_dict(good["model"])
-        opt.load_state_dict(good["optimizer"])
-        sched.load_state_dict(good["scheduler"])
-        lr_scale.value *= RECOVERY_LR_FACTOR
-        apply_schedule(opt, sched)
-        if scaler is not None:  # its scale may have collapsed on the non-finite steps
-            scaler.update(2.0**16)
-        epoch, step = int(good["epoch"]), int(good["step"])
-        log.warning(
-            "%s: restored the state of epoch %d step %d and lowered the learning rate to "
-            "%.3gx (recovery %d of %d)",
-            reason,
-            epoch,
-            step,
-            lr_scale.value,
-            len(recoveries),
-            job.max_recoveries,
-        )
-
-    hist.setup_s = time.perf_counter() - t_setup
-    stop_reason = "epochs"
-    epoch_seconds: list[float] = []
-    while epoch < job.epochs:
-        t_epoch_start = time.perf_counter()
-        frozen = backbone_frozen(job, epoch)
-        set_train_mode(model, job.arch, frozen=frozen)
-        try:
-            stats = train_one_epoch(
-                fwd_model,
-                opt,
-                sched,
-                train,
-                job,
-                epoch,
-                step,
-                steps_per_epoch,
-                mean,
-                std,
-                scale,
-                amp_dtype,
-                scaler,
-                d,
-                hist,
-                on_step,
-                backbone_params if frozen else None,
-            )
-            t_eval = time.perf_counter()
-            ev = evaluate(model, val, mean, std, scale, num_classes, EVAL_BATCH, amp_dtype)
-            hist.eval_s += time.perf_counter() - t_eval
-            why = divergence(stats["train_loss"], num_classes) or divergence(
-                ev["loss"],
-                num_classes,
-                validation=True,
-                guessing=near_chance(ev["accuracy"], ev["confusion"]),
-            )
-            if d.world_size > 1:  # each rank's training loss is its own share's: agree
-                flag = torch.tensor([int(why is not None)], device=device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                if flag.item() and why is None:
-                    why = "another rank's training loss diverged"
-            if why is not None:
-                raise Diverged(f"{why} after epoch {epoch + 1}")
-        except Diverged as exc:
-            recover(str(exc))
-            continue
-        improved = ev["accuracy"] >= best["val_accuracy"]  # ties: the later epoch
-        record = EpochRecord(
-            epoch=epoch + 1,
-            train_loss=stats["train_loss"],
-            images_per_s=stats["images_per_s"],
-            val_loss=ev["loss"],
-            val_accuracy=ev["accuracy"],
-            lr=float(sched.get_last_lr()[0]),
-            elapsed_s=time.monotonic() - started,
-            attempt=attempt,
-            backbone_frozen=frozen if pretrained else None,
-            gpu_max_memory_mb=torch.cuda.max_memory_allocated(device) / 2**20
-            if device.type == "cuda"
-            else None,
-        )
-        hist.epochs.append(record)
-        if improved:
-            best = {
-                "epoch": epoch + 1,
-                "val_accuracy": ev["accuracy"],
-                "val_loss": ev["loss"],
-                "improved_at": (
-                    epoch + 1 if ev["accuracy"] > best["val_accuracy"] else best["improved_at"]
-                ),
-            }
-            best_state = copy.deepcopy(model.state_dict())
-            if d.is_main:
-                save_checkpoint(best_uri, {"model": best_state, "best": json.dumps(best)})
-        if d.is_main:
-            # What the orchestrator shows while the run goes on (one line per epoch).
-            write_artifact(
-                job.uri(PROGRESS),
-                TrainingProgress(attempt=attempt, epochs_total=job.epochs, epochs=hist.epochs),
-            )
+        saved_best = load_checkpoint(ctx.job.uri(BEST_CHECKPOINT))
+        if saved_best is not None:
+            state.best_state = saved_best["model"]
+            state.best = json.loads(saved_best["best"])
         log.info(
-            "epoch %d/%d %s%s",
-            epoch + 1,
-            job.epochs,
-            " ".join(f"{k}={v:.4g}" for k, v in dict(record).items() if isinstance(v, float)),
-            " (best so far)" if improved else "",
+            "attempt %d resumed from %s at epoch %d step %d",
+            ctx.attempt,
+            ctx.job.uri(CHECKPOINT),
+            state.epoch,
+            state.step,
         )
-        epoch, step = epoch + 1, 0
-        checkpoint(epoch, 0)
-        good = snapshot()
-        last_ckpt = time.monotonic()
-        epoch_s = time.perf_counter() - t_epoch_start
-        epoch_seconds.append(epoch_s)
-        if job.target_accuracy is not None and ev["accuracy"] >= job.target_accuracy:
-            stop_reason = f"target accuracy {job.target_accuracy} reached"
-            break
-        patience = job.early_stop_patience
-        stale_from = int(best.get("improved_at", best["epoch"]))
-        stale = epoch - stale_from
-        if patience is not None and epoch < job.epochs and stale >= patience:
-            stop_reason = (
-                f"early stop: validation accuracy has not improved for {patience} epochs "
-                f"(best {best['val_accuracy']:.4f}, reached at epoch {stale_from}, "
-                f"last at epoch {best['epoch']})"
-            )
-            break
-        if deadline is not None and time.time() + epoch_s > deadline:
-            stop_reason = f"another epoch (~{epoch_s:.0f} s) would end past the run's deadline"
-            break
-        if deadline is None and time.monotonic() - started > job.time_budget_s:
-            stop_reason = f"time budget {job.time_budget_s}s spent"
-            break
+    return state
 
-    if best_state is not None:  # the best validation epoch is the model, not the last
-        model.load_state_dict(best_state)
-    final = evaluate(model, val, mean, std, scale, num_classes, EVAL_BATCH, amp_dtype)
-    if recoveries and near_chance(final["accuracy"], final["confusion"]):
+
+def _snapshot(ctx: Run, state: RunState) -> dict[str, Any]:
+    # The last good state, in memory: a periodic checkpoint may already hold diverged
+    # weights, an epoch that passed its checks does not.
+    return {
+        "model": copy.deepcopy(ctx.model.state_dict()),
+        "optimizer": copy.deepcopy(ctx.opt.state_dict()),
+        "scheduler": ctx.sched.state_dict(),
+        "epoch": state.epoch,
+        "step": state.step,
+    }
+
+
+def _save_last(ctx: Run, state: RunState) -> None:
+    """Write checkpoints/last.pt to resume at ``state``'s epoch and step; every rank waits."""
+    job, range_test, loaded = ctx.job, ctx.range_test, ctx.loaded
+    if ctx.d.is_main:
+        save_checkpoint(
+            job.uri(CHECKPOINT),
+            {
+                "model": ctx.model.state_dict(),
+                "optimizer": ctx.opt.state_dict(),
+                "scheduler": ctx.sched.state_dict(),
+                "rng_cpu": torch.get_rng_state(),
+                "epoch": state.epoch,
+                "step": state.step,
+                "history": json.dumps([e.model_dump(mode="json") for e in state.epochs]),
+                "lr_scale": ctx.lr_scale.value,
+                "recoveries": json.dumps([r.model_dump(mode="json") for r in state.recoveries]),
+                "lr_range_test": range_test.model_dump_json() if range_test else "null",
+                "job": json.dumps(job.model_dump(mode="json")),
+                "seed": job.seed,
+                "source_commit": job.source_commit or lineage.source_commit(),
+                "dataset_fingerprint": job.dataset_fingerprint,
+                "attempt": ctx.attempt,
+                "pretrained_loaded": loaded.model_dump_json() if loaded else "null",
+            },
+        )
+    if ctx.d.world_size > 1:
+        dist.barrier()
+
+
+def _validate(
+    ctx: Run, state: RunState, val: Split | ShardStream, train_loss: float
+) -> dict[str, Any]:
+    """Evaluate the epoch's model; raise Diverged when a loss (any rank's) says it diverged."""
+    n, t_eval = len(ctx.job.classes), time.perf_counter()
+    ev = evaluate(ctx.model, val, ctx.mean, ctx.std, ctx.scale, n, EVAL_BATCH, ctx.amp_dtype)
+    state.meters.eval_s += time.perf_counter() - t_eval
+    why = divergence(train_loss, n) or divergence(
+        ev["loss"], n, validation=True, guessing=near_chance(ev["accuracy"], ev["confusion"])
+    )
+    if ctx.d.world_size > 1:  # each rank's training loss is its own share's: agree
+        flag = torch.tensor([int(why is not None)], device=ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and why is None:
+            why = "another rank's training loss diverged"
+    if why is not None:
+        raise Diverged(f"{why} after epoch {state.epoch + 1}")
+    return ev
+
+
+def _recover(ctx: Run, state: RunState, reason: str) -> None:
+    """Go back to the last good state, the whole schedule lowered; bounded."""
+    job, lr_scale, recoveries, good = ctx.job, ctx.lr_scale, state.recoveries, state.good
+    lowered = lr_scale.value * RECOVERY_LR_FACTOR
+    recoveries.append(
+        Recovery(epoch=state.epoch + 1, step=state.step, reason=reason, lr_scale=lowered)
+    )
+    if len(recoveries) > job.max_recoveries:
+        raise TrainingDiverged(
+            f"training diverged {len(recoveries)} times and {job.max_recoveries} "
+            f"recoveries are allowed; the last: {reason}, with the learning rate already "
+            f"lowered to {lr_scale.value:.3g}x {job.learning_rate:g}; lower learning_rate "
+            "(or leave it at auto)"
+        )
+    ctx.model.load_state_dict(good["model"])
+    ctx.opt.load_state_dict(good["optimizer"])
+    ctx.sched.load_state_dict(good["scheduler"])
+    lr_scale.value = lowered
+    apply_schedule(ctx.opt, ctx.sched)
+    if ctx.scaler is not None:  # its scale may have collapsed on the non-finite steps
+        ctx.scaler.update(2.0**16)
+    state.epoch, state.step = int(good["epoch"]), int(good["step"])
+    log.warning(
+        "%s: restored the state of epoch %d step %d and lowered the learning rate to "
+        "%.3gx (recovery %d of %d)",
+        reason,
+        state.epoch,
+        state.step,
+        lr_scale.value,
+        len(recoveries),
+        job.max_recoveries,
+    )
+
+
+def _end_epoch(ctx: Run, state: RunState, stats: dict[str, float], ev: dict[str, Any]) -> None:
+    """Record a finished epoch (best weights, progress.json, log line); checkpoint after it."""
+    job, epoch, best, device = ctx.job, state.epoch, state.best, ctx.device
+    improved = ev["accuracy"] >= best["val_accuracy"]  # ties: the later epoch
+    record = EpochRecord(
+        epoch=epoch + 1,
+        train_loss=stats["train_loss"],
+        images_per_s=stats["images_per_s"],
+        val_loss=ev["loss"],
+        val_accuracy=ev["accuracy"],
+        lr=float(ctx.sched.get_last_lr()[0]),
+        elapsed_s=time.monotonic() - state.started,
+        attempt=ctx.attempt,
+        backbone_frozen=backbone_frozen(job, epoch) if is_pretrained(job.pretrained) else None,
+        gpu_max_memory_mb=torch.cuda.max_memory_allocated(device) / 2**20
+        if device.type == "cuda"
+        else None,
+    )
+    state.epochs.append(record)
+    if improved:
+        state.best = {
+            "epoch": epoch + 1,
+            "val_accuracy": ev["accuracy"],
+            "val_loss": ev["loss"],
+            "improved_at": (
+                epoch + 1 if ev["accuracy"] > best["val_accuracy"] else best["improved_at"]
+            ),
+        }
+        state.best_state = copy.deepcopy(ctx.model.state_dict())
+        if ctx.d.is_main:
+            best_ckpt = {"model": state.best_state, "best": json.dumps(state.best)}
+            save_checkpoint(job.uri(BEST_CHECKPOINT), best_ckpt)
+    if ctx.d.is_main:
+        # What the orchestrator shows while the run goes on (one line per epoch).
+        write_artifact(
+            job.uri(PROGRESS),
+            TrainingProgress(attempt=ctx.attempt, epochs_total=job.epochs, epochs=state.epochs),
+        )
+    log.info(
+        "epoch %d/%d %s%s",
+        epoch + 1,
+        job.epochs,
+        " ".join(f"{k}={v:.4g}" for k, v in dict(record).items() if isinstance(v, float)),
+        " (best so far)" if improved else "",
+    )
+    state.epoch, state.step = epoch + 1, 0
+    _save_last(ctx, state)
+    state.good = _snapshot(ctx, state)
+    state.last_ckpt = time.monotonic()
+
+
+def _stop_reason(ctx: Run, state: RunState, accuracy: float) -> str | None:
+    """Return why to stop after the epoch just recorded (even the last), or None to go on."""
+    job, best, epoch, epoch_s = ctx.job, state.best, state.epoch, state.epoch_seconds[-1]
+    if job.target_accuracy is not None and accuracy >= job.target_accuracy:
+        return f"target accuracy {job.target_accuracy} reached"
+    patience = job.early_stop_patience
+    stale_from = int(best.get("improved_at", best["epoch"]))
+    if patience is not None and epoch < job.epochs and epoch - stale_from >= patience:
+        return (
+            f"early stop: validation accuracy has not improved for {patience} epochs "
+            f"(best {best['val_accuracy']:.4f}, reached at epoch {stale_from}, "
+            f"last at epoch {best['epoch']})"
+        )
+    if ctx.deadline is not None and time.time() + epoch_s > ctx.deadline:
+        return f"another epoch (~{epoch_s:.0f} s) would end past the run's deadline"
+    if ctx.deadline is None and time.monotonic() - state.started > job.time_budget_s:
+        return f"time budget {job.time_budget_s}s spent"
+    return None
+
+
+def _final_metrics(
+    ctx: Run, state: RunState, train: Split | ShardStream, val: Split | ShardStream, stop: str
+) -> TrainingMetrics:
+    """Evaluate the best epoch's model (it is the model) and return the run's metrics."""
+    job, model, device, amp_dtype = ctx.job, ctx.model, ctx.device, ctx.amp_dtype
+    n, steps_per_epoch, epoch_seconds = len(job.classes), ctx.steps_per_epoch, state.epoch_seconds
+    if state.best_state is not None:  # the best validation epoch is the model, not the last
+        model.load_state_dict(state.best_state)
+    final = evaluate(model, val, ctx.mean, ctx.std, ctx.scale, n, EVAL_BATCH, amp_dtype)
+    if state.recoveries and near_chance(final["accuracy"], final["confusion"]):
         # Recovered from divergence only to a model that guesses: not worth exporting.
         raise TrainingDiverged(
-            f"training diverged {len(recoveries)} time(s) and recovered only to a near-chance "
-            f"model (validation accuracy {final['accuracy']:.3f}, chance "
-            f"{1 / num_classes:.3f}); the first: {recoveries[0].reason}; lower "
+            f"training diverged {len(state.recoveries)} time(s) and recovered only to a "
+            f"near-chance model (validation accuracy {final['accuracy']:.3f}, chance "
+            f"{1 / n:.3f}); the first: {state.recoveries[0].reason}; lower "
             "learning_rate (or leave it at auto)"
         )
-    epochs_run = len(hist.epochs)
-    early = stop_reason.startswith(("early stop", "target accuracy"))
-    metrics = TrainingMetrics(
+    epochs_run, meters = len(state.epochs), state.meters
+    return TrainingMetrics(
         val_accuracy=final["accuracy"],
         val_loss=final["loss"],
         confusion=final["confusion"],
         classes=job.classes,
         arch=job.arch,
-        epochs=hist.epochs,
-        best_epoch=best["epoch"],
+        epochs=state.epochs,
+        best_epoch=state.best["epoch"],
         epochs_asked=job.epochs,
         epochs_run=epochs_run,
         # Epochs not run times the mean epoch of this attempt.
         seconds_saved=(
             (job.epochs - epochs_run) * sum(epoch_seconds) / len(epoch_seconds)
-            if early and epoch_seconds
+            if stop.startswith(("early stop", "target accuracy")) and epoch_seconds
             else 0.0
         ),
-        stop_reason=stop_reason,
-        recoveries=recoveries,
-        lr_range_test=range_test,  # None unless the job asked for the sweep
+        stop_reason=stop,
+        recoveries=state.recoveries,
+        lr_range_test=ctx.range_test,
         optimizer=OptimizerBlock(
             name=job.optimizer,
             learning_rate=job.learning_rate,
-            lr_scale=lr_scale.value,
+            lr_scale=ctx.lr_scale.value,
             weight_decay=weight_decay(job),
             batch_size=job.batch_size,
-            warmup_steps=warmup,
+            warmup_steps=warmup_steps(job, steps_per_epoch * job.epochs),
             steps_per_epoch=steps_per_epoch,
-            total_steps=total_steps,
+            total_steps=steps_per_epoch * job.epochs,
             schedule="linear warm-up, cosine decay",
         ),
         wall_s=WallSeconds(
-            setup=hist.setup_s, data=hist.data_s, compute=hist.compute_s, eval=hist.eval_s
+            setup=meters.setup_s, data=meters.data_s, compute=meters.compute_s, eval=meters.eval_s
         ),
         device=str(device),
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        world_size=d.world_size,
+        world_size=ctx.d.world_size,
         pretrained=job.pretrained,
-        pretrained_loaded=loaded,  # what load_pretrained reported (None from scratch)
+        pretrained_loaded=ctx.loaded,
         amp_dtype=str(amp_dtype) if amp_dtype else "float32",
         # What ran: bf16 (native), fp16 with a gradient scaler (GPUs below 8.0), or fp32 (CPU).
         precision={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
@@ -1144,28 +1217,24 @@ def main(job: JobSpec, attempt: int = 1) -> TrainingMetrics:
         source_commit=job.source_commit or lineage.source_commit(),
         dataset_fingerprint=job.dataset_fingerprint,
         finished_at=lineage.utc_now_iso(),
-        attempt=attempt,
+        attempt=ctx.attempt,
     )
-    if d.is_main:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "model.pt"
-            torch.save(model.state_dict(), path)
-            storage.upload_file(path, job.uri("model.pt"))
-        write_artifact(job.uri(METRICS), metrics)
-        write_artifact(
-            job.attempt_uri(attempt, DONE_MARKER),
-            DoneMarker(
-                val_accuracy=metrics.val_accuracy, finished_at=metrics.finished_at, attempt=attempt
-            ),
-        )
-    if d.world_size > 1:
-        dist.barrier()
-        dist.destroy_process_group()
-    if cache is not None and d.is_main:  # every rank is done with the shards
-        if cache.hits or cache.downloads:
-            log.info("shard cache: %d downloads, %d local reads", cache.downloads, cache.hits)
-        cache.clear()
-    return metrics
+
+
+def _write_results(ctx: Run, metrics: TrainingMetrics) -> None:
+    """Write the exported weights (model.pt), metrics.json, then the attempt's DONE."""
+    job, attempt = ctx.job, ctx.attempt
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.pt"
+        torch.save(ctx.model.state_dict(), path)
+        storage.upload_file(path, job.uri("model.pt"))
+    write_artifact(job.uri(METRICS), metrics)
+    write_artifact(
+        job.attempt_uri(attempt, DONE_MARKER),
+        DoneMarker(
+            val_accuracy=metrics.val_accuracy, finished_at=metrics.finished_at, attempt=attempt
+        ),
+    )
 
 
 def run_job(job_uri: str, attempt: int = 1) -> int:
