@@ -1,4 +1,8 @@
-"""The manifest's fast paths (PNG decode, reads, formats, hash) change no row, for any file."""
+"""The scanner's own shortcuts (reads, format search, hash bits) change no row, for any file.
+
+Each test compares the scanner with the plain Pillow calls it stands for (the references
+below): a plain open, read and convert/resize per file.
+"""
 
 from __future__ import annotations
 
@@ -16,10 +20,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile, PngImagePlugin, UnidentifiedImageError
 
-from burstcv.data import manifest
 from burstcv.data.manifest import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS
-from burstcv.data.scanner import dhash, formats, inspection, pngfast, strips
-from burstcv.data.scanner.capabilities import capabilities
+from burstcv.data.scanner import dhash, formats, inspection
 
 _SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -41,9 +43,7 @@ def _reference_read(task: Any, max_file_bytes: int, s3_client: Any) -> bytes | s
     return data
 
 
-def _reference_decode(
-    data: bytes, ext: str, max_pixels: int, *, strips: Any = None
-) -> tuple[Any, ...]:
+def _reference_decode(data: bytes, ext: str, max_pixels: int) -> tuple[Any, ...]:
     bad = inspection.BadImage
     header: tuple[Any, ...] = (None, None, None, None, None)
     if not data:
@@ -81,18 +81,12 @@ def _reference_decode(
     return (fmt, width, height, header[3], header[4], img)
 
 
-def _reference_dhash(img: Image.Image, core_thumbnails: bool = False) -> tuple[str, str]:
+def _reference_dhash(img: Image.Image) -> tuple[str, str]:
     small = img.convert("L").resize((9, 8), Image.Resampling.BILINEAR).tobytes()
     brighter = bytes(map(operator.gt, small[:-1], small[1:]))
     bits = b"".join([brighter[start : start + 8] for start in range(0, 72, 9)])
     digits = bits.translate(bytes.maketrans(b"\x00\x01", b"01"))
     return f"{int(digits, 2):016x}", small.hex()
-
-
-def _core_dhash(img: Image.Image) -> tuple[str, str]:
-    """Return the difference hash the scanner computes here (core thumbnails where allowed)."""
-    assert capabilities().core_thumbnails  # else these tests would not cover the core path
-    return dhash.difference_hash(img, core_thumbnails=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,7 +220,7 @@ def _cases() -> dict[str, bytes]:
     lines = _scanlines(rgb)
     big = _noise(5, (400, 400))
     cases: dict[str, bytes] = {
-        # Plain files the fast path must take.
+        # Plain files.
         "rgb.png": base,
         "l.png": _encode(rgb.convert("L")),
         "rgba.png": _encode(rgba),
@@ -247,7 +241,7 @@ def _cases() -> dict[str, bytes]:
             _encode(big, compress_level=0), [zlib.compress(_scanlines(big))]
         ),
         "reserved_text_l.png": _encode(rgb.convert("L"), pnginfo=reserved_l),
-        # Files Pillow reads that the fast path must leave to it.
+        # Files Pillow reads in its less common ways.
         "p.png": _encode(rgb.convert("P", palette=Image.Palette.ADAPTIVE)),
         "la.png": _encode(rgba.convert("LA")),
         "i16.png": _encode(Image.fromarray(np.arange(64, dtype=np.uint16).reshape(8, 8) * 999)),
@@ -348,8 +342,8 @@ def _cases() -> dict[str, bytes]:
 
 
 CASES = _cases()
-# Plain files: the fast path must decode these itself (the tests would pass vacuously otherwise).
-FAST = {
+# Plain files, which every check must pass (the cases are what they claim to be).
+PLAIN = {
     "rgb.png",
     "l.png",
     "rgba.png",
@@ -369,11 +363,6 @@ FAST = {
     "big_idat.png",
     "paeth_rows.png",
 }
-# Streams the decoder may or may not finish cleanly (zlib decides): only the rows matter.
-EITHER = {"early_end.png", "more_rows.png", "junk_after_stream.png", "no_adler.png"}
-EITHER |= {"bad_adler.png", "idat_byte_flipped.png"}
-# Everything else goes to Pillow: unsupported content, a broken stream, a lying extension.
-NOT_FAST = set(CASES) - FAST - EITHER
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,16 +385,6 @@ def _rows(
     return out
 
 
-@pytest.fixture(autouse=True)
-def _probed_before_any_patch() -> None:
-    """Probe this process's Capabilities (cached) before a test patches what the probes use.
-
-    A test that swaps dhash or the decoder for a reference version would otherwise be the
-    first caller, and the cache would keep probes made against the stand-ins.
-    """
-    capabilities()
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Write every case into one folder and return it."""
@@ -413,21 +392,6 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name, data in CASES.items():
         (root / name).write_bytes(data)
     return root
-
-
-def _spy_fast_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count, in the returned list, every image the fast path decoded itself."""
-    hits: list[int] = []
-    real = pngfast.decode_png
-
-    def spy(data: bytes, max_pixels: int, strips: Any = None) -> Any:
-        result = real(data, max_pixels, strips)
-        if result is not None:
-            hits.append(1)
-        return result
-
-    monkeypatch.setattr(pngfast, "decode_png", spy)
-    return hits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,28 +408,13 @@ def test_every_row_matches_todays_implementation(
         patch.setattr(dhash, "difference_hash", _reference_dhash)
         patch.setattr(inspection, "read_task", _reference_read)
         expected = _rows(files, names, max_pixels)
-    with monkeypatch.context() as patch:
-        patch.setattr(capabilities(), "png_fast_path", False)
-        slow = _rows(files, names, max_pixels)
-    with monkeypatch.context() as patch:
-        patch.setattr(capabilities(), "png_fast_path", True)
-        hits = _spy_fast_path(patch)
-        fast: dict[str, tuple[Any, ...]] = {}
-        fast_names = set()
-        for name in names:
-            before = len(hits)
-            fast.update(_rows(files, [name], max_pixels))
-            if len(hits) > before:
-                fast_names.add(name)
+    rows = _rows(files, names, max_pixels)
     for name in names:
-        assert slow[name] == expected[name], name
-        assert fast[name] == expected[name], name
+        assert rows[name] == expected[name], name
     # The cases are what they claim to be: broken files fail, plain ones decode.
     assert not expected["truncated_40.png"][14] and not expected["bad_filter.png"][14]
     if max_pixels == DEFAULT_MAX_PIXELS:
-        assert all(expected[name][14] for name in FAST)
-        assert fast_names >= FAST, sorted(FAST - fast_names)
-        assert not fast_names & NOT_FAST, sorted(fast_names & NOT_FAST)
+        assert all(expected[name][14] for name in PLAIN)
 
 
 @pytest.mark.parametrize(
@@ -476,16 +425,15 @@ def test_rows_match_under_other_pillow_settings(
     files: Path, monkeypatch: pytest.MonkeyPatch, setting: str, value: Any
 ) -> None:
     # A lower bomb limit (a warning, an error here, then a hard error at twice the limit) and
-    # lenient truncated-image loading change Pillow's verdicts: the fast path must follow.
+    # lenient truncated-image loading change Pillow's verdicts: the scanner must follow.
     owner = Image if setting == "MAX_IMAGE_PIXELS" else ImageFile
     monkeypatch.setattr(owner, setting, value)
-    names = sorted(FAST | {"truncated_half.png", "early_end_split.png", "missing_iend.png"})
+    names = sorted(PLAIN | {"truncated_half.png", "early_end_split.png", "missing_iend.png"})
     with monkeypatch.context() as patch:
         patch.setattr(inspection, "decode", _reference_decode)
         patch.setattr(dhash, "difference_hash", _reference_dhash)
         patch.setattr(inspection, "read_task", _reference_read)
         expected = _rows(files, names)
-    monkeypatch.setattr(capabilities(), "png_fast_path", True)
     assert _rows(files, names) == expected
     if setting == "MAX_IMAGE_PIXELS":
         assert "decompression bomb" in expected["rgb.png" if value < 1024 else "wide.png"][15]
@@ -495,67 +443,16 @@ def test_a_text_chunk_named_transparency_is_hashed_without_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Pillow copies the tEXt value into info["transparency"], where convert("L") chokes on it;
-    # the pixels are fine, so the file decodes and is hashed without that entry, both ways.
+    # the pixels are fine, so the file decodes and is hashed without that entry.
     info = PngImagePlugin.PngInfo()
     info.add_text("transparency", "x")
     image = _smooth(9)
     (tmp_path / "odd.png").write_bytes(_encode(image, pnginfo=info))
     (tmp_path / "plain.png").write_bytes(_encode(image))
-    monkeypatch.setattr(capabilities(), "png_fast_path", True)
-    fast = _rows(tmp_path, ["odd.png", "plain.png"])
-    monkeypatch.setattr(capabilities(), "png_fast_path", False)
-    assert fast == _rows(tmp_path, ["odd.png", "plain.png"])
-    odd, plain = fast["odd.png"], fast["plain.png"]
+    rows = _rows(tmp_path, ["odd.png", "plain.png"])
+    odd, plain = rows["odd.png"], rows["plain.png"]
     assert odd[14] is True and odd[15] is None  # decode_ok, no error
     assert odd[12:14] == plain[12:14]  # same difference hash and thumbnail as the plain copy
-
-
-def test_scan_of_a_folder_is_identical_with_and_without_the_fast_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kit: Any
-) -> None:
-    root = kit.write_dataset(tmp_path / "ds", per_class=4)
-    cat = root / "train" / "cat"
-    for name, data in CASES.items():
-        (cat / f"x_{name}").write_bytes(data)
-    monkeypatch.setattr(capabilities(), "png_fast_path", True)
-    fast = manifest.scan(str(root), workers=1).manifest
-    monkeypatch.setattr(capabilities(), "png_fast_path", False)
-    slow = manifest.scan(str(root), workers=1).manifest
-    assert fast.equals(slow)
-    assert fast["decode_ok"].sum() > 40
-
-
-def test_fast_path_turns_itself_off_when_pillow_internals_are_missing(
-    files: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(capabilities(), "png_fast_path", False)
-    expected = _rows(files, ["rgb.png", "l.png"])
-    monkeypatch.setattr(capabilities(), "png_fast_path", True)
-
-    def missing(*args: Any, **kwargs: Any) -> Any:
-        raise AttributeError("'ImagingDecoder' object has no attribute 'decode'")
-
-    monkeypatch.setattr(pngfast, "feed_decoder", missing)
-    assert _rows(files, ["rgb.png", "l.png"]) == expected
-    assert capabilities().png_fast_path is False
-
-
-def test_fast_path_decodes_the_pixels_pillow_decodes(files: Path) -> None:
-    for name in sorted(FAST):
-        data = CASES[name]
-        decoded = pngfast.decode_png(data, DEFAULT_MAX_PIXELS)
-        assert decoded is not None, name
-        with Image.open(io.BytesIO(data)) as reference:
-            reference.load()
-            assert decoded[:5] == (
-                "PNG",
-                reference.width,
-                reference.height,
-                reference.mode,
-                len(reference.getbands()),
-            )
-            assert decoded[5] is not None, name
-            assert decoded[5].tobytes() == reference.tobytes(), name
 
 
 @pytest.mark.parametrize(
@@ -564,20 +461,10 @@ def test_fast_path_decodes_the_pixels_pillow_decodes(files: Path) -> None:
 @pytest.mark.parametrize("size", [(32, 32), (9, 8), (1, 1), (300, 7), (8, 9)])
 def test_dhash_is_todays_for_every_mode(mode: str, size: tuple[int, int]) -> None:
     for img in (_noise(11, size).convert(mode), _smooth(12, size).convert(mode)):
-        assert _core_dhash(img) == _reference_dhash(img)
+        assert dhash.difference_hash(img) == _reference_dhash(img)
     rgba = _noise(13, size).convert("RGBA")
     rgba.putalpha(_noise(14, size).convert("L"))
-    assert _core_dhash(rgba) == _reference_dhash(rgba)
-    assert _core_dhash(rgba.convert("RGBa")) == _reference_dhash(rgba.convert("RGBa"))
-
-
-def test_dhash_honours_transparency_info_like_convert() -> None:
-    img = _smooth(13)
-    img.info["transparency"] = (1, 2, 3)
-    assert _core_dhash(img) == _reference_dhash(img)
-    grey = _smooth(14, mode="L")
-    grey.info["transparency"] = 40
-    assert _core_dhash(grey) == _reference_dhash(grey)
+    assert dhash.difference_hash(rgba) == _reference_dhash(rgba)
 
 
 def test_hash_bits_are_todays_for_every_neighbour_pattern() -> None:
@@ -589,7 +476,7 @@ def test_hash_bits_are_todays_for_every_neighbour_pattern() -> None:
     thumbs += [rng.integers(120, 136, 72, dtype=np.uint8).tobytes() for _ in range(500)]
     for small in thumbs:
         img = Image.frombytes("L", (9, 8), small)
-        assert _core_dhash(img) == _reference_dhash(img)
+        assert dhash.difference_hash(img) == _reference_dhash(img)
 
 
 def test_open_formats_find_the_format_the_full_search_finds(files: Path) -> None:
@@ -670,137 +557,3 @@ def test_local_read_errors_read_as_before(tmp_path: Path) -> None:
     big = tmp_path / "big.png"
     big.write_bytes(b"x" * 11)
     assert inspection.read_local(str(big), 10) == "file is 11 bytes; the limit is 10"
-
-
-# ---------------------------------------------------------------------------------------------
-# Chunk-wide hashing: small images decoded into strips, hashed a strip at a time
-
-
-def _write_mixed_chunk(root: Path) -> tuple[list[str], int]:
-    """Write a chunk's worth of files; return their names in chunk order and the strip count.
-
-    Small PNGs of more (mode, size) kinds than a chunk keeps strips for, sizes that Pillow
-    resizes rows first and columns first, a run longer than a strip, images too large for
-    one, and broken files and other formats in between (a failed decode frees its slot).
-    The count is of the plain PNGs small enough for a strip.
-    """
-    sizes = [(32, 32), (8, 9), (9, 8), (1, 1), (64, 64), (65, 64), (37, 23), (5, 40), (300, 7)]
-    broken = ["truncated_half.png", "bad_filter.png", "jpeg_as.png", "interlaced.png"]
-    broken = [name for name in broken if name in CASES] + sorted(NOT_FAST)[:6]
-    names: list[str] = []
-    small = 0
-
-    def add(name: str, data: bytes) -> None:
-        (root / name).write_bytes(data)
-        names.append(name)
-
-    seed = 100
-    for _ in range(3):
-        for size in sizes:
-            for mode in ("RGB", "L", "RGBA"):
-                seed += 1
-                img = (_noise if seed % 2 else _smooth)(seed, size).convert(mode)
-                add(f"{seed}_{mode}_{size[0]}x{size[1]}.png", _encode(img))
-                small += size[0] * size[1] <= strips.MAX_PIXELS
-                if seed % 7 == 0:
-                    bad = broken[seed % len(broken)]
-                    add(f"{seed}_{bad}", CASES[bad])
-    for i in range(strips.SLOTS + 9):
-        seed += 1
-        add(f"{seed}_run.png", _encode(_noise(seed, (32, 32))))
-        small += 1
-        if i == strips.SLOTS - 1:  # the strip was just hashed: its slots hold pixels
-            add(f"{seed}_short_after_full.png", _short_stream(_noise(seed, (32, 32)), rows=4))
-            small += 1
-    # Rows a failed decode wrote, in the slot the next image of that size decodes into.
-    add(f"{seed}_bad_filter_row_12.png", _bad_filter_at(_noise(seed + 1, (32, 32)), row=12))
-    add(f"{seed}_short_after_bad.png", _short_stream(_noise(seed + 2, (32, 32)), rows=2))
-    small += 1
-    return names, small
-
-
-def _short_stream(img: Image.Image, rows: int) -> bytes:
-    """Return a PNG whose zlib stream ends after ``rows`` rows: Pillow's clean finish."""
-    return _with_idat(_encode(img), [zlib.compress(_scanlines(img, rows=rows))])
-
-
-def _bad_filter_at(img: Image.Image, row: int) -> bytes:
-    """Return a PNG whose scanline ``row`` has an unknown filter type (decoding stops there)."""
-    lines = bytearray(_scanlines(img))
-    lines[row * (len(lines) // img.height)] = 7
-    return _with_idat(_encode(img), [zlib.compress(bytes(lines))])
-
-
-def _chunk_rows(root: Path, names: list[str]) -> list[tuple[Any, ...]]:
-    tasks = [(f"train/cat/{name}", str(root / name), None) for name in names]
-    columns = inspection.inspect_chunk(tasks, DEFAULT_MAX_PIXELS, DEFAULT_MAX_FILE_BYTES, True)
-    return list(zip(*columns, strict=True))
-
-
-def _reference_rows(root: Path, names: list[str], monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    with monkeypatch.context() as patch:
-        patch.setattr(inspection, "decode", _reference_decode)
-        patch.setattr(dhash, "difference_hash", _reference_dhash)
-        patch.setattr(inspection, "read_task", _reference_read)
-        return [_chunk_rows(root, [name])[0] for name in names]
-
-
-def test_a_chunk_hashed_in_strips_has_every_row_of_one_by_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    names, small = _write_mixed_chunk(tmp_path)
-    expected = _reference_rows(tmp_path, names, monkeypatch)
-    assert capabilities().strip_hashing
-    strip_images: list[int] = []
-    real = strips.strip_hashes
-
-    def spy(strip: Any, count: int, order: str | None) -> Any:
-        strip_images.append(count)
-        return real(strip, count, order)
-
-    monkeypatch.setattr(strips, "strip_hashes", spy)
-    rows = _chunk_rows(tmp_path, names)
-    for name, row, want in zip(names, rows, expected, strict=True):
-        assert row == want, name
-    # The strips did the hashing: full ones, evicted ones, and what the chunk ended with.
-    assert strips.SLOTS in strip_images
-    assert sum(strip_images) == small
-    assert sum(1 for row in expected if not row[14]) >= 3  # broken files were in the chunk
-
-
-def test_strip_hashing_falls_back_to_one_by_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    names, _ = _write_mixed_chunk(tmp_path)
-    expected = _reference_rows(tmp_path, names, monkeypatch)
-
-    def broken(*args: Any) -> Any:
-        raise ValueError("strip hashing broke")
-
-    monkeypatch.setattr(strips, "strip_hashes", broken)
-    assert _chunk_rows(tmp_path, names) == expected
-    # When the thumbnail itself fails, the row says so, as it does without strips.
-    monkeypatch.setattr(dhash, "difference_hash", broken)
-    rows = _chunk_rows(tmp_path, names)
-    monkeypatch.setattr(capabilities(), "strip_hashing", False)
-    assert rows == _chunk_rows(tmp_path, names)
-    failed = [row for row in rows if row[15] and "thumbnail failed" in row[15]]
-    assert len(failed) > 100 and not any(row[14] for row in failed)
-
-
-def test_strip_pass_order_is_pillows_for_every_strip_size() -> None:
-    rng = np.random.default_rng(16)
-    sizes = [(w, h) for w in range(1, 65) for h in range(1, 65)]
-    sizes += [(4096, 1), (1, 4096), (512, 8), (8, 512), (100, 40), (40, 100), (9, 455)]
-    for width, height in sizes:
-        assert width * height <= strips.MAX_PIXELS
-        order = capabilities().pass_order(width, height)
-        assert order is not None, (width, height)
-        pixels = rng.integers(0, 256, (2, height, width), dtype=np.uint8)
-        strip = strips.Strip("L", width, height, 2)
-        both = Image.frombytes("L", (width, 2 * height), pixels.tobytes())
-        strip.core.paste(both.im, (0, 0, width, 2 * height))
-        hashed = strips.strip_hashes(strip, 2, order)
-        for i in range(2):
-            img = Image.frombytes("L", (width, height), pixels[i].tobytes())
-            assert hashed[i] == _reference_dhash(img), (width, height)

@@ -499,32 +499,6 @@ def test_demo_digits_pass_without_false_near_duplicates(tmp_path: Path) -> None:
     assert {c.name for c in report.expectations} >= {"no_leakage_near", "no_leakage_exact"}
 
 
-def test_validation_leaves_no_thread_behind_and_caches_doc_templates(
-    dataset: Path, tmp_path: Path
-) -> None:
-    """A thread left alive (GX's progress-bar monitor) would make later scans spawn workers."""
-    import threading
-
-    import jinja2
-    from great_expectations.render.view.view import DefaultJinjaView
-
-    from burstcv.data.scanner import dispatch
-
-    before = {thread.ident for thread in threading.enumerate()}
-    for run in range(2):
-        report = _validate(dataset, tmp_path / f"out{run}")
-        assert report.success
-        assert {thread.ident for thread in threading.enumerate()} == before
-    assert dispatch.pool_context().get_start_method() == "fork" or len(before) > 1
-    # The templates were compiled into Jinja's cache, and GX's view class is itself again.
-    cache_dir = Path(jinja2.FileSystemBytecodeCache().directory)
-    assert list(cache_dir.glob("__jinja2_*.cache"))
-    assert DefaultJinjaView().env.bytecode_cache is None
-    first = (tmp_path / "out0" / "data_docs" / "index.html").read_text()
-    second = (tmp_path / "out1" / "data_docs" / "index.html").read_text()
-    assert "burstcv_dataset" in first and "burstcv_dataset" in second
-
-
 def test_the_validate_stage_logs_one_summary_and_nothing_of_gx(dataset: Path) -> None:
     # A fresh interpreter, logging at INFO as an Airflow task does, so that what GX logs
     # while it is imported is seen too.

@@ -9,8 +9,8 @@ and listed in ``ScanResult.ignored``.
 
 This module is the entry point; the work is done in ``burstcv.data.scanner``: ``listing``
 finds the files, ``dispatch`` spreads them over a process pool while the listing goes on,
-``inspection`` turns each file into a row (through ``pngfast``, ``dhash`` and ``strips`` where
-``capabilities`` allows them), and ``columns`` assembles the DataFrame.
+``inspection`` turns each file into a row with Pillow's public decode (``dhash`` hashes it),
+and ``columns`` assembles the DataFrame.
 """
 
 from __future__ import annotations

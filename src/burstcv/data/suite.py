@@ -320,11 +320,7 @@ def run_suite(
     *,
     data_docs_dir: Path | None = None,
 ) -> SuiteOutcome:
-    """Validate a manifest with the suite; write Data Docs under ``data_docs_dir`` if given.
-
-    GX runs as it comes; ``burstcv.data.gx_tuning.gx_tuning`` around the call (as
-    ``validate_dataset`` does) keeps it from leaving a thread behind and caches its templates.
-    """
+    """Validate a manifest with the suite; write Data Docs under ``data_docs_dir`` if given."""
     df = add_rule_columns(manifest, config)
     checks = build_checks(config)
     sites: dict[str, Any] = {}

@@ -24,9 +24,9 @@ from typing import Any, Literal
 import great_expectations as gx
 import pandas as pd
 import PIL
+import tqdm
 
 from burstcv.data.config import ValidationConfig
-from burstcv.data.gx_tuning import gx_tuning
 from burstcv.data.manifest import DatasetUnusableError, scan, write_manifest
 from burstcv.data.suite import run_suite, usable_mask
 from burstcv_spec import storage
@@ -51,6 +51,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# GX makes (disabled) progress bars, and tqdm starts a monitor thread for a bar unless this
+# documented switch is 0; a thread left running makes a later scan in the same process start
+# its workers by spawn rather than fork (slower). Only bars' refresh depends on it.
+tqdm.tqdm.monitor_interval = 0
 
 _HISTORY_FORMAT = 1
 SUMMARY_FILES_PER_CHECK = 5  # offending files named per failed check (all are in the JSON)
@@ -173,8 +178,7 @@ def _validate(
         )
         # A fresh site: pages left by an earlier run here would describe another dataset.
         shutil.rmtree(docs_dir, ignore_errors=True)
-        with gx_tuning():  # only while GX runs: no thread left behind, templates cached
-            outcome = run_suite(manifest, config, data_docs_dir=docs_dir)
+        outcome = run_suite(manifest, config, data_docs_dir=docs_dir)
         if storage.is_s3(out_uri):
             for path in sorted(p for p in docs_dir.rglob("*") if p.is_file()):
                 rel = path.relative_to(docs_dir).as_posix()

@@ -27,9 +27,6 @@ COLUMNS: tuple[str, ...] = (
     "error",
 )
 INT_COLUMNS = ("width", "height", "channels", "bytes")
-_POSITION = {name: position for position, name in enumerate(COLUMNS)}
-PHASH, THUMB = _POSITION["phash"], _POSITION["thumb"]
-DECODE_OK, ERROR = _POSITION["decode_ok"], _POSITION["error"]
 
 
 def error_row(rel: str, uri: str, error: str, size: int | None = None) -> tuple[Any, ...]:

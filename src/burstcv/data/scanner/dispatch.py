@@ -17,7 +17,6 @@ from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
-from burstcv.data.scanner.capabilities import capabilities
 from burstcv.data.scanner.columns import extend
 from burstcv.data.scanner.inspection import inspect_chunk
 from burstcv.data.scanner.listing import Task
@@ -87,9 +86,6 @@ class Dispatcher:
             extend(columns, self._futures.popleft().result())
 
     def _start(self, workers: int) -> None:
-        # Probed here, before the fork: forked workers inherit the answers instead of each
-        # probing again (spawned workers probe once each, on their first chunk).
-        capabilities()
         self.workers = workers
         self._pool = ProcessPoolExecutor(
             max_workers=workers, mp_context=pool_context(), initializer=_worker_init

@@ -4,8 +4,8 @@ Every file is read once, hashed (sha256 and a 64-bit difference hash for near du
 fully decoded with the same rules as the service's ``burstcv_spec.preprocess.open_image``:
 the pixel count is checked from the header before any pixel is decoded (decompression bombs
 cost nothing), truncated data fails in ``load()``. Hostile or odd files become error rows,
-never exceptions. Plain 8-bit PNGs take ``pngfast`` when ``capabilities`` allows it; anything
-else, and every error verdict, is Pillow's. This runs in the pool's worker processes.
+never exceptions; every verdict is Pillow's, through its public API. This runs in the pool's
+worker processes.
 """
 
 from __future__ import annotations
@@ -23,13 +23,9 @@ from urllib.parse import urlparse
 
 from PIL import Image, UnidentifiedImageError
 
-from burstcv.data.scanner import pngfast
-from burstcv.data.scanner.capabilities import capabilities
-from burstcv.data.scanner.columns import DECODE_OK, ERROR, PHASH, THUMB
 from burstcv.data.scanner.dhash import hash_decoded
 from burstcv.data.scanner.formats import EXTENSION_FORMATS, open_formats, open_image
 from burstcv.data.scanner.listing import Task
-from burstcv.data.scanner.strips import Strips
 from burstcv_spec import storage
 from burstcv_spec.preprocess import ImageDecodeError
 
@@ -97,23 +93,9 @@ def inspect_chunk(
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         # One client per chunk: cheap next to 256 GETs, and never stale across endpoints.
         s3_client = storage.s3_client() if any(storage.is_s3(t[1]) for t in tasks) else None
-        caps = capabilities()
-        strips = (
-            Strips(phash, caps.core_thumbnails, caps.pass_order) if caps.strip_hashing else None
-        )
-        rows = [
-            inspect_file(task, max_pixels, max_file_bytes, s3_client, phash, strips, index)
-            for index, task in enumerate(tasks)
-        ]
-        hashes = strips.finish() if strips is not None else {}
+        rows = [inspect_file(task, max_pixels, max_file_bytes, s3_client, phash) for task in tasks]
     # Columns, not rows: the parent extends its column lists in C instead of looping per row.
-    columns = [list(values) for values in zip(*rows, strict=True)]
-    for index, hashed in hashes.items():
-        if isinstance(hashed, str):  # the thumbnail failed; the row says so
-            columns[ERROR][index], columns[DECODE_OK][index] = hashed, False
-        else:
-            columns[PHASH][index], columns[THUMB][index] = hashed
-    return columns
+    return [list(values) for values in zip(*rows, strict=True)]
 
 
 def inspect_file(
@@ -122,14 +104,8 @@ def inspect_file(
     max_file_bytes: int,
     s3_client: Any,
     with_phash: bool,
-    strips: Strips | None = None,
-    index: int = 0,
 ) -> tuple[Any, ...]:
-    """Return one file's manifest row (in COLUMNS order); a bad file gives an error row.
-
-    With ``strips``, a small plain PNG is decoded into a slot and its hash is left to the
-    chunk (``index`` is its row there), which fills it in once the strip is hashed.
-    """
+    """Return one file's manifest row (in COLUMNS order); a bad file gives an error row."""
     rel, uri, size = task
     parts = rel.split("/")
     # Interned: 200,000 rows then share a handful of split/label/ext/mode/format objects
@@ -154,15 +130,10 @@ def inspect_file(
             sha = hashlib.sha256(data).hexdigest()
             error = None
             try:
-                fmt, width, height, mode, channels, img = decode(
-                    data, ext, max_pixels, strips=strips
-                )
-                if img is None:  # decoded into a strip: hashed with the rest of the chunk
-                    if with_phash and strips is not None:
-                        strips.keep(index)
-                elif with_phash:
+                fmt, width, height, mode, channels, img = decode(data, ext, max_pixels)
+                if with_phash:
                     try:
-                        phash, thumb = hash_decoded(img, capabilities().core_thumbnails)
+                        phash, thumb = hash_decoded(img)
                     except Exception as exc:  # never lose the scan to one odd file
                         raise BadImage(
                             f"decoded, but its grayscale thumbnail failed: {exc}",
@@ -201,17 +172,12 @@ class BadImage(ImageDecodeError):
         self.header = header
 
 
-def decode(
-    data: bytes, ext: str, max_pixels: int, *, strips: Strips | None = None
-) -> tuple[str, int, int, str, int, Image.Image | None]:
+def decode(data: bytes, ext: str, max_pixels: int) -> tuple[str, int, int, str, int, Image.Image]:
     """Decode bytes fully and return (format, width, height, mode, channels, image).
-
-    The image is None when the fast path decoded the pixels into one of ``strips`` instead.
 
     Mirrors ``burstcv_spec.preprocess.open_image`` (same checks, same order, same messages)
     without its RGB conversion, so the manifest keeps the original mode; a test asserts that
-    the two agree on every fault kind. Plain PNGs take a fast path that can only say "ok";
-    every other file, and every error verdict, comes from Pillow's own open and load.
+    the two agree on every fault kind.
     """
     header: tuple[Any, ...] = (None, None, None, None, None)
     if not data:
@@ -220,10 +186,6 @@ def decode(
     formats: tuple[str, ...] = ()
     if allowed is not None:
         formats = open_formats(allowed, data[:16])
-        if capabilities().png_fast_path and formats and formats[0] == "PNG" and "PNG" in allowed:
-            decoded = _try_png_fast_path(data, max_pixels, strips)
-            if decoded is not None:
-                return decoded
     fmt = "unknown"
     try:
         img = open_image(data, formats)
@@ -257,19 +219,3 @@ def decode(
         # untrusted bytes never escape as anything but a decode error.
         raise BadImage(f"corrupt or truncated {fmt} data: {exc}", header) from exc
     return (fmt, width, height, header[3], header[4], img)
-
-
-def _try_png_fast_path(
-    data: bytes, max_pixels: int, strips: Strips | None = None
-) -> tuple[str, int, int, str, int, Image.Image | None] | None:
-    """Run pngfast.decode_png; on any exception return None (Pillow then decodes the file).
-
-    An exception that says Pillow's internals changed under the probe turns the path off.
-    """
-    try:
-        return pngfast.decode_png(data, max_pixels, strips)
-    except (AttributeError, TypeError, NameError, ImportError) as exc:
-        capabilities().turn_off_png_fast_path(exc)
-    except Exception:
-        pass  # Pillow decodes the file again and says what is wrong with it
-    return None
