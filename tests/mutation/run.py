@@ -67,7 +67,6 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
         ("advise", "0.0 -> 1.0", "or 0.0", "sort key of unpriced advice, after priced either way"),
     ),
     "registry": (
-        ("Registry.register", "1 -> 2", '"version": 1', "placeholder to validate the fields"),
         ("Registry._claim_version", "1000 -> 1001", "range(1000)", "retry bound, never reached"),
         ("Registry._try_claim", "return value dropped (None)", "return False", _TRUTHY),
         ("Registry._s3_lease", "cmp0: > -> >=", "> S3_LEASE_S", "a float clock never equals it"),
