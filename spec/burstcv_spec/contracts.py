@@ -884,6 +884,15 @@ class LocalProcessRecord(Artifact):
 
     instance_id: str = Field(description="local-<12 hex>: the box's id")
     pid: int = Field(description="the wrapper's pid, which leads the process group")
+    # Records written before the field existed have none: they are judged on this host.
+    host: str = Field(
+        default="",
+        description=(
+            "the launching host, `<hostname>/<pid namespace inode>`: pid and start_ticks mean "
+            "something only there; elsewhere liveness is read from the wrapper's files "
+            "(empty in older records: read as this host)"
+        ),
+    )
     start_ticks: int | None = Field(
         default=None, description="the wrapper's start time in clock ticks (guards pid reuse)"
     )

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -15,6 +18,7 @@ from typing import Any
 import pytest
 from burstcv_testkit import launch_of, make_job
 
+from burstcv.compute import local
 from burstcv.compute.base import RUNNING, STOPPED
 from burstcv.compute.local import LocalBackend
 from burstcv.compute.reaper import RunActivity, reap
@@ -328,3 +332,249 @@ def test_no_relaunch_after_the_runs_deadline(tmp_path: Path, state_dir: Path) ->
     with pytest.raises(TrainingFailed, match=r"deadline .* has passed; no relaunch"):
         relaunch(Provisioned.model_validate(provisioned))
     assert LocalBackend().describe("r-late") == []
+
+
+# --- boxes seen from another host (container) that shares the state dir, not the pids -------
+
+# Stands in for ``burstcv train`` where only the box's process handling matters: it trains
+# until signalled. "ignores-sigterm" notes the SIGTERM in its log and trains on.
+FAKE_TRAINER = """
+import signal, sys, time
+def ignore(signum, frame):
+    print(f"SIGTERM ignored at {time.time()}", flush=True)
+if sys.argv[1] == "ignores-sigterm":
+    signal.signal(signal.SIGTERM, ignore)
+print("training", flush=True)
+time.sleep(600)
+"""
+
+OTHER_HOST = "another-container/4026531000"
+
+FakeBox = Callable[..., tuple[Path, int]]
+
+
+@pytest.fixture
+def fake_box(state_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Launch boxes running FAKE_TRAINER; return (record path, process group) per launch."""
+    needle = str(tmp_path / "fake-job.json")  # never read: it names this test's processes
+    launched: list[int] = []
+
+    def launch(run_id: str, mode: str = "honours-sigterm") -> tuple[Path, int]:
+        monkeypatch.setattr(
+            local,
+            "train_command",
+            lambda job_uri, attempt: [sys.executable, "-c", FAKE_TRAINER, mode, "--job", job_uri],
+        )
+        LocalBackend().launch(launch_of(run_id, needle))
+        record = next((state_dir / run_id).glob("local-*.json"))
+        pgid = int(json.loads(record.read_text())["pid"])
+        launched.append(pgid)
+        wait_for(lambda: "training" in record.with_suffix(".log").read_text(), timeout_s=20)
+        return record, pgid
+
+    yield launch
+    for pid in processes_running(needle):  # wrapper, watchdog and trainer all name the job
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pgid in launched:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pgid, 0)
+    assert processes_running(needle) == []
+
+
+def as_launched_elsewhere(record: Path, host: str = OTHER_HOST) -> None:
+    """Rewrite a record as if another host (another pid namespace) had launched its box."""
+    data = json.loads(record.read_text())
+    data["host"] = host
+    record.write_text(json.dumps(data))
+
+
+def unshare_pid_namespace() -> list[str]:
+    """Return the command prefix that runs a command in a new pid namespace, or skip."""
+    prefix = ["unshare", "--pid", "--fork", "--mount-proc"]
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        pytest.skip("util-linux unshare is not installed")
+    if probe.returncode != 0:
+        pytest.skip(f"unshare --pid is not permitted here: {probe.stderr.strip()}")
+    return prefix
+
+
+# Runs in another pid namespace: the box's pids mean nothing there, only the files do.
+OTHER_NAMESPACE = """
+import json, os, sys
+from burstcv.compute.local import LocalBackend, this_host
+backend = LocalBackend(sys.argv[1])
+run_id, pid = sys.argv[2], int(sys.argv[3])
+seen = {"host": this_host(), "pid_visible": os.path.exists(f"/proc/{pid}")}
+seen["described"] = [i.state for i in backend.describe(run_id)]
+seen["managed"] = [i.run_id for i in backend.list_managed()]
+seen["terminated"] = backend.terminate_run(run_id)
+seen["after"] = [i.state for i in backend.describe(run_id)]
+print(json.dumps(seen))
+"""
+
+
+def test_another_pid_namespace_sees_the_box_running_and_stops_it(
+    fake_box: FakeBox, state_dir: Path
+) -> None:
+    """The triggerer and another worker share the state dir, not the pid namespace."""
+    prefix = unshare_pid_namespace()
+    record, pgid = fake_box("r-ns")
+    assert json.loads(record.read_text())["host"] == local.this_host()
+    child = subprocess.run(
+        [*prefix, sys.executable, "-c", OTHER_NAMESPACE, str(state_dir), "r-ns", str(pgid)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, child.stderr
+    seen = json.loads(child.stdout.splitlines()[-1])
+    assert seen["host"] != local.this_host()
+    assert not seen["pid_visible"]
+    assert seen["described"] == [RUNNING]
+    assert seen["managed"] == ["r-ns"]
+    assert seen["terminated"] == [record.stem]
+    assert seen["after"] == [STOPPED]
+    # Stopped for real, by the wrapper, as seen from the namespace that launched it.
+    assert record.with_suffix(".stopped").exists()
+    assert record.with_suffix(".stop").exists()
+    # The watchdog's last `sleep` outlives it by up to a poll: the group ends after that.
+    backend = LocalBackend()
+    wait_for(lambda: backend.describe("r-ns")[0].state == STOPPED, timeout_s=10)
+    assert box_processes(pgid) == {}
+    assert backend.describe("r-ns")[0].stopped_at is not None
+    assert json.loads(record.read_text())["stopped_at"]
+
+
+def test_a_box_of_another_host_killed_whole_is_stopped_once_its_heartbeat_is_stale(
+    fake_box: FakeBox, state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record, pgid = fake_box("r-stale")
+    as_launched_elsewhere(record)
+    backend = LocalBackend()
+    wait_for(lambda: record.with_suffix(".heartbeat").exists(), timeout_s=10)
+    assert [i.state for i in backend.describe("r-stale")] == [RUNNING]
+    os.killpg(pgid, signal.SIGKILL)  # wrapper, watchdog and trainer at once: no stop record
+    wait_for(lambda: box_processes(pgid) == {}, timeout_s=10)
+    # Nothing says it stopped yet: the heartbeat is fresh (and its pid is not read).
+    assert [i.state for i in backend.describe("r-stale")] == [RUNNING]
+    monkeypatch.setattr(local, "HEARTBEAT_STALE_S", 1.0)
+    wait_for(lambda: backend.describe("r-stale")[0].state == STOPPED, timeout_s=10)
+    assert backend.list_managed() == []
+    assert not record.with_suffix(".stopped").exists()
+    assert backend.terminate_run("r-stale") == [record.stem]
+    assert not record.with_suffix(".stop").exists()  # a stopped box is not asked to stop
+
+
+def test_an_old_record_without_a_host_is_judged_by_its_pid(
+    fake_box: FakeBox, state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from burstcv_spec.contracts import LocalProcessRecord, read_artifact
+
+    record, pgid = fake_box("r-old")
+    data = json.loads(record.read_text())
+    del data["host"]
+    record.write_text(json.dumps(data))
+    assert read_artifact(str(record), LocalProcessRecord).host == ""
+    backend = LocalBackend()
+    monkeypatch.setattr(local, "HEARTBEAT_STALE_S", 0.0)  # by the files it would be stopped
+    assert [i.state for i in backend.describe("r-old")] == [RUNNING]
+    os.killpg(pgid, signal.SIGKILL)
+    monkeypatch.setattr(local, "HEARTBEAT_STALE_S", 3600.0)  # by the files it would run on
+    wait_for(lambda: backend.describe("r-old")[0].state == STOPPED, timeout_s=10)
+    assert not record.with_suffix(".stopped").exists()
+
+
+@pytest.mark.parametrize(
+    ("mode", "ended_by"),
+    [("honours-sigterm", signal.SIGTERM), ("ignores-sigterm", signal.SIGKILL)],
+)
+def test_a_stop_request_file_ends_the_trainer_through_the_wrapper(
+    mode: str,
+    ended_by: signal.Signals,
+    fake_box: FakeBox,
+    state_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(local, "KILL_GRACE_S", 2)  # read when the wrapper script is written
+    record, pgid = fake_box("r-stop", mode)
+    record.with_suffix(".stop").touch()
+    status: list[int] = []
+
+    def wrapper_exited() -> bool:
+        pid, wait_status = os.waitpid(pgid, os.WNOHANG)  # the wrapper is this test's child
+        if pid:
+            status.append(wait_status)
+        return bool(pid)
+
+    wait_for(wrapper_exited, timeout_s=20)
+    ended = time.time()
+    # The wrapper exits with its trainer's status: 128 + the signal that ended it.
+    assert os.waitstatus_to_exitcode(status[0]) == 128 + ended_by
+    log_text = record.with_suffix(".log").read_text()
+    if ended_by == signal.SIGKILL:
+        term_at = float(log_text.split("SIGTERM ignored at ")[1].split()[0])
+        assert ended - term_at >= local.KILL_GRACE_S - 1  # whole seconds, as `date +%s` counts
+    else:
+        assert "SIGTERM ignored" not in log_text
+    assert record.with_suffix(".stopped").exists()
+    backend = LocalBackend()
+    wait_for(lambda: backend.describe("r-stop")[0].state == STOPPED, timeout_s=10)
+    assert box_processes(pgid) == {}
+
+
+def test_stopping_a_box_of_another_host_asks_its_wrapper_and_never_signals_the_pid(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from burstcv_spec.contracts import LocalProcessRecord, write_artifact
+
+    def no_signals(pgid: int, signum: int) -> None:
+        raise AssertionError(f"signalled process group {pgid} of another host")
+
+    monkeypatch.setattr(local.os, "killpg", no_signals)
+    folder = state_dir / "r-far"
+    folder.mkdir(parents=True)
+    record = folder / "local-0123456789ab.json"
+    now = datetime.now(UTC)
+    write_artifact(
+        str(record),
+        LocalProcessRecord(
+            instance_id=record.stem,
+            pid=os.getpid(),  # here that pid is this test, alive: only the files may count
+            host=OTHER_HOST,
+            run_key="r-far",
+            dag_id="d",
+            job_uri="/never/read/job.json",
+            launched_at=now.isoformat(),
+            attempt=1,
+            expires_at=(now + timedelta(hours=1)).isoformat(),
+            log=str(record.with_suffix(".log")),
+        ),
+    )
+    backend = LocalBackend()
+    # No heartbeat yet, launched just now: the box is starting.
+    assert [i.state for i in backend.describe("r-far")] == [RUNNING]
+
+    def far_wrapper() -> None:
+        """Do what the other host's wrapper does: see the stop request, record the stop."""
+        deadline = time.monotonic() + 30
+        while not record.with_suffix(".stop").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        record.with_suffix(".stopped").write_text(f"{time.time()}\n")
+
+    wrapper = threading.Thread(target=far_wrapper, daemon=True)
+    wrapper.start()
+    assert backend.terminate_run("r-far") == [record.stem]
+    wrapper.join(timeout=30)
+    infos = backend.describe("r-far")
+    assert [i.state for i in infos] == [STOPPED] and infos[0].stopped_at is not None
+    assert json.loads(record.read_text())["stopped_at"]
+
+    # A box that never beat, launched longer ago than the window, is lost.
+    record.with_suffix(".stopped").unlink()
+    data = json.loads(record.read_text())
+    data["launched_at"] = (now - timedelta(seconds=local.HEARTBEAT_STALE_S + 1)).isoformat()
+    record.write_text(json.dumps(data))
+    assert [i.state for i in backend.describe("r-far")] == [STOPPED]

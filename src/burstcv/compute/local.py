@@ -4,6 +4,13 @@ Each launch is a process group running ``burstcv train --job <uri>`` under a she
 that, like the EC2 user-data, records when it stopped. A JSON record per process under
 ``BURSTCV_COMPUTE_STATE_DIR/<run_id>/`` plays the role of EC2 tags: teardown and the reaper
 find processes by run id from these records, never from ids kept elsewhere.
+
+The state dir may be shared by hosts that do not share a pid namespace (the containers of a
+docker-compose stack: the worker that launched, the triggerer that polls, another worker that
+tears down). A pid means something only on the host that launched it, so each record names
+that host; elsewhere a box is judged from files the wrapper keeps next to its record (a
+heartbeat while the trainer lives, the stop record when it ends) and stopped by a stop-request
+file the wrapper's watchdog honours.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,6 +40,35 @@ from burstcv_spec.contracts import Launch, LocalProcessRecord, read_artifact, wr
 log = logging.getLogger(__name__)
 
 TERMINATE_GRACE_S = 20.0  # SIGTERM lets training checkpoint before SIGKILL
+HEARTBEAT_STALE_S = 60.0  # another host's box is lost once its heartbeat is this old
+STOP_SETTLE_S = 10.0  # beyond both graces, how long a stop request may take to be seen
+
+
+def this_host() -> str:
+    """Return who runs this code: hostname and pid namespace inode, ``<hostname>/<inode>``.
+
+    Containers sharing the state dir may share a hostname (or set none) but never a pid
+    namespace; a pid from another namespace names another process here, or none.
+    """
+    host = socket.gethostname()
+    with contextlib.suppress(OSError):
+        host += f"/{os.stat('/proc/self/ns/pid').st_ino}"
+    return host
+
+
+def _stopped_file(record_path: Path) -> Path:
+    """Return the file the wrapper writes (its stop time) when the box ends."""
+    return record_path.with_suffix(".stopped")
+
+
+def _heartbeat_file(record_path: Path) -> Path:
+    """Return the file the wrapper's watchdog touches while the trainer lives."""
+    return record_path.with_suffix(".heartbeat")
+
+
+def _stop_request_file(record_path: Path) -> Path:
+    """Return the file whose existence asks the wrapper's watchdog to stop the trainer."""
+    return record_path.with_suffix(".stop")
 
 
 def _reap(pid: int) -> None:
@@ -51,10 +88,32 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _alive(rec: LocalProcessRecord) -> bool:
+def _on_this_host(rec: LocalProcessRecord) -> bool:
+    """Return True if the record's pid means its box here (records without a host: yes)."""
+    return not rec.host or rec.host == this_host()
+
+
+def _alive(path: Path, rec: LocalProcessRecord) -> bool:
+    if not _on_this_host(rec):
+        return _alive_by_files(path, rec)
     _reap(rec.pid)
     # The group outlives its leader (the wrapper) while the training process finishes.
     return _proc_start_ticks(rec.pid) == rec.start_ticks or _group_alive(rec.pid)
+
+
+def _alive_by_files(path: Path, rec: LocalProcessRecord) -> bool:
+    """Judge a box of another host: not stopped, and its heartbeat fresh.
+
+    A box killed whole (kill -9 of its process group) writes no stop record: its heartbeat
+    going stale says so. Before the watchdog's first beat, the launch time stands in for it.
+    """
+    if _stopped_file(path).exists():
+        return False
+    try:
+        beat = _heartbeat_file(path).stat().st_mtime
+    except OSError:
+        beat = datetime.fromisoformat(rec.launched_at).timestamp()
+    return time.time() - beat < HEARTBEAT_STALE_S
 
 
 def _proc_start_ticks(pid: int) -> int | None:
@@ -71,9 +130,24 @@ def _proc_start_ticks(pid: int) -> int | None:
 
 WATCHDOG_POLL_S = 1  # how soon the watchdog notices its trainer is gone, and so the box ends
 KILL_GRACE_S = 30  # between the watchdog's SIGTERM (checkpoint) and its SIGKILL
+HEARTBEAT_EVERY_S = 5  # how often the watchdog touches the heartbeat file
 
 
-def wrapper_script(train_cmd: list[str], budget_s: int, stopped_file: Path) -> str:
+def train_command(job_uri: str, attempt: int) -> list[str]:
+    """Return the command a box runs: ``burstcv train --job <uri> --attempt <n>``."""
+    return [
+        sys.executable,
+        "-m",
+        "burstcv.cli",
+        "train",
+        "--job",
+        job_uri,
+        "--attempt",
+        str(attempt),
+    ]
+
+
+def wrapper_script(train_cmd: list[str], budget_s: int, record_path: Path) -> str:
     """Return the bash that runs one box: the trainer, its watchdog, and the stop record.
 
     It mirrors the EC2 user-data: a watchdog bounds the run (from the run's deadline, like the
@@ -81,21 +155,34 @@ def wrapper_script(train_cmd: list[str], budget_s: int, stopped_file: Path) -> s
     process group (no `timeout`, which makes its own group and would survive a killpg), so
     terminating the group ends the whole box. The watchdog lives exactly as long as the
     trainer: it polls the trainer's process every WATCHDOG_POLL_S, so the box's process
-    group, which is what liveness reads, ends within a poll of the trainer's end, whoever
-    killed which process (the out-of-memory killer's kill -9 of the trainer, or of this
-    wrapper: the trainer then runs on and writes its own markers). A single long `sleep`
-    here outlived a killed trainer and made the box look alive until the deadline.
+    group, which is what liveness reads on the launching host, ends within a poll of the
+    trainer's end, whoever killed which process (the out-of-memory killer's kill -9 of the
+    trainer, or of this wrapper: the trainer then runs on and writes its own markers). A single
+    long `sleep` here outlived a killed trainer and made the box look alive until the deadline.
+
+    For the hosts that share the state dir but not the pid namespace, the watchdog also
+    touches the heartbeat file (at most every HEARTBEAT_EVERY_S) while the trainer lives, and
+    once the stop-request file exists it ends the trainer as at the deadline: SIGTERM, then
+    SIGKILL after KILL_GRACE_S.
     """
+    heartbeat = shlex.quote(str(_heartbeat_file(record_path)))
+    stop_request = shlex.quote(str(_stop_request_file(record_path)))
     return (
         # A zombie (exited, not yet reaped: the wrapper is gone) no longer trains.
         'alive() { local s; s=$(cat /proc/"$1"/stat 2>/dev/null) || return 1; s=${s##*) }; '
         '[ "${s%% *}" != Z ]; }\n'
+        # Called by the watchdog while the trainer lives; next_beat is the watchdog's own.
+        'beat() { local now; now=$(date +%s); [ "$now" -lt "$next_beat" ] && return; '
+        f"touch {heartbeat}; next_beat=$(( now + {HEARTBEAT_EVERY_S} )); }}\n"
         f"{shlex.join(train_cmd)} & child=$!\n"
         f"deadline=$(( $(date +%s) + {budget_s} ))\n"
-        "( while alive $child; do\n"
-        "    if [ $(date +%s) -ge $deadline ]; then\n"
+        "( next_beat=0\n"
+        "  while alive $child; do\n"
+        "    beat\n"
+        f"    if [ $(date +%s) -ge $deadline ] || [ -e {stop_request} ]; then\n"
         f"      kill -TERM $child; grace=$(( $(date +%s) + {KILL_GRACE_S} ))\n"
         "      while alive $child && [ $(date +%s) -lt $grace ]; do\n"
+        "        beat\n"
         f"        sleep {WATCHDOG_POLL_S}\n"
         "      done\n"
         "      kill -KILL $child; break\n"
@@ -104,7 +191,7 @@ def wrapper_script(train_cmd: list[str], budget_s: int, stopped_file: Path) -> s
         "  done ) >/dev/null 2>&1 & watchdog=$!\n"
         "wait $child; rc=$?\n"
         "kill $watchdog 2>/dev/null\n"
-        f"date +%s.%N > {shlex.quote(str(stopped_file))}\n"
+        f"date +%s.%N > {shlex.quote(str(_stopped_file(record_path)))}\n"
         "exit $rc\n"
     )
 
@@ -134,8 +221,8 @@ class LocalBackend:
         return out
 
     def _info(self, path: Path, rec: LocalProcessRecord) -> InstanceInfo:
-        alive = _alive(rec)
-        stopped_file = path.with_suffix(".stopped")
+        alive = _alive(path, rec)
+        stopped_file = _stopped_file(path)
         stopped_at = None
         if stopped_file.exists():
             stopped_at = datetime.fromtimestamp(float(stopped_file.read_text().split()[0]), UTC)
@@ -163,22 +250,12 @@ class LocalBackend:
         for _ in range(launch.count):
             instance_id = f"local-{uuid.uuid4().hex[:12]}"
             record_path = folder / f"{instance_id}.json"
-            stopped_file = record_path.with_suffix(".stopped")
             log_path = record_path.with_suffix(".log")
-            train_cmd = [
-                sys.executable,
-                "-m",
-                "burstcv.cli",
-                "train",
-                "--job",
-                launch.job_uri,
-                "--attempt",
-                str(attempt),
-            ]
+            train_cmd = train_command(launch.job_uri, attempt)
             launched = lineage.utc_now()
             deadline = launch.deadline_at
             budget = max(1, int((deadline - launched).total_seconds())) + 60
-            script = wrapper_script(train_cmd, budget, stopped_file)
+            script = wrapper_script(train_cmd, budget, record_path)
             with open(log_path, "ab") as log_fh:
                 proc = subprocess.Popen(
                     ["bash", "-c", script],
@@ -190,6 +267,7 @@ class LocalBackend:
             record = LocalProcessRecord(
                 instance_id=instance_id,
                 pid=proc.pid,
+                host=this_host(),
                 start_ticks=_proc_start_ticks(proc.pid),
                 run_key=launch.run.run_key,
                 dag_id=launch.dag_id,
@@ -220,7 +298,10 @@ class LocalBackend:
         return [i for i in (self._info(p, r) for p, r in self._records()) if i.state != STOPPED]
 
     def terminate(self, instance_ids: list[str]) -> None:
-        """Stop the given processes: SIGTERM to the group, SIGKILL after the grace period."""
+        """Stop the given processes: SIGTERM to the group, SIGKILL after the grace period.
+
+        A process of another host is asked to stop through its wrapper (see ``_stop``).
+        """
         wanted = set(instance_ids)
         for path, rec in self._records():
             if rec.instance_id in wanted:
@@ -235,24 +316,50 @@ class LocalBackend:
         return ids
 
     def _stop(self, path: Path, rec: LocalProcessRecord) -> None:
-        pid = rec.pid  # the wrapper leads the box's process group: pgid == pid
-        if not _alive(rec):
+        if not _alive(path, rec):
             return
+        if _on_this_host(rec):
+            self._kill_group(path, rec)
+        else:
+            self._request_stop(path, rec)
+        if rec.stopped_at is None:
+            write_artifact(
+                str(path), rec.model_copy(update={"stopped_at": lineage.utc_now().isoformat()})
+            )
+
+    def _kill_group(self, path: Path, rec: LocalProcessRecord) -> None:
+        """Stop a box of this host: SIGTERM to its process group, SIGKILL after the grace."""
+        pid = rec.pid  # the wrapper leads the box's process group: pgid == pid
         log.info("terminating %s (process group %d)", rec.instance_id, pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGTERM)  # training checkpoints on SIGTERM, then exits
         deadline = time.monotonic() + TERMINATE_GRACE_S
-        while time.monotonic() < deadline and _alive(rec):
+        while time.monotonic() < deadline and _alive(path, rec):
             time.sleep(0.1)
-        if _alive(rec):
+        if _alive(path, rec):
             log.warning(
                 "%s ignored SIGTERM for %.0fs: killing it", rec.instance_id, TERMINATE_GRACE_S
             )
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-            while _alive(rec) and time.monotonic() < deadline + 10:
+            while _alive(path, rec) and time.monotonic() < deadline + 10:
                 time.sleep(0.1)
-        if rec.stopped_at is None:
-            write_artifact(
-                str(path), rec.model_copy(update={"stopped_at": lineage.utc_now().isoformat()})
+
+    def _request_stop(self, path: Path, rec: LocalProcessRecord) -> None:
+        """Stop a box of another host through its wrapper; never signal its pid from here.
+
+        The watchdog sees the stop-request file within a poll and ends the trainer (SIGTERM,
+        SIGKILL after KILL_GRACE_S); the wrapper then writes the stop record.
+        """
+        log.info("asking %s (launched on %s) to stop", rec.instance_id, rec.host)
+        _stop_request_file(path).touch()
+        deadline = time.monotonic() + TERMINATE_GRACE_S + KILL_GRACE_S + STOP_SETTLE_S
+        while time.monotonic() < deadline and _alive(path, rec):
+            time.sleep(0.2)
+        if _alive(path, rec):
+            log.warning(
+                "%s on %s has not stopped %.0fs after the stop request",
+                rec.instance_id,
+                rec.host,
+                TERMINATE_GRACE_S + KILL_GRACE_S + STOP_SETTLE_S,
             )
