@@ -168,8 +168,9 @@ class Settings(BaseSettings):
         """Return whether this deployment can reach AWS (settings or credentials say so)."""
         if self.compute_backend == "ec2" or self.artifact_root.startswith("s3://"):
             return True
+        # A variable set to nothing (compose passes `${VAR:-}` through) configures nothing.
         return any(os.environ.get(key) for key in _AWS_ENVIRONMENT) or any(
-            key.startswith("BURSTCV_EC2_") for key in os.environ
+            value for key, value in os.environ.items() if key.startswith("BURSTCV_EC2_")
         )
 
     def reaper_region_names(self) -> list[str]:
@@ -192,7 +193,10 @@ DEFAULT_PYTHON = "/opt/pytorch/bin/python"  # the PyTorch environment of that AM
 class Ec2Settings(BaseSettings):
     """Hold the EC2 backend's settings (env prefix ``BURSTCV_EC2_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="BURSTCV_EC2_", env_file=None, extra="ignore")
+    # A variable set to nothing (compose passes `${VAR:-}` through) leaves the default.
+    model_config = SettingsConfigDict(
+        env_prefix="BURSTCV_EC2_", env_file=None, extra="ignore", env_ignore_empty=True
+    )
 
     aws_conn_id: str = "aws_default"
     region: str = "us-east-1"

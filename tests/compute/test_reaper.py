@@ -230,6 +230,40 @@ def test_ec2_is_swept_whenever_aws_is_configured(monkeypatch: Any) -> None:
     assert Settings(reaper_backends="local").reaper_backend_names() == ["local"]
 
 
+def test_aws_settings_passed_through_empty_configure_nothing(monkeypatch: Any) -> None:
+    """A compose file passes `${BURSTCV_EC2_REGION:-}`: set to nothing, it names no AWS."""
+    for key in list(os.environ):
+        if key.startswith(("AWS_", "BURSTCV_EC2_")) or key == "AIRFLOW_CONN_AWS_DEFAULT":
+            monkeypatch.delenv(key)
+    for key in ("BURSTCV_EC2_REGION", "BURSTCV_EC2_INSTANCE_PROFILE", "AIRFLOW_CONN_AWS_DEFAULT"):
+        monkeypatch.setenv(key, "")
+    assert Settings(reaper_backends="").reaper_backend_names() == ["local"]
+    monkeypatch.setenv("BURSTCV_EC2_REGION", "eu-west-1")
+    assert Settings(reaper_backends="").reaper_backend_names() == ["local", "ec2"]
+
+
+@pytest.mark.parametrize("regions", ["", "eu-west-1"])
+def test_ec2_without_credentials_is_a_warning_not_a_failed_pass(
+    monkeypatch: Any, tmp_path: Any, regions: str
+) -> None:
+    """EC2 configured but no credentials anywhere: nothing can have been launched from here."""
+    for key in list(os.environ):
+        if key.startswith(("AWS_", "BURSTCV_EC2_")) or key == "AIRFLOW_CONN_AWS_DEFAULT":
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("BURSTCV_EC2_REGION", "eu-west-1")
+    settings = Settings(
+        home=str(tmp_path), reaper_backends="", reaper_regions=regions, compute_backend="ec2"
+    )
+    reports = reaper.reap_everywhere(None, lambda dag, run: RunActivity.OVER, settings=settings)
+    assert [r.backend for r in reports] == ["local", "ec2"]
+    assert reaper.reap_errors(reports) == 0
+    (ec2,) = [r for r in reports if r.backend == "ec2"]
+    assert ec2.warnings and "no AWS credentials" in ec2.warnings[0]
+
+
 def test_nothing_to_reap_reports_so(backend: Ec2Backend, ec2_client: Any) -> None:
     report = reap(backend, run_activity=lambda dag, run: RunActivity.ACTIVE)
     assert report.instance_ids == [] and "nothing to terminate" in report.summary()

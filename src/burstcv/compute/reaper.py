@@ -246,13 +246,28 @@ def reap_errors(reports: list[ReaperReport]) -> int:
 
 
 def _failed_sweep(backend: str, region: str, exc: BaseException, dry_run: bool) -> ReaperReport:
-    return ReaperReport(
-        backend=backend,
-        region=region,
-        checked_at=datetime.now(UTC),
-        dry_run=dry_run,
-        errors=[ReapError(instance_id="", step="list", error=f"{type(exc).__name__}: {exc}")],
+    report = ReaperReport(
+        backend=backend, region=region, checked_at=datetime.now(UTC), dry_run=dry_run
     )
+    if _no_credentials(exc):
+        # Nothing could have been launched from here without credentials either: a warning,
+        # not a failed pass (a stack whose AWS settings name no credentials yet).
+        report.warnings.append(f"{backend} not swept: no AWS credentials ({exc})")
+        log.warning("reaper: %s", report.warnings[-1])
+    else:
+        report.errors.append(
+            ReapError(instance_id="", step="list", error=f"{type(exc).__name__}: {exc}")
+        )
+    return report
+
+
+def _no_credentials(exc: BaseException) -> bool:
+    """Return whether ``exc`` says that no AWS credentials were found at all."""
+    try:
+        from botocore.exceptions import NoCredentialsError
+    except ImportError:  # pragma: no cover - botocore comes with the amazon provider
+        return False
+    return isinstance(exc, NoCredentialsError)
 
 
 def _reaper_targets(
