@@ -50,13 +50,15 @@ TEST312 := tests/serving tests/test_packaging.py tests/dags/test_dag_integrity.p
 # pip's notes about this machine's local index folders are filtered out, not its errors.
 QUIET_PIP := quiet() { "$$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
-.PHONY: help setup sysdeps demo test test312 lint airflow serve stop airflow-stop serve-stop clean \
+.PHONY: help setup sysdeps demo test test312 stack-test stack-env lint airflow serve stop airflow-stop serve-stop clean \
   distclean chaos mutation serve-port airflow-port
 
 help:
 	@echo "make demo   - set up, run the pipeline DAG on the demo digits, serve it, predict"
 	@echo "make test   - set up and run the whole test suite (and make test312)"
 	@echo "make test312 - the torch-free tests on Python 3.12, in .venv312"
+	@echo "make stack-test - build the images and run docker-compose.yaml for real (podman; slow)"
+	@echo "make stack-env - write .env for docker-compose.yaml, with fresh secrets"
 	@echo "make lint   - ruff + mypy"
 	@echo "make airflow / serve - start Airflow (restarting it when a component died) / the service"
 	@echo "make airflow-stop / serve-stop / stop - stop Airflow / the service / both"
@@ -114,6 +116,16 @@ demo: serve-port $(STAMP) $(AIRFLOW_HOME)/airflow.db $(DEMO_DATA)
 
 test: $(STAMP) sysdeps test312
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The production stack (docker-compose.yaml), built and run for real with podman: stand-in
+# base images from Debian's packages, the project's images, a pipeline run through the REST
+# API, a prediction through the service container (tests/stack/test_stack.py). Installs
+# podman, runc and debootstrap when missing (Debian packages); layers are cached.
+stack-test: $(STAMP)
+	BURSTCV_STACK_TEST=1 $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/stack $(STACK_PYTEST_ARGS)
+
+stack-env:
+	@python3 docker/stack-env.py
 
 $(STAMP312): requirements-py312.txt requirements.txt serving/requirements.txt pyproject.toml
 	@if ! "$(PYTHON312)" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then

@@ -6,17 +6,13 @@ registry under ``var/registry`` of the working directory, the service on 127.0.0
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-PLACEHOLDER_ADMIN_TOKEN = "dev-token"
-# Off the loopback interface anyone on the network can try the admin door: a token shorter
-# than this is guessable (secrets.token_urlsafe(32) gives 43 characters).
-MIN_EXPOSED_ADMIN_TOKEN_CHARS = 16
+from burstcv_spec.admin_token import PLACEHOLDER_ADMIN_TOKEN, admin_token_problem
 
 Environment = Literal["development", "staging", "production"]
 
@@ -106,38 +102,6 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _refuse_unsafe_admin_tokens(self) -> Settings:
-        token = self.admin_token
-        if not token:
-            raise ValueError("BURSTCV_SERVING_ADMIN_TOKEN must not be empty")
-        # Off loopback, whatever the environment says: listening beyond this machine is what
-        # exposes the admin door.
-        if not _is_loopback(self.host) and (
-            token == PLACEHOLDER_ADMIN_TOKEN or len(token) < MIN_EXPOSED_ADMIN_TOKEN_CHARS
-        ):
-            what = (
-                "the development placeholder"
-                if token == PLACEHOLDER_ADMIN_TOKEN
-                else f"{len(token)} characters long"
-            )
-            raise ValueError(
-                f"refusing to listen on {self.host} with BURSTCV_SERVING_ADMIN_TOKEN {what}; "
-                f"set a secret of at least {MIN_EXPOSED_ADMIN_TOKEN_CHARS} characters "
-                "(python -c 'import secrets; print(secrets.token_urlsafe(32))') or listen on "
-                "127.0.0.1"
-            )
-        if self.environment == "production" and token == PLACEHOLDER_ADMIN_TOKEN:
-            raise ValueError(
-                "BURSTCV_SERVING_ADMIN_TOKEN is the development placeholder; set a secret "
-                "token before running with BURSTCV_SERVING_ENVIRONMENT=production"
-            )
+        if problem := admin_token_problem(self.admin_token, self.host, self.environment):
+            raise ValueError(problem)
         return self
-
-
-def _is_loopback(host: str) -> bool:
-    """Return whether ``host`` is reachable from this machine only."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name or an interface address: reachable from elsewhere

@@ -444,6 +444,32 @@ def home(
             typer.echo(f"{name} {getattr(settings, name)}")
 
 
+@app.command("check-stack")
+def check_stack() -> None:
+    """Refuse a compose stack's weak secrets or incomplete EC2 settings (airflow-init runs it)."""
+    from burstcv.stack import GENERATE, stack_problems
+
+    if problems := stack_problems():
+        for problem in problems:
+            typer.echo(f"stack settings: {problem}", err=True)
+        raise _fail(f"{len(problems)} problem(s) with the stack's settings; {GENERATE}")
+    typer.echo("stack settings: secrets and backend settings are complete")
+
+
+@app.command("stack-passwords")
+def stack_passwords(
+    path: Annotated[Path, typer.Argument(help="the simple auth manager's passwords file")],
+) -> None:
+    """Write the Airflow UI passwords of a compose stack (AIRFLOW_ADMIN_PASSWORD for the first user)."""
+    from burstcv.stack import write_passwords
+
+    try:
+        names = write_passwords(path)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    typer.echo(f"passwords of {', '.join(names)} written to {path}")
+
+
 @app.command("airflow-init")
 def airflow_init() -> None:
     """Prepare the Airflow metadata DB for burstcv (run after `airflow db migrate`)."""
