@@ -28,6 +28,7 @@ PARSES_OTHER_JSON: dict[str, str] = {
     "src/burstcv/compute/ec2.py": "STS DecodeAuthorizationMessage's answer, to name a refusal",
     "src/burstcv/cost/pricing.py": "the bundled price table and the Price List API's answers",
     "src/burstcv/registry/registry.py": "an alias file (then parse_artifact) and a lock's body",
+    "src/burstcv/stack.py": "Airflow's simple auth manager passwords file ({user: password})",
     "src/burstcv/training/train.py": "checkpoint fields (then model_validate) and a job.json "
     "too broken to validate, read only for where to write its FAILED marker",
 }
