@@ -34,6 +34,7 @@ from burstcv_spec.contracts import (
     ExpectationResult,
     Exported,
     FailedMarker,
+    FleetOption,
     GateVerdict,
     HistoryEvent,
     HostInfo,
@@ -58,6 +59,8 @@ from burstcv_spec.contracts import (
     RunRecord,
     RunRef,
     SchemaVersionError,
+    SizePoint,
+    SizingReport,
     SkipRecord,
     Trained,
     TrainingMetrics,
@@ -157,6 +160,32 @@ METRICS = TrainingMetrics(
     dataset_fingerprint="f",
     finished_at="now",
     attempt=1,
+)
+
+
+SIZE = SizePoint(vcpus=1, measured=True, sustainable_rps=120.0, p95_ms=9.5, rss_mb=110.0)
+FLEET = FleetOption(
+    instance_type="c7i.large",
+    vcpus=2,
+    memory_gib=4.0,
+    replicas=2,
+    rps_per_replica=200.0,
+    extrapolated=False,
+    usd_per_hour=0.1785,
+    usd_per_month=130.31,
+    usd_per_million=0.2479,
+)
+SIZING = SizingReport(
+    slo_p95_ms=50.0,
+    target_rps=200.0,
+    headroom=0.3,
+    region="us-east-1",
+    host_cores=2,
+    sizes=[SIZE, SizePoint(vcpus=4, measured=False, sustainable_rps=400.0)],
+    options=[FLEET],
+    chosen=FLEET,
+    reason="2 x c7i.large",
+    price_source={"source": "table", "as_of": "2024-06-01"},
 )
 
 
@@ -319,6 +348,7 @@ def examples() -> list[Contract]:
         TrainingOutcome(status="failed", attempt=2, stage="interrupted", reason="spot notice"),
         LatencyRecord(measured_at="now", host=HOST, requests=2, concurrency=1, candidate=FIGURES),
         VerdictRecord(version=3, **GATE.model_dump()),
+        SIZING,
         CARD,
         RegistryEntry.model_validate(
             {

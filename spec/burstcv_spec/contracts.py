@@ -194,6 +194,57 @@ class BenchFigures(Contract):
         return self.model_copy(update={"latencies_ms": None})
 
 
+class SizePoint(Contract):
+    """Say how fast the service answered at one CPU size under an open-loop load.
+
+    ``sustainable_rps`` is the highest request rate tried whose p95 stayed under the SLO with
+    no error; the latencies are those at that rate. Sizes beyond the measuring host's cores are
+    extrapolated from the measured scaling (``measured`` false, no latencies).
+    """
+
+    omit_when_none = frozenset({"p50_ms", "p95_ms", "p99_ms", "cpu_s_per_request", "rss_mb"})
+
+    vcpus: int = Field(ge=1, description="CPUs the service could use (affinity)")
+    measured: bool = Field(description="measured here; false: extrapolated")
+    sustainable_rps: float = Field(ge=0, description="highest rate meeting the SLO, req/s")
+    p50_ms: float | None = Field(default=None, description="median latency at that rate, ms")
+    p95_ms: float | None = Field(default=None, description="p95 latency at that rate, ms")
+    p99_ms: float | None = Field(default=None, description="p99 latency at that rate, ms")
+    cpu_s_per_request: float | None = Field(
+        default=None, description="the service's CPU seconds per request at that rate"
+    )
+    rss_mb: float | None = Field(default=None, description="the service's resident memory, MB")
+
+
+class FleetOption(Contract):
+    """Say what serving the target load on one instance type takes and costs."""
+
+    instance_type: str = Field(description="EC2 instance type")
+    vcpus: int = Field(description="its vCPUs")
+    memory_gib: float = Field(description="its memory, GiB")
+    replicas: int = Field(ge=1, description="service replicas the target load needs")
+    rps_per_replica: float = Field(description="sustainable req/s of one replica at the SLO")
+    extrapolated: bool = Field(description="its rate is extrapolated, not measured")
+    usd_per_hour: float = Field(description="the fleet's on-demand price per hour")
+    usd_per_month: float = Field(description="the fleet's price per month (730 hours)")
+    usd_per_million: float = Field(description="dollars per 1M predictions at the target load")
+
+
+class SizingReport(Artifact):
+    """`burstcv size` output: the right-sized CPU fleet for a model at the expected load."""
+
+    slo_p95_ms: float = Field(description="the latency SLO each size was held to, ms")
+    target_rps: float = Field(gt=0, description="the expected peak load, req/s")
+    headroom: float = Field(description="share of a replica's sustainable rate kept spare")
+    region: str = Field(description="where the fleet is priced")
+    host_cores: int = Field(description="the measuring host's CPUs")
+    sizes: list[SizePoint] = Field(description="the sustainable rate per CPU size")
+    options: list[FleetOption] = Field(description="fleets meeting the target, cheapest first")
+    chosen: FleetOption | None = Field(description="the cheapest fleet; null when none meets")
+    reason: str = Field(description="why this fleet, or why none")
+    price_source: dict[str, str] = Field(description="where the prices come from, and when")
+
+
 class GateCheck(Contract):
     """Say how one gate check went: the figure observed, the limit, and why it failed."""
 
@@ -1131,6 +1182,7 @@ ARTIFACTS: tuple[type[Artifact], ...] = (
     Billing,
     LatencyRecord,
     VerdictRecord,
+    SizingReport,
     ModelCard,
     RegistryEntry,
     AliasRecord,

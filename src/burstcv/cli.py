@@ -313,6 +313,68 @@ def models(
 
 
 @app.command()
+def size(
+    version: Annotated[int, typer.Argument(help="registered version to size")],
+    images: Annotated[
+        Path, typer.Option(help="a folder of images to send (a validation split, say)")
+    ],
+    target_rps: Annotated[float, typer.Option(help="the expected peak load, req/s")],
+    slo_ms: Annotated[float, typer.Option(help="p95 latency each replica must meet, ms")] = 50.0,
+    region: Annotated[str, typer.Option(help="where the fleet is priced")] = "us-east-1",
+    headroom: Annotated[float, typer.Option(help="share of each replica's rate kept spare")] = 0.3,
+    out: Annotated[Path | None, typer.Option(help="also write the report (JSON) here")] = None,
+) -> None:
+    """Measure a version's sustainable rate per CPU size and print the cheapest fleet."""
+    import tempfile
+
+    from burstcv.gate.sizing import size_model
+    from burstcv.registry.registry import Registry
+    from burstcv_spec.contracts import write_artifact
+    from burstcv_spec.storage import download_file, list_files
+
+    _setup_logging()
+    s = get_settings()
+    registry = Registry(s.registry_uri, s.model_name)
+    if version not in registry.versions():
+        raise _fail(f"no version {version} of {s.model_name} in {s.registry_uri}")
+    bodies = [
+        p.read_bytes()
+        for p in sorted(images.rglob("*"))
+        if p.suffix.lower() in {".png", ".jpg", ".jpeg", ".webp"}
+    ][:256]
+    if not bodies:
+        raise _fail(f"no PNG, JPEG or WebP image under {images}")
+    with tempfile.TemporaryDirectory(prefix="burstcv-size-") as tmp:
+        prefix = registry.version_uri(version)
+        for uri in list_files(prefix):
+            download_file(uri, Path(tmp) / uri[len(prefix) :].lstrip("/"))
+        report = size_model(
+            tmp,
+            bodies,
+            slo_ms=slo_ms,
+            target_rps=target_rps,
+            region=region,
+            headroom=headroom,
+        )
+    typer.echo(f"{'vCPUs':>5} {'req/s at SLO':>12} {'p95 ms':>8} {'CPU ms/req':>10}")
+    for point in report.sizes:
+        cpu = f"{point.cpu_s_per_request * 1000:.2f}" if point.cpu_s_per_request else "-"
+        p95 = f"{point.p95_ms:.2f}" if point.p95_ms is not None else "-"
+        typer.echo(f"{point.vcpus:>5} {point.sustainable_rps:>12.1f} {p95:>8} {cpu:>10}")
+    for option in report.options:
+        typer.echo(
+            f"{option.replicas} x {option.instance_type:<12} ${option.usd_per_month:>9,.2f}/month"
+            f"  ${option.usd_per_million:.4f}/1M"
+            f"{'  (extrapolated)' if option.extrapolated else ''}"
+        )
+    typer.echo(report.reason)
+    if out is not None:
+        write_artifact(str(out), report)
+    if report.chosen is None:
+        raise typer.Exit(1)
+
+
+@app.command()
 def promote(
     version: Annotated[int, typer.Argument(help="registered version to serve")],
     force: Annotated[bool, typer.Option(help="promote even if the gate rejected it")] = False,
@@ -460,7 +522,7 @@ def check_stack() -> None:
 def stack_passwords(
     path: Annotated[Path, typer.Argument(help="the simple auth manager's passwords file")],
 ) -> None:
-    """Write the Airflow UI passwords of a compose stack (AIRFLOW_ADMIN_PASSWORD for the first user)."""
+    """Write a compose stack's Airflow UI passwords (the first user's: AIRFLOW_ADMIN_PASSWORD)."""
     from burstcv.stack import write_passwords
 
     try:

@@ -91,6 +91,16 @@ def hourly_price(
     return float(rates[lifecycle])
 
 
+def instance_shapes(path: Path | None = None) -> dict[str, tuple[int, float]]:
+    """Return {instance type: (vCPUs, memory GiB)} of the CPU types the table sizes fleets on."""
+    table = load_price_table(path).get("instances", {})
+    return {
+        name: (int(shape["vcpus"]), float(shape["memory_gib"]))
+        for name, shape in table.items()
+        if not name.startswith("_")
+    }
+
+
 def billed_seconds(launched: datetime, stopped: datetime) -> int:
     """Return the seconds EC2 bills for one instance: per second, at least 60."""
     if launched.tzinfo is None or stopped.tzinfo is None:

@@ -1,0 +1,396 @@
+"""Right-size the CPU serving fleet: measure, per CPU size, the load the service sustains.
+
+For each size from 1 vCPU up to the measuring host's cores, a staging copy of the real service
+is started pinned to that many CPUs (its workers and threads follow the CPUs it may use, as in
+production) and driven with an *open-loop* load: requests leave at a fixed rate whatever the
+answers do, and each latency counts from when its request was due, so a slow service is not
+hidden by clients that wait for it (closed-loop load would). The rate steps up until the p95
+breaks the SLO or a request fails; the last rate that held is the size's sustainable rate.
+
+The recommendation prices, for each CPU type of the price table, the replicas the target load
+needs at that sustainable rate (with headroom), and picks the cheapest fleet. Types larger than
+the host are extrapolated from the measured scaling per vCPU and marked so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+
+from burstcv.cost.pricing import (
+    UnknownPriceError,
+    hourly_price,
+    instance_shapes,
+    price_source,
+)
+from burstcv.gate.latency import free_port, serving_env, wait_ready
+from burstcv_spec.contracts import FleetOption, SizePoint, SizingReport
+
+log = logging.getLogger(__name__)
+
+HOURS_PER_MONTH = 730.0
+DEFAULT_HEADROOM = 0.3  # a replica runs at most at 70% of its sustainable rate
+STEP_FACTOR = 1.5  # each rate tried is this much higher than the last that held
+STEP_DURATION_S = 3.0
+MAX_RATE_RPS = 5000.0
+# Sizes beyond the host scale at least this well per doubling of vCPUs (and at most linearly).
+MIN_SCALING_EXPONENT = 0.5
+
+
+@dataclass
+class LoadRun:
+    """What one open-loop run at a fixed rate measured."""
+
+    rate_rps: float
+    sent: int
+    latencies_ms: list[float] = field(default_factory=list)
+    statuses: dict[str, int] = field(default_factory=dict)
+    send_lag_ms: float = 0.0  # how late the generator sent its last request
+    wall_s: float = 0.0
+
+    @property
+    def errors(self) -> int:
+        return sum(n for code, n in self.statuses.items() if code != "200")
+
+    def percentile(self, q: float) -> float:
+        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else math.inf
+
+    @property
+    def achieved_rps(self) -> float:
+        """The rate the requests actually left at."""
+        return self.sent / self.wall_s if self.wall_s > 0 else 0.0
+
+
+async def _open_loop(
+    endpoint: str, images: Sequence[bytes], rate_rps: float, duration_s: float, timeout_s: float
+) -> LoadRun:
+    n = max(1, round(rate_rps * duration_s))
+    interval = 1.0 / rate_rps
+    run = LoadRun(rate_rps=rate_rps, sent=n)
+    loop = asyncio.get_running_loop()
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        start = loop.time() + 0.05
+        last_sent = start
+
+        async def one(i: int) -> None:
+            nonlocal last_sent
+            due = start + i * interval
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            sent_at = loop.time()
+            last_sent = max(last_sent, sent_at)
+            body = images[i % len(images)]
+            try:
+                response = await client.post(endpoint, files={"file": (f"{i}.png", body)})
+                code = str(response.status_code)
+            except httpx.HTTPError as exc:
+                code = type(exc).__name__
+            # From when the request was due, not when it left: no coordinated omission.
+            run.latencies_ms.append((loop.time() - due) * 1000)
+            run.statuses[code] = run.statuses.get(code, 0) + 1
+            run.send_lag_ms = max(run.send_lag_ms, (sent_at - due) * 1000)
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+        run.wall_s = max(last_sent - start, interval * (n - 1)) or interval
+    return run
+
+
+def open_loop(
+    url: str,
+    images: Sequence[bytes],
+    *,
+    rate_rps: float,
+    duration_s: float = STEP_DURATION_S,
+    timeout_s: float = 10.0,
+) -> LoadRun:
+    """Send predictions to ``url`` at ``rate_rps`` for ``duration_s``, whatever the answers do."""
+    if rate_rps <= 0:
+        raise ValueError(f"rate_rps must be positive, got {rate_rps}")
+    if not images:
+        raise ValueError("no images to send")
+    return asyncio.run(_open_loop(f"{url}/v1/predict", images, rate_rps, duration_s, timeout_s))
+
+
+def _holds(run: LoadRun, slo_ms: float) -> bool:
+    """A rate holds when nothing failed, p95 met the SLO, and the requests left on time."""
+    return (
+        run.errors == 0 and run.percentile(95) <= slo_ms and run.achieved_rps >= 0.9 * run.rate_rps
+    )
+
+
+def sustainable_rate(
+    url: str,
+    images: Sequence[bytes],
+    *,
+    slo_ms: float,
+    start_rps: float | None = None,
+    step: float = STEP_FACTOR,
+    duration_s: float = STEP_DURATION_S,
+    max_rps: float = MAX_RATE_RPS,
+) -> LoadRun | None:
+    """Step the open-loop rate up until the SLO breaks; return the last run that held, or None.
+
+    Without ``start_rps``, the first rate is a quarter of what one request's latency allows.
+    """
+    if start_rps is None:
+        probe = open_loop(url, images, rate_rps=2.0, duration_s=1.0)
+        start_rps = max(1.0, 250.0 / max(probe.percentile(50), 1.0))
+    rate, best = start_rps, None
+    while rate <= max_rps:
+        run = open_loop(url, images, rate_rps=rate, duration_s=duration_s)
+        log.info(
+            "sizing: %.1f req/s: p95 %.1f ms, %d error(s), sent at %.1f req/s",
+            rate,
+            run.percentile(95),
+            run.errors,
+            run.achieved_rps,
+        )
+        if not _holds(run, slo_ms):
+            break
+        best, rate = run, rate * step
+    if best is not None and rate <= max_rps:  # one more try between the last hold and the break
+        between = open_loop(
+            url, images, rate_rps=math.sqrt(best.rate_rps * rate), duration_s=duration_s
+        )
+        if _holds(between, slo_ms):
+            best = between
+    return best
+
+
+@contextlib.contextmanager
+def pinned_service(model_dir: str, cpus: Sequence[int]) -> Iterator[tuple[str, psutil.Process]]:
+    """Run the real service on ``cpus`` only (CPU affinity); yield its URL and its process.
+
+    The service sizes its workers and threads from the CPUs it may use, as it does in a
+    container limited to that many.
+    """
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "burstcv_serving"]
+    if shutil.which("taskset"):
+        cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
+    with tempfile.TemporaryFile() as log_fh:
+        proc = subprocess.Popen(
+            cmd,
+            env=serving_env(model_dir, port),
+            stdout=log_fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        try:
+            if not shutil.which("taskset"):
+                os.sched_setaffinity(proc.pid, set(cpus))
+            wait_ready(url, proc)
+            yield url, psutil.Process(proc.pid)
+        except BaseException:
+            log_fh.seek(0)
+            log.error("staging service output:\n%s", log_fh.read().decode(errors="replace")[-4000:])
+            raise
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _cpu_seconds(proc: psutil.Process) -> float:
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            times = p.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def _rss_mb(proc: psutil.Process) -> float:
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total / 2**20
+
+
+@contextlib.contextmanager
+def _running_on(cpus: set[int]) -> Iterator[None]:
+    """Run this process on ``cpus`` for a while (its children started meanwhile too)."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def host_cpus() -> list[int]:
+    """Return the CPUs this process may run on, in order."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def measure_sizes(
+    model_dir: str,
+    images: Sequence[bytes],
+    *,
+    slo_ms: float,
+    max_vcpus: int | None = None,
+    duration_s: float = STEP_DURATION_S,
+    step: float = STEP_FACTOR,
+) -> list[SizePoint]:
+    """Measure the sustainable rate at 1, 2, ... vCPUs (up to the host's, or ``max_vcpus``)."""
+    cpus = host_cpus()
+    sizes = range(1, min(len(cpus), max_vcpus or len(cpus)) + 1)
+    points, start = [], None
+    for vcpus in sizes:
+        # The load generator (this process) runs on the CPUs the service does not use, or on
+        # the last one when the service has them all.
+        generator = set(cpus[vcpus:]) or {cpus[-1]}
+        with _running_on(generator), pinned_service(model_dir, cpus[:vcpus]) as (url, proc):
+            open_loop(url, images, rate_rps=5.0, duration_s=1.0)  # warm-up
+            before = _cpu_seconds(proc)
+            best = sustainable_rate(
+                url, images, slo_ms=slo_ms, start_rps=start, step=step, duration_s=duration_s
+            )
+            used = _cpu_seconds(proc) - before
+            rss = _rss_mb(proc)
+        if best is None:
+            points.append(SizePoint(vcpus=vcpus, measured=True, sustainable_rps=0.0, rss_mb=rss))
+            continue
+        requests = sum(best.statuses.values())
+        points.append(
+            SizePoint(
+                vcpus=vcpus,
+                measured=True,
+                sustainable_rps=round(best.rate_rps, 2),
+                p50_ms=round(best.percentile(50), 3),
+                p95_ms=round(best.percentile(95), 3),
+                p99_ms=round(best.percentile(99), 3),
+                # Over the whole search: an upper bound on the CPU one request costs.
+                cpu_s_per_request=round(used / max(1, requests), 5),
+                rss_mb=round(rss, 1),
+            )
+        )
+        # The next size sustains at least about as much: its search starts a step below.
+        start = best.rate_rps / step
+    return points
+
+
+def rate_at(points: Sequence[SizePoint], vcpus: int) -> tuple[float, bool]:
+    """Return (sustainable req/s at ``vcpus``, extrapolated?) from the measured sizes."""
+    measured = {p.vcpus: p.sustainable_rps for p in points if p.measured}
+    if vcpus in measured:
+        return measured[vcpus], False
+    top = max(measured)
+    if vcpus < top or measured[top] <= 0:
+        return 0.0, True
+    exponent = 1.0
+    if top > 1 and measured.get(1, 0) > 0:
+        exponent = math.log(measured[top] / measured[1]) / math.log(top)
+    exponent = min(1.0, max(MIN_SCALING_EXPONENT, exponent))
+    return measured[top] * (vcpus / top) ** exponent, True
+
+
+def recommend(
+    points: Sequence[SizePoint],
+    *,
+    slo_ms: float,
+    target_rps: float,
+    region: str,
+    headroom: float = DEFAULT_HEADROOM,
+    host_cores: int | None = None,
+    price_path: Path | None = None,
+) -> SizingReport:
+    """Return the cheapest fleet (and the next two) serving ``target_rps`` within the SLO."""
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+    options = []
+    peak_rss = max((p.rss_mb or 0.0 for p in points), default=0.0)
+    for instance_type, (vcpus, memory_gib) in sorted(instance_shapes(price_path).items()):
+        rate, extrapolated = rate_at(points, vcpus)
+        if rate <= 0 or memory_gib * 1024 < 2 * peak_rss:
+            continue
+        try:
+            hourly = hourly_price(instance_type, region, "on-demand", path=price_path)
+        except UnknownPriceError:
+            continue
+        replicas = max(1, math.ceil(target_rps / (rate * (1 - headroom))))
+        per_hour = replicas * hourly
+        options.append(
+            FleetOption(
+                instance_type=instance_type,
+                vcpus=vcpus,
+                memory_gib=memory_gib,
+                replicas=replicas,
+                rps_per_replica=round(rate, 2),
+                extrapolated=extrapolated,
+                usd_per_hour=round(per_hour, 4),
+                usd_per_month=round(per_hour * HOURS_PER_MONTH, 2),
+                usd_per_million=round(per_hour / (target_rps * 3600) * 1e6, 4),
+            )
+        )
+    options.sort(key=lambda o: (o.usd_per_hour, o.extrapolated, o.replicas))
+    chosen = options[0] if options else None
+    if chosen is None:
+        best = max((p.sustainable_rps for p in points), default=0.0)
+        reason = (
+            f"no CPU size meets p95 <= {slo_ms:g} ms at any rate: every size measured "
+            "broke the SLO at its lowest load (a smaller or INT8 model, or a looser SLO)"
+            if best <= 0
+            else "no priced CPU type in the table could hold the model"
+        )
+    else:
+        reason = (
+            f"{chosen.replicas} x {chosen.instance_type} at {chosen.rps_per_replica:g} req/s "
+            f"each ({'extrapolated' if chosen.extrapolated else 'measured'}), "
+            f"{int(headroom * 100)}% headroom: ${chosen.usd_per_month:,.2f}/month"
+        )
+    return SizingReport(
+        slo_p95_ms=slo_ms,
+        target_rps=target_rps,
+        headroom=headroom,
+        region=region,
+        host_cores=host_cores or len(host_cpus()),
+        sizes=list(points),
+        options=options[:3],
+        chosen=chosen,
+        reason=reason,
+        price_source=price_source(price_path),
+    )
+
+
+def size_model(
+    model_dir: str,
+    images: Sequence[bytes],
+    *,
+    slo_ms: float,
+    target_rps: float,
+    region: str,
+    headroom: float = DEFAULT_HEADROOM,
+    max_vcpus: int | None = None,
+    duration_s: float = STEP_DURATION_S,
+) -> SizingReport:
+    """Measure the model's sustainable rate per CPU size, then price the cheapest fleet."""
+    started = time.monotonic()
+    points = measure_sizes(
+        model_dir, images, slo_ms=slo_ms, max_vcpus=max_vcpus, duration_s=duration_s
+    )
+    report = recommend(
+        points, slo_ms=slo_ms, target_rps=target_rps, region=region, headroom=headroom
+    )
+    log.info("sizing took %.0f s: %s", time.monotonic() - started, report.reason)
+    return report
