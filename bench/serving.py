@@ -21,6 +21,10 @@ service at every step, p99 against the queueing-delay target) are printed beside
 and compares concurrency-1 latency (add 1 to ``--connections``) and concurrency-16 goodput;
 ``--repeat N`` measures every step N times (medians), for a noisy shared machine.
 
+``--sizing`` instead measures what the fleet recommendation rests on: for 1 CPU up to the
+host's, the highest open-loop rate whose p95 stays within ``--slo-ms``, for the service and for
+the plain FastAPI + onnxruntime service pinned to the same CPUs, and their ratio per vCPU.
+
 ``--protocols`` instead weighs the service's fast HTTP protocol (``burstcv_serving.protocol``,
 built on uvicorn's private API) against its public fallback (uvicorn's httptools protocol,
 admission in ASGI middleware): the same checkout runs twice, ``FAST_PROTOCOL=true`` and
@@ -36,6 +40,7 @@ an asyncio/httpx generator in this process (which can itself become the bottlene
     python bench/serving.py --overload [--connections 16,64,256,400,800] [--duration-s 5]
         [--baseline-serving-dir ../main/serving] [--repeat 3]
     python bench/serving.py --protocols [--connections 1,16,64,400,800] [--repeat 5]
+    python bench/serving.py --sizing [--slo-ms 50] [--duration-s 3]
 
 Without ``--model-dir`` a synthetic classifier (Conv → ReLU → GlobalAveragePool → Gemm) is
 built with onnx.helper, and the torch baseline is the same network as an nn.Module.
@@ -747,6 +752,62 @@ def protocols(args: argparse.Namespace, model_dir: Path, body: bytes, work: Path
         Path(args.json).write_text(json.dumps(results, indent=2))
 
 
+def sizing(args: argparse.Namespace, model_dir: Path, work: Path) -> None:
+    """Measure the sustainable rate per vCPU of the service and of the plain service, side by side.
+
+    The fleet recommendation (burstcv.gate.sizing) rests on how much load one CPU sustains
+    within the SLO under an open-loop load. For each size from 1 CPU to the host's, both
+    services run pinned to the same CPUs with as many threads, one after the other, and the
+    same stepped search finds each one's highest rate with p95 within ``--slo-ms``.
+    """
+    from burstcv.gate.sizing import host_cpus, pinned_service, sustainable_rate
+
+    image = sample_png()
+    cpus = host_cpus()
+    rows = []
+    for vcpus in range(1, len(cpus) + 1):
+        pinned = ",".join(map(str, cpus[:vcpus]))
+        measured: dict[str, float] = {}
+        for name in ("burstcv", "plain"):
+            if name == "burstcv":
+                context: Any = pinned_service(str(model_dir), cpus[:vcpus])
+            else:
+                port = free_port()
+                command = ["taskset", "-c", pinned, sys.executable, __file__, "--plain-server"]
+                command += ["--model-dir", str(model_dir), "--port", str(port)]
+                command += ["--threads", str(vcpus)]
+                context = server_process(
+                    command, port=port, log_path=work / f"plain-{vcpus}.log", ready_path="/healthz"
+                )
+            with context as running:
+                url = running[0] if name == "burstcv" else running.url
+                best = sustainable_rate(
+                    url, [image], slo_ms=args.slo_ms, duration_s=args.duration_s
+                )
+            measured[name] = best.rate_rps if best else 0.0
+            logger.info(
+                "%s at %d vCPU: %.1f req/s within p95 %g ms",
+                name,
+                vcpus,
+                measured[name],
+                args.slo_ms,
+            )
+        rows.append({"vcpus": vcpus, **measured})
+    print(f"\nsustainable rate within p95 {args.slo_ms:g} ms, open loop, one image per request")
+    print(
+        f"{'vCPUs':>5} {'burstcv req/s':>14} {'plain req/s':>12} {'burstcv/plain':>14}"
+        f" {'burstcv per vCPU':>17}"
+    )
+    for row in rows:
+        ratio = row["burstcv"] / row["plain"] if row["plain"] else float("inf")
+        print(
+            f"{row['vcpus']:>5} {row['burstcv']:>14.1f} {row['plain']:>12.1f} {ratio:>13.2f}x"
+            f" {row['burstcv'] / row['vcpus']:>17.1f}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"slo_ms": args.slo_ms, "rows": rows}, indent=2))
+
+
 def report_protocols(results: dict[str, Any], seconds: float) -> None:
     """Print both protocols per step, the ratios, and the gain against FAST_PATH_MIN_GAIN."""
     fast, public = results["steps"]["fast"], results["steps"]["public"]
@@ -939,6 +1000,13 @@ def main() -> None:
         help="folder holding the burstcv_serving package to run (another checkout's, to "
         "compare versions on the same machine)",
     )
+    parser.add_argument(
+        "--sizing",
+        action="store_true",
+        help="the sustainable rate per vCPU (open loop, within --slo-ms) of the service and "
+        "of a plain FastAPI + onnxruntime service, side by side",
+    )
+    parser.add_argument("--slo-ms", type=float, default=50.0, help="p95 limit for --sizing")
     parser.add_argument("--naive-server", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--plain-server", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -957,6 +1025,9 @@ def main() -> None:
         raise SystemExit("--torch-checkpoint needs the --model-dir it was exported to")
     body_path = work / "body.bin"
     body_path.write_bytes(multipart_body(sample_png()))
+    if args.sizing:
+        sizing(args, model_dir, work)
+        return
     if args.protocols:
         args.connections = args.connections or "1,16,64,400,800"
         protocols(args, model_dir, body_path.read_bytes(), work)

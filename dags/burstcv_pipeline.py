@@ -192,11 +192,15 @@ def burstcv_pipeline() -> None:
         )
 
     @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
-    def benchmark(run_id: str | None = None) -> dict[str, Any]:
-        """Measure candidate and production latency through staging copies of the service."""
+    def benchmark(
+        params: dict[str, Any] | None = None, run_id: str | None = None
+    ) -> dict[str, Any]:
+        """Measure candidate and production latency, and size the candidate's CPU fleet."""
         from burstcv import pipeline
 
-        return pipeline.benchmark(_run(run_id), SETTINGS).model_dump(mode="json")
+        return pipeline.benchmark(_run(run_id), _params(params or {}), SETTINGS).model_dump(
+            mode="json"
+        )
 
     @task(execution_timeout=timedelta(minutes=10))
     def gate(

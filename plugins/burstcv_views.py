@@ -113,6 +113,8 @@ def model_versions(settings: Settings) -> dict[str, Any]:
                 "status": entry.status,
                 "accuracy": candidate.accuracy if candidate else None,
                 "p95_ms": candidate.p95_ms if candidate else None,
+                # The cheapest CPU fleet for the run's expected load: a costlier version shows.
+                "fleet": entry.fleet.model_dump(mode="json") if entry.fleet else None,
                 "aliases": [n for n, v in alias_versions.items() if v == version],
                 "reasons": list(gate.reasons) if gate else [],
                 "summary": entry.reason or (gate.summary if gate else ""),
@@ -275,6 +277,15 @@ def _usd(value: Any) -> str:
     return "–" if value is None else f"${value:.4f}"
 
 
+def _fleet(fleet: dict[str, Any] | None) -> str:
+    """Return '3 x c7i.large, $195.46/month' for a version's fleet, '–' without one."""
+    if not fleet:
+        return "–"
+    return html.escape(
+        f"{fleet['replicas']} x {fleet['instance_type']}, ${fleet['usd_per_month']:,.2f}/month"
+    )
+
+
 def render_page(models: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     """Render the versions table and the cost table as one self-contained HTML page."""
     e = html.escape
@@ -285,6 +296,7 @@ def render_page(models: dict[str, Any], runs: list[dict[str, Any]]) -> str:
             f'<td class="{e(v["status"])}">{e(v["status"])}</td>'
             f"<td>{_fmt(v['accuracy'], '.4f')}</td>"
             f"<td>{_fmt(v['p95_ms'], '.2f', ' ms')}</td>"
+            f"<td>{_fleet(v.get('fleet'))}</td>"
             f"<td>{e(', '.join(v['aliases']))}</td>"
             f"<td>{e('; '.join(v['reasons']) or v['summary'])}</td>"
             f"<td>{_airflow_link(v.get('airflow_run_url'), 'run')} "
@@ -292,7 +304,7 @@ def render_page(models: dict[str, Any], runs: list[dict[str, Any]]) -> str:
             "</tr>"
             for v in models["versions"]
         )
-        or '<tr><td colspan="7">no versions registered yet</td></tr>'
+        or '<tr><td colspan="8">no versions registered yet</td></tr>'
     )
     run_rows = (
         "".join(
@@ -344,7 +356,7 @@ code {{ background: #edf2f7; padding: 0 .25rem; }}
 {_fmt(models["aliases"].get(PREVIOUS), "d")}. JSON: <a href="api/models">api/models</a>.</p>
 <h2>Versions</h2>
 <table id="versions"><thead><tr><th>version</th><th>status</th><th>accuracy (top-1)</th>
-<th>p95 latency</th><th>alias</th><th>gate</th><th></th></tr></thead>
+<th>p95 latency</th><th>CPU fleet</th><th>alias</th><th>gate</th><th></th></tr></thead>
 <tbody>{version_rows}</tbody></table>
 <h2>Alias history</h2>
 <p>Every move of an alias, and every deploy refused or left alone, newest first.</p>

@@ -42,6 +42,9 @@ TEST_ENV = {
     "BURSTCV_DATASET_URI": str(SESSION_DIR / "data" / "digits"),
     "BURSTCV_SERVING_URL": "",
     "BURSTCV_SOURCE_COMMIT": "test",
+    # Fleet sizing in every pipeline run: short load steps, one CPU size.
+    "BURSTCV_SIZING_STEP_S": "0.5",
+    "BURSTCV_SIZING_MAX_VCPUS": "1",
 }
 os.environ.update(TEST_ENV)
 AIRFLOW_HOME.mkdir(parents=True, exist_ok=True)

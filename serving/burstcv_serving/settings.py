@@ -6,7 +6,9 @@ registry under ``var/registry`` of the working directory, the service on 127.0.0
 
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -18,11 +20,32 @@ Environment = Literal["development", "staging", "production"]
 
 
 def _host_cores() -> int:
-    """Return the cores this process may run on (the cgroup/affinity view, not the host's)."""
+    """Return the cores this process may run on: its CPU affinity, capped by a cgroup quota.
+
+    A container limited with ``--cpus=2`` (ECS's cpu units, a Kubernetes limit) sees every
+    host CPU in its affinity; its CFS quota says how many it may keep busy.
+    """
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+        cores = max(1, os.cpu_count() or 1)
+    quota = cgroup_cpu_quota()
+    return min(cores, max(1, math.ceil(quota))) if quota else cores
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """Return the CPUs this process's cgroup may use (quota / period), or None when unlimited."""
+    try:  # cgroup v2: "max 100000" or "200000 100000"
+        quota, period = Path(root, "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:  # cgroup v1
+        quota_us = int(Path(root, "cpu", "cpu.cfs_quota_us").read_text())
+        period_us = int(Path(root, "cpu", "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
 
 
 class Settings(BaseSettings):

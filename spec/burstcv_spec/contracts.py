@@ -194,6 +194,15 @@ class BenchFigures(Contract):
         return self.model_copy(update={"latencies_ms": None})
 
 
+class LoadStep(Contract):
+    """Say how the service answered one open-loop rate during a sizing search."""
+
+    rate_rps: float = Field(description="the rate the requests were sent at, req/s")
+    p95_ms: float = Field(description="p95 latency at that rate, counted from when each was due")
+    errors: int = Field(description="requests that did not get a 200")
+    held: bool = Field(description="p95 within the SLO, no error, requests sent on time")
+
+
 class SizePoint(Contract):
     """Say how fast the service answered at one CPU size under an open-loop load.
 
@@ -214,6 +223,9 @@ class SizePoint(Contract):
         default=None, description="the service's CPU seconds per request at that rate"
     )
     rss_mb: float | None = Field(default=None, description="the service's resident memory, MB")
+    steps: list[LoadStep] = Field(
+        default_factory=list, description="every rate tried, in order (measured sizes only)"
+    )
 
 
 class FleetOption(Contract):
@@ -251,8 +263,8 @@ class GateCheck(Contract):
     omit_when_none = frozenset({"reason"})
 
     name: str = Field(
-        description="latency_p95, error_rate, accuracy_floor, no_regression or "
-        "no_latency_regression"
+        description="latency_p95, error_rate, accuracy_floor, no_regression, "
+        "no_latency_regression or serving_fleet"
     )
     passed: bool = Field(description="the observed figure is within the limit")
     observed: float = Field(description="the candidate's figure")
@@ -799,13 +811,16 @@ class Exported(Contract):
 class Benchmarked(Contract):
     """Say what the benchmark measured for the candidate and production (no raw samples)."""
 
-    omit_when_none = frozenset({"production"})
+    omit_when_none = frozenset({"production", "sizing"})
 
     latency_uri: str = Field(description="bench/latency.json: the full figures and samples")
     host: HostInfo = Field(description="the machine measured on")
     candidate: BenchFigures = Field(description="the candidate's figures")
     production: BenchFigures | None = Field(
         default=None, description="production's; absent if none"
+    )
+    sizing: SizingReport | None = Field(
+        default=None, description="bench/sizing.json: the candidate's fleet at the expected load"
     )
 
 
@@ -1109,7 +1124,7 @@ class ModelCard(Artifact):
 class RegistryDecision(Contract):
     """The gate's part of a registry entry: what it decided, and on which figures and params."""
 
-    omit_when_none = frozenset({"gate", "benchmark", "params"})
+    omit_when_none = frozenset({"gate", "benchmark", "params", "fleet"})
 
     status: Literal["accepted", "rejected"] = Field(
         description="what the gate decided: accepted (promotable) or rejected"
@@ -1122,6 +1137,10 @@ class RegistryDecision(Contract):
     params: dict[str, Any] | None = Field(
         default=None,
         description="the run's parameters; absent when registered outside the pipeline",
+    )
+    fleet: FleetOption | None = Field(
+        default=None,
+        description="the cheapest CPU fleet serving the run's expected load within the SLO",
     )
 
 

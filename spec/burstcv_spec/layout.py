@@ -129,6 +129,11 @@ class RunLayout:
         return storage.join(self.bench, "latency.json")
 
     @property
+    def sizing(self) -> str:
+        """Return bench/sizing.json."""
+        return storage.join(self.bench, "sizing.json")
+
+    @property
     def verdict(self) -> str:
         """Return bench/verdict.json."""
         return storage.join(self.bench, "verdict.json")

@@ -322,6 +322,9 @@ def size(
     slo_ms: Annotated[float, typer.Option(help="p95 latency each replica must meet, ms")] = 50.0,
     region: Annotated[str, typer.Option(help="where the fleet is priced")] = "us-east-1",
     headroom: Annotated[float, typer.Option(help="share of each replica's rate kept spare")] = 0.3,
+    step_s: Annotated[
+        float | None, typer.Option(help="seconds of load per rate (default BURSTCV_SIZING_STEP_S)")
+    ] = None,
     out: Annotated[Path | None, typer.Option(help="also write the report (JSON) here")] = None,
 ) -> None:
     """Measure a version's sustainable rate per CPU size and print the cheapest fleet."""
@@ -355,6 +358,8 @@ def size(
             target_rps=target_rps,
             region=region,
             headroom=headroom,
+            max_vcpus=s.sizing_max_vcpus or None,
+            duration_s=step_s or s.sizing_step_s,
         )
     typer.echo(f"{'vCPUs':>5} {'req/s at SLO':>12} {'p95 ms':>8} {'CPU ms/req':>10}")
     for point in report.sizes:

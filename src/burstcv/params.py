@@ -175,6 +175,14 @@ class RunParams(BaseModel):
         title="Latency SLO (ms)",
         description="p95 over HTTP, one image per request, the gate's limit",
     )
+    target_rps: Annotated[float, Affects.RUN] = Field(
+        default=10.0,
+        gt=0,
+        le=1_000_000,
+        title="Expected peak load (req/s)",
+        description="the load the CPU serving fleet is sized for: the benchmark measures the "
+        "rate each CPU size sustains within the SLO, and the gate names the cheapest fleet",
+    )
     accuracy_floor: Annotated[float, Affects.RUN] = Field(
         default=0.9,
         ge=0,

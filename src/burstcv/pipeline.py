@@ -50,6 +50,7 @@ from burstcv_spec.contracts import (
     RegistryDecision,
     RunRecord,
     RunRef,
+    SizingReport,
     SkipRecord,
     Trained,
     TrainingChoice,
@@ -710,11 +711,15 @@ def _val_arrays(
     return images, [classes[i] for i in labels]
 
 
-def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
+def benchmark(
+    run: RunRef, params: RunParams | None = None, settings: Settings | None = None
+) -> Benchmarked:
     """Measure candidate and production side by side through staging services (latency.json).
 
     The candidate is the run's exported model; accuracy is scored on the validation shards
-    of the job as trained, the requests are validated images of the run's manifest.
+    of the job as trained, the requests are validated images of the run's manifest. With
+    ``params``, the candidate's CPU fleet is sized too (sizing.json): the rate each CPU size
+    sustains within ``latency_slo_ms``, and the cheapest fleet for ``target_rps``.
     """
     from burstcv.gate.accuracy import onnx_accuracy
     from burstcv.gate.latency import bare_onnxruntime_p50, drive, staging_service
@@ -772,6 +777,11 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
                 figures.errors,
                 figures.accuracy,
             )
+        sizing = (
+            _size_fleet(str(models["candidate"]), request_images, params, s)
+            if params is not None
+            else None
+        )
     candidate, production = results["candidate"], results.get("production")
     record = LatencyRecord(
         measured_at=measured_at,
@@ -782,12 +792,41 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
         production=production,
     )
     uri = write_artifact(paths.latency, record)
+    if sizing is not None:
+        write_artifact(paths.sizing, sizing)
     return Benchmarked(
         latency_uri=uri,
         host=host,
         candidate=candidate.summary(),
         production=production.summary() if production else None,
+        sizing=sizing,
     )
+
+
+def _size_fleet(
+    model_dir: str, images: list[bytes], params: RunParams, s: Settings
+) -> SizingReport:
+    """Size the candidate's CPU fleet for the run's expected load (burstcv.gate.sizing)."""
+    from burstcv.gate.sizing import size_model
+
+    report = size_model(
+        model_dir,
+        images,
+        slo_ms=params.latency_slo_ms,
+        target_rps=params.target_rps,
+        region=s.ec2.region,
+        max_vcpus=s.sizing_max_vcpus or None,
+        duration_s=s.sizing_step_s,
+    )
+    for point in report.sizes:
+        log.info(
+            "sizing: %d vCPU(s) sustain %.1f req/s within p95 %g ms",
+            point.vcpus,
+            point.sustainable_rps,
+            params.latency_slo_ms,
+        )
+    log.info("sizing: %s", report.reason)
+    return report
 
 
 def gate(
@@ -817,6 +856,7 @@ def gate(
             region=s.ec2.region,
             measured_vcpus=bench.host.cpu_count or None,
         ),
+        bench.sizing,
     )
     figures = {"candidate": bench.candidate, "production": bench.production}
     registry = Registry(s.registry_uri, s.model_name)
@@ -828,6 +868,7 @@ def gate(
             gate=verdict,
             benchmark={k: f for k, f in figures.items() if f},
             params=params.model_dump(mode="json"),
+            fleet=bench.sizing.chosen if bench.sizing else None,
         ),
     )
     record = VerdictRecord(version=version, **dict(verdict))

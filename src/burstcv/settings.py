@@ -110,6 +110,10 @@ class Settings(BaseSettings):
     bench_requests: int = 200
     bench_concurrency: int = 4
     bench_warmup_requests: int = 20
+    # Fleet sizing (burstcv.gate.sizing): seconds of open-loop load per rate tried, and the
+    # most CPUs measured (0: every CPU of the benchmark host).
+    sizing_step_s: float = Field(default=3.0, gt=0)
+    sizing_max_vcpus: int = Field(default=0, ge=0)
 
     # Serving (the deployed service that deploy notifies and verifies).
     serving_url: str = "http://127.0.0.1:8000"

@@ -476,3 +476,25 @@ def test_an_unpriced_fix_is_named_in_the_summary_without_a_price() -> None:
     assert verdict.summary.endswith(
         f"; cheapest fix: {fix.title} (est. p95 {fix.estimated_p95_ms:.1f} ms)"
     )
+
+
+def test_a_candidate_no_cpu_size_can_serve_within_the_slo_is_refused_with_the_reason() -> None:
+    from burstcv.gate.sizing import recommend
+    from burstcv_spec.contracts import SizePoint
+
+    def sizes(rps: float) -> list[SizePoint]:
+        return [SizePoint(vcpus=v, measured=True, sustainable_rps=rps * v) for v in (1, 2)]
+
+    served = recommend(sizes(100.0), slo_ms=20.0, target_rps=50.0, region="us-east-1")
+    verdict = judge(cand(), None, LIMITS, sizing=served)
+    assert verdict.promote
+    (fleet,) = [c for c in verdict.checks if c.name == "serving_fleet"]
+    assert fleet.passed and fleet.observed == 200.0
+    unservable = recommend(sizes(0.0), slo_ms=20.0, target_rps=50.0, region="us-east-1")
+    verdict = judge(cand(), None, LIMITS, sizing=unservable)
+    assert not verdict.promote
+    (fleet,) = [c for c in verdict.checks if c.name == "serving_fleet"]
+    assert not fleet.passed and fleet.reason == unservable.reason
+    assert "no CPU size meets p95 <= 20 ms" in (fleet.reason or "")
+    # Without a sizing (outside the pipeline), there is no such check.
+    assert "serving_fleet" not in {c.name for c in judge(cand(), None, LIMITS).checks}

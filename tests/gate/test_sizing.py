@@ -178,3 +178,31 @@ def test_an_unattainable_slo_is_rejected_with_the_reason(tmp_path: Path) -> None
     assert report.sizes[0].sustainable_rps == 0
     assert report.chosen is None and report.options == []
     assert "no CPU size meets p95 <= 0.01 ms" in report.reason
+
+
+def test_burstcv_size_measures_a_registered_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from burstcv.cli import app
+    from burstcv.registry.registry import Registry
+    from burstcv_spec.contracts import RegistryDecision, SizingReport, read_artifact
+
+    registry = Registry(str(tmp_path / "registry"), "digits")
+    registry.register(str(write_model_dir(tmp_path / "model")), RegistryDecision(status="accepted"))
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "a.png").write_bytes(IMAGE)
+    monkeypatch.setenv("BURSTCV_REGISTRY_URI", str(tmp_path / "registry"))
+    monkeypatch.setenv("BURSTCV_MODEL_NAME", "digits")
+    out = tmp_path / "sizing.json"
+    args = ["size", "1", "--images", str(images), "--target-rps", "50", "--out", str(out)]
+    args += ["--step-s", "0.5"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = read_artifact(str(out), SizingReport)
+    assert report.chosen is not None and report.chosen.instance_type in result.output
+    assert "/month" in result.output
+    missing = CliRunner().invoke(app, ["size", "9", "--images", str(images), "--target-rps", "5"])
+    assert missing.exit_code != 0 and "no version 9" in missing.output

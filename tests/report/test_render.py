@@ -277,8 +277,32 @@ def full_run(tmp_path: Path) -> tuple[Path, Path]:
     write(run / "model" / "model.json", model_card(b"onnx", parity=parity))
     write(run / "bench" / "latency.json", latency_doc())
     write(run / "bench" / "verdict.json", VERDICT)
+    write(run / "bench" / "sizing.json", sizing_doc())
     register(tmp_path / "registry", tmp_path, versions=2)
     return run, tmp_path / "registry"
+
+
+def sizing_doc() -> dict[str, Any]:
+    """Return a sizing.json (a SizingReport) of two measured sizes, priced from the table."""
+    from burstcv.gate.sizing import recommend
+    from burstcv_spec.contracts import LoadStep, SizePoint
+
+    def size(vcpus: int, rps: float) -> SizePoint:
+        steps = [
+            LoadStep(rate_rps=rps / 1.5, p95_ms=8.0, errors=0, held=True),
+            LoadStep(rate_rps=rps, p95_ms=30.0, errors=0, held=True),
+            LoadStep(rate_rps=rps * 1.5, p95_ms=900.0, errors=0, held=False),
+        ]
+        return SizePoint(vcpus=vcpus, measured=True, sustainable_rps=rps, p95_ms=30.0, steps=steps)
+
+    report = recommend(
+        [size(1, 150.0), size(2, 270.0)],
+        slo_ms=50.0,
+        target_rps=500.0,
+        region="us-east-1",
+        host_cores=2,
+    )
+    return report.model_dump(mode="json")
 
 
 def render(run: Path, registry: Path) -> str:
@@ -301,13 +325,15 @@ def test_a_complete_run_renders_every_section_in_one_self_contained_page(
         "Training",
         "Confusion matrix",
         "Latency benchmark",
+        "CPU fleet at the expected load",
         "Gate verdict",
         "Cost",
     ):
         assert f">{heading}</h" in page
-    # Three figures (curves, confusion matrix, latency histogram), each a decodable PNG.
+    # Four figures (curves, confusion matrix, latency histogram, p95 under load per CPU
+    # size), each a decodable PNG.
     images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
-    assert len(images) == 3
+    assert len(images) == 4
     assert all(base64.b64decode(data).startswith(b"\x89PNG") for data in images)
     # Self-contained: no script, no resource fetched from anywhere; relative links only: the
     # Models page (in Airflow, opened at the top level, not in the plugin's frame) and the
@@ -327,6 +353,9 @@ def test_a_complete_run_renders_every_section_in_one_self_contained_page(
     assert "c7i.large</code> (on-demand, us-east-1" in page
     assert "production v1" in page and "Not reached" not in page
     assert "32×32 RGB (resized)" in page
+    # The fleet: the chosen one with its monthly cost, and the rate per size it rests on.
+    assert "For 500 req/s: 3 x c7i.large at 270 req/s each (measured), 30% headroom" in page
+    assert "<td>1</td><td>measured</td><td>150.0 req/s</td>" in page
 
 
 def test_a_photo_model_shows_its_eval_transform(full_run: tuple[Path, Path]) -> None:

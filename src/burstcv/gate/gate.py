@@ -16,6 +16,7 @@ from burstcv_spec.contracts import (
     BenchFigures,
     GateCheck,
     GateVerdict,
+    SizingReport,
     Suggestion,
     SuggestionAction,
 )
@@ -123,10 +124,13 @@ _CHECK_FIGURES: dict[str, tuple[str, str, str, str]] = {
     "accuracy_floor": ("accuracy", "floor", ".4f", ""),
     "no_regression": ("accuracy", "production minus allowed drop", ".4f", ""),
     "no_latency_regression": ("p95", "production's plus allowed increase", ".2f", " ms"),
+    "serving_fleet": ("best rate within the SLO", "at least", ".1f", " req/s"),
 }
 # Checks whose observed value must stay at or under the limit (the others: at or over it).
 _AT_MOST = {"latency_p95", "error_rate", "no_latency_regression"}
 _COMPUTED_LIMITS = {"no_regression", "no_latency_regression"}
+# A CPU size must sustain at least this rate within the SLO for a fleet to exist.
+MIN_SUSTAINABLE_RPS = 1.0
 
 
 def format_figure(name: str, value: float | None) -> str:
@@ -157,8 +161,12 @@ def judge(
     production: BenchFigures | None,
     limits: GateThresholds,
     serving: ServingContext | None = None,
+    sizing: SizingReport | None = None,
 ) -> GateVerdict:
     """Judge a candidate's figures (p95, error rate, accuracy) against limits and production.
+
+    With ``sizing`` (the benchmark's fleet sizing), a candidate no CPU size can serve within
+    the SLO at any rate fails ``serving_fleet``, with the sizing's reason.
 
     A candidate that misses the SLO gets priced suggestions from ``advise``, using ``serving``
     (default: unknown architecture, INT8 not tried, c7i.large in us-east-1).
@@ -217,6 +225,15 @@ def judge(
             ceiling,
             f"p95 {p95:.2f} ms is {p95 / prod_p95:.1f}x production v{production.version}"
             f"'s {prod_p95:.2f} ms; at most +{limits.max_latency_increase:.0%} allowed",
+        )
+    if sizing is not None:
+        best = max((p.sustainable_rps for p in sizing.sizes if p.measured), default=0.0)
+        check(
+            "serving_fleet",
+            sizing.chosen is not None,
+            best,
+            MIN_SUSTAINABLE_RPS,
+            sizing.reason,
         )
     suggestions: list[Suggestion] = []
     if not slo_met:

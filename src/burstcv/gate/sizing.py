@@ -39,7 +39,7 @@ from burstcv.cost.pricing import (
     price_source,
 )
 from burstcv.gate.latency import free_port, serving_env, wait_ready
-from burstcv_spec.contracts import FleetOption, SizePoint, SizingReport
+from burstcv_spec.contracts import FleetOption, LoadStep, SizePoint, SizingReport
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ DEFAULT_HEADROOM = 0.3  # a replica runs at most at 70% of its sustainable rate
 STEP_FACTOR = 1.5  # each rate tried is this much higher than the last that held
 STEP_DURATION_S = 3.0
 MAX_RATE_RPS = 5000.0
+MIN_RATE_RPS = 1.0
 # Sizes beyond the host scale at least this well per doubling of vCPUs (and at most linearly).
 MIN_SCALING_EXPONENT = 0.5
 
@@ -142,32 +143,58 @@ def sustainable_rate(
     step: float = STEP_FACTOR,
     duration_s: float = STEP_DURATION_S,
     max_rps: float = MAX_RATE_RPS,
+    tried: list[LoadStep] | None = None,
 ) -> LoadRun | None:
     """Step the open-loop rate up until the SLO breaks; return the last run that held, or None.
 
     Without ``start_rps``, the first rate is a quarter of what one request's latency allows.
+    Every rate tried is appended to ``tried``.
     """
+
+    def attempt(rate_rps: float) -> tuple[LoadRun, bool]:
+        run = open_loop(url, images, rate_rps=rate_rps, duration_s=duration_s)
+        held = _holds(run, slo_ms)
+        log.info(
+            "sizing: %.1f req/s: p95 %.1f ms, %d error(s), sent at %.1f req/s: %s",
+            rate_rps,
+            run.percentile(95),
+            run.errors,
+            run.achieved_rps,
+            "held" if held else "broke",
+        )
+        if tried is not None:
+            p95 = run.percentile(95)
+            tried.append(
+                LoadStep(
+                    rate_rps=round(rate_rps, 2),
+                    p95_ms=round(p95, 3) if math.isfinite(p95) else 1e9,
+                    errors=run.errors,
+                    held=held,
+                )
+            )
+        return run, held
+
     if start_rps is None:
         probe = open_loop(url, images, rate_rps=2.0, duration_s=1.0)
         start_rps = max(1.0, 250.0 / max(probe.percentile(50), 1.0))
     rate, best = start_rps, None
+    # A first rate that already breaks the SLO: step down until one holds (or below 1 req/s).
+    while rate >= MIN_RATE_RPS:
+        first, held = attempt(rate)
+        if held:
+            best, rate = first, rate * step
+            break
+        rate /= step * step
+    if best is None:
+        return None
     while rate <= max_rps:
-        run = open_loop(url, images, rate_rps=rate, duration_s=duration_s)
-        log.info(
-            "sizing: %.1f req/s: p95 %.1f ms, %d error(s), sent at %.1f req/s",
-            rate,
-            run.percentile(95),
-            run.errors,
-            run.achieved_rps,
-        )
-        if not _holds(run, slo_ms):
+        run, held = attempt(rate)
+        if not held:
             break
         best, rate = run, rate * step
     if best is not None and rate <= max_rps:  # one more try between the last hold and the break
-        between = open_loop(
-            url, images, rate_rps=math.sqrt(best.rate_rps * rate), duration_s=duration_s
-        )
-        if _holds(between, slo_ms):
+        between, held = attempt(math.sqrt(best.rate_rps * rate))
+        if held:
             best = between
     return best
 
@@ -263,13 +290,22 @@ def measure_sizes(
         with _running_on(generator), pinned_service(model_dir, cpus[:vcpus]) as (url, proc):
             open_loop(url, images, rate_rps=5.0, duration_s=1.0)  # warm-up
             before = _cpu_seconds(proc)
+            tried: list[LoadStep] = []
             best = sustainable_rate(
-                url, images, slo_ms=slo_ms, start_rps=start, step=step, duration_s=duration_s
+                url,
+                images,
+                slo_ms=slo_ms,
+                start_rps=start,
+                step=step,
+                duration_s=duration_s,
+                tried=tried,
             )
             used = _cpu_seconds(proc) - before
             rss = _rss_mb(proc)
         if best is None:
-            points.append(SizePoint(vcpus=vcpus, measured=True, sustainable_rps=0.0, rss_mb=rss))
+            points.append(
+                SizePoint(vcpus=vcpus, measured=True, sustainable_rps=0.0, rss_mb=rss, steps=tried)
+            )
             continue
         requests = sum(best.statuses.values())
         points.append(
@@ -283,6 +319,7 @@ def measure_sizes(
                 # Over the whole search: an upper bound on the CPU one request costs.
                 cpu_s_per_request=round(used / max(1, requests), 5),
                 rss_mb=round(rss, 1),
+                steps=tried,
             )
         )
         # The next size sustains at least about as much: its search starts a step below.

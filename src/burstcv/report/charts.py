@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from burstcv_spec.contracts import EpochRecord
+    from burstcv_spec.contracts import EpochRecord, SizePoint
 
 DPI = 100
 CANDIDATE_COLOUR = "#1f77b4"
@@ -123,6 +123,32 @@ def latency_histogram(
         ax.axvline(slo_ms, color="#d62728", linewidth=1.5, label=f"SLO {slo_ms:g} ms")
     ax.set(xlabel="latency per request over HTTP (ms)", ylabel="requests")
     ax.set_title("Request latency: candidate vs production (dashed: p95)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def sizing_curves(points: Sequence[SizePoint], slo_ms: float) -> bytes:
+    """Draw p95 against the offered load per CPU size, with the SLO line and each size's limit."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9.5, 3.6))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, point in enumerate(p for p in points if p.steps):
+        steps = sorted(point.steps, key=lambda s: s.rate_rps)
+        colour = colours[i % len(colours)]
+        ax.plot(
+            [s.rate_rps for s in steps],
+            [min(s.p95_ms, slo_ms * 4) for s in steps],
+            marker="o",
+            color=colour,
+            label=f"{point.vcpus} vCPU: {point.sustainable_rps:.0f} req/s within the SLO",
+        )
+        if point.sustainable_rps > 0:
+            ax.axvline(point.sustainable_rps, color=colour, linestyle="--", linewidth=1)
+    ax.axhline(slo_ms, color="#d62728", linewidth=1.5, label=f"SLO {slo_ms:g} ms")
+    ax.set(xlabel="offered load, open loop (req/s)", ylabel="p95 latency (ms)")
+    ax.set_title("p95 under load per CPU size (dashed: the highest rate within the SLO)")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -38,6 +38,7 @@ from burstcv_spec.contracts import (
     ModelCard,
     RangeTest,
     RunRecord,
+    SizingReport,
     SkipRecord,
     TrainingMetrics,
     ValidationRecord,
@@ -62,6 +63,7 @@ READS: dict[str, tuple[type[Artifact], str, str]] = {
     "billing": (Billing, "billing", "terminate"),
     "model": (ModelCard, "model_card", "export"),
     "latency": (LatencyRecord, "latency", "benchmark"),
+    "sizing": (SizingReport, "sizing", "benchmark"),
     "verdict": (VerdictRecord, "verdict", "gate"),
 }
 
@@ -77,6 +79,7 @@ class RunDocs:
     billing: Billing | None = None
     model: ModelCard | None = None
     latency: LatencyRecord | None = None
+    sizing: SizingReport | None = None
     verdict: VerdictRecord | None = None
     missing: dict[str, str] = field(default_factory=dict)
 
@@ -447,6 +450,54 @@ def _latency_view(record: RunDocs) -> dict[str, Any]:
     }
 
 
+def _fleet_view(record: RunDocs) -> dict[str, Any]:
+    """Show the sustainable rate per CPU size (table and p95-under-load chart) and the fleets."""
+    sizing = record.sizing
+    if sizing is None:
+        return {"missing": record.missing["sizing"]}
+    from burstcv.report.charts import sizing_curves
+
+    chart = None
+    if any(p.steps for p in sizing.sizes):
+        chart = _chart(lambda: sizing_curves(sizing.sizes, sizing.slo_p95_ms), "p95 under load")
+    return {
+        "missing": None,
+        "target_rps": sizing.target_rps,
+        "slo_ms": sizing.slo_p95_ms,
+        "headroom": sizing.headroom,
+        "region": sizing.region,
+        "host_cores": sizing.host_cores,
+        "reason": sizing.reason,
+        "chosen": sizing.chosen,
+        "sizes": [
+            [
+                str(p.vcpus),
+                "measured" if p.measured else "extrapolated",
+                fmt(p.sustainable_rps, ".1f", " req/s"),
+                fmt(p.p95_ms, ".2f", " ms"),
+                fmt(p.cpu_s_per_request * 1000 if p.cpu_s_per_request else None, ".2f", " ms"),
+            ]
+            for p in sizing.sizes
+        ],
+        "options": [
+            [
+                o.instance_type,
+                f"{o.vcpus} vCPU, {o.memory_gib:g} GiB",
+                str(o.replicas),
+                fmt(o.rps_per_replica, ".1f", " req/s")
+                + (" (extrapolated)" if o.extrapolated else ""),
+                usd(o.usd_per_month, 2),
+                f"${o.usd_per_million:.4f}",
+            ]
+            for o in sizing.options
+        ],
+        "chart": chart,
+        "prices": "{source} (as of {as_of})".format_map(
+            {"source": "", "as_of": "?", **sizing.price_source}
+        ),
+    }
+
+
 def _slo_ms(record: RunDocs) -> float | None:
     verdict = record.verdict
     checks = verdict.checks if verdict else []
@@ -616,6 +667,7 @@ NAV = (
     ("data", "Data"),
     ("training", "Training"),
     ("latency", "Latency"),
+    ("fleet", "CPU fleet"),
     ("gate", "Gate"),
     ("cost", "Cost"),
 )
@@ -664,6 +716,7 @@ def render_html(
             training=_training_view(record),
             model=_model_view(record),
             latency=_latency_view(record),
+            fleet=_fleet_view(record),
             gate=_gate_view(
                 record, registry_uri=registry_uri, model_name=model_name, serving_url=serving_url
             ),
