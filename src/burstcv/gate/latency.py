@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -59,19 +60,37 @@ def serving_env(model_dir: str, port: int, threads: int | None = None) -> dict[s
 @contextlib.contextmanager
 def staging_service(model_dir: str, *, threads: int | None = None) -> Iterator[str]:
     """Run the real service on a free port with one model folder; yield its base URL."""
+    with staging_process(model_dir, threads=threads) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def staging_process(
+    model_dir: str, *, threads: int | None = None, cpus: Sequence[int] | None = None
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Run the real service with one model folder (on ``cpus`` only, if given: CPU affinity).
+
+    Yield its base URL and its process. Without ``threads``, the service sizes its threads
+    from the CPUs it may use, as it does in a container limited to that many.
+    """
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "burstcv_serving"]
+    if cpus is not None and shutil.which("taskset"):
+        cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
     with tempfile.TemporaryFile() as log_fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "burstcv_serving"],
+            cmd,
             env=serving_env(model_dir, port, threads),
             stdout=log_fh,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
         try:
+            if cpus is not None and not shutil.which("taskset"):
+                os.sched_setaffinity(proc.pid, set(cpus))
             wait_ready(url, proc)
-            yield url
+            yield url, proc
         except BaseException:
             log_fh.seek(0)
             log.error("staging service output:\n%s", log_fh.read().decode(errors="replace")[-4000:])

@@ -19,10 +19,6 @@ import contextlib
 import logging
 import math
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +34,7 @@ from burstcv.cost.pricing import (
     instance_shapes,
     price_source,
 )
-from burstcv.gate.latency import free_port, serving_env, wait_ready
+from burstcv.gate.latency import staging_process
 from burstcv_spec.contracts import FleetOption, LoadStep, SizePoint, SizingReport
 
 log = logging.getLogger(__name__)
@@ -206,35 +202,8 @@ def pinned_service(model_dir: str, cpus: Sequence[int]) -> Iterator[tuple[str, p
     The service sizes its workers and threads from the CPUs it may use, as it does in a
     container limited to that many.
     """
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "burstcv_serving"]
-    if shutil.which("taskset"):
-        cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
-    with tempfile.TemporaryFile() as log_fh:
-        proc = subprocess.Popen(
-            cmd,
-            env=serving_env(model_dir, port),
-            stdout=log_fh,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-        try:
-            if not shutil.which("taskset"):
-                os.sched_setaffinity(proc.pid, set(cpus))
-            wait_ready(url, proc)
-            yield url, psutil.Process(proc.pid)
-        except BaseException:
-            log_fh.seek(0)
-            log.error("staging service output:\n%s", log_fh.read().decode(errors="replace")[-4000:])
-            raise
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with staging_process(model_dir, cpus=cpus) as (url, proc):
+        yield url, psutil.Process(proc.pid)
 
 
 def _cpu_seconds(proc: psutil.Process) -> float:
