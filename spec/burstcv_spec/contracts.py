@@ -254,6 +254,9 @@ class SizingReport(Artifact):
     options: list[FleetOption] = Field(description="fleets meeting the target, cheapest first")
     chosen: FleetOption | None = Field(description="the cheapest fleet; null when none meets")
     reason: str = Field(description="why this fleet, or why none")
+    families: list[str] = Field(
+        default_factory=list, description="the instance families allowed (empty: every one)"
+    )
     price_source: dict[str, str] = Field(description="where the prices come from, and when")
 
 

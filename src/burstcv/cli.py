@@ -325,6 +325,9 @@ def size(
     step_s: Annotated[
         float | None, typer.Option(help="seconds of load per rate (default BURSTCV_SIZING_STEP_S)")
     ] = None,
+    families: Annotated[
+        str, typer.Option(help="instance families allowed, comma-separated (empty: all priced)")
+    ] = "c7i,m7i",
     out: Annotated[Path | None, typer.Option(help="also write the report (JSON) here")] = None,
 ) -> None:
     """Measure a version's sustainable rate per CPU size and print the cheapest fleet."""
@@ -360,6 +363,7 @@ def size(
             headroom=headroom,
             max_vcpus=s.sizing_max_vcpus or None,
             duration_s=step_s or s.sizing_step_s,
+            families=[f.strip() for f in families.split(",") if f.strip()] or None,
         )
     typer.echo(f"{'vCPUs':>5} {'req/s at SLO':>12} {'p95 ms':>8} {'CPU ms/req':>10}")
     for point in report.sizes:

@@ -183,6 +183,13 @@ class RunParams(BaseModel):
         description="the load the CPU serving fleet is sized for: the benchmark measures the "
         "rate each CPU size sustains within the SLO, and the gate names the cheapest fleet",
     )
+    serving_families: Annotated[list[str], Affects.RUN] = Field(
+        default=["c7i", "m7i"],
+        min_length=1,
+        title="CPU instance families",
+        description="the EC2 families the serving fleet may use (compute: c7i, general purpose: "
+        "m7i; x86_64, as the fleet is measured here)",
+    )
     accuracy_floor: Annotated[float, Affects.RUN] = Field(
         default=0.9,
         ge=0,

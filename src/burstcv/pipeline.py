@@ -817,6 +817,7 @@ def _size_fleet(
         region=s.ec2.region,
         max_vcpus=s.sizing_max_vcpus or None,
         duration_s=s.sizing_step_s,
+        families=params.serving_families,
     )
     for point in report.sizes:
         log.info(

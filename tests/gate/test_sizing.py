@@ -206,3 +206,12 @@ def test_burstcv_size_measures_a_registered_version(
     assert "/month" in result.output
     missing = CliRunner().invoke(app, ["size", "9", "--images", str(images), "--target-rps", "5"])
     assert missing.exit_code != 0 and "no version 9" in missing.output
+
+
+def test_only_the_allowed_families_are_priced() -> None:
+    points = [point(1, 100.0), point(2, 180.0)]
+    report = recommend(points, slo_ms=50, target_rps=300, region="us-east-1", families=["m7i"])
+    assert {o.instance_type.split(".")[0] for o in report.options} == {"m7i"}
+    assert report.families == ["m7i"]
+    none = recommend(points, slo_ms=50, target_rps=300, region="us-east-1", families=["x9z"])
+    assert none.chosen is None and "allowed families" in none.reason

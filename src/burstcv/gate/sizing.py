@@ -319,14 +319,20 @@ def recommend(
     region: str,
     headroom: float = DEFAULT_HEADROOM,
     host_cores: int | None = None,
+    families: Sequence[str] | None = None,
     price_path: Path | None = None,
 ) -> SizingReport:
-    """Return the cheapest fleet (and the next two) serving ``target_rps`` within the SLO."""
+    """Return the cheapest fleet (and the next two) serving ``target_rps`` within the SLO.
+
+    ``families`` (c7i, m7i, ...) limits the CPU types considered; None: every one priced.
+    """
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
     options = []
     peak_rss = max((p.rss_mb or 0.0 for p in points), default=0.0)
     for instance_type, (vcpus, memory_gib) in sorted(instance_shapes(price_path).items()):
+        if families is not None and instance_type.split(".")[0] not in families:
+            continue
         rate, extrapolated = rate_at(points, vcpus)
         if rate <= 0 or memory_gib * 1024 < 2 * peak_rss:
             continue
@@ -357,7 +363,7 @@ def recommend(
             f"no CPU size meets p95 <= {slo_ms:g} ms at any rate: every size measured "
             "broke the SLO at its lowest load (a smaller or INT8 model, or a looser SLO)"
             if best <= 0
-            else "no priced CPU type in the table could hold the model"
+            else "no priced CPU type of the allowed families could hold the model"
         )
     else:
         reason = (
@@ -375,6 +381,7 @@ def recommend(
         options=options[:3],
         chosen=chosen,
         reason=reason,
+        families=sorted(families) if families is not None else [],
         price_source=price_source(price_path),
     )
 
@@ -389,6 +396,7 @@ def size_model(
     headroom: float = DEFAULT_HEADROOM,
     max_vcpus: int | None = None,
     duration_s: float = STEP_DURATION_S,
+    families: Sequence[str] | None = None,
 ) -> SizingReport:
     """Measure the model's sustainable rate per CPU size, then price the cheapest fleet."""
     started = time.monotonic()
@@ -396,7 +404,12 @@ def size_model(
         model_dir, images, slo_ms=slo_ms, max_vcpus=max_vcpus, duration_s=duration_s
     )
     report = recommend(
-        points, slo_ms=slo_ms, target_rps=target_rps, region=region, headroom=headroom
+        points,
+        slo_ms=slo_ms,
+        target_rps=target_rps,
+        region=region,
+        headroom=headroom,
+        families=families,
     )
     log.info("sizing took %.0f s: %s", time.monotonic() - started, report.reason)
     return report
