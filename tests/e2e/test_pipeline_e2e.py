@@ -200,9 +200,13 @@ def test_a_forced_run_trains_and_a_rejected_candidate_is_not_deployed_saying_why
     )
     # The deploy task's log names the failed check with what was observed and the limit.
     deploy_lines = [r.getMessage() for r in caplog.records if r.funcName == "deploy_skip_reason"]
+    # No CPU size serves within that SLO at any rate either: the fleet check says so too.
     assert re.fullmatch(
-        rf"version {rejected} not promoted: p95 \d+\.\d\d ms > SLO 0\.001 ms", deploy_lines[0]
+        rf"version {rejected} not promoted: p95 \d+\.\d\d ms > SLO 0\.001 ms; "
+        r"best rate within the SLO 0\.0 req/s < at least 1 req/s",
+        deploy_lines[0],
     ), deploy_lines
+    assert "no CPU size meets p95 <= 0.001 ms" in entry.reason
     gate_lines = [m for m in caplog.messages if "gate check " in m]
     assert [line.split(":")[1].split()[-1] for line in gate_lines[:3]] == [
         "latency_p95",
