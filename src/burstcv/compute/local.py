@@ -61,6 +61,15 @@ def _stopped_file(record_path: Path) -> Path:
     return record_path.with_suffix(".stopped")
 
 
+def _stop_time(stopped_file: Path) -> datetime | None:
+    """Return when the box stopped, from its stop record (its mtime if it holds no time)."""
+    try:
+        text = stopped_file.read_text().split()
+        return datetime.fromtimestamp(float(text[0]) if text else stopped_file.stat().st_mtime, UTC)
+    except (OSError, ValueError):
+        return None
+
+
 def _heartbeat_file(record_path: Path) -> Path:
     """Return the file the wrapper's watchdog touches while the trainer lives."""
     return record_path.with_suffix(".heartbeat")
@@ -191,7 +200,10 @@ def wrapper_script(train_cmd: list[str], budget_s: int, record_path: Path) -> st
         "  done ) >/dev/null 2>&1 & watchdog=$!\n"
         "wait $child; rc=$?\n"
         "kill $watchdog 2>/dev/null\n"
-        f"date +%s.%N > {shlex.quote(str(_stopped_file(record_path)))}\n"
+        # Written aside, then renamed: a reader never finds the stop record empty.
+        f"date +%s.%N > {shlex.quote(str(_stopped_file(record_path)))}.tmp && "
+        f"mv {shlex.quote(str(_stopped_file(record_path)))}.tmp "
+        f"{shlex.quote(str(_stopped_file(record_path)))}\n"
         "exit $rc\n"
     )
 
@@ -225,7 +237,7 @@ class LocalBackend:
         stopped_file = _stopped_file(path)
         stopped_at = None
         if stopped_file.exists():
-            stopped_at = datetime.fromtimestamp(float(stopped_file.read_text().split()[0]), UTC)
+            stopped_at = _stop_time(stopped_file)
         elif rec.stopped_at:
             stopped_at = datetime.fromisoformat(rec.stopped_at)
         return InstanceInfo(
