@@ -57,7 +57,6 @@ class LoadRun:
     sent: int
     latencies_ms: list[float] = field(default_factory=list)
     statuses: dict[str, int] = field(default_factory=dict)
-    send_lag_ms: float = 0.0  # how late the generator sent its last request
     wall_s: float = 0.0
 
     @property
@@ -100,7 +99,6 @@ async def _open_loop(
             # From when the request was due, not when it left: no coordinated omission.
             run.latencies_ms.append((loop.time() - due) * 1000)
             run.statuses[code] = run.statuses.get(code, 0) + 1
-            run.send_lag_ms = max(run.send_lag_ms, (sent_at - due) * 1000)
 
         await asyncio.gather(*(one(i) for i in range(n)))
         run.wall_s = max(last_sent - start, interval * (n - 1)) or interval
