@@ -37,6 +37,12 @@ fast path saved 0.3-0.45 s. A new fast path on such internals stays only if it g
     python bench/validate.py                       # 2,000 photos
     python bench/validate.py --kind small --images 20000
     python bench/validate.py --dir /tmp/photos     # keep the dataset for the next run
+
+``--celery`` measures the stage spread over Airflow's Celery workers instead: images/s with 1
+and 2 one-slot workers side by side, a scan task per ``--chunk-files`` files, and the
+per-chunk overhead (bench/scaleout.py; bench/pack.py prints the same run's pack figures).
+
+    python bench/validate.py --celery --chunk-files 250
 """
 
 from __future__ import annotations
@@ -300,6 +306,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None, help="default: as validate picks")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of every side")
     parser.add_argument("--dir", type=Path, default=None, help="reuse/keep a dataset here")
+    parser.add_argument("--celery", action="store_true", help="1 vs 2 Celery workers")
+    parser.add_argument("--chunk-files", type=int, default=250, help="--celery: per scan task")
     args = parser.parse_args()
     n_images = args.images or (2000 if args.kind == "photos" else 20_000)
 
@@ -310,7 +318,14 @@ def main() -> None:
             started = time.perf_counter()
             (generate_photos if args.kind == "photos" else generate_small)(root, n_images)
             print(f"generated {n_images} {args.kind} in {time.perf_counter() - started:.1f} s")
-        run(root, scratch, args.workers, args.rounds)
+        if args.celery:
+            import scaleout
+
+            images = len(dataset_files(root))
+            result = scaleout.compare(root, images, args.chunk_files, image_size=224)
+            print(scaleout.report(result, "validate"))
+        else:
+            run(root, scratch, args.workers, args.rounds)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -7,8 +7,12 @@ service **only if** it meets the latency SLO and does not lose accuracy.
 
 | stage | what it does | costs money? |
 |---|---|---|
-| `validate` | Great Expectations suite over the image manifest; fails naming the bad files | no |
-| `pack` | decodes the images once into uint8 shards | no |
+| `plan_scan` | lists the dataset, cuts it into chunks (`chunk_files`, `chunk_mb`) | no |
+| `scan` (mapped) | a task per chunk: reads, hashes, decodes its files into a manifest part | no |
+| `validate` | Great Expectations suite over the joined manifest; fails naming the bad files | no |
+| `plan_pack` | cuts the shards into chunks (or skips: nothing new to train on) | no |
+| `pack_shards` (mapped) | a task per chunk: decodes its images once into uint8 shards | no |
+| `pack` | lists every shard; the training images' mean and std | no |
 | `provision` (setup) | starts the training box(es), tagged with this run | **yes, from here** |
 | `train` | waits (deferred, no worker slot held) for DONE / FAILED | yes |
 | `terminate` (teardown) | terminates every box tagged with the run, bills it | stops it |
@@ -21,7 +25,7 @@ service **only if** it meets the latency SLO and does not lose accuracy.
 | `outcome` (teardown) | fails the run when any task failed (a user's mark-failed too) | no |
 
 A run whose validated dataset and training params are those of the production model has
-nothing new to train on: `pack` skips with that reason, and nothing after it runs (no GPU is
+nothing new to train on: `plan_pack` skips with that reason, and nothing after it runs (no GPU is
 rented). Set **Force training** to train anyway.
 
 Trigger it with the form (**Trigger**, top right of the DAG page) to change the dataset,
@@ -44,6 +48,7 @@ from airflow.sdk import (
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from burstcv.airflow.callbacks import log_failure_summary
+from burstcv.airflow.data_stages import SAFE_RETRY, data_stages
 from burstcv.airflow.form import trigger_form
 from burstcv.airflow.operators import WaitForTrainingOperator
 from burstcv.params import RunParams
@@ -54,7 +59,6 @@ from burstcv_spec.contracts import (
     Packed,
     Provisioned,
     RunRef,
-    Validated,
     VerdictRecord,
 )
 
@@ -65,7 +69,6 @@ DATASET = Asset(
     name="burstcv_dataset",
     uri=SETTINGS.dataset_uri if "://" in SETTINGS.dataset_uri else f"file://{SETTINGS.dataset_uri}",
 )
-SAFE_RETRY = {"retries": 2, "retry_delay": timedelta(seconds=30), "retry_exponential_backoff": True}
 
 
 def _params(params: dict[str, Any]) -> RunParams:
@@ -94,7 +97,7 @@ def _run(run_id: str | None) -> RunRef:
     max_active_runs=1,
     doc_md=__doc__,
     tags=["burstcv", "training", "deploy"],
-    # Retries only where a retry is safe (idempotent stages); see SAFE_RETRY below.
+    # Retries only where a retry is safe (idempotent stages: SAFE_RETRY).
     default_args={"owner": "burstcv", "retries": 0, "on_failure_callback": log_failure_summary},
     on_failure_callback=log_failure_summary,
     # The trigger form: one typed field per RunParams field (burstcv.airflow.form).
@@ -102,40 +105,6 @@ def _run(run_id: str | None) -> RunRef:
 )
 def burstcv_pipeline() -> None:
     """Wire the stages; every task body is one call into burstcv.pipeline."""
-
-    @task(execution_timeout=timedelta(minutes=30))
-    def validate(
-        params: dict[str, Any] | None = None,
-        run_id: str | None = None,
-        triggering_asset_events: Any = None,
-    ) -> dict[str, Any]:
-        """Check the dataset with Great Expectations; fail before any GPU exists."""
-        from burstcv import pipeline
-        from burstcv.airflow.callbacks import dataset_from_asset_events
-
-        run_params = _params(params or {})
-        if uri := dataset_from_asset_events(triggering_asset_events):
-            run_params = run_params.model_copy(update={"dataset_uri": uri})
-        try:
-            return pipeline.validate(_run(run_id), run_params, SETTINGS).model_dump(mode="json")
-        except pipeline.ValidationFailed as exc:
-            raise AirflowFailException(str(exc)) from exc  # retrying cannot fix the data
-
-    @task(execution_timeout=timedelta(minutes=60), **SAFE_RETRY)
-    def pack(
-        validated: dict[str, Any], params: dict[str, Any] | None = None, run_id: str | None = None
-    ) -> dict[str, Any]:
-        """Decode the validated images once into uint8 shards (skip: production's data)."""
-        from burstcv import pipeline
-
-        run_params, checked = _params(params or {}), Validated.model_validate(validated)
-        if reason := pipeline.nothing_new_to_train(
-            _run(run_id), run_params, checked, settings=SETTINGS
-        ):
-            raise AirflowSkipException(reason)  # everything after it is skipped: no GPU rented
-        return pipeline.pack(_run(run_id), run_params, checked, settings=SETTINGS).model_dump(
-            mode="json"
-        )
 
     @task(execution_timeout=timedelta(minutes=15), pool=SETTINGS.gpu_pool)
     def provision(
@@ -252,8 +221,8 @@ def burstcv_pipeline() -> None:
         if failed := failed_tasks(dag.dag_id, str(run_id), besides=ti.task_id):
             raise AirflowFailException(f"the run failed: {', '.join(failed)} failed")
 
-    validated = validate()
-    packed = pack(validated)
+    # validate and pack: a plan, one mapped task per chunk and a join each (data_stages).
+    packed = data_stages()
     provisioned = provision(packed)
     trained = WaitForTrainingOperator(
         task_id="train",

@@ -173,7 +173,7 @@ class AirflowStack:
             raise StackError(f"components exited: {dead}\n{self.all_log_tails()}")
 
 
-def _component_command(component: str, api_port: int) -> list[str]:
+def _component_command(component: str, api_port: int, concurrency: int = 2) -> list[str]:
     airflow = [sys.executable, "-m", "airflow"]
     commands = {
         # --skip-serve-logs: Airflow's log server binds every interface; the components share
@@ -191,16 +191,19 @@ def _component_command(component: str, api_port: int) -> list[str]:
             "--workers",
             "1",
         ],
-        # Two task slots: the machine running the tests has few cores.
+        # Two task slots by default: the machine running the tests has few cores.
         "celery-worker": [
             *airflow,
             "celery",
             "worker",
             "--concurrency",
-            "2",
+            str(concurrency),
             "--skip-serve-logs",
         ],
     }
+    if component.startswith("celery-worker-"):  # a further worker: celery-worker-2, ...
+        # Its own Celery node name: two workers of one name on a broker would clash.
+        return [*commands["celery-worker"], "--celery-hostname", f"{component}@%h"]
     if component not in commands:
         raise ValueError(f"unknown component {component!r}; choose {', '.join(commands)}")
     return commands[component]
@@ -286,10 +289,20 @@ def end_every_box(store: Path) -> None:
 
 
 def _start(
-    component: str, api_port: int, env: dict[str, str], log_dir: Path
+    component: str,
+    api_port: int,
+    env: dict[str, str],
+    log_dir: Path,
+    concurrency: int = 2,
+    *,
+    pin: bool = False,
 ) -> subprocess.Popen[bytes]:
+    command = _component_command(component, api_port, concurrency)
+    if pin and component.startswith("celery-worker"):
+        number = int(component.rsplit("-", 1)[1]) if component[-1].isdigit() else 1
+        command = ["taskset", "--cpu-list", str((number - 1) % (os.cpu_count() or 1)), *command]
     return start_process_group(
-        _component_command(component, api_port),
+        command,
         log_path=log_dir / f"{component}.log",
         env=env,
         cwd=env["AIRFLOW_HOME"],
@@ -309,8 +322,10 @@ def _wait_ready(stack: AirflowStack, components: Sequence[str], timeout_s: float
             last = repr(exc)
         else:
             states = {key: (health.get(key) or {}).get("status") for key in wanted}
-            worker_ready = "celery-worker" not in components or " ready." in stack.log_tail(
-                "celery-worker", 200_000
+            worker_ready = all(
+                " ready." in stack.log_tail(c, 200_000)
+                for c in components
+                if c.startswith("celery-worker")
             )
             if all(s == "healthy" for s in states.values()) and worker_ready:
                 return
@@ -329,17 +344,26 @@ def airflow_stack(
     redis_server: RedisServer | None = None,
     home: Path | None = None,
     startup_timeout_s: float = 300.0,
+    celery_workers: int = 1,
+    worker_concurrency: int = 2,
+    pin_workers: bool = False,
 ) -> Iterator[AirflowStack]:
     """Run Airflow as separate processes on a fresh PostgreSQL database; stop it all on exit.
 
-    ``executor`` is ``CeleryExecutor`` (Redis broker, a Celery worker, a triggerer) or
-    ``LocalExecutor`` (the scheduler runs tasks itself; no broker). ``extra_env`` (the
-    ``BURSTCV_*`` settings of the run, typically) reaches every component.
+    ``executor`` is ``CeleryExecutor`` (Redis broker, ``celery_workers`` Celery workers,
+    named ``celery-worker``, ``celery-worker-2``, ..., with ``worker_concurrency`` task slots
+    each (``pin_workers``: worker n on CPU n-1 alone, as if each were a machine of its own),
+    a triggerer) or ``LocalExecutor`` (the
+    scheduler runs tasks itself; no broker). ``extra_env`` (the ``BURSTCV_*`` settings of the
+    run, typically) reaches every component.
     """
     import tempfile
 
     celery = executor == "CeleryExecutor"
-    components = tuple(components or (CELERY_COMPONENTS if celery else LOCAL_COMPONENTS))
+    more_workers = tuple(f"celery-worker-{n}" for n in range(2, celery_workers + 1))
+    components = tuple(
+        components or ((*CELERY_COMPONENTS, *more_workers) if celery else LOCAL_COMPONENTS)
+    )
     postgres = postgres or PostgresServer()
     redis_server = redis_server or RedisServer()
     with contextlib.ExitStack() as cleanup:
@@ -375,7 +399,9 @@ def airflow_stack(
         log.info("migrated %s in %.1f s", database, time.monotonic() - started)
         cleanup.callback(stop_process_groups, stack.processes.values(), STOP_GRACE_S)
         for component in components:
-            stack.processes[component] = _start(component, api_port, env, stack.log_dir)
+            stack.processes[component] = _start(
+                component, api_port, env, stack.log_dir, worker_concurrency, pin=pin_workers
+            )
         _wait_ready(stack, components, startup_timeout_s)
         log.info(
             "airflow stack (%s) up at %s in %.1f s",

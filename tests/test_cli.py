@@ -128,7 +128,7 @@ def test_run_on_a_fresh_home_prepares_airflow_and_answers_in_a_few_lines(tmp_pat
     out = done.stdout
     assert "no such table" not in out + done.stderr and "Traceback" not in out + done.stderr
     assert out.startswith("burstcv_pipeline run manual__"), out
-    assert "  failed: burstcv_pipeline.validate run manual__" in out
+    assert "  failed: burstcv_pipeline.plan_scan run manual__" in out
     assert f"dataset path {missing} does not exist" in out
     log = tmp_path / "burstcv" / "run" / "last-run.log"
     assert f"  full log: {log}" in out

@@ -25,6 +25,7 @@ from burstcv_spec.contracts import (
     Billing,
     BoxBill,
     Contract,
+    DataChunk,
     DatasetCounts,
     DatasetProfile,
     Deployed,
@@ -46,6 +47,8 @@ from burstcv_spec.contracts import (
     ModelCard,
     OptimizerBlock,
     Packed,
+    PackedPart,
+    PackPlan,
     PreprocessBlock,
     PretrainedLoad,
     PriceQuote,
@@ -58,6 +61,7 @@ from burstcv_spec.contracts import (
     RegistryEntry,
     RunRecord,
     RunRef,
+    ScanPlan,
     SchemaVersionError,
     SizePoint,
     SizingReport,
@@ -193,6 +197,18 @@ def examples() -> list[Contract]:
     """Return one filled-in instance of every stage result and artifact."""
     return [
         RUN,
+        ScanPlan(
+            dataset_uri="s3://b/cats",
+            listing_uri="/a/runs/x/dataset/scan/listing.parquet",
+            refused_uri="/a/runs/x/dataset/scan/refused.parquet",
+            ignored=[{"path": ".DS_Store", "note": "hidden or system file"}],
+            files=3,
+            bytes=300,
+            chunks=[
+                DataChunk(index=0, start=0, stop=2, files=2, bytes=200, part_uri="p0"),
+                DataChunk(index=1, start=2, stop=3, files=1, bytes=100, part_uri="p1"),
+            ],
+        ),
         Validated(
             fingerprint="f" * 64,
             manifest_uri="m",
@@ -201,6 +217,12 @@ def examples() -> list[Contract]:
             image_size=224,
             image_size_reason="the median short side of 3 images is 427 px, capped at 224",
             resize_short=256,
+        ),
+        PackPlan(
+            shards=2,
+            images_per_shard=780,
+            classes=["0", "1"],
+            chunks=[DataChunk(index=0, start=0, stop=2, files=3, bytes=300, part_uri="p0")],
         ),
         Packed(
             classes=["0", "1"],
@@ -250,6 +272,13 @@ def examples() -> list[Contract]:
         ),
         RunRecord(run_id=RUN.airflow_run_id, dataset_uri="/d", started_at="now"),
         SkipRecord(reason="nothing new", production_version=1, fingerprint="f", decided_at="now"),
+        PackedPart(
+            index=0,
+            train_shards=["t"],
+            val_shards=["v"],
+            counts={"train": 2, "val": 1},
+            train_histogram=[[0] * 255 + [2]] * 3,
+        ),
         AttemptRecord(attempt=2, instance_ids=["i-2"], launched_at="now"),
         LocalProcessRecord(
             instance_id="local-0123456789ab",

@@ -356,3 +356,11 @@ def test_a_local_run_keeps_its_time_budget_and_asks_no_prices(
     run = RunParams(dataset_uri="/d", compute_backend="local", max_cost_usd=0.01, time_budget_s=900)
     assert budget.bounded_time_budget(run, Settings()) == 900
     assert prices.asked == []
+
+
+def test_a_mapped_task_is_one_line_of_the_run_summary_worst_state_first() -> None:
+    from burstcv.airflow.local_run import _states_line
+
+    assert _states_line(["success"]) == "success"
+    assert _states_line(["success", "failed", "success"]) == "1 failed, 2 success (mapped)"
+    assert _states_line(["skipped"] * 3) == "3 skipped (mapped)"

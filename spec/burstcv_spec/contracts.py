@@ -736,6 +736,49 @@ class Validated(Contract):
     )
 
 
+class DataChunk(Contract):
+    """Name one mapped task's share of a dataset: listed files to scan, or shards to pack.
+
+    The DAG's plan_scan and plan_pack tasks return the list of their plan's chunks: Airflow
+    maps one scan or pack_shards task over each.
+    """
+
+    index: int = Field(ge=0, description="the chunk's number, from 0 (its map index)")
+    start: int = Field(ge=0, description="first item: a row of the listing, or a shard number")
+    stop: int = Field(ge=0, description="one past the last item")
+    files: int = Field(ge=0, description="source image files in the chunk")
+    bytes: int = Field(ge=0, description="their size on the store, bytes")
+    part_uri: str = Field(description="where the chunk's task writes its part")
+
+
+class ScanPlan(Artifact):
+    """`runs/<run_key>/dataset/scan/plan.json`: the listing, and the chunks tasks scan."""
+
+    dataset_uri: str = Field(description="the dataset listed")
+    listing_uri: str = Field(
+        description="dataset/scan/listing.parquet: path, uri and bytes of each file to inspect"
+    )
+    refused_uri: str = Field(
+        description="dataset/scan/refused.parquet: manifest rows of the files refused unread "
+        "(wrong depth, symlinks out of the root)"
+    )
+    ignored: list[dict[str, str]] = Field(
+        description="hidden and system files skipped: {path, note}"
+    )
+    files: int = Field(ge=0, description="files to inspect")
+    bytes: int = Field(ge=0, description="their size, bytes")
+    chunks: list[DataChunk] = Field(description="the scan's chunks, in listing order")
+
+
+class PackPlan(Artifact):
+    """`runs/<run_key>/dataset/shards/plan.json`: the shards each chunk writes, in order."""
+
+    shards: int = Field(ge=0, description="shards in all: the training ones, then validation")
+    images_per_shard: int = Field(ge=1, description="images per shard (the last may hold fewer)")
+    classes: list[str] = Field(description="class names; label i is classes[i]")
+    chunks: list[DataChunk] = Field(description="consecutive runs of shards, one per task")
+
+
 class Packed(Contract):
     """Say where pack put the decoded shards and which preprocessing they fix."""
 
@@ -932,6 +975,19 @@ class SkipRecord(Artifact):
     production_version: int = Field(description="the production version it would remake")
     fingerprint: str = Field(description="the validated dataset's fingerprint")
     decided_at: str = Field(description="ISO 8601 UTC")
+
+
+class PackedPart(Artifact):
+    """`runs/<run_key>/dataset/shards/parts/part-NNNNN.json`: the shards one pack chunk wrote."""
+
+    index: int = Field(ge=0, description="the chunk's number (PackPlan.chunks)")
+    train_shards: list[str] = Field(description="URIs of its training shards, in order")
+    val_shards: list[str] = Field(description="URIs of its validation shards, in order")
+    counts: dict[str, int] = Field(description="images per split in its shards")
+    train_histogram: list[list[int]] = Field(
+        description="3 x 256 counts of each channel's values over its training images (the "
+        "run's mean and std are computed from the sum over every part)"
+    )
 
 
 class AttemptRecord(Artifact):
@@ -1192,6 +1248,9 @@ ARTIFACTS: tuple[type[Artifact], ...] = (
     ValidationRecord,
     DatasetProfile,
     SkipRecord,
+    ScanPlan,
+    PackPlan,
+    PackedPart,
     AttemptRecord,
     LocalProcessRecord,
     TriggerHeartbeat,

@@ -74,6 +74,29 @@ class RunLayout:
         return storage.join(self.dataset, "shards")
 
     @property
+    def scan(self) -> str:
+        """Return dataset/scan/: the listing, the refused rows and each chunk's manifest part."""
+        return storage.join(self.dataset, "scan")
+
+    @property
+    def scan_plan(self) -> str:
+        """Return dataset/scan/plan.json: the scan's chunks."""
+        return storage.join(self.scan, "plan.json")
+
+    @property
+    def pack_plan(self) -> str:
+        """Return dataset/shards/plan.json: the pack's chunks."""
+        return storage.join(self.shards, "plan.json")
+
+    def scan_part(self, index: int) -> str:
+        """Return dataset/scan/part-NNNNN.parquet: the manifest rows of scan chunk ``index``."""
+        return storage.join(self.scan, f"part-{index:05d}.parquet")
+
+    def pack_part(self, index: int) -> str:
+        """Return dataset/shards/parts/part-NNNNN.json: what pack chunk ``index`` wrote."""
+        return storage.join(self.shards, "parts", f"part-{index:05d}.json")
+
+    @property
     def job(self) -> str:
         """Return job/: the training box's inputs and results."""
         return storage.join(self.root, "job")

@@ -28,7 +28,7 @@ from pydantic import (
     model_validator,
 )
 
-from burstcv.data.config import ValidationConfig
+from burstcv.data.config import DEFAULT_CHUNK_FILES, DEFAULT_CHUNK_MB, ValidationConfig
 from burstcv.settings import BackendName, Ec2Settings, Settings, get_settings
 from burstcv.training import recipe as R
 from burstcv.training.job import JobSpec
@@ -47,6 +47,7 @@ from burstcv.training.names import (
 SECTION_TRAINING = "Training details"
 SECTION_DATA = "Data checks"
 SECTION_GATE = "Gate details"
+SECTION_SCALE = "Scale-out"
 
 # The data checks a run may set: ValidationConfig's own names and defaults.
 DATA_CHECKS = (
@@ -381,6 +382,26 @@ class RunParams(BaseModel):
         description="drift score (class proportions, image size) against the last dataset "
         "that passed, above which validation fails; empty: only warn",
         json_schema_extra={"section": SECTION_DATA},
+    )
+
+    # Scale-out: how validate and pack spread over Airflow's workers.
+    chunk_files: Annotated[int, Affects.RUN] = Field(
+        default=DEFAULT_CHUNK_FILES,
+        ge=1,
+        le=10_000_000,
+        title="Files per chunk",
+        description="validate and pack split the dataset into chunks of at most this many "
+        "files, one mapped task each (spread over the workers by a CeleryExecutor); a dataset "
+        "under both limits is one chunk",
+        json_schema_extra={"section": SECTION_SCALE},
+    )
+    chunk_mb: Annotated[int, Affects.RUN] = Field(
+        default=DEFAULT_CHUNK_MB,
+        ge=1,
+        le=10_000_000,
+        title="MB per chunk",
+        description="and of at most this many MB of image files",
+        json_schema_extra={"section": SECTION_SCALE},
     )
 
     # Gate details.

@@ -37,6 +37,7 @@ from burstcv_spec.contracts import (
     BenchFigures,
     Benchmarked,
     Billing,
+    DataChunk,
     Deployed,
     Exported,
     HostInfo,
@@ -45,11 +46,14 @@ from burstcv_spec.contracts import (
     Launch,
     ModelCard,
     Packed,
+    PackedPart,
+    PackPlan,
     PreprocessBlock,
     Provisioned,
     RegistryDecision,
     RunRecord,
     RunRef,
+    ScanPlan,
     SizingReport,
     SkipRecord,
     Trained,
@@ -65,6 +69,7 @@ from burstcv_spec.layout import MODEL_CARD, RunLayout
 from burstcv_spec.preprocess import PreprocessSpec
 
 if TYPE_CHECKING:  # the training module is imported where it is used: it pulls in torch
+    from burstcv.data.pack import ShardOrder
     from burstcv.training.job import JobSpec
 
 log = logging.getLogger(__name__)
@@ -94,9 +99,15 @@ def run_layout(run: RunRef | str, settings: Settings | None = None) -> RunLayout
 # validate → pack
 
 
-def validate(run: RunRef, params: RunParams, settings: Settings | None = None) -> Validated:
-    """Run the dataset checks; raise ValidationFailed naming the failed checks and files."""
-    from burstcv.data.validate import DatasetUnusableError, summary, validate_dataset
+def plan_scan(run: RunRef, params: RunParams, settings: Settings | None = None) -> ScanPlan:
+    """List the dataset and cut it into scan chunks (``chunk_files``, ``chunk_mb``).
+
+    The run's checks that need no data come first (the weights, the budget): a run nobody
+    can price fails here. Raises ValidationFailed for those and for an unusable dataset.
+    """
+    from burstcv.data.chunks import MB
+    from burstcv.data.chunks import plan_scan as plan_dataset_scan
+    from burstcv.data.validate import DatasetUnusableError
 
     s = settings or get_settings()
     paths = run_layout(run, s)
@@ -114,14 +125,73 @@ def validate(run: RunRef, params: RunParams, settings: Settings | None = None) -
     except (ValueError, UnpricedRunError) as exc:
         raise ValidationFailed(str(exc)) from exc
     try:
-        record = validate_dataset(
+        plan = plan_dataset_scan(
             params.dataset_uri,
+            paths.scan,
+            paths.scan_part,
+            max_files=params.chunk_files,
+            max_bytes=params.chunk_mb * MB,
+        )
+    except DatasetUnusableError as exc:
+        raise ValidationFailed(f"dataset {params.dataset_uri} is unusable: {exc}") from exc
+    log.info(
+        "listed %d files (%.1f MB) of %s: %d scan chunk(s)",
+        plan.files,
+        plan.bytes / MB,
+        params.dataset_uri,
+        len(plan.chunks),
+    )
+    write_artifact(paths.scan_plan, plan)
+    return plan
+
+
+def scan_chunk(
+    run: RunRef, chunk: DataChunk, params: RunParams, settings: Settings | None = None
+) -> int:
+    """Scan one chunk of the run's listing into its manifest part; return its files."""
+    from burstcv.data.chunks import scan_chunk as scan_dataset_chunk
+
+    plan = read_artifact(run_layout(run, settings).scan_plan, ScanPlan)
+    files = scan_dataset_chunk(plan, chunk, params.validation_config())
+    log.info("scanned chunk %d of %d: %d files", chunk.index + 1, len(plan.chunks), files)
+    return files
+
+
+def validate(
+    run: RunRef,
+    params: RunParams,
+    settings: Settings | None = None,
+    *,
+    scanned: bool = False,
+) -> Validated:
+    """Run the dataset checks; raise ValidationFailed naming the failed checks and files.
+
+    ``scanned``: the run's plan was made and each chunk scanned already (the DAG's mapped
+    tasks); else they are, here, one after another. The checks run once over the joined
+    manifest.
+    """
+    from burstcv.data.chunks import join_scan
+    from burstcv.data.validate import DatasetUnusableError, summary, validate_scanned
+
+    s = settings or get_settings()
+    paths = run_layout(run, s)
+    if scanned:
+        plan = read_artifact(paths.scan_plan, ScanPlan)
+    else:
+        plan = plan_scan(run, params, s)
+        for chunk in plan.chunks:
+            scan_chunk(run, chunk, params, s)
+    try:
+        record = validate_scanned(
+            plan.dataset_uri,
             paths.dataset,
+            join_scan(plan),
+            plan.ignored,
             params.validation_config(),
             history_uri=storage.join(s.artifact_root, "datasets"),
         )
     except DatasetUnusableError as exc:
-        raise ValidationFailed(f"dataset {params.dataset_uri} is unusable: {exc}") from exc
+        raise ValidationFailed(f"dataset {plan.dataset_uri} is unusable: {exc}") from exc
     if not record.success:
         raise ValidationFailed(summary(record))  # logged once, as the task's failure
     log.info("%s", summary(record))
@@ -321,33 +391,106 @@ def nothing_new_to_train(
     return reason
 
 
+def shard_order(params: RunParams, validated: Validated) -> ShardOrder:
+    """Return the shard layout of the validated images (``burstcv.data.pack.shard_order``)."""
+    from burstcv.data.pack import shard_order as order_of
+
+    px = validated.image_size
+    return order_of(
+        read_manifest(validated.manifest_uri),
+        PreprocessSpec(height=px, width=px, resize_short=validated.resize_short),
+        classes=params.expected_classes or None,
+        margin=validated.resize_short is not None,
+    )
+
+
+def plan_pack(
+    run: RunRef, params: RunParams, validated: Validated, settings: Settings | None = None
+) -> PackPlan:
+    """Cut the validated images' shards into chunks (``chunk_files``, ``chunk_mb``) of whole
+    shards: each shard is the one a one-pass pack writes, whichever task writes it.
+    """
+    from burstcv.data.chunks import MB, chunk_ranges
+
+    paths = run_layout(run, settings)
+    order = shard_order(params, validated)
+    chunks = [
+        DataChunk(
+            index=index,
+            start=start,
+            stop=stop,
+            files=files,
+            bytes=size,
+            part_uri=paths.pack_part(index),
+        )
+        for index, (start, stop, files, size) in enumerate(
+            chunk_ranges(order.sizes(), params.chunk_files, params.chunk_mb * MB)
+        )
+    ]
+    log.info(
+        "%d shard(s) of %d images in %d pack chunk(s)", order.total, order.per_shard, len(chunks)
+    )
+    plan = PackPlan(
+        shards=order.total, images_per_shard=order.per_shard, classes=order.classes, chunks=chunks
+    )
+    write_artifact(paths.pack_plan, plan)
+    return plan
+
+
+def pack_chunk(
+    run: RunRef,
+    params: RunParams,
+    validated: Validated,
+    chunk: DataChunk,
+    settings: Settings | None = None,
+) -> PackedPart:
+    """Decode one chunk's shards and write them, and the chunk's part record."""
+    from burstcv.data.pack import pack_shards
+
+    order = shard_order(params, validated)
+    part = pack_shards(
+        order, chunk.start, chunk.stop, run_layout(run, settings).shards, index=chunk.index
+    )
+    write_artifact(chunk.part_uri, part)
+    log.info(
+        "packed chunk %d: shards %d-%d, %s", chunk.index, chunk.start, chunk.stop - 1, part.counts
+    )
+    return part
+
+
 def pack(
     run: RunRef,
     params: RunParams,
     validated: Validated,
     *,
     settings: Settings | None = None,
+    packed_chunks: bool = False,
 ) -> Packed:
-    """Decode the validated images once into uint8 shards; fix the preprocessing spec.
+    """Join the packed chunks into the run's shards and fix the preprocessing spec.
 
-    At the size validate chose; photos are stored with the margin training's random crops
-    draw from (the centre of each stored image is exactly the eval transform).
+    Images are stored at the size validate chose; photos with the margin training's random
+    crops draw from (the centre of each stored image is exactly the eval transform).
+    ``packed_chunks``: the run's plan was made and each chunk packed already (the DAG's
+    mapped tasks); else they are, here, one after another.
     """
-    from burstcv.data.pack import pack_dataset
+    from burstcv.data.pack import join_parts
     from burstcv.training.weights import normalization
 
-    paths = run_layout(run, settings)
-    manifest = read_manifest(validated.manifest_uri)
+    if packed_chunks:
+        plan = read_artifact(run_layout(run, settings).pack_plan, PackPlan)
+    else:
+        plan = plan_pack(run, params, validated, settings)
+        for chunk in plan.chunks:
+            pack_chunk(run, params, validated, chunk, settings)
+    parts = []
+    for chunk in plan.chunks:
+        if not storage.exists(chunk.part_uri):
+            raise StageError(f"pack chunk {chunk.index} wrote no {chunk.part_uri} (did it run?)")
+        parts.append(read_artifact(chunk.part_uri, PackedPart))
     px = validated.image_size
     size_only = PreprocessSpec(height=px, width=px, resize_short=validated.resize_short)
-    packed = pack_dataset(
-        manifest,
-        paths.shards,
-        size_only,
-        classes=params.expected_classes or None,
-        margin=validated.resize_short is not None,
-        fingerprint=validated.fingerprint,
-    )
+    packed = join_parts(parts, size_only, plan.classes, validated.fingerprint)
+    log.info("packed %s into %d shard(s)", packed.counts, plan.shards)
     # From scratch: the training split's own statistics (a model converges faster on centred
     # inputs). Pretrained: the weights' own. Recorded in the spec that serving reads.
     training = _training_of(validated)

@@ -47,7 +47,11 @@ def test_parsing_a_dag_file_does_not_import_heavy_libraries(dag_file: Path) -> N
 def test_pipeline_structure(dagbag) -> None:  # type: ignore[no-untyped-def]
     dag = dagbag.dags["burstcv_pipeline"]
     assert set(dag.task_ids) >= {
+        "plan_scan",
+        "scan",
         "validate",
+        "plan_pack",
+        "pack_shards",
         "pack",
         "provision",
         "train",

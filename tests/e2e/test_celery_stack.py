@@ -1,9 +1,11 @@
-"""Run burstcv_pipeline on a distributed Airflow: CeleryExecutor, PostgreSQL, Redis, 5 processes.
+"""Run burstcv_pipeline on a distributed Airflow: CeleryExecutor, PostgreSQL, Redis, 6 processes.
 
 The run is triggered the way the UI's trigger form does it (POST /api/v2/dags/{id}/dagRuns
-with ``conf``), its tasks execute on a Celery worker process, ``train`` defers to the
-triggerer, and the run must end with a production version in the registry. The plugin's task
-links and models page are then read from the same api-server.
+with ``conf``), its tasks execute on two Celery worker processes, ``train`` defers to the
+triggerer, and the run must end with a production version in the registry. The dataset is
+cut into several chunks: their scan and pack tasks run on both workers, and the joined
+manifest, validation and shards are those of a one-chunk run on the same data. The plugin's
+task links and models page are then read from the same api-server.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ pytestmark = pytest.mark.e2e
 
 DAG_ID = "burstcv_pipeline"
 RUN_TIMEOUT_S = 15 * 60
+CHUNK_FILES = 300  # the 1,797 digits: 6 scan chunks; and a pack chunk per shard
+SCAN_CHUNKS = 6
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +45,7 @@ def stack(store: Path, demo_dataset: Path) -> Iterator[AirflowStack]:
         # The Airflow home (component and task logs) stays in pytest's tmp dir for inspection.
         home = store / "airflow"
         home.mkdir()
-        with airflow_stack(env, executor="CeleryExecutor", home=home) as running:
+        with airflow_stack(env, executor="CeleryExecutor", home=home, celery_workers=2) as running:
             yield running
     finally:
         # A failed run must not leave a training process behind (the teardown normally does).
@@ -116,6 +120,7 @@ def test_ui_triggered_run_trains_gates_and_deploys_on_celery(
             "epochs": 2,
             "accuracy_floor": 0.3,
             "latency_slo_ms": 1000,
+            "chunk_files": CHUNK_FILES,
         }
         response = client.post(
             f"/api/v2/dags/{DAG_ID}/dagRuns",
@@ -132,9 +137,16 @@ def test_ui_triggered_run_trains_gates_and_deploys_on_celery(
         by_task = {ti["task_id"]: ti for ti in tis["task_instances"]}
         assert by_task["deploy"]["state"] == "success"
         assert by_task["terminate"]["state"] == "success"
-        # Tasks ran on the Celery worker process, not in the scheduler.
+        # Tasks ran on the Celery worker processes, not in the scheduler; the chunks on both.
         assert by_task["validate"]["executor"] in (None, "CeleryExecutor")
-        assert run_id in stack.log_tail("celery-worker", 2_000_000)
+        ran = {
+            worker: chunks_run(stack.log_tail(worker, 5_000_000), run_id)
+            for worker in ("celery-worker", "celery-worker-2")
+        }
+        scans = sorted(n for worker in ran.values() for task, n in worker if task == "scan")
+        assert scans == list(range(SCAN_CHUNKS)), ran  # each chunk once (no retry needed)
+        assert all(ran.values()), f"a worker ran no chunk: {ran}"
+        assert_chunks_equal_one_pass(store, run_id, demo_dataset)
 
         # The registry has a production version trained with the requested epochs.
         registry = Registry(str(store / "registry"), "digits")
@@ -165,6 +177,56 @@ def test_ui_triggered_run_trains_gates_and_deploys_on_celery(
         progress = re.findall(r"epoch (\d)/2 val_accuracy .*? left \| ", train_log)
         assert progress == ["1", "2"], train_log
         screenshot_task_log(stack, run_id, store / "train-log.png")
+
+
+def chunks_run(worker_log: str, run_id: str) -> list[tuple[str, int]]:
+    """Return the (task, map index) of the chunk tasks a Celery worker's log says it ran."""
+    found = []
+    for line in worker_log.splitlines():
+        if "Executing workload" in line and run_id in line:
+            task = re.search(r"task_id='(scan|pack_shards)'", line)
+            index = re.search(r"map_index=(-?\d+)", line)
+            if task and index:
+                found.append((task.group(1), int(index.group(1))))
+    return found
+
+
+def assert_chunks_equal_one_pass(store: Path, run_id: str, dataset: Path) -> None:
+    """Assert the run's joined manifest, validation and shards equal a one-chunk run's."""
+    import pandas as pd
+
+    from burstcv import pipeline
+    from burstcv.params import RunParams
+    from burstcv.settings import Settings
+    from burstcv_spec.contracts import (
+        PackPlan,
+        RunRef,
+        ScanPlan,
+        ValidationRecord,
+        read_artifact,
+    )
+
+    chunked = pipeline.run_layout(run_id, Settings(artifact_root=str(store / "artifacts")))
+    assert len(read_artifact(chunked.scan_plan, ScanPlan).chunks) == SCAN_CHUNKS
+    assert len(read_artifact(chunked.pack_plan, PackPlan).chunks) == 2  # train, val shard
+    settings = Settings(home=str(store / "one-pass"), artifact_root=str(store / "one-pass"))
+    params = RunParams.resolve({"dataset_uri": str(dataset)}, settings)
+    run = RunRef.of("manual__one_pass")
+    validated = pipeline.validate(run, params, settings)
+    packed = pipeline.pack(run, params, validated, settings=settings)
+    one = pipeline.run_layout(run, settings)
+    assert len(read_artifact(one.scan_plan, ScanPlan).chunks) == 1
+    pd.testing.assert_frame_equal(pd.read_parquet(chunked.manifest), pd.read_parquet(one.manifest))
+    where = {"manifest_uri", "data_docs_uri", "validated_at", "image_size", "training"}
+    assert read_artifact(chunked.validation, ValidationRecord).model_dump(
+        exclude=where
+    ) == read_artifact(one.validation, ValidationRecord).model_dump(exclude=where)
+    shards = sorted((Path(chunked.shards)).glob("*.npz"))
+    assert [p.name for p in shards] == [
+        Path(u).name for u in packed.train_shards + packed.val_shards
+    ]
+    for path in shards:
+        assert path.read_bytes() == (Path(one.shards) / path.name).read_bytes(), path.name
 
 
 def screenshot_task_log(stack: AirflowStack, run_id: str, shot: Path) -> None:

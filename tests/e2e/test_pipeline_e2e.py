@@ -158,7 +158,18 @@ def test_a_run_on_unchanged_data_rents_nothing_and_is_shown_as_skipped(
         state, tasks, run_id = run_dag({"dataset_uri": str(demo_dataset), "epochs": 3})
     assert state == "success", tasks  # a skip, not a failure
     assert tasks["validate"] == "success" and tasks["report"] == "success", tasks
-    for task in ("pack", "provision", "train", "terminate", "export", "gate", "deploy"):
+    assert tasks["plan_scan"] == tasks["scan"] == "success", tasks
+    for task in (
+        "plan_pack",
+        "pack_shards",
+        "pack",
+        "provision",
+        "train",
+        "terminate",
+        "export",
+        "gate",
+        "deploy",
+    ):
         assert tasks[task] == "skipped", tasks
     assert billing_and_boxes(run_id) == (False, [])  # no box launched, nothing billed
     assert reg.versions() == versions and reg.get_alias(PRODUCTION) == production
@@ -241,7 +252,7 @@ def test_a_corrupt_png_stops_the_run_at_validate_naming_it(
     assert victim.name in page.decode()
     assert all(
         tasks[t] in ("upstream_failed", "skipped", "None")
-        for t in ("pack", "provision", "train", "export", "deploy")
+        for t in ("plan_pack", "pack_shards", "pack", "provision", "train", "export", "deploy")
     ), tasks
     # No training process was ever started for this run.
     compute_dir = Path(os.environ["BURSTCV_COMPUTE_STATE_DIR"]) / safe_run_id(run_id)

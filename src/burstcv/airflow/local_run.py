@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +77,12 @@ def run_pipeline_once(conf: dict[str, Any]) -> tuple[str, str]:
         raise RuntimeError(f"no DAG {DAG_ID} in {dags_folder} ({DAGS_FOLDER_ENV})")
     dag = bag.dags[DAG_ID]
     dag_run = dag.test(run_conf=conf)
-    states = {ti.task_id: str(ti.state) for ti in dag_run.get_task_instances()}
+    # A mapped task (a chunk of scan or pack_shards) has one instance per chunk: one line.
+    states: dict[str, list[str]] = {}
+    for ti in dag_run.get_task_instances():
+        states.setdefault(ti.task_id, []).append(str(ti.state))
     lines = [f"{DAG_ID} run {dag_run.run_id}: {dag_run.state}"]
-    lines += [f"  {task:<10} {state}" for task, state in sorted(states.items())]
+    lines += [f"  {task:<10} {_states_line(found)}" for task, found in sorted(states.items())]
     from burstcv.pipeline import run_layout
     from burstcv_spec.contracts import VerdictRecord, read_artifact
 
@@ -87,3 +91,13 @@ def run_pipeline_once(conf: dict[str, Any]) -> tuple[str, str]:
         verdict = read_artifact(verdict_uri, VerdictRecord)
         lines.append(f"  version {verdict.version}: {verdict.summary}")
     return str(dag_run.state), "\n".join(lines)
+
+
+def _states_line(states: list[str]) -> str:
+    """Return a task's state, or a mapped task's states with their counts (worst first)."""
+    if len(states) == 1:
+        return states[0]
+    counts = Counter(states)
+    worst = ("failed", "upstream_failed", "up_for_retry", "running", "skipped", "success")
+    ranked = sorted(counts, key=lambda s: (worst.index(s) if s in worst else -1, s))
+    return ", ".join(f"{counts[state]} {state}" for state in ranked) + " (mapped)"

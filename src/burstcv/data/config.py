@@ -18,6 +18,14 @@ DEFAULT_MAX_PIXELS = 4096 * 4096
 # 32x32 classifier has no business holding a 64 MiB file; raise it for photo datasets).
 DEFAULT_MAX_FILE_BYTES = 64 * 1024 * 1024
 
+# The chunks validate and pack are split into, one mapped task each. A scan and decode runs
+# at a few hundred photos a second per core: 20,000 files (4 GB at most) is a few minutes
+# on a 2-core worker, long enough that a task's start-up (seconds) is noise, short enough
+# that a retried chunk loses little. The demo's 1,800 digits and most first datasets are one
+# chunk.
+DEFAULT_CHUNK_FILES = 20_000
+DEFAULT_CHUNK_MB = 4096
+
 
 @dataclass
 class ValidationConfig:

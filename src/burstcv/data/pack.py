@@ -7,13 +7,13 @@ import logging
 import re
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
 
 from burstcv_spec import storage
-from burstcv_spec.contracts import Packed, PreprocessBlock
+from burstcv_spec.contracts import Packed, PackedPart, PreprocessBlock
 from burstcv_spec.preprocess import PreprocessSpec, decode_to_uint8, margin_spec
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,157 @@ def _decode(uri: str, spec: PreprocessSpec) -> np.ndarray:
     return decode_to_uint8(storage.read_bytes(uri), spec)
 
 
+@dataclass(frozen=True)
+class ShardOrder:
+    """Fix which rows go to which shard, so that any run of shards can be packed alone.
+
+    Shards are numbered over the whole dataset, the training split's first: shard ``k`` is
+    the same whoever packs it, in one pass or in chunks.
+    """
+
+    spec: PreprocessSpec  # what each stored image is (the margin square for photos)
+    classes: list[str]
+    per_shard: int
+    uris: dict[str, list[str]]  # per split, in shard order
+    labels: dict[str, np.ndarray]
+    source_bytes: dict[str, np.ndarray]
+
+    def shards(self, split: str) -> int:
+        """Return the split's shard count (an empty split still writes one, empty, shard)."""
+        return max(1, -(-len(self.uris[split]) // self.per_shard))
+
+    @property
+    def total(self) -> int:
+        """Return the number of shards over both splits."""
+        return sum(self.shards(split) for split in SPLITS)
+
+    def locate(self, number: int) -> tuple[str, int]:
+        """Return the split of global shard ``number`` and its number within the split."""
+        for split in SPLITS:
+            if number < self.shards(split):
+                return split, number
+            number -= self.shards(split)
+        raise IndexError(f"shard {number} is past the last one")
+
+    def rows(self, number: int) -> slice:
+        """Return the rows of global shard ``number`` within its split."""
+        _, local = self.locate(number)
+        return slice(local * self.per_shard, (local + 1) * self.per_shard)
+
+    def sizes(self) -> list[tuple[int, int]]:
+        """Return each shard's (source files, source bytes), in global order."""
+        out = []
+        for number in range(self.total):
+            split, _ = self.locate(number)
+            rows = self.rows(number)
+            out.append((len(self.uris[split][rows]), int(self.source_bytes[split][rows].sum())))
+        return out
+
+
+SPLITS = ("train", "val")
+
+
+def shard_order(
+    manifest: pd.DataFrame,
+    spec: PreprocessSpec,
+    *,
+    classes: list[str] | None = None,
+    margin: bool = False,
+) -> ShardOrder:
+    """Return the shard layout of a manifest's decodable rows (see ``pack_dataset``)."""
+    if margin:
+        spec = margin_spec(spec)
+    per_shard = min(SHARD_IMAGES, max(1, SHARD_BYTES // (spec.height * spec.width * 3)))
+    rows = manifest[manifest["decode_ok"].astype(bool)].sort_values(["split", "label", "path"])
+    classes = classes or class_list(rows["label"])
+    index = {name: i for i, name in enumerate(classes)}
+    unknown = sorted(set(rows["label"].astype(str)) - set(index))
+    if unknown:
+        raise ValueError(f"labels {unknown} are not among the classes {classes}")
+    uris, labels, sizes = {}, {}, {}
+    for split in SPLITS:
+        part = rows[rows["split"] == split]
+        if split == "train" and len(part) > per_shard:
+            # Streamed training holds a few shards at a time: every shard must hold all
+            # classes in proportion, not the label-sorted rows' runs of one class.
+            part = part.iloc[spread_order(len(part), per_shard)]
+        uris[split] = part["uri"].tolist()
+        labels[split] = np.array([index[str(lab)] for lab in part["label"]], dtype=np.int64)
+        sizes[split] = (
+            part["bytes"].fillna(0).to_numpy(dtype=np.int64)
+            if "bytes" in part
+            else np.zeros(len(part), np.int64)
+        )
+    return ShardOrder(spec, classes, per_shard, uris, labels, sizes)
+
+
+def pack_shards(
+    order: ShardOrder, start: int, stop: int, out_uri: str, *, index: int = 0, workers: int = 4
+) -> PackedPart:
+    """Decode and write global shards ``start`` to ``stop - 1`` under ``out_uri``."""
+    shards: dict[str, list[str]] = {split: [] for split in SPLITS}
+    counts = dict.fromkeys(SPLITS, 0)
+    train_stats = ChannelStats()
+    spec, height, width = order.spec, order.spec.height, order.spec.width
+    # Decoding is C code that releases the GIL: threads keep both cores busy without pickling.
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for number in range(start, stop):
+            split, local = order.locate(number)
+            rows = order.rows(number)
+            chunk = order.uris[split][rows]
+            images = (
+                np.stack(list(pool.map(lambda u: _decode(u, spec), chunk)))
+                if chunk
+                else (np.zeros((0, height, width, 3), np.uint8))
+            )
+            if split == "train":
+                train_stats.add(images)
+            buf = io.BytesIO()
+            np.savez(
+                buf,
+                images=images,
+                labels=order.labels[split][rows],
+                classes=np.array(order.classes),
+            )
+            uri = storage.join(out_uri, f"{split}-{local:05d}.npz")
+            storage.write_bytes(uri, buf.getvalue())
+            shards[split].append(uri)
+            counts[split] += len(chunk)
+    return PackedPart(
+        index=index,
+        train_shards=shards["train"],
+        val_shards=shards["val"],
+        counts=counts,
+        train_histogram=train_stats.histogram.tolist(),
+    )
+
+
+def join_parts(
+    parts: Iterable[PackedPart], eval_spec: PreprocessSpec, classes: list[str], fingerprint: str
+) -> Packed:
+    """Return the pack of a dataset from its parts, in chunk order: shards listed in order,
+    counts summed, and the training images' mean and std from the summed histograms.
+    """
+    shards: dict[str, list[str]] = {split: [] for split in SPLITS}
+    counts = dict.fromkeys(SPLITS, 0)
+    train_stats = ChannelStats()
+    for part in sorted(parts, key=lambda p: p.index):
+        shards["train"] += part.train_shards
+        shards["val"] += part.val_shards
+        for split in SPLITS:
+            counts[split] += part.counts.get(split, 0)
+        train_stats.histogram += np.asarray(part.train_histogram, dtype=np.int64)
+    mean, std = train_stats.mean_std()
+    return Packed(
+        classes=classes,
+        train_shards=shards["train"],
+        val_shards=shards["val"],
+        counts=counts,
+        preprocess=PreprocessBlock.of(replace(eval_spec, mean=mean, std=std)),
+        fingerprint=fingerprint,
+    )
+
+
 def pack_dataset(
     manifest: pd.DataFrame,
     out_uri: str,
@@ -94,58 +245,9 @@ def pack_dataset(
     from it, and its centre height x width is exactly the eval transform of the image. The
     result's preprocessing is ``spec`` with the training images' per-channel mean and std
     (0..1 scale), gathered while packing so that nothing reads the shards back for them.
+    In one pass; ``burstcv.pipeline`` packs the same shards in chunks (``pack_shards``).
     """
-    eval_spec = spec
-    if margin:
-        spec = margin_spec(spec)
-    height, width = spec.height, spec.width
-    per_shard = min(SHARD_IMAGES, max(1, SHARD_BYTES // (height * width * 3)))
-    rows = manifest[manifest["decode_ok"].astype(bool)].sort_values(["split", "label", "path"])
-    classes = classes or class_list(rows["label"])
-    index = {name: i for i, name in enumerate(classes)}
-    unknown = sorted(set(rows["label"].astype(str)) - set(index))
-    if unknown:
-        raise ValueError(f"labels {unknown} are not among the classes {classes}")
-    shards: dict[str, list[str]] = {"train": [], "val": []}
-    counts: dict[str, int] = {}
-    train_stats = ChannelStats()
-    # Decoding is C code that releases the GIL: threads keep both cores busy without pickling.
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        for split in ("train", "val"):
-            part = rows[rows["split"] == split]
-            if split == "train" and len(part) > per_shard:
-                # Streamed training holds a few shards at a time: every shard must hold all
-                # classes in proportion, not the label-sorted rows' runs of one class.
-                part = part.iloc[spread_order(len(part), per_shard)]
-            counts[split] = len(part)
-            uris = part["uri"].tolist()
-            labels = np.array([index[str(lab)] for lab in part["label"]], dtype=np.int64)
-            for shard_no, start in enumerate(range(0, max(len(uris), 1), per_shard)):
-                chunk = uris[start : start + per_shard]
-                images = (
-                    np.stack(list(pool.map(lambda u: _decode(u, spec), chunk)))
-                    if chunk
-                    else (np.zeros((0, height, width, 3), np.uint8))
-                )
-                if split == "train":
-                    train_stats.add(images)
-                buf = io.BytesIO()
-                np.savez(
-                    buf,
-                    images=images,
-                    labels=labels[start : start + per_shard],
-                    classes=np.array(classes),
-                )
-                uri = storage.join(out_uri, f"{split}-{shard_no:05d}.npz")
-                storage.write_bytes(uri, buf.getvalue())
-                shards[split].append(uri)
-    mean, std = train_stats.mean_std()
-    log.info("packed %s into %s", counts, out_uri)
-    return Packed(
-        classes=classes,
-        train_shards=shards["train"],
-        val_shards=shards["val"],
-        counts=counts,
-        preprocess=PreprocessBlock.of(replace(eval_spec, mean=mean, std=std)),
-        fingerprint=fingerprint,
-    )
+    order = shard_order(manifest, spec, classes=classes, margin=margin)
+    part = pack_shards(order, 0, order.total, out_uri, workers=workers)
+    log.info("packed %s into %s", part.counts, out_uri)
+    return join_parts([part], spec, order.classes, fingerprint)

@@ -48,6 +48,7 @@ __all__ = [
     "summary",
     "usable_rows",
     "validate_dataset",
+    "validate_scanned",
 ]
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,35 @@ def _validate(
         max_file_bytes=config.max_file_bytes,
         phash=config.near_duplicate_max_distance is not None,
     )
-    manifest = scanned.manifest
+    return _judge(dataset_uri, out_uri, scanned.manifest, scanned.ignored, config, history_uri)
+
+
+def validate_scanned(
+    dataset_uri: str,
+    out_uri: str,
+    manifest: pd.DataFrame,
+    ignored: list[dict[str, str]],
+    config: ValidationConfig | None = None,
+    *,
+    history_uri: str | None = None,
+) -> ValidationRecord:
+    """Validate a dataset already scanned (in chunks, ``burstcv.data.chunks``) as
+    ``validate_dataset`` does: the suite and the drift check run once over the whole manifest.
+    """
+    with _gc_spares_existing_objects():
+        return _judge(
+            dataset_uri, out_uri, manifest, ignored, config or ValidationConfig(), history_uri
+        )
+
+
+def _judge(
+    dataset_uri: str,
+    out_uri: str,
+    manifest: pd.DataFrame,
+    ignored: list[dict[str, str]],
+    config: ValidationConfig,
+    history_uri: str | None,
+) -> ValidationRecord:
     if not manifest["label"].notna().any():
         raise DatasetUnusableError(
             f"{dataset_uri} is not an ImageFolder: no file at <split>/<class>/<file> "
@@ -188,9 +217,9 @@ def _validate(
     fingerprint = dataset_fingerprint(manifest)
     profile = _profile(manifest, config, fingerprint, dataset_uri)
     warnings: list[str] = []
-    if scanned.ignored:
-        example = scanned.ignored[0]["path"]
-        warnings.append(f"{len(scanned.ignored)} hidden/system file(s) ignored, e.g. {example}")
+    if ignored:
+        example = ignored[0]["path"]
+        warnings.append(f"{len(ignored)} hidden/system file(s) ignored, e.g. {example}")
     drift = _drift(profile, _load_baseline(history_uri, dataset_uri), config)
     if drift.status == "warning":
         warnings.append(f"drift: {drift.message}")
@@ -202,11 +231,11 @@ def _validate(
             files=len(manifest),
             usable=int(manifest["decode_ok"].sum()),
             errors=int((~manifest["decode_ok"]).sum()),
-            ignored=len(scanned.ignored),
+            ignored=len(ignored),
             per_split=outcome.class_counts,
         ),
         expectations=outcome.checks,
-        ignored=scanned.ignored,
+        ignored=ignored,
         drift=drift,
         warnings=warnings,
         config=config.to_dict(),

@@ -102,6 +102,13 @@ def worker_count(requested: int | None, n_files: int) -> int:
         return max(1, min(requested, n_files))
     if n_files < POOL_MIN_FILES:
         return 1
+    return usable_cpus()
+
+
+def usable_cpus() -> int:
+    """Return the CPUs this process may run on (its affinity: a container's or taskset's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)
 
 

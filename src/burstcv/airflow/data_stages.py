@@ -1,0 +1,155 @@
+"""Define the data stages of the pipeline DAG: validate and pack, each spread over chunks.
+
+Each stage is a plan, one mapped task per chunk and a join: ``plan_scan`` lists the dataset
+and cuts it into chunks (the run's ``chunk_files`` and ``chunk_mb``), a ``scan`` task per
+chunk writes its part of the manifest, and ``validate`` runs the Great Expectations suite and
+the drift check once over the joined manifest; ``plan_pack`` cuts the shards into chunks, a
+``pack_shards`` task per chunk writes its shards, and ``pack`` lists them all. A
+CeleryExecutor spreads the mapped tasks over its workers, the embedded default runs them on
+its one; a chunk that fails is retried alone. A dataset within one chunk maps one task each.
+
+``data_stages()``, called inside a DAG, adds the six tasks and returns the packed result;
+every task body is one call into ``burstcv.pipeline``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from airflow.sdk import XComArg, task
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+
+from burstcv.params import RunParams
+from burstcv.settings import get_settings
+from burstcv_spec.contracts import DataChunk, RunRef, Validated
+
+# Retries only where a retry is safe (idempotent stages: each rewrites its own outputs).
+SAFE_RETRY: dict[str, Any] = {
+    "retries": 2,
+    "retry_delay": timedelta(seconds=30),
+    "retry_exponential_backoff": True,
+}
+
+
+def _params(params: dict[str, Any] | None) -> RunParams:
+    return RunParams.resolve(params or {}, get_settings())
+
+
+def _run(run_id: str | None) -> RunRef:
+    return RunRef.of(str(run_id))
+
+
+@task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
+def plan_scan(
+    params: dict[str, Any] | None = None,
+    run_id: str | None = None,
+    triggering_asset_events: Any = None,
+) -> list[dict[str, Any]]:
+    """List the dataset and cut it into scan chunks; fail before any GPU on bad params."""
+    from burstcv import pipeline
+    from burstcv.airflow.callbacks import dataset_from_asset_events
+
+    run_params = _params(params)
+    if uri := dataset_from_asset_events(triggering_asset_events):
+        run_params = run_params.model_copy(update={"dataset_uri": uri})
+    try:
+        plan = pipeline.plan_scan(_run(run_id), run_params, get_settings())
+    except pipeline.ValidationFailed as exc:
+        raise AirflowFailException(str(exc)) from exc  # retrying cannot fix the data
+    return [chunk.model_dump(mode="json") for chunk in plan.chunks]
+
+
+@task(
+    execution_timeout=timedelta(minutes=60),
+    doc_md="Read, hash and decode one chunk's files into its part of the manifest.",
+    **SAFE_RETRY,
+)
+def scan(
+    chunk: dict[str, Any], params: dict[str, Any] | None = None, run_id: str | None = None
+) -> int:
+    """Read, hash and decode one chunk's files into its part of the manifest."""
+    from burstcv import pipeline
+
+    return pipeline.scan_chunk(
+        _run(run_id), DataChunk.model_validate(chunk), _params(params), get_settings()
+    )
+
+
+@task(execution_timeout=timedelta(minutes=30))
+def validate(params: dict[str, Any] | None = None, run_id: str | None = None) -> dict[str, Any]:
+    """Check the whole dataset with Great Expectations; fail before any GPU exists."""
+    from burstcv import pipeline
+
+    try:
+        return pipeline.validate(
+            _run(run_id), _params(params), get_settings(), scanned=True
+        ).model_dump(mode="json")
+    except pipeline.ValidationFailed as exc:
+        raise AirflowFailException(str(exc)) from exc  # retrying cannot fix the data
+
+
+@task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
+def plan_pack(
+    validated: dict[str, Any], params: dict[str, Any] | None = None, run_id: str | None = None
+) -> list[dict[str, Any]]:
+    """Cut the shards into chunks (skip: production's data, nothing new to train on)."""
+    from burstcv import pipeline
+
+    run_params, checked = _params(params), Validated.model_validate(validated)
+    if reason := pipeline.nothing_new_to_train(
+        _run(run_id), run_params, checked, settings=get_settings()
+    ):
+        raise AirflowSkipException(reason)  # everything after it is skipped: no GPU rented
+    plan = pipeline.plan_pack(_run(run_id), run_params, checked, get_settings())
+    return [chunk.model_dump(mode="json") for chunk in plan.chunks]
+
+
+@task(
+    execution_timeout=timedelta(minutes=60),
+    doc_md="Decode one chunk's images once into its uint8 shards.",
+    **SAFE_RETRY,
+)
+def pack_shards(
+    validated: dict[str, Any],
+    chunk: dict[str, Any],
+    params: dict[str, Any] | None = None,
+    run_id: str | None = None,
+) -> dict[str, Any]:
+    """Decode one chunk's images once into its uint8 shards."""
+    from burstcv import pipeline
+
+    return pipeline.pack_chunk(
+        _run(run_id),
+        _params(params),
+        Validated.model_validate(validated),
+        DataChunk.model_validate(chunk),
+        get_settings(),
+    ).model_dump(mode="json")
+
+
+@task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
+def pack(
+    validated: dict[str, Any], params: dict[str, Any] | None = None, run_id: str | None = None
+) -> dict[str, Any]:
+    """List every chunk's shards and fix the preprocessing from their training images."""
+    from burstcv import pipeline
+
+    return pipeline.pack(
+        _run(run_id),
+        _params(params),
+        Validated.model_validate(validated),
+        settings=get_settings(),
+        packed_chunks=True,
+    ).model_dump(mode="json")
+
+
+def data_stages() -> XComArg:
+    """Add validate and pack (plans, mapped chunks, joins) to the DAG; return pack's result."""
+    scanned = scan.expand(chunk=plan_scan())
+    validated: Any = validate()  # an XComArg, handed on as the dict it will be
+    scanned >> validated
+    shards = pack_shards.partial(validated=validated).expand(chunk=plan_pack(validated))
+    packed = pack(validated)
+    shards >> packed
+    return packed

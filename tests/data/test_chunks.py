@@ -1,0 +1,163 @@
+"""Validate and pack in chunks: the joined result is the one-pass result, file for file.
+
+The DAG maps one ``scan`` and one ``pack_shards`` task per chunk; these tests run the same
+pipeline functions in one process, chunk by chunk, and compare with a one-chunk run and with
+the one-pass scan (``validate_dataset``) on the same data.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+from conftest import write_dataset
+
+from burstcv import pipeline
+from burstcv.data import pack
+from burstcv.data.chunks import MB, chunk_ranges
+from burstcv.data.validate import validate_dataset
+from burstcv.params import RunParams
+from burstcv.settings import Settings
+from burstcv_spec.contracts import PackPlan, RunRef, ScanPlan, ValidationRecord, read_artifact
+
+# Fields that name where or when a record was written, not what it found.
+WHERE_AND_WHEN = {"manifest_uri", "data_docs_uri", "validated_at"}
+
+
+def test_chunk_ranges_keep_within_both_limits() -> None:
+    sizes = [(1, 10)] * 10
+    assert chunk_ranges(sizes, 4, 1000) == [(0, 4, 4, 40), (4, 8, 4, 40), (8, 10, 2, 20)]
+    assert chunk_ranges(sizes, 100, 25) == [(i, i + 2, 2, 20) for i in range(0, 10, 2)]
+    # An item over a limit alone is a chunk of its own; nothing is one empty chunk.
+    assert chunk_ranges([(1, 5), (1, 500), (1, 5)], 10, 100) == [
+        (0, 1, 1, 5),
+        (1, 2, 1, 500),
+        (2, 3, 1, 5),
+    ]
+    assert chunk_ranges([], 10, 10) == [(0, 0, 0, 0)]
+    with pytest.raises(ValueError, match=">= 1"):
+        chunk_ranges(sizes, 0, 10)
+
+
+def _faulty(root: Path) -> Path:
+    """Return a 3-class dataset with a cross-split copy, a corrupt file, a stray and a dotfile."""
+    write_dataset(root)
+    shutil.copy(root / "train" / "cat" / "000.png", root / "val" / "dog" / "zz-copy.png")
+    (root / "train" / "fox" / "broken.png").write_bytes(b"not an image at all")
+    (root / "train" / "stray.png").write_bytes((root / "train" / "dog" / "001.png").read_bytes())
+    (root / "train" / "cat" / ".DS_Store").write_bytes(b"\0")
+    return root
+
+
+def _run(home: Path, dataset: Path, **given: Any) -> tuple[Settings, RunParams]:
+    settings = Settings(home=str(home), artifact_root=str(home / "artifacts"))
+    params = RunParams.resolve(
+        {"dataset_uri": str(dataset), "pretrained": "none", **given}, settings
+    )
+    return settings, params
+
+
+def _record(uri: str) -> dict[str, Any]:
+    return read_artifact(uri, ValidationRecord).model_dump(
+        mode="json", exclude=WHERE_AND_WHEN | {"image_size", "training"}
+    )
+
+
+def test_a_chunked_validation_fails_as_the_one_pass_scan_does(tmp_path: Path) -> None:
+    dataset = _faulty(tmp_path / "pets")
+    run = RunRef.of("manual__chunks")
+    settings, params = _run(tmp_path / "chunked", dataset, chunk_files=7)
+    with pytest.raises(pipeline.ValidationFailed) as chunked:
+        pipeline.validate(run, params, settings)
+    paths = pipeline.run_layout(run, settings)
+    plan = read_artifact(paths.scan_plan, ScanPlan)
+    # 62 files to inspect (the stray is refused unread, the dotfile ignored), 7 a chunk.
+    assert plan.files == 62 and len(plan.chunks) == 9
+    assert [c.index for c in plan.chunks] == list(range(9))
+    assert all(Path(c.part_uri).is_file() for c in plan.chunks)
+    # The bad files are named, whichever chunks they were in.
+    for name in ("train/fox/broken.png", "val/dog/zz-copy.png", "train/stray.png"):
+        assert name in str(chunked.value)
+
+    # The same data scanned in one pass: the same manifest row for row, the same findings.
+    one_pass = validate_dataset(
+        str(dataset), str(tmp_path / "one-pass"), params.validation_config()
+    )
+    pd.testing.assert_frame_equal(
+        pd.read_parquet(paths.manifest), pd.read_parquet(one_pass.manifest_uri)
+    )
+    assert _record(paths.validation) == _record(str(tmp_path / "one-pass" / "validation.json"))
+
+
+def test_chunked_scan_and_pack_equal_one_chunk_byte_for_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pack, "SHARD_IMAGES", 8)  # 36 training images: 5 shards
+    dataset = write_dataset(tmp_path / "pets", per_class=12)
+    results = {}
+    for name, limits in {"one": {}, "files": {"chunk_files": 20}}.items():
+        settings, params = _run(tmp_path / name, dataset, **limits)
+        run = RunRef.of(f"manual__{name}")
+        validated = pipeline.validate(run, params, settings)
+        packed = pipeline.pack(run, params, validated, settings=settings)
+        paths = pipeline.run_layout(run, settings)
+        results[name] = (paths, validated, packed)
+
+    one_paths, one_validated, one_packed = results["one"]
+    assert len(read_artifact(one_paths.scan_plan, ScanPlan).chunks) == 1
+    assert len(read_artifact(one_paths.pack_plan, PackPlan).chunks) == 1
+    plan = read_artifact(results["files"][0].pack_plan, PackPlan)
+    assert len(read_artifact(results["files"][0].scan_plan, ScanPlan).chunks) == 4  # 72 / 20
+    # Shards of 8, 8, 8, 8, 4 images per split, at most 20 images a chunk.
+    assert [(c.start, c.stop) for c in plan.chunks] == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    for name in ("files",):
+        paths, validated, packed = results[name]
+        assert validated.fingerprint == one_validated.fingerprint
+        pd.testing.assert_frame_equal(
+            pd.read_parquet(paths.manifest), pd.read_parquet(one_paths.manifest)
+        )
+        assert _record(paths.validation) == _record(one_paths.validation)
+        # The same shards, in the same order, byte for byte, and the same statistics.
+        assert packed.counts == one_packed.counts and packed.classes == one_packed.classes
+        assert packed.preprocess == one_packed.preprocess
+        for mine, theirs in zip(
+            packed.train_shards + packed.val_shards,
+            one_packed.train_shards + one_packed.val_shards,
+            strict=True,
+        ):
+            assert Path(mine).name == Path(theirs).name
+            assert Path(mine).read_bytes() == Path(theirs).read_bytes()
+    assert plan.shards == len(one_packed.train_shards) + len(one_packed.val_shards)
+
+
+def test_a_chunk_that_did_not_run_is_named_and_a_rerun_chunk_joins(tmp_path: Path) -> None:
+    dataset = write_dataset(tmp_path / "pets")
+    settings, params = _run(tmp_path / "home", dataset, chunk_files=25)
+    run = RunRef.of("manual__retry")
+    plan = pipeline.plan_scan(run, params, settings)
+    assert [c.files for c in plan.chunks] == [25, 25, 10]
+    assert plan.bytes == sum(p.stat().st_size for p in dataset.rglob("*.png"))
+    assert plan.chunks[0].bytes + plan.chunks[1].bytes + plan.chunks[2].bytes == plan.bytes
+    for chunk in (plan.chunks[0], plan.chunks[2]):
+        pipeline.scan_chunk(run, chunk, params, settings)
+    with pytest.raises(FileNotFoundError, match="scan chunk 1: no manifest part"):
+        pipeline.validate(run, params, settings, scanned=True)
+    # A retried chunk rewrites its own part only: twice is the same as once.
+    for _ in range(2):
+        assert pipeline.scan_chunk(run, plan.chunks[1], params, settings) == 25
+    validated = pipeline.validate(run, params, settings, scanned=True)
+    assert read_artifact(validated.validation_uri, ValidationRecord).counts.usable == 60
+
+
+def test_the_mb_limit_cuts_large_files_into_more_chunks(tmp_path: Path) -> None:
+    dataset = write_dataset(tmp_path / "pets", per_class=6)
+    big = dataset / "train" / "cat" / "zz-big.png"
+    big.write_bytes((dataset / "train" / "cat" / "000.png").read_bytes() + b"\0" * (2 * MB))
+    settings, params = _run(tmp_path / "home", dataset, chunk_mb=1)
+    plan = pipeline.plan_scan(RunRef.of("manual__mb"), params, settings)
+    # The files listed before the big one, the big one alone, the rest.
+    assert [c.files for c in plan.chunks] == [6, 1, 30]
+    assert plan.chunks[1].bytes > 2 * MB and plan.chunks[0].bytes + plan.chunks[2].bytes < MB
