@@ -775,6 +775,9 @@ class PackPlan(Artifact):
 
     shards: int = Field(ge=0, description="shards in all: the training ones, then validation")
     images_per_shard: int = Field(ge=1, description="images per shard (the last may hold fewer)")
+    shard_format: Literal["raw", "jpeg"] = Field(
+        default="raw", description="the training shards' format (Packed.shard_format)"
+    )
     classes: list[str] = Field(description="class names; label i is classes[i]")
     chunks: list[DataChunk] = Field(description="consecutive runs of shards, one per task")
 
@@ -790,6 +793,11 @@ class Packed(Contract):
     counts: dict[str, int] = Field(description="images per split")
     preprocess: PreprocessBlock = Field(description="the eval transform, with training stats")
     fingerprint: str = Field(description="the validated dataset's fingerprint")
+    shard_format: Literal["raw", "jpeg"] = Field(
+        default="raw",
+        description="how the training shards store images: raw uint8, or JPEG files (quality "
+        "90; the validation shards stay raw); chosen by the shard_format setting",
+    )
     training: TrainingChoice | None = Field(
         default=None, description="validate's training choice, handed on to provision"
     )

@@ -411,6 +411,7 @@ def plan_pack(
     shards: each shard is the one a one-pass pack writes, whichever task writes it.
     """
     from burstcv.data.chunks import MB, chunk_ranges
+    from burstcv.data.pack import choose_format
 
     paths = run_layout(run, settings)
     order = shard_order(params, validated)
@@ -431,7 +432,11 @@ def plan_pack(
         "%d shard(s) of %d images in %d pack chunk(s)", order.total, order.per_shard, len(chunks)
     )
     plan = PackPlan(
-        shards=order.total, images_per_shard=order.per_shard, classes=order.classes, chunks=chunks
+        shards=order.total,
+        images_per_shard=order.per_shard,
+        shard_format=choose_format((settings or get_settings()).shard_format, order.spec),
+        classes=order.classes,
+        chunks=chunks,
     )
     write_artifact(paths.pack_plan, plan)
     return plan
@@ -447,9 +452,15 @@ def pack_chunk(
     """Decode one chunk's shards and write them, and the chunk's part record."""
     from burstcv.data.pack import pack_shards
 
-    order = shard_order(params, validated)
+    paths = run_layout(run, settings)
+    plan = read_artifact(paths.pack_plan, PackPlan)
     part = pack_shards(
-        order, chunk.start, chunk.stop, run_layout(run, settings).shards, index=chunk.index
+        shard_order(params, validated),
+        chunk.start,
+        chunk.stop,
+        paths.shards,
+        index=chunk.index,
+        shard_format=plan.shard_format,
     )
     write_artifact(chunk.part_uri, part)
     log.info(
@@ -489,8 +500,13 @@ def pack(
         parts.append(read_artifact(chunk.part_uri, PackedPart))
     px = validated.image_size
     size_only = PreprocessSpec(height=px, width=px, resize_short=validated.resize_short)
-    packed = join_parts(parts, size_only, plan.classes, validated.fingerprint)
-    log.info("packed %s into %d shard(s)", packed.counts, plan.shards)
+    packed = join_parts(parts, size_only, plan.classes, validated.fingerprint, plan.shard_format)
+    log.info(
+        "packed %s into %d shard(s), training shards %s",
+        packed.counts,
+        plan.shards,
+        plan.shard_format,
+    )
     # From scratch: the training split's own statistics (a model converges faster on centred
     # inputs). Pretrained: the weights' own. Recorded in the spec that serving reads.
     training = _training_of(validated)

@@ -52,8 +52,12 @@ def _faulty(root: Path) -> Path:
     return root
 
 
-def _run(home: Path, dataset: Path, **given: Any) -> tuple[Settings, RunParams]:
-    settings = Settings(home=str(home), artifact_root=str(home / "artifacts"))
+def _run(
+    home: Path, dataset: Path, shard_format: str = "auto", **given: Any
+) -> tuple[Settings, RunParams]:
+    settings = Settings(
+        home=str(home), artifact_root=str(home / "artifacts"), shard_format=shard_format
+    )
     params = RunParams.resolve(
         {"dataset_uri": str(dataset), "pretrained": "none", **given}, settings
     )
@@ -92,14 +96,15 @@ def test_a_chunked_validation_fails_as_the_one_pass_scan_does(tmp_path: Path) ->
     assert _record(paths.validation) == _record(str(tmp_path / "one-pass" / "validation.json"))
 
 
+@pytest.mark.parametrize("shard_format", ["raw", "jpeg"])
 def test_chunked_scan_and_pack_equal_one_chunk_byte_for_byte(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard_format: str
 ) -> None:
     monkeypatch.setattr(pack, "SHARD_IMAGES", 8)  # 36 training images: 5 shards
     dataset = write_dataset(tmp_path / "pets", per_class=12)
     results = {}
     for name, limits in {"one": {}, "files": {"chunk_files": 20}}.items():
-        settings, params = _run(tmp_path / name, dataset, **limits)
+        settings, params = _run(tmp_path / name, dataset, shard_format, **limits)
         run = RunRef.of(f"manual__{name}")
         validated = pipeline.validate(run, params, settings)
         packed = pipeline.pack(run, params, validated, settings=settings)
@@ -122,6 +127,7 @@ def test_chunked_scan_and_pack_equal_one_chunk_byte_for_byte(
         assert _record(paths.validation) == _record(one_paths.validation)
         # The same shards, in the same order, byte for byte, and the same statistics.
         assert packed.counts == one_packed.counts and packed.classes == one_packed.classes
+        assert packed.shard_format == one_packed.shard_format == shard_format
         assert packed.preprocess == one_packed.preprocess
         for mine, theirs in zip(
             packed.train_shards + packed.val_shards,

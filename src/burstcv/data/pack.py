@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import numpy as np
 import pandas as pd
@@ -19,6 +20,11 @@ from burstcv_spec.preprocess import PreprocessSpec, decode_to_uint8, margin_spec
 log = logging.getLogger(__name__)
 
 SHARD_IMAGES = 50_000  # 50k 32x32 RGB images = 150 MB per shard: one GET each, fits any box
+# JPEG training shards (burstcv.settings shard_format): the quality, and the side from which
+# auto picks JPEG (bench/shards.py: at 224 px q90 is a tenth of the raw bytes, PSNR ~35 dB).
+JPEG_QUALITY = 90
+JPEG_MIN_SIDE = 128
+ShardFormat = Literal["raw", "jpeg"]
 # Larger images make fewer per shard, so a shard stays one 150 MB GET (780 at 256x256).
 SHARD_BYTES = SHARD_IMAGES * 32 * 32 * 3
 
@@ -161,10 +167,69 @@ def shard_order(
     return ShardOrder(spec, classes, per_shard, uris, labels, sizes)
 
 
+def choose_format(setting: str, spec: PreprocessSpec) -> ShardFormat:
+    """Return the training shards' format: the setting's, or for auto, JPEG for photo sizes."""
+    if setting == "raw":
+        return "raw"
+    if setting == "jpeg":
+        return "jpeg"
+    if setting != "auto":
+        raise ValueError(f"shard format {setting!r} is not auto, raw or jpeg")
+    return "jpeg" if min(spec.height, spec.width) >= JPEG_MIN_SIDE else "raw"
+
+
+def encode_jpeg(image: np.ndarray) -> bytes:
+    """Return one uint8 HxWx3 image as a JPEG (quality JPEG_QUALITY, 4:2:0, baseline)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image, "RGB").save(buffer, format="JPEG", quality=JPEG_QUALITY)
+    return buffer.getvalue()
+
+
+def _shard_bytes(
+    images: np.ndarray,
+    labels: np.ndarray,
+    classes: list[str],
+    jpeg: bool,
+    pool: ThreadPoolExecutor,
+) -> bytes:
+    """Return a shard's .npz: raw ``images``, or ``jpeg`` (the files end to end), ``offsets``
+    (N+1 byte offsets into it) and ``shape`` (H, W, 3 of each decoded image).
+    """
+    buf = io.BytesIO()
+    if not jpeg:
+        np.savez(buf, images=images, labels=labels, classes=np.array(classes))
+        return buf.getvalue()
+    files = list(pool.map(encode_jpeg, images))  # Pillow's encoder releases the GIL too
+    offsets = np.zeros(len(files) + 1, np.int64)
+    offsets[1:] = np.cumsum([len(f) for f in files])
+    np.savez(
+        buf,
+        jpeg=np.frombuffer(b"".join(files), np.uint8),
+        offsets=offsets,
+        shape=np.array(images.shape[1:], np.int64),
+        labels=labels,
+        classes=np.array(classes),
+    )
+    return buf.getvalue()
+
+
 def pack_shards(
-    order: ShardOrder, start: int, stop: int, out_uri: str, *, index: int = 0, workers: int = 4
+    order: ShardOrder,
+    start: int,
+    stop: int,
+    out_uri: str,
+    *,
+    index: int = 0,
+    workers: int = 4,
+    shard_format: ShardFormat = "raw",
 ) -> PackedPart:
-    """Decode and write global shards ``start`` to ``stop - 1`` under ``out_uri``."""
+    """Decode and write global shards ``start`` to ``stop - 1`` under ``out_uri``.
+
+    ``shard_format`` jpeg stores the training shards' images as JPEG files (the validation
+    shards stay raw); the channel statistics are those of the pixels before encoding.
+    """
     shards: dict[str, list[str]] = {split: [] for split in SPLITS}
     counts = dict.fromkeys(SPLITS, 0)
     train_stats = ChannelStats()
@@ -182,15 +247,10 @@ def pack_shards(
             )
             if split == "train":
                 train_stats.add(images)
-            buf = io.BytesIO()
-            np.savez(
-                buf,
-                images=images,
-                labels=order.labels[split][rows],
-                classes=np.array(order.classes),
-            )
+            jpeg = shard_format == "jpeg" and split == "train"
+            data = _shard_bytes(images, order.labels[split][rows], order.classes, jpeg, pool)
             uri = storage.join(out_uri, f"{split}-{local:05d}.npz")
-            storage.write_bytes(uri, buf.getvalue())
+            storage.write_bytes(uri, data)
             shards[split].append(uri)
             counts[split] += len(chunk)
     return PackedPart(
@@ -203,7 +263,11 @@ def pack_shards(
 
 
 def join_parts(
-    parts: Iterable[PackedPart], eval_spec: PreprocessSpec, classes: list[str], fingerprint: str
+    parts: Iterable[PackedPart],
+    eval_spec: PreprocessSpec,
+    classes: list[str],
+    fingerprint: str,
+    shard_format: ShardFormat = "raw",
 ) -> Packed:
     """Return the pack of a dataset from its parts, in chunk order: shards listed in order,
     counts summed, and the training images' mean and std from the summed histograms.
@@ -225,6 +289,7 @@ def join_parts(
         counts=counts,
         preprocess=PreprocessBlock.of(replace(eval_spec, mean=mean, std=std)),
         fingerprint=fingerprint,
+        shard_format=shard_format,
     )
 
 
@@ -237,6 +302,7 @@ def pack_dataset(
     workers: int = 4,
     margin: bool = False,
     fingerprint: str = "",
+    shard_format: ShardFormat = "raw",
 ) -> Packed:
     """Write ``<out_uri>/{split}-NNNNN.npz`` from the decodable rows of a manifest.
 
@@ -248,6 +314,6 @@ def pack_dataset(
     In one pass; ``burstcv.pipeline`` packs the same shards in chunks (``pack_shards``).
     """
     order = shard_order(manifest, spec, classes=classes, margin=margin)
-    part = pack_shards(order, 0, order.total, out_uri, workers=workers)
+    part = pack_shards(order, 0, order.total, out_uri, workers=workers, shard_format=shard_format)
     log.info("packed %s into %s", part.counts, out_uri)
-    return join_parts([part], spec, order.classes, fingerprint)
+    return join_parts([part], spec, order.classes, fingerprint, shard_format)
