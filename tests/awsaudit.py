@@ -5,7 +5,8 @@ namespace) and the moto server. It forwards each request unchanged and records i
 call it is: the service (from the SigV4 credential scope), the IAM action, and the
 authorizations AWS would check for it (``Check``: action, resource ARN, condition context),
 including the implied ones (``iam:PassRole`` for an instance profile's role or a schedule's
-role, ``ec2:CreateTags`` for tags set at launch, the Spot service-linked role).
+role, ``ec2:CreateTags`` for tags set at launch or at a group's creation, the Spot
+service-linked role, the placement group a launch goes into).
 
 ``evaluate(policy, call, variables)`` is a small IAM evaluator over those checks: Effect,
 Action/NotAction, Resource/NotResource with ``*``/``?`` wildcards, and the condition operators
@@ -181,6 +182,29 @@ class RecordingProxy:
             return response.status, response.getheaders(), data
         finally:
             conn.close()
+
+    def _upstream_ec2(self, region: str) -> Any:
+        import boto3
+
+        return boto3.client(
+            "ec2",
+            region_name=region,
+            endpoint_url=self.upstream.geturl(),
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
+
+    def group_tags(self, region: str, kind: str, key: str) -> dict[str, str]:
+        """Ask the upstream for the tags of a security group (by id) or placement group (name)."""
+        ec2 = self._upstream_ec2(region)
+        try:
+            if kind == "security-group":
+                found = ec2.describe_security_groups(GroupIds=[key])["SecurityGroups"]
+            else:
+                found = ec2.describe_placement_groups(GroupNames=[key])["PlacementGroups"]
+        except ec2.exceptions.ClientError:
+            return {}  # unknown group: no tags, as AWS would evaluate it
+        return {t["Key"]: t["Value"] for g in found for t in g.get("Tags", [])}
 
     def instance_tags(self, region: str, instance_ids: list[str]) -> dict[str, dict[str, str]]:
         """Ask the upstream for the tags of instances (the aws:ResourceTag context)."""
@@ -358,6 +382,26 @@ def _query_checks(
             Check(action, f"{ec2}:instance/{iid}", _tag_context(found[iid], "ResourceTag"))
             for iid in ids
         ]
+    if name in ("CreatePlacementGroup", "CreateSecurityGroup"):
+        kind = "placement-group" if name == "CreatePlacementGroup" else "security-group"
+        tags = _tag_specifications(form).get(kind, {})
+        named = form.get("GroupName", "*") if kind == "placement-group" else "*"
+        resource = f"{ec2}:{kind}/{named}"
+        checks = [
+            Check(action, resource, _tag_context(tags)),
+            Check("ec2:CreateTags", resource, {"ec2:CreateAction": name, **_tag_context(tags)}),
+        ]
+        if kind == "security-group":
+            checks.append(Check(action, f"{ec2}:vpc/{form.get('VpcId', '*')}"))
+        return checks
+    if name in ("AuthorizeSecurityGroupIngress", "DeleteSecurityGroup"):
+        group = form.get("GroupId", "")
+        tags = proxy.group_tags(region, "security-group", group)
+        return [Check(action, f"{ec2}:security-group/{group}", _tag_context(tags, "ResourceTag"))]
+    if name == "DeletePlacementGroup":
+        group = form.get("GroupName", "")
+        tags = proxy.group_tags(region, "placement-group", group)
+        return [Check(action, f"{ec2}:placement-group/{group}", _tag_context(tags, "ResourceTag"))]
     if name in ("CreateTags", "DeleteTags"):
         ids = _indexed(form, "ResourceId")
         keys = _indexed_fields(form, "Tag", "Key")
@@ -383,6 +427,12 @@ def _run_instances_checks(
     ]
     groups = _indexed(form, "SecurityGroupId") or ["*"]
     checks += [Check(run, f"{ec2}:security-group/{g}") for g in groups]
+    placement = form.get("Placement.GroupName", "")
+    if placement:  # several boxes: launched into the run's placement group
+        tags = proxy.group_tags(region, "placement-group", placement)
+        checks.append(
+            Check(run, f"{ec2}:placement-group/{placement}", _tag_context(tags, "ResourceTag"))
+        )
     for kind, tags in specs.items():  # tagging at creation is its own authorization
         resource = f"{ec2}:{kind}/*"
         checks.append(

@@ -12,6 +12,13 @@ site-packages), standing in for the Deep Learning AMI's PyTorch environment.
 
 Sockets are made inside the namespace by a short-lived thread that enters it with setns(2):
 the servers themselves run in the test process, and nothing listens outside 127.0.0.1.
+
+Several boxes of one run (``link``): a virtual ethernet pair joins two sandboxes on a private
+subnet, each box's metadata answers its own private address and launch index, and each
+namespace's /etc/hosts (``ip netns exec`` mounts /etc/netns/<name>/hosts) resolves the
+machine's hostname to the box's own address, as an EC2 instance's does. A boot can mount a
+folder of its own over a path (``mounts``): two boxes that each install into "the AMI's"
+Python get one each, as two instances have two disks.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import ctypes
 import json
 import os
 import selectors
+import shlex
 import shutil
 import signal
 import socket
@@ -101,6 +109,8 @@ class Imds:
     region: str = "us-east-1"
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
     spot_action: dict[str, str] | None = None
+    ami_launch_index: int = 0  # its place in its RunInstances call: a node rank
+    local_ipv4: str = ""  # its private address ("" when the box has no link)
     credentials_delay_s: float = 0.0  # how slowly the role's credentials come, as on a busy box
     requests: list[tuple[str, str, bool]] = field(default_factory=list)  # method, path, token?
 
@@ -117,6 +127,7 @@ class Imds:
             "instance-id": self.instance_id,
             "instance-type": self.instance_type,
             "placement/region": self.region,
+            "ami-launch-index": str(self.ami_launch_index),
             "iam/security-credentials/": ROLE_NAME,
             f"iam/security-credentials/{ROLE_NAME}": json.dumps(
                 {
@@ -130,6 +141,8 @@ class Imds:
                 }
             ),
         }
+        if self.local_ipv4:
+            values["local-ipv4"] = self.local_ipv4
         if meta == "spot/instance-action":
             return (200, json.dumps(self.spot_action)) if self.spot_action else (404, "")
         if meta in values:
@@ -299,11 +312,21 @@ class BoxSandbox:
         ).stdout
         return [int(pid) for pid in out.split()]
 
-    def boot(self, user_data: str, *, timeout_s: float = 480.0) -> Boot:
+    def boot(
+        self,
+        user_data: str,
+        *,
+        timeout_s: float = 480.0,
+        mounts: dict[Path, Path] | None = None,
+        threads: int | None = None,
+    ) -> Boot:
         """Run the user-data as cloud-init would (root, clean environment) and wait for it.
 
         ``timeout_s`` only stops a hung boot: a CPU epoch of the demo slice takes 5 s on a quiet
         2-core machine and 40 s on a busy one, so it is generous, and no test measures time by it.
+        ``mounts`` ({path on the box: folder of this box}) are seen by this boot alone.
+        ``threads`` caps the box's compute threads (OMP_NUM_THREADS): boxes booted side by side
+        share this machine's cores, where instances would each have their own.
         """
         box = self.work / f"boot-{uuid.uuid4().hex[:6]}"
         (box / "home").mkdir(parents=True)
@@ -319,10 +342,28 @@ class BoxSandbox:
             "BURSTCV_LOG": str(box / "bootstrap.log"),
             "SANDBOX_SHUTDOWN_LOG": str(box / "shutdown.log"),
         }
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
         started = time.monotonic()
         with open(box / "console.log", "wb") as console:
+            command = ["ip", "netns", "exec", self.netns, "bash", str(script)]
+            if mounts:
+                binds = " && ".join(
+                    f"mount --bind {shlex.quote(str(src))} {shlex.quote(str(dst))}"
+                    for dst, src in mounts.items()
+                )
+                command = [
+                    *command[:4],
+                    "unshare",
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    "bash",
+                    "-c",
+                    f"{binds} && exec bash {shlex.quote(str(script))}",
+                ]
             proc = subprocess.Popen(
-                ["ip", "netns", "exec", self.netns, "bash", str(script)],
+                command,
                 env=env,
                 stdout=console,
                 stderr=subprocess.STDOUT,
@@ -340,6 +381,14 @@ class BoxSandbox:
         if log.exists():
             calls = [line.split() for line in log.read_text().splitlines() if line.strip()]
         return Boot(code, seconds, (box / "console.log").read_text(), calls, box)
+
+    def power_loss(self) -> list[int]:
+        """Kill every process of the box at once (SIGKILL, no trap runs); return their pids."""
+        killed = self.processes()
+        for pid in killed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return killed
 
     def reap_processes(self, grace_s: float = 5.0) -> list[int]:
         """Wait for the namespace to empty; kill and return whatever is still there."""
@@ -365,6 +414,34 @@ class BoxSandbox:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             _ip("netns", "del", self.netns)
+        shutil.rmtree(Path("/etc/netns") / self.netns, ignore_errors=True)
+
+
+def link(boxes: list[BoxSandbox], subnet: str = "10.77.0") -> list[str]:
+    """Join two sandboxes by a virtual ethernet pair; return their private addresses.
+
+    Box i gets ``<subnet>.<i + 1>``; its metadata answers it as ``local-ipv4``, and its
+    /etc/hosts resolves the machine's hostname to it (what gloo binds to by default).
+    """
+    if len(boxes) != 2:
+        raise ValueError("a veth pair joins two boxes")
+    suffix = uuid.uuid4().hex[:6]
+    ends = [f"bcv{suffix}a", f"bcv{suffix}b"]
+    _ip("link", "add", ends[0], "type", "veth", "peer", "name", ends[1])
+    addresses = []
+    for index, (box, end) in enumerate(zip(boxes, ends, strict=True)):
+        address = f"{subnet}.{index + 1}"
+        _ip("link", "set", end, "netns", box.netns)
+        _ip("-n", box.netns, "addr", "add", f"{address}/24", "dev", end)
+        _ip("-n", box.netns, "link", "set", end, "up")
+        box.imds.local_ipv4 = address
+        hosts = Path("/etc/netns") / box.netns / "hosts"
+        hosts.parent.mkdir(parents=True, exist_ok=True)
+        hosts.write_text(
+            f"127.0.0.1 localhost\n{address} {socket.gethostname()} {socket.getfqdn()}\n"
+        )
+        addresses.append(address)
+    return addresses
 
 
 @contextlib.contextmanager

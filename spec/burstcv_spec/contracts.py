@@ -814,7 +814,12 @@ class Launch(Contract):
         description="EC2 types in order of preference; empty: the backend's default"
     )
     use_spot: bool | None = Field(description="spot first; null: the backend's default")
-    count: int = Field(default=1, ge=1, description="boxes per attempt, started all or none")
+    count: int = Field(
+        default=1,
+        ge=1,
+        description="boxes per attempt (the run's num_nodes), started all or none; several "
+        "train as one torchrun job in one placement group",
+    )
     deadline_at: datetime = Field(description="the run's absolute deadline (every attempt)")
     wheel_uri: str = Field(description="the staged training wheel (ec2), else empty")
     wheel_sha256: str = Field(description="its sha256, else empty")

@@ -100,6 +100,10 @@ def _from_deployment(setting: str, **kwargs: Any) -> Any:
     )
 
 
+# Boxes one run may train on together: a cluster placement group holds this many of one type.
+MAX_NUM_NODES = 16
+
+
 class RunParams(BaseModel):
     """Hold one run's choices; an unknown name is refused, never ignored."""
 
@@ -162,6 +166,15 @@ class RunParams(BaseModel):
         "BURSTCV_EC2_USE_SPOT",
         title="Use spot instances",
         description="spot on every type first, then on-demand on every type",
+    )
+    num_nodes: Annotated[int, Affects.RUN] = Field(
+        default=1,
+        ge=1,
+        le=MAX_NUM_NODES,
+        title="Training boxes",
+        description="boxes of one type that train together (ec2): one placement group, "
+        "torchrun rendezvous on the first box, each global batch split across them; rank 0 "
+        "writes the checkpoints and markers, and losing one box relaunches them all",
     )
     max_cost_usd: Annotated[float, Affects.RUN] = Field(
         default=5.0,
@@ -437,6 +450,18 @@ class RunParams(BaseModel):
     def _data_checks_make_sense(self) -> RunParams:
         self.validation_config()  # raises ValueError naming what cannot be met
         return self
+
+    def check_compute(self) -> None:
+        """Raise a one-line ValueError if the run's boxes cannot be had from its backend.
+
+        A cross-field check the trigger form cannot express: provision makes it before it
+        writes or rents anything.
+        """
+        if self.num_nodes > 1 and self.compute_backend != "ec2":
+            raise ValueError(
+                f"num_nodes {self.num_nodes} needs the ec2 compute backend (the "
+                f"{self.compute_backend} backend trains on this one machine); set num_nodes 1"
+            )
 
     def check_weights(self, model: str | None = None, pretrained: str | None = None) -> None:
         """Raise a one-line ValueError if the pretrained choice cannot seed the model; no GPU.

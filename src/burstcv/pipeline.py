@@ -586,6 +586,10 @@ def provision(
     """
     from burstcv.training.job import write_job
 
+    try:
+        params.check_compute()
+    except ValueError as exc:
+        raise StageError(str(exc)) from exc
     s = settings or get_settings()
     paths = run_layout(run, s)
     time_budget_s = bounded_time_budget(params, s)
@@ -613,6 +617,7 @@ def provision(
         time_budget_s=time_budget_s,
         instance_types=list(params.instance_types),
         use_spot=params.use_spot,
+        count=params.num_nodes,
         deadline_at=deadline_at,
         wheel_uri=wheel_uri,
         wheel_sha256=wheel_sha256,

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import motoplacement
 import pytest
 from localserver import use_moto
 
@@ -64,6 +65,7 @@ def real_train_command(job_uri: str) -> list[str]:
 @pytest.fixture
 def aws(moto_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Point boto3 and the ``aws_default`` connection at a freshly reset emulator."""
+    motoplacement.install()  # moto lacks EC2's placement groups (several-box runs use one)
     use_moto(moto_url, monkeypatch, REGION)
     # The provider's hooks read this connection from the environment: no metadata DB needed.
     conn = {"conn_type": "aws", "extra": {"endpoint_url": moto_url, "region_name": REGION}}

@@ -19,6 +19,7 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ import pytest
 import structlog.testing
 from airflow.sdk.exceptions import TaskDeferred
 from awsaudit import RecordingProxy, denied
-from boxsandbox import Boot, BoxSandbox, SandboxUnavailable, make_ami_python
+from boxsandbox import Boot, BoxSandbox, SandboxUnavailable, link, make_ami_python
 from burstcv_testkit import launch_of, reclaim_in_emulator
 
 from burstcv import pipeline
@@ -522,3 +523,207 @@ def test_a_spot_notice_during_bootstrap_is_resumable(
     assert event["stage"] in ("install", "preflight") and "spot interruption" in event["reason"]
     assert "training exited" not in boot.console
     assert boot.shutdown_calls[-1] == ["shutdown", "-h", "now"]
+
+
+# --- several boxes: two sandboxes joined by a virtual link ---------------------------------
+
+
+@dataclass
+class Node:
+    """One box of a run of several: its sandbox and its own copy of the AMI's Python."""
+
+    box: BoxSandbox
+    ami: Path
+
+
+@pytest.fixture
+def cluster(aws: str, tmp_path: Path, ami_python: Path) -> Iterator[list[Node]]:
+    """Yield two linked sandboxes (the boxes of one run), every box call recorded; then audit.
+
+    Each box has its own metadata service and its own copy of "the AMI's" Python (two
+    instances, two disks); afterwards nothing of either box survives and every AWS call they
+    made is allowed by deploy/instance-role-policy.json.
+    """
+    proxy = RecordingProxy(aws)
+    boxes: list[BoxSandbox] = []
+    try:
+        try:
+            for name in ("node-a", "node-b"):
+                boxes.append(BoxSandbox(tmp_path / name, proxy.url).__enter__())
+            link(boxes)
+        except SandboxUnavailable as exc:
+            pytest.skip(f"network namespaces are not permitted here: {exc}")
+        for box in boxes:
+            box.imds.region = BOX_REGION
+        yield [Node(box, make_ami_python(box.work / "ami" / "pytorch")) for box in boxes]
+        for box in boxes:
+            assert box.reap_processes() == [], "a process of a box outlived its script"
+        calls = proxy.snapshot()
+        assert {call.region for call in calls} == {BOX_REGION}, [str(c) for c in calls]
+        policy = json.loads(INSTANCE_POLICY.read_text())
+        variables = {"ARTIFACT_ROOT": f"{BUCKET}/artifacts", "BURSTCV_BUCKET": BUCKET}
+        refused = denied(policy, calls, variables)
+        assert not refused, "calls deploy/instance-role-policy.json denies:\n" + "\n".join(refused)
+    finally:
+        for box in boxes:
+            box.close()
+        proxy.stop()
+
+
+def boot_cluster(
+    nodes: list[Node],
+    ec2: Any,
+    instance_ids: list[str],
+    ami_python: Path,
+    on_start: Any = None,
+) -> dict[int, Boot]:
+    """Boot every box of one launch at once, each as its launch index says; power each off.
+
+    Node i plays the instance whose launch index is i (its node rank). Returns
+    each node rank's boot. ``on_start`` runs once the boots are under way.
+    """
+    index = {
+        inst["InstanceId"]: int(inst["AmiLaunchIndex"])
+        for r in ec2.describe_instances(InstanceIds=instance_ids)["Reservations"]
+        for inst in r["Instances"]
+    }
+    boots: dict[int, Boot] = {}
+
+    def boot_one(instance_id: str) -> None:
+        rank = index[instance_id]
+        box = nodes[rank].box
+        box.imds.instance_id, box.imds.ami_launch_index = instance_id, rank
+        # The user-data names the one AMI Python path; each box sees its own copy there.
+        mounts = {ami_python.parent.parent: nodes[rank].ami.parent.parent}
+        boot = box.boot(
+            user_data(ec2, instance_id), timeout_s=SLOW_BOOT_S, mounts=mounts, threads=1
+        )
+        power_off_like_ec2(ec2, instance_id, boot)
+        boots[rank] = boot
+
+    threads = [threading.Thread(target=boot_one, args=(iid,)) for iid in instance_ids]
+    for thread in threads:
+        thread.start()
+    if on_start is not None:
+        on_start()
+    for thread in threads:
+        thread.join()
+    return boots
+
+
+def test_two_boxes_rendezvous_over_their_link_and_train_to_done(
+    cluster: list[Node], account: dict[str, Any], shards: Packed, ami_python: Path
+) -> None:
+    ec2 = account["ec2"]
+    provisioned = pipeline.provision(
+        RunRef.of("manual__two_boxes"),
+        "burstcv_pipeline",
+        params(num_nodes=2),
+        shards,
+        settings(),
+    )
+    assert len(provisioned.instance_ids) == 2
+    started = time.monotonic()
+
+    boots = boot_cluster(cluster, ec2, provisioned.instance_ids, ami_python)
+    print("two boxes booted and trained in", round(time.monotonic() - started, 1), "s")
+
+    for rank, boot in boots.items():
+        assert boot.exit_code == 0, boot.console
+        assert f"node {rank} of 2 at 10.77.0.{rank + 1}" in boot.console
+        assert "rendezvous at 10.77.0.1:29400" in boot.console, boot.console
+        assert boot.shutdown_calls[-1] == ["shutdown", "-h", "now"]
+    event = wait_for_trigger(provisioned, attempt=1)
+    assert event["status"] == "done", event
+    metrics = storage.read_json(f"{provisioned.output_uri}/metrics.json")
+    assert metrics["world_size"] == 2
+    assert [e["epoch"] for e in metrics["epochs"]] == [1, 2]
+    assert all(state(ec2, iid) == "terminated" for iid in provisioned.instance_ids)
+    # The teardown bills both boxes and removes the run's groups.
+    billing = pipeline.terminate(provisioned.run, "ec2", settings())
+    assert sorted(billing.billed_seconds) == sorted(provisioned.instance_ids)
+    assert (
+        ec2.describe_security_groups(
+            Filters=[{"Name": "tag:burstcv:run-id", "Values": [provisioned.run.run_key]}]
+        )["SecurityGroups"]
+        == []
+    )
+
+
+def test_one_box_lost_mid_run_relaunches_both_from_the_checkpoint(
+    cluster: list[Node],
+    account: dict[str, Any],
+    shards: Packed,
+    ami_python: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ec2 = account["ec2"]
+    monkeypatch.setenv("BURSTCV_ARTIFACT_ROOT", ARTIFACT_ROOT)  # where the task reads metrics
+    get_settings.cache_clear()
+    provisioned = pipeline.provision(
+        RunRef.of("manual__lost_box"),
+        "burstcv_pipeline",
+        params(num_nodes=2, epochs=3, batch_size=16),
+        shards,
+        settings(),
+    )
+    progress_uri = f"{provisioned.output_uri}/progress.json"
+    node_b = next(
+        inst["InstanceId"]
+        for r in ec2.describe_instances(InstanceIds=provisioned.instance_ids)["Reservations"]
+        for inst in r["Instances"]
+        if inst["AmiLaunchIndex"] == 1
+    )
+    lost: list[int] = []
+
+    def lose_node_b_after_the_first_epoch() -> None:
+        deadline = time.monotonic() + 900  # a shared, busy machine trains slowly
+        while time.monotonic() < deadline and not storage.exists(progress_uri):
+            time.sleep(0.2)
+        lost.extend(cluster[1].box.power_loss())  # hardware gone: no trap, no marker, no log
+        reclaim_in_emulator(node_b)
+
+    first = boot_cluster(
+        cluster,
+        ec2,
+        provisioned.instance_ids,
+        ami_python,
+        on_start=lambda: threading.Thread(
+            target=lose_node_b_after_the_first_epoch, daemon=True
+        ).start(),
+    )
+    assert lost, "node b was never lost"
+    assert first[1].shutdown_calls == [first[1].shutdown_calls[0]]  # only its watchdog
+    # Node a's training saw its peer go, wrote a resumable FAILED and powered off.
+    assert first[0].shutdown_calls[-1] == ["shutdown", "-h", "now"], first[0].console
+    event = wait_for_trigger(provisioned, attempt=1)
+    assert event["status"] == "failed" and event["resumable"] is True, event
+    assert "peer box was lost" in event["reason"]
+    interrupted_at = storage.read_json(progress_uri)["epochs"]
+    assert 1 <= len(interrupted_at) < 3
+
+    operator = WaitForTrainingOperator(task_id="train", provisioned=provisioned.model_dump())
+    with pytest.raises(TaskDeferred) as deferred:
+        operator.execute_complete({"run_id": "manual__lost_box"}, event)
+    assert deferred.value.trigger.attempt == 2
+    second_ids = [
+        i.instance_id
+        for i in Ec2Backend().describe(provisioned.run.run_key)
+        if i.state == "running"
+    ]
+    assert len(second_ids) == 2 and not set(second_ids) & set(provisioned.instance_ids)
+    second = boot_cluster(cluster, ec2, second_ids, ami_python)
+
+    for boot in second.values():
+        assert boot.exit_code == 0, boot.console
+        assert "attempt 2 resumed from" in boot.console, boot.console
+    event = wait_for_trigger(provisioned, attempt=2)
+    assert event["status"] == "done", event
+    trained = operator.execute_complete({"run_id": "manual__lost_box"}, event)
+    assert trained["epochs"] == 3
+    metrics = storage.read_json(f"{provisioned.output_uri}/metrics.json")
+    assert [e["epoch"] for e in metrics["epochs"]] == [1, 2, 3]
+    assert metrics["attempt"] == 2 and metrics["world_size"] == 2
+    billing = pipeline.terminate(provisioned.run, "ec2", settings())
+    assert sorted(billing.billed_seconds) == sorted(provisioned.instance_ids + second_ids)
+    get_settings.cache_clear()

@@ -176,3 +176,49 @@ def test_unaudited_leaves_the_clients_on_the_emulator(aws: str, unaudited: None)
     conn = json.loads(os.environ["AIRFLOW_CONN_AWS_DEFAULT"])
     assert conn["extra"]["endpoint_url"] == aws
     assert "AWS_ENDPOINT_URL_S3" not in os.environ
+
+
+def test_a_two_box_life_makes_only_allowed_calls_on_the_runs_own_groups(
+    s3_deployment: Settings,
+    player: Any,
+    kit: Any,
+    ec2_client: Any,
+    audited_calls: RecordingProxy,
+    deployment_policy: Any,
+) -> None:
+    key = "two-box-audit"
+    player.modes[key] = kit.HOLD
+    params = RunParams.resolve({"compute_backend": "ec2", "num_nodes": 2}, s3_deployment)
+    packed = Packed(
+        classes=["0", "1"],
+        train_shards=[f"{kit.artifact_root}/runs/{key}/dataset/shards/train-000.npz"],
+        val_shards=[f"{kit.artifact_root}/runs/{key}/dataset/shards/val-000.npz"],
+        counts={"train": 2, "val": 2},
+        preprocess=PreprocessBlock.of(PreprocessSpec(height=32, width=32)),
+        fingerprint="fp",
+    )
+    run = RunRef.of(key)
+    provisioned = pipeline.provision(run, "burstcv_pipeline", params, packed, s3_deployment)
+    assert len(provisioned.instance_ids) == 2
+    pipeline.terminate(run, "ec2", s3_deployment)
+
+    calls = audited_calls.snapshot()
+    actions = {c.action for c in calls}
+    assert {
+        "ec2:CreatePlacementGroup",
+        "ec2:CreateSecurityGroup",
+        "ec2:AuthorizeSecurityGroupIngress",
+        "ec2:DeleteSecurityGroup",
+        "ec2:DeletePlacementGroup",
+    } <= actions, actions
+    (launch,) = [c for c in calls if c.action == "ec2:RunInstances" and c.status == 200]
+    assert any(c.resource.endswith(f":placement-group/burstcv-{key}") for c in launch.checks)
+    assert denied(deployment_policy[0], calls, deployment_policy[1]) == []
+
+    # Someone else's security group: opening or deleting it is refused.
+    stranger = ec2_client.create_security_group(GroupName="not-ours", Description="x")["GroupId"]
+    audited_calls.clear()
+    Ec2Backend(s3_deployment.ec2).client.delete_security_group(GroupId=stranger)
+    refused = denied(deployment_policy[0], audited_calls.snapshot(), deployment_policy[1])
+    assert refused and all("DeleteSecurityGroup" in line for line in refused), refused
+    audited_calls.clear()  # the denial above is this test's point, not a finding

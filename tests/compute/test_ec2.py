@@ -384,10 +384,9 @@ def test_setup_failure_after_launch_terminates_what_started(
 # --- the run's choices, defaulted by the settings, reach the launch ----------------------------
 
 
-def provision_run(settings: Any, kit: Any, run_key: str, given: dict[str, Any]) -> str:
-    """Provision a run through the pipeline stage, as the DAG does; return its one instance."""
-    params = RunParams.resolve({"compute_backend": "ec2", "time_budget_s": 600, **given}, settings)
-    packed = Packed(
+def packed_for(kit: Any, run_key: str) -> Packed:
+    """Return a packed dataset of the run (held boxes never read its shards)."""
+    return Packed(
         classes=["0", "1"],
         train_shards=[f"{kit.artifact_root}/runs/{run_key}/dataset/shards/train-000.npz"],
         val_shards=[f"{kit.artifact_root}/runs/{run_key}/dataset/shards/val-000.npz"],
@@ -395,6 +394,12 @@ def provision_run(settings: Any, kit: Any, run_key: str, given: dict[str, Any]) 
         preprocess=PreprocessBlock.of(PreprocessSpec(height=32, width=32)),
         fingerprint=run_key,
     )
+
+
+def provision_run(settings: Any, kit: Any, run_key: str, given: dict[str, Any]) -> str:
+    """Provision a run through the pipeline stage, as the DAG does; return its one instance."""
+    params = RunParams.resolve({"compute_backend": "ec2", "time_budget_s": 600, **given}, settings)
+    packed = packed_for(kit, run_key)
     run = RunRef.of(run_key)
     provisioned = pipeline.provision(run, "burstcv_pipeline", params, packed, settings)
     (instance_id,) = provisioned.instance_ids
@@ -484,3 +489,96 @@ def test_terminate_refuses_instances_without_the_managed_tag(
     backend.terminate_run("mine")
     assert kit.live_managed() == []
     ec2_client.terminate_instances(InstanceIds=[stranger])
+
+
+# --- several boxes ---------------------------------------------------------------------------
+
+
+def test_several_boxes_share_a_placement_group_only_they_can_reach_and_go_together(
+    s3_deployment: Any, backend: Ec2Backend, ec2_client: Any, player: Any, kit: Any
+) -> None:
+    from burstcv.compute.userdata import RENDEZVOUS_PORT, parse_config
+    from burstcv_spec.contracts import AttemptRecord
+
+    run_id = "two-boxes"
+    player.modes[run_id] = kit.HOLD
+    params = RunParams.resolve({"compute_backend": "ec2", "num_nodes": 2}, s3_deployment)
+    provisioned = pipeline.provision(
+        RunRef.of(run_id), DAG_ID, params, packed_for(kit, run_id), s3_deployment
+    )
+    ids = provisioned.instance_ids
+    assert len(ids) == 2 and provisioned.launch.count == 2
+
+    boxes = [the_instance(ec2_client, iid) for iid in ids]
+    # One launch: every box tagged with the run, in the run's cluster placement group; the
+    # launch index is each box's node rank.
+    assert sorted(b["AmiLaunchIndex"] for b in boxes) == [0, 1]
+    assert {b["Placement"]["GroupName"] for b in boxes} == {f"burstcv-{run_id}"}
+    assert all({t["Key"]: t["Value"] for t in b["Tags"]}[TAG_RUN_ID] == run_id for b in boxes)
+    (group,) = ec2_client.describe_placement_groups(GroupNames=[f"burstcv-{run_id}"])[
+        "PlacementGroups"
+    ]
+    assert group["Strategy"] == "cluster"
+    assert {t["Key"]: t["Value"] for t in group["Tags"]}[TAG_RUN_ID] == run_id
+    # The run's own security group: TCP (the rendezvous port among them) from its members only.
+    groups = {g["GroupId"] for b in boxes for g in b["SecurityGroups"]}
+    (run_group,) = [
+        g
+        for g in ec2_client.describe_security_groups(GroupIds=sorted(groups))["SecurityGroups"]
+        if {t["Key"]: t["Value"] for t in g.get("Tags", [])}.get(TAG_RUN_ID) == run_id
+    ]
+    (rule,) = run_group["IpPermissions"]
+    assert rule["IpProtocol"] == "tcp" and rule["FromPort"] <= RENDEZVOUS_PORT <= rule["ToPort"]
+    assert [p["GroupId"] for p in rule["UserIdGroupPairs"]] == [run_group["GroupId"]]
+    assert rule.get("IpRanges", []) == [] and rule.get("Ipv6Ranges", []) == []
+    # Every box knows the job is two boxes; each has its own AWS-side backstop.
+    raw = ec2_client.describe_instance_attribute(InstanceId=ids[0], Attribute="userData")
+    config = parse_config(base64.b64decode(raw["UserData"]["Value"]).decode())
+    assert config["NUM_NODES"] == "2" and config["RENDEZVOUS_PORT"] == str(RENDEZVOUS_PORT)
+    assert set(backend.backstops(ids)) == set(ids)
+
+    # One box gone without a marker loses the attempt for both.
+    job_dir = provisioned.output_uri
+    assert job_outcome(backend, run_id, job_dir) == "running"
+    ec2_client.terminate_instances(InstanceIds=[ids[1]])
+    assert job_outcome(backend, run_id, job_dir) == "lost"
+    # The relaunch ends the survivor and starts both boxes again, in the same groups.
+    assert pipeline.relaunch(provisioned, s3_deployment) == 2
+    relaunched = [i for i in backend.describe(run_id) if i.state == RUNNING]
+    assert len(relaunched) == 2 and not {i.instance_id for i in relaunched} & set(ids)
+    record = read_artifact(f"{job_dir}/attempt.json", AttemptRecord)
+    assert (record.attempt, sorted(record.instance_ids)) == (
+        2,
+        sorted(i.instance_id for i in relaunched),
+    )
+    assert the_instance(ec2_client, ids[0])["State"]["Name"] in ("shutting-down", "terminated")
+
+    # The teardown takes every box of every attempt, then the groups; billing counts each box.
+    billing = pipeline.terminate(RunRef.of(run_id), "ec2", s3_deployment)
+    assert sorted(billing.instance_ids) == sorted(ids + [i.instance_id for i in relaunched])
+    assert set(billing.billed_seconds) == set(billing.instance_ids)
+    assert kit.live_managed() == []
+    assert backend.backstops(billing.instance_ids) == {}
+    assert (
+        ec2_client.describe_placement_groups(
+            Filters=[{"Name": f"tag:{TAG_RUN_ID}", "Values": [run_id]}]
+        )["PlacementGroups"]
+        == []
+    )
+    assert (
+        ec2_client.describe_security_groups(
+            Filters=[{"Name": f"tag:{TAG_RUN_ID}", "Values": [run_id]}]
+        )["SecurityGroups"]
+        == []
+    )
+
+
+def test_several_boxes_need_the_ec2_backend_and_nothing_starts_without_it(
+    s3_deployment: Any, kit: Any
+) -> None:
+    params = RunParams.resolve({"compute_backend": "local", "num_nodes": 2}, s3_deployment)
+    with pytest.raises(pipeline.StageError, match="num_nodes 2 needs the ec2 compute backend"):
+        pipeline.provision(
+            RunRef.of("local-two"), DAG_ID, params, packed_for(kit, "local-two"), s3_deployment
+        )
+    assert kit.live_managed() == []

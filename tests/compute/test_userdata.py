@@ -194,24 +194,31 @@ def test_refuses_what_an_instance_cannot_use() -> None:
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_bash_accepts_the_syntax(tmp_path: Path) -> None:
+@pytest.mark.parametrize("num_nodes", [1, 2])
+def test_bash_accepts_the_syntax(tmp_path: Path, num_nodes: int) -> None:
+    from dataclasses import replace
+
     script = tmp_path / "user-data.sh"
-    script.write_text(render_user_data(SPEC))
+    script.write_text(render_user_data(replace(SPEC, num_nodes=num_nodes)))
     result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
-def test_shellcheck_finds_no_errors(tmp_path: Path) -> None:
+@pytest.mark.parametrize("num_nodes", [1, 2])
+def test_shellcheck_finds_no_errors(tmp_path: Path, num_nodes: int) -> None:
+    from dataclasses import replace
+
     script = tmp_path / "user-data.sh"
-    script.write_text(render_user_data(SPEC))
+    script.write_text(render_user_data(replace(SPEC, num_nodes=num_nodes)))
     result = subprocess.run(
         ["shellcheck", "--severity=error", str(script)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout
 
 
-def test_the_script_fits_ec2s_user_data_limit_with_long_names() -> None:
+@pytest.mark.parametrize("num_nodes", [1, 16])
+def test_the_script_fits_ec2s_user_data_limit_with_long_names(num_nodes: int) -> None:
     """RunInstances refuses user data over 16 KB (before base64): the boot script stays under."""
     from dataclasses import replace
 
@@ -222,6 +229,32 @@ def test_the_script_fits_ec2s_user_data_limit_with_long_names() -> None:
         run_id=long_run,
         job_uri=f"{long_prefix}/runs/{long_run}/job/job.json",
         wheel_uri=f"{long_prefix}/runtime/{'a' * 64}/burstcv_train-0.1.0-py3-none-any.whl",
+        num_nodes=num_nodes,
     )
     size = len(render_user_data(spec).encode())
     assert size < 16 * 1024 * 0.75, f"{size} bytes: keep a quarter of the limit free"
+
+
+def test_several_boxes_rendezvous_through_torchrun_on_node_0s_private_address() -> None:
+    from dataclasses import replace
+
+    from burstcv.compute.userdata import RENDEZVOUS_PORT
+
+    one, two = render_user_data(SPEC), render_user_data(replace(SPEC, num_nodes=2))
+    assert parse_config(two)["NUM_NODES"] == "2"
+    assert parse_config(two)["RENDEZVOUS_PORT"] == str(RENDEZVOUS_PORT)
+    assert "NUM_NODES" not in parse_config(one) and "torch.distributed.run" not in one
+    lines = commands(two)
+    # The node rank is the launch index; node 0 publishes its private address for this
+    # attempt, the others read it; every box then runs torchrun (c10d) on that address.
+    assert 'NODE_RANK=$(imds meta-data/ami-launch-index) || NODE_RANK=""' in lines
+    assert 'RENDEZVOUS_URI="$ATTEMPT_DIR/rendezvous/node-0-address"' in lines
+    run = two[two.index("torch.distributed.run") :]
+    for flag in ("--nnodes", "--rdzv-backend c10d", "--rdzv-endpoint", "--max-restarts 0"):
+        assert flag in run, flag
+    assert '--rdzv-endpoint "$RENDEZVOUS_HOST:$RENDEZVOUS_PORT"' in run
+    assert '--rdzv-id "$RUN_ID-$ATTEMPT"' in run  # a relaunch is a new rendezvous
+    # Training's markers are rank 0's: a box's trap writes none for the train stage.
+    assert 'if [ -n "${NODE_RANK:-}" ] && [ "$STAGE" = train ]; then' in lines
+    order = [two.index(text) for text in ("trap finish EXIT", "STAGE=rendezvous", "STAGE=train")]
+    assert order == sorted(order)

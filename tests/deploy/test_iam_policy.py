@@ -101,12 +101,53 @@ def test_launch_requires_the_managed_request_tag(policy: dict[str, Any]) -> None
     assert deny["Condition"]["StringNotEquals"] == {f"aws:RequestTag/{TAG_MANAGED}": "true"}
 
 
+CREATE_ACTIONS = ["RunInstances", "CreatePlacementGroup", "CreateSecurityGroup"]
+
+
 def test_tags_are_written_only_at_creation(policy: dict[str, Any]) -> None:
     (allow,) = statements(policy, "Allow", "ec2:CreateTags")
-    assert allow["Condition"]["StringEquals"] == {"ec2:CreateAction": "RunInstances"}
+    assert allow["Condition"]["StringEquals"] == {"ec2:CreateAction": CREATE_ACTIONS}
     assert statements(policy, "Allow", "ec2:DeleteTags") == []
     (deny,) = statements(policy, "Deny", "ec2:CreateTags")
     assert "ec2:DeleteTags" in as_list(deny["Action"])
+    assert deny["Condition"]["StringNotEquals"] == {"ec2:CreateAction": CREATE_ACTIONS}
+
+
+def test_run_groups_are_created_tagged_and_changed_only_when_managed(
+    policy: dict[str, Any],
+) -> None:
+    creates = [
+        s
+        for s in statements(policy, "Allow", "ec2:CreatePlacementGroup")
+        + statements(policy, "Allow", "ec2:CreateSecurityGroup")
+        if any(":vpc/" not in r for r in as_list(s["Resource"]))
+    ]
+    (create,) = {id(s): s for s in creates}.values()
+    assert create["Condition"]["StringEquals"] == {f"aws:RequestTag/{TAG_MANAGED}": "true"}
+    keys = create["Condition"]["ForAllValues:StringEquals"]["aws:TagKeys"]
+    assert sorted(keys) == sorted(MANAGED_TAG_KEYS)
+    (vpc,) = [s for s in statements(policy, "Allow", "ec2:CreateSecurityGroup") if s is not create]
+    assert as_list(vpc["Resource"]) == ["arn:aws:ec2:*:ACCOUNT_ID:vpc/*"]
+    for action in (
+        "ec2:AuthorizeSecurityGroupIngress",
+        "ec2:DeleteSecurityGroup",
+        "ec2:DeletePlacementGroup",
+    ):
+        (allow,) = statements(policy, "Allow", action)
+        assert allow["Condition"] == {"StringEquals": {f"aws:ResourceTag/{TAG_MANAGED}": "true"}}, (
+            action
+        )
+        (deny,) = statements(policy, "Deny", action)
+        assert deny["Condition"] == {
+            "StringNotEquals": {f"aws:ResourceTag/{TAG_MANAGED}": "true"}
+        }, action
+    launches = [
+        s
+        for s in statements(policy, "Allow", "ec2:RunInstances")
+        if any(":placement-group/" in r for r in as_list(s["Resource"]))
+    ]
+    (launch,) = launches
+    assert launch["Condition"] == {"StringEquals": {f"aws:ResourceTag/{TAG_MANAGED}": "true"}}
 
 
 def test_pass_role_names_each_role_for_its_one_service(policy: dict[str, Any]) -> None:

@@ -152,3 +152,23 @@ def test_ddp_two_gloo_processes_train_to_the_same_accuracy_band(
     assert metrics["val_accuracy"] >= 0.90
     assert abs(metrics["val_accuracy"] - trained_demo["metrics"]["val_accuracy"]) <= 0.05
     assert (out / "attempts" / "1" / "DONE").exists()
+
+
+def test_a_lost_peer_box_is_resumable_only_in_a_run_of_several_boxes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.distributed as dist
+
+    from burstcv.training.train import peer_lost
+
+    # What gloo raises when the process at the other end of a collective is gone.
+    gone = RuntimeError(
+        "[../gloo/transport/tcp/pair.cc:545] Read error [10.77.0.2]:40123: Connection reset by peer"
+    )
+    monkeypatch.delenv("GROUP_WORLD_SIZE", raising=False)
+    assert not peer_lost(gone)  # one box: its own error is the job's failure
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    assert peer_lost(gone)
+    assert peer_lost(dist.DistNetworkError("store gone"))
+    assert not peer_lost(RuntimeError("CUDA out of memory"))
+    assert not peer_lost(ValueError("Connection reset by peer"))  # not a collective's error

@@ -13,8 +13,8 @@ from typing import Literal, Protocol
 
 from burstcv.training.job import attempt_dir
 from burstcv_spec import storage
-from burstcv_spec.contracts import Launch
-from burstcv_spec.layout import DONE_MARKER, FAILED_MARKER
+from burstcv_spec.contracts import AttemptRecord, Launch, read_artifact
+from burstcv_spec.layout import ATTEMPT_RECORD, DONE_MARKER, FAILED_MARKER
 
 # Instance states every backend maps its own onto.
 PENDING = "pending"
@@ -109,6 +109,8 @@ def job_outcome(
     relaunch. The boxes' state is read before the markers, so a marker written just before
     its box went away is still seen. DONE wins over FAILED (training writes DONE last). A box
     that is shutting down, stopping or stopped counts as gone: it will never write a marker.
+    An attempt of several boxes is one training job: one box gone without a marker loses it
+    for all (the others would wait for their lost peer until a collective times out).
     """
     instances = backend.describe(run_id)
     if storage.exists(attempt_dir(job_dir_uri, attempt, DONE_MARKER)):
@@ -117,4 +119,19 @@ def job_outcome(
         return "failed"
     if not any(info.state in WORKING for info in instances):
         return "lost"
+    if any(info.state not in WORKING for info in instances):  # some box ended: one of ours?
+        boxes = attempt_boxes(job_dir_uri, attempt)
+        if len(boxes) > 1 and any(
+            info.state not in WORKING for info in instances if info.instance_id in boxes
+        ):
+            return "lost"
     return "running"
+
+
+def attempt_boxes(job_dir_uri: str, attempt: int) -> set[str]:
+    """Return the ids of an attempt's boxes, as its attempt record says (empty: no record)."""
+    uri = storage.join(job_dir_uri, ATTEMPT_RECORD)
+    if not storage.exists(uri):
+        return set()
+    record = read_artifact(uri, AttemptRecord)
+    return set(record.instance_ids) if record.attempt == attempt else set()

@@ -38,7 +38,12 @@ from burstcv.compute.base import (
     WORKING,
     InstanceInfo,
 )
-from burstcv.compute.userdata import UserDataSpec, expiry_of, render_user_data
+from burstcv.compute.userdata import (
+    RENDEZVOUS_PORT,
+    UserDataSpec,
+    expiry_of,
+    render_user_data,
+)
 from burstcv.cost.pricing import PRICING_API_REGION
 from burstcv.cost.quotes import PriceSources, quote
 from burstcv.settings import Ec2Settings
@@ -131,6 +136,7 @@ class Subnet:
 
     subnet_id: str | None
     zone: str = ""
+    vpc_id: str = ""  # where a run's own security group is made (several boxes)
 
     def __str__(self) -> str:
         return f"{self.subnet_id} ({self.zone})" if self.subnet_id else "EC2's default subnet"
@@ -157,6 +163,19 @@ def client_token(
     if subnet_id:
         key += f"|{subnet_id}"
     return "burstcv-" + hashlib.sha256(key.encode()).hexdigest()[:48]
+
+
+def cluster_name(run_id: str) -> str:
+    """Return the name of a multi-box run's placement group and security group."""
+    return f"burstcv-{run_id}"[:255]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Name what the boxes of a multi-box run share: a placement group and a security group."""
+
+    placement_group: str
+    security_group_id: str
 
 
 def backstop_name(instance_id: str) -> str:
@@ -349,6 +368,7 @@ class Ec2Backend:
                 run_id=launch.run.run_key,
                 job_uri=launch.job_uri,
                 attempt=attempt,
+                num_nodes=launch.count,
                 wheel_uri=launch.wheel_uri,
                 wheel_sha256=launch.wheel_sha256,
                 deadline_at=deadline_at,
@@ -363,6 +383,14 @@ class Ec2Backend:
         base_params = self._run_params(launch, image_id, user_data, expires_at)
 
         subnets = self.launch_subnets()
+        if launch.count > 1:
+            # Made before the boxes and removed by the teardown (terminate_run), with them.
+            cluster = self.ensure_cluster(launch, expires_at, subnets[0])
+            base_params["Placement"] = {"GroupName": cluster.placement_group}
+            base_params["SecurityGroupIds"] = [
+                *base_params.get("SecurityGroupIds", []),
+                cluster.security_group_id,
+            ]
         refusals: list[str] = []
         for option in self.plan(launch):
             launched = self._launch_option(launch, attempt, base_params, option, subnets, refusals)
@@ -446,8 +474,15 @@ class Ec2Backend:
         try:
             if s.subnet_ids:
                 found = self.client.describe_subnets(SubnetIds=list(s.subnet_ids))["Subnets"]
-                zones = {sub["SubnetId"]: sub["AvailabilityZone"] for sub in found}
-                return [Subnet(sid, zones.get(sid, "")) for sid in s.subnet_ids]
+                known = {sub["SubnetId"]: sub for sub in found}
+                return [
+                    Subnet(
+                        sid,
+                        known.get(sid, {}).get("AvailabilityZone", ""),
+                        known.get(sid, {}).get("VpcId", ""),
+                    )
+                    for sid in s.subnet_ids
+                ]
             found = self.client.describe_subnets(
                 Filters=[{"Name": "default-for-az", "Values": ["true"]}]
             )["Subnets"]
@@ -459,7 +494,10 @@ class Ec2Backend:
         defaults = sorted(found, key=lambda sub: str(sub["AvailabilityZone"]))
         if not defaults:
             return [Subnet(None)]
-        return [Subnet(sub["SubnetId"], sub["AvailabilityZone"]) for sub in defaults]
+        return [
+            Subnet(sub["SubnetId"], sub["AvailabilityZone"], sub.get("VpcId", ""))
+            for sub in defaults
+        ]
 
     def plan(self, launch: Launch) -> list[LaunchAttempt]:
         """Return a launch's options in order: the run's choices, else this deployment's.
@@ -705,8 +743,105 @@ class Ec2Backend:
             self._wait_terminated(live)
         ids = [i.instance_id for i in described]
         self._remove_backstops(ids)
+        self.remove_cluster(run_id)
         log.info("run %s: %d instance(s) gone", run_id, len(ids))
         return ids
+
+    # --- several boxes: one placement group, one security group of their own ---
+
+    def ensure_cluster(self, launch: Launch, expires_at: datetime, subnet: Subnet) -> Cluster:
+        """Create (or find again, for a relaunch) the run's placement and security groups.
+
+        A cluster placement group puts the boxes close together in one Availability Zone
+        (the lowest latency between them); the security group admits TCP from its own
+        members only: the torchrun rendezvous port and the ports the collectives (gloo, NCCL)
+        pick at random, so no other machine reaches them. Both carry the run's tags, so the
+        IAM policy lets this identity create, open and delete only its own.
+        """
+        run_id, name = launch.run.run_key, cluster_name(launch.run.run_key)
+        tags = instance_tags(launch, expires_at)
+        try:
+            self.client.create_placement_group(
+                GroupName=name,
+                Strategy="cluster",
+                TagSpecifications=[{"ResourceType": "placement-group", "Tags": tags}],
+            )
+        except ClientError as exc:
+            if _error_code(exc) != "InvalidPlacementGroup.Duplicate":
+                raise
+        group_id = self._run_security_group(run_id)
+        if group_id is None:
+            create: dict[str, Any] = {
+                "GroupName": name,
+                "Description": f"burstcv run {run_id}: its training boxes reach each other",
+                "TagSpecifications": [{"ResourceType": "security-group", "Tags": tags}],
+            }
+            if subnet.vpc_id:
+                create["VpcId"] = subnet.vpc_id
+            group_id = str(self.client.create_security_group(**create)["GroupId"])
+        try:  # again on a relaunch: a rule a failed launch never added is added now
+            self.client.authorize_security_group_ingress(
+                GroupId=group_id,
+                IpPermissions=[
+                    {
+                        "IpProtocol": "tcp",
+                        "FromPort": 0,
+                        "ToPort": 65535,
+                        # Only boxes in this same group: the run's own.
+                        "UserIdGroupPairs": [{"GroupId": group_id}],
+                    }
+                ],
+            )
+        except ClientError as exc:
+            if _error_code(exc) != "InvalidPermission.Duplicate":
+                raise
+        log.info(
+            "run %s: placement group %s, security group %s (rendezvous port %d)",
+            run_id,
+            name,
+            group_id,
+            RENDEZVOUS_PORT,
+        )
+        return Cluster(placement_group=name, security_group_id=group_id)
+
+    def _run_security_group(self, run_id: str) -> str | None:
+        groups = self.client.describe_security_groups(
+            Filters=[
+                {"Name": f"tag:{TAG_MANAGED}", "Values": ["true"]},
+                {"Name": f"tag:{TAG_RUN_ID}", "Values": [run_id]},
+            ]
+        )["SecurityGroups"]
+        return str(groups[0]["GroupId"]) if groups else None
+
+    def remove_cluster(self, run_id: str) -> None:
+        """Delete the run's security and placement groups, if it has them (its boxes gone).
+
+        Neither costs anything: one that cannot be deleted is logged, not raised over the
+        teardown, whose job (no box left running) is done.
+        """
+        try:
+            group_id = self._run_security_group(run_id)
+            if group_id is not None:
+                self.client.delete_security_group(GroupId=group_id)
+            found = self.client.describe_placement_groups(
+                Filters=[
+                    {"Name": f"tag:{TAG_MANAGED}", "Values": ["true"]},
+                    {"Name": f"tag:{TAG_RUN_ID}", "Values": [run_id]},
+                ]
+            )["PlacementGroups"]
+            for group in found:
+                self.client.delete_placement_group(GroupName=group["GroupName"])
+        except ClientError as exc:
+            log.warning(
+                "run %s: could not remove its security or placement group (%s: %s); they cost "
+                "nothing, delete them by their burstcv:run-id tag",
+                run_id,
+                _error_code(exc),
+                _error_message(exc),
+            )
+            return
+        if group_id is not None or found:
+            log.info("run %s: removed its security group and placement group", run_id)
 
     def list_managed(self) -> list[InstanceInfo]:
         """Return every burstcv-managed instance that still exists (stopped ones included)."""

@@ -11,6 +11,12 @@ The script's order is the safety argument:
 4. watch for a spot interruption notice from the start, and ship the log every few seconds;
 5. install the run's training wheel (checked against its sha256) into the AMI's PyTorch
    Python, run ``burstcv preflight``, then ``burstcv train``.
+A run of several boxes (``num_nodes``) starts them in one RunInstances call: each box's node
+rank is its launch index there (IMDS ``ami-launch-index``), node 0 publishes its private
+address in the attempt's folder, and every box runs ``burstcv train`` under torchrun with
+c10d rendezvous on that address. Training's rank 0 writes the checkpoints and markers; a box
+that ends training without a marker leaves the attempt to the orchestrator, which counts it
+lost and relaunches every box from the checkpoint.
 Nothing large is downloaded at boot: the AMI brings CUDA torch, the wheel is tens of KB.
 """
 
@@ -30,6 +36,10 @@ DEFAULT_MARGIN_MIN = 5
 DEFAULT_LOG_EVERY_S = 30  # how often the box's log reaches the artifact store while it runs
 
 IMDS = "http://169.254.169.254/latest"
+# torchrun's c10d rendezvous on node 0 (its default port); the run's security group admits it
+# from the run's own boxes only.
+RENDEZVOUS_PORT = 29400
+RENDEZVOUS_WAIT_S = 900  # how long a box waits for node 0's address (node 0 boots alike)
 SPOT_POLL_INTERVAL_S = 5
 
 # The config block every render fills in (tests read it back with parse_config).
@@ -44,6 +54,8 @@ CONFIG_KEYS = (
     "FALLBACK_REGION",
     "LOG_EVERY_S",
 )
+# And a render for several boxes.
+MULTI_NODE_KEYS = ("NUM_NODES", "RENDEZVOUS_PORT")
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,7 @@ class UserDataSpec:
     margin_min: int = DEFAULT_MARGIN_MIN
     python: str = "/opt/pytorch/bin/python"  # the AMI's PyTorch interpreter
     log_every_s: int = DEFAULT_LOG_EVERY_S
+    num_nodes: int = 1  # boxes started together by one launch, training as one job
 
     @property
     def job_dir(self) -> str:
@@ -80,6 +93,53 @@ def expiry_of(deadline_at: datetime, margin_min: int = DEFAULT_MARGIN_MIN) -> da
 
     return deadline_at + timedelta(minutes=margin_min + 1)
 
+
+# One box: training is one `burstcv train` process.
+_SINGLE_TRAIN = r"""STAGE=train
+# Streamed shards are kept on this box's disk after their first download (epochs 2+ read
+# them locally); the folder goes with the box.
+BURSTCV_SHARD_CACHE_DIR="$WORK/shard-cache" \
+  "$BURSTCV" train --job "$JOB_URI" --attempt "$ATTEMPT" &
+"""
+
+# Several boxes: who this box is among them (its launch index) and where it is.
+_NODE_IDENTITY = r"""NODE_RANK=$(imds meta-data/ami-launch-index) || NODE_RANK=""
+PRIVATE_IP=$(imds meta-data/local-ipv4) || PRIVATE_IP=""
+stamp "node ${NODE_RANK:-?} of $NUM_NODES at ${PRIVATE_IP:-?}"
+"""
+
+# Several boxes: node 0 publishes its private address for this attempt, the others wait for
+# it; then torchrun (c10d) on every box, one process per GPU (one on a CPU box).
+_MULTI_TRAIN = r"""STAGE=rendezvous
+[ -n "$NODE_RANK" ] && [ -n "$PRIVATE_IP" ] \
+  || fail_final "the instance metadata gave no launch index or private address"
+RENDEZVOUS_URI="$ATTEMPT_DIR/rendezvous/node-0-address"
+if [ "$NODE_RANK" = 0 ]; then
+  echo "$PRIVATE_IP" | s3 cp - "$RENDEZVOUS_URI"
+  RENDEZVOUS_HOST="$PRIVATE_IP"
+  IS_HOST=true
+else
+  waited=0
+  until s3_object_exists "$RENDEZVOUS_URI"; do
+    [ "$waited" -lt __RENDEZVOUS_WAIT_S__ ] \
+      || fail_final "node 0 published no address in __RENDEZVOUS_WAIT_S__ s"
+    sleep 2
+    waited=$((waited + 2))
+  done
+  s3 cp "$RENDEZVOUS_URI" "$WORK/rendezvous-host"
+  RENDEZVOUS_HOST=$(tr -d '[:space:]' < "$WORK/rendezvous-host")
+  IS_HOST=false
+fi
+NPROC=$("$PYTHON" -c 'import torch; print(max(1, torch.cuda.device_count()))')
+stamp "rendezvous at $RENDEZVOUS_HOST:$RENDEZVOUS_PORT as node $NODE_RANK, $NPROC process(es)"
+STAGE=train
+BURSTCV_SHARD_CACHE_DIR="$WORK/shard-cache" \
+  "$PYTHON" -m torch.distributed.run --nnodes "$NUM_NODES" --nproc-per-node "$NPROC" \
+  --rdzv-backend c10d --rdzv-endpoint "$RENDEZVOUS_HOST:$RENDEZVOUS_PORT" \
+  --rdzv-id "$RUN_ID-$ATTEMPT" \
+  --rdzv-conf "is_host=$IS_HOST" --local-addr "$PRIVATE_IP" --max-restarts 0 \
+  -m burstcv.training.entry train --job "$JOB_URI" --attempt "$ATTEMPT" &
+"""
 
 # Every `$` below is bash's; __NAME__ placeholders are filled in by render_user_data.
 _BODY = r"""
@@ -111,7 +171,7 @@ AWS_METADATA_SERVICE_NUM_ATTEMPTS=5
 export AWS_METADATA_SERVICE_TIMEOUT AWS_METADATA_SERVICE_NUM_ATTEMPTS
 LOG_URI="$ATTEMPT_DIR/logs/$INSTANCE_ID.log"
 stamp "instance $INSTANCE_ID ($INSTANCE_TYPE) in $AWS_REGION"
-
+__NODE_IDENTITY__
 # S3 through boto3: the AMI's PyTorch Python has it (the training wheel needs it too).
 cat > "$WORK/s3io.py" << 'S3IO'
 # burstcv box: copy to and from S3, or check that an object exists, through boto3.
@@ -200,7 +260,9 @@ finish() {
   set +e  # best effort from here on: every step may fail, the shutdown must still run
   [ -n "${POLLER_PID:-}" ] && kill "$POLLER_PID" 2> /dev/null
   [ -n "${SHIPPER_PID:-}" ] && kill "$SHIPPER_PID" 2> /dev/null
-  if ! s3_object_exists "$ATTEMPT_DIR/DONE" && ! s3_object_exists "$ATTEMPT_DIR/FAILED"; then
+  if [ -n "${NODE_RANK:-}" ] && [ "$STAGE" = train ]; then
+    stamp "training ended with exit code $rc; its markers are training rank 0's"
+  elif ! s3_object_exists "$ATTEMPT_DIR/DONE" && ! s3_object_exists "$ATTEMPT_DIR/FAILED"; then
     if [ -f "$WORK/spot-notice" ]; then
       stamp "writing FAILED: spot interruption during $STAGE"
       write_failed "$STAGE" true "spot interruption during $STAGE (exit code $rc)" "$rc"
@@ -280,12 +342,7 @@ stamp "preflight passed"
 
 # A notice seen before training starts ends the attempt here (resumable), not mid-launch.
 [ -f "$WORK/spot-notice" ] && exit 143
-STAGE=train
-# Streamed shards are kept on this box's disk after their first download (epochs 2+ read
-# them locally); the folder goes with the box.
-BURSTCV_SHARD_CACHE_DIR="$WORK/shard-cache" \
-  "$BURSTCV" train --job "$JOB_URI" --attempt "$ATTEMPT" &
-echo $! > "$WORK/train.pid"
+__TRAIN__echo $! > "$WORK/train.pid"
 set +e
 wait "$(cat "$WORK/train.pid")"
 TRAIN_RC=$?
@@ -331,10 +388,19 @@ def render_user_data(spec: UserDataSpec) -> str:
         "FALLBACK_REGION": spec.region,
         "LOG_EVERY_S": str(int(spec.log_every_s)),
     }
-    config = [f"readonly {key}={shlex.quote(values[key])}" for key in CONFIG_KEYS]
+    keys: tuple[str, ...] = CONFIG_KEYS
+    multi = spec.num_nodes > 1
+    if multi:
+        values["NUM_NODES"] = str(int(spec.num_nodes))
+        values["RENDEZVOUS_PORT"] = str(RENDEZVOUS_PORT)
+        keys = CONFIG_KEYS + MULTI_NODE_KEYS
+    config = [f"readonly {key}={shlex.quote(values[key])}" for key in keys]
     low, high = SUPPORTED_PYTHON
     body = (
-        _BODY.replace("__IMDS__", IMDS)
+        _BODY.replace("__NODE_IDENTITY__", _NODE_IDENTITY if multi else "")
+        .replace("__TRAIN__", _MULTI_TRAIN if multi else _SINGLE_TRAIN)
+        .replace("__RENDEZVOUS_WAIT_S__", str(RENDEZVOUS_WAIT_S))
+        .replace("__IMDS__", IMDS)
         .replace("__SPOT_POLL_INTERVAL_S__", str(SPOT_POLL_INTERVAL_S))
         .replace("__PY_MIN__", repr(tuple(low)))
         .replace("__PY_MAX__", repr(tuple(high)))
@@ -350,7 +416,7 @@ def parse_config(script: str) -> dict[str, str]:
         if not line.startswith("readonly "):
             continue
         key, _, raw = line.removeprefix("readonly ").partition("=")
-        if key in CONFIG_KEYS:
+        if key in CONFIG_KEYS + MULTI_NODE_KEYS:
             parts = shlex.split(raw)
             found[key] = parts[0] if parts else ""
     return found

@@ -1262,11 +1262,41 @@ def run_job(job_uri: str, attempt: int = 1) -> int:
         _write_failed(output_uri, attempt, STAGE_TRAIN, str(exc), resumable=False)
         log.error("%s", exc)
         return EXIT_DIVERGED
+    except Exception as exc:
+        if not peer_lost(exc):
+            _write_failed(
+                output_uri, attempt, STAGE_TRAIN, f"{type(exc).__name__}: {exc}", resumable=False
+            )
+            raise
+        # Another box of the run went away mid-collective: nothing wrong with the job, and the
+        # relaunch restarts every box from the last checkpoint.
+        reason = f"a peer box was lost: {str(exc).splitlines()[0][:300]}"
+        _write_failed(output_uri, attempt, STAGE_INTERRUPTED, reason, resumable=True)
+        log.warning("%s", reason)
+        return EXIT_INTERRUPTED
     except BaseException as exc:
         _write_failed(
             output_uri, attempt, STAGE_TRAIN, f"{type(exc).__name__}: {exc}", resumable=False
         )
         raise
+
+
+# What a collective says when its peer process vanished: gloo's transport errors (a plain
+# RuntimeError) and NCCL's or the store's (torch.distributed.DistError).
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Connection refused")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Return True when a multi-box run's collective failed because another box went away.
+
+    Only a run across several boxes (torchrun's GROUP_WORLD_SIZE > 1): on one box a rank
+    that dies takes the job with it, and its own error is the FAILED marker's reason.
+    """
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
+        return False
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _PEER_GONE)
 
 
 def _write_failed(
