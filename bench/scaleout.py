@@ -11,9 +11,11 @@ instance's start and end from the REST API:
 * scan (pack) images/s: the dataset's images over the wall time from the first chunk task's
   start to the last one's end; stage images/s: from plan_scan's start to validate's end (from
   plan_pack's start to pack's end), the plan and the join included;
-* per-chunk overhead: the mean of (a chunk task's duration minus the same files' work measured
-  in this process, one core, no Airflow): starting the task's process, parsing the DAG, reading
-  the plan and writing the part.
+* per-chunk overhead, in two parts: inside the task, the mean of (a chunk task's duration
+  minus the same files' work measured in this process, one core, no Airflow): reading the plan
+  and writing the part; between tasks, the mean time a worker slot sat idle per chunk while
+  chunks were left ((chunk wall x workers - the chunk tasks' durations) / chunks): the
+  scheduler's loop, the Celery queue, and the start of the task's process and its DAG parse.
 
 The sides run one after the other in one invocation (1 worker, then 2); the ratio is the
 scaling. On a shared 2-core machine read it as an upper bound of what a second core buys.
@@ -142,8 +144,10 @@ def run_once(stack: Any, conf: dict[str, Any], timeout_s: float = 3600) -> list[
     ]
 
 
-def figures(spans: list[TaskSpan], images: int, stage: str, work_s: float) -> dict[str, float]:
-    """Return a stage's images/s (chunks, whole stage) and mean per-chunk overhead."""
+def figures(
+    spans: list[TaskSpan], images: int, stage: str, work_s: float, workers: int
+) -> dict[str, float]:
+    """Return a stage's images/s (chunks, whole stage) and mean per-chunk overheads."""
     plan, chunk_task, join = {
         "validate": ("plan_scan", "scan", "validate"),
         "pack": ("plan_pack", "pack_shards", "pack"),
@@ -159,6 +163,7 @@ def figures(spans: list[TaskSpan], images: int, stage: str, work_s: float) -> di
         "chunk_wall_s": chunk_wall,
         "stage_wall_s": stage_wall,
         "overhead_per_chunk_s": (sum(s.seconds for s in chunks) - work_s) / len(chunks),
+        "idle_per_chunk_s": (chunk_wall * workers - sum(s.seconds for s in chunks)) / len(chunks),
     }
 
 
@@ -222,7 +227,7 @@ def compare(dataset: Path, images: int, chunk_files: int, image_size: int) -> di
         "chunk_files": chunk_files,
         "in_process_one_core_s": work,
         "sides": {
-            workers: {stage: figures(spans, images, stage, work[stage]) for stage in work}
+            workers: {stage: figures(spans, images, stage, work[stage], workers) for stage in work}
             for workers, spans in sides.items()
         },
     }
@@ -236,12 +241,13 @@ def report(result: dict[str, Any], stage: str) -> str:
         f"{result['chunk_files']} files; one core in-process: "
         f"{result['images'] / result['in_process_one_core_s'][stage]:.0f} images/s",
         f"  {'workers':>7s} {'chunk tasks img/s':>18s} {'whole stage img/s':>18s} "
-        f"{'stage wall s':>12s} {'overhead/chunk s':>16s}",
+        f"{'stage wall s':>12s} {'in-task s/chunk':>15s} {'between s/chunk':>15s}",
     ]
     for workers, side in ((1, one), (2, two)):
         lines.append(
             f"  {workers:7d} {side['chunk_images_per_s']:18.1f} {side['stage_images_per_s']:18.1f} "
-            f"{side['stage_wall_s']:12.1f} {side['overhead_per_chunk_s']:16.2f}"
+            f"{side['stage_wall_s']:12.1f} {side['overhead_per_chunk_s']:15.2f} "
+            f"{side['idle_per_chunk_s']:15.2f}"
         )
     lines.append(
         f"  scaling 2 vs 1 worker: chunk tasks "
