@@ -909,8 +909,9 @@ class ReapError(Contract):
 
     instance_id: str = Field(description="'' when the error was about listing the boxes")
     run_key: str = Field(default="", description="the box's run key tag")
-    step: Literal["list", "check-run", "terminate"] = Field(
-        description="listing the boxes, asking Airflow about a run, or terminating a box"
+    step: Literal["list", "check-run", "terminate", "groups"] = Field(
+        description="listing the boxes, asking Airflow about a run, terminating a box, or "
+        "removing the groups of an expired run of several boxes"
     )
     error: str = Field(description="the exception's type and message")
 

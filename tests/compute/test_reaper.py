@@ -598,3 +598,45 @@ def test_decide_keeps_nothing_that_no_run_can_own() -> None:
 def test_decide_refuses_an_answer_that_is_not_a_run_activity() -> None:
     with pytest.raises(TypeError, match="not a RunActivity"):
         decide(box("i-1"), run_activity=lambda dag, run: True, now=NOW)  # type: ignore[arg-type,return-value]
+
+
+def test_the_groups_of_an_expired_run_with_no_box_left_are_removed(
+    backend: Ec2Backend, ec2_client: Any, kit: Any, monkeypatch: Any
+) -> None:
+    """A run of several boxes whose orchestrator died leaves its placement and security
+    groups behind (its teardown never ran): a reaper pass removes them once the run's expiry
+    passed and its last box is gone, never a live run's, never before its expiry."""
+    from burstcv.compute.ec2 import Subnet
+
+    now = datetime.now(UTC)
+    for run_id, expiry in (
+        ("leaked", now - timedelta(minutes=5)),
+        ("terminating", now - timedelta(minutes=5)),  # a box still holds its group
+        ("later", now + timedelta(hours=1)),
+    ):
+        backend.ensure_cluster(launch_of(run_id, dag_id=DAG_ID), expiry, Subnet(None))
+
+    def runs_with_groups() -> tuple[set[str], set[str]]:
+        def run_of(group: dict[str, Any]) -> str:
+            return {t["Key"]: t["Value"] for t in group.get("Tags", [])}.get(TAG_RUN_ID, "")
+
+        placement = ec2_client.describe_placement_groups()["PlacementGroups"]
+        security = ec2_client.describe_security_groups()["SecurityGroups"]
+        return {run_of(g) for g in placement} - {""}, {run_of(g) for g in security} - {""}
+
+    everything = {"leaked", "terminating", "later"}
+    assert backend.remove_expired_clusters(now, {"terminating"}, dry_run=True) == ["leaked"]
+    assert runs_with_groups() == (everything, everything)  # a dry run removes nothing
+    assert backend.remove_expired_clusters(now, {"terminating"}) == ["leaked"]
+    assert runs_with_groups() == ({"terminating", "later"}, {"terminating", "later"})
+
+    # The reaper's pass does the same, after its boxes: "terminating" has none left now.
+    for key, value in {
+        "BURSTCV_EC2_AMI": kit.ami_parameter,
+        "BURSTCV_EC2_INSTANCE_PROFILE": "burstcv-training",
+    }.items():
+        monkeypatch.setenv(key, value)
+    settings = Settings(reaper_backends="", reaper_regions="us-east-1", compute_backend="ec2")
+    reports = reaper.reap_everywhere(["ec2"], lambda dag, run: RunActivity.OVER, settings=settings)
+    assert reaper.reap_errors(reports) == 0
+    assert runs_with_groups() == ({"later"}, {"later"})

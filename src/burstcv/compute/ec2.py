@@ -843,6 +843,35 @@ class Ec2Backend:
         if group_id is not None or found:
             log.info("run %s: removed its security group and placement group", run_id)
 
+    def remove_expired_clusters(
+        self, now: datetime, live_runs: set[str], *, dry_run: bool = False
+    ) -> list[str]:
+        """Remove the groups of every run past its expiry that has no box left; return the runs.
+
+        A run's groups outlive its boxes only when its teardown never ran (the orchestrator
+        died with the run): the reaper calls this after each pass. ``live_runs`` are the runs
+        that still have a box (one being terminated holds its security group: its groups go
+        on the next pass). ``dry_run`` lists them and removes nothing.
+        """
+        managed = [{"Name": f"tag:{TAG_MANAGED}", "Values": ["true"]}]
+        groups = self.client.describe_security_groups(Filters=managed)["SecurityGroups"]
+        groups += self.client.describe_placement_groups(Filters=managed)["PlacementGroups"]
+        expired: set[str] = set()
+        for group in groups:
+            tags = {t["Key"]: t["Value"] for t in group.get("Tags", [])}
+            run_id, expiry = tags.get(TAG_RUN_ID), parse_expiry(tags.get(TAG_EXPIRES_AT, ""))
+            if run_id and run_id not in live_runs and expiry is not None and expiry <= now:
+                expired.add(run_id)
+        for run_id in sorted(expired):
+            log.info(
+                "reaper: run %s is past its expiry with no box left: %s its groups",
+                run_id,
+                "would remove" if dry_run else "removing",
+            )
+            if not dry_run:
+                self.remove_cluster(run_id)
+        return sorted(expired)
+
     def list_managed(self) -> list[InstanceInfo]:
         """Return every burstcv-managed instance that still exists (stopped ones included)."""
         filters = [

@@ -227,17 +227,38 @@ def reap_everywhere(
         ) -> RunActivity:
             return run_activity(dag_id, raw_ids.get((dag_id, run_key), run_key))
 
-        reports.append(
-            reap(
-                backend,
-                run_activity=activity,
-                dry_run=dry_run,
-                managed=managed,
-                backend_name=name,
-                region=region,
-            )
+        report = reap(
+            backend,
+            run_activity=activity,
+            dry_run=dry_run,
+            managed=managed,
+            backend_name=name,
+            region=region,
         )
+        reports.append(report)
+        _remove_expired_clusters(backend, managed, report)
     return reports
+
+
+def _remove_expired_clusters(
+    backend: ComputeBackend, managed: list[InstanceInfo], report: ReaperReport
+) -> None:
+    """Remove the placement and security groups of expired runs with no box left (EC2).
+
+    A run of several boxes has groups of its own; its teardown removes them, so only a run
+    whose orchestrator died leaves them. They cost nothing, so an error is counted, not fatal.
+    """
+    remove = getattr(backend, "remove_expired_clusters", None)
+    if remove is None:
+        return
+    try:
+        remove(report.checked_at, {i.run_id for i in managed}, dry_run=report.dry_run)
+    # Broad on purpose: counted in the report; the other backends and regions go on.
+    except Exception as exc:
+        log.exception("reaper: could not sweep the run groups in %s", report.region or "-")
+        report.errors.append(
+            ReapError(instance_id="", step="groups", error=f"{type(exc).__name__}: {exc}")
+        )
 
 
 def reap_errors(reports: list[ReaperReport]) -> int:
