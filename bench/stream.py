@@ -94,17 +94,17 @@ def child(job_json: str) -> None:
     import torch
 
     from burstcv.training.job import JobSpec
-    from burstcv.training.train import Dist, _train_batches, open_splits
+    from burstcv.training.train import _train_batches, open_splits
 
     job = JobSpec.model_validate_json(Path(job_json).read_text())
     torch.zeros(1).sum()  # torch's own start-up memory belongs to the baseline
     before_kb = _vm_kb("VmRSS")
     t0 = time.perf_counter()
-    train, _ = open_splits(job, torch.device("cpu"))
+    train, _, share = open_splits(job, torch.device("cpu"))
     open_s = time.perf_counter() - t0
     seen = 0
     t1 = time.perf_counter()
-    batches = _train_batches(train, job.seed, 0, job.batch_size, 0, Dist())
+    batches = _train_batches(train, job.seed, 0, 0, share)
     for x, _y in batches:
         x.float().mean()  # what normalize() does first: every byte is read
         seen += x.shape[0]

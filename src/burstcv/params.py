@@ -173,8 +173,9 @@ class RunParams(BaseModel):
         le=MAX_NUM_NODES,
         title="Training boxes",
         description="boxes of one type that train together (ec2): one placement group, "
-        "torchrun rendezvous on the first box, each global batch split across them; rank 0 "
-        "writes the checkpoints and markers, and losing one box relaunches them all",
+        "torchrun rendezvous on the first box, each box reading its own share of the "
+        "training shards; rank 0 writes the checkpoints and markers, and losing one box "
+        "relaunches them all",
     )
     max_cost_usd: Annotated[float, Affects.RUN] = Field(
         default=5.0,

@@ -119,18 +119,21 @@ def account(aws: str, ami_python: Path, monkeypatch: pytest.MonkeyPatch) -> dict
     return {"s3": s3, "ec2": boto3.client("ec2", region_name=REGION, endpoint_url=aws)}
 
 
-@pytest.fixture
-def shards(account: dict[str, Any], packed_demo: dict[str, Any]) -> Packed:
-    """Upload a slice of the packed demo digits to the emulated S3; return the packed dict."""
-    uris: dict[str, list[str]] = {}
-    for split, count in (("train", TRAIN_IMAGES), ("val", VAL_IMAGES)):
+def upload_slice(packed_demo: dict[str, Any], train_shards: int) -> Packed:
+    """Upload a slice of the packed demo digits to the emulated S3; return the packed dict.
+
+    The training slice is cut into ``train_shards`` shards of equal size.
+    """
+    uris: dict[str, list[str]] = {"train": [], "val": []}
+    for split, count, parts in (("train", TRAIN_IMAGES, train_shards), ("val", VAL_IMAGES, 1)):
         with np.load(packed_demo[f"{split}_shards"][0]) as npz:
             images, labels, classes = npz["images"][:count], npz["labels"][:count], npz["classes"]
-        buffer = io.BytesIO()
-        np.savez(buffer, images=images, labels=labels, classes=classes)
-        uri = f"{ARTIFACT_ROOT}/runs/shared/dataset/shards/{split}-000.npz"
-        storage.write_bytes(uri, buffer.getvalue())
-        uris[split] = [uri]
+        for no, rows in enumerate(np.array_split(np.arange(count), parts)):
+            buffer = io.BytesIO()
+            np.savez(buffer, images=images[rows], labels=labels[rows], classes=classes)
+            uri = f"{ARTIFACT_ROOT}/runs/shared/dataset/shards/{split}-{no:03d}.npz"
+            storage.write_bytes(uri, buffer.getvalue())
+            uris[split].append(uri)
     return Packed(
         classes=packed_demo["classes"],
         train_shards=uris["train"],
@@ -139,6 +142,18 @@ def shards(account: dict[str, Any], packed_demo: dict[str, Any]) -> Packed:
         preprocess=PreprocessBlock.of(packed_demo["spec"]),
         fingerprint="demo-slice",
     )
+
+
+@pytest.fixture
+def shards(account: dict[str, Any], packed_demo: dict[str, Any]) -> Packed:
+    """Return the demo slice in the emulated S3: one training shard."""
+    return upload_slice(packed_demo, train_shards=1)
+
+
+@pytest.fixture
+def split_shards(account: dict[str, Any], packed_demo: dict[str, Any]) -> Packed:
+    """Return the demo slice in the emulated S3: four training shards, two for each box."""
+    return upload_slice(packed_demo, train_shards=4)
 
 
 def settings() -> Settings:
@@ -612,8 +627,9 @@ def boot_cluster(
 
 
 def test_two_boxes_rendezvous_over_their_link_and_train_to_done(
-    cluster: list[Node], account: dict[str, Any], shards: Packed, ami_python: Path
+    cluster: list[Node], account: dict[str, Any], split_shards: Packed, ami_python: Path
 ) -> None:
+    shards = split_shards
     ec2 = account["ec2"]
     provisioned = pipeline.provision(
         RunRef.of("manual__two_boxes"),
@@ -632,11 +648,15 @@ def test_two_boxes_rendezvous_over_their_link_and_train_to_done(
         assert boot.exit_code == 0, boot.console
         assert f"node {rank} of 2 at 10.77.0.{rank + 1}" in boot.console
         assert "rendezvous at 10.77.0.1:29400" in boot.console, boot.console
+        # Each box reads its own half of the training shards, and both agree the step count.
+        assert f"box {rank} of 2 reads 2 of 4 training shards (192 of 384 images)" in boot.console
         assert boot.shutdown_calls[-1] == ["shutdown", "-h", "now"]
     event = wait_for_trigger(provisioned, attempt=1)
     assert event["status"] == "done", event
     metrics = storage.read_json(f"{provisioned.output_uri}/metrics.json")
-    assert metrics["world_size"] == 2
+    assert metrics["world_size"] == 2 and metrics["train_images"] == TRAIN_IMAGES
+    # A batch of 32 is 16 a rank: 192 images a box are 12 steps an epoch.
+    assert metrics["optimizer"]["steps_per_epoch"] == 12
     assert [e["epoch"] for e in metrics["epochs"]] == [1, 2]
     assert all(state(ec2, iid) == "terminated" for iid in provisioned.instance_ids)
     # The teardown bills both boxes and removes the run's groups.
@@ -653,11 +673,11 @@ def test_two_boxes_rendezvous_over_their_link_and_train_to_done(
 def test_one_box_lost_mid_run_relaunches_both_from_the_checkpoint(
     cluster: list[Node],
     account: dict[str, Any],
-    shards: Packed,
+    split_shards: Packed,
     ami_python: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    ec2 = account["ec2"]
+    ec2, shards = account["ec2"], split_shards
     monkeypatch.setenv("BURSTCV_ARTIFACT_ROOT", ARTIFACT_ROOT)  # where the task reads metrics
     get_settings.cache_clear()
     provisioned = pipeline.provision(
@@ -714,9 +734,11 @@ def test_one_box_lost_mid_run_relaunches_both_from_the_checkpoint(
     assert len(second_ids) == 2 and not set(second_ids) & set(provisioned.instance_ids)
     second = boot_cluster(cluster, ec2, second_ids, ami_python)
 
-    for boot in second.values():
+    for rank, boot in second.items():
         assert boot.exit_code == 0, boot.console
         assert "attempt 2 resumed from" in boot.console, boot.console
+        # The relaunched box reads the same shards as the box it replaces.
+        assert f"box {rank} of 2 reads 2 of 4 training shards" in boot.console, boot.console
     event = wait_for_trigger(provisioned, attempt=2)
     assert event["status"] == "done", event
     trained = operator.execute_complete({"run_id": "manual__lost_box"}, event)

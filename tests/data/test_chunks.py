@@ -13,7 +13,6 @@ from typing import Any
 
 import pandas as pd
 import pytest
-from conftest import write_dataset
 
 from burstcv import pipeline
 from burstcv.data import pack
@@ -42,9 +41,9 @@ def test_chunk_ranges_keep_within_both_limits() -> None:
         chunk_ranges(sizes, 0, 10)
 
 
-def _faulty(root: Path) -> Path:
+def _faulty(kit: Any, root: Path) -> Path:
     """Return a 3-class dataset with a cross-split copy, a corrupt file, a stray and a dotfile."""
-    write_dataset(root)
+    kit.write_dataset(root)
     shutil.copy(root / "train" / "cat" / "000.png", root / "val" / "dog" / "zz-copy.png")
     (root / "train" / "fox" / "broken.png").write_bytes(b"not an image at all")
     (root / "train" / "stray.png").write_bytes((root / "train" / "dog" / "001.png").read_bytes())
@@ -70,8 +69,8 @@ def _record(uri: str) -> dict[str, Any]:
     )
 
 
-def test_a_chunked_validation_fails_as_the_one_pass_scan_does(tmp_path: Path) -> None:
-    dataset = _faulty(tmp_path / "pets")
+def test_a_chunked_validation_fails_as_the_one_pass_scan_does(tmp_path: Path, kit: Any) -> None:
+    dataset = _faulty(kit, tmp_path / "pets")
     run = RunRef.of("manual__chunks")
     settings, params = _run(tmp_path / "chunked", dataset, chunk_files=7)
     with pytest.raises(pipeline.ValidationFailed) as chunked:
@@ -98,10 +97,10 @@ def test_a_chunked_validation_fails_as_the_one_pass_scan_does(tmp_path: Path) ->
 
 @pytest.mark.parametrize("shard_format", ["raw", "jpeg"])
 def test_chunked_scan_and_pack_equal_one_chunk_byte_for_byte(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard_format: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard_format: str, kit: Any
 ) -> None:
     monkeypatch.setattr(pack, "SHARD_IMAGES", 8)  # 36 training images: 5 shards
-    dataset = write_dataset(tmp_path / "pets", per_class=12)
+    dataset = kit.write_dataset(tmp_path / "pets", per_class=12)
     results = {}
     for name, limits in {"one": {}, "files": {"chunk_files": 20}}.items():
         settings, params = _run(tmp_path / name, dataset, shard_format, **limits)
@@ -139,8 +138,10 @@ def test_chunked_scan_and_pack_equal_one_chunk_byte_for_byte(
     assert plan.shards == len(one_packed.train_shards) + len(one_packed.val_shards)
 
 
-def test_a_chunk_that_did_not_run_is_named_and_a_rerun_chunk_joins(tmp_path: Path) -> None:
-    dataset = write_dataset(tmp_path / "pets")
+def test_a_chunk_that_did_not_run_is_named_and_a_rerun_chunk_joins(
+    tmp_path: Path, kit: Any
+) -> None:
+    dataset = kit.write_dataset(tmp_path / "pets")
     settings, params = _run(tmp_path / "home", dataset, chunk_files=25)
     run = RunRef.of("manual__retry")
     plan = pipeline.plan_scan(run, params, settings)
@@ -158,8 +159,8 @@ def test_a_chunk_that_did_not_run_is_named_and_a_rerun_chunk_joins(tmp_path: Pat
     assert read_artifact(validated.validation_uri, ValidationRecord).counts.usable == 60
 
 
-def test_the_mb_limit_cuts_large_files_into_more_chunks(tmp_path: Path) -> None:
-    dataset = write_dataset(tmp_path / "pets", per_class=6)
+def test_the_mb_limit_cuts_large_files_into_more_chunks(tmp_path: Path, kit: Any) -> None:
+    dataset = kit.write_dataset(tmp_path / "pets", per_class=6)
     big = dataset / "train" / "cat" / "zz-big.png"
     big.write_bytes((dataset / "train" / "cat" / "000.png").read_bytes() + b"\0" * (2 * MB))
     settings, params = _run(tmp_path / "home", dataset, chunk_mb=1)

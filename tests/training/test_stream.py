@@ -28,9 +28,19 @@ from burstcv.training.stream import (
     ShardStream,
     epoch_windows,
     load_shard,
+    node_shards,
     read_shard_info,
 )
-from burstcv.training.train import Split, open_splits, run_job
+from burstcv.training.train import (
+    Dist,
+    Share,
+    Split,
+    load_shards,
+    open_splits,
+    run_job,
+    share_shards,
+    split_batches,
+)
 from burstcv_spec import storage
 from burstcv_spec.preprocess import PreprocessSpec
 
@@ -121,9 +131,9 @@ def test_a_split_smaller_than_a_batch_is_one_step(tmp_path: Path) -> None:
 
 
 def test_memory_budget_picks_whole_or_streamed(packed_demo: dict[str, Any], tmp_path: Path) -> None:
-    whole = open_splits(make_job(packed_demo, tmp_path), CPU)
+    whole = open_splits(make_job(packed_demo, tmp_path), CPU)[:2]
     assert all(isinstance(s, Split) for s in whole)
-    streamed = open_splits(make_job(packed_demo, tmp_path, data_memory_budget_mb=1), CPU)
+    streamed = open_splits(make_job(packed_demo, tmp_path, data_memory_budget_mb=1), CPU)[:2]
     assert all(isinstance(s, ShardStream) for s in streamed)
     assert [len(s) for s in streamed] == [len(s) for s in whole]
 
@@ -454,3 +464,94 @@ def test_streaming_keeps_peak_memory_within_the_budget(
         f"peak RSS {streamed['peak_mb']:.0f} MB, baseline {baseline['peak_mb']:.0f} MB, "
         f"data {data_mb:.0f} MB"
     )
+
+
+# --- several boxes: each reads its own shards --------------------------------------------------
+
+
+def test_shards_are_dealt_to_boxes_evenly_and_the_same_way_every_time() -> None:
+    counts = [40, 40, 40, 40, 40, 40, 11]
+    deal = node_shards(counts, 2)
+    assert deal == node_shards(counts, 2)  # no seed, no epoch: a relaunch reads the same
+    assert sorted(i for part in deal for i in part) == list(range(7))  # disjoint, all dealt
+    held = [sum(counts[i] for i in part) for part in deal]
+    assert max(held) - min(held) <= max(counts)
+    assert node_shards([96] * 4, 2) == [[0, 2], [1, 3]]
+    assert [len(p) for p in node_shards([10] * 5, 5)] == [1] * 5
+    with pytest.raises(ValueError, match="cannot deal 2 shard"):
+        node_shards([10, 10], 3)
+
+
+def box_ranks(uris: list[str], nodes: int, per_box: int) -> list[tuple[ShardStream, Share]]:
+    """Return every rank's stream over its box's shards and its share, rank by rank."""
+    counts = [read_shard_info(uri, CLASSES).count for uri in uris]
+    world = nodes * per_box
+    ranks = []
+    for rank in range(world):
+        d = Dist(rank, world, rank % per_box, node=rank // per_box, nodes=nodes)
+        share, mine = share_shards(counts, 16, d)
+        stream = ShardStream.open([uris[i] for i in mine], CLASSES, CPU, budget_bytes=10**6)
+        ranks.append((stream, share))
+    return ranks
+
+
+def rank_ids(stream: ShardStream, share: Share, epoch: int, start: int = 0) -> list[list[int]]:
+    batches = stream.train_batches(
+        seed=5,
+        epoch=epoch,
+        batch_size=share.batch_size,
+        start_step=start,
+        rank=share.rank,
+        world_size=share.world_size,
+        steps=share.steps,
+    )
+    return [ids_of(b) for b in batches]
+
+
+def test_boxes_train_on_their_own_shards_in_the_same_number_of_steps(tmp_path: Path) -> None:
+    uris = numbered_shards(tmp_path, [40, 40, 40, 40, 40, 40, 11])
+    ranks = box_ranks(uris, nodes=2, per_box=2)
+    shares = [share for _, share in ranks]
+    # A batch of 16 is 4 a rank, 8 a box. One box holds 131 images, the other 120: the
+    # smaller decides, 120 // 8 = 15 steps for all.
+    assert {s.steps for s in shares} == {15} and {s.images for s in shares} == {251}
+    assert [(s.rank, s.world_size, s.batch_size) for s in shares] == [(0, 2, 8), (1, 2, 8)] * 2
+    for epoch in (0, 1):
+        seen = [rank_ids(stream, share, epoch) for stream, share in ranks]
+        assert all(len(steps) == 15 for steps in seen)  # no rank waits on a collective alone
+        assert all(len(batch) == 4 for steps in seen for batch in steps)
+        flat = [i for steps in seen for batch in steps for i in batch]
+        assert len(set(flat)) == len(flat)  # no image twice in an epoch, across every rank
+        for box in (0, 1):  # a box's ranks read only the shards dealt to it
+            mine = {
+                i
+                for shard in node_shards([40] * 6 + [11], 2)[box]
+                for i in range(40 * shard, 40 * shard + (40 if shard < 6 else 11))
+            }
+            assert {i for steps in seen[2 * box : 2 * box + 2] for b in steps for i in b} <= mine
+    # A relaunch resumes every rank's stream where it stopped.
+    for stream, share in ranks:
+        full = rank_ids(stream, share, 1)
+        assert rank_ids(stream, share, 1, start=4) == full[4:]
+
+
+def test_the_whole_split_path_takes_the_same_share(tmp_path: Path) -> None:
+    uris = numbered_shards(tmp_path, [40, 40, 40, 40])
+    counts = [40] * 4
+    for rank in range(2):
+        share, mine = share_shards(counts, 16, Dist(rank, 2, 0, node=rank, nodes=2))
+        images, labels = load_shards([uris[i] for i in mine], CLASSES)
+        split = Split(torch.from_numpy(images).permute(0, 3, 1, 2), torch.from_numpy(labels))
+        batches = [ids_of(b) for b in split_batches(split, 0, 0, 0, share)]
+        assert len(batches) == share.steps == 80 // 8 and {len(b) for b in batches} == {8}
+        assert {i // 40 for b in batches for i in b} == set(mine)
+
+
+def test_fewer_shards_than_boxes_means_every_box_reads_every_shard(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="burstcv.training.train"):
+        share, mine = share_shards([40], 16, Dist(1, 2, 0, node=1, nodes=2))
+    assert mine == [0] and (share.rank, share.world_size, share.batch_size) == (1, 2, 16)
+    assert share.steps == 40 // 16
+    assert "1 training shard(s) for 2 boxes: every box reads every shard" in caplog.text

@@ -396,6 +396,25 @@ def epoch_windows(counts: list[int], seed: int, epoch: int, mix: int) -> list[li
     return [order[i : i + mix] for i in range(0, len(order), mix)]
 
 
+def node_shards(counts: list[int], nodes: int) -> list[list[int]]:
+    """Deal a split's shards to ``nodes`` boxes, their images as even as whole shards allow.
+
+    The largest shard goes first, each to the box with the fewest images so far (ties: the
+    lower box); each box's list is in shard order. The deal follows from the shard sizes alone,
+    so it is the same on every box, in every epoch and after a relaunch: a box downloads, and
+    its disk cache holds, its own share of the split only.
+    """
+    if not 1 <= nodes <= len(counts):
+        raise ValueError(f"cannot deal {len(counts)} shard(s) to {nodes} box(es)")
+    deal: list[list[int]] = [[] for _ in range(nodes)]
+    held = [0] * nodes
+    for shard in sorted(range(len(counts)), key=lambda i: (-counts[i], i)):
+        box = min(range(nodes), key=lambda b: (held[b], b))
+        deal[box].append(shard)
+        held[box] += counts[shard]
+    return [sorted(part) for part in deal]
+
+
 def window_order(size: int, seed: int, epoch: int, window: int) -> np.ndarray:
     """Return the shuffled order of a window's ``size`` images (its own stream: skippable)."""
     return _rng(seed, epoch, 1 + window).permutation(size)
@@ -633,14 +652,17 @@ class ShardStream:
         start_step: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        steps: int | None = None,
     ) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
         """Yield the epoch's batches from ``start_step`` on: this rank's share of each, on device.
 
-        Each rank takes every ``world_size``-th image of the global batch (as the in-memory
-        path does), so the ranks of a DDP run read the same shards and train disjoint shares.
-        A split smaller than one batch gives one step over all of it, as the in-memory path.
+        Each rank takes every ``world_size``-th image of the batch (as the in-memory path
+        does), so the ranks that read these shards train disjoint shares of it. ``steps`` is
+        the epoch's step count where the boxes of a run agreed one (each box streams its own
+        shards); by default as many full batches as the shards hold. A split smaller than one
+        batch gives one step over all of it, as the in-memory path.
         """
-        steps = max(1, self.count // batch_size)
+        steps = max(1, self.count // batch_size) if steps is None else steps
         per_rank = max(1, batch_size // world_size)
         batch_size = min(batch_size, self.count)
         if start_step >= steps:

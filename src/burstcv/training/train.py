@@ -49,6 +49,7 @@ from burstcv.training.stream import (
     ShardInfo,
     ShardStream,
     load_shard,
+    node_shards,
     read_shard_info,
 )
 from burstcv.training.transforms import train_transform
@@ -112,11 +113,67 @@ class Dist:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    node: int = 0  # this box's place among the run's boxes (torchrun's GROUP_RANK)
+    nodes: int = 1  # the run's boxes (GROUP_WORLD_SIZE)
 
     @property
     def is_main(self) -> bool:
         """Return True on the process that writes artifacts."""
         return self.rank == 0
+
+
+@dataclass(frozen=True)
+class Share:
+    """What a rank trains on: its place among the ranks reading the same shards, and the steps.
+
+    On one box every rank reads the whole split and takes every ``world_size``-th image of each
+    global batch. On several boxes each box reads only its own shards (``node_shards``); its
+    ranks split a box batch of ``batch_size`` images, and every box takes ``steps`` steps an
+    epoch, agreed from every shard's header so that no rank waits on a collective alone.
+    """
+
+    rank: int
+    world_size: int
+    batch_size: int  # images the ranks reading the same shards take together per step
+    steps: int  # steps per epoch, the same on every rank
+    images: int  # the whole training split's, every box's shards together
+
+    @classmethod
+    def whole(cls, images: int, batch_size: int, d: Dist | None = None) -> Share:
+        """Return the share of a rank that reads every shard (one box, or the range test)."""
+        d = d or Dist()
+        return cls(d.rank, d.world_size, batch_size, max(1, images // batch_size), images)
+
+
+def share_shards(counts: list[int], batch_size: int, d: Dist) -> tuple[Share, list[int]]:
+    """Return this rank's share of the training split and the shards (indices) its box reads."""
+    total = sum(counts)
+    if d.nodes <= 1 or len(counts) < d.nodes:
+        if d.nodes > 1:
+            log.warning(
+                "%d training shard(s) for %d boxes: every box reads every shard (pack with "
+                "smaller shards to split them)",
+                len(counts),
+                d.nodes,
+            )
+        return Share.whole(total, batch_size, d), list(range(len(counts)))
+    deal = node_shards(counts, d.nodes)
+    local = d.world_size // d.nodes
+    box_batch = max(1, batch_size // d.world_size) * local
+    fewest = min(sum(counts[i] for i in part) for part in deal)
+    share = Share(d.local_rank, local, box_batch, max(1, fewest // box_batch), total)
+    mine = deal[d.node]
+    log.info(
+        "box %d of %d reads %d of %d training shards (%d of %d images), %d steps an epoch",
+        d.node,
+        d.nodes,
+        len(mine),
+        len(counts),
+        sum(counts[i] for i in mine),
+        total,
+        share.steps,
+    )
+    return share, mine
 
 
 @dataclass
@@ -152,17 +209,21 @@ def to_device_split(images: np.ndarray, labels: np.ndarray, device: torch.device
 
 
 def open_splits(
-    job: JobSpec, device: torch.device, cache: ShardCache | None = None
-) -> tuple[Split | ShardStream, Split | ShardStream]:
-    """Return (train, val): whole on the device where the data fits the budget, else streamed.
+    job: JobSpec, device: torch.device, cache: ShardCache | None = None, d: Dist | None = None
+) -> tuple[Split | ShardStream, Split | ShardStream, Share]:
+    """Return (train, val, share): whole on the device where the data fits, else streamed.
 
     Sizes come from the shards' headers, so nothing large is read to take the decision.
-    ``cache`` keeps streamed S3 shards on the box's disk after their first download.
+    ``cache`` keeps streamed S3 shards on the box's disk after their first download. In a run
+    of several boxes (``d``) train holds this box's own shards only; every box evaluates the
+    whole validation split.
     """
     infos = {
         name: [read_shard_info(uri, job.classes) for uri in uris]
         for name, uris in (("train", job.train_shards), ("val", job.val_shards))
     }
+    share, mine = share_shards([i.count for i in infos["train"]], job.batch_size, d or Dist())
+    infos["train"] = [infos["train"][i] for i in mine]
     for size in {(i.height, i.width) for i in infos["train"] + infos["val"]}:
         # The shards fit the spec (with or without the pack margin).
         eval_images(np.zeros((0, *size, 3), np.uint8), job)
@@ -175,7 +236,7 @@ def open_splits(
         return to_device_split(eval_images(images, job) if for_eval else images, labels, device)
 
     if sizes["train"] + sizes["val"] <= budget:
-        return whole(infos["train"], for_eval=False), whole(infos["val"], for_eval=True)
+        return whole(infos["train"], for_eval=False), whole(infos["val"], for_eval=True), share
     train = ShardStream(infos["train"], job.classes, device, budget_bytes=budget, cache=cache)
     val: Split | ShardStream = (
         whole(infos["val"], for_eval=True)
@@ -199,37 +260,37 @@ def open_splits(
         train.peak_bytes / 2**20,
         "streamed" if isinstance(val, ShardStream) else "whole",
     )
-    return train, val
+    return train, val, share
 
 
 Batches = Generator[tuple[torch.Tensor, torch.Tensor], None, None]
 
 
-def split_batches(
-    train: Split, seed: int, epoch: int, batch_size: int, start_step: int, d: Dist
-) -> Batches:
+def split_batches(train: Split, seed: int, epoch: int, start_step: int, share: Share) -> Batches:
     """Yield an epoch's batches of a split on the device from ``start_step``: this rank's share."""
-    per_rank = batch_size // d.world_size or 1
+    batch_size = share.batch_size
+    per_rank = batch_size // share.world_size or 1
     order_gen = torch.Generator().manual_seed(seed * 7919 + epoch)
     order = torch.randperm(len(train.labels), generator=order_gen)
-    for step in range(start_step, max(1, len(train) // batch_size)):
+    for step in range(start_step, share.steps):
         idx = order[step * batch_size : (step + 1) * batch_size]
-        idx = idx[d.rank :: d.world_size][:per_rank].to(train.device)  # each rank its own share
+        idx = idx[share.rank :: share.world_size][:per_rank].to(train.device)  # each its own
         yield train.images[idx], train.labels[idx]
 
 
 def _train_batches(
-    train: Split | ShardStream, seed: int, epoch: int, batch_size: int, start_step: int, d: Dist
+    train: Split | ShardStream, seed: int, epoch: int, start_step: int, share: Share
 ) -> Batches:
     if isinstance(train, Split):
-        return split_batches(train, seed, epoch, batch_size, start_step, d)
+        return split_batches(train, seed, epoch, start_step, share)
     return train.train_batches(
         seed=seed,
         epoch=epoch,
-        batch_size=batch_size,
+        batch_size=share.batch_size,
         start_step=start_step,
-        rank=d.rank,
-        world_size=d.world_size,
+        rank=share.rank,
+        world_size=share.world_size,
+        steps=share.steps,
     )
 
 
@@ -289,7 +350,13 @@ def _dist_from_env() -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Dist()
-    return Dist(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+    return Dist(
+        int(os.environ["RANK"]),
+        world,
+        int(os.environ.get("LOCAL_RANK", "0")),
+        node=int(os.environ.get("GROUP_RANK", "0")),
+        nodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")),
+    )
 
 
 def _pick_device(d: Dist) -> torch.device:
@@ -365,7 +432,7 @@ class Run:
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
     lr_scale: LrScale  # a recovery lowers it in place
-    steps_per_epoch: int
+    share: Share  # what this rank trains on each step, and the steps an epoch
     loaded: PretrainedLoad | None  # what load_pretrained reported (None from scratch)
     range_test: RangeTest | None  # None unless the job asked for the sweep
 
@@ -455,10 +522,10 @@ def train_one_epoch(ctx: Run, state: RunState, train: Split | ShardStream) -> di
     frozen = backbone_frozen(job, epoch)
     set_train_mode(ctx.model, job.arch, frozen=frozen)
     frozen_params = split_head(ctx.model, job.arch)[0] if frozen else []
-    batches = _train_batches(train, job.seed, epoch, job.batch_size, state.step, ctx.d)
+    batches = _train_batches(train, job.seed, epoch, state.step, ctx.share)
     meters.start_epoch(device)
     try:
-        for step in range(state.step, ctx.steps_per_epoch):
+        for step in range(state.step, ctx.share.steps):
             t0 = time.perf_counter()
             gpu_wait = getattr(train, "gpu_wait_s", 0.0)
             gen = _step_generator(job.seed, epoch, step)
@@ -486,7 +553,7 @@ def train_one_epoch(ctx: Run, state: RunState, train: Split | ShardStream) -> di
                 ctx.opt.step()
             ctx.sched.step()
             meters.update(loss, len(y), t1 - t0, time.perf_counter() - t1)
-            check = (step + 1) % DIVERGENCE_CHECK_STEPS == 0 or step + 1 == ctx.steps_per_epoch
+            check = (step + 1) % DIVERGENCE_CHECK_STEPS == 0 or step + 1 == ctx.share.steps
             _after_step(ctx, state, step + 1, meters.window_loss() if check else None)
     finally:
         batches.close()  # stops the stream's loader thread
@@ -507,7 +574,7 @@ def _after_step(ctx: Run, state: RunState, step: int, window: torch.Tensor | Non
     # Agreeing is an all-reduce the host waits on: once every DDP_STOP_CHECK_STEPS steps,
     # and at the last step of every epoch (an epoch shorter than that still checks).
     # The loss window comes at those same steps.
-    if d.world_size == 1 or step % DDP_STOP_CHECK_STEPS == 0 or step == ctx.steps_per_epoch:
+    if d.world_size == 1 or step % DDP_STOP_CHECK_STEPS == 0 or step == ctx.share.steps:
         why = divergence(float(window), len(job.classes)) if window is not None else None
         deadline = ctx.deadline
         flags = [state.sigterm, deadline is not None and time.time() >= deadline, why is not None]
@@ -562,15 +629,16 @@ def lr_range_test(
     The model and its optimiser state are restored afterwards: training starts from the same
     weights as without the sweep. The rate chosen is a tenth of the one with the lowest
     smoothed loss (past it the loss is about to climb; fastai's ``lr_min``), or the rate of
-    the steepest descent when that is lower, bounded by the sweep's range. Every rank sweeps
-    the same batches, so every rank chooses the same rate.
+    the steepest descent when that is lower, bounded by the sweep's range. On one box every
+    rank sweeps the same batches; on several, each box sweeps its own shards and rank 0's
+    result is everyone's (``_agree_range_test``).
     """
     t0 = time.perf_counter()
     saved = copy.deepcopy(model.state_dict())
     opt = make_optimizer(param_groups(model, job), job)
     shares = [group["lr"] / job.learning_rate for group in opt.param_groups]
-    steps_per_epoch = max(1, len(train) // job.batch_size)
-    steps = max(RANGE_MIN_STEPS, min(RANGE_TEST_STEPS, 2 * steps_per_epoch))
+    whole = Share.whole(len(train), job.batch_size)  # one rank's sweep over its box's shards
+    steps = max(RANGE_MIN_STEPS, min(RANGE_TEST_STEPS, 2 * whole.steps))
     ratio = (RANGE_END / RANGE_START) ** (1 / max(1, steps - 1))
     device = train.device
     lrs: list[float] = []
@@ -579,7 +647,7 @@ def lr_range_test(
     model.train()
     step = 0
     for epoch in range(RANGE_EPOCH, RANGE_EPOCH + RANGE_TEST_STEPS):  # until enough steps
-        batches = _train_batches(train, job.seed, epoch, job.batch_size, 0, Dist())
+        batches = _train_batches(train, job.seed, epoch, 0, whole)
         try:
             for x_u8, y in batches:
                 if step >= steps:
@@ -830,6 +898,15 @@ def _deadline_ts(job: JobSpec) -> float | None:
     return job.deadline_at.timestamp() if job.deadline_at is not None else None
 
 
+def _agree_range_test(result: RangeTest, d: Dist) -> RangeTest:
+    """Return rank 0's sweep on every rank: boxes that read different shards may choose apart."""
+    if d.world_size <= 1:
+        return result
+    box = [result]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _from_checkpoint(ckpt: dict[str, Any], key: str, model: type[C]) -> C | None:
     """Return a contract a checkpoint keeps as JSON under ``key`` (None when it has none)."""
     raw = ckpt.get(key, "null")
@@ -852,9 +929,9 @@ def main(job: JobSpec, attempt: int = 1) -> TrainingMetrics:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     cache = ShardCache.from_env(job.run_id)  # set on the training box: a folder on its disk
-    train, val = open_splits(job, device, cache)
+    train, val, share = open_splits(job, device, cache, d)
     ckpt = load_checkpoint(job.uri(CHECKPOINT))
-    ctx = _build_run(job, attempt, d, device, t_setup, train, ckpt)
+    ctx = _build_run(job, attempt, d, device, t_setup, train, share, ckpt)
     state = _resume(ctx, ckpt)
     signal.signal(signal.SIGTERM, state.on_sigterm)  # checkpoint-and-exit at the next agreement
     state.started = state.last_ckpt = time.monotonic()
@@ -892,6 +969,7 @@ def _build_run(
     device: torch.device,
     t_setup: float,
     train: Split | ShardStream,
+    share: Share,
     ckpt: dict[str, Any] | None,
 ) -> Run:
     """Build the model, its optimiser and schedule: a new run's, or restored from ``ckpt``."""
@@ -916,11 +994,12 @@ def _build_run(
     if ckpt is not None:
         range_test = _from_checkpoint(ckpt, "lr_range_test", RangeTest)
     elif job.lr_range_test:
-        range_test = lr_range_test(model, train, job, mean, std, scale, amp_dtype)
+        range_test = _agree_range_test(
+            lr_range_test(model, train, job, mean, std, scale, amp_dtype), d
+        )
     if range_test is not None:  # the rate the sweep found is the run's peak rate
         job = job.model_copy(update={"learning_rate": range_test.chosen_lr})
-    steps_per_epoch = max(1, len(train) // job.batch_size)
-    total_steps = steps_per_epoch * job.epochs
+    total_steps = share.steps * job.epochs
     opt = make_optimizer(param_groups(model, job), job)
     lr_scale = LrScale()
     sched = warmup_cosine(opt, total_steps, warmup_steps(job, total_steps), lr_scale)
@@ -954,7 +1033,7 @@ def _build_run(
         opt=opt,
         sched=sched,
         lr_scale=lr_scale,
-        steps_per_epoch=steps_per_epoch,
+        share=share,
         loaded=loaded,
         range_test=range_test,
     )
@@ -1154,7 +1233,7 @@ def _final_metrics(
 ) -> TrainingMetrics:
     """Evaluate the best epoch's model (it is the model) and return the run's metrics."""
     job, model, device, amp_dtype = ctx.job, ctx.model, ctx.device, ctx.amp_dtype
-    n, steps_per_epoch, epoch_seconds = len(job.classes), ctx.steps_per_epoch, state.epoch_seconds
+    n, steps_per_epoch, epoch_seconds = len(job.classes), ctx.share.steps, state.epoch_seconds
     if state.best_state is not None:  # the best validation epoch is the model, not the last
         model.load_state_dict(state.best_state)
     final = evaluate(model, val, ctx.mean, ctx.std, ctx.scale, n, EVAL_BATCH, amp_dtype)
@@ -1212,7 +1291,7 @@ def _final_metrics(
         ),
         versions={"torch": torch.__version__},
         host=HostInfo.model_validate(lineage.host_description()),
-        train_images=len(train),
+        train_images=ctx.share.images,
         val_images=len(val),
         source_commit=job.source_commit or lineage.source_commit(),
         dataset_fingerprint=job.dataset_fingerprint,
