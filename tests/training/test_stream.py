@@ -35,6 +35,7 @@ from burstcv.training.train import (
     Dist,
     Share,
     Split,
+    _train_batches,
     load_shards,
     open_splits,
     run_job,
@@ -496,16 +497,8 @@ def box_ranks(uris: list[str], nodes: int, per_box: int) -> list[tuple[ShardStre
 
 
 def rank_ids(stream: ShardStream, share: Share, epoch: int, start: int = 0) -> list[list[int]]:
-    batches = stream.train_batches(
-        seed=5,
-        epoch=epoch,
-        batch_size=share.batch_size,
-        start_step=start,
-        rank=share.rank,
-        world_size=share.world_size,
-        steps=share.steps,
-    )
-    return [ids_of(b) for b in batches]
+    """Return a rank's batches of an epoch from ``start``, as the training loop asks for them."""
+    return [ids_of(b) for b in _train_batches(stream, 5, epoch, start, share)]
 
 
 def test_boxes_train_on_their_own_shards_in_the_same_number_of_steps(tmp_path: Path) -> None:
