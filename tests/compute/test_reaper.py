@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -13,7 +14,7 @@ from burstcv_testkit import HELD_WHEEL, launch_of
 
 from burstcv.compute import reaper
 from burstcv.compute.base import ENDING, RUNNING, STOPPED, TAG_RUN_ID, InstanceInfo
-from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
+from burstcv.compute.ec2 import Ec2Backend, Ec2Settings, Subnet
 from burstcv.compute.reaper import (
     REASON_EXPIRED,
     REASON_RUN_NOT_ACTIVE,
@@ -23,18 +24,91 @@ from burstcv.compute.reaper import (
     reap,
 )
 from burstcv.settings import Settings
-from burstcv_spec.contracts import ReapDecision, ReaperReport, ReapError
+from burstcv_spec.contracts import ReapDecision, ReaperReport, ReapError, RunRef
 
 DAG_ID = "burstcv_train"
+# Runs as Airflow names them: their raw ids hold ':' and '+', which the boxes' run-key tag
+# (the path-safe form) does not; Airflow knows a run by its raw id only.
+LIVE = RunRef.of("manual__2026-05-01T11:58:03.123456+00:00")
+FINISHED = RunRef.of("scheduled__2026-05-01T00:00:00+00:00")
 
 
-def launch_held(backend: Ec2Backend, player: Any, run_id: str, time_budget_s: int = 600) -> str:
-    """Launch one instance for ``run_id`` that the harness leaves running (a leak)."""
+class Airflow:
+    """Answer the reaper's one question as Airflow would; record who was asked, and when.
+
+    It knows runs by (DAG id, run id) exactly, and a run it does not know reads as OVER, as
+    a deleted run does in Airflow: a reaper that asks with the wrong id (the path-safe key
+    instead of the raw Airflow id, or another DAG's id) would terminate a live run's box, and
+    the test that keeps that box fails. An exception in the table is raised, any other
+    answer returned as is.
+    """
+
+    def __init__(
+        self,
+        runs: dict[str, object],
+        *,
+        dag_id: str = DAG_ID,
+        events: list[str] | None = None,
+    ) -> None:
+        self.runs = {(dag_id, run_id): answer for run_id, answer in runs.items()}
+        self.asked: list[tuple[str, str]] = []
+        self.events = events if events is not None else []
+
+    def __call__(self, dag_id: str, run_id: str) -> RunActivity:
+        self.asked.append((dag_id, run_id))
+        self.events.append(f"ask {run_id}")
+        answer = self.runs.get((dag_id, run_id), RunActivity.OVER)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer  # type: ignore[return-value]
+
+
+def launch_held(
+    backend: Ec2Backend,
+    player: Any,
+    run_id: str,
+    time_budget_s: int = 600,
+    *,
+    airflow_run_id: str = "",
+) -> str:
+    """Launch one instance for run key ``run_id`` that the harness leaves running (a leak)."""
     player.modes[run_id] = player.HOLD
     (iid,) = backend.launch(
-        launch_of(run_id, dag_id=DAG_ID, time_budget_s=time_budget_s, **HELD_WHEEL)
+        launch_of(
+            run_id,
+            dag_id=DAG_ID,
+            time_budget_s=time_budget_s,
+            airflow_run_id=airflow_run_id,
+            **HELD_WHEEL,
+        )
     )
     return iid
+
+
+def sweep_settings(kit: Any, monkeypatch: Any, regions: str = "us-east-1") -> Settings:
+    """Return settings for a reaper pass over EC2 on the emulator (``regions`` "": all)."""
+    for key, value in {
+        "BURSTCV_EC2_AMI": kit.ami_parameter,
+        "BURSTCV_EC2_INSTANCE_PROFILE": "burstcv-training",
+    }.items():
+        monkeypatch.setenv(key, value)
+    return Settings(reaper_backends="", reaper_regions=regions, compute_backend="ec2")
+
+
+def runs_with_groups(ec2_client: Any) -> tuple[set[str], set[str]]:
+    """Return the run keys that have a placement group, and those that have a security group."""
+
+    def run_of(group: dict[str, Any]) -> str:
+        return {t["Key"]: t["Value"] for t in group.get("Tags", [])}.get(TAG_RUN_ID, "")
+
+    placement = ec2_client.describe_placement_groups()["PlacementGroups"]
+    security = ec2_client.describe_security_groups()["SecurityGroups"]
+    return {run_of(g) for g in placement} - {""}, {run_of(g) for g in security} - {""}
+
+
+def make_groups(backend: Ec2Backend, run_key: str, expires_at: datetime) -> None:
+    """Make the placement and security groups of a run of several boxes, as its launch does."""
+    backend.ensure_cluster(launch_of(run_key, dag_id=DAG_ID), expires_at, Subnet(None))
 
 
 def state(ec2_client: Any, iid: str) -> str:
@@ -65,7 +139,9 @@ def test_expired_instance_of_a_dead_orchestrator_is_terminated(
     (info,) = backend.describe("orphan")
     assert info.expires_at is not None
     # The orchestrator died and its metadata still says "running": expiry alone decides.
-    report = reap(backend, run_activity=lambda dag, run: RunActivity.ACTIVE, now=info.expires_at)
+    airflow = Airflow({"orphan": RunActivity.ACTIVE})
+    report = reap(backend, run_activity=airflow, now=info.expires_at)
+    assert airflow.asked == []
     assert report.instance_ids == [iid]
     assert report.decisions[0].reason == REASON_EXPIRED
     assert report.model_dump(mode="json")["decisions"][0]["instance_id"] == iid
@@ -76,19 +152,14 @@ def test_expired_instance_of_a_dead_orchestrator_is_terminated(
 def test_instance_of_a_finished_run_is_terminated_before_expiry(
     backend: Ec2Backend, ec2_client: Any, player: Any, kit: Any
 ) -> None:
-    asked: list[tuple[str, str]] = []
     keep = launch_held(backend, player, "still-running")
     leak = launch_held(backend, player, "finished")
-
-    def run_activity(dag_id: str, run_id: str) -> RunActivity:
-        asked.append((dag_id, run_id))
-        return RunActivity.ACTIVE if run_id == "still-running" else RunActivity.OVER
-
-    report = reap(backend, run_activity=run_activity)
+    airflow = Airflow({"still-running": RunActivity.ACTIVE, "finished": RunActivity.OVER})
+    report = reap(backend, run_activity=airflow)
     assert report.instance_ids == [leak]
     assert report.decisions[0].reason == REASON_RUN_NOT_ACTIVE
     assert report.kept == [keep]
-    assert sorted(asked) == [(DAG_ID, "finished"), (DAG_ID, "still-running")]
+    assert sorted(airflow.asked) == [(DAG_ID, "finished"), (DAG_ID, "still-running")]
     assert kit.live_managed() == [keep]
     backend.terminate_run("still-running")
     assert kit.live_managed() == []
@@ -101,12 +172,10 @@ def test_reaper_leaves_instances_without_the_burstcv_tags_alone(
     leak = launch_held(backend, player, "leaked")
     (info,) = backend.describe("leaked")
     assert info.expires_at is not None
-    report = reap(
-        backend,
-        run_activity=lambda dag, run: RunActivity.OVER,
-        now=info.expires_at + timedelta(days=1),
-    )
+    airflow = Airflow({"leaked": RunActivity.ACTIVE})
+    report = reap(backend, run_activity=airflow, now=info.expires_at + timedelta(days=1))
     assert report.instance_ids == [leak]
+    assert airflow.asked == []  # past its expiry: no question asked
     assert [state(ec2_client, iid) for iid in others] == ["running", "running"]
     assert kit.live_managed() == []
     ec2_client.terminate_instances(InstanceIds=others)
@@ -116,12 +185,13 @@ def test_dry_run_terminates_nothing_and_says_what_it_would(
     backend: Ec2Backend, ec2_client: Any, player: Any, kit: Any
 ) -> None:
     leak = launch_held(backend, player, "dry")
-    report = reap(backend, run_activity=lambda dag, run: RunActivity.OVER, dry_run=True)
+    airflow = Airflow({"dry": RunActivity.OVER})
+    report = reap(backend, run_activity=airflow, dry_run=True)
     assert report.dry_run and report.instance_ids == [leak]
     assert report.model_dump(mode="json")["decisions"][0]["reason"] == REASON_RUN_NOT_ACTIVE
     assert "would terminate" in report.summary()
     assert state(ec2_client, leak) == "running"
-    reap(backend, run_activity=lambda dag, run: RunActivity.OVER)
+    assert reap(backend, run_activity=airflow).instance_ids == [leak]
     assert kit.live_managed() == []
 
 
@@ -133,25 +203,25 @@ def test_an_airflow_error_about_one_box_stops_none_of_the_others(
     expired = launch_held(backend, player, "expired", time_budget_s=60)  # 6 min, not 15
     (info,) = backend.describe("expired")
     assert info.expires_at is not None
-    asked: list[str] = []
-
-    def run_activity(dag_id: str, run_id: str) -> RunActivity:
-        asked.append(run_id)
-        if run_id == "unknown":
-            raise ConnectionError("metadata database unreachable")
-        return RunActivity.OVER
+    airflow = Airflow(
+        {
+            "unknown": ConnectionError("metadata database unreachable"),
+            "finished": RunActivity.OVER,
+            "expired": RunActivity.ACTIVE,
+        }
+    )
 
     # "now" is past the expiry of "expired" only.
     later = info.expires_at + timedelta(seconds=1)
     for run_id in ("unknown", "finished"):
         (other,) = backend.describe(run_id)
         assert other.expires_at is not None and other.expires_at > later
-    report = reap(backend, run_activity=run_activity, now=later)
+    report = reap(backend, run_activity=airflow, now=later)
 
     # Expired first, without asking; the finished run's box despite the error before it.
     assert report.decisions[0].instance_id == expired
     assert report.decisions[0].reason == REASON_EXPIRED
-    assert "expired" not in asked
+    assert sorted(airflow.asked) == [(DAG_ID, "finished"), (DAG_ID, "unknown")]
     assert set(report.instance_ids) == {expired, finished}
     assert state(ec2_client, expired) == "terminated"
     assert state(ec2_client, finished) == "terminated"
@@ -185,7 +255,8 @@ def test_a_refused_terminate_stops_none_of_the_others(
     backend.client.meta.events.register(
         "before-parameter-build.ec2.TerminateInstances", refuse_first
     )
-    report = reap(backend, run_activity=lambda dag, run: RunActivity.OVER)
+    airflow = Airflow({"refused": RunActivity.OVER, "fine": RunActivity.OVER})
+    report = reap(backend, run_activity=airflow)
     assert refused_ids == [first]
     assert report.instance_ids == [second]
     assert [(e.instance_id, e.step) for e in report.errors] == [(first, "terminate")]
@@ -199,20 +270,17 @@ def test_the_pipeline_reaper_sweeps_every_enabled_region(
     ec2_settings: Ec2Settings, ec2_client: Any, player: Any, kit: Any, monkeypatch: Any
 ) -> None:
     far = Ec2Backend(ec2_settings.model_copy(update={"region": "eu-west-1"}))
-    player.modes["far-away"] = player.HOLD
-    (iid,) = far.launch(launch_of("far-away", dag_id=DAG_ID, **HELD_WHEEL))
-    for key, value in {
-        "BURSTCV_EC2_REGION": "us-east-1",  # the settings name another region entirely
-        "BURSTCV_EC2_AMI": kit.ami_parameter,
-        "BURSTCV_EC2_INSTANCE_PROFILE": "burstcv-training",
-    }.items():
-        monkeypatch.setenv(key, value)
-    settings = Settings(reaper_backends="", reaper_regions="", compute_backend="ec2")
+    iid = launch_held(far, player, FINISHED.run_key, airflow_run_id=FINISHED.airflow_run_id)
+    monkeypatch.setenv("BURSTCV_EC2_REGION", "us-east-1")  # the settings name another region
+    settings = sweep_settings(kit, monkeypatch, regions="")
     assert settings.reaper_backend_names() == ["local", "ec2"]
-    reports = reaper.reap_everywhere(["ec2"], lambda dag, run: RunActivity.OVER, settings=settings)
+    airflow = Airflow({FINISHED.airflow_run_id: RunActivity.OVER})
+    reports = reaper.reap_everywhere(["ec2"], airflow, settings=settings)
     by_region = {r.region: r for r in reports}
     assert {"us-east-1", "eu-west-1"} <= set(by_region)
     assert by_region["eu-west-1"].instance_ids == [iid]
+    assert [r.region for r in reports if r.instance_ids] == ["eu-west-1"]
+    assert airflow.asked == [(DAG_ID, FINISHED.airflow_run_id)]
     assert reaper.reap_errors(reports) == 0
     far_ec2 = boto3.client(
         "ec2", region_name="eu-west-1", endpoint_url=ec2_client.meta.endpoint_url
@@ -257,16 +325,22 @@ def test_ec2_without_credentials_is_a_warning_not_a_failed_pass(
     settings = Settings(
         home=str(tmp_path), reaper_backends="", reaper_regions=regions, compute_backend="ec2"
     )
-    reports = reaper.reap_everywhere(None, lambda dag, run: RunActivity.OVER, settings=settings)
+    airflow = Airflow({})
+    reports = reaper.reap_everywhere(None, airflow, settings=settings)
     assert [r.backend for r in reports] == ["local", "ec2"]
+    assert airflow.asked == []
     assert reaper.reap_errors(reports) == 0
     (ec2,) = [r for r in reports if r.backend == "ec2"]
-    assert ec2.warnings and "no AWS credentials" in ec2.warnings[0]
+    assert ec2.errors == []
+    (warning,) = ec2.warnings
+    assert warning.startswith("ec2 not swept: no AWS credentials (")
 
 
 def test_nothing_to_reap_reports_so(backend: Ec2Backend, ec2_client: Any) -> None:
-    report = reap(backend, run_activity=lambda dag, run: RunActivity.ACTIVE)
+    airflow = Airflow({})
+    report = reap(backend, run_activity=airflow)
     assert report.instance_ids == [] and "nothing to terminate" in report.summary()
+    assert airflow.asked == []
 
 
 def test_burstcv_reap_exits_non_zero_when_the_pass_counted_errors(
@@ -341,27 +415,6 @@ class FakeBackend:
             self.terminated.append(iid)
 
 
-class Airflow:
-    """Answer the reaper's one question from a table of run states; record who was asked."""
-
-    def __init__(
-        self,
-        answers: dict[str, object],
-        events: list[str] | None = None,
-    ) -> None:
-        self.answers = answers
-        self.asked: list[tuple[str, str]] = []
-        self.events = events if events is not None else []
-
-    def __call__(self, dag_id: str, run_id: str) -> RunActivity:
-        self.asked.append((dag_id, run_id))
-        self.events.append(f"ask {run_id}")
-        answer = self.answers.get(run_id, RunActivity.ACTIVE)
-        if isinstance(answer, Exception):
-            raise answer
-        return answer  # type: ignore[return-value]
-
-
 def test_a_live_runs_box_is_kept_and_a_finished_runs_box_goes() -> None:
     live, done = box("i-live", "live"), box("i-done", "done")
     backend = FakeBackend(live, done)
@@ -375,6 +428,20 @@ def test_a_live_runs_box_is_kept_and_a_finished_runs_box_goes() -> None:
     assert report.errors == [] and report.warnings == []
     assert sorted(airflow.asked) == [(DAG_ID, "done"), (DAG_ID, "live")]
     assert backend.listings == 1
+
+
+def test_airflow_is_asked_about_the_run_of_the_boxs_own_dag() -> None:
+    """Airflow's run ids are unique within a DAG only: two DAGs may each have a run of an id."""
+    run = FINISHED.run_key
+    train, pipeline = box("i-train", run), box("i-pipeline", run, dag_id="burstcv_pipeline")
+    backend = FakeBackend(train, pipeline)
+    airflow = Airflow({run: RunActivity.ACTIVE})  # burstcv_train's; burstcv_pipeline's is gone
+    report = reap(backend, run_activity=airflow, now=NOW)
+    assert backend.terminated == ["i-pipeline"] and report.kept == ["i-train"]
+    (decision,) = report.decisions
+    assert (decision.run_key, decision.dag_id) == (run, "burstcv_pipeline")
+    assert decision.detail == f"DAG run burstcv_pipeline/{run} is not running"
+    assert airflow.asked == [(DAG_ID, run), ("burstcv_pipeline", run)]
 
 
 def test_a_box_without_an_expiry_tag_lives_as_long_as_its_run() -> None:
@@ -431,7 +498,9 @@ def test_a_box_missing_its_run_or_dag_tag_goes_without_asking_airflow() -> None:
     no_run = InstanceInfo("i-no-run", "", DAG_ID, RUNNING)
     no_dag = InstanceInfo("i-no-dag", "some-run", "", RUNNING)
     backend = FakeBackend(no_run, no_dag)
-    airflow = Airflow({})  # would say ACTIVE to anything
+    # Asked, this Airflow would keep both: so only the tags can have sent them.
+    airflow = Airflow({"": RunActivity.ACTIVE})
+    airflow.runs[("", "some-run")] = RunActivity.ACTIVE
     report = reap(backend, run_activity=airflow, now=NOW)
     assert backend.terminated == ["i-no-run", "i-no-dag"]
     assert [d.reason for d in report.decisions] == [REASON_UNTRACEABLE, REASON_UNTRACEABLE]
@@ -516,7 +585,7 @@ def test_without_a_now_the_pass_uses_the_current_time() -> None:
         box("i-future", expires_at=datetime.now(UTC) + timedelta(hours=1)),
     )
     before = datetime.now(UTC)
-    report = reap(backend, run_activity=Airflow({}))
+    report = reap(backend, run_activity=Airflow({"run-i-future": RunActivity.ACTIVE}))
     assert before <= report.checked_at <= datetime.now(UTC)
     assert backend.terminated == ["i-past"] and report.kept == ["i-future"]
 
@@ -525,14 +594,14 @@ def test_the_given_now_decides_not_the_clock() -> None:
     # A pass replayed for a moment long past: boxes young then are kept, whatever today is.
     then = datetime(2020, 1, 1, tzinfo=UTC)
     backend = FakeBackend(box("i-1", expires_at=then + timedelta(hours=1)))
-    report = reap(backend, run_activity=Airflow({}), now=then)
+    report = reap(backend, run_activity=Airflow({"run-i-1": RunActivity.ACTIVE}), now=then)
     assert report.checked_at == then
     assert backend.terminated == [] and report.kept == ["i-1"]
 
 
 def test_a_dry_run_terminates_nothing_and_reports_what_it_would() -> None:
     backend = FakeBackend(box("i-expired", expires_at=NOW), box("i-done", "done"), box("i-live"))
-    airflow = Airflow({"done": RunActivity.OVER})
+    airflow = Airflow({"done": RunActivity.OVER, "run-i-live": RunActivity.ACTIVE})
     report = reap(backend, run_activity=airflow, now=NOW, dry_run=True)
     assert backend.terminated == [] and backend.events == []
     assert report.dry_run and report.instance_ids == ["i-expired", "i-done"]
@@ -556,7 +625,13 @@ def test_a_real_pass_terminates_by_default_and_reports_it() -> None:
 
 def test_a_pass_with_nothing_to_terminate_says_how_many_it_kept() -> None:
     backend = FakeBackend(box("i-1"), box("i-2", "odd"), box("i-3", "broken"))
-    airflow = Airflow({"odd": RunActivity.UNKNOWN, "broken": ConnectionError("down")})
+    airflow = Airflow(
+        {
+            "run-i-1": RunActivity.ACTIVE,
+            "odd": RunActivity.UNKNOWN,
+            "broken": ConnectionError("down"),
+        }
+    )
     report = reap(backend, run_activity=airflow, now=NOW)
     assert report.instance_ids == []
     assert report.summary() == (
@@ -606,37 +681,159 @@ def test_the_groups_of_an_expired_run_with_no_box_left_are_removed(
     """A run of several boxes whose orchestrator died leaves its placement and security
     groups behind (its teardown never ran): a reaper pass removes them once the run's expiry
     passed and its last box is gone, never a live run's, never before its expiry."""
-    from burstcv.compute.ec2 import Subnet
-
     now = datetime.now(UTC)
     for run_id, expiry in (
         ("leaked", now - timedelta(minutes=5)),
         ("terminating", now - timedelta(minutes=5)),  # a box still holds its group
         ("later", now + timedelta(hours=1)),
     ):
-        backend.ensure_cluster(launch_of(run_id, dag_id=DAG_ID), expiry, Subnet(None))
-
-    def runs_with_groups() -> tuple[set[str], set[str]]:
-        def run_of(group: dict[str, Any]) -> str:
-            return {t["Key"]: t["Value"] for t in group.get("Tags", [])}.get(TAG_RUN_ID, "")
-
-        placement = ec2_client.describe_placement_groups()["PlacementGroups"]
-        security = ec2_client.describe_security_groups()["SecurityGroups"]
-        return {run_of(g) for g in placement} - {""}, {run_of(g) for g in security} - {""}
+        make_groups(backend, run_id, expiry)
 
     everything = {"leaked", "terminating", "later"}
     assert backend.remove_expired_clusters(now, {"terminating"}, dry_run=True) == ["leaked"]
-    assert runs_with_groups() == (everything, everything)  # a dry run removes nothing
+    assert runs_with_groups(ec2_client) == (everything, everything)  # a dry run removes nothing
     assert backend.remove_expired_clusters(now, {"terminating"}) == ["leaked"]
-    assert runs_with_groups() == ({"terminating", "later"}, {"terminating", "later"})
+    assert runs_with_groups(ec2_client) == ({"terminating", "later"}, {"terminating", "later"})
 
     # The reaper's pass does the same, after its boxes: "terminating" has none left now.
-    for key, value in {
-        "BURSTCV_EC2_AMI": kit.ami_parameter,
-        "BURSTCV_EC2_INSTANCE_PROFILE": "burstcv-training",
-    }.items():
-        monkeypatch.setenv(key, value)
-    settings = Settings(reaper_backends="", reaper_regions="us-east-1", compute_backend="ec2")
-    reports = reaper.reap_everywhere(["ec2"], lambda dag, run: RunActivity.OVER, settings=settings)
+    airflow = Airflow({})
+    reports = reaper.reap_everywhere(["ec2"], airflow, settings=sweep_settings(kit, monkeypatch))
     assert reaper.reap_errors(reports) == 0
-    assert runs_with_groups() == ({"later"}, {"later"})
+    assert airflow.asked == []
+    assert runs_with_groups(ec2_client) == ({"later"}, {"later"})
+
+
+# --- A pass everywhere: Airflow is asked by the raw run id the boxes carry ---
+
+
+def test_a_pass_everywhere_asks_airflow_by_the_raw_run_id_and_keeps_a_live_runs_box(
+    backend: Ec2Backend, ec2_client: Any, player: Any, kit: Any, monkeypatch: Any
+) -> None:
+    """Boxes are tagged with the path-safe run key; Airflow knows only the raw run id (its own
+    tag), and answers "not found" (OVER) for anything else: asked by the key, a reaper would
+    terminate every live run's box."""
+    assert LIVE.run_key != LIVE.airflow_run_id
+    assert FINISHED.run_key != FINISHED.airflow_run_id
+    keep = launch_held(backend, player, LIVE.run_key, airflow_run_id=LIVE.airflow_run_id)
+    leak = launch_held(backend, player, FINISHED.run_key, airflow_run_id=FINISHED.airflow_run_id)
+    # Launched before the raw id had a tag of its own: its key is all there is to ask with.
+    legacy = launch_held(backend, player, "legacy-run")
+    airflow = Airflow(
+        {
+            LIVE.airflow_run_id: RunActivity.ACTIVE,
+            FINISHED.airflow_run_id: RunActivity.OVER,
+            "legacy-run": RunActivity.ACTIVE,
+        }
+    )
+    settings = sweep_settings(kit, monkeypatch)
+    (report,) = reaper.reap_everywhere(["ec2"], airflow, settings=settings)
+
+    # The live run's box is still up; only the finished run's went.
+    assert (state(ec2_client, keep), state(ec2_client, leak)) == ("running", "terminated")
+    assert (report.backend, report.region, report.dry_run) == ("ec2", "us-east-1", False)
+    assert report.instance_ids == [leak]
+    (decision,) = report.decisions
+    assert (decision.run_key, decision.dag_id, decision.reason) == (
+        FINISHED.run_key,
+        DAG_ID,
+        REASON_RUN_NOT_ACTIVE,
+    )
+    assert sorted(report.kept) == sorted([keep, legacy])
+    assert report.errors == [] and report.warnings == []
+    assert sorted(airflow.asked) == sorted(
+        [
+            (DAG_ID, LIVE.airflow_run_id),
+            (DAG_ID, FINISHED.airflow_run_id),
+            (DAG_ID, "legacy-run"),
+        ]
+    )
+    assert sorted(kit.live_managed()) == sorted([keep, legacy])
+    backend.terminate([keep, legacy])
+    assert kit.live_managed() == []
+
+
+def test_a_dry_pass_everywhere_terminates_no_box_and_removes_no_group(
+    backend: Ec2Backend, ec2_client: Any, player: Any, kit: Any, monkeypatch: Any
+) -> None:
+    """A run's groups outlive its last box by one pass (a box being terminated still holds its
+    security group), and a dry pass removes neither boxes nor groups."""
+    leak = launch_held(backend, player, FINISHED.run_key, airflow_run_id=FINISHED.airflow_run_id)
+    expired = datetime.now(UTC) - timedelta(minutes=5)
+    make_groups(backend, FINISHED.run_key, expired)  # its orchestrator died after making them
+    make_groups(backend, "abandoned", expired)  # no box left at all
+    airflow = Airflow({FINISHED.airflow_run_id: RunActivity.OVER})
+    settings = sweep_settings(kit, monkeypatch)
+    both = {FINISHED.run_key, "abandoned"}
+
+    (dry,) = reaper.reap_everywhere(["ec2"], airflow, dry_run=True, settings=settings)
+    assert dry.dry_run and dry.instance_ids == [leak]
+    assert (
+        dry.summary() == f"reaper (ec2 us-east-1): would terminate {leak} (run-not-active); kept 0"
+    )
+    assert state(ec2_client, leak) == "running"
+    assert runs_with_groups(ec2_client) == (both, both)
+
+    (first,) = reaper.reap_everywhere(["ec2"], airflow, settings=settings)
+    assert not first.dry_run and first.instance_ids == [leak]
+    assert state(ec2_client, leak) == "terminated"
+    # Listed when the pass began, the box kept its run's groups through it.
+    assert runs_with_groups(ec2_client) == ({FINISHED.run_key}, {FINISHED.run_key})
+
+    (second,) = reaper.reap_everywhere(["ec2"], airflow, settings=settings)
+    assert second.instance_ids == [] and second.kept == []
+    assert runs_with_groups(ec2_client) == (set(), set())
+    assert reaper.reap_errors([dry, first, second]) == 0
+    assert airflow.asked == [(DAG_ID, FINISHED.airflow_run_id)] * 2
+
+
+def test_a_backend_or_a_group_sweep_that_fails_is_counted_and_stops_nothing_else(
+    backend: Ec2Backend,
+    ec2_client: Any,
+    player: Any,
+    kit: Any,
+    monkeypatch: Any,
+    audited_calls: Any,
+) -> None:
+    leak = launch_held(backend, player, FINISHED.run_key, airflow_run_id=FINISHED.airflow_run_id)
+    # AWS refuses to list the security groups: the groups sweep fails, after the boxes.
+    refused = (
+        b"<Response><Errors><Error><Code>UnauthorizedOperation</Code>"
+        b"<Message>injected refusal</Message></Error></Errors>"
+        b"<RequestID>r-1</RequestID></Response>"
+    )
+    monkeypatch.setitem(audited_calls.answers, "ec2:DescribeSecurityGroups", (403, refused))
+    airflow = Airflow({FINISHED.airflow_run_id: RunActivity.OVER})
+    settings = sweep_settings(kit, monkeypatch)
+    reports = reaper.reap_everywhere(["nowhere", "ec2"], airflow, settings=settings)
+
+    assert [(r.backend, r.region) for r in reports] == [("nowhere", ""), ("ec2", "us-east-1")]
+    nowhere, ec2 = reports
+    (listing,) = nowhere.errors
+    assert (listing.instance_id, listing.step) == ("", "list")
+    assert "unknown compute backend 'nowhere'" in listing.error
+    assert nowhere.decisions == [] and nowhere.warnings == []
+    assert ec2.instance_ids == [leak]
+    assert state(ec2_client, leak) == "terminated"
+    (groups,) = ec2.errors
+    assert (groups.instance_id, groups.step) == ("", "groups")
+    assert groups.error.startswith("ClientError") and "injected refusal" in groups.error
+    assert reaper.reap_errors(reports) == 2
+
+
+@pytest.mark.parametrize("botocore", ["importable", "missing"])
+def test_a_backend_that_cannot_be_swept_is_an_error_not_a_warning(
+    tmp_path: Any, monkeypatch: Any, botocore: str
+) -> None:
+    """Only AWS's own "no credentials" is a warning; without botocore, nothing is."""
+    if botocore == "missing":
+        monkeypatch.setitem(sys.modules, "botocore.exceptions", None)  # import fails
+    settings = Settings(home=str(tmp_path), reaper_backends="")
+    airflow = Airflow({})
+    reports = reaper.reap_everywhere(["nowhere", "local"], airflow, settings=settings)
+    assert [r.backend for r in reports] == ["nowhere", "local"]
+    nowhere, local = reports
+    assert [(e.instance_id, e.step) for e in nowhere.errors] == [("", "list")]
+    assert nowhere.errors[0].error.startswith("UnknownBackendError: unknown compute backend")
+    assert nowhere.warnings == [] and local.warnings == [] and local.errors == []
+    assert reaper.reap_errors(reports) == 1
+    assert airflow.asked == []
