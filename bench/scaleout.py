@@ -197,8 +197,8 @@ def in_process_work(dataset: Path, scratch: Path, image_size: int) -> dict[str, 
         started = time.perf_counter()
         scan_chunk(plan, whole, params.validation_config(), workers=1)
         scan_s = time.perf_counter() - started
-        validated = pipeline.validate(run, params, settings)
-        order = pipeline.shard_order(params, validated)
+        validated = pipeline.validate(run, settings, params=params)
+        order = pipeline.shard_order(pipeline.resolved_run(run, settings), validated)
         started = time.perf_counter()
         pack_shards(order, 0, order.total, str(scratch / "inproc" / "shards"))
         pack_s = time.perf_counter() - started

@@ -782,7 +782,7 @@ def sizing(args: argparse.Namespace, model_dir: Path, work: Path) -> None:
             with context as running:
                 url = running[0] if name == "burstcv" else running.url
                 best = sustainable_rate(
-                    url, [image], slo_ms=args.slo_ms, duration_s=args.duration_s
+                    url, [image], latency_slo_ms=args.slo_ms, duration_s=args.duration_s
                 )
             measured[name] = best.rate_rps if best else 0.0
             logger.info(

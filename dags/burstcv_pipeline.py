@@ -7,7 +7,7 @@ service **only if** it meets the latency SLO and does not lose accuracy.
 
 | stage | what it does | costs money? |
 |---|---|---|
-| `plan_scan` | lists the dataset, cuts it into chunks (`chunk_files`, `chunk_mb`) | no |
+| `plan_scan` | resolves the run (params, prices, budget: run.json), chunks the data | no |
 | `scan` (mapped) | a task per chunk: reads, hashes, decodes its files into a manifest part | no |
 | `validate` | Great Expectations suite over the joined manifest; fails naming the bad files | no |
 | `plan_pack` | cuts the shards into chunks (or skips: nothing new to train on) | no |
@@ -51,7 +51,6 @@ from burstcv.airflow.callbacks import log_failure_summary
 from burstcv.airflow.data_stages import SAFE_RETRY, data_stages
 from burstcv.airflow.form import trigger_form
 from burstcv.airflow.operators import WaitForTrainingOperator
-from burstcv.params import RunParams
 from burstcv.settings import get_settings
 from burstcv_spec.contracts import (
     Benchmarked,
@@ -71,16 +70,13 @@ DATASET = Asset(
 )
 
 
-def _params(params: dict[str, Any]) -> RunParams:
-    return RunParams.resolve(params, SETTINGS)
-
-
 def _run(run_id: str | None) -> RunRef:
     return RunRef.of(str(run_id))
 
 
 # Stage results travel through XCom as JSON (model_dump(mode="json")) and are rebuilt, and
-# validated, with Model.model_validate by the task that receives them.
+# validated, with Model.model_validate by the task that receives them. The run's params are
+# resolved once, by plan_scan (run.json); no later task reads the trigger's params.
 
 
 @dag(
@@ -108,11 +104,7 @@ def burstcv_pipeline() -> None:
 
     @task(execution_timeout=timedelta(minutes=15), pool=SETTINGS.gpu_pool)
     def provision(
-        packed: dict[str, Any],
-        params: dict[str, Any] | None = None,
-        run_id: str | None = None,
-        dag: Any = None,
-        ti: Any = None,
+        packed: dict[str, Any], run_id: str | None = None, dag: Any = None, ti: Any = None
     ) -> dict[str, Any]:
         """Write job.json and start the training box(es), tagged with this run."""
         from burstcv import pipeline
@@ -120,7 +112,6 @@ def burstcv_pipeline() -> None:
         return pipeline.provision(
             _run(run_id),
             dag.dag_id,
-            _params(params or {}),
             Packed.model_validate(packed),
             SETTINGS,
             attempt=int(getattr(ti, "try_number", 1) or 1),
@@ -139,8 +130,9 @@ def burstcv_pipeline() -> None:
         """Terminate every box tagged with this run when provision failed."""
         from burstcv import pipeline
 
+        run = _run(run_id)
         return pipeline.clean_up_provision(
-            _run(run_id), RunParams.backend_of(params or {}, SETTINGS), SETTINGS
+            run, pipeline.run_backend(run, params or {}, SETTINGS), SETTINGS
         )
 
     @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
@@ -152,62 +144,51 @@ def burstcv_pipeline() -> None:
         return pipeline.terminate(boxes.run, boxes.backend, SETTINGS).model_dump(mode="json")
 
     @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
-    def export(params: dict[str, Any] | None = None, run_id: str | None = None) -> dict[str, Any]:
+    def export(run_id: str | None = None) -> dict[str, Any]:
         """Convert the run's checkpoint to ONNX and prove it equals torch on real images."""
         from burstcv import pipeline
 
-        return pipeline.export(_run(run_id), _params(params or {}), SETTINGS).model_dump(
-            mode="json"
-        )
+        return pipeline.export(_run(run_id), SETTINGS).model_dump(mode="json")
 
     @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
-    def benchmark(
-        params: dict[str, Any] | None = None, run_id: str | None = None
-    ) -> dict[str, Any]:
+    def benchmark(run_id: str | None = None) -> dict[str, Any]:
         """Measure candidate and production latency, and size the candidate's CPU fleet."""
         from burstcv import pipeline
 
-        return pipeline.benchmark(_run(run_id), _params(params or {}), SETTINGS).model_dump(
-            mode="json"
-        )
+        return pipeline.benchmark(_run(run_id), SETTINGS).model_dump(mode="json")
 
     @task(execution_timeout=timedelta(minutes=10))
     def gate(
-        exported: dict[str, Any],
-        bench: dict[str, Any],
-        params: dict[str, Any] | None = None,
-        run_id: str | None = None,
+        exported: dict[str, Any], bench: dict[str, Any], run_id: str | None = None
     ) -> dict[str, Any]:
         """Judge latency and accuracy, and register the version as accepted or rejected."""
         from burstcv import pipeline
 
         return pipeline.gate(
             _run(run_id),
-            _params(params or {}),
             Exported.model_validate(exported),
             Benchmarked.model_validate(bench),
             SETTINGS,
         ).model_dump(mode="json")
 
     @task(execution_timeout=timedelta(minutes=10))
-    def deploy(
-        verdict: dict[str, Any], params: dict[str, Any] | None = None, run_id: str | None = None
-    ) -> dict[str, Any]:
+    def deploy(verdict: dict[str, Any], run_id: str | None = None) -> dict[str, Any]:
         """Move the production alias and verify the service serves the new version."""
         from burstcv import pipeline
 
-        run_params, judged = _params(params or {}), VerdictRecord.model_validate(verdict)
-        if reason := pipeline.deploy_skip_reason(judged, run_params):
+        run, judged = _run(run_id), VerdictRecord.model_validate(verdict)
+        promote = pipeline.resolved_run(run, SETTINGS).params.promote
+        if reason := pipeline.deploy_skip_reason(judged, promote=promote):
             raise AirflowSkipException(reason)
-        return pipeline.deploy(_run(run_id), run_params, judged, SETTINGS).model_dump(mode="json")
+        return pipeline.deploy(run, judged, SETTINGS).model_dump(mode="json")
 
     # all_done: the report is the page that says what went wrong, so it runs whatever failed.
     @task(execution_timeout=timedelta(minutes=10), trigger_rule="all_done", **SAFE_RETRY)
-    def report(params: dict[str, Any] | None = None, run_id: str | None = None) -> str:
+    def report(run_id: str | None = None) -> str:
         """Write the run's one-page HTML report (data checks, curves, latency, verdict, cost)."""
         from burstcv import pipeline
 
-        return pipeline.report(_run(run_id), _params(params or {}), SETTINGS)
+        return pipeline.report(_run(run_id), SETTINGS)
 
     # A teardown, so that it runs even after a user marks the run failed (Airflow skips every
     # other pending task then, and leaves the run running until its teardowns are done), and

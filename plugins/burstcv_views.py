@@ -11,6 +11,7 @@ process.
 from __future__ import annotations
 
 import html
+import logging
 import mimetypes
 import re
 from pathlib import Path
@@ -21,13 +22,14 @@ from fastapi.responses import HTMLResponse, Response
 
 from burstcv import links
 from burstcv.links import DAG_ID, URL_PREFIX
+from burstcv.params import ResolvedRun
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry, RegistryError
 from burstcv.settings import Settings, get_settings
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
     Artifact,
+    ArtifactError,
     Billing,
-    RunRecord,
     SkipRecord,
     VerdictRecord,
     read_artifact,
@@ -36,6 +38,7 @@ from burstcv_spec.layout import RunLayout
 from burstcv_spec.storage import safe_run_id
 
 A = TypeVar("A", bound=Artifact)
+log = logging.getLogger(__name__)
 
 __all__ = ["DAG_ID", "URL_PREFIX", "app", "artifact_uri", "artifact_url", "safe_run_id"]
 
@@ -87,9 +90,14 @@ def artifact_uri(settings: Settings, run_key: str, path: str) -> str:
 
 
 def _read_or_none(uri: str, model: type[A]) -> A | None:
+    """Return the artifact, or None when it is absent or unreadable (a run written before
+    its format changed, say): one run's file never takes the page down."""
     try:
         return read_artifact(uri, model)
     except storage.ArtifactNotFoundError:
+        return None
+    except ArtifactError as exc:
+        log.warning("models page: skipping %s: %s", uri, exc)
         return None
 
 
@@ -159,7 +167,7 @@ def run_costs(settings: Settings) -> list[dict[str, Any]]:
         run = RunLayout(storage.join(runs_uri, key))
         billing = _read_or_none(run.billing, Billing)
         verdict = _read_or_none(run.verdict, VerdictRecord)
-        record = _read_or_none(run.record, RunRecord)
+        record = _read_or_none(run.record, ResolvedRun)
         skipped = _read_or_none(run.skip, SkipRecord)
         served = {
             page: storage.exists(storage.join(run.root, links.tree_path(page), links.INDEX))
@@ -172,6 +180,11 @@ def run_costs(settings: Settings) -> list[dict[str, Any]]:
                 "run_id": run_id,
                 "run_key": key,
                 "airflow_run_url": links.airflow_run_path(run_id) if record else None,
+                # The run as resolved: what started it, on which data, how many boxes, budget.
+                "trigger": record.trigger if record else None,
+                "dataset_uri": record.params.dataset_uri if record else None,
+                "boxes": record.costs.boxes if record else None,
+                "max_cost_usd": record.costs.max_cost_usd if record else None,
                 "backend": billing.backend if billing else None,
                 "billed_seconds": billing.billed_seconds if billing else None,
                 "cost_usd": billing.cost_usd if billing else None,
@@ -281,9 +294,9 @@ def _fleet(fleet: dict[str, Any] | None) -> str:
     """Return '3 x c7i.large, $195.46/month' for a version's fleet, '–' without one."""
     if not fleet:
         return "–"
-    return html.escape(
-        f"{fleet['replicas']} x {fleet['instance_type']}, ${fleet['usd_per_month']:,.2f}/month"
-    )
+    month = fleet.get("usd_per_month")
+    price = f"${month:,.2f}/month" if month is not None else "unpriced"
+    return html.escape(f"{fleet['replicas']} x {fleet['instance_type']}, {price}")
 
 
 def render_page(models: dict[str, Any], runs: list[dict[str, Any]]) -> str:
@@ -310,15 +323,19 @@ def render_page(models: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         "".join(
             "<tr>"
             f"<td>{_airflow_link(r.get('airflow_run_url'), r['run_id'])}</td>"
+            f"<td>{e(str(r['trigger'] or '–'))}</td>"
+            f"<td>{e(str(r['dataset_uri'] or '–'))}</td>"
             f"<td>{e(str(r['backend'] or '–'))}</td>"
-            f"<td>{'$0 (skipped)' if r.get('skipped') else _usd(r['cost_usd'])}</td>"
+            f"<td>{_fmt(r['boxes'], 'd')}</td>"
+            f"<td>{'$0 (skipped)' if r.get('skipped') else _usd(r['cost_usd'])}"
+            f" of {_usd(r['max_cost_usd'])}</td>"
             f"<td>{_fmt(r['version'], 'd')}</td>"
             f"<td>{e(r['summary'] or '–')}</td>"
             f"<td>{_link(r['data_docs_url'], 'Data Docs')} {_link(r['report_url'], 'report')}</td>"
             "</tr>"
             for r in runs
         )
-        or '<tr><td colspan="6">no runs yet</td></tr>'
+        or '<tr><td colspan="9">no runs yet</td></tr>'
     )
 
     def moved(version: Any) -> str:
@@ -364,8 +381,9 @@ code {{ background: #edf2f7; padding: 0 .25rem; }}
 <th>move</th><th>result</th><th>detail</th></tr></thead>
 <tbody>{history_rows}</tbody></table>
 <h2>Runs and what they cost</h2>
-<table id="runs"><thead><tr><th>run</th><th>backend</th><th>cost (USD)</th><th>version</th>
-<th>verdict</th><th>pages</th></tr></thead>
+<table id="runs"><thead><tr><th>run</th><th>trigger</th><th>dataset</th><th>backend</th>
+<th>boxes</th><th>cost of budget (USD)</th><th>version</th><th>verdict</th><th>pages</th>
+</tr></thead>
 <tbody>{run_rows}</tbody></table>
 </body></html>
 """

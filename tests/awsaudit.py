@@ -23,7 +23,7 @@ import socket
 import threading
 import urllib.parse
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from http.client import HTTPConnection
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -88,6 +88,64 @@ class AwsCall:
         return f"{self.action} {self.method} {self.path} -> {self.status}"
 
 
+# A recorded response: (HTTP status, body), or a function of the call that returns one.
+Answer = tuple[int, bytes] | Callable[[AwsCall], tuple[int, bytes]]
+
+
+def price_list_answer(instance_type: str, region: str, usd: str) -> bytes:
+    """Return a GetProducts response as the Price List API sends it (PriceList: JSON strings):
+    one Linux, shared-tenancy product of ``instance_type`` in ``region`` at ``usd`` an hour."""
+    product = {
+        "product": {
+            "productFamily": "Compute Instance",
+            "attributes": {
+                "instanceType": instance_type,
+                "regionCode": region,
+                "operatingSystem": "Linux",
+                "tenancy": "Shared",
+                "preInstalledSw": "NA",
+                "capacitystatus": "Used",
+            },
+            "sku": "8VCNEHQMSCQS4P39",
+        },
+        "serviceCode": "AmazonEC2",
+        "terms": {
+            "OnDemand": {
+                "8VCNEHQMSCQS4P39.JRTCKXETXF": {
+                    "priceDimensions": {
+                        "8VCNEHQMSCQS4P39.JRTCKXETXF.6YS6EN2CT7": {
+                            "unit": "Hrs",
+                            "pricePerUnit": {"USD": usd},
+                            "description": f"${usd} per On Demand Linux {instance_type} Hour",
+                        }
+                    },
+                    "effectiveDate": "2026-11-01T00:00:00Z",
+                }
+            }
+        },
+        "version": "20261101000000",
+        "publicationDate": "2026-11-01T00:00:00Z",
+    }
+    return json.dumps({"FormatVersion": "aws_v1", "PriceList": [json.dumps(product)]}).encode()
+
+
+EMPTY_PRICE_LIST = json.dumps({"FormatVersion": "aws_v1", "PriceList": []}).encode()
+
+
+def price_list(prices: Mapping[str, str], region: str) -> Callable[[AwsCall], tuple[int, bytes]]:
+    """Return an answer to GetProducts as the Price List API gives it: the product its filters
+    name when it is a type of ``prices`` in ``region``, else an empty list."""
+
+    def answer(call: AwsCall) -> tuple[int, bytes]:
+        asked = {f["Field"]: f["Value"] for f in call.params["Filters"]}
+        usd = prices.get(asked["instanceType"]) if asked["regionCode"] == region else None
+        if usd is None:
+            return 200, EMPTY_PRICE_LIST
+        return 200, price_list_answer(asked["instanceType"], region, usd)
+
+    return answer
+
+
 # --- the proxy ----------------------------------------------------------------------------------
 
 
@@ -113,8 +171,9 @@ class RecordingProxy:
         self.instance_profile_roles = dict(instance_profile_roles or {})
         self.calls: list[AwsCall] = []
         # Recorded responses for calls the emulator does not model (the Price List API):
-        # action -> (status, JSON body). The call is still recorded and audited.
-        self.answers: dict[str, tuple[int, bytes]] = {}
+        # action -> (status, JSON body), or a function of the call returning one (an answer
+        # that depends on what was asked). The call is still recorded and audited.
+        self.answers: dict[str, Answer] = {}
         self._lock = threading.Lock()
         handler = _handler_for(self)
         if sock is None:
@@ -255,7 +314,8 @@ def _handler_for(proxy: RecordingProxy) -> type[BaseHTTPRequestHandler]:
             headers = list(self.headers.items())
             call = describe_request(proxy, self.command, self.path, dict(self.headers), body)
             if call.action in proxy.answers:
-                status, data = proxy.answers[call.action]
+                answer = proxy.answers[call.action]
+                status, data = answer(call) if callable(answer) else answer
                 out_headers = [("Content-Type", "application/x-amz-json-1.1")]
             else:
                 status, out_headers, data = proxy.forward(self.command, self.path, headers, body)

@@ -8,9 +8,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from burstcv_spec.contracts import BenchFigures, Launch, RunRef
+from burstcv_spec.contracts import BenchFigures, Launch, Packed, RunRef
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 # What a launch of a held box names as its training wheel: held boxes never boot, so never
 # read it (the boot path itself runs for real in tests/compute/test_box_boot.py).
@@ -168,6 +171,33 @@ def launch_of(
         time_budget_s=time_budget_s,
         **{**defaults, **fields},
     )
+
+
+def resolve_validated(run: RunRef, params: Any, settings: Any, packed: Packed) -> Any:
+    """Write the run's run.json as its first task and validate would, and return it.
+
+    For a test that provisions a packed dataset made by hand: the run is resolved
+    (``pipeline.resolve_run``: params, prices, budget), then validate's choices for that data
+    are added: the packed size, and the training recipe for its training images
+    (``pipeline.choose_training``, the rules validate applies).
+    """
+    from burstcv import pipeline
+    from burstcv_spec.contracts import ImageSizeChoice, write_artifact
+
+    resolved = pipeline.resolve_run(run, params, settings)
+    shape = packed.preprocess
+    size = ImageSizeChoice(
+        px=shape.height, reason="the packed dataset's size", resize_short=shape.resize_short
+    )
+    training = pipeline.choose_training(
+        params,
+        train_images=packed.counts.get("train", 0),
+        photos=shape.resize_short is not None,
+        settings=settings,
+    )
+    validated = resolved.model_copy(update={"image_size": size, "training": training})
+    write_artifact(pipeline.run_layout(run, settings).record, validated)
+    return validated
 
 
 def bench_figures(**fields: Any) -> BenchFigures:
@@ -417,3 +447,40 @@ def forget_in_emulator(instance_ids: list[str], region: str = "us-east-1") -> No
     for reservation_id, reservation in list(backend.reservations.items()):
         if {i.id for i in reservation.instances} & set(instance_ids):
             del backend.reservations[reservation_id]
+
+
+# --- small ImageFolder datasets ---------------------------------------------------------
+
+CLASSES = ("cat", "dog", "fox")
+SPLITS = ("train", "val")
+PER_CLASS = 10  # per split: above the default minimum of 5, so the clean dataset passes
+
+
+def smooth_image(seed: int, size: int = 32) -> Image.Image:
+    """Return a distinct, smooth RGB image: 8x8 random colours, upscaled."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)
+    return Image.fromarray(small, "RGB").resize((size, size), Image.Resampling.BILINEAR)
+
+
+def write_dataset(
+    root: Path,
+    *,
+    classes: tuple[str, ...] = CLASSES,
+    per_class: int | dict[tuple[str, str], int] = PER_CLASS,
+    seed: int = 0,
+) -> Path:
+    """Write <root>/<split>/<class>/<n>.png and return root; every image is distinct."""
+    counter = seed * 100_000
+    for split in SPLITS:
+        for label in classes:
+            n = per_class if isinstance(per_class, int) else per_class.get((split, label), 0)
+            folder = root / split / label
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                counter += 1
+                smooth_image(counter).save(folder / f"{i:03d}.png")
+    return root

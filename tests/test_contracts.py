@@ -11,6 +11,7 @@ import pytest
 from burstcv_testkit import gate_decision, model_card
 from pydantic import ValidationError
 
+from burstcv.params import ResolvedRun, RunParams
 from burstcv_spec import contracts_doc
 from burstcv_spec.contracts import (
     ARTIFACTS,
@@ -24,6 +25,7 @@ from burstcv_spec.contracts import (
     Benchmarked,
     Billing,
     BoxBill,
+    BoxRate,
     Contract,
     DataChunk,
     DatasetCounts,
@@ -59,6 +61,7 @@ from burstcv_spec.contracts import (
     ReapError,
     Recovery,
     RegistryEntry,
+    RunCosts,
     RunRecord,
     RunRef,
     ScanPlan,
@@ -101,6 +104,33 @@ LAUNCH = Launch(
     wheel_sha256="",
 )
 CARD = ModelCard.model_validate(model_card(b"onnx"))
+RATE = BoxRate(
+    instance_type="g6.xlarge",
+    market="on-demand",
+    usd_per_hour=0.8048,
+    price_source="bundled table",
+    volume_gb=100,
+    ebs_usd_per_gb_month=0.08,
+    public_ipv4_usd_per_hour=0.005,
+)
+RESOLVED = ResolvedRun(
+    run_id=RUN.airflow_run_id,
+    trigger="asset_triggered",
+    started_at="now",
+    params=RunParams.resolve({"dataset_uri": "s3://b/cats/v7", "num_nodes": 2}),
+    costs=RunCosts(
+        region="eu-west-1",
+        boxes=2,
+        max_cost_usd=5.0,
+        box_rate=RATE,
+        time_budget_s=10_000,
+        margin_s=360,
+        budget_reason="what $5 buys",
+        serving=[],
+        serving_unpriced="no on-demand price for c7i.large in eu-west-1",
+    ),
+    image_size=ImageSizeChoice(px=224, reason="the median short side", resize_short=256),
+)
 
 
 EPOCH = EpochRecord(
@@ -180,7 +210,7 @@ FLEET = FleetOption(
     usd_per_million=0.2479,
 )
 SIZING = SizingReport(
-    slo_p95_ms=50.0,
+    latency_slo_ms=50.0,
     target_rps=200.0,
     headroom=0.3,
     region="us-east-1",
@@ -214,9 +244,6 @@ def examples() -> list[Contract]:
             manifest_uri="m",
             validation_uri="v",
             data_docs_uri="d",
-            image_size=224,
-            image_size_reason="the median short side of 3 images is 427 px, capped at 224",
-            resize_short=256,
         ),
         PackPlan(
             shards=2,
@@ -239,7 +266,6 @@ def examples() -> list[Contract]:
             output_uri="/a/runs/x/job",
             instance_ids=["i-1"],
             backend="ec2",
-            max_cost_usd=2.5,
             launch=LAUNCH,
         ),
         Trained(
@@ -270,7 +296,7 @@ def examples() -> list[Contract]:
             kept=["i-2"],
             errors=[ReapError(instance_id="i-3", step="terminate", error="ClientError: x")],
         ),
-        RunRecord(run_id=RUN.airflow_run_id, dataset_uri="/d", started_at="now"),
+        RESOLVED,
         SkipRecord(reason="nothing new", production_version=1, fingerprint="f", decided_at="now"),
         PackedPart(
             index=0,
@@ -308,7 +334,11 @@ def examples() -> list[Contract]:
                     image_id="ami-1",
                     usd_per_hour=0.7421,
                     price_source="EC2 DescribeSpotPriceHistory (Linux/UNIX), 2026-12-01",
+                    volume_gb=100,
+                    ebs_usd_per_gb_month=0.088,
+                    public_ipv4_usd_per_hour=0.005,
                     launched_at="2026-12-01T16:00:00+00:00",
+                    running_at="2026-12-01T16:00:20+00:00",
                     ended_at="2026-12-01T16:30:00+00:00",
                 )
             ],
@@ -359,7 +389,6 @@ def examples() -> list[Contract]:
             data_docs_uri="/docs/index.html",
             validated_at="now",
             versions={"great_expectations": "1.0", "pillow": "11.0"},
-            image_size=ImageSizeChoice(px=32, reason="the data's sizes"),
         ),
         DatasetProfile(
             dataset_uri="/d",
@@ -403,7 +432,9 @@ def examples() -> list[Contract]:
 
 
 def test_every_stage_result_and_artifact_has_an_example() -> None:
-    assert {type(e) for e in examples()} == set(STAGE_RESULTS) | set(ARTIFACTS)
+    # run.json's contract is generic over its params: RunRecord[RunParams] (ResolvedRun).
+    kinds = {RunRecord if isinstance(e, RunRecord) else type(e) for e in examples()}
+    assert kinds == set(STAGE_RESULTS) | set(ARTIFACTS)
 
 
 @pytest.mark.parametrize("value", examples(), ids=lambda v: type(v).__name__)
@@ -489,7 +520,7 @@ def test_a_file_that_is_not_a_json_object_says_so(tmp_path: Path) -> None:
         read_artifact(str(tmp_path / "production.json"), AliasRecord)
     (tmp_path / "run.json").write_text("{not json")
     with pytest.raises(ArtifactError, match=r"run\.json: not JSON"):
-        read_artifact(str(tmp_path / "run.json"), RunRecord)
+        read_artifact(str(tmp_path / "run.json"), ResolvedRun)
 
 
 def test_the_layouts_name_the_documented_paths() -> None:
@@ -516,9 +547,22 @@ def test_every_field_is_described() -> None:
             assert field.description, f"{model.__name__}.{name} has no description"
 
 
-def test_no_budget_is_null_and_a_run_provisioned_with_0_reads_as_none() -> None:
+def test_a_sizing_file_written_before_the_slo_was_renamed_still_reads(tmp_path: Path) -> None:
+    older = {**SIZING.model_dump(mode="json"), "slo_p95_ms": 80.0}
+    del older["latency_slo_ms"]
+    (tmp_path / "sizing.json").write_text(json.dumps(older))
+    assert read_artifact(str(tmp_path / "sizing.json"), SizingReport).latency_slo_ms == 80.0
+
+
+def test_the_resolved_run_reads_back_as_the_run_params_it_holds(tmp_path: Path) -> None:
+    write_artifact(str(tmp_path / "run.json"), RESOLVED)
+    back = read_artifact(str(tmp_path / "run.json"), ResolvedRun)
+    assert isinstance(back.params, RunParams)
+    assert back == RESOLVED
+    assert back.params.num_nodes == 2 and back.costs.box_rate.volume_gb == 100
+
+
+def test_a_run_provisioned_before_the_budget_moved_to_run_json_still_tears_down() -> None:
     provisioned = next(e for e in examples() if isinstance(e, Provisioned))
-    assert provisioned.max_cost_usd == 2.5
-    older = {**provisioned.model_dump(mode="json"), "max_cost_usd": 0.0}
-    assert Provisioned.model_validate(older).max_cost_usd is None
-    assert provisioned.model_copy(update={"max_cost_usd": None}).max_cost_usd is None
+    older = {**provisioned.model_dump(mode="json"), "max_cost_usd": 5.0}
+    assert Provisioned.model_validate(older) == provisioned

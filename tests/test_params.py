@@ -81,12 +81,12 @@ def test_the_data_checks_take_effect_in_the_validate_stage(
     settings = Settings(home=str(tmp_path))
     given = {"dataset_uri": str(demo_dataset)}
     passed = pipeline.validate(
-        RunRef.of("manual__defaults"), RunParams.resolve(given, settings), settings
+        RunRef.of("manual__defaults"), settings, params=RunParams.resolve(given, settings)
     )
     assert Path(passed.validation_uri).is_file()
     strict = RunParams.resolve({**given, "min_images_per_class": 100}, settings)
     with pytest.raises(pipeline.ValidationFailed, match="min_images_per_class"):
-        pipeline.validate(RunRef.of("manual__strict"), strict, settings)
+        pipeline.validate(RunRef.of("manual__strict"), settings, params=strict)
 
 
 def test_the_docs_table_is_the_generated_one() -> None:
@@ -245,3 +245,60 @@ def test_the_clean_up_finds_the_backend_of_a_run_refused_for_another_field(
     assert RunParams.backend_of({"epochs": 0}) == "ec2"  # the deployment's default
     with pytest.raises(ValidationError):
         RunParams.backend_of({"compute_backend": "gpu"})
+
+
+def test_every_model_param_reaches_the_training_job() -> None:
+    """A model param declared in RunParams and forgotten on its way to job.json fails here."""
+    from burstcv.params import JOB_SHAPED, Affects, job_values, params_that
+    from burstcv_spec.contracts import TrainingChoice
+
+    for name in params_that(Affects.MODEL):
+        assert name in JOB_SHAPED or name in JobSpec.model_fields, (
+            f"model param {name} is neither a JobSpec field nor shaped for the job (JOB_SHAPED)"
+        )
+    # Every direct model param, set away from its default, arrives in the job's values as set;
+    # the recipe's resolved values win over the params' auto ones.
+    given = {
+        "dataset_uri": "/d",
+        "lr_range_test": True,
+        "freeze_backbone_epochs": 2,
+        "backbone_lr_scale": 0.25,
+        "seed": 7,
+        "pretrained": "DEFAULT",
+        "model": "resnet18",
+    }
+    params = RunParams.resolve(given)
+    training = TrainingChoice(
+        model="resnet18",
+        pretrained="IMAGENET1K_V1",
+        batch_size=48,
+        learning_rate=0.03,
+        epochs=9,
+        optimizer="adamw",
+        warmup_steps=11,
+        early_stop_patience=4,
+        derived=["batch_size"],
+        reason="test",
+    )
+    values = job_values(params, training)
+    job = JobSpec.model_validate(
+        {**values, "run_id": "r", "classes": ["a", "b"], "train_shards": ["t"]}
+        | {"val_shards": ["v"], "preprocess": {}, "output_uri": "/o"}
+    )
+    expected = {
+        "arch": "resnet18",
+        "pretrained": "IMAGENET1K_V1",
+        "batch_size": 48,
+        "learning_rate": 0.03,
+        "epochs": 9,
+        "optimizer": "adamw",
+        "warmup_steps": 11,
+        "early_stop_patience": 4,
+        "lr_range_test": True,
+        "freeze_backbone_epochs": 2,
+        "backbone_lr_scale": 0.25,
+        "seed": 7,
+    }
+    assert {k: getattr(job, k) for k in expected} == expected
+    direct = {n for n in params_that(Affects.MODEL) if n not in JOB_SHAPED}
+    assert direct <= set(values), "a model param did not reach job_values"

@@ -4,6 +4,7 @@ how long a run may last on its budget."""
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -17,27 +18,43 @@ from burstcv.settings import Settings
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
     GateCheck,
+    ImageSizeChoice,
+    PriceQuote,
     RegistryDecision,
     RunRef,
     SkipRecord,
     Validated,
     VerdictRecord,
     read_artifact,
+    write_artifact,
 )
 
 FINGERPRINT = "f1" * 32
 RUN = RunRef.of("scheduled__2026-12-01T00:00:00+00:00")
 
 
-def validated(fingerprint: str, image_size: int = 32) -> Validated:
+def validated(fingerprint: str) -> Validated:
     """Return validate's result for a dataset with this fingerprint."""
     return Validated(
         fingerprint=fingerprint,
         manifest_uri="/a/manifest.parquet",
         validation_uri="/a/validation.json",
         data_docs_uri="/a/data_docs/index.html",
-        image_size=image_size,
-        image_size_reason="the data's",
+    )
+
+
+def resolve(
+    settings: Settings,
+    run_params: RunParams,
+    *,
+    image_size: int = 32,
+    resize_short: int | None = None,
+) -> None:
+    """Resolve RUN with these params (run.json), and the image size validate chose."""
+    resolved = pipeline.resolve_run(RUN, run_params, settings)
+    size = ImageSizeChoice(px=image_size, reason="the data's", resize_short=resize_short)
+    write_artifact(
+        pipeline.run_layout(RUN, settings).record, resolved.model_copy(update={"image_size": size})
     )
 
 
@@ -81,8 +98,8 @@ def promote_production(settings: Settings, tmp_path: Path, recorded: dict[str, o
 
 
 def decide(settings: Settings, fingerprint: str = FINGERPRINT, **params: object) -> str | None:
-    run_params = RunParams(dataset_uri="/data/digits-copy", **{"epochs": 3, **params})
-    return pipeline.nothing_new_to_train(RUN, run_params, validated(fingerprint), settings=settings)
+    resolve(settings, RunParams(dataset_uri="/data/digits-copy", **{"epochs": 3, **params}))
+    return pipeline.nothing_new_to_train(RUN, validated(fingerprint), settings=settings)
 
 
 def test_production_data_and_params_need_no_training(
@@ -197,18 +214,16 @@ def test_a_param_production_did_not_record_had_its_default(
 
 
 def test_another_image_size_trains(settings: Settings) -> None:
-    run_params = RunParams(dataset_uri="/data/digits", epochs=3)
-    decided = pipeline.nothing_new_to_train(
-        RUN, run_params, validated(FINGERPRINT, image_size=64), settings=settings
-    )
-    assert decided is None
+    resolve(settings, RunParams(dataset_uri="/data/digits", epochs=3), image_size=64)
+    assert pipeline.nothing_new_to_train(RUN, validated(FINGERPRINT), settings=settings) is None
 
 
 def test_the_same_image_size_with_another_resize_trains(settings: Settings) -> None:
     run_params = RunParams(dataset_uri="/data/digits", epochs=3)
-    resized = validated(FINGERPRINT).model_copy(update={"resize_short": 48})
-    assert pipeline.nothing_new_to_train(RUN, run_params, resized, settings=settings) is None
-    same = pipeline.nothing_new_to_train(RUN, run_params, validated(FINGERPRINT), settings=settings)
+    resolve(settings, run_params, resize_short=48)
+    assert pipeline.nothing_new_to_train(RUN, validated(FINGERPRINT), settings=settings) is None
+    resolve(settings, run_params)
+    same = pipeline.nothing_new_to_train(RUN, validated(FINGERPRINT), settings=settings)
     assert same is not None and "image size 32 px" in same
 
 
@@ -229,14 +244,13 @@ def test_a_skipped_deploy_says_which_check_failed_with_its_figures(
         summary="not promoted: accuracy 0.6890 is below the floor 0.9000",
         failed_figures=["accuracy 0.6890 < floor 0.9"],
     )
-    params = RunParams(dataset_uri="/d")
     with caplog.at_level(logging.INFO, logger="burstcv"):
-        reason = pipeline.deploy_skip_reason(verdict, params)
+        reason = pipeline.deploy_skip_reason(verdict, promote=True)
     assert reason == "version 7 not promoted: accuracy 0.6890 < floor 0.9"
     assert caplog.messages[0] == reason
     accepted = verdict.model_copy(update={"promote": True, "failed_figures": []})
-    assert pipeline.deploy_skip_reason(accepted, params) is None
-    held = pipeline.deploy_skip_reason(accepted, params.model_copy(update={"promote": False}))
+    assert pipeline.deploy_skip_reason(accepted, promote=True) is None
+    held = pipeline.deploy_skip_reason(accepted, promote=False)
     assert held == "version 7 passed the gate but is not deployed: the run has promote=false"
 
 
@@ -279,17 +293,46 @@ class Prices:
     ) -> None:
         self.usd_per_hour = usd_per_hour
         self.asked: list[list[str]] = []
-        monkeypatch.setattr(budget, "candidate_prices", self.quote)
+        monkeypatch.setattr(budget, "candidate_quotes", self.quote)
         monkeypatch.setenv("BURSTCV_EC2_REGION", "us-west-2")
+        monkeypatch.setenv("BURSTCV_EC2_VOLUME_GB", "100")
+        monkeypatch.setenv("BURSTCV_EC2_WATCHDOG_MARGIN_MIN", "5")
 
     def quote(
-        self, instance_types: list[str], settings: Settings | None = None
-    ) -> dict[str, float | None]:
+        self, instance_types: list[str], region: str, sources: object
+    ) -> dict[str, PriceQuote | None]:
         self.asked.append(instance_types)
-        return {t: self.usd_per_hour[t] for t in instance_types}
+        return {
+            t: None
+            if (usd := self.usd_per_hour[t]) is None
+            else PriceQuote(
+                instance_type=t,
+                region=region,
+                market="on-demand",
+                usd_per_hour=usd,
+                source="test",
+                as_of="2026-12-01",
+                fetched_at="2026-12-01",
+            )
+            for t in instance_types
+        }
 
 
-def ec2_run(instance_types: list[str], max_cost_usd: float) -> RunParams:
+# What a box costs an hour beyond its instance, computed here from AWS's published rates,
+# not read back from the code: 100 GB of gp3 at $0.08/GB-month (730 h) and one public IPv4
+# at $0.005/h. A box may outlive the deadline by the watchdog's 5 min margin plus the minute
+# its shutdown rounds to: 360 s.
+EXTRAS_PER_HOUR = 100 * 0.08 / 730 + 0.005
+MARGIN_S = 360
+
+
+def deadline_s(max_cost_usd: float, instance_usd_per_hour: float, boxes: int = 1) -> int:
+    """Return the seconds to the deadline that keep ``boxes`` boxes within the budget."""
+    per_hour = boxes * (instance_usd_per_hour + EXTRAS_PER_HOUR)
+    return math.floor(max_cost_usd / per_hour * 3600) - MARGIN_S
+
+
+def ec2_run(instance_types: list[str], max_cost_usd: float, num_nodes: int = 1) -> RunParams:
     """Return an EC2 run of two hours at most on these types, within this budget."""
     return RunParams(
         dataset_uri="/d",
@@ -297,19 +340,47 @@ def ec2_run(instance_types: list[str], max_cost_usd: float) -> RunParams:
         instance_types=instance_types,
         max_cost_usd=max_cost_usd,
         time_budget_s=7200,
+        num_nodes=num_nodes,
     )
 
 
-def test_the_budget_bounds_the_priciest_allowed_type_exactly_at_the_limit(
+def test_the_budget_bounds_the_priciest_allowed_box_exactly_at_the_limit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     Prices(monkeypatch, {"g6.xlarge": 1.8, "g6.12xlarge": 3.6, "g4dn.xlarge": 0.9})
     run = ec2_run(["g6.xlarge", "g6.12xlarge", "g4dn.xlarge"], max_cost_usd=1.8)
-    budget_s = budget.bounded_time_budget(run, Settings())
-    assert budget_s == 1800  # half an hour of the $3.60/h type is the whole $1.80
-    assert 3.6 * budget_s / 3600 <= 1.8
+    costs = budget.resolve_costs(run, Settings())
+    assert costs.time_budget_s == deadline_s(1.8, 3.6) == 1432
+    rate = costs.box_rate
+    assert (rate.instance_type, rate.market, rate.usd_per_hour) == ("g6.12xlarge", "on-demand", 3.6)
+    # The priciest box living to the deadline and its margin spends the budget, no more.
+    spent = (3.6 + EXTRAS_PER_HOUR) * (costs.time_budget_s + MARGIN_S) / 3600
+    assert spent <= 1.8 < (3.6 + EXTRAS_PER_HOUR) * (costs.time_budget_s + MARGIN_S + 2) / 3600
     # A generous budget leaves the run's own time budget alone.
-    assert budget.bounded_time_budget(ec2_run(["g4dn.xlarge"], 100.0), Settings()) == 7200
+    assert budget.resolve_costs(ec2_run(["g4dn.xlarge"], 100.0), Settings()).time_budget_s == 7200
+
+
+def test_a_run_of_several_boxes_divides_its_budget_among_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """4 x g5.12xlarge on $20: the deadline buys 4 boxes, not one (which would bill ~$80)."""
+    Prices(monkeypatch, {"g5.12xlarge": 5.672})
+    one = budget.resolve_costs(ec2_run(["g5.12xlarge"], 20.0), Settings())
+    four = budget.resolve_costs(ec2_run(["g5.12xlarge"], 20.0, num_nodes=4), Settings())
+    assert one.time_budget_s == 7200 and one.boxes == 1  # one box: the 2 h cap binds
+    assert four.time_budget_s == deadline_s(20.0, 5.672, boxes=4) == 2804
+    assert four.boxes == 4 and "4 x g5.12xlarge" in four.budget_reason
+    worst = 4 * (5.672 + EXTRAS_PER_HOUR) * (four.time_budget_s + MARGIN_S) / 3600
+    assert worst <= 20.0
+
+
+def test_a_budget_that_cannot_buy_every_box_its_minute_is_refused_before_renting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    Prices(monkeypatch, {"g5.12xlarge": 5.672})
+    with pytest.raises(pipeline.ValidationFailed, match=r"4 x g5\.12xlarge") as refused:
+        pipeline.resolve_run(RUN, ec2_run(["g5.12xlarge"], 2.0, num_nodes=4), Settings())
+    assert "raise max_cost_usd" in str(refused.value)
 
 
 def test_a_type_nobody_can_price_counts_at_the_highest_known_price(
@@ -317,9 +388,13 @@ def test_a_type_nobody_can_price_counts_at_the_highest_known_price(
 ) -> None:
     Prices(monkeypatch, {"g6.xlarge": 1.8, "g5.48xlarge": None, "g4dn.xlarge": 0.9})
     run = ec2_run(["g5.48xlarge", "g4dn.xlarge", "g6.xlarge"], max_cost_usd=0.9)
-    with caplog.at_level(logging.WARNING, logger="burstcv"):
-        assert budget.bounded_time_budget(run, Settings()) == 1800
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    with caplog.at_level(logging.WARNING, logger="burstcv.cost"):
+        assert budget.resolve_costs(run, Settings()).time_budget_s == deadline_s(0.9, 1.8)
+    (warning,) = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and r.name == "burstcv.cost.budget"
+    ]
     assert warning.startswith("no price for g5.48xlarge in us-west-2;")
     assert "g6.xlarge's $1.8000/h" in warning
 
@@ -328,12 +403,9 @@ def test_priced_types_need_no_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     Prices(monkeypatch, {"g6.xlarge": 1.8, "g4dn.xlarge": 0.9})
-    with caplog.at_level(logging.WARNING, logger="burstcv"):
-        assert (
-            budget.bounded_time_budget(ec2_run(["g6.xlarge", "g4dn.xlarge"], 0.9), Settings())
-            == 1800
-        )
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    with caplog.at_level(logging.WARNING, logger="burstcv.cost"):
+        budget.resolve_costs(ec2_run(["g6.xlarge", "g4dn.xlarge"], 0.9), Settings())
+    assert not [r for r in caplog.records if r.name == "burstcv.cost.budget"]
 
 
 def test_a_run_no_type_of_which_has_a_price_is_refused_with_what_to_set(
@@ -341,7 +413,7 @@ def test_a_run_no_type_of_which_has_a_price_is_refused_with_what_to_set(
 ) -> None:
     Prices(monkeypatch, {"x9.huge": None, "x9.bigger": None})
     with pytest.raises(budget.UnpricedRunError) as refused:
-        budget.bounded_time_budget(ec2_run(["x9.huge", "x9.bigger"], 5.0), Settings())
+        budget.resolve_costs(ec2_run(["x9.huge", "x9.bigger"], 5.0), Settings())
     message = str(refused.value)
     assert (
         "no price for any of the run's instance types (x9.huge, x9.bigger) in us-west-2" in message
@@ -354,7 +426,8 @@ def test_a_local_run_keeps_its_time_budget_and_asks_no_prices(
 ) -> None:
     prices = Prices(monkeypatch, {"g6.xlarge": 1.8})
     run = RunParams(dataset_uri="/d", compute_backend="local", max_cost_usd=0.01, time_budget_s=900)
-    assert budget.bounded_time_budget(run, Settings()) == 900
+    costs = budget.resolve_costs(run, Settings())
+    assert (costs.time_budget_s, costs.margin_s, costs.box_rate.usd_per_hour) == (900, 0, 0.0)
     assert prices.asked == []
 
 

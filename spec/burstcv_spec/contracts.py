@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
 from pydantic import (
     AliasChoices,
@@ -237,15 +237,24 @@ class FleetOption(Contract):
     replicas: int = Field(ge=1, description="service replicas the target load needs")
     rps_per_replica: float = Field(description="sustainable req/s of one replica at the SLO")
     extrapolated: bool = Field(description="its rate is extrapolated, not measured")
-    usd_per_hour: float = Field(description="the fleet's on-demand price per hour")
-    usd_per_month: float = Field(description="the fleet's price per month (730 hours)")
-    usd_per_million: float = Field(description="dollars per 1M predictions at the target load")
+    usd_per_hour: float | None = Field(
+        description="the fleet's on-demand price per hour (null: no price for the type)"
+    )
+    usd_per_month: float | None = Field(description="the fleet's price per month (730 hours)")
+    usd_per_million: float | None = Field(
+        description="dollars per 1M predictions at the target load"
+    )
 
 
 class SizingReport(Artifact):
     """`burstcv size` output: the right-sized CPU fleet for a model at the expected load."""
 
-    slo_p95_ms: float = Field(description="the latency SLO each size was held to, ms")
+    omit_when_none = frozenset({"unpriced"})
+
+    latency_slo_ms: float = Field(
+        validation_alias=AliasChoices("latency_slo_ms", "slo_p95_ms"),
+        description="the latency SLO (p95) each size was held to, ms",
+    )
     target_rps: float = Field(gt=0, description="the expected peak load, req/s")
     headroom: float = Field(description="share of a replica's sustainable rate kept spare")
     region: str = Field(description="where the fleet is priced")
@@ -258,6 +267,10 @@ class SizingReport(Artifact):
         default_factory=list, description="the instance families allowed (empty: every one)"
     )
     price_source: dict[str, str] = Field(description="where the prices come from, and when")
+    unpriced: str | None = Field(
+        default=None,
+        description="why the fleets carry no price, and what to set (null: priced)",
+    )
 
 
 class GateCheck(Contract):
@@ -368,6 +381,9 @@ class Lineage(Contract):
     run_id: str = Field(description="the run that exported it")
     dataset_fingerprint: str = Field(description="sha256 over the validated dataset")
     source_commit: str = Field(description="git commit of the code, or 'unknown'")
+    dataset_uri: str = Field(
+        default="", description="the dataset it was trained on, as the run resolved it"
+    )
 
 
 class InstanceRecord(Contract):
@@ -498,11 +514,15 @@ class ImageSizeChoice(Contract):
         default=None, description="photos: the short side resized to before the centre crop"
     )
 
+    def spec(self) -> PreprocessSpec:
+        """Return the eval transform of this size (normalisation left at its defaults)."""
+        from burstcv_spec.preprocess import PreprocessSpec
+
+        return PreprocessSpec(height=self.px, width=self.px, resize_short=self.resize_short)
+
 
 class ValidationRecord(Artifact):
-    """`runs/<run_key>/dataset/validation.json`: every check, its files, the drift, the choices."""
-
-    omit_when_none = frozenset({"image_size", "training"})
+    """`runs/<run_key>/dataset/validation.json`: every check, its files, the drift."""
 
     success: bool = Field(description="every check passed and drift stayed under drift_max")
     dataset_uri: str = Field(description="the dataset validated")
@@ -517,12 +537,6 @@ class ValidationRecord(Artifact):
     data_docs_uri: str = Field(description="the Great Expectations Data Docs page")
     validated_at: str = Field(description="ISO 8601 UTC")
     versions: dict[str, str] = Field(description="Great Expectations and Pillow versions")
-    image_size: ImageSizeChoice | None = Field(
-        default=None, description="the size chosen after the checks passed (pipeline runs)"
-    )
-    training: TrainingChoice | None = Field(
-        default=None, description="how the run will train (pipeline runs)"
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -715,25 +729,16 @@ class TrainingOutcome(Contract):
 
 
 class Validated(Contract):
-    """Say where validate put the evidence of a dataset that passed."""
+    """Say where validate put the evidence of a dataset that passed.
 
-    omit_when_none = frozenset({"training"})
+    What validate derives from the data (the image size, the training recipe) is written
+    into the run's run.json (``RunRecord``), which every later task reads.
+    """
 
     fingerprint: str = Field(description="sha256 over the validated files")
     manifest_uri: str = Field(description="dataset/manifest.parquet: one row per file")
     validation_uri: str = Field(description="dataset/validation.json")
     data_docs_uri: str = Field(description="the Great Expectations Data Docs page")
-    image_size: int = Field(description="px, square: the size the model trains and serves at")
-    image_size_reason: str = Field(description="why: the run's image_size, or the data's sizes")
-    resize_short: int | None = Field(
-        default=None,
-        description="photos: the short side is resized to this before the centre crop; "
-        "null: images are resized straight to the size",
-    )
-    training: TrainingChoice | None = Field(
-        default=None,
-        description="how the run will train (absent: not chosen, as for a re-export)",
-    )
 
 
 class DataChunk(Contract):
@@ -785,8 +790,6 @@ class PackPlan(Artifact):
 class Packed(Contract):
     """Say where pack put the decoded shards and which preprocessing they fix."""
 
-    omit_when_none = frozenset({"training"})
-
     classes: list[str] = Field(description="class names; label i is classes[i]")
     train_shards: list[str] = Field(description="URIs of the training .npz shards")
     val_shards: list[str] = Field(description="URIs of the validation .npz shards")
@@ -798,8 +801,27 @@ class Packed(Contract):
         description="how the training shards store images: raw uint8, or JPEG files (quality "
         "90; the validation shards stay raw); chosen by the shard_format setting",
     )
-    training: TrainingChoice | None = Field(
-        default=None, description="validate's training choice, handed on to provision"
+
+
+class BoxRate(Contract):
+    """Say what one box costs an hour, part by part: the instance, its root volume, its IPv4.
+
+    EC2 bills the instance per second from ``running`` (at least 60 s a start), the EBS
+    volume per GB-month from its creation (launch) to its deletion (termination), and a
+    public IPv4 address per hour while it is attached. ``burstcv.cost.model`` prices a box,
+    a run and a budget from these parts alone.
+    """
+
+    instance_type: str = Field(default="", description="EC2 instance type")
+    market: str = Field(description="spot, on-demand or local")
+    usd_per_hour: float = Field(ge=0, description="the instance's price, USD per hour")
+    price_source: str = Field(description="where that price came from, and its date")
+    volume_gb: int = Field(default=0, ge=0, description="its root volume, GB (0: none billed)")
+    ebs_usd_per_gb_month: float = Field(
+        default=0.0, ge=0, description="the volume's price, USD per GB-month"
+    )
+    public_ipv4_usd_per_hour: float = Field(
+        default=0.0, ge=0, description="its public IPv4 address, USD per hour (0: none)"
     )
 
 
@@ -823,6 +845,11 @@ class Launch(Contract):
     deadline_at: datetime = Field(description="the run's absolute deadline (every attempt)")
     wheel_uri: str = Field(description="the staged training wheel (ec2), else empty")
     wheel_sha256: str = Field(description="its sha256, else empty")
+    bound_rate: BoxRate | None = Field(
+        default=None,
+        description="the run's priciest box (RunCosts.box_rate): the rate a box is billed at "
+        "when its own price cannot be quoted",
+    )
 
 
 class Provisioned(Contract):
@@ -833,13 +860,15 @@ class Provisioned(Contract):
     output_uri: str = Field(description="job/: where the box writes its results")
     instance_ids: list[str] = Field(description="the boxes of the first attempt")
     backend: str = Field(description="compute backend: local or ec2")
-    max_cost_usd: float | None = Field(description="the run's budget, USD (null: none)")
     launch: Launch = Field(description="what a retry of the train task relaunches")
 
-    @field_validator("max_cost_usd", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _no_budget(cls, value: Any) -> Any:
-        return None if value == 0 else value  # runs provisioned before null meant none: 0
+    def _budget_moved_to_run_json(cls, value: Any) -> Any:
+        # A run provisioned before the budget moved to run.json still tears down.
+        if isinstance(value, dict) and "max_cost_usd" in value:
+            value = {k: v for k, v in value.items() if k != "max_cost_usd"}
+        return value
 
 
 class Trained(Contract):
@@ -974,14 +1003,6 @@ STAGE_RESULTS: tuple[type[Contract], ...] = (
 # Artifacts (JSON files)
 
 
-class RunRecord(Artifact):
-    """`runs/<run_key>/run.json`: which Airflow run this folder belongs to."""
-
-    run_id: str = Field(description="the Airflow run id (the folder name is path-safe)")
-    dataset_uri: str = Field(description="the dataset the run validated")
-    started_at: str = Field(description="ISO 8601 UTC, when validate started")
-
-
 class SkipRecord(Artifact):
     """`runs/<run_key>/skip.json`: why the run had nothing new to train on."""
 
@@ -1075,18 +1096,83 @@ class PriceQuote(Artifact):
     fetched_at: str = Field(description="ISO 8601 UTC of when it was read")
 
 
-class BoxBill(Contract):
-    """Say where one box of one attempt ran, at what price, and from when to when."""
+class BoxBill(BoxRate):
+    """Say where one box of one attempt ran, at what rate, and from when to when."""
 
     instance_id: str = Field(description="EC2 instance id or local process id")
-    instance_type: str = Field(default="", description="EC2 instance type")
-    market: str = Field(description="spot, on-demand or local")
     zone: str = Field(default="", description="its Availability Zone (ec2)")
     image_id: str = Field(default="", description="the AMI it booted (ec2)")
-    usd_per_hour: float = Field(ge=0, description="the price it is billed at, USD per hour")
-    price_source: str = Field(description="where that price came from, and its date")
-    launched_at: str = Field(description="ISO 8601 UTC launch time")
+    launched_at: str = Field(description="ISO 8601 UTC launch time (the volume and IPv4 bill)")
+    running_at: str | None = Field(
+        default=None,
+        description="ISO 8601 UTC when it was first seen running (the instance bills from "
+        "then; null: from launch)",
+    )
     ended_at: str | None = Field(default=None, description="ISO 8601 UTC end; null: running")
+
+
+class RunCosts(Contract):
+    """Say what the run may spend and what its compute costs where it runs, priced once."""
+
+    region: str = Field(description="the AWS region prices are for")
+    boxes: int = Field(ge=1, description="training boxes a launch starts (num_nodes)")
+    max_cost_usd: float = Field(
+        gt=0, description="the run's budget, USD, every box of every attempt"
+    )
+    box_rate: BoxRate = Field(
+        description="the priciest box the run may rent (on-demand on its priciest type; "
+        "spot falls back to it): what bounds the budget"
+    )
+    time_budget_s: int = Field(
+        gt=0,
+        description="seconds from provision to the run's deadline: the time_budget_s param, "
+        "lowered so boxes x the box rate x (budget + the watchdog's margin) stays within "
+        "max_cost_usd",
+    )
+    margin_s: int = Field(
+        ge=0, description="seconds a box may outlive the deadline (the watchdog's margin)"
+    )
+    budget_reason: str = Field(description="one line: what bounds the time budget")
+    serving: list[PriceQuote] = Field(
+        description="on-demand prices of the CPU types the serving fleet may use, and of the "
+        "GPU types the gate's advice may name, where known"
+    )
+    serving_unpriced: str | None = Field(
+        default=None,
+        description="why some or all serving types have no price, and what to set (null: all)",
+    )
+
+
+P = TypeVar("P", bound=BaseModel)
+
+
+class RunRecord(Artifact, Generic[P]):
+    """`runs/<run_key>/run.json`: the run, resolved once; every later task reads it.
+
+    The first task writes it from the trigger (form, command line, schedule, asset event),
+    the deployment's defaults and the prices; validate adds what it derives from the data.
+    ``params`` is ``burstcv.params.RunParams`` (``RunRecord[RunParams]``); this torch-free
+    module does not import it.
+    """
+
+    omit_when_none = frozenset({"image_size", "training"})
+
+    run_id: str = Field(description="the Airflow run id (the folder name is path-safe)")
+    trigger: str = Field(
+        description="what started the run: manual, scheduled, asset_triggered, backfill or cli"
+    )
+    started_at: str = Field(description="ISO 8601 UTC, when the run was resolved")
+    params: P = Field(
+        description="every run parameter, resolved: the trigger's values over the defaults, "
+        "an asset event's dataset applied"
+    )
+    costs: RunCosts = Field(description="the prices and the budget, as resolved")
+    image_size: ImageSizeChoice | None = Field(
+        default=None, description="the size validate chose (null until validate passed)"
+    )
+    training: TrainingChoice | None = Field(
+        default=None, description="how the run trains, as validate chose (null until then)"
+    )
 
 
 class AttemptBill(Artifact):

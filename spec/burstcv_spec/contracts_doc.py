@@ -21,6 +21,7 @@ from burstcv_spec.contracts import (
     STAGE_RESULTS,
     BenchFigures,
     BoxBill,
+    BoxRate,
     Contract,
     DataChunk,
     DatasetCounts,
@@ -43,6 +44,7 @@ from burstcv_spec.contracts import (
     QuantizedFigures,
     RangeTest,
     Recovery,
+    RunCosts,
     SizePoint,
     Suggestion,
     TensorInput,
@@ -69,7 +71,9 @@ BLOCKS: tuple[type[Contract], ...] = (
     Suggestion,
     Lineage,
     InstanceRecord,
+    BoxRate,
     BoxBill,
+    RunCosts,
     DataChunk,
     DatasetCounts,
     ExpectationResult,
@@ -105,6 +109,8 @@ def type_name(annotation: Any) -> str:
         return "ISO 8601 datetime"
     if annotation is typing.Any:
         return "any"
+    if isinstance(annotation, typing.TypeVar):  # RunRecord's params: burstcv.params.RunParams
+        return "object (RunParams: one key per run parameter, docs/airflow.md)"
     return {str: "string", int: "integer", float: "number", bool: "boolean"}.get(
         annotation, str(annotation)
     )

@@ -120,7 +120,7 @@ def validate(
     params = _run_params({**given, "dataset_uri": dataset}, settings, code=2)
     run = run_id or _new_run_id()
     try:
-        validated = pipeline.validate(RunRef.of(run), params, settings)
+        validated = pipeline.validate(RunRef.of(run), settings, params=params)
     except pipeline.ValidationFailed as exc:
         if isinstance(exc.__cause__, DatasetUnusableError):
             raise _fail(str(exc), 2) from None
@@ -175,27 +175,19 @@ def export(
     """
     from burstcv import pipeline
     from burstcv.export.onnx_export import CheckpointError, ParityError
-    from burstcv.training.job import load_job
     from burstcv_spec import storage
-    from burstcv_spec.contracts import ArtifactError, RunRecord, RunRef, read_artifact
+    from burstcv_spec.contracts import ArtifactError, RunRef
 
     _setup_logging()
     settings = get_settings()
     paths = pipeline.run_layout(run_id, settings)
     if not storage.exists(paths.metrics):
         raise _fail(f"run {run_id} has no trained model: {paths.metrics} does not exist")
-    job = load_job(paths.job_spec)
-    choices = {**given, "model": job.arch}  # the architecture is the one trained
-    if storage.exists(paths.record):  # the run's dataset, for the record (export reads none)
-        try:
-            record = read_artifact(paths.record, RunRecord)
-        except ArtifactError as exc:
-            raise _fail(str(exc)) from None
-        choices["dataset_uri"] = record.dataset_uri
-    params = _run_params(choices, settings)
     try:
-        exported = pipeline.export(RunRef.of(run_id), params, settings)
-    except (CheckpointError, ParityError) as exc:
+        exported = pipeline.export(RunRef.of(run_id), settings, overrides=given)
+    except (ValidationError, ValueError) as exc:
+        raise _fail(f"invalid export options: {exc}".splitlines()[0]) from None
+    except (CheckpointError, ParityError, ArtifactError, pipeline.StageError) as exc:
         raise _fail(str(exc)) from None
     typer.echo(
         f"exported {exported.model_dir}/{exported.onnx_file} sha256={exported.sha256} "
@@ -313,26 +305,31 @@ def models(
 
 
 @app.command()
+@run_options(("latency_slo_ms", "target_rps", "serving_families"))
 def size(
     version: Annotated[int, typer.Argument(help="registered version to size")],
     images: Annotated[
         Path, typer.Option(help="a folder of images to send (a validation split, say)")
     ],
-    target_rps: Annotated[float, typer.Option(help="the expected peak load, req/s")],
-    slo_ms: Annotated[float, typer.Option(help="p95 latency each replica must meet, ms")] = 50.0,
-    region: Annotated[str, typer.Option(help="where the fleet is priced")] = "us-east-1",
-    headroom: Annotated[float, typer.Option(help="share of each replica's rate kept spare")] = 0.3,
+    region: Annotated[
+        str, typer.Option(help="where the fleet is priced (default: BURSTCV_EC2_REGION)")
+    ] = "",
     step_s: Annotated[
         float | None, typer.Option(help="seconds of load per rate (default BURSTCV_SIZING_STEP_S)")
     ] = None,
-    families: Annotated[
-        str, typer.Option(help="instance families allowed, comma-separated (empty: all priced)")
-    ] = "c7i,m7i",
     out: Annotated[Path | None, typer.Option(help="also write the report (JSON) here")] = None,
+    *,
+    given: dict[str, Any],
 ) -> None:
-    """Measure a version's sustainable rate per CPU size and print the cheapest fleet."""
+    """Measure a version's sustainable rate per CPU size and print the cheapest fleet.
+
+    The SLO, the expected load and the families are the run parameters of the same names,
+    with the same defaults; prices come from where a run's come from (AWS, else the bundled
+    table).
+    """
     import tempfile
 
+    from burstcv.cost.budget import price_sources, serving_quotes
     from burstcv.gate.sizing import size_model
     from burstcv.registry.registry import Registry
     from burstcv_spec.contracts import write_artifact
@@ -340,6 +337,8 @@ def size(
 
     _setup_logging()
     s = get_settings()
+    params = _run_params(given, s)
+    region = region or s.ec2.region
     registry = Registry(s.registry_uri, s.model_name)
     if version not in registry.versions():
         raise _fail(f"no version {version} of {s.model_name} in {s.registry_uri}")
@@ -350,6 +349,8 @@ def size(
     ][:256]
     if not bodies:
         raise _fail(f"no PNG, JPEG or WebP image under {images}")
+    families = list(params.serving_families)
+    prices, unpriced = serving_quotes(families, region, price_sources(params, s))
     with tempfile.TemporaryDirectory(prefix="burstcv-size-") as tmp:
         prefix = registry.version_uri(version)
         for uri in list_files(prefix):
@@ -357,13 +358,14 @@ def size(
         report = size_model(
             tmp,
             bodies,
-            slo_ms=slo_ms,
-            target_rps=target_rps,
+            latency_slo_ms=params.latency_slo_ms,
+            target_rps=params.target_rps,
+            prices=prices,
             region=region,
-            headroom=headroom,
+            unpriced=unpriced,
             max_vcpus=s.sizing_max_vcpus or None,
             duration_s=step_s or s.sizing_step_s,
-            families=[f.strip() for f in families.split(",") if f.strip()] or None,
+            families=families,
         )
     typer.echo(f"{'vCPUs':>5} {'req/s at SLO':>12} {'p95 ms':>8} {'CPU ms/req':>10}")
     for point in report.sizes:
@@ -371,9 +373,13 @@ def size(
         p95 = f"{point.p95_ms:.2f}" if point.p95_ms is not None else "-"
         typer.echo(f"{point.vcpus:>5} {point.sustainable_rps:>12.1f} {p95:>8} {cpu:>10}")
     for option in report.options:
+        price = (
+            f"${option.usd_per_month:>9,.2f}/month  ${option.usd_per_million:.4f}/1M"
+            if option.usd_per_month is not None and option.usd_per_million is not None
+            else "unpriced"
+        )
         typer.echo(
-            f"{option.replicas} x {option.instance_type:<12} ${option.usd_per_month:>9,.2f}/month"
-            f"  ${option.usd_per_million:.4f}/1M"
+            f"{option.replicas} x {option.instance_type:<12} {price}"
             f"{'  (extrapolated)' if option.extrapolated else ''}"
         )
     typer.echo(report.reason)
@@ -476,12 +482,14 @@ app.add_typer(aws_app, name="aws")
 
 
 @aws_app.command("check")
-def aws_check() -> None:
+@run_options(("num_nodes", "serving_families"))
+def aws_check(*, given: dict[str, Any]) -> None:
     """Check the account a first EC2 run needs, renting nothing; print what is missing.
 
     Dry-runs each launch option and the backstop, probes the S3 prefixes, and reads the vCPU
-    quotas, the training role's S3 access, each subnet's route to S3, the bucket's region,
-    the default EBS key, the Spot role and the candidates' prices (docs/aws.md).
+    quotas (for --num-nodes boxes at once), the training role's S3 access, each subnet's
+    route to S3, the bucket's region, the default EBS key, the Spot role, the candidates'
+    prices and the serving fleet's (docs/aws.md).
     """
     from burstcv.airflow.local_run import use_embedded_airflow
 
@@ -491,8 +499,14 @@ def aws_check() -> None:
     from burstcv.compute.awscheck import check_account
 
     _setup_logging()
+    settings = get_settings()
+    params = _run_params(given, settings)
     try:
-        findings = check_account(get_settings())
+        findings = check_account(
+            settings,
+            num_nodes=params.num_nodes,
+            serving_families=list(params.serving_families),
+        )
     except ValueError as exc:  # settings that cannot even be read
         raise _fail(str(exc)) from None
     for finding in findings:

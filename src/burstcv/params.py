@@ -4,9 +4,10 @@
 builds the Airflow Params from ``run_fields``), the command line's options (``burstcv.cli``)
 and the params table of docs/airflow.md (``params_table``): a field added here appears in all
 of them. Each default is written once: a deployment fact comes from the settings
-(``BURSTCV_DATASET_URI``, ``BURSTCV_COMPUTE_BACKEND``, ``BURSTCV_TRAIN_TIMEOUT_S``,
-``BURSTCV_EC2_INSTANCE_TYPES``, ``BURSTCV_EC2_USE_SPOT``), a training choice from ``JobSpec``,
-a data check from ``ValidationConfig``; the rest are written here. The stages take a
+(``BURSTCV_DATASET_URI``, ``BURSTCV_COMPUTE_BACKEND``, ``BURSTCV_NUM_NODES``,
+``BURSTCV_TRAIN_TIMEOUT_S``, ``BURSTCV_EC2_INSTANCE_TYPES``, ``BURSTCV_EC2_USE_SPOT``), a
+training choice from ``JobSpec``, a data check from ``ValidationConfig``; the rest are written
+here. The stages take a
 ``RunParams``, validated once from a plain dict (the task's ``params`` or the CLI's options).
 """
 
@@ -28,7 +29,13 @@ from pydantic import (
     model_validator,
 )
 
-from burstcv.data.config import DEFAULT_CHUNK_FILES, DEFAULT_CHUNK_MB, ValidationConfig
+from burstcv.data.config import (
+    DEFAULT_CHUNK_FILES,
+    DEFAULT_CHUNK_MB,
+    MAX_IMAGE_SIZE,
+    MIN_IMAGE_SIZE,
+    ValidationConfig,
+)
 from burstcv.settings import BackendName, Ec2Settings, Settings, get_settings
 from burstcv.training import recipe as R
 from burstcv.training.job import JobSpec
@@ -41,6 +48,7 @@ from burstcv.training.names import (
     pretrained_kind,
     pretrained_value,
 )
+from burstcv_spec.contracts import RunRecord, TrainingChoice
 
 # Form sections: the fields without one are on the form's first, open section; the others
 # fold away under these headings (Airflow's ``section``).
@@ -135,8 +143,8 @@ class RunParams(BaseModel):
     )
     image_size: Annotated[int | None, Affects.MODEL] = Field(
         default=None,
-        ge=16,
-        le=640,
+        ge=MIN_IMAGE_SIZE,
+        le=MAX_IMAGE_SIZE,
         title="Image size (px)",
         description="the square resolution the model trains and serves at; empty: chosen "
         "from the validated data (the median short side, at most 224, never upscaling)",
@@ -167,22 +175,26 @@ class RunParams(BaseModel):
         title="Use spot instances",
         description="spot on every type first, then on-demand on every type",
     )
-    num_nodes: Annotated[int, Affects.RUN] = Field(
-        default=1,
+    num_nodes: Annotated[int, Affects.RUN] = _from_deployment(
+        "BURSTCV_NUM_NODES",
         ge=1,
         le=MAX_NUM_NODES,
         title="Training boxes",
         description="boxes of one type that train together (ec2): one placement group, "
         "torchrun rendezvous on the first box, each box reading its own share of the "
         "training shards; rank 0 writes the checkpoints and markers, and losing one box "
-        "relaunches them all",
+        "relaunches them all. The budget, the GPU pool's slots and the bill count every box",
+        # A run takes a slot of the GPU pool per box (burstcv.airflow.policy): more boxes than
+        # the pool has slots would never be scheduled.
+        json_schema_extra={"maximum_from": "BURSTCV_GPU_POOL_SLOTS"},
     )
     max_cost_usd: Annotated[float, Affects.RUN] = Field(
         default=5.0,
         gt=0,
         le=10_000,
         title="Max cost (USD)",
-        description="per-run budget; bounds the watchdog that shuts the box down",
+        description="per-run budget, every box of every attempt (instance, root volume and "
+        "public IPv4); bounds the deadline the boxes' watchdog is armed from",
     )
     latency_slo_ms: Annotated[float, Affects.RUN] = Field(
         default=50.0,
@@ -548,6 +560,28 @@ def params_that(affect: Affects) -> tuple[str, ...]:
 TRAINING_PARAMS = tuple(name for name in params_that(Affects.MODEL) if name != "image_size")
 # ...and those that change what export makes of it (the `export` verb's options).
 EXPORT_PARAMS = params_that(Affects.EXPORT)
+# Model params that reach job.json under another name or shape; every other one is a JobSpec
+# field of its own name (``job_values``; tests/test_params.py checks that none is dropped).
+JOB_SHAPED = {"model": "arch", "image_size": "preprocess", "expected_classes": "classes"}
+
+# The run, resolved (run.json): what every task after the first reads.
+ResolvedRun = RunRecord[RunParams]
+
+
+def job_values(params: RunParams, training: TrainingChoice) -> dict[str, Any]:
+    """Return the JobSpec fields of the run's model params: validate's choices where it made
+    them (the auto values resolved), the run's own values for the rest."""
+    chosen = {
+        **params.model_dump(include=set(params_that(Affects.MODEL))),
+        **training.model_dump(
+            include=set(TrainingChoice.model_fields) & set(RunParams.model_fields)
+        ),
+    }
+    return {
+        JOB_SHAPED.get(name, name): value
+        for name, value in chosen.items()
+        if JOB_SHAPED.get(name) not in ("preprocess", "classes")
+    }
 
 
 @dataclass(frozen=True)

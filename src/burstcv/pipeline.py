@@ -1,10 +1,13 @@
 """Implement each pipeline stage as one function: artifacts in the store, typed results out.
 
 The Airflow tasks in dags/ are one-line calls to these functions, and ``burstcv`` CLI verbs
-call them too; nothing here imports Airflow. Every stage takes the run (``RunRef``) and the
-typed results of the stages before it, reads its inputs from the artifact store (URIs in
-those results) and returns a typed result of references and figures
-(``burstcv_spec.contracts``), which is all that travels through XCom.
+call them too; nothing here imports Airflow. A run is resolved once, by its first stage
+(``plan_scan``, through ``resolve_run``): the trigger's params over the defaults, the prices
+and the budget, written to the run's run.json; validate adds what it derives from the data.
+Every later stage takes the run (``RunRef``) and the typed results of the stages before it,
+reads the resolved run (``resolved_run``) and its inputs from the artifact store, and
+returns a typed result of references and figures (``burstcv_spec.contracts``), which is all
+that travels through XCom.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from burstcv.compute.attempts import (
 )
 from burstcv.compute.backends import get_backend
 from burstcv.compute.base import WORKING
-from burstcv.cost.budget import UnpricedRunError, bounded_time_budget
+from burstcv.cost.budget import UnpricedRunError, resolve_costs
+from burstcv.cost.model import BudgetTooSmallError
 from burstcv.data.imagesize import choose_image_size
 from burstcv.data.manifest import read_manifest
-from burstcv.params import EXPORT_PARAMS, TRAINING_PARAMS, RunParams
+from burstcv.params import EXPORT_PARAMS, TRAINING_PARAMS, ResolvedRun, RunParams, job_values
 from burstcv.settings import Settings, get_settings
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
@@ -51,7 +55,6 @@ from burstcv_spec.contracts import (
     PreprocessBlock,
     Provisioned,
     RegistryDecision,
-    RunRecord,
     RunRef,
     ScanPlan,
     SizingReport,
@@ -96,14 +99,64 @@ def run_layout(run: RunRef | str, settings: Settings | None = None) -> RunLayout
 
 
 # ---------------------------------------------------------------------------------------------
+# the run, resolved once
+
+
+def resolve_run(
+    run: RunRef, params: RunParams, settings: Settings | None = None, *, trigger: str = "cli"
+) -> ResolvedRun:
+    """Resolve the run once and write it to run.json: its params, prices and budget.
+
+    The checks that need no data come first (the compute, the weights, the prices and the
+    budget): a run that cannot be had or priced fails here, before anything is rented.
+    Raises ValidationFailed with the one-line reason.
+    """
+    s = settings or get_settings()
+    try:
+        params.check_compute()
+        params.check_weights()  # the form cannot check weights; fail before renting anything
+        costs = resolve_costs(params, s)
+    except (ValueError, UnpricedRunError, BudgetTooSmallError) as exc:
+        raise ValidationFailed(str(exc)) from exc
+    log.info("budget: %s", costs.budget_reason)
+    resolved = ResolvedRun(
+        run_id=run.airflow_run_id,
+        trigger=trigger,
+        started_at=lineage.utc_now_iso(),
+        params=params,
+        costs=costs,
+    )
+    write_artifact(run_layout(run, s).record, resolved)
+    return resolved
+
+
+def resolved_run(run: RunRef | str, settings: Settings | None = None) -> ResolvedRun:
+    """Return the run as its first task resolved it (run.json), with what validate added."""
+    uri = run_layout(run, settings).record
+    if not storage.exists(uri):
+        raise StageError(f"{uri} does not exist: the run's first task (plan_scan) resolves it")
+    return read_artifact(uri, ResolvedRun)
+
+
+def run_backend(run: RunRef, given: dict[str, Any], settings: Settings | None = None) -> str:
+    """Return the run's compute backend: as resolved, or (no run.json: the run was refused
+    before anything was rented) as the trigger gave it, whatever its other values."""
+    if storage.exists(run_layout(run, settings).record):
+        return resolved_run(run, settings).params.compute_backend
+    return RunParams.backend_of(given, settings)
+
+
+# ---------------------------------------------------------------------------------------------
 # validate → pack
 
 
-def plan_scan(run: RunRef, params: RunParams, settings: Settings | None = None) -> ScanPlan:
-    """List the dataset and cut it into scan chunks (``chunk_files``, ``chunk_mb``).
+def plan_scan(
+    run: RunRef, params: RunParams, settings: Settings | None = None, *, trigger: str = "cli"
+) -> ScanPlan:
+    """Resolve the run (``resolve_run``), list the dataset and cut it into scan chunks.
 
-    The run's checks that need no data come first (the weights, the budget): a run nobody
-    can price fails here. Raises ValidationFailed for those and for an unusable dataset.
+    Raises ValidationFailed for a run that cannot be had or priced, and for an unusable
+    dataset.
     """
     from burstcv.data.chunks import MB
     from burstcv.data.chunks import plan_scan as plan_dataset_scan
@@ -111,19 +164,7 @@ def plan_scan(run: RunRef, params: RunParams, settings: Settings | None = None) 
 
     s = settings or get_settings()
     paths = run_layout(run, s)
-    write_artifact(
-        paths.record,
-        RunRecord(
-            run_id=run.airflow_run_id,
-            dataset_uri=params.dataset_uri,
-            started_at=lineage.utc_now_iso(),
-        ),
-    )
-    try:
-        params.check_weights()  # the form cannot check weights; fail before renting anything
-        bounded_time_budget(params, s)  # a run nobody can price fails here, not at provision
-    except (ValueError, UnpricedRunError) as exc:
-        raise ValidationFailed(str(exc)) from exc
+    resolve_run(run, params, s, trigger=trigger)
     try:
         plan = plan_dataset_scan(
             params.dataset_uri,
@@ -145,12 +186,11 @@ def plan_scan(run: RunRef, params: RunParams, settings: Settings | None = None) 
     return plan
 
 
-def scan_chunk(
-    run: RunRef, chunk: DataChunk, params: RunParams, settings: Settings | None = None
-) -> int:
+def scan_chunk(run: RunRef, chunk: DataChunk, settings: Settings | None = None) -> int:
     """Scan one chunk of the run's listing into its manifest part; return its files."""
     from burstcv.data.chunks import scan_chunk as scan_dataset_chunk
 
+    params = resolved_run(run, settings).params
     plan = read_artifact(run_layout(run, settings).scan_plan, ScanPlan)
     files = scan_dataset_chunk(plan, chunk, params.validation_config())
     log.info("scanned chunk %d of %d: %d files", chunk.index + 1, len(plan.chunks), files)
@@ -158,36 +198,34 @@ def scan_chunk(
 
 
 def validate(
-    run: RunRef,
-    params: RunParams,
-    settings: Settings | None = None,
-    *,
-    scanned: bool = False,
+    run: RunRef, settings: Settings | None = None, *, params: RunParams | None = None
 ) -> Validated:
     """Run the dataset checks; raise ValidationFailed naming the failed checks and files.
 
-    ``scanned``: the run's plan was made and each chunk scanned already (the DAG's mapped
-    tasks); else they are, here, one after another. The checks run once over the joined
-    manifest.
+    With ``params``, the run is resolved and its plan made and each chunk scanned here, one
+    after another (the command line); without, the DAG's tasks did that already. The checks
+    run once over the joined manifest. What validate derives from the data that passed (the
+    image size, the training recipe) is added to the run's run.json.
     """
     from burstcv.data.chunks import join_scan
     from burstcv.data.validate import DatasetUnusableError, summary, validate_scanned
 
     s = settings or get_settings()
     paths = run_layout(run, s)
-    if scanned:
+    if params is None:
         plan = read_artifact(paths.scan_plan, ScanPlan)
     else:
         plan = plan_scan(run, params, s)
         for chunk in plan.chunks:
-            scan_chunk(run, chunk, params, s)
+            scan_chunk(run, chunk, s)
+    resolved = resolved_run(run, s)
     try:
         record = validate_scanned(
             plan.dataset_uri,
             paths.dataset,
             join_scan(plan),
             plan.ignored,
-            params.validation_config(),
+            resolved.params.validation_config(),
             history_uri=storage.join(s.artifact_root, "datasets"),
         )
     except DatasetUnusableError as exc:
@@ -197,10 +235,10 @@ def validate(
     log.info("%s", summary(record))
     manifest = read_manifest(record.manifest_uri)
     try:
-        size = choose_image_size(manifest, params.image_size)
+        size = choose_image_size(manifest, resolved.params.image_size)
         usable = manifest[manifest["decode_ok"].astype(bool)]
         training = choose_training(
-            params,
+            resolved.params,
             train_images=int((usable["split"] == "train").sum()),
             photos=size.resize_short is not None,
             settings=s,
@@ -211,20 +249,15 @@ def validate(
     log.info("training: %s", training.reason)
     if training.warning:
         log.warning("%s", training.warning)
-    # Beside the checks in validation.json, for the report: which size and recipe, and why.
-    chosen = ImageSizeChoice(px=size.px, reason=size.reason, resize_short=size.resize_short)
+    write_artifact(paths.validation, record)
     write_artifact(
-        paths.validation, record.model_copy(update={"image_size": chosen, "training": training})
+        paths.record, resolved.model_copy(update={"image_size": size, "training": training})
     )
     return Validated(
         fingerprint=record.fingerprint,
         manifest_uri=record.manifest_uri,
         validation_uri=paths.validation,
         data_docs_uri=record.data_docs_uri,
-        image_size=size.px,
-        image_size_reason=size.reason,
-        resize_short=size.resize_short,
-        training=training,
     )
 
 
@@ -283,37 +316,18 @@ def choose_training(
     )
 
 
-def _training_of(validated: Validated) -> TrainingChoice:
-    if validated.training is None:
+def _derived(resolved: ResolvedRun) -> tuple[ImageSizeChoice, TrainingChoice]:
+    """Return what validate derived from the data (run.json), or raise StageError."""
+    if resolved.image_size is None or resolved.training is None:
         raise StageError(
-            "no training recipe: validate chooses it (run validate again with this code)"
+            f"run {resolved.run_id} has no image size or training recipe in its run.json: "
+            "validate chooses them (run validate first)"
         )
-    return validated.training
-
-
-def _packed_training(params: RunParams, packed: Packed, settings: Settings) -> TrainingChoice:
-    """Return validate's choice as pack handed it on; for a Packed made without one (by hand,
-    a re-run of an older run), the same rules applied to the packed counts and transform.
-    """
-    if packed.training is not None:
-        return packed.training
-    try:
-        return choose_training(
-            params,
-            train_images=packed.counts.get("train", 0),
-            photos=packed.preprocess.resize_short is not None,
-            settings=settings,
-        )
-    except ValueError as exc:
-        raise StageError(str(exc)) from exc
+    return resolved.image_size, resolved.training
 
 
 def nothing_new_to_train(
-    run: RunRef,
-    params: RunParams,
-    validated: Validated,
-    *,
-    settings: Settings | None = None,
+    run: RunRef, validated: Validated, *, settings: Settings | None = None
 ) -> str | None:
     """Return why this run need not train (it would remake production), or None to train.
 
@@ -326,6 +340,10 @@ def nothing_new_to_train(
     from burstcv.registry.registry import PRODUCTION, Registry
 
     s = settings or get_settings()
+    resolved = resolved_run(run, s)
+    params, size = resolved.params, resolved.image_size
+    if size is None:
+        raise StageError(f"run {resolved.run_id} has no image size in its run.json: validate first")
     registry = Registry(s.registry_uri, s.model_name)
     alias = registry.get_alias(PRODUCTION)
     if alias is None:
@@ -352,11 +370,10 @@ def nothing_new_to_train(
         if recorded.get(k, defaults.get(k)) != mine.get(k)
     ]
     preprocess = registry.model_card(alias.version).preprocess
-    px = validated.image_size
     if (preprocess.height, preprocess.width, preprocess.resize_short) != (
-        px,
-        px,
-        validated.resize_short,
+        size.px,
+        size.px,
+        size.resize_short,
     ):
         differing.append("image size")
     if differing:
@@ -374,7 +391,7 @@ def nothing_new_to_train(
     reason = (
         f"nothing new to train on: the validated dataset (fingerprint "
         f"{validated.fingerprint[:12]}) and the params that matter ({same}, image size "
-        f"{validated.image_size} px) are those of production version {alias.version} (run "
+        f"{size.px} px) are those of production version {alias.version} (run "
         f"{entry.lineage.run_id or '?'}); no compute was rented. Trigger "
         "with force_train to train anyway."
     )
@@ -391,22 +408,20 @@ def nothing_new_to_train(
     return reason
 
 
-def shard_order(params: RunParams, validated: Validated) -> ShardOrder:
+def shard_order(resolved: ResolvedRun, validated: Validated) -> ShardOrder:
     """Return the shard layout of the validated images (``burstcv.data.pack.shard_order``)."""
     from burstcv.data.pack import shard_order as order_of
 
-    px = validated.image_size
+    size, _ = _derived(resolved)
     return order_of(
         read_manifest(validated.manifest_uri),
-        PreprocessSpec(height=px, width=px, resize_short=validated.resize_short),
-        classes=params.expected_classes or None,
-        margin=validated.resize_short is not None,
+        size.spec(),
+        classes=resolved.params.expected_classes or None,
+        margin=size.resize_short is not None,
     )
 
 
-def plan_pack(
-    run: RunRef, params: RunParams, validated: Validated, settings: Settings | None = None
-) -> PackPlan:
+def plan_pack(run: RunRef, validated: Validated, settings: Settings | None = None) -> PackPlan:
     """Cut the validated images' shards into chunks (``chunk_files``, ``chunk_mb``) of whole
     shards: each shard is the one a one-pass pack writes, whichever task writes it.
     """
@@ -414,7 +429,9 @@ def plan_pack(
     from burstcv.data.pack import choose_format
 
     paths = run_layout(run, settings)
-    order = shard_order(params, validated)
+    resolved = resolved_run(run, settings)
+    params = resolved.params
+    order = shard_order(resolved, validated)
     chunks = [
         DataChunk(
             index=index,
@@ -443,11 +460,7 @@ def plan_pack(
 
 
 def pack_chunk(
-    run: RunRef,
-    params: RunParams,
-    validated: Validated,
-    chunk: DataChunk,
-    settings: Settings | None = None,
+    run: RunRef, validated: Validated, chunk: DataChunk, settings: Settings | None = None
 ) -> PackedPart:
     """Decode one chunk's shards and write them, and the chunk's part record."""
     from burstcv.data.pack import pack_shards
@@ -455,7 +468,7 @@ def pack_chunk(
     paths = run_layout(run, settings)
     plan = read_artifact(paths.pack_plan, PackPlan)
     part = pack_shards(
-        shard_order(params, validated),
+        shard_order(resolved_run(run, settings), validated),
         chunk.start,
         chunk.stop,
         paths.shards,
@@ -471,7 +484,6 @@ def pack_chunk(
 
 def pack(
     run: RunRef,
-    params: RunParams,
     validated: Validated,
     *,
     settings: Settings | None = None,
@@ -490,16 +502,16 @@ def pack(
     if packed_chunks:
         plan = read_artifact(run_layout(run, settings).pack_plan, PackPlan)
     else:
-        plan = plan_pack(run, params, validated, settings)
+        plan = plan_pack(run, validated, settings)
         for chunk in plan.chunks:
-            pack_chunk(run, params, validated, chunk, settings)
+            pack_chunk(run, validated, chunk, settings)
     parts = []
     for chunk in plan.chunks:
         if not storage.exists(chunk.part_uri):
             raise StageError(f"pack chunk {chunk.index} wrote no {chunk.part_uri} (did it run?)")
         parts.append(read_artifact(chunk.part_uri, PackedPart))
-    px = validated.image_size
-    size_only = PreprocessSpec(height=px, width=px, resize_short=validated.resize_short)
+    size, training = _derived(resolved_run(run, settings))
+    size_only = size.spec()
     packed = join_parts(parts, size_only, plan.classes, validated.fingerprint, plan.shard_format)
     log.info(
         "packed %s into %d shard(s), training shards %s",
@@ -509,12 +521,10 @@ def pack(
     )
     # From scratch: the training split's own statistics (a model converges faster on centred
     # inputs). Pretrained: the weights' own. Recorded in the spec that serving reads.
-    training = _training_of(validated)
     stats = packed.preprocess
     mean, std = normalization(training.model, training.pretrained, stats.mean, stats.std)
     spec = dataclasses.replace(size_only, mean=mean, std=std)
-    # validate's training choice is handed on to provision.
-    return packed.model_copy(update={"preprocess": PreprocessBlock.of(spec), "training": training})
+    return packed.model_copy(update={"preprocess": PreprocessBlock.of(spec)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,43 +533,33 @@ def pack(
 
 def training_job(
     run: RunRef,
-    params: RunParams,
     packed: Packed,
     *,
-    time_budget_s: int,
     deadline_at: datetime | None = None,
     settings: Settings | None = None,
 ) -> JobSpec:
-    """Return the job.json of a run: the packed shards and validate's training choice.
+    """Return the job.json of a run: the packed shards, its model params as validate chose.
 
-    ``deadline_at`` is the run's absolute deadline (provision sets it from the time budget).
+    Every model param reaches the job (``burstcv.params.job_values``): a new one is declared
+    once in RunParams and used in training. ``deadline_at`` is the run's absolute deadline
+    (provision sets it from the resolved time budget).
     """
     from burstcv.training.job import JobSpec
     from burstcv.training.weights import weights_store_uri
 
     s = settings or get_settings()
-    training = _packed_training(params, packed, s)
+    resolved = resolved_run(run, s)
+    _, training = _derived(resolved)
     return JobSpec(
+        **job_values(resolved.params, training),
         run_id=run.run_key,
-        arch=training.model,
         classes=packed.classes,
         train_shards=packed.train_shards,
         val_shards=packed.val_shards,
         preprocess=packed.preprocess.model_dump(mode="json"),
         output_uri=run_layout(run, s).job,
-        epochs=training.epochs,
-        batch_size=training.batch_size,
-        learning_rate=training.learning_rate,
-        optimizer=training.optimizer,
-        warmup_steps=training.warmup_steps,
-        early_stop_patience=training.early_stop_patience,
-        lr_range_test=params.lr_range_test,
-        pretrained=training.pretrained,
         weights_store_uri=weights_store_uri(s.artifact_root),
-        freeze_backbone_epochs=params.freeze_backbone_epochs,
-        backbone_lr_scale=params.backbone_lr_scale,
-        seed=params.seed,
-        time_budget_s=time_budget_s,
+        time_budget_s=resolved.costs.time_budget_s,
         deadline_at=deadline_at,
         source_commit=lineage.source_commit(),
         dataset_fingerprint=packed.fingerprint,
@@ -569,7 +569,6 @@ def training_job(
 def provision(
     run: RunRef,
     dag_id: str,
-    params: RunParams,
     packed: Packed,
     settings: Settings | None = None,
     *,
@@ -577,23 +576,20 @@ def provision(
 ) -> Provisioned:
     """Write job.json and start the training box(es) for this run.
 
-    The run's time budget becomes an absolute deadline here, shared by every attempt, so a
-    relaunch never gets a fresh budget. For EC2 the training wheel is staged first and its
-    sha256 written into job.json. ``attempt`` is the try of this task (markers are per
-    attempt, and it is part of the launch's idempotency token). Whatever interrupts the
-    launch, a task timeout included, the run's boxes are terminated by tag before the
-    failure goes on.
+    The run's resolved time budget (run.json: bounded so that ``num_nodes`` boxes stay in the
+    money budget) becomes an absolute deadline here, shared by every attempt, so a relaunch
+    never gets a fresh budget. For EC2 the training wheel is staged first and its sha256
+    written into job.json. ``attempt`` is the try of this task (markers are per attempt, and
+    it is part of the launch's idempotency token). Whatever interrupts the launch, a task
+    timeout included, the run's boxes are terminated by tag before the failure goes on.
     """
     from burstcv.training.job import write_job
 
-    try:
-        params.check_compute()
-    except ValueError as exc:
-        raise StageError(str(exc)) from exc
     s = settings or get_settings()
     paths = run_layout(run, s)
-    time_budget_s = bounded_time_budget(params, s)
-    deadline_at = lineage.utc_now() + timedelta(seconds=time_budget_s)
+    resolved = resolved_run(run, s)
+    params, costs = resolved.params, resolved.costs
+    deadline_at = lineage.utc_now() + timedelta(seconds=costs.time_budget_s)
     wheel_uri, wheel_sha256, require_cuda = "", "", False
     if params.compute_backend == "ec2":
         from burstcv.compute.runtime import stage_training_wheel
@@ -606,21 +602,22 @@ def provision(
         staged = stage_training_wheel(s.artifact_root)
         wheel_uri, wheel_sha256 = staged.uri, staged.sha256
         require_cuda = s.ec2.require_gpu
-    job = training_job(
-        run, params, packed, time_budget_s=time_budget_s, deadline_at=deadline_at, settings=s
-    ).model_copy(update={"require_cuda": require_cuda, "runtime_sha256": wheel_sha256})
+    job = training_job(run, packed, deadline_at=deadline_at, settings=s).model_copy(
+        update={"require_cuda": require_cuda, "runtime_sha256": wheel_sha256}
+    )
     job_uri = write_job(job, paths.job_spec)
     launch = Launch(
         run=run,
         dag_id=dag_id,
         job_uri=job_uri,
-        time_budget_s=time_budget_s,
+        time_budget_s=costs.time_budget_s,
         instance_types=list(params.instance_types),
         use_spot=params.use_spot,
         count=params.num_nodes,
         deadline_at=deadline_at,
         wheel_uri=wheel_uri,
         wheel_sha256=wheel_sha256,
+        bound_rate=costs.box_rate,
     )
     try:
         ids = launch_attempt(params.compute_backend, launch, paths.job, attempt, s)
@@ -634,7 +631,6 @@ def provision(
         output_uri=paths.job,
         instance_ids=ids,
         backend=params.compute_backend,
-        max_cost_usd=params.max_cost_usd,
         launch=launch,  # what a retry of the train task needs to start a box again
     )
 
@@ -670,8 +666,9 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
     written before the marker). A final failure raises TrainingFailed with the box's reason.
 
     Relaunches are bounded by the run, not the attempt: past the run's deadline, once its boxes
-    have cost max_cost_usd, or after BURSTCV_MAX_RELAUNCHES relaunches (a run whose boxes
-    keep vanishing is more likely broken than unlucky), nothing is relaunched (TrainingFailed).
+    (every box of every attempt) have cost max_cost_usd, or after BURSTCV_MAX_RELAUNCHES
+    relaunches (a run whose boxes keep vanishing is more likely broken than unlucky), nothing
+    is relaunched (TrainingFailed).
     """
     s = settings or get_settings()
     backend_name, run_key = provisioned.backend, provisioned.run.run_key
@@ -710,8 +707,8 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
     now = lineage.utc_now()
     record_end(provisioned.output_uri, attempt, instances, now)  # the attempt is over
     spent = run_bill(provisioned.output_uri, attempt, now, backend=backend_name).cost_usd
-    budget = provisioned.max_cost_usd
-    if budget is not None and spent >= budget:
+    budget = resolved_run(provisioned.run, s).costs.max_cost_usd
+    if spent >= budget:
         raise TrainingFailed(
             f"the run's boxes have cost ${spent:.2f} of its ${budget:.2f} budget; no relaunch"
         )
@@ -799,17 +796,24 @@ def _val_rows(manifest_uri: str, limit: int | None = None) -> list[tuple[str, st
     return rows[:limit] if limit else rows
 
 
-def export(run: RunRef, params: RunParams, settings: Settings | None = None) -> Exported:
+def export(
+    run: RunRef, settings: Settings | None = None, *, overrides: dict[str, Any] | None = None
+) -> Exported:
     """Export the run's trained weights to ONNX, proven equal to torch on real validation images.
 
     Everything comes from the run's folder: the job as trained (classes, shards,
-    preprocessing, dataset), its metrics and weights, and the validated manifest.
+    preprocessing, dataset), its metrics and weights, the validated manifest, and the export
+    params as the run resolved them (``overrides``: export params to use instead, as the
+    command line's ``burstcv export`` gives them).
     """
     from burstcv.export.onnx_export import export_model
     from burstcv.training.job import load_job
 
     s = settings or get_settings()
     paths = run_layout(run, s)
+    params = resolved_run(run, s).params
+    if overrides:
+        params = RunParams.model_validate({**params.model_dump(), **overrides})
     job = load_job(paths.job_spec)
     images = [
         (path, storage.read_bytes(uri)) for path, uri, _ in _val_rows(paths.manifest, PARITY_IMAGES)
@@ -875,15 +879,14 @@ def _val_arrays(
     return images, [classes[i] for i in labels]
 
 
-def benchmark(
-    run: RunRef, params: RunParams | None = None, settings: Settings | None = None
-) -> Benchmarked:
+def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
     """Measure candidate and production side by side through staging services (latency.json).
 
     The candidate is the run's exported model; accuracy is scored on the validation shards
-    of the job as trained, the requests are validated images of the run's manifest. With
-    ``params``, the candidate's CPU fleet is sized too (sizing.json): the rate each CPU size
-    sustains within ``latency_slo_ms``, and the cheapest fleet for ``target_rps``.
+    of the job as trained, the requests are validated images of the run's manifest. The
+    candidate's CPU fleet is sized too (sizing.json): the rate each CPU size sustains within
+    the run's ``latency_slo_ms``, and the cheapest fleet for its ``target_rps``, at the
+    serving prices the run resolved.
     """
     from burstcv.gate.accuracy import onnx_accuracy
     from burstcv.gate.latency import bare_onnxruntime_p50, drive, staging_service
@@ -941,11 +944,7 @@ def benchmark(
                 figures.errors,
                 figures.accuracy,
             )
-        sizing = (
-            _size_fleet(str(models["candidate"]), request_images, params, s)
-            if params is not None
-            else None
-        )
+        sizing = _size_fleet(str(models["candidate"]), request_images, resolved_run(run, s), s)
     candidate, production = results["candidate"], results.get("production")
     record = LatencyRecord(
         measured_at=measured_at,
@@ -968,17 +967,20 @@ def benchmark(
 
 
 def _size_fleet(
-    model_dir: str, images: list[bytes], params: RunParams, s: Settings
+    model_dir: str, images: list[bytes], resolved: ResolvedRun, s: Settings
 ) -> SizingReport:
     """Size the candidate's CPU fleet for the run's expected load (burstcv.gate.sizing)."""
     from burstcv.gate.sizing import size_model
 
+    params = resolved.params
     report = size_model(
         model_dir,
         images,
-        slo_ms=params.latency_slo_ms,
+        latency_slo_ms=params.latency_slo_ms,
         target_rps=params.target_rps,
-        region=s.ec2.region,
+        prices=resolved.costs.serving,
+        region=resolved.costs.region,
+        unpriced=resolved.costs.serving_unpriced,
         max_vcpus=s.sizing_max_vcpus or None,
         duration_s=s.sizing_step_s,
         families=params.serving_families,
@@ -995,17 +997,19 @@ def _size_fleet(
 
 
 def gate(
-    run: RunRef,
-    params: RunParams,
-    exported: Exported,
-    bench: Benchmarked,
-    settings: Settings | None = None,
+    run: RunRef, exported: Exported, bench: Benchmarked, settings: Settings | None = None
 ) -> VerdictRecord:
-    """Judge the candidate, register it (promotable or rejected), and return the verdict."""
+    """Judge the candidate, register it (promotable or rejected), and return the verdict.
+
+    The registry entry records the run as resolved: its params (the dataset an asset event
+    named among them) and, in the lineage, the dataset the model was trained on.
+    """
     from burstcv.gate.gate import GateThresholds, ServingContext, check_lines, judge
     from burstcv.registry.registry import Registry
 
     s = settings or get_settings()
+    resolved = resolved_run(run, s)
+    params = resolved.params
     verdict = judge(
         bench.candidate,
         bench.production,
@@ -1018,7 +1022,9 @@ def gate(
             # The exported model's: a run's model may have been auto.
             arch=read_artifact(storage.join(exported.model_dir, MODEL_CARD), ModelCard).arch,
             int8_tried=bool(exported.quantization and exported.quantization.int8_tried),
-            region=s.ec2.region,
+            region=resolved.costs.region,
+            prices={q.instance_type: q.usd_per_hour for q in resolved.costs.serving},
+            target_rps=params.target_rps,
             measured_vcpus=bench.host.cpu_count or None,
         ),
         bench.sizing,
@@ -1035,6 +1041,7 @@ def gate(
             params=params.model_dump(mode="json"),
             fleet=bench.sizing.chosen if bench.sizing else None,
         ),
+        dataset_uri=params.dataset_uri,
     )
     record = VerdictRecord(version=version, **dict(verdict))
     write_artifact(run_layout(run, s).verdict, record)
@@ -1043,10 +1050,11 @@ def gate(
     return record
 
 
-def deploy_skip_reason(verdict: VerdictRecord, params: RunParams) -> str | None:
+def deploy_skip_reason(verdict: VerdictRecord, *, promote: bool) -> str | None:
     """Return why deploy does not run (the failed checks with their figures), or None.
 
-    The line is logged here, at INFO, so the deploy task's own log says why it skipped.
+    ``promote`` is the run's param. The line is logged here, at INFO, so the deploy task's
+    own log says why it skipped.
     """
     version = verdict.version
     if not verdict.promote:
@@ -1054,7 +1062,7 @@ def deploy_skip_reason(verdict: VerdictRecord, params: RunParams) -> str | None:
         reason = f"version {version} not promoted: " + (
             "; ".join(figures) if figures else verdict.summary.removeprefix("not promoted: ")
         )
-    elif not params.promote:
+    elif not promote:
         reason = f"version {version} passed the gate but is not deployed: the run has promote=false"
     else:
         return None
@@ -1064,9 +1072,7 @@ def deploy_skip_reason(verdict: VerdictRecord, params: RunParams) -> str | None:
     return reason
 
 
-def deploy(
-    run: RunRef, params: RunParams, verdict: VerdictRecord, settings: Settings | None = None
-) -> Deployed:
+def deploy(run: RunRef, verdict: VerdictRecord, settings: Settings | None = None) -> Deployed:
     """Stage the accepted version on the services, then point production at it and switch."""
     from burstcv.registry.deploy import deploy as deploy_version
     from burstcv.registry.registry import Registry
@@ -1084,12 +1090,11 @@ def deploy(
     )
 
 
-def report(run: RunRef, params: RunParams, settings: Settings | None = None) -> str:
+def report(run: RunRef, settings: Settings | None = None) -> str:
     """Write runs/<id>/report/index.html: one self-contained page about this run."""
     from burstcv.report.render import build_report
 
     s = settings or get_settings()
-    del params  # the report reads what the stages recorded, not what was asked
     return build_report(
         run_layout(run, s).root,
         registry_uri=s.registry_uri,

@@ -82,6 +82,9 @@ class Settings(BaseSettings):
 
     # Compute.
     compute_backend: BackendName = "local"  # a run's default backend (the form's default)
+    # A run's default number of training boxes (ec2): what scheduled and asset-triggered runs,
+    # which carry no conf, train on. Each box takes a slot of the GPU pool.
+    num_nodes: int = Field(default=1, ge=1)
     compute_state_dir: str = _under_home("compute")  # local backend's record of live processes
     # The longest a run may train, watchdog included: the train task's execution timeout is
     # set from it, so a run's time_budget_s above it is refused (it would be cut short).

@@ -34,6 +34,8 @@ from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.compute.userdata import parse_config
 
 REGION = "us-east-1"
+# A region with no row in the bundled price table: AWS alone prices it.
+FAR_REGION = "eu-west-1"
 BUCKET = "burstcv-test"
 ARTIFACT_ROOT = f"s3://{BUCKET}/artifacts"
 # A public SSM AMI parameter that moto ships with an image behind it.
@@ -223,6 +225,7 @@ class Play:
     instance_id: str
     run_id: str
     mode: str
+    region: str = REGION
     config: dict[str, str] = field(default_factory=dict)
     user_data: str = ""
     started: float = 0.0
@@ -249,7 +252,11 @@ class InstancePlayer:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._workers: list[threading.Thread] = []
-        self._ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=endpoint)
+        # Boxes are launched in the deployment's region: the bundled table's, or one it lacks.
+        self._ec2 = {
+            region: boto3.client("ec2", region_name=region, endpoint_url=endpoint)
+            for region in (REGION, FAR_REGION)
+        }
         self._watcher = threading.Thread(target=self._watch, name="instance-player", daemon=True)
 
     def start(self) -> InstancePlayer:
@@ -278,24 +285,29 @@ class InstancePlayer:
     def _watch(self) -> None:
         while not self._stop.is_set():
             try:
-                reservations = self._ec2.describe_instances(
-                    Filters=[
-                        {"Name": f"tag:{TAG_MANAGED}", "Values": ["true"]},
-                        {"Name": "instance-state-name", "Values": ["pending", "running"]},
-                    ]
-                )["Reservations"]
+                found = [
+                    (region, inst)
+                    for region, client in self._ec2.items()
+                    for r in client.describe_instances(
+                        Filters=[
+                            {"Name": f"tag:{TAG_MANAGED}", "Values": ["true"]},
+                            {"Name": "instance-state-name", "Values": ["pending", "running"]},
+                        ]
+                    )["Reservations"]
+                    for inst in r["Instances"]
+                ]
             except Exception as exc:
                 logging.getLogger(__name__).warning("player: describe failed: %s", exc)
                 time.sleep(0.2)
                 continue
-            for inst in (i for r in reservations for i in r["Instances"]):
+            for region, inst in found:
                 iid = inst["InstanceId"]
                 with self._lock:
                     if iid in self.plays:
                         continue
                     tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
                     run_id = tags.get(TAG_RUN_ID, "")
-                    play = Play(iid, run_id, self.modes.get(run_id, MODE_HOLD))
+                    play = Play(iid, run_id, self.modes.get(run_id, MODE_HOLD), region)
                     self.plays[iid] = play
                 if play.mode == MODE_HOLD:
                     continue
@@ -308,9 +320,10 @@ class InstancePlayer:
         box = self.work / play.instance_id
         box.mkdir(parents=True)
         play.dir = box
-        raw = self._ec2.describe_instance_attribute(
-            InstanceId=play.instance_id, Attribute="userData"
-        )["UserData"]["Value"]
+        ec2 = self._ec2[play.region]
+        raw = ec2.describe_instance_attribute(InstanceId=play.instance_id, Attribute="userData")[
+            "UserData"
+        ]["Value"]
         play.user_data = base64.b64decode(raw).decode()
         play.config = parse_config(play.user_data)
         job_uri = play.config["JOB_URI"]
@@ -324,7 +337,7 @@ class InstancePlayer:
                     stderr=subprocess.STDOUT,
                     timeout=120,
                 )
-            self._ec2.terminate_instances(InstanceIds=[play.instance_id])
+            ec2.terminate_instances(InstanceIds=[play.instance_id])
             play.powered_off_at = time.time()
         except Exception as exc:
             play.error = repr(exc)
@@ -364,6 +377,7 @@ class Kit:
     """
 
     region = REGION
+    far_region = FAR_REGION
     bucket = BUCKET
     artifact_root = ARTIFACT_ROOT
     ami_parameter = AMI_PARAMETER

@@ -12,7 +12,7 @@ quota code), ec2:GetEbsDefaultKmsKeyId (not implemented), kms:DescribeKey of the
 ``aws/ebs`` key (moto calls every key CUSTOMER managed), iam:SimulatePrincipalPolicy (not
 implemented; the decisions are those of deploy/instance-role-policy.json as the audit's own
 IAM evaluator judges it) and pricing:GetProducts (an empty price list: the bundled table prices
-on demand).
+on demand; or, per call, the product the call's filters name, as the Price List API answers).
 """
 
 from __future__ import annotations
@@ -25,11 +25,24 @@ from xml.sax.saxutils import escape
 
 import boto3
 import pytest
-from awsaudit import MOTO_ACCOUNT_ID, Check, RecordingProxy, evaluate
+from awsaudit import (
+    EMPTY_PRICE_LIST,
+    MOTO_ACCOUNT_ID,
+    Answer,
+    Check,
+    RecordingProxy,
+    evaluate,
+    price_list,
+)
 from typer.testing import CliRunner
 
 from burstcv.cli import app
-from burstcv.compute.awscheck import instance_role_requests
+from burstcv.compute.awscheck import (
+    check_serving_prices,
+    check_vcpu_quotas,
+    instance_role_requests,
+)
+from burstcv.compute.ec2 import Ec2Backend
 from burstcv.settings import get_settings
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -131,9 +144,6 @@ def simulation_answer(policy: dict[str, Any], variables: dict[str, str]) -> byte
     ).encode()
 
 
-EMPTY_PRICE_LIST = json.dumps({"FormatVersion": "aws_v1", "PriceList": []}).encode()
-
-
 def instance_role_policy_variables(kit: Any) -> dict[str, str]:
     """Return the values docs/aws.md substitutes into deploy/instance-role-policy.json."""
     return {
@@ -160,7 +170,12 @@ class Answers:
 
     def set(self, action: str, body: bytes, status: int = 200) -> None:
         """Answer ``action`` with ``body`` for the rest of the test."""
-        self.monkeypatch.setitem(self.proxy.answers, action, (status, body))
+        self.set_answer(action, (status, body))
+
+    def set_answer(self, action: str, answer: Answer) -> None:
+        """Answer ``action`` with ``answer`` (a response, or a function of the call that
+        returns one) for the rest of the test."""
+        self.monkeypatch.setitem(self.proxy.answers, action, answer)
 
 
 @pytest.fixture
@@ -262,7 +277,7 @@ def test_a_ready_account_passes_every_check_and_rents_nothing(
     for market, code in (("on-demand", "L-DB2E81BA"), ("spot", "L-3819A6DF")):
         assert (
             f"ok       vCPU quota G and VT {market} ({code}) in us-east-1: 64 vCPUs, "
-            "g6.xlarge needs 4" in lines
+            "a g6.xlarge needs 4" in lines
         )
     assert (
         "ok       training role burstcv-training: S3 access under s3://burstcv-test/artifacts"
@@ -276,9 +291,17 @@ def test_a_ready_account_passes_every_check_and_rents_nothing(
     assert "ok       Spot service-linked role AWSServiceRoleForEC2Spot" in lines
     prices = [x for x in lines if x.startswith("ok       price ")]
     assert len(prices) == 6, lines  # three types, two markets
+    # The serving fleet's CPU types (the serving_families default, c7i and m7i), priced as a
+    # run prices them: the Price List API answers nothing here, so the bundled table.
+    assert [x for x in lines if x.startswith("ok       serving price ")] == [
+        "ok       serving price c7i.2xlarge on-demand in us-east-1: $0.3570/h",
+        "ok       serving price c7i.large on-demand in us-east-1: $0.0892/h",
+        "ok       serving price c7i.xlarge on-demand in us-east-1: $0.1785/h",
+        "ok       serving price m7i.large on-demand in us-east-1: $0.1008/h",
+    ]
     # Not the last line: a handler an earlier in-process CLI run left on a closed stream may
     # print its logging error after it.
-    assert "all 36 checks passed: nothing was rented" in lines
+    assert "all 40 checks passed: nothing was rented" in lines
     assert not [x for x in lines if x.startswith("MISSING")]
     assert kit.live_managed() == []
     calls = audited_calls.snapshot()
@@ -381,3 +404,70 @@ def test_what_is_missing_is_printed_one_line_each(
     assert "11 of" in result.output
     assert kit.live_managed() == []
     audited_calls.clear()  # the refused PassRole of a wrong profile is this test's point
+
+
+def test_a_run_of_two_boxes_needs_each_familys_quota_for_both(
+    s3_deployment: Any, answers: Answers
+) -> None:
+    # 6 vCPUs of G and VT, on demand and spot: one g6.xlarge (4 vCPUs) fits, two do not.
+    answers.set("servicequotas:GetServiceQuota", quota_answer(6.0))
+    backend = Ec2Backend(s3_deployment.ec2)
+
+    one = [f.line() for f in check_vcpu_quotas(backend, s3_deployment)]
+    two = [f.line() for f in check_vcpu_quotas(backend, s3_deployment, num_nodes=2)]
+
+    request = "aws service-quotas request-service-quota-increase --service-code ec2"
+    codes = {"on-demand": "L-DB2E81BA", "spot": "L-3819A6DF"}
+    assert sorted(one) == sorted(
+        f"ok       vCPU quota G and VT {market} ({code}) in us-east-1: 6 vCPUs, a g6.xlarge needs 4"
+        for market, code in codes.items()
+    )
+    # A launch starts both boxes at once: 2 x 4 vCPUs; the increase asked for still fits the
+    # GPU pool's 4 boxes at once (BURSTCV_GPU_POOL_SLOTS).
+    assert sorted(two) == sorted(
+        f"MISSING  vCPU quota G and VT {market} ({code}) in us-east-1: 6 vCPUs, "
+        f"2 x g6.xlarge needs 8; ask for 16 (4 boxes at once, BURSTCV_GPU_POOL_SLOTS): "
+        f"{request} --quota-code {code} --desired-value 16 --region us-east-1"
+        for market, code in codes.items()
+    )
+
+
+def test_the_check_sizes_the_quotas_for_the_num_nodes_it_is_given(
+    prepared_account: None, kit: Any
+) -> None:
+    result = CliRunner().invoke(app, ["aws", "check", "--num-nodes", "2"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    for market, code in (("on-demand", "L-DB2E81BA"), ("spot", "L-3819A6DF")):
+        assert (
+            f"ok       vCPU quota G and VT {market} ({code}) in us-east-1: 64 vCPUs, "
+            "2 x g6.xlarge needs 8" in lines
+        )
+    assert kit.live_managed() == []
+
+
+def test_serving_types_nobody_prices_in_the_region_are_named_with_what_to_set(
+    s3_deployment: Any, answers: Answers, audited_calls: RecordingProxy
+) -> None:
+    # eu-west-1 is in no row of the bundled table; the Price List API prices c7i.large only.
+    answers.set_answer("pricing:GetProducts", price_list({"c7i.large": "0.0941"}, "eu-west-1"))
+    backend = Ec2Backend(s3_deployment.ec2.model_copy(update={"region": "eu-west-1"}))
+
+    findings = check_serving_prices(backend, ["c7i", "m7i"], s3_deployment.artifact_root)
+
+    lines = [f.line() for f in findings]
+    assert lines[0] == "ok       serving price c7i.large on-demand in eu-west-1: $0.0941/h"
+    (missing,) = lines[1:]
+    assert missing.startswith(
+        "MISSING  serving prices (c7i, m7i) in eu-west-1: no on-demand price for c7i.2xlarge, "
+        "c7i.xlarge, m7i.large in eu-west-1"
+    )
+    # What to set: the permission to ask AWS, or a table that prices them there.
+    assert "allow pricing:GetProducts" in missing and "deploy/iam-policy.json" in missing
+    assert "BURSTCV_PRICE_TABLE" in missing and "\n" not in missing
+    asked = sorted(
+        next(f["Value"] for f in c.params["Filters"] if f["Field"] == "instanceType")
+        for c in audited_calls.snapshot()
+        if c.action == "pricing:GetProducts"
+    )
+    assert asked == ["c7i.2xlarge", "c7i.large", "c7i.xlarge", "m7i.large"]

@@ -31,7 +31,7 @@ import structlog.testing
 from airflow.sdk.exceptions import TaskDeferred
 from awsaudit import RecordingProxy, denied
 from boxsandbox import Boot, BoxSandbox, SandboxUnavailable, link, make_ami_python
-from burstcv_testkit import launch_of, reclaim_in_emulator
+from burstcv_testkit import launch_of, reclaim_in_emulator, resolve_validated
 
 from burstcv import pipeline
 from burstcv.airflow.operators import WaitForTrainingOperator
@@ -176,6 +176,14 @@ def params(**overrides: Any) -> RunParams:
     return RunParams(**fields)
 
 
+def provision(run_key: str, packed: Packed, **overrides: Any) -> Provisioned:
+    """Provision a run on the packed slice as the DAG does: its run.json first (resolved,
+    with validate's choices for the slice), then the provision stage."""
+    run = RunRef.of(run_key)
+    resolve_validated(run, params(**overrides), settings(), packed)
+    return pipeline.provision(run, "burstcv_pipeline", packed, settings())
+
+
 def user_data(ec2: Any, instance_id: str) -> str:
     """Return the user-data EC2 would hand the instance at boot."""
     raw = ec2.describe_instance_attribute(InstanceId=instance_id, Attribute="userData")
@@ -208,7 +216,7 @@ def wait_for_trigger(provisioned: Provisioned, attempt: int) -> dict[str, Any]:
         output_uri=provisioned.output_uri,
         attempt=attempt,
         poll_interval_s=0.2,
-        max_cost_usd=provisioned.max_cost_usd,
+        max_cost_usd=pipeline.resolved_run(provisioned.run, settings()).costs.max_cost_usd,
     )
 
     async def first() -> dict[str, Any]:
@@ -249,9 +257,7 @@ def test_a_clean_boot_installs_the_wheel_trains_and_powers_off(
     shards: Packed,
 ) -> None:
     ec2 = account["ec2"]
-    provisioned = pipeline.provision(
-        RunRef.of("manual__clean"), "burstcv_pipeline", params(), shards, settings()
-    )
+    provisioned = provision("manual__clean", shards)
     (instance_id,) = provisioned.instance_ids
     job = JobSpec.model_validate(storage.read_json(provisioned.job_uri))
     assert job.runtime_sha256 and job.deadline_at is not None
@@ -314,9 +320,7 @@ def test_a_failed_preflight_is_final_and_says_what_to_set(
 ) -> None:
     ec2 = account["ec2"]
     monkeypatch.setenv("BURSTCV_EC2_REQUIRE_GPU", "true")  # this sandbox has no NVIDIA driver
-    provisioned = pipeline.provision(
-        RunRef.of("manual__nogpu"), "burstcv_pipeline", params(), shards, settings()
-    )
+    provisioned = provision("manual__nogpu", shards)
     (instance_id,) = provisioned.instance_ids
     # The role's credentials come slower than botocore's default 1 s wait: the box still gets
     # them (the failure below is the GPU check's, not a credential fetch's).
@@ -358,9 +362,7 @@ def test_a_python_outside_the_range_fails_preflight_before_the_install(
 ) -> None:
     ec2 = account["ec2"]
     monkeypatch.setenv("BURSTCV_EC2_PYTHON", "/usr/bin/python-that-is-not-there")
-    provisioned = pipeline.provision(
-        RunRef.of("manual__nopy"), "burstcv_pipeline", params(), shards, settings()
-    )
+    provisioned = provision("manual__nopy", shards)
     (instance_id,) = provisioned.instance_ids
     # No Python with boto3 on this box: the AMI's AWS CLI (DLAMIs have one) still writes the
     # FAILED marker that says what to set, instead of a box "lost" without a word.
@@ -385,13 +387,7 @@ def test_a_spot_reclaim_still_shutting_down_resumes_in_the_same_try(
     ec2 = account["ec2"]
     monkeypatch.setenv("BURSTCV_ARTIFACT_ROOT", ARTIFACT_ROOT)  # where the task reads metrics
     get_settings.cache_clear()
-    provisioned = pipeline.provision(
-        RunRef.of("manual__spot"),
-        "burstcv_pipeline",
-        params(epochs=4, batch_size=8),
-        shards,
-        settings(),
-    )
+    provisioned = provision("manual__spot", shards, epochs=4, batch_size=8)
     (first_box,) = provisioned.instance_ids
     progress_uri = f"{provisioned.output_uri}/progress.json"
     live_log = attempt_dir(provisioned.output_uri, 1, "logs", f"{first_box}.log")
@@ -503,9 +499,7 @@ def test_a_wheel_that_does_not_match_its_sha256_is_never_installed(
     box: BoxSandbox, account: dict[str, Any], shards: Packed
 ) -> None:
     ec2 = account["ec2"]
-    provisioned = pipeline.provision(
-        RunRef.of("manual__tampered"), "burstcv_pipeline", params(), shards, settings()
-    )
+    provisioned = provision("manual__tampered", shards)
     (instance_id,) = provisioned.instance_ids
     wheel_uri = provisioned.launch.wheel_uri
     storage.write_bytes(wheel_uri, storage.read_bytes(wheel_uri) + b"\0")
@@ -524,9 +518,7 @@ def test_a_spot_notice_during_bootstrap_is_resumable(
     box: BoxSandbox, account: dict[str, Any], shards: Packed
 ) -> None:
     ec2 = account["ec2"]
-    provisioned = pipeline.provision(
-        RunRef.of("manual__early"), "burstcv_pipeline", params(), shards, settings()
-    )
+    provisioned = provision("manual__early", shards)
     (instance_id,) = provisioned.instance_ids
     box.imds.spot_action = {"action": "terminate", "time": datetime.now(UTC).isoformat()}
 
@@ -631,13 +623,7 @@ def test_two_boxes_rendezvous_over_their_link_and_train_to_done(
 ) -> None:
     shards = split_shards
     ec2 = account["ec2"]
-    provisioned = pipeline.provision(
-        RunRef.of("manual__two_boxes"),
-        "burstcv_pipeline",
-        params(num_nodes=2),
-        shards,
-        settings(),
-    )
+    provisioned = provision("manual__two_boxes", shards, num_nodes=2)
     assert len(provisioned.instance_ids) == 2
     started = time.monotonic()
 
@@ -680,13 +666,7 @@ def test_one_box_lost_mid_run_relaunches_both_from_the_checkpoint(
     ec2, shards = account["ec2"], split_shards
     monkeypatch.setenv("BURSTCV_ARTIFACT_ROOT", ARTIFACT_ROOT)  # where the task reads metrics
     get_settings.cache_clear()
-    provisioned = pipeline.provision(
-        RunRef.of("manual__lost_box"),
-        "burstcv_pipeline",
-        params(num_nodes=2, epochs=3, batch_size=16),
-        shards,
-        settings(),
-    )
+    provisioned = provision("manual__lost_box", shards, num_nodes=2, epochs=3, batch_size=16)
     progress_uri = f"{provisioned.output_uri}/progress.json"
     node_b = next(
         inst["InstanceId"]

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from awsaudit import AwsCall, Check, RecordingProxy, denied, evaluate
-from burstcv_testkit import HELD_WHEEL, launch_of, make_model_dir
+from burstcv_testkit import HELD_WHEEL, launch_of, make_model_dir, resolve_validated
 
 from burstcv import pipeline
 from burstcv.compute import attempts, reaper
@@ -55,7 +55,8 @@ def test_one_pipeline_life_makes_no_call_the_policy_denies(
     )
     run = RunRef.of(AIRFLOW_RUN_ID)
     assert run.run_key == key
-    provisioned = pipeline.provision(run, "burstcv_pipeline", params, packed, settings)
+    resolve_validated(run, params, settings, packed)  # the first task prices it (GetProducts)
+    provisioned = pipeline.provision(run, "burstcv_pipeline", packed, settings)
     outcome = attempts.training_outcome(key, "ec2", provisioned.output_uri)  # the wait
     assert (outcome.status, outcome.attempt) == ("running", 1)
     report = pipeline.terminate(run, "ec2", settings)
@@ -198,7 +199,8 @@ def test_a_two_box_life_makes_only_allowed_calls_on_the_runs_own_groups(
         fingerprint="fp",
     )
     run = RunRef.of(key)
-    provisioned = pipeline.provision(run, "burstcv_pipeline", params, packed, s3_deployment)
+    resolve_validated(run, params, s3_deployment, packed)
+    provisioned = pipeline.provision(run, "burstcv_pipeline", packed, s3_deployment)
     assert len(provisioned.instance_ids) == 2
     pipeline.terminate(run, "ec2", s3_deployment)
 

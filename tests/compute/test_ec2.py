@@ -10,7 +10,7 @@ from typing import Any
 import boto3
 import pytest
 from botocore.exceptions import ClientError, WaiterError
-from burstcv_testkit import HELD_WHEEL, launch_of
+from burstcv_testkit import HELD_WHEEL, launch_of, resolve_validated
 
 from burstcv import pipeline
 from burstcv.compute.base import (
@@ -325,9 +325,13 @@ def test_no_spot_anywhere_falls_back_to_on_demand(
     assert inst["InstanceType"] == "g6.xlarge"
     assert "InstanceLifecycle" not in inst
     (info,) = backend.describe(run_id)
-    quoted = backend.price_quote(info)  # what its launch record bills it at
-    assert info.lifecycle == "on-demand" and quoted is not None
-    assert quoted.usd_per_hour == pytest.approx(hourly_price("g6.xlarge", "us-east-1", "on-demand"))
+    rate = backend.box_rate(info, bound=None)  # what its launch record bills it at
+    assert (info.lifecycle, rate.market) == ("on-demand", "on-demand")
+    assert rate.usd_per_hour == pytest.approx(hourly_price("g6.xlarge", "us-east-1", "on-demand"))
+    # With its 50 GB gp3 root volume (us-east-1: $0.08 per GB-month) and the public IPv4
+    # the default subnet gives it ($0.005/h).
+    assert (rate.volume_gb, rate.ebs_usd_per_gb_month) == (50, 0.08)
+    assert info.public_ipv4 and rate.public_ipv4_usd_per_hour == 0.005
     assert backend.terminate_run(run_id) == [iid]
     assert kit.live_managed() == []
 
@@ -401,7 +405,8 @@ def provision_run(settings: Any, kit: Any, run_key: str, given: dict[str, Any]) 
     params = RunParams.resolve({"compute_backend": "ec2", "time_budget_s": 600, **given}, settings)
     packed = packed_for(kit, run_key)
     run = RunRef.of(run_key)
-    provisioned = pipeline.provision(run, "burstcv_pipeline", params, packed, settings)
+    resolve_validated(run, params, settings, packed)  # the run's first task and validate
+    provisioned = pipeline.provision(run, "burstcv_pipeline", packed, settings)
     (instance_id,) = provisioned.instance_ids
     return str(instance_id)
 
@@ -503,8 +508,9 @@ def test_several_boxes_share_a_placement_group_only_they_can_reach_and_go_togeth
     run_id = "two-boxes"
     player.modes[run_id] = kit.HOLD
     params = RunParams.resolve({"compute_backend": "ec2", "num_nodes": 2}, s3_deployment)
+    resolve_validated(RunRef.of(run_id), params, s3_deployment, packed_for(kit, run_id))
     provisioned = pipeline.provision(
-        RunRef.of(run_id), DAG_ID, params, packed_for(kit, run_id), s3_deployment
+        RunRef.of(run_id), DAG_ID, packed_for(kit, run_id), s3_deployment
     )
     ids = provisioned.instance_ids
     assert len(ids) == 2 and provisioned.launch.count == 2
@@ -577,8 +583,12 @@ def test_several_boxes_need_the_ec2_backend_and_nothing_starts_without_it(
     s3_deployment: Any, kit: Any
 ) -> None:
     params = RunParams.resolve({"compute_backend": "local", "num_nodes": 2}, s3_deployment)
-    with pytest.raises(pipeline.StageError, match="num_nodes 2 needs the ec2 compute backend"):
-        pipeline.provision(
-            RunRef.of("local-two"), DAG_ID, params, packed_for(kit, "local-two"), s3_deployment
-        )
+    run = RunRef.of("local-two")
+    # The run's first task refuses it: nothing is resolved, so nothing can be provisioned.
+    with pytest.raises(
+        pipeline.ValidationFailed, match="num_nodes 2 needs the ec2 compute backend"
+    ):
+        pipeline.resolve_run(run, params, s3_deployment)
+    with pytest.raises(pipeline.StageError, match=r"run\.json does not exist"):
+        pipeline.provision(run, DAG_ID, packed_for(kit, "local-two"), s3_deployment)
     assert kit.live_managed() == []

@@ -34,6 +34,7 @@ from burstcv.compute.ec2 import (
     backstop_name,
     client_token,
 )
+from burstcv.params import RunParams
 from burstcv.settings import Settings
 from burstcv_spec.contracts import Launch, Provisioned, RunRef
 
@@ -378,7 +379,11 @@ def test_a_relaunch_after_a_lost_box_is_a_new_attempt_with_a_new_token(
         **held_launch_fields(),
     )
     job_dir = f"{kit.artifact_root}/runs/{run_id}/job"
-    (first,) = attempts.launch_attempt("ec2", launch, job_dir, 1, Settings())
+    settings = Settings()
+    # The run as its first task resolved it: the relaunch reads its budget from run.json.
+    given = {"compute_backend": "ec2", "instance_types": ["g6.xlarge"], "use_spot": True}
+    pipeline.resolve_run(launch.run, RunParams.resolve(given, settings), settings)
+    (first,) = attempts.launch_attempt("ec2", launch, job_dir, 1, settings)
     ec2_client.terminate_instances(InstanceIds=[first])  # the box is lost (spot reclaim)
     provisioned = Provisioned(
         run=launch.run,
@@ -386,10 +391,9 @@ def test_a_relaunch_after_a_lost_box_is_a_new_attempt_with_a_new_token(
         output_uri=job_dir,
         instance_ids=[first],
         backend="ec2",
-        max_cost_usd=None,
         launch=launch,
     )
-    assert pipeline.relaunch(provisioned) == 2
+    assert pipeline.relaunch(provisioned, settings) == 2
     (second,) = [i.instance_id for i in backend.describe(run_id) if i.state != "stopped"]
     assert second != first
     tokens = [

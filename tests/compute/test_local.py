@@ -69,12 +69,19 @@ def provisioned_for(
     *,
     job_uri: str = "",
     deadline_at: datetime | None = None,
-    max_cost_usd: float | None = None,
 ) -> dict[str, Any]:
-    """Return provision's XCom (a Provisioned as JSON) for a local run with these facts."""
+    """Return provision's XCom (a Provisioned as JSON) for a local run with these facts.
+
+    The run is resolved first (its run.json, as the run's first task writes it): a relaunch
+    reads the run's budget there.
+    """
+    from burstcv import pipeline
+    from burstcv.params import RunParams
     from burstcv_spec.contracts import Launch, Provisioned, RunRef
 
     run = RunRef(airflow_run_id=f"manual__{run_key}", run_key=run_key)
+    settings = get_settings()
+    pipeline.resolve_run(run, RunParams.resolve({"compute_backend": "local"}, settings), settings)
     launch = Launch(
         run=run,
         dag_id="d",
@@ -92,7 +99,6 @@ def provisioned_for(
         output_uri=str(out),
         instance_ids=[],
         backend="local",
-        max_cost_usd=max_cost_usd,
         launch=launch,
     ).model_dump(mode="json")
 
@@ -327,7 +333,7 @@ def test_no_relaunch_after_the_runs_deadline(tmp_path: Path, state_dir: Path) ->
     from burstcv_spec.contracts import Provisioned
 
     provisioned = provisioned_for(
-        "r-late", out, deadline_at=datetime.now(UTC) - timedelta(seconds=1), max_cost_usd=5.0
+        "r-late", out, deadline_at=datetime.now(UTC) - timedelta(seconds=1)
     )
     with pytest.raises(TrainingFailed, match=r"deadline .* has passed; no relaunch"):
         relaunch(Provisioned.model_validate(provisioned))

@@ -19,6 +19,7 @@ from burstcv import pipeline
 from burstcv.airflow.operators import WaitForTrainingOperator
 from burstcv.compute import attempts
 from burstcv.compute.ec2 import Ec2Backend
+from burstcv.params import RunParams
 from burstcv.settings import Settings
 from burstcv.training.job import write_failed
 from burstcv_spec.contracts import Launch, Provisioned, RunRef, TrainingOutcome
@@ -45,14 +46,17 @@ def provisioned(
         deadline_at=datetime.now(UTC) + timedelta(seconds=600),
         **HELD_WHEEL,
     )
-    ids = attempts.launch_attempt("ec2", launch, kit.job_dir(run.run_key), 1, Settings())
+    settings = Settings()
+    # The run as its first task resolved it: a relaunch reads its budget from run.json.
+    given = {"compute_backend": "ec2", "instance_types": ["g6.xlarge"], "use_spot": True}
+    pipeline.resolve_run(run, RunParams.resolve(given, settings), settings)
+    ids = attempts.launch_attempt("ec2", launch, kit.job_dir(run.run_key), 1, settings)
     return Provisioned(
         run=run,
         job_uri=launch.job_uri,
         output_uri=kit.job_dir(run.run_key),
         instance_ids=ids,
         backend="ec2",
-        max_cost_usd=None,
         launch=launch,
     )
 

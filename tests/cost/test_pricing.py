@@ -1,9 +1,13 @@
-"""Check prices, EC2's billing rule, serving cost and the budget that bounds the watchdog."""
+"""Read prices: the bundled table, its storage and address rows, and the AWS Price List API.
+
+What a box, a run, a budget or a fleet costs is burstcv.cost.model's (tests/cost/test_model.py).
+"""
 
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime, timedelta
+import re
+from datetime import datetime
 from pathlib import Path
 
 import boto3
@@ -11,20 +15,20 @@ import pytest
 from botocore.stub import Stubber
 
 from burstcv.cost.pricing import (
-    BudgetTooSmallError,
+    PACKAGED_TABLE,
+    PRICE_TABLE_ENV,
     UnknownPriceError,
-    billed_seconds,
     hourly_price,
+    instance_shapes,
     load_price_table,
     on_demand_from_price_list,
     price_source,
+    price_table_path,
+    public_ipv4_usd_per_hour,
     refresh_from_pricing_api,
-    run_cost,
-    serving_cost_per_million,
-    time_budget_for,
+    volume_usd_per_gb_month,
 )
 
-T0 = datetime(2024, 5, 1, 10, 0, tzinfo=UTC)
 GPU_TYPES = ("g6.xlarge", "g5.xlarge", "g4dn.xlarge", "g6.12xlarge", "p4d.24xlarge")
 CPU_TYPES = ("c7i.large", "c7i.xlarge", "c7i.2xlarge", "m7i.large")
 
@@ -43,7 +47,6 @@ def test_table_is_dated_sourced_and_complete() -> None:
 
 def test_local_costs_nothing() -> None:
     assert hourly_price("anything", "nowhere", "local") == 0.0
-    assert run_cost("cpu", "local", "local", launched=T0, stopped=T0 + timedelta(hours=5)) == 0.0
 
 
 def test_unknown_prices_name_the_options() -> None:
@@ -55,38 +58,6 @@ def test_unknown_prices_name_the_options() -> None:
         hourly_price("g6.xlarge", "us-east-1", "reserved")
 
 
-@pytest.mark.parametrize(
-    ("elapsed_s", "billed"),
-    [(0, 60), (1, 60), (59.2, 60), (60, 60), (60.2, 61), (61, 61), (3600, 3600)],
-)
-def test_billing_is_per_second_with_a_one_minute_minimum(elapsed_s: float, billed: int) -> None:
-    assert billed_seconds(T0, T0 + timedelta(seconds=elapsed_s)) == billed
-
-
-def test_billing_refuses_naive_or_backwards_times() -> None:
-    with pytest.raises(ValueError, match="timezone"):
-        billed_seconds(datetime(2024, 1, 1), datetime(2024, 1, 2))
-    naive = datetime(2024, 5, 1, 10, 0)
-    with pytest.raises(ValueError, match="timezone"):
-        billed_seconds(naive, T0 + timedelta(hours=1))
-    with pytest.raises(ValueError, match="timezone"):
-        billed_seconds(T0, naive + timedelta(hours=1))
-    with pytest.raises(ValueError, match="before"):
-        billed_seconds(T0, T0 - timedelta(seconds=1))
-
-
-def test_run_cost_applies_the_rule() -> None:
-    per_hour = hourly_price("g5.xlarge", "us-east-1", "on-demand")
-    half_hour = run_cost(
-        "g5.xlarge", "us-east-1", "on-demand", launched=T0, stopped=T0 + timedelta(minutes=30)
-    )
-    assert half_hour == pytest.approx(per_hour / 2)
-    ten_s = run_cost(
-        "g5.xlarge", "us-east-1", "spot", launched=T0, stopped=T0 + timedelta(seconds=10)
-    )
-    assert ten_s == pytest.approx(hourly_price("g5.xlarge", "us-east-1", "spot") / 60)
-
-
 def write_table(tmp_path: Path, on_demand: float) -> Path:
     """Write a price table with one type, x1.test in us-east-1, at ``on_demand`` $/hour."""
     path = tmp_path / "prices.json"
@@ -95,70 +66,81 @@ def write_table(tmp_path: Path, on_demand: float) -> Path:
     return path
 
 
-def test_serving_cost_per_million_predictions_in_dollars(tmp_path: Path) -> None:
+def test_a_custom_table_replaces_the_packaged_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     table = write_table(tmp_path, on_demand=3.6)
-    # $3.60/h at 100 predictions/s: 360,000 predictions cost $3.60, so 1M cost $10.
-    assert serving_cost_per_million("x1.test", "us-east-1", 100.0, path=table) == pytest.approx(
-        10.0, rel=1e-9
-    )
-    # A slow model (one prediction every 2 s) is still priced: 1M take 2M s, 555.6 h.
-    assert serving_cost_per_million("x1.test", "us-east-1", 0.5, path=table) == pytest.approx(
-        2000.0, rel=1e-9
-    )
-    for rps in (0, -1.0):
-        with pytest.raises(ValueError, match="throughput_rps must be positive"):
-            serving_cost_per_million("x1.test", "us-east-1", rps, path=table)
+    assert hourly_price("x1.test", "us-east-1", "on-demand", path=table) == 3.6
+    assert hourly_price("x1.test", "us-east-1", "spot", path=table) == pytest.approx(1.2)
+    assert price_source(table) == {"source": "a test", "as_of": "2026-01-01"}
+    monkeypatch.setenv(PRICE_TABLE_ENV, str(table))
+    assert price_table_path() == table
+    assert hourly_price("x1.test", "us-east-1", "on-demand") == 3.6
+    with pytest.raises(UnknownPriceError, match=r"the table has x1\.test"):
+        hourly_price("g6.xlarge", "us-east-1", "on-demand")
+    monkeypatch.delenv(PRICE_TABLE_ENV)
+    assert price_table_path() == PACKAGED_TABLE
 
 
-def test_serving_cost_per_million_predictions() -> None:
-    per_hour = hourly_price("c7i.large", "us-east-1", "on-demand")
-    # 100 predictions/s = 360,000/h, so 1M predictions take 1e6 / 360,000 hours.
-    expected = per_hour * 1_000_000 / 360_000
-    assert serving_cost_per_million("c7i.large", "us-east-1", 100.0) == pytest.approx(expected)
-    assert serving_cost_per_million("c7i.large", "us-east-1", 200.0) == pytest.approx(expected / 2)
-    with pytest.raises(ValueError):
-        serving_cost_per_million("c7i.large", "us-east-1", 0)
+def test_a_table_without_its_source_or_date_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "undated.json"
+    path.write_text(json.dumps({"source": "a test", "regions": {}}))
+    with pytest.raises(ValueError, match=re.escape(f"price table {path} lacks 'as_of'")):
+        load_price_table(path)
 
 
-def test_budget_lowers_the_time_budget_and_the_cap_still_holds() -> None:
-    per_hour = hourly_price("g6.xlarge", "us-east-1", "on-demand")
-    assert time_budget_for(None, "g6.xlarge", "us-east-1", "on-demand", 3600) == 3600
-    assert time_budget_for(100.0, "g6.xlarge", "us-east-1", "on-demand", 3600) == 3600
-    half = time_budget_for(per_hour / 2, "g6.xlarge", "us-east-1", "on-demand", 3600)
-    assert half == 1800
-    assert time_budget_for(0.0, "cpu", "local", "local", 900) == 900  # free is never capped
-    with pytest.raises(BudgetTooSmallError, match="60 s minimum"):
-        time_budget_for(0.001, "g6.xlarge", "us-east-1", "on-demand", 3600)
+def test_the_serving_types_shapes_are_awss_published_figures() -> None:
+    assert instance_shapes() == {
+        "c7i.large": (2, 4.0),
+        "c7i.xlarge": (4, 8.0),
+        "c7i.2xlarge": (8, 16.0),
+        "m7i.large": (2, 8.0),
+    }
 
 
-def test_a_budget_that_buys_exactly_the_minute_minimum_is_enough() -> None:
-    # $3.60/h is $0.06 a minute: exactly EC2's minimum charge.
-    assert time_budget_for(0.06, "x1.test", "us-east-1", "on-demand", 3600, usd_per_hour=3.6) == 60
-    with pytest.raises(BudgetTooSmallError) as too_small:
-        time_budget_for(0.0599, "x1.test", "us-east-1", "on-demand", 3600, usd_per_hour=3.6)
-    # The error says what the minimum would cost, so the user knows what to raise it to.
-    message = str(too_small.value)
-    assert "$0.0599 does not cover the 60 s minimum" in message
-    assert "x1.test on-demand in us-east-1 ($0.0600)" in message
+@pytest.mark.parametrize(
+    ("region", "usd_per_gb_month"),
+    [
+        ("us-east-1", 0.08),
+        ("us-west-2", 0.08),
+        ("eu-west-1", 0.088),
+        ("eu-central-1", 0.0952),
+        ("ap-northeast-1", 0.096),
+        ("xx-nowhere-9", 0.08),  # a region the table does not list: its default row
+    ],
+)
+def test_a_root_volume_is_priced_per_gb_month_by_region(
+    region: str, usd_per_gb_month: float
+) -> None:
+    assert volume_usd_per_gb_month(region) == usd_per_gb_month
 
 
-def test_a_budget_exactly_at_the_limit_buys_the_time_it_pays_for() -> None:
-    # $1.80 at $3.60/h is half an hour; a cap below that still holds.
-    budget_s = time_budget_for(1.8, "x1.test", "us-east-1", "on-demand", 7200, usd_per_hour=3.6)
-    assert budget_s == 1800
-    assert 3.6 * budget_s / 3600 <= 1.8
-    assert time_budget_for(1.8, "x1.test", "us-east-1", "on-demand", 1799, usd_per_hour=3.6) == 1799
-    # A quoted price wins over the table's.
-    assert time_budget_for(1.8, "g6.xlarge", "us-east-1", "on-demand", 7200, usd_per_hour=3.6) == (
-        1800
-    )
+def test_a_public_ipv4_address_costs_the_same_everywhere() -> None:
+    assert public_ipv4_usd_per_hour() == 0.005
 
 
-def test_a_time_budget_needs_a_positive_cap() -> None:
-    assert time_budget_for(None, "g6.xlarge", "us-east-1", "on-demand", 1) == 1
-    for cap_s in (0, -60):
-        with pytest.raises(ValueError, match="cap_s must be positive"):
-            time_budget_for(None, "g6.xlarge", "us-east-1", "on-demand", cap_s)
+def test_a_custom_table_without_storage_or_address_rows_falls_back_to_the_packaged_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An older table (made before boxes were priced part by part) names neither.
+    old = write_table(tmp_path, on_demand=3.6)
+    assert "storage" not in json.loads(old.read_text())
+    assert volume_usd_per_gb_month("eu-west-1", path=old) == 0.088
+    assert volume_usd_per_gb_month("xx-nowhere-9", path=old) == 0.08
+    assert public_ipv4_usd_per_hour(path=old) == 0.005
+    monkeypatch.setenv(PRICE_TABLE_ENV, str(old))
+    assert volume_usd_per_gb_month("eu-central-1") == 0.0952
+    assert public_ipv4_usd_per_hour() == 0.005
+    # A table that has them is read for them.
+    own = tmp_path / "own.json"
+    doc = json.loads(old.read_text())
+    doc["storage"] = {"gp3_usd_per_gb_month": {"default": 0.5, "eu-west-1": 0.25}}
+    doc["public_ipv4_usd_per_hour"] = 0.0075
+    own.write_text(json.dumps(doc))
+    monkeypatch.setenv(PRICE_TABLE_ENV, str(own))
+    assert volume_usd_per_gb_month("eu-west-1") == 0.25
+    assert volume_usd_per_gb_month("us-east-1") == 0.5  # its default row, not the packaged
+    assert public_ipv4_usd_per_hour() == 0.0075
 
 
 def pricing_product(instance_type: str, usd: str) -> str:

@@ -8,40 +8,10 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-from PIL import Image
+from burstcv_testkit import CLASSES, PER_CLASS, SPLITS, smooth_image, write_dataset
 
-CLASSES = ("cat", "dog", "fox")
-SPLITS = ("train", "val")
-PER_CLASS = 10  # per split: above the default minimum of 5, so the clean dataset passes
-
-
-def smooth_image(seed: int, size: int = 32) -> Image.Image:
-    """Return a distinct, smooth RGB image: 8x8 random colours, upscaled."""
-    rng = np.random.default_rng(seed)
-    small = rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)
-    return Image.fromarray(small, "RGB").resize((size, size), Image.Resampling.BILINEAR)
-
-
-def write_dataset(
-    root: Path,
-    *,
-    classes: tuple[str, ...] = CLASSES,
-    per_class: int | dict[tuple[str, str], int] = PER_CLASS,
-    seed: int = 0,
-) -> Path:
-    """Write <root>/<split>/<class>/<n>.png and return root; every image is distinct."""
-    counter = seed * 100_000
-    for split in SPLITS:
-        for label in classes:
-            n = per_class if isinstance(per_class, int) else per_class.get((split, label), 0)
-            folder = root / split / label
-            folder.mkdir(parents=True, exist_ok=True)
-            for i in range(n):
-                counter += 1
-                smooth_image(counter).save(folder / f"{i:03d}.png")
-    return root
+__all__ = ["CLASSES", "PER_CLASS", "SPLITS", "smooth_image", "write_dataset"]
 
 
 @pytest.fixture

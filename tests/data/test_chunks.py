@@ -64,9 +64,7 @@ def _run(
 
 
 def _record(uri: str) -> dict[str, Any]:
-    return read_artifact(uri, ValidationRecord).model_dump(
-        mode="json", exclude=WHERE_AND_WHEN | {"image_size", "training"}
-    )
+    return read_artifact(uri, ValidationRecord).model_dump(mode="json", exclude=WHERE_AND_WHEN)
 
 
 def test_a_chunked_validation_fails_as_the_one_pass_scan_does(tmp_path: Path, kit: Any) -> None:
@@ -74,7 +72,7 @@ def test_a_chunked_validation_fails_as_the_one_pass_scan_does(tmp_path: Path, ki
     run = RunRef.of("manual__chunks")
     settings, params = _run(tmp_path / "chunked", dataset, chunk_files=7)
     with pytest.raises(pipeline.ValidationFailed) as chunked:
-        pipeline.validate(run, params, settings)
+        pipeline.validate(run, settings, params=params)
     paths = pipeline.run_layout(run, settings)
     plan = read_artifact(paths.scan_plan, ScanPlan)
     # 62 files to inspect (the stray is refused unread, the dotfile ignored), 7 a chunk.
@@ -105,8 +103,8 @@ def test_chunked_scan_and_pack_equal_one_chunk_byte_for_byte(
     for name, limits in {"one": {}, "files": {"chunk_files": 20}}.items():
         settings, params = _run(tmp_path / name, dataset, shard_format, **limits)
         run = RunRef.of(f"manual__{name}")
-        validated = pipeline.validate(run, params, settings)
-        packed = pipeline.pack(run, params, validated, settings=settings)
+        validated = pipeline.validate(run, settings, params=params)
+        packed = pipeline.pack(run, validated, settings=settings)
         paths = pipeline.run_layout(run, settings)
         results[name] = (paths, validated, packed)
 
@@ -149,13 +147,13 @@ def test_a_chunk_that_did_not_run_is_named_and_a_rerun_chunk_joins(
     assert plan.bytes == sum(p.stat().st_size for p in dataset.rglob("*.png"))
     assert plan.chunks[0].bytes + plan.chunks[1].bytes + plan.chunks[2].bytes == plan.bytes
     for chunk in (plan.chunks[0], plan.chunks[2]):
-        pipeline.scan_chunk(run, chunk, params, settings)
+        pipeline.scan_chunk(run, chunk, settings)
     with pytest.raises(FileNotFoundError, match="scan chunk 1: no manifest part"):
-        pipeline.validate(run, params, settings, scanned=True)
+        pipeline.validate(run, settings)
     # A retried chunk rewrites its own part only: twice is the same as once.
     for _ in range(2):
-        assert pipeline.scan_chunk(run, plan.chunks[1], params, settings) == 25
-    validated = pipeline.validate(run, params, settings, scanned=True)
+        assert pipeline.scan_chunk(run, plan.chunks[1], settings) == 25
+    validated = pipeline.validate(run, settings)
     assert read_artifact(validated.validation_uri, ValidationRecord).counts.usable == 60
 
 

@@ -509,7 +509,9 @@ def test_the_validate_stage_logs_one_summary_and_nothing_of_gx(dataset: Path) ->
         "from burstcv import pipeline\n"
         "from burstcv.params import RunParams\n"
         "from burstcv_spec.contracts import RunRef\n"
-        f"pipeline.validate(RunRef.of('manual__log'), RunParams(dataset_uri={str(dataset)!r}))\n"
+        "pipeline.validate(\n"
+        f"    RunRef.of('manual__log'), params=RunParams(dataset_uri={str(dataset)!r})\n"
+        ")\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True

@@ -1,16 +1,13 @@
-"""The promotion gate: latency SLO, zero errors, accuracy floor, no regression."""
+"""The promotion gate: latency SLO, zero errors, accuracy floor, no regression; priced advice."""
 
 from __future__ import annotations
 
-import copy
-import json
-from pathlib import Path
+import math
 from typing import Any
 
 import pytest
 from burstcv_testkit import bench_figures
 
-from burstcv.cost.pricing import PRICE_TABLE_ENV, load_price_table, serving_cost_per_million
 from burstcv.gate import gate as gate_module
 from burstcv.gate.gate import (
     ARCH_MMACS,
@@ -22,8 +19,17 @@ from burstcv.gate.gate import (
     format_figure,
     judge,
 )
+from burstcv.gate.sizing import recommend
 from burstcv.training.names import ARCHITECTURE_NAMES
-from burstcv_spec.contracts import BenchFigures, GateCheck, GateVerdict, Suggestion
+from burstcv_spec.contracts import (
+    BenchFigures,
+    GateCheck,
+    GateVerdict,
+    PriceQuote,
+    SizePoint,
+    SizingReport,
+    Suggestion,
+)
 
 LIMITS = GateThresholds(latency_slo_ms=20.0, accuracy_floor=0.9, max_accuracy_drop=0.02)
 
@@ -96,20 +102,54 @@ SLOW = bench_figures(
 )
 SLO_50 = GateThresholds(latency_slo_ms=50.0, accuracy_floor=0.9, max_accuracy_drop=0.02)
 
+# The on-demand prices a run in us-east-1 resolves (the bundled table's), USD per hour.
+PRICES = {
+    "c7i.large": 0.08925,
+    "c7i.xlarge": 0.1785,
+    "c7i.2xlarge": 0.357,
+    "m7i.large": 0.1008,
+    "g4dn.xlarge": 0.526,
+    "g5.xlarge": 1.006,
+    "g6.xlarge": 0.8048,
+}
+TARGET_RPS = 500.0
+
+
+def ctx(**fields: Any) -> ServingContext:
+    """Return the serving context of a run in us-east-1 expecting 500 req/s (overridable)."""
+    context: dict[str, Any] = {
+        "arch": "resnet18",
+        "int8_tried": False,
+        "region": "us-east-1",
+        "prices": PRICES,
+        "target_rps": TARGET_RPS,
+    }
+    return ServingContext(**{**context, **fields})
+
+
+def fleet_per_million(usd_per_hour: float, rps_each: float, target_rps: float) -> float:
+    """Price 1M predictions as the serving fleet does: replicas at 70% of their rate."""
+    replicas = max(1, math.ceil(target_rps / (rps_each * 0.7)))
+    return round(replicas * usd_per_hour / (target_rps * 3600) * 1e6, 4)
+
 
 def test_a_missed_slo_comes_with_priced_ways_to_close_the_gap() -> None:
-    verdict = judge(
-        SLOW, None, SLO_50, ServingContext(arch="resnet18", measured_vcpus=2, region="us-east-1")
-    )
+    verdict = judge(SLOW, None, SLO_50, ctx(measured_vcpus=2))
     assert not verdict.promote
     by_action = {s.action: s for s in verdict.suggestions}
     assert set(by_action) == {"int8", "smaller_model", "larger_instance", "gpu_serving"}
     for s in verdict.suggestions:
         assert s.gap_ms == 30.0 and s.assumption and s.region == "us-east-1"
-        expected = serving_cost_per_million(
-            s.instance_type, "us-east-1", s.estimated_throughput_rps
+        assert s.estimated_throughput_rps is not None
+        # Each priced as the fleet of its type serving the run's 500 req/s.
+        expected = fleet_per_million(
+            PRICES[s.instance_type], s.estimated_throughput_rps, TARGET_RPS
         )
-        assert s.cost_per_million_usd == pytest.approx(expected, rel=1e-3)
+        assert s.cost_per_million_usd == pytest.approx(expected, abs=1e-4)
+        assert s.price_note.endswith(
+            f"on-demand in us-east-1 at {s.estimated_throughput_rps:.1f} req/s each, "
+            "serving 500 req/s"
+        )
     smaller = by_action["smaller_model"]
     named = smaller.title.split()[2]
     assert named in ARCHITECTURE_NAMES and ARCH_MMACS[named] < ARCH_MMACS["resnet18"]
@@ -128,15 +168,13 @@ def test_a_missed_slo_comes_with_priced_ways_to_close_the_gap() -> None:
 
 
 def test_advice_skips_what_was_tried_or_cannot_shrink() -> None:
-    suggestions = advise(
-        SLOW, SLO_50, arch="mobilenet_v3_small", int8_tried=True, region="us-east-1"
-    )
+    suggestions = advise(SLOW, SLO_50, ctx(arch="mobilenet_v3_small", int8_tried=True))
     assert {s.action for s in suggestions} == {"larger_instance", "gpu_serving"}
 
 
 def test_a_gap_no_cpu_can_close_is_reported_as_not_meeting_the_slo() -> None:
     hopeless = SLOW.model_copy(update={"p95_ms": 900.0})
-    suggestions = advise(hopeless, SLO_50, arch="resnet10", int8_tried=False, region="us-east-1")
+    suggestions = advise(hopeless, SLO_50, ctx(arch="resnet10"))
     cpu = [s for s in suggestions if s.action != "gpu_serving"]
     assert cpu and not any(s.meets_slo for s in cpu)
     larger = next(s for s in suggestions if s.action == "larger_instance")
@@ -144,9 +182,51 @@ def test_a_gap_no_cpu_can_close_is_reported_as_not_meeting_the_slo() -> None:
 
 
 def test_a_region_without_prices_still_advises_and_says_why_it_is_unpriced() -> None:
-    suggestions = advise(SLOW, SLO_50, arch="resnet18", int8_tried=False, region="eu-west-9")
-    assert suggestions and all(s.cost_per_million_usd is None for s in suggestions)
-    assert all("eu-west-9" in s.price_note for s in suggestions)
+    suggestions = advise(SLOW, SLO_50, ctx(region="eu-west-9", prices={}))
+    # No GPU type has a price there either: GPU serving is not advised.
+    assert {s.action for s in suggestions} == {"int8", "smaller_model", "larger_instance"}
+    assert all(s.cost_per_million_usd is None for s in suggestions)
+    assert [s.price_note for s in suggestions] == [
+        f"no price for {s.instance_type} in eu-west-9" for s in suggestions
+    ]
+    assert all(s.estimated_p95_ms and s.estimated_throughput_rps for s in suggestions)
+
+
+def test_a_type_without_a_price_is_advised_unpriced_never_an_error() -> None:
+    no_xlarge = {t: usd for t, usd in PRICES.items() if t != "c7i.xlarge"}
+    by_action = {s.action: s for s in advise(SLOW, SLO_50, ctx(prices=no_xlarge))}
+    larger = by_action["larger_instance"]
+    assert larger.instance_type == "c7i.xlarge" and larger.meets_slo
+    assert larger.cost_per_million_usd is None
+    assert larger.price_note == "no price for c7i.xlarge in us-east-1"
+    assert larger.estimated_p95_ms == 45.0 and larger.estimated_throughput_rps == 200.0
+    # The others keep their prices; the unpriced one comes after them.
+    assert [s.action for s in advise(SLOW, SLO_50, ctx(prices=no_xlarge))] == [
+        "smaller_model",
+        "int8",
+        "gpu_serving",
+        "larger_instance",
+    ]
+    assert by_action["int8"].cost_per_million_usd == 0.2479
+
+
+def test_advice_is_priced_at_the_runs_expected_load() -> None:
+    # INT8 on c7i.large at ~177.8 req/s, at most 70% of it a replica (124.4 req/s).
+    def int8(target_rps: float) -> Suggestion:
+        by_action = {s.action: s for s in advise(SLOW, SLO_50, ctx(target_rps=target_rps))}
+        return by_action["int8"]
+
+    # 500 req/s: 5 replicas at $0.08925/h, $0.44625/h for 1.8M predictions an hour.
+    assert int8(500.0).cost_per_million_usd == 0.2479
+    assert int8(500.0).price_note == (
+        "5 x c7i.large on-demand in us-east-1 at 177.8 req/s each, serving 500 req/s"
+    )
+    # 50 req/s: one replica, mostly idle: each prediction costs more.
+    assert int8(50.0).cost_per_million_usd == 0.4958
+    assert int8(50.0).price_note.startswith("1 x c7i.large")
+    # 5000 req/s: 41 replicas.
+    assert int8(5000.0).cost_per_million_usd == 0.2033
+    assert int8(5000.0).price_note.startswith("41 x c7i.large")
 
 
 def test_a_candidate_within_the_slo_gets_no_suggestions() -> None:
@@ -263,11 +343,8 @@ def test_multiply_adds_per_architecture_are_the_measured_figures() -> None:
 # -- the estimates and figures in each suggestion ------------------------------------------------
 
 
-def slow_advice(**kwargs: object) -> dict[str, Suggestion]:
-    context: dict[str, object] = {"arch": "resnet18", "int8_tried": False, "region": "us-east-1"}
-    context.update(kwargs)
-    suggestions = advise(SLOW, SLO_50, **context)  # type: ignore[arg-type]
-    return {s.action: s for s in suggestions}
+def slow_advice(**fields: Any) -> dict[str, Suggestion]:
+    return {s.action: s for s in advise(SLOW, SLO_50, ctx(**fields))}
 
 
 def test_each_suggestion_carries_the_figures_a_user_reads() -> None:
@@ -276,22 +353,27 @@ def test_each_suggestion_carries_the_figures_a_user_reads() -> None:
     # 10 ms fixed + 70 ms compute at half the time; throughput grows as latency shrinks.
     assert int8.estimated_p95_ms == 45.0
     assert int8.estimated_throughput_rps == 177.78  # 100 req/s x 80/45, to the cent
-    assert int8.cost_per_million_usd == 0.1395
+    # 500 req/s at 70% of 177.78 each: 5 x c7i.large, $0.44625/h for 1.8M predictions.
+    assert int8.cost_per_million_usd == 0.2479
+    assert int8.price_note.startswith("5 x c7i.large on-demand in us-east-1")
     assert "10.00 ms fixed" in str(int8.assumption)
     assert "70.00 ms that scales with compute speed" in str(int8.assumption)
     larger = by_action["larger_instance"]
     assert larger.title == "serve on c7i.xlarge (4 vCPUs) instead of c7i.large"
     assert larger.estimated_p95_ms == 45.0  # the compute share halves on twice the vCPUs
     assert larger.estimated_throughput_rps == 200.0
-    assert larger.cost_per_million_usd == 0.2479
+    # 500 req/s at 140 each: 4 x c7i.xlarge at $0.1785/h.
+    assert larger.cost_per_million_usd == 0.3967
     gpu = by_action["gpu_serving"]
     # The cheapest one-GPU type in us-east-1; HTTP + decode stay, compute becomes ~1 ms.
     assert gpu.instance_type == "g4dn.xlarge"
     assert gpu.estimated_p95_ms == 11.0
     assert gpu.estimated_throughput_rps == 200.0  # its 4 vCPUs against the 2 measured
-    assert gpu.cost_per_million_usd == 0.7306
+    assert gpu.cost_per_million_usd == 1.1689  # 4 x g4dn.xlarge at $0.526/h
     smaller = by_action["smaller_model"]
     assert "63.4M vs 138.9M per image" in str(smaller.assumption)
+    # resnet10 at ~41.95 ms: ~190.7 req/s, 4 x c7i.large.
+    assert smaller.cost_per_million_usd == 0.1983
 
 
 def test_the_largest_smaller_architecture_that_meets_the_slo_is_suggested() -> None:
@@ -305,7 +387,7 @@ def test_a_smaller_architecture_exactly_at_the_slo_is_the_one_suggested() -> Non
     # No fixed share measured: all of p95 scales; resnet10 is 63.4/138.9 of resnet18.
     candidate = bench_figures(p95_ms=1389.0)
     limits = GateThresholds(latency_slo_ms=634.0, accuracy_floor=0.9, max_accuracy_drop=0.02)
-    suggestions = advise(candidate, limits, arch="resnet18", int8_tried=True, region="us-east-1")
+    suggestions = advise(candidate, limits, ctx(int8_tried=True))
     smaller = next(s for s in suggestions if s.action == "smaller_model")
     assert smaller.title == "retrain as resnet10 instead of resnet18"
     assert smaller.estimated_p95_ms == 634.0 and smaller.meets_slo is True
@@ -313,7 +395,7 @@ def test_a_smaller_architecture_exactly_at_the_slo_is_the_one_suggested() -> Non
 
 def test_when_no_architecture_meets_the_slo_the_smallest_is_suggested() -> None:
     hopeless = SLOW.model_copy(update={"p95_ms": 2000.0, "bare_onnxruntime_p50_ms": None})
-    suggestions = advise(hopeless, SLO_50, arch="resnet18", int8_tried=True, region="us-east-1")
+    suggestions = advise(hopeless, SLO_50, ctx(int8_tried=True))
     smaller = next(s for s in suggestions if s.action == "smaller_model")
     assert smaller.title == "retrain as mobilenet_v3_small instead of resnet18"
     assert smaller.meets_slo is False
@@ -327,7 +409,7 @@ def test_an_unknown_architecture_gets_no_smaller_model_advice() -> None:
 def test_an_instance_upgrade_exactly_at_the_slo_is_the_one_suggested() -> None:
     # c7i.xlarge halves the 70 ms compute share: 10 + 35 = 45 ms, exactly the SLO.
     limits = GateThresholds(latency_slo_ms=45.0, accuracy_floor=0.9, max_accuracy_drop=0.02)
-    suggestions = advise(SLOW, limits, arch=None, int8_tried=True, region="us-east-1")
+    suggestions = advise(SLOW, limits, ctx(arch=None, int8_tried=True))
     larger = next(s for s in suggestions if s.action == "larger_instance")
     assert larger.instance_type == "c7i.xlarge" and larger.meets_slo is True
 
@@ -353,24 +435,29 @@ def test_serving_on_an_m7i_large_counts_its_two_vcpus() -> None:
         (("g5.xlarge",), "g5.xlarge"),
     ],
 )
-def test_gpu_serving_suggests_the_cheapest_gpu_type_sold_in_the_region(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sold: tuple[str, ...], suggested: str
+def test_gpu_serving_suggests_the_cheapest_gpu_type_the_run_has_a_price_for(
+    sold: tuple[str, ...], suggested: str
 ) -> None:
-    table = copy.deepcopy(load_price_table())
-    prices = table["regions"]["us-east-1"]
-    table["regions"] = {
-        "xx-test-1": {t: p for t, p in prices.items() if t in sold or t.startswith("c7i")}
-    }
-    path = tmp_path / "prices.json"
-    path.write_text(json.dumps(table))
-    monkeypatch.setenv(PRICE_TABLE_ENV, str(path))
-    suggestions = advise(SLOW, SLO_50, arch=None, int8_tried=True, region="xx-test-1")
+    prices = {t: usd for t, usd in PRICES.items() if t in sold or t.startswith("c7i")}
+    suggestions = advise(
+        SLOW, SLO_50, ctx(arch=None, int8_tried=True, region="xx-test-1", prices=prices)
+    )
     gpu = next(s for s in suggestions if s.action == "gpu_serving")
     assert gpu.instance_type == suggested
     # Each of these one-GPU types has 4 vCPUs: throughput as on 4 of the 2 measured.
     assert gpu.estimated_throughput_rps == 200.0
     assert "stay on its 4 vCPUs" in str(gpu.assumption)
-    assert gpu.cost_per_million_usd is not None
+    # 500 req/s at 140 each: 4 of them.
+    assert gpu.cost_per_million_usd == fleet_per_million(prices[suggested], 200.0, 500.0)
+    assert gpu.price_note.startswith(f"4 x {suggested} on-demand in xx-test-1")
+
+
+def test_gpu_prices_alone_decide_the_gpu_advised() -> None:
+    # A run whose quotes make g5 the cheapest is advised g5, whatever the bundled table says.
+    cheap_g5 = {**PRICES, "g5.xlarge": 0.1}
+    gpu = slow_advice(prices=cheap_g5)["gpu_serving"]
+    assert gpu.instance_type == "g5.xlarge"
+    assert gpu.cost_per_million_usd == fleet_per_million(0.1, 200.0, 500.0)
 
 
 def test_an_unknown_serving_type_is_assumed_to_have_two_vcpus() -> None:
@@ -382,7 +469,7 @@ def test_an_unknown_serving_type_is_assumed_to_have_two_vcpus() -> None:
 
 def test_estimates_and_gap_are_rounded_to_the_microsecond() -> None:
     odd = bench_figures(p95_ms=80.0012, throughput_rps=100.0)
-    suggestions = advise(odd, SLO_50, arch=None, int8_tried=False, region="us-east-1")
+    suggestions = advise(odd, SLO_50, ctx(arch=None))
     int8 = next(s for s in suggestions if s.action == "int8")
     assert int8.estimated_p95_ms == 40.001
     assert int8.gap_ms == 30.001
@@ -390,7 +477,7 @@ def test_estimates_and_gap_are_rounded_to_the_microsecond() -> None:
 
 def test_a_p95_that_int8_brings_exactly_to_the_slo_meets_it() -> None:
     exact = bench_figures(p95_ms=100.0)
-    suggestions = advise(exact, SLO_50, arch=None, int8_tried=False, region="us-east-1")
+    suggestions = advise(exact, SLO_50, ctx(arch=None))
     int8 = next(s for s in suggestions if s.action == "int8")
     assert int8.estimated_p95_ms == 50.0 and int8.meets_slo is True
 
@@ -398,10 +485,7 @@ def test_a_p95_that_int8_brings_exactly_to_the_slo_meets_it() -> None:
 def test_without_a_bare_onnxruntime_figure_all_of_p95_is_assumed_to_scale() -> None:
     for p50 in (10.0, 40.0, 70.0):
         candidate = bench_figures(p95_ms=80.0, p50_ms=p50)
-        by_action = {
-            s.action: s
-            for s in advise(candidate, SLO_50, arch=None, int8_tried=False, region="us-east-1")
-        }
+        by_action = {s.action: s for s in advise(candidate, SLO_50, ctx(arch=None))}
         assert by_action["int8"].estimated_p95_ms == 40.0
         assert by_action["gpu_serving"].estimated_p95_ms == 1.0  # no fixed share left
         assert "all of p95 is assumed to scale" in by_action["int8"].assumption
@@ -409,24 +493,23 @@ def test_without_a_bare_onnxruntime_figure_all_of_p95_is_assumed_to_scale() -> N
 
 def test_a_bare_onnxruntime_median_above_the_served_one_leaves_no_fixed_share() -> None:
     odd = SLOW.model_copy(update={"p50_ms": 30.0, "bare_onnxruntime_p50_ms": 40.0})
-    by_action = {
-        s.action: s for s in advise(odd, SLO_50, arch=None, int8_tried=False, region="us-east-1")
-    }
+    by_action = {s.action: s for s in advise(odd, SLO_50, ctx(arch=None))}
     assert by_action["int8"].estimated_p95_ms == 40.0
     assert by_action["gpu_serving"].estimated_p95_ms == 1.0
 
 
 def test_a_trickle_of_throughput_is_still_priced() -> None:
     trickle = SLOW.model_copy(update={"throughput_rps": 0.5})
-    suggestions = advise(trickle, SLO_50, arch=None, int8_tried=False, region="us-east-1")
+    suggestions = advise(trickle, SLO_50, ctx(arch=None, target_rps=1.0))
     int8 = next(s for s in suggestions if s.action == "int8")
     assert int8.estimated_throughput_rps == pytest.approx(0.89, abs=0.01)
-    assert int8.cost_per_million_usd is not None and int8.cost_per_million_usd > 0
+    # 1 req/s at 70% of 0.889 each: 2 replicas, $0.1785/h for 3,600 predictions an hour.
+    assert int8.cost_per_million_usd == 49.5833
 
 
 def test_no_measured_throughput_leaves_the_advice_unpriced_saying_so() -> None:
     unmeasured = SLOW.model_copy(update={"throughput_rps": 0.0})
-    suggestions = advise(unmeasured, SLO_50, arch="resnet18", int8_tried=False, region="us-east-1")
+    suggestions = advise(unmeasured, SLO_50, ctx())
     assert len(suggestions) == 4
     assert all(s.cost_per_million_usd is None for s in suggestions)
     assert all(s.price_note == "no measured throughput to price from" for s in suggestions)
@@ -437,7 +520,7 @@ def test_no_measured_throughput_leaves_the_advice_unpriced_saying_so() -> None:
 
 def test_advice_that_meets_the_slo_comes_before_cheaper_advice_that_does_not() -> None:
     hopeless = SLOW.model_copy(update={"p95_ms": 900.0})
-    suggestions = advise(hopeless, SLO_50, arch=None, int8_tried=False, region="us-east-1")
+    suggestions = advise(hopeless, SLO_50, ctx(arch=None))
     assert [s.action for s in suggestions] == ["gpu_serving", "int8", "larger_instance"]
     assert [s.meets_slo for s in suggestions] == [True, False, False]
     # The CPU options cost less per 1M yet cannot close the gap.
@@ -445,7 +528,7 @@ def test_advice_that_meets_the_slo_comes_before_cheaper_advice_that_does_not() -
 
 
 def test_advice_is_cheapest_first_and_unpriced_advice_comes_last() -> None:
-    by_cost = advise(SLOW, SLO_50, arch="resnet18", int8_tried=False, region="us-east-1")
+    by_cost = advise(SLOW, SLO_50, ctx())
     assert [s.action for s in by_cost] == [
         "smaller_model",
         "int8",
@@ -453,9 +536,7 @@ def test_advice_is_cheapest_first_and_unpriced_advice_comes_last() -> None:
         "gpu_serving",
     ]
     # Serving on a type the price table lacks: the advice that stays on it has no price.
-    mixed = advise(
-        SLOW, SLO_50, arch="resnet18", int8_tried=False, region="us-east-1", instance_type="x9.big"
-    )
+    mixed = advise(SLOW, SLO_50, ctx(instance_type="x9.big"))
     assert [s.cost_per_million_usd is None for s in mixed] == [False, False, True, True]
     assert all(s.meets_slo for s in mixed)
 
@@ -470,7 +551,7 @@ def test_a_candidate_whose_accuracy_was_not_measured_fails_the_floor_saying_why(
 
 
 def test_an_unpriced_fix_is_named_in_the_summary_without_a_price() -> None:
-    verdict = judge(SLOW, None, SLO_50, ServingContext(arch="resnet18", region="eu-west-9"))
+    verdict = judge(SLOW, None, SLO_50, ctx(region="eu-west-9", prices={}))
     fix = verdict.suggestions[0]
     assert fix.meets_slo and fix.cost_per_million_usd is None
     assert verdict.summary.endswith(
@@ -478,23 +559,99 @@ def test_an_unpriced_fix_is_named_in_the_summary_without_a_price() -> None:
     )
 
 
+def sizes(rps: float) -> list[SizePoint]:
+    """Return a sizing's points: ``rps`` per vCPU at 1 and 2 vCPUs."""
+    return [SizePoint(vcpus=v, measured=True, sustainable_rps=rps * v) for v in (1, 2)]
+
+
+def quotes(prices: dict[str, float], region: str = "us-east-1") -> list[PriceQuote]:
+    """Return the run's resolved on-demand quotes at these prices."""
+    return [
+        PriceQuote(
+            instance_type=t,
+            region=region,
+            market="on-demand",
+            usd_per_hour=usd,
+            source="a test",
+            as_of="2026-01-01",
+            fetched_at="2026-01-01T00:00:00+00:00",
+        )
+        for t, usd in prices.items()
+    ]
+
+
+def sizing(rps: float, prices: dict[str, float], region: str = "us-east-1") -> SizingReport:
+    return recommend(
+        sizes(rps),
+        latency_slo_ms=20.0,
+        target_rps=50.0,
+        prices=quotes(prices, region),
+        region=region,
+        unpriced=None if prices else f"no on-demand price for c7i.large in {region}: set one",
+    )
+
+
 def test_a_candidate_no_cpu_size_can_serve_within_the_slo_is_refused_with_the_reason() -> None:
-    from burstcv.gate.sizing import recommend
-    from burstcv_spec.contracts import SizePoint
-
-    def sizes(rps: float) -> list[SizePoint]:
-        return [SizePoint(vcpus=v, measured=True, sustainable_rps=rps * v) for v in (1, 2)]
-
-    served = recommend(sizes(100.0), slo_ms=20.0, target_rps=50.0, region="us-east-1")
+    served = sizing(100.0, PRICES)
     verdict = judge(cand(), None, LIMITS, sizing=served)
     assert verdict.promote
     (fleet,) = [c for c in verdict.checks if c.name == "serving_fleet"]
     assert fleet.passed and fleet.observed == 200.0
-    unservable = recommend(sizes(0.0), slo_ms=20.0, target_rps=50.0, region="us-east-1")
+    unservable = sizing(0.0, PRICES)
     verdict = judge(cand(), None, LIMITS, sizing=unservable)
     assert not verdict.promote
     (fleet,) = [c for c in verdict.checks if c.name == "serving_fleet"]
     assert not fleet.passed and fleet.reason == unservable.reason
     assert "no CPU size meets p95 <= 20 ms" in (fleet.reason or "")
+    # A sizing that measured no size at all: its best rate is none.
+    nothing = unservable.model_copy(update={"sizes": []})
+    (fleet,) = [
+        c for c in judge(cand(), None, LIMITS, sizing=nothing).checks if c.name == "serving_fleet"
+    ]
+    assert (fleet.passed, fleet.observed, fleet.limit) == (False, 0.0, 1.0)
     # Without a sizing (outside the pipeline), there is no such check.
     assert "serving_fleet" not in {c.name for c in judge(cand(), None, LIMITS).checks}
+
+
+def test_an_unpriced_fleet_is_still_a_fleet_the_gate_passes() -> None:
+    unpriced = sizing(100.0, {}, region="eu-west-9")
+    assert unpriced.chosen is not None and unpriced.chosen.usd_per_hour is None
+    verdict = judge(cand(), None, LIMITS, ctx(region="eu-west-9", prices={}), sizing=unpriced)
+    assert verdict.promote and verdict.summary == "promote"
+    (fleet,) = [c for c in verdict.checks if c.name == "serving_fleet"]
+    assert (fleet.passed, fleet.observed, fleet.limit, fleet.reason) == (True, 200.0, 1.0, None)
+
+
+@pytest.mark.parametrize("p95_ms", [5.0, 80.0])
+def test_the_verdict_is_the_same_whatever_the_region_and_prices(p95_ms: float) -> None:
+    candidate = SLOW.model_copy(update={"p95_ms": p95_ms, "accuracy": 0.97})
+    production = prod(accuracy=0.96, version=3)
+    twice = {t: 2 * usd for t, usd in PRICES.items()}
+    verdicts = [
+        judge(candidate, production, SLO_50, ctx(), sizing=sizing(100.0, PRICES)),
+        judge(candidate, production, SLO_50, ctx(prices=twice), sizing=sizing(100.0, twice)),
+        judge(
+            candidate,
+            production,
+            SLO_50,
+            ctx(region="eu-west-9", prices={}),
+            sizing=sizing(100.0, {}, region="eu-west-9"),
+        ),
+    ]
+    first = verdicts[0]
+    assert first.promote is (p95_ms == 5.0)
+    for verdict in verdicts[1:]:
+        assert (verdict.promote, verdict.reasons, verdict.checks, verdict.failed_figures) == (
+            first.promote,
+            first.reasons,
+            first.checks,
+            first.failed_figures,
+        )
+    # Only the advice's prices differ: the same ways to close the gap, the same estimates.
+    priced, dearer, unpriced = ([s.action for s in v.suggestions] for v in verdicts)
+    assert priced == dearer and set(unpriced) == set(priced) - {"gpu_serving"}
+    if p95_ms == 80.0:
+        cost = {s.action: s.cost_per_million_usd for s in verdicts[0].suggestions}
+        cost_twice = {s.action: s.cost_per_million_usd for s in verdicts[1].suggestions}
+        assert cost_twice == {a: pytest.approx(2 * c, abs=2e-4) for a, c in cost.items()}
+        assert all(s.cost_per_million_usd is None for s in verdicts[2].suggestions)

@@ -14,9 +14,18 @@ from pathlib import Path
 
 import pytest
 
+from burstcv.cost.budget import serving_quotes
+from burstcv.cost.quotes import PriceSources
 from burstcv.gate import sizing
-from burstcv.gate.sizing import open_loop, rate_at, recommend
-from burstcv_spec.contracts import SizePoint
+from burstcv.gate.sizing import (
+    LoadRun,
+    _holds,
+    open_loop,
+    rate_at,
+    recommend,
+    sustainable_rate,
+)
+from burstcv_spec.contracts import FleetOption, LoadStep, PriceQuote, SizePoint
 
 # The serving tests' model builders (real ONNX graphs, model.json as the contract says).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
@@ -93,6 +102,64 @@ def point(vcpus: int, rps: float, rss_mb: float = 100.0) -> SizePoint:
     return SizePoint(vcpus=vcpus, measured=True, sustainable_rps=rps, p95_ms=10.0, rss_mb=rss_mb)
 
 
+def quotes(
+    usd_per_hour: dict[str, float], region: str = "us-east-1", as_of: str = "2026-01-01"
+) -> list[PriceQuote]:
+    """Return on-demand quotes at these prices, as a run resolves them into run.json."""
+    return [
+        PriceQuote(
+            instance_type=instance_type,
+            region=region,
+            market="on-demand",
+            usd_per_hour=usd,
+            source="a test",
+            as_of=as_of,
+            fetched_at="2026-01-02T00:00:00+00:00",
+        )
+        for instance_type, usd in usd_per_hour.items()
+    ]
+
+
+# Round prices, so each fleet's cost is worked out by hand below.
+PRICES = quotes({"c7i.large": 0.10, "m7i.large": 0.12, "c7i.xlarge": 0.21, "c7i.2xlarge": 0.40})
+# 100 req/s on 1 vCPU, 200 on 2: linear, so 400 on 4 and 800 on 8 (extrapolated).
+LINEAR = [point(1, 100.0), point(2, 200.0)]
+
+
+SHAPES = {
+    "c7i.large": (2, 4.0),
+    "m7i.large": (2, 8.0),
+    "c7i.xlarge": (4, 8.0),
+    "c7i.2xlarge": (8, 16.0),
+}
+
+
+def fleet(
+    instance_type: str,
+    replicas: int,
+    rps: float,
+    per_hour: float | None,
+    per_month: float | None,
+    per_million: float | None,
+    *,
+    extrapolated: bool | None = None,
+) -> FleetOption:
+    """Return the fleet expected of ``instance_type`` (AWS's vCPUs and memory for it)."""
+    vcpus, memory_gib = SHAPES[instance_type]
+    return FleetOption(
+        instance_type=instance_type,
+        vcpus=vcpus,
+        memory_gib=memory_gib,
+        replicas=replicas,
+        rps_per_replica=rps,
+        # Measured here at 1 and 2 vCPUs unless said otherwise.
+        extrapolated=vcpus > 2 if extrapolated is None else extrapolated,
+        usd_per_hour=per_hour,
+        usd_per_month=per_month,
+        usd_per_million=per_million,
+    )
+
+
 def test_sizes_beyond_the_host_follow_the_measured_scaling() -> None:
     points = [point(1, 100.0), point(2, 180.0)]
     assert rate_at(points, 2) == (180.0, False)
@@ -104,29 +171,279 @@ def test_sizes_beyond_the_host_follow_the_measured_scaling() -> None:
     assert rate_at([point(1, 100.0), point(2, 250.0)], 8)[0] == pytest.approx(250 * 4)
 
 
-def test_the_cheapest_fleet_covers_the_target_with_headroom() -> None:
-    points = [point(1, 100.0), point(2, 180.0)]
-    report = recommend(points, slo_ms=50, target_rps=1000, region="us-east-1", headroom=0.3)
-    assert report.chosen is not None and report.chosen == report.options[0]
-    assert [o.usd_per_hour for o in report.options] == sorted(
-        o.usd_per_hour for o in report.options
+def test_one_measured_size_is_extrapolated_linearly() -> None:
+    # The pipeline's tests (BURSTCV_SIZING_MAX_VCPUS=1), or a 1-CPU host: no scaling measured,
+    # so every larger size scales linearly from the one measured.
+    only_one = [point(1, 100.0)]
+    assert rate_at(only_one, 1) == (100.0, False)
+    assert rate_at(only_one, 2) == (200.0, True)
+    assert rate_at(only_one, 8) == (800.0, True)
+    # Measured at 2 vCPUs only: nothing to scale from either.
+    assert rate_at([point(2, 180.0)], 4) == (360.0, True)
+    assert rate_at([point(2, 180.0)], 1) == (0.0, True)  # below the measured: not offered
+    report = recommend(
+        only_one, latency_slo_ms=50, target_rps=1000, prices=PRICES, region="us-east-1"
     )
-    for option in report.options:
-        assert option.replicas * option.rps_per_replica * 0.7 >= 1000
-        assert (option.replicas - 1) * option.rps_per_replica * 0.7 < 1000
-        assert option.usd_per_month == pytest.approx(option.usd_per_hour * 730, rel=1e-3)
-        assert option.usd_per_million == pytest.approx(
-            option.usd_per_hour / (1000 * 3600) * 1e6, rel=1e-2
-        )
-    assert report.chosen.instance_type in report.reason
-    # A model whose service needs more memory than a type has rules the type out.
-    heavy = recommend(
-        [point(1, 100.0, rss_mb=3000), point(2, 180.0, rss_mb=3000)],
-        slo_ms=50,
+    # 1000 req/s at 70% of 200 (2 vCPUs): 8 replicas; of 400 (4): 4; of 800 (8): 2. Every
+    # one extrapolated: the same price ranks by the vCPUs, then by name.
+    assert report.options == [
+        fleet("c7i.2xlarge", 2, 800.0, 0.8, 584.0, 0.2222, extrapolated=True),
+        fleet("c7i.large", 8, 200.0, 0.8, 584.0, 0.2222, extrapolated=True),
+        fleet("c7i.xlarge", 4, 400.0, 0.84, 613.2, 0.2333, extrapolated=True),
+    ]
+
+
+def test_a_size_that_sustains_nothing_is_not_scaled_from() -> None:
+    # 2 vCPUs broke the SLO at their lowest load though 1 held (a noisy host): nothing
+    # beyond 2 is offered, rather than a scaling from a rate of 0.
+    assert rate_at([point(1, 100.0), point(2, 0.0)], 4) == (0.0, True)
+    # A slow model still scales: 0.8 req/s on 1 vCPU, 1.6 on 2.
+    assert rate_at([point(1, 0.8)], 2) == (1.6, True)
+    # 0.5 req/s on 1 vCPU, 0.9 on 2: scaled as measured (x1.8 a doubling), not linearly.
+    assert rate_at([point(1, 0.5), point(2, 0.9)], 4)[0] == pytest.approx(1.62)
+    # Only 2 vCPUs measured, a slow rate: linear, nothing to scale from.
+    assert rate_at([point(2, 1.2)], 4) == (2.4, True)
+    # A model that slow still gets a fleet: 1 req/s expected, one c7i.large at 1.6.
+    slow = recommend(
+        [point(1, 0.8)], latency_slo_ms=2000, target_rps=1.0, prices=PRICES, region="us-east-1"
+    )
+    assert slow.chosen == fleet("c7i.large", 1, 1.6, 0.1, 73.0, 27.7778, extrapolated=True)
+
+
+def test_the_cheapest_fleet_covers_the_target_with_the_default_headroom() -> None:
+    report = recommend(
+        LINEAR, latency_slo_ms=50, target_rps=1000, prices=PRICES, region="us-east-1"
+    )
+    # A replica runs at most at 70% of its sustainable rate: 1000 req/s takes 8 c7i.large at
+    # 140 req/s ($0.80/h, $584.00 a month, 1M predictions in 1000 s: $0.2222), 2 c7i.2xlarge
+    # at 560 (the same price, extrapolated: after the measured one), 4 c7i.xlarge at 280.
+    assert report.headroom == 0.3
+    assert report.options == [
+        fleet("c7i.large", 8, 200.0, 0.8, 584.0, 0.2222),
+        fleet("c7i.2xlarge", 2, 800.0, 0.8, 584.0, 0.2222),
+        fleet("c7i.xlarge", 4, 400.0, 0.84, 613.2, 0.2333),
+    ]
+    assert [o.extrapolated for o in report.options] == [False, True, True]
+    assert report.chosen == report.options[0]
+    assert report.reason == (
+        "8 x c7i.large at 200 req/s each (measured), 30% headroom: $584.00/month"
+    )
+    assert (report.latency_slo_ms, report.target_rps, report.region) == (50, 1000, "us-east-1")
+    assert report.price_source == {"source": "a test", "as_of": "2026-01-01"}
+    assert report.unpriced is None
+    # Another headroom, another fleet: at 80% of 200 req/s, 7 replicas; at 50%, 10.
+    assert recommend(
+        LINEAR, latency_slo_ms=50, target_rps=1000, prices=PRICES, region="us-east-1", headroom=0.2
+    ).options[0] == fleet("c7i.large", 7, 200.0, 0.7, 511.0, 0.1944)
+    assert recommend(
+        LINEAR, latency_slo_ms=50, target_rps=1000, prices=PRICES, region="us-east-1", headroom=0.5
+    ).options[0] == fleet("c7i.large", 10, 200.0, 1.0, 730.0, 0.2778)
+    with pytest.raises(ValueError, match="headroom must be in"):
+        recommend(LINEAR, latency_slo_ms=50, target_rps=10, prices=PRICES, region="x", headroom=1)
+
+
+def test_the_figures_are_rounded_as_published() -> None:
+    # The bundled table's us-east-1 prices, dated differently: the oldest date is reported.
+    table = quotes({"c7i.large": 0.08925, "c7i.xlarge": 0.1785, "m7i.large": 0.1008})
+    table += quotes({"c7i.2xlarge": 0.357}, as_of="2025-06-01")
+    report = recommend(
+        [point(1, 100.0), point(2, 177.77)],
+        latency_slo_ms=50,
         target_rps=1000,
+        prices=table,
         region="us-east-1",
     )
-    assert "c7i.large" not in {o.instance_type for o in heavy.options}
+    # c7i.large: 9 x $0.08925 = $0.80325/h, $586.3725 a month, $0.223125 per 1M;
+    # c7i.xlarge: 177.77 x 1.7777 = 316.0217 req/s, 5 x $0.1785 = $0.8925/h, $651.525 a month.
+    assert report.options == [
+        fleet("c7i.large", 9, 177.77, 0.8033, 586.37, 0.2231),
+        fleet("c7i.xlarge", 5, 316.02, 0.8925, 651.52, 0.2479),
+        fleet("m7i.large", 9, 177.77, 0.9072, 662.26, 0.252),
+    ]
+    assert report.price_source == {"source": "a test", "as_of": "2025-06-01"}
+
+
+def test_a_type_without_a_price_is_a_fleet_ranked_after_the_priced_ones() -> None:
+    sublinear = [point(1, 100.0), point(2, 180.0)]
+    unpriced = "no on-demand price for c7i.2xlarge, c7i.large, c7i.xlarge in us-east-1: set it"
+    report = recommend(
+        sublinear,
+        latency_slo_ms=50,
+        target_rps=1000,
+        prices=quotes({"m7i.large": 0.12}),
+        region="us-east-1",
+        unpriced=unpriced,
+    )
+    # The one priced type comes first, though dearer than the others would be; the unpriced
+    # ones follow by the vCPUs they take: 8 x 2 (c7i.large at 180 req/s) before 5 x 4
+    # (c7i.xlarge at 324) and 3 x 8 (c7i.2xlarge at 583).
+    assert report.options == [
+        fleet("m7i.large", 8, 180.0, 0.96, 700.8, 0.2667),
+        fleet("c7i.large", 8, 180.0, None, None, None),
+        fleet("c7i.xlarge", 5, 324.0, None, None, None),
+    ]
+    assert report.chosen == report.options[0]
+    assert report.unpriced == unpriced
+    # Nothing priced: still a fleet (the gate passes it), said to be unpriced and why.
+    none = recommend(
+        sublinear,
+        latency_slo_ms=50,
+        target_rps=1000,
+        prices=[],
+        region="eu-west-9",
+        unpriced=unpriced,
+    )
+    assert none.chosen == fleet("c7i.large", 8, 180.0, None, None, None)
+    assert [o.instance_type for o in none.options] == ["c7i.large", "m7i.large", "c7i.xlarge"]
+    assert none.reason == (
+        f"8 x c7i.large at 180 req/s each (measured), 30% headroom: unpriced ({unpriced})"
+    )
+    assert none.price_source == {"source": "none", "as_of": "?"}
+    # Without the resolved reason, the type is named.
+    bare = recommend(sublinear, latency_slo_ms=50, target_rps=1000, prices=[], region="x")
+    assert bare.reason.endswith("30% headroom: unpriced (no price for c7i.large)")
+    assert bare.unpriced is None
+
+
+def test_the_services_memory_rules_out_the_types_it_would_crowd() -> None:
+    def types(rss_mb: float) -> list[str]:
+        # The peak of the sizes measured counts (here the 2-vCPU service's).
+        points = [point(1, 100.0, rss_mb=10.0), point(2, 200.0, rss_mb=rss_mb)]
+        report = recommend(
+            points,
+            latency_slo_ms=50,
+            target_rps=1000,
+            prices=PRICES,
+            region="us-east-1",
+            families=["c7i"],
+        )
+        return sorted(o.instance_type for o in report.options)
+
+    # A type must have twice the service's memory: c7i.large has 4 GiB, c7i.xlarge 8,
+    # c7i.2xlarge 16.
+    assert types(2048.0) == ["c7i.2xlarge", "c7i.large", "c7i.xlarge"]
+    assert types(2048.5) == ["c7i.2xlarge", "c7i.xlarge"]
+    assert types(4096.0) == ["c7i.2xlarge", "c7i.xlarge"]
+    assert types(4096.5) == ["c7i.2xlarge"]
+    assert types(8192.5) == []
+    # Too big for every type, though a size held a (slow) rate: the memory is the reason.
+    heavy = recommend(
+        [point(1, 0.0, rss_mb=9000.0), point(2, 0.5, rss_mb=9000.0)],
+        latency_slo_ms=50,
+        target_rps=10,
+        prices=PRICES,
+        region="us-east-1",
+    )
+    assert heavy.chosen is None and heavy.options == []
+    assert heavy.reason == "no CPU type of the allowed families could hold the model"
+
+
+def test_a_runs_percentiles_are_numpys_linear_ones() -> None:
+    run = LoadRun(
+        rate_rps=10.0, sent=100, latencies_ms=[float(ms) for ms in range(1, 101)], wall_s=10.0
+    )
+    assert (run.percentile(50), run.percentile(95), run.percentile(99)) == (50.5, 95.05, 99.01)
+    assert LoadRun(rate_rps=1.0, sent=1).percentile(95) == math.inf  # nothing answered
+
+
+def test_a_rate_holds_without_errors_within_the_slo_at_the_rate_asked() -> None:
+    def run(sent: int = 100, **statuses: int) -> LoadRun:
+        return LoadRun(
+            rate_rps=10.0,
+            sent=sent,
+            latencies_ms=[float(ms) for ms in range(1, 101)],  # p95: 95.05 ms
+            statuses=statuses or {"200": 100},
+            wall_s=10.0,
+        )
+
+    assert _holds(run(), 95.05)  # exactly at the SLO
+    assert not _holds(run(), 95.04)
+    assert not _holds(run(**{"200": 99, "503": 1}), 100.0)
+    assert not _holds(run(**{"200": 99, "ReadTimeout": 1}), 100.0)
+    # 90% of the rate sent is on time (9 req/s of 10); less is the load generator lagging.
+    assert _holds(run(sent=90), 100.0)
+    assert not _holds(run(sent=89), 100.0)
+
+
+SLOW_S = 0.6  # what a slow answer takes, well over the SLO below; the others are immediate
+SLO_MS = 300.0
+
+
+def _keyed_handler() -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if b"SLOW" in body:
+                time.sleep(SLOW_S)
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    return Handler
+
+
+@pytest.fixture
+def slow_tail_server() -> Iterator[str]:
+    """Answers at once, but takes 600 ms for a request whose file says SLOW."""
+    yield from _serve(ThreadingHTTPServer(("127.0.0.1", 0), _keyed_handler()))
+
+
+def tail_images(slow: int) -> list[bytes]:
+    """Return 100 bodies, the last ``slow`` of them slow: at 100 req/s for 1 s, each once."""
+    return [b"SLOW" if i >= 100 - slow else b"FAST" for i in range(100)]
+
+
+def test_a_rate_holds_when_its_p95_meets_the_slo_though_its_p99_does_not(
+    slow_tail_server: str,
+) -> None:
+    # 3 slow answers in 100: p95 is fast, p99 is slow.
+    tried: list[LoadStep] = []
+    best = sustainable_rate(
+        slow_tail_server,
+        tail_images(3),
+        latency_slo_ms=SLO_MS,
+        start_rps=100.0,
+        duration_s=1.0,
+        max_rps=100.0,
+        tried=tried,
+    )
+    assert best is not None and best.percentile(99) >= SLOW_S * 1000  # the tail was there
+    assert best.rate_rps == 100.0 and sum(best.statuses.values()) == 100
+    # It held at once; the next rate (150) is past max_rps, so nothing else was tried.
+    assert [(s.rate_rps, s.held, s.errors) for s in tried] == [(100.0, True, 0)]
+    assert tried[0].p95_ms < SLO_MS
+
+
+def test_a_rate_breaks_when_its_p95_misses_the_slo_though_its_p90_meets_it(
+    slow_tail_server: str,
+) -> None:
+    # 7 slow answers in 100: p90 is fast, p95 is slow. The first rate breaks; a step down
+    # (100 / 1.5², 44 requests) sends only fast ones and holds.
+    tried: list[LoadStep] = []
+    best = sustainable_rate(
+        slow_tail_server,
+        tail_images(7),
+        latency_slo_ms=SLO_MS,
+        start_rps=100.0,
+        duration_s=1.0,
+        max_rps=50.0,
+        tried=tried,
+    )
+    assert [(s.rate_rps, s.held) for s in tried] == [(100.0, False), (44.44, True)]
+    assert tried[0].p95_ms >= SLOW_S * 1000  # the p95 recorded is the slow answers'
+    assert best is not None and best.rate_rps == pytest.approx(100 / 2.25)
+
+
+def assert_read_at_their_percentiles(size: SizePoint) -> None:
+    """A size's latencies are those of the last rate that held, read at p50, p95 and p99."""
+    held = [s for s in size.steps if s.held and s.rate_rps == size.sustainable_rps]
+    assert held and held[-1].p95_ms == size.p95_ms  # as the search recorded its p95
+    assert size.p50_ms is not None and size.p95_ms is not None and size.p99_ms is not None
+    assert size.p50_ms < size.p95_ms < size.p99_ms
 
 
 def write_model_dir(folder: Path) -> Path:
@@ -142,11 +459,16 @@ def test_sizing_the_real_service_at_1_and_2_vcpus(tmp_path: Path) -> None:
     if len(sizing.host_cpus()) < 2:
         pytest.skip("needs 2 CPUs")
     folder = write_model_dir(tmp_path / "model")
+    prices, unpriced = serving_quotes(
+        ["c7i", "m7i"], "us-east-1", PriceSources(artifact_root=str(tmp_path / "store"))
+    )
+    assert unpriced is None  # the bundled table prices every one
     report = sizing.size_model(
         str(folder),
         [IMAGE],
-        slo_ms=100,
+        latency_slo_ms=100,
         target_rps=2000,
+        prices=prices,
         region="us-east-1",
         max_vcpus=2,
         duration_s=1.0,
@@ -154,6 +476,8 @@ def test_sizing_the_real_service_at_1_and_2_vcpus(tmp_path: Path) -> None:
     one, two = report.sizes
     assert (one.vcpus, two.vcpus) == (1, 2) and one.measured and two.measured
     assert one.sustainable_rps > 0 and one.p95_ms is not None and one.p95_ms <= 100
+    for size in (one, two):
+        assert_read_at_their_percentiles(size)
     # Monotone in vCPUs, within one search step: on a 2-core host the load generator shares a
     # CPU with the 2-vCPU service (it has one of its own while the service has one).
     assert two.sustainable_rps >= one.sustainable_rps / sizing.STEP_FACTOR
@@ -161,7 +485,10 @@ def test_sizing_the_real_service_at_1_and_2_vcpus(tmp_path: Path) -> None:
     assert report.chosen is not None
     chosen = report.chosen
     assert chosen.replicas * chosen.rps_per_replica * (1 - report.headroom) >= 2000
+    assert (chosen.replicas - 1) * chosen.rps_per_replica * (1 - report.headroom) < 2000
+    assert chosen.usd_per_hour is not None and chosen.usd_per_million is not None
     assert {o.extrapolated for o in report.options if o.vcpus > 2} <= {True}
+    assert report.price_source["source"].startswith("bundled")
 
 
 def test_an_unattainable_slo_is_rejected_with_the_reason(tmp_path: Path) -> None:
@@ -169,8 +496,9 @@ def test_an_unattainable_slo_is_rejected_with_the_reason(tmp_path: Path) -> None
     report = sizing.size_model(
         str(folder),
         [IMAGE],
-        slo_ms=0.01,
+        latency_slo_ms=0.01,
         target_rps=10,
+        prices=PRICES,
         region="us-east-1",
         max_vcpus=1,
         duration_s=0.5,
@@ -203,6 +531,8 @@ def test_burstcv_size_measures_a_registered_version(
     assert result.exit_code == 0, result.output
     report = read_artifact(str(out), SizingReport)
     assert report.chosen is not None and report.chosen.instance_type in result.output
+    assert report.sizes[0].vcpus == 1 and report.sizes[0].sustainable_rps > 0
+    assert_read_at_their_percentiles(report.sizes[0])
     assert "/month" in result.output
     missing = CliRunner().invoke(app, ["size", "9", "--images", str(images), "--target-rps", "5"])
     assert missing.exit_code != 0 and "no version 9" in missing.output
@@ -210,8 +540,23 @@ def test_burstcv_size_measures_a_registered_version(
 
 def test_only_the_allowed_families_are_priced() -> None:
     points = [point(1, 100.0), point(2, 180.0)]
-    report = recommend(points, slo_ms=50, target_rps=300, region="us-east-1", families=["m7i"])
-    assert {o.instance_type.split(".")[0] for o in report.options} == {"m7i"}
+    report = recommend(
+        points,
+        latency_slo_ms=50,
+        target_rps=300,
+        prices=PRICES,
+        region="us-east-1",
+        families=["m7i"],
+    )
+    # 300 req/s at 70% of 180: 3 x m7i.large.
+    assert report.options == [fleet("m7i.large", 3, 180.0, 0.36, 262.8, 0.3333)]
     assert report.families == ["m7i"]
-    none = recommend(points, slo_ms=50, target_rps=300, region="us-east-1", families=["x9z"])
+    none = recommend(
+        points,
+        latency_slo_ms=50,
+        target_rps=300,
+        prices=PRICES,
+        region="us-east-1",
+        families=["x9z"],
+    )
     assert none.chosen is None and "allowed families" in none.reason

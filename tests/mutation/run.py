@@ -109,6 +109,7 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
         ("check_torch_version", "2 -> 3", "[:2]", "a 3-part version compares the same"),
         ("nvidia_driver_version", "30 -> 31", "timeout=30", "the time nvidia-smi is given"),
     ),
+    "reaper": (("_no_credentials", "return value dropped (None)", "return False", _TRUTHY),),
     "pricing": (
         (
             "on_demand_from_price_list",
@@ -162,7 +163,33 @@ TARGETS = (
             "tests/cost/test_pricing.py",
             "tests/compute/test_prices.py",
         ),
-        functions=("bounded_time_budget",),
+        functions=("worst_box_rate", "resolve_costs", "serving_quotes"),
+    ),
+    Target(
+        "cost-model",
+        "burstcv.cost.model",
+        ("tests/cost/test_model.py", "tests/test_pipeline_decisions.py"),
+        tables=("*",),
+    ),
+    Target(
+        "billing",
+        "burstcv.compute.billing",
+        ("tests/compute/test_billing.py",),
+    ),
+    Target(
+        "sizing",
+        "burstcv.gate.sizing",
+        ("tests/gate/test_sizing.py",),
+        functions=(
+            "LoadRun.errors",
+            "LoadRun.percentile",
+            "LoadRun.achieved_rps",
+            "_holds",
+            "sustainable_rate",
+            "measure_sizes",
+            "rate_at",
+            "recommend",
+        ),
     ),
     Target(
         "deadline",

@@ -23,9 +23,11 @@ import pytest
 from burstcv_testkit import chromium_screenshot, gate_decision, write_model_dir
 from fastapi.testclient import TestClient
 
+from burstcv.cost.model import time_budget
+from burstcv.params import ResolvedRun, RunParams
 from burstcv.registry.registry import PRODUCTION, AliasConflictError, Registry
 from burstcv.settings import Settings
-from burstcv_spec.contracts import RegistryDecision
+from burstcv_spec.contracts import BoxRate, FleetOption, RegistryDecision, RunCosts, write_artifact
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "plugins"))
@@ -35,10 +37,73 @@ import burstcv_views  # noqa: E402
 
 RUN_ID = "manual__2026-11-29T10:00:00+00:00"
 RUN_KEY = "manual__2026-11-29T10_00_00_00_00"
+BOX_RATE = BoxRate(
+    instance_type="g6.xlarge",
+    market="on-demand",
+    usd_per_hour=0.8048,
+    price_source="bundled table, 2024-06-01",
+    volume_gb=100,
+    ebs_usd_per_gb_month=0.08,
+    public_ipv4_usd_per_hour=0.005,
+)
+
+
+def write_run_json(
+    run: Path, run_id: str, *, trigger: str, dataset_uri: str, boxes: int, max_cost_usd: float
+) -> None:
+    """Write run.json as the run's first task resolves it: an EC2 run of ``boxes`` boxes."""
+    params = RunParams.resolve(
+        {
+            "dataset_uri": dataset_uri,
+            "compute_backend": "ec2",
+            "instance_types": ["g6.xlarge"],
+            "num_nodes": boxes,
+            "max_cost_usd": max_cost_usd,
+            "time_budget_s": 3600,
+        }
+    )
+    seconds, reason = time_budget(max_cost_usd, 3600, boxes=boxes, rate=BOX_RATE, margin_s=360)
+    resolved = ResolvedRun(
+        run_id=run_id,
+        trigger=trigger,
+        started_at="2026-11-29T10:00:01+00:00",
+        params=params,
+        costs=RunCosts(
+            region="us-east-1",
+            boxes=boxes,
+            max_cost_usd=max_cost_usd,
+            box_rate=BOX_RATE,
+            time_budget_s=seconds,
+            margin_s=360,
+            budget_reason=reason,
+            serving=[],
+            serving_unpriced="no on-demand price for c7i.large in us-east-1: set one",
+        ),
+    )
+    write_artifact(str(run / "run.json"), resolved)
+
+
+def fleet(usd_per_month: float | None) -> FleetOption:
+    """Return the sizing's chosen fleet: 3 x c7i.large, priced (or not: None)."""
+    per_hour = None if usd_per_month is None else round(usd_per_month / 730, 4)
+    return FleetOption(
+        instance_type="c7i.large",
+        vcpus=2,
+        memory_gib=4.0,
+        replicas=3,
+        rps_per_replica=270.0,
+        extrapolated=False,
+        usd_per_hour=per_hour,
+        usd_per_month=usd_per_month,
+        usd_per_million=None if usd_per_month is None else 0.1487,
+    )
 
 
 def seed_store(root: Path) -> Settings:
-    """Write one run (Data Docs, report, billing, verdict) and two registry versions."""
+    """Write one run (run.json, Data Docs, report, billing, verdict) and two registry versions.
+
+    Version 1's fleet is priced; version 2's serving types had no price (unpriced).
+    """
     settings = Settings(
         artifact_root=str(root / "artifacts"),
         registry_uri=str(root / "registry"),
@@ -50,6 +115,9 @@ def seed_store(root: Path) -> Settings:
     (run / "dataset" / "data_docs" / "static" / "style.css").write_text("body {}")
     (run / "report").mkdir(parents=True)
     (run / "report" / "index.html").write_text("<html>run report</html>")
+    write_run_json(
+        run, RUN_ID, trigger="manual", dataset_uri="s3://bucket/digits/v7", boxes=2, max_cost_usd=5
+    )
     (run / "job").mkdir()
     billing = {"backend": "ec2", "billed_seconds": {"i-1": 600}, "cost_usd": 0.1234}
     (run / "job" / "billing.json").write_text(
@@ -62,15 +130,16 @@ def seed_store(root: Path) -> Settings:
     (run / "bench" / "verdict.json").write_text(json.dumps({"version": 2, **gate}))
     (root / "secret.txt").write_text("do not serve")
     registry = Registry(settings.registry_uri, settings.model_name)
-    for accuracy, status, reasons in (
-        (0.97, "accepted", []),
-        (0.91, "rejected", ["p95 71.0 ms > SLO 50.0 ms"]),
+    for accuracy, status, reasons, usd_per_month in (
+        (0.97, "accepted", [], 195.46),
+        (0.91, "rejected", ["p95 71.0 ms > SLO 50.0 ms"], None),
     ):
         model_dir = write_model_dir(
             root / f"model-{accuracy}", f"fake onnx {accuracy}".encode(), run_id=RUN_ID
         )
         decision = gate_decision(accuracy, 12.5, reasons)
         assert decision["status"] == status
+        decision["fleet"] = fleet(usd_per_month).model_dump(mode="json")
         registry.register(str(model_dir), RegistryDecision.model_validate(decision))
     registry.promote(1)
     return settings
@@ -111,7 +180,20 @@ def test_json_lists_versions_aliases_reasons_and_run_costs(client: TestClient) -
     assert versions[2]["reasons"] == ["p95 71.0 ms > SLO 50.0 ms"]
     assert versions[2]["report_url"] == f"/burstcv/runs/{RUN_KEY}/report/index.html"
     (run,) = body["runs"]
-    assert run["run_id"] == RUN_KEY and run["cost_usd"] == 0.1234 and run["version"] == 2
+    # Named as Airflow names it (run.json), kept under its folder's key.
+    assert (run["run_id"], run["run_key"]) == (RUN_ID, RUN_KEY)
+    assert run["cost_usd"] == 0.1234 and run["version"] == 2
+    # The run as resolved (run.json): what started it, on which data, its boxes and budget.
+    assert (run["trigger"], run["dataset_uri"], run["boxes"], run["max_cost_usd"]) == (
+        "manual",
+        "s3://bucket/digits/v7",
+        2,
+        5.0,
+    )
+    assert run["airflow_run_url"] == versions[1]["airflow_run_url"]
+    # Each version's fleet, as the sizing chose it; version 2's had no price.
+    assert versions[1]["fleet"]["usd_per_month"] == 195.46
+    assert versions[2]["fleet"]["replicas"] == 3 and versions[2]["fleet"]["usd_per_month"] is None
     assert run["data_docs_url"] == f"/burstcv/runs/{RUN_KEY}/dataset/data_docs/index.html"
     assert versions[1]["airflow_run_url"] == (
         "/dags/burstcv_pipeline/runs/manual__2026-11-29T10%3A00%3A00%2B00%3A00"
@@ -123,8 +205,17 @@ def test_page_shows_the_versions_and_costs_tables(client: TestClient) -> None:
     assert response.status_code == 200
     page = response.text
     assert '<table id="versions">' in page and '<table id="runs">' in page
-    assert "0.9700" in page and "12.50 ms" in page and "$0.1234" in page
+    assert "0.9700" in page and "12.50 ms" in page
     assert "p95 71.0 ms &gt; SLO 50.0 ms" in page
+    # The run's row: what started it, on which data, its boxes, its bill of its budget.
+    assert (
+        "<td>manual</td><td>s3://bucket/digits/v7</td><td>ec2</td><td>2</td>"
+        "<td>$0.1234 of $5.0000</td><td>2</td>"
+    ) in page
+    # Each version's fleet: priced, or unpriced (never an error, never $0).
+    versions = page[page.index('<table id="versions">') : page.index('<table id="runs">')]
+    assert "<td>3 x c7i.large, $195.46/month</td>" in versions
+    assert "<td>3 x c7i.large, unpriced</td>" in versions
     # Links are relative to the page, so they survive a proxy's path prefix.
     assert f'href="runs/{RUN_KEY}/report/index.html"' in page
     # Airflow's pages open at the top level, not inside the plugin's frame.
@@ -152,6 +243,57 @@ def test_page_shows_the_alias_history_newest_first(client: TestClient, settings:
         < table.index("<td>api</td>")
     )
     assert "<td>1 → 2</td>" in table and "production holds version 2, not version 1" in table
+
+
+def test_a_run_refused_before_it_was_resolved_shows_dashes(
+    client: TestClient, settings: Settings
+) -> None:
+    # No run.json: the run was refused at its first task (unpriced, or a budget too small).
+    refused = Path(settings.artifact_root) / "runs" / "manual__2026-11-29T11_00_00_00_00"
+    (refused / "job").mkdir(parents=True)
+    (refused / "job" / "billing.json").write_text(
+        json.dumps(
+            {
+                "backend": "ec2",
+                "billed_seconds": {},
+                "cost_usd": 0.0,
+                "instance_ids": [],
+                "instances": [],
+            }
+        )
+    )
+    rows = {r["run_id"]: r for r in client.get("/api/models").json()["runs"]}
+    row = rows["manual__2026-11-29T11_00_00_00_00"]
+    assert (row["trigger"], row["dataset_uri"], row["boxes"], row["max_cost_usd"]) == (None,) * 4
+    assert row["airflow_run_url"] is None
+    page = client.get("/").text
+    assert (
+        "<td>manual__2026-11-29T11_00_00_00_00</td><td>–</td><td>–</td><td>ec2</td><td>–</td>"
+        "<td>$0.0000 of –</td>"
+    ) in page
+
+
+def test_a_run_json_written_before_runs_were_resolved_does_not_break_the_page(
+    client: TestClient, settings: Settings
+) -> None:
+    # An artifact store kept across the upgrade: this run's run.json has the old fields only.
+    old = Path(settings.artifact_root) / "runs" / "manual__2026-11-28T10_00_00_00_00"
+    old.mkdir(parents=True)
+    (old / "run.json").write_text(
+        json.dumps(
+            {
+                "run_id": "manual__2026-11-28T10:00:00+00:00",
+                "dataset_uri": "/data/digits",
+                "started_at": "2026-11-28T10:00:01+00:00",
+            }
+        )
+    )
+    response = client.get("/api/models")
+    assert response.status_code == 200, response.text
+    keys = {r["run_key"] for r in response.json()["runs"]}
+    assert keys == {RUN_KEY, "manual__2026-11-28T10_00_00_00_00"}
+    page = client.get("/")
+    assert page.status_code == 200 and "<td>manual</td><td>s3://bucket/digits/v7</td>" in page.text
 
 
 def test_page_of_an_empty_store_says_so(tmp_path: Path) -> None:
@@ -310,9 +452,6 @@ def real_run_pages(settings: Settings, tmp_path: Path) -> None:
     shutil.rmtree(run / "dataset")
     report = validate_dataset(str(data), str(run / "dataset"), ValidationConfig(min_total_images=1))
     assert report.success, report.summary
-    (run / "run.json").write_text(
-        json.dumps({"run_id": RUN_ID, "dataset_uri": "/data/digits", "started_at": "2026-11-29"})
-    )
     build_report(
         str(run),
         registry_uri=settings.registry_uri,
@@ -398,14 +537,13 @@ def test_the_models_page_renders_in_headless_chromium(settings: Settings, tmp_pa
 
     skipped = Path(settings.artifact_root) / "runs" / "scheduled__2026-11-30T00_00_00_00_00"
     skipped.mkdir(parents=True)
-    (skipped / "run.json").write_text(
-        json.dumps(
-            {
-                "run_id": "scheduled__2026-11-30T00:00:00+00:00",
-                "dataset_uri": "/data/digits",
-                "started_at": "2026-11-30T00:00:01+00:00",
-            }
-        )
+    write_run_json(
+        skipped,
+        "scheduled__2026-11-30T00:00:00+00:00",
+        trigger="scheduled",
+        dataset_uri="/data/digits",
+        boxes=1,
+        max_cost_usd=2.5,
     )
     reason = "nothing new to train on: the validated dataset ... of production version 1"
     skip = {"reason": reason, "production_version": 1, "fingerprint": "f1", "decided_at": "now"}
@@ -428,6 +566,9 @@ def test_the_models_page_renders_in_headless_chromium(settings: Settings, tmp_pa
     colours = {tuple(c) for c in pixels.reshape(-1, 3)[::7].tolist()}
     assert len(colours) > 50
     html_text = page.read_text()
-    assert reason in html_text and "$0.1234" in html_text and "$0 (skipped)" in html_text
+    assert reason in html_text and "$0.1234 of $5.0000" in html_text
+    assert "<td>scheduled</td><td>/data/digits</td><td>–</td><td>1</td>" in html_text
+    assert "$0 (skipped) of $2.5000" in html_text
+    assert "3 x c7i.large, unpriced" in html_text
     if target := os.environ.get("BURSTCV_MODELS_SCREENSHOT"):
         shutil.copy(shot, target)

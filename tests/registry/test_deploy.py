@@ -26,7 +26,8 @@ import pytest
 from localserver import LocalServer, free_port, prediction_service
 from onnx import numpy_helper
 
-from burstcv.gate.gate import GateThresholds, judge
+from burstcv.cost.pricing import hourly_price
+from burstcv.gate.gate import GateThresholds, ServingContext, judge
 from burstcv.gate.latency import drive, staging_service
 from burstcv.registry import deploy as deploy_module
 from burstcv.registry.deploy import DeployError, deploy, rollback
@@ -189,9 +190,12 @@ def test_a_slower_candidate_is_not_promoted(measured: dict[str, Measured]) -> No
     failed = {c.name for c in verdict.checks if not c.passed}
     assert not verdict.promote and failed == {"no_latency_regression"}
     assert "production v1" in verdict.summary
-    # ...and an SLO production meets with 2x headroom refuses it with priced suggestions.
+    # ...and an SLO production meets with 2x headroom refuses it with suggestions priced at
+    # the run's prices (us-east-1's, here).
     tight = GateThresholds(2 * fast.p95_ms, accuracy_floor=0.9, max_accuracy_drop=0.02)
-    verdict = judge(slow, production, tight)
+    types = ("c7i.large", "c7i.xlarge", "c7i.2xlarge", "g4dn.xlarge", "g5.xlarge", "g6.xlarge")
+    prices = {t: hourly_price(t, "us-east-1", "on-demand") for t in types}
+    verdict = judge(slow, production, tight, ServingContext(prices=prices))
     assert not verdict.promote and "exceeds the SLO" in verdict.summary
     assert verdict.suggestions and all(s.cost_per_million_usd for s in verdict.suggestions)
 

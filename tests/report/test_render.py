@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,18 +17,33 @@ import pytest
 from burstcv_testkit import bench_figures, model_card, write_model_dir
 from PIL import Image
 
-from burstcv.cost.pricing import serving_cost_per_million
+from burstcv.compute.billing import run_bill
+from burstcv.cost.budget import serving_quotes
+from burstcv.cost.model import time_budget
+from burstcv.cost.quotes import PriceSources, quote
+from burstcv.gate.gate import GPU_SERVING_TYPES
+from burstcv.params import ResolvedRun, RunParams
 from burstcv.registry.registry import Registry
 from burstcv.report.render import build_report
+from burstcv.training.job import attempt_dir
 from burstcv_spec.contracts import (
+    AttemptBill,
     BenchFigures,
-    Billing,
+    BoxBill,
+    BoxRate,
+    ImageSizeChoice,
+    PriceQuote,
     RegistryDecision,
+    RunCosts,
+    SizingReport,
     TrainingChoice,
     TrainingMetrics,
     ValidationRecord,
     VerdictRecord,
+    read_artifact,
+    write_artifact,
 )
+from burstcv_spec.layout import END_RECORD, RunLayout
 
 CLASSES = [str(i) for i in range(10)]
 
@@ -92,8 +108,8 @@ def validation_doc(success: bool = True) -> dict[str, Any]:
     return ValidationRecord.model_validate(doc).model_dump(mode="json")
 
 
-def training_choice(reason: str, warning: str | None = None) -> dict[str, Any]:
-    """Return validate's training choice (a TrainingChoice) with this reason."""
+def training_choice(reason: str, warning: str | None = None) -> TrainingChoice:
+    """Return validate's training choice (run.json's ``training``) with this reason."""
     return TrainingChoice(
         model="resnet18",
         pretrained="none",
@@ -106,7 +122,7 @@ def training_choice(reason: str, warning: str | None = None) -> dict[str, Any]:
         derived=["model", "batch_size"],
         reason=reason,
         warning=warning,
-    ).model_dump(mode="json")
+    )
 
 
 def metrics_doc() -> dict[str, Any]:
@@ -176,29 +192,117 @@ HOST = {
     "python": "3.11",
     "platform": "Linux",
 }
-BILLING = Billing.model_validate(
-    {
-        "backend": "ec2",
-        "instance_ids": ["i-0abc123"],
-        "billed_seconds": {"i-0abc123": 412.0},
-        "cost_usd": 412.0 * 0.3548 / 3600,
-        "instances": [
-            {
-                "instance_id": "i-0abc123",
-                "run_id": "manual__2025-01-01T10_00_00",
-                "dag_id": "burstcv_pipeline",
-                "state": "stopped",
-                "instance_type": "g6.xlarge",
-                "lifecycle": "spot",
-                "launched_at": "2025-01-01T10:00:00+00:00",
-                "stopped_at": "2025-01-01T10:06:52+00:00",
-                "usd_per_hour": 0.3548,
-                "cost_usd": 412.0 * 0.3548 / 3600,
-            }
-        ],
-        "terminated_at": "2025-01-01T10:06:53+00:00",
-    }
-).model_dump(mode="json")
+RUN_ID = "manual__2025-01-01T10:00:00"  # its folder: manual__2025-01-01T10_00_00
+# The priciest box the run may get, as resolved: g6.xlarge on-demand, its 100 GB gp3 root
+# volume ($8/month: $0.010959/h) and its public IPv4 address: $0.820759/h a box.
+BOX_RATE = BoxRate(
+    instance_type="g6.xlarge",
+    market="on-demand",
+    usd_per_hour=0.8048,
+    price_source="bundled table, 2024-06-01",
+    volume_gb=100,
+    ebs_usd_per_gb_month=0.08,
+    public_ipv4_usd_per_hour=0.005,
+)
+# The boxes it got: spot, $0.3548/h the instance, the same volume and address.
+SPOT_RATE = BOX_RATE.model_copy(
+    update={"market": "spot", "usd_per_hour": 0.3548, "price_source": "spot price history"}
+)
+ATTACHED_USD_PER_S = (100 * 0.08 / 730 + 0.005) / 3600  # the volume and the address
+# Attempt 1: two boxes reclaimed 40 s after running: each part billed its 60 s minimum.
+# Attempt 2: two boxes running 420 s, attached 450 s (30 s pending).
+SHORT_BOX_USD = 60 * 0.3548 / 3600 + 60 * ATTACHED_USD_PER_S
+LONG_BOX_USD = 420 * 0.3548 / 3600 + 450 * ATTACHED_USD_PER_S
+RUN_USD = 2 * SHORT_BOX_USD + 2 * LONG_BOX_USD
+
+
+def write_billing(run: Path) -> None:
+    """Write the two attempts' records and the bill teardown makes of them (billing.json)."""
+    job = str(run / "job")
+
+    def boxes(launched: str, running: str, ended: str, *ids: str) -> list[BoxBill]:
+        return [
+            BoxBill(
+                **dict(SPOT_RATE),
+                instance_id=instance_id,
+                zone="us-east-1a",
+                launched_at=f"2025-01-01T{launched}+00:00",
+                running_at=f"2025-01-01T{running}+00:00",
+                ended_at=f"2025-01-01T{ended}+00:00",
+            )
+            for instance_id in ids
+        ]
+
+    for attempt, launched, running, ended, ids in (
+        (1, "10:00:00", "10:00:20", "10:01:00", ("i-0a", "i-0b")),
+        (2, "10:02:00", "10:02:30", "10:09:30", ("i-0c", "i-0d")),
+    ):
+        record = AttemptBill(
+            attempt=attempt,
+            run_key="manual__2025-01-01T10_00_00",
+            dag_id="burstcv_pipeline",
+            backend="ec2",
+            region="us-east-1",
+            boxes=boxes(launched, running, ended, *ids),
+        )
+        write_artifact(attempt_dir(job, attempt, END_RECORD), record)
+    now = datetime(2025, 1, 1, 10, 10, tzinfo=UTC)
+    bill = run_bill(job, 2, now, backend="ec2", airflow_run_id=RUN_ID)
+    write_artifact(
+        RunLayout(str(run)).billing,
+        bill.model_copy(update={"terminated_at": "2025-01-01T10:09:31+00:00"}),
+    )
+
+
+def resolved_run(store: Path, **fields: Any) -> ResolvedRun:
+    """Return run.json as an asset-triggered EC2 run of 2 boxes in us-east-1 resolves it."""
+    params = RunParams.resolve(
+        {
+            "dataset_uri": "s3://bucket/digits/v7",
+            "compute_backend": "ec2",
+            "instance_types": ["g6.xlarge"],
+            "num_nodes": 2,
+            "max_cost_usd": 1.0,
+            "time_budget_s": 3600,
+            "latency_slo_ms": 50.0,
+            "target_rps": 500.0,
+        }
+    )
+    budget_s, reason = time_budget(1.0, 3600, boxes=2, rate=BOX_RATE, margin_s=360)
+    # Priced as a run resolves them (burstcv.cost.budget), from the bundled table: the
+    # serving families' CPU types and the GPU types the gate may advise.
+    sources = PriceSources(artifact_root=str(store))
+    serving, unpriced = serving_quotes(list(params.serving_families), "us-east-1", sources)
+    gpus = [q for t in GPU_SERVING_TYPES if (q := quote(t, "us-east-1", "on-demand", sources))]
+    run = ResolvedRun(
+        run_id=RUN_ID,
+        trigger="asset_triggered",
+        started_at="2025-01-01T09:59:58+00:00",
+        params=params,
+        costs=RunCosts(
+            region="us-east-1",
+            boxes=2,
+            max_cost_usd=1.0,
+            box_rate=BOX_RATE,
+            time_budget_s=budget_s,
+            margin_s=360,
+            budget_reason=reason,
+            serving=serving + gpus,
+            serving_unpriced=unpriced,
+        ),
+        image_size=ImageSizeChoice(px=32, reason="the run asked for 32 px"),
+    )
+    return run.model_copy(update=fields)
+
+
+def write_run(run: Path, record: ResolvedRun) -> None:
+    write_artifact(RunLayout(str(run)).record, record)
+
+
+def read_run(run: Path) -> ResolvedRun:
+    return read_artifact(RunLayout(str(run)).record, ResolvedRun)
+
+
 CANDIDATE_RPS = 412.5
 
 
@@ -268,22 +372,23 @@ def register(registry_root: Path, tmp: Path, versions: int) -> Registry:
 def full_run(tmp_path: Path) -> tuple[Path, Path]:
     """Write every file a complete run leaves behind; return (run root, registry root)."""
     run = tmp_path / "runs" / "manual__2025-01-01T10_00_00"
+    write_run(run, resolved_run(tmp_path / "store"))
     write(run / "dataset" / "validation.json", validation_doc())
     (run / "dataset" / "data_docs").mkdir(parents=True)
     (run / "dataset" / "data_docs" / "index.html").write_text("<html>docs</html>")
     write(run / "job" / "metrics.json", metrics_doc())
-    write(run / "job" / "billing.json", BILLING)
+    write_billing(run)
     parity = {"images": 64, "max_abs_diff": 3.1e-6, "worst_input": "v.png", "top1_mismatches": []}
     write(run / "model" / "model.json", model_card(b"onnx", parity=parity))
     write(run / "bench" / "latency.json", latency_doc())
     write(run / "bench" / "verdict.json", VERDICT)
-    write(run / "bench" / "sizing.json", sizing_doc())
+    write_artifact(str(run / "bench" / "sizing.json"), sizing_doc(read_run(run).costs.serving))
     register(tmp_path / "registry", tmp_path, versions=2)
     return run, tmp_path / "registry"
 
 
-def sizing_doc() -> dict[str, Any]:
-    """Return a sizing.json (a SizingReport) of two measured sizes, priced from the table."""
+def sizing_doc(prices: list[PriceQuote], unpriced: str | None = None) -> SizingReport:
+    """Return the benchmark's sizing (sizing.json) of two measured sizes at these prices."""
     from burstcv.gate.sizing import recommend
     from burstcv_spec.contracts import LoadStep, SizePoint
 
@@ -295,14 +400,15 @@ def sizing_doc() -> dict[str, Any]:
         ]
         return SizePoint(vcpus=vcpus, measured=True, sustainable_rps=rps, p95_ms=30.0, steps=steps)
 
-    report = recommend(
+    return recommend(
         [size(1, 150.0), size(2, 270.0)],
-        slo_ms=50.0,
+        latency_slo_ms=50.0,
         target_rps=500.0,
+        prices=prices,
         region="us-east-1",
+        unpriced=unpriced,
         host_cores=2,
     )
-    return report.model_dump(mode="json")
 
 
 def render(run: Path, registry: Path) -> str:
@@ -336,26 +442,160 @@ def test_a_complete_run_renders_every_section_in_one_self_contained_page(
     assert len(images) == 4
     assert all(base64.b64decode(data).startswith(b"\x89PNG") for data in images)
     # Self-contained: no script, no resource fetched from anywhere; relative links only: the
-    # Models page (in Airflow, opened at the top level, not in the plugin's frame) and the
-    # run's Data Docs. This run has no run.json: no link to an Airflow run it cannot name.
+    # run's Airflow page (run.json names it) and the Models page (in Airflow, opened at the
+    # top level, not in the plugin's frame), and the run's Data Docs.
     assert "<script" not in page and 'src="http' not in page and "<link" not in page
-    assert re.findall(r'href="([^"#]+)"', page) == ["../../../", "../dataset/data_docs/index.html"]
+    airflow_run = "../../../../dags/burstcv_pipeline/runs/manual__2025-01-01T10%3A00%3A00"
+    assert re.findall(r'href="([^"#]+)"', page) == [
+        airflow_run,
+        "../../../",
+        "../dataset/data_docs/index.html",
+    ]
+    assert f'<a href="{airflow_run}" target="_top">its Airflow run</a>' in page
     assert '<a href="../../../" target="_top">Models page</a>' in page
     assert "PROMOTE: version 2" in page
     # Every gate figure with its unit: observed and limit read as what they measure.
     assert "<td>12.10 ms</td><td>50.00 ms</td>" in page
     assert "<td>0.0%</td><td>0.0%</td>" in page and "<td>0.9806</td><td>0.9000</td>" in page
     assert "version 2 is <b>accepted</b>; production points at version 2 (this run)" in page
-    # Run cost from billing.json, and serving cost per 1M at the measured throughput.
-    assert f"${BILLING['cost_usd']:,.4f}" in page and "412 billed GPU-instance seconds" in page
-    per_million = serving_cost_per_million("c7i.large", "us-east-1", CANDIDATE_RPS)
-    assert f"${per_million:,.4f} per 1M predictions" in page
-    assert "c7i.large</code> (on-demand, us-east-1" in page
     assert "production v1" in page and "Not reached" not in page
-    assert "32×32 RGB (resized)" in page
+    assert "32×32 RGB (resized); size: the run asked for 32 px" in page
     # The fleet: the chosen one with its monthly cost, and the rate per size it rests on.
-    assert "For 500 req/s: 3 x c7i.large at 270 req/s each (measured), 30% headroom" in page
+    assert (
+        "For 500 req/s: 3 x c7i.large at 270 req/s each (measured), 30% headroom: "
+        "$195.46/month" in page
+    )
     assert "<td>1</td><td>measured</td><td>150.0 req/s</td>" in page
+    # 500 req/s at 70% of 270 req/s: 3 x c7i.large at $0.08925/h, $0.26775/h.
+    assert "<td>c7i.large</td><td>2 vCPU, 4 GiB</td><td>3</td>" in page
+    assert "<td>$195.46</td><td>$0.1487</td></tr>" in page
+    assert "On-demand prices, us-east-1: " in page and "Unpriced" not in page
+
+
+def cost_section(page: str) -> str:
+    return page[page.index('<section id="cost">') :]
+
+
+def test_the_cost_section_shows_the_run_as_resolved_its_bill_and_its_serving_fleet(
+    full_run: tuple[Path, Path],
+) -> None:
+    cost = cost_section(render(*full_run))
+    # The run as resolved (run.json): what started it, on which data, how many boxes, the
+    # budget and the deadline it buys: 2 boxes at $0.820759/h, $1.00 lasts them 2193 s, less
+    # the watchdog's 360 s margin.
+    assert (
+        "<p>Started by <b>asset_triggered</b> on <code>s3://bucket/digits/v7</code>; "
+        "<code>ec2</code> compute in us-east-1, <b>2</b> boxes a launch. Budget $1.00 for every "
+        "box of every attempt; the deadline is 1833 s: what $1.00 buys 2 x g6.xlarge on-demand "
+        "at $0.8208/h a box, less the watchdog&#39;s 360 s margin (the time budget was "
+        "3600 s).</p>"
+    ) in cost
+    assert (
+        "Priciest box the run may get: g6.xlarge on-demand $0.8208/h (instance $0.8048, 100 GB "
+        "volume, public IPv4; bundled table, 2024-06-01)."
+    ) in cost
+    # The bill: every box of every attempt, each part billed from its own start.
+    assert f"<b>${RUN_USD:,.4f}</b> for 960 billed instance seconds on the <code>ec2</code>" in cost
+    for box, seconds, usd in (
+        ("i-0a", "60 s", SHORT_BOX_USD),
+        ("i-0b", "60 s", SHORT_BOX_USD),
+        ("i-0c", "420 s", LONG_BOX_USD),
+        ("i-0d", "420 s", LONG_BOX_USD),
+    ):
+        assert (
+            f"<tr><td><code>{box}</code></td><td>g6.xlarge</td><td>spot</td><td>{seconds}</td>"
+            f"<td>$0.3708/h</td><td>${usd:,.4f}</td></tr>"
+        ) in cost
+    # Serving: the sizing's chosen fleet at the run's expected load.
+    assert (
+        '<p class="cost"><b>$0.1487 per 1M predictions</b>, $195.46 a month: 3 x c7i.large '
+        "(on-demand, us-east-1) serving the expected 500 req/s, as the CPU fleet section sized "
+        "it.</p>"
+    ) in cost
+
+
+def test_a_fleet_without_a_price_says_unpriced_and_what_to_set(
+    full_run: tuple[Path, Path],
+) -> None:
+    run, registry = full_run
+    unpriced = (
+        "no on-demand price for c7i.2xlarge, c7i.large, c7i.xlarge, m7i.large in eu-west-9: "
+        "set BURSTCV_PRICE_TABLE to a table that prices them in eu-west-9"
+    )
+    write_artifact(str(run / "bench" / "sizing.json"), sizing_doc([], unpriced))
+    page = render(run, registry)
+    assert (
+        "For 500 req/s: 3 x c7i.large at 270 req/s each (measured), 30% headroom: "
+        f"unpriced ({unpriced})" in page
+    )
+    assert "<td>3</td><td>270.0 req/s</td><td>unpriced</td><td>unpriced</td></tr>" in page
+    assert f"Unpriced: {unpriced}" in page
+    cost = cost_section(page)
+    assert f"3 x c7i.large serve 500 req/s, unpriced: {unpriced}" in cost
+    assert "per 1M predictions" not in cost
+
+
+def test_the_serving_cost_says_why_there_is_none(full_run: tuple[Path, Path]) -> None:
+    run, registry = full_run
+    unservable = sizing_doc([]).model_copy(
+        update={"options": [], "chosen": None, "reason": "no CPU size meets p95 <= 50 ms"}
+    )
+    write_artifact(str(run / "bench" / "sizing.json"), unservable)
+    assert "No serving fleet: no CPU size meets p95 &lt;= 50 ms" in cost_section(
+        render(run, registry)
+    )
+    (run / "bench" / "sizing.json").unlink()
+    assert (
+        "Not reached: bench/sizing.json was not written; the run stopped before the benchmark "
+        "stage finished." in cost_section(render(run, registry))
+    )
+
+
+def test_a_run_folder_without_run_json_says_so_and_renders_the_rest(
+    full_run: tuple[Path, Path],
+) -> None:
+    run, registry = full_run
+    (run / "run.json").unlink()
+    page = render(run, registry)
+    assert (
+        "Not reached: run.json was not written; the run stopped before the plan_scan stage "
+        "finished." in cost_section(page)
+    )
+    assert "its Airflow run" not in page  # no run it can name
+    assert "32×32 RGB (resized)</td>" in page  # no size reason without run.json
+    assert "PROMOTE: version 2" in page and f"${RUN_USD:,.4f}" in page
+
+
+def test_the_latency_histogram_marks_the_runs_slo(full_run: tuple[Path, Path]) -> None:
+    from burstcv.report.charts import latency_histogram
+
+    run, registry = full_run
+    latency = json.loads((run / "bench" / "latency.json").read_text())
+
+    def drawn(page: str) -> bytes:
+        (png,) = re.findall(r'alt="latency histogram" src="data:image/png;base64,([^"]+)"', page)
+        return base64.b64decode(png)
+
+    def expected(slo_ms: float | None) -> bytes:
+        return latency_histogram(
+            latency["candidate"]["latencies_ms"],
+            latency["production"]["latencies_ms"],
+            slo_ms=slo_ms,
+            production_label="production v1",
+        )
+
+    assert drawn(render(run, registry)) == expected(50.0)
+    # The SLO is the run's (run.json), not a figure copied elsewhere.
+    record = read_run(run)
+    write_run(
+        run,
+        record.model_copy(
+            update={"params": record.params.model_copy(update={"latency_slo_ms": 20.0})}
+        ),
+    )
+    assert drawn(render(run, registry)) == expected(20.0)
+    (run / "run.json").unlink()
+    assert drawn(render(run, registry)) == expected(None)
 
 
 def test_a_photo_model_shows_its_eval_transform(full_run: tuple[Path, Path]) -> None:
@@ -363,28 +603,39 @@ def test_a_photo_model_shows_its_eval_transform(full_run: tuple[Path, Path]) -> 
     model = json.loads((run / "model" / "model.json").read_text())
     photo = {**model["preprocess"], "height": 224, "width": 224, "resize_short": 256}
     write(run / "model" / "model.json", {**model, "preprocess": photo})
-    assert "224×224 RGB (short side resized to 256 px, centre crop)" in render(*full_run)
-    # Why that size, as validate chose it (validation.json).
+    page = render(*full_run)
+    # run.json's size (32 px) is not this model's: no reason shown for it.
+    assert "224×224 RGB (short side resized to 256 px, centre crop)</td>" in page
+    # Why that size, as validate chose it (run.json).
     reason = "median short side 612 px of the training images, capped at 224"
-    doc = json.loads((run / "dataset" / "validation.json").read_text())
-    doc["image_size"] = {"px": 224, "reason": reason, "resize_short": 256}
-    write(run / "dataset" / "validation.json", doc)
-    assert f"centre crop); size: {reason}" in render(*full_run)
+    size = ImageSizeChoice(px=224, reason=reason, resize_short=256)
+    write_run(run, read_run(run).model_copy(update={"image_size": size}))
+    assert f"centre crop); size: {reason}</td>" in render(*full_run)
 
 
 def test_a_run_that_stopped_after_validation_says_what_was_not_reached(tmp_path: Path) -> None:
     run = tmp_path / "run"
+    write_run(run, resolved_run(tmp_path / "store", image_size=None))
     write(run / "dataset" / "validation.json", validation_doc(success=False))
     page = render(run, tmp_path / "registry")
     assert "failed" in page and "train/3/bad.png" in page
-    for rel in ("job/metrics.json", "bench/latency.json", "bench/verdict.json", "job/billing.json"):
+    for rel in (
+        "job/metrics.json",
+        "bench/latency.json",
+        "bench/sizing.json",
+        "bench/verdict.json",
+        "job/billing.json",
+    ):
         assert f"Not reached: {rel} was not written" in page
+    # What the run was to be is known from the start: run.json.
+    assert "Started by <b>asset_triggered</b> on <code>s3://bucket/digits/v7</code>" in page
     assert "data:image/png;base64," not in page
     assert "Data Docs (dataset/data_docs/index.html) were not written" in page
 
 
 def test_a_run_with_nothing_new_to_train_on_says_it_skipped_and_why(tmp_path: Path) -> None:
     run = tmp_path / "run"
+    write_run(run, resolved_run(tmp_path / "store"))
     write(run / "dataset" / "validation.json", validation_doc())
     reason = "nothing new to train on: the validated dataset ... are those of production version 3"
     skip = {"reason": reason, "production_version": 3, "fingerprint": "f", "decided_at": "now"}
@@ -404,19 +655,37 @@ def test_a_failed_gate_shows_each_failed_check_and_the_priced_options(
 
     run, registry = full_run
     latency = json.loads((run / "bench" / "latency.json").read_text())
+    costs = read_run(run).costs
     verdict = judge(
         BenchFigures.model_validate(latency["candidate"]),
         BenchFigures.model_validate(latency["production"]),
         GateThresholds(latency_slo_ms=5.0, accuracy_floor=0.9, max_accuracy_drop=0.02),
-        ServingContext(arch="resnet18", measured_vcpus=2),
+        ServingContext(
+            arch="resnet18",
+            measured_vcpus=2,
+            region=costs.region,
+            prices={q.instance_type: q.usd_per_hour for q in costs.serving},
+            target_rps=500.0,
+        ),
     )
     write(run / "bench" / "verdict.json", {"version": 2, **verdict.model_dump(mode="json")})
-    write(run / "job" / "billing.json", {**BILLING, "backend": "local", "cost_usd": 0.0})
+    billing = json.loads((run / "job" / "billing.json").read_text())
+    write(run / "job" / "billing.json", {**billing, "backend": "local", "cost_usd": 0.0})
     page = render(run, registry)
     assert "NOT PROMOTED: version 2" in page and "exceeds the SLO 5 ms" in page
     assert "What would meet the latency SLO" in page
+    # Each option priced with the run's prices at its expected load: a cost per 1M.
+    assert {s.action for s in verdict.suggestions} == {
+        "int8",
+        "smaller_model",
+        "larger_instance",
+        "gpu_serving",
+    }
     for s in verdict.suggestions:
         assert s.title.split(" (")[0] in page
+        assert s.cost_per_million_usd is not None
+        cost = f"${s.cost_per_million_usd:,.4f}"
+        assert f"<td>{s.instance_type} (us-east-1)</td><td>{cost}</td>" in page
     assert "<b>$0.00</b>: the <code>local</code> backend" in page and "no GPU was rented" in page
 
 
@@ -483,10 +752,8 @@ def test_a_good_run_shows_its_recipe_and_best_epoch_without_a_warning(
     full_run: tuple[Path, Path],
 ) -> None:
     run, _ = full_run
-    doc = json.loads((run / "dataset" / "validation.json").read_text())
     recipe = "batch 128 (1437 training images: 11 steps an epoch); AdamW (66 steps: under 10,000)"
-    doc["training"] = training_choice(recipe)
-    write(run / "dataset" / "validation.json", doc)
+    write_run(run, read_run(run).model_copy(update={"training": training_choice(recipe)}))
     metrics = json.loads((run / "job" / "metrics.json").read_text())
     metrics.update(best_epoch=5, epochs_asked=8, seconds_saved=3.2, stop_reason="early stop")
     write(run / "job" / "metrics.json", metrics)
@@ -503,10 +770,9 @@ def test_a_near_chance_model_that_diverged_is_not_shown_without_a_word(
     full_run: tuple[Path, Path],
 ) -> None:
     run, _ = full_run
-    doc = json.loads((run / "dataset" / "validation.json").read_text())
     fallback = "pretrained auto: the ImageNet weights of resnet18 could not be fetched"
-    doc["training"] = training_choice("weights from scratch", fallback)
-    write(run / "dataset" / "validation.json", doc)
+    choice = training_choice("weights from scratch", fallback)
+    write_run(run, read_run(run).model_copy(update={"training": choice}))
     metrics = json.loads((run / "job" / "metrics.json").read_text())
     # The issue's run: every photo predicted as one class, the validation loss in thousands.
     confusion = [[0] * 5 for _ in range(5)]

@@ -15,27 +15,28 @@ import pytest
 
 from burstcv import pipeline
 from burstcv.data.photos import PHOTO_CLASSES, write_photo_dataset
-from burstcv.params import RunParams
+from burstcv.params import ResolvedRun, RunParams
 from burstcv.training.job import write_job
 from burstcv.training.train import run_job
 from burstcv_spec import storage
-from burstcv_spec.contracts import RunRef, Validated
+from burstcv_spec.contracts import RunRef
 
 AUTO = {"model", "batch_size", "learning_rate", "epochs", "optimizer", "warmup_steps"}
 
 
 def train_with_defaults(
     dataset: Path, run_key: str, **given: Any
-) -> tuple[Validated, dict[str, Any]]:
-    """Validate, pack and train ``dataset`` with every training param at its default."""
+) -> tuple[ResolvedRun, dict[str, Any]]:
+    """Validate, pack and train ``dataset`` with every training param at its default; return
+    the run as resolved (run.json, with validate's choices) and its metrics."""
     params = RunParams.resolve({"dataset_uri": str(dataset), **given})
     run = RunRef.of(run_key)
-    validated = pipeline.validate(run, params)
-    packed = pipeline.pack(run, params, validated)
-    job = pipeline.training_job(run, params, packed, time_budget_s=params.time_budget_s)
+    validated = pipeline.validate(run, params=params)
+    packed = pipeline.pack(run, validated)
+    job = pipeline.training_job(run, packed)
     layout = pipeline.run_layout(run)
     assert run_job(write_job(job, layout.job_spec)) == 0
-    return validated, json.loads(storage.read_bytes(layout.metrics))
+    return pipeline.resolved_run(run), json.loads(storage.read_bytes(layout.metrics))
 
 
 def test_a_small_photo_set_trains_well_with_every_default(
@@ -45,10 +46,10 @@ def test_a_small_photo_set_trains_well_with_every_default(
     # the size is lowered to 32 px for the CPU (a training default is not a size choice).
     write_photo_dataset(tmp_path / "photos", per_class=(40, 12))
     with caplog.at_level(logging.INFO, logger="burstcv.pipeline"):
-        validated, metrics = train_with_defaults(
+        resolved, metrics = train_with_defaults(
             tmp_path / "photos", "photos-defaults", image_size=32
         )
-    training = validated.training
+    training = resolved.training
     assert training is not None and set(training.derived) >= AUTO
     assert training.model == "resnet18"  # it has ImageNet weights
     assert (training.batch_size, training.optimizer) == (8, "adamw")  # 15 steps an epoch
@@ -61,8 +62,8 @@ def test_a_small_photo_set_trains_well_with_every_default(
         assert training.pretrained.startswith("ResNet18_Weights.")
     chose = [r.getMessage() for r in caplog.records if r.getMessage().startswith("training: ")]
     assert chose == [f"training: {training.reason}"] and "\n" not in training.reason
-    doc = json.loads(storage.read_bytes(validated.validation_uri))
-    assert doc["training"]["reason"] == training.reason
+    doc = json.loads(storage.read_bytes(pipeline.run_layout(resolved.run_id).record))
+    assert doc["training"]["reason"] == training.reason  # run.json, as every later task reads
     assert metrics["classes"] == sorted(PHOTO_CLASSES) and metrics["arch"] == "resnet18"
     assert metrics["optimizer"]["name"] == "adamw" and metrics["epochs_asked"] == training.epochs
     assert metrics["recoveries"] == []
@@ -70,8 +71,8 @@ def test_a_small_photo_set_trains_well_with_every_default(
 
 
 def test_the_demo_digits_keep_their_accuracy_with_every_default(demo_dataset: Path) -> None:
-    validated, metrics = train_with_defaults(demo_dataset, "digits-defaults")
-    training = validated.training
+    resolved, metrics = train_with_defaults(demo_dataset, "digits-defaults")
+    training = resolved.training
     assert training is not None and training.pretrained == "none" and training.warning is None
     assert (training.model, training.batch_size, training.epochs) == ("resnet10", 128, 6)
     # No more work than the digits' old defaults (batch 128, 6 epochs): under a minute of

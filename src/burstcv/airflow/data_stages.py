@@ -9,7 +9,9 @@ CeleryExecutor spreads the mapped tasks over its workers, the embedded default r
 its one; a chunk that fails is retried alone. A dataset within one chunk maps one task each.
 
 ``data_stages()``, called inside a DAG, adds the six tasks and returns the packed result;
-every task body is one call into ``burstcv.pipeline``.
+every task body is one call into ``burstcv.pipeline``. ``plan_scan``, the run's first task,
+resolves the run once (``pipeline.resolve_run``: the trigger's params, an asset event's
+dataset, the prices and the budget, into run.json); every later task reads that.
 """
 
 from __future__ import annotations
@@ -32,10 +34,6 @@ SAFE_RETRY: dict[str, Any] = {
 }
 
 
-def _params(params: dict[str, Any] | None) -> RunParams:
-    return RunParams.resolve(params or {}, get_settings())
-
-
 def _run(run_id: str | None) -> RunRef:
     return RunRef.of(str(run_id))
 
@@ -45,17 +43,25 @@ def plan_scan(
     params: dict[str, Any] | None = None,
     run_id: str | None = None,
     triggering_asset_events: Any = None,
+    dag_run: Any = None,
 ) -> list[dict[str, Any]]:
-    """List the dataset and cut it into scan chunks; fail before any GPU on bad params."""
+    """Resolve the run, list the dataset and cut it into scan chunks; fail before any GPU."""
     from burstcv import pipeline
     from burstcv.airflow.callbacks import dataset_from_asset_events
+    from burstcv.airflow.runs import state_value
 
-    run_params = _params(params)
+    given = dict(params or {})
     if uri := dataset_from_asset_events(triggering_asset_events):
-        run_params = run_params.model_copy(update={"dataset_uri": uri})
+        given["dataset_uri"] = uri  # the data the event says changed is the data trained on
     try:
-        plan = pipeline.plan_scan(_run(run_id), run_params, get_settings())
-    except pipeline.ValidationFailed as exc:
+        run_params = RunParams.resolve(given, get_settings())
+        plan = pipeline.plan_scan(
+            _run(run_id),
+            run_params,
+            get_settings(),
+            trigger=state_value(getattr(dag_run, "run_type", None)),
+        )
+    except (ValueError, pipeline.ValidationFailed) as exc:
         raise AirflowFailException(str(exc)) from exc  # retrying cannot fix the data
     return [chunk.model_dump(mode="json") for chunk in plan.chunks]
 
@@ -65,43 +71,33 @@ def plan_scan(
     doc_md="Read, hash and decode one chunk's files into its part of the manifest.",
     **SAFE_RETRY,
 )
-def scan(
-    chunk: dict[str, Any], params: dict[str, Any] | None = None, run_id: str | None = None
-) -> int:
+def scan(chunk: dict[str, Any], run_id: str | None = None) -> int:
     """Read, hash and decode one chunk's files into its part of the manifest."""
     from burstcv import pipeline
 
-    return pipeline.scan_chunk(
-        _run(run_id), DataChunk.model_validate(chunk), _params(params), get_settings()
-    )
+    return pipeline.scan_chunk(_run(run_id), DataChunk.model_validate(chunk), get_settings())
 
 
 @task(execution_timeout=timedelta(minutes=30))
-def validate(params: dict[str, Any] | None = None, run_id: str | None = None) -> dict[str, Any]:
+def validate(run_id: str | None = None) -> dict[str, Any]:
     """Check the whole dataset with Great Expectations; fail before any GPU exists."""
     from burstcv import pipeline
 
     try:
-        return pipeline.validate(
-            _run(run_id), _params(params), get_settings(), scanned=True
-        ).model_dump(mode="json")
+        return pipeline.validate(_run(run_id), get_settings()).model_dump(mode="json")
     except pipeline.ValidationFailed as exc:
         raise AirflowFailException(str(exc)) from exc  # retrying cannot fix the data
 
 
 @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
-def plan_pack(
-    validated: dict[str, Any], params: dict[str, Any] | None = None, run_id: str | None = None
-) -> list[dict[str, Any]]:
+def plan_pack(validated: dict[str, Any], run_id: str | None = None) -> list[dict[str, Any]]:
     """Cut the shards into chunks (skip: production's data, nothing new to train on)."""
     from burstcv import pipeline
 
-    run_params, checked = _params(params), Validated.model_validate(validated)
-    if reason := pipeline.nothing_new_to_train(
-        _run(run_id), run_params, checked, settings=get_settings()
-    ):
+    checked = Validated.model_validate(validated)
+    if reason := pipeline.nothing_new_to_train(_run(run_id), checked, settings=get_settings()):
         raise AirflowSkipException(reason)  # everything after it is skipped: no GPU rented
-    plan = pipeline.plan_pack(_run(run_id), run_params, checked, get_settings())
+    plan = pipeline.plan_pack(_run(run_id), checked, get_settings())
     return [chunk.model_dump(mode="json") for chunk in plan.chunks]
 
 
@@ -111,17 +107,13 @@ def plan_pack(
     **SAFE_RETRY,
 )
 def pack_shards(
-    validated: dict[str, Any],
-    chunk: dict[str, Any],
-    params: dict[str, Any] | None = None,
-    run_id: str | None = None,
+    validated: dict[str, Any], chunk: dict[str, Any], run_id: str | None = None
 ) -> dict[str, Any]:
     """Decode one chunk's images once into its uint8 shards."""
     from burstcv import pipeline
 
     return pipeline.pack_chunk(
         _run(run_id),
-        _params(params),
         Validated.model_validate(validated),
         DataChunk.model_validate(chunk),
         get_settings(),
@@ -129,15 +121,12 @@ def pack_shards(
 
 
 @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
-def pack(
-    validated: dict[str, Any], params: dict[str, Any] | None = None, run_id: str | None = None
-) -> dict[str, Any]:
+def pack(validated: dict[str, Any], run_id: str | None = None) -> dict[str, Any]:
     """List every chunk's shards and fix the preprocessing from their training images."""
     from burstcv import pipeline
 
     return pipeline.pack(
         _run(run_id),
-        _params(params),
         Validated.model_validate(validated),
         settings=get_settings(),
         packed_chunks=True,

@@ -81,6 +81,8 @@ class WaitForTrainingOperator(BaseOperator):
 
     def _wait_for(self, attempt: int) -> None:
         """Defer to the trigger that watches one attempt's markers and boxes."""
+        from burstcv.pipeline import resolved_run
+
         info = self._boxes()
         self.defer(
             trigger=TrainingCompletionTrigger(
@@ -89,7 +91,7 @@ class WaitForTrainingOperator(BaseOperator):
                 output_uri=info.output_uri,
                 attempt=attempt,
                 poll_interval_s=self.poll_interval_s,
-                max_cost_usd=info.max_cost_usd,
+                max_cost_usd=resolved_run(info.run).costs.max_cost_usd,
             ),
             method_name="execute_complete",
         )

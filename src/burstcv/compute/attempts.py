@@ -17,12 +17,14 @@ from burstcv import lineage
 from burstcv.compute.backends import get_backend
 from burstcv.compute.base import ComputeBackend, InstanceInfo, job_outcome
 from burstcv.compute.billing import record_launch, run_bill
+from burstcv.cost.model import LOCAL_RATE
 from burstcv.settings import Settings
 from burstcv.training.job import attempt_dir, load_job
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
     ArtifactError,
     AttemptRecord,
+    BoxRate,
     FailedMarker,
     Launch,
     TrainingOutcome,
@@ -49,7 +51,7 @@ def launch_attempt(
         storage.join(job_dir, ATTEMPT_FILE),
         AttemptRecord(attempt=attempt, instance_ids=ids, launched_at=lineage.utc_now_iso()),
     )
-    _record_launch(backend_name, backend, launch, job_dir, attempt, ids, settings)
+    _record_launch(backend_name, backend, launch, job_dir, attempt, ids)
     return ids
 
 
@@ -60,36 +62,17 @@ def _record_launch(
     job_dir: str,
     attempt: int,
     ids: list[str],
-    settings: Settings,
 ) -> None:
-    """Write the attempt's launch record: each box's place, price (quoted now) and launch."""
+    """Write the attempt's launch record: each box's place, rate (quoted now) and launch."""
     from burstcv.compute.ec2 import Ec2Backend
-    from burstcv.cost.budget import candidate_prices
 
-    region = ""
-    fallback: list[float] = []
+    region = backend.settings.region if isinstance(backend, Ec2Backend) else ""
 
-    def price_of(info: InstanceInfo) -> tuple[float, str]:
-        if not isinstance(backend, Ec2Backend):
-            return 0.0, "local compute"
-        found = backend.price_quote(info)
-        if found is not None:
-            return found.usd_per_hour, f"{found.source}, {found.as_of}"
-        if not fallback:  # a price nobody has: the highest known of the run's types
-            known = candidate_prices(
-                launch.instance_types or [info.instance_type], settings
-            ).values()
-            fallback.append(max((usd for usd in known if usd is not None), default=0.0))
-        log.warning(
-            "no price for %s %s; billed at the highest known price of the run's types, $%.4f/h",
-            info.lifecycle,
-            info.instance_type,
-            fallback[0],
-        )
-        return fallback[0], "no quote: the highest known price of the run's types"
+    def rate_of(info: InstanceInfo) -> BoxRate:
+        if isinstance(backend, Ec2Backend):
+            return backend.box_rate(info, bound=launch.bound_rate)
+        return LOCAL_RATE.model_copy(update={"instance_type": info.instance_type})
 
-    if isinstance(backend, Ec2Backend):
-        region = backend.settings.region
     record_launch(
         job_dir,
         attempt,
@@ -98,7 +81,7 @@ def _record_launch(
         backend=backend_name,
         region=region,
         boxes=[i for i in backend.describe(launch.run.run_key) if i.instance_id in ids],
-        price_of=price_of,
+        rate_of=rate_of,
         now=lineage.utc_now(),
     )
 

@@ -117,7 +117,9 @@ def vcpu_quota_of(instance_type: str) -> VcpuQuota | None:
     return None
 
 
-def check_vcpu_quotas(backend: Ec2Backend, settings: Settings) -> list[Finding]:
+def check_vcpu_quotas(
+    backend: Ec2Backend, settings: Settings, *, num_nodes: int = 1
+) -> list[Finding]:
     """Compare each market's vCPU quota of each family with the largest candidate's vCPUs.
 
     A new account has 0 vCPUs of G and VT and of P instances, on demand and spot: every
@@ -170,15 +172,19 @@ def check_vcpu_quotas(backend: Ec2Backend, settings: Settings) -> list[Finding]:
                 )
                 continue
             value = 0.0  # no applied quota at all: nothing may run
-        if value >= need:
-            findings.append(Finding(f"{name}: {value:g} vCPUs, {instance_type} needs {need}"))
+        run_need = need * num_nodes  # a launch starts every box of the run at once
+        boxes = f"{num_nodes} x {instance_type}" if num_nodes > 1 else f"a {instance_type}"
+        if value >= run_need:
+            findings.append(Finding(f"{name}: {value:g} vCPUs, {boxes} needs {run_need}"))
             continue
-        desired = need * max(settings.gpu_pool_slots, 1)
+        # The GPU pool bounds the boxes that exist at once (a run takes a slot per box).
+        slots = max(settings.gpu_pool_slots, num_nodes, 1)
+        desired = need * slots
         findings.append(
             Finding(
                 name,
-                f"{value:g} vCPUs, a {instance_type} needs {need}; ask for {desired} "
-                f"({settings.gpu_pool_slots} boxes at once, BURSTCV_GPU_POOL_SLOTS): aws "
+                f"{value:g} vCPUs, {boxes} needs {run_need}; ask for {desired} "
+                f"({slots} boxes at once, BURSTCV_GPU_POOL_SLOTS): aws "
                 f"service-quotas request-service-quota-increase --service-code ec2 "
                 f"--quota-code {code} --desired-value {desired} --region {s.region}",
             )
@@ -562,6 +568,24 @@ def check_prices(
     return findings
 
 
+def check_serving_prices(
+    backend: Ec2Backend, families: list[str], artifact_root: str
+) -> list[Finding]:
+    """Quote the serving fleet's CPU types as a run does: a type nobody prices leaves every
+    run's fleet unpriced (never a rejected model), so it is named with what to set."""
+    from burstcv.cost.budget import serving_quotes
+
+    region = backend.settings.region
+    quotes, unpriced = serving_quotes(families, region, backend.price_sources(artifact_root))
+    findings = [
+        Finding(f"serving price {q.instance_type} on-demand in {region}: ${q.usd_per_hour:.4f}/h")
+        for q in quotes
+    ]
+    if unpriced:
+        findings.append(Finding(f"serving prices ({', '.join(families)}) in {region}", unpriced))
+    return findings
+
+
 def check_launch_of(budget_s: int = 3600) -> Launch:
     """Return the launch the check dry-runs: the deployment's types and spot choice."""
     return Launch(
@@ -592,8 +616,18 @@ def _guarded(label: str, check: Callable[[], list[Finding]]) -> list[Finding]:
         return [Finding(label, f"{_reason(exc)}; see docs/aws.md")]
 
 
-def check_account(settings: Settings, ec2: Ec2Settings | None = None) -> list[Finding]:
-    """Return every finding: identity, launches, backstop, S3, role, quotas, network, prices."""
+def check_account(
+    settings: Settings,
+    ec2: Ec2Settings | None = None,
+    *,
+    num_nodes: int = 1,
+    serving_families: list[str] | None = None,
+) -> list[Finding]:
+    """Return every finding: identity, launches, backstop, S3, role, quotas, network, prices.
+
+    ``num_nodes`` and ``serving_families`` are the run params the check sizes for: a run of
+    several boxes needs each family's quota for all of them, and its serving fleet a price.
+    """
     backend = Ec2Backend(ec2 or Ec2Settings())
     s = backend.settings
     findings: list[Finding] = []
@@ -633,7 +667,9 @@ def check_account(settings: Settings, ec2: Ec2Settings | None = None) -> list[Fi
     # or (quotas) refuse every launch with a message that looks like a capacity shortage.
     root = settings.artifact_root
     plan = launch_plan(s.instance_types, s.use_spot)
-    findings += _guarded("vCPU quotas", lambda: check_vcpu_quotas(backend, settings))
+    findings += _guarded(
+        "vCPU quotas", lambda: check_vcpu_quotas(backend, settings, num_nodes=num_nodes)
+    )
     findings += _guarded("training role's S3 access", lambda: check_instance_role_s3(backend, root))
     findings += _guarded("route to S3", lambda: check_subnet_routes(backend))
     findings += _guarded("bucket region", lambda: check_bucket_region(root, s.region))
@@ -643,4 +679,9 @@ def check_account(settings: Settings, ec2: Ec2Settings | None = None) -> list[Fi
             f"Spot service-linked role {SPOT_ROLE}", lambda: check_spot_role(backend)
         )
     findings += _guarded("prices", lambda: check_prices(backend, plan, root))
+    if serving_families:
+        families = serving_families
+        findings += _guarded(
+            "serving prices", lambda: check_serving_prices(backend, families, root)
+        )
     return findings

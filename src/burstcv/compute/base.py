@@ -64,6 +64,7 @@ class InstanceInfo:
     airflow_run_id: str = ""
     image_id: str = ""  # the AMI the box booted (ec2), recorded in billing.json
     zone: str = ""  # its Availability Zone (ec2): where its spot price is quoted
+    public_ipv4: bool = False  # it has a public IPv4 address (ec2), which bills by the hour
 
 
 class ComputeBackend(Protocol):

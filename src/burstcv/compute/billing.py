@@ -1,9 +1,10 @@
 """Write each training attempt's launch and end records, and bill a run from those records only.
 
 An attempt's boxes are recorded when they launch (``attempts/<n>/launch.json``: instance,
-type, market, AZ, the price quoted then, launch time) and when the attempt ends
-(``end.json``: the same, with end times). billing.json, the run's budget and the progress
-lines all read these records through ``run_bill``: EC2 lists a terminated instance for only
+type, market, AZ, each part of its rate as quoted then, launch and running times) and when
+the attempt ends (``end.json``: the same, with end times). billing.json, the relaunch budget
+check and the progress lines all read these records through ``run_bill``, which prices them
+with the one cost model (``burstcv.cost.model``): EC2 lists a terminated instance for only
 about an hour, so a bill remembered by the cloud would forget early attempts.
 """
 
@@ -14,13 +15,14 @@ from collections.abc import Callable
 from datetime import datetime
 
 from burstcv.compute.base import RUNNING, STOPPED, InstanceInfo
-from burstcv.cost.pricing import billed_seconds
+from burstcv.cost.model import box_cost, box_usd_per_hour
 from burstcv.training.job import attempt_dir
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
     AttemptBill,
     Billing,
     BoxBill,
+    BoxRate,
     InstanceRecord,
     read_artifact,
     write_artifact,
@@ -29,8 +31,8 @@ from burstcv_spec.layout import END_RECORD, LAUNCH_RECORD
 
 log = logging.getLogger(__name__)
 
-# Returns a box's $/hour and where that price came from (the backend's quote, or a fallback).
-PriceOf = Callable[[InstanceInfo], tuple[float, str]]
+# Returns a box's rate, every part priced (the backend's quote, or the run's bound rate).
+RateOf = Callable[[InstanceInfo], BoxRate]
 
 
 def record_launch(
@@ -42,19 +44,30 @@ def record_launch(
     backend: str,
     region: str,
     boxes: list[InstanceInfo],
-    price_of: PriceOf,
+    rate_of: RateOf,
     now: datetime,
 ) -> AttemptBill:
-    """Write the attempt's launch.json: each box with its place, price and launch time."""
+    """Write the attempt's launch.json: each box with its place, rate, launch and running time.
+
+    A box seen running now is billed from now (the backend waited for ``running``); one
+    still pending, from its launch time (an upper bound). A box the attempt's record already
+    holds (a retried launch found it up) keeps its record: it has run since then.
+    """
+    uri = attempt_dir(job_dir, attempt, LAUNCH_RECORD)
+    recorded = (
+        {b.instance_id: b for b in read_artifact(uri, AttemptBill).boxes}
+        if storage.exists(uri)
+        else {}
+    )
     bill = AttemptBill(
         attempt=attempt,
         run_key=run_key,
         dag_id=dag_id,
         backend=backend,
         region=region,
-        boxes=[_box(info, *price_of(info), now) for info in boxes],
+        boxes=[recorded.get(info.instance_id) or _box(info, rate_of(info), now) for info in boxes],
     )
-    write_artifact(attempt_dir(job_dir, attempt, LAUNCH_RECORD), bill)
+    write_artifact(uri, bill)
     return bill
 
 
@@ -101,19 +114,15 @@ def run_bill(
 ) -> Billing:
     """Return the run's bill from its attempt records (a box still running: until now).
 
-    EC2's rule for each box: per second, at least 60 s, launch to end. ``terminated_at`` is
-    left unset: teardown sets it on the bill it writes as billing.json.
+    Each box is priced by ``burstcv.cost.model.box_cost``. ``terminated_at`` is left unset:
+    teardown sets it on the bill it writes as billing.json.
     """
     instances: list[InstanceRecord] = []
     seconds_by_box: dict[str, float] = {}
     for attempt in attempt_bills(job_dir, last_attempt):
         for box in attempt.boxes:
-            launched = datetime.fromisoformat(box.launched_at)
-            ended = datetime.fromisoformat(box.ended_at) if box.ended_at else now
-            seconds = float(billed_seconds(launched, max(ended, launched)))
-            if box.market == "local":
-                seconds = max(ended, launched).timestamp() - launched.timestamp()
-            seconds_by_box[box.instance_id] = seconds
+            cost = box_cost(box, now)
+            seconds_by_box[box.instance_id] = cost.instance_s
             instances.append(
                 InstanceRecord(
                     instance_id=box.instance_id,
@@ -127,8 +136,8 @@ def run_bill(
                     airflow_run_id=airflow_run_id,
                     image_id=box.image_id,
                     zone=box.zone,
-                    usd_per_hour=box.usd_per_hour,
-                    cost_usd=box.usd_per_hour * seconds / 3600.0,
+                    usd_per_hour=box_usd_per_hour(box),
+                    cost_usd=cost.usd,
                 )
             )
     return Billing(
@@ -140,15 +149,13 @@ def run_bill(
     )
 
 
-def _box(info: InstanceInfo, usd_per_hour: float, source: str, now: datetime) -> BoxBill:
+def _box(info: InstanceInfo, rate: BoxRate, now: datetime) -> BoxBill:
     launched = info.launched_at or now
     return BoxBill(
+        **dict(rate),
         instance_id=info.instance_id,
-        instance_type=info.instance_type,
-        market=info.lifecycle or "on-demand",
         zone=info.zone,
         image_id=info.image_id,
-        usd_per_hour=usd_per_hour,
-        price_source=source,
         launched_at=launched.isoformat(),
+        running_at=now.isoformat() if info.state == RUNNING else None,
     )

@@ -22,7 +22,7 @@ from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from typing import Any, Literal
 
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, WaiterError
 
 from burstcv.compute.base import (
     ENDING,
@@ -44,10 +44,14 @@ from burstcv.compute.userdata import (
     expiry_of,
     render_user_data,
 )
-from burstcv.cost.pricing import PRICING_API_REGION
+from burstcv.cost.pricing import (
+    PRICING_API_REGION,
+    public_ipv4_usd_per_hour,
+    volume_usd_per_gb_month,
+)
 from burstcv.cost.quotes import PriceSources, quote
 from burstcv.settings import Ec2Settings
-from burstcv_spec.contracts import Launch, PriceQuote
+from burstcv_spec.contracts import BoxRate, Launch, PriceQuote
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +258,7 @@ def _info(instance: dict[str, Any]) -> InstanceInfo:
         airflow_run_id=tags.get(TAG_AIRFLOW_RUN_ID, ""),
         image_id=instance.get("ImageId", ""),
         zone=instance.get("Placement", {}).get("AvailabilityZone", ""),
+        public_ipv4=bool(instance.get("PublicIpAddress")),
     )
 
 
@@ -315,6 +320,34 @@ class Ec2Backend:
             market,
             sources or self.price_sources(),
             zone=info.zone if market == "spot" else "",
+        )
+
+    def box_rate(self, info: InstanceInfo, *, bound: BoxRate | None) -> BoxRate:
+        """Return one of this backend's boxes' rate, every part priced.
+
+        Its instance price is quoted (spot: in its AZ); one nobody can quote is billed at the
+        run's ``bound`` rate (its priciest type on-demand), which the budget assumed anyway.
+        """
+        found = self.price_quote(info)
+        if found is not None:
+            usd, source = found.usd_per_hour, f"{found.source}, {found.as_of}"
+        else:
+            usd = bound.usd_per_hour if bound is not None else 0.0
+            source = "no quote: the run's bound rate (its priciest type, on-demand)"
+            log.warning(
+                "no price for %s %s; billed at the run's bound rate, $%.4f/h",
+                info.lifecycle,
+                info.instance_type,
+                usd,
+            )
+        return BoxRate(
+            instance_type=info.instance_type,
+            market=info.lifecycle or "on-demand",
+            usd_per_hour=usd,
+            price_source=source,
+            volume_gb=self.settings.volume_gb,
+            ebs_usd_per_gb_month=volume_usd_per_gb_month(self.settings.region),
+            public_ipv4_usd_per_hour=public_ipv4_usd_per_hour() if info.public_ipv4 else 0.0,
         )
 
     @cached_property
@@ -409,6 +442,7 @@ class Ec2Backend:
             try:
                 self._arm_backstop(ids, launch.run.run_key, expires_at)
                 self._confirm_findable(ids, launch.run.run_key)
+                self._wait_running(ids)
             except BaseException:
                 # Anything after run_instances returned: destroy what started, then re-raise.
                 log.error(
@@ -975,6 +1009,23 @@ class Ec2Backend:
                     f"instance {inst['InstanceId']} lacks the burstcv tags; teardown by tag "
                     "could not find it"
                 )
+
+    def _wait_running(self, instance_ids: list[str]) -> None:
+        """Wait (briefly) for the boxes to run: EC2 bills an instance from ``running``.
+
+        The launch record bills a box seen running from then; a box that does not get there
+        in time (or ends while pending) is billed from its launch, an upper bound, and the
+        train task's watch judges it as any other.
+        """
+        # At most about 3 minutes (a box is seldom pending one), polled every 2 s at most.
+        delay = min(self.settings.waiter_delay_s, 2.0)
+        try:
+            self.client.get_waiter("instance_running").wait(
+                InstanceIds=instance_ids,
+                WaiterConfig={"Delay": delay, "MaxAttempts": max(1, int(180 / delay))},
+            )
+        except WaiterError as exc:
+            log.warning("boxes %s not all running yet (%s); billed from launch", instance_ids, exc)
 
     def _wait_terminated(self, instance_ids: list[str]) -> None:
         self.client.get_waiter("instance_terminated").wait(

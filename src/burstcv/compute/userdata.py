@@ -87,11 +87,17 @@ def watchdog_minutes(seconds_left: float, margin_min: int = DEFAULT_MARGIN_MIN) 
     return max(1, math.ceil(max(0.0, seconds_left) / 60) + margin_min)
 
 
+def outlives_deadline_s(margin_min: int = DEFAULT_MARGIN_MIN) -> int:
+    """Return the seconds a box may outlive the run's deadline: the watchdog's margin and the
+    minute its ``shutdown -h +N`` rounds up to."""
+    return (margin_min + 1) * 60
+
+
 def expiry_of(deadline_at: datetime, margin_min: int = DEFAULT_MARGIN_MIN) -> datetime:
     """Return when the watchdog has ended any box of the run at the latest (the expiry tag)."""
     from datetime import timedelta
 
-    return deadline_at + timedelta(minutes=margin_min + 1)
+    return deadline_at + timedelta(seconds=outlives_deadline_s(margin_min))
 
 
 # One box: training is one `burstcv train` process.

@@ -1,4 +1,4 @@
-"""Price compute time: hourly rates from a dated table, EC2's billing rule, budgets from dollars.
+"""Read prices: the dated bundled table, and the AWS Price List API's answers.
 
 The table (``prices.json`` beside this module, or the file named by ``BURSTCV_PRICE_TABLE``)
 holds on-demand and spot $/hour per region and instance type, with its source and date.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from collections.abc import Iterable
 from datetime import datetime
@@ -26,19 +25,12 @@ LIFECYCLES: tuple[str, ...] = ("on-demand", "spot", "local")
 PACKAGED_TABLE = Path(__file__).with_name("prices.json")
 PRICE_TABLE_ENV = "BURSTCV_PRICE_TABLE"
 
-# EC2 Linux billing: per second, with a one-minute minimum for each instance start.
-MINIMUM_BILLED_S = 60
-
 # The Pricing API answers only in a few regions; us-east-1 serves every region's prices.
 PRICING_API_REGION = "us-east-1"
 
 
 class UnknownPriceError(ValueError):
     """Raise when the table has no price for an instance type, region or lifecycle."""
-
-
-class BudgetTooSmallError(ValueError):
-    """Raise when a dollar budget does not cover even the minimum billed minute."""
 
 
 def price_table_path() -> Path:
@@ -101,90 +93,23 @@ def instance_shapes(path: Path | None = None) -> dict[str, tuple[int, float]]:
     }
 
 
-def billed_seconds(launched: datetime, stopped: datetime) -> int:
-    """Return the seconds EC2 bills for one instance: per second, at least 60."""
-    if launched.tzinfo is None or stopped.tzinfo is None:
-        raise ValueError("billed_seconds needs timezone-aware datetimes")
-    elapsed_s = (stopped - launched).total_seconds()
-    if elapsed_s < 0:
-        raise ValueError(f"stopped ({stopped}) is before launched ({launched})")
-    return max(MINIMUM_BILLED_S, math.ceil(elapsed_s))
+def _table_value(key: str, path: Path | None) -> Any:
+    """Return a top-level entry of the table in use, else the packaged table's (an older
+    custom table may lack it)."""
+    table = load_price_table(path)
+    return table[key] if key in table else load_price_table(PACKAGED_TABLE)[key]
 
 
-def cost_for_seconds(
-    instance_type: str, region: str, lifecycle: str, seconds: float, *, path: Path | None = None
-) -> float:
-    """Return the dollars for ``seconds`` of already-billed time on one instance."""
-    return hourly_price(instance_type, region, lifecycle, path=path) * seconds / 3600.0
+def volume_usd_per_gb_month(region: str, *, path: Path | None = None) -> float:
+    """Return the gp3 root volume's USD per GB-month in ``region`` (the table's default row
+    for a region it does not list)."""
+    rates: dict[str, float] = _table_value("storage", path)["gp3_usd_per_gb_month"]
+    return float(rates.get(region, rates["default"]))
 
 
-def run_cost(
-    instance_type: str,
-    region: str,
-    lifecycle: str,
-    *,
-    launched: datetime,
-    stopped: datetime,
-    path: Path | None = None,
-) -> float:
-    """Return what one instance cost from launch to stop, under EC2's billing rule."""
-    if lifecycle == "local":
-        return 0.0
-    seconds = billed_seconds(launched, stopped)
-    return cost_for_seconds(instance_type, region, lifecycle, seconds, path=path)
-
-
-def serving_cost_per_million(
-    instance_type: str,
-    region: str,
-    throughput_rps: float,
-    *,
-    lifecycle: str = "on-demand",
-    path: Path | None = None,
-) -> float:
-    """Return the dollars per 1M predictions of one instance serving at ``throughput_rps``."""
-    if throughput_rps <= 0:
-        raise ValueError(f"throughput_rps must be positive, got {throughput_rps}")
-    per_hour = hourly_price(instance_type, region, lifecycle, path=path)
-    predictions_per_hour = throughput_rps * 3600.0
-    return per_hour / predictions_per_hour * 1_000_000
-
-
-def time_budget_for(
-    max_cost_usd: float | None,
-    instance_type: str,
-    region: str,
-    lifecycle: str,
-    cap_s: int,
-    *,
-    path: Path | None = None,
-    usd_per_hour: float | None = None,
-) -> int:
-    """Return the seconds a run may last: ``cap_s``, lowered so it cannot cost over the budget.
-
-    Pass the worst-case lifecycle (on-demand when spot may fall back to it): the watchdog on
-    the instance is set from this number, so it is what bounds the bill. ``usd_per_hour``,
-    when given (a price quoted from AWS), is used instead of the table's.
-    """
-    if cap_s <= 0:
-        raise ValueError(f"cap_s must be positive, got {cap_s}")
-    if max_cost_usd is None:
-        return cap_s
-    per_hour = (
-        hourly_price(instance_type, region, lifecycle, path=path)
-        if usd_per_hour is None
-        else usd_per_hour
-    )
-    if per_hour == 0.0:
-        return cap_s
-    affordable_s = math.floor(max_cost_usd / per_hour * 3600.0)
-    if affordable_s < MINIMUM_BILLED_S:
-        minimum_usd = per_hour * MINIMUM_BILLED_S / 3600.0
-        raise BudgetTooSmallError(
-            f"${max_cost_usd:.4f} does not cover the {MINIMUM_BILLED_S} s minimum on "
-            f"{instance_type} {lifecycle} in {region} (${minimum_usd:.4f}); raise the budget"
-        )
-    return min(cap_s, affordable_s)
+def public_ipv4_usd_per_hour(*, path: Path | None = None) -> float:
+    """Return what a public IPv4 address costs an hour (the same in every commercial region)."""
+    return float(_table_value("public_ipv4_usd_per_hour", path))
 
 
 def _on_demand_usd_per_hour(price_item: dict[str, Any]) -> float | None:

@@ -23,6 +23,9 @@ DEFAULT_MAX_FILE_BYTES = 64 * 1024 * 1024
 # on a 2-core worker, long enough that a task's start-up (seconds) is noise, short enough
 # that a retried chunk loses little. The demo's 1,800 digits and most first datasets are one
 # chunk.
+# The square sizes a run may train and serve at, px (burstcv.data.imagesize chooses one).
+MIN_IMAGE_SIZE = 16
+MAX_IMAGE_SIZE = 640
 DEFAULT_CHUNK_FILES = 20_000
 DEFAULT_CHUNK_MB = 4096
 

@@ -14,28 +14,16 @@ ones (the digits) are resized straight to the size, as they always were.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pandas as pd
 
+from burstcv.data.config import MAX_IMAGE_SIZE, MIN_IMAGE_SIZE
+from burstcv_spec.contracts import ImageSizeChoice
 from burstcv_spec.preprocess import resize_short_for
 
 DEFAULT_MAX_IMAGE_SIZE = 224
-MIN_IMAGE_SIZE = 16
-MAX_IMAGE_SIZE = 640
 
 
-@dataclass(frozen=True)
-class ImageSize:
-    """Hold the chosen size and why, for the logs, model.json and the report."""
-
-    px: int
-    reason: str
-    # The short side to resize to before the centre crop (photos), or None (plain resize).
-    resize_short: int | None = None
-
-
-def choose_image_size(manifest: pd.DataFrame, requested: int | None) -> ImageSize:
+def choose_image_size(manifest: pd.DataFrame, requested: int | None) -> ImageSizeChoice:
     """Return the square training/serving size for a validated manifest.
 
     Raises ValueError when the request is out of bounds or no image is usable.
@@ -48,18 +36,23 @@ def choose_image_size(manifest: pd.DataFrame, requested: int | None) -> ImageSiz
     short = usable[["width", "height"]].min(axis=1)
     median = int(short.median())
     if requested is not None:
-        return _with_transform(ImageSize(requested, "the run's image_size"), median)
+        return _with_transform(ImageSizeChoice(px=requested, reason="the run's image_size"), median)
     px = max(MIN_IMAGE_SIZE, min(DEFAULT_MAX_IMAGE_SIZE, median))
     why = (
         f"the median short side of {len(usable)} images is {median} px"
         + (f", capped at {DEFAULT_MAX_IMAGE_SIZE}" if median > DEFAULT_MAX_IMAGE_SIZE else "")
         + (f", raised to the {MIN_IMAGE_SIZE} px minimum" if median < MIN_IMAGE_SIZE else "")
     )
-    return _with_transform(ImageSize(px, why), median)
+    return _with_transform(ImageSizeChoice(px=px, reason=why), median)
 
 
-def _with_transform(size: ImageSize, median_short: int) -> ImageSize:
+def _with_transform(size: ImageSizeChoice, median_short: int) -> ImageSizeChoice:
     margin = resize_short_for(size.px)
     if median_short < margin:
         return size
-    return ImageSize(size.px, f"{size.reason}; photos: short side to {margin}, centre crop", margin)
+    return size.model_copy(
+        update={
+            "reason": f"{size.reason}; photos: short side to {margin}, centre crop",
+            "resize_short": margin,
+        }
+    )

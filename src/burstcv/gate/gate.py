@@ -2,15 +2,17 @@
 
 When the candidate misses the latency SLO, the verdict also carries priced suggestions
 (INT8, a smaller architecture, a larger CPU instance, GPU serving), each with an estimated
-p95 and cost per 1M predictions, and the assumption behind the estimate.
+p95 and cost per 1M predictions at the run's expected load (``burstcv.cost.model``, the
+run's resolved prices), and the assumption behind the estimate.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from burstcv.cost.pricing import UnknownPriceError, hourly_price, serving_cost_per_million
+from burstcv.cost.model import DEFAULT_HEADROOM, fleet_cost, replicas_for
+from burstcv.cost.pricing import instance_shapes
 from burstcv.training.names import ARCHITECTURE_NAMES
 from burstcv_spec.contracts import (
     BenchFigures,
@@ -26,12 +28,10 @@ log = logging.getLogger(__name__)
 DEFAULT_SERVING_INSTANCE = "c7i.large"
 DEFAULT_SERVING_REGION = "us-east-1"
 
-# vCPUs per instance type (AWS's published figures) for the types the price table holds.
+# vCPUs per instance type: the CPU types of the price table's shapes, and the one-GPU types
+# (AWS's published figures).
 VCPUS: dict[str, int] = {
-    "c7i.large": 2,
-    "c7i.xlarge": 4,
-    "c7i.2xlarge": 8,
-    "m7i.large": 2,
+    **{name: vcpus for name, (vcpus, _) in instance_shapes().items()},
     "g4dn.xlarge": 4,
     "g5.xlarge": 4,
     "g6.xlarge": 4,
@@ -78,6 +78,10 @@ class ServingContext:
     arch: str | None = None  # the candidate's architecture; None: no smaller-model advice
     int8_tried: bool = False  # an INT8 model was already measured: do not suggest it again
     region: str = DEFAULT_SERVING_REGION
+    # On-demand USD per hour by instance type, as the run resolved them; a type without one
+    # is advised unpriced.
+    prices: dict[str, float] = field(default_factory=dict)
+    target_rps: float = 10.0  # the run's expected peak load: advice is priced at it
     instance_type: str = DEFAULT_SERVING_INSTANCE  # the CPU type production serves on
     # vCPUs of the benchmark host; None: assume it matches instance_type.
     measured_vcpus: int | None = None
@@ -238,15 +242,7 @@ def judge(
     suggestions: list[Suggestion] = []
     if not slo_met:
         ctx = serving or ServingContext()
-        suggestions = advise(
-            candidate,
-            limits,
-            arch=ctx.arch,
-            int8_tried=ctx.int8_tried,
-            region=ctx.region,
-            instance_type=ctx.instance_type,
-            measured_vcpus=ctx.measured_vcpus,
-        )
+        suggestions = advise(candidate, limits, ctx)
     return verdict_of(checks, suggestions)
 
 
@@ -286,28 +282,28 @@ class _LatencySplit:
 
 
 def _price(
-    instance_type: str, region: str, throughput_rps: float | None
+    ctx: ServingContext, instance_type: str, throughput_rps: float | None
 ) -> tuple[float | None, str]:
-    """Return (cost per 1M predictions, note); None with the reason when it cannot be priced."""
+    """Return (cost per 1M predictions at the run's load, note); None with why it cannot be.
+
+    The fleet of ``instance_type`` replicas serving the run's ``target_rps``, each at most
+    at its estimated throughput less the headroom: the serving fleet's own formula.
+    """
     if not throughput_rps or throughput_rps <= 0:
         return None, "no measured throughput to price from"
-    try:
-        cost = serving_cost_per_million(instance_type, region, throughput_rps)
-    except UnknownPriceError as exc:
-        log.warning("cannot price %s in %s: %s", instance_type, region, exc)
-        return None, str(exc)
-    return cost, f"{instance_type} on-demand in {region} at {throughput_rps:.1f} req/s"
+    usd_per_hour = ctx.prices.get(instance_type)
+    if usd_per_hour is None:
+        return None, f"no price for {instance_type} in {ctx.region}"
+    replicas = replicas_for(ctx.target_rps, throughput_rps, DEFAULT_HEADROOM)
+    cost = fleet_cost(usd_per_hour, replicas, ctx.target_rps).usd_per_million
+    return cost, (
+        f"{replicas} x {instance_type} on-demand in {ctx.region} at {throughput_rps:.1f} req/s "
+        f"each, serving {ctx.target_rps:g} req/s"
+    )
 
 
 def advise(
-    candidate: BenchFigures,
-    limits: GateThresholds,
-    *,
-    arch: str | None,
-    int8_tried: bool,
-    region: str,
-    instance_type: str = DEFAULT_SERVING_INSTANCE,
-    measured_vcpus: int | None = None,
+    candidate: BenchFigures, limits: GateThresholds, ctx: ServingContext
 ) -> list[Suggestion]:
     """Return priced ways to bring p95 under the SLO, those that meet it first, cheapest first.
 
@@ -317,7 +313,8 @@ def advise(
     split = _LatencySplit.of(candidate)
     slo = limits.latency_slo_ms
     throughput = candidate.throughput_rps or None
-    base_vcpus = measured_vcpus or VCPUS.get(instance_type, 2)
+    arch, instance_type, region = ctx.arch, ctx.instance_type, ctx.region
+    base_vcpus = ctx.measured_vcpus or VCPUS.get(instance_type, 2)
     gap = split.p95_ms - slo
     out: list[Suggestion] = []
 
@@ -329,7 +326,7 @@ def advise(
         throughput_est: float | None,
         assumption: str,
     ) -> None:
-        cost, price_note = _price(on_type, region, throughput_est)
+        cost, price_note = _price(ctx, on_type, throughput_est)
         out.append(
             Suggestion(
                 action=action,
@@ -354,7 +351,7 @@ def advise(
         # A closed-loop benchmark's throughput is concurrency / latency: scale it inversely.
         return None if throughput is None else throughput * split.p95_ms / max(p95_est, 1e-6)
 
-    if not int8_tried:
+    if not ctx.int8_tried:
         est = split.scaled(1.0 / INT8_SPEEDUP)
         suggest(
             "int8",
@@ -402,7 +399,7 @@ def advise(
             "with them",
         )
 
-    gpu = _cheapest_gpu(region)
+    gpu = _cheapest_gpu(ctx.prices)
     if gpu is not None:
         est = split.fixed_ms + GPU_COMPUTE_MS
         suggest(
@@ -425,12 +422,7 @@ def advise(
     return out
 
 
-def _cheapest_gpu(region: str) -> str | None:
-    """Return the one-GPU instance type with the lowest on-demand price in ``region``."""
-    priced: list[tuple[float, str]] = []
-    for instance_type in GPU_SERVING_TYPES:
-        try:
-            priced.append((hourly_price(instance_type, region, "on-demand"), instance_type))
-        except UnknownPriceError:
-            continue  # not sold (or not in the table) in this region: consider the others
+def _cheapest_gpu(prices: dict[str, float]) -> str | None:
+    """Return the one-GPU instance type with the lowest on-demand price the run resolved."""
+    priced = [(prices[t], t) for t in GPU_SERVING_TYPES if t in prices]
     return min(priced)[1] if priced else None

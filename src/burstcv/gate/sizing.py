@@ -22,25 +22,18 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import numpy as np
 import psutil
 
-from burstcv.cost.pricing import (
-    UnknownPriceError,
-    hourly_price,
-    instance_shapes,
-    price_source,
-)
+from burstcv.cost.model import DEFAULT_HEADROOM, fleet_cost, replicas_for
+from burstcv.cost.pricing import instance_shapes
 from burstcv.gate.latency import staging_process
-from burstcv_spec.contracts import FleetOption, LoadStep, SizePoint, SizingReport
+from burstcv_spec.contracts import FleetOption, LoadStep, PriceQuote, SizePoint, SizingReport
 
 log = logging.getLogger(__name__)
 
-HOURS_PER_MONTH = 730.0
-DEFAULT_HEADROOM = 0.3  # a replica runs at most at 70% of its sustainable rate
 STEP_FACTOR = 1.5  # each rate tried is this much higher than the last that held
 STEP_DURATION_S = 3.0
 MAX_RATE_RPS = 5000.0
@@ -121,10 +114,12 @@ def open_loop(
     return asyncio.run(_open_loop(f"{url}/v1/predict", images, rate_rps, duration_s, timeout_s))
 
 
-def _holds(run: LoadRun, slo_ms: float) -> bool:
+def _holds(run: LoadRun, latency_slo_ms: float) -> bool:
     """A rate holds when nothing failed, p95 met the SLO, and the requests left on time."""
     return (
-        run.errors == 0 and run.percentile(95) <= slo_ms and run.achieved_rps >= 0.9 * run.rate_rps
+        run.errors == 0
+        and run.percentile(95) <= latency_slo_ms
+        and run.achieved_rps >= 0.9 * run.rate_rps
     )
 
 
@@ -132,7 +127,7 @@ def sustainable_rate(
     url: str,
     images: Sequence[bytes],
     *,
-    slo_ms: float,
+    latency_slo_ms: float,
     start_rps: float | None = None,
     step: float = STEP_FACTOR,
     duration_s: float = STEP_DURATION_S,
@@ -147,7 +142,7 @@ def sustainable_rate(
 
     def attempt(rate_rps: float) -> tuple[LoadRun, bool]:
         run = open_loop(url, images, rate_rps=rate_rps, duration_s=duration_s)
-        held = _holds(run, slo_ms)
+        held = _holds(run, latency_slo_ms)
         log.info(
             "sizing: %.1f req/s: p95 %.1f ms, %d error(s), sent at %.1f req/s: %s",
             rate_rps,
@@ -241,7 +236,7 @@ def measure_sizes(
     model_dir: str,
     images: Sequence[bytes],
     *,
-    slo_ms: float,
+    latency_slo_ms: float,
     max_vcpus: int | None = None,
     duration_s: float = STEP_DURATION_S,
     step: float = STEP_FACTOR,
@@ -261,7 +256,7 @@ def measure_sizes(
             best = sustainable_rate(
                 url,
                 images,
-                slo_ms=slo_ms,
+                latency_slo_ms=latency_slo_ms,
                 start_rps=start,
                 step=step,
                 duration_s=duration_s,
@@ -312,34 +307,34 @@ def rate_at(points: Sequence[SizePoint], vcpus: int) -> tuple[float, bool]:
 def recommend(
     points: Sequence[SizePoint],
     *,
-    slo_ms: float,
+    latency_slo_ms: float,
     target_rps: float,
+    prices: Sequence[PriceQuote],
     region: str,
+    unpriced: str | None = None,
     headroom: float = DEFAULT_HEADROOM,
     host_cores: int | None = None,
     families: Sequence[str] | None = None,
-    price_path: Path | None = None,
 ) -> SizingReport:
     """Return the cheapest fleet (and the next two) serving ``target_rps`` within the SLO.
 
-    ``families`` (c7i, m7i, ...) limits the CPU types considered; None: every one priced.
+    ``families`` (c7i, m7i, ...) limits the CPU types considered; None: every known one.
+    Each is priced from ``prices`` (the run's on-demand quotes) with the cost model's fleet
+    formula; a type without a price is still a fleet, reported unpriced (``unpriced`` says
+    what to set), and ranked after the priced ones by the vCPUs it takes.
     """
-    if not 0 <= headroom < 1:
-        raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+    usd = {q.instance_type: q.usd_per_hour for q in prices}
     options = []
     peak_rss = max((p.rss_mb or 0.0 for p in points), default=0.0)
-    for instance_type, (vcpus, memory_gib) in sorted(instance_shapes(price_path).items()):
+    for instance_type, (vcpus, memory_gib) in sorted(instance_shapes().items()):
         if families is not None and instance_type.split(".")[0] not in families:
             continue
         rate, extrapolated = rate_at(points, vcpus)
         if rate <= 0 or memory_gib * 1024 < 2 * peak_rss:
             continue
-        try:
-            hourly = hourly_price(instance_type, region, "on-demand", path=price_path)
-        except UnknownPriceError:
-            continue
-        replicas = max(1, math.ceil(target_rps / (rate * (1 - headroom))))
-        per_hour = replicas * hourly
+        replicas = replicas_for(target_rps, rate, headroom)
+        hourly = usd.get(instance_type)
+        cost = fleet_cost(hourly, replicas, target_rps) if hourly is not None else None
         options.append(
             FleetOption(
                 instance_type=instance_type,
@@ -348,29 +343,42 @@ def recommend(
                 replicas=replicas,
                 rps_per_replica=round(rate, 2),
                 extrapolated=extrapolated,
-                usd_per_hour=round(per_hour, 4),
-                usd_per_month=round(per_hour * HOURS_PER_MONTH, 2),
-                usd_per_million=round(per_hour / (target_rps * 3600) * 1e6, 4),
+                usd_per_hour=None if cost is None else round(cost.usd_per_hour, 4),
+                usd_per_month=None if cost is None else round(cost.usd_per_month, 2),
+                usd_per_million=None if cost is None else round(cost.usd_per_million, 4),
             )
         )
-    options.sort(key=lambda o: (o.usd_per_hour, o.extrapolated, o.replicas))
+    options.sort(
+        key=lambda o: (
+            o.usd_per_hour is None,
+            o.usd_per_hour or 0.0,
+            o.extrapolated,
+            o.replicas * o.vcpus,
+        )
+    )
     chosen = options[0] if options else None
     if chosen is None:
         best = max((p.sustainable_rps for p in points), default=0.0)
         reason = (
-            f"no CPU size meets p95 <= {slo_ms:g} ms at any rate: every size measured "
+            f"no CPU size meets p95 <= {latency_slo_ms:g} ms at any rate: every size measured "
             "broke the SLO at its lowest load (a smaller or INT8 model, or a looser SLO)"
             if best <= 0
-            else "no priced CPU type of the allowed families could hold the model"
+            else "no CPU type of the allowed families could hold the model"
         )
     else:
         reason = (
             f"{chosen.replicas} x {chosen.instance_type} at {chosen.rps_per_replica:g} req/s "
             f"each ({'extrapolated' if chosen.extrapolated else 'measured'}), "
-            f"{int(headroom * 100)}% headroom: ${chosen.usd_per_month:,.2f}/month"
+            f"{round(headroom * 100)}% headroom: "
+            + (
+                f"${chosen.usd_per_month:,.2f}/month"
+                if chosen.usd_per_month is not None
+                else f"unpriced ({unpriced or f'no price for {chosen.instance_type}'})"
+            )
         )
+    sources = sorted({q.source for q in prices if q.instance_type in usd})
     return SizingReport(
-        slo_p95_ms=slo_ms,
+        latency_slo_ms=latency_slo_ms,
         target_rps=target_rps,
         headroom=headroom,
         region=region,
@@ -380,7 +388,11 @@ def recommend(
         chosen=chosen,
         reason=reason,
         families=sorted(families) if families is not None else [],
-        price_source=price_source(price_path),
+        price_source={
+            "source": "; ".join(sources) or "none",
+            "as_of": min((q.as_of for q in prices), default="?"),
+        },
+        unpriced=unpriced,
     )
 
 
@@ -388,9 +400,11 @@ def size_model(
     model_dir: str,
     images: Sequence[bytes],
     *,
-    slo_ms: float,
+    latency_slo_ms: float,
     target_rps: float,
+    prices: Sequence[PriceQuote],
     region: str,
+    unpriced: str | None = None,
     headroom: float = DEFAULT_HEADROOM,
     max_vcpus: int | None = None,
     duration_s: float = STEP_DURATION_S,
@@ -399,13 +413,15 @@ def size_model(
     """Measure the model's sustainable rate per CPU size, then price the cheapest fleet."""
     started = time.monotonic()
     points = measure_sizes(
-        model_dir, images, slo_ms=slo_ms, max_vcpus=max_vcpus, duration_s=duration_s
+        model_dir, images, latency_slo_ms=latency_slo_ms, max_vcpus=max_vcpus, duration_s=duration_s
     )
     report = recommend(
         points,
-        slo_ms=slo_ms,
+        latency_slo_ms=latency_slo_ms,
         target_rps=target_rps,
+        prices=prices,
         region=region,
+        unpriced=unpriced,
         headroom=headroom,
         families=families,
     )

@@ -119,11 +119,14 @@ class Registry:
         """Return a version's model.json."""
         return read_artifact(self.layout.model_card(version), ModelCard)
 
-    def register(self, model_dir_uri: str, decision: RegistryDecision) -> int:
+    def register(
+        self, model_dir_uri: str, decision: RegistryDecision, *, dataset_uri: str = ""
+    ) -> int:
         """Copy model.onnx + model.json from a run into a new version; return its number.
 
         ``decision`` is the gate's part of entry.json (status, reason, gate, benchmark,
-        params); the registry adds the version, hashes and lineage.
+        params); the registry adds the version, hashes and lineage (``dataset_uri``: the
+        dataset the run trained on).
         """
         card = read_artifact(storage.join(model_dir_uri, MODEL_CARD), ModelCard)
         onnx_bytes = storage.read_bytes(storage.join(model_dir_uri, card.onnx_file))
@@ -141,6 +144,7 @@ class Registry:
                 run_id=card.run_id,
                 dataset_fingerprint=card.dataset_fingerprint,
                 source_commit=card.source_commit,
+                dataset_uri=dataset_uri,
             ),
         )
         # entry.json is written last: a version without it is incomplete and never listed.

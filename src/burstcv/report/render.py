@@ -27,7 +27,9 @@ from typing import Any
 import jinja2
 
 from burstcv import links
+from burstcv.cost.model import box_usd_per_hour
 from burstcv.gate.gate import format_figure
+from burstcv.params import ResolvedRun
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
     Artifact,
@@ -37,7 +39,6 @@ from burstcv_spec.contracts import (
     LatencyRecord,
     ModelCard,
     RangeTest,
-    RunRecord,
     SizingReport,
     SkipRecord,
     TrainingMetrics,
@@ -49,8 +50,6 @@ from burstcv_spec.layout import RunLayout
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SERVING_INSTANCE = "c7i.large"  # 2 vCPUs: the small CPU box the service is sized for
-DEFAULT_SERVING_REGION = "us-east-1"
 # Relative to report/index.html: the same link opened from the store or through the plugin.
 DATA_DOCS_LINK = links.link_between("report", "data-docs")
 MAX_OFFENDING_SHOWN = 5
@@ -58,6 +57,7 @@ MAX_OFFENDING_SHOWN = 5
 # Each file the report reads: its contract, its RunLayout name, and the stage that writes it
 # (for "not reached" notes).
 READS: dict[str, tuple[type[Artifact], str, str]] = {
+    "run": (ResolvedRun, "record", "plan_scan"),
     "validation": (ValidationRecord, "validation", "validate"),
     "metrics": (TrainingMetrics, "metrics", "train"),
     "billing": (Billing, "billing", "terminate"),
@@ -74,6 +74,7 @@ class RunDocs:
 
     root: str
     skip: SkipRecord | None = None
+    run: ResolvedRun | None = None
     validation: ValidationRecord | None = None
     metrics: TrainingMetrics | None = None
     billing: Billing | None = None
@@ -323,7 +324,7 @@ def _training_view(record: RunDocs) -> dict[str, Any]:
         from burstcv.report.charts import confusion_matrix
 
         confusion_chart = _chart(lambda: confusion_matrix(confusion, classes), "confusion matrix")
-    recipe = record.validation.training if record.validation else None
+    recipe = record.run.training if record.run else None
     wall = metrics.wall_s.model_dump()
     return {
         "missing": None,
@@ -371,7 +372,7 @@ def _model_view(record: RunDocs) -> dict[str, Any]:
     if card is None:
         return {"missing": record.missing["model"]}
     pre = card.preprocess
-    size = record.validation.image_size if record.validation else None
+    size = record.run.image_size if record.run else None
     return {
         "missing": None,
         "image_size_reason": size.reason if size and size.px == pre.height else None,
@@ -459,11 +460,11 @@ def _fleet_view(record: RunDocs) -> dict[str, Any]:
 
     chart = None
     if any(p.steps for p in sizing.sizes):
-        chart = _chart(lambda: sizing_curves(sizing.sizes, sizing.slo_p95_ms), "p95 under load")
+        chart = _chart(lambda: sizing_curves(sizing.sizes, sizing.latency_slo_ms), "p95 under load")
     return {
         "missing": None,
         "target_rps": sizing.target_rps,
-        "slo_ms": sizing.slo_p95_ms,
+        "slo_ms": sizing.latency_slo_ms,
         "headroom": sizing.headroom,
         "region": sizing.region,
         "host_cores": sizing.host_cores,
@@ -486,11 +487,12 @@ def _fleet_view(record: RunDocs) -> dict[str, Any]:
                 str(o.replicas),
                 fmt(o.rps_per_replica, ".1f", " req/s")
                 + (" (extrapolated)" if o.extrapolated else ""),
-                usd(o.usd_per_month, 2),
-                f"${o.usd_per_million:.4f}",
+                usd(o.usd_per_month, 2) if o.usd_per_month is not None else "unpriced",
+                usd(o.usd_per_million) if o.usd_per_million is not None else "unpriced",
             ]
             for o in sizing.options
         ],
+        "unpriced": sizing.unpriced,
         "chart": chart,
         "prices": "{source} (as of {as_of})".format_map(
             {"source": "", "as_of": "?", **sizing.price_source}
@@ -499,9 +501,7 @@ def _fleet_view(record: RunDocs) -> dict[str, Any]:
 
 
 def _slo_ms(record: RunDocs) -> float | None:
-    verdict = record.verdict
-    checks = verdict.checks if verdict else []
-    return next((c.limit for c in checks if c.name == "latency_p95"), None)
+    return record.run.params.latency_slo_ms if record.run else None
 
 
 def _gate_view(
@@ -566,77 +566,80 @@ def _registry_view(version: int, registry_uri: str, model_name: str, url: str) -
     }
 
 
-def _cost_view(
-    record: RunDocs, *, serving_instance_type: str, serving_region: str, training_region: str
-) -> dict[str, Any]:
-    """Show what this run's GPU time cost (billing.json) and one million predictions would."""
-    from burstcv.cost.pricing import price_source
+def _cost_view(record: RunDocs) -> dict[str, Any]:
+    """Show the run as resolved (boxes, budget, deadline), its bill, and what serving costs.
 
-    source = price_source()
+    Every figure comes from what the stages recorded with the one cost model: the budget from
+    run.json, the bill from billing.json (every box of every attempt), serving from the
+    sizing's chosen fleet at the run's expected load.
+    """
+    run, billing = record.run, record.billing
     view: dict[str, Any] = {
         "billing_missing": record.missing.get("billing"),
-        "training_region": training_region,
-        "serving": _serving_cost_view(record, serving_instance_type, serving_region),
-        "prices_as_of": source["as_of"],
-        "prices_source": source["source"],
+        "run_missing": record.missing.get("run"),
+        "serving": _serving_cost_view(record),
     }
-    billing = record.billing
-    if billing is None:
-        return view
-    view.update(
-        backend=billing.backend,
-        billed_seconds=f"{sum(billing.billed_seconds.values()):,.0f}",
-        cost_usd=billing.cost_usd,
-        instances=[
-            {
-                "instance_id": inst.instance_id,
-                "instance_type": inst.instance_type or "?",
-                "lifecycle": inst.lifecycle or "?",
-                "billed_seconds": billing.billed_seconds.get(inst.instance_id),
-                "price": "—" if inst.usd_per_hour is None else f"${inst.usd_per_hour:.4f}/h",
-                "cost_usd": inst.cost_usd,
-            }
-            for inst in billing.instances
-        ],
-    )
+    if run is not None:
+        costs, params = run.costs, run.params
+        rate = costs.box_rate
+        view.update(
+            trigger=run.trigger,
+            dataset_uri=params.dataset_uri,
+            backend=params.compute_backend,
+            region=costs.region,
+            boxes=costs.boxes,
+            max_cost_usd=costs.max_cost_usd,
+            budget_reason=costs.budget_reason,
+            box_rate=(
+                "a process on the worker: free"
+                if rate.market == "local"
+                else f"{rate.instance_type} {rate.market} ${box_usd_per_hour(rate):.4f}/h "
+                f"(instance ${rate.usd_per_hour:.4f}, {rate.volume_gb} GB volume"
+                + (", public IPv4" if rate.public_ipv4_usd_per_hour else "")
+                + f"; {rate.price_source})"
+            ),
+        )
+    if billing is not None:
+        view.update(
+            billed_backend=billing.backend,
+            billed_seconds=f"{sum(billing.billed_seconds.values()):,.0f}",
+            cost_usd=billing.cost_usd,
+            instances=[
+                {
+                    "instance_id": inst.instance_id,
+                    "instance_type": inst.instance_type or "?",
+                    "lifecycle": inst.lifecycle or "?",
+                    "billed_seconds": billing.billed_seconds.get(inst.instance_id),
+                    "price": "—" if inst.usd_per_hour is None else f"${inst.usd_per_hour:.4f}/h",
+                    "cost_usd": inst.cost_usd,
+                }
+                for inst in billing.instances
+            ],
+        )
     return view
 
 
-def _serving_cost_view(record: RunDocs, instance_type: str, region: str) -> dict[str, Any]:
-    """Price one million predictions on one serving instance at the measured throughput."""
-    from burstcv.cost.pricing import UnknownPriceError, hourly_price, serving_cost_per_million
-
-    latency = record.latency
-    if latency is None:
-        return {"note": record.missing["latency"], "note_class": "missing"}
-    rps = latency.candidate.throughput_rps
-    if not rps:
+def _serving_cost_view(record: RunDocs) -> dict[str, Any]:
+    """Show what serving the run's expected load costs: the sizing's chosen fleet."""
+    sizing = record.sizing
+    if sizing is None:
+        return {"note": record.missing["sizing"], "note_class": "missing"}
+    chosen = sizing.chosen
+    if chosen is None:
+        return {"note": f"No serving fleet: {sizing.reason}", "note_class": "warn"}
+    if chosen.usd_per_million is None or chosen.usd_per_month is None:
         return {
-            "note": "The benchmark measured no throughput: serving cost is unknown.",
+            "note": f"{chosen.replicas} x {chosen.instance_type} serve {sizing.target_rps:g} "
+            f"req/s, unpriced: {sizing.unpriced or 'no price for the type'}",
             "note_class": "warn",
-        }
-    try:
-        per_million = serving_cost_per_million(instance_type, region, rps)
-        rate = hourly_price(instance_type, region, "on-demand")
-    except UnknownPriceError as exc:
-        return {"note": f"Serving cost unknown: {exc}", "note_class": "warn"}
-    prod = latency.production
-    production = None
-    if prod is not None and prod.throughput_rps:
-        production = {
-            "version": prod.version or "?",
-            "per_million_usd": serving_cost_per_million(instance_type, region, prod.throughput_rps),
         }
     return {
         "note": None,
-        "per_million_usd": per_million,
-        "instance_type": instance_type,
-        "region": region,
-        "hourly": f"${rate:.4f}/h",
-        "throughput_rps": f"{rps:.1f}",
-        "production": production,
-        "cpu_count": latency.host.cpu_count,
-        "concurrency": latency.concurrency,
+        "per_million_usd": chosen.usd_per_million,
+        "per_month_usd": chosen.usd_per_month,
+        "fleet": f"{chosen.replicas} x {chosen.instance_type}",
+        "target_rps": f"{sizing.target_rps:g}",
+        "region": sizing.region,
     }
 
 
@@ -673,27 +676,10 @@ NAV = (
 )
 
 
-def _airflow_run_id(run_root: str) -> str | None:
-    """Return the Airflow run id run.json records for the run folder, or None without one."""
-    try:
-        return read_artifact(RunLayout(run_root.rstrip("/")).record, RunRecord).run_id
-    except (storage.ArtifactNotFoundError, ArtifactError):
-        return None
-
-
-def render_html(
-    record: RunDocs,
-    *,
-    registry_uri: str,
-    model_name: str,
-    serving_url: str,
-    serving_instance_type: str = DEFAULT_SERVING_INSTANCE,
-    serving_region: str = DEFAULT_SERVING_REGION,
-    training_region: str = DEFAULT_SERVING_REGION,
-) -> str:
+def render_html(record: RunDocs, *, registry_uri: str, model_name: str, serving_url: str) -> str:
     """Return the whole report page for a run record."""
     run_key = record.root.rstrip("/").rsplit("/", 1)[-1]
-    airflow_run_id = _airflow_run_id(record.root)
+    airflow_run_id = record.run.run_id if record.run else None
     return (
         _templates()
         .get_template("report.html.j2")
@@ -720,37 +706,16 @@ def render_html(
             gate=_gate_view(
                 record, registry_uri=registry_uri, model_name=model_name, serving_url=serving_url
             ),
-            cost=_cost_view(
-                record,
-                serving_instance_type=serving_instance_type,
-                serving_region=serving_region,
-                training_region=training_region,
-            ),
+            cost=_cost_view(record),
         )
     )
 
 
-def build_report(
-    run_root: str,
-    *,
-    registry_uri: str,
-    model_name: str,
-    serving_url: str,
-    serving_instance_type: str = DEFAULT_SERVING_INSTANCE,
-    serving_region: str = DEFAULT_SERVING_REGION,
-) -> str:
+def build_report(run_root: str, *, registry_uri: str, model_name: str, serving_url: str) -> str:
     """Write ``<run_root>/report/index.html`` from what the run recorded; return its URI."""
-    from burstcv.settings import Ec2Settings
-
     record = RunDocs.read(run_root)
     page = render_html(
-        record,
-        registry_uri=registry_uri,
-        model_name=model_name,
-        serving_url=serving_url,
-        serving_instance_type=serving_instance_type,
-        serving_region=serving_region,
-        training_region=Ec2Settings().region,
+        record, registry_uri=registry_uri, model_name=model_name, serving_url=serving_url
     )
     uri = storage.write_bytes(storage.join(run_root, "report", "index.html"), page.encode())
     log.info(
