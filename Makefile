@@ -271,7 +271,8 @@ chaos: $(STAMP)
 	$(BIN)/python bench/chaos.py $(CHAOS_ARGS)
 
 # Mutation testing of the modules that decide (gate, registry, deploy, the service's admission
-# and model manager, reaper, preflight, "nothing new to train on", budget, deadline, pricing):
+# and model manager, reaper, preflight, "nothing new to train on", budget, deadline, pricing,
+# the cost model, billing, sizing):
 # a score per module and the surviving mutants. Not part of make test (several minutes).
 # MUTATION_ARGS="gate reaper" picks modules; --list shows the mutants without running them.
 # Fails when a module's score is under 90%.

@@ -437,3 +437,16 @@ def test_a_mapped_task_is_one_line_of_the_run_summary_worst_state_first() -> Non
     assert _states_line(["success"]) == "success"
     assert _states_line(["success", "failed", "success"]) == "1 failed, 2 success (mapped)"
     assert _states_line(["skipped"] * 3) == "3 skipped (mapped)"
+
+
+def test_a_serving_family_burstcv_does_not_know_is_named_with_the_ones_it_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    Prices(monkeypatch, {"g6.xlarge": 1.8})
+    run = ec2_run(["g6.xlarge"], 5.0).model_copy(update={"serving_families": ["c8g"]})
+    costs = budget.resolve_costs(run, Settings())
+    assert [q.instance_type for q in costs.serving if q.instance_type.startswith("c")] == []
+    assert costs.serving_unpriced == (
+        "no CPU type of the families c8g is known to burstcv "
+        "(serving_families: choose among c7i, m7i)"
+    )

@@ -164,6 +164,21 @@ def test_a_run_that_does_not_say_num_nodes_takes_the_run_params_default(
     assert {task: stored[task] for task in GPU_TASKS} == {"provision": default, "train": default}
 
 
+def test_a_scheduled_run_takes_a_slot_per_box_of_the_deployments_default(
+    pipeline: Any, session: Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BURSTCV_NUM_NODES: the boxes a run without a conf trains on, and the slots it takes."""
+    monkeypatch.setenv("BURSTCV_NUM_NODES", "3")
+    get_settings.cache_clear()
+    try:
+        run = make_run(pipeline, session, DagRunType.SCHEDULED, None)
+        stored = slots(run, session)
+    finally:
+        monkeypatch.delenv("BURSTCV_NUM_NODES")
+        get_settings.cache_clear()
+    assert {task: stored[task] for task in GPU_TASKS} == {"provision": 3, "train": 3}
+
+
 @pytest.mark.parametrize(
     "conf",
     [{"num_nodes": "many"}, {"num_nodes": 0}, {"num_nodes": 99}, {"num_nodes": None}, ["x"]],

@@ -24,6 +24,7 @@ from burstcv.compute.ec2 import Ec2Backend
 from burstcv.params import RunParams
 from burstcv.settings import Settings
 from burstcv.training.job import attempt_dir
+from burstcv_spec import storage
 from burstcv_spec.contracts import (
     AttemptBill,
     Billing,
@@ -312,6 +313,24 @@ def test_a_launch_recorded_again_keeps_when_its_boxes_started(tmp_path: Path) ->
 
     bill = bill_after(job_dir, seen + timedelta(seconds=600))
     assert bill.billed_seconds == {"i-0b1": 600.0}
+
+
+def test_an_attempt_ends_once_and_a_later_end_changes_nothing(tmp_path: Path) -> None:
+    """Teardown ends every attempt again: an attempt a relaunch already ended keeps its end."""
+    job_dir = str(tmp_path / "job")
+    record(job_dir, box(RUNNING, T0), T0)
+    first = bill_after(job_dir, T0 + timedelta(seconds=300))
+    later = T0 + timedelta(hours=2)
+    record_end(job_dir, 1, [box(STOPPED, None, stopped_at=later)], later)
+    assert run_bill(job_dir, 1, later, backend="ec2") == first
+    assert first.billed_seconds == {"i-0b1": 300.0}
+
+
+def test_an_attempt_never_launched_gets_no_end_record(tmp_path: Path) -> None:
+    job_dir = str(tmp_path / "job")
+    record_end(job_dir, 1, [], T0)
+    assert run_bill(job_dir, 1, T0, backend="ec2").instances == []
+    assert not storage.exists(f"{job_dir}/attempts/1/end.json")
 
 
 def test_a_record_without_a_running_time_is_billed_from_its_launch(tmp_path: Path) -> None:

@@ -110,6 +110,23 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
         ("nvidia_driver_version", "30 -> 31", "timeout=30", "the time nvidia-smi is given"),
     ),
     "reaper": (("_no_credentials", "return value dropped (None)", "return False", _TRUTHY),),
+    "billing": (
+        (
+            "attempt_bills",
+            "1 -> 2",
+            "last_attempt + 1",
+            "attempts past the last one have no record: looking for one more finds none",
+        ),
+    ),
+    "cost-model": (
+        (
+            "time_budget",
+            "6 -> 7",
+            "3600.0, 6)",
+            "rounds away float noise only: any precision from 1e-3 to 1e-9 s gives the same "
+            "whole seconds",
+        ),
+    ),
     "pricing": (
         (
             "on_demand_from_price_list",

@@ -71,20 +71,16 @@ def record_launch(
     return bill
 
 
-def record_end(
-    job_dir: str, attempt: int, described: list[InstanceInfo], now: datetime
-) -> AttemptBill | None:
+def record_end(job_dir: str, attempt: int, described: list[InstanceInfo], now: datetime) -> None:
     """Write the attempt's end.json once (end times: as the backend saw them, else now).
 
-    Returns the record (the one already written, if any), or None when the attempt has no
-    launch record (launched before records existed, or never launched).
+    An attempt already ended keeps its record; one without a launch record (never launched)
+    gets none.
     """
     end_uri = attempt_dir(job_dir, attempt, END_RECORD)
-    if storage.exists(end_uri):
-        return read_artifact(end_uri, AttemptBill)
     launch_uri = attempt_dir(job_dir, attempt, LAUNCH_RECORD)
-    if not storage.exists(launch_uri):
-        return None
+    if storage.exists(end_uri) or not storage.exists(launch_uri):
+        return
     launched = read_artifact(launch_uri, AttemptBill)
     seen = {info.instance_id: info for info in described}
     boxes = []
@@ -92,9 +88,7 @@ def record_end(
         info = seen.get(box.instance_id)
         ended = info.stopped_at if info is not None and info.stopped_at is not None else now
         boxes.append(box.model_copy(update={"ended_at": ended.isoformat()}))
-    ended_bill = launched.model_copy(update={"boxes": boxes})
-    write_artifact(end_uri, ended_bill)
-    return ended_bill
+    write_artifact(end_uri, launched.model_copy(update={"boxes": boxes}))
 
 
 def attempt_bills(job_dir: str, last_attempt: int) -> list[AttemptBill]:
@@ -119,10 +113,12 @@ def run_bill(
     """
     instances: list[InstanceRecord] = []
     seconds_by_box: dict[str, float] = {}
+    total_usd = 0.0
     for attempt in attempt_bills(job_dir, last_attempt):
         for box in attempt.boxes:
             cost = box_cost(box, now)
             seconds_by_box[box.instance_id] = cost.instance_s
+            total_usd += cost.usd
             instances.append(
                 InstanceRecord(
                     instance_id=box.instance_id,
@@ -143,7 +139,7 @@ def run_bill(
     return Billing(
         instance_ids=[box.instance_id for box in instances],
         billed_seconds=seconds_by_box,
-        cost_usd=sum(box.cost_usd or 0.0 for box in instances),
+        cost_usd=total_usd,
         backend=backend,
         instances=instances,
     )
