@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from burstcv_spec.contracts import BenchFigures, Launch, Packed, RunRef
+from burstcv_spec.contracts import BenchFigures, BoxRate, Launch, Packed, RunRef
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -198,6 +198,21 @@ def resolve_validated(run: RunRef, params: Any, settings: Any, packed: Packed) -
     validated = resolved.model_copy(update={"image_size": size, "training": training})
     write_artifact(pipeline.run_layout(run, settings).record, validated)
     return validated
+
+
+def g6_box_rate(**fields: Any) -> BoxRate:
+    """Return a g6.xlarge's rate on demand in us-east-1, as AWS publishes it: $0.8048/h, a
+    100 GB gp3 root volume at $0.08 per GB-month and a public IPv4 address at $0.005/h."""
+    published: dict[str, Any] = {
+        "instance_type": "g6.xlarge",
+        "market": "on-demand",
+        "usd_per_hour": 0.8048,
+        "price_source": "bundled table, 2024-06-01",
+        "volume_gb": 100,
+        "ebs_usd_per_gb_month": 0.08,
+        "public_ipv4_usd_per_hour": 0.005,
+    }
+    return BoxRate(**{**published, **fields})
 
 
 def bench_figures(**fields: Any) -> BenchFigures:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from burstcv_testkit import gate_decision, model_card
+from burstcv_testkit import g6_box_rate, gate_decision, model_card
 from pydantic import ValidationError
 
 from burstcv.params import ResolvedRun, RunParams
@@ -25,7 +25,6 @@ from burstcv_spec.contracts import (
     Benchmarked,
     Billing,
     BoxBill,
-    BoxRate,
     Contract,
     DataChunk,
     DatasetCounts,
@@ -104,15 +103,7 @@ LAUNCH = Launch(
     wheel_sha256="",
 )
 CARD = ModelCard.model_validate(model_card(b"onnx"))
-RATE = BoxRate(
-    instance_type="g6.xlarge",
-    market="on-demand",
-    usd_per_hour=0.8048,
-    price_source="bundled table",
-    volume_gb=100,
-    ebs_usd_per_gb_month=0.08,
-    public_ipv4_usd_per_hour=0.005,
-)
+RATE = g6_box_rate(price_source="bundled table")
 RESOLVED = ResolvedRun(
     run_id=RUN.airflow_run_id,
     trigger="asset_triggered",

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from burstcv_testkit import HELD_WHEEL, forget_in_emulator, reclaim_in_emulator
+from burstcv_testkit import HELD_WHEEL, forget_in_emulator, g6_box_rate, reclaim_in_emulator
 
 from burstcv import pipeline
 from burstcv.compute import attempts
@@ -221,15 +221,7 @@ def test_the_relaunch_budget_counts_every_box_of_a_two_box_attempt(
 # --- the records, box by box: when each part of a box's bill starts --------------------------
 
 T0 = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
-RATE = BoxRate(
-    instance_type="g6.xlarge",
-    market="on-demand",
-    usd_per_hour=0.8048,
-    price_source="bundled table",
-    volume_gb=100,
-    ebs_usd_per_gb_month=0.08,
-    public_ipv4_usd_per_hour=0.005,
-)
+RATE = g6_box_rate(price_source="bundled table")
 # Its root volume and public IPv4, an hour: 100 GB x $0.08 / 730 h + $0.005.
 ATTACHED_USD_PER_HOUR = 100 * 0.08 / 730 + 0.005
 

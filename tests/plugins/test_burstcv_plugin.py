@@ -20,14 +20,14 @@ from typing import Any
 from urllib.parse import urljoin
 
 import pytest
-from burstcv_testkit import chromium_screenshot, gate_decision, write_model_dir
+from burstcv_testkit import chromium_screenshot, g6_box_rate, gate_decision, write_model_dir
 from fastapi.testclient import TestClient
 
 from burstcv.cost.model import time_budget
 from burstcv.params import ResolvedRun, RunParams
 from burstcv.registry.registry import PRODUCTION, AliasConflictError, Registry
 from burstcv.settings import Settings
-from burstcv_spec.contracts import BoxRate, FleetOption, RegistryDecision, RunCosts, write_artifact
+from burstcv_spec.contracts import FleetOption, RegistryDecision, RunCosts, write_artifact
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "plugins"))
@@ -37,15 +37,7 @@ import burstcv_views  # noqa: E402
 
 RUN_ID = "manual__2026-11-29T10:00:00+00:00"
 RUN_KEY = "manual__2026-11-29T10_00_00_00_00"
-BOX_RATE = BoxRate(
-    instance_type="g6.xlarge",
-    market="on-demand",
-    usd_per_hour=0.8048,
-    price_source="bundled table, 2024-06-01",
-    volume_gb=100,
-    ebs_usd_per_gb_month=0.08,
-    public_ipv4_usd_per_hour=0.005,
-)
+BOX_RATE = g6_box_rate()
 
 
 def write_run_json(

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from burstcv_testkit import bench_figures, model_card, write_model_dir
+from burstcv_testkit import bench_figures, g6_box_rate, model_card, write_model_dir
 from PIL import Image
 
 from burstcv.compute.billing import run_bill
@@ -30,7 +30,6 @@ from burstcv_spec.contracts import (
     AttemptBill,
     BenchFigures,
     BoxBill,
-    BoxRate,
     ImageSizeChoice,
     PriceQuote,
     RegistryDecision,
@@ -195,15 +194,7 @@ HOST = {
 RUN_ID = "manual__2025-01-01T10:00:00"  # its folder: manual__2025-01-01T10_00_00
 # The priciest box the run may get, as resolved: g6.xlarge on-demand, its 100 GB gp3 root
 # volume ($8/month: $0.010959/h) and its public IPv4 address: $0.820759/h a box.
-BOX_RATE = BoxRate(
-    instance_type="g6.xlarge",
-    market="on-demand",
-    usd_per_hour=0.8048,
-    price_source="bundled table, 2024-06-01",
-    volume_gb=100,
-    ebs_usd_per_gb_month=0.08,
-    public_ipv4_usd_per_hour=0.005,
-)
+BOX_RATE = g6_box_rate()
 # The boxes it got: spot, $0.3548/h the instance, the same volume and address.
 SPOT_RATE = BOX_RATE.model_copy(
     update={"market": "spot", "usd_per_hour": 0.3548, "price_source": "spot price history"}
