@@ -201,6 +201,7 @@ class LoadStep(Contract):
     p95_ms: float = Field(description="p95 latency at that rate, counted from when each was due")
     errors: int = Field(description="requests that did not get a 200")
     held: bool = Field(description="p95 within the SLO, no error, requests sent on time")
+    requests: int = Field(default=0, ge=0, description="requests sent at that rate")
 
 
 class SizePoint(Contract):
@@ -220,7 +221,9 @@ class SizePoint(Contract):
     p95_ms: float | None = Field(default=None, description="p95 latency at that rate, ms")
     p99_ms: float | None = Field(default=None, description="p99 latency at that rate, ms")
     cpu_s_per_request: float | None = Field(
-        default=None, description="the service's CPU seconds per request at that rate"
+        default=None,
+        description="the service's CPU seconds per request: its CPU time over the whole "
+        "search, over every request the search sent",
     )
     rss_mb: float | None = Field(default=None, description="the service's resident memory, MB")
     steps: list[LoadStep] = Field(

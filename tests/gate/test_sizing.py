@@ -560,3 +560,52 @@ def test_only_the_allowed_families_are_priced() -> None:
         families=["x9z"],
     )
     assert none.chosen is None and "allowed families" in none.reason
+
+
+def test_the_search_climbs_to_the_highest_rate_that_holds(one_at_a_time_server: str) -> None:
+    """A service that answers 50 req/s at most: the search starts well below and climbs."""
+    tried: list[LoadStep] = []
+    best = sustainable_rate(
+        one_at_a_time_server,
+        [IMAGE],
+        latency_slo_ms=300,
+        start_rps=8.0,
+        duration_s=0.5,
+        tried=tried,
+        max_rps=200.0,
+    )
+    assert best is not None
+    held = [s.rate_rps for s in tried if s.held]
+    assert best.rate_rps == max(held) >= 8.0 * sizing.STEP_FACTOR**3  # it climbed
+    assert any(not s.held for s in tried)  # it went on until the SLO broke
+    assert best.rate_rps < 100.0  # and never past what the service can answer
+
+
+def test_a_size_cap_measures_only_that_many_cpus_and_a_requests_cpu_is_its_share(
+    tmp_path: Path,
+) -> None:
+    if len(sizing.host_cpus()) < 2:
+        pytest.skip("needs 2 CPUs: the cap must leave one out")
+    folder = write_model_dir(tmp_path / "model")
+    (size,) = sizing.measure_sizes(
+        str(folder), [IMAGE], latency_slo_ms=100, max_vcpus=1, duration_s=0.3
+    )
+    assert size.vcpus == 1 and size.sustainable_rps > 0
+    # The service's CPU seconds over the search, shared among its requests: a small model
+    # costs well under 50 ms of CPU a request, and one CPU spends at most a second a second.
+    cpu = size.cpu_s_per_request
+    assert cpu is not None and 0 < cpu < 0.05
+    assert cpu * size.sustainable_rps < 1.5
+
+
+def test_the_reason_says_the_headroom_as_set() -> None:
+    report = recommend(
+        [point(1, 100.0)],
+        latency_slo_ms=50,
+        target_rps=100,
+        prices=PRICES,
+        region="us-east-1",
+        headroom=0.6,
+        families=["c7i"],
+    )
+    assert report.headroom == 0.6 and "60% headroom" in report.reason

@@ -59,6 +59,11 @@ class Target:
 # Survivors that no test can tell apart from the original: (function, mutation, a fragment of
 # the line, why). They are listed apart and not counted in the score.
 _TRUTHY = "its callers test the result's truth; None and False read alike"
+_START = "where a search starts: it climbs or steps down from any start to the same bracket"
+_WARM_UP = "the warm-up's load: no figure is read from it"
+_DIGITS = "the digits a reported figure is rounded to"
+_FLOAT_EDGE = "a rate stepped by 1.5x lands exactly on the bound only by float accident"
+_NO_ANSWER = "the steps table's stand-in for a p95 that never came: past every SLO either way"
 _JSON = "JSON layout only; every reader parses it the same"
 EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
     "gate": (
@@ -110,6 +115,35 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
         ("nvidia_driver_version", "30 -> 31", "timeout=30", "the time nvidia-smi is given"),
     ),
     "reaper": (("_no_credentials", "return value dropped (None)", "return False", _TRUTHY),),
+    "sizing": (
+        ("LoadRun.achieved_rps", "0.0 -> 1.0", "else 0.0", "a run lasts at least one interval"),
+        ("sustainable_rate", "1000000000.0 -> 1500000000.0", "else 1e9", _NO_ANSWER),
+        ("sustainable_rate", "2.0 -> 3.0", "rate_rps=2.0, duration_s=1.0", _START),
+        ("sustainable_rate", "1.0 -> 1.5", "rate_rps=2.0, duration_s=1.0", _START),
+        ("sustainable_rate", "max() -> min()", "start_rps = max(1.0", _START),
+        ("sustainable_rate", "1.0 -> 1.5", "start_rps = max(1.0", _START),
+        ("sustainable_rate", "/ -> *", "start_rps = max(1.0", _START),
+        ("sustainable_rate", "250.0 -> 375.0", "start_rps = max(1.0", _START),
+        ("sustainable_rate", "50 -> 51", "start_rps = max(1.0", _START),
+        ("sustainable_rate", "cmp0: >= -> >", "while rate >= MIN_RATE_RPS", _FLOAT_EDGE),
+        ("sustainable_rate", "cmp0: <= -> <", "while rate <= max_rps", _FLOAT_EDGE),
+        ("sustainable_rate", "cmp0: <= -> <", "if rate <= max_rps", _FLOAT_EDGE),
+        ("measure_sizes", "1 -> 2", "{cpus[-1]}", "which CPU a generator shares: alike"),
+        ("measure_sizes", "5.0 -> 7.5", "# warm-up", _WARM_UP),
+        ("measure_sizes", "1.0 -> 1.5", "# warm-up", _WARM_UP),
+        ("measure_sizes", "50 -> 51", "percentile(50)", "neighbouring percentiles: noise"),
+        ("measure_sizes", "3 -> 4", "round(best.percentile", _DIGITS),
+        ("measure_sizes", "5 -> 6", "requests), 5)", _DIGITS),
+        ("measure_sizes", "1 -> 2", "round(rss, 1)", _DIGITS),
+        ("measure_sizes", "1 -> 2", "max(1, requests)", "a search sends hundreds of requests"),
+        ("measure_sizes", "/ -> *", "best.rate_rps / step", _START),
+        ("rate_at", "cmp0: < -> <=", "vcpus < top", "vcpus == top is measured: returned above"),
+        ("rate_at", "1.0 -> 1.5", "exponent = 1.0", "clamped to at most 1.0 below"),
+        ("recommend", "0.0 -> 1.0", "p.rss_mb or 0.0", "1 MB or 0 rules out no type of 4 GiB"),
+        ("recommend", "0 -> 1", "rate <= 0", "a size's rate is 0, or at least 1 req/s"),
+        ("recommend", "0.0 -> 1.0", "o.usd_per_hour or 0.0", "unpriced: ranked by the key before"),
+        ("recommend", "0.0 -> 1.0", "in points), default=0.0", "a point per size, never none"),
+    ),
     "billing": (
         (
             "attempt_bills",

@@ -159,6 +159,7 @@ def sustainable_rate(
                     p95_ms=round(p95, 3) if math.isfinite(p95) else 1e9,
                     errors=run.errors,
                     held=held,
+                    requests=sum(run.statuses.values()),
                 )
             )
         return run, held
@@ -181,7 +182,7 @@ def sustainable_rate(
         if not held:
             break
         best, rate = run, rate * step
-    if best is not None and rate <= max_rps:  # one more try between the last hold and the break
+    if rate <= max_rps:  # one more try between the last hold and the break
         between, held = attempt(math.sqrt(best.rate_rps * rate))
         if held:
             best = between
@@ -269,7 +270,7 @@ def measure_sizes(
                 SizePoint(vcpus=vcpus, measured=True, sustainable_rps=0.0, rss_mb=rss, steps=tried)
             )
             continue
-        requests = sum(best.statuses.values())
+        requests = sum(s.requests for s in tried)
         points.append(
             SizePoint(
                 vcpus=vcpus,
@@ -278,7 +279,7 @@ def measure_sizes(
                 p50_ms=round(best.percentile(50), 3),
                 p95_ms=round(best.percentile(95), 3),
                 p99_ms=round(best.percentile(99), 3),
-                # Over the whole search: an upper bound on the CPU one request costs.
+                # The service's CPU over the whole search, shared by every request it got.
                 cpu_s_per_request=round(used / max(1, requests), 5),
                 rss_mb=round(rss, 1),
                 steps=tried,
