@@ -10,7 +10,7 @@ from burstcv_testkit import bench_figures
 
 from burstcv.gate import gate as gate_module
 from burstcv.gate.gate import (
-    ARCH_MMACS,
+    ARCH_CPU_MS,
     GateThresholds,
     ServingContext,
     advise,
@@ -152,7 +152,7 @@ def test_a_missed_slo_comes_with_priced_ways_to_close_the_gap() -> None:
         )
     smaller = by_action["smaller_model"]
     named = smaller.title.split()[2]
-    assert named in ARCHITECTURE_NAMES and ARCH_MMACS[named] < ARCH_MMACS["resnet18"]
+    assert named in ARCHITECTURE_NAMES and ARCH_CPU_MS[named][1] < ARCH_CPU_MS["resnet18"][1]
     assert smaller.meets_slo and smaller.estimated_p95_ms < 50.0
     assert by_action["larger_instance"].instance_type == "c7i.xlarge"
     assert by_action["gpu_serving"].instance_type.startswith("g")
@@ -326,18 +326,56 @@ def test_vcpus_are_awss_published_figures() -> None:
     }
 
 
-def test_multiply_adds_per_architecture_are_the_measured_figures() -> None:
-    # Measured with torch's FlopCounterMode at 32x32; smaller-model advice scales by them.
-    assert gate_module.ARCH_MMACS == {
-        "resnet10": 63.4,
-        "resnet18": 138.9,
-        "resnet34": 289.9,
-        "resnet50": 324.5,
-        "mobilenet_v3_small": 5.5,
-        "mobilenet_v3_large": 20.1,
-        "efficientnet_b0": 32.0,
-        "convnext_tiny": 363.7,
+def test_cpu_time_per_architecture_is_the_measured_table() -> None:
+    # bench/arch_cpu.py's medians (ms per image, one thread): at 32 px, small-input stem;
+    # at 224 px, torchvision's stem. Smaller-model advice scales by them.
+    assert gate_module.ARCH_CPU_MS == {
+        "resnet10": (2.00, 17.0),
+        "resnet18": (5.36, 35.0),
+        "resnet34": (11.26, 68.9),
+        "resnet50": (11.96, 77.8),
+        "mobilenet_v3_small": (0.273, 2.03),
+        "mobilenet_v3_large": (1.70, 7.61),
+        "efficientnet_b0": (2.66, 13.4),
+        "convnext_tiny": (14.0, 101.7),
     }
+    assert gate_module.arch_cpu_ms("efficientnet_b0", 32) == 2.66
+    assert gate_module.arch_cpu_ms("efficientnet_b0", 64) == 2.66  # the small stem's limit
+    assert gate_module.arch_cpu_ms("efficientnet_b0", 65) == 13.4
+    assert gate_module.arch_cpu_ms("efficientnet_b0", None) == 13.4
+    assert gate_module.arch_cpu_ms("vit_b_16", 224) is None
+
+
+@pytest.mark.parametrize("input_px", [32, 224])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURE_NAMES))
+def test_a_latency_miss_is_never_advised_a_slower_architecture(arch: str, input_px: int) -> None:
+    for p95 in (55.0, 80.0, 400.0):
+        missed = SLOW.model_copy(update={"p95_ms": p95})
+        advice = {s.action: s for s in advise(missed, SLO_50, ctx(arch=arch, input_px=input_px))}
+        if "smaller_model" not in advice:
+            assert all(
+                gate_module.arch_cpu_ms(a, input_px) >= gate_module.arch_cpu_ms(arch, input_px)
+                for a in ARCHITECTURE_NAMES
+            )  # nothing is cheaper
+            continue
+        named = advice["smaller_model"].title.split()[2]
+        assert gate_module.arch_cpu_ms(named, input_px) < gate_module.arch_cpu_ms(arch, input_px)
+        assert advice["smaller_model"].estimated_p95_ms < p95
+
+
+def test_the_digits_model_missing_on_a_small_input_is_not_advised_efficientnet() -> None:
+    # resnet10 at 32 px, p95 63.66 ms against 50 ms: efficientnet_b0 has half its
+    # multiply-adds but runs slower per image on CPU; the mobilenets are the cheaper ones.
+    missed = SLOW.model_copy(update={"p95_ms": 63.66})
+    smaller = {s.action: s for s in advise(missed, SLO_50, ctx(arch="resnet10", input_px=32))}[
+        "smaller_model"
+    ]
+    # mobilenet_v3_large (10 + 53.66 x 1.7/2 = 55.6 ms) still misses; the small one meets.
+    assert smaller.title == "retrain as mobilenet_v3_small instead of resnet10"
+    assert smaller.meets_slo and smaller.estimated_p95_ms == pytest.approx(17.325, abs=1e-3)
+    assert "(0.273 ms vs 2 ms at 32 px, small-input stem, bench/arch_cpu.py)" in str(
+        smaller.assumption
+    )
 
 
 # -- the estimates and figures in each suggestion ------------------------------------------------
@@ -371,26 +409,26 @@ def test_each_suggestion_carries_the_figures_a_user_reads() -> None:
     assert gpu.estimated_throughput_rps == 200.0  # its 4 vCPUs against the 2 measured
     assert gpu.cost_per_million_usd == 1.1689  # 4 x g4dn.xlarge at $0.526/h
     smaller = by_action["smaller_model"]
-    assert "63.4M vs 138.9M per image" in str(smaller.assumption)
-    # resnet10 at ~41.95 ms: ~190.7 req/s, 4 x c7i.large.
+    assert "(17 ms vs 35 ms at 224 px, bench/arch_cpu.py)" in str(smaller.assumption)
+    # resnet10 at 44 ms: ~181.8 req/s, 4 x c7i.large.
     assert smaller.cost_per_million_usd == 0.1983
 
 
 def test_the_largest_smaller_architecture_that_meets_the_slo_is_suggested() -> None:
     smaller = slow_advice()["smaller_model"]
-    # resnet10 (~42 ms) meets the SLO and keeps more accuracy than the mobilenets.
+    # resnet10 (44 ms) meets the SLO and keeps more accuracy than the cheaper ones.
     assert smaller.title == "retrain as resnet10 instead of resnet18"
     assert smaller.meets_slo is True
 
 
 def test_a_smaller_architecture_exactly_at_the_slo_is_the_one_suggested() -> None:
-    # No fixed share measured: all of p95 scales; resnet10 is 63.4/138.9 of resnet18.
-    candidate = bench_figures(p95_ms=1389.0)
-    limits = GateThresholds(latency_slo_ms=634.0, accuracy_floor=0.9, max_accuracy_drop=0.02)
+    # No fixed share measured: all of p95 scales; resnet10 takes 17/35 of resnet18's time.
+    candidate = bench_figures(p95_ms=3500.0)
+    limits = GateThresholds(latency_slo_ms=1700.0, accuracy_floor=0.9, max_accuracy_drop=0.02)
     suggestions = advise(candidate, limits, ctx(int8_tried=True))
     smaller = next(s for s in suggestions if s.action == "smaller_model")
     assert smaller.title == "retrain as resnet10 instead of resnet18"
-    assert smaller.estimated_p95_ms == 634.0 and smaller.meets_slo is True
+    assert smaller.estimated_p95_ms == 1700.0 and smaller.meets_slo is True
 
 
 def test_when_no_architecture_meets_the_slo_the_smallest_is_suggested() -> None:

@@ -243,6 +243,23 @@ TARGETS = (
         ),
     ),
     Target(
+        "interference",
+        "burstcv.gate.interference",
+        ("tests/gate/test_interference.py",),
+        functions=(
+            "cpu_ticks",
+            "psi_some_us",
+            "others_among_descendants",
+            "own_cpu_s",
+            "_own_delta",
+            "QuietFigure.read",
+            "QuietFigure.offer",
+            "Window.close",
+            "measure_quietly",
+        ),
+        tables=("*",),
+    ),
+    Target(
         "deadline",
         "burstcv.compute.userdata",
         ("tests/compute/test_userdata.py",),
