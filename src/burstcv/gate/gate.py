@@ -61,12 +61,17 @@ assert set(ARCH_CPU_MS) == set(ARCHITECTURE_NAMES), "keep ARCH_CPU_MS in step wi
 SMALL_STEM_MAX_PX = 64  # burstcv.training.models.SMALL_INPUT_PX (not imported: it pulls torch)
 
 
+def small_stem(input_px: int | None) -> bool:
+    """Tell whether a model of this input side has the small-input stem's figures."""
+    return input_px is not None and input_px <= SMALL_STEM_MAX_PX
+
+
 def arch_cpu_ms(arch: str, input_px: int | None) -> float | None:
     """Return ``arch``'s measured CPU time per image at the input size's stem, or None."""
     costs = ARCH_CPU_MS.get(arch)
     if costs is None:
         return None
-    return costs[0] if input_px is not None and input_px <= SMALL_STEM_MAX_PX else costs[1]
+    return costs[0] if small_stem(input_px) else costs[1]
 
 
 INT8_SPEEDUP = 2.0  # onnxruntime INT8 vs FP32 on CPUs with VNNI/AMX (c7i): 1.5-3x for CNNs
@@ -393,8 +398,7 @@ def advise(
             # The costliest architecture that meets the SLO keeps the most accuracy.
             estimates = {a: split.scaled(costs[a] / own_ms) for a in cheaper}
             pick = next((a for a in cheaper if estimates[a] <= slo), cheaper[-1])
-            small = ctx.input_px is not None and ctx.input_px <= SMALL_STEM_MAX_PX
-            at = "32 px, small-input stem" if small else "224 px"
+            at = "32 px, small-input stem" if small_stem(ctx.input_px) else "224 px"
             suggest(
                 "smaller_model",
                 f"retrain as {pick} instead of {arch}",

@@ -236,12 +236,17 @@ class QuietFigure:
             write_artifact(str(self.path), updated)
 
 
+def _now() -> float:
+    """Return the monotonic clock windows are timed by."""
+    return time.monotonic()
+
+
 @dataclass
 class Window:
     """What a watch sampled at its start; :meth:`close` turns it into a :class:`HostLoad`."""
 
     cpus: list[int]
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=_now)
     busy_s: float = 0.0
     own: dict[int, float] = field(default_factory=dict)
     neighbours: set[int] = field(default_factory=set)
@@ -256,7 +261,7 @@ class Window:
         window.busy_s = cpu_ticks(window.cpus)
         window.psi_us = psi_some_us()
         window.throttled = throttled_s()
-        window.started = time.monotonic()
+        window.started = _now()
         return window
 
     def close(
@@ -266,7 +271,7 @@ class Window:
         calibration_ms: float | None = None,
         quiet_ms: float | None = None,
     ) -> HostLoad:
-        wall = max(time.monotonic() - self.started, 1e-6)
+        wall = max(_now() - self.started, 1e-6)
         busy = cpu_ticks(self.cpus) - self.busy_s
         own = _own_delta(self.own, own_cpu_s(self.neighbours))
         capacity = wall * max(1, len(self.cpus))
@@ -339,11 +344,13 @@ def measure_quietly(
     cpus: Sequence[int] | None = None,
     own_pids: Sequence[int] = (),
     sleep: Callable[[float], None] = time.sleep,
+    kernel: Callable[[], float] = calibration_kernel_ms,
 ) -> tuple[T, HostLoad]:
     """Run ``measure`` until a run of it finds the host quiet; return its result and load.
 
     ``own_pids`` are processes started before the call that belong to the measurement (the
-    staging service). Each attempt runs the calibration kernel before and after. A busy one is
+    staging service). Each attempt runs the calibration ``kernel`` before and after; the slower
+    of the two is compared with the quiet figure, the faster offered as one. A busy one is
     logged and tried again after a pause (``backoff_s``, doubled each time); when every
     attempt was busy, raise :class:`HostBusyError` with their loads and the last result.
     """
@@ -352,10 +359,10 @@ def measure_quietly(
     loads: list[HostLoad] = []
     result: T | None = None
     for attempt in range(1, max(1, limits.attempts) + 1):
-        before = calibration_kernel_ms()
+        before = kernel()
         with watch(cpus, own_pids) as window:
             result = measure()
-        after = calibration_kernel_ms()
+        after = kernel()
         quiet_ms = quiet.read()
         load = window.close(limits, calibration_ms=max(before, after), quiet_ms=quiet_ms)
         if load.others_share <= limits.others_share:
