@@ -201,9 +201,10 @@ def test_a_type_without_a_price_is_advised_unpriced_never_an_error() -> None:
     assert larger.price_note == "no price for c7i.xlarge in us-east-1"
     assert larger.estimated_p95_ms == 45.0 and larger.estimated_throughput_rps == 200.0
     # The others keep their prices; the unpriced one comes after them.
+    # INT8 and resnet10 both take 5 x c7i.large: a tie, in the order they are advised.
     assert [s.action for s in advise(SLOW, SLO_50, ctx(prices=no_xlarge))] == [
-        "smaller_model",
         "int8",
+        "smaller_model",
         "gpu_serving",
         "larger_instance",
     ]
@@ -330,19 +331,19 @@ def test_cpu_time_per_architecture_is_the_measured_table() -> None:
     # bench/arch_cpu.py's medians (ms per image, one thread): at 32 px, small-input stem;
     # at 224 px, torchvision's stem. Smaller-model advice scales by them.
     assert gate_module.ARCH_CPU_MS == {
-        "resnet10": (2.00, 17.0),
-        "resnet18": (5.36, 35.0),
-        "resnet34": (11.26, 68.9),
-        "resnet50": (11.96, 77.8),
-        "mobilenet_v3_small": (0.273, 2.03),
-        "mobilenet_v3_large": (1.70, 7.61),
-        "efficientnet_b0": (2.66, 13.4),
-        "convnext_tiny": (14.0, 101.7),
+        "resnet10": (2.29, 17.6),
+        "resnet18": (5.67, 35.0),
+        "resnet34": (11.51, 69.6),
+        "resnet50": (11.64, 78.3),
+        "mobilenet_v3_small": (0.423, 2.23),
+        "mobilenet_v3_large": (1.26, 6.78),
+        "efficientnet_b0": (2.20, 12.35),
+        "convnext_tiny": (13.79, 104.6),
     }
-    assert gate_module.arch_cpu_ms("efficientnet_b0", 32) == 2.66
-    assert gate_module.arch_cpu_ms("efficientnet_b0", 64) == 2.66  # the small stem's limit
-    assert gate_module.arch_cpu_ms("efficientnet_b0", 65) == 13.4
-    assert gate_module.arch_cpu_ms("efficientnet_b0", None) == 13.4
+    assert gate_module.arch_cpu_ms("efficientnet_b0", 32) == 2.20
+    assert gate_module.arch_cpu_ms("efficientnet_b0", 64) == 2.20  # the small stem's limit
+    assert gate_module.arch_cpu_ms("efficientnet_b0", 65) == 12.35
+    assert gate_module.arch_cpu_ms("efficientnet_b0", None) == 12.35
     assert gate_module.arch_cpu_ms("vit_b_16", 224) is None
 
 
@@ -353,27 +354,33 @@ def test_a_latency_miss_is_never_advised_a_slower_architecture(arch: str, input_
         missed = SLOW.model_copy(update={"p95_ms": p95})
         advice = {s.action: s for s in advise(missed, SLO_50, ctx(arch=arch, input_px=input_px))}
         if "smaller_model" not in advice:
+            own = gate_module.arch_cpu_ms(arch, input_px) or 0.0
             assert all(
-                gate_module.arch_cpu_ms(a, input_px) >= gate_module.arch_cpu_ms(arch, input_px)
+                (gate_module.arch_cpu_ms(a, input_px) or 0.0) > gate_module.MAX_COST_RATIO * own
                 for a in ARCHITECTURE_NAMES
-            )  # nothing is cheaper
+            )  # nothing is materially cheaper
             continue
         named = advice["smaller_model"].title.split()[2]
-        assert gate_module.arch_cpu_ms(named, input_px) < gate_module.arch_cpu_ms(arch, input_px)
+        cost, own = (
+            gate_module.arch_cpu_ms(named, input_px),
+            gate_module.arch_cpu_ms(arch, input_px),
+        )
+        assert cost is not None and own is not None
+        assert cost <= gate_module.MAX_COST_RATIO * own  # at least 20% cheaper, measured
         assert advice["smaller_model"].estimated_p95_ms < p95
 
 
 def test_the_digits_model_missing_on_a_small_input_is_not_advised_efficientnet() -> None:
     # resnet10 at 32 px, p95 63.66 ms against 50 ms: efficientnet_b0 has half its
-    # multiply-adds but runs slower per image on CPU; the mobilenets are the cheaper ones.
+    # multiply-adds but costs about as much per image on CPU; the mobilenets are cheaper.
     missed = SLOW.model_copy(update={"p95_ms": 63.66})
     smaller = {s.action: s for s in advise(missed, SLO_50, ctx(arch="resnet10", input_px=32))}[
         "smaller_model"
     ]
-    # mobilenet_v3_large (10 + 53.66 x 1.7/2 = 55.6 ms) still misses; the small one meets.
-    assert smaller.title == "retrain as mobilenet_v3_small instead of resnet10"
-    assert smaller.meets_slo and smaller.estimated_p95_ms == pytest.approx(17.325, abs=1e-3)
-    assert "(0.273 ms vs 2 ms at 32 px, small-input stem, bench/arch_cpu.py)" in str(
+    # mobilenet_v3_large (10 + 53.66 x 1.26/2.29 = 39.5 ms) meets, and keeps more accuracy.
+    assert smaller.title == "retrain as mobilenet_v3_large instead of resnet10"
+    assert smaller.meets_slo and smaller.estimated_p95_ms == pytest.approx(39.525, abs=1e-3)
+    assert "(1.26 ms vs 2.29 ms at 32 px, small-input stem, bench/arch_cpu.py)" in str(
         smaller.assumption
     )
 
@@ -409,26 +416,27 @@ def test_each_suggestion_carries_the_figures_a_user_reads() -> None:
     assert gpu.estimated_throughput_rps == 200.0  # its 4 vCPUs against the 2 measured
     assert gpu.cost_per_million_usd == 1.1689  # 4 x g4dn.xlarge at $0.526/h
     smaller = by_action["smaller_model"]
-    assert "(17 ms vs 35 ms at 224 px, bench/arch_cpu.py)" in str(smaller.assumption)
-    # resnet10 at 44 ms: ~181.8 req/s, 4 x c7i.large.
-    assert smaller.cost_per_million_usd == 0.1983
+    assert "(17.6 ms vs 35 ms at 224 px, bench/arch_cpu.py)" in str(smaller.assumption)
+    # resnet10 at 45.2 ms: ~177.0 req/s, 5 x c7i.large.
+    assert smaller.cost_per_million_usd == 0.2479
 
 
 def test_the_largest_smaller_architecture_that_meets_the_slo_is_suggested() -> None:
     smaller = slow_advice()["smaller_model"]
-    # resnet10 (44 ms) meets the SLO and keeps more accuracy than the cheaper ones.
+    # resnet10 (45.2 ms) meets the SLO and keeps more accuracy than the cheaper ones.
     assert smaller.title == "retrain as resnet10 instead of resnet18"
     assert smaller.meets_slo is True
 
 
 def test_a_smaller_architecture_exactly_at_the_slo_is_the_one_suggested() -> None:
-    # No fixed share measured: all of p95 scales; resnet10 takes 17/35 of resnet18's time.
+    # No fixed share measured: all of p95 scales; resnet10 takes 17.6/35 of resnet18's time.
+    slo = 3500.0 * (ARCH_CPU_MS["resnet10"][1] / ARCH_CPU_MS["resnet18"][1])
     candidate = bench_figures(p95_ms=3500.0)
-    limits = GateThresholds(latency_slo_ms=1700.0, accuracy_floor=0.9, max_accuracy_drop=0.02)
+    limits = GateThresholds(latency_slo_ms=slo, accuracy_floor=0.9, max_accuracy_drop=0.02)
     suggestions = advise(candidate, limits, ctx(int8_tried=True))
     smaller = next(s for s in suggestions if s.action == "smaller_model")
     assert smaller.title == "retrain as resnet10 instead of resnet18"
-    assert smaller.estimated_p95_ms == 1700.0 and smaller.meets_slo is True
+    assert smaller.estimated_p95_ms == round(slo, 3) and smaller.meets_slo is True
 
 
 def test_when_no_architecture_meets_the_slo_the_smallest_is_suggested() -> None:
@@ -568,8 +576,8 @@ def test_advice_that_meets_the_slo_comes_before_cheaper_advice_that_does_not() -
 def test_advice_is_cheapest_first_and_unpriced_advice_comes_last() -> None:
     by_cost = advise(SLOW, SLO_50, ctx())
     assert [s.action for s in by_cost] == [
-        "smaller_model",
         "int8",
+        "smaller_model",  # the same 5 x c7i.large as INT8
         "larger_instance",
         "gpu_serving",
     ]
