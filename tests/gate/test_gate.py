@@ -370,6 +370,17 @@ def test_a_latency_miss_is_never_advised_a_slower_architecture(arch: str, input_
         assert advice["smaller_model"].estimated_p95_ms < p95
 
 
+def test_an_architecture_exactly_20_percent_cheaper_is_advised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(gate_module.ARCH_CPU_MS, "resnet18", (5.0, 35.0))
+    monkeypatch.setitem(gate_module.ARCH_CPU_MS, "resnet10", (4.0, 17.6))  # 0.8 x 5.0 at 32 px
+    for arch in ("mobilenet_v3_small", "mobilenet_v3_large", "efficientnet_b0"):
+        monkeypatch.setitem(gate_module.ARCH_CPU_MS, arch, (4.5, 30.0))  # not cheap enough
+    smaller = {s.action: s for s in advise(SLOW, SLO_50, ctx(input_px=32))}["smaller_model"]
+    assert smaller.title == "retrain as resnet10 instead of resnet18"
+
+
 def test_the_digits_model_missing_on_a_small_input_is_not_advised_efficientnet() -> None:
     # resnet10 at 32 px, p95 63.66 ms against 50 ms: efficientnet_b0 has half its
     # multiply-adds but costs about as much per image on CPU; the mobilenets are cheaper.
@@ -581,6 +592,9 @@ def test_advice_is_cheapest_first_and_unpriced_advice_comes_last() -> None:
         "larger_instance",
         "gpu_serving",
     ]
+    # A dear c7i.xlarge: serving on it now costs more than on a GPU, and comes after it.
+    dear = advise(SLOW, SLO_50, ctx(prices={**PRICES, "c7i.xlarge": 5.0}))
+    assert [s.action for s in dear][2:] == ["gpu_serving", "larger_instance"]
     # Serving on a type the price table lacks: the advice that stays on it has no price.
     mixed = advise(SLOW, SLO_50, ctx(instance_type="x9.big"))
     assert [s.cost_per_million_usd is None for s in mixed] == [False, False, True, True]
