@@ -578,7 +578,8 @@ def test_the_search_climbs_to_the_highest_rate_that_holds(one_at_a_time_server: 
     )
     assert best is not None
     held = [s.rate_rps for s in tried if s.held]
-    assert best.rate_rps == max(held) >= 8.0 * sizing.STEP_FACTOR**3  # it climbed
+    # The steps record their rates to the cent (a rate between two steps has more digits).
+    assert round(best.rate_rps, 2) == max(held) >= 8.0 * sizing.STEP_FACTOR**3  # it climbed
     assert any(not s.held for s in tried)  # it went on until the SLO broke
     assert best.rate_rps < 100.0  # and never past what the service can answer
 
