@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -499,3 +503,38 @@ def write_dataset(
                 counter += 1
                 smooth_image(counter).save(folder / f"{i:03d}.png")
     return root
+
+
+# A CPU burner: spins on one CPU until its deadline, whatever happens to the test that started it.
+_BURNER = (
+    "import os, sys, time\n"
+    "os.sched_setaffinity(0, {int(sys.argv[1])})\n"
+    "end = time.monotonic() + float(sys.argv[2])\n"
+    "while time.monotonic() < end:\n"
+    "    pass\n"
+)
+
+
+@contextlib.contextmanager
+def cpu_burners(
+    per_cpu: int = 1, seconds: float = 120.0, cpus: list[int] | None = None
+) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Keep ``cpus`` (default: every CPU this process may use) busy with ``per_cpu`` spinning
+    processes each: other work on the host, as a neighbour's training or tests would be.
+
+    Each burner stops by itself after ``seconds``; all are killed when the block ends.
+    """
+    targets = cpus if cpus is not None else sorted(os.sched_getaffinity(0))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _BURNER, str(cpu), str(seconds)])
+        for cpu in targets
+        for _ in range(per_cpu)
+    ]
+    try:
+        time.sleep(0.3)  # every burner is spinning before the block measures anything
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()

@@ -25,6 +25,7 @@ from burstcv_spec.contracts import (
     Benchmarked,
     Billing,
     BoxBill,
+    CalibrationRecord,
     Contract,
     DataChunk,
     DatasetCounts,
@@ -40,6 +41,7 @@ from burstcv_spec.contracts import (
     GateVerdict,
     HistoryEvent,
     HostInfo,
+    HostLoad,
     ImageSizeChoice,
     InstanceRecord,
     LatencyRecord,
@@ -121,6 +123,17 @@ RESOLVED = ResolvedRun(
         serving_unpriced="no on-demand price for c7i.large in eu-west-1",
     ),
     image_size=ImageSizeChoice(px=224, reason="the median short side", resize_short=256),
+)
+BUSY = HostLoad(
+    cpus=[0, 1],
+    wall_s=2.0,
+    others_share=0.9,
+    own_cpu_s=1.1,
+    psi_some_share=0.4,
+    calibration_ms=70.0,
+    calibration_quiet_ms=31.2,
+    busy=True,
+    reason="other processes took 90% of CPUs 0,1 (at most 25%)",
 )
 
 
@@ -396,6 +409,17 @@ def examples() -> list[Contract]:
         FailedMarker(stage="preflight", reason="no GPU", resumable=False, attempt=1, at="now"),
         TrainingOutcome(status="failed", attempt=2, stage="interrupted", reason="spot notice"),
         LatencyRecord(measured_at="now", host=HOST, requests=2, concurrency=1, candidate=FIGURES),
+        LatencyRecord(
+            measured_at="now",
+            host=HOST,
+            requests=2,
+            concurrency=1,
+            candidate=FIGURES.model_copy(update={"shed": 1, "host_load": BUSY}),
+            inconclusive="the host was busy",
+            bench_s=3.5,
+            sizing_s=9.0,
+        ),
+        CalibrationRecord(quiet_ms={"node|x86_64|numpy 2.3": 31.2}),
         VerdictRecord(version=3, **GATE.model_dump()),
         SIZING,
         CARD,

@@ -158,17 +158,79 @@ class HostInfo(Contract):
     platform: str = Field(description="operating system, terse")
 
 
+class HostLoad(Contract):
+    """Say how busy the host was while a measurement ran, beside the figures it produced.
+
+    ``others_share`` is the CPU time processes other than the measurement's took on the CPUs
+    it ran on (``/proc/stat``), as a share of those CPUs' time over the window. A
+    measurement is *busy* when that share, the calibration kernel's slowdown against its
+    quiet figure on this host, or the time the measurement's own cgroup was throttled
+    passes its limit: its figures then measure the neighbours, not the model.
+    """
+
+    omit_when_none = frozenset(
+        {"psi_some_share", "throttled_s", "calibration_ms", "calibration_quiet_ms", "reason"}
+    )
+
+    cpus: list[int] = Field(description="the CPUs watched (those the measurement could run on)")
+    wall_s: float = Field(ge=0, description="seconds the window lasted")
+    others_share: float = Field(
+        ge=0, description="share of the watched CPUs' time that other processes took"
+    )
+    own_cpu_s: float = Field(ge=0, description="CPU seconds the measurement's processes took")
+    psi_some_share: float | None = Field(
+        default=None,
+        description="share of the window some task waited for a CPU (/proc/pressure/cpu, "
+        "the measurement's own tasks included); null where the kernel has no PSI",
+    )
+    throttled_s: float | None = Field(
+        default=None,
+        description="seconds the measurement's cgroup was throttled by its CPU quota "
+        "(cpu.stat); null outside a cgroup v2 with a quota",
+    )
+    calibration_ms: float | None = Field(
+        default=None,
+        description="the fixed calibration kernel's time, the slower of before and after, ms",
+    )
+    calibration_quiet_ms: float | None = Field(
+        default=None, description="the kernel's fastest time recorded on this host, ms"
+    )
+    busy: bool = Field(description="the host was too busy for the figures to be trusted")
+    reason: str | None = Field(default=None, description="why it was busy, with the figures")
+
+
+class CalibrationRecord(Artifact):
+    """`<BURSTCV_HOME>/bench/calibration.json`: the calibration kernel's quiet time per host.
+
+    The fastest time the benchmark host has run the kernel in a window nobody else used its
+    CPUs; a later run much slower than it was measured on a busy host (``HostLoad``).
+    """
+
+    quiet_ms: dict[str, float] = Field(
+        default_factory=dict,
+        description="fastest kernel time (ms) by host: node name, processor, numpy version",
+    )
+
+
 class BenchFigures(Contract):
     """Say what one load run over HTTP measured, and the model's accuracy."""
 
     omit_when_none = frozenset(
-        {"latencies_ms", "accuracy_note", "version", "bare_onnxruntime_p50_ms"}
+        {"latencies_ms", "accuracy_note", "version", "bare_onnxruntime_p50_ms", "host_load"}
     )
 
     label: str = Field(description="candidate or production")
     requests: int = Field(description="requests sent after the warm-up")
     concurrency: int = Field(description="requests in flight at once")
-    errors: int = Field(description="requests that did not get a 200")
+    errors: int = Field(
+        description="requests that failed: neither a 200 nor a 503 the service shed on purpose"
+    )
+    shed: int = Field(
+        default=0,
+        ge=0,
+        description="requests the service shed on purpose (503 with Retry-After: queued past "
+        "its queueing-delay target); not errors, but their latencies count in the percentiles",
+    )
     p50_ms: float = Field(description="median latency, ms")
     p95_ms: float = Field(description="95th percentile latency, ms")
     p99_ms: float = Field(description="99th percentile latency, ms")
@@ -187,6 +249,9 @@ class BenchFigures(Contract):
     version: int | None = Field(default=None, description="registry version (production only)")
     bare_onnxruntime_p50_ms: float | None = Field(
         default=None, description="median of onnxruntime alone, no HTTP (candidate only)"
+    )
+    host_load: HostLoad | None = Field(
+        default=None, description="how busy the host was while these figures were measured"
     )
 
     def summary(self) -> BenchFigures:
@@ -252,7 +317,7 @@ class FleetOption(Contract):
 class SizingReport(Artifact):
     """`burstcv size` output: the right-sized CPU fleet for a model at the expected load."""
 
-    omit_when_none = frozenset({"unpriced"})
+    omit_when_none = frozenset({"unpriced", "host_load"})
 
     latency_slo_ms: float = Field(
         validation_alias=AliasChoices("latency_slo_ms", "slo_p95_ms"),
@@ -273,6 +338,9 @@ class SizingReport(Artifact):
     unpriced: str | None = Field(
         default=None,
         description="why the fleets carry no price, and what to set (null: priced)",
+    )
+    host_load: HostLoad | None = Field(
+        default=None, description="how busy the host was while the sizes were measured"
     )
 
 
@@ -1214,9 +1282,13 @@ class Billing(Artifact):
 
 
 class LatencyRecord(Artifact):
-    """`runs/<run_key>/bench/latency.json`: the benchmark's full figures and samples."""
+    """`runs/<run_key>/bench/latency.json`: the benchmark's full figures and samples.
 
-    omit_when_none = frozenset({"production"})
+    An *inconclusive* record is one whose measurements the host's other work kept spoiling
+    (``inconclusive`` says how): it judges nothing, and the benchmark is tried again later.
+    """
+
+    omit_when_none = frozenset({"production", "inconclusive", "bench_s", "sizing_s"})
 
     measured_at: str = Field(description="ISO 8601 UTC")
     host: HostInfo = Field(description="the machine measured on")
@@ -1226,6 +1298,14 @@ class LatencyRecord(Artifact):
     production: BenchFigures | None = Field(
         default=None, description="production's; absent if none"
     )
+    inconclusive: str | None = Field(
+        default=None,
+        description="why nothing was judged: the host stayed busy through every attempt",
+    )
+    bench_s: float | None = Field(
+        default=None, description="seconds the latency benchmark took, repeats included"
+    )
+    sizing_s: float | None = Field(default=None, description="seconds the fleet sizing took")
 
 
 class VerdictRecord(GateVerdict, Artifact):
@@ -1365,6 +1445,7 @@ ARTIFACTS: tuple[type[Artifact], ...] = (
     FailedMarker,
     Billing,
     LatencyRecord,
+    CalibrationRecord,
     VerdictRecord,
     SizingReport,
     ModelCard,

@@ -559,11 +559,11 @@ def stack_passwords(
 def airflow_init() -> None:
     """Prepare the Airflow metadata DB for burstcv (run after `airflow db migrate`)."""
     from burstcv.airflow.local_run import use_embedded_airflow
-    from burstcv.airflow.setup import ensure_gpu_pool
+    from burstcv.airflow.setup import ensure_pools
 
     _setup_logging()
     use_embedded_airflow()
-    ensure_gpu_pool()
+    ensure_pools()
     typer.echo("burstcv Airflow setup done")
 
 

@@ -120,6 +120,18 @@ class Settings(BaseSettings):
     bench_requests: int = 200
     bench_concurrency: int = 4
     bench_warmup_requests: int = 20
+    # Isolation: the benchmark task (latency and sizing) runs in a pool of its own, one slot by
+    # default, so no two runs' measurements overlap.
+    bench_pool: str = "burstcv_bench"
+    bench_pool_slots: int = Field(default=1, ge=1)
+    # Interference (burstcv.gate.interference): a measurement is busy when other processes
+    # took more than this share of its CPUs, or the calibration kernel ran this much slower
+    # than its quiet figure; it is tried this many times, the pause doubling from the
+    # backoff, before the gate is inconclusive (the task fails and is retried, nothing judged).
+    bench_busy_share: float = Field(default=0.25, gt=0.0, le=1.0)
+    bench_busy_slowdown: float = Field(default=1.5, gt=1.0)
+    bench_attempts: int = Field(default=3, ge=1)
+    bench_busy_backoff_s: float = Field(default=5.0, ge=0.0)
     # Fleet sizing (burstcv.gate.sizing): seconds of open-loop load per rate tried, and the
     # most CPUs measured (0: every CPU of the benchmark host).
     sizing_step_s: float = Field(default=3.0, gt=0)

@@ -241,3 +241,22 @@ def test_a_deferred_three_box_train_task_holds_three_of_the_pools_slots(
     session.flush()
     assert pool.open_slots(session=session) == open_before - 3
     assert pool.deferred_slots(session=session) >= 3
+
+
+def test_the_benchmark_runs_alone_in_a_pool_of_its_own(pipeline: Any, session: Session) -> None:
+    # burstcv airflow-init made it (the session's Airflow setup ran it), one slot by default.
+    s = get_settings()
+    pool = Pool.get_pool(s.bench_pool, session=session)
+    assert pool is not None and pool.slots == s.bench_pool_slots == 1
+    assert pipeline.get_task("benchmark").pool == s.bench_pool
+    # A benchmark task that runs takes the slot: a second run's benchmark waits for it.
+    first = make_run(pipeline, session, DagRunType.MANUAL, {})
+    second = make_run(pipeline, session, DagRunType.MANUAL, {"num_nodes": 1})
+    benchmark = first.get_task_instance("benchmark", session=session)
+    assert benchmark is not None and benchmark.pool_slots == 1  # not the policy's: one box's
+    assert pool.open_slots(session=session) == 1
+    benchmark.state = TaskInstanceState.RUNNING
+    session.flush()
+    assert pool.open_slots(session=session) == 0
+    waiting = second.get_task_instance("benchmark", session=session)
+    assert waiting is not None and waiting.pool == s.bench_pool

@@ -10,7 +10,7 @@ from burstcv_testkit import bench_figures
 
 from burstcv.gate import gate as gate_module
 from burstcv.gate.gate import (
-    ARCH_MMACS,
+    ARCH_CPU_MS,
     GateThresholds,
     ServingContext,
     advise,
@@ -152,7 +152,7 @@ def test_a_missed_slo_comes_with_priced_ways_to_close_the_gap() -> None:
         )
     smaller = by_action["smaller_model"]
     named = smaller.title.split()[2]
-    assert named in ARCHITECTURE_NAMES and ARCH_MMACS[named] < ARCH_MMACS["resnet18"]
+    assert named in ARCHITECTURE_NAMES and ARCH_CPU_MS[named][1] < ARCH_CPU_MS["resnet18"][1]
     assert smaller.meets_slo and smaller.estimated_p95_ms < 50.0
     assert by_action["larger_instance"].instance_type == "c7i.xlarge"
     assert by_action["gpu_serving"].instance_type.startswith("g")
@@ -201,9 +201,10 @@ def test_a_type_without_a_price_is_advised_unpriced_never_an_error() -> None:
     assert larger.price_note == "no price for c7i.xlarge in us-east-1"
     assert larger.estimated_p95_ms == 45.0 and larger.estimated_throughput_rps == 200.0
     # The others keep their prices; the unpriced one comes after them.
+    # INT8 and resnet10 both take 5 x c7i.large: a tie, in the order they are advised.
     assert [s.action for s in advise(SLOW, SLO_50, ctx(prices=no_xlarge))] == [
-        "smaller_model",
         "int8",
+        "smaller_model",
         "gpu_serving",
         "larger_instance",
     ]
@@ -326,18 +327,73 @@ def test_vcpus_are_awss_published_figures() -> None:
     }
 
 
-def test_multiply_adds_per_architecture_are_the_measured_figures() -> None:
-    # Measured with torch's FlopCounterMode at 32x32; smaller-model advice scales by them.
-    assert gate_module.ARCH_MMACS == {
-        "resnet10": 63.4,
-        "resnet18": 138.9,
-        "resnet34": 289.9,
-        "resnet50": 324.5,
-        "mobilenet_v3_small": 5.5,
-        "mobilenet_v3_large": 20.1,
-        "efficientnet_b0": 32.0,
-        "convnext_tiny": 363.7,
+def test_cpu_time_per_architecture_is_the_measured_table() -> None:
+    # bench/arch_cpu.py's medians (ms per image, one thread): at 32 px, small-input stem;
+    # at 224 px, torchvision's stem. Smaller-model advice scales by them.
+    assert gate_module.ARCH_CPU_MS == {
+        "resnet10": (2.29, 17.6),
+        "resnet18": (5.67, 35.0),
+        "resnet34": (11.51, 69.6),
+        "resnet50": (11.64, 78.3),
+        "mobilenet_v3_small": (0.423, 2.23),
+        "mobilenet_v3_large": (1.26, 6.78),
+        "efficientnet_b0": (2.20, 12.35),
+        "convnext_tiny": (13.79, 104.6),
     }
+    assert gate_module.arch_cpu_ms("efficientnet_b0", 32) == 2.20
+    assert gate_module.arch_cpu_ms("efficientnet_b0", 64) == 2.20  # the small stem's limit
+    assert gate_module.arch_cpu_ms("efficientnet_b0", 65) == 12.35
+    assert gate_module.arch_cpu_ms("efficientnet_b0", None) == 12.35
+    assert gate_module.arch_cpu_ms("vit_b_16", 224) is None
+
+
+@pytest.mark.parametrize("input_px", [32, 224])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURE_NAMES))
+def test_a_latency_miss_is_never_advised_a_slower_architecture(arch: str, input_px: int) -> None:
+    for p95 in (55.0, 80.0, 400.0):
+        missed = SLOW.model_copy(update={"p95_ms": p95})
+        advice = {s.action: s for s in advise(missed, SLO_50, ctx(arch=arch, input_px=input_px))}
+        if "smaller_model" not in advice:
+            own = gate_module.arch_cpu_ms(arch, input_px) or 0.0
+            assert all(
+                (gate_module.arch_cpu_ms(a, input_px) or 0.0) > gate_module.MAX_COST_RATIO * own
+                for a in ARCHITECTURE_NAMES
+            )  # nothing is materially cheaper
+            continue
+        named = advice["smaller_model"].title.split()[2]
+        cost, own = (
+            gate_module.arch_cpu_ms(named, input_px),
+            gate_module.arch_cpu_ms(arch, input_px),
+        )
+        assert cost is not None and own is not None
+        assert cost <= gate_module.MAX_COST_RATIO * own  # at least 20% cheaper, measured
+        assert advice["smaller_model"].estimated_p95_ms < p95
+
+
+def test_an_architecture_exactly_20_percent_cheaper_is_advised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(gate_module.ARCH_CPU_MS, "resnet18", (5.0, 35.0))
+    monkeypatch.setitem(gate_module.ARCH_CPU_MS, "resnet10", (4.0, 17.6))  # 0.8 x 5.0 at 32 px
+    for arch in ("mobilenet_v3_small", "mobilenet_v3_large", "efficientnet_b0"):
+        monkeypatch.setitem(gate_module.ARCH_CPU_MS, arch, (4.5, 30.0))  # not cheap enough
+    smaller = {s.action: s for s in advise(SLOW, SLO_50, ctx(input_px=32))}["smaller_model"]
+    assert smaller.title == "retrain as resnet10 instead of resnet18"
+
+
+def test_the_digits_model_missing_on_a_small_input_is_not_advised_efficientnet() -> None:
+    # resnet10 at 32 px, p95 63.66 ms against 50 ms: efficientnet_b0 has half its
+    # multiply-adds but costs about as much per image on CPU; the mobilenets are cheaper.
+    missed = SLOW.model_copy(update={"p95_ms": 63.66})
+    smaller = {s.action: s for s in advise(missed, SLO_50, ctx(arch="resnet10", input_px=32))}[
+        "smaller_model"
+    ]
+    # mobilenet_v3_large (10 + 53.66 x 1.26/2.29 = 39.5 ms) meets, and keeps more accuracy.
+    assert smaller.title == "retrain as mobilenet_v3_large instead of resnet10"
+    assert smaller.meets_slo and smaller.estimated_p95_ms == pytest.approx(39.525, abs=1e-3)
+    assert "(1.26 ms vs 2.29 ms at 32 px, small-input stem, bench/arch_cpu.py)" in str(
+        smaller.assumption
+    )
 
 
 # -- the estimates and figures in each suggestion ------------------------------------------------
@@ -371,26 +427,27 @@ def test_each_suggestion_carries_the_figures_a_user_reads() -> None:
     assert gpu.estimated_throughput_rps == 200.0  # its 4 vCPUs against the 2 measured
     assert gpu.cost_per_million_usd == 1.1689  # 4 x g4dn.xlarge at $0.526/h
     smaller = by_action["smaller_model"]
-    assert "63.4M vs 138.9M per image" in str(smaller.assumption)
-    # resnet10 at ~41.95 ms: ~190.7 req/s, 4 x c7i.large.
-    assert smaller.cost_per_million_usd == 0.1983
+    assert "(17.6 ms vs 35 ms at 224 px, bench/arch_cpu.py)" in str(smaller.assumption)
+    # resnet10 at 45.2 ms: ~177.0 req/s, 5 x c7i.large.
+    assert smaller.cost_per_million_usd == 0.2479
 
 
 def test_the_largest_smaller_architecture_that_meets_the_slo_is_suggested() -> None:
     smaller = slow_advice()["smaller_model"]
-    # resnet10 (~42 ms) meets the SLO and keeps more accuracy than the mobilenets.
+    # resnet10 (45.2 ms) meets the SLO and keeps more accuracy than the cheaper ones.
     assert smaller.title == "retrain as resnet10 instead of resnet18"
     assert smaller.meets_slo is True
 
 
 def test_a_smaller_architecture_exactly_at_the_slo_is_the_one_suggested() -> None:
-    # No fixed share measured: all of p95 scales; resnet10 is 63.4/138.9 of resnet18.
-    candidate = bench_figures(p95_ms=1389.0)
-    limits = GateThresholds(latency_slo_ms=634.0, accuracy_floor=0.9, max_accuracy_drop=0.02)
+    # No fixed share measured: all of p95 scales; resnet10 takes 17.6/35 of resnet18's time.
+    slo = 3500.0 * (ARCH_CPU_MS["resnet10"][1] / ARCH_CPU_MS["resnet18"][1])
+    candidate = bench_figures(p95_ms=3500.0)
+    limits = GateThresholds(latency_slo_ms=slo, accuracy_floor=0.9, max_accuracy_drop=0.02)
     suggestions = advise(candidate, limits, ctx(int8_tried=True))
     smaller = next(s for s in suggestions if s.action == "smaller_model")
     assert smaller.title == "retrain as resnet10 instead of resnet18"
-    assert smaller.estimated_p95_ms == 634.0 and smaller.meets_slo is True
+    assert smaller.estimated_p95_ms == round(slo, 3) and smaller.meets_slo is True
 
 
 def test_when_no_architecture_meets_the_slo_the_smallest_is_suggested() -> None:
@@ -530,11 +587,14 @@ def test_advice_that_meets_the_slo_comes_before_cheaper_advice_that_does_not() -
 def test_advice_is_cheapest_first_and_unpriced_advice_comes_last() -> None:
     by_cost = advise(SLOW, SLO_50, ctx())
     assert [s.action for s in by_cost] == [
-        "smaller_model",
         "int8",
+        "smaller_model",  # the same 5 x c7i.large as INT8
         "larger_instance",
         "gpu_serving",
     ]
+    # A dear c7i.xlarge: serving on it now costs more than on a GPU, and comes after it.
+    dear = advise(SLOW, SLO_50, ctx(prices={**PRICES, "c7i.xlarge": 5.0}))
+    assert [s.action for s in dear][2:] == ["gpu_serving", "larger_instance"]
     # Serving on a type the price table lacks: the advice that stays on it has no price.
     mixed = advise(SLOW, SLO_50, ctx(instance_type="x9.big"))
     assert [s.cost_per_million_usd is None for s in mixed] == [False, False, True, True]

@@ -509,12 +509,13 @@ def test_an_unattainable_slo_is_rejected_with_the_reason(tmp_path: Path) -> None
 
 
 def test_burstcv_size_measures_a_registered_version(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_env: None
 ) -> None:
     from typer.testing import CliRunner
 
     from burstcv.cli import app
     from burstcv.registry.registry import Registry
+    from burstcv.settings import get_settings
     from burstcv_spec.contracts import RegistryDecision, SizingReport, read_artifact
 
     registry = Registry(str(tmp_path / "registry"), "digits")
@@ -524,6 +525,7 @@ def test_burstcv_size_measures_a_registered_version(
     (images / "a.png").write_bytes(IMAGE)
     monkeypatch.setenv("BURSTCV_REGISTRY_URI", str(tmp_path / "registry"))
     monkeypatch.setenv("BURSTCV_MODEL_NAME", "digits")
+    get_settings.cache_clear()  # the command reads these, not what an earlier test cached
     out = tmp_path / "sizing.json"
     args = ["size", "1", "--images", str(images), "--target-rps", "50", "--out", str(out)]
     args += ["--step-s", "0.5"]

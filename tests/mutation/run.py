@@ -47,6 +47,9 @@ class Target:
     tests: tuple[str, ...]
     functions: tuple[str, ...] = ()  # qualnames to mutate; empty: all, and the tables
     tables: tuple[str, ...] = ()  # module-level names whose numbers are mutated
+    # Mutants at once, at most: 1 for tests that measure how busy the host is (two children
+    # would each read the other's work as a neighbour's).
+    jobs: int | None = None
 
     def equivalent(self, m: Mutant) -> str:
         """Return why ``m`` is an equivalent mutant (no test can tell it apart), or ""."""
@@ -161,6 +164,23 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
             "whole seconds",
         ),
     ),
+    "interference": (
+        (
+            "measure_quietly",
+            "cmp0: <= -> <",
+            "if load.others_share <= limits.others_share",
+            "a share exactly at the limit, to the tick: whether that reading is kept as quiet",
+        ),
+        ("psi_some_us", "1 -> 2", 'split("=", 1)', "PSI's fields hold one '=' each"),
+        ("own_cpu_s", "+ -> -", "t.user + t.system", "this process's system time: a few ms"),
+        ("own_cpu_s", "+ -> -", "c.user + c.system", "a service's system time: a few ms"),
+        ("Window.close", "1e-06 -> 1.5e-06", "1e-6)", "a divide-by-zero guard"),
+        ("Window.close", "cmp0: > -> >=", "throttled >", "throttling exactly at the limit"),
+        ("Window.close", "3 -> 4", "round(own, 3)", _DIGITS),
+        ("Window.close", "4 -> 5", "round(psi, 4)", _DIGITS),
+        ("Window.close", "3 -> 4", "round(quiet_ms, 3)", _DIGITS),
+        ("QuietFigure.offer", "cmp0: <= -> <", "quiet <= ms", "rewrites the same figure"),
+    ),
     "pricing": (
         (
             "on_demand_from_price_list",
@@ -241,6 +261,24 @@ TARGETS = (
             "rate_at",
             "recommend",
         ),
+    ),
+    Target(
+        "interference",
+        "burstcv.gate.interference",
+        ("tests/gate/test_interference.py",),
+        functions=(
+            "cpu_ticks",
+            "psi_some_us",
+            "others_among_descendants",
+            "own_cpu_s",
+            "_own_delta",
+            "QuietFigure.read",
+            "QuietFigure.offer",
+            "Window.close",
+            "measure_quietly",
+        ),
+        tables=("*",),
+        jobs=1,
     ),
     Target(
         "deadline",
@@ -758,6 +796,7 @@ def warm_up(target: Target) -> None:
 
 
 def run_target(target: Target, jobs: int) -> list[Mutant]:
+    jobs = min(jobs, target.jobs or jobs)
     warm_up(target)
     module = importlib.import_module(target.module)
     source = Path(module.__file__ or "").read_text()

@@ -66,10 +66,10 @@ def run_pipeline_once(conf: dict[str, Any]) -> tuple[str, str]:
         )
     from airflow.dag_processing.dagbag import DagBag
 
-    from burstcv.airflow.setup import ensure_gpu_pool, ensure_metadata_db
+    from burstcv.airflow.setup import ensure_metadata_db, ensure_pools
 
     ensure_metadata_db()  # a fresh AIRFLOW_HOME: created here, not a missing-table traceback
-    ensure_gpu_pool()
+    ensure_pools()
     bag = DagBag(dag_folder=dags_folder)
     if bag.import_errors:
         raise RuntimeError(f"DAG import errors: {bag.import_errors}")
@@ -84,12 +84,16 @@ def run_pipeline_once(conf: dict[str, Any]) -> tuple[str, str]:
     lines = [f"{DAG_ID} run {dag_run.run_id}: {dag_run.state}"]
     lines += [f"  {task:<10} {_states_line(found)}" for task, found in sorted(states.items())]
     from burstcv.pipeline import run_layout
-    from burstcv_spec.contracts import VerdictRecord, read_artifact
+    from burstcv_spec.contracts import LatencyRecord, VerdictRecord, read_artifact
 
-    verdict_uri = run_layout(dag_run.run_id).verdict
-    if storage.exists(verdict_uri):
-        verdict = read_artifact(verdict_uri, VerdictRecord)
+    layout = run_layout(dag_run.run_id)
+    if storage.exists(layout.verdict):
+        verdict = read_artifact(layout.verdict, VerdictRecord)
         lines.append(f"  version {verdict.version}: {verdict.summary}")
+    elif storage.exists(layout.latency):
+        latency = read_artifact(layout.latency, LatencyRecord)
+        if latency.inconclusive:
+            lines.append(f"  gate inconclusive, nothing judged: {latency.inconclusive}")
     return str(dag_run.state), "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""Prepare an Airflow metadata DB for burstcv: migrated, with the pool that bounds GPU boxes."""
+"""Prepare an Airflow metadata DB for burstcv: migrated, with its pools (GPU boxes, benchmarks)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,31 @@ def ensure_gpu_pool(settings: Settings | None = None) -> None:
         include_deferred=True,
     )
     log.info("pool %s: %d slots (deferred tasks count)", s.gpu_pool, s.gpu_pool_slots)
+
+
+def ensure_pools(settings: Settings | None = None) -> None:
+    """Create or resize burstcv's pools: the GPU boxes' and the benchmarks'."""
+    s = settings or get_settings()
+    ensure_gpu_pool(s)
+    ensure_bench_pool(s)
+
+
+def ensure_bench_pool(settings: Settings | None = None) -> None:
+    """Create or resize the pool the benchmark task runs in (one slot by default).
+
+    Two runs' latency benchmarks and fleet sizings on one worker would measure each other:
+    the pool keeps them one at a time (``BURSTCV_BENCH_POOL_SLOTS``, per worker pool).
+    """
+    from airflow.models.pool import Pool
+
+    s = settings or get_settings()
+    Pool.create_or_update_pool(
+        name=s.bench_pool,
+        slots=s.bench_pool_slots,
+        description="burstcv: gate measurements (latency, sizing) that may run at once",
+        include_deferred=False,
+    )
+    log.info("pool %s: %d slot(s)", s.bench_pool, s.bench_pool_slots)
 
 
 def ensure_metadata_db() -> bool:

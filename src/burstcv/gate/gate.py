@@ -9,6 +9,7 @@ run's resolved prices), and the assumption behind the estimate.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 from burstcv.cost.model import DEFAULT_HEADROOM, fleet_cost, replicas_for
@@ -41,20 +42,41 @@ CPU_UPGRADES: tuple[str, ...] = ("c7i.xlarge", "c7i.2xlarge")
 # One-GPU types to consider for GPU serving; the cheapest priced one is suggested.
 GPU_SERVING_TYPES: tuple[str, ...] = ("g4dn.xlarge", "g6.xlarge", "g5.xlarge")
 
-# Multiply-adds per image at 32x32 input (millions), measured with torch's FlopCounterMode
-# on burstcv.training.models. Latency ∝ multiply-adds flatters the depthwise-convolution nets
-# (mobilenet, efficientnet), which run fewer operations per second on CPU than resnets.
-ARCH_MMACS: dict[str, float] = {
-    "resnet10": 63.4,
-    "resnet18": 138.9,
-    "resnet34": 289.9,
-    "resnet50": 324.5,
-    "mobilenet_v3_small": 5.5,
-    "mobilenet_v3_large": 20.1,
-    "efficientnet_b0": 32.0,
-    "convnext_tiny": 363.7,
+# onnxruntime's CPU time per image (ms; median at batch 1, one intra-op thread, each model run
+# steadily), measured by bench/arch_cpu.py on an AMD EPYC with onnxruntime 1.32: at 32 px
+# with the small-input stem (trained from scratch, inputs up to 64 px) and at 224 px with
+# torchvision's stem. Measured, not multiply-adds: the depthwise nets (mobilenet,
+# efficientnet) run fewer operations per second on CPU, so efficientnet_b0, with half
+# resnet10's multiply-adds, costs about as much as resnet10 at 32 px.
+ARCH_CPU_MS: dict[str, tuple[float, float]] = {
+    "resnet10": (2.29, 17.6),
+    "resnet18": (5.67, 35.0),
+    "resnet34": (11.51, 69.6),
+    "resnet50": (11.64, 78.3),
+    "mobilenet_v3_small": (0.423, 2.23),
+    "mobilenet_v3_large": (1.26, 6.78),
+    "efficientnet_b0": (2.20, 12.35),
+    "convnext_tiny": (13.79, 104.6),
 }
-assert set(ARCH_MMACS) == set(ARCHITECTURE_NAMES), "keep ARCH_MMACS in step with names.py"
+# An architecture is advised for a latency miss only when it is measured at least this much
+# cheaper per image: closer figures are within the measurement's spread between hosts.
+MAX_COST_RATIO = 0.8
+assert set(ARCH_CPU_MS) == set(ARCHITECTURE_NAMES), "keep ARCH_CPU_MS in step with names.py"
+SMALL_STEM_MAX_PX = 64  # burstcv.training.models.SMALL_INPUT_PX (not imported: it pulls torch)
+
+
+def small_stem(input_px: int | None) -> bool:
+    """Tell whether a model of this input side has the small-input stem's figures."""
+    return input_px is not None and input_px <= SMALL_STEM_MAX_PX
+
+
+def arch_cpu_ms(arch: str, input_px: int | None) -> float | None:
+    """Return ``arch``'s measured CPU time per image at the input size's stem, or None."""
+    costs = ARCH_CPU_MS.get(arch)
+    if costs is None:
+        return None
+    return costs[0] if small_stem(input_px) else costs[1]
+
 
 INT8_SPEEDUP = 2.0  # onnxruntime INT8 vs FP32 on CPUs with VNNI/AMX (c7i): 1.5-3x for CNNs
 GPU_COMPUTE_MS = 1.0  # a small CNN at batch 1 on one data-centre GPU, copies included
@@ -76,6 +98,7 @@ class ServingContext:
     """Say what was measured and where it would serve, so advice can be priced."""
 
     arch: str | None = None  # the candidate's architecture; None: no smaller-model advice
+    input_px: int | None = None  # the candidate's input side; None: the 224 px figures
     int8_tried: bool = False  # an INT8 model was already measured: do not suggest it again
     region: str = DEFAULT_SERVING_REGION
     # On-demand USD per hour by instance type, as the run resolved them; a type without one
@@ -192,7 +215,12 @@ def judge(
         p95,
         limits.latency_slo_ms,
         f"p95 {p95:.2f} ms exceeds the SLO {limits.latency_slo_ms:g} ms by "
-        f"{p95 - limits.latency_slo_ms:.2f} ms ({p95 / limits.latency_slo_ms:.1f}x)",
+        f"{p95 - limits.latency_slo_ms:.2f} ms ({p95 / limits.latency_slo_ms:.1f}x)"
+        + (
+            f", {candidate.shed} of {candidate.requests} requests queued past it and were shed"
+            if candidate.shed
+            else ""
+        ),
     )
     errors = candidate.error_rate
     check("error_rate", errors == 0.0, errors, 0.0, f"{errors:.1%} of benchmark requests failed")
@@ -363,25 +391,30 @@ def advise(
             "VNNI/AMX CPUs); accuracy must be re-measured",
         )
 
-    if arch is not None and arch in ARCH_MMACS:
-        smaller = sorted(
-            (a for a in ARCH_MMACS if ARCH_MMACS[a] < ARCH_MMACS[arch]),
-            key=lambda a: ARCH_MMACS[a],
+    own_ms = arch_cpu_ms(arch, ctx.input_px) if arch is not None else None
+    if arch is not None and own_ms is not None:
+        # Only architectures measured materially cheaper per image on CPU: never a slower one,
+        # nor one as costly within the measurement's spread.
+        costs = {a: arch_cpu_ms(a, ctx.input_px) or math.inf for a in ARCH_CPU_MS}
+        cheaper = sorted(
+            (a for a in costs if costs[a] <= MAX_COST_RATIO * own_ms),
+            key=lambda a: costs[a],
             reverse=True,
         )
-        if smaller:
-            # The largest architecture that meets the SLO keeps the most accuracy.
-            estimates = {a: split.scaled(ARCH_MMACS[a] / ARCH_MMACS[arch]) for a in smaller}
-            pick = next((a for a in smaller if estimates[a] <= slo), smaller[-1])
+        if cheaper:
+            # The costliest architecture that meets the SLO keeps the most accuracy.
+            estimates = {a: split.scaled(costs[a] / own_ms) for a in cheaper}
+            pick = next((a for a in cheaper if estimates[a] <= slo), cheaper[-1])
+            at = "32 px, small-input stem" if small_stem(ctx.input_px) else "224 px"
             suggest(
                 "smaller_model",
                 f"retrain as {pick} instead of {arch}",
                 estimates[pick],
                 instance_type,
                 throughput_at(estimates[pick]),
-                f"latency scales with multiply-adds ({ARCH_MMACS[pick]:g}M vs "
-                f"{ARCH_MMACS[arch]:g}M per image); depthwise nets run slower per operation on "
-                "CPU, and accuracy must be re-measured",
+                f"the compute share scales with onnxruntime's measured CPU time per image "
+                f"({costs[pick]:g} ms vs {own_ms:g} ms at {at}, bench/arch_cpu.py); "
+                "accuracy must be re-measured",
             )
 
     upgrades = [t for t in CPU_UPGRADES if VCPUS[t] > base_vcpus]

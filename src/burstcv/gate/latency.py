@@ -40,8 +40,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def serving_env(model_dir: str, port: int, threads: int | None = None) -> dict[str, str]:
-    """Return the environment of a staging service that serves one model folder."""
+def serving_env(
+    model_dir: str,
+    port: int,
+    threads: int | None = None,
+    queue_delay_target_ms: float | None = None,
+) -> dict[str, str]:
+    """Return the environment of a staging service that serves one model folder.
+
+    ``queue_delay_target_ms``: how long a request may queue before the service sheds it (503
+    with Retry-After); the gate sets it to the run's latency SLO, so a request is shed only
+    once it has missed the SLO anyway. None: the service's default.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith("BURSTCV_SERVING_")}
     env.update(
         {
@@ -54,19 +64,29 @@ def serving_env(model_dir: str, port: int, threads: int | None = None) -> dict[s
     )
     if threads:
         env["BURSTCV_SERVING_INTRA_OP_THREADS"] = str(threads)
+    if queue_delay_target_ms is not None:
+        env["BURSTCV_SERVING_QUEUE_DELAY_TARGET_MS"] = f"{queue_delay_target_ms:g}"
     return env
 
 
 @contextlib.contextmanager
-def staging_service(model_dir: str, *, threads: int | None = None) -> Iterator[str]:
+def staging_service(
+    model_dir: str, *, threads: int | None = None, queue_delay_target_ms: float | None = None
+) -> Iterator[str]:
     """Run the real service on a free port with one model folder; yield its base URL."""
-    with staging_process(model_dir, threads=threads) as (url, _):
+    with staging_process(
+        model_dir, threads=threads, queue_delay_target_ms=queue_delay_target_ms
+    ) as (url, _):
         yield url
 
 
 @contextlib.contextmanager
 def staging_process(
-    model_dir: str, *, threads: int | None = None, cpus: Sequence[int] | None = None
+    model_dir: str,
+    *,
+    threads: int | None = None,
+    cpus: Sequence[int] | None = None,
+    queue_delay_target_ms: float | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Run the real service with one model folder (on ``cpus`` only, if given: CPU affinity).
 
@@ -81,7 +101,7 @@ def staging_process(
     with tempfile.TemporaryFile() as log_fh:
         proc = subprocess.Popen(
             cmd,
-            env=serving_env(model_dir, port, threads),
+            env=serving_env(model_dir, port, threads, queue_delay_target_ms),
             stdout=log_fh,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -135,7 +155,9 @@ def drive(
     """Send ``requests`` predictions (cycling through ``images``) from ``concurrency`` clients.
 
     The figures' accuracy is left unmeasured (None): the caller measures it on the validation
-    split, which the request mix is too small to judge.
+    split, which the request mix is too small to judge. A 503 with Retry-After is the
+    service shedding a request that queued past its target: counted as ``shed``, not as an
+    error, and its latency (the time it queued) counts in the percentiles.
     """
     if not images:
         raise ValueError("no images to send")
@@ -147,8 +169,10 @@ def drive(
     lock = threading.Lock()
     latencies: list[float] = []
     statuses: dict[str, int] = {}
+    shed = 0
 
     def worker() -> None:
+        nonlocal shed
         with httpx.Client(timeout=30.0) as client:
             while True:
                 with lock:
@@ -157,18 +181,20 @@ def drive(
                     return
                 body = images[i % len(images)]
                 t0 = time.perf_counter()
+                was_shed = False
                 try:
-                    code = str(
-                        client.post(
-                            endpoint, files={"file": (f"{i}.png", body, content_type)}
-                        ).status_code
+                    response = client.post(
+                        endpoint, files={"file": (f"{i}.png", body, content_type)}
                     )
+                    code = str(response.status_code)
+                    was_shed = is_shed(response)
                 except httpx.HTTPError as exc:
                     code = type(exc).__name__
                 elapsed = (time.perf_counter() - t0) * 1000
                 with lock:
                     latencies.append(elapsed)
                     statuses[code] = statuses.get(code, 0) + 1
+                    shed += was_shed
 
     t_start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -176,12 +202,13 @@ def drive(
             pool.submit(worker)
     wall = time.perf_counter() - t_start
     arr = np.asarray(latencies)
-    errors = sum(n for code, n in statuses.items() if code != "200")
+    errors = sum(n for code, n in statuses.items() if code != "200") - shed
     return BenchFigures(
         label=label,
         requests=len(latencies),
         concurrency=concurrency,
         errors=errors,
+        shed=shed,
         error_rate=errors / max(1, len(latencies)),
         p50_ms=float(np.percentile(arr, 50)),
         p95_ms=float(np.percentile(arr, 95)),
@@ -194,6 +221,11 @@ def drive(
         accuracy=None,
         accuracy_note="not measured: latency only",
     )
+
+
+def is_shed(response: httpx.Response) -> bool:
+    """Tell a deliberate shed (503 with Retry-After) from a failed request."""
+    return response.status_code == 503 and "retry-after" in response.headers
 
 
 def bare_onnxruntime_p50(

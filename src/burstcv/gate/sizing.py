@@ -190,13 +190,18 @@ def sustainable_rate(
 
 
 @contextlib.contextmanager
-def pinned_service(model_dir: str, cpus: Sequence[int]) -> Iterator[tuple[str, psutil.Process]]:
+def pinned_service(
+    model_dir: str, cpus: Sequence[int], queue_delay_target_ms: float | None = None
+) -> Iterator[tuple[str, psutil.Process]]:
     """Run the real service on ``cpus`` only (CPU affinity); yield its URL and its process.
 
     The service sizes its workers and threads from the CPUs it may use, as it does in a
-    container limited to that many.
+    container limited to that many; it sheds what queued past ``queue_delay_target_ms``.
     """
-    with staging_process(model_dir, cpus=cpus) as (url, proc):
+    with staging_process(model_dir, cpus=cpus, queue_delay_target_ms=queue_delay_target_ms) as (
+        url,
+        proc,
+    ):
         yield url, psutil.Process(proc.pid)
 
 
@@ -250,7 +255,10 @@ def measure_sizes(
         # The load generator (this process) runs on the CPUs the service does not use, or on
         # the last one when the service has them all.
         generator = set(cpus[vcpus:]) or {cpus[-1]}
-        with _running_on(generator), pinned_service(model_dir, cpus[:vcpus]) as (url, proc):
+        with (
+            _running_on(generator),
+            pinned_service(model_dir, cpus[:vcpus], latency_slo_ms) as (url, proc),
+        ):
             open_loop(url, images, rate_rps=5.0, duration_s=1.0)  # warm-up
             before = _cpu_seconds(proc)
             tried: list[LoadStep] = []

@@ -36,6 +36,7 @@ from burstcv_spec.contracts import (
     ArtifactError,
     BenchFigures,
     Billing,
+    HostLoad,
     LatencyRecord,
     ModelCard,
     RangeTest,
@@ -405,6 +406,7 @@ LATENCY_ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("p99", "p99_ms", ".2f", " ms"),
     ("throughput", "throughput_rps", ".1f", " req/s"),
     ("error rate", "error_rate", ".2%", ""),
+    ("shed (503, queued past the SLO)", "shed", "d", ""),
     ("accuracy", "accuracy", ".4f", ""),
     ("bare onnxruntime p50 (floor)", "bare_onnxruntime_p50_ms", ".3f", " ms"),
 )
@@ -448,7 +450,39 @@ def _latency_view(record: RunDocs) -> dict[str, Any]:
         ],
         "histogram": histogram,
         "production_sampled": bool(prod_ms),
+        "inconclusive": latency.inconclusive,
+        "host_load": [
+            f"{label}: {_host_load_line(figures.host_load)}"
+            for label, figures in sources
+            if figures.host_load is not None
+        ],
+        "timings": _timings_line(latency),
     }
+
+
+def _host_load_line(load: HostLoad) -> str:
+    """Say how busy the host was during one measurement, in a line."""
+    line = f"other processes took {load.others_share:.0%} of CPUs {load.cpus}"
+    line += f" over {load.wall_s:.1f} s"
+    if load.calibration_ms is not None:
+        line += f"; calibration kernel {load.calibration_ms:.1f} ms"
+        if load.calibration_quiet_ms is not None:
+            line += f" (quiet: {load.calibration_quiet_ms:.1f} ms)"
+    if load.psi_some_share is not None:
+        line += f"; CPU pressure {load.psi_some_share:.0%}"
+    if load.throttled_s:
+        line += f"; throttled {load.throttled_s:.1f} s"
+    return line + (f": BUSY ({load.reason})" if load.busy else ": quiet")
+
+
+def _timings_line(latency: LatencyRecord) -> str | None:
+    """Say the seconds the gate's measurements took (None for records that do not say)."""
+    parts = []
+    if latency.bench_s is not None:
+        parts.append(f"latency benchmark {latency.bench_s:.0f} s")
+    if latency.sizing_s is not None:
+        parts.append(f"fleet sizing {latency.sizing_s:.0f} s")
+    return "; ".join(parts) or None
 
 
 def _fleet_view(record: RunDocs) -> dict[str, Any]:

@@ -1,0 +1,381 @@
+"""Tell how busy the host was while a measurement ran, so a gate verdict measures the model.
+
+A latency figure taken while other work shares the CPUs measures that work as much as the
+model. Each measurement the gate relies on (the latency benchmark of each model, the fleet
+sizing) runs in a *watch* that records, over its window:
+
+- **others' CPU time** on the CPUs it ran on: the busy ticks of those CPUs in ``/proc/stat``
+  (user, nice, system, irq, softirq and steal) less the CPU time of the measurement's own
+  processes (this process, the children it waited for, and its live descendants: the
+  staging service). Steal counts as others' work: on a shared VM it is the neighbours' time;
+- a **calibration kernel**: a fixed single-thread computation timed before and after the
+  window and compared with the fastest time this host has recorded for it (a file under
+  ``BURSTCV_HOME``), which catches what ``/proc/stat`` cannot see (a CPU quota, a slower
+  clock, a noisy VM neighbour);
+- the **CPU pressure** (PSI, ``/proc/pressure/cpu``) and the **throttling** of this process's
+  cgroup by its CPU quota (``cpu.stat``), where the kernel has them.
+
+A busy window is measured again after a pause (bounded, with backoff); a host that stays busy
+makes the measurement *inconclusive* (:class:`HostBusyError`): the caller does not judge the
+model on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Generic, TypeVar
+
+import numpy as np
+import psutil
+
+from burstcv_spec.contracts import (
+    ArtifactError,
+    CalibrationRecord,
+    HostLoad,
+    read_artifact,
+    write_artifact,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PROC_STAT = "/proc/stat"
+PSI_CPU = "/proc/pressure/cpu"
+# /proc/stat's per-CPU fields that are work: user nice system idle iowait irq softirq steal
+# (guest time is already in user).
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
+
+
+@dataclass(frozen=True)
+class BusyLimits:
+    """Say when a host is too busy to measure on, and how long to wait for it to calm down."""
+
+    others_share: float = 0.25  # of the watched CPUs' time taken by other processes
+    slowdown: float = 1.5  # calibration kernel's time over its quiet figure
+    throttled_share: float = 0.05  # of the window the own cgroup was throttled
+    attempts: int = 3  # measurements tried before the verdict is inconclusive
+    backoff_s: float = 5.0  # pause before the second attempt; doubled after each
+
+
+class HostBusyError(RuntimeError, Generic[T]):
+    """A measurement the host's other work spoiled at every attempt: inconclusive, not failed.
+
+    ``loads`` holds each attempt's host load, ``last`` the last attempt's result (its figures
+    are kept for the record, not judged).
+    """
+
+    def __init__(self, what: str, loads: list[HostLoad], last: T) -> None:
+        self.what, self.loads, self.last = what, loads, last
+        reasons = "; ".join(f"attempt {i}: {load.reason}" for i, load in enumerate(loads, start=1))
+        super().__init__(
+            f"{what}: inconclusive, the host was busy through {len(loads)} attempt(s) ({reasons})"
+        )
+
+
+def cpu_ticks(cpus: Sequence[int], text: str | None = None) -> float:
+    """Return the busy seconds of ``cpus`` since boot, from ``/proc/stat`` (or ``text``)."""
+    if text is None:
+        text = Path(PROC_STAT).read_text()
+    wanted = {f"cpu{c}" for c in cpus}
+    ticks = 0
+    for line in text.splitlines():
+        name, _, rest = line.partition(" ")
+        if name in wanted:
+            values = rest.split()
+            ticks += sum(int(values[i]) for i in _BUSY_FIELDS if i < len(values))
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def psi_some_us(text: str | None = None) -> int | None:
+    """Return the CPU pressure's ``some total`` (µs since boot), or None without PSI."""
+    if text is None:
+        try:
+            text = Path(PSI_CPU).read_text()
+        except OSError:
+            return None
+    for line in text.splitlines():
+        if line.startswith("some "):
+            fields = dict(kv.split("=", 1) for kv in line.split()[1:] if "=" in kv)
+            with contextlib.suppress(KeyError, ValueError):
+                return int(fields["total"])
+    return None
+
+
+def _cgroup_cpu_stat() -> Path | None:
+    """Return the cpu.stat of this process's cgroup (v2, or v1's cpu controller)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hid, controllers, path = [*line.split(":", 2), "", ""][:3]
+        if hid == "0" and controllers == "":
+            candidate = Path("/sys/fs/cgroup") / path.lstrip("/") / "cpu.stat"
+        elif "cpu" in controllers.split(","):
+            base = Path("/sys/fs/cgroup") / controllers
+            candidate = base / path.lstrip("/") / "cpu.stat"
+        else:
+            continue
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def throttled_s() -> float | None:
+    """Return the seconds this process's cgroup has been throttled by its CPU quota, or None."""
+    stat = _cgroup_cpu_stat()
+    if stat is None:
+        return None
+    try:
+        fields = dict(line.split() for line in stat.read_text().splitlines() if " " in line)
+    except (OSError, ValueError):
+        return None
+    if "throttled_usec" in fields:  # cgroup v2
+        return int(fields["throttled_usec"]) / 1e6
+    if "throttled_time" in fields:  # cgroup v1, ns
+        return int(fields["throttled_time"]) / 1e9
+    return None
+
+
+def _descendants() -> list[psutil.Process]:
+    with contextlib.suppress(psutil.Error):
+        return list(psutil.Process().children(recursive=True))
+    return []
+
+
+def others_among_descendants(own_pids: Sequence[int]) -> set[int]:
+    """Return the pids of this process's live descendants that are not the measurement's.
+
+    The measurement's are ``own_pids`` and their descendants (a staging service started
+    before the window); a descendant started before the window for another purpose (another
+    service, a training process of the same test process) is a neighbour like any other.
+    """
+    own: set[int] = set(own_pids)
+    for pid in own_pids:
+        with contextlib.suppress(psutil.Error):
+            own.update(p.pid for p in psutil.Process(pid).children(recursive=True))
+    return {p.pid for p in _descendants()} - own
+
+
+def own_cpu_s(exclude: Collection[int] = ()) -> dict[int, float]:
+    """Return the CPU seconds of this process (with the children it waited for) and of each
+    live descendant not in ``exclude``, by pid."""
+    t = os.times()
+    times = {os.getpid(): t.user + t.system + t.children_user + t.children_system}
+    for child in _descendants():
+        if child.pid in exclude:
+            continue
+        with contextlib.suppress(psutil.Error):
+            c = child.cpu_times()
+            times[child.pid] = c.user + c.system
+    return times
+
+
+def _own_delta(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds the own processes took between two samples (a new pid counts from 0)."""
+    return sum(max(0.0, v - before.get(pid, 0.0)) for pid, v in after.items())
+
+
+def calibration_kernel_ms(repeats: int = 3) -> float:
+    """Return the median time (ms) of a fixed single-thread numpy kernel (~30 ms when quiet).
+
+    Longer than a scheduler slice, so a CPU shared with another runnable task shows up as a
+    slower run rather than slipping between its slices.
+    """
+    x = np.linspace(0.0, 1.0, 200_000)
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        y = x
+        for _ in range(100):
+            y = np.sqrt(y * y + 1.0) - 0.5
+        samples.append((time.perf_counter() - t0) * 1000)
+    return float(np.median(samples))
+
+
+def _host_key() -> str:
+    return f"{platform.node()}|{platform.processor() or platform.machine()}|numpy {np.__version__}"
+
+
+@dataclass
+class QuietFigure:
+    """The calibration kernel's fastest time on this host (``CalibrationRecord``, a file)."""
+
+    path: Path | None
+
+    def _record(self) -> CalibrationRecord:
+        if self.path is None or not self.path.exists():
+            return CalibrationRecord()
+        try:
+            return read_artifact(str(self.path), CalibrationRecord)
+        except (OSError, ArtifactError):  # damaged: a missing figure, rewritten by offer
+            return CalibrationRecord()
+
+    def read(self) -> float | None:
+        return self._record().quiet_ms.get(_host_key())
+
+    def offer(self, ms: float) -> None:
+        """Keep ``ms`` if it is faster than the figure so far (a quiet window's reading)."""
+        if self.path is None or not math.isfinite(ms) or ms <= 0:
+            return
+        record = self._record()
+        quiet = record.quiet_ms.get(_host_key())
+        if quiet is not None and quiet <= ms:
+            return
+        updated = CalibrationRecord(quiet_ms={**record.quiet_ms, _host_key(): round(ms, 3)})
+        with contextlib.suppress(OSError):
+            write_artifact(str(self.path), updated)
+
+
+def _now() -> float:
+    """Return the monotonic clock windows are timed by."""
+    return time.monotonic()
+
+
+@dataclass
+class Window:
+    """What a watch sampled at its start; :meth:`close` turns it into a :class:`HostLoad`."""
+
+    cpus: list[int]
+    started: float = field(default_factory=_now)
+    busy_s: float = 0.0
+    own: dict[int, float] = field(default_factory=dict)
+    neighbours: set[int] = field(default_factory=set)
+    psi_us: int | None = None
+    throttled: float | None = None
+
+    @classmethod
+    def open(cls, cpus: Sequence[int], own_pids: Sequence[int] = ()) -> Window:
+        window = cls(cpus=sorted(cpus))
+        window.neighbours = others_among_descendants(own_pids)
+        window.own = own_cpu_s(window.neighbours)
+        window.busy_s = cpu_ticks(window.cpus)
+        window.psi_us = psi_some_us()
+        window.throttled = throttled_s()
+        window.started = _now()
+        return window
+
+    def close(
+        self,
+        limits: BusyLimits,
+        *,
+        calibration_ms: float | None = None,
+        quiet_ms: float | None = None,
+    ) -> HostLoad:
+        wall = max(_now() - self.started, 1e-6)
+        busy = cpu_ticks(self.cpus) - self.busy_s
+        own = _own_delta(self.own, own_cpu_s(self.neighbours))
+        capacity = wall * max(1, len(self.cpus))
+        # Ticks are coarse (10 ms): a share is never below zero nor above the whole.
+        others = min(1.0, max(0.0, (busy - own) / capacity))
+        psi_after, throttled_after = psi_some_us(), throttled_s()
+        psi = (
+            None
+            if self.psi_us is None or psi_after is None
+            else min(1.0, max(0.0, (psi_after - self.psi_us) / 1e6 / wall))
+        )
+        throttled = (
+            None
+            if self.throttled is None or throttled_after is None
+            else max(0.0, throttled_after - self.throttled)
+        )
+        reasons = []
+        if others > limits.others_share:
+            reasons.append(
+                f"other processes took {others:.0%} of CPUs {_cpu_list(self.cpus)} "
+                f"(at most {limits.others_share:.0%})"
+            )
+        if calibration_ms is not None and quiet_ms is not None:
+            slowdown = calibration_ms / quiet_ms
+            if slowdown > limits.slowdown:
+                reasons.append(
+                    f"the calibration kernel ran {slowdown:.1f}x its quiet time "
+                    f"({calibration_ms:.1f} ms vs {quiet_ms:.1f} ms; at most "
+                    f"{limits.slowdown:g}x)"
+                )
+        if throttled is not None and throttled > limits.throttled_share * wall:
+            reasons.append(
+                f"the CPU quota throttled this cgroup for {throttled:.1f} s of {wall:.1f} s"
+            )
+        return HostLoad(
+            cpus=self.cpus,
+            wall_s=round(wall, 3),
+            others_share=round(others, 4),
+            own_cpu_s=round(own, 3),
+            psi_some_share=None if psi is None else round(psi, 4),
+            throttled_s=None if throttled is None else round(throttled, 3),
+            calibration_ms=None if calibration_ms is None else round(calibration_ms, 3),
+            calibration_quiet_ms=None if quiet_ms is None else round(quiet_ms, 3),
+            busy=bool(reasons),
+            reason="; ".join(reasons) or None,
+        )
+
+
+def _cpu_list(cpus: Sequence[int]) -> str:
+    return ",".join(map(str, cpus)) if len(cpus) <= 8 else f"{cpus[0]}-{cpus[-1]}"
+
+
+@contextlib.contextmanager
+def watch(cpus: Sequence[int] | None = None, own_pids: Sequence[int] = ()) -> Iterator[Window]:
+    """Sample the host around a block; close the yielded window afterwards for its load.
+
+    The measurement's processes are this one, what it starts within the block, and
+    ``own_pids`` (with their descendants); everything else on ``cpus`` (default: those this
+    process may run on) is a neighbour.
+    """
+    yield Window.open(cpus if cpus is not None else sorted(os.sched_getaffinity(0)), own_pids)
+
+
+def measure_quietly(
+    what: str,
+    measure: Callable[[], T],
+    *,
+    limits: BusyLimits | None = None,
+    quiet: QuietFigure | None = None,
+    cpus: Sequence[int] | None = None,
+    own_pids: Sequence[int] = (),
+    sleep: Callable[[float], None] = time.sleep,
+    kernel: Callable[[], float] = calibration_kernel_ms,
+) -> tuple[T, HostLoad]:
+    """Run ``measure`` until a run of it finds the host quiet; return its result and load.
+
+    ``own_pids`` are processes started before the call that belong to the measurement (the
+    staging service). Each attempt runs the calibration ``kernel`` before and after; the slower
+    of the two is compared with the quiet figure, the faster offered as one. A busy one is
+    logged and tried again after a pause (``backoff_s``, doubled each time); when every
+    attempt was busy, raise :class:`HostBusyError` with their loads and the last result.
+    """
+    limits = limits or BusyLimits()
+    quiet = quiet or QuietFigure(None)
+    loads: list[HostLoad] = []
+    result: T | None = None
+    for attempt in range(1, max(1, limits.attempts) + 1):
+        before = kernel()
+        with watch(cpus, own_pids) as window:
+            result = measure()
+        after = kernel()
+        quiet_ms = quiet.read()
+        load = window.close(limits, calibration_ms=max(before, after), quiet_ms=quiet_ms)
+        if load.others_share <= limits.others_share:
+            # Nobody else was on the CPUs: the kernel's faster run is a quiet figure.
+            quiet.offer(min(before, after))
+        if not load.busy:
+            if attempt > 1:
+                log.info("%s: the host was quiet at attempt %d", what, attempt)
+            return result, load
+        loads.append(load)
+        log.warning("%s: the host was busy (attempt %d): %s", what, attempt, load.reason)
+        if attempt < limits.attempts:
+            pause = limits.backoff_s * 2 ** (attempt - 1)
+            log.info("%s: measuring again in %.0f s", what, pause)
+            sleep(pause)
+    raise HostBusyError(what, loads, result)
