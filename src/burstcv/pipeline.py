@@ -12,6 +12,7 @@ that travels through XCom.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import tempfile
@@ -914,8 +915,15 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
     inconclusive (:class:`GateInconclusive`, latency.json says why), never a rejection.
     """
     from burstcv.gate.accuracy import onnx_accuracy
-    from burstcv.gate.interference import HostBusyError, QuietFigure, measure_quietly
-    from burstcv.gate.latency import bare_onnxruntime_p50, drive, staging_process
+    from burstcv.gate.interference import (
+        HostBusyError,
+        Placement,
+        QuietFigure,
+        measure_quietly,
+        running_on,
+    )
+    from burstcv.gate.latency import bare_onnxruntime_p50, drive_paired, staging_process
+    from burstcv.gate.sizing import host_cpus, sizing_placement
     from burstcv.registry.registry import PRODUCTION, Registry
     from burstcv.training.job import load_job
     from burstcv_spec.preprocess import eval_view, normalize
@@ -969,33 +977,46 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
             models["production"] = _materialise(
                 registry.version_uri(prod_alias.version), Path(tmp) / "production"
             )
-        for label, folder in models.items():
-            with staging_process(str(folder), queue_delay_target_ms=slo_ms) as (url, proc):
+        # The staging services run on CPUs of their own, the load generator (this process)
+        # on another: the window counts whatever else ran on the services' CPUs.
+        place = Placement.split(host_cpus())
+        with contextlib.ExitStack() as services:
+            urls, pids = {}, []
+            for label, folder in models.items():
+                url, proc = services.enter_context(
+                    staging_process(str(folder), cpus=place.service, queue_delay_target_ms=slo_ms)
+                )
+                urls[label] = url
+                pids.append(proc.pid)
 
-                def load(url: str = url, label: str = label) -> BenchFigures:
-                    return drive(
-                        url,
+            def load() -> dict[str, BenchFigures]:
+                with running_on(place.generator):
+                    return drive_paired(
+                        urls,
                         request_images,
                         requests=s.bench_requests,
                         concurrency=s.bench_concurrency,
                         warmup=s.bench_warmup_requests,
-                        label=label,
                     )
 
-                try:
-                    figures, host_load = measure_quietly(
-                        f"latency of the {label}",
-                        load,
-                        limits=limits,
-                        quiet=quiet,
-                        own_pids=[proc.pid],
-                    )
-                except HostBusyError as exc:
-                    last = exc.last.model_copy(update={"host_load": exc.loads[-1]})
-                    results.setdefault("candidate", last)
-                    results[label] = last
-                    timings["bench_s"] = round(time.monotonic() - started, 1)
-                    raise inconclusive(exc) from None
+            what = "latency of the candidate" + (" and production" if len(urls) > 1 else "")
+            try:
+                paired, host_load = measure_quietly(
+                    what,
+                    load,
+                    limits=limits,
+                    quiet=quiet,
+                    cpus=place.service,
+                    own_pids=pids,
+                    isolated=place.isolated,
+                )
+            except HostBusyError as exc:
+                for label, figures in exc.last.items():
+                    results[label] = figures.model_copy(update={"host_load": exc.loads[-1]})
+                timings["bench_s"] = round(time.monotonic() - started, 1)
+                raise inconclusive(exc) from None
+        for label, folder in models.items():
+            figures = paired[label]
             measured: dict[str, Any] = {"accuracy_note": None, "host_load": host_load}
             try:
                 measured["accuracy"] = onnx_accuracy(folder, val_x, val_labels)
@@ -1013,7 +1034,7 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
             results[label] = figures
             log.info(
                 "%s: p50 %.2f ms p95 %.2f ms p99 %.2f ms, %.1f req/s, errors %d, shed %d, "
-                "accuracy %s; others took %.0f%% of the CPUs",
+                "accuracy %s; others took %.0f%% of the service's CPUs",
                 label,
                 figures.p50_ms,
                 figures.p95_ms,
@@ -1026,12 +1047,15 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
             )
         timings["bench_s"] = round(time.monotonic() - started, 1)
         started = time.monotonic()
+        sizing_place = sizing_placement(s.sizing_max_vcpus or None)
         try:
             sizing, sizing_load = measure_quietly(
                 "fleet sizing",
                 lambda: _size_fleet(str(models["candidate"]), request_images, resolved, s),
                 limits=limits,
                 quiet=quiet,
+                cpus=sizing_place.service,
+                isolated=sizing_place.isolated,
             )
         except HostBusyError as exc:
             timings["sizing_s"] = round(time.monotonic() - started, 1)

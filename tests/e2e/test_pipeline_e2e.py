@@ -32,7 +32,7 @@ from burstcv.pipeline import run_layout
 from burstcv.registry.registry import PRODUCTION, Registry
 from burstcv.settings import get_settings
 from burstcv_spec import storage
-from burstcv_spec.contracts import SkipRecord, read_artifact
+from burstcv_spec.contracts import LatencyRecord, SkipRecord, read_artifact
 from burstcv_spec.storage import safe_run_id
 
 pytestmark = pytest.mark.e2e
@@ -218,6 +218,12 @@ def test_a_forced_run_trains_and_a_rejected_candidate_is_not_deployed_saying_why
         deploy_lines[0],
     ), deploy_lines
     assert "no CPU size meets p95 <= 0.001 ms" in entry.reason
+    # Production was measured beside the candidate, interleaved in one watched window.
+    latency = read_artifact(run_layout(run_id).latency, LatencyRecord)
+    assert latency.production is not None and latency.production.version == before.version
+    assert latency.production.requests == latency.candidate.requests
+    assert latency.candidate.host_load is not None
+    assert latency.production.host_load == latency.candidate.host_load
     gate_lines = [m for m in caplog.messages if "gate check " in m]
     assert [line.split(":")[1].split()[-1] for line in gate_lines[:3]] == [
         "latency_p95",

@@ -5,7 +5,8 @@ validated manifest, the exported demo model); ``pipeline.benchmark`` then measur
 real staging services, with the fleet sizing. On a quiet host the model passes the gate; on
 a host kept busy on purpose (burners on the same CPUs, bounded in time) the benchmark is
 inconclusive with the reason: nothing is registered, nothing rejected, and the report and
-latency.json say why.
+latency.json say why; with the burners kept off the staging services' CPUs (isolation
+working), the same model passes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from burstcv_testkit import cpu_burners, demo_val_images, export_trained
 
 from burstcv import pipeline
 from burstcv.data.manifest import write_manifest
+from burstcv.gate.interference import Placement
 from burstcv.gate.latency import drive, staging_service
+from burstcv.gate.sizing import host_cpus
 from burstcv.params import RunParams
 from burstcv.registry.registry import Registry
 from burstcv.settings import Settings
@@ -143,6 +146,30 @@ def test_a_busy_host_makes_the_gate_inconclusive_never_a_rejection(
     assert Registry(s.registry_uri, s.model_name).versions() == []
     page = storage.read_bytes(pipeline.report(run, s)).decode()
     assert "Inconclusive, nothing judged" in page and "BUSY" in page
+
+
+@pytest.mark.skipif(len(host_cpus()) < 2, reason="isolation needs two CPUs")
+def test_a_busy_host_with_the_services_isolated_from_it_measures_the_model_and_it_passes(
+    tmp_path: Path,
+    trained_demo: dict[str, Any],
+    exported_demo: Path,
+    demo_dataset: Path,
+) -> None:
+    s = settings(tmp_path)
+    run, exported = prepared_run("isolated", s, trained_demo, exported_demo, demo_dataset)
+    place = Placement.split(host_cpus())
+    # The neighbours are kept off the staging services' CPUs (as a dedicated worker's cpuset
+    # would): they share the load generator's.
+    with cpu_burners(per_cpu=2, seconds=180, cpus=place.generator):
+        bench = pipeline.benchmark(run, s)
+    record = read_artifact(pipeline.run_layout(run, s).latency, LatencyRecord)
+    assert record.inconclusive is None
+    load = record.candidate.host_load
+    assert load is not None and load.cpus == place.service and not load.busy, load
+    assert bench.sizing is not None and bench.sizing.host_load is not None
+    assert bench.sizing.host_load.cpus == place.service and not bench.sizing.host_load.busy
+    verdict = pipeline.gate(run, exported, bench, s)
+    assert verdict.promote, verdict.summary
 
 
 def test_the_staging_copy_sheds_past_its_target_and_shedding_is_not_an_error(

@@ -59,7 +59,7 @@ _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
 class BusyLimits:
     """Say when a host is too busy to measure on, and how long to wait for it to calm down."""
 
-    others_share: float = 0.25  # of the watched CPUs' time taken by other processes
+    others_share: float = 0.5  # of the watched CPUs' time taken by other processes
     slowdown: float = 1.5  # calibration kernel's time over its quiet figure
     throttled_share: float = 0.05  # of the window the own cgroup was throttled
     attempts: int = 3  # measurements tried before the verdict is inconclusive
@@ -166,11 +166,13 @@ def others_among_descendants(own_pids: Sequence[int]) -> set[int]:
     return {p.pid for p in _descendants()} - own
 
 
-def own_cpu_s(exclude: Collection[int] = ()) -> dict[int, float]:
+def own_cpu_s(exclude: Collection[int] = (), *, include_self: bool = True) -> dict[int, float]:
     """Return the CPU seconds of this process (with the children it waited for) and of each
-    live descendant not in ``exclude``, by pid."""
+    live descendant not in ``exclude``, by pid. ``include_self=False``: the children's alone
+    (this process's own threads ran elsewhere)."""
     t = os.times()
-    times = {os.getpid(): t.user + t.system + t.children_user + t.children_system}
+    mine = t.user + t.system if include_self else 0.0
+    times = {os.getpid(): mine + t.children_user + t.children_system}
     for child in _descendants():
         if child.pid in exclude:
             continue
@@ -241,6 +243,41 @@ def _now() -> float:
     return time.monotonic()
 
 
+@contextlib.contextmanager
+def running_on(cpus: Collection[int]) -> Iterator[None]:
+    """Run this thread on ``cpus`` for a while (the threads and children it starts, too)."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, set(cpus))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a measurement runs: the measured service's CPUs and the load generator's.
+
+    ``isolated``: the two sets are disjoint, so the service's CPUs carry the service alone
+    (and whatever else the host puts there: what the window counts as others').
+    """
+
+    service: list[int]
+    generator: list[int]
+
+    @property
+    def isolated(self) -> bool:
+        return not set(self.service) & set(self.generator)
+
+    @classmethod
+    def split(cls, cpus: Sequence[int]) -> Placement:
+        """Give the load generator the first CPU and the service the rest (one CPU: both)."""
+        cpus = sorted(cpus)
+        if len(cpus) < 2:
+            return cls(service=list(cpus), generator=list(cpus))
+        return cls(service=list(cpus[1:]), generator=[cpus[0]])
+
+
 @dataclass
 class Window:
     """What a watch sampled at its start; :meth:`close` turns it into a :class:`HostLoad`."""
@@ -252,17 +289,25 @@ class Window:
     neighbours: set[int] = field(default_factory=set)
     psi_us: int | None = None
     throttled: float | None = None
+    # This process (the load generator) runs on other CPUs than ``cpus``: its own threads'
+    # time is not the measurement's there, only its children's (the services).
+    isolated: bool = False
 
     @classmethod
-    def open(cls, cpus: Sequence[int], own_pids: Sequence[int] = ()) -> Window:
-        window = cls(cpus=sorted(cpus))
+    def open(
+        cls, cpus: Sequence[int], own_pids: Sequence[int] = (), *, isolated: bool = False
+    ) -> Window:
+        window = cls(cpus=sorted(cpus), isolated=isolated)
         window.neighbours = others_among_descendants(own_pids)
-        window.own = own_cpu_s(window.neighbours)
+        window.own = window._own_now()
         window.busy_s = cpu_ticks(window.cpus)
         window.psi_us = psi_some_us()
         window.throttled = throttled_s()
         window.started = _now()
         return window
+
+    def _own_now(self) -> dict[int, float]:
+        return own_cpu_s(self.neighbours, include_self=not self.isolated)
 
     def close(
         self,
@@ -273,7 +318,7 @@ class Window:
     ) -> HostLoad:
         wall = max(_now() - self.started, 1e-6)
         busy = cpu_ticks(self.cpus) - self.busy_s
-        own = _own_delta(self.own, own_cpu_s(self.neighbours))
+        own = _own_delta(self.own, self._own_now())
         capacity = wall * max(1, len(self.cpus))
         # Ticks are coarse (10 ms): a share is never below zero nor above the whole.
         others = min(1.0, max(0.0, (busy - own) / capacity))
@@ -325,14 +370,26 @@ def _cpu_list(cpus: Sequence[int]) -> str:
 
 
 @contextlib.contextmanager
-def watch(cpus: Sequence[int] | None = None, own_pids: Sequence[int] = ()) -> Iterator[Window]:
+def watch(
+    cpus: Sequence[int] | None = None, own_pids: Sequence[int] = (), *, isolated: bool = False
+) -> Iterator[Window]:
     """Sample the host around a block; close the yielded window afterwards for its load.
 
     The measurement's processes are this one, what it starts within the block, and
     ``own_pids`` (with their descendants); everything else on ``cpus`` (default: those this
-    process may run on) is a neighbour.
+    process may run on) is a neighbour. ``isolated``: this process (the load generator) runs
+    on other CPUs than ``cpus``, so only the processes it started count as the measurement's.
     """
-    yield Window.open(cpus if cpus is not None else sorted(os.sched_getaffinity(0)), own_pids)
+    cpus = cpus if cpus is not None else sorted(os.sched_getaffinity(0))
+    yield Window.open(cpus, own_pids, isolated=isolated)
+
+
+def _on(cpus: Sequence[int] | None, kernel: Callable[[], float]) -> float:
+    """Run the calibration kernel on ``cpus`` (None: wherever this thread runs)."""
+    if cpus is None:
+        return kernel()
+    with running_on(cpus):
+        return kernel()
 
 
 def measure_quietly(
@@ -343,13 +400,17 @@ def measure_quietly(
     quiet: QuietFigure | None = None,
     cpus: Sequence[int] | None = None,
     own_pids: Sequence[int] = (),
+    isolated: bool = False,
     sleep: Callable[[float], None] = time.sleep,
     kernel: Callable[[], float] = calibration_kernel_ms,
 ) -> tuple[T, HostLoad]:
     """Run ``measure`` until a run of it finds the host quiet; return its result and load.
 
     ``own_pids`` are processes started before the call that belong to the measurement (the
-    staging service). Each attempt runs the calibration ``kernel`` before and after; the slower
+    staging service). ``isolated``: this process runs on other CPUs than ``cpus``
+    (:class:`Placement`), so only its children count as the measurement's there; the
+    calibration kernel runs on ``cpus``. Each attempt runs the calibration ``kernel``
+    before and after; the slower
     of the two is compared with the quiet figure, the faster offered as one. A busy one is
     logged and tried again after a pause (``backoff_s``, doubled each time); when every
     attempt was busy, raise :class:`HostBusyError` with their loads and the last result.
@@ -359,10 +420,10 @@ def measure_quietly(
     loads: list[HostLoad] = []
     result: T | None = None
     for attempt in range(1, max(1, limits.attempts) + 1):
-        before = kernel()
-        with watch(cpus, own_pids) as window:
+        before = _on(cpus if isolated else None, kernel)
+        with watch(cpus, own_pids, isolated=isolated) as window:
             result = measure()
-        after = kernel()
+        after = _on(cpus if isolated else None, kernel)
         quiet_ms = quiet.read()
         load = window.close(limits, calibration_ms=max(before, after), quiet_ms=quiet_ms)
         if load.others_share <= limits.others_share:

@@ -2,8 +2,8 @@
 
 A staging service process is started on a free 127.0.0.1 port with the model folder, pinned
 to the production thread settings, warmed, and driven with a fixed request mix at a fixed
-concurrency. The candidate and the production model are measured in the same run, one after
-the other, so a noisy machine shifts both.
+concurrency. The candidate and the production model are measured in the same window,
+interleaved (:func:`drive_paired`), so a noisy machine shifts both alike.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -142,37 +143,49 @@ def wait_ready(
     raise TimeoutError(f"{url} was not ready after {timeout_s:.0f}s")
 
 
-def drive(
+@dataclass
+class _Sample:
+    """What a stretch of load collected: each request's latency and status, and its wall time."""
+
+    latencies: list[float] = field(default_factory=list)
+    statuses: dict[str, int] = field(default_factory=dict)
+    shed: int = 0
+    wall_s: float = 0.0
+
+    def add(self, other: _Sample) -> None:
+        self.latencies += other.latencies
+        for code, n in other.statuses.items():
+            self.statuses[code] = self.statuses.get(code, 0) + n
+        self.shed += other.shed
+        self.wall_s += other.wall_s
+
+
+def _warm(url: str, images: list[bytes], warmup: int, content_type: str) -> None:
+    with httpx.Client(timeout=30.0) as client:
+        for i in range(warmup):
+            client.post(
+                f"{url}/v1/predict",
+                files={"file": ("w.png", images[i % len(images)], content_type)},
+            )
+
+
+def _send(
     url: str,
     images: list[bytes],
     *,
     requests: int,
     concurrency: int,
-    warmup: int,
-    label: str,
-    content_type: str = "image/png",
-) -> BenchFigures:
-    """Send ``requests`` predictions (cycling through ``images``) from ``concurrency`` clients.
-
-    The figures' accuracy is left unmeasured (None): the caller measures it on the validation
-    split, which the request mix is too small to judge. A 503 with Retry-After is the
-    service shedding a request that queued past its target: counted as ``shed``, not as an
-    error, and its latency (the time it queued) counts in the percentiles.
-    """
-    if not images:
-        raise ValueError("no images to send")
+    content_type: str,
+    first: int = 0,
+) -> _Sample:
+    """Send ``requests`` predictions from ``concurrency`` clients, each as soon as the last
+    answered (closed loop); image ``first + i`` of the cycle is request ``i``'s."""
     endpoint = f"{url}/v1/predict"
-    with httpx.Client(timeout=30.0) as client:
-        for i in range(warmup):
-            client.post(endpoint, files={"file": ("w.png", images[i % len(images)], content_type)})
-    counter = iter(range(requests))
+    counter = iter(range(first, first + requests))
     lock = threading.Lock()
-    latencies: list[float] = []
-    statuses: dict[str, int] = {}
-    shed = 0
+    sample = _Sample()
 
     def worker() -> None:
-        nonlocal shed
         with httpx.Client(timeout=30.0) as client:
             while True:
                 with lock:
@@ -192,35 +205,108 @@ def drive(
                     code = type(exc).__name__
                 elapsed = (time.perf_counter() - t0) * 1000
                 with lock:
-                    latencies.append(elapsed)
-                    statuses[code] = statuses.get(code, 0) + 1
-                    shed += was_shed
+                    sample.latencies.append(elapsed)
+                    sample.statuses[code] = sample.statuses.get(code, 0) + 1
+                    sample.shed += was_shed
 
     t_start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         for _ in range(concurrency):
             pool.submit(worker)
-    wall = time.perf_counter() - t_start
-    arr = np.asarray(latencies)
-    errors = sum(n for code, n in statuses.items() if code != "200") - shed
+    sample.wall_s = time.perf_counter() - t_start
+    return sample
+
+
+def _figures(label: str, sample: _Sample, concurrency: int) -> BenchFigures:
+    arr = np.asarray(sample.latencies)
+    errors = sum(n for code, n in sample.statuses.items() if code != "200") - sample.shed
     return BenchFigures(
         label=label,
-        requests=len(latencies),
+        requests=len(sample.latencies),
         concurrency=concurrency,
         errors=errors,
-        shed=shed,
-        error_rate=errors / max(1, len(latencies)),
+        shed=sample.shed,
+        error_rate=errors / max(1, len(sample.latencies)),
         p50_ms=float(np.percentile(arr, 50)),
         p95_ms=float(np.percentile(arr, 95)),
         p99_ms=float(np.percentile(arr, 99)),
         mean_ms=float(arr.mean()),
-        throughput_rps=len(latencies) / wall,
-        wall_s=wall,
-        latencies_ms=[round(x, 4) for x in latencies],
-        status_counts=statuses,
+        throughput_rps=len(sample.latencies) / max(sample.wall_s, 1e-9),
+        wall_s=sample.wall_s,
+        latencies_ms=[round(x, 4) for x in sample.latencies],
+        status_counts=sample.statuses,
         accuracy=None,
         accuracy_note="not measured: latency only",
     )
+
+
+def drive(
+    url: str,
+    images: list[bytes],
+    *,
+    requests: int,
+    concurrency: int,
+    warmup: int,
+    label: str,
+    content_type: str = "image/png",
+) -> BenchFigures:
+    """Send ``requests`` predictions (cycling through ``images``) from ``concurrency`` clients.
+
+    The figures' accuracy is left unmeasured (None): the caller measures it on the validation
+    split, which the request mix is too small to judge. A 503 with Retry-After is the
+    service shedding a request that queued past its target: counted as ``shed``, not as an
+    error, and its latency (the time it queued) counts in the percentiles.
+    """
+    if not images:
+        raise ValueError("no images to send")
+    _warm(url, images, warmup, content_type)
+    sample = _send(
+        url, images, requests=requests, concurrency=concurrency, content_type=content_type
+    )
+    return _figures(label, sample, concurrency)
+
+
+def drive_paired(
+    urls: dict[str, str],
+    images: list[bytes],
+    *,
+    requests: int,
+    concurrency: int,
+    warmup: int,
+    rounds: int = 4,
+    content_type: str = "image/png",
+) -> dict[str, BenchFigures]:
+    """Measure several services in the same window, interleaved: like with like.
+
+    Each service (by label) gets ``requests`` predictions in ``rounds`` stretches, the
+    services taking turns, the order reversed every other round (A B B A ...), so a host
+    that grows busier or quieter during the window shifts them all alike. Each stretch
+    sends the same images to every service. Figures as :func:`drive` gives them.
+    """
+    if not images:
+        raise ValueError("no images to send")
+    if not urls:
+        return {}
+    for url in urls.values():
+        _warm(url, images, warmup, content_type)
+    rounds = max(1, min(rounds, requests))
+    samples = {label: _Sample() for label in urls}
+    labels, sent = list(urls), 0
+    for r in range(rounds):
+        chunk = requests * (r + 1) // rounds - sent
+        for label in labels if r % 2 == 0 else reversed(labels):
+            samples[label].add(
+                _send(
+                    urls[label],
+                    images,
+                    requests=chunk,
+                    concurrency=concurrency,
+                    content_type=content_type,
+                    first=sent,
+                )
+            )
+        sent += chunk
+    return {label: _figures(label, samples[label], concurrency) for label in labels}
 
 
 def is_shed(response: httpx.Response) -> bool:

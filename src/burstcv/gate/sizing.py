@@ -29,6 +29,7 @@ import psutil
 
 from burstcv.cost.model import DEFAULT_HEADROOM, fleet_cost, replicas_for
 from burstcv.cost.pricing import instance_shapes
+from burstcv.gate.interference import Placement, running_on
 from burstcv.gate.latency import staging_process
 from burstcv_spec.contracts import FleetOption, LoadStep, PriceQuote, SizePoint, SizingReport
 
@@ -222,20 +223,24 @@ def _rss_mb(proc: psutil.Process) -> float:
     return total / 2**20
 
 
-@contextlib.contextmanager
-def _running_on(cpus: set[int]) -> Iterator[None]:
-    """Run this process on ``cpus`` for a while (its children started meanwhile too)."""
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
 def host_cpus() -> list[int]:
     """Return the CPUs this process may run on, in order."""
     return sorted(os.sched_getaffinity(0))
+
+
+def size_placement(cpus: Sequence[int], vcpus: int) -> Placement:
+    """Place a ``vcpus``-CPU service on the last CPUs and the load generator (this process)
+    on the others, as the latency benchmark does (:meth:`Placement.split`); with every CPU
+    the service's, the generator shares the first."""
+    cpus = sorted(cpus)
+    cut = max(0, len(cpus) - vcpus)
+    return Placement(service=cpus[cut:], generator=cpus[:cut] or cpus[:1])
+
+
+def sizing_placement(max_vcpus: int | None = None) -> Placement:
+    """Return where the sizing's largest service runs (its watched CPUs) and its generator."""
+    cpus = host_cpus()
+    return size_placement(cpus, min(len(cpus), max_vcpus or len(cpus)))
 
 
 def measure_sizes(
@@ -252,12 +257,10 @@ def measure_sizes(
     sizes = range(1, min(len(cpus), max_vcpus or len(cpus)) + 1)
     points, start = [], None
     for vcpus in sizes:
-        # The load generator (this process) runs on the CPUs the service does not use, or on
-        # the last one when the service has them all.
-        generator = set(cpus[vcpus:]) or {cpus[-1]}
+        place = size_placement(cpus, vcpus)
         with (
-            _running_on(generator),
-            pinned_service(model_dir, cpus[:vcpus], latency_slo_ms) as (url, proc),
+            running_on(place.generator),
+            pinned_service(model_dir, place.service, latency_slo_ms) as (url, proc),
         ):
             open_loop(url, images, rate_rps=5.0, duration_s=1.0)  # warm-up
             before = _cpu_seconds(proc)
