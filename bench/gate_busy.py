@@ -1,12 +1,19 @@
-"""The gate's latency measurement of the demo model on a quiet host and on a busy one.
+"""The gate's latency measurement of the demo model: quiet, busy, and busy with isolation.
 
 Trains (or reuses, ``--model-dir``) the demo digits model, then measures it as the benchmark
-stage does (a staging copy of the real service, the closed-loop request mix, in an
-interference watch) in rounds that alternate: quiet, busy (CPU burners, ``--burners`` per CPU,
-on the same CPUs), quiet, busy, ... It prints, side by side, the p95 of each condition, its
-ratio to quiet, how busy the watch found the host, and what the gate does with it: before
-``burstcv.gate.interference`` a busy p95 was judged (and a miss rejected the model); now a
-busy window is inconclusive and the model is not judged on it.
+stage does (a staging copy of the real service pinned to CPUs of its own, the load generator
+on another, the closed-loop request mix, in an interference watch of the service's CPUs) in
+rounds that alternate three conditions:
+
+- quiet;
+- busy: CPU burners (``--burners`` per CPU) on every CPU, the service's included;
+- busy, isolated: as many burners, all kept on the load generator's CPU (as a dedicated
+  worker's cpuset keeps the neighbours off the benchmark's CPUs).
+
+It prints, side by side, the p95 of each, its ratio to quiet, how busy the watch found the
+service's CPUs, and what the gate does with it: before ``burstcv.gate.interference`` a busy
+p95 was judged (and a miss rejected the model); now a busy window is inconclusive and the
+model is not judged on it. Needs two CPUs or more for the isolated condition.
 
     PYTHONPATH=src:serving:spec python bench/gate_busy.py [--burners 3] [--rounds 3]
     PYTHONPATH=src:serving:spec python bench/gate_busy.py --model-dir DIR --images PNGS
@@ -30,7 +37,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from burstcv.gate.interference import BusyLimits, HostBusyError, measure_quietly
+from burstcv.gate.interference import (
+    BusyLimits,
+    HostBusyError,
+    Placement,
+    measure_quietly,
+    running_on,
+)
 from burstcv.gate.latency import drive, staging_process
 
 _BURNER = (
@@ -43,11 +56,11 @@ _BURNER = (
 
 
 @contextlib.contextmanager
-def burners(per_cpu: int) -> Iterator[None]:
+def burners(count: int, cpus: list[int]) -> Iterator[None]:
+    """Start ``count`` spinning processes, spread over ``cpus``."""
     procs = [
-        subprocess.Popen([sys.executable, "-c", _BURNER, str(cpu)])
-        for cpu in sorted(os.sched_getaffinity(0))
-        for _ in range(per_cpu)
+        subprocess.Popen([sys.executable, "-c", _BURNER, str(cpus[i % len(cpus)])])
+        for i in range(count)
     ]
     try:
         yield
@@ -101,29 +114,44 @@ def main() -> None:
             if not images:
                 raise SystemExit("--model-dir needs --images, a folder of PNGs to send")
         limits = BusyLimits(attempts=1)
-        figures: dict[str, list[tuple[float, float, bool]]] = {"quiet": [], "busy": []}
-        with staging_process(str(model_dir), queue_delay_target_ms=args.slo_ms) as (url, proc):
+        cpus = sorted(os.sched_getaffinity(0))
+        place = Placement.split(cpus)
+        total = args.burners * len(cpus)
+        conditions = {
+            "quiet": None,
+            "busy": cpus,
+            "isolated": place.generator if place.isolated else None,
+        }
+        if not place.isolated:
+            del conditions["isolated"]
+        figures: dict[str, list[tuple[float, float, bool]]] = {c: [] for c in conditions}
+        with staging_process(
+            str(model_dir), cpus=place.service, queue_delay_target_ms=args.slo_ms
+        ) as (url, proc):
 
             def load(condition: str = "quiet") -> Any:
-                return drive(
-                    url,
-                    images,
-                    requests=args.requests,
-                    concurrency=args.concurrency,
-                    warmup=10,
-                    label=condition,
-                )
+                with running_on(place.generator):
+                    return drive(
+                        url,
+                        images,
+                        requests=args.requests,
+                        concurrency=args.concurrency,
+                        warmup=10,
+                        label=condition,
+                    )
 
             for _ in range(args.rounds):
-                for condition in ("quiet", "busy"):
-                    held = burners(args.burners) if condition == "busy" else None
-                    with held or contextlib.nullcontext():
+                for condition, on in conditions.items():
+                    held = burners(total, on) if on else contextlib.nullcontext()
+                    with held:
                         try:
                             result, host = measure_quietly(
                                 condition,
                                 functools.partial(load, condition),
                                 limits=limits,
+                                cpus=place.service,
                                 own_pids=[proc.pid],
+                                isolated=place.isolated,
                             )
                             busy = False
                         except HostBusyError as exc:
@@ -133,10 +161,12 @@ def main() -> None:
     print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
     print(
         f"demo model, {args.requests} requests at concurrency {args.concurrency}, "
-        f"SLO {args.slo_ms:g} ms, busy = {args.burners} burner(s) per CPU"
+        f"SLO {args.slo_ms:g} ms; service on CPU(s) {place.service}, generator on "
+        f"{place.generator}; busy = {total} burner(s) on every CPU; isolated = {total} "
+        f"burner(s) on the generator's CPU(s) only"
     )
     print(f"{'condition':<10}{'p95 ms':>9}{'x quiet':>9}{'others':>9}  gate then / gate now")
-    for condition in ("quiet", "busy"):
+    for condition in conditions:
         for p95, others, busy in figures[condition]:
             then = "promote" if p95 <= args.slo_ms else "REJECT"
             now = "inconclusive" if busy else then

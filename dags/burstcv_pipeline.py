@@ -150,10 +150,16 @@ def burstcv_pipeline() -> None:
 
         return pipeline.export(_run(run_id), SETTINGS).model_dump(mode="json")
 
-    # In a pool of its own: two runs' measurements on one host would measure each other. A
+    # In a pool of its own: two runs' measurements on one host would measure each other; on
+    # the CeleryExecutor, on a queue a worker of its own serves (BURSTCV_BENCH_QUEUE). A
     # host too busy to measure on fails it as inconclusive (pipeline.GateInconclusive), and
     # the retries measure again later; nothing is judged meanwhile.
-    @task(execution_timeout=timedelta(minutes=30), pool=SETTINGS.bench_pool, **SAFE_RETRY)
+    @task(
+        execution_timeout=timedelta(minutes=30),
+        pool=SETTINGS.bench_pool,
+        **({"queue": SETTINGS.bench_queue} if SETTINGS.bench_queue else {}),
+        **SAFE_RETRY,
+    )
     def benchmark(run_id: str | None = None) -> dict[str, Any]:
         """Measure candidate and production latency, and size the candidate's CPU fleet."""
         from burstcv import pipeline

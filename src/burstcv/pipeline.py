@@ -999,6 +999,12 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
                         warmup=s.bench_warmup_requests,
                     )
 
+            def passes(paired: dict[str, BenchFigures]) -> bool:
+                # The latency checks the gate makes of the candidate (neighbours only slow
+                # it down: a pass measured beside them is a pass).
+                candidate = paired["candidate"]
+                return candidate.p95_ms <= slo_ms and candidate.errors == 0
+
             what = "latency of the candidate" + (" and production" if len(urls) > 1 else "")
             try:
                 paired, host_load = measure_quietly(
@@ -1009,6 +1015,7 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
                     cpus=place.service,
                     own_pids=pids,
                     isolated=place.isolated,
+                    passes=passes,
                 )
             except HostBusyError as exc:
                 for label, figures in exc.last.items():

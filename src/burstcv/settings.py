@@ -124,6 +124,10 @@ class Settings(BaseSettings):
     # default, so no two runs' measurements overlap.
     bench_pool: str = "burstcv_bench"
     bench_pool_slots: int = Field(default=1, ge=1)
+    # The Celery queue the benchmark task goes to ("": the executor's default queue). The
+    # production stack sets it, and runs a worker of its own for that queue alone
+    # (docker-compose.yaml's airflow-bench-worker): no training shares its CPUs.
+    bench_queue: str = ""
     # Interference (burstcv.gate.interference): a measurement is busy when other processes
     # took more than this share of its CPUs, or the calibration kernel ran this much slower
     # than its quiet figure; it is tried this many times, the pause doubling from the

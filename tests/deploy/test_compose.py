@@ -42,11 +42,14 @@ AIRFLOW_SERVICES = {
     "airflow-dag-processor": "dag-processor",
     "airflow-triggerer": "triggerer",
     "airflow-worker": "celery worker",
+    "airflow-bench-worker": "celery worker",
 }
 INFRA = {"postgres", "redis", "airflow-init", "serving", "moto"}
 # Services that run burstcv's Airflow image (airflow-init too), and the image target of each.
 AIRFLOW_IMAGE_SERVICES = [*AIRFLOW_SERVICES, "airflow-init"]
 WORKER = "airflow-worker"
+# The workers: the main one, and the benchmark's own (one image, the one with torch).
+WORKERS = {WORKER, "airflow-bench-worker"}
 # The stack's secrets: compose must refuse to start without each (no default anywhere).
 SECRETS = (
     "AIRFLOW_FERNET_KEY",
@@ -311,7 +314,7 @@ def test_each_airflow_service_builds_its_own_target(compose: dict[str, Any]) -> 
         build = builds[name]
         assert (REPO / build["context"]).resolve() == REPO, name
         assert build["dockerfile"] == AIRFLOW_DOCKERFILE, name
-        expected = "worker" if name == WORKER else "airflow"
+        expected = "worker" if name in WORKERS else "airflow"
         assert build["target"] == expected, f"{name} builds {build['target']}"
         assert build["target"] in stages, f"{name}: no stage {build['target']}"
         images.setdefault(build["target"], set()).add(compose["services"][name]["image"])
@@ -390,8 +393,8 @@ def test_only_the_worker_image_installs_torch(compose: dict[str, Any]) -> None:
         chain = stage_chain(stages, build["target"])
         runs = " ".join(run for stage in chain for run in stage.runs)
         trains = TRAIN_LOCK in copied_sources(chain)
-        assert trains == (name == WORKER), f"{name} ({build['target']}) installs torch: {trains}"
-        assert ("requirements-train.txt" in runs) == (name == WORKER), name
+        assert trains == (name in WORKERS), f"{name} ({build['target']}) installs torch: {trains}"
+        assert ("requirements-train.txt" in runs) == (name in WORKERS), name
         # Every Airflow image installs the runtime lock (the worker through its FROM airflow).
         assert RUNTIME_LOCK in copied_sources(chain) and "requirements-runtime.txt" in runs
     serving = REPO / "serving" / "Dockerfile"
@@ -483,6 +486,35 @@ def test_a_local_stack_reaps_only_local_compute(
         given = {**SECRET_VALUES, "AIRFLOW_CONN_AWS_DEFAULT": '{"conn_type": "aws"}'}
         use_container_env(patch, env_of(compose["services"][WORKER]), given)
         assert PipelineSettings().reaper_backend_names() == ["local", "ec2"]
+
+
+def test_the_benchmark_has_a_worker_of_its_own_serving_its_queue_alone(
+    compose: dict[str, Any],
+) -> None:
+    services = compose["services"]
+    queue = interpolate(env_of(services[WORKER])["BURSTCV_BENCH_QUEUE"], {})
+    assert queue == "burstcv_bench"
+    bench = services["airflow-bench-worker"]
+    args = interpolate(bench["command"], {}).split()
+    assert args[args.index("--queues") + 1] == queue  # that queue alone
+    assert args[args.index("--concurrency") + 1] == "1"  # one measurement at a time
+    assert "--queues" not in services[WORKER]["command"]  # the default queue: every other task
+    # The DAG, parsed with the stack's setting, sends the benchmark there and nothing else.
+    parse = (
+        "from airflow.dag_processing.dagbag import DagBag\n"
+        f"bag = DagBag(dag_folder={str(REPO / 'dags' / 'burstcv_pipeline.py')!r})\n"
+        "dag = bag.get_dag('burstcv_pipeline')\n"
+        "print(sorted({t.task_id for t in dag.tasks if t.queue == 'burstcv_bench'}))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", parse],
+        env={**os.environ, "BURSTCV_BENCH_QUEUE": queue},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "['benchmark']", result.stdout
 
 
 def test_commands_name_real_airflow_commands_and_modules(compose: dict[str, Any]) -> None:

@@ -63,10 +63,11 @@ def prepared_run(
     trained_demo: dict[str, Any],
     exported_demo: Path,
     demo_dataset: Path,
+    **conf: Any,
 ) -> tuple[RunRef, Exported]:
     """Write a run's folder as the stages before the benchmark do; return it and its export."""
     run = RunRef.of(f"manual__{name}")
-    params = RunParams.resolve({"dataset_uri": str(demo_dataset), "accuracy_floor": 0.5}, s)
+    params = RunParams.resolve({"dataset_uri": str(demo_dataset), "accuracy_floor": 0.5, **conf}, s)
     pipeline.resolve_run(run, params, s, trigger="manual")
     paths = pipeline.run_layout(run, s)
     write_job(trained_demo["job"], paths.job_spec)
@@ -124,7 +125,11 @@ def test_a_busy_host_makes_the_gate_inconclusive_never_a_rejection(
     demo_dataset: Path,
 ) -> None:
     s = settings(tmp_path)
-    run, _ = prepared_run("busy-host", s, trained_demo, exported_demo, demo_dataset)
+    # An SLO the model meets on a quiet host (p95 under 10 ms) and misses beside the burners:
+    # a pass measured beside them would have been kept.
+    run, _ = prepared_run(
+        "busy-host", s, trained_demo, exported_demo, demo_dataset, latency_slo_ms=20.0
+    )
     # Three other processes per CPU, as a neighbour's training and tests would be; they stop
     # by themselves within two minutes whatever happens here.
     with (

@@ -326,6 +326,33 @@ def test_a_quiet_host_is_measured_once_without_a_recorded_figure(
     assert load.calibration_quiet_ms is None  # nowhere to keep one: none to compare with
 
 
+def test_a_busy_result_that_passes_even_so_is_kept_one_that_fails_is_measured_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="burstcv.gate.interference")
+    pauses: list[float] = []
+    limits = BusyLimits(attempts=2, backoff_s=1.0)
+    with cpu_burners(per_cpu=1, seconds=30):
+        kept, load = measure_quietly(
+            "latency",
+            lambda: time.sleep(0.8) or 7.0,
+            limits=limits,
+            sleep=pauses.append,
+            passes=lambda p95: p95 <= 10.0,
+        )
+        assert kept == 7.0 and load.busy and pauses == []
+        assert any("and the figures pass even so: kept" in m for m in caplog.messages)
+        with pytest.raises(HostBusyError) as caught:
+            measure_quietly(
+                "latency",
+                lambda: time.sleep(0.8) or 70.0,
+                limits=limits,
+                sleep=pauses.append,
+                passes=lambda p95: p95 <= 10.0,
+            )
+    assert caught.value.last == 70.0 and len(caught.value.loads) == 2 and pauses == [1.0]
+
+
 def test_one_attempt_means_no_repeat() -> None:
     pauses: list[float] = []
     with cpu_burners(per_cpu=1, seconds=30), pytest.raises(HostBusyError) as caught:

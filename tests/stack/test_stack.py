@@ -54,6 +54,7 @@ LONG_RUNNING = (
     "airflow-dag-processor",
     "airflow-triggerer",
     "airflow-worker",
+    "airflow-bench-worker",
     "serving",
 )
 STACK_VARIABLES = ("BURSTCV_", "AIRFLOW", "AWS_", "POSTGRES_", "SERVING_PORT")
@@ -273,8 +274,10 @@ def token(stack: Stack) -> dict[str, str]:
     return {"Authorization": f"Bearer {response.json()['access_token']}"}
 
 
-def run_dag(stack: Stack, headers: dict[str, str], dag_id: str, conf: dict[str, Any]) -> str:
-    """Unpause and trigger ``dag_id``; return the run's final state."""
+def run_dag(
+    stack: Stack, headers: dict[str, str], dag_id: str, conf: dict[str, Any]
+) -> tuple[str, str]:
+    """Unpause and trigger ``dag_id``; return the run's final state and its run id."""
     api = f"{stack.api}/api/v2/dags/{dag_id}"
 
     def parsed() -> bool:
@@ -302,7 +305,7 @@ def run_dag(stack: Stack, headers: dict[str, str], dag_id: str, conf: dict[str, 
             log(f"  {ti['task_id']}: {ti['state']}")
             if ti["state"] == "failed":
                 print_task_log(stack, headers, dag_id, run_id, ti)
-    return str(state)
+    return str(state), run_id
 
 
 def print_task_log(
@@ -326,10 +329,20 @@ def print_task_log(
 
 def test_the_stack_trains_deploys_and_serves_the_demo_digits(stack: Stack, tmp_path: Path) -> None:
     headers = token(stack)
-    state = run_dag(stack, headers, "burstcv_pipeline", {})
+    state, run_id = run_dag(stack, headers, "burstcv_pipeline", {})
     if state != "success":
         dump_logs()
     assert state == "success"
+    # The benchmark ran on its own queue, on the worker that serves it alone; training did not.
+    tis = httpx.get(
+        f"{stack.api}/api/v2/dags/burstcv_pipeline/dagRuns/{run_id}/taskInstances",
+        headers=headers,
+        timeout=30,
+    ).json()["task_instances"]
+    by_task = {ti["task_id"]: ti for ti in tis if ti.get("map_index", -1) == -1}
+    assert by_task["benchmark"]["queue"] == "burstcv_bench", by_task["benchmark"]
+    assert by_task["train"]["queue"] != "burstcv_bench"
+    assert by_task["benchmark"]["hostname"] != by_task["export"]["hostname"]
 
     # The Models page of the plugin, in the api-server, shows the deployed version.
     models = httpx.get(f"{stack.api}/burstcv/api/models", headers=headers, timeout=30)
@@ -354,4 +367,4 @@ def test_the_stack_trains_deploys_and_serves_the_demo_digits(stack: Stack, tmp_p
     assert str(body["version"]) in json.dumps(models.json())
 
     # The reaper sweeps the local backend only (no AWS settings here) and passes.
-    assert run_dag(stack, headers, "burstcv_reaper", {}) == "success"
+    assert run_dag(stack, headers, "burstcv_reaper", {})[0] == "success"
