@@ -317,7 +317,7 @@ class FleetOption(Contract):
 class SizingReport(Artifact):
     """`burstcv size` output: the right-sized CPU fleet for a model at the expected load."""
 
-    omit_when_none = frozenset({"unpriced", "host_load"})
+    omit_when_none = frozenset({"unpriced", "host_load", "speed_key", "measured_in"})
 
     latency_slo_ms: float = Field(
         validation_alias=AliasChoices("latency_slo_ms", "slo_p95_ms"),
@@ -341,6 +341,16 @@ class SizingReport(Artifact):
     )
     host_load: HostLoad | None = Field(
         default=None, description="how busy the host was while the sizes were measured"
+    )
+    speed_key: str | None = Field(
+        default=None,
+        description="digest of what sets the sizes (architecture, input, preprocessing, "
+        "quantization, host, SLO, sizing settings): equal keys measure alike",
+    )
+    measured_in: str | None = Field(
+        default=None,
+        description="the run whose staging services measured the sizes: another run's when "
+        "they were reused (same speed_key)",
     )
 
 

@@ -923,7 +923,7 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
         running_on,
     )
     from burstcv.gate.latency import bare_onnxruntime_p50, drive_paired, staging_process
-    from burstcv.gate.sizing import host_cpus, sizing_placement
+    from burstcv.gate.sizing import SizesMemo, host_cpus, sizing_placement, speed_key
     from burstcv.registry.registry import PRODUCTION, Registry
     from burstcv.training.job import load_job
     from burstcv_spec.preprocess import eval_view, normalize
@@ -1054,20 +1054,46 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
             )
         timings["bench_s"] = round(time.monotonic() - started, 1)
         started = time.monotonic()
-        sizing_place = sizing_placement(s.sizing_max_vcpus or None)
-        try:
-            sizing, sizing_load = measure_quietly(
-                "fleet sizing",
-                lambda: _size_fleet(str(models["candidate"]), request_images, resolved, s),
-                limits=limits,
-                quiet=quiet,
-                cpus=sizing_place.service,
-                isolated=sizing_place.isolated,
+        card = read_artifact(str(Path(models["candidate"]) / MODEL_CARD), ModelCard)
+        key = speed_key(
+            card,
+            latency_slo_ms=slo_ms,
+            host=host.model_dump(mode="json"),
+            max_vcpus=s.sizing_max_vcpus or None,
+            duration_s=s.sizing_step_s,
+        )
+        memo = SizesMemo(Path(s.home) / "bench" / "sizing")
+        earlier = None if s.sizing_remeasure else memo.get(key)
+        if earlier is not None:
+            sizing = _size_fleet(str(models["candidate"]), request_images, resolved, s, earlier)
+            log.info(
+                "sizing: reused the sizes run %s measured (same speed key %s: architecture, "
+                "input, preprocessing, host, SLO); BURSTCV_SIZING_REMEASURE=true measures again",
+                earlier.measured_in,
+                key,
             )
-        except HostBusyError as exc:
-            timings["sizing_s"] = round(time.monotonic() - started, 1)
-            raise inconclusive(exc) from None
-        sizing = sizing.model_copy(update={"host_load": sizing_load})
+        else:
+            sizing_place = sizing_placement(s.sizing_max_vcpus or None)
+            try:
+                sizing, sizing_load = measure_quietly(
+                    "fleet sizing",
+                    lambda: _size_fleet(str(models["candidate"]), request_images, resolved, s),
+                    limits=limits,
+                    quiet=quiet,
+                    cpus=sizing_place.service,
+                    isolated=sizing_place.isolated,
+                )
+            except HostBusyError as exc:
+                timings["sizing_s"] = round(time.monotonic() - started, 1)
+                raise inconclusive(exc) from None
+            sizing = sizing.model_copy(
+                update={
+                    "host_load": sizing_load,
+                    "speed_key": key,
+                    "measured_in": run.airflow_run_id,
+                }
+            )
+            memo.put(sizing)
         timings["sizing_s"] = round(time.monotonic() - started, 1)
     log.info(
         "the gate's measurements took %.0f s: latency benchmark %.0f s, fleet sizing %.0f s",
@@ -1088,24 +1114,51 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
 
 
 def _size_fleet(
-    model_dir: str, images: list[bytes], resolved: ResolvedRun, s: Settings
+    model_dir: str,
+    images: list[bytes],
+    resolved: ResolvedRun,
+    s: Settings,
+    earlier: SizingReport | None = None,
 ) -> SizingReport:
-    """Size the candidate's CPU fleet for the run's expected load (burstcv.gate.sizing)."""
-    from burstcv.gate.sizing import size_model
+    """Size the candidate's CPU fleet for the run's expected load (burstcv.gate.sizing).
+
+    ``earlier``: sizes measured before under the same speed key: the fleet is chosen from
+    them, at this run's load and prices, without measuring.
+    """
+    from burstcv.gate.sizing import recommend, size_model
 
     params = resolved.params
-    report = size_model(
-        model_dir,
-        images,
-        latency_slo_ms=params.latency_slo_ms,
-        target_rps=params.target_rps,
-        prices=resolved.costs.serving,
-        region=resolved.costs.region,
-        unpriced=resolved.costs.serving_unpriced,
-        max_vcpus=s.sizing_max_vcpus or None,
-        duration_s=s.sizing_step_s,
-        families=params.serving_families,
-    )
+    if earlier is not None:
+        report = recommend(
+            earlier.sizes,
+            latency_slo_ms=params.latency_slo_ms,
+            target_rps=params.target_rps,
+            prices=resolved.costs.serving,
+            region=resolved.costs.region,
+            unpriced=resolved.costs.serving_unpriced,
+            host_cores=earlier.host_cores,
+            families=params.serving_families,
+        )
+        report = report.model_copy(
+            update={
+                "host_load": earlier.host_load,
+                "speed_key": earlier.speed_key,
+                "measured_in": earlier.measured_in,
+            }
+        )
+    else:
+        report = size_model(
+            model_dir,
+            images,
+            latency_slo_ms=params.latency_slo_ms,
+            target_rps=params.target_rps,
+            prices=resolved.costs.serving,
+            region=resolved.costs.region,
+            unpriced=resolved.costs.serving_unpriced,
+            max_vcpus=s.sizing_max_vcpus or None,
+            duration_s=s.sizing_step_s,
+            families=params.serving_families,
+        )
     for point in report.sizes:
         log.info(
             "sizing: %d vCPU(s) sustain %.1f req/s within p95 %g ms",

@@ -142,6 +142,10 @@ class Settings(BaseSettings):
     # most CPUs measured (0: every CPU of the benchmark host).
     sizing_step_s: float = Field(default=3.0, gt=0)
     sizing_max_vcpus: int = Field(default=0, ge=0)
+    # A model whose speed key (burstcv.gate.sizing.speed_key: architecture, input,
+    # preprocessing, quantization, host, SLO, these settings) equals one measured before on
+    # this host reuses those sizes (<BURSTCV_HOME>/bench/sizing/); true measures every time.
+    sizing_remeasure: bool = False
 
     # Serving (the deployed service that deploy notifies and verifies).
     serving_url: str = "http://127.0.0.1:8000"

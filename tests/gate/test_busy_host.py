@@ -44,8 +44,9 @@ def exported_demo(
 
 
 def settings(tmp_path: Path, **fields: Any) -> Settings:
-    """This module's deployment: its own registry, short loads, two quick attempts."""
+    """This module's deployment: its own home and registry, short loads, two quick attempts."""
     values: dict[str, Any] = {
+        "home": str(tmp_path / "home"),  # its own calibration and sizes measured before
         "registry_uri": str(tmp_path / "registry"),
         "bench_requests": 80,
         "bench_warmup_requests": 10,
@@ -175,6 +176,49 @@ def test_a_busy_host_with_the_services_isolated_from_it_measures_the_model_and_i
     assert bench.sizing.host_load.cpus == place.service and not bench.sizing.host_load.busy
     verdict = pipeline.gate(run, exported, bench, s)
     assert verdict.promote, verdict.summary
+
+
+def test_a_new_version_of_the_same_model_reuses_its_sizes_until_something_changes(
+    tmp_path: Path,
+    trained_demo: dict[str, Any],
+    exported_demo: Path,
+    demo_dataset: Path,
+) -> None:
+    s = settings(tmp_path)
+    first, _ = prepared_run("sizes-first", s, trained_demo, exported_demo, demo_dataset)
+    measured = pipeline.benchmark(first, s).sizing
+    assert measured is not None and measured.measured_in == first.airflow_run_id
+    assert measured.speed_key and measured.host_load is not None
+    # The same architecture, input and preprocessing on the same host, at the same SLO: the
+    # sizes are the first run's, the fleet chosen again at this run's load and prices.
+    again, _ = prepared_run(
+        "sizes-again", s, trained_demo, exported_demo, demo_dataset, target_rps=5000.0
+    )
+    reused = pipeline.benchmark(again, s).sizing
+    assert reused is not None and reused.measured_in == first.airflow_run_id
+    assert reused.sizes == measured.sizes and reused.speed_key == measured.speed_key
+    assert reused.host_load == measured.host_load and reused.target_rps == 5000.0
+    assert reused.chosen is not None and measured.chosen is not None
+    assert reused.chosen.replicas > measured.chosen.replicas  # 5,000 req/s, not the default
+    timing = read_artifact(pipeline.run_layout(again, s).latency, LatencyRecord).sizing_s
+    assert timing is not None and timing < 1.0
+    page = storage.read_bytes(pipeline.report(again, s)).decode()
+    assert f"Sizes reused from run {first.airflow_run_id}" in page
+    # Another SLO holds each rate to another limit: measured again.
+    other_slo, _ = prepared_run(
+        "sizes-slo", s, trained_demo, exported_demo, demo_dataset, latency_slo_ms=80.0
+    )
+    remeasured = pipeline.benchmark(other_slo, s).sizing
+    assert remeasured is not None and remeasured.measured_in == other_slo.airflow_run_id
+    assert remeasured.speed_key != measured.speed_key
+    # The setting forces a measurement where one would be reused.
+    forced_settings = settings(tmp_path, sizing_remeasure=True)
+    forced, _ = prepared_run(
+        "sizes-forced", forced_settings, trained_demo, exported_demo, demo_dataset
+    )
+    again_measured = pipeline.benchmark(forced, forced_settings).sizing
+    assert again_measured is not None and again_measured.measured_in == forced.airflow_run_id
+    assert again_measured.speed_key == measured.speed_key
 
 
 def test_the_staging_copy_sheds_past_its_target_and_shedding_is_not_an_error(

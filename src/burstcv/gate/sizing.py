@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import math
 import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -31,7 +36,17 @@ from burstcv.cost.model import DEFAULT_HEADROOM, fleet_cost, replicas_for
 from burstcv.cost.pricing import instance_shapes
 from burstcv.gate.interference import Placement, running_on
 from burstcv.gate.latency import staging_process
-from burstcv_spec.contracts import FleetOption, LoadStep, PriceQuote, SizePoint, SizingReport
+from burstcv_spec.contracts import (
+    ArtifactError,
+    FleetOption,
+    LoadStep,
+    ModelCard,
+    PriceQuote,
+    SizePoint,
+    SizingReport,
+    read_artifact,
+    write_artifact,
+)
 
 log = logging.getLogger(__name__)
 
@@ -439,3 +454,76 @@ def size_model(
     )
     log.info("sizing took %.0f s: %s", time.monotonic() - started, report.reason)
     return report
+
+
+def speed_key(
+    card: ModelCard,
+    *,
+    latency_slo_ms: float,
+    host: dict[str, Any],
+    max_vcpus: int | None,
+    duration_s: float,
+) -> str:
+    """Return a digest of everything that sets a model's sizes, and nothing that does not.
+
+    What a graph costs per request follows its architecture, input, class count, opset,
+    quantization and preprocessing, not its weights; what a size sustains follows the host
+    (its CPU model and count), the SLO each rate is held to, the sizing's own settings and the
+    versions of the service and its runtime. Two models with equal keys measure alike (within
+    the host's noise), so a new version of the same architecture reuses the last one's sizes.
+    """
+    facts = {
+        "arch": card.arch,
+        "classes": len(card.classes),
+        "opset": card.opset,
+        "input": card.input.model_dump(mode="json"),
+        "preprocess": card.preprocess.model_dump(mode="json"),
+        "quantization": None
+        if card.quantization is None
+        else card.quantization.model_dump(mode="json"),
+        "onnx_file": card.onnx_file,
+        "host": host,
+        "cpus": host_cpus(),
+        "latency_slo_ms": latency_slo_ms,
+        "max_vcpus": max_vcpus,
+        "duration_s": duration_s,
+        "versions": {name: _version(name) for name in ("burstcv", "onnxruntime", "numpy")},
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@dataclass
+class SizesMemo:
+    """The sizes last measured per speed key, on this host (``SizingReport`` files)."""
+
+    root: Path
+
+    def _path(self, key: str) -> Path:
+        return self.root / f"{key}.json"
+
+    def get(self, key: str) -> SizingReport | None:
+        """Return the report measured under ``key`` on a quiet host, or None."""
+        path = self._path(key)
+        if not path.is_file():
+            return None
+        try:
+            report = read_artifact(str(path), SizingReport)
+        except (OSError, ArtifactError):  # damaged: measured again, and rewritten
+            return None
+        if report.speed_key != key or report.host_load is None or report.host_load.busy:
+            return None
+        return report
+
+    def put(self, report: SizingReport) -> None:
+        """Keep a quiet measurement under its speed key."""
+        if report.speed_key is None or report.host_load is None or report.host_load.busy:
+            return
+        with contextlib.suppress(OSError):
+            write_artifact(str(self._path(report.speed_key)), report)

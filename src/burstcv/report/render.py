@@ -502,6 +502,7 @@ def _fleet_view(record: RunDocs) -> dict[str, Any]:
         "headroom": sizing.headroom,
         "region": sizing.region,
         "host_cores": sizing.host_cores,
+        "provenance": _sizing_provenance(sizing, record.run.run_id if record.run else None),
         "reason": sizing.reason,
         "chosen": sizing.chosen,
         "sizes": [
@@ -532,6 +533,19 @@ def _fleet_view(record: RunDocs) -> dict[str, Any]:
             {"source": "", "as_of": "?", **sizing.price_source}
         ),
     }
+
+
+def _sizing_provenance(sizing: SizingReport, run_id: str | None) -> str | None:
+    """Say where the sizes come from: this run's measurement, or an earlier run's reused."""
+    parts = []
+    if sizing.measured_in is not None and sizing.measured_in != run_id:
+        parts.append(
+            f"Sizes reused from run {sizing.measured_in}: the same architecture, input, "
+            "preprocessing, host and SLO (BURSTCV_SIZING_REMEASURE=true measures again)."
+        )
+    if sizing.host_load is not None:
+        parts.append(f"Host while measured: {_host_load_line(sizing.host_load)}.")
+    return " ".join(parts) or None
 
 
 def _slo_ms(record: RunDocs) -> float | None:
