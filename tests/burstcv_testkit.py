@@ -9,8 +9,10 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -538,3 +540,41 @@ def cpu_burners(
             proc.kill()
         for proc in procs:
             proc.wait()
+
+
+def predict_handler(
+    delay_s: float = 0.0, status: int = 200, on_request: Callable[[], None] | None = None
+) -> type[BaseHTTPRequestHandler]:
+    """Return a handler answering POST /v1/predict with ``status`` after ``delay_s``: a stand-in
+    for the service where a test proves the load generator, not the service (a 503 carries
+    Retry-After, as the service's sheds do). ``on_request`` runs as each request arrives."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if on_request is not None:
+                on_request()
+            time.sleep(delay_s)
+            self.send_response(status)
+            if status == 503:
+                self.send_header("Retry-After", "1")
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    return Handler
+
+
+@contextlib.contextmanager
+def served(server: HTTPServer) -> Iterator[str]:
+    """Serve ``server`` (bound to 127.0.0.1) from a thread; yield its URL; stop it after."""
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -7,13 +7,12 @@ log); the real staging service is measured in test_busy_host.py, which judges it
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from itertools import groupby
 
 import pytest
+from burstcv_testkit import predict_handler, served
 
 from burstcv.gate.latency import drive_paired
 
@@ -21,30 +20,9 @@ from burstcv.gate.latency import drive_paired
 @contextlib.contextmanager
 def recording_server(name: str, arrivals: list[str], status: int = 200) -> Iterator[str]:
     """Serve POST /v1/predict on a free port, logging ``name`` per request; yield its URL."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("content-length", 0)))
-            arrivals.append(name)
-            time.sleep(0.002)
-            self.send_response(status)
-            if status == 503:
-                self.send_header("Retry-After", "1")
-            self.send_header("content-length", "2")
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    handler = predict_handler(0.002, status, on_request=lambda: arrivals.append(name))
+    with served(ThreadingHTTPServer(("127.0.0.1", 0), handler)) as url:
+        yield url
 
 
 def test_paired_services_take_turns_reversed_every_other_round() -> None:

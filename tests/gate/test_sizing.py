@@ -6,7 +6,6 @@ import hashlib
 import json
 import math
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
@@ -29,47 +28,27 @@ from burstcv_spec.contracts import FleetOption, LoadStep, PriceQuote, SizePoint
 
 # The serving tests' model builders (real ONNX graphs, model.json as the contract says).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
+from burstcv_testkit import predict_handler, served
 from servingkit import image_bytes, make_classifier_onnx, model_json
 
 IMAGE = image_bytes("PNG")
 
 
-def _handler(delay_s: float) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            time.sleep(delay_s)
-            self.send_response(200)
-            self.send_header("Content-Length", "2")
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    return Handler
-
-
 def _serve(server: HTTPServer) -> Iterator[str]:
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with served(server) as url:
+        yield url
 
 
 @pytest.fixture
 def slow_parallel_server() -> Iterator[str]:
     """Answers every request after 50 ms, many at once."""
-    yield from _serve(ThreadingHTTPServer(("127.0.0.1", 0), _handler(0.05)))
+    yield from _serve(ThreadingHTTPServer(("127.0.0.1", 0), predict_handler(0.05)))
 
 
 @pytest.fixture
 def one_at_a_time_server() -> Iterator[str]:
     """Answers one request at a time, 20 ms each: at most 50 req/s."""
-    server = HTTPServer(("127.0.0.1", 0), _handler(0.02))
+    server = HTTPServer(("127.0.0.1", 0), predict_handler(0.02))
     server.request_queue_size = 256
     yield from _serve(server)
 

@@ -131,7 +131,6 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
         ("sustainable_rate", "cmp0: >= -> >", "while rate >= MIN_RATE_RPS", _FLOAT_EDGE),
         ("sustainable_rate", "cmp0: <= -> <", "while rate <= max_rps", _FLOAT_EDGE),
         ("sustainable_rate", "cmp0: <= -> <", "if rate <= max_rps", _FLOAT_EDGE),
-        ("measure_sizes", "1 -> 2", "{cpus[-1]}", "which CPU a generator shares: alike"),
         ("measure_sizes", "5.0 -> 7.5", "# warm-up", _WARM_UP),
         ("measure_sizes", "1.0 -> 1.5", "# warm-up", _WARM_UP),
         ("measure_sizes", "50 -> 51", "percentile(50)", "neighbouring percentiles: noise"),
