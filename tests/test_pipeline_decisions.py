@@ -23,6 +23,7 @@ from burstcv_spec.contracts import (
     RegistryDecision,
     RunRef,
     SkipRecord,
+    TrainingChoice,
     Validated,
     VerdictRecord,
     read_artifact,
@@ -211,6 +212,58 @@ def test_a_param_production_did_not_record_had_its_default(
     assert reason is not None and "production version 2" in reason
     assert decide(settings, backbone_lr_scale=0.5) is None
     assert decide(settings, int8_max_accuracy_drop=0.05) is None
+
+
+def choice(**values: object) -> TrainingChoice:
+    """Return validate's training choice, ``derived`` naming the values it chose (auto)."""
+    base: dict[str, object] = {
+        "model": "resnet10",
+        "pretrained": "none",
+        "batch_size": 32,
+        "learning_rate": 0.001,
+        "epochs": 3,
+        "optimizer": "adamw",
+        "warmup_steps": 0,
+        "early_stop_patience": 2,
+        "reason": "the data's",
+    }
+    return TrainingChoice.model_validate({**base, **values})
+
+
+def decide_resolved(settings: Settings, training: TrainingChoice, **params: object) -> str | None:
+    """Decide RUN with these params and the training values validate chose for it."""
+    resolve(settings, RunParams(dataset_uri="/data/digits-copy", **params))
+    layout = pipeline.run_layout(RUN, settings)
+    record = pipeline.resolved_run(RUN, settings)
+    write_artifact(layout.record, record.model_copy(update={"training": training}))
+    return pipeline.nothing_new_to_train(RUN, validated(FINGERPRINT), settings=settings)
+
+
+@pytest.mark.parametrize(
+    ("recorded", "mine", "derived", "same"),
+    [
+        # A run on auto whose choice is production's named value: the same model.
+        ({"epochs": 6, "optimizer": "sgd"}, {}, {"epochs": 6, "optimizer": "sgd"}, True),
+        ({"epochs": 6}, {}, {"epochs": 5}, False),
+        # Production on auto, this run on auto: the same choice from the same data.
+        ({"epochs": None, "optimizer": "auto"}, {}, {"epochs": 7, "optimizer": "adamw"}, True),
+        # Production on auto, this run naming a value: what production chose is not known.
+        ({"epochs": None}, {"epochs": 3}, {}, False),
+    ],
+)
+def test_auto_is_compared_as_the_value_it_chose(
+    settings: Settings,
+    tmp_path: Path,
+    recorded: dict[str, object],
+    mine: dict[str, object],
+    derived: dict[str, object],
+    same: bool,
+) -> None:
+    production = RunParams(dataset_uri="/data/digits", **recorded).model_dump(mode="json")
+    promote_production(settings, tmp_path, production)
+    training = choice(**derived, derived=sorted(derived))
+    reason = decide_resolved(settings, training, **{"epochs": None, "optimizer": "auto", **mine})
+    assert (reason is not None) is same, (recorded, mine, derived)
 
 
 def test_another_image_size_trains(settings: Settings) -> None:

@@ -329,6 +329,24 @@ def _derived(resolved: ResolvedRun) -> tuple[ImageSizeChoice, TrainingChoice]:
     return resolved.image_size, resolved.training
 
 
+def _auto_choices(training: TrainingChoice | None) -> dict[str, Any]:
+    """Return what validate chose for each param left on auto (none before validate)."""
+    if training is None:
+        return {}
+    return training.model_dump(include=set(training.derived) & set(RunParams.model_fields))
+
+
+def _as_chosen(name: str, value: Any, chosen: dict[str, Any]) -> Any:
+    """Return ``value`` as the run trains it: auto (empty, or "auto") is what validate chose.
+
+    The same data and the same other params make the same choice, so a run on auto and a
+    recorded run that named the value auto chose are one choice, either way round.
+    """
+    if name in chosen and (value is None or value == "auto"):
+        return chosen[name]
+    return value
+
+
 def nothing_new_to_train(
     run: RunRef, validated: Validated, *, settings: Settings | None = None
 ) -> str | None:
@@ -367,10 +385,12 @@ def nothing_new_to_train(
     mine = params.model_dump(mode="json")
     # A param production's record lacks (added since) had its default then.
     defaults = RunParams.defaults(s)
+    chosen = _auto_choices(resolved.training)
     differing = [
         k
         for k in TRAINING_PARAMS + EXPORT_PARAMS
-        if recorded.get(k, defaults.get(k)) != mine.get(k)
+        if _as_chosen(k, recorded.get(k, defaults.get(k)), chosen)
+        != _as_chosen(k, mine.get(k), chosen)
     ]
     preprocess = registry.model_card(alias.version).preprocess
     if (preprocess.height, preprocess.width, preprocess.resize_short) != (
