@@ -11,8 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from burstcv_serving import __version__
 from burstcv_serving.admission import PREDICTION_PATHS, AdmissionGate
@@ -128,6 +130,31 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": _describe_validation_errors(request, exc)}, status_code=422)
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Answer FastAPI's own 400 for a body it could not parse (bytes that are not UTF-8, JSON
+    nested past the parser's depth) as the 422 every other unreadable body gets: the
+    documented answer, with the reason."""
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 400 and exc.__cause__ is not None:
+        cause = exc.__cause__
+        why = (
+            "it is not UTF-8 text"
+            if isinstance(cause, UnicodeDecodeError)
+            else "it is nested too deeply"
+            if isinstance(cause, RecursionError)
+            else type(cause).__name__
+        )
+        if request.url.path.startswith("/v1/predict"):
+            detail = f"the body could not be read as multipart/form-data ({why})"
+        else:
+            detail = (
+                f"the body is not valid JSON ({why}) (send a JSON object, as the OpenAPI "
+                "document at /openapi.json describes)"
+            )
+        return JSONResponse({"detail": detail}, status_code=422)
+    return await http_exception_handler(request, exc)
+
+
 VALIDATION_422 = (
     "The request does not match this endpoint's schema; detail says which field and why."
 )
@@ -179,6 +206,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (predict, model_info, health, metrics, admin):
         app.include_router(module.router)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     _document_string_details(app)
     # Added last = outermost: metrics see every answer, including early 413s and 503s. The
     # body limit comes before admission: a body that is too large would never be served.

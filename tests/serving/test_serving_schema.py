@@ -40,6 +40,8 @@ MALFORMED_JSON = [
     b'{"version": 99999999999999999999999999}',
     b'{"versoin": 1}',
     json.dumps({"version": {"a": {"b": {"c": [1] * 50}}}}).encode(),
+    b'{"version": "\xff"}',  # not UTF-8
+    b"[" * 100_000,  # past the JSON parser's depth
 ]
 
 
@@ -77,7 +79,9 @@ def test_the_document_describes_a_422_as_one_detail_string(client: TestClient) -
         }
 
 
-@pytest.mark.parametrize("body", MALFORMED_JSON, ids=lambda b: b.decode()[:30] or "empty")
+@pytest.mark.parametrize(
+    "body", MALFORMED_JSON, ids=lambda b: b.decode(errors="replace")[:30] or "empty"
+)
 def test_json_operations_answer_malformed_bodies_within_their_schema(
     client: TestClient, body: bytes
 ) -> None:
@@ -124,3 +128,17 @@ def test_every_post_answers_a_wrong_body_within_its_schema(
         what = f"{method} {path} ({content_type}) {body[:30]!r}"
         assert answer.status_code < 500, what
         _check(document, operation, answer, what)
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [(b'{"version": "\xff"}', "not UTF-8 text"), (b"[" * 100_000, "nested too deeply")],
+)
+def test_a_body_the_parser_cannot_read_is_a_422_that_says_why(
+    client: TestClient, body: bytes, why: str
+) -> None:
+    answer = client.post(
+        "/v1/admin/stage", content=body, headers={**ADMIN, "Content-Type": "application/json"}
+    )
+    assert answer.status_code == 422
+    assert answer.json()["detail"].startswith(f"the body is not valid JSON (it is {why})")
