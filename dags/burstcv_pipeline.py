@@ -102,11 +102,17 @@ def _run(run_id: str | None) -> RunRef:
 def burstcv_pipeline() -> None:
     """Wire the stages; every task body is one call into burstcv.pipeline."""
 
+    # No retry: a failed launch terminates what it started, and a retry would arm the boxes'
+    # deadline afresh from its own start (a second time budget, a second bill); the train
+    # task's retries relaunch a lost box against the first deadline instead.
     @task(execution_timeout=timedelta(minutes=15), pool=SETTINGS.gpu_pool)
     def provision(
         packed: dict[str, Any], run_id: str | None = None, dag: Any = None, ti: Any = None
     ) -> dict[str, Any]:
-        """Write job.json and start the training box(es), tagged with this run."""
+        """Write job.json and start the training box(es), tagged with this run.
+
+        Not retried: a retry would start a second time budget (the deadline is armed here).
+        """
         from burstcv import pipeline
 
         return pipeline.provision(
@@ -166,7 +172,8 @@ def burstcv_pipeline() -> None:
 
         return pipeline.benchmark(_run(run_id), SETTINGS).model_dump(mode="json")
 
-    @task(execution_timeout=timedelta(minutes=10))
+    # Retried: a retry finds the version an earlier try registered and keeps its verdict.
+    @task(execution_timeout=timedelta(minutes=10), **SAFE_RETRY)
     def gate(
         exported: dict[str, Any], bench: dict[str, Any], run_id: str | None = None
     ) -> dict[str, Any]:
@@ -180,7 +187,8 @@ def burstcv_pipeline() -> None:
             SETTINGS,
         ).model_dump(mode="json")
 
-    @task(execution_timeout=timedelta(minutes=10))
+    # Retried: a deploy that failed left production as it was; the next try stages again.
+    @task(execution_timeout=timedelta(minutes=10), **SAFE_RETRY)
     def deploy(verdict: dict[str, Any], run_id: str | None = None) -> dict[str, Any]:
         """Move the production alias and verify the service serves the new version."""
         from burstcv import pipeline
@@ -191,8 +199,9 @@ def burstcv_pipeline() -> None:
             raise AirflowSkipException(reason)
         return pipeline.deploy(run, judged, SETTINGS).model_dump(mode="json")
 
-    # all_done: the report is the page that says what went wrong, so it runs whatever failed.
-    @task(execution_timeout=timedelta(minutes=10), trigger_rule="all_done", **SAFE_RETRY)
+    # A teardown (all_done once its upstream tasks are): the report is the page that says what
+    # went wrong, so it runs whatever failed, and after a user marks the run failed too.
+    @task(execution_timeout=timedelta(minutes=10), **SAFE_RETRY)
     def report(run_id: str | None = None) -> str:
         """Write the run's one-page HTML report (data checks, curves, latency, verdict, cost)."""
         from burstcv import pipeline
@@ -203,7 +212,8 @@ def burstcv_pipeline() -> None:
     # other pending task then, and leaves the run running until its teardowns are done), and
     # counted in the run's state (on_failure_fail_dagrun): without it, an all_done report and
     # the skipped rest would end such a run, or one whose deploy failed, as a success.
-    @task(execution_timeout=timedelta(minutes=5))
+    # Retried when its own worker fails; the failure it reports (AirflowFailException) is final.
+    @task(execution_timeout=timedelta(minutes=5), **SAFE_RETRY)
     def outcome(run_id: str | None = None, dag: Any = None, ti: Any = None) -> None:
         """Fail the run when any of its tasks failed (a user's mark-failed included)."""
         from burstcv.airflow.runs import failed_tasks
@@ -237,7 +247,8 @@ def burstcv_pipeline() -> None:
     bench = benchmark()
     exported >> bench
     verdict = gate(exported, bench)
-    reported = report()  # after the verdict: it reads the run's folder (ordering only)
+    # After the verdict: it reads the run's folder (ordering only).
+    reported = report().as_teardown()
     verdict >> reported
     deploy(verdict) >> reported
     [reported, teardown, cleaned] >> outcome().as_teardown(on_failure_fail_dagrun=True)

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from burstcv_testkit import write_model_dir
+from burstcv_testkit import bench_figures, write_model_dir
 
 from burstcv import pipeline
 from burstcv.cost import budget
@@ -17,7 +17,10 @@ from burstcv.registry.registry import Registry
 from burstcv.settings import Settings
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
+    Benchmarked,
+    Exported,
     GateCheck,
+    HostInfo,
     ImageSizeChoice,
     PriceQuote,
     RegistryDecision,
@@ -503,3 +506,34 @@ def test_a_serving_family_burstcv_does_not_know_is_named_with_the_ones_it_does(
         "no CPU type of the families c8g is known to burstcv "
         "(serving_families: choose among c7i, m7i)"
     )
+
+
+def test_a_retried_gate_keeps_the_version_its_earlier_try_registered(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """The gate is retried (its worker lost, say): the model is registered once, and the
+    verdict stands, even when the earlier try died before writing verdict.json."""
+    resolve(settings, RunParams(dataset_uri="/data/digits", epochs=3))
+    model_dir = write_model_dir(
+        tmp_path / "run-model", b"this run's onnx", run_id=RUN.airflow_run_id
+    )
+    exported = Exported(
+        model_dir=str(model_dir), sha256="0" * 64, parity_max_abs_diff=0.0, onnx_file="model.onnx"
+    )
+    host = HostInfo(machine="x86_64", processor="x", cpu_count=2, python="3.11", platform="l")
+    bench = Benchmarked(latency_uri="unused", host=host, candidate=bench_figures(p95_ms=12.0))
+    registry = Registry(settings.registry_uri, settings.model_name)
+    before = registry.versions()
+    first = pipeline.gate(RUN, exported, bench, settings)
+    assert registry.versions() == [*before, first.version]
+    Path(pipeline.run_layout(RUN, settings).verdict).unlink()  # died before writing it
+    slower = bench.model_copy(update={"candidate": bench_figures(p95_ms=400.0)})
+    again = pipeline.gate(RUN, exported, slower, settings)
+    assert again == first and registry.versions() == [*before, first.version]
+    assert read_artifact(pipeline.run_layout(RUN, settings).verdict, VerdictRecord) == first
+    # Another model of the same run (retrained after a clear) is judged and registered anew.
+    other = write_model_dir(tmp_path / "retrained", b"another onnx", run_id=RUN.airflow_run_id)
+    third = pipeline.gate(
+        RUN, exported.model_copy(update={"model_dir": str(other)}), slower, settings
+    )
+    assert third.version == first.version + 1 and not third.promote

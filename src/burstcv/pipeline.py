@@ -76,6 +76,7 @@ from burstcv_spec.preprocess import PreprocessSpec
 if TYPE_CHECKING:  # the training module is imported where it is used: it pulls in torch
     from burstcv.data.pack import ShardOrder
     from burstcv.gate.interference import BusyLimits
+    from burstcv.registry.registry import Registry
     from burstcv.training.job import JobSpec
 
 log = logging.getLogger(__name__)
@@ -1205,6 +1206,17 @@ def gate(
     resolved = resolved_run(run, s)
     params = resolved.params
     card = read_artifact(storage.join(exported.model_dir, MODEL_CARD), ModelCard)
+    registry = Registry(s.registry_uri, s.model_name)
+    if (earlier := _registered_by(registry, card)) is not None:
+        # A retried gate (its worker lost, say, after the version was registered): the
+        # verdict stands, and no second version of the same model is registered.
+        log.info(
+            "version %d of this model was registered by an earlier try of this run; its "
+            "verdict stands",
+            earlier.version,
+        )
+        write_artifact(run_layout(run, s).verdict, earlier)
+        return earlier
     verdict = judge(
         bench.candidate,
         bench.production,
@@ -1226,7 +1238,6 @@ def gate(
         bench.sizing,
     )
     figures = {"candidate": bench.candidate, "production": bench.production}
-    registry = Registry(s.registry_uri, s.model_name)
     version = registry.register(
         exported.model_dir,
         RegistryDecision(
@@ -1244,6 +1255,20 @@ def gate(
     for line in check_lines(verdict):
         log.info("version %d: %s", version, line)
     return record
+
+
+# How many of the newest versions a retried gate looks through for the one it registered.
+RECENT_VERSIONS = 10
+
+
+def _registered_by(registry: Registry, card: ModelCard) -> VerdictRecord | None:
+    """Return the verdict of a version this run already registered from this very model
+    file (same run, same sha256), among the newest versions, or None."""
+    for version in reversed(registry.versions()[-RECENT_VERSIONS:]):
+        entry = registry.entry(version)
+        if entry.lineage.run_id == card.run_id and entry.sha256 == card.sha256 and entry.gate:
+            return VerdictRecord(version=version, **dict(entry.gate))
+    return None
 
 
 def deploy_skip_reason(verdict: VerdictRecord, *, promote: bool) -> str | None:
