@@ -121,15 +121,8 @@ class AdmissionGate:
     ) -> None:
         self._batcher = batcher
         self._metrics = metrics
-        self._target_s = queue_delay_target_s
-        self._lifo_after_s = queue_delay_target_s * LIFO_SHARE
         self._max_waiting = max_waiting
-        # Refusals are the same every time (the HTTP protocol writes each one's bytes once).
-        self._expired = Refusal(
-            "queue_delay",
-            "the service is overloaded: no service slot freed within the queueing-delay "
-            f"target of {queue_delay_target_s * 1000:.0f} ms; retry after {RETRY_AFTER_S} s",
-        )
+        self.set_target(queue_delay_target_s)
         self._early_expired = Refusal(
             "early_retry",
             "the service is overloaded: this request came before the Retry-After of the 503 "
@@ -145,7 +138,6 @@ class AdmissionGate:
         self._min_slots = max(1, min_slots)
         self._max_slots = max(self._min_slots, max_slots)
         self._slots = self._min_slots
-        self._service_target_s = queue_delay_target_s * SERVICE_SHARE
         self._in_service = 0
         self._waiting: deque[Waiter] = deque()
         # Early retries (see offer): they wait up to Retry-After instead of the target.
@@ -186,6 +178,19 @@ class AdmissionGate:
     def queue_delay_target_s(self) -> float:
         """Return the longest a request may wait before its batch starts."""
         return self._target_s
+
+    def set_target(self, queue_delay_target_s: float) -> None:
+        """Set the queueing-delay target (a new model judged against another SLO); a request
+        already waiting is held to the new one from now on."""
+        self._target_s = queue_delay_target_s
+        self._lifo_after_s = queue_delay_target_s * LIFO_SHARE
+        self._service_target_s = queue_delay_target_s * SERVICE_SHARE
+        # Refusals are the same every time (the HTTP protocol writes each one's bytes once).
+        self._expired = Refusal(
+            "queue_delay",
+            "the service is overloaded: no service slot freed within the queueing-delay "
+            f"target of {queue_delay_target_s * 1000:.0f} ms; retry after {RETRY_AFTER_S} s",
+        )
 
     def start(self) -> None:
         """Bind to the running event loop (for the timer that refuses expired waiters)."""

@@ -159,6 +159,10 @@ class MicroBatcher:
         """Return the queueing delay a request may wait before its batch starts."""
         return self._target_s
 
+    def set_target(self, queue_delay_target_s: float) -> None:
+        """Set the queueing-delay target (a new model judged against another SLO)."""
+        self._target_s = queue_delay_target_s
+
     def expected_delay_s(self) -> float:
         """Return how long a request admitted now would wait before its batch starts.
 

@@ -27,10 +27,11 @@ from burstcv_serving.middleware import (
     FastLaneMiddleware,
     MetricsMiddleware,
 )
+from burstcv_serving.model import LoadedModel
 from burstcv_serving.registry import DirectorySource, ModelSource, RegistrySource
 from burstcv_serving.routes import admin, health, metrics, model_info, predict
 from burstcv_serving.schemas import ErrorOut
-from burstcv_serving.settings import Settings
+from burstcv_serving.settings import Settings, queue_target_ms
 from burstcv_serving.state import ServiceState
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     service_metrics: ServiceMetrics = app.state.metrics
     source = make_source(settings)
     manager = ModelManager(source, settings, service_metrics)
+    target_ms, _ = queue_target_ms(settings, None)
     # One inference thread: onnxruntime parallelises inside a batch with its own threads.
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="burstcv-infer")
     batcher = MicroBatcher(
@@ -61,18 +63,28 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         max_queue=settings.max_queue,
         max_pixels=settings.max_pixels,
         inline_max_s=settings.inline_max_ms / 1000.0,
-        queue_delay_target_s=settings.queue_delay_target_ms / 1000.0,
+        queue_delay_target_s=target_ms / 1000.0,
     )
     gate = AdmissionGate(
         batcher,
         service_metrics,
-        queue_delay_target_s=settings.queue_delay_target_ms / 1000.0,
+        queue_delay_target_s=target_ms / 1000.0,
         max_waiting=settings.max_waiting,
         # At least two full batches in service (one running while the next one gathers); at
         # most what the inference queue holds.
         min_slots=settings.service_slots or 2 * settings.max_batch_size,
         max_slots=settings.service_slots or max(settings.max_queue, settings.max_batch_size),
     )
+
+    def follow(model: LoadedModel) -> None:
+        # The queueing target follows the SLO the serving version was judged against.
+        target, why = queue_target_ms(settings, model.latency_slo_ms)
+        if target / 1000.0 != gate.queue_delay_target_s:
+            logger.info("queueing-delay target %g ms: %s", target, why)
+        batcher.set_target(target / 1000.0)
+        gate.set_target(target / 1000.0)
+
+    manager.on_swap = follow
     logger.info("loading the model from %s", source.description)
     await manager.refresh()  # a failure leaves the service up but not ready; polling retries
     batcher.start()

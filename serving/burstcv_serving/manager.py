@@ -8,7 +8,9 @@ names that version, the swap takes the staged model: no load happens after produ
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -57,6 +59,9 @@ class ModelManager:
         self._failed: set[tuple[int | str, str | None]] = set()
         self.last_error: LoadFailure | None = None
         self.target_version: int | str | None = None  # what the alias named at the last check
+        # Called with the new model right after each swap (the service's queueing target
+        # follows the SLO recorded with the model it serves).
+        self.on_swap: Callable[[LoadedModel], None] | None = None
 
     @property
     def current(self) -> LoadedModel | None:
@@ -95,6 +100,8 @@ class ModelManager:
                 self._record_failure(ref.version, ref.expected_sha256, str(exc))
                 return current
             self._current = model  # the swap: one reference assignment
+            if self.on_swap is not None:
+                self.on_swap(model)
             self._failed.discard(key)
             self.last_error = None
             self._metrics.model_loads.labels(outcome="loaded").inc()
@@ -143,12 +150,13 @@ class ModelManager:
         return [version for version, _ in self._staged]
 
     def _load(self, ref: ModelRef) -> LoadedModel:
-        return load_model(
+        model = load_model(
             ref,
             intra_op_threads=self._settings.intra_op_threads,
             max_batch_size=self._settings.max_batch_size,
             spinning=self._settings.intra_op_spinning,
         )
+        return dataclasses.replace(model, latency_slo_ms=self._source.recorded_slo_ms(ref))
 
     async def poll_forever(self, interval_s: float) -> None:
         """Check the alias every ``interval_s`` seconds until cancelled."""

@@ -69,6 +69,9 @@ class LoadedModel:
     # Median seconds of one single-image session.run, measured while warming up: tells the
     # batcher whether a lone request may run on the event loop (see MicroBatcher.submit).
     single_latency_s: float = float("inf")
+    # The latency SLO the gate held this version to (its registry entry), ms; None: none
+    # recorded (a model directory, a version registered outside the pipeline).
+    latency_slo_ms: float | None = None
 
     def predict_proba(self, images: np.ndarray) -> np.ndarray:
         """Return class probabilities (N, K) for uint8 NHWC images already at the spec's size."""

@@ -14,7 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from burstcv_spec.contracts import AliasRecord, ArtifactError, ModelCard, read_artifact
+from burstcv_spec.contracts import (
+    AliasRecord,
+    ArtifactError,
+    ModelCard,
+    RegistryEntry,
+    read_artifact,
+)
 from burstcv_spec.layout import MODEL_CARD, RegistryLayout
 from burstcv_spec.storage import join
 
@@ -43,6 +49,10 @@ class ModelSource(Protocol):
 
     def ref_for(self, version: int, sha256: str | None) -> ModelRef:
         """Return where a given version's files are (to stage it), or raise SourceError."""
+        ...
+
+    def recorded_slo_ms(self, ref: ModelRef) -> float | None:
+        """Return the latency SLO the gate held this version to, ms, or None if unrecorded."""
         ...
 
 
@@ -77,6 +87,28 @@ class RegistrySource:
             location=self.layout.version(version),
         )
 
+    def recorded_slo_ms(self, ref: ModelRef) -> float | None:
+        """Read the version's entry.json: the limit of the gate's latency_p95 check.
+
+        None when the entry has no gate (registered by hand) or cannot be read: the service
+        then keeps its configured target, and the model serves all the same.
+        """
+        if not isinstance(ref.version, int):
+            return None
+        try:
+            entry = read_artifact(self.layout.entry(ref.version), RegistryEntry)
+        except (ArtifactError, OSError):
+            return None
+        return latency_limit(entry)
+
+
+def latency_limit(entry: RegistryEntry) -> float | None:
+    """Return the p95 limit the gate held a version to (its latency_p95 check), or None."""
+    if entry.gate is None:
+        return None
+    limits = [c.limit for c in entry.gate.checks if c.name == "latency_p95" and c.limit > 0]
+    return limits[0] if limits else None
+
 
 class DirectorySource:
     """Serve the one model directory given (a staging copy of a candidate)."""
@@ -101,6 +133,10 @@ class DirectorySource:
             expected_sha256=card.sha256,
             location=self.model_dir,
         )
+
+    def recorded_slo_ms(self, ref: ModelRef) -> float | None:
+        """Return None: a model directory has no registry entry (its service is configured)."""
+        return None
 
     def ref_for(self, version: int, sha256: str | None) -> ModelRef:
         """Refuse: this service serves one fixed directory and has no versions to stage."""

@@ -18,6 +18,11 @@ from burstcv_spec.admin_token import PLACEHOLDER_ADMIN_TOKEN, admin_token_proble
 
 Environment = Literal["development", "staging", "production"]
 
+# The queueing-delay target when neither the setting nor the serving version's record names
+# one: far above a batch, with room for a model swap's warm-up on a busy 2-core machine (50 ms
+# shed a few requests at concurrency 16 during swaps).
+DEFAULT_QUEUE_DELAY_TARGET_MS = 100.0
+
 
 def _host_cores() -> int:
     """Return the cores this process may run on: its CPU affinity, capped by a cgroup quota.
@@ -85,9 +90,10 @@ class Settings(BaseSettings):
     # it can start inference within this many ms of its arrival; it waits for a service slot
     # meanwhile, its body unread, and is answered 503 + Retry-After once it has waited this
     # long. An admitted request whose batch still cannot start by then is answered 503 too,
-    # rather than late. 100 ms: far above a batch, with room for a model swap's warm-up on
-    # a busy 2-core machine (50 ms shed a few requests at concurrency 16 during swaps).
-    queue_delay_target_ms: float = Field(default=100.0, gt=0.0)
+    # rather than late. Unset: the latency SLO the gate held the serving version to (its
+    # registry entry), so a model judged against 2 s is not shed at 100 ms; with none
+    # recorded, DEFAULT_QUEUE_DELAY_TARGET_MS. A number fixes it whatever the model.
+    queue_delay_target_ms: float | None = Field(default=None, gt=0.0)
     # Prediction requests in service at once (body read, decoded, batched, answered); the
     # others wait for a slot. 0: follow the measured answer rate times a quarter of the
     # target, between two full batches and max_queue; a number fixes it.
@@ -128,3 +134,13 @@ class Settings(BaseSettings):
         if problem := admin_token_problem(self.admin_token, self.host, self.environment):
             raise ValueError(problem)
         return self
+
+
+def queue_target_ms(settings: Settings, recorded_slo_ms: float | None) -> tuple[float, str]:
+    """Return the queueing-delay target for a model judged against ``recorded_slo_ms``, and
+    where it comes from: the setting, else the SLO recorded with the model, else the default."""
+    if settings.queue_delay_target_ms is not None:
+        return settings.queue_delay_target_ms, "BURSTCV_SERVING_QUEUE_DELAY_TARGET_MS"
+    if recorded_slo_ms is not None:
+        return recorded_slo_ms, "the latency SLO the gate held the serving version to"
+    return DEFAULT_QUEUE_DELAY_TARGET_MS, "the default: no SLO is recorded with the version"

@@ -252,3 +252,42 @@ def test_a_stage_for_another_model_or_registry_is_refused_and_nothing_loads(
     assert same.status_code == 200, same.text
     assert stage(registry="/nowhere/on/this/host/registry").status_code == 200
     assert client.get("/v1/model").json()["registry"] == str(registry.root)
+
+
+def test_the_queueing_target_follows_the_slo_recorded_with_the_serving_version(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A version judged against a 400 ms SLO is not shed at 100 ms: the service's queueing
+    target is the SLO its entry records, and it follows each swap; none recorded: 100 ms."""
+    registry = Registry(tmp_path / "registry")
+    registry.publish_and_promote(1, latency_slo_ms=400.0)
+    with TestClient(create_app(make_settings(registry))) as client:
+        service = client.app.state.service  # type: ignore[attr-defined]
+
+        def targets() -> tuple[float, float]:
+            return service.gate.queue_delay_target_s, service.batcher.queue_delay_target_s
+
+        assert targets() == (0.4, 0.4)
+        registry.publish_and_promote(2, latency_slo_ms=50.0)
+        with caplog.at_level("INFO", logger="burstcv_serving"):
+            assert client.post("/v1/admin/reload", headers=ADMIN).json()["version"] == 2
+        assert targets() == (0.05, 0.05)
+        assert any("queueing-delay target 50 ms" in m for m in caplog.messages)
+        registry.publish_and_promote(3)  # registered by hand: no gate, no SLO
+        assert client.post("/v1/admin/reload", headers=ADMIN).json()["version"] == 3
+        assert targets() == (0.1, 0.1)
+        assert _served_version(client) == 3
+
+
+def test_a_configured_queueing_target_holds_whatever_the_version_records(
+    tmp_path: Path,
+) -> None:
+    registry = Registry(tmp_path / "registry")
+    registry.publish_and_promote(1, latency_slo_ms=400.0)
+    settings = make_settings(registry, queue_delay_target_ms=60)
+    with TestClient(create_app(settings)) as client:
+        service = client.app.state.service  # type: ignore[attr-defined]
+        assert service.gate.queue_delay_target_s == service.batcher.queue_delay_target_s == 0.06
+        registry.publish_and_promote(2, latency_slo_ms=2000.0)
+        assert client.post("/v1/admin/reload", headers=ADMIN).json()["version"] == 2
+        assert service.gate.queue_delay_target_s == 0.06
