@@ -198,16 +198,17 @@ serve: serve-port $(STAMP)
 	echo ">> service on $(SERVE_URL) (pid $$pid, log $(RUN)/serve.log); make serve-stop ends it"
 
 AIRFLOW_URL := http://127.0.0.1:$(AIRFLOW_PORT)
-AIRFLOW_HEALTH := $(BIN)/python -m burstcv.airflow.health $(AIRFLOW_URL)
+AIRFLOW_STATE := $(RUN)/airflow.state.json
+AIRFLOW_HEALTH := $(BIN)/python -m burstcv.airflow.health $(AIRFLOW_URL) --state $(AIRFLOW_STATE)
 
-# Standalone Airflow never restarts a component that died (a killed triggerer leaves every
-# deferred task waiting without a word): a second `make airflow` checks each component's
-# health and restarts Airflow alone (not the service) when one is down.
+# The supervisor (burstcv.airflow.standalone) restarts a component that exits; a second
+# `make airflow` checks every component's process and heartbeat, and restarts Airflow alone
+# (not the service) when one is still down, the api-server included.
 airflow: airflow-port $(STAMP) $(AIRFLOW_HOME)/airflow.db
 	@mkdir -p $(RUN)
 	if [ -f $(RUN)/airflow.pid ] && kill -0 $$(cat $(RUN)/airflow.pid) 2>/dev/null; then
-	  $(PORTCHECK) ours $(AIRFLOW_PORT) --pid $$(cat $(RUN)/airflow.pid) --var AIRFLOW_PORT --target airflow
 	  if bad=$$($(AIRFLOW_HEALTH)); then
+	    $(PORTCHECK) ours $(AIRFLOW_PORT) --pid $$(cat $(RUN)/airflow.pid) --var AIRFLOW_PORT --target airflow
 	    echo ">> Airflow already running (pid $$(cat $(RUN)/airflow.pid)), every component healthy"
 	  else
 	    echo ">> Airflow (pid $$(cat $(RUN)/airflow.pid)) is running but not healthy: $$bad; restarting Airflow (the service keeps running)"
@@ -217,7 +218,8 @@ airflow: airflow-port $(STAMP) $(AIRFLOW_HOME)/airflow.db
 	if ! { [ -f $(RUN)/airflow.pid ] && kill -0 $$(cat $(RUN)/airflow.pid) 2>/dev/null; }; then
 	  $(PORTCHECK) free $(AIRFLOW_PORT) --var AIRFLOW_PORT --target airflow --what "the Airflow UI"
 	  # Airflow's standalone set, without the log servers that bind every interface.
-	  setsid nohup $(BIN)/python -m burstcv.airflow.standalone >> $(RUN)/airflow.log 2>&1 &
+	  rm -f $(AIRFLOW_STATE)
+	  BURSTCV_AIRFLOW_STATE=$(AIRFLOW_STATE) setsid nohup $(BIN)/python -m burstcv.airflow.standalone >> $(RUN)/airflow.log 2>&1 &
 	  pid=$$!
 	  echo $$pid > $(RUN)/airflow.pid
 	  up=""

@@ -1,18 +1,20 @@
 """Say which Airflow components are unhealthy, so `make airflow` restarts what stopped.
 
-``make airflow`` (burstcv.airflow.standalone) starts the scheduler, dag-processor and
-triggerer once and never restarts them: a triggerer killed (or out of memory) leaves every
-deferred task waiting without a word, while the api-server still answers.
 ``GET /api/v2/monitor/health`` tells, from each component's heartbeat in the metadata
-database.
+database; a heartbeat stays fresh for half a minute after its process died, so with
+``--state`` (the pids ``burstcv.airflow.standalone`` writes) a component whose process is
+gone, or waits to be restarted, is unhealthy at once.
 
-    python -m burstcv.airflow.health http://127.0.0.1:8080   # exit 0 healthy, 1 not, 2 no answer
+    python -m burstcv.airflow.health http://127.0.0.1:8080 [--state var/run/airflow.state.json]
+    # exit 0 healthy, 1 not, 2 no answer
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,6 +33,39 @@ def unhealthy(health: dict[str, Any]) -> list[str]:
     return bad
 
 
+def _alive(pid: Any) -> bool:
+    import psutil
+
+    if not isinstance(pid, int):
+        return False
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
+
+
+def dead_processes(state_path: str) -> list[str]:
+    """Return 'name (why)' for each supervised process that is not running now.
+
+    A missing or unreadable state file says nothing (an Airflow started another way).
+    """
+    try:
+        state = json.loads(Path(state_path).read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(state, dict):
+        return []
+    if not _alive(state.get("supervisor")):
+        return ["supervisor (process exited)"]
+    bad = []
+    for name, pid in (state.get("components") or {}).items():
+        if isinstance(pid, str):
+            bad.append(f"{name} ({pid})")
+        elif not _alive(pid):
+            bad.append(f"{name} (process exited)")
+    return bad
+
+
 def check(api_url: str, timeout_s: float = 10.0) -> list[str]:
     """Return the unhealthy components of the Airflow at ``api_url`` (empty: all healthy)."""
     response = httpx.get(f"{api_url.rstrip('/')}/api/v2/monitor/health", timeout=timeout_s)
@@ -38,15 +73,25 @@ def check(api_url: str, timeout_s: float = 10.0) -> list[str]:
     return unhealthy(response.json())
 
 
+def _names(lines: list[str]) -> set[str]:
+    """Return the health endpoint's names of the components these lines name."""
+    return {line.split()[0].replace("-", "_") for line in lines}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the unhealthy components on one line; exit 0 (healthy), 1 (not) or 2 (no answer)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("api_url")
+    parser.add_argument("--state", default="", help="the supervisor's pid file (JSON)")
     args = parser.parse_args(argv)
+    dead = dead_processes(args.state) if args.state else []
     try:
-        bad = check(args.api_url)
+        bad = dead + [b for b in check(args.api_url) if b.split()[0] not in _names(dead)]
     except (httpx.HTTPError, ValueError) as exc:
-        sys.stdout.write(f"no health answer from {args.api_url}: {type(exc).__name__}: {exc}\n")
+        why = f"; {', '.join(dead)}" if dead else ""
+        sys.stdout.write(
+            f"no health answer from {args.api_url}: {type(exc).__name__}: {exc}{why}\n"
+        )
         return 2
     if bad:
         sys.stdout.write(", ".join(bad) + "\n")

@@ -1,20 +1,30 @@
-"""Run Airflow's components on this machine for `make airflow`, nothing listening beyond it.
+"""Run and supervise Airflow's components on this machine for `make airflow`, nothing
+listening beyond it.
 
-What ``airflow standalone`` does, with one difference: the scheduler and the triggerer start
-with ``--skip-serve-logs``. Their log servers bind every interface (Airflow hard-codes the
-host) and serve task logs to the network; on one machine sharing one ``AIRFLOW_HOME`` the
-api-server reads task and trigger logs from disk, so they are not needed. The api-server binds
-``[api] host`` and ``port`` (127.0.0.1 and ``AIRFLOW_PORT`` under make).
+What ``airflow standalone`` does, with three differences:
+
+- The scheduler and the triggerer start with ``--skip-serve-logs``. Their log servers bind
+  every interface (Airflow hard-codes the host) and serve task logs to the network; on one
+  machine sharing one ``AIRFLOW_HOME`` the api-server reads task and trigger logs from disk, so
+  they are not needed. The api-server binds ``[api] host`` and ``port`` (127.0.0.1 and
+  ``AIRFLOW_PORT`` under make).
+- The api-server starts first and the others once it answers: a task queued at start-up
+  reports to the execution API it serves, and failed when it did not answer yet.
+- A component that exits is started again, after a backoff that doubles while it keeps
+  exiting soon after its start (1 s up to a minute), with a line naming it: a database lock
+  that takes the scheduler, triggerer and dag-processor down at once stalls nothing for long.
 
 The components run as children in this process's group, each output line prefixed with its
-name; SIGTERM (``make airflow-stop``) ends them all. A component that dies is not restarted
-here: ``make airflow`` sees it in the health check and restarts the whole set.
+name; SIGTERM (``make airflow-stop``) ends them all. Each component's pid is written to
+``BURSTCV_AIRFLOW_STATE`` (a JSON file, when set) as it starts, so `make airflow` can tell a
+dead process from a stale heartbeat (``burstcv.airflow.health --state``).
 
     python -m burstcv.airflow.standalone
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -22,10 +32,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import IO
+
+import httpx
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +49,12 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
     "triggerer": ("triggerer", "--skip-serve-logs"),
 }
 STOP_GRACE_S = 20.0
+# How long the others wait for the api-server to answer before starting anyway.
+FIRST_READY_S = 180.0
+# A component that ran this long before exiting restarts after the shortest backoff again.
+STABLE_S = 120.0
+MAX_BACKOFF_S = 60.0
+SUPERVISE_EVERY_S = 0.5
 
 
 def _airflow() -> list[str]:
@@ -70,25 +89,149 @@ def prepare_login() -> None:
         manager.init()
 
 
+def api_url() -> str:
+    """Return the api-server's address from Airflow's configuration ([api] host and port)."""
+    from airflow.configuration import conf
+
+    host = conf.get("api", "host", fallback="127.0.0.1") or "127.0.0.1"
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://{host}:{conf.getint('api', 'port', fallback=8080)}"
+
+
+def answers(url: str) -> bool:
+    """Return whether the api-server answers its health endpoint (whatever it says)."""
+    try:
+        return httpx.get(f"{url}/api/v2/monitor/health", timeout=5.0).status_code < 500
+    except httpx.HTTPError:
+        return False
+
+
+@dataclass
+class Component:
+    """One supervised child: its command, its process, and when it may start again."""
+
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    quick_exits: int = 0  # exits in a row, each sooner than STABLE_S after its start
+    restart_at: float | None = None  # time.monotonic() of the next start, once it exited
+
+    def start(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            self.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        self.started_at, self.restart_at = time.monotonic(), None
+        assert self.proc.stdout is not None
+        threading.Thread(target=_relay, args=(self.name, self.proc.stdout), daemon=True).start()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def backoff_s(quick_exits: int) -> float:
+    """Return the wait before a restart: doubling with each quick exit in a row, capped."""
+    return float(min(MAX_BACKOFF_S, 2 ** max(0, quick_exits - 1)))
+
+
+def _state(component: Component) -> int | str:
+    """Return a component's pid, or "starting" (never started) or "restarting" (it exited)."""
+    if component.proc is None:
+        return "starting"
+    return component.proc.pid if component.alive() else "restarting"
+
+
+def _write_state(path: str, components: Sequence[Component]) -> None:
+    """Write each component's pid, or why it has none, atomically."""
+    if not path:
+        return
+    doc = {"supervisor": os.getpid(), "components": {c.name: _state(c) for c in components}}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as out:
+        json.dump(doc, out)
+    os.replace(tmp, path)
+
+
+def supervise(
+    components: Sequence[Component],
+    *,
+    env: dict[str, str],
+    ready: Callable[[], bool],
+    stopping: threading.Event,
+    state_path: str = "",
+) -> None:
+    """Start ``components`` (the first alone, the rest once ``ready()``), restart any that
+    exits, until ``stopping`` is set; then stop them all."""
+    first, rest = components[0], components[1:]
+    first.start(env)
+    _say("burstcv", f"started {first.name} (pid {first.proc.pid if first.proc else '?'})")
+    _write_state(state_path, components)
+    waited_since = time.monotonic()
+    while not stopping.is_set() and first.alive() and not ready():
+        if time.monotonic() - waited_since > FIRST_READY_S:
+            _say(
+                "burstcv",
+                f"{first.name} does not answer after {FIRST_READY_S:.0f} s; "
+                "starting the others anyway",
+            )
+            break
+        stopping.wait(0.5)
+    for component in rest:
+        if stopping.is_set():
+            break
+        component.start(env)
+        _say(
+            "burstcv",
+            f"started {component.name} (pid {component.proc.pid if component.proc else '?'})",
+        )
+    _write_state(state_path, components)
+    while not stopping.is_set():
+        changed = False
+        now = time.monotonic()
+        for component in components:
+            if component.proc is None or component.alive():
+                continue
+            if component.restart_at is None:
+                ran_s = now - component.started_at
+                component.quick_exits = component.quick_exits + 1 if ran_s < STABLE_S else 1
+                delay = backoff_s(component.quick_exits)
+                component.restart_at = now + delay
+                _say(
+                    "burstcv",
+                    f"{component.name} exited with {component.proc.returncode} after "
+                    f"{ran_s:.0f} s; restarting it in {delay:.0f} s",
+                )
+                changed = True
+            elif now >= component.restart_at:
+                component.start(env)
+                _say("burstcv", f"restarted {component.name} (pid {component.proc.pid})")
+                changed = True
+        if changed:
+            _write_state(state_path, components)
+        stopping.wait(SUPERVISE_EVERY_S)
+    for component in components:
+        if component.alive() and component.proc is not None:
+            component.proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for component in components:
+        if component.proc is None:
+            continue
+        try:
+            component.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            component.proc.kill()
+            component.proc.wait()
+    _say("burstcv", "every component stopped")
+
+
 def run(components: Sequence[str] = tuple(COMPONENTS)) -> int:
-    """Start the components and wait; return when told to stop or when all have exited."""
+    """Start the components (the api-server first) and supervise them until told to stop."""
     env = dict(os.environ)
     env.setdefault("AIRFLOW__CORE__EXECUTOR", "LocalExecutor")
     os.environ.update(env)
     prepare_login()
-    children: dict[str, subprocess.Popen[bytes]] = {}
-    for name in components:
-        child = subprocess.Popen(
-            [*_airflow(), *COMPONENTS[name]],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        children[name] = child
-        assert child.stdout is not None
-        threading.Thread(target=_relay, args=(name, child.stdout), daemon=True).start()
-        _say("burstcv", f"started {name} (pid {child.pid})")
-
+    url = api_url()
     stopping = threading.Event()
 
     def stop(signum: int, frame: FrameType | None) -> None:
@@ -96,28 +239,15 @@ def run(components: Sequence[str] = tuple(COMPONENTS)) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    reported: set[str] = set()
-    while not stopping.is_set() and any(c.poll() is None for c in children.values()):
-        for name, child in children.items():
-            if child.poll() is not None and name not in reported:
-                reported.add(name)
-                _say(
-                    "burstcv",
-                    f"{name} exited with {child.returncode}; "
-                    "make airflow restarts Airflow when a component is down",
-                )
-        stopping.wait(1.0)
-    for child in children.values():
-        if child.poll() is None:
-            child.terminate()
-    deadline = time.monotonic() + STOP_GRACE_S
-    for child in children.values():
-        try:
-            child.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-    _say("burstcv", "every component stopped")
+    # The api-server first: the others' tasks report to the execution API it serves.
+    ordered = sorted(components, key=lambda name: name != "api-server")
+    supervise(
+        [Component(name, [*_airflow(), *COMPONENTS[name]]) for name in ordered],
+        env=env,
+        ready=lambda: answers(url),
+        stopping=stopping,
+        state_path=os.environ.get("BURSTCV_AIRFLOW_STATE", ""),
+    )
     return 0
 
 
