@@ -71,6 +71,7 @@ from burstcv_spec.contracts import (
     SizingReport,
     SkipRecord,
     Trained,
+    TrainingBeat,
     TrainingMetrics,
     TrainingOutcome,
     TrainingProgress,
@@ -323,6 +324,15 @@ def examples() -> list[Contract]:
             log="/c/manual__x/local-0123456789ab.log",
         ),
         TriggerHeartbeat(attempt=2, polled_at="2026-12-01T16:00:00+00:00", every_s=60.0),
+        TrainingBeat(
+            attempt=2,
+            beats=41,
+            epoch=3,
+            step=1200,
+            phase="train",
+            step_s=0.12,
+            written_at="2026-12-01T16:00:05+00:00",
+        ),
         AttemptBill(
             attempt=2,
             run_key="manual__x",

@@ -771,7 +771,10 @@ class FailedMarker(Artifact):
 
     omit_when_none = frozenset({"at", "exit_code", "instance_id"})
 
-    stage: str = Field(description="bootstrap, preflight, train, budget or interrupted")
+    stage: str = Field(
+        description="bootstrap, preflight, train, budget, interrupted, or stalled (written by "
+        "the train task's trigger: the trainer stopped beating)"
+    )
     reason: str = Field(description="one line: why")
     resumable: bool = Field(description="a relaunch resumes from the checkpoint")
     attempt: int = Field(ge=1, description="the attempt")
@@ -1159,6 +1162,29 @@ class TriggerHeartbeat(Artifact):
     every_s: float = Field(gt=0, description="seconds between two writes while it runs")
 
 
+class TrainingBeat(Artifact):
+    """`runs/<run_key>/job/attempts/<n>/beat.json`: the training loop's own heartbeat.
+
+    Rewritten (by the first rank) at most every few seconds while training steps or
+    validation batches complete, never by a watchdog: a trainer that is alive but makes no
+    progress (stopped, hung in a collective) stops beating. The train task's trigger ends an
+    attempt whose beat has not changed for longer than its stall bound
+    (``burstcv.compute.liveness``).
+    """
+
+    omit_when_none = frozenset({"step_s"})
+
+    attempt: int = Field(ge=1, description="the attempt")
+    beats: int = Field(ge=1, description="writes so far: a new value is progress")
+    epoch: int = Field(ge=0, description="the epoch under way (0: the first)")
+    step: int = Field(ge=0, description="optimizer steps done in the epoch")
+    phase: Literal["train", "validate"] = Field(description="what the loop was doing")
+    step_s: float | None = Field(
+        default=None, description="median seconds of a training step so far; absent before one"
+    )
+    written_at: str = Field(description="ISO 8601 UTC, the box's clock")
+
+
 class PriceQuote(Artifact):
     """`prices/<region>/<type>/<market>.json`: one hourly price, where and when it came from.
 
@@ -1447,6 +1473,7 @@ ARTIFACTS: tuple[type[Artifact], ...] = (
     AttemptRecord,
     LocalProcessRecord,
     TriggerHeartbeat,
+    TrainingBeat,
     PriceQuote,
     AttemptBill,
     TrainingProgress,

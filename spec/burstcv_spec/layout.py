@@ -15,6 +15,7 @@ RUN_RECORD = "run.json"
 SKIP_RECORD = "skip.json"
 ATTEMPT_RECORD = "attempt.json"
 TRIGGER_HEARTBEAT = "trigger.json"  # in an attempt's folder: when its trigger last polled
+TRAINING_BEAT = "beat.json"  # in an attempt's folder: the training loop's progress heartbeat
 LAUNCH_RECORD = "launch.json"  # in an attempt's folder: its boxes as launched (AttemptBill)
 END_RECORD = "end.json"  # in an attempt's folder: its boxes as ended (AttemptBill)
 MODEL_CARD = "model.json"

@@ -12,11 +12,12 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 from urllib.parse import urlparse
 
 _UMASK = os.umask(0)
@@ -85,20 +86,49 @@ def write_bytes(uri: str, data: bytes) -> str:
         bucket, key = _split_s3(uri)
         s3_client().put_object(Bucket=bucket, Key=key, Body=data)
         return uri
-    path = Path(uri)
+    _write_local(Path(uri), lambda fh: fh.write(data))
+    return uri
+
+
+# A local write goes to ".<name>.<8 random characters>.tmp" beside its file (mkstemp's names),
+# renamed into place once complete: a killed writer leaves only such a file behind.
+_PARTIAL_SUFFIX = ".tmp"
+_PARTIAL_NAME = re.compile(r"\..+\.[a-z0-9_]{8}" + re.escape(_PARTIAL_SUFFIX))
+
+
+def _write_local(path: Path, fill: Callable[[IO[bytes]], object]) -> None:
+    """Write a local file atomically: ``fill`` writes a temporary file beside it, renamed after."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_PARTIAL_SUFFIX)
     os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; artifacts are shared like any file
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            fill(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return uri
+
+
+def remove_partial_writes(folder_uri: str) -> list[str]:
+    """Remove the temporary files that killed local writes left in a folder; return their paths.
+
+    Only for a folder nothing is writing to now: a write in progress has such a file there
+    too. An S3 folder has none (a PUT or an upload lands whole or not at all).
+    """
+    if is_s3(folder_uri):
+        return []
+    folder = Path(folder_uri)
+    if not folder.is_dir():
+        return []
+    removed: list[str] = []
+    for path in sorted(folder.glob(f".*{_PARTIAL_SUFFIX}")):
+        if _PARTIAL_NAME.fullmatch(path.name) and path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(str(path))
+    return removed
 
 
 def read_json(uri: str) -> Any:
@@ -119,6 +149,9 @@ def write_json(uri: str, doc: Any) -> str:
     return write_bytes(uri, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
 
 
+_S3_NOT_FOUND = ("404", "NoSuchKey", "NotFound")  # the error codes of a key that is not there
+
+
 def exists(uri: str) -> bool:
     """Return True if a file exists at the URI."""
     if is_s3(uri):
@@ -127,7 +160,7 @@ def exists(uri: str) -> bool:
         try:
             client.head_object(Bucket=bucket, Key=key)
         except client.exceptions.ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            if exc.response.get("Error", {}).get("Code") in _S3_NOT_FOUND:
                 return False
             raise
         return True
@@ -160,6 +193,29 @@ def upload_file(local_path: str | Path, uri: str) -> str:
         s3_client().upload_file(str(local_path), bucket, key)
         return uri
     return write_bytes(uri, Path(local_path).read_bytes())
+
+
+def copy(src_uri: str, dst_uri: str) -> str:
+    """Copy a file to another URI of the same store atomically (on S3 a server-side copy)."""
+    if is_s3(src_uri) != is_s3(dst_uri):
+        raise ValueError(f"copy {src_uri} to {dst_uri}: both local or both on S3")
+    if is_s3(src_uri):
+        bucket, key = _split_s3(src_uri)
+        dst_bucket, dst_key = _split_s3(dst_uri)
+        client = s3_client()
+        try:  # the managed copy: server-side, in parts past the multipart threshold
+            client.copy({"Bucket": bucket, "Key": key}, dst_bucket, dst_key)
+        except client.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in _S3_NOT_FOUND:
+                raise ArtifactNotFoundError(src_uri) from exc
+            raise
+        return dst_uri
+    src = Path(src_uri)
+    if not src.is_file():
+        raise ArtifactNotFoundError(src_uri)
+    with src.open("rb") as source:
+        _write_local(Path(dst_uri), lambda fh: shutil.copyfileobj(source, fh, 1 << 20))
+    return dst_uri
 
 
 def download_file(uri: str, local_path: str | Path) -> Path:

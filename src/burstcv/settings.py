@@ -99,6 +99,11 @@ class Settings(BaseSettings):
     # the same train task try; the run's deadline and max_cost_usd bound them too. A run whose
     # boxes keep vanishing is more likely broken (a boot that cannot start) than unlucky.
     max_relaunches: int = Field(default=3, ge=0)
+    # A trainer that makes no progress (stopped, hung in a collective) is ended after this many
+    # seconds without a new beat at least (burstcv.compute.liveness), or after
+    # STALL_STEPS of its own measured steps when that is longer; the attempt ends resumable
+    # and is relaunched from its checkpoint, instead of holding its GPU until the deadline.
+    train_stall_min_s: float = Field(default=300.0, ge=10.0)
     gpu_pool: str = "burstcv_gpu"  # Airflow pool that bounds live training boxes
     gpu_pool_slots: int = 4  # set to the account's GPU instance quota
 

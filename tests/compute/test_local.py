@@ -584,3 +584,51 @@ def test_stopping_a_box_of_another_host_asks_its_wrapper_and_never_signals_the_p
     data["launched_at"] = (now - timedelta(seconds=local.HEARTBEAT_STALE_S + 1)).isoformat()
     record.write_text(json.dumps(data))
     assert [i.state for i in backend.describe("r-far")] == [STOPPED]
+
+
+def test_a_stopped_trainer_is_ended_for_want_of_progress_not_at_the_deadline(
+    long_job: tuple[str, Path], state_dir: Path
+) -> None:
+    """kill -STOP: the process lives (the watchdog keeps the box up), but its beat stops; the
+    train task's trigger marks the attempt FAILED, resumable, within the stall bound."""
+    import asyncio
+
+    from burstcv.airflow.triggers import TrainingCompletionTrigger
+    from burstcv.compute.attempts import resumable
+    from burstcv.compute.liveness import BEAT_EVERY_S, MIN_BEATS, read_beat
+    from burstcv_spec.contracts import TrainingOutcome
+
+    job_uri, out = long_job
+    backend = LocalBackend()
+    wrapper = launch_box(state_dir, "r-stall", job_uri, time_budget_s=3600)
+    trainer = trainer_pid(wrapper)
+    wait_for(lambda: read_beat(str(out), 1) is not None, timeout_s=240)
+    os.kill(trainer, signal.SIGSTOP)
+    stopped = time.monotonic()
+    trigger = TrainingCompletionTrigger(
+        run_id="r-stall",
+        backend="local",
+        output_uri=str(out),
+        attempt=1,
+        poll_interval_s=0.5,
+        stall_min_s=1.0,  # the bound is then a few beat intervals
+    )
+
+    async def first() -> dict[str, Any]:
+        async for event in trigger.run():
+            return dict(event.payload)
+        raise AssertionError("the trigger ended without an event")
+
+    try:
+        outcome = TrainingOutcome.model_validate(asyncio.run(asyncio.wait_for(first(), 180)))
+        assert outcome.status == "failed" and outcome.stage == "stalled", outcome
+        assert resumable(outcome)
+        assert outcome.reason.startswith("no progress for "), outcome.reason
+        assert " at epoch 1 step " in outcome.reason and "stalled" in outcome.reason
+        assert time.monotonic() - stopped < MIN_BEATS * BEAT_EVERY_S + 2 * BEAT_EVERY_S + 30
+        # All that while the box was up: its process lived, only its progress stopped.
+        assert backend.describe("r-stall")[0].state == RUNNING
+    finally:
+        backend.terminate_run("r-stall")  # SIGTERM, then SIGCONT: a stopped trainer ends too
+    wait_for(lambda: backend.describe("r-stall")[0].state == STOPPED, timeout_s=60)
+    assert processes_running(job_uri) == []

@@ -214,6 +214,9 @@ TARGETS = (
     ),
     Target("reaper", "burstcv.compute.reaper", ("tests/compute/test_reaper.py",)),
     Target(
+        "liveness", "burstcv.compute.liveness", ("tests/compute/test_liveness.py",), tables=("*",)
+    ),
+    Target(
         "preflight",
         "burstcv.training.preflight",
         ("tests/training/test_preflight.py",),
@@ -223,7 +226,7 @@ TARGETS = (
         "nothing-new",
         "burstcv.pipeline",
         ("tests/test_pipeline_decisions.py",),
-        functions=("nothing_new_to_train",),
+        functions=("nothing_new_to_train", "_auto_choices", "_as_chosen", "_registered_by"),
     ),
     Target(
         "budget",

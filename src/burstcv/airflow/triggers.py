@@ -63,7 +63,9 @@ def silence_line(output_uri: str, attempt: int, now: datetime | None = None) -> 
 
 
 class TrainingCompletionTrigger(BaseTrigger):
-    """Fire when the run's DONE or FAILED marker appears, or its boxes vanish without one."""
+    """Fire when the run's DONE or FAILED marker appears, or its boxes vanish without one;
+    a trainer whose own beat stops for longer than its stall bound is marked FAILED
+    (resumable) here, so a stopped or hung trainer does not hold its GPU until the deadline."""
 
     def __init__(
         self,
@@ -73,6 +75,7 @@ class TrainingCompletionTrigger(BaseTrigger):
         attempt: int = 1,
         poll_interval_s: float = 5.0,
         max_cost_usd: float | None = None,
+        stall_min_s: float | None = None,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # BaseTrigger.__init__ has no annotations
         self.run_id = run_id
@@ -83,6 +86,8 @@ class TrainingCompletionTrigger(BaseTrigger):
         # The run's budget, for the progress lines (None: none; 0 from a trigger serialized
         # before None said it).
         self.max_cost_usd = max_cost_usd or None
+        # The floor of the stall bound (burstcv.compute.liveness); None: the setting's.
+        self.stall_min_s = stall_min_s
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """Return the classpath and kwargs the triggerer rebuilds this trigger from."""
@@ -95,6 +100,7 @@ class TrainingCompletionTrigger(BaseTrigger):
                 "attempt": self.attempt,
                 "poll_interval_s": self.poll_interval_s,
                 "max_cost_usd": self.max_cost_usd,
+                "stall_min_s": self.stall_min_s,
             },
         )
 
@@ -103,11 +109,16 @@ class TrainingCompletionTrigger(BaseTrigger):
         # The attempts module's first import (pandas, numpy) would block the triggerer's loop.
         await asyncio.to_thread(importlib.import_module, "burstcv.compute.attempts")
         from burstcv.compute.attempts import progress_lines, training_outcome
+        from burstcv.compute.liveness import StallWatch, read_beat
+        from burstcv.settings import get_settings
+        from burstcv.training.job import STAGE_STALLED, write_failed
 
         silence = await asyncio.to_thread(silence_line, self.output_uri, self.attempt)
         if silence:
             self.log.warning("%s", silence)
         logged, beat_at = 0, float("-inf")
+        floor_s = self.stall_min_s or get_settings().train_stall_min_s
+        watch = StallWatch(floor_s=floor_s)
         while True:
             if time.monotonic() - beat_at >= HEARTBEAT_EVERY_S:
                 await asyncio.to_thread(write_heartbeat, self.output_uri, self.attempt)
@@ -132,4 +143,19 @@ class TrainingCompletionTrigger(BaseTrigger):
             if outcome.status != "running":
                 yield TriggerEvent(outcome.model_dump(mode="json"))
                 return
+            # Alive is not enough: the trainer must make progress (its own beat).
+            beat = await asyncio.to_thread(read_beat, self.output_uri, self.attempt)
+            if stalled := watch.observe(beat, time.monotonic()):
+                self.log.warning("attempt %d: %s", self.attempt, stalled)
+                # A resumable FAILED marker: the train task relaunches (terminating this
+                # attempt's boxes first) and the next box resumes from the checkpoint.
+                await asyncio.to_thread(
+                    write_failed,
+                    self.output_uri,
+                    self.attempt,
+                    STAGE_STALLED,
+                    stalled,
+                    resumable=True,
+                )
+                continue
             await asyncio.sleep(self.poll_interval_s)

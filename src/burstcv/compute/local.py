@@ -189,7 +189,7 @@ def wrapper_script(train_cmd: list[str], budget_s: int, record_path: Path) -> st
         "  while alive $child; do\n"
         "    beat\n"
         f"    if [ $(date +%s) -ge $deadline ] || [ -e {stop_request} ]; then\n"
-        f"      kill -TERM $child; grace=$(( $(date +%s) + {KILL_GRACE_S} ))\n"
+        f"      kill -TERM $child; kill -CONT $child; grace=$(( $(date +%s) + {KILL_GRACE_S} ))\n"
         "      while alive $child && [ $(date +%s) -lt $grace ]; do\n"
         "        beat\n"
         f"        sleep {WATCHDOG_POLL_S}\n"
@@ -345,6 +345,8 @@ class LocalBackend:
         log.info("terminating %s (process group %d)", rec.instance_id, pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGTERM)  # training checkpoints on SIGTERM, then exits
+            # A stopped trainer (SIGSTOP, a stall) handles its SIGTERM only once continued.
+            os.killpg(pid, signal.SIGCONT)
         deadline = time.monotonic() + TERMINATE_GRACE_S
         while time.monotonic() < deadline and _alive(path, rec):
             time.sleep(0.1)

@@ -182,6 +182,10 @@ STAGE_PREFLIGHT = "preflight"
 STAGE_TRAIN = "train"
 STAGE_BUDGET = "budget"
 STAGE_INTERRUPTED = "interrupted"
+STAGE_STALLED = "stalled"  # written by the train task's trigger: the trainer stopped beating
+# The training loop writes its progress beat (TrainingBeat) at most this often: a write to
+# the artifact store (S3 on a box) per interval (burstcv.compute.liveness reads it).
+BEAT_EVERY_S = 10.0
 
 
 def write_failed(

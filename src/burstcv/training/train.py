@@ -18,7 +18,7 @@ import os
 import signal
 import tempfile
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,10 +32,12 @@ from torch.nn import functional as F
 
 from burstcv import lineage
 from burstcv.training.job import (
+    BEAT_EVERY_S,
     STAGE_BUDGET,
     STAGE_INTERRUPTED,
     STAGE_TRAIN,
     JobSpec,
+    attempt_dir,
     load_job,
     write_failed,
 )
@@ -64,12 +66,13 @@ from burstcv_spec.contracts import (
     PretrainedLoad,
     RangeTest,
     Recovery,
+    TrainingBeat,
     TrainingMetrics,
     TrainingProgress,
     WallSeconds,
     write_artifact,
 )
-from burstcv_spec.layout import DONE_MARKER, METRICS, PROGRESS
+from burstcv_spec.layout import DONE_MARKER, METRICS, PROGRESS, TRAINING_BEAT
 from burstcv_spec.preprocess import PreprocessSpec, eval_view
 
 C = TypeVar("C", bound=Contract)
@@ -80,8 +83,16 @@ log = logging.getLogger(__name__)
 # notice leaves two minutes).
 DDP_STOP_CHECK_STEPS = 10
 
-CHECKPOINT = "checkpoints/last.pt"
-BEST_CHECKPOINT = "checkpoints/best.pt"  # the weights of the best validation epoch
+CHECKPOINTS = "checkpoints"  # the folder; only rank 0 of the running attempt writes to it
+CHECKPOINT = "checkpoints/last.pt"  # the newest
+# The one before last.pt, kept until the next lands: a resume's fallback when last.pt does not
+# load (a write garbled or cut short), so that losing one costs at most checkpoint_every_s.
+PREVIOUS_CHECKPOINT = "checkpoints/prev.pt"
+# The end of the best validation epoch: its weights are what is exported, and the whole state,
+# so that it is the last fallback of a resume.
+BEST_CHECKPOINT = "checkpoints/best.pt"
+# What a resume reads from a checkpoint (the rest has defaults): one without it is skipped.
+RESUME_KEYS = ("model", "optimizer", "scheduler", "rng_cpu", "epoch", "step", "history")
 EXIT_INTERRUPTED = 143  # the conventional code of a SIGTERM'd process
 EXIT_BUDGET = 4  # the run's deadline was reached: a checkpoint exists, no relaunch
 EXIT_DIVERGED = 5  # training diverged after every recovery: nothing worth exporting
@@ -104,6 +115,10 @@ class Diverged(Exception):
 
 class TrainingDiverged(RuntimeError):
     """Raise when training still diverges after every recovery the job allows."""
+
+
+class CheckpointError(RuntimeError):
+    """Raise when a checkpoint's file does not load, or lacks what is read from it."""
 
 
 @dataclass
@@ -327,19 +342,80 @@ def eval_images(images: np.ndarray, job: JobSpec) -> np.ndarray:
 # Checkpoints
 
 
-def save_checkpoint(uri: str, state: dict[str, Any]) -> None:
-    """Write a checkpoint atomically (temp file, then one upload or rename)."""
+def save_checkpoint(uri: str, state: dict[str, Any], *, keep_as: str | None = None) -> None:
+    """Write a checkpoint atomically (temp file, then one upload or rename).
+
+    ``keep_as``: first copy the checkpoint now at ``uri`` there (atomically too), so that a
+    new one that lands garbled still leaves the one before it.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ckpt.pt"
         torch.save(state, path)
+        if keep_as is not None and storage.exists(uri):
+            storage.copy(uri, keep_as)
         storage.upload_file(path, uri)
 
 
-def load_checkpoint(uri: str) -> dict[str, Any] | None:
-    """Return the checkpoint at a URI, or None when there is none yet."""
+def load_checkpoint(uri: str, required: tuple[str, ...] = ()) -> dict[str, Any] | None:
+    """Return the checkpoint at a URI, or None when there is none yet.
+
+    Raise CheckpointError, naming the file and why, when it does not load (truncated, garbled)
+    or lacks one of the ``required`` keys.
+    """
     if not storage.exists(uri):
         return None
-    return torch.load(io.BytesIO(storage.read_bytes(uri)), map_location="cpu", weights_only=True)  # type: ignore[no-any-return]
+    data = storage.read_bytes(uri)
+    try:
+        ckpt = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch, zip and pickle each raise their own on a garbled file
+        why = ": ".join([type(exc).__name__, *str(exc).strip().splitlines()[:1]])
+        raise CheckpointError(f"{uri} ({len(data)} bytes) does not load: {why}") from exc
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"{uri} holds a {type(ckpt).__name__}, not a checkpoint")
+    missing = [key for key in required if key not in ckpt]
+    if missing:
+        raise CheckpointError(f"{uri} lacks {', '.join(missing)}")
+    return ckpt
+
+
+def resume_checkpoint(output_uri: str) -> tuple[str, dict[str, Any]] | None:
+    """Return the checkpoint of a job (its output folder) to resume from and its URI, or None.
+
+    last.pt when it loads; else the further along of prev.pt and best.pt that load (both are
+    whole checkpoints; best.pt, written at an epoch's end, may be the newer). A file that does
+    not load is skipped with a warning naming it and why. When last.pt or prev.pt exists and
+    nothing loads, raise CheckpointError: starting over would overwrite them, and what made
+    them unreadable (another torch, a bad disk) is for a person to look at. A best.pt alone
+    that does not load (one of weights only, written before best.pt held the whole state) is
+    skipped like a missing one: the run starts afresh, as with no checkpoint.
+    """
+    last, prev, best = (
+        storage.join(output_uri, name)
+        for name in (CHECKPOINT, PREVIOUS_CHECKPOINT, BEST_CHECKPOINT)
+    )
+    loaded: list[tuple[str, dict[str, Any]]] = []
+    unreadable: dict[str, str] = {}
+    for uri in (last, prev, best):
+        try:
+            ckpt = load_checkpoint(uri, RESUME_KEYS)
+        except CheckpointError as exc:
+            log.warning("checkpoint skipped: %s", exc)
+            unreadable[uri] = str(exc)
+            continue
+        if ckpt is None:
+            continue
+        if uri == last:  # the newest: the others are not read
+            return uri, ckpt
+        loaded.append((uri, ckpt))
+    if loaded:  # ties (the same epoch end): prev.pt, the first
+        return max(loaded, key=lambda found: (int(found[1]["epoch"]), int(found[1]["step"])))
+    if last in unreadable or prev in unreadable:
+        raise CheckpointError(
+            "no checkpoint of the run loads: "
+            + "; ".join(unreadable.values())
+            + f"; remove {storage.join(output_uri, CHECKPOINTS)} to train from scratch"
+        )
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,8 +462,12 @@ def evaluate(
     num_classes: int,
     batch_size: int,
     amp_dtype: torch.dtype | None,
+    on_batch: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Return loss, top-1 accuracy and the confusion matrix of the model on a split."""
+    """Return loss, top-1 accuracy and the confusion matrix of the model on a split.
+
+    ``on_batch``: called after each batch (the progress beat).
+    """
     model.eval()
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.long)
     total_loss = 0.0
@@ -403,6 +483,8 @@ def evaluate(
             confusion += torch.bincount(
                 (y * num_classes + pred).cpu(), minlength=num_classes * num_classes
             ).reshape(num_classes, num_classes)
+            if on_batch is not None:
+                on_batch()
     model.train()
     n = max(1, len(split))
     return {
@@ -482,6 +564,56 @@ class MetricLogger:
         }
 
 
+# Training steps whose median is a beat's step time: recent enough to follow a change of pace.
+BEAT_STEPS = 50
+
+
+@dataclass
+class Beat:
+    """Write the training loop's own heartbeat (``TrainingBeat``) as it makes progress.
+
+    Only progress writes it, at most every ``every_s``: a trainer that is alive but stalled
+    (stopped, hung in a collective or a data loader) stops beating, and the train task's
+    trigger ends its attempt (``burstcv.compute.liveness``). A failed write (the store is
+    briefly unreachable) is logged, never fatal: the next progress writes again.
+    """
+
+    uri: str
+    attempt: int
+    every_s: float = BEAT_EVERY_S
+    beats: int = 0
+    written_at: float = -math.inf  # time.monotonic() of the last write
+    last_step_at: float | None = None  # of the last training step, to time the next one
+    step_times: list[float] = field(default_factory=list)
+
+    def tick(self, epoch: int, step: int, phase: str = "train") -> None:
+        """Note progress (a training step, or a validation batch); write when due."""
+        now = time.monotonic()
+        if phase == "train":
+            if self.last_step_at is not None:
+                self.step_times = [*self.step_times[-(BEAT_STEPS - 1) :], now - self.last_step_at]
+            self.last_step_at = now
+        else:
+            self.last_step_at = None  # the next step's time would include the validation
+        if now - self.written_at < self.every_s:
+            return
+        self.written_at = now
+        self.beats += 1
+        beat = TrainingBeat(
+            attempt=self.attempt,
+            beats=self.beats,
+            epoch=epoch,
+            step=step,
+            phase="train" if phase == "train" else "validate",
+            step_s=round(float(np.median(self.step_times)), 4) if self.step_times else None,
+            written_at=lineage.utc_now_iso(),
+        )
+        try:
+            write_artifact(self.uri, beat)
+        except Exception as exc:  # a beat is advisory: training goes on
+            log.warning("could not write the progress beat %s: %s", self.uri, exc)
+
+
 @dataclass
 class RunState:
     """Hold what the loop changes as it goes; the steps that change it are passed it."""
@@ -502,8 +634,12 @@ class RunState:
     meters: MetricLogger = field(default_factory=MetricLogger)
     started: float = 0.0  # time.monotonic() when the loop started
     last_ckpt: float = 0.0  # time.monotonic() of the last periodic or end-of-epoch checkpoint
+    # last.pt holds a checkpoint that loads (this attempt wrote it, or resumed from it): only
+    # then does the next save keep it as prev.pt, never one that failed to load.
+    keep_last: bool = False
     first_step_logged: bool = False
     sigterm: bool = False
+    beat: Beat | None = None  # the first rank's progress heartbeat (main sets it)
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
         """Note a SIGTERM: the loop checkpoints and exits where the ranks next agree."""
@@ -567,6 +703,8 @@ def _after_step(ctx: Run, state: RunState, step: int, window: torch.Tensor | Non
     """
     d, job, epoch = ctx.d, ctx.job, state.epoch
     state.step = step
+    if state.beat is not None:
+        state.beat.tick(epoch, step)
     if not state.first_step_logged:
         state.first_step_logged = True
         log.info("first step done %.2f s after the job started", time.perf_counter() - ctx.t_setup)
@@ -930,9 +1068,15 @@ def main(job: JobSpec, attempt: int = 1) -> TrainingMetrics:
         torch.backends.cudnn.allow_tf32 = True
     cache = ShardCache.from_env(job.run_id)  # set on the training box: a folder on its disk
     train, val, share = open_splits(job, device, cache, d)
-    ckpt = load_checkpoint(job.uri(CHECKPOINT))
+    if d.is_main:  # the attempt before this one has ended: nothing else writes there
+        for path in storage.remove_partial_writes(job.uri(CHECKPOINTS)):
+            log.warning("removed %s, left by a checkpoint write that was cut short", path)
+    resume = resume_checkpoint(job.output_uri)
+    ckpt = resume[1] if resume is not None else None
     ctx = _build_run(job, attempt, d, device, t_setup, train, share, ckpt)
-    state = _resume(ctx, ckpt)
+    state = _resume(ctx, resume)
+    if d.is_main:  # one beat per attempt: a stalled peer stops the first rank's steps too
+        state.beat = Beat(attempt_dir(job.output_uri, attempt, TRAINING_BEAT), attempt)
     signal.signal(signal.SIGTERM, state.on_sigterm)  # checkpoint-and-exit at the next agreement
     state.started = state.last_ckpt = time.monotonic()
     state.good = _snapshot(ctx, state)
@@ -1039,26 +1183,37 @@ def _build_run(
     )
 
 
-def _resume(ctx: Run, ckpt: dict[str, Any] | None) -> RunState:
-    """Return the loop's state: a new run's, or where the checkpoint left it."""
+def _resume(ctx: Run, resume: tuple[str, dict[str, Any]] | None) -> RunState:
+    """Return the loop's state: a new run's, or where the checkpoint (URI, contents) left it."""
     state = RunState()
-    if ckpt is not None:
-        state.epoch, state.step = int(ckpt["epoch"]), int(ckpt["step"])
-        state.epochs = [EpochRecord.model_validate(e) for e in json.loads(ckpt["history"])]
-        state.recoveries = [
-            Recovery.model_validate(r) for r in json.loads(ckpt.get("recoveries", "[]"))
-        ]
-        saved_best = load_checkpoint(ctx.job.uri(BEST_CHECKPOINT))
-        if saved_best is not None:
-            state.best_state = saved_best["model"]
-            state.best = json.loads(saved_best["best"])
-        log.info(
-            "attempt %d resumed from %s at epoch %d step %d",
-            ctx.attempt,
-            ctx.job.uri(CHECKPOINT),
-            state.epoch,
-            state.step,
-        )
+    if resume is None:
+        return state
+    uri, ckpt = resume
+    job = ctx.job
+    state.keep_last = uri == job.uri(CHECKPOINT)
+    state.epoch, state.step = int(ckpt["epoch"]), int(ckpt["step"])
+    state.epochs = [EpochRecord.model_validate(e) for e in json.loads(ckpt["history"])]
+    state.recoveries = [
+        Recovery.model_validate(r) for r in json.loads(ckpt.get("recoveries", "[]"))
+    ]
+    best_uri = job.uri(BEST_CHECKPOINT)
+    try:
+        saved_best = ckpt if uri == best_uri else load_checkpoint(best_uri, ("model", "best"))
+    except CheckpointError as exc:
+        # Its weights are gone; the epochs from here on choose the best among themselves.
+        log.warning("%s: the exported model is the best of the epochs from here on", exc)
+        saved_best = None
+    if saved_best is not None:
+        state.best_state = saved_best["model"]
+        state.best = json.loads(saved_best["best"])
+    log.log(
+        logging.INFO if state.keep_last else logging.WARNING,  # a fallback: worth a look
+        "attempt %d resumed from %s at epoch %d step %d",
+        ctx.attempt,
+        uri,
+        state.epoch,
+        state.step,
+    )
     return state
 
 
@@ -1074,31 +1229,37 @@ def _snapshot(ctx: Run, state: RunState) -> dict[str, Any]:
     }
 
 
-def _save_last(ctx: Run, state: RunState) -> None:
-    """Write checkpoints/last.pt to resume at ``state``'s epoch and step; every rank waits."""
+def _save_last(ctx: Run, state: RunState, best: dict[str, Any] | None = None) -> None:
+    """Write checkpoints/last.pt to resume at ``state``'s epoch and step; every rank waits.
+
+    The last.pt before it is kept as prev.pt. ``best``: the epoch just ended is the best so far
+    (its record): best.pt gets the same checkpoint first.
+    """
     job, range_test, loaded = ctx.job, ctx.range_test, ctx.loaded
     if ctx.d.is_main:
-        save_checkpoint(
-            job.uri(CHECKPOINT),
-            {
-                "model": ctx.model.state_dict(),
-                "optimizer": ctx.opt.state_dict(),
-                "scheduler": ctx.sched.state_dict(),
-                "rng_cpu": torch.get_rng_state(),
-                "epoch": state.epoch,
-                "step": state.step,
-                "history": json.dumps([e.model_dump(mode="json") for e in state.epochs]),
-                "lr_scale": ctx.lr_scale.value,
-                "recoveries": json.dumps([r.model_dump(mode="json") for r in state.recoveries]),
-                "lr_range_test": range_test.model_dump_json() if range_test else "null",
-                "job": json.dumps(job.model_dump(mode="json")),
-                "seed": job.seed,
-                "source_commit": job.source_commit or lineage.source_commit(),
-                "dataset_fingerprint": job.dataset_fingerprint,
-                "attempt": ctx.attempt,
-                "pretrained_loaded": loaded.model_dump_json() if loaded else "null",
-            },
-        )
+        ckpt = {
+            "model": ctx.model.state_dict(),
+            "optimizer": ctx.opt.state_dict(),
+            "scheduler": ctx.sched.state_dict(),
+            "rng_cpu": torch.get_rng_state(),
+            "epoch": state.epoch,
+            "step": state.step,
+            "history": json.dumps([e.model_dump(mode="json") for e in state.epochs]),
+            "lr_scale": ctx.lr_scale.value,
+            "recoveries": json.dumps([r.model_dump(mode="json") for r in state.recoveries]),
+            "lr_range_test": range_test.model_dump_json() if range_test else "null",
+            "job": json.dumps(job.model_dump(mode="json")),
+            "seed": job.seed,
+            "source_commit": job.source_commit or lineage.source_commit(),
+            "dataset_fingerprint": job.dataset_fingerprint,
+            "attempt": ctx.attempt,
+            "pretrained_loaded": loaded.model_dump_json() if loaded else "null",
+        }
+        if best is not None:
+            save_checkpoint(job.uri(BEST_CHECKPOINT), {**ckpt, "best": json.dumps(best)})
+        keep_as = job.uri(PREVIOUS_CHECKPOINT) if state.keep_last else None
+        save_checkpoint(job.uri(CHECKPOINT), ckpt, keep_as=keep_as)
+    state.keep_last = True
     if ctx.d.world_size > 1:
         dist.barrier()
 
@@ -1108,7 +1269,18 @@ def _validate(
 ) -> dict[str, Any]:
     """Evaluate the epoch's model; raise Diverged when a loss (any rank's) says it diverged."""
     n, t_eval = len(ctx.job.classes), time.perf_counter()
-    ev = evaluate(ctx.model, val, ctx.mean, ctx.std, ctx.scale, n, EVAL_BATCH, ctx.amp_dtype)
+    beat = state.beat
+    ev = evaluate(
+        ctx.model,
+        val,
+        ctx.mean,
+        ctx.std,
+        ctx.scale,
+        n,
+        EVAL_BATCH,
+        ctx.amp_dtype,
+        on_batch=None if beat is None else lambda: beat.tick(state.epoch, state.step, "validate"),
+    )
     state.meters.eval_s += time.perf_counter() - t_eval
     why = divergence(train_loss, n) or divergence(
         ev["loss"], n, validation=True, guessing=near_chance(ev["accuracy"], ev["confusion"])
@@ -1186,9 +1358,6 @@ def _end_epoch(ctx: Run, state: RunState, stats: dict[str, float], ev: dict[str,
             ),
         }
         state.best_state = copy.deepcopy(ctx.model.state_dict())
-        if ctx.d.is_main:
-            best_ckpt = {"model": state.best_state, "best": json.dumps(state.best)}
-            save_checkpoint(job.uri(BEST_CHECKPOINT), best_ckpt)
     if ctx.d.is_main:
         # What the orchestrator shows while the run goes on (one line per epoch).
         write_artifact(
@@ -1203,7 +1372,7 @@ def _end_epoch(ctx: Run, state: RunState, stats: dict[str, float], ev: dict[str,
         " (best so far)" if improved else "",
     )
     state.epoch, state.step = epoch + 1, 0
-    _save_last(ctx, state)
+    _save_last(ctx, state, best=state.best if improved else None)
     state.good = _snapshot(ctx, state)
     state.last_ckpt = time.monotonic()
 
