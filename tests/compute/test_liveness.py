@@ -39,6 +39,7 @@ def beat(beats: int, step_s: float | None = 0.1, **fields: object) -> TrainingBe
         (30.0, 300.0, STALL_STEPS * 30.0),  # slow steps: their own multiple
         (None, 300.0, 300.0),  # before a step is measured: the floor
         (0.1, 1.0, MIN_BEATS * BEAT_EVERY_S),  # never under a few beat intervals
+        (None, 1.0, MIN_BEATS * BEAT_EVERY_S),  # unmeasured steps count for nothing
     ],
 )
 def test_the_stall_bound_follows_the_measured_step_time_above_a_floor(
