@@ -543,18 +543,23 @@ def cpu_burners(
 
 
 def predict_handler(
-    delay_s: float = 0.0, status: int = 200, on_request: Callable[[], None] | None = None
+    delay_s: float = 0.0,
+    status: int = 200,
+    on_request: Callable[[], None] | None = None,
+    slow_when: tuple[bytes, float] | None = None,
 ) -> type[BaseHTTPRequestHandler]:
     """Return a handler answering POST /v1/predict with ``status`` after ``delay_s``: a stand-in
     for the service where a test proves the load generator, not the service (a 503 carries
-    Retry-After, as the service's sheds do). ``on_request`` runs as each request arrives."""
+    Retry-After, as the service's sheds do). ``on_request`` runs as each request arrives;
+    ``slow_when`` (marker, seconds): a request whose body holds the marker takes that long."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             if on_request is not None:
                 on_request()
-            time.sleep(delay_s)
+            slow = slow_when is not None and slow_when[0] in body
+            time.sleep(slow_when[1] if slow_when is not None and slow else delay_s)
             self.send_response(status)
             if status == 503:
                 self.send_header("Retry-After", "1")

@@ -6,9 +6,8 @@ import hashlib
 import json
 import math
 import sys
-import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
+from http.server import HTTPServer, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -348,27 +347,12 @@ SLOW_S = 0.6  # what a slow answer takes, well over the SLO below; the others ar
 SLO_MS = 300.0
 
 
-def _keyed_handler() -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            if b"SLOW" in body:
-                time.sleep(SLOW_S)
-            self.send_response(200)
-            self.send_header("Content-Length", "2")
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    return Handler
-
-
 @pytest.fixture
 def slow_tail_server() -> Iterator[str]:
     """Answers at once, but takes 600 ms for a request whose file says SLOW."""
-    yield from _serve(ThreadingHTTPServer(("127.0.0.1", 0), _keyed_handler()))
+    yield from _serve(
+        ThreadingHTTPServer(("127.0.0.1", 0), predict_handler(slow_when=(b"SLOW", SLOW_S)))
+    )
 
 
 def tail_images(slow: int) -> list[bytes]:
