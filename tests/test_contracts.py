@@ -70,6 +70,7 @@ from burstcv_spec.contracts import (
     SizePoint,
     SizingReport,
     SkipRecord,
+    SupervisorState,
     Trained,
     TrainingBeat,
     TrainingMetrics,
@@ -324,6 +325,10 @@ def examples() -> list[Contract]:
             log="/c/manual__x/local-0123456789ab.log",
         ),
         TriggerHeartbeat(attempt=2, polled_at="2026-12-01T16:00:00+00:00", every_s=60.0),
+        SupervisorState(
+            supervisor=4100,
+            components={"api-server": 4101, "scheduler": "restarting", "triggerer": "starting"},
+        ),
         TrainingBeat(
             attempt=2,
             beats=41,

@@ -1162,6 +1162,19 @@ class TriggerHeartbeat(Artifact):
     every_s: float = Field(gt=0, description="seconds between two writes while it runs")
 
 
+class SupervisorState(Artifact):
+    """`var/run/airflow.state.json`: the pids of `make airflow`'s supervised components.
+
+    Written by ``burstcv.airflow.standalone`` at each start, exit and restart; read by
+    ``burstcv.airflow.health --state`` so that a dead process is unhealthy at once.
+    """
+
+    supervisor: int = Field(description="the supervisor's pid")
+    components: dict[str, int | Literal["starting", "restarting"]] = Field(
+        description="each component's pid, or starting (never started) or restarting (exited)"
+    )
+
+
 class TrainingBeat(Artifact):
     """`runs/<run_key>/job/attempts/<n>/beat.json`: the training loop's own heartbeat.
 
@@ -1474,6 +1487,7 @@ ARTIFACTS: tuple[type[Artifact], ...] = (
     LocalProcessRecord,
     TriggerHeartbeat,
     TrainingBeat,
+    SupervisorState,
     PriceQuote,
     AttemptBill,
     TrainingProgress,

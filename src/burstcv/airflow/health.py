@@ -12,9 +12,7 @@ gone, or waits to be restarted, is unhealthy at once.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -49,16 +47,16 @@ def dead_processes(state_path: str) -> list[str]:
 
     A missing or unreadable state file says nothing (an Airflow started another way).
     """
+    from burstcv_spec.contracts import ArtifactError, SupervisorState, read_artifact
+
     try:
-        state = json.loads(Path(state_path).read_text())
-    except (OSError, ValueError):
+        state = read_artifact(state_path, SupervisorState)
+    except (OSError, ArtifactError):
         return []
-    if not isinstance(state, dict):
-        return []
-    if not _alive(state.get("supervisor")):
+    if not _alive(state.supervisor):
         return ["supervisor (process exited)"]
     bad = []
-    for name, pid in (state.get("components") or {}).items():
+    for name, pid in state.components.items():
         if isinstance(pid, str):
             bad.append(f"{name} ({pid})")
         elif not _alive(pid):

@@ -24,7 +24,6 @@ dead process from a stale heartbeat (``burstcv.airflow.health --state``).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -36,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import IO
+from typing import IO, Literal
 
 import httpx
 
@@ -135,7 +134,7 @@ def backoff_s(quick_exits: int) -> float:
     return float(min(MAX_BACKOFF_S, 2 ** max(0, quick_exits - 1)))
 
 
-def _state(component: Component) -> int | str:
+def _state(component: Component) -> int | Literal["starting", "restarting"]:
     """Return a component's pid, or "starting" (never started) or "restarting" (it exited)."""
     if component.proc is None:
         return "starting"
@@ -146,11 +145,12 @@ def _write_state(path: str, components: Sequence[Component]) -> None:
     """Write each component's pid, or why it has none, atomically."""
     if not path:
         return
-    doc = {"supervisor": os.getpid(), "components": {c.name: _state(c) for c in components}}
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as out:
-        json.dump(doc, out)
-    os.replace(tmp, path)
+    from burstcv_spec.contracts import SupervisorState, write_artifact
+
+    state = SupervisorState(
+        supervisor=os.getpid(), components={c.name: _state(c) for c in components}
+    )
+    write_artifact(path, state)  # atomically: a reader never finds it half-written
 
 
 def supervise(
