@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -583,3 +584,14 @@ def served(server: HTTPServer) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def first_trigger_event(trigger: Any, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Run an Airflow trigger until its first event; return the event's payload."""
+
+    async def first() -> dict[str, Any]:
+        async for event in trigger.run():
+            return dict(event.payload)
+        raise AssertionError("the trigger ended without an event")
+
+    return asyncio.run(asyncio.wait_for(first(), timeout=timeout_s))

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from burstcv_testkit import first_trigger_event
 
 from burstcv import lineage
 from burstcv.airflow.triggers import (
@@ -46,13 +47,7 @@ def fire(out: Path) -> dict[str, Any]:
     trigger = TrainingCompletionTrigger(
         run_id="r-quiet", backend="local", output_uri=str(out), attempt=1, poll_interval_s=0.1
     )
-
-    async def first() -> dict[str, Any]:
-        async for event in trigger.run():
-            return dict(event.payload)
-        raise AssertionError("the trigger ended without an event")
-
-    return asyncio.run(asyncio.wait_for(first(), timeout=60))
+    return first_trigger_event(trigger)
 
 
 def test_a_trigger_back_after_a_dead_triggerer_says_how_long_nobody_watched(

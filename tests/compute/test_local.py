@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from burstcv_testkit import launch_of, make_job
+from burstcv_testkit import first_trigger_event, launch_of, make_job
 
 from burstcv.compute import local
 from burstcv.compute.base import RUNNING, STOPPED
@@ -591,8 +591,6 @@ def test_a_stopped_trainer_is_ended_for_want_of_progress_not_at_the_deadline(
 ) -> None:
     """kill -STOP: the process lives (the watchdog keeps the box up), but its beat stops; the
     train task's trigger marks the attempt FAILED, resumable, within the stall bound."""
-    import asyncio
-
     from burstcv.airflow.triggers import TrainingCompletionTrigger
     from burstcv.compute.attempts import resumable
     from burstcv.compute.liveness import BEAT_EVERY_S, MIN_BEATS, read_beat
@@ -613,14 +611,8 @@ def test_a_stopped_trainer_is_ended_for_want_of_progress_not_at_the_deadline(
         poll_interval_s=0.5,
         stall_min_s=1.0,  # the bound is then a few beat intervals
     )
-
-    async def first() -> dict[str, Any]:
-        async for event in trigger.run():
-            return dict(event.payload)
-        raise AssertionError("the trigger ended without an event")
-
     try:
-        outcome = TrainingOutcome.model_validate(asyncio.run(asyncio.wait_for(first(), 180)))
+        outcome = TrainingOutcome.model_validate(first_trigger_event(trigger, 180))
         assert outcome.status == "failed" and outcome.stage == "stalled", outcome
         assert resumable(outcome)
         assert outcome.reason.startswith("no progress for "), outcome.reason
