@@ -25,6 +25,8 @@ from burstcv_spec.contracts import (
     PriceQuote,
     RegistryDecision,
     RunRef,
+    SizePoint,
+    SizingReport,
     SkipRecord,
     TrainingChoice,
     Validated,
@@ -537,3 +539,28 @@ def test_a_retried_gate_keeps_the_version_its_earlier_try_registered(
         RUN, exported.model_copy(update={"model_dir": str(other)}), slower, settings
     )
     assert third.version == first.version + 1 and not third.promote
+
+
+def test_the_advice_prices_a_replica_at_the_rate_the_sizing_found_it_sustains() -> None:
+    from burstcv.gate.sizing import recommend
+
+    def sizing(*rates: float) -> SizingReport:
+        points = [
+            SizePoint(vcpus=i + 1, measured=True, sustainable_rps=r) for i, r in enumerate(rates)
+        ]
+        return recommend(
+            points, latency_slo_ms=50.0, target_rps=10.0, prices=[], region="us-east-1"
+        )
+
+    assert pipeline._capacity_rps(sizing(40.0, 70.0), 2) == 70.0
+    assert pipeline._capacity_rps(sizing(40.0, 70.0), 1) == 40.0
+    assert pipeline._capacity_rps(sizing(40.0), 2) == 80.0  # extrapolated, linear at best
+    # Nothing held the SLO, nothing measured, no sizing, no host figure: no capacity.
+    assert pipeline._capacity_rps(sizing(0.0, 0.0), 2) is None
+    unmeasured = sizing(40.0).model_copy(
+        update={"sizes": [SizePoint(vcpus=1, measured=False, sustainable_rps=40.0)]}
+    )
+    assert pipeline._capacity_rps(unmeasured, 1) is None
+    assert pipeline._capacity_rps(None, 2) is None
+    assert pipeline._capacity_rps(sizing(40.0), None) is None
+    assert pipeline._capacity_rps(sizing(40.0), 0) is None

@@ -216,12 +216,27 @@ class BenchFigures(Contract):
     """Say what one load run over HTTP measured, and the model's accuracy."""
 
     omit_when_none = frozenset(
-        {"latencies_ms", "accuracy_note", "version", "bare_onnxruntime_p50_ms", "host_load"}
+        {
+            "latencies_ms",
+            "accuracy_note",
+            "version",
+            "bare_onnxruntime_p50_ms",
+            "host_load",
+            "offered_rps",
+        }
     )
 
     label: str = Field(description="candidate or production")
     requests: int = Field(description="requests sent after the warm-up")
-    concurrency: int = Field(description="requests in flight at once")
+    concurrency: int = Field(
+        description="requests in flight at once: the clients of a closed-loop run, the most "
+        "that were in flight during an open-loop one"
+    )
+    offered_rps: float | None = Field(
+        default=None,
+        description="the rate an open-loop run sent its requests at (each latency counts from "
+        "when its request was due); absent for a closed-loop run",
+    )
     errors: int = Field(
         description="requests that failed: neither a 200 nor a 503 the service shed on purpose"
     )
@@ -1337,13 +1352,36 @@ class LatencyRecord(Artifact):
     (``inconclusive`` says how): it judges nothing, and the benchmark is tried again later.
     """
 
-    omit_when_none = frozenset({"production", "inconclusive", "bench_s", "sizing_s"})
+    omit_when_none = frozenset(
+        {
+            "candidate",
+            "production",
+            "inconclusive",
+            "bench_s",
+            "sizing_s",
+            "offered_rps",
+            "load_note",
+        }
+    )
 
     measured_at: str = Field(description="ISO 8601 UTC")
     host: HostInfo = Field(description="the machine measured on")
     requests: int = Field(description="requests per model")
-    concurrency: int = Field(description="requests in flight at once")
-    candidate: BenchFigures = Field(description="the candidate's figures, with samples")
+    concurrency: int = Field(
+        description="requests in flight at once (closed loop); the most in flight for any "
+        "model (open loop)"
+    )
+    offered_rps: float | None = Field(
+        default=None, description="the open-loop rate every model was driven at, req/s"
+    )
+    load_note: str | None = Field(
+        default=None, description="where the rate comes from: the sizing, or a setting"
+    )
+    candidate: BenchFigures | None = Field(
+        default=None,
+        description="the candidate's figures, with samples; absent only when the fleet sizing "
+        "before them was inconclusive (nothing was measured)",
+    )
     production: BenchFigures | None = Field(
         default=None, description="production's; absent if none"
     )

@@ -944,7 +944,14 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
         running_on,
     )
     from burstcv.gate.latency import bare_onnxruntime_p50, drive_paired, staging_process
-    from burstcv.gate.sizing import SizesMemo, host_cpus, sizing_placement, speed_key
+    from burstcv.gate.sizing import (
+        GateLoad,
+        SizesMemo,
+        gate_load,
+        host_cpus,
+        sizing_placement,
+        speed_key,
+    )
     from burstcv.registry.registry import PRODUCTION, Registry
     from burstcv.training.job import load_job
     from burstcv_spec.preprocess import eval_view, normalize
@@ -962,18 +969,19 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
     limits, quiet = busy_limits(s), QuietFigure(Path(s.home) / "bench" / "calibration.json")
     results: dict[str, BenchFigures] = {}
     timings: dict[str, float] = {}
+    load_at: GateLoad | None = None
 
     def record(inconclusive: str | None = None) -> str:
-        candidate = results.get("candidate")
-        assert candidate is not None
         return write_artifact(
             paths.latency,
             LatencyRecord(
                 measured_at=measured_at,
                 host=host,
-                requests=s.bench_requests,
-                concurrency=s.bench_concurrency,
-                candidate=candidate,
+                requests=load_at.requests if load_at else 0,
+                concurrency=max((f.concurrency for f in results.values()), default=0),
+                offered_rps=load_at.rate_rps if load_at else None,
+                load_note=load_at.note if load_at else None,
+                candidate=results.get("candidate"),
                 production=results.get("production"),
                 inconclusive=inconclusive,
                 bench_s=timings.get("bench_s"),
@@ -983,8 +991,7 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
 
     def inconclusive(exc: HostBusyError[Any]) -> GateInconclusive:
         reason = str(exc)
-        if "candidate" in results:
-            record(reason)
+        record(reason)
         log.error("gate inconclusive, nothing judged: %s", reason)
         return GateInconclusive(
             f"gate inconclusive: {reason}. The model was not judged; the benchmark is tried "
@@ -998,9 +1005,69 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
             models["production"] = _materialise(
                 registry.version_uri(prod_alias.version), Path(tmp) / "production"
             )
+        card = read_artifact(str(Path(models["candidate"]) / MODEL_CARD), ModelCard)
+        key = speed_key(
+            card,
+            latency_slo_ms=slo_ms,
+            host=host.model_dump(mode="json"),
+            max_vcpus=s.sizing_max_vcpus or None,
+            duration_s=s.sizing_step_s,
+        )
+        memo = SizesMemo(Path(s.home) / "bench" / "sizing")
+        earlier = None if s.sizing_remeasure else memo.get(key)
+        if earlier is not None:
+            sizing = _size_fleet(str(models["candidate"]), request_images, resolved, s, earlier)
+            log.info(
+                "sizing: reused the sizes run %s measured (same speed key %s: architecture, "
+                "input, preprocessing, host, SLO); BURSTCV_SIZING_REMEASURE=true measures again",
+                earlier.measured_in,
+                key,
+            )
+        else:
+            sizing_place = sizing_placement(s.sizing_max_vcpus or None)
+            try:
+                sizing, sizing_load = measure_quietly(
+                    "fleet sizing",
+                    lambda: _size_fleet(str(models["candidate"]), request_images, resolved, s),
+                    limits=limits,
+                    quiet=quiet,
+                    cpus=sizing_place.service,
+                    isolated=sizing_place.isolated,
+                )
+            except HostBusyError as exc:
+                timings["sizing_s"] = round(time.monotonic() - started, 1)
+                # Kept for the report, marked busy: they measured the neighbours.
+                write_artifact(
+                    paths.sizing, exc.last.model_copy(update={"host_load": exc.loads[-1]})
+                )
+                raise inconclusive(exc) from None
+            sizing = sizing.model_copy(
+                update={
+                    "host_load": sizing_load,
+                    "speed_key": key,
+                    "measured_in": run.airflow_run_id,
+                }
+            )
+            memo.put(sizing)
+        timings["sizing_s"] = round(time.monotonic() - started, 1)
+        started = time.monotonic()
         # The staging services run on CPUs of their own, the load generator (this process)
         # on another: the window counts whatever else ran on the services' CPUs.
         place = Placement.split(host_cpus())
+        # Open-loop, at the load one replica of the sized fleet carries (or the rate set).
+        load_at = gate_load(
+            sizing,
+            len(place.service),
+            requests=s.bench_requests,
+            max_s=s.bench_max_s,
+            rate_rps=s.bench_rate_rps,
+        )
+        log.info(
+            "latency benchmark: %d requests per model at %.1f req/s, open loop: %s",
+            load_at.requests,
+            load_at.rate_rps,
+            load_at.note,
+        )
         with contextlib.ExitStack() as services:
             urls, pids = {}, []
             for label, folder in models.items():
@@ -1015,8 +1082,8 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
                     return drive_paired(
                         urls,
                         request_images,
-                        requests=s.bench_requests,
-                        concurrency=s.bench_concurrency,
+                        requests=load_at.requests,
+                        rate_rps=load_at.rate_rps,
                         warmup=s.bench_warmup_requests,
                     )
 
@@ -1074,53 +1141,11 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
                 host_load.others_share * 100,
             )
         timings["bench_s"] = round(time.monotonic() - started, 1)
-        started = time.monotonic()
-        card = read_artifact(str(Path(models["candidate"]) / MODEL_CARD), ModelCard)
-        key = speed_key(
-            card,
-            latency_slo_ms=slo_ms,
-            host=host.model_dump(mode="json"),
-            max_vcpus=s.sizing_max_vcpus or None,
-            duration_s=s.sizing_step_s,
-        )
-        memo = SizesMemo(Path(s.home) / "bench" / "sizing")
-        earlier = None if s.sizing_remeasure else memo.get(key)
-        if earlier is not None:
-            sizing = _size_fleet(str(models["candidate"]), request_images, resolved, s, earlier)
-            log.info(
-                "sizing: reused the sizes run %s measured (same speed key %s: architecture, "
-                "input, preprocessing, host, SLO); BURSTCV_SIZING_REMEASURE=true measures again",
-                earlier.measured_in,
-                key,
-            )
-        else:
-            sizing_place = sizing_placement(s.sizing_max_vcpus or None)
-            try:
-                sizing, sizing_load = measure_quietly(
-                    "fleet sizing",
-                    lambda: _size_fleet(str(models["candidate"]), request_images, resolved, s),
-                    limits=limits,
-                    quiet=quiet,
-                    cpus=sizing_place.service,
-                    isolated=sizing_place.isolated,
-                )
-            except HostBusyError as exc:
-                timings["sizing_s"] = round(time.monotonic() - started, 1)
-                raise inconclusive(exc) from None
-            sizing = sizing.model_copy(
-                update={
-                    "host_load": sizing_load,
-                    "speed_key": key,
-                    "measured_in": run.airflow_run_id,
-                }
-            )
-            memo.put(sizing)
-        timings["sizing_s"] = round(time.monotonic() - started, 1)
     log.info(
-        "the gate's measurements took %.0f s: latency benchmark %.0f s, fleet sizing %.0f s",
+        "the gate's measurements took %.0f s: fleet sizing %.0f s, latency benchmark %.0f s",
         timings["bench_s"] + timings["sizing_s"],
-        timings["bench_s"],
         timings["sizing_s"],
+        timings["bench_s"],
     )
     candidate, production = results["candidate"], results.get("production")
     uri = record()
@@ -1132,6 +1157,16 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
         production=production.summary() if production else None,
         sizing=sizing,
     )
+
+
+def _capacity_rps(sizing: SizingReport | None, vcpus: int | None) -> float | None:
+    """Return the rate the sizing found a ``vcpus``-CPU service sustains; None: none held."""
+    from burstcv.gate.sizing import rate_at
+
+    if sizing is None or not vcpus or not any(p.measured for p in sizing.sizes):
+        return None
+    rate, _ = rate_at(sizing.sizes, vcpus)
+    return rate if rate > 0 else None
 
 
 def _size_fleet(
@@ -1234,6 +1269,7 @@ def gate(
             prices={q.instance_type: q.usd_per_hour for q in resolved.costs.serving},
             target_rps=params.target_rps,
             measured_vcpus=bench.host.cpu_count or None,
+            capacity_rps=_capacity_rps(bench.sizing, bench.host.cpu_count),
         ),
         bench.sizing,
     )

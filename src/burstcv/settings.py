@@ -122,8 +122,13 @@ class Settings(BaseSettings):
     eval_max_images: int = Field(default=2048, ge=32)
 
     # Benchmark load: how this deployment measures latency (the SLO is a run parameter).
-    bench_requests: int = 200
-    bench_concurrency: int = 4
+    # The latency benchmark is open-loop: each model gets up to ``bench_requests`` requests at
+    # the rate one replica of the chosen fleet carries at most (the sizing's sustainable rate
+    # at the staging service's CPUs, less the headroom; never above the run's target_rps),
+    # or at ``bench_rate_rps`` when set; at most ``bench_max_s`` seconds of load per model.
+    bench_requests: int = Field(default=200, ge=1)
+    bench_rate_rps: float | None = Field(default=None, gt=0)
+    bench_max_s: float = Field(default=30.0, gt=0)
     bench_warmup_requests: int = 20
     # Isolation: the benchmark task (latency and sizing) runs in a pool of its own, one slot by
     # default, so no two runs' measurements overlap.

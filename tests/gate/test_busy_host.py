@@ -29,7 +29,14 @@ from burstcv.registry.registry import Registry
 from burstcv.settings import Settings
 from burstcv.training.job import write_job
 from burstcv_spec import storage
-from burstcv_spec.contracts import Exported, LatencyRecord, ModelCard, RunRef, read_artifact
+from burstcv_spec.contracts import (
+    Exported,
+    LatencyRecord,
+    ModelCard,
+    RunRef,
+    SizingReport,
+    read_artifact,
+)
 from burstcv_spec.layout import MODEL_CARD
 
 
@@ -139,14 +146,18 @@ def test_a_busy_host_makes_the_gate_inconclusive_never_a_rejection(
     ):
         pipeline.benchmark(run, s)
     message = str(caught.value)
-    assert message.startswith("gate inconclusive: latency of the candidate: inconclusive")
+    # The sizing comes first (the latency benchmark's load follows from it): it found the
+    # host busy, and nothing after it was measured.
+    assert message.startswith("gate inconclusive: fleet sizing: inconclusive")
     assert "busy through 2 attempt(s)" in message
     assert "other processes took" in message and "The model was not judged" in message
-    # The figures are kept, marked: they measured the neighbours.
     paths = pipeline.run_layout(run, s)
     record = read_artifact(paths.latency, LatencyRecord)
     assert record.inconclusive is not None and "other processes took" in record.inconclusive
-    assert record.candidate.host_load is not None and record.candidate.host_load.busy
+    assert record.candidate is None and record.sizing_s is not None
+    # The sizing's figures are kept, marked: they measured the neighbours.
+    sizes = read_artifact(paths.sizing, SizingReport)
+    assert sizes.host_load is not None and sizes.host_load.busy
     # Nothing was judged: no verdict, no version registered (rejected or otherwise).
     assert not storage.exists(paths.verdict)
     assert Registry(s.registry_uri, s.model_name).versions() == []

@@ -715,3 +715,16 @@ def test_the_verdict_is_the_same_whatever_the_region_and_prices(p95_ms: float) -
         cost_twice = {s.action: s.cost_per_million_usd for s in verdicts[1].suggestions}
         assert cost_twice == {a: pytest.approx(2 * c, abs=2e-4) for a, c in cost.items()}
         assert all(s.cost_per_million_usd is None for s in verdicts[2].suggestions)
+
+
+def test_a_replica_is_priced_at_what_the_sizing_found_it_sustains() -> None:
+    # The sizing found 50 req/s at the measured vCPUs: that, not the benchmark's rate, is a
+    # replica's capacity; INT8 at 45 of 80 ms gives 88.89.
+    int8 = next(s for s in advise(SLOW, SLO_50, ctx(capacity_rps=50.0)) if s.action == "int8")
+    assert int8.estimated_throughput_rps == 88.89
+    # An open-loop benchmark's throughput is the rate it sent at, never a capacity.
+    open_loop = SLOW.model_copy(update={"offered_rps": 100.0})
+    suggestions = advise(open_loop, SLO_50, ctx())
+    assert all(s.price_note == "no measured throughput to price from" for s in suggestions)
+    int8 = next(s for s in advise(open_loop, SLO_50, ctx(capacity_rps=50.0)) if s.action == "int8")
+    assert int8.estimated_throughput_rps == 88.89 and int8.cost_per_million_usd is not None

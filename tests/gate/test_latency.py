@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from http.server import ThreadingHTTPServer
+from http.server import HTTPServer, ThreadingHTTPServer
 from itertools import groupby
 
 import pytest
 from burstcv_testkit import predict_handler, served
 
-from burstcv.gate.latency import drive_paired
+from burstcv.gate.latency import drive, drive_paired
 
 
 @contextlib.contextmanager
@@ -79,3 +79,52 @@ def test_nothing_to_send_is_refused_and_no_service_is_no_figures() -> None:
     with pytest.raises(ValueError, match="no images"):
         drive_paired({"candidate": "http://127.0.0.1:9"}, [], requests=1, concurrency=1, warmup=0)
     assert drive_paired({}, [b"x"], requests=1, concurrency=1, warmup=0) == {}
+
+
+def test_paired_open_loop_sends_each_model_the_same_rate_and_records_it() -> None:
+    arrivals: list[str] = []
+    with (
+        recording_server("candidate", arrivals) as candidate,
+        recording_server("production", arrivals) as production,
+    ):
+        figures = drive_paired(
+            {"candidate": candidate, "production": production},
+            [b"image"],
+            requests=40,
+            rate_rps=80.0,
+            warmup=0,
+            rounds=2,
+        )
+    assert [(name, len(list(run))) for name, run in groupby(arrivals)] == [
+        ("candidate", 20),
+        ("production", 40),
+        ("candidate", 20),
+    ]
+    for label in ("candidate", "production"):
+        assert figures[label].offered_rps == 80.0 and figures[label].requests == 40
+        # Sent at about 80 req/s, not as fast as the answers came back.
+        assert 60 <= figures[label].throughput_rps <= 100, figures[label].throughput_rps
+        assert 1 <= figures[label].concurrency <= 40
+
+
+def test_an_open_loop_shows_the_queue_a_closed_loop_hides() -> None:
+    # One request at a time, 20 ms each: at most 50 req/s. Asked for 100 req/s, the open
+    # loop's latencies (from when each request was due) grow with the queue; one closed-loop
+    # client waits for each answer and sees only the 20 ms.
+    server = HTTPServer(("127.0.0.1", 0), predict_handler(0.02))
+    server.request_queue_size = 256
+    with served(server) as url:
+        closed = drive(url, [b"x"], requests=40, concurrency=1, warmup=0, label="candidate")
+        opened = drive(url, [b"x"], requests=80, rate_rps=100.0, warmup=0, label="candidate")
+    assert closed.offered_rps is None and closed.concurrency == 1
+    assert closed.p95_ms < 200, closed.p95_ms
+    assert opened.offered_rps == 100.0
+    assert opened.p95_ms > 2 * closed.p95_ms and opened.p95_ms > 200, opened.p95_ms
+    assert opened.concurrency > 1  # requests waited in flight behind each other
+
+
+def test_a_load_needs_a_rate_or_clients() -> None:
+    with pytest.raises(ValueError, match="give a rate"):
+        drive("http://127.0.0.1:9", [b"x"], requests=1, warmup=0, label="candidate")
+    with pytest.raises(ValueError, match="rate_rps must be positive"):
+        drive("http://127.0.0.1:9", [b"x"], requests=1, rate_rps=0.0, warmup=0, label="c")

@@ -16,14 +16,16 @@ from burstcv.cost.budget import serving_quotes
 from burstcv.cost.quotes import PriceSources
 from burstcv.gate import sizing
 from burstcv.gate.sizing import (
+    MIN_GATE_REQUESTS,
     LoadRun,
     _holds,
+    gate_load,
     open_loop,
     rate_at,
     recommend,
     sustainable_rate,
 )
-from burstcv_spec.contracts import FleetOption, LoadStep, PriceQuote, SizePoint
+from burstcv_spec.contracts import FleetOption, LoadStep, PriceQuote, SizePoint, SizingReport
 
 # The serving tests' model builders (real ONNX graphs, model.json as the contract says).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
@@ -575,3 +577,63 @@ def test_the_reason_says_the_headroom_as_set() -> None:
         families=["c7i"],
     )
     assert report.headroom == 0.6 and "60% headroom" in report.reason
+
+
+def sized(points: list[SizePoint], target_rps: float, headroom: float = 0.3) -> SizingReport:
+    return recommend(
+        points,
+        latency_slo_ms=50.0,
+        target_rps=target_rps,
+        prices=PRICES,
+        region="us-east-1",
+        headroom=headroom,
+    )
+
+
+def test_the_gate_measures_at_the_most_one_replica_carries() -> None:
+    # 100 req/s sustained at 1 vCPU, 30% kept spare: a replica carries at most 70.
+    load = gate_load(sized(LINEAR, target_rps=1000.0), 1, requests=200, max_s=30.0)
+    assert load.rate_rps == 70.0 and load.requests == 200
+    assert "100 req/s sustainable at 1 vCPU(s) (measured) less 30% headroom" in load.note
+    assert "capped" not in load.note
+    # At 2 vCPUs, 200 sustained; with 10% spare, 180.
+    load = gate_load(sized(LINEAR, 1000.0, headroom=0.1), 2, requests=200, max_s=30.0)
+    assert load.rate_rps == 180.0
+    # Beyond the measured sizes: extrapolated from the scaling, and said so.
+    load = gate_load(sized(LINEAR, 1000.0), 4, requests=200, max_s=30.0)
+    assert load.rate_rps == 280.0 and "(extrapolated)" in load.note
+
+
+def test_the_gate_never_measures_above_the_runs_whole_load() -> None:
+    load = gate_load(sized(LINEAR, target_rps=20.0), 1, requests=200, max_s=30.0)
+    assert load.rate_rps == 20.0
+    assert "capped at the run's expected peak load (20 req/s)" in load.note
+    # Exactly at the load a replica carries: not capped.
+    assert "capped" not in gate_load(sized(LINEAR, 70.0), 1, requests=200, max_s=30.0).note
+
+
+def test_a_model_no_rate_held_for_is_measured_at_the_lowest_rate() -> None:
+    load = gate_load(sized([point(1, 0.0), point(2, 0.0)], 10.0), 1, requests=200, max_s=30.0)
+    assert load.rate_rps == sizing.MIN_RATE_RPS
+    assert load.note == "the sizing's lowest rate: no rate held the SLO at 1 vCPU(s)"
+    load = gate_load(sized([point(1, 0.0)], 10.0), 2, requests=200, max_s=30.0)
+    assert load.rate_rps == sizing.MIN_RATE_RPS and "nothing to extrapolate 2 vCPU(s)" in load.note
+
+
+def test_a_set_rate_overrides_the_sizing() -> None:
+    load = gate_load(sized(LINEAR, 1000.0), 1, requests=200, max_s=30.0, rate_rps=12.5)
+    assert load.rate_rps == 12.5 and load.note == "the rate set (BURSTCV_BENCH_RATE_RPS=12.5)"
+
+
+def test_the_gate_load_is_bounded_in_time_but_keeps_enough_requests() -> None:
+    report = sized(LINEAR, 1000.0)
+    # 70 req/s for at most 2 s: 140 of the 200 asked.
+    assert gate_load(report, 1, requests=200, max_s=2.0).requests == 140
+    # 2.0 s at 70 req/s is 140; 2.01 s rounds up to 141.
+    assert gate_load(report, 1, requests=200, max_s=2.01).requests == 141
+    # A slow rate still sends enough for a p95, unless fewer were asked for.
+    slow = gate_load(report, 1, requests=200, max_s=10.0, rate_rps=1.0)
+    assert slow.requests == MIN_GATE_REQUESTS == 20
+    assert gate_load(report, 1, requests=200, max_s=10.0, rate_rps=2.1).requests == 21
+    assert gate_load(report, 1, requests=15, max_s=10.0, rate_rps=1.0).requests == 15
+    assert gate_load(report, 1, requests=20, max_s=0.1).requests == 20

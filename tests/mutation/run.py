@@ -226,7 +226,13 @@ TARGETS = (
         "nothing-new",
         "burstcv.pipeline",
         ("tests/test_pipeline_decisions.py",),
-        functions=("nothing_new_to_train", "_auto_choices", "_as_chosen", "_registered_by"),
+        functions=(
+            "nothing_new_to_train",
+            "_auto_choices",
+            "_as_chosen",
+            "_registered_by",
+            "_capacity_rps",
+        ),
     ),
     Target(
         "budget",
@@ -261,6 +267,7 @@ TARGETS = (
             "sustainable_rate",
             "measure_sizes",
             "rate_at",
+            "gate_load",
             "recommend",
         ),
     ),

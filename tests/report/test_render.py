@@ -320,6 +320,9 @@ def latency_doc() -> dict[str, Any]:
         "host": HOST,
         "requests": 200,
         "concurrency": 4,
+        "offered_rps": 105.0,
+        "load_note": "the most one replica carries: 150 req/s sustainable at 1 vCPU(s) "
+        "(measured) less 30% headroom",
         "candidate": figures(
             "candidate",
             cand,
@@ -461,6 +464,28 @@ def test_a_complete_run_renders_every_section_in_one_self_contained_page(
     assert "<td>c7i.large</td><td>2 vCPU, 4 GiB</td><td>3</td>" in page
     assert "<td>$195.46</td><td>$0.1487</td></tr>" in page
     assert "On-demand prices, us-east-1: " in page and "Unpriced" not in page
+    # The load the latency was measured at, and why that load.
+    assert (
+        "200 requests per model, open loop at 105 req/s (at most 4 in flight): the most one "
+        "replica carries: 150 req/s sustainable at 1 vCPU(s) (measured) less 30% headroom, "
+        "one image per request" in page
+    )
+
+
+def test_a_sizing_the_host_spoiled_leaves_no_latency_and_says_inconclusive(
+    full_run: tuple[Path, Path],
+) -> None:
+    run, registry = full_run
+    reason = "fleet sizing: inconclusive, the host was busy through 2 attempt(s) (...)"
+    doc = {**latency_doc(), "inconclusive": reason, "requests": 0, "concurrency": 0}
+    for field in ("candidate", "production", "offered_rps", "load_note"):
+        del doc[field]
+    write(run / "bench" / "latency.json", doc)
+    (run / "bench" / "verdict.json").unlink()
+    page = render(run, registry)
+    assert f"Inconclusive, nothing judged: {reason}" in page
+    assert "nothing was measured, one image per request" in page
+    assert "<small>Candidate p95</small><div>inconclusive</div>" in page
 
 
 def cost_section(page: str) -> str:

@@ -108,6 +108,9 @@ class ServingContext:
     instance_type: str = DEFAULT_SERVING_INSTANCE  # the CPU type production serves on
     # vCPUs of the benchmark host; None: assume it matches instance_type.
     measured_vcpus: int | None = None
+    # The rate a service on measured_vcpus sustains within the SLO (the fleet sizing's); None:
+    # unmeasured, and a closed-loop benchmark's throughput stands in for it.
+    capacity_rps: float | None = None
 
 
 def verdict_of(checks: list[GateCheck], suggestions: list[Suggestion]) -> GateVerdict:
@@ -340,7 +343,13 @@ def advise(
     """
     split = _LatencySplit.of(candidate)
     slo = limits.latency_slo_ms
-    throughput = candidate.throughput_rps or None
+    # What a replica sustains: the sizing's rate, or a closed-loop benchmark's throughput (an
+    # open-loop benchmark's is only the rate it was sent at).
+    throughput = (
+        ctx.capacity_rps
+        or (candidate.throughput_rps if candidate.offered_rps is None else None)
+        or None
+    )
     arch, instance_type, region = ctx.arch, ctx.instance_type, ctx.region
     base_vcpus = ctx.measured_vcpus or VCPUS.get(instance_type, 2)
     gap = split.p95_ms - slo
@@ -376,7 +385,7 @@ def advise(
         )
 
     def throughput_at(p95_est: float) -> float | None:
-        # A closed-loop benchmark's throughput is concurrency / latency: scale it inversely.
+        # A replica's capacity goes as 1 / its latency: scale it inversely.
         return None if throughput is None else throughput * split.p95_ms / max(p95_est, 1e-6)
 
     if not ctx.int8_tried:

@@ -1,13 +1,16 @@
 """Measure a model's latency as users will see it: through a staging copy of the real service.
 
 A staging service process is started on a free 127.0.0.1 port with the model folder, pinned
-to the production thread settings, warmed, and driven with a fixed request mix at a fixed
-concurrency. The candidate and the production model are measured in the same window,
-interleaved (:func:`drive_paired`), so a noisy machine shifts both alike.
+to the production thread settings, warmed, and driven with a fixed request mix: open-loop at a
+fixed rate (requests leave when due whatever the answers do, each latency counted from when
+its request was due), or closed-loop from a fixed number of clients. The candidate and the
+production model are measured in the same window, interleaved (:func:`drive_paired`), so a
+noisy machine shifts both alike.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -151,6 +154,7 @@ class _Sample:
     statuses: dict[str, int] = field(default_factory=dict)
     shed: int = 0
     wall_s: float = 0.0
+    peak_in_flight: int = 0
 
     def add(self, other: _Sample) -> None:
         self.latencies += other.latencies
@@ -158,6 +162,11 @@ class _Sample:
             self.statuses[code] = self.statuses.get(code, 0) + n
         self.shed += other.shed
         self.wall_s += other.wall_s
+        self.peak_in_flight = max(self.peak_in_flight, other.peak_in_flight)
+
+    def count(self, code: str, shed: bool) -> None:
+        self.statuses[code] = self.statuses.get(code, 0) + 1
+        self.shed += shed
 
 
 def _warm(url: str, images: list[bytes], warmup: int, content_type: str) -> None:
@@ -206,9 +215,9 @@ def _send(
                 elapsed = (time.perf_counter() - t0) * 1000
                 with lock:
                     sample.latencies.append(elapsed)
-                    sample.statuses[code] = sample.statuses.get(code, 0) + 1
-                    sample.shed += was_shed
+                    sample.count(code, was_shed)
 
+    sample.peak_in_flight = min(concurrency, requests)
     t_start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         for _ in range(concurrency):
@@ -217,13 +226,93 @@ def _send(
     return sample
 
 
-def _figures(label: str, sample: _Sample, concurrency: int) -> BenchFigures:
+async def _open_loop_async(
+    endpoint: str,
+    images: Sequence[bytes],
+    *,
+    requests: int,
+    rate_rps: float,
+    timeout_s: float,
+    content_type: str,
+    first: int,
+) -> _Sample:
+    interval = 1.0 / rate_rps
+    sample = _Sample()
+    loop = asyncio.get_running_loop()
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    in_flight = 0
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        start = loop.time() + 0.05
+        last_sent = start
+
+        async def one(i: int) -> None:
+            nonlocal last_sent, in_flight
+            due = start + i * interval
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            last_sent = max(last_sent, loop.time())
+            in_flight += 1
+            sample.peak_in_flight = max(sample.peak_in_flight, in_flight)
+            body = images[(first + i) % len(images)]
+            was_shed = False
+            try:
+                response = await client.post(
+                    endpoint, files={"file": (f"{first + i}.png", body, content_type)}
+                )
+                code = str(response.status_code)
+                was_shed = is_shed(response)
+            except httpx.HTTPError as exc:
+                code = type(exc).__name__
+            in_flight -= 1
+            # From when the request was due, not when it left: no coordinated omission.
+            sample.latencies.append((loop.time() - due) * 1000)
+            sample.count(code, was_shed)
+
+        await asyncio.gather(*(one(i) for i in range(requests)))
+        # The span the requests were sent over: its rate is the rate achieved.
+        sample.wall_s = max(last_sent - start, interval * (requests - 1)) or interval
+    return sample
+
+
+def send_open_loop(
+    url: str,
+    images: Sequence[bytes],
+    *,
+    requests: int,
+    rate_rps: float,
+    timeout_s: float = 30.0,
+    content_type: str = "image/png",
+    first: int = 0,
+) -> _Sample:
+    """Send ``requests`` predictions at ``rate_rps``, each when due whatever the answers do.
+
+    Each latency counts from when its request was due (a late sender or a slow service both
+    show); the sample's ``wall_s`` is the span the requests were sent over.
+    """
+    if rate_rps <= 0:
+        raise ValueError(f"rate_rps must be positive, got {rate_rps}")
+    if not images:
+        raise ValueError("no images to send")
+    return asyncio.run(
+        _open_loop_async(
+            f"{url}/v1/predict",
+            images,
+            requests=max(1, requests),
+            rate_rps=rate_rps,
+            timeout_s=timeout_s,
+            content_type=content_type,
+            first=first,
+        )
+    )
+
+
+def _figures(label: str, sample: _Sample, rate_rps: float | None) -> BenchFigures:
     arr = np.asarray(sample.latencies)
     errors = sum(n for code, n in sample.statuses.items() if code != "200") - sample.shed
     return BenchFigures(
         label=label,
         requests=len(sample.latencies),
-        concurrency=concurrency,
+        concurrency=sample.peak_in_flight,
+        offered_rps=None if rate_rps is None else round(rate_rps, 3),
         errors=errors,
         shed=sample.shed,
         error_rate=errors / max(1, len(sample.latencies)),
@@ -240,17 +329,50 @@ def _figures(label: str, sample: _Sample, concurrency: int) -> BenchFigures:
     )
 
 
+def _stretch(
+    url: str,
+    images: list[bytes],
+    *,
+    requests: int,
+    concurrency: int | None,
+    rate_rps: float | None,
+    content_type: str,
+    first: int = 0,
+) -> _Sample:
+    if rate_rps is not None:
+        return send_open_loop(
+            url,
+            images,
+            requests=requests,
+            rate_rps=rate_rps,
+            content_type=content_type,
+            first=first,
+        )
+    if concurrency is None or concurrency < 1:
+        raise ValueError("give a rate (open loop) or a concurrency of at least 1 (closed loop)")
+    return _send(
+        url,
+        images,
+        requests=requests,
+        concurrency=concurrency,
+        content_type=content_type,
+        first=first,
+    )
+
+
 def drive(
     url: str,
     images: list[bytes],
     *,
     requests: int,
-    concurrency: int,
     warmup: int,
     label: str,
+    concurrency: int | None = None,
+    rate_rps: float | None = None,
     content_type: str = "image/png",
 ) -> BenchFigures:
-    """Send ``requests`` predictions (cycling through ``images``) from ``concurrency`` clients.
+    """Send ``requests`` predictions (cycling through ``images``): open-loop at ``rate_rps``,
+    or closed-loop from ``concurrency`` clients when no rate is given.
 
     The figures' accuracy is left unmeasured (None): the caller measures it on the validation
     split, which the request mix is too small to judge. A 503 with Retry-After is the
@@ -260,10 +382,15 @@ def drive(
     if not images:
         raise ValueError("no images to send")
     _warm(url, images, warmup, content_type)
-    sample = _send(
-        url, images, requests=requests, concurrency=concurrency, content_type=content_type
+    sample = _stretch(
+        url,
+        images,
+        requests=requests,
+        concurrency=concurrency,
+        rate_rps=rate_rps,
+        content_type=content_type,
     )
-    return _figures(label, sample, concurrency)
+    return _figures(label, sample, rate_rps)
 
 
 def drive_paired(
@@ -271,8 +398,9 @@ def drive_paired(
     images: list[bytes],
     *,
     requests: int,
-    concurrency: int,
     warmup: int,
+    concurrency: int | None = None,
+    rate_rps: float | None = None,
     rounds: int = 4,
     content_type: str = "image/png",
 ) -> dict[str, BenchFigures]:
@@ -281,7 +409,8 @@ def drive_paired(
     Each service (by label) gets ``requests`` predictions in ``rounds`` stretches, the
     services taking turns, the order reversed every other round (A B B A ...), so a host
     that grows busier or quieter during the window shifts them all alike. Each stretch
-    sends the same images to every service. Figures as :func:`drive` gives them.
+    sends the same images to every service, at the same rate (or concurrency). Figures as
+    :func:`drive` gives them.
     """
     if not images:
         raise ValueError("no images to send")
@@ -296,17 +425,18 @@ def drive_paired(
         chunk = requests * (r + 1) // rounds - sent
         for label in labels if r % 2 == 0 else reversed(labels):
             samples[label].add(
-                _send(
+                _stretch(
                     urls[label],
                     images,
                     requests=chunk,
                     concurrency=concurrency,
+                    rate_rps=rate_rps,
                     content_type=content_type,
                     first=sent,
                 )
             )
         sent += chunk
-    return {label: _figures(label, samples[label], concurrency) for label in labels}
+    return {label: _figures(label, samples[label], rate_rps) for label in labels}
 
 
 def is_shed(response: httpx.Response) -> bool:

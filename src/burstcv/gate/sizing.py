@@ -14,7 +14,6 @@ the host are extrapolated from the measured scaling per vCPU and marked so.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import json
@@ -28,14 +27,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import psutil
 
 from burstcv.cost.model import DEFAULT_HEADROOM, fleet_cost, replicas_for
 from burstcv.cost.pricing import instance_shapes
 from burstcv.gate.interference import Placement, running_on
-from burstcv.gate.latency import staging_process
+from burstcv.gate.latency import send_open_loop, staging_process
 from burstcv_spec.contracts import (
     ArtifactError,
     FleetOption,
@@ -81,39 +79,6 @@ class LoadRun:
         return self.sent / self.wall_s if self.wall_s > 0 else 0.0
 
 
-async def _open_loop(
-    endpoint: str, images: Sequence[bytes], rate_rps: float, duration_s: float, timeout_s: float
-) -> LoadRun:
-    n = max(1, round(rate_rps * duration_s))
-    interval = 1.0 / rate_rps
-    run = LoadRun(rate_rps=rate_rps, sent=n)
-    loop = asyncio.get_running_loop()
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-        start = loop.time() + 0.05
-        last_sent = start
-
-        async def one(i: int) -> None:
-            nonlocal last_sent
-            due = start + i * interval
-            await asyncio.sleep(max(0.0, due - loop.time()))
-            sent_at = loop.time()
-            last_sent = max(last_sent, sent_at)
-            body = images[i % len(images)]
-            try:
-                response = await client.post(endpoint, files={"file": (f"{i}.png", body)})
-                code = str(response.status_code)
-            except httpx.HTTPError as exc:
-                code = type(exc).__name__
-            # From when the request was due, not when it left: no coordinated omission.
-            run.latencies_ms.append((loop.time() - due) * 1000)
-            run.statuses[code] = run.statuses.get(code, 0) + 1
-
-        await asyncio.gather(*(one(i) for i in range(n)))
-        run.wall_s = max(last_sent - start, interval * (n - 1)) or interval
-    return run
-
-
 def open_loop(
     url: str,
     images: Sequence[bytes],
@@ -125,9 +90,15 @@ def open_loop(
     """Send predictions to ``url`` at ``rate_rps`` for ``duration_s``, whatever the answers do."""
     if rate_rps <= 0:
         raise ValueError(f"rate_rps must be positive, got {rate_rps}")
-    if not images:
-        raise ValueError("no images to send")
-    return asyncio.run(_open_loop(f"{url}/v1/predict", images, rate_rps, duration_s, timeout_s))
+    n = max(1, round(rate_rps * duration_s))
+    sample = send_open_loop(url, images, requests=n, rate_rps=rate_rps, timeout_s=timeout_s)
+    return LoadRun(
+        rate_rps=rate_rps,
+        sent=n,
+        latencies_ms=sample.latencies,
+        statuses=sample.statuses,
+        wall_s=sample.wall_s,
+    )
 
 
 def _holds(run: LoadRun, latency_slo_ms: float) -> bool:
@@ -329,6 +300,59 @@ def rate_at(points: Sequence[SizePoint], vcpus: int) -> tuple[float, bool]:
         exponent = math.log(measured[top] / measured[1]) / math.log(top)
     exponent = min(1.0, max(MIN_SCALING_EXPONENT, exponent))
     return measured[top] * (vcpus / top) ** exponent, True
+
+
+@dataclass(frozen=True)
+class GateLoad:
+    """The open-loop load the latency gate drives each model with, and why that load."""
+
+    rate_rps: float
+    requests: int
+    note: str
+
+
+MIN_GATE_REQUESTS = 20  # fewer give a p95 from a handful of samples
+
+
+def gate_load(
+    sizing: SizingReport,
+    vcpus: int,
+    *,
+    requests: int,
+    max_s: float,
+    rate_rps: float | None = None,
+) -> GateLoad:
+    """Return the load the gate measures a model at on a ``vcpus``-CPU staging service.
+
+    The model is measured at the load it was asked to serve: the most one replica of the fleet
+    carries (the sizing's sustainable rate at ``vcpus`` less the headroom), never more than
+    the run's whole target load; ``rate_rps`` (a setting) overrides it. A model no rate held
+    the SLO for is measured at the sizing's lowest rate. ``requests`` per model, at most
+    ``max_s`` seconds of load, but never fewer than :data:`MIN_GATE_REQUESTS`.
+    """
+    if rate_rps is not None:
+        rate, note = rate_rps, f"the rate set (BURSTCV_BENCH_RATE_RPS={rate_rps:g})"
+    else:
+        sustainable, extrapolated = rate_at(sizing.sizes, vcpus)
+        if sustainable <= 0:
+            rate = MIN_RATE_RPS
+            note = (
+                f"the sizing's lowest rate: no rate held the SLO at {vcpus} vCPU(s)"
+                if not extrapolated
+                else f"the sizing's lowest rate: nothing to extrapolate {vcpus} vCPU(s) from"
+            )
+        else:
+            per_replica = sustainable * (1 - sizing.headroom)
+            rate = min(per_replica, sizing.target_rps)
+            note = (
+                f"the most one replica carries: {sustainable:g} req/s sustainable at "
+                f"{vcpus} vCPU(s) ({'extrapolated' if extrapolated else 'measured'}) less "
+                f"{round(sizing.headroom * 100)}% headroom"
+            )
+            if sizing.target_rps < per_replica:
+                note += f", capped at the run's expected peak load ({sizing.target_rps:g} req/s)"
+    wanted = max(MIN_GATE_REQUESTS, math.ceil(rate * max_s))
+    return GateLoad(rate_rps=round(rate, 3), requests=min(requests, wanted), note=note)
 
 
 def recommend(

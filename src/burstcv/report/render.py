@@ -393,7 +393,7 @@ def _model_view(record: RunDocs) -> dict[str, Any]:
 
 
 def _latency_sources(latency: LatencyRecord) -> list[tuple[str, BenchFigures]]:
-    out = [("candidate", latency.candidate)]
+    out = [] if latency.candidate is None else [("candidate", latency.candidate)]
     if latency.production is not None:
         out.append((f"production v{latency.production.version or '?'}", latency.production))
     return out
@@ -422,7 +422,7 @@ def _latency_view(record: RunDocs) -> dict[str, Any]:
     histogram = None
     prod = latency.production
     prod_ms = (prod.latencies_ms if prod else None) or None
-    candidate_ms = latency.candidate.latencies_ms or []
+    candidate_ms = (latency.candidate.latencies_ms if latency.candidate else None) or []
     if candidate_ms:
         from burstcv.report.charts import latency_histogram
 
@@ -441,8 +441,7 @@ def _latency_view(record: RunDocs) -> dict[str, Any]:
         "measured_at": latency.measured_at,
         "cpu_count": latency.host.cpu_count,
         "processor": latency.host.processor,
-        "requests": latency.requests,
-        "concurrency": latency.concurrency,
+        "load": _load_line(latency),
         "labels": [label for label, _ in sources],
         "rows": [
             [name, *(fmt(getattr(figures, key), spec, suffix) for _, figures in sources)]
@@ -475,13 +474,26 @@ def _host_load_line(load: HostLoad) -> str:
     return line + (f": BUSY ({load.reason})" if load.busy else ": quiet")
 
 
+def _load_line(latency: LatencyRecord) -> str:
+    """Say the load the models were measured at: open-loop rate and why, or closed-loop."""
+    if latency.candidate is None:
+        return "nothing was measured"
+    if latency.offered_rps is None:
+        return f"{latency.requests} requests at concurrency {latency.concurrency}"
+    line = (
+        f"{latency.requests} requests per model, open loop at {latency.offered_rps:g} req/s "
+        f"(at most {latency.concurrency} in flight)"
+    )
+    return line + (f": {latency.load_note}" if latency.load_note else "")
+
+
 def _timings_line(latency: LatencyRecord) -> str | None:
     """Say the seconds the gate's measurements took (None for records that do not say)."""
     parts = []
-    if latency.bench_s is not None:
-        parts.append(f"latency benchmark {latency.bench_s:.0f} s")
     if latency.sizing_s is not None:
         parts.append(f"fleet sizing {latency.sizing_s:.0f} s")
+    if latency.bench_s is not None:
+        parts.append(f"latency benchmark {latency.bench_s:.0f} s")
     return "; ".join(parts) or None
 
 
@@ -702,7 +714,14 @@ def _cards(record: RunDocs) -> list[tuple[str, str]]:
             ("passed" if validation.success else "failed") if validation else unreached,
         ),
         ("Validation accuracy", fmt(metrics.val_accuracy, ".4f") if metrics else unreached),
-        ("Candidate p95", fmt(latency.candidate.p95_ms, ".2f", " ms") if latency else unreached),
+        (
+            "Candidate p95",
+            unreached
+            if latency is None
+            else "inconclusive"
+            if latency.candidate is None
+            else fmt(latency.candidate.p95_ms, ".2f", " ms"),
+        ),
         (
             "Gate",
             ("promote" if verdict.promote else "not promoted") if verdict else unreached,
