@@ -265,6 +265,32 @@ class Drill:
         pgid = int((self.home / "run" / "airflow.pid").read_text())
         return self.processes(pgid, f"{BIN / 'airflow'} {component}")
 
+    def healthy(self) -> bool:
+        """Whether Airflow's health check passes now, as `make airflow` runs it."""
+        done = subprocess.run(
+            [
+                str(BIN / "python"),
+                "-m",
+                "burstcv.airflow.health",
+                self.api,
+                "--state",
+                str(self.home / "run" / "airflow.state.json"),
+            ],
+            env={**self.env, "AIRFLOW_HOME": str(self.home / "airflow")},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        return done.returncode == 0
+
+    def airflow_log_lines(self) -> list[str]:
+        """Return the standalone Airflow's log, a line each."""
+        return (self.home / "run" / "airflow.log").read_text(errors="replace").splitlines()
+
+    def job_dir(self, run_id: str) -> Path:
+        """Return a run's training job folder (progress, checkpoints) in the artifact store."""
+        return self.home / "artifacts" / "runs" / safe_run_id(run_id) / "job"
+
 
 # -- the faults ---------------------------------------------------------------------------------
 def reaper_beside_live_training(drill: Drill) -> tuple[str, str]:
@@ -309,13 +335,131 @@ def triggerer_killed(drill: Drill) -> tuple[str, str]:
     drill.wait_training(run)
     for pid in drill.airflow_component("triggerer"):
         os.kill(pid, signal.SIGKILL)
-    # What an operator does: make airflow again, which must see the dead component.
-    time.sleep(45)  # past the triggerer's health threshold (30 s)
+    # What an operator does on seeing it: make airflow at once, which must see the dead
+    # component (from the processes, not only a heartbeat that is still fresh) or find it
+    # already restarted by the supervisor.
     said = drill.make("airflow")
-    restarted = "restarting Airflow" in said
+    noticed = "restarting Airflow" in said or "every component healthy" in said
+    drill._client = None  # the api-server may be a new one: log in again
     final = drill.wait_end(run)
-    detail = f"make airflow {'restarted it' if restarted else 'did NOT notice'}; run {final}"
-    return ("survived" if restarted and final == "success" else "broken"), detail
+    detail = f"make airflow at once: {said.splitlines()[0] if said else '(nothing)'}; run {final}"
+    return ("survived" if noticed and final == "success" else "broken"), detail
+
+
+def component_killed(component: str) -> Callable[[Drill], tuple[str, str]]:
+    """Kill one of Airflow's components with -9 mid-training; nobody runs make afterwards."""
+
+    def fault(drill: Drill) -> tuple[str, str]:
+        run = drill.train()
+        drill.wait_training(run)
+        killed = drill.airflow_component(component)
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        # The health check must see it at once: the supervisor's state, not a heartbeat.
+        noticed = not drill.healthy()
+
+        def back() -> bool:
+            return not set(drill.airflow_component(component)) & set(killed) and drill.healthy()
+
+        healed_s = drill.wait(f"{component} restarted and healthy", back, 300)
+        drill._client = None  # a new api-server: log in again
+        final = drill.wait_end(run)
+        said = drill.make("airflow")
+        kept = "already running" in said and "every component healthy" in said
+        detail = (
+            f"{component} killed (-9): health {'noticed at once' if noticed else 'MISSED it'}; "
+            f"restarted and healthy in {healed_s:.0f} s with no one acting; run {final}; "
+            f"make airflow then: {'healthy, same supervisor' if kept else said.splitlines()[0]}"
+        )
+        survived = noticed and kept and final == "success" and not drill.live_boxes(run)
+        return ("survived" if survived else "broken"), detail
+
+    return fault
+
+
+def trainer_stopped(drill: Drill) -> tuple[str, str]:
+    """A hung trainer (kill -STOP): noticed by its progress beat, relaunched, resumed."""
+    run = drill.train()
+    drill.wait_training(run)
+    (pgid,) = drill.live_boxes(run)
+    os.kill(drill.trainer(pgid), signal.SIGSTOP)
+    stopped = time.monotonic()
+    marker = drill.job_dir(run) / "attempts" / "1" / "FAILED"
+
+    def marked() -> bool:
+        return marker.exists() and "stalled" in marker.read_text()
+
+    drill.wait("the stall to be noticed", marked, 30 * 60)
+    noticed_s = time.monotonic() - stopped
+    survived, detail = _resumed(
+        drill, run, f"trainer stopped (SIGSTOP), noticed in {noticed_s:.0f} s"
+    )
+    return survived, detail
+
+
+def checkpoint_corrupt(drill: Drill) -> tuple[str, str]:
+    """The newest checkpoint torn (as by a box lost mid-write), then the trainer killed."""
+    run = drill.train()
+    drill.wait_training(run, epochs_done=2)  # last.pt and prev.pt both exist
+    last = drill.job_dir(run) / "checkpoints" / "last.pt"
+    (pgid,) = drill.live_boxes(run)
+    trainer = drill.trainer(pgid)
+    os.kill(trainer, signal.SIGSTOP)  # no new checkpoint lands over the torn one
+    data = last.read_bytes()
+    last.write_bytes(data[: len(data) // 3])
+    os.kill(trainer, signal.SIGKILL)
+    verdict, detail = _resumed(drill, run, f"last.pt torn to {len(data) // 3} bytes, trainer -9")
+    return verdict, detail
+
+
+def db_locked(drill: Drill) -> tuple[str, str]:
+    """Airflow's SQLite database held under an exclusive lock for 60 s mid-training."""
+    import sqlite3
+
+    run = drill.train()
+    drill.wait_training(run)
+    before = len(drill.airflow_log_lines())
+    db = sqlite3.connect(drill.home / "airflow" / "airflow.db", timeout=60, isolation_level=None)
+    try:
+        db.execute("BEGIN EXCLUSIVE")
+        time.sleep(60)
+    finally:
+        db.execute("ROLLBACK")
+        db.close()
+    exits = [line for line in drill.airflow_log_lines()[before:] if "restarting it in" in line]
+    healed_s = drill.wait("Airflow healthy again", drill.healthy, 600)
+    drill._client = None
+    final = drill.wait_end(run)
+    names = sorted({line.split("]")[-1].split(" exited")[0].strip() for line in exits})
+    detail = (
+        f"database locked 60 s: {len(exits)} component exit(s) {names or ''} restarted by the "
+        f"supervisor; healthy {healed_s:.0f} s after; run {final}"
+    )
+    return ("survived" if final == "success" and not drill.live_boxes(run) else "broken"), detail
+
+
+def service_killed_mid_deploy(drill: Drill) -> tuple[str, str]:
+    """The prediction service killed (-9) once the gate has judged, and not restarted."""
+    run = drill.train()
+    drill.wait(
+        "the gate",
+        lambda: drill.tasks(run).get("gate", {}).get("state") in ("success", "failed"),
+        RUN_TIMEOUT_S,
+    )
+    pid = int((drill.home / "run" / "serve.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    final = drill.wait_end(run)
+    deploy = drill.tasks(run)["deploy"]["state"]
+    # Then the operator starts it again: it must serve what the registry says is production.
+    drill.make("serve")
+    registry = json.loads(
+        httpx.get(f"http://127.0.0.1:{drill.serve_port}/v1/model", timeout=30).text
+    )
+    detail = f"service killed (-9) as deploy began, not restarted; deploy {deploy}; run {final}"
+    detail += f"; restarted, it serves version {registry.get('version')}"
+    if final in ("success", "failed") and not drill.live_boxes(run):
+        return ("survived" if final == "success" else "degraded"), detail
+    return "broken", detail
 
 
 def airflow_killed(drill: Drill) -> tuple[str, str]:
@@ -371,6 +515,12 @@ FAULTS: dict[str, Callable[[Drill], tuple[str, str]]] = {
     "airflow-kill": airflow_killed,
     "service-restart": service_restart_during_deploy,
     "mark-failed": marked_failed,
+    "trainer-stop": trainer_stopped,
+    "checkpoint-corrupt": checkpoint_corrupt,
+    "api-server-kill": component_killed("api-server"),
+    "scheduler-kill": component_killed("scheduler"),
+    "db-lock": db_locked,
+    "service-kill": service_killed_mid_deploy,
 }
 
 
