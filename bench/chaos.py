@@ -439,26 +439,39 @@ def db_locked(drill: Drill) -> tuple[str, str]:
 
 
 def service_killed_mid_deploy(drill: Drill) -> tuple[str, str]:
-    """The prediction service killed (-9) once the gate has judged, and not restarted."""
+    """The prediction service killed (-9) once the gate has judged, and not restarted.
+
+    Nothing can stage the new version: deploy fails, saying so, and production stays where it
+    was; the operator then starts the service, which must serve that production version.
+    """
+    serving = f"http://127.0.0.1:{drill.serve_port}/v1/model"
+
+    def served() -> Any:
+        response = httpx.get(serving, timeout=30)
+        return response.json().get("version") if response.is_success else None
+
+    before = served()
     run = drill.train()
     drill.wait(
         "the gate",
         lambda: drill.tasks(run).get("gate", {}).get("state") in ("success", "failed"),
         RUN_TIMEOUT_S,
     )
-    pid = int((drill.home / "run" / "serve.pid").read_text())
-    os.kill(pid, signal.SIGKILL)
+    os.kill(int((drill.home / "run" / "serve.pid").read_text()), signal.SIGKILL)
     final = drill.wait_end(run)
     deploy = drill.tasks(run)["deploy"]["state"]
-    # Then the operator starts it again: it must serve what the registry says is production.
     drill.make("serve")
-    registry = json.loads(
-        httpx.get(f"http://127.0.0.1:{drill.serve_port}/v1/model", timeout=30).text
+    after = served()
+    detail = (
+        f"service killed (-9) as deploy began, not restarted; deploy {deploy}; run {final}; "
+        f"started again, it serves version {after} (before the run: {before})"
     )
-    detail = f"service killed (-9) as deploy began, not restarted; deploy {deploy}; run {final}"
-    detail += f"; restarted, it serves version {registry.get('version')}"
-    if final in ("success", "failed") and not drill.live_boxes(run):
-        return ("survived" if final == "success" else "degraded"), detail
+    if drill.live_boxes(run):
+        return "broken", detail + "; a box outlived the run"
+    if final == "failed" and deploy == "failed" and after == before:
+        return "degraded", detail  # failed cleanly: production kept
+    if final == "success" and deploy == "success" and after not in (None, before):
+        return "survived", detail
     return "broken", detail
 
 
