@@ -555,6 +555,7 @@ def test_the_advice_prices_a_replica_at_the_rate_the_sizing_found_it_sustains() 
     assert pipeline._capacity_rps(sizing(40.0, 70.0), 2) == 70.0
     assert pipeline._capacity_rps(sizing(40.0, 70.0), 1) == 40.0
     assert pipeline._capacity_rps(sizing(40.0), 2) == 80.0  # extrapolated, linear at best
+    assert pipeline._capacity_rps(sizing(0.5), 1) == 0.5  # a trickle is still a rate
     # Nothing held the SLO, nothing measured, no sizing, no host figure: no capacity.
     assert pipeline._capacity_rps(sizing(0.0, 0.0), 2) is None
     unmeasured = sizing(40.0).model_copy(
