@@ -359,7 +359,11 @@ def component_killed(component: str) -> Callable[[Drill], tuple[str, str]]:
         noticed = not drill.healthy()
 
         def back() -> bool:
-            return not set(drill.airflow_component(component)) & set(killed) and drill.healthy()
+            try:
+                now = set(drill.airflow_component(component))
+            except LookupError:  # not restarted yet
+                return False
+            return not now & set(killed) and drill.healthy()
 
         healed_s = drill.wait(f"{component} restarted and healthy", back, 300)
         drill._client = None  # a new api-server: log in again
