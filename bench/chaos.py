@@ -434,7 +434,7 @@ def db_locked(drill: Drill) -> tuple[str, str]:
     healed_s = drill.wait("Airflow healthy again", drill.healthy, 600)
     drill._client = None
     final = drill.wait_end(run)
-    names = sorted({line.split("]")[-1].split(" exited")[0].strip() for line in exits})
+    names = sorted({line.split("|")[-1].split(" exited")[0].strip() for line in exits})
     detail = (
         f"database locked 60 s: {len(exits)} component exit(s) {names or ''} restarted by the "
         f"supervisor; healthy {healed_s:.0f} s after; run {final}"
