@@ -263,7 +263,11 @@ class Drill:
     def airflow_component(self, component: str) -> list[int]:
         """Return the pids of one of standalone Airflow's components (it may fork helpers)."""
         pgid = int((self.home / "run" / "airflow.pid").read_text())
-        return self.processes(pgid, f"{BIN / 'airflow'} {component}")
+        try:
+            return self.processes(pgid, f"{BIN / 'airflow'} {component}")
+        except LookupError:
+            # The api-server retitles itself: "airflow api_server -- host:... port:...".
+            return self.processes(pgid, f"airflow {component.replace('-', '_')} -- ")
 
     def healthy(self) -> bool:
         """Whether Airflow's health check passes now, as `make airflow` runs it."""
