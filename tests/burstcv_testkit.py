@@ -445,11 +445,15 @@ def write_photo_dataset(root: Path, count: int = 96) -> list[dict[str, Any]]:
     return rows
 
 
-def reclaim_in_emulator(instance_id: str, region: str = "us-east-1") -> None:
+def reclaim_in_emulator(
+    instance_id: str, region: str = "us-east-1", ends_after_s: float | None = None
+) -> None:
     """Put an emulated instance where a reclaimed spot box stays for minutes: shutting-down.
 
     moto's TerminateInstances ends an instance at once; EC2 shows ``shutting-down`` first. The
     emulator runs in this process (``localserver.moto_server``), so its instance is set there.
+    ``ends_after_s``: the box is terminated that many seconds later, as EC2 ends it (None:
+    it stays shutting-down).
     """
     from moto.core import DEFAULT_ACCOUNT_ID
     from moto.ec2.models import ec2_backends
@@ -458,6 +462,15 @@ def reclaim_in_emulator(instance_id: str, region: str = "us-east-1") -> None:
     instance._state.name = "shutting-down"
     instance._state.code = 32
     instance._reason = "Server.SpotInstanceTermination: Spot instance termination"
+    if ends_after_s is not None:
+
+        def end() -> None:
+            instance._state.name = "terminated"
+            instance._state.code = 48
+
+        timer = threading.Timer(ends_after_s, end)
+        timer.daemon = True
+        timer.start()
 
 
 def forget_in_emulator(instance_ids: list[str], region: str = "us-east-1") -> None:

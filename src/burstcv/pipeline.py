@@ -29,6 +29,7 @@ from burstcv.compute.attempts import (
     launch_attempt,
     resumable,
     training_outcome,
+    wait_ended,
 )
 from burstcv.compute.backends import get_backend
 from burstcv.compute.base import WORKING
@@ -687,7 +688,10 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
     marker, or once it is done, nothing starts and its own number comes back. An attempt that
     ended resumable (its boxes shutting down, stopped or gone without a marker, or a resumable
     FAILED) is relaunched; any of its boxes still up is terminated first (its checkpoint is
-    written before the marker). A final failure raises TrainingFailed with the box's reason.
+    written before the marker), and the new boxes start once every earlier box has ended
+    (terminated, for a run of several boxes: they hold its placement group), waiting
+    BURSTCV_RELAUNCH_WAIT_S at most. A final failure raises TrainingFailed with the box's
+    reason.
 
     Relaunches are bounded by the run, not the attempt: past the run's deadline, once its boxes
     (every box of every attempt) have cost max_cost_usd, or after BURSTCV_MAX_RELAUNCHES
@@ -728,6 +732,9 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
         )
     from burstcv.compute.billing import record_end, run_bill
 
+    instances = wait_ended(
+        backend, run_key, attempt, s.relaunch_wait_s, deadline, terminated=launch.count > 1
+    )
     now = lineage.utc_now()
     record_end(provisioned.output_uri, attempt, instances, now)  # the attempt is over
     spent = run_bill(provisioned.output_uri, attempt, now, backend=backend_name).cost_usd

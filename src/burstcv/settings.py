@@ -99,6 +99,12 @@ class Settings(BaseSettings):
     # the same train task try; the run's deadline and max_cost_usd bound them too. A run whose
     # boxes keep vanishing is more likely broken (a boot that cannot start) than unlucky.
     max_relaunches: int = Field(default=3, ge=0)
+    # Before a relaunch starts its boxes, the ended attempt's boxes are waited for at most this
+    # long (never past the run's deadline): out of pending and running, and for a run of
+    # several boxes terminated (they hold its placement group; EC2 ends a reclaimed box in a
+    # few minutes). Past it the relaunch goes on: the attempt tag keeps the boxes apart, and
+    # the teardown takes every box of every attempt.
+    relaunch_wait_s: float = Field(default=180.0, ge=0.0)
     # A trainer that makes no progress (stopped, hung in a collective) is ended after this many
     # seconds without a new beat at least (burstcv.compute.liveness), or after
     # STALL_STEPS of its own measured steps when that is longer; the attempt ends resumable

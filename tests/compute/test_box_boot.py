@@ -681,7 +681,7 @@ def test_one_box_lost_mid_run_relaunches_both_from_the_checkpoint(
         while time.monotonic() < deadline and not storage.exists(progress_uri):
             time.sleep(0.2)
         lost.extend(cluster[1].box.power_loss())  # hardware gone: no trap, no marker, no log
-        reclaim_in_emulator(node_b)
+        reclaim_in_emulator(node_b, ends_after_s=5.0)  # EC2 ends it in minutes
 
     first = boot_cluster(
         cluster,

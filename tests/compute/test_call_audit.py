@@ -22,7 +22,7 @@ from burstcv_testkit import HELD_WHEEL, launch_of, make_model_dir, resolve_valid
 from burstcv import pipeline
 from burstcv.compute import attempts, reaper
 from burstcv.compute import ec2 as ec2_module
-from burstcv.compute.base import MANAGED_TAG_KEYS, TAG_AIRFLOW_RUN_ID
+from burstcv.compute.base import MANAGED_TAG_KEYS, TAG_AIRFLOW_RUN_ID, TAG_ATTEMPT
 from burstcv.compute.ec2 import Ec2Backend
 from burstcv.params import RunParams
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry
@@ -121,8 +121,11 @@ def test_a_tag_key_added_to_the_code_but_not_the_policy_is_denied(
     player.modes["new-tag"] = kit.HOLD
     original = ec2_module.instance_tags
 
-    def with_an_owner(launch: Launch, expires_at: Any) -> list[dict[str, str]]:
-        return [*original(launch, expires_at), {"Key": "burstcv:owner", "Value": "ml-team"}]
+    def with_an_owner(
+        launch: Launch, expires_at: Any, attempt: int | None = None
+    ) -> list[dict[str, str]]:
+        owner = {"Key": "burstcv:owner", "Value": "ml-team"}
+        return [*original(launch, expires_at, attempt), owner]
 
     monkeypatch.setattr(ec2_module, "instance_tags", with_an_owner)
     (iid,) = backend.launch(
@@ -149,12 +152,19 @@ def test_a_tag_key_added_to_the_code_but_not_the_policy_is_denied(
 def test_the_code_sends_exactly_the_tag_keys_of_the_one_definition() -> None:
     from datetime import UTC, datetime
 
-    tags = ec2_module.instance_tags(
-        launch_of("run", "s3://b/job.json", dag_id="dag", airflow_run_id="manual__x"),
-        datetime(2026, 1, 1, tzinfo=UTC),
-    )
-    assert [t["Key"] for t in tags] == [*MANAGED_TAG_KEYS[:4], "Name", TAG_AIRFLOW_RUN_ID]
+    launch = launch_of("run", "s3://b/job.json", dag_id="dag", airflow_run_id="manual__x")
+    tags = ec2_module.instance_tags(launch, datetime(2026, 1, 1, tzinfo=UTC), 2)
+    assert [t["Key"] for t in tags] == [
+        *MANAGED_TAG_KEYS[:4],
+        "Name",
+        TAG_AIRFLOW_RUN_ID,
+        TAG_ATTEMPT,
+    ]
     assert sorted(t["Key"] for t in tags) == sorted(MANAGED_TAG_KEYS)
+    assert tags[-1]["Value"] == "2"
+    # The groups a run's attempts share carry no attempt.
+    shared = ec2_module.instance_tags(launch, datetime(2026, 1, 1, tzinfo=UTC))
+    assert TAG_ATTEMPT not in {t["Key"] for t in shared}
 
 
 def test_evaluate_names_the_refused_authorization(kit: Any, deployment_policy: Any) -> None:

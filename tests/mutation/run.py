@@ -214,6 +214,24 @@ TARGETS = (
     ),
     Target("reaper", "burstcv.compute.reaper", ("tests/compute/test_reaper.py",)),
     Target(
+        "launch-order",
+        "burstcv.compute.ec2",
+        ("tests/compute/test_ec2.py",),
+        functions=("launch_plan", "prefer_zones", "placement_refusal", "_attempt_tag"),
+    ),
+    Target(
+        "attempts",
+        "burstcv.compute.attempts",
+        ("tests/compute/test_ec2.py", "tests/compute/test_resume.py"),
+        functions=("wait_ended", "resumable"),
+    ),
+    Target(
+        "job-outcome",
+        "burstcv.compute.base",
+        ("tests/compute/test_ec2.py",),
+        functions=("job_outcome", "InstanceInfo.of_attempt"),
+    ),
+    Target(
         "liveness", "burstcv.compute.liveness", ("tests/compute/test_liveness.py",), tables=("*",)
     ),
     Target(

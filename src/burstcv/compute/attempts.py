@@ -12,10 +12,12 @@ GPU time is spent to look.
 from __future__ import annotations
 
 import logging
+import time
+from datetime import datetime
 
 from burstcv import lineage
 from burstcv.compute.backends import get_backend
-from burstcv.compute.base import ComputeBackend, InstanceInfo, job_outcome
+from burstcv.compute.base import STOPPED, WORKING, ComputeBackend, InstanceInfo, job_outcome
 from burstcv.compute.billing import record_launch, run_bill
 from burstcv.cost.model import LOCAL_RATE
 from burstcv.settings import Settings
@@ -84,6 +86,49 @@ def _record_launch(
         rate_of=rate_of,
         now=lineage.utc_now(),
     )
+
+
+def wait_ended(
+    backend: ComputeBackend,
+    run_key: str,
+    attempt: int,
+    wait_s: float,
+    deadline: datetime,
+    *,
+    terminated: bool,
+) -> list[InstanceInfo]:
+    """Wait until the boxes of attempts up to ``attempt`` have ended; return the run's boxes.
+
+    Ended is no longer pending or running: such a box never trains again and bills nothing
+    but its volume. With ``terminated`` (a run of several boxes), ended is terminated: until
+    then its boxes hold the run's cluster placement group, in their zone. Bounded by
+    ``wait_s`` and the run's deadline; a box not ended by then is logged and left to the
+    teardown, which takes every box of the run (the attempt tag keeps it apart from the new
+    attempt's meanwhile).
+    """
+    bound = min(wait_s, max(0.0, (deadline - lineage.utc_now()).total_seconds()))
+    until = time.monotonic() + bound
+    while True:
+        instances = backend.describe(run_key)
+        waiting = [
+            i.instance_id
+            for i in instances
+            if i.attempt <= attempt and (i.state != STOPPED if terminated else i.state in WORKING)
+        ]
+        if not waiting:
+            return instances
+        if time.monotonic() >= until:
+            log.warning(
+                "run %s: %s of attempt %d not %s after %g s; relaunching beside them "
+                "(the teardown terminates every box of the run)",
+                run_key,
+                waiting,
+                attempt,
+                "terminated" if terminated else "ended",
+                bound,
+            )
+            return instances
+        time.sleep(backend.poll_s)
 
 
 def current_attempt(output_uri: str) -> int:

@@ -13,8 +13,8 @@ from typing import Literal, Protocol
 
 from burstcv.training.job import attempt_dir
 from burstcv_spec import storage
-from burstcv_spec.contracts import AttemptRecord, Launch, read_artifact
-from burstcv_spec.layout import ATTEMPT_RECORD, DONE_MARKER, FAILED_MARKER
+from burstcv_spec.contracts import Launch
+from burstcv_spec.layout import DONE_MARKER, FAILED_MARKER
 
 # Instance states every backend maps its own onto.
 PENDING = "pending"
@@ -35,6 +35,9 @@ TAG_RUN_ID = "burstcv:run-id"
 TAG_DAG_ID = "burstcv:dag-id"
 TAG_EXPIRES_AT = "burstcv:expires-at"
 TAG_AIRFLOW_RUN_ID = "burstcv:airflow-run-id"  # the raw Airflow run id (run-id is path-safe)
+# The training attempt a box belongs to (1 for provision, +1 per relaunch): a relaunch tells
+# its own boxes from a dying box of the attempt before by this tag, never by their state.
+TAG_ATTEMPT = "burstcv:attempt"
 TAG_NAME = "Name"  # the console's name column
 # Every tag key a launch may send: the one list the IAM policy's aws:TagKeys must equal
 # (tests/deploy/test_iam_policy.py), so a key added here and not there fails the tests.
@@ -44,6 +47,7 @@ MANAGED_TAG_KEYS = (
     TAG_DAG_ID,
     TAG_EXPIRES_AT,
     TAG_AIRFLOW_RUN_ID,
+    TAG_ATTEMPT,
     TAG_NAME,
 )
 
@@ -65,12 +69,18 @@ class InstanceInfo:
     image_id: str = ""  # the AMI the box booted (ec2), recorded in billing.json
     zone: str = ""  # its Availability Zone (ec2): where its spot price is quoted
     public_ipv4: bool = False  # it has a public IPv4 address (ec2), which bills by the hour
+    attempt: int = 0  # the attempt that launched it (its tag); 0: untagged, read as attempt 1
+
+    def of_attempt(self, attempt: int) -> bool:
+        """Return whether attempt ``attempt`` launched this box (an untagged box: attempt 1)."""
+        return (self.attempt or 1) == attempt
 
 
 class ComputeBackend(Protocol):
     """Launch, watch and destroy training boxes; every call is safe to repeat."""
 
     name: str
+    poll_s: float  # between two looks at its boxes while waiting for them to change state
 
     def launch(self, launch: Launch, attempt: int = 1) -> list[str]:
         """Start attempt ``attempt`` of the run's box(es) and return their ids.
@@ -111,28 +121,17 @@ def job_outcome(
     its box went away is still seen. DONE wins over FAILED (training writes DONE last). A box
     that is shutting down, stopping or stopped counts as gone: it will never write a marker.
     An attempt of several boxes is one training job: one box gone without a marker loses it
-    for all (the others would wait for their lost peer until a collective times out).
+    for all (the others would wait for their lost peer until a collective times out). Only the
+    attempt's own boxes count, told apart by their attempt tag: a box of the attempt before,
+    still listed as running while it dies, neither keeps this attempt alive nor loses it.
     """
-    instances = backend.describe(run_id)
+    instances = [i for i in backend.describe(run_id) if i.of_attempt(attempt)]
     if storage.exists(attempt_dir(job_dir_uri, attempt, DONE_MARKER)):
         return "done"
     if storage.exists(attempt_dir(job_dir_uri, attempt, FAILED_MARKER)):
         return "failed"
     if not any(info.state in WORKING for info in instances):
         return "lost"
-    if any(info.state not in WORKING for info in instances):  # some box ended: one of ours?
-        boxes = attempt_boxes(job_dir_uri, attempt)
-        if len(boxes) > 1 and any(
-            info.state not in WORKING for info in instances if info.instance_id in boxes
-        ):
-            return "lost"
+    if len(instances) > 1 and any(info.state not in WORKING for info in instances):
+        return "lost"
     return "running"
-
-
-def attempt_boxes(job_dir_uri: str, attempt: int) -> set[str]:
-    """Return the ids of an attempt's boxes, as its attempt record says (empty: no record)."""
-    uri = storage.join(job_dir_uri, ATTEMPT_RECORD)
-    if not storage.exists(uri):
-        return set()
-    record = read_artifact(uri, AttemptRecord)
-    return set(record.instance_ids) if record.attempt == attempt else set()

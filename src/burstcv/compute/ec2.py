@@ -30,6 +30,7 @@ from burstcv.compute.base import (
     RUNNING,
     STOPPED,
     TAG_AIRFLOW_RUN_ID,
+    TAG_ATTEMPT,
     TAG_DAG_ID,
     TAG_EXPIRES_AT,
     TAG_MANAGED,
@@ -77,6 +78,8 @@ NEXT_OPTION_ERRORS = CAPACITY_ERRORS | SPOT_ROLE_ERRORS
 ZONE_ERRORS = frozenset(
     {"InsufficientInstanceCapacity", "InsufficientCapacity", "Unsupported", "SpotMaxPriceTooLow"}
 )
+# A launch into the run's placement group refused for the group (see placement_refusal).
+PLACEMENT_REFUSAL = "placement group"
 # Dry-run refusals that mean "this identity may not", as opposed to a wrong parameter.
 _PERMISSION_ERRORS = ("UnauthorizedOperation", "AccessDenied", "AuthFailure", "Blocked")
 # Parameter errors, and the setting that supplies the parameter (matched in the error's code
@@ -153,6 +156,36 @@ def launch_plan(instance_types: Iterable[str], use_spot: bool) -> list[LaunchAtt
     return plan + [LaunchAttempt(t, "on-demand") for t in types]
 
 
+def prefer_zones(subnets: list[Subnet], zones: Iterable[str]) -> list[Subnet]:
+    """Return the subnets with those in ``zones`` first (in that order), the rest as they were.
+
+    A relaunch of several boxes tries its earlier attempt's Availability Zone first: the run's
+    cluster placement group lives in one zone, and the earlier boxes may still be shutting
+    down there.
+    """
+    order = list(dict.fromkeys(z for z in zones if z))
+    rank = {zone: n for n, zone in enumerate(order)}
+    return sorted(subnets, key=lambda sub: rank.get(sub.zone, len(order)))
+
+
+def placement_refusal(exc: ClientError, params: dict[str, Any]) -> str:
+    """Return ``PLACEMENT_REFUSAL: <code>`` when a launch into a placement group was refused
+    for its placement (the group is tied to another zone, full, or busy); else "".
+
+    A cluster placement group holds one Availability Zone's boxes; EC2 names such a refusal
+    with an ``InvalidPlacementGroup`` code or a parameter error about the group. It is the
+    zone's refusal, like a capacity shortage: the next subnet is tried, never a crash.
+    """
+    if "Placement" not in params:
+        return ""
+    code, message = _error_code(exc), _error_message(exc).lower()
+    about_group = code.startswith("InvalidPlacementGroup") or (
+        code in ("InvalidParameterValue", "InvalidParameterCombination", "Unsupported")
+        and "placement group" in message
+    )
+    return f"{PLACEMENT_REFUSAL}: {code}" if about_group else ""
+
+
 def client_token(
     run_id: str, attempt: int, option: LaunchAttempt, subnet_id: str | None = None
 ) -> str:
@@ -187,8 +220,13 @@ def backstop_name(instance_id: str) -> str:
     return f"burstcv-backstop-{instance_id}"
 
 
-def instance_tags(launch: Launch, expires_at: datetime) -> list[dict[str, str]]:
-    """Return the tags a launch puts on its instances and volumes (keys: MANAGED_TAG_KEYS)."""
+def instance_tags(
+    launch: Launch, expires_at: datetime, attempt: int | None = None
+) -> list[dict[str, str]]:
+    """Return the tags a launch puts on its instances and volumes (keys: MANAGED_TAG_KEYS).
+
+    ``attempt`` tags the boxes of one attempt; the groups a run's attempts share get none.
+    """
     tags = [
         {"Key": TAG_MANAGED, "Value": "true"},
         {"Key": TAG_RUN_ID, "Value": launch.run.run_key},
@@ -198,6 +236,8 @@ def instance_tags(launch: Launch, expires_at: datetime) -> list[dict[str, str]]:
     ]
     if launch.run.airflow_run_id:
         tags.append({"Key": TAG_AIRFLOW_RUN_ID, "Value": launch.run.airflow_run_id[:255]})
+    if attempt is not None:
+        tags.append({"Key": TAG_ATTEMPT, "Value": str(attempt)})
     return tags
 
 
@@ -259,7 +299,13 @@ def _info(instance: dict[str, Any]) -> InstanceInfo:
         image_id=instance.get("ImageId", ""),
         zone=instance.get("Placement", {}).get("AvailabilityZone", ""),
         public_ipv4=bool(instance.get("PublicIpAddress")),
+        attempt=_attempt_tag(tags.get(TAG_ATTEMPT, "")),
     )
+
+
+def _attempt_tag(text: str) -> int:
+    """Return the attempt a box's tag names; 0 when it has none (or not a number)."""
+    return int(text) if text.isdecimal() else 0
 
 
 class Ec2Backend:
@@ -269,6 +315,7 @@ class Ec2Backend:
 
     def __init__(self, settings: Ec2Settings | None = None) -> None:
         self.settings = settings or Ec2Settings()
+        self.poll_s = self.settings.waiter_delay_s
 
     # --- clients (built on first use, so constructing the backend touches no network) ---
 
@@ -382,13 +429,23 @@ class Ec2Backend:
     def launch(self, launch: Launch, attempt: int = 1) -> list[str]:
         """Start attempt ``attempt`` of the run's instance(s), spot first; return their ids.
 
-        Idempotent: when instances tagged with the run id are already pending or running
-        (a retried task), returns those instead of starting more. One that is shutting down
-        or stopped (a reclaimed spot box) is no reason not to launch.
+        Idempotent: when boxes tagged with the run id and this attempt are already pending or
+        running (a retried task), returns those instead of starting more. A box of an earlier
+        attempt is never taken for this one's, whatever state EC2 still lists it in (a dying
+        box may read running for a while after its termination). A run of several boxes tries
+        the Availability Zone its earlier attempt used first: its placement group is there.
         """
-        existing = [i.instance_id for i in self.describe(launch.run.run_key) if i.state in WORKING]
+        described = self.describe(launch.run.run_key)
+        existing = [
+            i.instance_id for i in described if i.of_attempt(attempt) and i.state in WORKING
+        ]
         if existing:
-            log.info("run %s already has live instances %s", launch.run.run_key, existing)
+            log.info(
+                "run %s already has live instances %s of attempt %d",
+                launch.run.run_key,
+                existing,
+                attempt,
+            )
             return existing
 
         s = self.settings
@@ -413,10 +470,11 @@ class Ec2Backend:
         )
         expires_at = expiry_of(deadline_at, s.watchdog_margin_min)
         image_id = self.resolve_ami()
-        base_params = self._run_params(launch, image_id, user_data, expires_at)
+        base_params = self._run_params(launch, image_id, user_data, expires_at, attempt)
 
         subnets = self.launch_subnets()
         if launch.count > 1:
+            subnets = prefer_zones(subnets, [i.zone for i in described if i.attempt < attempt])
             # Made before the boxes and removed by the teardown (terminate_run), with them.
             cluster = self.ensure_cluster(launch, expires_at, subnets[0])
             base_params["Placement"] = {"GroupName": cluster.placement_group}
@@ -483,7 +541,7 @@ class Ec2Backend:
                 if refused is None:
                     return subnet, ids
             refusals.append(f"{option.instance_type} {option.market} in {subnet}: {refused}")
-            zone_only = refused in ZONE_ERRORS
+            zone_only = refused in ZONE_ERRORS or refused.startswith(PLACEMENT_REFUSAL)
             log.warning(
                 "no %s %s for run %s in %s (%s); trying the next %s",
                 option.instance_type,
@@ -552,7 +610,8 @@ class Ec2Backend:
         """
         expires_at = datetime.now(UTC) + timedelta(seconds=launch.time_budget_s)
         image_id = self.resolve_ami()
-        base_params = self._run_params(launch, image_id, "#!/bin/bash\n", expires_at)
+        # Tagged as a first attempt: the dry run sends every tag key a real launch sends.
+        base_params = self._run_params(launch, image_id, "#!/bin/bash\n", expires_at, 1)
         results: list[tuple[LaunchAttempt, str]] = []
         first_subnet = self.launch_subnets()[0]
         for option in self.plan(launch):
@@ -622,6 +681,9 @@ class Ec2Backend:
                 return None
             if code in NEXT_OPTION_ERRORS:
                 return code
+            placed = placement_refusal(exc, params)
+            if placed:
+                return placed
             raise LaunchCheckError(self.explain_refusal(exc, option)) from exc
         # A dry run never launches; an endpoint that ignored the flag did: undo it at once.
         ids = [inst["InstanceId"] for inst in response.get("Instances", [])]
@@ -634,9 +696,12 @@ class Ec2Backend:
             response = self.client.run_instances(**params)
         except ClientError as exc:
             code = _error_code(exc)
-            if code not in NEXT_OPTION_ERRORS:
+            if code in NEXT_OPTION_ERRORS:
+                return code, []
+            placed = placement_refusal(exc, params)
+            if not placed:
                 raise
-            return code, []
+            return placed, []
         except BaseException:
             # Interrupted inside RunInstances (a task timeout, SIGTERM, a dropped connection):
             # EC2 may have started the box without us learning its id. Find it by tag.
@@ -932,10 +997,15 @@ class Ec2Backend:
     # --- helpers ---
 
     def _run_params(
-        self, launch: Launch, image_id: str, user_data: str, expires_at: datetime
+        self,
+        launch: Launch,
+        image_id: str,
+        user_data: str,
+        expires_at: datetime,
+        attempt: int | None = None,
     ) -> dict[str, Any]:
         s = self.settings
-        tags = instance_tags(launch, expires_at)
+        tags = instance_tags(launch, expires_at, attempt)
         params: dict[str, Any] = {
             "ImageId": image_id,
             # All or nothing: a multi-instance run never starts with part of its boxes.

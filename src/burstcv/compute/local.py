@@ -212,6 +212,7 @@ class LocalBackend:
     """Start training jobs as local processes and find them again by run id."""
 
     name = "local"
+    poll_s = 0.2  # a local box's state is its process: cheap to look at
 
     def __init__(self, state_dir: str | None = None) -> None:
         self.state_dir = Path(state_dir or get_settings().compute_state_dir)
@@ -251,6 +252,7 @@ class LocalBackend:
             launched_at=datetime.fromisoformat(rec.launched_at),
             stopped_at=stopped_at,
             airflow_run_id=rec.airflow_run_id,
+            attempt=rec.attempt,
         )
 
     # -- protocol --------------------------------------------------------------------------
