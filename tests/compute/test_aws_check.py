@@ -60,7 +60,7 @@ def run_check() -> Any:
 
 
 def quota_answer(value: float) -> bytes:
-    """Return a GetServiceQuota response (Service Quotas' JSON) applying ``value`` vCPUs."""
+    """Return a GetServiceQuota (or GetAWSDefaultServiceQuota) response of ``value`` vCPUs."""
     quota = {
         "ServiceCode": "ec2",
         "ServiceName": "Amazon Elastic Compute Cloud (Amazon EC2)",
@@ -167,6 +167,8 @@ class Answers:
         ):
             monkeypatch.delitem(proxy.answers, action, raising=False)
         self.set("pricing:GetProducts", EMPTY_PRICE_LIST)
+        # Not modelled: a new account's default for the GPU families is 0 vCPUs.
+        self.set("servicequotas:GetAWSDefaultServiceQuota", quota_answer(0.0))
 
     def set(self, action: str, body: bytes, status: int = 200) -> None:
         """Answer ``action`` with ``body`` for the rest of the test."""
@@ -430,6 +432,22 @@ def test_a_run_of_two_boxes_needs_each_familys_quota_for_both(
         f"{request} --quota-code {code} --desired-value 16 --region us-east-1"
         for market, code in codes.items()
     )
+
+
+def test_a_quota_never_raised_is_read_as_its_default_not_as_zero(
+    s3_deployment: Any, answers: Answers, audited_calls: RecordingProxy
+) -> None:
+    # No applied value (the emulator answers NoSuchResourceException, as Service Quotas does
+    # for a quota never raised): the account's default holds, here 8 vCPUs.
+    answers.set("servicequotas:GetAWSDefaultServiceQuota", quota_answer(8.0))
+    lines = [f.line() for f in check_vcpu_quotas(Ec2Backend(s3_deployment.ec2), s3_deployment)]
+    assert sorted(lines) == sorted(
+        f"ok       vCPU quota G and VT {market} ({code}) in us-east-1: 8 vCPUs, a g6.xlarge needs 4"
+        for market, code in (("on-demand", "L-DB2E81BA"), ("spot", "L-3819A6DF"))
+    )
+    read = [c.action for c in audited_calls.snapshot() if c.service == "servicequotas"]
+    assert read.count("servicequotas:GetServiceQuota") == 2
+    assert read.count("servicequotas:GetAWSDefaultServiceQuota") == 2
 
 
 def test_the_check_sizes_the_quotas_for_the_num_nodes_it_is_given(

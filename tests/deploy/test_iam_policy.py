@@ -27,7 +27,10 @@ UNSCOPABLE = {
     "ReadOnDemandPrices": ["pricing:GetProducts"],
     # `burstcv aws check` reads the vCPU quotas and the account's EBS encryption defaults:
     # none of these actions has resource-level permissions.
-    "ReadVcpuQuotas": ["servicequotas:GetServiceQuota"],
+    "ReadVcpuQuotas": [
+        "servicequotas:GetServiceQuota",
+        "servicequotas:GetAWSDefaultServiceQuota",
+    ],
     "ReadEbsEncryptionDefaults": ["ec2:GetEbsEncryptionByDefault", "ec2:GetEbsDefaultKmsKeyId"],
 }
 

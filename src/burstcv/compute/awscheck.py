@@ -117,6 +117,21 @@ def vcpu_quota_of(instance_type: str) -> VcpuQuota | None:
     return None
 
 
+def _quota_value(quotas: Any, code: str) -> float:
+    """Return the vCPUs an EC2 quota allows in the region: the applied value, else the default.
+
+    Service Quotas answers NoSuchResourceException for a quota the account never had applied
+    (never raised): the default then holds, which is not always 0. Neither: 0, nothing runs.
+    """
+    for read in (quotas.get_service_quota, quotas.get_aws_default_service_quota):
+        try:
+            return float(read(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"])
+        except ClientError as exc:
+            if _code(exc) != "NoSuchResourceException":
+                raise
+    return 0.0
+
+
 def check_vcpu_quotas(
     backend: Ec2Backend, settings: Settings, *, num_nodes: int = 1
 ) -> list[Finding]:
@@ -162,16 +177,16 @@ def check_vcpu_quotas(
         code = family.code(market)
         name = f"vCPU quota {family.family} {market} ({code}) in {s.region}"
         try:
-            value = float(
-                quotas.get_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"]
-            )
+            value = _quota_value(quotas, code)
         except ClientError as exc:
-            if _code(exc) != "NoSuchResourceException":
-                findings.append(
-                    Finding(name, f"{_reason(exc)}; allow servicequotas:GetServiceQuota")
+            findings.append(
+                Finding(
+                    name,
+                    f"{_reason(exc)}; allow servicequotas:GetServiceQuota and "
+                    "servicequotas:GetAWSDefaultServiceQuota",
                 )
-                continue
-            value = 0.0  # no applied quota at all: nothing may run
+            )
+            continue
         run_need = need * num_nodes  # a launch starts every box of the run at once
         boxes = f"{num_nodes} x {instance_type}" if num_nodes > 1 else f"a {instance_type}"
         if value >= run_need:
