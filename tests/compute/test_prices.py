@@ -107,6 +107,35 @@ def test_a_region_and_type_outside_the_table_are_priced_from_aws_and_cached(
     assert asked_for(audited_calls, TYPE) == []  # fresh in the store: not asked
 
 
+def test_an_account_denied_the_price_lists_first_endpoint_is_priced_at_its_second(
+    far_deployment: Settings, audited_calls: RecordingProxy
+) -> None:
+    # An organisation that denies every region but its own (a service control policy) refuses
+    # the Price List API in us-east-1; it allows ap-south-1, the API's other endpoint.
+    scp = json.dumps(
+        {
+            "__type": "AccessDeniedException",
+            "Message": "User is not authorized to perform: pricing:GetProducts with an explicit "
+            "deny in a service control policy",
+        }
+    ).encode()
+    answer = price_list({TYPE: ON_DEMAND_USD}, REGION)
+    audited_calls.answers["pricing:GetProducts"] = lambda call: (
+        (400, scp) if call.region == "us-east-1" else answer(call)
+    )
+    backend = Ec2Backend(Ec2Settings())
+    sources = backend.price_sources(far_deployment.artifact_root)
+
+    found = budget.candidate_quotes([TYPE], REGION, sources)[TYPE]
+    assert found is not None and found.source == SOURCE_PRICE_LIST
+    assert found.usd_per_hour == pytest.approx(1.318)
+    assert [c.region for c in asked_for(audited_calls, TYPE)] == ["us-east-1", "ap-south-1"]
+    # The endpoint that answered is asked first from then on.
+    audited_calls.clear()
+    budget.candidate_quotes(["g6.xlarge"], REGION, sources)
+    assert [c.region for c in asked_for(audited_calls, "g6.xlarge")] == ["ap-south-1"]
+
+
 def test_a_spot_box_is_billed_at_its_own_azs_spot_price(
     far_deployment: Settings, player: Any, kit: Any, audited_calls: RecordingProxy
 ) -> None:

@@ -23,6 +23,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from burstcv import lineage
 from burstcv.compute.ec2 import Ec2Backend, LaunchAttempt, LaunchCheckError, Subnet, launch_plan
+from burstcv.cost.pricing import PRICING_API_REGIONS
 from burstcv.cost.quotes import quote
 from burstcv.settings import Ec2Settings, Settings
 from burstcv_spec import storage
@@ -567,15 +568,19 @@ def check_prices(
         if found is not None:
             findings.append(Finding(f"{name}: ${found.usd_per_hour:.4f}/h ({found.source})"))
             continue
-        api = (
-            "pricing:GetProducts"
-            if option.market == "on-demand"
-            else "ec2:DescribeSpotPriceHistory"
-        )
+        if option.market == "on-demand":
+            api = "pricing:GetProducts"
+            where = (
+                f"{api} in {' or '.join(PRICING_API_REGIONS)}, the Price List API's endpoints; "
+                "a policy that denies other regions must leave it one of them"
+            )
+        else:
+            api = "ec2:DescribeSpotPriceHistory"
+            where = f"{api} in {region}"
         findings.append(
             Finding(
                 name,
-                f"neither AWS ({api}) nor the bundled table prices it: allow {api} to the "
+                f"neither AWS ({api}) nor the bundled table prices it: allow {where} to the "
                 "orchestrator (deploy/iam-policy.json), or set BURSTCV_PRICE_TABLE to a table "
                 f"that prices {option.instance_type} {option.market} in {region}",
             )

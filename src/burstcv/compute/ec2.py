@@ -46,7 +46,7 @@ from burstcv.compute.userdata import (
     render_user_data,
 )
 from burstcv.cost.pricing import (
-    PRICING_API_REGION,
+    PriceListEndpoints,
     public_ipv4_usd_per_hour,
     volume_usd_per_gb_month,
 )
@@ -342,9 +342,9 @@ class Ec2Backend:
         return hook.conn
 
     @cached_property
-    def pricing(self) -> Any:
-        """Return the Price List API client (its endpoint is in us-east-1, for every region)."""
-        return self._aws_client("pricing", PRICING_API_REGION)
+    def pricing(self) -> PriceListEndpoints:
+        """Return the Price List API (us-east-1, else ap-south-1: each has every region's)."""
+        return PriceListEndpoints(lambda region: self._aws_client("pricing", region))
 
     def price_sources(self, artifact_root: str | None = None) -> PriceSources:
         """Return where this backend's prices come from: AWS, cached in the artifact store."""

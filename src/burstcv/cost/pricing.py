@@ -25,8 +25,55 @@ LIFECYCLES: tuple[str, ...] = ("on-demand", "spot", "local")
 PACKAGED_TABLE = Path(__file__).with_name("prices.json")
 PRICE_TABLE_ENV = "BURSTCV_PRICE_TABLE"
 
-# The Pricing API answers only in a few regions; us-east-1 serves every region's prices.
-PRICING_API_REGION = "us-east-1"
+# The Price List API answers at two endpoints, each with every region's prices: us-east-1
+# first, then ap-south-1 (for an account whose policies deny us-east-1).
+PRICING_API_REGIONS = ("us-east-1", "ap-south-1")
+# Refusals of one endpoint (an SCP or a permissions boundary that denies its region) that
+# the other may not share.
+_ENDPOINT_REFUSALS = ("AccessDenied", "UnauthorizedOperation", "UnrecognizedClient")
+
+
+class PriceListEndpoints:
+    """Ask the Price List API at the first of its endpoints that answers.
+
+    An account whose organisation denies every region but its own (a common SCP) may still
+    allow one of the two: a refusal (or an unreachable endpoint) moves to the next; the
+    endpoint that answered is asked first from then on. Only ``get_products`` is used.
+    """
+
+    def __init__(self, client_in: Any, regions: Iterable[str] = PRICING_API_REGIONS) -> None:
+        self._client_in = client_in  # region -> boto3 pricing client
+        self._clients: dict[str, Any] = {}
+        self.regions = list(regions)
+
+    def _client(self, region: str) -> Any:
+        if region not in self._clients:
+            self._clients[region] = self._client_in(region)
+        return self._clients[region]
+
+    def get_products(self, **kwargs: Any) -> Any:
+        """Return GetProducts' answer from the first endpoint that gives one."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        last: Exception | None = None
+        for region in list(self.regions):
+            try:
+                answer = self._client(region).get_products(**kwargs)
+            except ClientError as exc:
+                code = str(exc.response.get("Error", {}).get("Code", ""))
+                if not code.startswith(_ENDPOINT_REFUSALS):
+                    raise
+                last = exc
+            except BotoCoreError as exc:  # the endpoint cannot be reached from here
+                last = exc
+            else:
+                self.regions.remove(region)
+                self.regions.insert(0, region)
+                return answer
+            log.info("the Price List API in %s refused (%s); trying the next one", region, last)
+        if last is None:
+            raise ValueError("no Price List API endpoint to ask")
+        raise last
 
 
 class UnknownPriceError(ValueError):
@@ -171,7 +218,7 @@ def refresh_from_pricing_api(
     if client is None:
         import boto3
 
-        client = boto3.client("pricing", region_name=PRICING_API_REGION)
+        client = PriceListEndpoints(lambda region: boto3.client("pricing", region_name=region))
     table = copy.deepcopy(load_price_table())
     for region in regions:
         region_prices = table["regions"].setdefault(region, {})
