@@ -434,6 +434,38 @@ def test_a_run_of_two_boxes_needs_each_familys_quota_for_both(
     )
 
 
+def test_a_subnet_reaching_s3_through_a_nat_gateway_is_told_what_it_pays_and_the_free_way(
+    s3_deployment: Any, aws: str
+) -> None:
+    from burstcv.compute.awscheck import check_subnet_routes
+
+    backend = Ec2Backend(s3_deployment.ec2)
+    ec2 = boto3.client("ec2", region_name="us-east-1", endpoint_url=aws)  # the account's admin
+    first = backend.launch_subnets()[0]
+    # A private subnet: its own route table sends everything to a NAT gateway.
+    allocation = ec2.allocate_address(Domain="vpc")["AllocationId"]
+    nat = ec2.create_nat_gateway(SubnetId=first.subnet_id, AllocationId=allocation)["NatGateway"]
+    table = ec2.create_route_table(VpcId=first.vpc_id)["RouteTable"]["RouteTableId"]
+    ec2.create_route(
+        RouteTableId=table, DestinationCidrBlock="0.0.0.0/0", NatGatewayId=nat["NatGatewayId"]
+    )
+    association = ec2.associate_route_table(RouteTableId=table, SubnetId=first.subnet_id)
+    try:
+        lines = [f.line() for f in check_subnet_routes(backend)]
+    finally:
+        ec2.disassociate_route_table(AssociationId=association["AssociationId"])
+        ec2.delete_route_table(RouteTableId=table)
+        ec2.delete_nat_gateway(NatGatewayId=nat["NatGatewayId"])
+        ec2.release_address(AllocationId=allocation)
+    (line,) = [x for x in lines if first.subnet_id in x]
+    assert line.startswith(f"ok       route to S3 from subnet {first} via NAT gateway")
+    assert "billed per GB" in line and "shard download" in line
+    assert (
+        f"aws ec2 create-vpc-endpoint --vpc-id {first.vpc_id} --service-name "
+        f"com.amazonaws.us-east-1.s3 --route-table-ids {table}" in line
+    )
+
+
 def test_a_quota_never_raised_is_read_as_its_default_not_as_zero(
     s3_deployment: Any, answers: Answers, audited_calls: RecordingProxy
 ) -> None:

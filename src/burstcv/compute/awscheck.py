@@ -323,7 +323,7 @@ def check_instance_role_s3(backend: Ec2Backend, artifact_root: str) -> list[Find
 
 
 def _s3_route(
-    table: dict[str, Any], s3_endpoints: dict[str, set[str]], public_ip: bool
+    table: dict[str, Any], s3_endpoints: dict[str, set[str]], public_ip: bool, region: str
 ) -> tuple[str, str]:
     """Return (how the table reaches S3, "") or ("", why it does not)."""
     table_id = str(table["RouteTableId"])
@@ -337,7 +337,15 @@ def _s3_route(
     default = [r for r in routes if r.get("DestinationCidrBlock") == "0.0.0.0/0"]
     for route in default:
         if route.get("NatGatewayId"):
-            return f"NAT gateway {route['NatGatewayId']}", ""
+            # Works, at a price: a NAT gateway bills each GB it carries, and every box's S3
+            # traffic (shards, wheel, checkpoints) goes through it; a gateway endpoint is free.
+            return (
+                f"NAT gateway {route['NatGatewayId']}, billed per GB: every box's shard "
+                "download, wheel and checkpoints pass through it; an S3 gateway endpoint "
+                f"carries them free (aws ec2 create-vpc-endpoint --vpc-id {table['VpcId']} "
+                f"--service-name com.amazonaws.{region}.s3 --route-table-ids {table_id})",
+                "",
+            )
     for route in default:
         gateway = str(route.get("GatewayId", ""))
         if gateway.startswith("igw-"):
@@ -407,7 +415,8 @@ def check_subnet_routes(backend: Ec2Backend) -> list[Finding]:
         if table is None:
             findings.append(Finding(name, f"VPC {info['VpcId']} has no main route table"))
             continue
-        via, missing = _s3_route(table, s3_endpoints, bool(info.get("MapPublicIpOnLaunch")))
+        public_ip = bool(info.get("MapPublicIpOnLaunch"))
+        via, missing = _s3_route(table, s3_endpoints, public_ip, region)
         if via:
             findings.append(Finding(f"{name} via {via}"))
             continue
