@@ -674,6 +674,23 @@ def test_a_relaunch_of_several_boxes_waits_for_the_old_ones_to_terminate_within_
     assert kit.live_managed() == []
 
 
+def test_a_box_without_an_attempt_tag_is_of_the_first_attempt() -> None:
+    from burstcv.compute.ec2 import _info
+
+    def box(tags: dict[str, str]) -> dict[str, Any]:
+        return {
+            "InstanceId": "i-0old",
+            "State": {"Name": "running"},
+            "Tags": [{"Key": k, "Value": v} for k, v in tags.items()],
+        }
+
+    # Launched by a burstcv before the tag existed: the run's first attempt.
+    old = _info(box({TAG_RUN_ID: "r"}))
+    assert old.attempt == 1 and old.of_attempt(1) and not old.of_attempt(2)
+    assert _info(box({TAG_RUN_ID: "r", TAG_ATTEMPT: "3"})).attempt == 3
+    assert _info(box({TAG_RUN_ID: "r", TAG_ATTEMPT: "x"})).attempt == 1
+
+
 def test_a_placement_refusal_is_a_zones_refusal_only_for_a_launch_into_a_group() -> None:
     def refusal(code: str, message: str) -> ClientError:
         return ClientError({"Error": {"Code": code, "Message": message}}, "RunInstances")

@@ -69,11 +69,12 @@ class InstanceInfo:
     image_id: str = ""  # the AMI the box booted (ec2), recorded in billing.json
     zone: str = ""  # its Availability Zone (ec2): where its spot price is quoted
     public_ipv4: bool = False  # it has a public IPv4 address (ec2), which bills by the hour
-    attempt: int = 0  # the attempt that launched it (its tag); 0: untagged, read as attempt 1
+    # The attempt that launched it (its tag); a box launched before the tag existed: 1.
+    attempt: int = 1
 
     def of_attempt(self, attempt: int) -> bool:
-        """Return whether attempt ``attempt`` launched this box (an untagged box: attempt 1)."""
-        return (self.attempt or 1) == attempt
+        """Return whether attempt ``attempt`` launched this box."""
+        return self.attempt == attempt
 
 
 class ComputeBackend(Protocol):

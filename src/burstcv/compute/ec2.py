@@ -304,8 +304,8 @@ def _info(instance: dict[str, Any]) -> InstanceInfo:
 
 
 def _attempt_tag(text: str) -> int:
-    """Return the attempt a box's tag names; 0 when it has none (or not a number)."""
-    return int(text) if text.isdecimal() else 0
+    """Return the attempt a box's tag names; 1 when it has none (launched before the tag)."""
+    return int(text) if text.isdecimal() else 1
 
 
 class Ec2Backend:
