@@ -288,6 +288,8 @@ def test_a_ready_account_passes_every_check_and_rents_nothing(
     routes = [x for x in lines if "route to S3 from subnet" in x]
     assert len(routes) == 6  # the default subnet of each of us-east-1's six AZs
     assert all(x.startswith("ok") and "via S3 gateway endpoint vpce-" in x for x in routes)
+    (egress,) = [x for x in lines if "HTTPS egress to S3" in x]
+    assert egress.startswith("ok       HTTPS egress to S3 from the default security group of vpc-")
     assert "ok       bucket burstcv-test in the run's region us-east-1" in lines
     assert any(x.startswith("ok       default EBS encryption key: AWS managed key") for x in lines)
     assert "ok       Spot service-linked role AWSServiceRoleForEC2Spot" in lines
@@ -303,7 +305,7 @@ def test_a_ready_account_passes_every_check_and_rents_nothing(
     ]
     # Not the last line: a handler an earlier in-process CLI run left on a closed stream may
     # print its logging error after it.
-    assert "all 40 checks passed: nothing was rented" in lines
+    assert "all 41 checks passed: nothing was rented" in lines
     assert not [x for x in lines if x.startswith("MISSING")]
     assert kit.live_managed() == []
     calls = audited_calls.snapshot()
@@ -464,6 +466,67 @@ def test_a_subnet_reaching_s3_through_a_nat_gateway_is_told_what_it_pays_and_the
         f"aws ec2 create-vpc-endpoint --vpc-id {first.vpc_id} --service-name "
         f"com.amazonaws.us-east-1.s3 --route-table-ids {table}" in line
     )
+
+
+def test_a_default_security_group_stripped_of_its_rules_is_named_with_the_rule_to_add(
+    s3_deployment: Any, aws: str
+) -> None:
+    from burstcv.compute.awscheck import check_security_group_egress
+
+    backend = Ec2Backend(s3_deployment.ec2)
+    admin = boto3.client("ec2", region_name="us-east-1", endpoint_url=aws)
+    vpc = backend.launch_subnets()[0].vpc_id
+    (default,) = admin.describe_security_groups(
+        Filters=[
+            {"Name": "vpc-id", "Values": [vpc]},
+            {"Name": "group-name", "Values": ["default"]},
+        ]
+    )["SecurityGroups"]
+    gid = default["GroupId"]
+    (s3_list,) = admin.describe_prefix_lists(
+        Filters=[{"Name": "prefix-list-name", "Values": ["com.amazonaws.us-east-1.s3"]}]
+    )["PrefixLists"]
+    pl = s3_list["PrefixListId"]
+    label = f"HTTPS egress to S3 from the default security group of {vpc} ({gid})"
+    assert [f.line() for f in check_security_group_egress(backend)] == [
+        f"ok       {label}: to anywhere ({gid})"
+    ]
+
+    # CIS 4.3: the default group has no rules at all.
+    admin.revoke_security_group_egress(GroupId=gid, IpPermissions=default["IpPermissionsEgress"])
+    own = admin.create_security_group(GroupName="egress-s3", Description="s3", VpcId=vpc)
+    try:
+        (line,) = [f.line() for f in check_security_group_egress(backend)]
+        assert line.startswith(f"MISSING  {label}: no egress rule lets a box reach S3 over HTTPS")
+        assert f"authorize-security-group-egress --group-id {gid}" in line
+        assert f"PrefixListIds=[{{PrefixListId={pl}}}]" in line and "\n" not in line
+        # The user's own group, letting HTTPS out to S3's prefix list only, in the setting.
+        own_id = own["GroupId"]
+        (everything,) = admin.describe_security_groups(GroupIds=[own_id])["SecurityGroups"]
+        admin.revoke_security_group_egress(
+            GroupId=own_id, IpPermissions=everything["IpPermissionsEgress"]
+        )
+        admin.authorize_security_group_egress(
+            GroupId=own_id,
+            IpPermissions=[
+                {
+                    "IpProtocol": "tcp",
+                    "FromPort": 443,
+                    "ToPort": 443,
+                    "PrefixListIds": [{"PrefixListId": pl}],
+                }
+            ],
+        )
+        configured = s3_deployment.ec2.model_copy(update={"security_group_ids": (own_id,)})
+        assert [f.line() for f in check_security_group_egress(Ec2Backend(configured))] == [
+            "ok       HTTPS egress to S3 from BURSTCV_EC2_SECURITY_GROUP_IDS "
+            f"({own_id}): to the S3 prefix list ({own_id})"
+        ]
+    finally:
+        admin.authorize_security_group_egress(
+            GroupId=gid, IpPermissions=[{"IpProtocol": "-1", "IpRanges": [{"CidrIp": "0.0.0.0/0"}]}]
+        )
+        admin.delete_security_group(GroupId=own["GroupId"])
 
 
 def test_a_quota_never_raised_is_read_as_its_default_not_as_zero(

@@ -431,6 +431,87 @@ def check_subnet_routes(backend: Ec2Backend) -> list[Finding]:
     return findings
 
 
+# --- network: the boxes' security groups let them out to S3 ------------------------------------
+
+HTTPS = 443
+
+
+def _https_egress(rule: dict[str, Any], s3_lists: set[str]) -> str:
+    """Return where one egress rule lets HTTPS out to ("" if it does not)."""
+    protocol = str(rule.get("IpProtocol", ""))
+    ports = protocol == "-1" or (
+        protocol in ("tcp", "6") and rule.get("FromPort", 0) <= HTTPS <= rule.get("ToPort", -1)
+    )
+    if not ports:
+        return ""
+    if any(r.get("CidrIp") == "0.0.0.0/0" for r in rule.get("IpRanges", [])):
+        return "anywhere"
+    if any(p.get("PrefixListId") in s3_lists for p in rule.get("PrefixListIds", [])):
+        return "the S3 prefix list"
+    others = [str(r.get("CidrIp")) for r in rule.get("IpRanges", [])] + [
+        str(p.get("PrefixListId")) for p in rule.get("PrefixListIds", [])
+    ]
+    return f"{', '.join(others)} only (not followed further)" if others else ""
+
+
+def check_security_group_egress(backend: Ec2Backend) -> list[Finding]:
+    """Check the security groups a training box gets let it reach S3 over HTTPS.
+
+    A box gets BURSTCV_EC2_SECURITY_GROUP_IDS, else its VPC's default group. Accounts that
+    follow CIS 4.3 (AWS Config ``vpc-default-security-group-closed``) strip the default group
+    of every rule: a box there reaches nothing, cannot even write its FAILED marker, and would
+    be paid for until its boot bound. Egress is the union of the groups' rules.
+    """
+    s = backend.settings
+    ec2 = backend.client
+    s3_lists = {
+        str(p["PrefixListId"])
+        for p in ec2.describe_prefix_lists(
+            Filters=[{"Name": "prefix-list-name", "Values": [f"com.amazonaws.{s.region}.s3"]}]
+        )["PrefixLists"]
+    }
+    if s.security_group_ids:
+        groups = ec2.describe_security_groups(GroupIds=list(s.security_group_ids))
+        sets = {"BURSTCV_EC2_SECURITY_GROUP_IDS": groups["SecurityGroups"]}
+    else:
+        vpcs = sorted({sub.vpc_id for sub in backend.launch_subnets() if sub.vpc_id})
+        sets = {}
+        for vpc in vpcs:
+            found = ec2.describe_security_groups(
+                Filters=[
+                    {"Name": "vpc-id", "Values": [vpc]},
+                    {"Name": "group-name", "Values": ["default"]},
+                ]
+            )["SecurityGroups"]
+            sets[f"the default security group of {vpc}"] = found
+    findings = []
+    for label, groups in sets.items():
+        ids = [str(g["GroupId"]) for g in groups]
+        name = f"HTTPS egress to S3 from {label} ({', '.join(ids)})"
+        reaches = [
+            f"{where} ({g['GroupId']})"
+            for g in groups
+            for rule in g.get("IpPermissionsEgress", [])
+            if (where := _https_egress(rule, s3_lists))
+        ]
+        if reaches:
+            findings.append(Finding(f"{name}: to {reaches[0]}"))
+            continue
+        s3_list = sorted(s3_lists)[0] if s3_lists else "<the S3 prefix list>"
+        rule = f"IpProtocol=tcp,FromPort=443,ToPort=443,PrefixListIds=[{{PrefixListId={s3_list}}}]"
+        findings.append(
+            Finding(
+                name,
+                "no egress rule lets a box reach S3 over HTTPS (a box could not read its job "
+                "nor write its FAILED marker): aws ec2 authorize-security-group-egress "
+                f"--group-id {ids[0] if ids else '<group>'} --ip-permissions '{rule}' "
+                f"--region {s.region}, or set BURSTCV_EC2_SECURITY_GROUP_IDS to a group with "
+                "such a rule",
+            )
+        )
+    return findings
+
+
 def _route_table_of(
     tables: list[dict[str, Any]], subnet_id: str, vpc_id: str
 ) -> dict[str, Any] | None:
@@ -701,6 +782,7 @@ def check_account(
     )
     findings += _guarded("training role's S3 access", lambda: check_instance_role_s3(backend, root))
     findings += _guarded("route to S3", lambda: check_subnet_routes(backend))
+    findings += _guarded("HTTPS egress to S3", lambda: check_security_group_egress(backend))
     findings += _guarded("bucket region", lambda: check_bucket_region(root, s.region))
     findings += _guarded("default EBS encryption key", lambda: check_ebs_key(backend, s.use_spot))
     if s.use_spot:
