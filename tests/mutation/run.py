@@ -314,6 +314,12 @@ TARGETS = (
         functions=("watchdog_minutes", "expiry_of"),
     ),
     Target(
+        "aws-check",
+        "burstcv.compute.awscheck",
+        ("tests/compute/test_aws_check.py",),
+        functions=("_https_egress", "_quota_value", "_s3_route", "vcpu_quota_of"),
+    ),
+    Target(
         "pricing",
         "burstcv.cost.pricing",
         ("tests/cost/test_pricing.py", "tests/compute/test_prices.py"),
