@@ -571,6 +571,10 @@ def _s3_checks(
         ):
             prefix = {"s3:prefix": query["prefix"]} if "prefix" in query else {}
             return "s3:ListBucket", [Check("s3:ListBucket", bucket_arn, prefix)]
+        if method == "GET" and set(query) == {"encryption"}:  # GetBucketEncryption
+            return "s3:GetEncryptionConfiguration", [
+                Check("s3:GetEncryptionConfiguration", bucket_arn)
+            ]
         names = {"PUT": "s3:CreateBucket", "DELETE": "s3:DeleteBucket"}
         action = names.get(method) or f"s3:{method.title()}Bucket?{'&'.join(sorted(query))}"
         return action, [Check(action, bucket_arn)]

@@ -108,13 +108,15 @@ def aws_managed_ebs_key_answer() -> bytes:
     return json.dumps({"KeyMetadata": metadata}).encode()
 
 
-def simulation_answer(policy: dict[str, Any], variables: dict[str, str]) -> bytes:
+def simulation_answer(
+    policy: dict[str, Any], variables: dict[str, str], kms_key_arn: str | None = None
+) -> bytes:
     """Return IAM's SimulatePrincipalPolicy response for a role whose only policy is ``policy``.
 
     Every action is evaluated on every resource the check asks about (IAM's cross product);
     each decision is the audit's IAM evaluator's.
     """
-    wanted = instance_role_requests(get_settings().artifact_root)
+    wanted = instance_role_requests(get_settings().artifact_root, kms_key_arn)
     members = []
     for action in sorted({a for a, _ in wanted}):
         for resource in sorted({r for _, r in wanted}):
@@ -527,6 +529,67 @@ def test_a_default_security_group_stripped_of_its_rules_is_named_with_the_rule_t
             GroupId=gid, IpPermissions=[{"IpProtocol": "-1", "IpRanges": [{"CidrIp": "0.0.0.0/0"}]}]
         )
         admin.delete_security_group(GroupId=own["GroupId"])
+
+
+def test_a_bucket_encrypting_with_a_customer_key_needs_the_training_roles_use_of_it(
+    s3_deployment: Any, kit: Any, aws: str, answers: Answers
+) -> None:
+    from burstcv.compute.awscheck import check_instance_role_s3
+
+    kms = boto3.client("kms", region_name=kit.region, endpoint_url=aws)
+    key = kms.create_key(Description="the bucket's default key")["KeyMetadata"]
+    kit.s3.put_bucket_encryption(
+        Bucket=kit.bucket,
+        ServerSideEncryptionConfiguration={
+            "Rules": [
+                {
+                    "ApplyServerSideEncryptionByDefault": {
+                        "SSEAlgorithm": "aws:kms",
+                        "KMSMasterKeyID": key["KeyId"],
+                    }
+                }
+            ]
+        },
+    )
+    role_policy = json.loads((DEPLOY / "instance-role-policy.json").read_text())
+    variables = instance_role_policy_variables(kit)
+    backend = Ec2Backend(s3_deployment.ec2)
+    try:
+        # The role as docs/aws.md gives it: S3 only, so the key refuses it.
+        answers.set(
+            "iam:SimulatePrincipalPolicy", simulation_answer(role_policy, variables, key["Arn"])
+        )
+        (finding,) = check_instance_role_s3(backend, kit.artifact_root)
+        line = finding.line()
+        assert line.startswith("MISSING  training role burstcv-training: S3 access under ")
+        assert f"(the bucket's default key {key['Arn']})" in line
+        assert f"kms:Decrypt on {key['Arn']} (implicitDeny)" in line
+        assert f"kms:GenerateDataKey on {key['Arn']} (implicitDeny)" in line
+        assert f"and kms:Decrypt and kms:GenerateDataKey on {key['Arn']}" in line
+        assert "s3:GetObject" not in line  # its S3 access is whole
+        # The same role with the key's use: in place.
+        granted = {
+            **role_policy,
+            "Statement": [
+                *role_policy["Statement"],
+                {
+                    "Effect": "Allow",
+                    "Action": ["kms:Decrypt", "kms:GenerateDataKey"],
+                    "Resource": key["Arn"],
+                },
+            ],
+        }
+        answers.set(
+            "iam:SimulatePrincipalPolicy", simulation_answer(granted, variables, key["Arn"])
+        )
+        (finding,) = check_instance_role_s3(backend, kit.artifact_root)
+        assert finding.ok, finding.line()
+    finally:
+        kit.s3.delete_bucket_encryption(Bucket=kit.bucket)
+    # No default key: S3 alone, as before.
+    answers.set("iam:SimulatePrincipalPolicy", simulation_answer(role_policy, variables))
+    (finding,) = check_instance_role_s3(backend, kit.artifact_root)
+    assert finding.ok and "default key" not in finding.line(), finding.line()
 
 
 def test_a_quota_never_raised_is_read_as_its_default_not_as_zero(

@@ -317,7 +317,14 @@ TARGETS = (
         "aws-check",
         "burstcv.compute.awscheck",
         ("tests/compute/test_aws_check.py",),
-        functions=("_https_egress", "_quota_value", "_s3_route", "vcpu_quota_of"),
+        functions=(
+            "_https_egress",
+            "_quota_value",
+            "_s3_route",
+            "vcpu_quota_of",
+            "bucket_kms_key",
+            "instance_role_requests",
+        ),
     ),
     Target(
         "pricing",

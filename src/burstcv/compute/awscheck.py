@@ -218,12 +218,18 @@ def _s3_arn(uri: str) -> str:
     return "arn:aws:s3:::" + uri.removeprefix("s3://")
 
 
-def instance_role_requests(artifact_root: str) -> list[tuple[str, str]]:
+KMS_USE = ("kms:Decrypt", "kms:GenerateDataKey")  # read and write SSE-KMS objects
+
+
+def instance_role_requests(
+    artifact_root: str, kms_key_arn: str | None = None
+) -> list[tuple[str, str]]:
     """Return the (action, resource ARN) pairs a training box needs under ``artifact_root``.
 
     It reads its job, its shards and the training wheel (and pretrained weights kept in the
     store), writes its checkpoints, metrics, markers and logs into its run's job folder, and
-    lists the bucket so that a marker not yet written answers 404, not 403.
+    lists the bucket so that a marker not yet written answers 404, not 403. A bucket that
+    encrypts with a customer managed KMS key by default needs that key's use too.
     """
     run = storage.join(artifact_root, "runs", CHECK_RUN)
     bucket = artifact_root.removeprefix("s3://").split("/", 1)[0]
@@ -241,7 +247,33 @@ def instance_role_requests(artifact_root: str) -> list[tuple[str, str]]:
         *((S3_READ, _s3_arn(uri)) for uri in reads),
         *((S3_WRITE, _s3_arn(uri)) for uri in writes),
         (S3_LIST, f"arn:aws:s3:::{bucket}"),
+        *((action, kms_key_arn) for action in KMS_USE if kms_key_arn),
     ]
+
+
+def bucket_kms_key(backend: Ec2Backend, artifact_root: str) -> str | None:
+    """Return the customer managed KMS key the bucket encrypts new objects with by default.
+
+    None for SSE-S3, no default, or an AWS managed key (aws/s3, which S3 uses for anyone the
+    bucket lets write). A customer managed key is used only by principals its policies allow:
+    a box without kms:Decrypt and kms:GenerateDataKey on it can neither read its job nor
+    write its FAILED marker.
+    """
+    bucket = artifact_root.removeprefix("s3://").split("/", 1)[0]
+    try:
+        config = backend._aws_client("s3").get_bucket_encryption(Bucket=bucket)
+    except ClientError as exc:
+        if _code(exc) == "ServerSideEncryptionConfigurationNotFoundError":
+            return None
+        raise
+    for rule in config["ServerSideEncryptionConfiguration"].get("Rules", []):
+        default = rule.get("ApplyServerSideEncryptionByDefault", {})
+        key = default.get("KMSMasterKeyID")
+        if not str(default.get("SSEAlgorithm", "")).startswith("aws:kms") or not key:
+            continue
+        meta = backend._aws_client("kms").describe_key(KeyId=key)["KeyMetadata"]
+        return None if meta.get("KeyManager") == "AWS" else str(meta["Arn"])
+    return None
 
 
 def _simulated_decisions(results: Iterable[dict[str, Any]]) -> dict[tuple[str, str], str]:
@@ -291,7 +323,19 @@ def check_instance_role_s3(backend: Ec2Backend, artifact_root: str) -> list[Find
         ]
     role_arn = str(roles[0]["Arn"])
     name = f"training role {role_arn.rsplit('/', 1)[-1]}: S3 access under {artifact_root}"
-    wanted = instance_role_requests(artifact_root)
+    try:
+        key = bucket_kms_key(backend, artifact_root)
+    except ClientError as exc:
+        return [
+            Finding(
+                name,
+                f"{_reason(exc)}; allow s3:GetEncryptionConfiguration on the bucket and "
+                "kms:DescribeKey (deploy/iam-policy.json)",
+            )
+        ]
+    if key:
+        name += f" (the bucket's default key {key})"
+    wanted = instance_role_requests(artifact_root, key)
     try:
         pages = iam.get_paginator("simulate_principal_policy").paginate(
             PolicySourceArn=role_arn,
@@ -310,13 +354,13 @@ def check_instance_role_s3(backend: Ec2Backend, artifact_root: str) -> list[Find
     ]
     if not refused:
         return [Finding(name)]
-    return [
-        Finding(
-            name,
-            f"the role may not {'; '.join(refused)}: give it deploy/instance-role-policy.json "
-            "(docs/aws.md, the training instance's role)",
+    fix = "give it deploy/instance-role-policy.json (docs/aws.md, the training instance's role)"
+    if key and any(line.startswith(KMS_USE) for line in refused):
+        fix += (
+            f", and {' and '.join(KMS_USE)} on {key} (the bucket encrypts with it by default: "
+            "without them a box can neither read its job nor write its FAILED marker)"
         )
-    ]
+    return [Finding(name, f"the role may not {'; '.join(refused)}: {fix}")]
 
 
 # --- network: a route from each launch subnet to S3 ---------------------------------------------
