@@ -175,7 +175,10 @@ def _imds_handler(imds: Imds) -> type[BaseHTTPRequestHandler]:
 
 def _relay(listener: socket.socket, upstream: tuple[str, int], stop: threading.Event) -> None:
     """Accept connections in the namespace and pipe each to ``upstream`` outside it."""
-    listener.settimeout(0.2)
+    try:
+        listener.settimeout(0.2)
+    except OSError:  # closed before it started (cut_s3)
+        return
     while not stop.is_set():
         try:
             inner, _ = listener.accept()
@@ -300,6 +303,15 @@ class BoxSandbox:
         )
         shim.chmod(0o755)
         (self.shims / "poweroff").symlink_to(shim)
+
+    def cut_s3(self) -> None:
+        """Let nothing out of the box to S3, as a security group with no egress rule does.
+
+        The relay stops listening: a connection to S3 fails (refused here; an instance whose
+        group drops its packets times out, a minute later, the same way).
+        """
+        with contextlib.suppress(OSError):
+            self._relay_sock.close()
 
     def add_aws_cli(self) -> None:
         """Put the AWS CLI (the real awscli of this environment) on the box's PATH."""

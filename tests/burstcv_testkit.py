@@ -473,6 +473,23 @@ def reclaim_in_emulator(
         timer.start()
 
 
+def power_off_in_emulator(instance_id: str, region: str = "us-east-1") -> None:
+    """End an emulated instance as EC2 ends one whose OS halted itself (shutdown -h, with
+    InstanceInitiatedShutdownBehavior=terminate): terminated, "Client.InstanceInitiatedShutdown".
+    """
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.ec2.models import ec2_backends
+    from moto.ec2.models.instances import StateReason
+
+    backend = ec2_backends[DEFAULT_ACCOUNT_ID][region]
+    backend.terminate_instances([instance_id])
+    instance = backend.get_instance(instance_id)
+    instance.state_reason = StateReason(
+        "Client.InstanceInitiatedShutdown: Instance initiated shutdown",
+        "Client.InstanceInitiatedShutdown",
+    )
+
+
 def forget_in_emulator(instance_ids: list[str], region: str = "us-east-1") -> None:
     """Make the emulator forget instances, as EC2 does about an hour after their termination."""
     from moto.core import DEFAULT_ACCOUNT_ID

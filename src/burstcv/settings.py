@@ -105,6 +105,11 @@ class Settings(BaseSettings):
     # few minutes). Past it the relaunch goes on: the attempt tag keeps the boxes apart, and
     # the teardown takes every box of every attempt.
     relaunch_wait_s: float = Field(default=180.0, ge=0.0)
+    # A training box ships its log as soon as its boot reached S3 (a few minutes after launch:
+    # the instance boots, cloud-init starts the script). One with no log this long after its
+    # launch is stuck before S3 (no egress, no KMS key use, a script that never ran): the
+    # attempt ends FAILED at boot, not relaunched, and the teardown terminates the box.
+    boot_bound_s: float = Field(default=900.0, ge=60.0)
     # A trainer that makes no progress (stopped, hung in a collective) is ended after this many
     # seconds without a new beat at least (burstcv.compute.liveness), or after
     # STALL_STEPS of its own measured steps when that is longer; the attempt ends resumable

@@ -31,7 +31,7 @@ import structlog.testing
 from airflow.sdk.exceptions import TaskDeferred
 from awsaudit import RecordingProxy, denied
 from boxsandbox import Boot, BoxSandbox, SandboxUnavailable, link, make_ami_python
-from burstcv_testkit import launch_of, reclaim_in_emulator, resolve_validated
+from burstcv_testkit import launch_of, power_off_in_emulator, reclaim_in_emulator, resolve_validated
 
 from burstcv import pipeline
 from burstcv.airflow.operators import WaitForTrainingOperator
@@ -199,7 +199,8 @@ def power_off_like_ec2(ec2: Any, instance_id: str, boot: Boot) -> None:
     )
     assert attr["InstanceInitiatedShutdownBehavior"]["Value"] == "terminate"
     if boot.powered_off:
-        ec2.terminate_instances(InstanceIds=[instance_id])
+        # Ended by its own halt, as EC2 records it (StateReason Client.InstanceInitiatedShutdown).
+        power_off_in_emulator(instance_id, REGION)
 
 
 def state(ec2: Any, instance_id: str) -> str:
@@ -352,6 +353,73 @@ def test_a_failed_preflight_is_final_and_says_what_to_set(
     tail = [r.getMessage() for r in caplog.records if r.getMessage().startswith("box | ")]
     assert any("preflight failed" in line for line in tail), tail
     assert state(ec2, instance_id) == "terminated"
+
+
+@pytest.fixture
+def box_without_s3(aws: str, tmp_path: Path) -> Iterator[BoxSandbox]:
+    """Yield a sandbox whose network lets nothing out to S3 (no egress rule)."""
+    try:
+        sandbox = BoxSandbox(tmp_path / "sandbox", aws).__enter__()
+    except SandboxUnavailable as exc:
+        pytest.skip(f"network namespaces are not permitted here: {exc}")
+    sandbox.imds.region = BOX_REGION
+    sandbox.cut_s3()
+    try:
+        yield sandbox
+        assert sandbox.reap_processes() == [], "a process of the box outlived its script"
+    finally:
+        sandbox.close()
+
+
+def test_a_box_that_cannot_reach_s3_powers_off_and_fails_at_boot_after_one_launch(
+    box_without_s3: BoxSandbox, account: dict[str, Any], shards: Packed
+) -> None:
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from burstcv.airflow.operators import WaitForTrainingOperator
+
+    ec2 = account["ec2"]
+    # An account that follows CIS 4.3: the default security group the box gets has no rule.
+    (vpc,) = ec2.describe_vpcs(Filters=[{"Name": "is-default", "Values": ["true"]}])["Vpcs"]
+    (group,) = ec2.describe_security_groups(
+        Filters=[
+            {"Name": "group-name", "Values": ["default"]},
+            {"Name": "vpc-id", "Values": [vpc["VpcId"]]},
+        ]
+    )["SecurityGroups"]
+    ec2.revoke_security_group_egress(
+        GroupId=group["GroupId"], IpPermissions=group["IpPermissionsEgress"]
+    )
+    try:
+        provisioned = provision("manual__noegress", shards)
+        (instance_id,) = provisioned.instance_ids
+
+        boot = boot_instance(box_without_s3, ec2, instance_id)
+
+        # The box says why in its own log (its console), writes nothing, and halts at once.
+        assert boot.exit_code == 4, boot.console
+        assert "cannot reach S3" in boot.console, boot.console
+        assert "installing" not in boot.console
+        assert boot.shutdown_calls[-1] == ["shutdown", "-h", "now"]
+        attempt_uri = f"{provisioned.output_uri}/attempts/1"
+        assert not storage.exists(f"{attempt_uri}/logs/{instance_id}.log")
+        # The orchestrator: FAILED at boot, the cause read from the account, never relaunched.
+        event = wait_for_trigger(provisioned, attempt=1)
+        assert (event["status"], event["stage"], event["resumable"]) == ("failed", "boot", False)
+        assert f"box {instance_id} powered off without reaching S3" in event["reason"]
+        assert group["GroupId"] in event["reason"] and "egress" in event["reason"]
+        operator = WaitForTrainingOperator(task_id="train", provisioned=provisioned)
+        with pytest.raises(AirflowFailException, match="at boot"):
+            operator.execute_complete({"run_id": "manual__noegress"}, event)
+        launched = ec2.describe_instances(
+            Filters=[{"Name": "tag:burstcv:run-id", "Values": [provisioned.run.run_key]}]
+        )["Reservations"]
+        assert [i["InstanceId"] for r in launched for i in r["Instances"]] == [instance_id]
+    finally:
+        ec2.authorize_security_group_egress(
+            GroupId=group["GroupId"],
+            IpPermissions=[{"IpProtocol": "-1", "IpRanges": [{"CidrIp": "0.0.0.0/0"}]}],
+        )
 
 
 def test_a_python_outside_the_range_fails_preflight_before_the_install(

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
-from burstcv_testkit import HELD_WHEEL, reclaim_in_emulator
+from burstcv_testkit import HELD_WHEEL, power_off_in_emulator, reclaim_in_emulator
 
 from burstcv import pipeline
 from burstcv.airflow.operators import WaitForTrainingOperator
@@ -22,6 +22,7 @@ from burstcv.compute.ec2 import Ec2Backend
 from burstcv.params import RunParams
 from burstcv.settings import Settings
 from burstcv.training.job import write_failed
+from burstcv_spec import storage
 from burstcv_spec.contracts import Launch, Provisioned, RunRef, TrainingOutcome
 
 DAG_ID = "burstcv_pipeline"
@@ -151,3 +152,93 @@ def test_a_final_failure_is_never_relaunched(provisioned: Provisioned, kit: Any)
     assert attempts.current_attempt(provisioned.output_uri) == 1
     assert len(states(kit, provisioned.run.run_key)) == 1
     Ec2Backend().terminate_run(provisioned.run.run_key)
+
+
+# --- boot health: a box that never got through to S3 is not relaunched ----------------------
+
+
+def default_group(kit: Any) -> dict[str, Any]:
+    """Return the emulated default VPC's default security group."""
+    (vpc,) = kit.ec2.describe_vpcs(Filters=[{"Name": "is-default", "Values": ["true"]}])["Vpcs"]
+    (group,) = kit.ec2.describe_security_groups(
+        Filters=[
+            {"Name": "group-name", "Values": ["default"]},
+            {"Name": "vpc-id", "Values": [vpc["VpcId"]]},
+        ]
+    )["SecurityGroups"]
+    return dict(group)
+
+
+def test_a_box_that_powered_itself_off_without_reaching_s3_fails_at_boot_once(
+    provisioned: Provisioned, kit: Any
+) -> None:
+    # CIS 4.3: the default security group the box got has no rules: nothing gets out.
+    group = default_group(kit)
+    kit.ec2.revoke_security_group_egress(
+        GroupId=group["GroupId"], IpPermissions=group["IpPermissionsEgress"]
+    )
+    try:
+        (first,) = provisioned.instance_ids
+        power_off_in_emulator(first)  # its script found no S3, gave up and halted the box
+
+        event = wait_event(provisioned, 1)
+        assert (event.status, event.stage, event.resumable) == ("failed", "boot", False), event
+        assert f"box {first} powered off without reaching S3 (no log, no marker)" in event.reason
+        # The cause, read from the account: the group lets nothing out; and the rule to add.
+        assert f"({group['GroupId']}): no egress rule lets a box reach S3" in event.reason
+        assert f"authorize-security-group-egress --group-id {group['GroupId']}" in event.reason
+        # The record: a FAILED marker at boot, read back as the same outcome.
+        failed = storage.read_json(f"{provisioned.output_uri}/attempts/1/FAILED")
+        assert failed["stage"] == "boot" and failed["resumable"] is False
+        operator = WaitForTrainingOperator(task_id="train", provisioned=provisioned.model_dump())
+        with pytest.raises(AirflowFailException, match="powered off without reaching S3"):
+            operator.execute_complete({}, event.model_dump(mode="json"))
+        assert list(states(kit, provisioned.run.run_key)) == [first]  # one launch, paid once
+    finally:
+        kit.ec2.authorize_security_group_egress(
+            GroupId=group["GroupId"],
+            IpPermissions=[{"IpProtocol": "-1", "IpRanges": [{"CidrIp": "0.0.0.0/0"}]}],
+        )
+    Ec2Backend().terminate_run(provisioned.run.run_key)
+
+
+def test_a_box_that_reached_s3_and_vanished_is_lost_and_relaunched(
+    provisioned: Provisioned, kit: Any
+) -> None:
+    (first,) = provisioned.instance_ids
+    # Its log is in the store: its boot got through; it ended later without a marker.
+    storage.write_bytes(f"{provisioned.output_uri}/attempts/1/logs/{first}.log", b"booted\n")
+    power_off_in_emulator(first)
+    event = wait_event(provisioned, 1)
+    assert (event.status, event.resumable) == ("lost", True), event
+    Ec2Backend().terminate_run(provisioned.run.run_key)
+
+
+def test_a_box_silent_past_the_boot_bound_ends_failed_at_boot(
+    provisioned: Provisioned, kit: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (first,) = provisioned.instance_ids
+    run, out = provisioned.run.run_key, provisioned.output_uri
+    quick = Settings(boot_bound_s=60)
+    # Within the bound: still booting.
+    assert attempts.training_outcome(run, "ec2", out, 1, quick).status == "running"
+    launched_long_ago(first, seconds=61)
+    outcome = attempts.training_outcome(run, "ec2", out, 1, quick)
+    assert (outcome.status, outcome.stage, outcome.resumable) == ("failed", "boot", False)
+    assert f"box {first} reached no S3 in 60 s after its launch" in outcome.reason
+    assert states(kit, run) == {first: "running"}  # the task's teardown terminates it
+    # With its log in the store, the same box would be training, whatever its age.
+    bucket, _, key = f"{out}/attempts/1/FAILED".removeprefix("s3://").partition("/")
+    storage.s3_client().delete_object(Bucket=bucket, Key=key)
+    storage.write_bytes(f"{out}/attempts/1/logs/{first}.log", b"booted\n")
+    assert attempts.training_outcome(run, "ec2", out, 1, quick).status == "running"
+    Ec2Backend().terminate_run(run)
+
+
+def launched_long_ago(instance_id: str, seconds: float) -> None:
+    """Move an emulated instance's launch time back (the emulator runs in this process)."""
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.ec2.models import ec2_backends
+
+    instance = ec2_backends[DEFAULT_ACCOUNT_ID]["us-east-1"].get_instance(instance_id)
+    instance.launch_time = (datetime.now(UTC) - timedelta(seconds=seconds)).replace(tzinfo=None)

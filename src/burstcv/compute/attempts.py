@@ -20,8 +20,8 @@ from burstcv.compute.backends import get_backend
 from burstcv.compute.base import STOPPED, WORKING, ComputeBackend, InstanceInfo, job_outcome
 from burstcv.compute.billing import record_launch, run_bill
 from burstcv.cost.model import LOCAL_RATE
-from burstcv.settings import Settings
-from burstcv.training.job import attempt_dir, load_job
+from burstcv.settings import Settings, get_settings
+from burstcv.training.job import STAGE_BOOT, attempt_dir, load_job, write_failed
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
     ArtifactError,
@@ -173,6 +173,16 @@ def training_outcome(
             reason=failed.reason,
             resumable=failed.resumable,
         )
+    if status in ("lost", "running"):
+        s = settings or get_settings()
+        boot = boot_failure(run_id, backend_name, output_uri, attempt, s)
+        if boot is not None:
+            log.error("run %s attempt %d: %s", run_id, attempt, boot)
+            # The record of it: a box still up is terminated by the task's teardown.
+            write_failed(output_uri, attempt, STAGE_BOOT, boot, resumable=False)
+            return TrainingOutcome(
+                status="failed", attempt=attempt, stage=STAGE_BOOT, reason=boot, resumable=False
+            )
     if status == "lost":
         return TrainingOutcome(
             status="lost",
@@ -181,6 +191,64 @@ def training_outcome(
             resumable=True,
         )
     return TrainingOutcome(status=status, attempt=attempt)
+
+
+# EC2's StateReason for a box that powered itself off (its script ended, or its watchdog).
+POWERED_ITSELF_OFF = "Client.InstanceInitiatedShutdown"
+
+
+def boot_failure(
+    run_id: str, backend_name: str, output_uri: str, attempt: int, settings: Settings
+) -> str | None:
+    """Return why an attempt's boxes never got through their boot to S3, or None.
+
+    A box ships its log the moment its boot script reached S3. One of the attempt with no log
+    that powered itself off (its script found no way to S3 and gave up), or still up
+    BURSTCV_BOOT_BOUND_S after its launch, could never work: a relaunch would pay for another
+    alike. The reason names the likeliest cause, read from the account (security groups,
+    route, role and KMS key). A local box is a process of this host: it has no boot to fail.
+    """
+    if backend_name != "ec2":
+        return None
+    from burstcv.compute.awscheck import no_s3_cause
+    from burstcv.compute.ec2 import Ec2Backend
+
+    backend = get_backend(backend_name, settings)
+    now = lineage.utc_now()
+    boxes = [i for i in backend.describe(safe_run_id(run_id)) if i.of_attempt(attempt)]
+
+    def silent(info: InstanceInfo) -> bool:
+        log_uri = attempt_dir(output_uri, attempt, "logs", f"{info.instance_id}.log")
+        return not storage.exists(log_uri)
+
+    ended = [i for i in boxes if i.state not in WORKING and i.ended_by == POWERED_ITSELF_OFF]
+    off = [i for i in ended if silent(i)]
+    late = [
+        i
+        for i in boxes
+        if i.state in WORKING
+        and i.launched_at is not None
+        and (now - i.launched_at).total_seconds() > settings.boot_bound_s
+        and silent(i)
+    ]
+    if off:
+        what = "powered off without reaching S3"
+    elif late:
+        what = f"reached no S3 in {settings.boot_bound_s:g} s after its launch"
+    else:
+        return None
+    stuck = off or late
+    ids = ", ".join(i.instance_id for i in stuck)
+    cause = "no cause read"
+    try:
+        if isinstance(backend, Ec2Backend):
+            cause = no_s3_cause(backend, stuck[0].instance_id, settings.artifact_root)
+    # Broad on purpose: the verdict stands without its diagnosis.
+    except Exception as exc:
+        cause = f"the account could not be read for a cause ({type(exc).__name__}: {exc})"
+    return (
+        f"box {ids} {what} (no log, no marker): {cause}; not relaunched: a new box would fail alike"
+    )
 
 
 def _usd(amount: float) -> str:

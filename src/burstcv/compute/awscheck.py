@@ -408,6 +408,33 @@ def _s3_route(
     return "", f"its route table {table_id} has no S3 gateway endpoint, NAT or internet gateway"
 
 
+def _s3_routing(
+    backend: Ec2Backend, vpcs: list[str]
+) -> tuple[list[dict[str, Any]], dict[str, set[str]]]:
+    """Return the VPCs' route tables and their S3 gateway endpoints (id: its route tables)."""
+    ec2, region = backend.client, backend.settings.region
+    tables = [
+        t
+        for page in ec2.get_paginator("describe_route_tables").paginate(
+            Filters=[{"Name": "vpc-id", "Values": vpcs}]
+        )
+        for t in page["RouteTables"]
+    ]
+    endpoints = ec2.describe_vpc_endpoints(
+        Filters=[
+            {"Name": "vpc-id", "Values": vpcs},
+            {"Name": "service-name", "Values": [f"com.amazonaws.{region}.s3"]},
+            {"Name": "vpc-endpoint-type", "Values": ["Gateway"]},
+        ]
+    )["VpcEndpoints"]
+    s3_endpoints = {
+        str(e["VpcEndpointId"]): set(e.get("RouteTableIds", []))
+        for e in endpoints
+        if e.get("State", "available").lower() == "available"
+    }
+    return tables, s3_endpoints
+
+
 def check_subnet_routes(backend: Ec2Backend) -> list[Finding]:
     """Check every subnet a launch may use can reach S3 (the box's job, wheel and results).
 
@@ -431,25 +458,7 @@ def check_subnet_routes(backend: Ec2Backend) -> list[Finding]:
     ec2 = backend.client
     described = {s["SubnetId"]: s for s in ec2.describe_subnets(SubnetIds=ids)["Subnets"]}
     vpcs = sorted({str(s["VpcId"]) for s in described.values()})
-    tables = [
-        t
-        for page in ec2.get_paginator("describe_route_tables").paginate(
-            Filters=[{"Name": "vpc-id", "Values": vpcs}]
-        )
-        for t in page["RouteTables"]
-    ]
-    endpoints = ec2.describe_vpc_endpoints(
-        Filters=[
-            {"Name": "vpc-id", "Values": vpcs},
-            {"Name": "service-name", "Values": [f"com.amazonaws.{region}.s3"]},
-            {"Name": "vpc-endpoint-type", "Values": ["Gateway"]},
-        ]
-    )["VpcEndpoints"]
-    s3_endpoints = {
-        str(e["VpcEndpointId"]): set(e.get("RouteTableIds", []))
-        for e in endpoints
-        if e.get("State", "available").lower() == "available"
-    }
+    tables, s3_endpoints = _s3_routing(backend, vpcs)
     for sub in subnets:
         if not sub.subnet_id:
             continue
@@ -498,6 +507,15 @@ def _https_egress(rule: dict[str, Any], s3_lists: set[str]) -> str:
     return f"{', '.join(others)} only (not followed further)" if others else ""
 
 
+def _s3_prefix_lists(backend: Ec2Backend) -> set[str]:
+    """Return the ids of the region's S3 prefix list (what an egress rule to S3 names)."""
+    name = f"com.amazonaws.{backend.settings.region}.s3"
+    found = backend.client.describe_prefix_lists(
+        Filters=[{"Name": "prefix-list-name", "Values": [name]}]
+    )["PrefixLists"]
+    return {str(p["PrefixListId"]) for p in found}
+
+
 def check_security_group_egress(backend: Ec2Backend) -> list[Finding]:
     """Check the security groups a training box gets let it reach S3 over HTTPS.
 
@@ -508,12 +526,7 @@ def check_security_group_egress(backend: Ec2Backend) -> list[Finding]:
     """
     s = backend.settings
     ec2 = backend.client
-    s3_lists = {
-        str(p["PrefixListId"])
-        for p in ec2.describe_prefix_lists(
-            Filters=[{"Name": "prefix-list-name", "Values": [f"com.amazonaws.{s.region}.s3"]}]
-        )["PrefixLists"]
-    }
+    s3_lists = _s3_prefix_lists(backend)
     if s.security_group_ids:
         groups = ec2.describe_security_groups(GroupIds=list(s.security_group_ids))
         sets = {"BURSTCV_EC2_SECURITY_GROUP_IDS": groups["SecurityGroups"]}
@@ -752,6 +765,49 @@ def check_launch_of(budget_s: int = 3600) -> Launch:
         deadline_at=lineage.utc_now() + timedelta(seconds=budget_s),
         wheel_uri="",
         wheel_sha256="",
+    )
+
+
+# --- why a box found no way to S3 ---------------------------------------------------------------
+
+
+def no_s3_cause(backend: Ec2Backend, instance_id: str, artifact_root: str) -> str:
+    """Return the likeliest reason a box could not reach S3, read from the account's side.
+
+    In order: its security groups let no HTTPS out, its subnet has no route to S3, its role
+    may not use the run's files (or the bucket's default KMS key). EC2 forgets a terminated
+    box's network, so what the box had is read while it is described, else what a launch
+    gives (the same checks as ``burstcv aws check``). What the account cannot show (a
+    firewall on the way, a bucket policy) is left to the box's console output.
+    """
+    found = list(backend._instances([], [instance_id]))
+    inst = found[0] if found else {}
+    groups = [str(g["GroupId"]) for g in inst.get("SecurityGroups", [])]
+    if groups:
+        described = backend.client.describe_security_groups(GroupIds=groups)["SecurityGroups"]
+        s3_lists = _s3_prefix_lists(backend)
+        rules = [rule for g in described for rule in g.get("IpPermissionsEgress", [])]
+        if not any(_https_egress(rule, s3_lists) for rule in rules):
+            return (
+                f"no egress rule of its security group(s) {', '.join(groups)} lets HTTPS out "
+                "to S3 (burstcv aws check names the rule to add)"
+            )
+    else:
+        blocked = [f for f in check_security_group_egress(backend) if not f.ok]
+        if blocked:
+            return f"{blocked[0].name}: {blocked[0].missing}"
+    zone = str(inst.get("Placement", {}).get("AvailabilityZone", ""))
+    routes = [
+        f for f in check_subnet_routes(backend) if not f.ok and (not zone or f"({zone})" in f.name)
+    ]
+    if routes:
+        return f"{routes[0].name}: {routes[0].missing}"
+    role = [f for f in check_instance_role_s3(backend, artifact_root) if not f.ok]
+    if role:
+        return f"{role[0].name}: {role[0].missing}"
+    return (
+        "its security groups, route and role look right from here: read its console output "
+        f"(aws ec2 get-console-output --instance-id {instance_id} --latest)"
     )
 
 

@@ -71,6 +71,9 @@ class InstanceInfo:
     public_ipv4: bool = False  # it has a public IPv4 address (ec2), which bills by the hour
     # The attempt that launched it (its tag); a box launched before the tag existed: 1.
     attempt: int = 1
+    # Why it left running, as EC2 says (StateReason code): Client.InstanceInitiatedShutdown
+    # when it powered itself off, Server.SpotInstanceTermination when reclaimed; "" else.
+    ended_by: str = ""
 
     def of_attempt(self, attempt: int) -> bool:
         """Return whether attempt ``attempt`` launched this box."""

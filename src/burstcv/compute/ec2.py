@@ -300,6 +300,7 @@ def _info(instance: dict[str, Any]) -> InstanceInfo:
         zone=instance.get("Placement", {}).get("AvailabilityZone", ""),
         public_ipv4=bool(instance.get("PublicIpAddress")),
         attempt=_attempt_tag(tags.get(TAG_ATTEMPT, "")),
+        ended_by=str((instance.get("StateReason") or {}).get("Code", "")),
     )
 
 

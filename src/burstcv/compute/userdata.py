@@ -184,6 +184,7 @@ cat > "$WORK/s3io.py" << 'S3IO'
 import sys
 
 import boto3
+from botocore.config import Config
 from botocore.exceptions import ClientError
 
 
@@ -193,7 +194,8 @@ def split(uri):
 
 
 def run(command, *args):
-    s3 = boto3.client("s3")
+    # An unreachable S3 fails in about a minute, not botocore's default several.
+    s3 = boto3.client("s3", config=Config(connect_timeout=10, retries={"max_attempts": 4}))
     if command == "exists":
         try:
             s3.head_object(Bucket=split(args[0])[0], Key=split(args[0])[1])
@@ -266,6 +268,10 @@ finish() {
   set +e  # best effort from here on: every step may fail, the shutdown must still run
   [ -n "${POLLER_PID:-}" ] && kill "$POLLER_PID" 2> /dev/null
   [ -n "${SHIPPER_PID:-}" ] && kill "$SHIPPER_PID" 2> /dev/null
+  if [ -n "${NO_S3:-}" ]; then  # neither a marker nor the log can get out: off at once
+    shutdown -h now
+    return
+  fi
   if [ -n "${NODE_RANK:-}" ] && [ "$STAGE" = train ]; then
     stamp "training ended with exit code $rc; its markers are training rank 0's"
   elif ! s3_object_exists "$ATTEMPT_DIR/DONE" && ! s3_object_exists "$ATTEMPT_DIR/FAILED"; then
@@ -291,6 +297,17 @@ fail_final() {
   write_failed "$STAGE" false "$1" 3
   exit 3
 }
+
+# S3 first: a box that cannot reach it (no egress, no KMS key use) cannot read its job nor
+# write why; it says so in its console log and powers off. Its first log upload is the
+# orchestrator's sign that it got through.
+for try in 1 2 3; do
+  out=$(s3 exists "$JOB_URI" 2>&1) && break
+  [ "$?" = 1 ] && break
+  [ "$try" = 3 ] && stamp "cannot reach S3: $out" && NO_S3=1 && exit 4
+  sleep 10
+done
+s3 cp "$LOG" "$LOG_URI" || true
 
 # Spot interruption: ask training to checkpoint (SIGTERM), or end the bootstrap if it has
 # not started yet; the attempt's FAILED is then resumable and the retry relaunches.

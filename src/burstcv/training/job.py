@@ -183,6 +183,7 @@ STAGE_TRAIN = "train"
 STAGE_BUDGET = "budget"
 STAGE_INTERRUPTED = "interrupted"
 STAGE_STALLED = "stalled"  # written by the train task's trigger: the trainer stopped beating
+STAGE_BOOT = "boot"  # written by the orchestrator: a box never got through to S3
 # The training loop writes its progress beat (TrainingBeat) at most this often: a write to
 # the artifact store (S3 on a box) per interval (burstcv.compute.liveness reads it).
 BEAT_EVERY_S = 10.0
