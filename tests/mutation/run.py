@@ -223,7 +223,7 @@ TARGETS = (
         "attempts",
         "burstcv.compute.attempts",
         ("tests/compute/test_ec2.py", "tests/compute/test_resume.py"),
-        functions=("wait_ended", "resumable"),
+        functions=("wait_ended", "resumable", "boot_failure"),
     ),
     Target(
         "job-outcome",
@@ -316,7 +316,7 @@ TARGETS = (
     Target(
         "aws-check",
         "burstcv.compute.awscheck",
-        ("tests/compute/test_aws_check.py",),
+        ("tests/compute/test_aws_check.py", "tests/compute/test_resume.py"),
         functions=(
             "_https_egress",
             "_quota_value",
@@ -324,6 +324,7 @@ TARGETS = (
             "vcpu_quota_of",
             "bucket_kms_key",
             "instance_role_requests",
+            "no_s3_cause",
         ),
     ),
     Target(
