@@ -614,6 +614,9 @@ def test_the_check_sizes_the_quotas_for_the_num_nodes_it_is_given(
     result = CliRunner().invoke(app, ["aws", "check", "--num-nodes", "2"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
+    # What a run of several boxes makes before its launch, dry-run (and audited: allowed).
+    for action in ("ec2:CreatePlacementGroup", "ec2:CreateSecurityGroup"):
+        assert f"ok       dry-run {action} (a run of several boxes)" in lines, lines
     for market, code in (("on-demand", "L-DB2E81BA"), ("spot", "L-3819A6DF")):
         assert (
             f"ok       vCPU quota G and VT {market} ({code}) in us-east-1: 64 vCPUs, "

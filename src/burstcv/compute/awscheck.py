@@ -11,6 +11,7 @@ check yields one line or a few: ``ok``, or ``MISSING`` with the command or setti
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import uuid
@@ -768,6 +769,61 @@ def check_launch_of(budget_s: int = 3600) -> Launch:
     )
 
 
+def check_cluster_calls(backend: Ec2Backend, launch: Launch) -> list[Finding]:
+    """Dry-run what a run of several boxes makes before its launch: its placement group and
+    its own security group, named and tagged as a run makes them (nothing is created)."""
+    from burstcv.compute.ec2 import cluster_name, instance_tags
+
+    ec2 = backend.client
+    name = cluster_name(launch.run.run_key)
+    tags = instance_tags(launch, launch.deadline_at)
+    vpc = next((sub.vpc_id for sub in backend.launch_subnets() if sub.vpc_id), "")
+    group: dict[str, Any] = {
+        "GroupName": name,
+        "Description": "burstcv aws check: a run's training boxes reach each other",
+        "TagSpecifications": [{"ResourceType": "security-group", "Tags": tags}],
+    }
+    if vpc:
+        group["VpcId"] = vpc
+    calls: list[tuple[str, Callable[[], Any]]] = [
+        (
+            "ec2:CreatePlacementGroup",
+            lambda: ec2.create_placement_group(
+                GroupName=name,
+                Strategy="cluster",
+                TagSpecifications=[{"ResourceType": "placement-group", "Tags": tags}],
+                DryRun=True,
+            ),
+        ),
+        ("ec2:CreateSecurityGroup", lambda: ec2.create_security_group(**group, DryRun=True)),
+    ]
+    findings = []
+    for action, call in calls:
+        label = f"dry-run {action} (a run of several boxes)"
+        try:
+            made = call()
+        except ClientError as exc:
+            if _code(exc) == "DryRunOperation":
+                findings.append(Finding(label))
+                continue
+            findings.append(
+                Finding(
+                    label,
+                    f"{_reason(exc)}: allow {action} with the burstcv tags "
+                    "(deploy/iam-policy.json), or train on one box",
+                )
+            )
+            continue
+        # An endpoint that ignored DryRun made it: undo it at once.
+        with contextlib.suppress(ClientError):
+            if "GroupId" in made:
+                ec2.delete_security_group(GroupId=made["GroupId"])
+            else:
+                ec2.delete_placement_group(GroupName=name)
+        findings.append(Finding(label, "EC2 ignored DryRun and made it (deleted again)"))
+    return findings
+
+
 # --- why a box found no way to S3 ---------------------------------------------------------------
 
 
@@ -883,6 +939,10 @@ def check_account(
     findings += _guarded("training role's S3 access", lambda: check_instance_role_s3(backend, root))
     findings += _guarded("route to S3", lambda: check_subnet_routes(backend))
     findings += _guarded("HTTPS egress to S3", lambda: check_security_group_egress(backend))
+    if num_nodes > 1:
+        findings += _guarded(
+            "a run of several boxes", lambda: check_cluster_calls(backend, check_launch_of())
+        )
     findings += _guarded("bucket region", lambda: check_bucket_region(root, s.region))
     findings += _guarded("default EBS encryption key", lambda: check_ebs_key(backend, s.use_spot))
     if s.use_spot:
