@@ -135,10 +135,16 @@ def test_exit_trap_is_set_before_any_work_and_shuts_down() -> None:
     for step in ('s3 cp "$WHEEL_URI"', "pip install", "preflight --job", "train --job"):
         assert trap_at < script.index(step), step
     finish = script[script.index("finish() {") : trap_at]
-    # A marker for this attempt, then the log, then an immediate shutdown.
+    # A box that found no way to S3 goes down at once: nothing it writes could get out.
+    no_s3 = finish.index('if [ -n "${NO_S3:-}" ]; then')
+    assert finish.index("shutdown -h now", no_s3) < finish.index('"$ATTEMPT_DIR/DONE"')
+    # Otherwise a marker for this attempt, then the log, then an immediate shutdown.
     assert finish.index('"$ATTEMPT_DIR/DONE"') < finish.index("write_failed")
     assert finish.index("write_failed") < finish.index('"$LOG_URI"')
-    assert finish.index('"$LOG_URI"') < finish.index("shutdown -h now")
+    assert finish.index('"$LOG_URI"') < finish.rindex("shutdown -h now")
+    # S3 is checked after the trap is set and before anything needs it.
+    probe = script.index('s3 exists "$JOB_URI"')
+    assert trap_at < probe < script.index("spot_poller &") < script.index('s3 cp "$WHEEL_URI"')
     assert "trap 'exit 143' TERM INT HUP" in script
     # A marker check that needs no ListBucket-wide listing.
     assert "s3.head_object(" in script and "list_objects" not in script

@@ -102,8 +102,7 @@ def expiry_of(deadline_at: datetime, margin_min: int = DEFAULT_MARGIN_MIN) -> da
 
 # One box: training is one `burstcv train` process.
 _SINGLE_TRAIN = r"""STAGE=train
-# Streamed shards are kept on this box's disk after their first download (epochs 2+ read
-# them locally); the folder goes with the box.
+# Shards are cached on this box's disk after their first download.
 BURSTCV_SHARD_CACHE_DIR="$WORK/shard-cache" \
   "$BURSTCV" train --job "$JOB_URI" --attempt "$ATTEMPT" &
 """
@@ -149,7 +148,7 @@ BURSTCV_SHARD_CACHE_DIR="$WORK/shard-cache" \
 
 # Every `$` below is bash's; __NAME__ placeholders are filled in by render_user_data.
 _BODY = r"""
-# cloud-init runs this as root with a clean environment; the overrides exist for a sandbox.
+# Run by cloud-init as root; the overrides are for a sandbox.
 WORK="${BURSTCV_WORK_DIR:-/opt/burstcv}"
 LOG="${BURSTCV_LOG:-/var/log/burstcv-bootstrap.log}"
 mkdir -p "$WORK"
@@ -166,21 +165,20 @@ imds() {
 }
 INSTANCE_ID=$(imds meta-data/instance-id) || INSTANCE_ID=unknown
 INSTANCE_TYPE=$(imds meta-data/instance-type) || INSTANCE_TYPE=""
-# Every AWS call on the box (boto3, here and in training) goes to the box's own region.
+# Every AWS call on the box goes to its own region.
 AWS_REGION=$(imds meta-data/placement/region) || AWS_REGION="$FALLBACK_REGION"
 AWS_DEFAULT_REGION="$AWS_REGION"
 export AWS_REGION AWS_DEFAULT_REGION
-# Credentials come from the instance profile through IMDS. botocore asks once and waits 1 s: a
-# box busy installing or training can answer slower, and one missed fetch fails the attempt.
+# IMDS may answer a busy box slowly: wait longer than botocore's 1 s, more than once.
 AWS_METADATA_SERVICE_TIMEOUT=5
 AWS_METADATA_SERVICE_NUM_ATTEMPTS=5
 export AWS_METADATA_SERVICE_TIMEOUT AWS_METADATA_SERVICE_NUM_ATTEMPTS
 LOG_URI="$ATTEMPT_DIR/logs/$INSTANCE_ID.log"
 stamp "instance $INSTANCE_ID ($INSTANCE_TYPE) in $AWS_REGION"
 __NODE_IDENTITY__
-# S3 through boto3: the AMI's PyTorch Python has it (the training wheel needs it too).
+# S3 through boto3, which the AMI's PyTorch Python has.
 cat > "$WORK/s3io.py" << 'S3IO'
-# burstcv box: copy to and from S3, or check that an object exists, through boto3.
+# burstcv box: S3 copies and existence checks through boto3.
 import sys
 
 import boto3
@@ -194,7 +192,7 @@ def split(uri):
 
 
 def run(command, *args):
-    # An unreachable S3 fails in about a minute, not botocore's default several.
+    # An unreachable S3 fails in a minute.
     s3 = boto3.client("s3", config=Config(connect_timeout=10, retries={"max_attempts": 4}))
     if command == "exists":
         try:
@@ -228,8 +226,7 @@ for candidate in "$PYTHON" python3; do
   fi
 done
 if [ -z "$S3PY" ]; then
-  # Only a wrong BURSTCV_EC2_PYTHON gets here: the AWS CLI, where the AMI has one, still lets
-  # the box say so in its FAILED marker instead of vanishing as "lost".
+  # A wrong BURSTCV_EC2_PYTHON: the AWS CLI, if any, can still write FAILED.
   if command -v aws > /dev/null; then
     stamp "no Python with boto3 (tried $PYTHON and python3): S3 through the AWS CLI"
   else
@@ -248,7 +245,7 @@ s3() {  # s3 cp SRC DST (an s3:// URI, a file, or - for stdin) | s3 exists URI
   fi
 }
 
-# HeadObject needs only GetObject (plus ListBucket on the prefix for a 404 on a missing key).
+# HeadObject: GetObject (and ListBucket for a 404).
 s3_object_exists() {
   s3 exists "$1" > /dev/null 2>&1
 }
@@ -298,9 +295,7 @@ fail_final() {
   exit 3
 }
 
-# S3 first: a box that cannot reach it (no egress, no KMS key use) cannot read its job nor
-# write why; it says so in its console log and powers off. Its first log upload is the
-# orchestrator's sign that it got through.
+# S3 first: a box that cannot reach it says so (console log) and halts.
 for try in 1 2 3; do
   out=$(s3 exists "$JOB_URI" 2>&1) && break
   [ "$?" = 1 ] && break
@@ -309,9 +304,8 @@ for try in 1 2 3; do
 done
 s3 cp "$LOG" "$LOG_URI" || true
 
-# Spot interruption: ask training to checkpoint (SIGTERM), or end the bootstrap if it has
-# not started yet; the attempt's FAILED is then resumable and the retry relaunches.
-# It looks at once (a notice can be out before the box has booted), then every few seconds.
+# Spot notice (looked for at once, then every few s): SIGTERM training to checkpoint, or
+# end the bootstrap; the attempt's FAILED is resumable.
 spot_poller() {
   while true; do
     if imds meta-data/spot/instance-action > /dev/null; then
@@ -330,7 +324,7 @@ spot_poller() {
 spot_poller &
 POLLER_PID=$!
 
-# The log reaches the store while the box runs, so a box that dies hard leaves its last lines.
+# The log ships while the box runs: a hard death leaves its last lines.
 ship_log() {
   while sleep "$LOG_EVERY_S"; do s3 cp "$LOG" "$LOG_URI" || true; done
 }
@@ -352,7 +346,7 @@ s3 cp "$WHEEL_URI" "$WHEEL"
 echo "$WHEEL_SHA256  $WHEEL" | sha256sum -c --quiet - \
   || fail_final "the training wheel at $WHEEL_URI does not match its sha256 $WHEEL_SHA256"
 "$PYTHON" -m pip --version > /dev/null 2>&1 || "$PYTHON" -m ensurepip --upgrade > /dev/null
-# Into the AMI's own environment (the box is thrown away): its torch is reused, never resolved.
+# Into the AMI's environment: its torch reused, never resolved.
 PIP_BREAK_SYSTEM_PACKAGES=1 "$PYTHON" -m pip install --quiet --no-input \
   --disable-pip-version-check --no-warn-script-location "$WHEEL"
 BURSTCV="$(dirname "$PYTHON")/burstcv"
