@@ -220,7 +220,15 @@ def test_the_slower_kernel_run_decides_and_the_faster_is_kept_as_quiet(tmp_path:
     assert quiet.read() == 30.0  # neither attempt ran faster than the recorded figure
     fresh = QuietFigure(tmp_path / "fresh.json")
     runs = iter([35.0, 31.5])
-    measure_quietly("latency", lambda: 1, quiet=fresh, kernel=lambda: next(runs))
+    # Only the kernel decides: other work on this (shared) host must not add an attempt.
+    measure_quietly(
+        "latency",
+        lambda: 1,
+        limits=BusyLimits(others_share=1.0, attempts=1),
+        quiet=fresh,
+        sleep=lambda _: None,
+        kernel=lambda: next(runs),
+    )
     assert fresh.read() == 31.5  # the faster of the two
 
 
