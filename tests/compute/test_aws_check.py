@@ -614,14 +614,55 @@ def test_the_check_sizes_the_quotas_for_the_num_nodes_it_is_given(
     result = CliRunner().invoke(app, ["aws", "check", "--num-nodes", "2"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    # What a run of several boxes makes before its launch, dry-run (and audited: allowed).
-    for action in ("ec2:CreatePlacementGroup", "ec2:CreateSecurityGroup"):
-        assert f"ok       dry-run {action} (a run of several boxes)" in lines, lines
+    # What a run of several boxes makes before its launch, made as the run makes it (and
+    # audited: allowed), the launch into it dry-run, then deleted.
+    (made,) = [x for x in lines if x.startswith("ok       a run of 2 boxes: placement group")]
+    assert "burstcv-burstcv-check" in made and "ingress opened" in made, made
+    assert (
+        "ok       dry-run launch 2 x g6.xlarge spot into placement group burstcv-burstcv-check"
+        in lines
+    ), lines
+    assert "ok       a run of 2 boxes: its groups deleted" in lines
+    assert kit.ec2.describe_placement_groups()["PlacementGroups"] == []
+    left = kit.ec2.describe_security_groups(
+        Filters=[{"Name": "tag:burstcv:managed", "Values": ["true"]}]
+    )["SecurityGroups"]
+    assert left == []
     for market, code in (("on-demand", "L-DB2E81BA"), ("spot", "L-3819A6DF")):
         assert (
             f"ok       vCPU quota G and VT {market} ({code}) in us-east-1: 64 vCPUs, "
             "2 x g6.xlarge needs 8" in lines
         )
+    assert kit.live_managed() == []
+
+
+def test_a_refused_ingress_rule_is_named_and_the_groups_made_for_the_check_are_deleted(
+    prepared_account: None, kit: Any, answers: Answers
+) -> None:
+    # A policy without ec2:AuthorizeSecurityGroupIngress on the run's groups: the boxes of a
+    # multi-box run could not reach each other. The groups exist by then; none is left.
+    answers.set(
+        "ec2:AuthorizeSecurityGroupIngress",
+        b"<Response><Errors><Error><Code>UnauthorizedOperation</Code>"
+        b"<Message>You are not authorized to perform this operation.</Message></Error>"
+        b"</Errors><RequestID>r-1</RequestID></Response>",
+        status=403,
+    )
+    result = CliRunner().invoke(app, ["aws", "check", "--num-nodes", "3"])
+    assert result.exit_code == 1, result.output
+    lines = result.output.splitlines()
+    (refused,) = [x for x in lines if "a run of 3 boxes: ec2:" in x]
+    assert refused.startswith("MISSING  a run of 3 boxes: ec2:AuthorizeSecurityGroupIngress")
+    assert "UnauthorizedOperation" in refused and "deploy/iam-policy.json" in refused
+    assert not any("dry-run launch 3 x" in x for x in lines)
+    assert "ok       a run of 3 boxes: its groups deleted" in lines
+    assert kit.ec2.describe_placement_groups()["PlacementGroups"] == []
+    assert (
+        kit.ec2.describe_security_groups(
+            Filters=[{"Name": "tag:burstcv:managed", "Values": ["true"]}]
+        )["SecurityGroups"]
+        == []
+    )
     assert kit.live_managed() == []
 
 

@@ -11,7 +11,6 @@ check yields one line or a few: ``ok``, or ``MISSING`` with the command or setti
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 import uuid
@@ -23,7 +22,15 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from burstcv import lineage
-from burstcv.compute.ec2 import Ec2Backend, LaunchAttempt, LaunchCheckError, Subnet, launch_plan
+from burstcv.compute.ec2 import (
+    Ec2Backend,
+    LaunchAttempt,
+    LaunchCheckError,
+    Subnet,
+    format_expiry,
+    in_cluster,
+    launch_plan,
+)
 from burstcv.cost.pricing import PRICING_API_REGIONS
 from burstcv.cost.quotes import quote
 from burstcv.settings import Ec2Settings, Settings
@@ -770,58 +777,66 @@ def check_launch_of(budget_s: int = 3600) -> Launch:
 
 
 def check_cluster_calls(backend: Ec2Backend, launch: Launch) -> list[Finding]:
-    """Dry-run what a run of several boxes makes before its launch: its placement group and
-    its own security group, named and tagged as a run makes them (nothing is created)."""
-    from burstcv.compute.ec2 import cluster_name, instance_tags
+    """Make what a run of several boxes makes before its launch, as the run makes it; dry-run
+    the launch of its boxes into it; delete it again.
 
-    ec2 = backend.client
-    name = cluster_name(launch.run.run_key)
-    tags = instance_tags(launch, launch.deadline_at)
-    vpc = next((sub.vpc_id for sub in backend.launch_subnets() if sub.vpc_id), "")
-    group: dict[str, Any] = {
-        "GroupName": name,
-        "Description": "burstcv aws check: a run's training boxes reach each other",
-        "TagSpecifications": [{"ResourceType": "security-group", "Tags": tags}],
-    }
-    if vpc:
-        group["VpcId"] = vpc
-    calls: list[tuple[str, Callable[[], Any]]] = [
-        (
-            "ec2:CreatePlacementGroup",
-            lambda: ec2.create_placement_group(
-                GroupName=name,
-                Strategy="cluster",
-                TagSpecifications=[{"ResourceType": "placement-group", "Tags": tags}],
-                DryRun=True,
-            ),
-        ),
-        ("ec2:CreateSecurityGroup", lambda: ec2.create_security_group(**group, DryRun=True)),
-    ]
-    findings = []
-    for action, call in calls:
-        label = f"dry-run {action} (a run of several boxes)"
-        try:
-            made = call()
-        except ClientError as exc:
-            if _code(exc) == "DryRunOperation":
-                findings.append(Finding(label))
-                continue
-            findings.append(
-                Finding(
-                    label,
-                    f"{_reason(exc)}: allow {action} with the burstcv tags "
-                    "(deploy/iam-policy.json), or train on one box",
-                )
-            )
-            continue
-        # An endpoint that ignored DryRun made it: undo it at once.
-        with contextlib.suppress(ClientError):
-            if "GroupId" in made:
-                ec2.delete_security_group(GroupId=made["GroupId"])
-            else:
-                ec2.delete_placement_group(GroupName=name)
-        findings.append(Finding(label, "EC2 ignored DryRun and made it (deleted again)"))
+    The placement group and the run's security group cost nothing. The policy lets this
+    identity open, launch into and delete only groups that carry the run's tags, which no dry
+    run of a group that does not exist can show; so they are made for real (with the ingress
+    rule between the boxes), tagged with the check's expiry: should the delete fail, the
+    reaper removes them.
+    """
+    label = f"a run of {launch.count} boxes"
+    subnet = backend.launch_subnets()[0]
+    try:
+        findings = _made_cluster(backend, launch, subnet, label)
+    finally:
+        left = backend.remove_cluster(launch.run.run_key)
+    findings.append(
+        Finding(
+            f"{label}: its groups deleted",
+            f"{left}: allow ec2:DeleteSecurityGroup and ec2:DeletePlacementGroup on the groups "
+            "a run tags (deploy/iam-policy.json); the reaper removes these after "
+            f"{format_expiry(launch.deadline_at)}"
+            if left
+            else "",
+        )
+    )
     return findings
+
+
+def _made_cluster(backend: Ec2Backend, launch: Launch, subnet: Subnet, label: str) -> list[Finding]:
+    try:
+        cluster = backend.ensure_cluster(launch, launch.deadline_at, subnet)
+    except ClientError as exc:
+        return [
+            Finding(
+                f"{label}: ec2:{exc.operation_name}",
+                f"{_reason(exc)}: allow it on the groups a run tags "
+                "(deploy/iam-policy.json), or train on one box",
+            )
+        ]
+    made = Finding(
+        f"{label}: placement group {cluster.placement_group} and security group "
+        f"{cluster.security_group_id} made, its members' ingress opened"
+    )
+    base = backend._run_params(
+        launch, backend.resolve_ami(), "#!/bin/bash\n", launch.deadline_at, 1
+    )
+    option = backend.plan(launch)[0]
+    params = backend._option_params(in_cluster(base, cluster), option, subnet)
+    try:
+        refused = backend._dry_run(params, option) or ""
+    except LaunchCheckError as exc:
+        refused = str(exc)
+    return [
+        made,
+        Finding(
+            f"dry-run launch {launch.count} x {option.instance_type} {option.market} "
+            f"into placement group {cluster.placement_group}",
+            refused,
+        ),
+    ]
 
 
 # --- why a box found no way to S3 ---------------------------------------------------------------
@@ -941,7 +956,10 @@ def check_account(
     findings += _guarded("HTTPS egress to S3", lambda: check_security_group_egress(backend))
     if num_nodes > 1:
         findings += _guarded(
-            "a run of several boxes", lambda: check_cluster_calls(backend, check_launch_of())
+            "a run of several boxes",
+            lambda: check_cluster_calls(
+                backend, check_launch_of().model_copy(update={"count": num_nodes})
+            ),
         )
     findings += _guarded("bucket region", lambda: check_bucket_region(root, s.region))
     findings += _guarded("default EBS encryption key", lambda: check_ebs_key(backend, s.use_spot))

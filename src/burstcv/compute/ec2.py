@@ -202,6 +202,16 @@ def client_token(
     return "burstcv-" + hashlib.sha256(key.encode()).hexdigest()[:48]
 
 
+def in_cluster(params: dict[str, Any], cluster: Cluster) -> dict[str, Any]:
+    """Return RunInstances parameters that put the boxes in the run's placement group, with
+    its security group beside the deployment's."""
+    return dict(
+        params,
+        Placement={"GroupName": cluster.placement_group},
+        SecurityGroupIds=[*params.get("SecurityGroupIds", []), cluster.security_group_id],
+    )
+
+
 def cluster_name(run_id: str) -> str:
     """Return the name of a multi-box run's placement group and security group."""
     return f"burstcv-{run_id}"[:255]
@@ -478,11 +488,7 @@ class Ec2Backend:
             subnets = prefer_zones(subnets, [i.zone for i in described if i.attempt < attempt])
             # Made before the boxes and removed by the teardown (terminate_run), with them.
             cluster = self.ensure_cluster(launch, expires_at, subnets[0])
-            base_params["Placement"] = {"GroupName": cluster.placement_group}
-            base_params["SecurityGroupIds"] = [
-                *base_params.get("SecurityGroupIds", []),
-                cluster.security_group_id,
-            ]
+            base_params = in_cluster(base_params, cluster)
         refusals: list[str] = []
         for option in self.plan(launch):
             launched = self._launch_option(launch, attempt, base_params, option, subnets, refusals)
@@ -913,11 +919,11 @@ class Ec2Backend:
         )["SecurityGroups"]
         return str(groups[0]["GroupId"]) if groups else None
 
-    def remove_cluster(self, run_id: str) -> None:
+    def remove_cluster(self, run_id: str) -> str:
         """Delete the run's security and placement groups, if it has them (its boxes gone).
 
         Neither costs anything: one that cannot be deleted is logged, not raised over the
-        teardown, whose job (no box left running) is done.
+        teardown, whose job (no box left running) is done. Return "" or why not.
         """
         try:
             group_id = self._run_security_group(run_id)
@@ -932,16 +938,17 @@ class Ec2Backend:
             for group in found:
                 self.client.delete_placement_group(GroupName=group["GroupName"])
         except ClientError as exc:
+            why = f"ec2:{exc.operation_name}: {_error_code(exc)}: {_error_message(exc)}"
             log.warning(
-                "run %s: could not remove its security or placement group (%s: %s); they cost "
+                "run %s: could not remove its security or placement group (%s); they cost "
                 "nothing, delete them by their burstcv:run-id tag",
                 run_id,
-                _error_code(exc),
-                _error_message(exc),
+                why,
             )
-            return
+            return why
         if group_id is not None or found:
             log.info("run %s: removed its security group and placement group", run_id)
+        return ""
 
     def remove_expired_clusters(
         self, now: datetime, live_runs: set[str], *, dry_run: bool = False
