@@ -781,10 +781,12 @@ class FailedMarker(Artifact):
     """`runs/<run_key>/job/attempts/<n>/FAILED`: where the attempt stopped and why.
 
     Written by training (``write_failed``) or, when training could not, by the box's boot
-    script (with its exit code and instance id).
+    script (with its exit code and instance id). In a run of several processes, each rank
+    also writes its own, `attempts/<n>/ranks/<rank>/FAILED`, with its rank, its box's place
+    and its traceback's last lines: the error is told apart from the peers it stopped.
     """
 
-    omit_when_none = frozenset({"at", "exit_code", "instance_id"})
+    omit_when_none = frozenset({"at", "exit_code", "instance_id", "rank", "node", "traceback"})
 
     stage: str = Field(
         description="bootstrap, preflight, train, budget, interrupted, or stalled (written by "
@@ -796,6 +798,13 @@ class FailedMarker(Artifact):
     at: str | None = Field(default=None, description="ISO 8601 UTC (training's markers)")
     exit_code: int | None = Field(default=None, description="the stage's exit code (boot script)")
     instance_id: str | None = Field(default=None, description="the box (boot script)")
+    rank: int | None = Field(default=None, ge=0, description="the rank that wrote it (ranks/)")
+    node: int | None = Field(
+        default=None, ge=0, description="its box's place in the rendezvous (torchrun's GROUP_RANK)"
+    )
+    traceback: list[str] | None = Field(
+        default=None, description="the last lines of the rank's traceback (ranks/)"
+    )
 
 
 class TrainingOutcome(Contract):

@@ -28,6 +28,7 @@ PROGRESS = "progress.json"
 METRICS = "metrics.json"
 DONE_MARKER = "DONE"
 FAILED_MARKER = "FAILED"
+RANK_MARKERS = "ranks"  # in an attempt's folder: ranks/<rank>/FAILED, each rank's own
 REGISTRY_ENTRY = "entry.json"
 PRODUCTION = "production"
 PREVIOUS = "previous"

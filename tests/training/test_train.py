@@ -170,5 +170,12 @@ def test_a_lost_peer_box_is_resumable_only_in_a_run_of_several_boxes(
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
     assert peer_lost(gone)
     assert peer_lost(dist.DistNetworkError("store gone"))
+    # A peer whose box lost power sends no reset: the collective times out.
+    assert peer_lost(
+        RuntimeError(
+            "[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv "
+            "operation to complete"
+        )
+    )
     assert not peer_lost(RuntimeError("CUDA out of memory"))
     assert not peer_lost(ValueError("Connection reset by peer"))  # not a collective's error

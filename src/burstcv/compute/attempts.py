@@ -21,7 +21,13 @@ from burstcv.compute.base import STOPPED, WORKING, ComputeBackend, InstanceInfo,
 from burstcv.compute.billing import record_launch, run_bill
 from burstcv.cost.model import LOCAL_RATE
 from burstcv.settings import Settings, get_settings
-from burstcv.training.job import STAGE_BOOT, attempt_dir, load_job, write_failed
+from burstcv.training.job import (
+    STAGE_BOOT,
+    attempt_dir,
+    load_job,
+    rank_failures,
+    write_failed,
+)
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
     ArtifactError,
@@ -154,18 +160,28 @@ def training_outcome(
     attempt: int = 1,
     settings: Settings | None = None,
 ) -> TrainingOutcome:
-    """Return an attempt's state: done, failed (stage, reason), lost (no marker) or running."""
+    """Return an attempt's state: done, failed (stage, reason), lost (no marker) or running.
+
+    In a run of several processes, a rank's own error decides: the attempt ends FAILED with
+    that rank's reason, never relaunched, even when the first rank wrote "a peer box was
+    lost" or a box went away (the failing rank's, once it had written its marker).
+    """
     status = job_outcome(
         get_backend(backend_name, settings), safe_run_id(run_id), output_uri, attempt
     )
+    if status == "done":
+        return TrainingOutcome(status="done", attempt=attempt)
+    owned = rank_error(run_id, output_uri, attempt)
     if status == "failed":
         uri = attempt_dir(output_uri, attempt, FAILED_MARKER)
         try:
             failed = read_artifact(uri, FailedMarker)
         except ArtifactError as exc:  # failed all the same: say so rather than crash the wait
-            return TrainingOutcome(
+            return owned or TrainingOutcome(
                 status="failed", attempt=attempt, reason=f"unreadable FAILED marker: {exc}"
             )
+        if owned is not None and failed.resumable:
+            return owned
         return TrainingOutcome(
             status="failed",
             attempt=attempt,
@@ -173,6 +189,8 @@ def training_outcome(
             reason=failed.reason,
             resumable=failed.resumable,
         )
+    if owned is not None:
+        return owned
     if status in ("lost", "running"):
         s = settings or get_settings()
         boot = boot_failure(run_id, backend_name, output_uri, attempt, s)
@@ -191,6 +209,35 @@ def training_outcome(
             resumable=True,
         )
     return TrainingOutcome(status=status, attempt=attempt)
+
+
+def rank_error(run_id: str, output_uri: str, attempt: int) -> TrainingOutcome | None:
+    """Return the outcome a rank's own error gives the attempt, or None.
+
+    The lowest rank whose marker is not resumable owns the failure; the others' resumable
+    ones ("a peer box was lost") are what its exit did to them. Its traceback's last lines
+    go to the task log: they were on its box only.
+    """
+    owner = next((m for m in rank_failures(output_uri, attempt) if not m.resumable), None)
+    if owner is None:
+        return None
+    log.error(
+        "run %s attempt %d: rank %s (node %s) failed at %s: %s%s",
+        run_id,
+        attempt,
+        owner.rank,
+        owner.node,
+        owner.stage,
+        owner.reason,
+        "".join(f"\n  {line}" for line in owner.traceback or []),
+    )
+    return TrainingOutcome(
+        status="failed",
+        attempt=attempt,
+        stage=owner.stage,
+        reason=f"rank {owner.rank} (node {owner.node}): {owner.reason}",
+        resumable=False,
+    )
 
 
 # EC2's StateReason for a box that powered itself off (its script ended, or its watchdog).

@@ -270,7 +270,7 @@ finish() {
     return
   fi
   if [ -n "${NODE_RANK:-}" ] && [ "$STAGE" = train ]; then
-    stamp "training ended with exit code $rc; its markers are training rank 0's"
+    stamp "training ended with exit code $rc; its ranks wrote their markers"
   elif ! s3_object_exists "$ATTEMPT_DIR/DONE" && ! s3_object_exists "$ATTEMPT_DIR/FAILED"; then
     if [ -f "$WORK/spot-notice" ]; then
       stamp "writing FAILED: spot interruption during $STAGE"

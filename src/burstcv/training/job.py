@@ -10,6 +10,7 @@ This module ships in the training wheel and runs on the AMI's Python (3.10+).
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime
 from typing import Any, Literal
 
@@ -22,8 +23,10 @@ from burstcv.training.names import (
     pretrained_value,
 )
 from burstcv_spec import storage
-from burstcv_spec.contracts import FailedMarker, write_artifact
-from burstcv_spec.layout import FAILED_MARKER
+from burstcv_spec.contracts import ArtifactError, FailedMarker, read_artifact, write_artifact
+from burstcv_spec.layout import FAILED_MARKER, RANK_MARKERS
+
+log = logging.getLogger(__name__)
 
 
 class AugmentSpec(BaseModel):
@@ -205,3 +208,30 @@ def write_failed(
             at=lineage.utc_now_iso(),
         ),
     )
+
+
+def write_rank_failed(job_dir_uri: str, marker: FailedMarker) -> str:
+    """Write one rank's own FAILED marker (``marker.rank`` set) in its attempt's ranks/."""
+    if marker.rank is None:
+        raise ValueError("a rank's FAILED marker names its rank")
+    return write_artifact(
+        attempt_dir(job_dir_uri, marker.attempt, RANK_MARKERS, str(marker.rank), FAILED_MARKER),
+        marker,
+    )
+
+
+def rank_failures(job_dir_uri: str, attempt: int) -> list[FailedMarker]:
+    """Return the FAILED markers an attempt's ranks wrote, by rank.
+
+    One that cannot be read (a write cut short) is left out with a warning: the attempt's
+    own marker and its boxes still say how it ended.
+    """
+    found = []
+    for uri in storage.list_files(attempt_dir(job_dir_uri, attempt, RANK_MARKERS)):
+        if not uri.endswith("/" + FAILED_MARKER):
+            continue
+        try:
+            found.append(read_artifact(uri, FailedMarker))
+        except ArtifactError as exc:
+            log.warning("unreadable rank marker %s: %s", uri, exc)
+    return sorted(found, key=lambda m: m.rank if m.rank is not None else -1)

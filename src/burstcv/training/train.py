@@ -18,6 +18,7 @@ import os
 import signal
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Generator
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from burstcv.training.job import (
     attempt_dir,
     load_job,
     write_failed,
+    write_rank_failed,
 )
 from burstcv.training.models import architecture, build_model, split_head
 from burstcv.training.names import is_pretrained, pretrained_kind
@@ -61,6 +63,7 @@ from burstcv_spec.contracts import (
     Contract,
     DoneMarker,
     EpochRecord,
+    FailedMarker,
     HostInfo,
     OptimizerBlock,
     PretrainedLoad,
@@ -1499,39 +1502,56 @@ def run_job(job_uri: str, attempt: int = 1) -> int:
         main(job, attempt)
         return 0
     except Interrupted as exc:
-        _write_failed(output_uri, attempt, STAGE_INTERRUPTED, str(exc), resumable=True)
+        _write_failed(output_uri, attempt, STAGE_INTERRUPTED, str(exc), resumable=True, exc=exc)
         log.warning("%s", exc)
         return EXIT_INTERRUPTED
     except BudgetExhausted as exc:
-        _write_failed(output_uri, attempt, STAGE_BUDGET, str(exc), resumable=False)
+        _write_failed(output_uri, attempt, STAGE_BUDGET, str(exc), resumable=False, exc=exc)
         log.error("%s", exc)
         return EXIT_BUDGET
     except TrainingDiverged as exc:
-        _write_failed(output_uri, attempt, STAGE_TRAIN, str(exc), resumable=False)
+        _write_failed(output_uri, attempt, STAGE_TRAIN, str(exc), resumable=False, exc=exc)
         log.error("%s", exc)
         return EXIT_DIVERGED
     except Exception as exc:
         if not peer_lost(exc):
             _write_failed(
-                output_uri, attempt, STAGE_TRAIN, f"{type(exc).__name__}: {exc}", resumable=False
+                output_uri,
+                attempt,
+                STAGE_TRAIN,
+                f"{type(exc).__name__}: {exc}",
+                resumable=False,
+                exc=exc,
             )
             raise
         # Another box of the run went away mid-collective: nothing wrong with the job, and the
         # relaunch restarts every box from the last checkpoint.
         reason = f"a peer box was lost: {str(exc).splitlines()[0][:300]}"
-        _write_failed(output_uri, attempt, STAGE_INTERRUPTED, reason, resumable=True)
+        _write_failed(output_uri, attempt, STAGE_INTERRUPTED, reason, resumable=True, exc=exc)
         log.warning("%s", reason)
         return EXIT_INTERRUPTED
     except BaseException as exc:
         _write_failed(
-            output_uri, attempt, STAGE_TRAIN, f"{type(exc).__name__}: {exc}", resumable=False
+            output_uri,
+            attempt,
+            STAGE_TRAIN,
+            f"{type(exc).__name__}: {exc}",
+            resumable=False,
+            exc=exc,
         )
         raise
 
 
 # What a collective says when its peer process vanished: gloo's transport errors (a plain
-# RuntimeError) and NCCL's or the store's (torch.distributed.DistError).
-_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Connection refused")
+# RuntimeError) and NCCL's or the store's (torch.distributed.DistError). A peer whose box lost
+# power sends nothing, not even a reset: the collective times out. What a peer's own error
+# did to this rank is never the run's reason: that rank writes its own marker, which decides.
+_PEER_GONE = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Connection refused",
+    "Timed out waiting",
+)
 
 
 def peer_lost(exc: BaseException) -> bool:
@@ -1547,9 +1567,40 @@ def peer_lost(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _PEER_GONE)
 
 
+TRACEBACK_LINES = 12  # of a rank's traceback, kept in its own FAILED marker
+
+
 def _write_failed(
-    output_uri: str | None, attempt: int, stage: str, reason: str, *, resumable: bool
+    output_uri: str | None,
+    attempt: int,
+    stage: str,
+    reason: str,
+    *,
+    resumable: bool,
+    exc: BaseException | None = None,
 ) -> None:
-    if not output_uri or int(os.environ.get("RANK", "0")) != 0:
+    """Write the attempt's FAILED (the first rank) and, in a run of several processes, this
+    rank's own, with its traceback's last lines: a rank's error stays its own, never taken
+    for the peer it stopped (the orchestrator reads every rank's)."""
+    if not output_uri:
         return
-    write_failed(output_uri, attempt, stage, reason, resumable=resumable)
+    rank = int(os.environ.get("RANK", "0"))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        lines = "".join(traceback.format_exception(exc)).splitlines() if exc else []
+        marker = FailedMarker(
+            stage=stage,
+            reason=reason,
+            resumable=resumable,
+            attempt=attempt,
+            at=lineage.utc_now_iso(),
+            rank=rank,
+            node=int(os.environ.get("GROUP_RANK", "0")),
+            traceback=lines[-TRACEBACK_LINES:] or None,
+        )
+        try:
+            write_rank_failed(output_uri, marker)
+        # Broad on purpose: the attempt's own marker below must still be written.
+        except Exception as write_error:
+            log.error("rank %d: could not write its FAILED marker: %s", rank, write_error)
+    if rank == 0:
+        write_failed(output_uri, attempt, stage, reason, resumable=resumable)
