@@ -157,6 +157,7 @@ CHANGED = {
     "pretrained": "none",
     "epochs": 4,
     "batch_size": 64,
+    "batch_scaling": "global",
     "learning_rate": 0.01,
     "optimizer": "sgd",
     "warmup_steps": 10,

@@ -510,8 +510,14 @@ class TrainingChoice(Contract):
 
     model: str = Field(description="architecture to train")
     pretrained: str = Field(description="'none', a torchvision weights name, or a state_dict URI")
-    batch_size: int = Field(gt=0, description="images per optimizer step, over all GPUs")
-    learning_rate: float = Field(gt=0, description="peak rate, after the warm-up")
+    batch_size: int = Field(
+        gt=0,
+        description="images per optimizer step: on each GPU (the run's batch_scaling "
+        "per_gpu) or over all of them (global)",
+    )
+    learning_rate: float = Field(
+        gt=0, description="peak rate, after the warm-up (per_gpu: for one GPU, scaled by the GPUs)"
+    )
     epochs: int = Field(gt=0, description="passes over the training split asked for")
     optimizer: Literal["sgd", "adamw"] = Field(description="SGD (Nesterov) or AdamW")
     warmup_steps: int = Field(ge=0, description="optimizer steps of linear warm-up")
@@ -690,6 +696,19 @@ class OptimizerBlock(Contract):
     lr_scale: float = Field(description="the rate's scale after recoveries (1: none)")
     weight_decay: float = Field(description="decay on weights (not norms or biases)")
     batch_size: int = Field(description="images per optimizer step, over all GPUs")
+    batch_scaling: Literal["per_gpu", "global"] = Field(
+        default="global",
+        description="per_gpu: the run's batch size was each GPU's, and the step's batch and "
+        "rate grew with the GPUs; global: it was all GPUs' together",
+    )
+    batch_per_rank: int | None = Field(
+        default=None, description="images per optimizer step on each GPU (training process)"
+    )
+    lr_world_factor: float = Field(
+        default=1.0,
+        description="the rate over the one-GPU rate the run chose: the GPUs (per_gpu: linear "
+        "for SGD, square root for AdamW); 1 for global",
+    )
     warmup_steps: int = Field(description="optimizer steps of linear warm-up")
     steps_per_epoch: int = Field(description="optimizer steps per epoch")
     total_steps: int = Field(description="optimizer steps over the epochs asked for")

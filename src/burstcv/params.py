@@ -248,9 +248,19 @@ class RunParams(BaseModel):
         ge=8,
         le=8192,
         title="Batch size",
-        description="images per optimizer step, over all GPUs; empty: auto, the largest power "
-        f"of two up to {R.MAX_BATCH} that gives an epoch {R.MIN_STEPS_PER_EPOCH} steps",
+        description="images per optimizer step on each GPU (batch scaling per_gpu) or over "
+        f"all of them (global); empty: auto, the largest power of two up to {R.MAX_BATCH} "
+        f"that gives an epoch {R.MIN_STEPS_PER_EPOCH} steps",
         json_schema_extra={"section": SECTION_TRAINING, "auto": True},
+    )
+    batch_scaling: Annotated[R.BatchScaling, Affects.MODEL] = Field(
+        default="per_gpu",
+        title="Batch scaling",
+        description="per_gpu: batch_size is each GPU's, so more GPUs (boxes, or GPUs a box) "
+        "step over more images, fewer steps an epoch, at a learning rate scaled by the rule "
+        "(linear for SGD, square root for AdamW; in metrics.json); global: batch_size is "
+        "split between the GPUs, the rate as chosen",
+        json_schema_extra={"section": SECTION_TRAINING},
     )
     learning_rate: Annotated[float | None, Affects.MODEL] = Field(
         default=None,

@@ -291,6 +291,8 @@ def choose_training(
             optimizer=None if params.optimizer == "auto" else params.optimizer,
             warmup_steps=params.warmup_steps,
             early_stop_patience=params.early_stop_patience,
+            batch_scaling=params.batch_scaling,
+            nodes=params.num_nodes,
         ),
     )
     derived, reason, warning = list(recipe.derived), recipe.reason, None

@@ -118,6 +118,10 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
         ("nvidia_driver_version", "30 -> 31", "timeout=30", "the time nvidia-smi is given"),
     ),
     "reaper": (("_no_credentials", "return value dropped (None)", "return False", _TRUTHY),),
+    "recipe": (
+        ("_pow2_floor", "0 -> 1", "max(0,", "below 2 it gives 1 or 2; MIN_BATCH (8) floors both"),
+        ("_pow2_floor", "1.0 -> 1.5", "max(1.0,", "log2 of 1 to 1.5 floors to 0 alike"),
+    ),
     "sizing": (
         ("LoadRun.achieved_rps", "0.0 -> 1.0", "else 0.0", "a run lasts at least one interval"),
         ("sustainable_rate", "1000000000.0 -> 1500000000.0", "else 1e9", _NO_ANSWER),
@@ -222,8 +226,30 @@ TARGETS = (
     Target(
         "attempts",
         "burstcv.compute.attempts",
-        ("tests/compute/test_ec2.py", "tests/compute/test_resume.py"),
-        functions=("wait_ended", "resumable", "boot_failure"),
+        (
+            "tests/compute/test_ec2.py",
+            "tests/compute/test_resume.py",
+            "tests/training/test_rank_markers.py",
+        ),
+        functions=("wait_ended", "resumable", "boot_failure", "training_outcome", "rank_error"),
+    ),
+    Target(
+        "rank-markers",
+        "burstcv.training.job",
+        ("tests/training/test_rank_markers.py",),
+        functions=("write_rank_failed", "rank_failures"),
+    ),
+    Target(
+        "recipe",
+        "burstcv.training.recipe",
+        ("tests/training/test_recipe.py",),
+        tables=("*",),
+    ),
+    Target(
+        "world-scale",
+        "burstcv.training.train",
+        ("tests/training/test_train.py",),
+        functions=("scale_to_world", "WorldScale.sweep_job", "peer_lost"),
     ),
     Target(
         "job-outcome",
@@ -325,6 +351,8 @@ TARGETS = (
             "bucket_kms_key",
             "instance_role_requests",
             "no_s3_cause",
+            "check_cluster_calls",
+            "_made_cluster",
         ),
     ),
     Target(

@@ -780,6 +780,31 @@ def test_a_good_run_shows_its_recipe_and_best_epoch_without_a_warning(
     assert "Chance: 10.0%; the majority class: 10." in page
     assert "worst classes" in page
     assert "near chance" not in page and "diverged" not in page
+    assert "Batch: 128 images a step, 11 steps an epoch; peak rate" in page
+    assert " GPUs)" not in page and "rule" not in page  # one GPU: nothing scaled
+
+
+def test_a_per_gpu_run_shows_its_step_batch_per_gpu_and_the_rate_rule(
+    full_run: tuple[Path, Path],
+) -> None:
+    run, _ = full_run
+    metrics = json.loads((run / "job" / "metrics.json").read_text())
+    metrics["world_size"] = 4
+    metrics["optimizer"].update(
+        name="sgd",
+        batch_size=512,
+        batch_scaling="per_gpu",
+        batch_per_rank=128,
+        lr_world_factor=4.0,
+        learning_rate=0.2,
+        steps_per_epoch=976,
+    )
+    write(run / "job" / "metrics.json", metrics)
+    page = render(*full_run)
+    assert (
+        "Batch: 512 images a step, 976 steps an epoch (128 on each of 4 GPUs); peak rate 0.2 "
+        "(sgd), the one-GPU rate x4 by the linear rule." in page
+    )
 
 
 def test_a_near_chance_model_that_diverged_is_not_shown_without_a_word(

@@ -68,10 +68,11 @@ def test_a_ranks_own_error_outweighs_the_peer_lost_markers_it_caused(
     write_failed(out, 1, STAGE_INTERRUPTED, PEER_LOST, resumable=True)
     write_rank_failed(out, rank_marker(0, STAGE_INTERRUPTED, PEER_LOST, resumable=True))
     write_rank_failed(out, rank_marker(2, STAGE_INTERRUPTED, PEER_LOST, resumable=True))
+    write_rank_failed(out, rank_marker(10, STAGE_TRAIN, "ValueError: later", resumable=False))
     write_rank_failed(
         out, rank_marker(1, STAGE_TRAIN, "JobSpecError: shard 3 is corrupt", resumable=False)
     )
-    assert [m.rank for m in rank_failures(out, 1)] == [0, 1, 2]
+    assert [m.rank for m in rank_failures(out, 1)] == [0, 1, 2, 10]  # by rank, not by name
 
     outcome = training_outcome("r-ranks", "local", out)
 
@@ -112,6 +113,10 @@ def test_an_unreadable_rank_marker_is_skipped(tmp_path: Path, local_state: None)
     torn = tmp_path / "job" / "attempts" / "1" / "ranks" / "0" / "FAILED"
     torn.parent.mkdir(parents=True)
     torn.write_text('{"stage": "tra')  # a write cut short
+    stray = tmp_path / "job" / "attempts" / "1" / "ranks" / "notes" / "FAILED"
+    stray.parent.mkdir(parents=True)
+    stray.write_text(rank_marker(0, STAGE_TRAIN, "x", resumable=False).model_dump_json())
+    (torn.parent.parent / "1" / "FAILED.tmp").write_text("{}")  # not a marker's name
     assert [m.rank for m in rank_failures(out, 1)] == [1]
     with pytest.raises(ValueError, match="names its rank"):
         write_rank_failed(

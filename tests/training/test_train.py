@@ -143,12 +143,21 @@ def test_killed_job_resumes_to_the_same_result(
 def test_ddp_two_gloo_processes_train_to_the_same_accuracy_band(
     packed_demo: dict[str, Any], trained_demo: dict[str, Any], tmp_path: Path
 ) -> None:
+    """Two ranks with one rank's batch each (per_gpu): half the steps of one rank, a rate
+    scaled by AdamW's square-root rule, and the same accuracy band."""
     out = tmp_path / "out"
-    job_uri = write_job(make_job(packed_demo, out), str(tmp_path / "job.json"))
+    one = trained_demo["metrics"]["optimizer"]  # one rank, batch 128 (a global job)
+    job = make_job(packed_demo, out, batch_scaling="per_gpu")
+    job_uri = write_job(job, str(tmp_path / "job.json"))
     result = run_ddp_job(job_uri)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["world_size"] == 2
+    two = metrics["optimizer"]
+    assert (two["batch_per_rank"], two["batch_size"]) == (one["batch_size"], 2 * one["batch_size"])
+    assert two["steps_per_epoch"] == 1437 // 256 and one["steps_per_epoch"] == 1437 // 128
+    assert two["batch_scaling"] == "per_gpu" and two["lr_world_factor"] == pytest.approx(2**0.5)
+    assert two["learning_rate"] == pytest.approx(job.learning_rate * 2**0.5)
     assert metrics["val_accuracy"] >= 0.90
     assert abs(metrics["val_accuracy"] - trained_demo["metrics"]["val_accuracy"]) <= 0.05
     assert (out / "attempts" / "1" / "DONE").exists()
@@ -179,3 +188,38 @@ def test_a_lost_peer_box_is_resumable_only_in_a_run_of_several_boxes(
     )
     assert not peer_lost(RuntimeError("CUDA out of memory"))
     assert not peer_lost(ValueError("Connection reset by peer"))  # not a collective's error
+
+
+def test_a_per_gpu_job_follows_its_ranks_and_a_resume_keeps_its_first_world(
+    packed_demo: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from burstcv.training.train import Dist, scale_to_world
+
+    job = make_job(
+        packed_demo,
+        tmp_path / "out",
+        batch_scaling="per_gpu",
+        batch_size=32,
+        optimizer="sgd",
+        learning_rate=0.0125,
+        warmup_steps=40,
+    )
+    # 2 boxes of 4 GPUs: 8 ranks, 256 images a step, the SGD rate x8; the recipe's warm-up
+    # (counted one GPU a box) covers the same images in a quarter of the steps.
+    eight = Dist(rank=5, world_size=8, local_rank=1, node=1, nodes=2)
+    scaled, world = scale_to_world(job, eight)
+    assert (scaled.batch_size, scaled.warmup_steps) == (256, 10)
+    assert scaled.learning_rate == pytest.approx(0.1) and world.lr_factor == 8.0
+    assert (world.per_rank, world.world) == (32, 8)
+    swept = world.sweep_job(scaled)  # the range test: one rank's batch at one rank's rate
+    assert (swept.batch_size, swept.learning_rate) == (32, pytest.approx(0.0125))
+    # Relaunched on boxes with one GPU: the first attempt's global batch and rate hold.
+    with caplog.at_level("WARNING", logger="burstcv.training.train"):
+        resumed, kept = scale_to_world(job, Dist(rank=0, world_size=2, nodes=2), {"batch_world": 8})
+    assert (resumed.batch_size, resumed.learning_rate) == (256, pytest.approx(0.1))
+    assert kept.world == 8 and "its global batch of 256 images holds (128 a rank)" in caplog.text
+    # A global job is split between its ranks, its rate as it is.
+    whole = job.model_copy(update={"batch_scaling": "global"})
+    same, split = scale_to_world(whole, eight)
+    assert same is whole and (split.per_rank, split.lr_factor) == (4, 1.0)
+    assert split.sweep_job(whole) is whole

@@ -298,6 +298,19 @@ def model_quality(metrics: TrainingMetrics) -> dict[str, Any]:
     return out
 
 
+def _batch_line(metrics: TrainingMetrics) -> str:
+    """Return the step's batch and rate in one line: per GPU, over the GPUs, and the rule."""
+    o = metrics.optimizer
+    line = f"{o.batch_size:,} images a step, {o.steps_per_epoch:,} steps an epoch"
+    if metrics.world_size > 1 and o.batch_per_rank:
+        line += f" ({o.batch_per_rank:,} on each of {metrics.world_size} GPUs)"
+    line += f"; peak rate {o.learning_rate:.3g} ({o.name})"
+    if o.batch_scaling == "per_gpu" and o.lr_world_factor != 1:
+        rule = "linear" if o.name == "sgd" else "square-root"
+        line += f", the one-GPU rate x{o.lr_world_factor:.3g} by the {rule} rule"
+    return line
+
+
 def _range_test_line(test: RangeTest | None) -> str | None:
     """Return the learning-rate range test in one line, or None when the run had none."""
     if test is None:
@@ -340,6 +353,7 @@ def _training_view(record: RunDocs) -> dict[str, Any]:
             for r in metrics.recoveries
         ],
         "range_test": _range_test_line(metrics.lr_range_test),
+        "batch": _batch_line(metrics),
         **model_quality(metrics),
         "val_accuracy": metrics.val_accuracy,
         "val_loss": metrics.val_loss,

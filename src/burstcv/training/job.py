@@ -22,6 +22,7 @@ from burstcv.training.names import (
     is_pretrained,
     pretrained_value,
 )
+from burstcv.training.recipe import BatchScaling
 from burstcv_spec import storage
 from burstcv_spec.contracts import ArtifactError, FailedMarker, read_artifact, write_artifact
 from burstcv_spec.layout import FAILED_MARKER, RANK_MARKERS
@@ -73,6 +74,9 @@ class JobSpec(BaseModel):
     output_uri: str
     epochs: int = Field(default=6, ge=1, le=1000)
     batch_size: int = Field(default=128, ge=1, le=65536)
+    # per_gpu: batch_size is each rank's, the rate one rank's (the box scales both by the
+    # ranks); global: batch_size is all ranks' together. A job.json without it is global.
+    batch_scaling: BatchScaling = "global"
     learning_rate: float = Field(default=0.2, gt=0)  # peak of the schedule (after the warm-up)
     # The optimiser: SGD with Nesterov momentum (long runs, the torchvision recipes) or AdamW
     # (short runs: it needs fewer steps to settle; Ultralytics' optimizer=auto rule).
@@ -226,12 +230,13 @@ def rank_failures(job_dir_uri: str, attempt: int) -> list[FailedMarker]:
     One that cannot be read (a write cut short) is left out with a warning: the attempt's
     own marker and its boxes still say how it ended.
     """
-    found = []
+    found: list[tuple[int, FailedMarker]] = []
     for uri in storage.list_files(attempt_dir(job_dir_uri, attempt, RANK_MARKERS)):
-        if not uri.endswith("/" + FAILED_MARKER):
+        *_, rank, name = uri.split("/")
+        if name != FAILED_MARKER or not rank.isdigit():
             continue
         try:
-            found.append(read_artifact(uri, FailedMarker))
+            found.append((int(rank), read_artifact(uri, FailedMarker)))
         except ArtifactError as exc:
             log.warning("unreadable rank marker %s: %s", uri, exc)
-    return sorted(found, key=lambda m: m.rank if m.rank is not None else -1)
+    return [marker for _, marker in sorted(found, key=lambda pair: pair[0])]

@@ -8,6 +8,10 @@ explicitly wins over the rule. The rules, each with its anchor:
   recipe's model); small images such as the digits train ``resnet10`` from scratch.
 - batch size: the largest power of two up to ``MAX_BATCH`` that still gives an epoch
   ``MIN_STEPS_PER_EPOCH`` optimizer steps (300 photos: 32, 9 steps; 1,437 digits: 128).
+  With ``batch_scaling`` ``per_gpu`` (the default) it is each GPU's batch: a run of N boxes
+  steps over N times as many images (counted one GPU a box here; the box multiplies by its
+  GPUs), and the rate, given for one GPU, is scaled on the box by ``world_lr_factor``. With
+  ``global`` it is the batch of all GPUs together, split between them.
 - epochs: enough passes that a small training set is seen ``IMAGES_SEEN`` times over in all
   (300 photos: 15 epochs, the issue's working recipe), between ``MIN_EPOCHS`` and
   ``MAX_EPOCHS``; early stopping ends a run that stops improving.
@@ -28,6 +32,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 Optimizer = Literal["sgd", "adamw"]
+# per_gpu: batch_size is each GPU's (each training process's) batch, and more GPUs step over
+# more images at a rate scaled by the rule; global: batch_size is all GPUs' together.
+BatchScaling = Literal["per_gpu", "global"]
 
 PHOTO_MODEL = "resnet18"
 SMALL_IMAGE_MODEL = "resnet10"
@@ -55,6 +62,8 @@ class RecipeRequest:
     optimizer: Optimizer | None = None
     warmup_steps: int | None = None
     early_stop_patience: int | None = None
+    batch_scaling: BatchScaling = "per_gpu"
+    nodes: int = 1  # the run's boxes: with per_gpu, a step takes a batch from each
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,18 @@ def learning_rate_for(optimizer: Optimizer, batch_size: int) -> float:
     return SGD_LR_PER_256 * batch_size / 256
 
 
+def world_lr_factor(optimizer: Optimizer, world: int) -> float:
+    """Return the rate of ``world`` ranks, each at one rank's batch, over one rank's rate.
+
+    The batch grows ``world`` times, so the rate follows the rule ``learning_rate_for``
+    scales it by: linearly for SGD (Goyal et al., with the warm-up), by the square root for
+    AdamW.
+    """
+    if world < 1:
+        raise ValueError(f"a run has at least one rank, not {world}")
+    return float(world) if optimizer == "sgd" else math.sqrt(world)
+
+
 def choose_recipe(
     train_images: int, *, photos: bool, request: RecipeRequest | None = None
 ) -> Recipe:
@@ -104,16 +125,26 @@ def choose_recipe(
         derived.append("model")
         why.append(f"model {model} ({'photos' if photos else 'small images'})")
 
+    # Batches a step takes: one a box with per_gpu (one GPU a box counted), one in all else.
+    per_step = req.nodes if req.batch_scaling == "per_gpu" else 1
     batch = req.batch_size
     if batch is None:
-        batch = min(MAX_BATCH, max(MIN_BATCH, _pow2_floor(train_images / MIN_STEPS_PER_EPOCH)))
-        derived.append("batch_size")
-        why.append(
-            f"batch {batch} ({train_images} training images: "
-            f"{max(1, train_images // batch)} steps an epoch, at least {MIN_STEPS_PER_EPOCH} "
-            f"wanted, at most {MAX_BATCH})"
+        batch = min(
+            MAX_BATCH,
+            max(MIN_BATCH, _pow2_floor(train_images / (MIN_STEPS_PER_EPOCH * per_step))),
         )
-    steps_per_epoch = max(1, train_images // batch)
+        derived.append("batch_size")
+        step = (
+            f"{batch} a GPU, {batch * per_step} a step over {per_step} boxes"
+            if per_step > 1
+            else str(batch)
+        )
+        why.append(
+            f"batch {step} ({train_images} training images: "
+            f"{max(1, train_images // (batch * per_step))} steps an epoch, at least "
+            f"{MIN_STEPS_PER_EPOCH} wanted, at most {MAX_BATCH})"
+        )
+    steps_per_epoch = max(1, train_images // (batch * per_step))
 
     epochs = req.epochs
     if epochs is None:
@@ -127,11 +158,13 @@ def choose_recipe(
 
     optimizer = req.optimizer
     if optimizer is None:
-        optimizer = "adamw" if total_steps < SGD_MIN_STEPS else "sgd"
+        # Counted at the batch asked for, one batch a step: more boxes never change it.
+        asked_steps = max(1, train_images // batch) * epochs
+        optimizer = "adamw" if asked_steps < SGD_MIN_STEPS else "sgd"
         derived.append("optimizer")
         why.append(
-            f"{'AdamW' if optimizer == 'adamw' else 'SGD'} ({total_steps:,} steps: "
-            f"{'under' if optimizer == 'adamw' else 'at least'} {SGD_MIN_STEPS:,})"
+            f"{'AdamW' if optimizer == 'adamw' else 'SGD'} ({asked_steps:,} steps at batch "
+            f"{batch}: {'under' if optimizer == 'adamw' else 'at least'} {SGD_MIN_STEPS:,})"
         )
 
     lr = req.learning_rate
@@ -146,6 +179,13 @@ def choose_recipe(
                 else f"{SGD_LR_PER_256:g} x {batch}/256"
             )
             + ")"
+        )
+    if per_step > 1:
+        factor = world_lr_factor(optimizer, per_step)
+        rule = "linear" if optimizer == "sgd" else "square root"
+        why.append(
+            f"rate {lr:.3g} a GPU, x{factor:.3g} over {per_step} boxes ({rule} rule; "
+            "each box's GPUs scale it further)"
         )
 
     warmup = req.warmup_steps

@@ -46,6 +46,7 @@ from burstcv.training.job import (
 from burstcv.training.models import architecture, build_model, split_head
 from burstcv.training.names import is_pretrained, pretrained_kind
 from burstcv.training.preflight import native_bf16
+from burstcv.training.recipe import world_lr_factor
 from burstcv.training.stream import (
     EVAL_BATCH,
     JobSpecError,
@@ -438,6 +439,77 @@ def _dist_from_env() -> Dist:
     )
 
 
+@dataclass(frozen=True)
+class WorldScale:
+    """How the job's batch and rate follow the ranks it trains on (``batch_scaling``)."""
+
+    per_rank: int  # one rank's batch
+    world: int  # the ranks the global batch was sized for (the run's first attempt's)
+    lr_factor: float  # the rate over the job's (per_gpu: the rule's; global: 1)
+
+    def sweep_job(self, job: JobSpec) -> JobSpec:
+        """Return the job the range test sweeps: one rank's batch at one rank's rate, so the
+        rate it finds is scaled by the same rule (a global job sweeps as it trains)."""
+        if job.batch_scaling == "global":
+            return job
+        return job.model_copy(
+            update={
+                "batch_size": self.per_rank,
+                "learning_rate": job.learning_rate / self.lr_factor,
+            }
+        )
+
+
+def scale_to_world(
+    job: JobSpec, d: Dist, ckpt: dict[str, Any] | None = None
+) -> tuple[JobSpec, WorldScale]:
+    """Return the job as its ranks train it: the global batch, the peak rate, the warm-up.
+
+    per_gpu: the job's batch is each rank's, so ``world`` ranks step over ``world`` times as
+    many images, at the rate times ``world_lr_factor`` (linear for SGD, square root for
+    AdamW), with the warm-up counted for one rank a box (the recipe's) shortened by the GPUs
+    a box has, so it covers the same images. A resumed run keeps its first attempt's world
+    (in the checkpoint): its schedule and step count hold even on boxes with another number
+    of GPUs. global: the job's batch is split between the ranks, the rate as it is.
+    """
+    if job.batch_scaling == "global":
+        return job, WorldScale(max(1, job.batch_size // d.world_size), d.world_size, 1.0)
+    world = int(ckpt.get("batch_world", d.world_size)) if ckpt is not None else d.world_size
+    factor = world_lr_factor(job.optimizer, world)
+    gpus_a_box = max(1, world // max(1, d.nodes))
+    warmup = job.warmup_steps
+    if warmup is not None and gpus_a_box > 1:
+        warmup = round(warmup / gpus_a_box)
+    if world != d.world_size:
+        log.warning(
+            "resuming a run sized for %d ranks on %d: its global batch of %d images holds "
+            "(%d a rank)",
+            world,
+            d.world_size,
+            job.batch_size * world,
+            max(1, job.batch_size * world // d.world_size),
+        )
+    scaled = job.model_copy(
+        update={
+            "batch_size": job.batch_size * world,
+            "learning_rate": job.learning_rate * factor,
+            "warmup_steps": warmup,
+        }
+    )
+    if world > 1:
+        log.info(
+            "batch %d a rank x %d ranks = %d a step; rate %.3g x %.3g (%s rule) = %.3g",
+            job.batch_size,
+            world,
+            scaled.batch_size,
+            job.learning_rate,
+            factor,
+            "linear" if job.optimizer == "sgd" else "square-root",
+            scaled.learning_rate,
+        )
+    return scaled, WorldScale(job.batch_size, world, factor)
+
+
 def _pick_device(d: Dist) -> torch.device:
     if torch.cuda.is_available():
         torch.cuda.set_device(d.local_rank)
@@ -520,6 +592,7 @@ class Run:
     share: Share  # what this rank trains on each step, and the steps an epoch
     loaded: PretrainedLoad | None  # what load_pretrained reported (None from scratch)
     range_test: RangeTest | None  # None unless the job asked for the sweep
+    world: WorldScale  # how the batch and the rate follow the ranks
 
 
 class MetricLogger:
@@ -1070,13 +1143,14 @@ def main(job: JobSpec, attempt: int = 1) -> TrainingMetrics:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     cache = ShardCache.from_env(job.run_id)  # set on the training box: a folder on its disk
-    train, val, share = open_splits(job, device, cache, d)
     if d.is_main:  # the attempt before this one has ended: nothing else writes there
         for path in storage.remove_partial_writes(job.uri(CHECKPOINTS)):
             log.warning("removed %s, left by a checkpoint write that was cut short", path)
     resume = resume_checkpoint(job.output_uri)
     ckpt = resume[1] if resume is not None else None
-    ctx = _build_run(job, attempt, d, device, t_setup, train, share, ckpt)
+    job, world = scale_to_world(job, d, ckpt)
+    train, val, share = open_splits(job, device, cache, d)
+    ctx = _build_run(job, attempt, d, device, t_setup, train, share, ckpt, world)
     state = _resume(ctx, resume)
     if d.is_main:  # one beat per attempt: a stalled peer stops the first rank's steps too
         state.beat = Beat(attempt_dir(job.output_uri, attempt, TRAINING_BEAT), attempt)
@@ -1118,6 +1192,7 @@ def _build_run(
     train: Split | ShardStream,
     share: Share,
     ckpt: dict[str, Any] | None,
+    world: WorldScale,
 ) -> Run:
     """Build the model, its optimiser and schedule: a new run's, or restored from ``ckpt``."""
     spec, pretrained = job.preprocess, is_pretrained(job.pretrained)
@@ -1141,9 +1216,10 @@ def _build_run(
     if ckpt is not None:
         range_test = _from_checkpoint(ckpt, "lr_range_test", RangeTest)
     elif job.lr_range_test:
-        range_test = _agree_range_test(
-            lr_range_test(model, train, job, mean, std, scale, amp_dtype), d
-        )
+        swept = lr_range_test(model, train, world.sweep_job(job), mean, std, scale, amp_dtype)
+        if job.batch_scaling == "per_gpu":  # found at one rank's batch: scaled by the rule
+            swept = swept.model_copy(update={"chosen_lr": swept.chosen_lr * world.lr_factor})
+        range_test = _agree_range_test(swept, d)
     if range_test is not None:  # the rate the sweep found is the run's peak rate
         job = job.model_copy(update={"learning_rate": range_test.chosen_lr})
     total_steps = share.steps * job.epochs
@@ -1183,6 +1259,7 @@ def _build_run(
         share=share,
         loaded=loaded,
         range_test=range_test,
+        world=world,
     )
 
 
@@ -1249,6 +1326,7 @@ def _save_last(ctx: Run, state: RunState, best: dict[str, Any] | None = None) ->
             "step": state.step,
             "history": json.dumps([e.model_dump(mode="json") for e in state.epochs]),
             "lr_scale": ctx.lr_scale.value,
+            "batch_world": ctx.world.world,  # a resume keeps the global batch (per_gpu)
             "recoveries": json.dumps([r.model_dump(mode="json") for r in state.recoveries]),
             "lr_range_test": range_test.model_dump_json() if range_test else "null",
             "job": json.dumps(job.model_dump(mode="json")),
@@ -1443,6 +1521,9 @@ def _final_metrics(
             lr_scale=ctx.lr_scale.value,
             weight_decay=weight_decay(job),
             batch_size=job.batch_size,
+            batch_scaling=job.batch_scaling,
+            batch_per_rank=ctx.world.per_rank,
+            lr_world_factor=ctx.world.lr_factor,
             warmup_steps=warmup_steps(job, steps_per_epoch * job.epochs),
             steps_per_epoch=steps_per_epoch,
             total_steps=steps_per_epoch * job.epochs,
