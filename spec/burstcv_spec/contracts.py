@@ -875,12 +875,19 @@ class DataChunk(Contract):
     maps one scan or pack_shards task over each.
     """
 
+    omit_when_none = frozenset({"listing_uri"})
+
     index: int = Field(ge=0, description="the chunk's number, from 0 (its map index)")
     start: int = Field(ge=0, description="first item: a row of the listing, or a shard number")
     stop: int = Field(ge=0, description="one past the last item")
     files: int = Field(ge=0, description="source image files in the chunk")
     bytes: int = Field(ge=0, description="their size on the store, bytes")
     part_uri: str = Field(description="where the chunk's task writes its part")
+    listing_uri: str | None = Field(
+        default=None,
+        description="scan chunks: dataset/scan/listing/<index>.parquet, the chunk's own rows "
+        "of the listing (none: rows start..stop of the plan's listing)",
+    )
 
 
 class ScanPlan(Artifact):

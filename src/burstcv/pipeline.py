@@ -163,7 +163,7 @@ def plan_scan(
     Raises ValidationFailed for a run that cannot be had or priced, and for an unusable
     dataset.
     """
-    from burstcv.data.chunks import MB
+    from burstcv.data.chunks import MB, chunk_cap
     from burstcv.data.chunks import plan_scan as plan_dataset_scan
     from burstcv.data.validate import DatasetUnusableError
 
@@ -177,6 +177,7 @@ def plan_scan(
             paths.scan_part,
             max_files=params.chunk_files,
             max_bytes=params.chunk_mb * MB,
+            max_chunks=chunk_cap(map_limit()),
         )
     except DatasetUnusableError as exc:
         raise ValidationFailed(f"dataset {params.dataset_uri} is unusable: {exc}") from exc
@@ -191,13 +192,59 @@ def plan_scan(
     return plan
 
 
+# Airflow's [core] max_map_length when its configuration cannot be read: its default.
+AIRFLOW_MAP_LIMIT = 1024
+
+
+def map_limit() -> int:
+    """Return how many tasks Airflow maps over one list at most (``[core] max_map_length``)."""
+    try:
+        from airflow.configuration import conf
+
+        return conf.getint("core", "max_map_length", fallback=AIRFLOW_MAP_LIMIT)
+    # Broad on purpose: an Airflow that cannot be configured here has its default limit.
+    except Exception:
+        return AIRFLOW_MAP_LIMIT
+
+
+def worker_task_slots() -> int:
+    """Return the task slots of this Airflow worker: a CeleryExecutor's worker_concurrency,
+    else 1 (this process is the only task the count is for)."""
+    try:
+        from airflow.configuration import conf
+
+        if "Celery" not in conf.get("core", "executor", fallback=""):
+            return 1
+        return max(1, conf.getint("celery", "worker_concurrency", fallback=16))
+    # Broad on purpose: no readable Airflow configuration, no other slots known.
+    except Exception:
+        return 1
+
+
+def task_processes(settings: Settings) -> int:
+    """Return the processes one data task may run: BURSTCV_TASK_PROCESSES, else this host's
+    usable CPUs shared between the worker's task slots (at least one)."""
+    from burstcv.data.scanner.dispatch import usable_cpus
+
+    if settings.task_processes:
+        return settings.task_processes
+    return max(1, usable_cpus() // worker_task_slots())
+
+
 def scan_chunk(run: RunRef, chunk: DataChunk, settings: Settings | None = None) -> int:
-    """Scan one chunk of the run's listing into its manifest part; return its files."""
+    """Scan one chunk of the run's listing into its manifest part; return its files.
+
+    Its process pool takes the CPUs one task slot may use (``task_processes``), so a
+    worker's slots running chunks side by side do not oversubscribe its cores.
+    """
     from burstcv.data.chunks import scan_chunk as scan_dataset_chunk
 
-    params = resolved_run(run, settings).params
-    plan = read_artifact(run_layout(run, settings).scan_plan, ScanPlan)
-    files = scan_dataset_chunk(plan, chunk, params.validation_config())
+    s = settings or get_settings()
+    params = resolved_run(run, s).params
+    plan = read_artifact(run_layout(run, s).scan_plan, ScanPlan)
+    files = scan_dataset_chunk(
+        plan, chunk, params.validation_config(), max_workers=task_processes(s)
+    )
     log.info("scanned chunk %d of %d: %d files", chunk.index + 1, len(plan.chunks), files)
     return files
 
@@ -452,7 +499,7 @@ def plan_pack(run: RunRef, validated: Validated, settings: Settings | None = Non
     """Cut the validated images' shards into chunks (``chunk_files``, ``chunk_mb``) of whole
     shards: each shard is the one a one-pass pack writes, whichever task writes it.
     """
-    from burstcv.data.chunks import MB, chunk_ranges
+    from burstcv.data.chunks import MB, chunk_cap, ranges_within
     from burstcv.data.pack import choose_format
 
     paths = run_layout(run, settings)
@@ -469,7 +516,9 @@ def plan_pack(run: RunRef, validated: Validated, settings: Settings | None = Non
             part_uri=paths.pack_part(index),
         )
         for index, (start, stop, files, size) in enumerate(
-            chunk_ranges(order.sizes(), params.chunk_files, params.chunk_mb * MB)
+            ranges_within(
+                order.sizes(), params.chunk_files, params.chunk_mb * MB, chunk_cap(map_limit())
+            )[0]
         )
     ]
     log.info(

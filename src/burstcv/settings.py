@@ -141,6 +141,10 @@ class Settings(BaseSettings):
     bench_rate_rps: float | None = Field(default=None, gt=0)
     bench_max_s: float = Field(default=30.0, gt=0)
     bench_warmup_requests: int = 20
+    # Processes one data task (a scan chunk) inspects its files with. 0: the CPUs this worker
+    # may use divided by its task slots (a CeleryExecutor's worker_concurrency; 1 otherwise),
+    # so chunks running side by side on one worker do not oversubscribe its cores.
+    task_processes: int = Field(default=0, ge=0)
     # Isolation: the benchmark task (latency and sizing) runs in a pool of its own, one slot by
     # default, so no two runs' measurements overlap.
     bench_pool: str = "burstcv_bench"

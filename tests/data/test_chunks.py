@@ -166,3 +166,77 @@ def test_the_mb_limit_cuts_large_files_into_more_chunks(tmp_path: Path, kit: Any
     # The files listed before the big one, the big one alone, the rest.
     assert [c.files for c in plan.chunks] == [6, 1, 30]
     assert plan.chunks[1].bytes > 2 * MB and plan.chunks[0].bytes + plan.chunks[2].bytes < MB
+
+
+def test_a_plan_never_maps_more_chunks_than_airflow_allows() -> None:
+    from burstcv.data.chunks import chunk_cap, ranges_within
+
+    sizes = [(1, 10)] * 100
+    runs, files, size = ranges_within(sizes, 1, 1000, None)  # no cap: one file a chunk
+    assert len(runs) == 100 and (files, size) == (1, 1000)
+    runs, files, size = ranges_within(sizes, 1, 1000, 9)
+    assert len(runs) <= 9 and files > 1  # grown until it fits, both limits alike
+    assert sum(r[2] for r in runs) == 100 and runs[0][0] == 0 and runs[-1][1] == 100
+    assert all(r[2] <= files and r[3] <= size for r in runs)
+    assert ranges_within(sizes, 1, 1000, 1)[0] == [(0, 100, 100, 1000)]
+    with pytest.raises(ValueError, match="at least one chunk"):
+        ranges_within(sizes, 1, 1000, 0)
+    # Airflow's default map limit (1,024) with its 10% margin.
+    assert chunk_cap(1024) == 921 and chunk_cap(1) == 1
+
+
+def test_chunks_past_the_map_limit_are_grown_and_each_reads_its_own_listing(
+    tmp_path: Path, kit: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    dataset = kit.write_dataset(tmp_path / "pets")  # 60 files
+    settings, params = _run(tmp_path / "home", dataset, chunk_files=2)  # 30 chunks asked
+    monkeypatch.setenv("AIRFLOW__CORE__MAX_MAP_LENGTH", "5")  # a deployment's lower limit
+    assert pipeline.map_limit() == 5
+    run = RunRef.of("manual__maplimit")
+    with caplog.at_level("WARNING", logger="burstcv.data.chunks"):
+        plan = pipeline.plan_scan(run, params, settings)
+    assert len(plan.chunks) <= 4  # 90% of 5
+    assert sum(c.files for c in plan.chunks) == 60
+    assert "more chunks than the 4 mapped tasks allowed" in caplog.text
+    # Each chunk reads its own rows: the whole listing is not needed to scan.
+    for chunk in plan.chunks:
+        assert chunk.listing_uri and Path(chunk.listing_uri).is_file()
+    Path(plan.listing_uri).unlink()
+    for chunk in plan.chunks:
+        assert pipeline.scan_chunk(run, chunk, settings) == chunk.files
+    validated = pipeline.validate(run, settings)
+    assert read_artifact(validated.validation_uri, ValidationRecord).counts.usable == 60
+
+
+def test_a_plan_from_before_chunk_slices_still_scans(tmp_path: Path, kit: Any) -> None:
+    dataset = kit.write_dataset(tmp_path / "pets")
+    settings, params = _run(tmp_path / "home", dataset, chunk_files=25)
+    run = RunRef.of("manual__oldplan")
+    plan = pipeline.plan_scan(run, params, settings)
+    old = plan.chunks[1].model_copy(update={"listing_uri": None})
+    assert "listing_uri" not in old.model_dump(mode="json")  # pack chunks never carry one
+    assert pipeline.scan_chunk(run, old, settings) == 25
+
+
+def test_a_scan_chunks_pool_takes_its_task_slots_share_of_the_cpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from burstcv.data.scanner.dispatch import POOL_MIN_FILES, worker_count
+
+    monkeypatch.setattr("burstcv.data.scanner.dispatch.usable_cpus", lambda: 16)
+    monkeypatch.setenv("AIRFLOW__CORE__EXECUTOR", "CeleryExecutor")
+    monkeypatch.setenv("AIRFLOW__CELERY__WORKER_CONCURRENCY", "4")
+    assert pipeline.worker_task_slots() == 4
+    assert pipeline.task_processes(Settings()) == 4  # 16 CPUs over 4 slots
+    assert pipeline.task_processes(Settings(task_processes=3)) == 3  # the setting wins
+    monkeypatch.setenv("AIRFLOW__CELERY__WORKER_CONCURRENCY", "64")
+    assert pipeline.task_processes(Settings()) == 1  # never fewer than one
+    monkeypatch.setenv("AIRFLOW__CORE__EXECUTOR", "LocalExecutor")
+    assert pipeline.worker_task_slots() == 1
+    assert pipeline.task_processes(Settings()) == 16
+    # The pool: one process below the size a pool pays for, then the CPUs up to the cap.
+    assert worker_count(None, POOL_MIN_FILES - 1, cap=4) == 1
+    assert worker_count(None, POOL_MIN_FILES, cap=4) == 4
+    assert worker_count(None, POOL_MIN_FILES, cap=None) == 16
+    assert worker_count(None, POOL_MIN_FILES, cap=64) == 16
+    assert worker_count(2, 10, cap=1) == 2  # an explicit request (scan --workers) stands

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import gc
 import io
+import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -30,7 +32,10 @@ from burstcv_spec.contracts import DataChunk, ScanPlan
 if TYPE_CHECKING:
     import pandas as pd
 
+log = logging.getLogger(__name__)
+
 LISTING = "listing.parquet"
+LISTING_SLICES = "listing"  # listing/<chunk>.parquet: each chunk's rows of the listing
 REFUSED = "refused.parquet"
 MB = 1 << 20
 
@@ -57,6 +62,34 @@ def chunk_ranges(
     return runs
 
 
+# The share of Airflow's map limit a plan may take: a margin for a limit lowered later.
+MAP_LIMIT_SHARE = 0.9
+GROWTH = 1.25  # each try at fitting the map limit grows both chunk limits this much
+
+
+def ranges_within(
+    sizes: Sequence[tuple[int, int]], max_files: int, max_bytes: int, max_chunks: int | None
+) -> tuple[list[tuple[int, int, int, int]], int, int]:
+    """Return ``chunk_ranges`` of ``sizes`` in at most ``max_chunks`` chunks, and the limits
+    that made them: the ones asked for, grown by ``GROWTH`` at a time while there would be
+    more chunks than Airflow may map (a mapped task over more than its ``max_map_length``
+    fails the run). None: no cap.
+    """
+    runs = chunk_ranges(sizes, max_files, max_bytes)
+    if max_chunks is not None and max_chunks < 1:
+        raise ValueError(f"a plan needs room for at least one chunk, not {max_chunks}")
+    while max_chunks is not None and len(runs) > max_chunks:
+        max_files = math.ceil(max_files * GROWTH)
+        max_bytes = math.ceil(max_bytes * GROWTH)
+        runs = chunk_ranges(sizes, max_files, max_bytes)
+    return runs, max_files, max_bytes
+
+
+def chunk_cap(map_limit: int) -> int:
+    """Return the most chunks a plan makes under Airflow's map limit (with its margin)."""
+    return max(1, math.floor(map_limit * MAP_LIMIT_SHARE))
+
+
 def plan_scan(
     dataset_uri: str,
     scan_uri: str,
@@ -64,15 +97,17 @@ def plan_scan(
     *,
     max_files: int,
     max_bytes: int,
+    max_chunks: int | None = None,
 ) -> ScanPlan:
     """List a dataset into ``scan_uri`` and cut the listing into chunks.
 
-    Writes the files to inspect (``listing.parquet``) and the manifest rows of the files the
-    listing refused unread (``refused.parquet``). ``part_uri(i)`` names where chunk ``i``'s
-    rows go. Raises DatasetUnusableError when the URI names nothing or holds no file.
+    Writes the files to inspect (``listing.parquet``), each chunk's own rows of it (so a
+    chunk's task reads its slice, not the whole listing), and the manifest rows of the files
+    the listing refused unread (``refused.parquet``). ``part_uri(i)`` names where chunk
+    ``i``'s rows go; ``max_chunks`` caps the chunks (``ranges_within``). Raises
+    DatasetUnusableError when the URI names nothing or holds no file.
     """
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     tasks: list[Task] = []
     refused, ignored = list_dataset(dataset_uri, tasks.extend)
@@ -87,21 +122,40 @@ def plan_scan(
             "bytes": pa.array(sizes, pa.int64()),
         }
     )
-    buffer = io.BytesIO()
-    pq.write_table(listing, buffer, compression="zstd")
-    listing_uri = storage.write_bytes(storage.join(scan_uri, LISTING), buffer.getvalue())
+    listing_uri = storage.write_bytes(storage.join(scan_uri, LISTING), _parquet(listing))
     columns: dict[str, list[Any]] = {name: [] for name in COLUMNS}
     for row in refused:
         append(columns, row)
     refused_uri = write_manifest(to_frame(columns), storage.join(scan_uri, REFUSED))
-    chunks = [
-        DataChunk(
-            index=index, start=start, stop=stop, files=files, bytes=size, part_uri=part_uri(index)
+    runs, files_cap, bytes_cap = ranges_within(
+        [(1, size) for size in sizes], max_files, max_bytes, max_chunks
+    )
+    if (files_cap, bytes_cap) != (max_files, max_bytes):
+        log.warning(
+            "%d files at %d files and %d MB a chunk would be more chunks than the %d mapped "
+            "tasks allowed: chunks of up to %d files and %d MB instead",
+            len(tasks),
+            max_files,
+            max_bytes // MB,
+            max_chunks,
+            files_cap,
+            bytes_cap // MB,
         )
-        for index, (start, stop, files, size) in enumerate(
-            chunk_ranges([(1, size) for size in sizes], max_files, max_bytes)
+    chunks = []
+    for index, (start, stop, files, size) in enumerate(runs):
+        slice_uri = storage.join(scan_uri, LISTING_SLICES, f"{index:05d}.parquet")
+        storage.write_bytes(slice_uri, _parquet(listing.slice(start, stop - start)))
+        chunks.append(
+            DataChunk(
+                index=index,
+                start=start,
+                stop=stop,
+                files=files,
+                bytes=size,
+                part_uri=part_uri(index),
+                listing_uri=slice_uri,
+            )
         )
-    ]
     return ScanPlan(
         dataset_uri=dataset_uri,
         listing_uri=listing_uri,
@@ -113,6 +167,14 @@ def plan_scan(
     )
 
 
+def _parquet(table: Any) -> bytes:
+    import pyarrow.parquet as pq
+
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, compression="zstd")
+    return buffer.getvalue()
+
+
 def _local_size(path: str) -> int:
     try:
         return os.stat(path).st_size
@@ -121,17 +183,26 @@ def _local_size(path: str) -> int:
 
 
 def scan_chunk(
-    plan: ScanPlan, chunk: DataChunk, config: ValidationConfig, *, workers: int | None = None
+    plan: ScanPlan,
+    chunk: DataChunk,
+    config: ValidationConfig,
+    *,
+    workers: int | None = None,
+    max_workers: int | None = None,
 ) -> int:
     """Inspect one chunk's files and write their manifest rows to ``chunk.part_uri``.
 
     Every file becomes a row (an unreadable one an error row), exactly as in ``scan``;
-    rewriting the part is harmless, so a retried chunk starts over. Returns the rows written.
+    rewriting the part is harmless, so a retried chunk starts over. ``workers`` processes,
+    else as many as its size is worth, at most ``max_workers``. Returns the rows written.
     """
     import pyarrow.parquet as pq
 
-    table = pq.read_table(io.BytesIO(storage.read_bytes(plan.listing_uri)))
-    rows = table.slice(chunk.start, chunk.stop - chunk.start).to_pydict()
+    if chunk.listing_uri:  # the chunk's own rows
+        rows = pq.read_table(io.BytesIO(storage.read_bytes(chunk.listing_uri))).to_pydict()
+    else:  # a plan made before chunks had their own slice
+        table = pq.read_table(io.BytesIO(storage.read_bytes(plan.listing_uri)))
+        rows = table.slice(chunk.start, chunk.stop - chunk.start).to_pydict()
     tasks: list[Task] = list(zip(rows["path"], rows["uri"], rows["bytes"], strict=True))
     columns: dict[str, list[Any]] = {name: [] for name in COLUMNS}
     options = (
@@ -142,7 +213,7 @@ def scan_chunk(
     gc_was_enabled = gc.isenabled()
     gc.disable()  # plain rows, never cycles (see scan)
     try:
-        with Dispatcher(workers, options) as dispatcher:
+        with Dispatcher(workers, options, max_workers) as dispatcher:
             dispatcher.add(tasks)
             dispatcher.finish(columns)
     finally:

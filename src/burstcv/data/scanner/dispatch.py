@@ -36,8 +36,11 @@ class Dispatcher:
     and collects every chunk's columns in order.
     """
 
-    def __init__(self, requested: int | None, options: tuple[int, int, bool]) -> None:
+    def __init__(
+        self, requested: int | None, options: tuple[int, int, bool], cap: int | None = None
+    ) -> None:
         self.requested = requested
+        self.cap = cap  # the most processes the task may run (its slot's CPUs); None: all
         self.options = options
         self.listed = 0
         self.workers = 1
@@ -57,7 +60,7 @@ class Dispatcher:
         self.listed += len(tasks)
         self._pending.extend(tasks)
         if self._pool is None and self.listed >= POOL_MIN_FILES:
-            wanted = worker_count(self.requested, self.listed)
+            wanted = worker_count(self.requested, self.listed, self.cap)
             if wanted > 1:
                 self._start(wanted)
         if self._pool is not None and len(self._pending) >= CHUNK_FILES:
@@ -70,7 +73,7 @@ class Dispatcher:
         """Inspect what is left and append every chunk's columns to ``columns``, in order."""
         tasks, self._pending = self._pending, []
         if self._pool is None:
-            wanted = worker_count(self.requested, self.listed)
+            wanted = worker_count(self.requested, self.listed, self.cap)
             if wanted > 1:
                 self._start(wanted)
         # Several chunks per worker for what is left keep every core busy to the end.
@@ -96,13 +99,14 @@ class Dispatcher:
         self._futures.append(self._pool.submit(inspect_chunk, chunk, *self.options))
 
 
-def worker_count(requested: int | None, n_files: int) -> int:
-    """Return how many processes inspect ``n_files`` files (``requested``, else by size)."""
+def worker_count(requested: int | None, n_files: int, cap: int | None = None) -> int:
+    """Return how many processes inspect ``n_files`` files (``requested``, else by size:
+    one below ``POOL_MIN_FILES``, then the usable CPUs, at most ``cap``)."""
     if requested is not None:  # scan() refused anything below 1
         return max(1, min(requested, n_files))
     if n_files < POOL_MIN_FILES:
         return 1
-    return usable_cpus()
+    return max(1, min(usable_cpus(), cap or usable_cpus()))
 
 
 def usable_cpus() -> int:
