@@ -240,6 +240,25 @@ TARGETS = (
         functions=("write_rank_failed", "rank_failures"),
     ),
     Target(
+        "chunks",
+        "burstcv.data.chunks",
+        ("tests/data/test_chunks.py",),
+        functions=("chunk_ranges", "ranges_within", "chunk_cap"),
+        tables=("MAP_LIMIT_SHARE", "GROWTH"),
+    ),
+    Target(
+        "task-sizing",
+        "burstcv.pipeline",
+        ("tests/data/test_chunks.py",),
+        functions=("map_limit", "worker_task_slots", "task_processes"),
+    ),
+    Target(
+        "scan-pool",
+        "burstcv.data.scanner.dispatch",
+        ("tests/data/test_chunks.py",),
+        functions=("worker_count",),
+    ),
+    Target(
         "recipe",
         "burstcv.training.recipe",
         ("tests/training/test_recipe.py",),

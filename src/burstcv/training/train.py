@@ -1596,14 +1596,7 @@ def run_job(job_uri: str, attempt: int = 1) -> int:
         return EXIT_DIVERGED
     except Exception as exc:
         if not peer_lost(exc):
-            _write_failed(
-                output_uri,
-                attempt,
-                STAGE_TRAIN,
-                f"{type(exc).__name__}: {exc}",
-                resumable=False,
-                exc=exc,
-            )
+            _write_own_error(output_uri, attempt, exc)
             raise
         # Another box of the run went away mid-collective: nothing wrong with the job, and the
         # relaunch restarts every box from the last checkpoint.
@@ -1612,15 +1605,15 @@ def run_job(job_uri: str, attempt: int = 1) -> int:
         log.warning("%s", reason)
         return EXIT_INTERRUPTED
     except BaseException as exc:
-        _write_failed(
-            output_uri,
-            attempt,
-            STAGE_TRAIN,
-            f"{type(exc).__name__}: {exc}",
-            resumable=False,
-            exc=exc,
-        )
+        _write_own_error(output_uri, attempt, exc)
         raise
+
+
+def _write_own_error(output_uri: str | None, attempt: int, exc: BaseException) -> None:
+    """Write FAILED for an error of this rank's own: final, its type and message the reason."""
+    _write_failed(
+        output_uri, attempt, STAGE_TRAIN, f"{type(exc).__name__}: {exc}", resumable=False, exc=exc
+    )
 
 
 # What a collective says when its peer process vanished: gloo's transport errors (a plain
