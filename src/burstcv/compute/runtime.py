@@ -37,6 +37,7 @@ MODULES = (
     "burstcv/training/models.py",
     "burstcv/training/names.py",
     "burstcv/training/preflight.py",
+    "burstcv/training/recipe.py",
     "burstcv/training/stream.py",
     "burstcv/training/train.py",
     "burstcv/training/transforms.py",
