@@ -215,7 +215,7 @@ def worker_task_slots() -> int:
 
         if "Celery" not in conf.get("core", "executor", fallback=""):
             return 1
-        return max(1, conf.getint("celery", "worker_concurrency", fallback=16))
+        return max(1, conf.getint("celery", "worker_concurrency"))
     # Broad on purpose: no readable Airflow configuration, no other slots known.
     except Exception:
         return 1

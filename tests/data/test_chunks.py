@@ -37,6 +37,10 @@ def test_chunk_ranges_keep_within_both_limits() -> None:
         (2, 3, 1, 5),
     ]
     assert chunk_ranges([], 10, 10) == [(0, 0, 0, 0)]
+    # A run fills up to a limit exactly; an item over a limit first is a run of its own.
+    assert chunk_ranges([(1, 10)] * 4, 100, 20) == [(0, 2, 2, 20), (2, 4, 2, 20)]
+    assert chunk_ranges([(1, 500), (1, 5)], 10, 100) == [(0, 1, 1, 500), (1, 2, 1, 5)]
+    assert chunk_ranges([(1, 1)] * 2, 1, 1) == [(0, 1, 1, 1), (1, 2, 1, 1)]  # 1 is a limit
     with pytest.raises(ValueError, match=">= 1"):
         chunk_ranges(sizes, 0, 10)
 
@@ -234,7 +238,21 @@ def test_a_scan_chunks_pool_takes_its_task_slots_share_of_the_cpus(
     monkeypatch.setenv("AIRFLOW__CORE__EXECUTOR", "LocalExecutor")
     assert pipeline.worker_task_slots() == 1
     assert pipeline.task_processes(Settings()) == 16
+    monkeypatch.setenv("AIRFLOW__CORE__EXECUTOR", "CeleryExecutor")
+    monkeypatch.setenv("AIRFLOW__CELERY__WORKER_CONCURRENCY", "0")
+    assert pipeline.worker_task_slots() == 1  # a worker has at least its own slot
+    # No readable Airflow configuration: one slot, and Airflow's default map limit.
+    import airflow.configuration
+
+    def unreadable(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("no airflow.cfg here")
+
+    monkeypatch.setattr(airflow.configuration.conf, "get", unreadable)
+    monkeypatch.setattr(airflow.configuration.conf, "getint", unreadable)
+    assert pipeline.worker_task_slots() == 1 and pipeline.map_limit() == 1024
     # The pool: one process below the size a pool pays for, then the CPUs up to the cap.
+    assert worker_count(None, POOL_MIN_FILES, cap=1) == 1
+    assert worker_count(1, 10) == 1
     assert worker_count(None, POOL_MIN_FILES - 1, cap=4) == 1
     assert worker_count(None, POOL_MIN_FILES, cap=4) == 4
     assert worker_count(None, POOL_MIN_FILES, cap=None) == 16
