@@ -292,7 +292,19 @@ class SizePoint(Contract):
     extrapolated from the measured scaling (``measured`` false, no latencies).
     """
 
-    omit_when_none = frozenset({"p50_ms", "p95_ms", "p99_ms", "cpu_s_per_request", "rss_mb"})
+    omit_when_none = frozenset(
+        {
+            "p50_ms",
+            "p95_ms",
+            "p99_ms",
+            "cpu_s_per_request",
+            "rss_mb",
+            "send_lag_p95_ms",
+            "generator_rps",
+            "generator_processes",
+            "anomaly",
+        }
+    )
 
     vcpus: int = Field(ge=1, description="CPUs the service could use (affinity)")
     measured: bool = Field(description="measured here; false: extrapolated")
@@ -309,6 +321,33 @@ class SizePoint(Contract):
     steps: list[LoadStep] = Field(
         default_factory=list, description="every rate tried, in order (measured sizes only)"
     )
+    send_lag_p95_ms: float | None = Field(
+        default=None,
+        description="how late the load generator sent the requests at that rate, p95, ms",
+    )
+    generator_rps: float | None = Field(
+        default=None,
+        description="the rate the load generator sent on time to a trivial endpoint on this "
+        "size's CPUs (tried at 2x, then 1.25x, the size's rate), or, when neither held, the "
+        "rate it reached: its ceiling there, or at least that",
+    )
+    generator_processes: int | None = Field(
+        default=None, description="load generator processes that sent the size's final search"
+    )
+    generator_bound: bool = Field(
+        default=False,
+        description="the generator could not send 1.25x the size's rate on time: the rate is "
+        "the generator's ceiling, a lower bound of the service's, never priced as its rate",
+    )
+    generator_shares_cpus: bool = Field(
+        default=False,
+        description="the load generator ran on CPUs of the service's (the host had no spare)",
+    )
+    anomaly: str | None = Field(
+        default=None,
+        description="why this size's figure is a measurement error (a rate below a smaller "
+        "size's); it is priced at the smaller size's rate",
+    )
 
 
 class FleetOption(Contract):
@@ -320,6 +359,11 @@ class FleetOption(Contract):
     replicas: int = Field(ge=1, description="service replicas the target load needs")
     rps_per_replica: float = Field(description="sustainable req/s of one replica at the SLO")
     extrapolated: bool = Field(description="its rate is extrapolated, not measured")
+    generator_bound: bool = Field(
+        default=False,
+        description="its rate rests on a size the load generator could not outrun: the "
+        "service may do more, so the fleet may be larger than it needs",
+    )
     usd_per_hour: float | None = Field(
         description="the fleet's on-demand price per hour (null: no price for the type)"
     )

@@ -330,7 +330,7 @@ def size(
     import tempfile
 
     from burstcv.cost.budget import price_sources, serving_quotes
-    from burstcv.gate.sizing import size_model
+    from burstcv.gate.sizing import describe_generator, size_model
     from burstcv.registry.registry import Registry
     from burstcv_spec.contracts import write_artifact
     from burstcv_spec.storage import download_file, list_files
@@ -367,11 +367,18 @@ def size(
             duration_s=step_s or s.sizing_step_s,
             families=families,
         )
-    typer.echo(f"{'vCPUs':>5} {'req/s at SLO':>12} {'p95 ms':>8} {'CPU ms/req':>10}")
+    typer.echo(
+        f"{'vCPUs':>5} {'req/s at SLO':>12} {'p95 ms':>8} {'CPU ms/req':>10}  load generator"
+    )
     for point in report.sizes:
         cpu = f"{point.cpu_s_per_request * 1000:.2f}" if point.cpu_s_per_request else "-"
         p95 = f"{point.p95_ms:.2f}" if point.p95_ms is not None else "-"
-        typer.echo(f"{point.vcpus:>5} {point.sustainable_rps:>12.1f} {p95:>8} {cpu:>10}")
+        typer.echo(
+            f"{point.vcpus:>5} {point.sustainable_rps:>12.1f} {p95:>8} {cpu:>10}  "
+            f"{describe_generator(point)}"
+        )
+        if point.anomaly:
+            typer.echo(f"      {point.anomaly}")
     for option in report.options:
         price = (
             f"${option.usd_per_month:>9,.2f}/month  ${option.usd_per_million:.4f}/1M"
@@ -381,6 +388,7 @@ def size(
         typer.echo(
             f"{option.replicas} x {option.instance_type:<12} {price}"
             f"{'  (extrapolated)' if option.extrapolated else ''}"
+            f"{'  (at least: the load generator ceiling)' if option.generator_bound else ''}"
         )
     typer.echo(report.reason)
     if out is not None:

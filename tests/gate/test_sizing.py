@@ -173,10 +173,14 @@ def test_one_measured_size_is_extrapolated_linearly() -> None:
     ]
 
 
-def test_a_size_that_sustains_nothing_is_not_scaled_from() -> None:
-    # 2 vCPUs broke the SLO at their lowest load though 1 held (a noisy host): nothing
-    # beyond 2 is offered, rather than a scaling from a rate of 0.
-    assert rate_at([point(1, 100.0), point(2, 0.0)], 4) == (0.0, True)
+def test_a_size_that_sustains_nothing_after_a_smaller_held_rests_on_the_smaller() -> None:
+    # 2 vCPUs broke the SLO at their lowest load though 1 held (a noisy host, a generator on
+    # its CPUs): a measurement error. 2 vCPUs are priced at 1's rate, and larger sizes scale
+    # from that as a flat measured scaling does (the slowest scaling allowed), never from 0.
+    broken = [point(1, 100.0), point(2, 0.0)]
+    assert rate_at(broken, 2) == (100.0, False)
+    assert rate_at(broken, 4)[0] == pytest.approx(100 * 2**0.5)
+    assert rate_at(broken, 4) == rate_at([point(1, 100.0), point(2, 100.0)], 4)
     # A slow model still scales: 0.8 req/s on 1 vCPU, 1.6 on 2.
     assert rate_at([point(1, 0.8)], 2) == (1.6, True)
     # 0.5 req/s on 1 vCPU, 0.9 on 2: scaled as measured (x1.8 a doubling), not linearly.
@@ -564,6 +568,63 @@ def test_a_size_cap_measures_only_that_many_cpus_and_a_requests_cpu_is_its_share
     cpu = size.cpu_s_per_request
     assert cpu is not None and 0 < cpu < 0.05
     assert cpu * size.sustainable_rps < 1.5
+    # Beside the size, the generator's own figures: it sent twice the size's rate (or, on a
+    # hiccup of this host, 1.25 times) on time to a trivial endpoint on the service's CPU,
+    # from the CPU it had alone.
+    assert size.generator_processes == 1 and not size.generator_shares_cpus
+    assert not size.generator_bound
+    assert size.generator_rps is not None
+    assert any(
+        size.generator_rps == pytest.approx(f * size.sustainable_rps, abs=0.02)
+        for f in (sizing.GENERATOR_PROBE, sizing.GENERATOR_MARGIN)
+    )
+    assert size.send_lag_p95_ms is not None and size.send_lag_p95_ms >= 0
+    assert size.anomaly is None
+
+
+def bound(vcpus: int, rps: float) -> SizePoint:
+    return point(vcpus, rps).model_copy(update={"generator_bound": True, "generator_rps": rps})
+
+
+def test_a_rate_that_falls_as_cpus_are_added_is_a_measurement_error() -> None:
+    # The issue's figures: 333 req/s at 1 vCPU, 222 at 2 (the generator shared the 2 CPUs).
+    shared = point(2, 222.0).model_copy(update={"generator_shares_cpus": True})
+    one, two, four = sizing.flag_falling([point(4, 400.0), shared, point(1, 333.0)])
+    assert (one.vcpus, two.vcpus, four.vcpus) == (1, 2, 4)  # ordered by size
+    assert one.anomaly is None and four.anomaly is None  # 400 is above 333: no error
+    assert two.anomaly is not None
+    assert two.anomaly.startswith("measurement error: 222 req/s at 2 vCPUs is below the 333")
+    assert "the load generator shared this size's CPUs" in two.anomaly
+    # Priced at the smaller size's rate, never at its own.
+    assert rate_at([one, two, four], 2) == (333.0, False)
+    # Within the noise allowed (a tenth): not an error.
+    (_, close) = sizing.flag_falling([point(1, 100.0), point(2, 91.0)])
+    assert close.anomaly is None
+    (_, below) = sizing.flag_falling([point(1, 100.0), point(2, 89.0)])
+    assert below.anomaly is not None and "generator shared" not in below.anomaly
+
+
+def test_a_generator_bound_size_is_priced_as_a_lower_bound_and_says_so() -> None:
+    report = recommend(
+        [bound(1, 300.0)],
+        latency_slo_ms=50,
+        target_rps=1000,
+        prices=PRICES,
+        region="us-east-1",
+        families=["c7i"],
+    )
+    assert report.options and all(o.generator_bound for o in report.options)
+    assert report.chosen is not None
+    assert "at least " in report.reason and "the load generator's ceiling" in report.reason
+    # A measured size the generator outran is the service's rate, however others fared.
+    mixed = [point(1, 100.0), bound(2, 300.0)]
+    assert not sizing.generator_bound_at(mixed, 1)
+    assert sizing.generator_bound_at(mixed, 2) and sizing.generator_bound_at(mixed, 8)
+    fine = recommend(
+        [point(1, 100.0)], latency_slo_ms=50, target_rps=100, prices=PRICES, region="us-east-1"
+    )
+    assert fine.chosen is not None and not fine.chosen.generator_bound
+    assert "at least" not in fine.reason
 
 
 def test_the_reason_says_the_headroom_as_set() -> None:

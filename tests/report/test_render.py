@@ -850,3 +850,47 @@ def test_a_file_that_does_not_fit_its_contract_is_named_not_fatal(
     assert "bench/verdict.json exists but cannot be read" in page
     assert "field &#39;checks&#39;: Field required" in page  # which field, escaped as text
     assert "Latency benchmark" in page and "Not reached" not in page  # the rest renders
+
+
+def test_the_fleet_says_where_the_load_generator_was_the_limit(
+    full_run: tuple[Path, Path],
+) -> None:
+    from burstcv.gate.sizing import flag_falling, recommend
+    from burstcv_spec.contracts import SizePoint
+
+    run, registry = full_run
+    one = SizePoint(
+        vcpus=1,
+        measured=True,
+        sustainable_rps=333.0,
+        p95_ms=20.0,
+        generator_rps=340.0,
+        generator_processes=1,
+        generator_bound=True,
+        send_lag_p95_ms=42.5,
+    )
+    two = SizePoint(
+        vcpus=2,
+        measured=True,
+        sustainable_rps=222.0,
+        p95_ms=30.0,
+        generator_rps=444.0,
+        generator_processes=1,
+        send_lag_p95_ms=1.2,
+        generator_shares_cpus=True,
+    )
+    sizing = recommend(
+        flag_falling([one, two]),
+        latency_slo_ms=50.0,
+        target_rps=500.0,
+        prices=read_run(run).costs.serving,
+        region="us-east-1",
+        host_cores=2,
+    )
+    write_artifact(str(run / "bench" / "sizing.json"), sizing)
+    page = render(run, registry)
+    assert "ceiling 340 req/s: the size&#39;s rate is a lower bound; sent 42.5 ms late" in page
+    assert "outran it: 444 req/s on time; sent 1.2 ms late (p95); shared the service" in page
+    assert "measurement error: 222 req/s at 2 vCPUs is below the 333 req/s" in page
+    assert "at least 333.0 req/s (the load generator&#39;s ceiling)" in page
+    assert "at least 333 req/s each (measured; the load generator&#39;s ceiling" in page

@@ -10,12 +10,10 @@ noisy machine shifts both alike.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,25 +21,19 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
 
+from burstcv.gate import loadgen
+from burstcv.gate.loadgen import Sample, free_port
 from burstcv_spec.contracts import BenchFigures, ModelCard, read_artifact
 from burstcv_spec.layout import MODEL_CARD
 
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def serving_env(
@@ -146,29 +138,6 @@ def wait_ready(
     raise TimeoutError(f"{url} was not ready after {timeout_s:.0f}s")
 
 
-@dataclass
-class _Sample:
-    """What a stretch of load collected: each request's latency and status, and its wall time."""
-
-    latencies: list[float] = field(default_factory=list)
-    statuses: dict[str, int] = field(default_factory=dict)
-    shed: int = 0
-    wall_s: float = 0.0
-    peak_in_flight: int = 0
-
-    def add(self, other: _Sample) -> None:
-        self.latencies += other.latencies
-        for code, n in other.statuses.items():
-            self.statuses[code] = self.statuses.get(code, 0) + n
-        self.shed += other.shed
-        self.wall_s += other.wall_s
-        self.peak_in_flight = max(self.peak_in_flight, other.peak_in_flight)
-
-    def count(self, code: str, shed: bool) -> None:
-        self.statuses[code] = self.statuses.get(code, 0) + 1
-        self.shed += shed
-
-
 def _warm(url: str, images: list[bytes], warmup: int, content_type: str) -> None:
     with httpx.Client(timeout=30.0) as client:
         for i in range(warmup):
@@ -186,13 +155,13 @@ def _send(
     concurrency: int,
     content_type: str,
     first: int = 0,
-) -> _Sample:
+) -> Sample:
     """Send ``requests`` predictions from ``concurrency`` clients, each as soon as the last
     answered (closed loop); image ``first + i`` of the cycle is request ``i``'s."""
     endpoint = f"{url}/v1/predict"
     counter = iter(range(first, first + requests))
     lock = threading.Lock()
-    sample = _Sample()
+    sample = Sample()
 
     def worker() -> None:
         with httpx.Client(timeout=30.0) as client:
@@ -226,53 +195,6 @@ def _send(
     return sample
 
 
-async def _open_loop_async(
-    endpoint: str,
-    images: Sequence[bytes],
-    *,
-    requests: int,
-    rate_rps: float,
-    timeout_s: float,
-    content_type: str,
-    first: int,
-) -> _Sample:
-    interval = 1.0 / rate_rps
-    sample = _Sample()
-    loop = asyncio.get_running_loop()
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    in_flight = 0
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-        start = loop.time() + 0.05
-        last_sent = start
-
-        async def one(i: int) -> None:
-            nonlocal last_sent, in_flight
-            due = start + i * interval
-            await asyncio.sleep(max(0.0, due - loop.time()))
-            last_sent = max(last_sent, loop.time())
-            in_flight += 1
-            sample.peak_in_flight = max(sample.peak_in_flight, in_flight)
-            body = images[(first + i) % len(images)]
-            was_shed = False
-            try:
-                response = await client.post(
-                    endpoint, files={"file": (f"{first + i}.png", body, content_type)}
-                )
-                code = str(response.status_code)
-                was_shed = is_shed(response)
-            except httpx.HTTPError as exc:
-                code = type(exc).__name__
-            in_flight -= 1
-            # From when the request was due, not when it left: no coordinated omission.
-            sample.latencies.append((loop.time() - due) * 1000)
-            sample.count(code, was_shed)
-
-        await asyncio.gather(*(one(i) for i in range(requests)))
-        # The span the requests were sent over: its rate is the rate achieved.
-        sample.wall_s = max(last_sent - start, interval * (requests - 1)) or interval
-    return sample
-
-
 def send_open_loop(
     url: str,
     images: Sequence[bytes],
@@ -282,30 +204,27 @@ def send_open_loop(
     timeout_s: float = 30.0,
     content_type: str = "image/png",
     first: int = 0,
-) -> _Sample:
+    processes: int = 1,
+) -> Sample:
     """Send ``requests`` predictions at ``rate_rps``, each when due whatever the answers do.
 
     Each latency counts from when its request was due (a late sender or a slow service both
-    show); the sample's ``wall_s`` is the span the requests were sent over.
+    show); the sample's ``wall_s`` is the span the requests were sent over. The generator is
+    :mod:`burstcv.gate.loadgen`'s (``processes`` of them share the schedule).
     """
-    if rate_rps <= 0:
-        raise ValueError(f"rate_rps must be positive, got {rate_rps}")
-    if not images:
-        raise ValueError("no images to send")
-    return asyncio.run(
-        _open_loop_async(
-            f"{url}/v1/predict",
-            images,
-            requests=max(1, requests),
-            rate_rps=rate_rps,
-            timeout_s=timeout_s,
-            content_type=content_type,
-            first=first,
-        )
+    return loadgen.send(
+        url,
+        images,
+        requests=requests,
+        rate_rps=rate_rps,
+        timeout_s=timeout_s,
+        content_type=content_type,
+        first=first,
+        processes=processes,
     )
 
 
-def _figures(label: str, sample: _Sample, rate_rps: float | None) -> BenchFigures:
+def _figures(label: str, sample: Sample, rate_rps: float | None) -> BenchFigures:
     arr = np.asarray(sample.latencies)
     errors = sum(n for code, n in sample.statuses.items() if code != "200") - sample.shed
     return BenchFigures(
@@ -338,7 +257,7 @@ def _stretch(
     rate_rps: float | None,
     content_type: str,
     first: int = 0,
-) -> _Sample:
+) -> Sample:
     if rate_rps is not None:
         return send_open_loop(
             url,
@@ -419,7 +338,7 @@ def drive_paired(
     for url in urls.values():
         _warm(url, images, warmup, content_type)
     rounds = max(1, min(rounds, requests))
-    samples = {label: _Sample() for label in urls}
+    samples = {label: Sample() for label in urls}
     labels, sent = list(urls), 0
     for r in range(rounds):
         chunk = requests * (r + 1) // rounds - sent

@@ -34,6 +34,7 @@ from burstcv.cost.model import DEFAULT_HEADROOM, fleet_cost, replicas_for
 from burstcv.cost.pricing import instance_shapes
 from burstcv.gate.interference import Placement, running_on
 from burstcv.gate.latency import send_open_loop, staging_process
+from burstcv.gate.loadgen import trivial_endpoint
 from burstcv_spec.contracts import (
     ArtifactError,
     FleetOption,
@@ -54,6 +55,17 @@ MAX_RATE_RPS = 5000.0
 MIN_RATE_RPS = 1.0
 # Sizes beyond the host scale at least this well per doubling of vCPUs (and at most linearly).
 MIN_SCALING_EXPONENT = 0.5
+# The generator must send this many times a size's rate on time to a trivial endpoint, or the
+# size is generator-bound: its rate is then the generator's, a lower bound of the service's.
+GENERATOR_MARGIN = 1.25
+# ... and is first tried at this many times the rate (one step where it outruns the service).
+GENERATOR_PROBE = 2.0
+# Seconds each generator check drives the trivial endpoint for (at most a sizing step).
+GENERATOR_CHECK_S = 1.0
+# A rate below this share of a smaller size's is a measurement error, not the service's.
+FALLING_SHARE = 0.9
+# Bumped when the load generator changes: sizes measured with another are measured again.
+GENERATOR_VERSION = 2
 
 
 @dataclass
@@ -65,6 +77,12 @@ class LoadRun:
     latencies_ms: list[float] = field(default_factory=list)
     statuses: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
+    lags_ms: list[float] = field(default_factory=list)
+
+    @property
+    def send_lag_p95_ms(self) -> float:
+        """How late the requests left, p95 (ms): the generator's own lateness."""
+        return float(np.percentile(self.lags_ms, 95)) if self.lags_ms else 0.0
 
     @property
     def errors(self) -> int:
@@ -86,18 +104,23 @@ def open_loop(
     rate_rps: float,
     duration_s: float = STEP_DURATION_S,
     timeout_s: float = 10.0,
+    processes: int = 1,
 ) -> LoadRun:
-    """Send predictions to ``url`` at ``rate_rps`` for ``duration_s``, whatever the answers do."""
+    """Send predictions to ``url`` at ``rate_rps`` for ``duration_s``, whatever the answers do
+    (from ``processes`` generator processes)."""
     if rate_rps <= 0:
         raise ValueError(f"rate_rps must be positive, got {rate_rps}")
     n = max(1, round(rate_rps * duration_s))
-    sample = send_open_loop(url, images, requests=n, rate_rps=rate_rps, timeout_s=timeout_s)
+    sample = send_open_loop(
+        url, images, requests=n, rate_rps=rate_rps, timeout_s=timeout_s, processes=processes
+    )
     return LoadRun(
         rate_rps=rate_rps,
         sent=n,
         latencies_ms=sample.latencies,
         statuses=sample.statuses,
         wall_s=sample.wall_s,
+        lags_ms=sample.lags,
     )
 
 
@@ -120,6 +143,7 @@ def sustainable_rate(
     duration_s: float = STEP_DURATION_S,
     max_rps: float = MAX_RATE_RPS,
     tried: list[LoadStep] | None = None,
+    processes: int = 1,
 ) -> LoadRun | None:
     """Step the open-loop rate up until the SLO breaks; return the last run that held, or None.
 
@@ -128,7 +152,7 @@ def sustainable_rate(
     """
 
     def attempt(rate_rps: float) -> tuple[LoadRun, bool]:
-        run = open_loop(url, images, rate_rps=rate_rps, duration_s=duration_s)
+        run = open_loop(url, images, rate_rps=rate_rps, duration_s=duration_s, processes=processes)
         held = _holds(run, latency_slo_ms)
         log.info(
             "sizing: %.1f req/s: p95 %.1f ms, %d error(s), sent at %.1f req/s: %s",
@@ -229,6 +253,101 @@ def sizing_placement(max_vcpus: int | None = None) -> Placement:
     return size_placement(cpus, min(len(cpus), max_vcpus or len(cpus)))
 
 
+@dataclass(frozen=True)
+class GeneratorCheck:
+    """How the load generator fared against a trivial endpoint on a size's CPUs."""
+
+    rps: float  # the rate it held, or the rate it reached when none of those tried held
+    send_lag_p95_ms: float
+    processes: int
+    bound: bool  # it could not send GENERATOR_MARGIN times the size's rate on time
+
+
+def generator_check(
+    images: Sequence[bytes],
+    *,
+    service_cpus: Sequence[int] | None,
+    rate_rps: float,
+    latency_slo_ms: float,
+    processes: int = 1,
+    duration_s: float = STEP_DURATION_S,
+) -> GeneratorCheck:
+    """Measure whether the generator (on this process's CPUs) outruns a size's ``rate_rps``.
+
+    A trivial endpoint (it answers at once, computing nothing) runs on ``service_cpus`` and is
+    driven at :data:`GENERATOR_PROBE` times the rate, then, if that broke, at
+    :data:`GENERATOR_MARGIN` times. A rate holds as a size's does, with a tenth of the SLO for
+    the generator's own delay. When even the margin broke, the size's rate is the generator's.
+    """
+    last = None
+    with trivial_endpoint(service_cpus) as url:
+        open_loop(url, images, rate_rps=20.0, duration_s=0.5)  # connections and caches warm
+        for factor in (GENERATOR_PROBE, GENERATOR_MARGIN):
+            run = open_loop(
+                url,
+                images,
+                rate_rps=rate_rps * factor,
+                duration_s=duration_s,
+                processes=processes,
+            )
+            if _holds(run, latency_slo_ms / 10):
+                return GeneratorCheck(
+                    rps=round(run.rate_rps, 2),
+                    send_lag_p95_ms=round(run.send_lag_p95_ms, 3),
+                    processes=processes,
+                    bound=False,
+                )
+            last = run
+    assert last is not None
+    return GeneratorCheck(
+        rps=round(min(last.achieved_rps, last.rate_rps), 2),
+        send_lag_p95_ms=round(last.send_lag_p95_ms, 3),
+        processes=processes,
+        bound=True,
+    )
+
+
+@dataclass
+class _Search:
+    """One search for a size's sustainable rate, and what the service spent on it."""
+
+    best: LoadRun | None
+    tried: list[LoadStep]
+    cpu_s: float
+    rss_mb: float
+
+
+def _search(
+    model_dir: str,
+    images: Sequence[bytes],
+    place: Placement,
+    *,
+    latency_slo_ms: float,
+    start_rps: float | None,
+    step: float,
+    duration_s: float,
+    processes: int,
+) -> _Search:
+    with (
+        running_on(place.generator),
+        pinned_service(model_dir, place.service, latency_slo_ms) as (url, proc),
+    ):
+        open_loop(url, images, rate_rps=5.0, duration_s=1.0)  # warm-up
+        before = _cpu_seconds(proc)
+        tried: list[LoadStep] = []
+        best = sustainable_rate(
+            url,
+            images,
+            latency_slo_ms=latency_slo_ms,
+            start_rps=start_rps,
+            step=step,
+            duration_s=duration_s,
+            tried=tried,
+            processes=processes,
+        )
+        return _Search(best, tried, _cpu_seconds(proc) - before, _rss_mb(proc))
+
+
 def measure_sizes(
     model_dir: str,
     images: Sequence[bytes],
@@ -238,36 +357,90 @@ def measure_sizes(
     duration_s: float = STEP_DURATION_S,
     step: float = STEP_FACTOR,
 ) -> list[SizePoint]:
-    """Measure the sustainable rate at 1, 2, ... vCPUs (up to the host's, or ``max_vcpus``)."""
+    """Measure the sustainable rate at 1, 2, ... vCPUs (up to the host's, or ``max_vcpus``).
+
+    Beside each size, the generator's check (:func:`generator_check`): a size it could not
+    outrun is measured again from one generator process per CPU the generator has (where it
+    has its own), and is marked generator-bound if that cannot outrun it either.
+    """
     cpus = host_cpus()
     sizes = range(1, min(len(cpus), max_vcpus or len(cpus)) + 1)
     points, start = [], None
     for vcpus in sizes:
         place = size_placement(cpus, vcpus)
-        with (
-            running_on(place.generator),
-            pinned_service(model_dir, place.service, latency_slo_ms) as (url, proc),
-        ):
-            open_loop(url, images, rate_rps=5.0, duration_s=1.0)  # warm-up
-            before = _cpu_seconds(proc)
-            tried: list[LoadStep] = []
-            best = sustainable_rate(
-                url,
-                images,
-                latency_slo_ms=latency_slo_ms,
-                start_rps=start,
-                step=step,
-                duration_s=duration_s,
-                tried=tried,
-            )
-            used = _cpu_seconds(proc) - before
-            rss = _rss_mb(proc)
-        if best is None:
+        processes = 1
+        search = _search(
+            model_dir,
+            images,
+            place,
+            latency_slo_ms=latency_slo_ms,
+            start_rps=start,
+            step=step,
+            duration_s=duration_s,
+            processes=processes,
+        )
+        if search.best is None:
             points.append(
-                SizePoint(vcpus=vcpus, measured=True, sustainable_rps=0.0, rss_mb=rss, steps=tried)
+                SizePoint(
+                    vcpus=vcpus,
+                    measured=True,
+                    sustainable_rps=0.0,
+                    rss_mb=search.rss_mb,
+                    steps=search.tried,
+                )
             )
             continue
-        requests = sum(s.requests for s in tried)
+        with running_on(place.generator):
+            check = generator_check(
+                images,
+                service_cpus=place.service,
+                rate_rps=search.best.rate_rps,
+                latency_slo_ms=latency_slo_ms,
+                duration_s=min(duration_s, GENERATOR_CHECK_S),
+            )
+        more = len(place.generator) if place.isolated else 1
+        if check.bound and more > processes:
+            log.info(
+                "sizing: %d vCPU(s): the load generator could not send %g x %.1f req/s on time; "
+                "measuring again from %d generator processes",
+                vcpus,
+                GENERATOR_MARGIN,
+                search.best.rate_rps,
+                more,
+            )
+            again = _search(
+                model_dir,
+                images,
+                place,
+                latency_slo_ms=latency_slo_ms,
+                start_rps=search.best.rate_rps,
+                step=step,
+                duration_s=duration_s,
+                processes=more,
+            )
+            if again.best is not None and again.best.rate_rps >= search.best.rate_rps:
+                again.tried[:0] = search.tried
+                search, processes = again, more
+                with running_on(place.generator):
+                    check = generator_check(
+                        images,
+                        service_cpus=place.service,
+                        rate_rps=again.best.rate_rps,
+                        latency_slo_ms=latency_slo_ms,
+                        duration_s=min(duration_s, GENERATOR_CHECK_S),
+                        processes=processes,
+                    )
+        best = search.best
+        assert best is not None
+        if check.bound:
+            log.warning(
+                "sizing: %d vCPU(s): %.1f req/s is the load generator's ceiling, not the "
+                "service's (it sent at most %.1f req/s to a trivial endpoint): a lower bound",
+                vcpus,
+                best.rate_rps,
+                check.rps,
+            )
+        requests = sum(s.requests for s in search.tried)
         points.append(
             SizePoint(
                 vcpus=vcpus,
@@ -277,29 +450,106 @@ def measure_sizes(
                 p95_ms=round(best.percentile(95), 3),
                 p99_ms=round(best.percentile(99), 3),
                 # The service's CPU over the whole search, shared by every request it got.
-                cpu_s_per_request=round(used / max(1, requests), 5),
-                rss_mb=round(rss, 1),
-                steps=tried,
+                cpu_s_per_request=round(search.cpu_s / max(1, requests), 5),
+                rss_mb=round(search.rss_mb, 1),
+                steps=search.tried,
+                send_lag_p95_ms=round(best.send_lag_p95_ms, 3),
+                generator_rps=check.rps,
+                generator_processes=processes,
+                generator_bound=check.bound,
+                generator_shares_cpus=not place.isolated,
             )
         )
         # The next size sustains at least about as much: its search starts a step below.
         start = best.rate_rps / step
-    return points
+    return flag_falling(points)
+
+
+def describe_generator(point: SizePoint) -> str:
+    """Say how the load generator fared at a size: what it sent on time to a trivial
+    endpoint on the size's CPUs, its send lag, and whether the size's rate is its ceiling."""
+    if point.generator_rps is None:
+        return "-"
+    processes = point.generator_processes or 1
+    text = (
+        f"ceiling {point.generator_rps:.0f} req/s: the size's rate is a lower bound"
+        if point.generator_bound
+        else f"outran it: {point.generator_rps:.0f} req/s on time"
+    )
+    if processes > 1:
+        text += f" ({processes} processes)"
+    if point.send_lag_p95_ms is not None:
+        text += f"; sent {point.send_lag_p95_ms:.1f} ms late (p95)"
+    if point.generator_shares_cpus:
+        text += "; shared the service's CPUs"
+    return text
+
+
+def flag_falling(points: Sequence[SizePoint]) -> list[SizePoint]:
+    """Mark each measured size whose rate fell below a smaller size's: a measurement error.
+
+    A service given more CPUs does not answer fewer requests; a rate that falls as CPUs are
+    added says the measurement broke (the generator sharing the service's CPUs, a neighbour),
+    and it is priced at the smaller size's rate (:func:`rate_at`), never at its own.
+    """
+    out: list[SizePoint] = []
+    best: SizePoint | None = None
+    for p in sorted(points, key=lambda p: p.vcpus):
+        if not p.measured:
+            out.append(p)
+            continue
+        if best is not None and p.sustainable_rps < FALLING_SHARE * best.sustainable_rps:
+            why = (
+                f"measurement error: {p.sustainable_rps:g} req/s at {p.vcpus} vCPUs is below "
+                f"the {best.sustainable_rps:g} req/s measured at {best.vcpus} vCPU(s); a "
+                "service does not slow down with more CPUs"
+                + (
+                    ", and the load generator shared this size's CPUs"
+                    if p.generator_shares_cpus
+                    else ""
+                )
+                + f" (priced at {best.vcpus} vCPU(s)'s rate)"
+            )
+            log.warning("sizing: %s", why)
+            p = p.model_copy(update={"anomaly": why})
+        if best is None or p.sustainable_rps > best.sustainable_rps:
+            best = p
+        out.append(p)
+    return out
+
+
+def _basis(points: Sequence[SizePoint], vcpus: int) -> SizePoint | None:
+    """Return the measured size a ``vcpus`` figure rests on: the fastest measured at or below
+    it (a larger service is at least as fast as a smaller one; a rate that fell is an error)."""
+    below = [p for p in points if p.measured and p.vcpus <= vcpus]
+    return max(below, key=lambda p: (p.sustainable_rps, -p.vcpus), default=None)
 
 
 def rate_at(points: Sequence[SizePoint], vcpus: int) -> tuple[float, bool]:
     """Return (sustainable req/s at ``vcpus``, extrapolated?) from the measured sizes."""
-    measured = {p.vcpus: p.sustainable_rps for p in points if p.measured}
-    if vcpus in measured:
-        return measured[vcpus], False
+    measured = {p.vcpus for p in points if p.measured}
     top = max(measured)
-    if vcpus < top or measured[top] <= 0:
+    if vcpus in measured:
+        basis = _basis(points, vcpus)
+        assert basis is not None
+        return basis.sustainable_rps, False
+    at_top = _basis(points, top)
+    assert at_top is not None
+    if vcpus < top or at_top.sustainable_rps <= 0:
         return 0.0, True
     exponent = 1.0
-    if top > 1 and measured.get(1, 0) > 0:
-        exponent = math.log(measured[top] / measured[1]) / math.log(top)
+    at_one = _basis(points, 1)
+    if top > 1 and at_one is not None and at_one.sustainable_rps > 0:
+        exponent = math.log(at_top.sustainable_rps / at_one.sustainable_rps) / math.log(top)
     exponent = min(1.0, max(MIN_SCALING_EXPONENT, exponent))
-    return measured[top] * (vcpus / top) ** exponent, True
+    return at_top.sustainable_rps * (vcpus / top) ** exponent, True
+
+
+def generator_bound_at(points: Sequence[SizePoint], vcpus: int) -> bool:
+    """Whether the ``vcpus`` figure rests on a size the load generator could not outrun."""
+    top = max(p.vcpus for p in points if p.measured)
+    basis = _basis(points, min(vcpus, top))
+    return basis is not None and basis.generator_bound
 
 
 @dataclass(frozen=True)
@@ -384,6 +634,7 @@ def recommend(
         if rate <= 0 or memory_gib * 1024 < 2 * peak_rss:
             continue
         replicas = replicas_for(target_rps, rate, headroom)
+        bound = generator_bound_at(points, vcpus)
         hourly = usd.get(instance_type)
         cost = fleet_cost(hourly, replicas, target_rps) if hourly is not None else None
         options.append(
@@ -394,6 +645,7 @@ def recommend(
                 replicas=replicas,
                 rps_per_replica=round(rate, 2),
                 extrapolated=extrapolated,
+                generator_bound=bound,
                 usd_per_hour=None if cost is None else round(cost.usd_per_hour, 4),
                 usd_per_month=None if cost is None else round(cost.usd_per_month, 2),
                 usd_per_million=None if cost is None else round(cost.usd_per_million, 4),
@@ -418,8 +670,17 @@ def recommend(
         )
     else:
         reason = (
-            f"{chosen.replicas} x {chosen.instance_type} at {chosen.rps_per_replica:g} req/s "
-            f"each ({'extrapolated' if chosen.extrapolated else 'measured'}), "
+            f"{chosen.replicas} x {chosen.instance_type} at "
+            + ("at least " if chosen.generator_bound else "")
+            + f"{chosen.rps_per_replica:g} req/s each "
+            f"({'extrapolated' if chosen.extrapolated else 'measured'}"
+            + (
+                "; the load generator's ceiling, not the service's: the fleet may be larger "
+                "than it needs"
+                if chosen.generator_bound
+                else ""
+            )
+            + f"), "
             f"{round(headroom * 100)}% headroom: "
             + (
                 f"${chosen.usd_per_month:,.2f}/month"
@@ -512,6 +773,7 @@ def speed_key(
         "max_vcpus": max_vcpus,
         "duration_s": duration_s,
         "versions": {name: _version(name) for name in ("burstcv", "onnxruntime", "numpy")},
+        "generator": GENERATOR_VERSION,
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
 

@@ -29,6 +29,7 @@ import jinja2
 from burstcv import links
 from burstcv.cost.model import box_usd_per_hour
 from burstcv.gate.gate import format_figure
+from burstcv.gate.sizing import describe_generator
 from burstcv.params import ResolvedRun
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
@@ -538,16 +539,20 @@ def _fleet_view(record: RunDocs) -> dict[str, Any]:
                 fmt(p.sustainable_rps, ".1f", " req/s"),
                 fmt(p.p95_ms, ".2f", " ms"),
                 fmt(p.cpu_s_per_request * 1000 if p.cpu_s_per_request else None, ".2f", " ms"),
+                describe_generator(p),
             ]
             for p in sizing.sizes
         ],
+        "anomalies": [p.anomaly for p in sizing.sizes if p.anomaly],
         "options": [
             [
                 o.instance_type,
                 f"{o.vcpus} vCPU, {o.memory_gib:g} GiB",
                 str(o.replicas),
-                fmt(o.rps_per_replica, ".1f", " req/s")
-                + (" (extrapolated)" if o.extrapolated else ""),
+                ("at least " if o.generator_bound else "")
+                + fmt(o.rps_per_replica, ".1f", " req/s")
+                + (" (extrapolated)" if o.extrapolated else "")
+                + (" (the load generator's ceiling)" if o.generator_bound else ""),
                 usd(o.usd_per_month, 2) if o.usd_per_month is not None else "unpriced",
                 usd(o.usd_per_million) if o.usd_per_million is not None else "unpriced",
             ]

@@ -1,0 +1,360 @@
+"""The open-loop load generator, and the measure of its own ceiling.
+
+Requests leave when due whatever the answers do; each latency counts from when its request was
+due, and each request's *send lag* (how late it left) is kept, so a generator that cannot keep
+up shows it instead of hiding it as service latency.
+
+Why this generator: every request is encoded once (one per image) and written as bytes over
+persistent HTTP/1.1 connections on asyncio streams, so a request costs the generator a write
+and a read, not an HTTP client's per-request machinery (an httpx client capped at a few hundred
+requests a second on one CPU, below what one service CPU answers). Where the generator gets
+several CPUs it runs one process per CPU, each sending its share of one schedule. Compiled
+generators were weighed: hey and wrk wait for each answer before the next request (closed
+loop: a slow service slows the load, and its queueing is never seen); an open-loop one (wrk2,
+vegeta) would be another binary for every worker and sizing box to carry. A Python generator
+is slower than either, which is why its ceiling is measured (:func:`ceiling_check`) against a
+trivial endpoint on the CPUs the service used, and recorded beside every size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+PREDICT_PATH = "/v1/predict"
+BOUNDARY = "burstcv-load-5f1e0c"
+# A trivial endpoint's answer: about the size of the service's (a label and a few scores).
+TRIVIAL_BODY = (
+    b'{"label":"trivial","score":1.0,"top_k":[{"label":"trivial","score":1.0}],'
+    b'"model_version":0,"latency_ms":0.0}'
+)
+
+
+@dataclass
+class Sample:
+    """What a stretch of load collected: each request's latency (from when it was due), status
+    and send lag, and the span the requests were sent over."""
+
+    latencies: list[float] = field(default_factory=list)
+    statuses: dict[str, int] = field(default_factory=dict)
+    shed: int = 0
+    wall_s: float = 0.0
+    peak_in_flight: int = 0
+    lags: list[float] = field(default_factory=list)
+
+    def add(self, other: Sample) -> None:
+        """Append a later stretch (spans add up)."""
+        self.latencies += other.latencies
+        self.lags += other.lags
+        for code, n in other.statuses.items():
+            self.statuses[code] = self.statuses.get(code, 0) + n
+        self.shed += other.shed
+        self.wall_s += other.wall_s
+        self.peak_in_flight = max(self.peak_in_flight, other.peak_in_flight)
+
+    def count(self, code: str, shed: bool) -> None:
+        self.statuses[code] = self.statuses.get(code, 0) + 1
+        self.shed += shed
+
+
+def parallel(samples: Sequence[Sample]) -> Sample:
+    """Merge stretches sent at the same time (one per generator process)."""
+    merged = Sample()
+    for s in samples:
+        merged.add(s)
+    merged.wall_s = max((s.wall_s for s in samples), default=0.0)
+    merged.peak_in_flight = sum(s.peak_in_flight for s in samples)
+    return merged
+
+
+def encode_predict(host: str, body: bytes, name: str, content_type: str) -> bytes:
+    """Return one whole prediction request (a multipart upload of ``body``) as bytes."""
+    part = (
+        (
+            f"--{BOUNDARY}\r\n"
+            f'Content-Disposition: form-data; name="file"; filename="{name}"\r\n'
+            f"Content-Type: {content_type}\r\n\r\n"
+        ).encode()
+        + body
+        + f"\r\n--{BOUNDARY}--\r\n".encode()
+    )
+    head = (
+        f"POST {PREDICT_PATH} HTTP/1.1\r\nHost: {host}\r\n"
+        f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\n"
+        f"Content-Length: {len(part)}\r\n\r\n"
+    ).encode()
+    return head + part
+
+
+class _Answer(Exception):
+    """The answer could not be read as HTTP/1.1."""
+
+
+async def _read_answer(reader: asyncio.StreamReader) -> tuple[str, bool, bool]:
+    """Read one response; return (status, shed, keep the connection)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
+        raise _Answer(lines[0][:80])
+    headers = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if sep:
+            headers[name.strip().lower()] = value.strip()
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            await reader.readexactly(size + 2)
+            if size == 0:
+                break
+    elif "content-length" in headers:
+        await reader.readexactly(int(headers["content-length"]))
+    else:
+        await reader.read()  # the body runs to the end of the connection
+        return parts[1], False, False
+    keep = headers.get("connection", "").lower() != "close" and parts[0] != "HTTP/1.0"
+    shed = parts[1] == "503" and "retry-after" in headers
+    return parts[1], shed, keep
+
+
+async def _open_loop(
+    url: str,
+    requests: Sequence[bytes],
+    *,
+    indices: range,
+    rate_rps: float,
+    timeout_s: float,
+    start_wall: float | None,
+) -> Sample:
+    """Send request ``i % len(requests)`` for each ``i`` of ``indices``, due at ``i / rate``."""
+    parsed = urlsplit(url)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
+    loop = asyncio.get_running_loop()
+    interval = 1.0 / rate_rps
+    start = loop.time() + (0.05 if start_wall is None else max(0.0, start_wall - time.time()))
+    sample = Sample()
+    idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    in_flight, last_sent = 0, start
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one(i: int, due: float) -> None:
+        nonlocal in_flight, last_sent
+        sent = loop.time()
+        last_sent = max(last_sent, sent)
+        sample.lags.append(max(0.0, sent - due) * 1000)
+        in_flight += 1
+        sample.peak_in_flight = max(sample.peak_in_flight, in_flight)
+        code, shed, conn = "ConnectError", False, None
+        try:
+            async with asyncio.timeout(timeout_s):
+                conn = idle.pop() if idle else await asyncio.open_connection(host, port)
+                code = "WriteError"
+                conn[1].write(requests[i % len(requests)])
+                await conn[1].drain()
+                code = "ReadError"
+                code, shed, keep = await _read_answer(conn[0])
+            if keep:
+                idle.append(conn)
+                conn = None
+        except TimeoutError:
+            code = "ReadTimeout" if code == "ReadError" else code
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, _Answer):
+            pass
+        except ValueError:  # an unreadable length
+            code = "ProtocolError"
+        finally:
+            if conn is not None:
+                conn[1].close()
+        in_flight -= 1
+        sample.latencies.append((loop.time() - due) * 1000)
+        sample.count(code, shed)
+
+    for i in indices:
+        due = start + i * interval
+        delay = due - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = loop.create_task(one(i, due))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.gather(*tasks)
+    for _, writer in idle:
+        writer.close()
+    sample.wall_s = max(last_sent - start, interval * (len(indices) - 1)) or interval
+    return sample
+
+
+def _process_share(
+    url: str,
+    requests: Sequence[bytes],
+    indices: range,
+    rate_rps: float,
+    timeout_s: float,
+    start_wall: float,
+) -> Sample:
+    return asyncio.run(
+        _open_loop(
+            url,
+            requests,
+            indices=indices,
+            rate_rps=rate_rps,
+            timeout_s=timeout_s,
+            start_wall=start_wall,
+        )
+    )
+
+
+def _ready() -> int:
+    return os.getpid()
+
+
+def send(
+    url: str,
+    images: Sequence[bytes],
+    *,
+    requests: int,
+    rate_rps: float,
+    timeout_s: float = 30.0,
+    content_type: str = "image/png",
+    first: int = 0,
+    processes: int = 1,
+) -> Sample:
+    """Send ``requests`` predictions to ``url`` at ``rate_rps``, each when due.
+
+    Request ``i`` carries image ``(first + i) % len(images)``. With ``processes`` > 1, that many
+    processes (started first, then given one shared start) send every ``processes``-th request
+    of the same schedule; they inherit this process's CPUs.
+    """
+    if rate_rps <= 0:
+        raise ValueError(f"rate_rps must be positive, got {rate_rps}")
+    if not images:
+        raise ValueError("no images to send")
+    requests = max(1, requests)
+    host = urlsplit(url).netloc
+    # Rotated so that request i (counted from 0) carries image first + i.
+    encoded = [
+        encode_predict(host, images[(first + k) % len(images)], f"{first + k}.png", content_type)
+        for k in range(min(len(images), requests))
+    ]
+    if processes <= 1:
+        return asyncio.run(
+            _open_loop(
+                url,
+                encoded,
+                indices=range(requests),
+                rate_rps=rate_rps,
+                timeout_s=timeout_s,
+                start_wall=None,
+            )
+        )
+    processes = min(processes, requests)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=processes, mp_context=context) as pool:
+        started = {pool.submit(_ready) for _ in range(processes * 2)}
+        for future in started:
+            future.result()
+        start_wall = time.time() + 0.2
+        futures = [
+            pool.submit(
+                _process_share,
+                url,
+                encoded,
+                range(p, requests, processes),
+                rate_rps,
+                timeout_s,
+                start_wall,
+            )
+            for p in range(processes)
+        ]
+        return parallel([f.result() for f in futures])
+
+
+class _Trivial(asyncio.Protocol):
+    """Answer each request as soon as its body has arrived: nothing is computed."""
+
+    ANSWER = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(TRIVIAL_BODY)}\r\n\r\n".encode()
+        + TRIVIAL_BODY
+    )
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.buffer = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
+            head = bytes(self.buffer[:end]).lower()
+            at = head.find(b"content-length:")
+            length = 0
+            if at >= 0:
+                line_end = head.find(b"\r\n", at)
+                length = int(head[at + 15 : line_end if line_end >= 0 else None])
+            if len(self.buffer) < end + 4 + length:
+                return
+            del self.buffer[: end + 4 + length]
+            self.transport.write(self.ANSWER)
+
+
+async def _serve_trivial(port: int) -> None:
+    server = await asyncio.get_running_loop().create_server(
+        _Trivial, "127.0.0.1", port, backlog=1024
+    )
+    async with server:
+        await server.serve_forever()
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def trivial_endpoint(cpus: Sequence[int] | None = None, timeout_s: float = 20.0) -> Iterator[str]:
+    """Run an endpoint that answers every request at once (on ``cpus``); yield its URL."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "burstcv.gate.loadgen", str(port)]
+    if cpus is not None and shutil.which("taskset"):
+        cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    try:
+        if cpus is not None and not shutil.which("taskset"):
+            os.sched_setaffinity(proc.pid, set(cpus))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the trivial endpoint exited with code {proc.returncode}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the trivial endpoint did not listen within {timeout_s:g}s")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+if __name__ == "__main__":  # python -m burstcv.gate.loadgen PORT: the trivial endpoint
+    asyncio.run(_serve_trivial(int(sys.argv[1])))
