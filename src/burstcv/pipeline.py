@@ -499,28 +499,17 @@ def plan_pack(run: RunRef, validated: Validated, settings: Settings | None = Non
     """Cut the validated images' shards into chunks (``chunk_files``, ``chunk_mb``) of whole
     shards: each shard is the one a one-pass pack writes, whichever task writes it.
     """
-    from burstcv.data.chunks import MB, chunk_cap, ranges_within
+    from burstcv.data.chunks import MB, chunk_cap, data_chunks, ranges_within
     from burstcv.data.pack import choose_format
 
     paths = run_layout(run, settings)
     resolved = resolved_run(run, settings)
     params = resolved.params
     order = shard_order(resolved, validated)
-    chunks = [
-        DataChunk(
-            index=index,
-            start=start,
-            stop=stop,
-            files=files,
-            bytes=size,
-            part_uri=paths.pack_part(index),
-        )
-        for index, (start, stop, files, size) in enumerate(
-            ranges_within(
-                order.sizes(), params.chunk_files, params.chunk_mb * MB, chunk_cap(map_limit())
-            )[0]
-        )
-    ]
+    runs, _, _ = ranges_within(
+        order.sizes(), params.chunk_files, params.chunk_mb * MB, chunk_cap(map_limit())
+    )
+    chunks = data_chunks(runs, paths.pack_part)
     log.info(
         "%d shard(s) of %d images in %d pack chunk(s)", order.total, order.per_shard, len(chunks)
     )
@@ -752,7 +741,9 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
     s = settings or get_settings()
     backend_name, run_key = provisioned.backend, provisioned.run.run_key
     attempt = current_attempt(provisioned.output_uri)
-    outcome = training_outcome(run_key, backend_name, provisioned.output_uri, attempt, s)
+    outcome = training_outcome(
+        run_key, backend_name, provisioned.output_uri, attempt, s, provisioned.launch.count
+    )
     if outcome.status in ("running", "done"):
         return attempt
     if not resumable(outcome):

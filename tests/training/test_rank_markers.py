@@ -90,6 +90,32 @@ def test_a_ranks_error_ends_an_attempt_whose_boxes_are_gone_without_the_first_ra
     assert outcome.reason == "rank 3 (node 3): ValueError: bad"
 
 
+def test_a_running_boxs_rank_markers_are_read_on_every_poll_only_when_it_has_peers(
+    tmp_path: Path, local_state: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from burstcv.compute import attempts
+
+    out = str(tmp_path / "job")
+    write_rank_failed(out, rank_marker(1, STAGE_TRAIN, "ValueError: bad", resumable=False))
+    # The boxes are up (the backend says so: the one thing here that is not a real box).
+    monkeypatch.setattr(attempts, "job_outcome", lambda *_: "running")
+    listed: list[int] = []
+    real = attempts.rank_failures
+    monkeypatch.setattr(attempts, "rank_failures", lambda uri, n: listed.append(n) or real(uri, n))
+    # Several boxes: the others wait out their timeouts, so the marker decides at once.
+    outcome = training_outcome("r-poll", "local", out, 1, boxes=2)
+    assert (outcome.status, outcome.reason) == ("failed", "rank 1 (node 1): ValueError: bad")
+    assert listed == [1]
+    # One box: torchrun ends its other processes as a rank fails, so the markers wait until
+    # the attempt has ended, and a poll of a box still up lists nothing.
+    assert training_outcome("r-poll", "local", out, 1, boxes=1).status == "running"
+    assert listed == [1]
+    monkeypatch.setattr(attempts, "job_outcome", lambda *_: "lost")
+    assert training_outcome("r-poll", "local", out, 1, boxes=1).reason == (
+        "rank 1 (node 1): ValueError: bad"
+    )
+
+
 def test_the_attempts_own_final_marker_stands_and_peer_lost_alone_is_resumable(
     tmp_path: Path, local_state: None
 ) -> None:

@@ -43,7 +43,13 @@ class WaitForTrainingOperator(BaseOperator):
         attempt = current_attempt(info.output_uri)
         ti = context.get("ti") or context.get("task_instance")
         if ti is not None and getattr(ti, "try_number", 1) > 1:
-            outcome = training_outcome(info.run.run_key, info.backend, info.output_uri, attempt)
+            outcome = training_outcome(
+                info.run.run_key,
+                info.backend,
+                info.output_uri,
+                attempt,
+                boxes=info.launch.count,
+            )
             if outcome.status == "done":
                 return collect_training(info.run, outcome).model_dump(mode="json")
             if outcome.status in ("lost", "failed"):
@@ -92,6 +98,7 @@ class WaitForTrainingOperator(BaseOperator):
                 attempt=attempt,
                 poll_interval_s=self.poll_interval_s,
                 max_cost_usd=resolved_run(info.run).costs.max_cost_usd,
+                boxes=info.launch.count,
             ),
             method_name="execute_complete",
         )

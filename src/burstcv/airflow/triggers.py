@@ -76,6 +76,7 @@ class TrainingCompletionTrigger(BaseTrigger):
         poll_interval_s: float = 5.0,
         max_cost_usd: float | None = None,
         stall_min_s: float | None = None,
+        boxes: int = 1,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # BaseTrigger.__init__ has no annotations
         self.run_id = run_id
@@ -88,6 +89,7 @@ class TrainingCompletionTrigger(BaseTrigger):
         self.max_cost_usd = max_cost_usd or None
         # The floor of the stall bound (burstcv.compute.liveness); None: the setting's.
         self.stall_min_s = stall_min_s
+        self.boxes = boxes  # boxes per attempt: how often the ranks' markers are read
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """Return the classpath and kwargs the triggerer rebuilds this trigger from."""
@@ -101,6 +103,7 @@ class TrainingCompletionTrigger(BaseTrigger):
                 "poll_interval_s": self.poll_interval_s,
                 "max_cost_usd": self.max_cost_usd,
                 "stall_min_s": self.stall_min_s,
+                "boxes": self.boxes,
             },
         )
 
@@ -125,7 +128,13 @@ class TrainingCompletionTrigger(BaseTrigger):
                 beat_at = time.monotonic()
             # Storage and cloud calls are blocking: keep them off the triggerer's event loop.
             outcome = await asyncio.to_thread(
-                training_outcome, self.run_id, self.backend, self.output_uri, self.attempt
+                training_outcome,
+                self.run_id,
+                self.backend,
+                self.output_uri,
+                self.attempt,
+                None,
+                self.boxes,
             )
             # One line per finished epoch in the task log, as the box writes them.
             lines = await asyncio.to_thread(

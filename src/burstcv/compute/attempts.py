@@ -159,19 +159,23 @@ def training_outcome(
     output_uri: str,
     attempt: int = 1,
     settings: Settings | None = None,
+    boxes: int = 1,
 ) -> TrainingOutcome:
     """Return an attempt's state: done, failed (stage, reason), lost (no marker) or running.
 
     In a run of several processes, a rank's own error decides: the attempt ends FAILED with
     that rank's reason, never relaunched, even when the first rank wrote "a peer box was
-    lost" or a box went away (the failing rank's, once it had written its marker).
+    lost" or a box went away (the failing rank's, once it had written its marker). The rank
+    markers are read on every poll for a run of several ``boxes`` (the other boxes' ranks
+    wait out their timeouts), and for one box only once its attempt has ended (torchrun ends
+    a box's other processes as soon as one fails): one listing less per poll of a box.
     """
     status = job_outcome(
         get_backend(backend_name, settings), safe_run_id(run_id), output_uri, attempt
     )
     if status == "done":
         return TrainingOutcome(status="done", attempt=attempt)
-    owned = rank_error(run_id, output_uri, attempt)
+    owned = rank_error(run_id, output_uri, attempt) if boxes > 1 or status != "running" else None
     if status == "failed":
         uri = attempt_dir(output_uri, attempt, FAILED_MARKER)
         try:

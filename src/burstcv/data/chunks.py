@@ -85,6 +85,27 @@ def ranges_within(
     return runs, max_files, max_bytes
 
 
+def data_chunks(
+    runs: Sequence[tuple[int, int, int, int]],
+    part_uri: Callable[[int], str],
+    listing_uri: Callable[[int, int, int], str] | None = None,
+) -> list[DataChunk]:
+    """Return one chunk per run of :func:`ranges_within`: its range, size and part, and its
+    slice of the listing where ``listing_uri(index, start, stop)`` writes one (a scan's)."""
+    return [
+        DataChunk(
+            index=index,
+            start=start,
+            stop=stop,
+            files=files,
+            bytes=size,
+            part_uri=part_uri(index),
+            listing_uri=None if listing_uri is None else listing_uri(index, start, stop),
+        )
+        for index, (start, stop, files, size) in enumerate(runs)
+    ]
+
+
 def chunk_cap(map_limit: int) -> int:
     """Return the most chunks a plan makes under Airflow's map limit (with its margin)."""
     return max(1, math.floor(map_limit * MAP_LIMIT_SHARE))
@@ -141,21 +162,12 @@ def plan_scan(
             files_cap,
             bytes_cap // MB,
         )
-    chunks = []
-    for index, (start, stop, files, size) in enumerate(runs):
+
+    def write_slice(index: int, start: int, stop: int) -> str:
         slice_uri = storage.join(scan_uri, LISTING_SLICES, f"{index:05d}.parquet")
-        storage.write_bytes(slice_uri, _parquet(listing.slice(start, stop - start)))
-        chunks.append(
-            DataChunk(
-                index=index,
-                start=start,
-                stop=stop,
-                files=files,
-                bytes=size,
-                part_uri=part_uri(index),
-                listing_uri=slice_uri,
-            )
-        )
+        return storage.write_bytes(slice_uri, _parquet(listing.slice(start, stop - start)))
+
+    chunks = data_chunks(runs, part_uri, write_slice)
     return ScanPlan(
         dataset_uri=dataset_uri,
         listing_uri=listing_uri,
