@@ -123,6 +123,7 @@ def model_versions(settings: Settings) -> dict[str, Any]:
                 "p95_ms": candidate.p95_ms if candidate else None,
                 # The cheapest CPU fleet for the run's expected load: a costlier version shows.
                 "fleet": entry.fleet.model_dump(mode="json") if entry.fleet else None,
+                "fleet_measured_in": entry.fleet_measured_in,
                 "aliases": [n for n, v in alias_versions.items() if v == version],
                 "reasons": list(gate.reasons) if gate else [],
                 "summary": entry.reason or (gate.summary if gate else ""),
@@ -290,13 +291,22 @@ def _usd(value: Any) -> str:
     return "–" if value is None else f"${value:.4f}"
 
 
-def _fleet(fleet: dict[str, Any] | None) -> str:
-    """Return '3 x c7i.large, $195.46/month' for a version's fleet, '–' without one."""
+def _fleet(version: dict[str, Any], versions: list[dict[str, Any]]) -> str:
+    """Return '3 x c7i.large, $195.46/month' for a version's fleet, '–' without one, and
+    whose measurement it rests on when another version's run measured the sizes."""
+    fleet = version.get("fleet")
     if not fleet:
         return "–"
     month = fleet.get("usd_per_month")
     price = f"${month:,.2f}/month" if month is not None else "unpriced"
-    return html.escape(f"{fleet['replicas']} x {fleet['instance_type']}, {price}")
+    text = f"{fleet['replicas']} x {fleet['instance_type']}, {price}"
+    if fleet.get("generator_bound"):
+        text += " (at most: the load generator was the limit)"
+    measured_in = version.get("fleet_measured_in")
+    if measured_in and measured_in != version.get("run_id"):
+        by = next((v["version"] for v in versions if v.get("run_id") == measured_in), None)
+        text += f" (sizes of v{by})" if by is not None else f" (sizes of run {measured_in})"
+    return html.escape(text)
 
 
 def render_page(models: dict[str, Any], runs: list[dict[str, Any]]) -> str:
@@ -309,7 +319,7 @@ def render_page(models: dict[str, Any], runs: list[dict[str, Any]]) -> str:
             f'<td class="{e(v["status"])}">{e(v["status"])}</td>'
             f"<td>{_fmt(v['accuracy'], '.4f')}</td>"
             f"<td>{_fmt(v['p95_ms'], '.2f', ' ms')}</td>"
-            f"<td>{_fleet(v.get('fleet'))}</td>"
+            f"<td>{_fleet(v, models['versions'])}</td>"
             f"<td>{e(', '.join(v['aliases']))}</td>"
             f"<td>{e('; '.join(v['reasons']) or v['summary'])}</td>"
             f"<td>{_airflow_link(v.get('airflow_run_url'), 'run')} "

@@ -1532,7 +1532,7 @@ class ModelCard(Artifact):
 class RegistryDecision(Contract):
     """The gate's part of a registry entry: what it decided, and on which figures and params."""
 
-    omit_when_none = frozenset({"gate", "benchmark", "params", "fleet"})
+    omit_when_none = frozenset({"gate", "benchmark", "params", "fleet", "fleet_measured_in"})
 
     status: Literal["accepted", "rejected"] = Field(
         description="what the gate decided: accepted (promotable) or rejected"
@@ -1549,6 +1549,11 @@ class RegistryDecision(Contract):
     fleet: FleetOption | None = Field(
         default=None,
         description="the cheapest CPU fleet serving the run's expected load within the SLO",
+    )
+    fleet_measured_in: str | None = Field(
+        default=None,
+        description="the Airflow run whose staging services measured the sizes the fleet rests "
+        "on: an earlier version's run when this one reused them (the same speed key)",
     )
 
 

@@ -1332,6 +1332,7 @@ def gate(
             benchmark={k: f for k, f in figures.items() if f},
             params=params.model_dump(mode="json"),
             fleet=bench.sizing.chosen if bench.sizing else None,
+            fleet_measured_in=bench.sizing.measured_in if bench.sizing else None,
         ),
         dataset_uri=params.dataset_uri,
     )

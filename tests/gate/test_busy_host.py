@@ -202,10 +202,11 @@ def test_a_new_version_of_the_same_model_reuses_its_sizes_until_something_change
     assert measured.speed_key and measured.host_load is not None
     # The same architecture, input and preprocessing on the same host, at the same SLO: the
     # sizes are the first run's, the fleet chosen again at this run's load and prices.
-    again, _ = prepared_run(
+    again, again_exported = prepared_run(
         "sizes-again", s, trained_demo, exported_demo, demo_dataset, target_rps=5000.0
     )
-    reused = pipeline.benchmark(again, s).sizing
+    again_bench = pipeline.benchmark(again, s)
+    reused = again_bench.sizing
     assert reused is not None and reused.measured_in == first.airflow_run_id
     assert reused.sizes == measured.sizes and reused.speed_key == measured.speed_key
     assert reused.host_load == measured.host_load and reused.target_rps == 5000.0
@@ -215,6 +216,10 @@ def test_a_new_version_of_the_same_model_reuses_its_sizes_until_something_change
     assert timing is not None and timing < 1.0
     page = storage.read_bytes(pipeline.report(again, s)).decode()
     assert f"Sizes reused from run {first.airflow_run_id}" in page
+    # The registry says whose figures the version's fleet rests on.
+    version = pipeline.gate(again, again_exported, again_bench, s).version
+    entry = Registry(s.registry_uri, s.model_name).entry(version)
+    assert entry.fleet is not None and entry.fleet_measured_in == first.airflow_run_id
     # Another SLO holds each rate to another limit: measured again.
     other_slo, _ = prepared_run(
         "sizes-slo", s, trained_demo, exported_demo, demo_dataset, latency_slo_ms=80.0

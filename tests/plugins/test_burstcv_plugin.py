@@ -564,3 +564,38 @@ def test_the_models_page_renders_in_headless_chromium(settings: Settings, tmp_pa
     assert "3 x c7i.large, unpriced" in html_text
     if target := os.environ.get("BURSTCV_MODELS_SCREENSHOT"):
         shutil.copy(shot, target)
+
+
+def test_a_fleet_says_whose_sizes_it_rests_on_and_when_the_generator_was_the_limit(
+    settings: Settings, tmp_path: Path
+) -> None:
+    registry = Registry(settings.registry_uri, settings.model_name)
+    for run_id, measured_in, bound in (
+        ("manual__reused", RUN_ID, False),  # an earlier version's run measured its sizes
+        ("manual__gone", "manual__pruned", True),  # a run no registered version comes from
+    ):
+        model_dir = write_model_dir(tmp_path / run_id, f"onnx of {run_id}".encode(), run_id=run_id)
+        decision = gate_decision(0.97, 12.5, [])
+        decision["fleet"] = (
+            fleet(195.46).model_copy(update={"generator_bound": bound}).model_dump(mode="json")
+        )
+        decision["fleet_measured_in"] = measured_in
+        registry.register(str(model_dir), RegistryDecision.model_validate(decision))
+    app = burstcv_views.app
+    app.dependency_overrides[burstcv_views.settings_dep] = lambda: settings
+    app.dependency_overrides[burstcv_views.require_dag_read] = lambda: None
+    try:
+        with TestClient(app) as client:
+            page = client.get("/").text
+            versions = client.get("/api/models").json()["versions"]
+    finally:
+        app.dependency_overrides.clear()
+    assert versions[0]["fleet_measured_in"] == "manual__pruned"
+    # Versions 1 and 2 come from RUN_ID: the newest of them is named.
+    assert "<td>3 x c7i.large, $195.46/month (sizes of v2)</td>" in page
+    assert (
+        "<td>3 x c7i.large, $195.46/month (at most: the load generator was the limit) "
+        "(sizes of run manual__pruned)</td>"
+    ) in page
+    # A version that measured its own sizes says nothing more.
+    assert "<td>3 x c7i.large, $195.46/month</td>" in page
