@@ -117,10 +117,21 @@ def simulation_answer(
     each decision is the audit's IAM evaluator's.
     """
     wanted = instance_role_requests(get_settings().artifact_root, kms_key_arn)
+    return simulated(policy, variables, wanted)
+
+
+def simulated(
+    policy: dict[str, Any],
+    variables: dict[str, str],
+    wanted: list[tuple[str, str]],
+    context: dict[str, Any] | None = None,
+) -> bytes:
+    """Return IAM's SimulatePrincipalPolicy response for ``wanted`` (action, resource) pairs
+    under ``policy`` alone, in ``context``, as the audit's IAM evaluator decides each."""
     members = []
     for action in sorted({a for a, _ in wanted}):
         for resource in sorted({r for _, r in wanted}):
-            allowed, reason = evaluate(policy, Check(action, resource), variables)
+            allowed, reason = evaluate(policy, Check(action, resource, context or {}), variables)
             decision = (
                 "allowed"
                 if allowed
@@ -143,6 +154,20 @@ def simulation_answer(
         "</SimulatePrincipalPolicyResult>"
         "<ResponseMetadata><RequestId>7a62c49f-347e-4fc4-9331-6e8eEXAMPLE</RequestId>"
         "</ResponseMetadata></SimulatePrincipalPolicyResponse>"
+    ).encode()
+
+
+ORCHESTRATOR_SESSION = f"arn:aws:sts::{MOTO_ACCOUNT_ID}:assumed-role/burstcv-orchestrator/airflow"
+
+
+def caller_identity_answer(arn: str) -> bytes:
+    """Return STS's GetCallerIdentity response for a caller ``arn`` of the emulator's account."""
+    return (
+        '<GetCallerIdentityResponse xmlns="https://sts.amazonaws.com/doc/2011-06-15/">'
+        f"<GetCallerIdentityResult><Arn>{arn}</Arn><UserId>AROAEXAMPLE:airflow</UserId>"
+        f"<Account>{MOTO_ACCOUNT_ID}</Account></GetCallerIdentityResult>"
+        "<ResponseMetadata><RequestId>01234567-89ab-cdef-0123-456789abcdef</RequestId>"
+        "</ResponseMetadata></GetCallerIdentityResponse>"
     ).encode()
 
 
@@ -169,6 +194,9 @@ class Answers:
         ):
             monkeypatch.delitem(proxy.answers, action, raising=False)
         self.set("pricing:GetProducts", EMPTY_PRICE_LIST)
+        # The orchestrator runs as the role docs/aws.md names (the emulator's caller is a
+        # user "moto"): IAM's simulator is asked about it, as the policy lets it be.
+        self.set("sts:GetCallerIdentity", caller_identity_answer(ORCHESTRATOR_SESSION))
         # Not modelled: a new account's default for the GPU families is 0 vCPUs.
         self.set("servicequotas:GetAWSDefaultServiceQuota", quota_answer(0.0))
 
@@ -213,7 +241,7 @@ def iam_resources_audited(audited_calls: RecordingProxy | None, aws: str) -> Ite
                 resource = iam.get_role(RoleName=params["RoleName"])["Role"]["Arn"]
             except iam.exceptions.NoSuchEntityException:
                 resource = f"arn:aws:iam::{ACCOUNT}:role/{params['RoleName']}"
-        elif call.action == "kms:DescribeKey":
+        elif call.action in ("kms:DescribeKey", "kms:GetKeyPolicy"):
             resource = kms.describe_key(KeyId=params["KeyId"])["KeyMetadata"]["Arn"]
         else:
             continue
@@ -590,6 +618,137 @@ def test_a_bucket_encrypting_with_a_customer_key_needs_the_training_roles_use_of
     answers.set("iam:SimulatePrincipalPolicy", simulation_answer(role_policy, variables))
     (finding,) = check_instance_role_s3(backend, kit.artifact_root)
     assert finding.ok and "default key" not in finding.line(), finding.line()
+
+
+def test_a_customer_managed_ebs_key_is_judged_by_the_orchestrators_own_grants(
+    s3_deployment: Any, kit: Any, aws: str, answers: Answers
+) -> None:
+    from burstcv.compute.awscheck import EBS_KMS_SIMULATED, check_ebs_key, own_principal
+
+    backend = Ec2Backend(s3_deployment.ec2)
+    principal = own_principal(backend)
+    assert principal == f"arn:aws:iam::{MOTO_ACCOUNT_ID}:role/burstcv-orchestrator"
+    key_policy = {
+        "Version": "2012-10-17",
+        "Statement": [
+            {
+                "Sid": "Enable IAM policies",
+                "Effect": "Allow",
+                "Principal": {"AWS": f"arn:aws:iam::{MOTO_ACCOUNT_ID}:root"},
+                "Action": "kms:*",
+                "Resource": "*",
+            }
+        ],
+    }
+    kms = boto3.client("kms", region_name=kit.region, endpoint_url=aws)
+    key = kms.create_key(Policy=json.dumps(key_policy))["KeyMetadata"]["Arn"]
+    answers.set("ec2:GetEbsDefaultKmsKeyId", ebs_default_key_answer(key))
+    orchestrator = json.loads((DEPLOY / "iam-policy.json").read_text())
+    variables = {"ACCOUNT_ID": MOTO_ACCOUNT_ID, "BURSTCV_BUCKET": kit.bucket}
+    wanted = [(action, key) for action in EBS_KMS_SIMULATED]
+    grant_context = {"kms:GrantIsForAWSResource": "true"}
+
+    # The policy as shipped: DescribeKey only, the key's use is refused.
+    answers.set(
+        "iam:SimulatePrincipalPolicy", simulated(orchestrator, variables, wanted, grant_context)
+    )
+    (finding,) = check_ebs_key(backend, use_spot=False)
+    line = finding.line()
+    assert line.startswith(f"MISSING  default EBS encryption key {key} (customer managed)")
+    assert f"{principal} may not kms:CreateGrant (implicitDeny), kms:Decrypt" in line
+    assert "kms:DescribeKey (" not in line  # the shipped policy allows that one
+    assert "kms:GrantIsForAWSResource=true" in line and "deploy/iam-policy.json" in line
+    # With the statement docs/aws.md gives: in place, nothing flagged.
+    granted = {
+        **orchestrator,
+        "Statement": [
+            *orchestrator["Statement"],
+            {
+                "Effect": "Allow",
+                "Action": [
+                    "kms:Decrypt",
+                    "kms:DescribeKey",
+                    "kms:GenerateDataKeyWithoutPlaintext",
+                    "kms:ReEncrypt*",
+                ],
+                "Resource": key,
+            },
+            {
+                "Effect": "Allow",
+                "Action": "kms:CreateGrant",
+                "Resource": key,
+                "Condition": {"Bool": {"kms:GrantIsForAWSResource": "true"}},
+            },
+        ],
+    }
+    answers.set("iam:SimulatePrincipalPolicy", simulated(granted, variables, wanted, grant_context))
+    (finding,) = check_ebs_key(backend, use_spot=False)
+    assert finding.ok, finding.line()
+    assert finding.line() == (
+        f"ok       default EBS encryption key {key} (customer managed): {principal} may use "
+        "it for the boxes' volumes"
+    )
+    # Spot boxes: the key's policy must name the Spot service-linked role too.
+    (finding,) = check_ebs_key(backend, use_spot=True)
+    assert not finding.ok
+    assert "its key policy does not name AWSServiceRoleForEC2Spot" in finding.line()
+    key_policy["Statement"].append(
+        {
+            "Sid": "Spot boxes",
+            "Effect": "Allow",
+            "Principal": {
+                "AWS": f"arn:aws:iam::{MOTO_ACCOUNT_ID}:role/aws-service-role/"
+                "spot.amazonaws.com/AWSServiceRoleForEC2Spot"
+            },
+            "Action": ["kms:CreateGrant", "kms:Decrypt", "kms:GenerateDataKey*"],
+            "Resource": "*",
+        }
+    )
+    kms.put_key_policy(KeyId=key, PolicyName="default", Policy=json.dumps(key_policy))
+    (finding,) = check_ebs_key(backend, use_spot=True)
+    assert finding.ok and finding.line().endswith(
+        "and its key policy names AWSServiceRoleForEC2Spot"
+    ), finding.line()
+    # A simulator that refuses the check: the advice stands, and says what to allow.
+    answers.set(
+        "iam:SimulatePrincipalPolicy",
+        b"<ErrorResponse><Error><Type>Sender</Type><Code>AccessDenied</Code>"
+        b"<Message>not authorized to perform: iam:SimulatePrincipalPolicy</Message></Error>"
+        b"<RequestId>r-2</RequestId></ErrorResponse>",
+        status=403,
+    )
+    (finding,) = check_ebs_key(backend, use_spot=False)
+    assert not finding.ok
+    assert f"allow iam:SimulatePrincipalPolicy on {principal}" in finding.line()
+    assert "kms:CreateGrant (with the condition kms:GrantIsForAWSResource=true)" in finding.line()
+
+
+@pytest.mark.parametrize(
+    ("caller", "principal"),
+    [
+        (
+            "arn:aws:sts::111122223333:assumed-role/burstcv-orchestrator/airflow-worker",
+            "arn:aws:iam::111122223333:role/burstcv-orchestrator",
+        ),
+        (
+            "arn:aws-cn:sts::111122223333:assumed-role/orchestrator/i-0abc",
+            "arn:aws-cn:iam::111122223333:role/orchestrator",
+        ),
+        (
+            "arn:aws:iam::111122223333:user/ops/burstcv-orchestrator",
+            "arn:aws:iam::111122223333:user/ops/burstcv-orchestrator",
+        ),
+        ("arn:aws:iam::111122223333:root", None),
+        ("arn:aws:sts::111122223333:federated-user/alice", None),
+        ("not-an-arn", None),
+    ],
+)
+def test_the_simulated_principal_is_the_user_or_the_role_behind_the_session(
+    caller: str, principal: str | None
+) -> None:
+    from burstcv.compute.awscheck import simulator_principal
+
+    assert simulator_principal(caller) == principal
 
 
 def test_a_quota_never_raised_is_read_as_its_default_not_as_zero(

@@ -394,6 +394,10 @@ TARGETS = (
             "no_s3_cause",
             "check_cluster_calls",
             "_made_cluster",
+            "simulator_principal",
+            "_refused_key_uses",
+            "_spot_role_on_key",
+            "check_ebs_key",
         ),
     ),
     Target(

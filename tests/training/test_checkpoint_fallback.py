@@ -295,3 +295,28 @@ def test_a_run_whose_checkpoints_all_fail_to_load_fails_naming_them(
     # Nothing trained over them: they are as they were, for a person to look at.
     assert {name: (out / "checkpoints" / name).read_bytes() for name in names} == before
     assert not (out / "attempts" / "2" / "DONE").exists()
+
+
+def test_progress_lists_only_the_epochs_a_checkpoint_holds(
+    packed_demo: dict[str, Any], trained: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The box goes as epoch 2's checkpoint is written: the progress the orchestrator shows
+    stops at epoch 1, the epoch the next attempt resumes after, not at one it trains again."""
+    from burstcv.training import train
+
+    shards, _, _ = trained
+    out = tmp_path / "out"
+    job_uri = write_job(_job(packed_demo, shards, out), str(tmp_path / "job.json"))
+    real = train.save_checkpoint
+
+    def dies_at_epoch_2(uri: str, state: dict[str, Any], **kwargs: Any) -> None:
+        if uri.endswith("last.pt") and state["epoch"] == 2:
+            raise OSError("No space left on device")
+        real(uri, state, **kwargs)
+
+    monkeypatch.setattr(train, "save_checkpoint", dies_at_epoch_2)
+    with pytest.raises(OSError, match="No space left on device"):  # FAILED written, re-raised
+        run_job(job_uri)
+    progress = json.loads((out / "progress.json").read_text())
+    assert [e["epoch"] for e in progress["epochs"]] == [1]
+    assert _position(str(out / "checkpoints" / "last.pt")) == (1, 0)

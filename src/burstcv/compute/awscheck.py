@@ -643,13 +643,81 @@ EBS_KMS_ACTIONS = (
 )
 
 
+# The same, as IAM's policy simulator names them (it takes no wildcard), and the context a
+# launch's grant carries.
+EBS_KMS_SIMULATED = (
+    "kms:CreateGrant",
+    "kms:Decrypt",
+    "kms:DescribeKey",
+    "kms:GenerateDataKeyWithoutPlaintext",
+    "kms:ReEncryptFrom",
+    "kms:ReEncryptTo",
+)
+GRANT_FOR_AWS_RESOURCE = {
+    "ContextKeyName": "kms:GrantIsForAWSResource",
+    "ContextKeyValues": ["true"],
+    "ContextKeyType": "boolean",
+}
+
+
+def own_principal(backend: Ec2Backend) -> str | None:
+    """Return the IAM ARN burstcv calls AWS as, as IAM's policy simulator takes it."""
+    return simulator_principal(str(backend.sts.get_caller_identity()["Arn"]))
+
+
+def simulator_principal(arn: str) -> str | None:
+    """Return the principal IAM's policy simulator takes for a caller ARN: the user, or the
+    role behind an assumed-role session (its path, which the session ARN does not carry, is
+    taken as /). None for the root user or a federated session."""
+    parts = arn.split(":", 5)
+    if len(parts) < 6:
+        return None
+    partition, service, account, resource = parts[1], parts[2], parts[4], parts[5]
+    if service == "sts" and resource.startswith("assumed-role/"):
+        return f"arn:{partition}:iam::{account}:role/{resource.split('/')[1]}"
+    if resource.startswith("user/"):
+        return f"arn:{partition}:iam::{account}:{resource}"
+    return None
+
+
+def _refused_key_uses(backend: Ec2Backend, principal: str, key_arn: str) -> list[str]:
+    """Return the launch's uses of ``key_arn`` IAM's simulator refuses ``principal``."""
+    results = backend._aws_client("iam").simulate_principal_policy(
+        PolicySourceArn=principal,
+        ActionNames=list(EBS_KMS_SIMULATED),
+        ResourceArns=[key_arn],
+        ContextEntries=[GRANT_FOR_AWS_RESOURCE],
+    )["EvaluationResults"]
+    decisions = _simulated_decisions(results)
+    return [
+        f"{action} ({decisions.get((action, key_arn), 'not simulated')})"
+        for action in EBS_KMS_SIMULATED
+        if decisions.get((action, key_arn)) != "allowed"
+    ]
+
+
+def _spot_role_on_key(kms: Any, key_arn: str) -> str:
+    """Return "" when the key's policy names the Spot service-linked role, else what to do."""
+    fix = (
+        "for spot, add a key policy statement letting the role AWSServiceRoleForEC2Spot use "
+        "the key (docs/aws.md)"
+    )
+    try:
+        policy = str(kms.get_key_policy(KeyId=key_arn, PolicyName="default")["Policy"])
+    except ClientError as exc:
+        return f"{fix}; its policy could not be read ({_reason(exc)}: allow kms:GetKeyPolicy)"
+    return "" if SPOT_ROLE in policy else f"its key policy does not name {SPOT_ROLE}: {fix}"
+
+
 def check_ebs_key(backend: Ec2Backend, use_spot: bool) -> list[Finding]:
     """Check which KMS key encrypts the boxes' volumes, and what a customer managed one needs.
 
     burstcv asks for an encrypted root volume without naming a key, so EC2 uses the account's
     default EBS key: the AWS managed ``aws/ebs`` needs nothing; a customer managed key needs
     the launching identity (and, for spot, the Spot service-linked role) allowed to use it, or
-    the instance is terminated during launch (``Client.InvalidKMSKey.InvalidState``).
+    the instance is terminated during launch (``Client.InvalidKMSKey.InvalidState``). Whether
+    this identity may is asked of IAM's policy simulator (its own identity policies); whether
+    the Spot role may, of the key's policy.
     """
     ec2 = backend.client
     by_default = bool(ec2.get_ebs_encryption_by_default()["EbsEncryptionByDefault"])
@@ -669,20 +737,41 @@ def check_ebs_key(backend: Ec2Backend, use_spot: bool) -> list[Finding]:
                 f"{account_default}; burstcv encrypts its volumes either way)"
             )
         ]
-    spot = (
-        "; and, for spot, a key policy statement letting the role AWSServiceRoleForEC2Spot "
-        "use the key (docs/aws.md)"
-        if use_spot
-        else ""
+    name = f"default EBS encryption key {arn} (customer managed)"
+    grants = (
+        f"add to the orchestrator's policy (deploy/iam-policy.json) "
+        f"{', '.join(EBS_KMS_ACTIONS)} and kms:CreateGrant (with the condition "
+        f"kms:GrantIsForAWSResource=true) on {arn}"
     )
-    return [
-        Finding(
-            f"default EBS encryption key {arn}",
-            "a customer managed key encrypts every root volume: add to the orchestrator's "
-            f"policy (deploy/iam-policy.json) {', '.join(EBS_KMS_ACTIONS)} and kms:CreateGrant "
-            f"(with the condition kms:GrantIsForAWSResource=true) on {arn}" + spot,
+    problems = []
+    principal = own_principal(backend)
+    if principal is None:
+        problems.append(
+            f"not checked: burstcv calls AWS as neither a user nor a role; {grants}, or name "
+            "this identity in the key's policy"
         )
-    ]
+    else:
+        try:
+            refused = _refused_key_uses(backend, principal, arn)
+        except ClientError as exc:
+            problems.append(
+                f"not checked ({_reason(exc)}: allow iam:SimulatePrincipalPolicy on "
+                f"{principal}, deploy/iam-policy.json SimulateItself); {grants}"
+            )
+        else:
+            if refused:
+                problems.append(
+                    f"{principal} may not {', '.join(refused)} by its IAM policies: {grants} "
+                    "(or name it in the key's policy)"
+                )
+    if use_spot:
+        spot = _spot_role_on_key(kms, arn)
+        if spot:
+            problems.append(spot)
+    if problems:
+        return [Finding(name, "; ".join(problems))]
+    spot_ok = f", and its key policy names {SPOT_ROLE}" if use_spot else ""
+    return [Finding(f"{name}: {principal} may use it for the boxes' volumes{spot_ok}")]
 
 
 # --- the Spot service-linked role ---------------------------------------------------------------

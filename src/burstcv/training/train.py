@@ -1411,7 +1411,7 @@ def _recover(ctx: Run, state: RunState, reason: str) -> None:
 
 
 def _end_epoch(ctx: Run, state: RunState, stats: dict[str, float], ev: dict[str, Any]) -> None:
-    """Record a finished epoch (best weights, progress.json, log line); checkpoint after it."""
+    """Record a finished epoch (best weights, log line), checkpoint it, then progress.json."""
     job, epoch, best, device = ctx.job, state.epoch, state.best, ctx.device
     improved = ev["accuracy"] >= best["val_accuracy"]  # ties: the later epoch
     record = EpochRecord(
@@ -1439,12 +1439,6 @@ def _end_epoch(ctx: Run, state: RunState, stats: dict[str, float], ev: dict[str,
             ),
         }
         state.best_state = copy.deepcopy(ctx.model.state_dict())
-    if ctx.d.is_main:
-        # What the orchestrator shows while the run goes on (one line per epoch).
-        write_artifact(
-            job.uri(PROGRESS),
-            TrainingProgress(attempt=ctx.attempt, epochs_total=job.epochs, epochs=state.epochs),
-        )
     log.info(
         "epoch %d/%d %s%s",
         epoch + 1,
@@ -1454,6 +1448,14 @@ def _end_epoch(ctx: Run, state: RunState, stats: dict[str, float], ev: dict[str,
     )
     state.epoch, state.step = epoch + 1, 0
     _save_last(ctx, state, best=state.best if improved else None)
+    if ctx.d.is_main:
+        # What the orchestrator shows while the run goes on (one line per epoch), written
+        # once the epoch is in the checkpoint: a box lost in between shows the epoch its
+        # next attempt resumes after, never one it will train again.
+        write_artifact(
+            job.uri(PROGRESS),
+            TrainingProgress(attempt=ctx.attempt, epochs_total=job.epochs, epochs=state.epochs),
+        )
     state.good = _snapshot(ctx, state)
     state.last_ckpt = time.monotonic()
 
