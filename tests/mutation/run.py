@@ -332,6 +332,7 @@ TARGETS = (
             "sustainable_rate",
             "_search",
             "generator_check",
+            "_check_at",
             "measure_sizes",
             "flag_falling",
             "_basis",

@@ -112,12 +112,7 @@ def staging_process(
             log.error("staging service output:\n%s", log_fh.read().decode(errors="replace")[-4000:])
             raise
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            loadgen.stop(proc)
 
 
 def wait_ready(
@@ -195,35 +190,6 @@ def _send(
     return sample
 
 
-def send_open_loop(
-    url: str,
-    images: Sequence[bytes],
-    *,
-    requests: int,
-    rate_rps: float,
-    timeout_s: float = 30.0,
-    content_type: str = "image/png",
-    first: int = 0,
-    processes: int = 1,
-) -> Sample:
-    """Send ``requests`` predictions at ``rate_rps``, each when due whatever the answers do.
-
-    Each latency counts from when its request was due (a late sender or a slow service both
-    show); the sample's ``wall_s`` is the span the requests were sent over. The generator is
-    :mod:`burstcv.gate.loadgen`'s (``processes`` of them share the schedule).
-    """
-    return loadgen.send(
-        url,
-        images,
-        requests=requests,
-        rate_rps=rate_rps,
-        timeout_s=timeout_s,
-        content_type=content_type,
-        first=first,
-        processes=processes,
-    )
-
-
 def _figures(label: str, sample: Sample, rate_rps: float | None) -> BenchFigures:
     arr = np.asarray(sample.latencies)
     errors = sum(n for code, n in sample.statuses.items() if code != "200") - sample.shed
@@ -259,7 +225,7 @@ def _stretch(
     first: int = 0,
 ) -> Sample:
     if rate_rps is not None:
-        return send_open_loop(
+        return loadgen.send(
             url,
             images,
             requests=requests,

@@ -348,12 +348,17 @@ def trivial_endpoint(cpus: Sequence[int] | None = None, timeout_s: float = 20.0)
             time.sleep(0.05)
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """Stop a process this module or the gate started: SIGTERM, then SIGKILL after grace."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 if __name__ == "__main__":  # python -m burstcv.gate.loadgen PORT: the trivial endpoint

@@ -32,8 +32,9 @@ import psutil
 
 from burstcv.cost.model import DEFAULT_HEADROOM, fleet_cost, replicas_for
 from burstcv.cost.pricing import instance_shapes
+from burstcv.gate import loadgen
 from burstcv.gate.interference import Placement, running_on
-from burstcv.gate.latency import send_open_loop, staging_process
+from burstcv.gate.latency import staging_process
 from burstcv.gate.loadgen import trivial_endpoint
 from burstcv_spec.contracts import (
     ArtifactError,
@@ -111,7 +112,7 @@ def open_loop(
     if rate_rps <= 0:
         raise ValueError(f"rate_rps must be positive, got {rate_rps}")
     n = max(1, round(rate_rps * duration_s))
-    sample = send_open_loop(
+    sample = loadgen.send(
         url, images, requests=n, rate_rps=rate_rps, timeout_s=timeout_s, processes=processes
     )
     return LoadRun(
@@ -348,6 +349,27 @@ def _search(
         return _Search(best, tried, _cpu_seconds(proc) - before, _rss_mb(proc))
 
 
+def _check_at(
+    images: Sequence[bytes],
+    place: Placement,
+    rate_rps: float,
+    processes: int,
+    latency_slo_ms: float,
+    duration_s: float,
+) -> GeneratorCheck:
+    """Run :func:`generator_check` from the generator's CPUs of ``place`` against its
+    service's, for at most :data:`GENERATOR_CHECK_S` seconds a rate."""
+    with running_on(place.generator):
+        return generator_check(
+            images,
+            service_cpus=place.service,
+            rate_rps=rate_rps,
+            latency_slo_ms=latency_slo_ms,
+            duration_s=min(duration_s, GENERATOR_CHECK_S),
+            processes=processes,
+        )
+
+
 def measure_sizes(
     model_dir: str,
     images: Sequence[bytes],
@@ -390,14 +412,9 @@ def measure_sizes(
                 )
             )
             continue
-        with running_on(place.generator):
-            check = generator_check(
-                images,
-                service_cpus=place.service,
-                rate_rps=search.best.rate_rps,
-                latency_slo_ms=latency_slo_ms,
-                duration_s=min(duration_s, GENERATOR_CHECK_S),
-            )
+        check = _check_at(
+            images, place, search.best.rate_rps, processes, latency_slo_ms, duration_s
+        )
         more = len(place.generator) if place.isolated else 1
         if check.bound and more > processes:
             log.info(
@@ -421,15 +438,9 @@ def measure_sizes(
             if again.best is not None and again.best.rate_rps >= search.best.rate_rps:
                 again.tried[:0] = search.tried
                 search, processes = again, more
-                with running_on(place.generator):
-                    check = generator_check(
-                        images,
-                        service_cpus=place.service,
-                        rate_rps=again.best.rate_rps,
-                        latency_slo_ms=latency_slo_ms,
-                        duration_s=min(duration_s, GENERATOR_CHECK_S),
-                        processes=processes,
-                    )
+                check = _check_at(
+                    images, place, again.best.rate_rps, processes, latency_slo_ms, duration_s
+                )
         best = search.best
         assert best is not None
         if check.bound:
