@@ -214,3 +214,12 @@ def test_the_generator_check_finds_a_rate_it_cannot_send() -> None:
     )
     assert check.bound
     assert 0 < check.rps < 125_000.0  # what it reached, not what it was asked
+
+
+def test_a_tight_slo_still_allows_the_generator_a_loopback_round_trip() -> None:
+    # 5 ms SLO: a tenth is 0.5 ms, under what a request over loopback takes however fast the
+    # generator is; the floor keeps a generator that outruns the service from reading as bound.
+    check = sizing.generator_check(
+        [IMAGE], service_cpus=None, rate_rps=100.0, latency_slo_ms=5.0, duration_s=0.5
+    )
+    assert not check.bound, check

@@ -61,6 +61,9 @@ MIN_SCALING_EXPONENT = 0.5
 GENERATOR_MARGIN = 1.25
 # ... and is first tried at this many times the rate (one step where it outruns the service).
 GENERATOR_PROBE = 2.0
+# The generator's own delay a check allows: a tenth of the SLO, and never under this (ms): a
+# request over loopback takes about a millisecond however fast the generator is.
+GENERATOR_DELAY_FLOOR_MS = 5.0
 # Seconds each generator check drives the trivial endpoint for (at most a sizing step).
 GENERATOR_CHECK_S = 1.0
 # A rate below this share of a smaller size's is a measurement error, not the service's.
@@ -277,8 +280,9 @@ def generator_check(
 
     A trivial endpoint (it answers at once, computing nothing) runs on ``service_cpus`` and is
     driven at :data:`GENERATOR_PROBE` times the rate, then, if that broke, at
-    :data:`GENERATOR_MARGIN` times. A rate holds as a size's does, with a tenth of the SLO for
-    the generator's own delay. When even the margin broke, the size's rate is the generator's.
+    :data:`GENERATOR_MARGIN` times. A rate holds as a size's does, with a tenth of the SLO (at
+    least :data:`GENERATOR_DELAY_FLOOR_MS`) for the generator's own delay. When even the margin
+    broke, the size's rate is the generator's.
     """
     last = None
     with trivial_endpoint(service_cpus) as url:
@@ -291,7 +295,7 @@ def generator_check(
                 duration_s=duration_s,
                 processes=processes,
             )
-            if _holds(run, latency_slo_ms / 10):
+            if _holds(run, max(latency_slo_ms / 10, GENERATOR_DELAY_FLOOR_MS)):
                 return GeneratorCheck(
                     rps=round(run.rate_rps, 2),
                     send_lag_p95_ms=round(run.send_lag_p95_ms, 3),
