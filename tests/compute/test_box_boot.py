@@ -759,13 +759,11 @@ def test_the_rendezvous_host_lost_mid_run_relaunches_both_from_the_checkpoint(
     )
     lost: list[int] = []
 
-    # The first rank writes an epoch's progress, then its checkpoint: the host lost between
-    # the two would lose the epoch. Lost once the checkpoint is there.
-    checkpoint_uri = f"{provisioned.output_uri}/checkpoints/last.pt"
-
+    # The first rank checkpoints an epoch, then writes its progress: lost once the progress is
+    # there, the host has the epoch in its checkpoint too.
     def lose_the_host_after_the_first_epoch() -> None:
         deadline = time.monotonic() + 900  # a shared, busy machine trains slowly
-        while time.monotonic() < deadline and not storage.exists(checkpoint_uri):
+        while time.monotonic() < deadline and not storage.exists(progress_uri):
             time.sleep(0.2)
         lost.extend(cluster[0].box.power_loss())  # hardware gone: no trap, no marker, no log
         reclaim_in_emulator(host, ends_after_s=5.0)  # EC2 ends it in minutes
