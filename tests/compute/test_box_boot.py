@@ -29,7 +29,7 @@ import boto3
 import numpy as np
 import pytest
 import structlog.testing
-from airflow.sdk.exceptions import TaskDeferred
+from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 from awsaudit import RecordingProxy, denied
 from boxsandbox import Boot, BoxSandbox, SandboxUnavailable, link, make_ami_python
 from burstcv_testkit import launch_of, power_off_in_emulator, reclaim_in_emulator, resolve_validated
@@ -37,11 +37,13 @@ from burstcv_testkit import launch_of, power_off_in_emulator, reclaim_in_emulato
 from burstcv import pipeline
 from burstcv.airflow.operators import WaitForTrainingOperator
 from burstcv.airflow.triggers import TrainingCompletionTrigger
+from burstcv.compute.attempts import current_attempt
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.compute.runtime import stage_training_wheel
 from burstcv.params import RunParams
 from burstcv.settings import Settings, get_settings
 from burstcv.training.job import JobSpec, attempt_dir, rank_failures, write_job
+from burstcv.training.stream import node_shards, read_shard_info
 from burstcv_spec import storage
 from burstcv_spec.contracts import Packed, PreprocessBlock, Provisioned, RunRef
 
@@ -735,6 +737,54 @@ def test_two_boxes_rendezvous_over_their_link_and_train_to_done(
         )["SecurityGroups"]
         == []
     )
+
+
+def test_a_deterministic_error_on_the_second_box_fails_once_with_that_ranks_reason(
+    cluster: list[Node],
+    account: dict[str, Any],
+    split_shards: Packed,
+    ami_python: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ec2, shards = account["ec2"], split_shards
+    monkeypatch.setenv("BURSTCV_ARTIFACT_ROOT", ARTIFACT_ROOT)
+    get_settings.cache_clear()
+    # A shard only the second box reads (the deal follows from the shard sizes alone) is
+    # corrupt inside its image member: its header and labels still read, its pixels do not.
+    counts = [read_shard_info(uri, shards.classes).count for uri in shards.train_shards]
+    bad_uri = shards.train_shards[node_shards(counts, 2)[1][-1]]
+    data = bytearray(storage.read_bytes(bad_uri))
+    at = data.find(b"images.npy")
+    middle = at + (len(data) - at) // 4
+    data[middle : middle + 64] = bytes(64)
+    storage.write_bytes(bad_uri, bytes(data))
+    bad = bad_uri.rsplit("/", 1)[1]
+    provisioned = provision("manual__rank_error", shards, num_nodes=2, epochs=2, batch_size=16)
+
+    boots = boot_cluster(cluster, ec2, provisioned.instance_ids, ami_python)
+
+    for boot in boots.values():  # both boxes ended their training and powered off
+        assert boot.exit_code != 0 and boot.shutdown_calls[-1] == ["shutdown", "-h", "now"]
+    owner = next(boot for boot in boots.values() if bad in boot.console)
+    assert "JobSpecError" in owner.console, owner.console
+    event = wait_for_trigger(provisioned, attempt=1)
+    assert (event["status"], event["resumable"]) == ("failed", False), event
+    assert event["reason"].startswith("rank 1 (node 1): ") and bad in event["reason"], event
+
+    # The train task fails for good in its first attempt: no relaunch for an error that
+    # would come back.
+    operator = WaitForTrainingOperator(task_id="train", provisioned=provisioned.model_dump())
+    with pytest.raises(AirflowFailException, match=re.escape(bad)):
+        operator.execute_complete({"run_id": "manual__rank_error"}, event)
+    launched = {i.instance_id for i in Ec2Backend().describe(provisioned.run.run_key)}
+    assert launched == set(provisioned.instance_ids)
+    assert current_attempt(provisioned.output_uri) == 1
+    billing = pipeline.terminate(provisioned.run, "ec2", settings())
+    assert sorted(billing.billed_seconds) == sorted(provisioned.instance_ids)
+    # The run's report says whose error it was, with that rank's traceback.
+    page = storage.read_bytes(pipeline.report(provisioned.run, settings())).decode()
+    assert "Training failed in attempt 1, rank 1 (node 1), at the train stage: " in page
+    assert bad in page and '<pre class="traceback">' in page
 
 
 def test_the_rendezvous_host_lost_mid_run_relaunches_both_from_the_checkpoint(

@@ -239,7 +239,7 @@ TARGETS = (
         "rank-markers",
         "burstcv.training.job",
         ("tests/training/test_rank_markers.py",),
-        functions=("write_rank_failed", "rank_failures"),
+        functions=("write_rank_failed", "rank_failures", "owning_rank_failure", "attempt_failure"),
     ),
     Target(
         "chunks",

@@ -25,11 +25,13 @@ from burstcv.gate.gate import GPU_SERVING_TYPES
 from burstcv.params import ResolvedRun, RunParams
 from burstcv.registry.registry import Registry
 from burstcv.report.render import build_report
-from burstcv.training.job import attempt_dir
+from burstcv.training.job import attempt_dir, write_failed, write_rank_failed
 from burstcv_spec.contracts import (
     AttemptBill,
+    AttemptRecord,
     BenchFigures,
     BoxBill,
+    FailedMarker,
     ImageSizeChoice,
     PriceQuote,
     RegistryDecision,
@@ -42,7 +44,7 @@ from burstcv_spec.contracts import (
     read_artifact,
     write_artifact,
 )
-from burstcv_spec.layout import END_RECORD, RunLayout
+from burstcv_spec.layout import ATTEMPT_RECORD, END_RECORD, RunLayout
 
 CLASSES = [str(i) for i in range(10)]
 
@@ -647,6 +649,54 @@ def test_a_run_that_stopped_after_validation_says_what_was_not_reached(tmp_path:
     assert "Started by <b>asset_triggered</b> on <code>s3://bucket/digits/v7</code>" in page
     assert "data:image/png;base64," not in page
     assert "Data Docs (dataset/data_docs/index.html) were not written" in page
+
+
+def test_a_failed_training_says_whose_error_ended_it_and_where(tmp_path: Path) -> None:
+    # Two boxes: rank 1 read a corrupt shard; rank 0 saw its peer go ("resumable" alone).
+    run = tmp_path / "run"
+    write_run(run, resolved_run(tmp_path / "store"))
+    write(run / "dataset" / "validation.json", validation_doc())
+    job = str(run / "job")
+    write_failed(job, 1, "train", "a peer box was lost", resumable=True)
+    for rank, reason, resumable in (
+        (0, "a peer box was lost", True),
+        (1, "JobSpecError: shard train-003.npz is corrupt", False),
+    ):
+        write_rank_failed(
+            job,
+            FailedMarker(
+                stage="train",
+                reason=reason,
+                resumable=resumable,
+                attempt=1,
+                rank=rank,
+                node=rank,
+                traceback=["Traceback (most recent call last):", f"<rank {rank}>", reason],
+            ),
+        )
+    page = render(run, tmp_path / "registry")
+    assert "Not reached: job/metrics.json was not written" in page
+    assert (
+        "Training failed in attempt 1, rank 1 (node 1), at the train stage: JobSpecError: shard "
+        "train-003.npz is corrupt (not resumable: a relaunch would fail the same way)." in page
+    )
+    # Its traceback, as text: the lines were only on its box.
+    assert '<pre class="traceback">Traceback (most recent call last):\n&lt;rank 1&gt;' in page
+    assert "&lt;rank 0&gt;" not in page
+
+
+def test_the_last_attempt_s_own_failure_is_shown_when_no_rank_owns_one(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    write_run(run, resolved_run(tmp_path / "store"))
+    job = str(run / "job")
+    write_failed(job, 1, "interrupted", "spot interruption; checkpoint saved", resumable=True)
+    write_failed(job, 2, "boot", "no route to S3 from subnet-1", resumable=False)
+    write_artifact(
+        f"{job}/{ATTEMPT_RECORD}", AttemptRecord(attempt=2, instance_ids=["i-2"], launched_at="now")
+    )
+    page = render(run, tmp_path / "registry")
+    assert "Training failed in attempt 2, at the boot stage: no route to S3" in page
+    assert "spot interruption" not in page and "<pre class" not in page
 
 
 def test_a_run_with_nothing_new_to_train_on_says_it_skipped_and_why(tmp_path: Path) -> None:

@@ -28,13 +28,14 @@ from burstcv.training.job import (
     STAGE_BUDGET,
     STAGE_INTERRUPTED,
     STAGE_TRAIN,
+    attempt_failure,
     rank_failures,
     write_failed,
     write_job,
     write_rank_failed,
 )
 from burstcv.training.stream import node_shards, read_shard_info
-from burstcv_spec.contracts import FailedMarker
+from burstcv_spec.contracts import FailedMarker, read_artifact
 
 
 @pytest.fixture
@@ -100,8 +101,10 @@ def test_a_running_boxs_rank_markers_are_read_on_every_poll_only_when_it_has_pee
     # The boxes are up (the backend says so: the one thing here that is not a real box).
     monkeypatch.setattr(attempts, "job_outcome", lambda *_: "running")
     listed: list[int] = []
-    real = attempts.rank_failures
-    monkeypatch.setattr(attempts, "rank_failures", lambda uri, n: listed.append(n) or real(uri, n))
+    real = attempts.owning_rank_failure
+    monkeypatch.setattr(
+        attempts, "owning_rank_failure", lambda uri, n: listed.append(n) or real(uri, n)
+    )
     # Several boxes: the others wait out their timeouts, so the marker decides at once.
     outcome = training_outcome("r-poll", "local", out, 1, boxes=2)
     assert (outcome.status, outcome.reason) == ("failed", "rank 1 (node 1): ValueError: bad")
@@ -243,3 +246,21 @@ def test_a_corrupt_shard_on_the_second_box_fails_the_attempt_with_that_ranks_rea
     assert (outcome.status, outcome.resumable) == ("failed", False), outcome
     assert outcome.reason.startswith("rank 1 (node 1): ") and bad.name in outcome.reason
     assert json.loads((out / "attempts" / "1" / "ranks" / "1" / "FAILED").read_text())["rank"] == 1
+
+
+def test_an_attempts_failure_is_its_owning_ranks_else_its_own_marker(tmp_path: Path) -> None:
+    out = str(tmp_path / "job")
+    assert attempt_failure(out, 1) is None  # nothing written: nothing to say
+    write_failed(out, 1, STAGE_TRAIN, PEER_LOST, resumable=True)
+    assert attempt_failure(out, 1) == read_artifact(f"{out}/attempts/1/FAILED", FailedMarker)
+    write_rank_failed(out, rank_marker(0, STAGE_TRAIN, PEER_LOST, resumable=True))
+    assert attempt_failure(out, 1).rank is None  # a peer's "lost" is not an error of its own
+    write_rank_failed(out, rank_marker(2, STAGE_TRAIN, "OSError: disk full", resumable=False))
+    write_rank_failed(out, rank_marker(1, STAGE_TRAIN, "ValueError: bad", resumable=False))
+    owner = attempt_failure(out, 1)
+    assert (owner.rank, owner.reason) == (1, "ValueError: bad")  # the lowest owning rank
+    # Another attempt's markers are its own; one cut short is no failure to show.
+    failed_2 = tmp_path / "job" / "attempts" / "2" / "FAILED"
+    failed_2.parent.mkdir(parents=True)
+    failed_2.write_text('{"stage": "tra')
+    assert attempt_failure(out, 2) is None

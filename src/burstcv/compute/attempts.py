@@ -25,7 +25,7 @@ from burstcv.training.job import (
     STAGE_BOOT,
     attempt_dir,
     load_job,
-    rank_failures,
+    owning_rank_failure,
     write_failed,
 )
 from burstcv_spec import storage
@@ -222,7 +222,7 @@ def rank_error(run_id: str, output_uri: str, attempt: int) -> TrainingOutcome | 
     ones ("a peer box was lost") are what its exit did to them. Its traceback's last lines
     go to the task log: they were on its box only.
     """
-    owner = next((m for m in rank_failures(output_uri, attempt) if not m.resumable), None)
+    owner = owning_rank_failure(output_uri, attempt)
     if owner is None:
         return None
     log.error(

@@ -27,16 +27,19 @@ from typing import Any
 import jinja2
 
 from burstcv import links
+from burstcv.compute.attempts import current_attempt
 from burstcv.cost.model import box_usd_per_hour
 from burstcv.gate.gate import format_figure
 from burstcv.gate.sizing import describe_generator
 from burstcv.params import ResolvedRun
+from burstcv.training.job import attempt_failure
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
     Artifact,
     ArtifactError,
     BenchFigures,
     Billing,
+    FailedMarker,
     HostLoad,
     LatencyRecord,
     ModelCard,
@@ -84,6 +87,8 @@ class RunDocs:
     latency: LatencyRecord | None = None
     sizing: SizingReport | None = None
     verdict: VerdictRecord | None = None
+    # Why the last training attempt failed (its markers), when training wrote no metrics.
+    failure: FailedMarker | None = None
     missing: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -109,6 +114,9 @@ class RunDocs:
             except ArtifactError as exc:  # a stage wrote a broken file: say which, and why
                 log.warning("cannot read %s: %s", uri, exc)
                 docs.missing[key] = f"{rel} exists but cannot be read ({exc})."
+        if docs.metrics is None and docs.skip is None:
+            with contextlib.suppress(ArtifactError):
+                docs.failure = attempt_failure(layout.job, current_attempt(layout.job))
         return docs
 
 
@@ -323,11 +331,28 @@ def _range_test_line(test: RangeTest | None) -> str | None:
     )
 
 
+def _failure_view(marker: FailedMarker | None) -> dict[str, Any] | None:
+    """Say where and why the last training attempt failed, and whose error it was."""
+    if marker is None:
+        return None
+    owner = f"rank {marker.rank} (node {marker.node}), " if marker.rank is not None else ""
+    then = (
+        "resumable, but not resumed (its relaunches were spent, or the run was stopped)"
+        if marker.resumable
+        else "not resumable: a relaunch would fail the same way"
+    )
+    return {
+        "line": f"Training failed in attempt {marker.attempt}, {owner}at the {marker.stage} "
+        f"stage: {marker.reason} ({then}).",
+        "traceback": marker.traceback or [],
+    }
+
+
 def _training_view(record: RunDocs) -> dict[str, Any]:
     """Show the training curves, the per-epoch table and where the time went."""
     metrics = record.metrics
     if metrics is None:
-        return {"missing": record.missing["metrics"]}
+        return {"missing": record.missing["metrics"], "failure": _failure_view(record.failure)}
     epochs = metrics.epochs
     curves = confusion_chart = None
     if epochs:

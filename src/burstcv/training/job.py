@@ -240,3 +240,27 @@ def rank_failures(job_dir_uri: str, attempt: int) -> list[FailedMarker]:
         except ArtifactError as exc:
             log.warning("unreadable rank marker %s: %s", uri, exc)
     return [marker for _, marker in sorted(found, key=lambda pair: pair[0])]
+
+
+def owning_rank_failure(job_dir_uri: str, attempt: int) -> FailedMarker | None:
+    """Return the marker of the lowest rank whose error is its own (not resumable), or None.
+
+    The other ranks' resumable markers ("a peer box was lost") are what its exit did to them.
+    """
+    return next((m for m in rank_failures(job_dir_uri, attempt) if not m.resumable), None)
+
+
+def attempt_failure(job_dir_uri: str, attempt: int) -> FailedMarker | None:
+    """Return why an attempt failed, from its markers alone: the owning rank's marker, else
+    the attempt's FAILED; None when it wrote neither (or that cannot be read)."""
+    owner = owning_rank_failure(job_dir_uri, attempt)
+    if owner is not None:
+        return owner
+    uri = attempt_dir(job_dir_uri, attempt, FAILED_MARKER)
+    if not storage.exists(uri):
+        return None
+    try:
+        return read_artifact(uri, FailedMarker)
+    except ArtifactError as exc:
+        log.warning("unreadable FAILED marker %s: %s", uri, exc)
+        return None
