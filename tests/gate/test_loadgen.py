@@ -63,6 +63,25 @@ def test_several_processes_share_one_schedule() -> None:
     assert 0.4 <= sample.wall_s <= 2.0  # 60 due over half a second, not three times that
 
 
+def test_a_search_s_rates_are_sent_by_the_same_processes_started_once(trivial: str) -> None:
+    import psutil
+
+    with loadgen.senders(1) as none:
+        assert none is None  # one process: the caller's own
+    with loadgen.senders(3) as pool:
+        assert pool is not None and pool.processes == 3
+        first = send(trivial, [IMAGE], requests=60, rate_rps=120.0, pool=pool)
+        second = send(trivial, [IMAGE], requests=90, rate_rps=180.0, pool=pool)
+        # Both rates from the same three processes: none started for the second.
+        assert {p.pid for p in psutil.Process().children()} >= pool.pids
+        assert loadgen._ready() not in pool.pids
+        assert pool.pool.submit(loadgen._ready).result() in pool.pids
+        pids = pool.pids
+    assert first.statuses == {"200": 60} and second.statuses == {"200": 90}
+    assert 0.4 <= first.wall_s <= 2.0 and 0.4 <= second.wall_s <= 2.0
+    assert not any(psutil.pid_exists(pid) for pid in pids)  # stopped at the end
+
+
 def test_request_k_carries_image_first_plus_k() -> None:
     bodies: list[bytes] = []
 

@@ -221,6 +221,35 @@ def _ready() -> int:
     return os.getpid()
 
 
+@dataclass
+class Senders:
+    """Generator processes started once and kept for every rate of a search (each rate's
+    sending would otherwise start its own: about a second of spawning per rate)."""
+
+    pool: ProcessPoolExecutor
+    pids: frozenset[int]
+
+    @property
+    def processes(self) -> int:
+        """How many processes send."""
+        return len(self.pids)
+
+
+@contextlib.contextmanager
+def senders(processes: int) -> Iterator[Senders | None]:
+    """Start ``processes`` generator processes (None for one: the caller's own sends), wait
+    until every one answers, and stop them at the end."""
+    if processes <= 1:
+        yield None
+        return
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=processes, mp_context=context) as pool:
+        pids: set[int] = set()
+        while len(pids) < processes:  # each worker spawns on demand: ask until all answered
+            pids.update(f.result() for f in [pool.submit(_ready) for _ in range(processes)])
+        yield Senders(pool, frozenset(pids))
+
+
 def send(
     url: str,
     images: Sequence[bytes],
@@ -231,12 +260,14 @@ def send(
     content_type: str = "image/png",
     first: int = 0,
     processes: int = 1,
+    pool: Senders | None = None,
 ) -> Sample:
     """Send ``requests`` predictions to ``url`` at ``rate_rps``, each when due.
 
     Request ``i`` carries image ``(first + i) % len(images)``. With ``processes`` > 1, that many
     processes (started first, then given one shared start) send every ``processes``-th request
-    of the same schedule; they inherit this process's CPUs.
+    of the same schedule; they inherit this process's CPUs. ``pool``: processes already
+    started (:func:`senders`), which then send whatever ``processes`` says.
     """
     if rate_rps <= 0:
         raise ValueError(f"rate_rps must be positive, got {rate_rps}")
@@ -249,37 +280,48 @@ def send(
         encode_predict(host, images[(first + k) % len(images)], f"{first + k}.png", content_type)
         for k in range(min(len(images), requests))
     ]
-    if processes <= 1:
-        return asyncio.run(
-            _open_loop(
-                url,
-                encoded,
-                indices=range(requests),
-                rate_rps=rate_rps,
-                timeout_s=timeout_s,
-                start_wall=None,
-            )
+    if pool is None and min(processes, requests) > 1:
+        with senders(min(processes, requests)) as started:
+            assert started is not None
+            return _send_from(started, url, encoded, requests, rate_rps, timeout_s)
+    if pool is not None:
+        return _send_from(pool, url, encoded, requests, rate_rps, timeout_s)
+    return asyncio.run(
+        _open_loop(
+            url,
+            encoded,
+            indices=range(requests),
+            rate_rps=rate_rps,
+            timeout_s=timeout_s,
+            start_wall=None,
         )
-    processes = min(processes, requests)
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=processes, mp_context=context) as pool:
-        started = {pool.submit(_ready) for _ in range(processes * 2)}
-        for future in started:
-            future.result()
-        start_wall = time.time() + 0.2
-        futures = [
-            pool.submit(
-                _process_share,
-                url,
-                encoded,
-                range(p, requests, processes),
-                rate_rps,
-                timeout_s,
-                start_wall,
-            )
-            for p in range(processes)
-        ]
-        return parallel([f.result() for f in futures])
+    )
+
+
+def _send_from(
+    pool: Senders,
+    url: str,
+    encoded: Sequence[bytes],
+    requests: int,
+    rate_rps: float,
+    timeout_s: float,
+) -> Sample:
+    """Send one schedule from the pool's processes, each every n-th request, one shared start."""
+    shares = min(pool.processes, requests)
+    start_wall = time.time() + 0.2
+    futures = [
+        pool.pool.submit(
+            _process_share,
+            url,
+            encoded,
+            range(p, requests, shares),
+            rate_rps,
+            timeout_s,
+            start_wall,
+        )
+        for p in range(shares)
+    ]
+    return parallel([f.result() for f in futures])
 
 
 class _Trivial(asyncio.Protocol):

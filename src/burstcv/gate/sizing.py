@@ -108,15 +108,15 @@ def open_loop(
     rate_rps: float,
     duration_s: float = STEP_DURATION_S,
     timeout_s: float = 10.0,
-    processes: int = 1,
+    pool: loadgen.Senders | None = None,
 ) -> LoadRun:
     """Send predictions to ``url`` at ``rate_rps`` for ``duration_s``, whatever the answers do
-    (from ``processes`` generator processes)."""
+    (from ``pool``'s generator processes, or this one's)."""
     if rate_rps <= 0:
         raise ValueError(f"rate_rps must be positive, got {rate_rps}")
     n = max(1, round(rate_rps * duration_s))
     sample = loadgen.send(
-        url, images, requests=n, rate_rps=rate_rps, timeout_s=timeout_s, processes=processes
+        url, images, requests=n, rate_rps=rate_rps, timeout_s=timeout_s, pool=pool
     )
     return LoadRun(
         rate_rps=rate_rps,
@@ -147,7 +147,7 @@ def sustainable_rate(
     duration_s: float = STEP_DURATION_S,
     max_rps: float = MAX_RATE_RPS,
     tried: list[LoadStep] | None = None,
-    processes: int = 1,
+    pool: loadgen.Senders | None = None,
 ) -> LoadRun | None:
     """Step the open-loop rate up until the SLO breaks; return the last run that held, or None.
 
@@ -156,7 +156,7 @@ def sustainable_rate(
     """
 
     def attempt(rate_rps: float) -> tuple[LoadRun, bool]:
-        run = open_loop(url, images, rate_rps=rate_rps, duration_s=duration_s, processes=processes)
+        run = open_loop(url, images, rate_rps=rate_rps, duration_s=duration_s, pool=pool)
         held = _holds(run, latency_slo_ms)
         log.info(
             "sizing: %.1f req/s: p95 %.1f ms, %d error(s), sent at %.1f req/s: %s",
@@ -285,15 +285,11 @@ def generator_check(
     broke, the size's rate is the generator's.
     """
     last = None
-    with trivial_endpoint(service_cpus) as url:
+    with trivial_endpoint(service_cpus) as url, loadgen.senders(processes) as pool:
         open_loop(url, images, rate_rps=20.0, duration_s=0.5)  # connections and caches warm
         for factor in (GENERATOR_PROBE, GENERATOR_MARGIN):
             run = open_loop(
-                url,
-                images,
-                rate_rps=rate_rps * factor,
-                duration_s=duration_s,
-                processes=processes,
+                url, images, rate_rps=rate_rps * factor, duration_s=duration_s, pool=pool
             )
             if _holds(run, max(latency_slo_ms / 10, GENERATOR_DELAY_FLOOR_MS)):
                 return GeneratorCheck(
@@ -336,6 +332,7 @@ def _search(
     with (
         running_on(place.generator),
         pinned_service(model_dir, place.service, latency_slo_ms) as (url, proc),
+        loadgen.senders(processes) as pool,  # started once, for every rate of the search
     ):
         open_loop(url, images, rate_rps=5.0, duration_s=1.0)  # warm-up
         before = _cpu_seconds(proc)
@@ -348,7 +345,7 @@ def _search(
             step=step,
             duration_s=duration_s,
             tried=tried,
-            processes=processes,
+            pool=pool,
         )
         return _Search(best, tried, _cpu_seconds(proc) - before, _rss_mb(proc))
 
