@@ -704,7 +704,7 @@ def test_two_boxes_rendezvous_over_their_link_and_train_to_done(
     nodes = []
     for index, boot in boots.items():
         assert boot.exit_code == 0, boot.console
-        assert f"node {index} of 2 at 10.77.0.{index + 1}" in boot.console
+        assert f"launch index {index} of 2 at 10.77.0.{index + 1}" in boot.console
         assert "rendezvous at 10.77.0.1:29400" in boot.console, boot.console
         # Each box reads its own half of the training shards, and both agree the step count.
         # Its node rank is torchrun's, given by the rendezvous: not always its launch index.

@@ -253,7 +253,7 @@ def test_several_boxes_rendezvous_through_torchrun_on_node_0s_private_address() 
     lines = commands(two)
     # The node rank is the launch index; node 0 publishes its private address for this
     # attempt, the others read it; every box then runs torchrun (c10d) on that address.
-    assert 'NODE_RANK=$(imds meta-data/ami-launch-index) || NODE_RANK=""' in lines
+    assert 'LAUNCH_INDEX=$(imds meta-data/ami-launch-index) || LAUNCH_INDEX=""' in lines
     assert 'RENDEZVOUS_URI="$ATTEMPT_DIR/rendezvous/node-0-address"' in lines
     run = two[two.index("torch.distributed.run") :]
     for flag in ("--nnodes", "--rdzv-backend c10d", "--rdzv-endpoint", "--max-restarts 0"):
@@ -261,6 +261,6 @@ def test_several_boxes_rendezvous_through_torchrun_on_node_0s_private_address() 
     assert '--rdzv-endpoint "$RENDEZVOUS_HOST:$RENDEZVOUS_PORT"' in run
     assert '--rdzv-id "$RUN_ID-$ATTEMPT"' in run  # a relaunch is a new rendezvous
     # Training's markers are rank 0's: a box's trap writes none for the train stage.
-    assert 'if [ -n "${NODE_RANK:-}" ] && [ "$STAGE" = train ]; then' in lines
+    assert 'if [ -n "${LAUNCH_INDEX:-}" ] && [ "$STAGE" = train ]; then' in lines
     order = [two.index(text) for text in ("trap finish EXIT", "STAGE=rendezvous", "STAGE=train")]
     assert order == sorted(order)

@@ -11,12 +11,14 @@ The script's order is the safety argument:
 4. watch for a spot interruption notice from the start, and ship the log every few seconds;
 5. install the run's training wheel (checked against its sha256) into the AMI's PyTorch
    Python, run ``burstcv preflight``, then ``burstcv train``.
-A run of several boxes (``num_nodes``) starts them in one RunInstances call: each box's node
-rank is its launch index there (IMDS ``ami-launch-index``), node 0 publishes its private
-address in the attempt's folder, and every box runs ``burstcv train`` under torchrun with
-c10d rendezvous on that address. Training's rank 0 writes the checkpoints and markers; a box
-that ends training without a marker leaves the attempt to the orchestrator, which counts it
-lost and relaunches every box from the checkpoint.
+A run of several boxes (``num_nodes``) starts them in one RunInstances call: the box of
+launch index 0 there (IMDS ``ami-launch-index``) hosts the rendezvous and publishes its
+private address in the attempt's folder, and every box runs ``burstcv train`` under torchrun
+with c10d rendezvous on that address. Each box's node rank is torchrun's, given by the
+rendezvous (not always its launch index); it decides which shards the box reads. Training's
+rank 0 writes the checkpoints and markers; a box that ends training without a marker leaves
+the attempt to the orchestrator, which counts it lost and relaunches every box from the
+checkpoint.
 Nothing large is downloaded at boot: the AMI brings CUDA torch, the wheel is tens of KB.
 """
 
@@ -36,10 +38,10 @@ DEFAULT_MARGIN_MIN = 5
 DEFAULT_LOG_EVERY_S = 30  # how often the box's log reaches the artifact store while it runs
 
 IMDS = "http://169.254.169.254/latest"
-# torchrun's c10d rendezvous on node 0 (its default port); the run's security group admits it
-# from the run's own boxes only.
+# torchrun's c10d rendezvous on the box of launch index 0 (its default port); the run's
+# security group admits it from the run's own boxes only.
 RENDEZVOUS_PORT = 29400
-RENDEZVOUS_WAIT_S = 900  # how long a box waits for node 0's address (node 0 boots alike)
+RENDEZVOUS_WAIT_S = 900  # how long a box waits for launch index 0's address (it boots alike)
 SPOT_POLL_INTERVAL_S = 5
 
 # The config block every render fills in (tests read it back with parse_config).
@@ -107,19 +109,20 @@ BURSTCV_SHARD_CACHE_DIR="$WORK/shard-cache" \
   "$BURSTCV" train --job "$JOB_URI" --attempt "$ATTEMPT" &
 """
 
-# Several boxes: who this box is among them (its launch index) and where it is.
-_NODE_IDENTITY = r"""NODE_RANK=$(imds meta-data/ami-launch-index) || NODE_RANK=""
+# Several boxes: which of the launch this box is (its launch index) and where it is. Its node
+# rank comes later, from torchrun's rendezvous.
+_NODE_IDENTITY = r"""LAUNCH_INDEX=$(imds meta-data/ami-launch-index) || LAUNCH_INDEX=""
 PRIVATE_IP=$(imds meta-data/local-ipv4) || PRIVATE_IP=""
-stamp "node ${NODE_RANK:-?} of $NUM_NODES at ${PRIVATE_IP:-?}"
+stamp "launch index ${LAUNCH_INDEX:-?} of $NUM_NODES at ${PRIVATE_IP:-?}"
 """
 
-# Several boxes: node 0 publishes its private address for this attempt, the others wait for
-# it; then torchrun (c10d) on every box, one process per GPU (one on a CPU box).
+# Several boxes: launch index 0 publishes its private address for this attempt, the others
+# wait for it; then torchrun (c10d) on every box, one process per GPU (one on a CPU box).
 _MULTI_TRAIN = r"""STAGE=rendezvous
-[ -n "$NODE_RANK" ] && [ -n "$PRIVATE_IP" ] \
+[ -n "$LAUNCH_INDEX" ] && [ -n "$PRIVATE_IP" ] \
   || fail_final "the instance metadata gave no launch index or private address"
 RENDEZVOUS_URI="$ATTEMPT_DIR/rendezvous/node-0-address"
-if [ "$NODE_RANK" = 0 ]; then
+if [ "$LAUNCH_INDEX" = 0 ]; then
   echo "$PRIVATE_IP" | s3 cp - "$RENDEZVOUS_URI"
   RENDEZVOUS_HOST="$PRIVATE_IP"
   IS_HOST=true
@@ -127,7 +130,7 @@ else
   waited=0
   until s3_object_exists "$RENDEZVOUS_URI"; do
     [ "$waited" -lt __RENDEZVOUS_WAIT_S__ ] \
-      || fail_final "node 0 published no address in __RENDEZVOUS_WAIT_S__ s"
+      || fail_final "launch index 0 published no address in __RENDEZVOUS_WAIT_S__ s"
     sleep 2
     waited=$((waited + 2))
   done
@@ -136,7 +139,7 @@ else
   IS_HOST=false
 fi
 NPROC=$("$PYTHON" -c 'import torch; print(max(1, torch.cuda.device_count()))')
-stamp "rendezvous at $RENDEZVOUS_HOST:$RENDEZVOUS_PORT as node $NODE_RANK, $NPROC process(es)"
+stamp "rendezvous at $RENDEZVOUS_HOST:$RENDEZVOUS_PORT, launch index $LAUNCH_INDEX, $NPROC proc(s)"
 STAGE=train
 BURSTCV_SHARD_CACHE_DIR="$WORK/shard-cache" \
   "$PYTHON" -m torch.distributed.run --nnodes "$NUM_NODES" --nproc-per-node "$NPROC" \
@@ -269,7 +272,7 @@ finish() {
     shutdown -h now
     return
   fi
-  if [ -n "${NODE_RANK:-}" ] && [ "$STAGE" = train ]; then
+  if [ -n "${LAUNCH_INDEX:-}" ] && [ "$STAGE" = train ]; then
     stamp "training ended with exit code $rc; its ranks wrote their markers"
   elif ! s3_object_exists "$ATTEMPT_DIR/DONE" && ! s3_object_exists "$ATTEMPT_DIR/FAILED"; then
     if [ -f "$WORK/spot-notice" ]; then
