@@ -124,6 +124,12 @@ def model_versions(settings: Settings) -> dict[str, Any]:
                 # The cheapest CPU fleet for the run's expected load: a costlier version shows.
                 "fleet": entry.fleet.model_dump(mode="json") if entry.fleet else None,
                 "fleet_measured_in": entry.fleet_measured_in,
+                # Where the sizes behind the fleet were measured: each size's p95 against load.
+                "sizes_url": (
+                    artifact_url(entry.fleet_measured_in or run_id, "report") + "#fleet"
+                    if entry.fleet and (entry.fleet_measured_in or run_id)
+                    else None
+                ),
                 "aliases": [n for n, v in alias_versions.items() if v == version],
                 "reasons": list(gate.reasons) if gate else [],
                 "summary": entry.reason or (gate.summary if gate else ""),
@@ -292,8 +298,9 @@ def _usd(value: Any) -> str:
 
 
 def _fleet(version: dict[str, Any], versions: list[dict[str, Any]]) -> str:
-    """Return '3 x c7i.large, $195.46/month' for a version's fleet, '–' without one, and
-    whose measurement it rests on when another version's run measured the sizes."""
+    """Return '3 x c7i.large, $195.46/month' for a version's fleet, '–' without one, whose
+    measurement it rests on when another version's run measured the sizes, and a link to
+    those sizes (each one's p95 against load, in the measuring run's report)."""
     fleet = version.get("fleet")
     if not fleet:
         return "–"
@@ -306,7 +313,8 @@ def _fleet(version: dict[str, Any], versions: list[dict[str, Any]]) -> str:
     if measured_in and measured_in != version.get("run_id"):
         by = next((v["version"] for v in versions if v.get("run_id") == measured_in), None)
         text += f" (sizes of v{by})" if by is not None else f" (sizes of run {measured_in})"
-    return html.escape(text)
+    curve = _link(version.get("sizes_url"), "p95 against load")
+    return html.escape(text) + (f" ({curve})" if curve else "")
 
 
 def render_page(models: dict[str, Any], runs: list[dict[str, Any]]) -> str:

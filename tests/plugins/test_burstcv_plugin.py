@@ -206,8 +206,9 @@ def test_page_shows_the_versions_and_costs_tables(client: TestClient) -> None:
     ) in page
     # Each version's fleet: priced, or unpriced (never an error, never $0).
     versions = page[page.index('<table id="versions">') : page.index('<table id="runs">')]
-    assert "<td>3 x c7i.large, $195.46/month</td>" in versions
-    assert "<td>3 x c7i.large, unpriced</td>" in versions
+    curve = f'(<a href="runs/{RUN_KEY}/report/index.html#fleet">p95 against load</a>)'
+    assert f"<td>3 x c7i.large, $195.46/month {curve}</td>" in versions
+    assert f"<td>3 x c7i.large, unpriced {curve}</td>" in versions
     # Links are relative to the page, so they survive a proxy's path prefix.
     assert f'href="runs/{RUN_KEY}/report/index.html"' in page
     # Airflow's pages open at the top level, not inside the plugin's frame.
@@ -592,10 +593,13 @@ def test_a_fleet_says_whose_sizes_it_rests_on_and_when_the_generator_was_the_lim
         app.dependency_overrides.clear()
     assert versions[0]["fleet_measured_in"] == "manual__pruned"
     # Versions 1 and 2 come from RUN_ID: the newest of them is named.
-    assert "<td>3 x c7i.large, $195.46/month (sizes of v2)</td>" in page
+    # Each links to the sizes it rests on: each size's p95 against load, in that run's report.
+    curve = '(<a href="runs/{}/report/index.html#fleet">p95 against load</a>)'
+    ours = curve.format(RUN_KEY)
+    assert f"<td>3 x c7i.large, $195.46/month (sizes of v2) {ours}</td>" in page
     assert (
         "<td>3 x c7i.large, $195.46/month (at most: the load generator was the limit) "
-        "(sizes of run manual__pruned)</td>"
+        f"(sizes of run manual__pruned) {curve.format('manual__pruned')}</td>"
     ) in page
     # A version that measured its own sizes says nothing more.
-    assert "<td>3 x c7i.large, $195.46/month</td>" in page
+    assert f"<td>3 x c7i.large, $195.46/month {ours}</td>" in page
