@@ -449,6 +449,12 @@ class Suggestion(Contract):
     )
     price_note: str = Field(description="how it was priced, or why it could not be")
     assumption: str = Field(description="what the estimate assumes")
+    measured: bool = Field(
+        default=False,
+        description="the estimate rests on a CPU cost measured for the option itself "
+        "(onnxruntime's time per image of each architecture, bench/arch_cpu.py); false: on an "
+        "assumed factor (INT8's speed-up, linear vCPU scaling, a GPU's compute time)",
+    )
     detail: str = Field(description="the change with its figures, in a line")
 
 
@@ -929,8 +935,10 @@ class DataChunk(Contract):
     part_uri: str = Field(description="where the chunk's task writes its part")
     listing_uri: str | None = Field(
         default=None,
-        description="scan chunks: dataset/scan/listing/<index>.parquet, the chunk's own rows "
-        "of the listing (none: rows start..stop of the plan's listing)",
+        description="the chunk's own rows, so that its task reads no more: a scan chunk's "
+        "rows of the listing (dataset/scan/listing/<index>.parquet), a pack chunk's images of "
+        "its shards (dataset/shards/rows/rows-<index>.parquet); none (a plan from before "
+        "them): the task reads the whole listing or manifest",
     )
 
 

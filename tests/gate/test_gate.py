@@ -201,10 +201,10 @@ def test_a_type_without_a_price_is_advised_unpriced_never_an_error() -> None:
     assert larger.price_note == "no price for c7i.xlarge in us-east-1"
     assert larger.estimated_p95_ms == 45.0 and larger.estimated_throughput_rps == 200.0
     # The others keep their prices; the unpriced one comes after them.
-    # INT8 and resnet10 both take 5 x c7i.large: a tie, in the order they are advised.
+    # INT8 and resnet10 both take 5 x c7i.large: a tie, the measured estimate first.
     assert [s.action for s in advise(SLOW, SLO_50, ctx(prices=no_xlarge))] == [
-        "int8",
         "smaller_model",
+        "int8",
         "gpu_serving",
         "larger_instance",
     ]
@@ -587,11 +587,13 @@ def test_advice_that_meets_the_slo_comes_before_cheaper_advice_that_does_not() -
 def test_advice_is_cheapest_first_and_unpriced_advice_comes_last() -> None:
     by_cost = advise(SLOW, SLO_50, ctx())
     assert [s.action for s in by_cost] == [
+        "smaller_model",  # the same 5 x c7i.large as INT8, measured: first
         "int8",
-        "smaller_model",  # the same 5 x c7i.large as INT8
         "larger_instance",
         "gpu_serving",
     ]
+    # Only the architecture's estimate rests on its own measured CPU cost.
+    assert [s.measured for s in by_cost] == [True, False, False, False]
     # A dear c7i.xlarge: serving on it now costs more than on a GPU, and comes after it.
     dear = advise(SLOW, SLO_50, ctx(prices={**PRICES, "c7i.xlarge": 5.0}))
     assert [s.action for s in dear][2:] == ["gpu_serving", "larger_instance"]

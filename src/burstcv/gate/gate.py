@@ -340,6 +340,8 @@ def advise(
 
     A suggestion's cost is None when it cannot be priced (``price_note`` says why). Estimates
     scale the measured p95's compute share; they are a guide for the next run, not a promise.
+    Only a smaller architecture's rests on a measured CPU cost (``measured``); the others on
+    an assumed factor, and say so.
     """
     split = _LatencySplit.of(candidate)
     slo = limits.latency_slo_ms
@@ -362,6 +364,8 @@ def advise(
         on_type: str,
         throughput_est: float | None,
         assumption: str,
+        *,
+        measured: bool = False,
     ) -> None:
         cost, price_note = _price(ctx, on_type, throughput_est)
         out.append(
@@ -379,6 +383,7 @@ def advise(
                 cost_per_million_usd=None if cost is None else round(cost, 4),
                 price_note=price_note,
                 assumption=f"{assumption}; {split.note}",
+                measured=measured,
                 detail=f"{title}: p95 {split.p95_ms:.1f} → ~{p95_est:.1f} ms "
                 f"(SLO {slo:g} ms) on {on_type}",
             )
@@ -424,6 +429,7 @@ def advise(
                 f"the compute share scales with onnxruntime's measured CPU time per image "
                 f"({costs[pick]:g} ms vs {own_ms:g} ms at {at}, bench/arch_cpu.py); "
                 "accuracy must be re-measured",
+                measured=True,
             )
 
     upgrades = [t for t in CPU_UPGRADES if VCPUS[t] > base_vcpus]
@@ -454,11 +460,13 @@ def advise(
             f"stay on its {VCPUS[gpu]} vCPUs, which bound throughput as the CPUs did here",
         )
 
+    # At the same cost, the option whose estimate rests on a measurement comes first.
     out.sort(
         key=lambda s: (
             not s.meets_slo,
             s.cost_per_million_usd is None,
             s.cost_per_million_usd or 0.0,
+            not s.measured,
         )
     )
     return out

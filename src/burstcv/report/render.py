@@ -642,6 +642,7 @@ def _gate_view(
                 if s.cost_per_million_usd is not None
                 else s.price_note,
                 "assumption": s.assumption,
+                "basis": "measured" if s.measured else "unmeasured: an assumed factor",
             }
             for s in verdict.suggestions
         ],
