@@ -200,7 +200,8 @@ def in_process_work(dataset: Path, scratch: Path, image_size: int) -> dict[str, 
         validated = pipeline.validate(run, settings, params=params)
         order = pipeline.shard_order(pipeline.resolved_run(run, settings), validated)
         started = time.perf_counter()
-        pack_shards(order, 0, order.total, str(scratch / "inproc" / "shards"))
+        shards = [order.shard(n) for n in range(order.total)]
+        pack_shards(shards, order.spec, order.classes, str(scratch / "inproc" / "shards"))
         pack_s = time.perf_counter() - started
     finally:
         os.sched_setaffinity(0, cpus)

@@ -94,6 +94,11 @@ class RunLayout:
         """Return dataset/scan/part-NNNNN.parquet: the manifest rows of scan chunk ``index``."""
         return storage.join(self.scan, f"part-{index:05d}.parquet")
 
+    def pack_rows(self, index: int) -> str:
+        """Return dataset/shards/rows/rows-NNNNN.parquet: the images of pack chunk ``index``'s
+        shards, in order (what its task reads instead of the whole manifest)."""
+        return storage.join(self.shards, "rows", f"rows-{index:05d}.parquet")
+
     def pack_part(self, index: int) -> str:
         """Return dataset/shards/parts/part-NNNNN.json: what pack chunk ``index`` wrote."""
         return storage.join(self.shards, "parts", f"part-{index:05d}.json")

@@ -495,12 +495,21 @@ def shard_order(resolved: ResolvedRun, validated: Validated) -> ShardOrder:
     )
 
 
+def _stored_spec(resolved: ResolvedRun) -> PreprocessSpec:
+    """Return how the shards store each image: validate's size, with the margin for photos
+    (as ``shard_order`` stores them)."""
+    from burstcv_spec.preprocess import margin_spec
+
+    size, _ = _derived(resolved)
+    return margin_spec(size.spec()) if size.resize_short is not None else size.spec()
+
+
 def plan_pack(run: RunRef, validated: Validated, settings: Settings | None = None) -> PackPlan:
     """Cut the validated images' shards into chunks (``chunk_files``, ``chunk_mb``) of whole
     shards: each shard is the one a one-pass pack writes, whichever task writes it.
     """
     from burstcv.data.chunks import MB, chunk_cap, data_chunks, ranges_within
-    from burstcv.data.pack import choose_format
+    from burstcv.data.pack import choose_format, shard_rows
 
     paths = run_layout(run, settings)
     resolved = resolved_run(run, settings)
@@ -509,7 +518,13 @@ def plan_pack(run: RunRef, validated: Validated, settings: Settings | None = Non
     runs, _, _ = ranges_within(
         order.sizes(), params.chunk_files, params.chunk_mb * MB, chunk_cap(map_limit())
     )
-    chunks = data_chunks(runs, paths.pack_part)
+
+    def rows_of(index: int, start: int, stop: int) -> str:
+        # Each chunk's images, written once here: its task reads them, not the whole manifest.
+        shards = [order.shard(n) for n in range(start, stop)]
+        return storage.write_bytes(paths.pack_rows(index), shard_rows(shards))
+
+    chunks = data_chunks(runs, paths.pack_part, rows_of)
     log.info(
         "%d shard(s) of %d images in %d pack chunk(s)", order.total, order.per_shard, len(chunks)
     )
@@ -528,14 +543,21 @@ def pack_chunk(
     run: RunRef, validated: Validated, chunk: DataChunk, settings: Settings | None = None
 ) -> PackedPart:
     """Decode one chunk's shards and write them, and the chunk's part record."""
-    from burstcv.data.pack import pack_shards
+    from burstcv.data.pack import pack_shards, read_shard_rows
 
     paths = run_layout(run, settings)
     plan = read_artifact(paths.pack_plan, PackPlan)
+    resolved = resolved_run(run, settings)
+    if chunk.listing_uri:  # the chunk's own images, from the plan
+        shards = read_shard_rows(storage.read_bytes(chunk.listing_uri))
+        spec = _stored_spec(resolved)
+    else:  # a plan from before them: the whole manifest, ordered again
+        order = shard_order(resolved, validated)
+        shards, spec = [order.shard(n) for n in range(chunk.start, chunk.stop)], order.spec
     part = pack_shards(
-        shard_order(resolved_run(run, settings), validated),
-        chunk.start,
-        chunk.stop,
+        shards,
+        spec,
+        plan.classes,
         paths.shards,
         index=chunk.index,
         shard_format=plan.shard_format,

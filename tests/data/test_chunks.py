@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -212,14 +213,66 @@ def test_chunks_past_the_map_limit_are_grown_and_each_reads_its_own_listing(
     assert read_artifact(validated.validation_uri, ValidationRecord).counts.usable == 60
 
 
-def test_a_plan_from_before_chunk_slices_still_scans(tmp_path: Path, kit: Any) -> None:
+def test_a_plan_from_before_chunk_slices_still_scans_and_packs(tmp_path: Path, kit: Any) -> None:
     dataset = kit.write_dataset(tmp_path / "pets")
     settings, params = _run(tmp_path / "home", dataset, chunk_files=25)
     run = RunRef.of("manual__oldplan")
     plan = pipeline.plan_scan(run, params, settings)
     old = plan.chunks[1].model_copy(update={"listing_uri": None})
-    assert "listing_uri" not in old.model_dump(mode="json")  # pack chunks never carry one
+    assert "listing_uri" not in old.model_dump(mode="json")
     assert pipeline.scan_chunk(run, old, settings) == 25
+    for chunk in (plan.chunks[0], plan.chunks[2]):
+        pipeline.scan_chunk(run, chunk, settings)
+    validated = pipeline.validate(run, settings)
+    # A pack chunk without its rows (a plan from before them) orders the whole manifest.
+    pack_plan = pipeline.plan_pack(run, validated, settings)
+    sliced = pipeline.pack_chunk(run, validated, pack_plan.chunks[0], settings)
+    whole = pipeline.pack_chunk(
+        run, validated, pack_plan.chunks[0].model_copy(update={"listing_uri": None}), settings
+    )
+    assert sliced == whole
+
+
+def test_each_pack_chunk_reads_its_own_shards_rows_not_the_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kit: Any
+) -> None:
+    monkeypatch.setattr(pack, "SHARD_IMAGES", 8)
+    dataset = kit.write_dataset(tmp_path / "pets", per_class=12)  # 36 training, 36 validation
+    settings, params = _run(tmp_path / "home", dataset, "raw", chunk_files=20)
+    run = RunRef.of("manual__rows")
+    validated = pipeline.validate(run, settings, params=params)
+    plan = pipeline.plan_pack(run, validated, settings)
+    assert len(plan.chunks) == 4
+    rows = [pack.read_shard_rows(Path(c.listing_uri).read_bytes()) for c in plan.chunks]
+    # Every shard once, in order, each image once: 5 training shards, then 5 validation.
+    assert [s.number for chunk in rows for s in chunk] == list(range(10))
+    assert [(s.split, s.local) for s in rows[1]] == [("train", 2), ("train", 3), ("train", 4)]
+    assert sum(len(s.uris) for chunk in rows for s in chunk) == 72
+    assert all(len(s.uris) == len(s.labels) for chunk in rows for s in chunk)
+
+    def no_manifest(*_: Any, **__: Any) -> Any:
+        raise AssertionError("a pack chunk read the whole manifest")
+
+    monkeypatch.setattr(pipeline, "read_manifest", no_manifest)
+    for chunk in plan.chunks:
+        part = pipeline.pack_chunk(run, validated, chunk, settings)
+        assert part.index == chunk.index
+    packed = pipeline.pack(run, validated, settings=settings, packed_chunks=True)
+    assert packed.counts == {"train": 36, "val": 36}
+    assert len(packed.train_shards) == len(packed.val_shards) == 5
+
+
+def test_an_empty_split_s_shard_travels_in_a_chunk_s_rows() -> None:
+    shards = [
+        pack.Shard(0, "train", 0, ["a.png", "b.png"], np.array([1, 0])),
+        pack.Shard(1, "val", 0, [], np.zeros(0, np.int64)),
+    ]
+    back = pack.read_shard_rows(pack.shard_rows(shards))
+    assert [(s.number, s.split, s.local, s.uris) for s in back] == [
+        (0, "train", 0, ["a.png", "b.png"]),
+        (1, "val", 0, []),
+    ]
+    assert back[0].labels.tolist() == [1, 0] and back[1].labels.dtype == np.int64
 
 
 def test_a_scan_chunks_pool_takes_its_task_slots_share_of_the_cpus(

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from burstcv_spec import storage
 from burstcv_spec.contracts import Packed, PackedPart, PreprocessBlock
@@ -27,6 +30,7 @@ JPEG_MIN_SIDE = 128
 ShardFormat = Literal["raw", "jpeg"]
 # Larger images make fewer per shard, so a shard stays one 150 MB GET (780 at 256x256).
 SHARD_BYTES = SHARD_IMAGES * 32 * 32 * 3
+SHARDS_KEY = "burstcv.shards"  # shard_rows' metadata: each shard's [number, split, local]
 
 
 class ChannelStats:
@@ -84,6 +88,54 @@ def _decode(uri: str, spec: PreprocessSpec) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class Shard:
+    """One shard: its global number, its split and number there, and its rows in order."""
+
+    number: int
+    split: str
+    local: int
+    uris: list[str]
+    labels: np.ndarray
+
+
+def shard_rows(shards: Sequence[Shard]) -> bytes:
+    """Return a run of shards as Parquet: one row per image (shard, uri, label), and each
+    shard's split and number within it in the file's metadata (an empty shard has no rows).
+
+    What a pack chunk reads to write its shards, instead of the whole manifest."""
+    table = pa.table(
+        {
+            "shard": pa.array([s.number for s in shards for _ in s.uris], pa.int64()),
+            "uri": pa.array([u for s in shards for u in s.uris], pa.string()),
+            "label": pa.array(
+                np.concatenate([s.labels for s in shards]) if shards else [], pa.int64()
+            ),
+        }
+    )
+    where = [[s.number, s.split, s.local] for s in shards]
+    table = table.replace_schema_metadata({SHARDS_KEY: json.dumps(where)})
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    return buffer.getvalue()
+
+
+def read_shard_rows(data: bytes) -> list[Shard]:
+    """Return the shards :func:`shard_rows` wrote, in order."""
+    table = pq.read_table(io.BytesIO(data))
+    where = json.loads((table.schema.metadata or {})[SHARDS_KEY.encode()])
+    columns = table.to_pydict()
+    uris: dict[int, list[str]] = {number: [] for number, _, _ in where}
+    labels: dict[int, list[int]] = {number: [] for number, _, _ in where}
+    for number, uri, label in zip(columns["shard"], columns["uri"], columns["label"], strict=True):
+        uris[number].append(uri)
+        labels[number].append(label)
+    return [
+        Shard(number, split, local, uris[number], np.asarray(labels[number], dtype=np.int64))
+        for number, split, local in where
+    ]
+
+
+@dataclass(frozen=True)
 class ShardOrder:
     """Fix which rows go to which shard, so that any run of shards can be packed alone.
 
@@ -119,6 +171,12 @@ class ShardOrder:
         """Return the rows of global shard ``number`` within its split."""
         _, local = self.locate(number)
         return slice(local * self.per_shard, (local + 1) * self.per_shard)
+
+    def shard(self, number: int) -> Shard:
+        """Return global shard ``number``: where it goes and the rows it holds."""
+        split, local = self.locate(number)
+        rows = self.rows(number)
+        return Shard(number, split, local, self.uris[split][rows], self.labels[split][rows])
 
     def sizes(self) -> list[tuple[int, int]]:
         """Return each shard's (source files, source bytes), in global order."""
@@ -216,16 +274,17 @@ def _shard_bytes(
 
 
 def pack_shards(
-    order: ShardOrder,
-    start: int,
-    stop: int,
+    run: Sequence[Shard],
+    spec: PreprocessSpec,
+    classes: list[str],
     out_uri: str,
     *,
     index: int = 0,
     workers: int = 4,
     shard_format: ShardFormat = "raw",
 ) -> PackedPart:
-    """Decode and write global shards ``start`` to ``stop - 1`` under ``out_uri``.
+    """Decode and write a run of shards (``ShardOrder.shard``) under ``out_uri``, each image
+    as ``spec`` stores it.
 
     ``shard_format`` jpeg stores the training shards' images as JPEG files (the validation
     shards stay raw); the channel statistics are those of the pixels before encoding.
@@ -233,13 +292,11 @@ def pack_shards(
     shards: dict[str, list[str]] = {split: [] for split in SPLITS}
     counts = dict.fromkeys(SPLITS, 0)
     train_stats = ChannelStats()
-    spec, height, width = order.spec, order.spec.height, order.spec.width
+    height, width = spec.height, spec.width
     # Decoding is C code that releases the GIL: threads keep both cores busy without pickling.
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for number in range(start, stop):
-            split, local = order.locate(number)
-            rows = order.rows(number)
-            chunk = order.uris[split][rows]
+        for shard in run:
+            split, chunk = shard.split, shard.uris
             images = (
                 np.stack(list(pool.map(lambda u: _decode(u, spec), chunk)))
                 if chunk
@@ -248,8 +305,8 @@ def pack_shards(
             if split == "train":
                 train_stats.add(images)
             jpeg = shard_format == "jpeg" and split == "train"
-            data = _shard_bytes(images, order.labels[split][rows], order.classes, jpeg, pool)
-            uri = storage.join(out_uri, f"{split}-{local:05d}.npz")
+            data = _shard_bytes(images, shard.labels, classes, jpeg, pool)
+            uri = storage.join(out_uri, f"{split}-{shard.local:05d}.npz")
             storage.write_bytes(uri, data)
             shards[split].append(uri)
             counts[split] += len(chunk)
@@ -314,6 +371,13 @@ def pack_dataset(
     In one pass; ``burstcv.pipeline`` packs the same shards in chunks (``pack_shards``).
     """
     order = shard_order(manifest, spec, classes=classes, margin=margin)
-    part = pack_shards(order, 0, order.total, out_uri, workers=workers, shard_format=shard_format)
+    part = pack_shards(
+        [order.shard(n) for n in range(order.total)],
+        order.spec,
+        order.classes,
+        out_uri,
+        workers=workers,
+        shard_format=shard_format,
+    )
     log.info("packed %s into %s", part.counts, out_uri)
     return join_parts([part], spec, order.classes, fingerprint, shard_format)
