@@ -53,6 +53,7 @@ _PER_INSTANCE = {
     "StartInstances",
     "RebootInstances",
     "ModifyInstanceAttribute",
+    "GetConsoleOutput",
 }
 SPOT_SERVICE_LINKED_ROLE = "role/aws-service-role/spot.amazonaws.com/AWSServiceRoleForEC2Spot"
 
@@ -90,6 +91,20 @@ class AwsCall:
 
 # A recorded response: (HTTP status, body), or a function of the call that returns one.
 Answer = tuple[int, bytes] | Callable[[AwsCall], tuple[int, bytes]]
+
+
+def console_answer(instance_id: str, console: str) -> tuple[int, bytes]:
+    """Answer GetConsoleOutput as EC2 does once it has captured a box's console (base64)."""
+    import base64
+    from datetime import UTC, datetime
+
+    encoded = base64.b64encode(console.encode()).decode()
+    return 200, (
+        '<GetConsoleOutputResponse xmlns="http://ec2.amazonaws.com/doc/2016-11-15/">'
+        f"<requestId>console-1</requestId><instanceId>{instance_id}</instanceId>"
+        f"<timestamp>{datetime.now(UTC).isoformat()}</timestamp><output>{encoded}</output>"
+        "</GetConsoleOutputResponse>"
+    ).encode()
 
 
 def price_list_answer(instance_type: str, region: str, usd: str) -> bytes:

@@ -12,6 +12,7 @@ pip-installs it into the "AMI" Python, runs the preflight and trains for real. O
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import json
 import math
@@ -30,7 +31,7 @@ import numpy as np
 import pytest
 import structlog.testing
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
-from awsaudit import RecordingProxy, denied
+from awsaudit import RecordingProxy, console_answer, denied
 from boxsandbox import Boot, BoxSandbox, SandboxUnavailable, link, make_ami_python
 from burstcv_testkit import launch_of, power_off_in_emulator, reclaim_in_emulator, resolve_validated
 
@@ -190,8 +191,6 @@ def provision(run_key: str, packed: Packed, **overrides: Any) -> Provisioned:
 def user_data(ec2: Any, instance_id: str) -> str:
     """Return the user-data EC2 would hand the instance at boot."""
     raw = ec2.describe_instance_attribute(InstanceId=instance_id, Attribute="userData")
-    import base64
-
     return base64.b64decode(raw["UserData"]["Value"]).decode()
 
 
@@ -375,7 +374,11 @@ def box_without_s3(aws: str, tmp_path: Path) -> Iterator[BoxSandbox]:
 
 
 def test_a_box_that_cannot_reach_s3_powers_off_and_fails_at_boot_after_one_launch(
-    box_without_s3: BoxSandbox, account: dict[str, Any], shards: Packed
+    box_without_s3: BoxSandbox,
+    account: dict[str, Any],
+    shards: Packed,
+    audited_calls: RecordingProxy,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from airflow.sdk.exceptions import AirflowFailException
 
@@ -406,11 +409,21 @@ def test_a_box_that_cannot_reach_s3_powers_off_and_fails_at_boot_after_one_launc
         assert boot.shutdown_calls[-1] == ["shutdown", "-h", "now"]
         attempt_uri = f"{provisioned.output_uri}/attempts/1"
         assert not storage.exists(f"{attempt_uri}/logs/{instance_id}.log")
+        # What EC2 captured of its console (the emulator has no boxes of its own to capture).
+        monkeypatch.setitem(
+            audited_calls.answers, "ec2:GetConsoleOutput", console_answer(instance_id, boot.console)
+        )
         # The orchestrator: FAILED at boot, the cause read from the account, never relaunched.
         event = wait_for_trigger(provisioned, attempt=1)
         assert (event["status"], event["stage"], event["resumable"]) == ("failed", "boot", False)
         assert f"box {instance_id} powered off without reaching S3" in event["reason"]
         assert group["GroupId"] in event["reason"] and "egress" in event["reason"]
+        # And in the box's own words: the step it stopped at, the error it met.
+        said = re.search(
+            r"its console's last step: \"cannot reach S3: s3: exists (.+?)\"", event["reason"]
+        )
+        assert said and provisioned.output_uri in said.group(1), event["reason"]
+        assert "GetConsoleOutput" in [c.action.split(":")[1] for c in audited_calls.snapshot()]
         operator = WaitForTrainingOperator(task_id="train", provisioned=provisioned)
         with pytest.raises(AirflowFailException, match="at boot"):
             operator.execute_complete({"run_id": "manual__noegress"}, event)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
+from awsaudit import RecordingProxy, console_answer
 from burstcv_testkit import HELD_WHEEL, power_off_in_emulator, reclaim_in_emulator
 
 from burstcv import pipeline
@@ -187,6 +188,8 @@ def test_a_box_that_powered_itself_off_without_reaching_s3_fails_at_boot_once(
         # The cause, read from the account: the group lets nothing out; and the rule to add.
         assert f"({group['GroupId']}): no egress rule lets a box reach S3" in event.reason
         assert f"authorize-security-group-egress --group-id {group['GroupId']}" in event.reason
+        # EC2 had captured nothing of the box's own (no stamp on its console): nothing more.
+        assert "its console" not in event.reason
         # The record: a FAILED marker at boot, read back as the same outcome.
         failed = storage.read_json(f"{provisioned.output_uri}/attempts/1/FAILED")
         assert failed["stage"] == "boot" and failed["resumable"] is False
@@ -215,17 +218,34 @@ def test_a_box_that_reached_s3_and_vanished_is_lost_and_relaunched(
 
 
 def test_a_box_silent_past_the_boot_bound_ends_failed_at_boot(
-    provisioned: Provisioned, kit: Any, monkeypatch: pytest.MonkeyPatch
+    provisioned: Provisioned,
+    kit: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    audited_calls: RecordingProxy,
 ) -> None:
     (first,) = provisioned.instance_ids
     run, out = provisioned.run.run_key, provisioned.output_uri
     quick = Settings(boot_bound_s=60)
     # Within the bound: still booting.
     assert attempts.training_outcome(run, "ec2", out, 1, quick).status == "running"
+    # Its console, as EC2 captured it: the script stuck on its first try at S3, a proxy's
+    # long answer in its last stamp.
+    stuck = "cannot reach S3: s3: exists " + out + ": ProxyConnectionError: " + "x" * 600
+    console = (
+        f"boot\nburstcv: 2026-12-05T05:00:00.000Z run {run}\n"
+        f"burstcv: 2026-12-05T05:01:00.000Z {stuck}\n"
+    )
+    monkeypatch.setitem(
+        audited_calls.answers, "ec2:GetConsoleOutput", console_answer(first, console)
+    )
     launched_long_ago(first, seconds=61)
     outcome = attempts.training_outcome(run, "ec2", out, 1, quick)
     assert (outcome.status, outcome.stage, outcome.resumable) == ("failed", "boot", False)
     assert f"box {first} reached no S3 in 60 s after its launch" in outcome.reason
+    # Its own last step, cut to the first 400 characters.
+    said = outcome.reason.split("its console's last step: ")[1]
+    assert said.startswith(f'"cannot reach S3: s3: exists {out}: ProxyConnectionError: xxx')
+    assert said.index('…"') == 1 + attempts.STEP_SHOWN_CHARS - 1
     assert states(kit, run) == {first: "running"}  # the task's teardown terminates it
     # With its log in the store, the same box would be training, whatever its age.
     bucket, _, key = f"{out}/attempts/1/FAILED".removeprefix("s3://").partition("/")

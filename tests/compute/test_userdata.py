@@ -264,3 +264,24 @@ def test_several_boxes_rendezvous_through_torchrun_on_node_0s_private_address() 
     assert 'if [ -n "${LAUNCH_INDEX:-}" ] && [ "$STAGE" = train ]; then' in lines
     order = [two.index(text) for text in ("trap finish EXIT", "STAGE=rendezvous", "STAGE=train")]
     assert order == sorted(order)
+
+
+def test_the_steps_a_box_stamped_are_read_back_from_its_console() -> None:
+    from burstcv.compute.userdata import stamps
+
+    console = (
+        "[   12.3] cloud-init[801]: Cloud-init v. 24.1 running 'modules:final'\n"
+        "[   12.9] cloud-init[801]: burstcv: 2026-12-05T05:01:02.123Z run r attempt 1, job s3://b/j\n"
+        "burstcv: 2026-12-05T05:02:44.007Z cannot reach S3: s3: exists s3://b/j: ClientError: "
+        "An error occurred (403) when calling the HeadObject operation: Forbidden\n"
+        "[   99.1] reboot: Power down\n"
+    )
+    assert stamps(console) == [
+        "run r attempt 1, job s3://b/j",
+        "cannot reach S3: s3: exists s3://b/j: ClientError: An error occurred (403) when "
+        "calling the HeadObject operation: Forbidden",
+    ]
+    assert stamps("Linux version 6.1\nburstcv: not a stamp\n") == []
+    # The script's own stamp function writes what this reads.
+    script = render_user_data(SPEC)
+    assert 'stamp() { echo "burstcv: $(date -u +%Y-%m-%dT%H:%M:%S.%3NZ) $*"; }' in script

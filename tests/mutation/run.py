@@ -233,7 +233,14 @@ TARGETS = (
             "tests/compute/test_resume.py",
             "tests/training/test_rank_markers.py",
         ),
-        functions=("wait_ended", "resumable", "boot_failure", "training_outcome", "rank_error"),
+        functions=(
+            "wait_ended",
+            "resumable",
+            "boot_failure",
+            "_last_step",
+            "training_outcome",
+            "rank_error",
+        ),
     ),
     Target(
         "rank-markers",
@@ -379,7 +386,7 @@ TARGETS = (
         "deadline",
         "burstcv.compute.userdata",
         ("tests/compute/test_userdata.py",),
-        functions=("watchdog_minutes", "expiry_of"),
+        functions=("watchdog_minutes", "expiry_of", "stamps"),
     ),
     Target(
         "aws-check",

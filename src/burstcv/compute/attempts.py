@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from burstcv import lineage
 from burstcv.compute.backends import get_backend
@@ -42,6 +43,9 @@ from burstcv_spec.contracts import (
 )
 from burstcv_spec.layout import ATTEMPT_RECORD, FAILED_MARKER, JOB_SPEC, PROGRESS
 from burstcv_spec.storage import safe_run_id
+
+if TYPE_CHECKING:
+    from burstcv.compute.ec2 import Ec2Backend
 
 log = logging.getLogger(__name__)
 
@@ -290,16 +294,41 @@ def boot_failure(
         return None
     stuck = off or late
     ids = ", ".join(i.instance_id for i in stuck)
-    cause = "no cause read"
+    cause, said = "no cause read", ""
     try:
         if isinstance(backend, Ec2Backend):
             cause = no_s3_cause(backend, stuck[0].instance_id, settings.artifact_root)
     # Broad on purpose: the verdict stands without its diagnosis.
     except Exception as exc:
         cause = f"the account could not be read for a cause ({type(exc).__name__}: {exc})"
+    if isinstance(backend, Ec2Backend):
+        said = _last_step(backend, stuck[0].instance_id)
     return (
-        f"box {ids} {what} (no log, no marker): {cause}; not relaunched: a new box would fail alike"
+        f"box {ids} {what} (no log, no marker): {cause}{said}; not relaunched: a new box would "
+        "fail alike"
     )
+
+
+STEP_SHOWN_CHARS = 400  # of the last step a box stamped, in a boot failure's reason
+
+
+def _last_step(backend: Ec2Backend, instance_id: str) -> str:
+    """Return '; its console's last step: "…"' from the box's own stamps, or "" when EC2 has
+    captured none (yet) or cannot be read: its own words, where nothing else of it got out."""
+    from burstcv.compute.userdata import stamps
+
+    try:
+        steps = stamps(backend.console_output(instance_id))
+    # Broad on purpose: the verdict stands without the box's words.
+    except Exception as exc:
+        log.warning("could not read the console output of %s: %s", instance_id, exc)
+        return ""
+    if not steps:
+        return ""
+    last = steps[-1]
+    if len(last) > STEP_SHOWN_CHARS:
+        last = last[: STEP_SHOWN_CHARS - 1] + "…"
+    return f'; its console\'s last step: "{last}"'
 
 
 def _usd(amount: float) -> str:

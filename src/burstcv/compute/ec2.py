@@ -827,6 +827,19 @@ class Ec2Backend:
                     # Harmless if left: it fires on a terminated instance and deletes itself.
                     log.warning("could not remove the backstop of %s: %s", iid, exc)
 
+    def console_output(self, instance_id: str) -> str:
+        """Return an instance's console output as EC2 last captured it ("" before any).
+
+        The newest capture where the instance type offers one (Nitro); the buffered one else.
+        """
+        try:
+            answer = self.client.get_console_output(InstanceId=instance_id, Latest=True)
+        except ClientError as exc:
+            if _error_code(exc) != "UnsupportedOperation":
+                raise
+            answer = self.client.get_console_output(InstanceId=instance_id)
+        return str(answer.get("Output") or "")  # boto3 decodes EC2's base64
+
     def describe(self, run_id: str) -> list[InstanceInfo]:
         """Return every burstcv instance tagged with the run id, in any state."""
         filters = [

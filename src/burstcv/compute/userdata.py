@@ -25,6 +25,7 @@ Nothing large is downloaded at boot: the AMI brings CUDA torch, the wheel is ten
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from dataclasses import dataclass
 from datetime import datetime
@@ -444,3 +445,13 @@ def parse_config(script: str) -> dict[str, str]:
 
 def _comment_safe(text: str) -> str:
     return text.replace("\n", " ").replace("\r", " ")
+
+
+# How the script stamps each step (``stamp``): "burstcv: <UTC time> <what>".
+_STAMP = re.compile(r"burstcv: \d{4}-\d\d-\d\dT[\d:.]+Z (.+)")
+
+
+def stamps(console: str) -> list[str]:
+    """Return the steps a box's script stamped, in order, from its console output (where
+    cloud-init copies the script's output: the one place a box without S3 can write)."""
+    return [m.group(1).strip() for m in _STAMP.finditer(console)]
