@@ -102,26 +102,35 @@ def _run(run_id: str | None) -> RunRef:
 def burstcv_pipeline() -> None:
     """Wire the stages; every task body is one call into burstcv.pipeline."""
 
-    # No retry: a failed launch terminates what it started, and a retry would arm the boxes'
-    # deadline afresh from its own start (a second time budget, a second bill); the train
-    # task's retries relaunch a lost box against the first deadline instead.
-    @task(execution_timeout=timedelta(minutes=15), pool=SETTINGS.gpu_pool)
+    # Retried: a failed try terminated what it started, and a retry launches against the
+    # deadline the first try armed (no second time budget, no second bill). What a retry
+    # cannot fix (a setting, a spent budget) fails at once.
+    @task(
+        execution_timeout=timedelta(minutes=15),
+        pool=SETTINGS.gpu_pool,
+        retries=2,
+        retry_delay=timedelta(seconds=30),
+    )
     def provision(
         packed: dict[str, Any], run_id: str | None = None, dag: Any = None, ti: Any = None
     ) -> dict[str, Any]:
         """Write job.json and start the training box(es), tagged with this run.
 
-        Not retried: a retry would start a second time budget (the deadline is armed here).
+        Retried (no capacity yet, a throttled or dropped call) against the first try's
+        deadline; a stage error (a setting, the time budget spent) is final.
         """
         from burstcv import pipeline
 
-        return pipeline.provision(
-            _run(run_id),
-            dag.dag_id,
-            Packed.model_validate(packed),
-            SETTINGS,
-            attempt=int(getattr(ti, "try_number", 1) or 1),
-        ).model_dump(mode="json")
+        try:
+            return pipeline.provision(
+                _run(run_id),
+                dag.dag_id,
+                Packed.model_validate(packed),
+                SETTINGS,
+                attempt=int(getattr(ti, "try_number", 1) or 1),
+            ).model_dump(mode="json")
+        except pipeline.StageError as exc:
+            raise AirflowFailException(str(exc)) from exc  # retrying cannot fix it
 
     # Airflow runs no teardown for a setup that failed (or whose worker died): this does.
     @task(

@@ -665,10 +665,13 @@ def provision(
 
     The run's resolved time budget (run.json: bounded so that ``num_nodes`` boxes stay in the
     money budget) becomes an absolute deadline here, shared by every attempt, so a relaunch
-    never gets a fresh budget. For EC2 the training wheel is staged first and its sha256
-    written into job.json. ``attempt`` is the try of this task (markers are per attempt, and
-    it is part of the launch's idempotency token). Whatever interrupts the launch, a task
-    timeout included, the run's boxes are terminated by tag before the failure goes on.
+    never gets a fresh budget, and neither does a retry of this task: its first try armed the
+    deadline in job.json, and a later try launches against that one (the boxes of a failed
+    try were terminated, so the run's boxes never overlap and the bill stays in the budget).
+    For EC2 the training wheel is staged first and its sha256 written into job.json.
+    ``attempt`` is the try of this task (markers are per attempt, and it is part of the
+    launch's idempotency token). Whatever interrupts the launch, a task timeout included, the
+    run's boxes are terminated by tag before the failure goes on.
     """
     from burstcv.training.job import write_job
 
@@ -676,7 +679,15 @@ def provision(
     paths = run_layout(run, s)
     resolved = resolved_run(run, s)
     params, costs = resolved.params, resolved.costs
-    deadline_at = lineage.utc_now() + timedelta(seconds=costs.time_budget_s)
+    deadline_at = armed_deadline(paths.job_spec, attempt) or (
+        lineage.utc_now() + timedelta(seconds=costs.time_budget_s)
+    )
+    left_s = (deadline_at - lineage.utc_now()).total_seconds()
+    if left_s < MIN_TRAINING_LEFT_S:
+        raise StageError(
+            f"the run's time budget is spent: its deadline {deadline_at.isoformat()} (armed by "
+            f"the first try of provision) leaves {max(0.0, left_s):.0f} s; nothing launched"
+        )
     wheel_uri, wheel_sha256, require_cuda = "", "", False
     if params.compute_backend == "ec2":
         from burstcv.compute.runtime import stage_training_wheel
@@ -720,6 +731,19 @@ def provision(
         backend=params.compute_backend,
         launch=launch,  # what a retry of the train task needs to start a box again
     )
+
+
+MIN_TRAINING_LEFT_S = 120.0  # a retry of provision launches only with this much time left
+
+
+def armed_deadline(job_spec_uri: str, attempt: int) -> datetime | None:
+    """Return the deadline an earlier try of provision armed (its job.json), or None on the
+    first try (or when no earlier try got as far as writing it)."""
+    from burstcv.training.job import load_job
+
+    if attempt <= 1 or not storage.exists(job_spec_uri):
+        return None
+    return load_job(job_spec_uri).deadline_at
 
 
 def clean_up_provision(

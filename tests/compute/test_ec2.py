@@ -720,3 +720,37 @@ def test_several_boxes_need_the_ec2_backend_and_nothing_starts_without_it(
     with pytest.raises(pipeline.StageError, match=r"run\.json does not exist"):
         pipeline.provision(run, DAG_ID, packed_for(kit, "local-two"), s3_deployment)
     assert kit.live_managed() == []
+
+
+def test_a_retry_of_provision_launches_against_the_first_tries_deadline(
+    s3_deployment: Any, backend: Ec2Backend, player: Any, kit: Any
+) -> None:
+    from burstcv.training.job import load_job, write_job
+
+    run_id = "retried"
+    player.modes[run_id] = kit.HOLD
+    run = RunRef.of(run_id)
+    params = RunParams.resolve({"compute_backend": "ec2"}, s3_deployment)
+    resolve_validated(run, params, s3_deployment, packed_for(kit, run_id))
+    first = pipeline.provision(run, DAG_ID, packed_for(kit, run_id), s3_deployment)
+    armed = load_job(first.job_uri).deadline_at
+    assert armed is not None and first.launch.deadline_at == armed
+    # The first try failed after its launch (its worker died): the clean-up ended its box.
+    pipeline.clean_up_provision(run, "ec2", s3_deployment)
+    time.sleep(1.1)  # a retry comes later: a fresh budget would end later
+
+    second = pipeline.provision(run, DAG_ID, packed_for(kit, run_id), s3_deployment, attempt=2)
+
+    assert second.launch.deadline_at == armed == load_job(second.job_uri).deadline_at
+    (box,) = second.instance_ids
+    assert box not in first.instance_ids
+    assert {i.instance_id for i in backend.describe(run_id) if i.state == RUNNING} == {box}
+    # A try with too little of the budget left launches nothing, and says why.
+    pipeline.clean_up_provision(run, "ec2", s3_deployment)
+    job = load_job(second.job_uri)
+    soon = datetime.now(UTC) + timedelta(seconds=pipeline.MIN_TRAINING_LEFT_S / 2)
+    write_job(job.model_copy(update={"deadline_at": soon}), second.job_uri)
+    with pytest.raises(pipeline.StageError, match="the run's time budget is spent"):
+        pipeline.provision(run, DAG_ID, packed_for(kit, run_id), s3_deployment, attempt=3)
+    assert [i for i in backend.describe(run_id) if i.state == RUNNING] == []
+    assert kit.live_managed() == []
