@@ -182,8 +182,11 @@ class Drill:
         tis = self.client.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances").json()
         return {ti["task_id"]: ti for ti in tis["task_instances"]}
 
-    def wait(self, what: str, predicate: Callable[[], bool], timeout_s: float) -> float:
-        """Wait until ``predicate`` holds; return the seconds it took (raise on timeout)."""
+    def wait(
+        self, what: str, predicate: Callable[[], bool], timeout_s: float, every_s: float = 2.0
+    ) -> float:
+        """Wait until ``predicate`` holds, asking every ``every_s``; return the seconds it took
+        (raise on timeout)."""
         started = time.monotonic()
         while True:
             try:
@@ -193,7 +196,7 @@ class Drill:
                 pass  # Airflow restarting: ask again
             if time.monotonic() - started > timeout_s:
                 raise TimeoutError(f"{what}: not within {timeout_s:.0f} s")
-            time.sleep(2)
+            time.sleep(every_s)
 
     def wait_end(self, run_id: str, dag_id: str = PIPELINE) -> str:
         """Wait for a run to end; return its final state."""
@@ -447,7 +450,8 @@ def db_locked(drill: Drill) -> tuple[str, str]:
 
 
 def service_killed_mid_deploy(drill: Drill) -> tuple[str, str]:
-    """The prediction service killed (-9) once the gate has judged, and not restarted.
+    """The prediction service killed (-9) while deploy runs (staging the new version), and not
+    restarted.
 
     Nothing can stage the new version: deploy fails, saying so, and production stays where it
     was; the operator then starts the service, which must serve that production version.
@@ -460,19 +464,25 @@ def service_killed_mid_deploy(drill: Drill) -> tuple[str, str]:
 
     before = served()
     run = drill.train()
+    # As the deploy task starts: polled often, since staging takes a second or two.
     drill.wait(
-        "the gate",
-        lambda: drill.tasks(run).get("gate", {}).get("state") in ("success", "failed"),
+        "the deploy",
+        lambda: (
+            drill.tasks(run).get("deploy", {}).get("state")
+            in ("running", "success", "failed", "up_for_retry")
+        ),
         RUN_TIMEOUT_S,
+        every_s=0.2,
     )
+    state_then = drill.tasks(run)["deploy"]["state"]
     os.kill(int((drill.home / "run" / "serve.pid").read_text()), signal.SIGKILL)
     final = drill.wait_end(run)
     deploy = drill.tasks(run)["deploy"]["state"]
     drill.make("serve")
     after = served()
     detail = (
-        f"service killed (-9) as deploy began, not restarted; deploy {deploy}; run {final}; "
-        f"started again, it serves version {after} (before the run: {before})"
+        f"service killed (-9) with deploy {state_then}, not restarted; deploy {deploy}; run "
+        f"{final}; started again, it serves version {after} (before the run: {before})"
     )
     if drill.live_boxes(run):
         return "broken", detail + "; a box outlived the run"
@@ -484,12 +494,14 @@ def service_killed_mid_deploy(drill: Drill) -> tuple[str, str]:
 
 
 def airflow_killed(drill: Drill) -> tuple[str, str]:
+    """Every Airflow process killed at once (-9: the supervisor and its components, as a host's
+    out-of-memory killer or a lost container leaves them), then `make airflow`."""
     run = drill.train()
     drill.wait_training(run)
-    drill.make("airflow-stop")
+    os.killpg(int((drill.home / "run" / "airflow.pid").read_text()), signal.SIGKILL)
     drill._client = None  # a new api-server: log in again
     drill.make("airflow")
-    return _resumed(drill, run, "whole Airflow stopped and started")
+    return _resumed(drill, run, "whole Airflow killed (-9) and started again")
 
 
 def service_restart_during_deploy(drill: Drill) -> tuple[str, str]:

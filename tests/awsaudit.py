@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from http.client import HTTPConnection
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from xml.sax.saxutils import escape
 
 MOTO_ACCOUNT_ID = "123456789012"
 
@@ -784,3 +785,40 @@ def denied(
         if not allowed:
             lines.append(f"{call}: {reason}")
     return lines
+
+
+def simulated(
+    policy: dict[str, Any],
+    variables: dict[str, str],
+    wanted: list[tuple[str, str]],
+    context: dict[str, Any] | None = None,
+) -> bytes:
+    """Return IAM's SimulatePrincipalPolicy response for ``wanted`` (action, resource) pairs
+    under ``policy`` alone, in ``context``, as the audit's IAM evaluator decides each."""
+    members = []
+    for action in sorted({a for a, _ in wanted}):
+        for resource in sorted({r for _, r in wanted}):
+            allowed, reason = evaluate(policy, Check(action, resource, context or {}), variables)
+            decision = (
+                "allowed"
+                if allowed
+                else "explicitDeny"
+                if "denied by" in reason
+                else "implicitDeny"
+            )
+            members.append(
+                "<member>"
+                f"<EvalActionName>{action}</EvalActionName>"
+                f"<EvalResourceName>{escape(resource)}</EvalResourceName>"
+                f"<EvalDecision>{decision}</EvalDecision>"
+                "<MatchedStatements/><MissingContextValues/>"
+                "</member>"
+            )
+    return (
+        '<SimulatePrincipalPolicyResponse xmlns="https://iam.amazonaws.com/doc/2010-05-08/">'
+        "<SimulatePrincipalPolicyResult><IsTruncated>false</IsTruncated>"
+        f"<EvaluationResults>{''.join(members)}</EvaluationResults>"
+        "</SimulatePrincipalPolicyResult>"
+        "<ResponseMetadata><RequestId>7a62c49f-347e-4fc4-9331-6e8eEXAMPLE</RequestId>"
+        "</ResponseMetadata></SimulatePrincipalPolicyResponse>"
+    ).encode()

@@ -27,6 +27,7 @@ from typing import Any
 import boto3
 import motoplacement
 import pytest
+from awsaudit import MOTO_ACCOUNT_ID, Check
 from localserver import use_moto
 
 from burstcv.compute.base import TAG_MANAGED, TAG_RUN_ID
@@ -513,3 +514,35 @@ def s3_deployment(ec2_settings: Ec2Settings, kit: Kit, monkeypatch: pytest.Monke
     get_settings.cache_clear()
     yield get_settings()
     get_settings.cache_clear()
+
+
+@pytest.fixture
+def iam_resources_audited(audited_calls: Any, aws: str) -> Iterator[None]:
+    """Give the orchestrator's IAM and KMS reads the resource ARNs AWS authorizes them on.
+
+    The proxy records calls of services without resource-level parsing as on ``*``; the
+    policy scopes these reads to the training role, the Spot role and the account's keys, so
+    before the audit judges the test's calls each is given its real resource.
+    """
+    yield
+    if audited_calls is None:
+        return
+    iam = boto3.client("iam", region_name="us-east-1", endpoint_url=aws)
+    kms = boto3.client("kms", region_name="us-east-1", endpoint_url=aws)
+    for call in audited_calls.snapshot():
+        params = call.params
+        if call.action == "iam:GetInstanceProfile":
+            name = params["InstanceProfileName"]
+            resource = f"arn:aws:iam::{MOTO_ACCOUNT_ID}:instance-profile/{name}"
+        elif call.action == "iam:SimulatePrincipalPolicy":
+            resource = params["PolicySourceArn"]
+        elif call.action == "iam:GetRole":
+            try:
+                resource = iam.get_role(RoleName=params["RoleName"])["Role"]["Arn"]
+            except iam.exceptions.NoSuchEntityException:
+                resource = f"arn:aws:iam::{MOTO_ACCOUNT_ID}:role/{params['RoleName']}"
+        elif call.action in ("kms:DescribeKey", "kms:GetKeyPolicy"):
+            resource = kms.describe_key(KeyId=params["KeyId"])["KeyMetadata"]["Arn"]
+        else:
+            continue
+        call.checks = [Check(call.action, resource)]

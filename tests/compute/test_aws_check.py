@@ -18,7 +18,6 @@ on demand; or, per call, the product the call's filters name, as the Price List 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
@@ -29,10 +28,9 @@ from awsaudit import (
     EMPTY_PRICE_LIST,
     MOTO_ACCOUNT_ID,
     Answer,
-    Check,
     RecordingProxy,
-    evaluate,
     price_list,
+    simulated,
 )
 from typer.testing import CliRunner
 
@@ -120,43 +118,6 @@ def simulation_answer(
     return simulated(policy, variables, wanted)
 
 
-def simulated(
-    policy: dict[str, Any],
-    variables: dict[str, str],
-    wanted: list[tuple[str, str]],
-    context: dict[str, Any] | None = None,
-) -> bytes:
-    """Return IAM's SimulatePrincipalPolicy response for ``wanted`` (action, resource) pairs
-    under ``policy`` alone, in ``context``, as the audit's IAM evaluator decides each."""
-    members = []
-    for action in sorted({a for a, _ in wanted}):
-        for resource in sorted({r for _, r in wanted}):
-            allowed, reason = evaluate(policy, Check(action, resource, context or {}), variables)
-            decision = (
-                "allowed"
-                if allowed
-                else "explicitDeny"
-                if "denied by" in reason
-                else "implicitDeny"
-            )
-            members.append(
-                "<member>"
-                f"<EvalActionName>{action}</EvalActionName>"
-                f"<EvalResourceName>{escape(resource)}</EvalResourceName>"
-                f"<EvalDecision>{decision}</EvalDecision>"
-                "<MatchedStatements/><MissingContextValues/>"
-                "</member>"
-            )
-    return (
-        '<SimulatePrincipalPolicyResponse xmlns="https://iam.amazonaws.com/doc/2010-05-08/">'
-        "<SimulatePrincipalPolicyResult><IsTruncated>false</IsTruncated>"
-        f"<EvaluationResults>{''.join(members)}</EvaluationResults>"
-        "</SimulatePrincipalPolicyResult>"
-        "<ResponseMetadata><RequestId>7a62c49f-347e-4fc4-9331-6e8eEXAMPLE</RequestId>"
-        "</ResponseMetadata></SimulatePrincipalPolicyResponse>"
-    ).encode()
-
-
 ORCHESTRATOR_SESSION = f"arn:aws:sts::{MOTO_ACCOUNT_ID}:assumed-role/burstcv-orchestrator/airflow"
 
 
@@ -217,35 +178,8 @@ def answers(audited_calls: RecordingProxy, monkeypatch: pytest.MonkeyPatch) -> A
 
 
 @pytest.fixture(autouse=True)
-def iam_resources_audited(audited_calls: RecordingProxy | None, aws: str) -> Iterator[None]:
-    """Give the check's IAM and KMS reads the resource ARNs AWS authorizes them on.
-
-    The proxy records calls of services without resource-level parsing as on ``*``; the
-    policy scopes these reads to the training role, the Spot role and the account's keys, so
-    before the audit judges the test's calls each is given its real resource.
-    """
-    yield
-    if audited_calls is None:
-        return
-    iam = boto3.client("iam", region_name="us-east-1", endpoint_url=aws)
-    kms = boto3.client("kms", region_name="us-east-1", endpoint_url=aws)
-    for call in audited_calls.snapshot():
-        params = call.params
-        if call.action == "iam:GetInstanceProfile":
-            name = params["InstanceProfileName"]
-            resource = f"arn:aws:iam::{ACCOUNT}:instance-profile/{name}"
-        elif call.action == "iam:SimulatePrincipalPolicy":
-            resource = params["PolicySourceArn"]
-        elif call.action == "iam:GetRole":
-            try:
-                resource = iam.get_role(RoleName=params["RoleName"])["Role"]["Arn"]
-            except iam.exceptions.NoSuchEntityException:
-                resource = f"arn:aws:iam::{ACCOUNT}:role/{params['RoleName']}"
-        elif call.action in ("kms:DescribeKey", "kms:GetKeyPolicy"):
-            resource = kms.describe_key(KeyId=params["KeyId"])["KeyMetadata"]["Arn"]
-        else:
-            continue
-        call.checks = [Check(call.action, resource)]
+def _iam_resources(iam_resources_audited: None) -> None:
+    """Every test here: the IAM and KMS reads audited on their real resources (conftest)."""
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import structlog.testing
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
-from awsaudit import RecordingProxy, console_answer, denied
+from awsaudit import RecordingProxy, console_answer, denied, simulated
 from boxsandbox import Boot, BoxSandbox, SandboxUnavailable, link, make_ami_python
 from burstcv_testkit import launch_of, power_off_in_emulator, reclaim_in_emulator, resolve_validated
 
@@ -39,6 +39,7 @@ from burstcv import pipeline
 from burstcv.airflow.operators import WaitForTrainingOperator
 from burstcv.airflow.triggers import TrainingCompletionTrigger
 from burstcv.compute.attempts import current_attempt
+from burstcv.compute.awscheck import instance_role_requests
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.compute.runtime import stage_training_wheel
 from burstcv.params import RunParams
@@ -70,18 +71,28 @@ BOX_REGION = "us-west-2"  # differs from the launch's fallback: the box must tak
 
 
 @pytest.fixture
-def box(aws: str, tmp_path: Path) -> Iterator[BoxSandbox]:
+def box_calls(aws: str) -> Iterator[RecordingProxy]:
+    """Yield the proxy between a box and the emulator: it records every call of the box (and
+    answers as AWS would where the emulator does not)."""
+    proxy = RecordingProxy(aws)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.fixture
+def box(box_calls: RecordingProxy, tmp_path: Path) -> Iterator[BoxSandbox]:
     """Yield a fresh sandbox whose S3 is the emulator, every box call recorded; then audit.
 
     After the test: nothing of the box survives, and every AWS call the box made (the AWS
     CLI in the boot script, boto3 in training) was signed for the box's own region and is
     allowed by deploy/instance-role-policy.json.
     """
-    proxy = RecordingProxy(aws)
+    proxy = box_calls
     try:
         sandbox = BoxSandbox(tmp_path / "sandbox", proxy.url).__enter__()
     except SandboxUnavailable as exc:
-        proxy.stop()
         pytest.skip(f"network namespaces are not permitted here: {exc}")
     sandbox.imds.region = BOX_REGION
     try:
@@ -97,7 +108,6 @@ def box(aws: str, tmp_path: Path) -> Iterator[BoxSandbox]:
         print(f"box AWS calls: {sorted({c.action for c in calls})} ({len(calls)}), 0 denied")
     finally:
         sandbox.close()
-        proxy.stop()
 
 
 @pytest.fixture
@@ -436,6 +446,97 @@ def test_a_box_that_cannot_reach_s3_powers_off_and_fails_at_boot_after_one_launc
             GroupId=group["GroupId"],
             IpPermissions=[{"IpProtocol": "-1", "IpRanges": [{"CidrIp": "0.0.0.0/0"}]}],
         )
+
+
+def test_a_bucket_whose_kms_key_the_role_cannot_use_fails_at_boot_after_one_launch(
+    box: BoxSandbox,
+    box_calls: RecordingProxy,
+    aws: str,
+    account: dict[str, Any],
+    shards: Packed,
+    audited_calls: RecordingProxy,
+    iam_resources_audited: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ec2, s3 = account["ec2"], account["s3"]
+    monkeypatch.setenv("BURSTCV_ARTIFACT_ROOT", ARTIFACT_ROOT)  # what the trigger reads
+    get_settings.cache_clear()
+    # The account as docs/aws.md sets it up: a route to S3 (the free gateway endpoint).
+    (main,) = ec2.describe_route_tables(Filters=[{"Name": "association.main", "Values": ["true"]}])[
+        "RouteTables"
+    ]
+    ec2.create_vpc_endpoint(
+        VpcId=main["VpcId"],
+        ServiceName=f"com.amazonaws.{REGION}.s3",
+        VpcEndpointType="Gateway",
+        RouteTableIds=[main["RouteTableId"]],
+    )
+    kms = boto3.client("kms", region_name=REGION, endpoint_url=aws)
+    key = kms.create_key(Description="the artifact bucket's key")["KeyMetadata"]["Arn"]
+    s3.put_bucket_encryption(
+        Bucket=BUCKET,
+        ServerSideEncryptionConfiguration={
+            "Rules": [
+                {
+                    "ApplyServerSideEncryptionByDefault": {
+                        "SSEAlgorithm": "aws:kms",
+                        "KMSMasterKeyID": key,
+                    }
+                }
+            ]
+        },
+    )
+    provisioned = provision("manual__kms", shards)
+    (instance_id,) = provisioned.instance_ids
+
+    # S3's answer to a caller that may not use an object's key (the emulator stores objects
+    # unencrypted and checks no key): 403 for each of the box's object calls.
+    def refused(call: Any) -> tuple[int, bytes]:
+        if call.method == "HEAD":
+            return 403, b""
+        return 403, (
+            "<Error><Code>AccessDenied</Code><Message>User: arn:aws:sts::123456789012:"
+            f"assumed-role/{PROFILE}/{instance_id} is not authorized to perform: "
+            f"kms:Decrypt on resource: {key}</Message></Error>"
+        ).encode()
+
+    monkeypatch.setitem(box_calls.answers, "s3:GetObject", refused)
+    monkeypatch.setitem(box_calls.answers, "s3:PutObject", refused)
+    boot = boot_instance(box, ec2, instance_id)
+
+    # The box could not read its job: it says so on its console and halts, writing nothing.
+    assert boot.exit_code == 4, boot.console
+    assert "cannot reach S3" in boot.console and "403" in boot.console, boot.console
+    assert boot.shutdown_calls[-1] == ["shutdown", "-h", "now"]
+    # What IAM's simulator answers for the training role (deploy/instance-role-policy.json:
+    # the run's files, no statement for a customer managed key), and what EC2 captured of
+    # the box's console.
+    policy = json.loads(INSTANCE_POLICY.read_text())
+    variables = {"ARTIFACT_ROOT": f"{BUCKET}/artifacts", "BURSTCV_BUCKET": BUCKET}
+    simulation = simulated(policy, variables, instance_role_requests(ARTIFACT_ROOT, key))
+    monkeypatch.setitem(audited_calls.answers, "iam:SimulatePrincipalPolicy", (200, simulation))
+    monkeypatch.setitem(
+        audited_calls.answers, "ec2:GetConsoleOutput", console_answer(instance_id, boot.console)
+    )
+    event = wait_for_trigger(provisioned, attempt=1)
+
+    # FAILED at boot, not resumable: the cause (the role may not use the bucket's key) read
+    # from the account, and the box's own words.
+    assert (event["status"], event["stage"], event["resumable"]) == ("failed", "boot", False)
+    reason = event["reason"]
+    assert f"box {instance_id} powered off without reaching S3" in reason
+    assert f"the bucket's default key {key}" in reason and "kms:" in reason, reason
+    assert "its console's last step: \"cannot reach S3: " in reason and "403" in reason
+    operator = WaitForTrainingOperator(task_id="train", provisioned=provisioned.model_dump())
+    with pytest.raises(AirflowFailException, match="powered off without reaching S3"):
+        operator.execute_complete({"run_id": "manual__kms"}, event)
+    launched = ec2.describe_instances(
+        Filters=[{"Name": "tag:burstcv:run-id", "Values": [provisioned.run.run_key]}]
+    )["Reservations"]
+    assert [i["InstanceId"] for r in launched for i in r["Instances"]] == [instance_id]
+    # The run's report says the same.
+    page = storage.read_bytes(pipeline.report(provisioned.run, settings())).decode()
+    assert "Training failed in attempt 1, at the boot stage: " in page and key in page
 
 
 def test_a_python_outside_the_range_fails_preflight_before_the_install(
