@@ -390,6 +390,17 @@ def write_shard(path: Path, images: Any, labels: Any, classes: list[str]) -> str
 PHOTO_COLOURS = {"cool": (60, 110, 190), "warm": (190, 110, 60)}
 
 
+def corrupt_image_member(shard: bytes) -> bytes:
+    """Return a .npz shard with bytes zeroed inside its image member: its headers and labels
+    still read, its pixels fail their check (a corrupt shard as a box meets it)."""
+    data = bytearray(shard)
+    at = data.find(b"images.npy")
+    assert at > 0, "no image member in the shard"
+    middle = at + (len(data) - at) // 4  # inside the member's data, past its local header
+    data[middle : middle + 64] = bytes(64)
+    return bytes(data)
+
+
 def photo_jpeg(color: tuple[int, int, int], width: int, height: int, seed: int) -> bytes:
     """Return a JPEG of a noisy coloured picture with a few darker blobs.
 

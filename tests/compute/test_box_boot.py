@@ -33,7 +33,13 @@ import structlog.testing
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 from awsaudit import RecordingProxy, console_answer, denied, simulated
 from boxsandbox import Boot, BoxSandbox, SandboxUnavailable, link, make_ami_python
-from burstcv_testkit import launch_of, power_off_in_emulator, reclaim_in_emulator, resolve_validated
+from burstcv_testkit import (
+    corrupt_image_member,
+    launch_of,
+    power_off_in_emulator,
+    reclaim_in_emulator,
+    resolve_validated,
+)
 
 from burstcv import pipeline
 from burstcv.airflow.operators import WaitForTrainingOperator
@@ -867,11 +873,7 @@ def test_a_deterministic_error_on_the_second_box_fails_once_with_that_ranks_reas
     # corrupt inside its image member: its header and labels still read, its pixels do not.
     counts = [read_shard_info(uri, shards.classes).count for uri in shards.train_shards]
     bad_uri = shards.train_shards[node_shards(counts, 2)[1][-1]]
-    data = bytearray(storage.read_bytes(bad_uri))
-    at = data.find(b"images.npy")
-    middle = at + (len(data) - at) // 4
-    data[middle : middle + 64] = bytes(64)
-    storage.write_bytes(bad_uri, bytes(data))
+    storage.write_bytes(bad_uri, corrupt_image_member(storage.read_bytes(bad_uri)))
     bad = bad_uri.rsplit("/", 1)[1]
     provisioned = provision("manual__rank_error", shards, num_nodes=2, epochs=2, batch_size=16)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from burstcv_testkit import make_job
+from burstcv_testkit import corrupt_image_member, make_job
 from localserver import free_port
 
 from burstcv.compute.attempts import rank_error, training_outcome
@@ -153,16 +153,6 @@ def test_an_unreadable_rank_marker_is_skipped(tmp_path: Path, local_state: None)
         )
 
 
-def corrupt_images(shard: Path) -> None:
-    """Flip bytes inside the shard's image member: its headers and labels still read."""
-    data = bytearray(shard.read_bytes())
-    at = data.find(b"images.npy")
-    assert at > 0
-    middle = at + (len(data) - at) // 4  # inside the member's data, past its local header
-    data[middle : middle + 64] = bytes(64)
-    shard.write_bytes(bytes(data))
-
-
 def two_boxes(job_uri: str) -> list[subprocess.CompletedProcess[str]]:
     """Run the job as two boxes would: two torchrun agents, one gloo process each, c10d."""
     port = free_port()
@@ -223,7 +213,7 @@ def test_a_corrupt_shard_on_the_second_box_fails_the_attempt_with_that_ranks_rea
     counts = [read_shard_info(uri, packed["classes"]).count for uri in train]
     second_box = node_shards(counts, 2)[1]
     bad = Path(train[second_box[-1]])
-    corrupt_images(bad)
+    bad.write_bytes(corrupt_image_member(bad.read_bytes()))
     out = tmp_path / "job"
     job = make_job(packed, out, epochs=1)
     job_uri = write_job(job, str(tmp_path / "job.json"))
