@@ -679,15 +679,15 @@ def provision(
     paths = run_layout(run, s)
     resolved = resolved_run(run, s)
     params, costs = resolved.params, resolved.costs
-    deadline_at = armed_deadline(paths.job_spec, attempt) or (
-        lineage.utc_now() + timedelta(seconds=costs.time_budget_s)
-    )
-    left_s = (deadline_at - lineage.utc_now()).total_seconds()
-    if left_s < MIN_TRAINING_LEFT_S:
-        raise StageError(
-            f"the run's time budget is spent: its deadline {deadline_at.isoformat()} (armed by "
-            f"the first try of provision) leaves {max(0.0, left_s):.0f} s; nothing launched"
-        )
+    armed = armed_deadline(paths.job_spec, attempt)
+    if armed is not None:
+        left_s = (armed - lineage.utc_now()).total_seconds()
+        if left_s < MIN_TRAINING_LEFT_S:
+            raise StageError(
+                f"the run's time budget is spent: its deadline {armed.isoformat()} (armed by "
+                f"the first try of provision) leaves {max(0.0, left_s):.0f} s; nothing launched"
+            )
+    deadline_at = armed or lineage.utc_now() + timedelta(seconds=costs.time_budget_s)
     wheel_uri, wheel_sha256, require_cuda = "", "", False
     if params.compute_backend == "ec2":
         from burstcv.compute.runtime import stage_training_wheel
