@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import logging
 import re
 from collections.abc import Iterable, Sequence
@@ -30,7 +29,8 @@ JPEG_MIN_SIDE = 128
 ShardFormat = Literal["raw", "jpeg"]
 # Larger images make fewer per shard, so a shard stays one 150 MB GET (780 at 256x256).
 SHARD_BYTES = SHARD_IMAGES * 32 * 32 * 3
-SHARDS_KEY = "burstcv.shards"  # shard_rows' metadata: each shard's [number, split, local]
+# shard_rows' metadata: each shard as "number:split:local", comma-separated, in order.
+SHARDS_KEY = "burstcv.shards"
 
 
 class ChannelStats:
@@ -112,8 +112,8 @@ def shard_rows(shards: Sequence[Shard]) -> bytes:
             ),
         }
     )
-    where = [[s.number, s.split, s.local] for s in shards]
-    table = table.replace_schema_metadata({SHARDS_KEY: json.dumps(where)})
+    where = ",".join(f"{s.number}:{s.split}:{s.local}" for s in shards)
+    table = table.replace_schema_metadata({SHARDS_KEY: where})
     buffer = io.BytesIO()
     pq.write_table(table, buffer)
     return buffer.getvalue()
@@ -122,7 +122,11 @@ def shard_rows(shards: Sequence[Shard]) -> bytes:
 def read_shard_rows(data: bytes) -> list[Shard]:
     """Return the shards :func:`shard_rows` wrote, in order."""
     table = pq.read_table(io.BytesIO(data))
-    where = json.loads((table.schema.metadata or {})[SHARDS_KEY.encode()])
+    listed = (table.schema.metadata or {})[SHARDS_KEY.encode()].decode()
+    where = [
+        (int(number), split, int(local))
+        for number, split, local in (entry.split(":") for entry in listed.split(",") if entry)
+    ]
     columns = table.to_pydict()
     uris: dict[int, list[str]] = {number: [] for number, _, _ in where}
     labels: dict[int, list[int]] = {number: [] for number, _, _ in where}
