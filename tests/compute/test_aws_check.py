@@ -39,6 +39,7 @@ from burstcv.compute.awscheck import (
     check_serving_prices,
     check_vcpu_quotas,
     instance_role_requests,
+    vcpu_quota_of,
 )
 from burstcv.compute.ec2 import Ec2Backend
 from burstcv.settings import get_settings
@@ -317,7 +318,7 @@ def test_a_fresh_account_is_told_each_thing_to_set_up(
         ("G and VT on-demand", "L-DB2E81BA", 16),  # 4 vCPUs x 4 boxes (BURSTCV_GPU_POOL_SLOTS)
         ("G and VT spot", "L-3819A6DF", 16),
         ("P on-demand", "L-417A185B", 384),  # a p4d.24xlarge has 96 vCPUs
-        ("P spot", "L-7212CCBC", 384),
+        ("P4, P3 and P2 spot", "L-7212CCBC", 384),
     }
     for family, code, desired in expected_quotas:
         (line,) = [x for x in missing if f"vCPU quota {family} ({code})" in x]
@@ -683,6 +684,44 @@ def test_the_simulated_principal_is_the_user_or_the_role_behind_the_session(
     from burstcv.compute.awscheck import simulator_principal
 
     assert simulator_principal(caller) == principal
+
+
+def test_p5_counts_against_every_p_familys_on_demand_quota_and_its_own_spot_quota(
+    s3_deployment: Any, answers: Answers, audited_calls: RecordingProxy
+) -> None:
+    answers.set("servicequotas:GetServiceQuota", quota_answer(200.0))
+    ec2 = s3_deployment.ec2.model_copy(
+        update={"instance_types": ("p4d.24xlarge", "p5.48xlarge"), "use_spot": True}
+    )
+    lines = [f.line() for f in check_vcpu_quotas(Ec2Backend(ec2), s3_deployment)]
+    # "Running On-Demand P instances" counts both: one line, for the larger; spot has two.
+    assert sorted(lines) == sorted(
+        [
+            "ok       vCPU quota P on-demand (L-417A185B) in us-east-1: 200 vCPUs, "
+            "a p5.48xlarge needs 192",
+            "ok       vCPU quota P4, P3 and P2 spot (L-7212CCBC) in us-east-1: 200 vCPUs, "
+            "a p4d.24xlarge needs 96",
+            "ok       vCPU quota P5 spot (L-C4BD4855) in us-east-1: 200 vCPUs, "
+            "a p5.48xlarge needs 192",
+        ]
+    )
+    asked = sorted(
+        c.params["QuotaCode"]
+        for c in audited_calls.snapshot()
+        if c.action == "servicequotas:GetServiceQuota"
+    )
+    assert asked == ["L-417A185B", "L-7212CCBC", "L-C4BD4855"]  # the shared one read once
+    for instance_type, spot in (
+        ("p3.2xlarge", "L-7212CCBC"),
+        ("p4de.24xlarge", "L-7212CCBC"),
+        ("p5e.48xlarge", "L-C4BD4855"),
+        ("p5en.48xlarge", "L-C4BD4855"),
+    ):
+        quota = vcpu_quota_of(instance_type)
+        assert quota is not None and (quota.code("on-demand"), quota.code("spot")) == (
+            "L-417A185B",
+            spot,
+        )
 
 
 def test_a_quota_never_raised_is_read_as_its_default_not_as_zero(

@@ -96,31 +96,43 @@ def check_s3_prefix(label: str, prefix: str) -> list[Finding]:
 
 @dataclass(frozen=True)
 class VcpuQuota:
-    """Name the two EC2 quotas (Service Quotas codes) that count one family's vCPUs in a region."""
+    """Name the two EC2 quotas (Service Quotas codes) that count one family's vCPUs in a region.
+
+    ``spot_family``: the spot quota's own name where it differs (P5's spot quota is its own;
+    its on-demand one is every P family's).
+    """
 
     family: str
     on_demand: str
     spot: str
+    spot_family: str | None = None
 
     def code(self, market: str) -> str:
         """Return the quota code of ``market`` (spot or on-demand)."""
         return self.spot if market == "spot" else self.on_demand
 
+    def name(self, market: str) -> str:
+        """Return the family as the quota of ``market`` names it."""
+        return (self.spot_family or self.family) if market == "spot" else self.family
+
 
 GPU_G_AND_VT = VcpuQuota("G and VT", on_demand="L-DB2E81BA", spot="L-3819A6DF")
-GPU_P = VcpuQuota("P", on_demand="L-417A185B", spot="L-7212CCBC")
+# "Running On-Demand P instances" counts every P family; spot has two quotas: "All P4, P3 and
+# P2 Spot Instance Requests" and "All P5 Spot Instance Requests" (P5, P5e, P5en and later).
+GPU_P = VcpuQuota("P", on_demand="L-417A185B", spot="L-7212CCBC", spot_family="P4, P3 and P2")
+GPU_P5 = VcpuQuota("P", on_demand="L-417A185B", spot="L-C4BD4855", spot_family="P5")
 STANDARD = VcpuQuota("Standard (A, C, D, H, I, M, R, T, Z)", "L-1216C47A", "L-34B43A08")
 _STANDARD_LETTERS = frozenset("acdhimrtz")
 
 
 def vcpu_quota_of(instance_type: str) -> VcpuQuota | None:
     """Return the quota family an instance type counts against (None: one not known here)."""
-    match = re.match(r"[a-z]+", instance_type)
-    letters = match.group(0) if match else ""
+    match = re.match(r"([a-z]+)(\d*)", instance_type)
+    letters, generation = (match.group(1), match.group(2)) if match else ("", "")
     if letters.startswith("g") or letters == "vt":  # g4dn, g5, g6, g6e, gr6, vt1
         return GPU_G_AND_VT
-    if letters == "p":  # p3, p4d, p5
-        return GPU_P
+    if letters == "p":  # p2, p3, p4d; p5, p5e, p5en (and later) spot apart
+        return GPU_P5 if generation and int(generation) >= 5 else GPU_P
     if letters in _STANDARD_LETTERS:
         return STANDARD
     return None
@@ -158,7 +170,8 @@ def check_vcpu_quotas(
     }
     quotas = backend._aws_client("service-quotas")  # the backend's connection and region
     findings: list[Finding] = []
-    needs: dict[tuple[VcpuQuota, str], tuple[str, int]] = {}  # (family, market) -> largest
+    # One entry per quota code (P5 and P4 on demand share one): its family, the largest type.
+    needs: dict[str, tuple[str, str, int]] = {}
     for option in plan:
         family = vcpu_quota_of(option.instance_type)
         if family is None:
@@ -179,12 +192,13 @@ def check_vcpu_quotas(
                 )
             )
             continue
-        largest = needs.get((family, option.market))
-        if largest is None or vcpus[option.instance_type] > largest[1]:
-            needs[(family, option.market)] = (option.instance_type, vcpus[option.instance_type])
-    for (family, market), (instance_type, need) in needs.items():
-        code = family.code(market)
-        name = f"vCPU quota {family.family} {market} ({code}) in {s.region}"
+        code = family.code(option.market)
+        largest = needs.get(code)
+        if largest is None or vcpus[option.instance_type] > largest[2]:
+            label = f"{family.name(option.market)} {option.market}"
+            needs[code] = (label, option.instance_type, vcpus[option.instance_type])
+    for code, (label, instance_type, need) in needs.items():
+        name = f"vCPU quota {label} ({code}) in {s.region}"
         try:
             value = _quota_value(quotas, code)
         except ClientError as exc:
