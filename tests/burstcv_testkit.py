@@ -636,3 +636,17 @@ def first_trigger_event(trigger: Any, timeout_s: float = 60.0) -> dict[str, Any]
         raise AssertionError("the trigger ended without an event")
 
     return asyncio.run(asyncio.wait_for(first(), timeout=timeout_s))
+
+
+def s3_gateway_endpoint(ec2: Any, region: str) -> None:
+    """Give the default VPC's main route table the free S3 gateway endpoint docs/aws.md asks
+    for (the account's route to S3)."""
+    (main,) = ec2.describe_route_tables(Filters=[{"Name": "association.main", "Values": ["true"]}])[
+        "RouteTables"
+    ]
+    ec2.create_vpc_endpoint(
+        VpcId=main["VpcId"],
+        ServiceName=f"com.amazonaws.{region}.s3",
+        VpcEndpointType="Gateway",
+        RouteTableIds=[main["RouteTableId"]],
+    )

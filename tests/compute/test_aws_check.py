@@ -32,6 +32,7 @@ from awsaudit import (
     price_list,
     simulated,
 )
+from burstcv_testkit import s3_gateway_endpoint
 from typer.testing import CliRunner
 
 from burstcv.cli import app
@@ -187,15 +188,7 @@ def _iam_resources(iam_resources_audited: None) -> None:
 def prepared_account(s3_deployment: Any, kit: Any, aws: str, answers: Answers) -> None:
     """Set up the account as docs/aws.md asks: quotas, route to S3, roles, keys, prices."""
     ec2 = boto3.client("ec2", region_name=kit.region, endpoint_url=aws)
-    (main,) = ec2.describe_route_tables(Filters=[{"Name": "association.main", "Values": ["true"]}])[
-        "RouteTables"
-    ]
-    ec2.create_vpc_endpoint(
-        VpcId=main["VpcId"],
-        ServiceName=f"com.amazonaws.{kit.region}.s3",
-        VpcEndpointType="Gateway",
-        RouteTableIds=[main["RouteTableId"]],
-    )
+    s3_gateway_endpoint(ec2, kit.region)
     iam = boto3.client("iam", region_name=kit.region, endpoint_url=aws)
     # moto's CreateServiceLinkedRole names the spot role AWSServiceRoleForspot: create it as
     # AWS names it.

@@ -39,6 +39,7 @@ from burstcv_testkit import (
     power_off_in_emulator,
     reclaim_in_emulator,
     resolve_validated,
+    s3_gateway_endpoint,
 )
 
 from burstcv import pipeline
@@ -468,15 +469,7 @@ def test_a_bucket_whose_kms_key_the_role_cannot_use_fails_at_boot_after_one_laun
     monkeypatch.setenv("BURSTCV_ARTIFACT_ROOT", ARTIFACT_ROOT)  # what the trigger reads
     get_settings.cache_clear()
     # The account as docs/aws.md sets it up: a route to S3 (the free gateway endpoint).
-    (main,) = ec2.describe_route_tables(Filters=[{"Name": "association.main", "Values": ["true"]}])[
-        "RouteTables"
-    ]
-    ec2.create_vpc_endpoint(
-        VpcId=main["VpcId"],
-        ServiceName=f"com.amazonaws.{REGION}.s3",
-        VpcEndpointType="Gateway",
-        RouteTableIds=[main["RouteTableId"]],
-    )
+    s3_gateway_endpoint(ec2, REGION)
     kms = boto3.client("kms", region_name=REGION, endpoint_url=aws)
     key = kms.create_key(Description="the artifact bucket's key")["KeyMetadata"]["Arn"]
     s3.put_bucket_encryption(
