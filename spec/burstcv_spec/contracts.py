@@ -277,11 +277,19 @@ class BenchFigures(Contract):
 class LoadStep(Contract):
     """Say how the service answered one open-loop rate during a sizing search."""
 
+    omit_when_none = frozenset({"seconds"})
+
     rate_rps: float = Field(description="the rate the requests were sent at, req/s")
     p95_ms: float = Field(description="p95 latency at that rate, counted from when each was due")
     errors: int = Field(description="requests that did not get a 200")
     held: bool = Field(description="p95 within the SLO, no error, requests sent on time")
     requests: int = Field(default=0, ge=0, description="requests sent at that rate")
+    seconds: float | None = Field(default=None, gt=0, description="how long the rate was sent for")
+    scouting: bool = Field(
+        default=False,
+        description="a short step that only brackets the limit before the measuring steps; "
+        "no size's figures are read from one",
+    )
 
 
 class SizePoint(Contract):

@@ -409,7 +409,9 @@ def test_a_rate_breaks_when_its_p95_misses_the_slo_though_its_p90_meets_it(
 
 def assert_read_at_their_percentiles(size: SizePoint) -> None:
     """A size's latencies are those of the last rate that held, read at p50, p95 and p99."""
-    held = [s for s in size.steps if s.held and s.rate_rps == size.sustainable_rps]
+    held = [
+        s for s in size.steps if s.held and s.rate_rps == size.sustainable_rps and not s.scouting
+    ]
     assert held and held[-1].p95_ms == size.p95_ms  # as the search recorded its p95
     assert size.p50_ms is not None and size.p95_ms is not None and size.p99_ms is not None
     assert size.p50_ms < size.p95_ms < size.p99_ms
@@ -551,6 +553,59 @@ def test_the_search_climbs_to_the_highest_rate_that_holds(one_at_a_time_server: 
     assert round(best.rate_rps, 2) == max(held) >= 8.0 * sizing.STEP_FACTOR**3  # it climbed
     assert any(not s.held for s in tried)  # it went on until the SLO broke
     assert best.rate_rps < 100.0  # and never past what the service can answer
+
+
+def test_scouting_steps_bracket_the_limit_and_the_rate_is_a_measuring_steps(
+    one_at_a_time_server: str,
+) -> None:
+    """A 50 req/s service searched from 4 req/s: short steps double the rate until one
+    breaks, then full-length steps measure between the last that held and that one."""
+    tried: list[LoadStep] = []
+    best = sustainable_rate(
+        one_at_a_time_server,
+        [IMAGE],
+        latency_slo_ms=300,
+        start_rps=4.0,
+        duration_s=1.0,
+        tried=tried,
+        max_rps=400.0,
+        scout_s=0.5,
+    )
+    scouts = [s for s in tried if s.scouting]
+    measuring = [s for s in tried if not s.scouting]
+    # The scouting comes first, doubling from the start, and ends at the first that broke.
+    assert tried[: len(scouts)] == scouts and len(scouts) >= 3
+    assert [s.rate_rps for s in scouts] == [4.0 * 2**i for i in range(len(scouts))]
+    assert all(s.held for s in scouts[:-1]) and not scouts[-1].held
+    assert {s.seconds for s in scouts} == {0.5} and {s.seconds for s in measuring} == {1.0}
+    # Measuring starts at the last scouting rate that held and never reaches the one that broke.
+    assert measuring[0].rate_rps == scouts[-2].rate_rps
+    assert all(s.rate_rps < scouts[-1].rate_rps for s in measuring)
+    # Climbing from 4 req/s at full length would have taken more measuring steps.
+    assert len(measuring) <= 3
+    assert best is not None and best.rate_rps < 100.0
+    assert round(best.rate_rps, 2) == max(s.rate_rps for s in measuring if s.held)
+    assert best.sent == round(best.rate_rps * 1.0)  # the full length, not a scout's
+    assert sum(s.requests for s in tried) > sum(s.requests for s in measuring)
+
+
+def test_a_first_scouting_rate_that_breaks_measures_below_it(one_at_a_time_server: str) -> None:
+    tried: list[LoadStep] = []
+    best = sustainable_rate(
+        one_at_a_time_server,
+        [IMAGE],
+        latency_slo_ms=300,
+        start_rps=200.0,
+        duration_s=1.0,
+        tried=tried,
+        max_rps=400.0,
+        scout_s=0.5,
+    )
+    assert [(s.rate_rps, s.scouting, s.held) for s in tried[:1]] == [(200.0, True, False)]
+    # Not measured again at full length: the measuring steps start a step and a half below.
+    assert tried[1].rate_rps == round(200.0 / sizing.STEP_FACTOR**2, 2) and not tried[1].scouting
+    assert all(s.rate_rps < 200.0 for s in tried[1:])
+    assert best is not None and best.rate_rps < 100.0
 
 
 def test_a_size_cap_measures_only_that_many_cpus_and_a_requests_cpu_is_its_share(

@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 
 STEP_FACTOR = 1.5  # each rate tried is this much higher than the last that held
 STEP_DURATION_S = 3.0
+# A search first brackets the limit with short steps (a measuring step's length over this),
+# doubling the rate each time (SCOUT_FACTOR); only the measuring steps give a size's figures.
+SCOUT_SHARE = 3.0
+SCOUT_FACTOR = 2.0
 MAX_RATE_RPS = 5000.0
 MIN_RATE_RPS = 1.0
 # Sizes beyond the host scale at least this well per doubling of vCPUs (and at most linearly).
@@ -148,19 +152,26 @@ def sustainable_rate(
     max_rps: float = MAX_RATE_RPS,
     tried: list[LoadStep] | None = None,
     pool: loadgen.Senders | None = None,
+    scout_s: float | None = None,
 ) -> LoadRun | None:
     """Step the open-loop rate up until the SLO breaks; return the last run that held, or None.
 
     Without ``start_rps``, the first rate is a quarter of what one request's latency allows.
-    Every rate tried is appended to ``tried``.
+    With ``scout_s``, short steps of that many seconds first double the rate until one breaks
+    (:data:`SCOUT_FACTOR`): the measuring steps (``duration_s`` each) then start at the last
+    scouting rate that held and stop below the one that broke, so a service far faster than
+    the first rate is not climbed to at full length. The rate returned is always a measuring
+    step's. Every rate tried is appended to ``tried``.
     """
 
-    def attempt(rate_rps: float) -> tuple[LoadRun, bool]:
-        run = open_loop(url, images, rate_rps=rate_rps, duration_s=duration_s, pool=pool)
+    def attempt(rate_rps: float, seconds: float = duration_s) -> tuple[LoadRun, bool]:
+        run = open_loop(url, images, rate_rps=rate_rps, duration_s=seconds, pool=pool)
         held = _holds(run, latency_slo_ms)
+        scouting = seconds < duration_s
         log.info(
-            "sizing: %.1f req/s: p95 %.1f ms, %d error(s), sent at %.1f req/s: %s",
+            "sizing: %.1f req/s%s: p95 %.1f ms, %d error(s), sent at %.1f req/s: %s",
             rate_rps,
+            f" (scouting, {seconds:g} s)" if scouting else "",
             run.percentile(95),
             run.errors,
             run.achieved_rps,
@@ -175,6 +186,8 @@ def sustainable_rate(
                     errors=run.errors,
                     held=held,
                     requests=sum(run.statuses.values()),
+                    seconds=round(seconds, 3),
+                    scouting=scouting,
                 )
             )
         return run, held
@@ -182,21 +195,34 @@ def sustainable_rate(
     if start_rps is None:
         probe = open_loop(url, images, rate_rps=2.0, duration_s=1.0)
         start_rps = max(1.0, 250.0 / max(probe.percentile(50), 1.0))
-    rate, best = start_rps, None
+    rate, broke_at = start_rps, math.inf
+    if scout_s is not None and scout_s < duration_s:
+        scouted = None
+        while rate <= max_rps:
+            _, held = attempt(rate, scout_s)
+            if not held:
+                broke_at = rate
+                break
+            scouted, rate = rate, rate * SCOUT_FACTOR
+        # From the last scouting rate that held; below the first rate when even that broke.
+        rate = scouted if scouted is not None else start_rps / (step * step)
+    best = None
     # A first rate that already breaks the SLO: step down until one holds (or below 1 req/s).
     while rate >= MIN_RATE_RPS:
         first, held = attempt(rate)
         if held:
             best, rate = first, rate * step
             break
+        broke_at = min(broke_at, rate)
         rate /= step * step
     if best is None:
         return None
-    while rate <= max_rps:
+    while rate <= max_rps and rate < broke_at:
         run, held = attempt(rate)
         if not held:
             break
         best, rate = run, rate * step
+    rate = min(rate, broke_at)
     if rate <= max_rps:  # one more try between the last hold and the break
         between, held = attempt(math.sqrt(best.rate_rps * rate))
         if held:
@@ -346,6 +372,7 @@ def _search(
             duration_s=duration_s,
             tried=tried,
             pool=pool,
+            scout_s=duration_s / SCOUT_SHARE,
         )
         return _Search(best, tried, _cpu_seconds(proc) - before, _rss_mb(proc))
 

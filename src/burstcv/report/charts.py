@@ -135,7 +135,8 @@ def sizing_curves(points: Sequence[SizePoint], slo_ms: float) -> bytes:
     fig, ax = plt.subplots(figsize=(9.5, 3.6))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, point in enumerate(p for p in points if p.steps):
-        steps = sorted(point.steps, key=lambda s: s.rate_rps)
+        steps = sorted((s for s in point.steps if not s.scouting), key=lambda s: s.rate_rps)
+        scouts = [s for s in point.steps if s.scouting]
         colour = colours[i % len(colours)]
         ax.plot(
             [s.rate_rps for s in steps],
@@ -144,11 +145,22 @@ def sizing_curves(points: Sequence[SizePoint], slo_ms: float) -> bytes:
             color=colour,
             label=f"{point.vcpus} vCPU: {point.sustainable_rps:.0f} req/s within the SLO",
         )
+        if scouts:  # the short steps that bracketed the limit: hollow, unjoined
+            ax.scatter(
+                [s.rate_rps for s in scouts],
+                [min(s.p95_ms, slo_ms * 4) for s in scouts],
+                marker="o",
+                facecolors="none",
+                edgecolors=colour,
+                label=f"{point.vcpus} vCPU: scouting steps",
+            )
         if point.sustainable_rps > 0:
             ax.axvline(point.sustainable_rps, color=colour, linestyle="--", linewidth=1)
     ax.axhline(slo_ms, color="#d62728", linewidth=1.5, label=f"SLO {slo_ms:g} ms")
     ax.set(xlabel="offered load, open loop (req/s)", ylabel="p95 latency (ms)")
-    ax.set_title("p95 under load per CPU size (dashed: the highest rate within the SLO)")
+    ax.set_title(
+        "p95 under load per CPU size (dashed: the highest rate within the SLO; hollow: scouting)"
+    )
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
