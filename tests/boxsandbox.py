@@ -331,6 +331,7 @@ class BoxSandbox:
         timeout_s: float = 480.0,
         mounts: dict[Path, Path] | None = None,
         threads: int | None = None,
+        cpus: list[int] | None = None,
     ) -> Boot:
         """Run the user-data as cloud-init would (root, clean environment) and wait for it.
 
@@ -339,6 +340,8 @@ class BoxSandbox:
         ``mounts`` ({path on the box: folder of this box}) are seen by this boot alone.
         ``threads`` caps the box's compute threads (OMP_NUM_THREADS): boxes booted side by side
         share this machine's cores, where instances would each have their own.
+        ``cpus`` gives the box those CPUs alone (CPU affinity): what "its vCPUs" are to a box
+        that measures on them.
         """
         box = self.work / f"boot-{uuid.uuid4().hex[:6]}"
         (box / "home").mkdir(parents=True)
@@ -359,13 +362,16 @@ class BoxSandbox:
         started = time.monotonic()
         with open(box / "console.log", "wb") as console:
             command = ["ip", "netns", "exec", self.netns, "bash", str(script)]
+            if cpus is not None:
+                command = ["taskset", "-c", ",".join(map(str, cpus)), *command]
             if mounts:
                 binds = " && ".join(
                     f"mount --bind {shlex.quote(str(src))} {shlex.quote(str(dst))}"
                     for dst, src in mounts.items()
                 )
+                prefix = command[: command.index("bash")]
                 command = [
-                    *command[:4],
+                    *prefix,
                     "unshare",
                     "--mount",
                     "--propagation",

@@ -379,6 +379,45 @@ class FleetOption(Contract):
     usd_per_million: float | None = Field(
         description="dollars per 1M predictions at the target load"
     )
+    measured_on: str | None = Field(
+        default=None,
+        description="the instance type whose own box measured this rate (a sizing box of "
+        "this type); null: the rate rests on the benchmark host's sizes",
+    )
+
+
+class BoxSizing(Artifact):
+    """A sizing box's record (bench/sizing/boxes/<type>.json): the sizes one instance type
+    sustained, measured on a box of that type, or why the type was not measured.
+
+    Written by the box itself when it measured; by the orchestrator when the type could not be
+    launched (quota, capacity) or its box ended without figures (``skipped`` says why).
+    """
+
+    omit_when_none = frozenset(
+        {"instance_id", "zone", "host", "measured_at", "seconds", "skipped", "usd_per_hour"}
+    )
+
+    instance_type: str = Field(description="the EC2 type measured")
+    instance_id: str | None = Field(default=None, description="the box that measured it")
+    region: str = Field(description="the box's region")
+    zone: str | None = Field(default=None, description="its Availability Zone")
+    host: HostInfo | None = Field(default=None, description="the box's CPU, as it reported it")
+    sizes: list[SizePoint] = Field(
+        default_factory=list,
+        description="the sustainable rate per CPU size on the box, 1 .. its vCPUs "
+        "(empty when skipped)",
+    )
+    measured_at: str | None = Field(default=None, description="when (UTC, ISO 8601)")
+    seconds: float | None = Field(default=None, description="how long the sizing took on it")
+    usd_per_hour: float | None = Field(
+        default=None, description="the box's on-demand price, what its minutes were billed at"
+    )
+    skipped: str | None = Field(
+        default=None,
+        description="why the type has no figures (quota, capacity, a box that failed); "
+        "null: measured",
+    )
 
 
 class SizingReport(Artifact):
@@ -418,6 +457,11 @@ class SizingReport(Artifact):
         default=None,
         description="the run whose staging services measured the sizes: another run's when "
         "they were reused (same speed_key)",
+    )
+    boxes: list[BoxSizing] = Field(
+        default_factory=list,
+        description="the types sized on boxes of their own (size_on ec2), measured or "
+        "skipped; their fleets rest on their own figures (FleetOption.measured_on)",
     )
 
 

@@ -164,6 +164,20 @@ class RunLayout:
         return storage.join(self.bench, "sizing.json")
 
     @property
+    def sizing_boxes(self) -> str:
+        """Return bench/sizing/: what the sizing boxes read and write (size_on ec2)."""
+        return storage.join(self.bench, "sizing")
+
+    def box_sizing(self, instance_type: str) -> str:
+        """Return bench/sizing/boxes/<type>.json: one instance type's BoxSizing."""
+        return storage.join(self.sizing_boxes, "boxes", f"{instance_type}.json")
+
+    @property
+    def sizing_requests(self) -> str:
+        """Return bench/sizing/requests/: the images a sizing box sends its service."""
+        return storage.join(self.sizing_boxes, "requests")
+
+    @property
     def verdict(self) -> str:
         """Return bench/verdict.json."""
         return storage.join(self.bench, "verdict.json")

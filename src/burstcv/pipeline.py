@@ -978,17 +978,6 @@ def export(
     )
 
 
-def _materialise(model_dir_uri: str, dest: Path) -> Path:
-    """Return a local folder holding model.json and its ONNX file (downloading from S3)."""
-    if not storage.is_s3(model_dir_uri):
-        return Path(model_dir_uri)
-    card_uri = storage.join(model_dir_uri, MODEL_CARD)
-    card = read_artifact(card_uri, ModelCard)
-    for name in (MODEL_CARD, card.onnx_file):
-        storage.download_file(storage.join(model_dir_uri, name), dest / name)
-    return dest
-
-
 def _val_arrays(
     val_shards: list[str], classes: list[str], limit: int
 ) -> tuple[np.ndarray, list[str]]:
@@ -1038,7 +1027,12 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
         measure_quietly,
         running_on,
     )
-    from burstcv.gate.latency import bare_onnxruntime_p50, drive_paired, staging_process
+    from burstcv.gate.latency import (
+        bare_onnxruntime_p50,
+        drive_paired,
+        materialise_model,
+        staging_process,
+    )
     from burstcv.gate.sizing import (
         GateLoad,
         SizesMemo,
@@ -1095,9 +1089,9 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
 
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        models = {"candidate": _materialise(paths.model, Path(tmp) / "candidate")}
+        models = {"candidate": materialise_model(paths.model, Path(tmp) / "candidate")}
         if prod_alias is not None:
-            models["production"] = _materialise(
+            models["production"] = materialise_model(
                 registry.version_uri(prod_alias.version), Path(tmp) / "production"
             )
         card = read_artifact(str(Path(models["candidate"]) / MODEL_CARD), ModelCard)

@@ -285,6 +285,16 @@ class Ec2Settings(BaseSettings):
     backstop_role: str = "burstcv-backstop"
     waiter_delay_s: float = Field(default=5.0, gt=0)  # between describe calls while waiting
     waiter_max_attempts: int = Field(default=120, ge=1)
+    # Sizing boxes (size_on ec2): Amazon Linux 2023 for the type's architecture ({arch}:
+    # x86_64 or arm64), whose Python 3.11 the box installs with dnf at boot; the serving
+    # wheel's pins come from the package index (the box needs egress to it, or a mirror).
+    sizing_ami: str = Field(
+        default="/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-{arch}",
+        description="AMI id (ami-…) or SSM parameter name, {arch} filled in",
+    )
+    sizing_python: str = "python3.11"
+    sizing_volume_gb: int = Field(default=16, ge=8, le=16384)
+    sizing_margin_min: int = Field(default=2, ge=1)  # a sizing box's watchdog, after its bound
 
     @model_validator(mode="before")
     @classmethod

@@ -219,4 +219,8 @@ def test_s3_and_ssm_are_scoped(policy: dict[str, Any]) -> None:
     ]
     assert s3_resources and all(r.startswith("arn:aws:s3:::BURSTCV_BUCKET") for r in s3_resources)
     (ssm,) = statements(policy, "Allow", "ssm:GetParameter")
-    assert as_list(ssm["Resource"]) == ["arn:aws:ssm:*::parameter/aws/service/deeplearning/*"]
+    # The Deep Learning AMIs (training) and Amazon Linux 2023 (sizing boxes), nothing else.
+    assert as_list(ssm["Resource"]) == [
+        "arn:aws:ssm:*::parameter/aws/service/deeplearning/*",
+        "arn:aws:ssm:*::parameter/aws/service/ami-amazon-linux-latest/*",
+    ]

@@ -480,8 +480,57 @@ class Ec2Backend:
             )
         )
         expires_at = expiry_of(deadline_at, s.watchdog_margin_min)
-        image_id = self.resolve_ami()
+        return self._start(launch, attempt, user_data, self.resolve_ami(), expires_at, described)
+
+    def launch_sizing_box(self, launch: Launch, user_data: str, image_id: str) -> list[str]:
+        """Start one sizing box (``user_data`` from ``render_sizing_user_data``): on-demand,
+        tagged, IMDSv2, backstop armed, like a training box; return its id.
+
+        ``launch.run`` carries the box's own run key (``<run key>.size-<type>``), so its
+        teardown, the reaper and its bill find it by tag, apart from the run's training boxes.
+        """
+        self.settings.required_instance_profile()
+        described = self.describe(launch.run.run_key)
+        existing = [i.instance_id for i in described if i.state in WORKING]
+        if existing:
+            return existing
+        expires_at = expiry_of(launch.deadline_at, self.settings.sizing_margin_min)
+        return self._start(
+            launch, 1, user_data, image_id, expires_at, described, self.settings.sizing_volume_gb
+        )
+
+    def architecture(self, instance_type: str) -> str:
+        """Return the AMI architecture an instance type runs (x86_64 or arm64)."""
+        found = self.client.describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"]
+        if not found:
+            raise ValueError(f"{instance_type} is not an instance type in {self.settings.region}")
+        supported = found[0]["ProcessorInfo"]["SupportedArchitectures"]
+        return "arm64" if "arm64" in supported else "x86_64"
+
+    def resolve_sizing_ami(self, architecture: str) -> str:
+        """Return the sizing boxes' AMI id for ``architecture`` (the setting, or its SSM
+        parameter with ``{arch}`` filled in)."""
+        ami = self.settings.sizing_ami.replace("{arch}", architecture)
+        if ami.startswith("ami-"):
+            return ami
+        from airflow.providers.amazon.aws.hooks.ssm import SsmHook
+
+        hook = SsmHook(aws_conn_id=self.settings.aws_conn_id, region_name=self.settings.region)
+        return str(hook.get_parameter_value(ami))
+
+    def _start(
+        self,
+        launch: Launch,
+        attempt: int,
+        user_data: str,
+        image_id: str,
+        expires_at: datetime,
+        described: list[InstanceInfo],
+        volume_gb: int | None = None,
+    ) -> list[str]:
         base_params = self._run_params(launch, image_id, user_data, expires_at, attempt)
+        if volume_gb is not None:
+            base_params["BlockDeviceMappings"][0]["Ebs"]["VolumeSize"] = volume_gb
 
         subnets = self.launch_subnets()
         if launch.count > 1:

@@ -7,6 +7,10 @@ tens of KB, built here from the running source, holding exactly the modules trai
 torch, so installing it cannot re-resolve the AMI's torch. The wheel is byte-for-byte
 reproducible (fixed timestamps and order), so its sha256 names it: a run uploads it only
 when that exact build is not in the store yet, and job.json records the hash the box checks.
+
+A sizing box (``size_on`` ec2) boots on a plain CPU AMI and installs a ``burstcv-size`` wheel
+built the same way: the staging service (``burstcv_serving``), the load generator and the
+sizing search, with the serving image's own pins (onnxruntime, no torch) as its requirements.
 """
 
 from __future__ import annotations
@@ -52,6 +56,27 @@ REQUIRES_PYTHON = ">=3.10"  # burstcv.training.preflight.SUPPORTED_PYTHON checks
 # Present in the DLAMI PyTorch environments; pip fetches only what an AMI lacks.
 REQUIRES = ("numpy", "boto3", "pydantic>=2,<3")
 CONSOLE_SCRIPT = "burstcv = burstcv.training.entry:main"
+# A sizing box: the search, the load generator, the staging service and the box's entry; the
+# whole of burstcv_spec and burstcv_serving come with them (sizing_files).
+SIZING_DIST_NAME = "burstcv_size"
+SIZING_MODULES = (
+    "burstcv/__init__.py",
+    "burstcv/lineage.py",
+    "burstcv/cost/__init__.py",
+    "burstcv/cost/model.py",
+    "burstcv/cost/pricing.py",
+    "burstcv/cost/prices.json",
+    "burstcv/gate/__init__.py",
+    "burstcv/gate/interference.py",
+    "burstcv/gate/latency.py",
+    "burstcv/gate/loadgen.py",
+    "burstcv/gate/sizebox.py",
+    "burstcv/gate/sizing.py",
+)
+# numpy 2.4 (the serving pin) needs 3.11; psutil and httpx are the search's own.
+SIZING_REQUIRES_PYTHON = ">=3.11"
+SIZING_REQUIRES = ("psutil", "httpx", "boto3")
+SIZING_CONSOLE_SCRIPT = "burstcv-size = burstcv.gate.sizebox:main"
 _EPOCH = (1980, 1, 1, 0, 0, 0)  # the earliest zip timestamp: a fixed one makes builds equal
 
 # The folder holding each top-level package (src/ and spec/ in a checkout).
@@ -59,6 +84,9 @@ _PACKAGE_ROOTS = {
     "burstcv": Path(__file__).resolve().parents[2],
     "burstcv_spec": Path(burstcv_spec.__file__).resolve().parents[1],
 }
+# The service: serving/burstcv_serving in a checkout.
+SERVING_PACKAGE = ("burstcv_serving", Path(__file__).resolve().parents[3] / "serving")
+SERVING_REQUIREMENTS = SERVING_PACKAGE[1] / "requirements.txt"
 
 
 def module_path(name: str) -> Path:
@@ -97,26 +125,48 @@ def _record_hash(data: bytes) -> str:
 
 def build_training_wheel(version: str = __version__) -> TrainingWheel:
     """Return the ``burstcv-train`` wheel built from this checkout's training modules."""
-    dist_info = f"{DIST_NAME}-{version}.dist-info"
+    files = [(name, module_path(name).read_bytes()) for name in MODULES]
+    return _build_wheel(
+        DIST_NAME,
+        version,
+        "burstcv's training job, as a GPU box installs it",
+        files,
+        REQUIRES_PYTHON,
+        REQUIRES,
+        CONSOLE_SCRIPT,
+    )
+
+
+def _build_wheel(
+    dist_name: str,
+    version: str,
+    summary: str,
+    files: list[tuple[str, bytes]],
+    requires_python: str,
+    requires: tuple[str, ...],
+    console_script: str,
+) -> TrainingWheel:
+    """Return a reproducible pure-Python wheel of ``files`` (path in the wheel, bytes)."""
+    dist_info = f"{dist_name}-{version}.dist-info"
     metadata = "\n".join(
         [
             "Metadata-Version: 2.1",
-            "Name: burstcv-train",
+            f"Name: {dist_name.replace('_', '-')}",
             f"Version: {version}",
-            "Summary: burstcv's training job, as a GPU box installs it",
-            f"Requires-Python: {REQUIRES_PYTHON}",
-            *(f"Requires-Dist: {req}" for req in REQUIRES),
+            f"Summary: {summary}",
+            f"Requires-Python: {requires_python}",
+            *(f"Requires-Dist: {req}" for req in requires),
             "",
         ]
     )
-    files: list[tuple[str, bytes]] = [(name, module_path(name).read_bytes()) for name in MODULES]
+    files = list(files)
     files += [
         (f"{dist_info}/METADATA", metadata.encode()),
         (
             f"{dist_info}/WHEEL",
             b"Wheel-Version: 1.0\nGenerator: burstcv\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
         ),
-        (f"{dist_info}/entry_points.txt", f"[console_scripts]\n{CONSOLE_SCRIPT}\n".encode()),
+        (f"{dist_info}/entry_points.txt", f"[console_scripts]\n{console_script}\n".encode()),
     ]
     record = "".join(f"{name},{_record_hash(data)},{len(data)}\n" for name, data in files)
     files.append((f"{dist_info}/RECORD", (record + f"{dist_info}/RECORD,,\n").encode()))
@@ -128,19 +178,58 @@ def build_training_wheel(version: str = __version__) -> TrainingWheel:
             info.compress_type = zipfile.ZIP_DEFLATED
             wheel.writestr(info, data)
     data = buffer.getvalue()
-    filename = f"{DIST_NAME}-{version}-py3-none-any.whl"
+    filename = f"{dist_name}-{version}-py3-none-any.whl"
     return TrainingWheel(filename, data, hashlib.sha256(data).hexdigest())
+
+
+def _serving_pins() -> tuple[str, ...]:
+    """Return the serving image's exact pins (serving/requirements.txt): a sizing box runs
+    the service as the image would."""
+    text = SERVING_REQUIREMENTS.read_text()
+    pins = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+    return tuple(pin for pin in pins if pin)
+
+
+def sizing_files() -> list[tuple[str, bytes]]:
+    """Return (path in the wheel, bytes) of everything a sizing box runs."""
+    files = [(name, module_path(name).read_bytes()) for name in SIZING_MODULES]
+    for package, root in (("burstcv_spec", _PACKAGE_ROOTS["burstcv_spec"]), SERVING_PACKAGE):
+        for path in sorted((root / package).rglob("*.py")):
+            files.append((path.relative_to(root).as_posix(), path.read_bytes()))
+    return files
+
+
+def build_sizing_wheel(version: str = __version__) -> TrainingWheel:
+    """Return the ``burstcv-size`` wheel a sizing box installs (no torch, no Airflow)."""
+    return _build_wheel(
+        SIZING_DIST_NAME,
+        version,
+        "burstcv's fleet sizing, as a CPU sizing box installs it",
+        sizing_files(),
+        SIZING_REQUIRES_PYTHON,
+        (*_serving_pins(), *SIZING_REQUIRES),
+        SIZING_CONSOLE_SCRIPT,
+    )
 
 
 def stage_training_wheel(artifact_root: str) -> StagedRuntime:
     """Upload the training wheel to ``<root>/runtime/<sha256>/`` unless it is there already."""
-    wheel = build_training_wheel()
+    return _stage(artifact_root, build_training_wheel(), "training")
+
+
+def stage_sizing_wheel(artifact_root: str) -> StagedRuntime:
+    """Upload the sizing wheel to ``<root>/runtime/<sha256>/`` unless it is there already."""
+    return _stage(artifact_root, build_sizing_wheel(), "sizing")
+
+
+def _stage(artifact_root: str, wheel: TrainingWheel, what: str) -> StagedRuntime:
     uri = storage.join(artifact_root, "runtime", wheel.sha256, wheel.filename)
     uploaded = not storage.exists(uri)
     if uploaded:
         storage.write_bytes(uri, wheel.data)
     log.info(
-        "training wheel %s (%d bytes, sha256 %s) %s",
+        "%s wheel %s (%d bytes, sha256 %s) %s",
+        what,
         uri,
         wheel.size_bytes,
         wheel.sha256[:12],

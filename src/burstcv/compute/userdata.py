@@ -150,8 +150,10 @@ BURSTCV_SHARD_CACHE_DIR="$WORK/shard-cache" \
   -m burstcv.training.entry train --job "$JOB_URI" --attempt "$ATTEMPT" &
 """
 
-# Every `$` below is bash's; __NAME__ placeholders are filled in by render_user_data.
-_BODY = r"""
+# What every box's script starts with, after its watchdog and config: its log, its identity
+# from IMDSv2 (region exported for every AWS call), and S3 through boto3. Every `$` below is
+# bash's; __NAME__ placeholders are filled in by the renders.
+_PRELUDE = r"""
 # Run by cloud-init as root; the overrides are for a sandbox.
 WORK="${BURSTCV_WORK_DIR:-/opt/burstcv}"
 LOG="${BURSTCV_LOG:-/var/log/burstcv-bootstrap.log}"
@@ -159,7 +161,7 @@ mkdir -p "$WORK"
 exec > >(tee -a "$LOG") 2>&1
 STAGE=bootstrap
 stamp() { echo "burstcv: $(date -u +%Y-%m-%dT%H:%M:%S.%3NZ) $*"; }
-stamp "run $RUN_ID attempt $ATTEMPT, job $JOB_URI"
+stamp "__FIRST_STAMP__"
 
 imds() {
   local token
@@ -177,9 +179,7 @@ export AWS_REGION AWS_DEFAULT_REGION
 AWS_METADATA_SERVICE_TIMEOUT=5
 AWS_METADATA_SERVICE_NUM_ATTEMPTS=5
 export AWS_METADATA_SERVICE_TIMEOUT AWS_METADATA_SERVICE_NUM_ATTEMPTS
-LOG_URI="$ATTEMPT_DIR/logs/$INSTANCE_ID.log"
 stamp "instance $INSTANCE_ID ($INSTANCE_TYPE) in $AWS_REGION"
-__NODE_IDENTITY__
 # S3 through boto3, which the AMI's PyTorch Python has.
 cat > "$WORK/s3io.py" << 'S3IO'
 # burstcv box: S3 copies and existence checks through boto3.
@@ -253,7 +253,12 @@ s3() {  # s3 cp SRC DST (an s3:// URI, a file, or - for stdin) | s3 exists URI
 s3_object_exists() {
   s3 exists "$1" > /dev/null 2>&1
 }
+"""
 
+# A training box, after the prelude.
+_BODY = r"""
+LOG_URI="$ATTEMPT_DIR/logs/$INSTANCE_ID.log"
+__NODE_IDENTITY__
 write_failed() {  # stage, resumable (true|false), reason, exit code
   local doc='{"schema_version": 1, "stage": "%s", "resumable": %s, "reason": "%s", '
   doc+='"attempt": %s, "exit_code": %d, "instance_id": "%s"}\n'
@@ -383,21 +388,11 @@ def render_user_data(spec: UserDataSpec) -> str:
         raise ValueError(f"wheel_sha256 must be a sha256 hex digest, got {spec.wheel_sha256!r}")
     if spec.deadline_at.tzinfo is None:
         raise ValueError("deadline_at must be timezone-aware (UTC)")
-    deadline = int(spec.deadline_at.timestamp())
-    margin = int(spec.margin_min)
-    header = [
-        "#!/bin/bash",
-        f"# burstcv training instance for run {_comment_safe(spec.run_id)}, attempt {spec.attempt}",
-        "# (rendered by burstcv.compute.userdata; do not edit)",
-        "set -Eeuo pipefail",
-        "# Watchdog first: whatever happens below, the box powers off (and, with",
-        "# InstanceInitiatedShutdownBehavior=terminate, is destroyed) when the run's time is up:",
-        f"# the deadline ({spec.deadline_at.isoformat()}) plus {margin} min for the last upload.",
-        f"WATCHDOG_MIN=$(( ({deadline} - $(date +%s) + 59) / 60 + {margin} ))",
-        f'[ "$WATCHDOG_MIN" -ge {max(1, margin)} ] || WATCHDOG_MIN={max(1, margin)}',
-        'shutdown -h "+$WATCHDOG_MIN" "burstcv watchdog: the run\'s time is up" || poweroff',
-        "",
-    ]
+    header = _watchdog_header(
+        f"training instance for run {_comment_safe(spec.run_id)}, attempt {spec.attempt}",
+        spec.deadline_at,
+        spec.margin_min,
+    )
     values = {
         "RUN_ID": spec.run_id,
         "JOB_URI": spec.job_uri,
@@ -418,7 +413,9 @@ def render_user_data(spec: UserDataSpec) -> str:
     config = [f"readonly {key}={shlex.quote(values[key])}" for key in keys]
     low, high = SUPPORTED_PYTHON
     body = (
-        _BODY.replace("__NODE_IDENTITY__", _NODE_IDENTITY if multi else "")
+        (_PRELUDE + _BODY)
+        .replace("__FIRST_STAMP__", "run $RUN_ID attempt $ATTEMPT, job $JOB_URI")
+        .replace("__NODE_IDENTITY__", _NODE_IDENTITY if multi else "")
         .replace("__TRAIN__", _MULTI_TRAIN if multi else _SINGLE_TRAIN)
         .replace("__RENDEZVOUS_WAIT_S__", str(RENDEZVOUS_WAIT_S))
         .replace("__IMDS__", IMDS)
@@ -430,6 +427,171 @@ def render_user_data(spec: UserDataSpec) -> str:
     return "\n".join(header + config) + "\n" + body
 
 
+def _watchdog_header(what: str, deadline_at: datetime, margin_min: int) -> list[str]:
+    """Return a box script's first lines: bash's strict mode and the watchdog, before anything."""
+    deadline = int(deadline_at.timestamp())
+    margin = int(margin_min)
+    return [
+        "#!/bin/bash",
+        f"# burstcv {what}",
+        "# (rendered by burstcv.compute.userdata; do not edit)",
+        "set -Eeuo pipefail",
+        "# Watchdog first: whatever happens below, the box powers off (and, with",
+        "# InstanceInitiatedShutdownBehavior=terminate, is destroyed) when the run's time is up:",
+        f"# the deadline ({deadline_at.isoformat()}) plus {margin} min for the last upload.",
+        f"WATCHDOG_MIN=$(( ({deadline} - $(date +%s) + 59) / 60 + {margin} ))",
+        f'[ "$WATCHDOG_MIN" -ge {max(1, margin)} ] || WATCHDOG_MIN={max(1, margin)}',
+        'shutdown -h "+$WATCHDOG_MIN" "burstcv watchdog: the run\'s time is up" || poweroff',
+        "",
+    ]
+
+
+@dataclass(frozen=True)
+class SizingBoxSpec:
+    """Describe what one sizing box measures, and until when it may live."""
+
+    run_id: str  # the sizing box's own run key (<run key>.size-<type>)
+    instance_type: str  # the candidate type the box was launched as
+    model_uri: str  # s3://… the model folder (model.json and its ONNX file)
+    requests_uri: str  # s3://… bench/sizing/requests/
+    out_uri: str  # s3://… bench/sizing/boxes/<type>.json
+    log_uri: str  # s3://… where the box's log goes
+    wheel_uri: str  # s3://…/runtime/<sha256>/burstcv_size-….whl
+    wheel_sha256: str
+    latency_slo_ms: float
+    step_s: float
+    deadline_at: datetime  # the sizing's absolute deadline (UTC)
+    region: str  # used only if IMDS does not answer with the box's own region
+    margin_min: int = 2
+    python: str = "python3.11"  # Amazon Linux 2023's; installed with dnf when missing
+    log_every_s: int = DEFAULT_LOG_EVERY_S
+
+
+SIZING_CONFIG_KEYS = (
+    "RUN_ID",
+    "SIZED_TYPE",
+    "MODEL_URI",
+    "REQUESTS_URI",
+    "OUT_URI",
+    "LOG_URI",
+    "WHEEL_URI",
+    "WHEEL_SHA256",
+    "SLO_MS",
+    "STEP_S",
+    "PYTHON",
+    "FALLBACK_REGION",
+    "LOG_EVERY_S",
+)
+
+# A sizing box, after the prelude: no marker but its figures; the log goes up on every exit.
+_SIZING_BODY = r"""
+ZONE=$(imds meta-data/placement/availability-zone) || ZONE=""
+finish() {
+  local rc=$?
+  trap - EXIT
+  set +e  # best effort from here on: the shutdown must still run
+  [ -n "${SHIPPER_PID:-}" ] && kill "$SHIPPER_PID" 2> /dev/null
+  [ -n "${SIZE_PID:-}" ] && kill "$SIZE_PID" 2> /dev/null
+  if [ -n "${NO_S3:-}" ]; then
+    shutdown -h now
+    return
+  fi
+  s3_object_exists "$OUT_URI" || stamp "sizing ended in $STAGE (exit code $rc) with no figures"
+  stamp "done (exit code $rc); shutting down now"
+  s3 cp "$LOG" "$LOG_URI"
+  shutdown -h now
+}
+trap finish EXIT
+trap 'exit 143' TERM INT HUP
+
+for try in 1 2 3; do
+  out=$(s3 exists "$REQUESTS_URI" 2>&1) && break
+  [ "$?" = 1 ] && break
+  [ "$try" = 3 ] && stamp "cannot reach S3: $out" && NO_S3=1 && exit 4
+  sleep 10
+done
+s3 cp "$LOG" "$LOG_URI" || true
+ship_log() {
+  while sleep "$LOG_EVERY_S"; do s3 cp "$LOG" "$LOG_URI" || true; done
+}
+ship_log &
+SHIPPER_PID=$!
+
+STAGE=python
+PY_CHECK='import sys; sys.exit(sys.version_info[:2] < (3, 11))'
+if ! "$PYTHON" -c "$PY_CHECK" 2> /dev/null && command -v dnf > /dev/null; then
+  stamp "installing $PYTHON"
+  dnf install -y -q "$PYTHON" "$PYTHON-pip"
+fi
+"$PYTHON" -c "$PY_CHECK" 2> /dev/null \
+  || { stamp "no Python 3.11 or newer at $PYTHON: set BURSTCV_SIZING_PYTHON"; exit 3; }
+
+STAGE=install
+stamp "installing $WHEEL_URI"
+WHEEL="$WORK/$(basename "$WHEEL_URI")"
+s3 cp "$WHEEL_URI" "$WHEEL"
+echo "$WHEEL_SHA256  $WHEEL" | sha256sum -c --quiet - \
+  || { stamp "the sizing wheel at $WHEEL_URI does not match its sha256"; exit 3; }
+"$PYTHON" -m pip --version > /dev/null 2>&1 || "$PYTHON" -m ensurepip --upgrade > /dev/null
+# The serving image's pins (onnxruntime, no torch) come with the wheel.
+PIP_BREAK_SYSTEM_PACKAGES=1 "$PYTHON" -m pip install --quiet --no-input \
+  --disable-pip-version-check --no-warn-script-location "$WHEEL"
+BURSTCV_SIZE="$(dirname "$(command -v "$PYTHON")")/burstcv-size"
+[ -x "$BURSTCV_SIZE" ] || BURSTCV_SIZE=burstcv-size
+# boto3 came with the wheel: S3 through this Python from here on.
+"$PYTHON" -c "import boto3" 2> /dev/null && S3PY=$(command -v "$PYTHON")
+stamp "installed"
+
+STAGE=size
+"$BURSTCV_SIZE" measure --model "$MODEL_URI" --requests "$REQUESTS_URI" --out "$OUT_URI" \
+  --slo-ms "$SLO_MS" --step-s "$STEP_S" --instance-type "${INSTANCE_TYPE:-$SIZED_TYPE}" \
+  --instance-id "$INSTANCE_ID" --region "$AWS_REGION" --zone "$ZONE" &
+SIZE_PID=$!
+wait "$SIZE_PID"
+SIZE_PID=""
+stamp "sized $SIZED_TYPE"
+"""
+
+
+def render_sizing_user_data(spec: SizingBoxSpec) -> str:
+    """Return the bash user-data of one sizing box: watchdog, identity, install, measure, off."""
+    for name in ("model_uri", "requests_uri", "out_uri", "log_uri", "wheel_uri"):
+        uri = getattr(spec, name)
+        if not uri.startswith("s3://"):
+            raise ValueError(f"a sizing box reads and writes S3; got {name} {uri!r}")
+    if len(spec.wheel_sha256) != 64:
+        raise ValueError(f"wheel_sha256 must be a sha256 hex digest, got {spec.wheel_sha256!r}")
+    if spec.deadline_at.tzinfo is None:
+        raise ValueError("deadline_at must be timezone-aware (UTC)")
+    header = _watchdog_header(
+        f"sizing box {_comment_safe(spec.instance_type)} for run {_comment_safe(spec.run_id)}",
+        spec.deadline_at,
+        spec.margin_min,
+    )
+    values = {
+        "RUN_ID": spec.run_id,
+        "SIZED_TYPE": spec.instance_type,
+        "MODEL_URI": spec.model_uri,
+        "REQUESTS_URI": spec.requests_uri,
+        "OUT_URI": spec.out_uri,
+        "LOG_URI": spec.log_uri,
+        "WHEEL_URI": spec.wheel_uri,
+        "WHEEL_SHA256": spec.wheel_sha256,
+        "SLO_MS": f"{spec.latency_slo_ms:g}",
+        "STEP_S": f"{spec.step_s:g}",
+        "PYTHON": spec.python,
+        "FALLBACK_REGION": spec.region,
+        "LOG_EVERY_S": str(int(spec.log_every_s)),
+    }
+    config = [f"readonly {key}={shlex.quote(values[key])}" for key in SIZING_CONFIG_KEYS]
+    body = (
+        (_PRELUDE + _SIZING_BODY)
+        .replace("__FIRST_STAMP__", "sizing $SIZED_TYPE for run $RUN_ID")
+        .replace("__IMDS__", IMDS)
+    )
+    return "\n".join(header + config) + "\n" + body
+
+
 def parse_config(script: str) -> dict[str, str]:
     """Return the config block of a rendered script (what the instance will run)."""
     found: dict[str, str] = {}
@@ -437,7 +599,7 @@ def parse_config(script: str) -> dict[str, str]:
         if not line.startswith("readonly "):
             continue
         key, _, raw = line.removeprefix("readonly ").partition("=")
-        if key in CONFIG_KEYS + MULTI_NODE_KEYS:
+        if key in CONFIG_KEYS + MULTI_NODE_KEYS + SIZING_CONFIG_KEYS:
             parts = shlex.split(raw)
             found[key] = parts[0] if parts else ""
     return found

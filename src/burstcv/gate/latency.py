@@ -28,6 +28,7 @@ import numpy as np
 
 from burstcv.gate import loadgen
 from burstcv.gate.loadgen import Sample, free_port
+from burstcv_spec import storage
 from burstcv_spec.contracts import BenchFigures, ModelCard, read_artifact
 from burstcv_spec.layout import MODEL_CARD
 
@@ -113,6 +114,16 @@ def staging_process(
             raise
         finally:
             loadgen.stop(proc)
+
+
+def materialise_model(model_dir_uri: str, dest: Path) -> Path:
+    """Return a local folder holding model.json and its ONNX file (downloading from S3)."""
+    if not storage.is_s3(model_dir_uri):
+        return Path(model_dir_uri)
+    card = read_artifact(storage.join(model_dir_uri, MODEL_CARD), ModelCard)
+    for name in (MODEL_CARD, card.onnx_file):
+        storage.download_file(storage.join(model_dir_uri, name), dest / name)
+    return dest
 
 
 def wait_ready(

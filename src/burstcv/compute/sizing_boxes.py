@@ -1,0 +1,220 @@
+"""Size a model on boxes of the CPU types it may serve on: one short-lived box per type.
+
+For each candidate type (at most ``parallel`` at once), one on-demand box is launched through
+:meth:`Ec2Backend.launch_sizing_box`, with every leak layer of a training box (tags, the
+watchdog in its boot script, the EventBridge backstop, IMDSv2 only, no inbound rule, the
+reaper by its expiry tag). Its boot script (``render_sizing_user_data``) installs the
+``burstcv-size`` wheel, fetches the model and the request images, runs the staging service
+and the open-loop load generator on the box's own CPUs and writes its BoxSizing to
+``bench/sizing/boxes/<type>.json``, then powers off. This side waits for those figures within
+the sizing's time bound and terminates every box it launched, in a ``finally``, whatever
+happens. A type that cannot be launched (quota, capacity) or whose box ends without figures
+is recorded as skipped with the reason; it never fails the run.
+
+Each box carries its own run key, ``<run key>.size-<type>``: its teardown, its backstop and
+its bill are its own, and the run's training boxes are never touched by it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from burstcv.compute.base import WORKING
+from burstcv.compute.ec2 import CapacityUnavailableError, Ec2Backend
+from burstcv.compute.runtime import StagedRuntime, stage_sizing_wheel
+from burstcv.compute.userdata import SizingBoxSpec, render_sizing_user_data
+from burstcv_spec import storage
+from burstcv_spec.contracts import (
+    ArtifactError,
+    BoxSizing,
+    Launch,
+    RunRef,
+    read_artifact,
+    write_artifact,
+)
+from burstcv_spec.layout import RunLayout
+
+log = logging.getLogger(__name__)
+
+POLL_S = 5.0
+
+
+def box_run_key(run_key: str, instance_type: str) -> str:
+    """Return a sizing box's own run key: the run's, suffixed by its type (path-safe)."""
+    return f"{run_key}.size-{instance_type.replace('.', '-')}"
+
+
+@dataclass(frozen=True)
+class SizingRequest:
+    """Say what to size, where, and for how long."""
+
+    run: RunRef
+    dag_id: str
+    model_uri: str  # the model folder boxes fetch (the run's model/, in S3)
+    instance_types: Sequence[str]  # the candidates, cheapest first
+    latency_slo_ms: float
+    step_s: float
+    max_s: float  # the sizing's time bound: no box lives past it (plus its watchdog's margin)
+    parallel: int = 2  # boxes at once
+
+
+def stage_requests(paths: RunLayout, images: Sequence[bytes]) -> str:
+    """Write the request images a sizing box sends to bench/sizing/requests/; return it."""
+    for no, data in enumerate(images):
+        storage.write_bytes(storage.join(paths.sizing_requests, f"{no:04d}.img"), data)
+    return paths.sizing_requests
+
+
+def size_on_boxes(
+    backend: Ec2Backend,
+    request: SizingRequest,
+    paths: RunLayout,
+    images: Sequence[bytes],
+    *,
+    artifact_root: str,
+    poll_s: float = POLL_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> list[BoxSizing]:
+    """Launch one sizing box per candidate type; return each type's BoxSizing, in order.
+
+    Every box launched is terminated before this returns (or raises).
+    """
+    requests_uri = stage_requests(paths, images)
+    wheel = stage_sizing_wheel(artifact_root)
+    deadline_at = datetime.now(UTC) + timedelta(seconds=request.max_s)
+    ends = clock() + request.max_s
+    results: dict[str, BoxSizing] = {}
+    waiting = list(dict.fromkeys(request.instance_types))
+    live: dict[str, str] = {}  # type -> its box's run key
+    launched: list[str] = []
+    try:
+        while waiting or live:
+            while waiting and len(live) < max(1, request.parallel) and clock() < ends:
+                instance_type = waiting.pop(0)
+                key = box_run_key(request.run.run_key, instance_type)
+                try:
+                    _launch(
+                        backend,
+                        request,
+                        paths,
+                        instance_type,
+                        key,
+                        requests_uri,
+                        wheel,
+                        deadline_at,
+                    )
+                except (CapacityUnavailableError, ClientError, BotoCoreError, ValueError) as exc:
+                    results[instance_type] = _skip(
+                        paths, backend, instance_type, f"not launched: {exc}"
+                    )
+                    continue
+                launched.append(key)
+                live[instance_type] = key
+            for instance_type, key in list(live.items()):
+                record = _figures(paths, instance_type)
+                if record is not None:
+                    results[instance_type] = record
+                elif not any(i.state in WORKING for i in backend.describe(key)):
+                    results[instance_type] = _skip(
+                        paths,
+                        backend,
+                        instance_type,
+                        "its box ended without figures; its log: " + _log_uri(paths, instance_type),
+                    )
+                else:
+                    continue
+                backend.terminate_run(key)
+                del live[instance_type]
+            if clock() >= ends:
+                for instance_type in [*live, *waiting]:
+                    results[instance_type] = _figures(paths, instance_type) or _skip(
+                        paths,
+                        backend,
+                        instance_type,
+                        f"no figures within the sizing's time bound ({request.max_s:g} s)",
+                    )
+                break
+            if live:
+                time.sleep(poll_s)
+    finally:
+        for key in launched:
+            try:
+                backend.terminate_run(key)
+            except (ClientError, BotoCoreError) as exc:  # the backstop and reaper remain
+                log.error("sizing box %s: terminate failed (%s); its backstop ends it", key, exc)
+    return [results[t] for t in dict.fromkeys(request.instance_types) if t in results]
+
+
+def _launch(
+    backend: Ec2Backend,
+    request: SizingRequest,
+    paths: RunLayout,
+    instance_type: str,
+    key: str,
+    requests_uri: str,
+    wheel: StagedRuntime,
+    deadline_at: datetime,
+) -> list[str]:
+    s = backend.settings
+    user_data = render_sizing_user_data(
+        SizingBoxSpec(
+            run_id=key,
+            instance_type=instance_type,
+            model_uri=request.model_uri,
+            requests_uri=requests_uri,
+            out_uri=paths.box_sizing(instance_type),
+            log_uri=_log_uri(paths, instance_type),
+            wheel_uri=wheel.uri,
+            wheel_sha256=wheel.sha256,
+            latency_slo_ms=request.latency_slo_ms,
+            step_s=request.step_s,
+            deadline_at=deadline_at,
+            region=s.region,
+            margin_min=s.sizing_margin_min,
+            python=s.sizing_python,
+            log_every_s=s.log_every_s,
+        )
+    )
+    image_id = backend.resolve_sizing_ami(backend.architecture(instance_type))
+    launch = Launch(
+        run=RunRef(airflow_run_id=request.run.airflow_run_id, run_key=key),
+        dag_id=request.dag_id,
+        job_uri=paths.box_sizing(instance_type),
+        time_budget_s=int(request.max_s),
+        instance_types=[instance_type],
+        use_spot=False,
+        deadline_at=deadline_at,
+        wheel_uri=wheel.uri,
+        wheel_sha256=wheel.sha256,
+    )
+    ids = backend.launch_sizing_box(launch, user_data, image_id)
+    log.info("sizing box %s: %s launched as %s", instance_type, ids, key)
+    return ids
+
+
+def _log_uri(paths: RunLayout, instance_type: str) -> str:
+    return storage.join(paths.sizing_boxes, "logs", f"{instance_type}.log")
+
+
+def _figures(paths: RunLayout, instance_type: str) -> BoxSizing | None:
+    uri = paths.box_sizing(instance_type)
+    if not storage.exists(uri):
+        return None
+    try:
+        return read_artifact(uri, BoxSizing)
+    except (OSError, ArtifactError) as exc:
+        log.warning("sizing box %s: unreadable figures (%s)", instance_type, exc)
+        return None
+
+
+def _skip(paths: RunLayout, backend: Ec2Backend, instance_type: str, why: str) -> BoxSizing:
+    log.warning("sizing box %s skipped: %s", instance_type, why)
+    record = BoxSizing(instance_type=instance_type, region=backend.settings.region, skipped=why)
+    write_artifact(paths.box_sizing(instance_type), record)
+    return record

@@ -1,0 +1,123 @@
+"""What a sizing box runs: size one model on this box's own CPUs, and write the figures.
+
+A sizing box (``size_on`` ec2, ``burstcv.gate.boxes``) is one instance of a candidate serving
+type. Its boot script installs the ``burstcv-size`` wheel (the staging service, the load
+generator and the sizing search; onnxruntime, no torch) and runs::
+
+    burstcv-size measure --model <registry version or run model/> --requests <folder of images>
+        --slo-ms <p95 SLO> --step-s <seconds a step> --out <run>/bench/sizing/boxes/<type>.json
+
+which measures the sustainable rate at 1 .. the box's vCPUs exactly as the benchmark host does
+(``burstcv.gate.sizing.measure_sizes``: the generator's own ceiling beside every size) and
+writes one :class:`~burstcv_spec.contracts.BoxSizing`. Nothing here knows about EC2 beyond
+the identity the boot script passes in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from burstcv import lineage
+from burstcv.gate.latency import materialise_model
+from burstcv.gate.sizing import STEP_DURATION_S, measure_sizes
+from burstcv_spec import storage
+from burstcv_spec.contracts import BoxSizing, HostInfo, write_artifact
+
+log = logging.getLogger("burstcv.sizebox")
+
+
+def request_images(folder_uri: str) -> list[bytes]:
+    """Return the request images under ``folder_uri`` (bench/sizing/requests/), in name order."""
+    images = [storage.read_bytes(uri) for uri in sorted(storage.list_files(folder_uri))]
+    if not images:
+        raise ValueError(f"no request images under {folder_uri}")
+    return images
+
+
+def measure_box(
+    *,
+    model_uri: str,
+    requests_uri: str,
+    out_uri: str,
+    latency_slo_ms: float,
+    instance_type: str,
+    region: str,
+    instance_id: str | None = None,
+    zone: str | None = None,
+    duration_s: float = STEP_DURATION_S,
+    max_vcpus: int | None = None,
+) -> BoxSizing:
+    """Size the model on this machine's CPUs; write and return its BoxSizing."""
+    started = time.monotonic()
+    images = request_images(requests_uri)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = materialise_model(model_uri, Path(tmp) / "model")
+        points = measure_sizes(
+            str(model_dir),
+            images,
+            latency_slo_ms=latency_slo_ms,
+            max_vcpus=max_vcpus,
+            duration_s=duration_s,
+        )
+    record = BoxSizing(
+        instance_type=instance_type,
+        instance_id=instance_id or None,
+        region=region,
+        zone=zone or None,
+        host=HostInfo.model_validate(lineage.host_description()),
+        sizes=points,
+        measured_at=lineage.utc_now_iso(),
+        seconds=round(time.monotonic() - started, 1),
+    )
+    write_artifact(out_uri, record)
+    return record
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``burstcv-size measure ...``: the sizing box's one command."""
+    parser = argparse.ArgumentParser(prog="burstcv-size", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    measure = sub.add_parser("measure", help="size a model on this box's CPUs")
+    measure.add_argument("--model", required=True, help="the model folder (model.json, ONNX)")
+    measure.add_argument("--requests", required=True, help="the folder of request images")
+    measure.add_argument("--out", required=True, help="where the BoxSizing goes")
+    measure.add_argument("--slo-ms", type=float, required=True, help="the p95 SLO, ms")
+    measure.add_argument("--step-s", type=float, default=STEP_DURATION_S)
+    measure.add_argument("--max-vcpus", type=int, default=None)
+    measure.add_argument("--instance-type", required=True)
+    measure.add_argument("--instance-id", default="")
+    measure.add_argument("--region", required=True)
+    measure.add_argument("--zone", default="")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        record = measure_box(
+            model_uri=args.model,
+            requests_uri=args.requests,
+            out_uri=args.out,
+            latency_slo_ms=args.slo_ms,
+            instance_type=args.instance_type,
+            region=args.region,
+            instance_id=args.instance_id,
+            zone=args.zone,
+            duration_s=args.step_s,
+            max_vcpus=args.max_vcpus,
+        )
+    except (OSError, ValueError, RuntimeError) as exc:
+        log.error("burstcv-size: %s: %s", type(exc).__name__, exc)
+        return 2
+    for point in record.sizes:
+        log.info(
+            "%d vCPU(s): %g req/s, p95 %s ms", point.vcpus, point.sustainable_rps, point.p95_ms
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
