@@ -19,8 +19,10 @@ from burstcv.cost.pricing import (
     PRICE_TABLE_ENV,
     UnknownPriceError,
     hourly_price,
+    instance_arch,
     instance_shapes,
     load_price_table,
+    normal_arch,
     on_demand_from_price_list,
     price_source,
     price_table_path,
@@ -95,7 +97,28 @@ def test_the_serving_types_shapes_are_awss_published_figures() -> None:
         "c7i.xlarge": (4, 8.0),
         "c7i.2xlarge": (8, 16.0),
         "m7i.large": (2, 8.0),
+        "m7i.xlarge": (4, 16.0),
+        "c7g.large": (2, 4.0),
+        "c7g.xlarge": (4, 8.0),
+        "c7g.2xlarge": (8, 16.0),
+        "m7g.large": (2, 8.0),
+        "m7g.xlarge": (4, 16.0),
+        "c8g.large": (2, 4.0),
+        "c8g.xlarge": (4, 8.0),
     }
+
+
+def test_graviton_types_are_arm64_and_the_rest_x86_64() -> None:
+    arm = {t for t in instance_shapes() if instance_arch(t) == "arm64"}
+    assert arm == {t for t in instance_shapes() if t.split(".")[0] in ("c7g", "m7g", "c8g")}
+    assert instance_arch("c7i.large") == "x86_64"
+    assert instance_arch("z9.unknown") == "x86_64"  # a type the table does not list
+    assert [normal_arch(m) for m in ("aarch64", "x86_64", "AMD64", "arm64")] == [
+        "arm64",
+        "x86_64",
+        "x86_64",
+        "arm64",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -19,13 +19,21 @@ from burstcv.gate.sizing import (
     MIN_GATE_REQUESTS,
     LoadRun,
     _holds,
+    box_candidates,
     gate_load,
     open_loop,
     rate_at,
     recommend,
     sustainable_rate,
 )
-from burstcv_spec.contracts import FleetOption, LoadStep, PriceQuote, SizePoint, SizingReport
+from burstcv_spec.contracts import (
+    BoxSizing,
+    FleetOption,
+    LoadStep,
+    PriceQuote,
+    SizePoint,
+    SizingReport,
+)
 
 # The serving tests' model builders (real ONNX graphs, model.json as the contract says).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
@@ -257,6 +265,7 @@ def test_a_type_without_a_price_is_a_fleet_ranked_after_the_priced_ones() -> Non
         prices=quotes({"m7i.large": 0.12}),
         region="us-east-1",
         unpriced=unpriced,
+        families=["c7i", "m7i"],
     )
     # The one priced type comes first, though dearer than the others would be; the unpriced
     # ones follow by the vCPUs they take: 8 x 2 (c7i.large at 180 req/s) before 5 x 4
@@ -276,6 +285,7 @@ def test_a_type_without_a_price_is_a_fleet_ranked_after_the_priced_ones() -> Non
         prices=[],
         region="eu-west-9",
         unpriced=unpriced,
+        families=["c7i", "m7i"],
     )
     assert none.chosen == fleet("c7i.large", 8, 180.0, None, None, None)
     assert [o.instance_type for o in none.options] == ["c7i.large", "m7i.large", "c7i.xlarge"]
@@ -521,8 +531,9 @@ def test_only_the_allowed_families_are_priced() -> None:
         region="us-east-1",
         families=["m7i"],
     )
-    # 300 req/s at 70% of 180: 3 x m7i.large.
-    assert report.options == [fleet("m7i.large", 3, 180.0, 0.36, 262.8, 0.3333)]
+    # 300 req/s at 70% of 180: 3 x m7i.large; then the family's larger size.
+    assert report.options[0] == fleet("m7i.large", 3, 180.0, 0.36, 262.8, 0.3333)
+    assert [o.instance_type for o in report.options] == ["m7i.large", "m7i.xlarge"]
     assert report.families == ["m7i"]
     none = recommend(
         points,
@@ -753,3 +764,80 @@ def test_the_gate_load_is_bounded_in_time_but_keeps_enough_requests() -> None:
     assert gate_load(report, 1, requests=200, max_s=10.0, rate_rps=2.1).requests == 21
     assert gate_load(report, 1, requests=15, max_s=10.0, rate_rps=1.0).requests == 15
     assert gate_load(report, 1, requests=20, max_s=0.1).requests == 20
+
+
+def box(instance_type: str, *points: SizePoint, skipped: str | None = None) -> BoxSizing:
+    """Return a sizing box's record of ``instance_type`` (skipped: no figures, and why)."""
+    return BoxSizing(
+        instance_type=instance_type, region="us-east-1", sizes=list(points), skipped=skipped
+    )
+
+
+GRAVITON_PRICES = quotes({"c7i.large": 0.10, "c7g.large": 0.08, "m7i.large": 0.12})
+
+
+def test_the_box_candidates_are_the_cheapest_fleets_the_host_says_could_serve() -> None:
+    # 300 req/s at 70% of 200 per c7i.large-sized box: 3 boxes of any type; cheapest first.
+    args = {"target_rps": 300, "prices": GRAVITON_PRICES, "families": ["c7i", "c7g", "m7i"]}
+    assert box_candidates(LINEAR, count=2, **args) == ["c7g.large", "c7i.large"]
+    assert box_candidates(LINEAR, count=5, **args) == ["c7g.large", "c7i.large", "m7i.large"]
+    # Only the allowed families, and never more than asked.
+    assert box_candidates(LINEAR, count=3, **{**args, "families": ["c7i"]}) == ["c7i.large"]
+    assert box_candidates(LINEAR, count=0, **args) == []
+
+
+def test_a_type_measured_on_its_own_box_rests_on_its_figures_and_is_chosen_over_a_guess() -> None:
+    families = ["c7i", "c7g", "m7i"]
+    # The host (x86) measured 200 req/s at 2 vCPUs. Without boxes, the Graviton type's figure is
+    # the host's, from another architecture: marked extrapolated, never "measured".
+    host_only = recommend(
+        LINEAR,
+        latency_slo_ms=50,
+        target_rps=300,
+        prices=GRAVITON_PRICES,
+        region="us-east-1",
+        families=families,
+        host_cores=2,
+    )
+    by_type = {o.instance_type: o for o in host_only.options}
+    assert by_type["c7g.large"].extrapolated and by_type["c7g.large"].measured_on is None
+    assert not by_type["c7i.large"].extrapolated
+    # Boxes: the c7i.large box measured 60 req/s at 2 vCPUs (slower than the host), the c7g
+    # box was refused. The fleet rests on the measured box, though the guesses are cheaper.
+    measured = recommend(
+        LINEAR,
+        latency_slo_ms=50,
+        target_rps=300,
+        prices=GRAVITON_PRICES,
+        region="us-east-1",
+        families=families,
+        host_cores=2,
+        boxes=[
+            box("c7i.large", point(1, 30.0), point(2, 60.0)),
+            box("c7g.large", skipped="not launched: VcpuLimitExceeded"),
+        ],
+    )
+    chosen = measured.chosen
+    assert chosen is not None
+    assert (chosen.instance_type, chosen.measured_on, chosen.extrapolated) == (
+        "c7i.large",
+        "c7i.large",
+        False,
+    )
+    assert chosen.rps_per_replica == 60.0 and chosen.replicas == 8  # 300 / (0.7 x 60)
+    assert "measured on a c7i.large box" in measured.reason
+    rest = [o for o in measured.options if o.instance_type != "c7i.large"]
+    assert rest and all(o.extrapolated and o.measured_on is None for o in rest)
+    assert [b.instance_type for b in measured.boxes] == ["c7i.large", "c7g.large"]
+    # Every box skipped: the host's figures stand, as without boxes.
+    skipped = recommend(
+        LINEAR,
+        latency_slo_ms=50,
+        target_rps=300,
+        prices=GRAVITON_PRICES,
+        region="us-east-1",
+        families=families,
+        host_cores=2,
+        boxes=[box("c7g.large", skipped="not launched")],
+    )
+    assert skipped.chosen == host_only.chosen

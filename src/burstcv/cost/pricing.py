@@ -140,6 +140,20 @@ def instance_shapes(path: Path | None = None) -> dict[str, tuple[int, float]]:
     }
 
 
+def instance_arch(instance_type: str, path: Path | None = None) -> str:
+    """Return the architecture of a CPU type the table sizes fleets on: ``arm64`` (Graviton)
+    or ``x86_64`` (the default, and for a type the table does not list)."""
+    shape = load_price_table(path).get("instances", {}).get(instance_type, {})
+    return str(shape.get("arch", "x86_64"))
+
+
+def normal_arch(machine: str) -> str:
+    """Return EC2's name for a machine architecture (``platform.machine()``: aarch64 is
+    arm64, AMD64 is x86_64)."""
+    name = machine.lower()
+    return {"aarch64": "arm64", "amd64": "x86_64"}.get(name, name)
+
+
 def _table_value(key: str, path: Path | None) -> Any:
     """Return a top-level entry of the table in use, else the packaged table's (an older
     custom table may lack it)."""

@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import platform
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,13 +32,14 @@ import numpy as np
 import psutil
 
 from burstcv.cost.model import DEFAULT_HEADROOM, fleet_cost, replicas_for
-from burstcv.cost.pricing import instance_shapes
+from burstcv.cost.pricing import instance_arch, instance_shapes, normal_arch
 from burstcv.gate import loadgen
 from burstcv.gate.interference import Placement, running_on
 from burstcv.gate.latency import staging_process
 from burstcv.gate.loadgen import trivial_endpoint
 from burstcv_spec.contracts import (
     ArtifactError,
+    BoxSizing,
     FleetOption,
     LoadStep,
     ModelCard,
@@ -644,36 +646,51 @@ def gate_load(
     return GateLoad(rate_rps=round(rate, 3), requests=min(requests, wanted), note=note)
 
 
-def recommend(
+def _box_points(boxes: Sequence[BoxSizing]) -> dict[str, list[SizePoint]]:
+    """Return {type: its box's sizes} of the types a sizing box measured."""
+    return {
+        b.instance_type: list(b.sizes)
+        for b in boxes
+        if b.skipped is None and any(p.measured for p in b.sizes)
+    }
+
+
+def fleet_options(
     points: Sequence[SizePoint],
     *,
-    latency_slo_ms: float,
     target_rps: float,
     prices: Sequence[PriceQuote],
-    region: str,
-    unpriced: str | None = None,
     headroom: float = DEFAULT_HEADROOM,
-    host_cores: int | None = None,
     families: Sequence[str] | None = None,
-) -> SizingReport:
-    """Return the cheapest fleet (and the next two) serving ``target_rps`` within the SLO.
+    boxes: Sequence[BoxSizing] = (),
+    host_arch: str | None = None,
+) -> list[FleetOption]:
+    """Return every allowed type's fleet for ``target_rps``, best first.
 
-    ``families`` (c7i, m7i, ...) limits the CPU types considered; None: every known one.
-    Each is priced from ``prices`` (the run's on-demand quotes) with the cost model's fleet
-    formula; a type without a price is still a fleet, reported unpriced (``unpriced`` says
-    what to set), and ranked after the priced ones by the vCPUs it takes.
+    A type a sizing box measured (``boxes``) rests on its own box's sizes (``measured_on``);
+    any other on the host's ``points``, and is extrapolated when boxes measured others or its
+    architecture is not the host's (``host_arch``): a figure from another CPU. Where boxes
+    measured any type, the measured fleets rank first: the fleet is chosen from measurements.
     """
     usd = {q.instance_type: q.usd_per_hour for q in prices}
+    measured_on = _box_points(boxes)
+    arch = normal_arch(host_arch or platform.machine())
     options = []
-    peak_rss = max((p.rss_mb or 0.0 for p in points), default=0.0)
     for instance_type, (vcpus, memory_gib) in sorted(instance_shapes().items()):
         if families is not None and instance_type.split(".")[0] not in families:
             continue
-        rate, extrapolated = rate_at(points, vcpus)
+        own = measured_on.get(instance_type)
+        basis = own if own is not None else points
+        if not any(p.measured for p in basis):
+            continue
+        rate, extrapolated = rate_at(basis, vcpus)
+        peak_rss = max((p.rss_mb or 0.0 for p in basis), default=0.0)
         if rate <= 0 or memory_gib * 1024 < 2 * peak_rss:
             continue
+        if own is None and (measured_on or instance_arch(instance_type) != arch):
+            extrapolated = True
         replicas = replicas_for(target_rps, rate, headroom)
-        bound = generator_bound_at(points, vcpus)
+        bound = generator_bound_at(basis, vcpus)
         hourly = usd.get(instance_type)
         cost = fleet_cost(hourly, replicas, target_rps) if hourly is not None else None
         options.append(
@@ -688,16 +705,68 @@ def recommend(
                 usd_per_hour=None if cost is None else round(cost.usd_per_hour, 4),
                 usd_per_month=None if cost is None else round(cost.usd_per_month, 2),
                 usd_per_million=None if cost is None else round(cost.usd_per_million, 4),
+                measured_on=instance_type if own is not None else None,
             )
         )
     options.sort(
         key=lambda o: (
             o.usd_per_hour is None,
+            bool(measured_on) and o.measured_on is None,
             o.usd_per_hour or 0.0,
             o.extrapolated,
             o.replicas * o.vcpus,
         )
     )
+    return options
+
+
+def box_candidates(
+    points: Sequence[SizePoint],
+    *,
+    count: int,
+    target_rps: float,
+    prices: Sequence[PriceQuote],
+    headroom: float = DEFAULT_HEADROOM,
+    families: Sequence[str] | None = None,
+) -> list[str]:
+    """Return the types worth a sizing box: the ``count`` cheapest priced fleets the host's
+    measurement says could serve ``target_rps`` within the SLO (any architecture)."""
+    options = fleet_options(
+        points, target_rps=target_rps, prices=prices, headroom=headroom, families=families
+    )
+    return [o.instance_type for o in options if o.usd_per_hour is not None][: max(0, count)]
+
+
+def recommend(
+    points: Sequence[SizePoint],
+    *,
+    latency_slo_ms: float,
+    target_rps: float,
+    prices: Sequence[PriceQuote],
+    region: str,
+    unpriced: str | None = None,
+    headroom: float = DEFAULT_HEADROOM,
+    host_cores: int | None = None,
+    families: Sequence[str] | None = None,
+    boxes: Sequence[BoxSizing] = (),
+) -> SizingReport:
+    """Return the cheapest fleet (and the next two) serving ``target_rps`` within the SLO.
+
+    ``families`` (c7i, m7i, ...) limits the CPU types considered; None: every known one.
+    Each is priced from ``prices`` (the run's on-demand quotes) with the cost model's fleet
+    formula; a type without a price is still a fleet, reported unpriced (``unpriced`` says
+    what to set), and ranked after the priced ones by the vCPUs it takes. ``boxes``: the
+    types measured on boxes of their own (:func:`fleet_options`).
+    """
+    options = fleet_options(
+        points,
+        target_rps=target_rps,
+        prices=prices,
+        headroom=headroom,
+        families=families,
+        boxes=boxes,
+    )
+    usd = {q.instance_type: q.usd_per_hour for q in prices}
     chosen = options[0] if options else None
     if chosen is None:
         best = max((p.sustainable_rps for p in points), default=0.0)
@@ -713,6 +782,7 @@ def recommend(
             + ("at least " if chosen.generator_bound else "")
             + f"{chosen.rps_per_replica:g} req/s each "
             f"({'extrapolated' if chosen.extrapolated else 'measured'}"
+            + (f" on a {chosen.measured_on} box" if chosen.measured_on else "")
             + (
                 "; the load generator's ceiling, not the service's: the fleet may be larger "
                 "than it needs"
@@ -744,6 +814,7 @@ def recommend(
             "as_of": min((q.as_of for q in prices), default="?"),
         },
         unpriced=unpriced,
+        boxes=list(boxes),
     )
 
 
