@@ -309,6 +309,10 @@ def _fleet(version: dict[str, Any], versions: list[dict[str, Any]]) -> str:
     text = f"{fleet['replicas']} x {fleet['instance_type']}, {price}"
     if fleet.get("generator_bound"):
         text += " (at most: the load generator was the limit)"
+    if fleet.get("measured_on"):
+        text += f" (measured on its own {fleet['measured_on']} box)"
+    elif fleet.get("extrapolated"):
+        text += " (extrapolated)"
     measured_in = version.get("fleet_measured_in")
     if measured_in and measured_in != version.get("run_id"):
         by = next((v["version"] for v in versions if v.get("run_id") == measured_in), None)

@@ -25,6 +25,7 @@ from burstcv_spec.contracts import (
     Benchmarked,
     Billing,
     BoxBill,
+    BoxSizing,
     CalibrationRecord,
     Contract,
     DataChunk,
@@ -226,6 +227,26 @@ SIZING = SizingReport(
     chosen=FLEET,
     reason="2 x c7i.large",
     price_source={"source": "table", "as_of": "2024-06-01"},
+)
+BOX = BoxSizing(
+    instance_type="c7g.large",
+    instance_id="i-0123456789abcdef0",
+    region="us-east-1",
+    zone="us-east-1a",
+    host=HostInfo(
+        machine="aarch64", processor="aarch64", cpu_count=2, python="3.11.9", platform="Linux"
+    ),
+    sizes=[SIZE],
+    measured_at="2026-12-05T12:00:00+00:00",
+    seconds=41.5,
+    speed_key="k" * 32,
+    measured_in="manual__2026-12-05",
+)
+SIZED_ON_BOXES = SIZING.model_copy(
+    update={
+        "boxes": [BOX, BoxSizing(instance_type="m7g.large", region="us-east-1", skipped="quota")],
+        "options": [FLEET.model_copy(update={"measured_on": "c7i.large"})],
+    }
 )
 
 
@@ -437,6 +458,8 @@ def examples() -> list[Contract]:
         CalibrationRecord(quiet_ms={"node|x86_64|numpy 2.3": 31.2}),
         VerdictRecord(version=3, **GATE.model_dump()),
         SIZING,
+        SIZED_ON_BOXES,
+        BOX,
         CARD,
         RegistryEntry.model_validate(
             {

@@ -12,6 +12,7 @@ from burstcv_testkit import bench_figures, write_model_dir
 
 from burstcv import pipeline
 from burstcv.cost import budget
+from burstcv.cost.quotes import PriceSources
 from burstcv.params import EXPORT_PARAMS, TRAINING_PARAMS, Affects, RunParams
 from burstcv.registry.registry import Registry
 from burstcv.settings import Settings
@@ -502,12 +503,12 @@ def test_a_serving_family_burstcv_does_not_know_is_named_with_the_ones_it_does(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     Prices(monkeypatch, {"g6.xlarge": 1.8})
-    run = ec2_run(["g6.xlarge"], 5.0).model_copy(update={"serving_families": ["c8g"]})
+    run = ec2_run(["g6.xlarge"], 5.0).model_copy(update={"serving_families": ["c9x"]})
     costs = budget.resolve_costs(run, Settings())
     assert [q.instance_type for q in costs.serving if q.instance_type.startswith("c")] == []
     assert costs.serving_unpriced == (
-        "no CPU type of the families c8g is known to burstcv "
-        "(serving_families: choose among c7i, m7i)"
+        "no CPU type of the families c9x is known to burstcv "
+        "(serving_families: choose among c7g, c7i, c8g, m7g, m7i)"
     )
 
 
@@ -566,3 +567,81 @@ def test_the_advice_prices_a_replica_at_the_rate_the_sizing_found_it_sustains() 
     assert pipeline._capacity_rps(None, 2) is None
     assert pipeline._capacity_rps(sizing(40.0), None) is None
     assert pipeline._capacity_rps(sizing(40.0), 0) is None
+
+
+S3_STORE = "s3://burstcv-test/artifacts"
+
+
+@pytest.fixture
+def local_quotes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Quote the serving types from the bundled table, cached in a local folder (the run's
+    S3 store is never reached: these tests resolve, and rent nothing)."""
+    monkeypatch.setattr(
+        budget, "price_sources", lambda params, settings: PriceSources(artifact_root=str(tmp_path))
+    )
+
+
+def sizing_reserve(boxes: int, max_s: int) -> float:
+    """Return what ``boxes`` sizing boxes of the priciest c7i/m7i type (c7i.2xlarge, $0.357/h
+    in the bundled table, a 16 GB volume and a public IPv4) cost over ``max_s`` + 3 min."""
+    per_hour = 0.357 + 16 * 0.08 / 730 + 0.005
+    return boxes * per_hour * (max_s + 180) / 3600
+
+
+def test_a_run_sized_on_ec2_keeps_its_sizing_boxes_out_of_the_training_budget(
+    monkeypatch: pytest.MonkeyPatch, local_quotes: None
+) -> None:
+    """$1.80 on g6.xlarge at $3.60/h: the sizing boxes' reserve comes off the training time."""
+    Prices(monkeypatch, {"g6.xlarge": 3.6})
+    store = Settings(artifact_root=S3_STORE)
+    on_host = budget.resolve_costs(
+        ec2_run(["g6.xlarge"], 1.8).model_copy(update={"size_on": "host"}), store
+    )
+    assert on_host.sizing is None and on_host.training_usd == 1.8
+    # An ec2 run whose artifacts are in S3 sizes on ec2 unless told otherwise.
+    costs = budget.resolve_costs(ec2_run(["g6.xlarge"], 1.8), store)
+    sizing = costs.sizing
+    assert sizing is not None and (sizing.boxes, sizing.max_s, sizing.margin_s) == (3, 900, 180)
+    assert sizing.box_rate.instance_type == "c7i.2xlarge" and sizing.box_rate.volume_gb == 16
+    assert sizing.reserve_usd == pytest.approx(sizing_reserve(3, 900), abs=1e-6)
+    assert costs.training_usd == pytest.approx(1.8 - sizing.reserve_usd)
+    assert costs.time_budget_s == deadline_s(costs.training_usd, 3.6) < on_host.time_budget_s
+    # Training boxes and sizing boxes together stay within the run's budget.
+    training = (3.6 + EXTRAS_PER_HOUR) * (costs.time_budget_s + MARGIN_S) / 3600
+    assert training + sizing.reserve_usd <= 1.8
+    # Fewer, shorter boxes reserve less; the store decides the default, not the backend alone.
+    small = budget.resolve_costs(
+        ec2_run(["g6.xlarge"], 1.8).model_copy(update={"sizing_boxes": 1, "sizing_max_s": 300}),
+        store,
+    )
+    assert small.sizing is not None
+    assert small.sizing.reserve_usd == pytest.approx(sizing_reserve(1, 300), abs=1e-6)
+    assert budget.resolve_costs(ec2_run(["g6.xlarge"], 1.8), Settings()).sizing is None
+
+
+def test_a_local_run_may_size_on_ec2_and_an_ec2_sizing_needs_an_s3_store(
+    monkeypatch: pytest.MonkeyPatch, local_quotes: None
+) -> None:
+    Prices(monkeypatch, {"g6.xlarge": 3.6})
+    local = RunParams(
+        dataset_uri="/d",
+        compute_backend="local",
+        size_on="ec2",
+        serving_families=["c7g", "c7i"],
+        max_cost_usd=1.0,
+        time_budget_s=900,
+    )
+    costs = budget.resolve_costs(local, Settings(artifact_root=S3_STORE))
+    assert costs.sizing is not None and costs.time_budget_s == 900  # local training is free
+    # The priciest type the families allow, Graviton included: c7i.2xlarge, then c7g.2xlarge.
+    assert costs.sizing.box_rate.instance_type == "c7i.2xlarge"
+    arm_only = local.model_copy(update={"serving_families": ["c7g"]})
+    arm = budget.resolve_costs(arm_only, Settings(artifact_root=S3_STORE)).sizing
+    assert arm is not None and arm.box_rate.instance_type == "c7g.2xlarge"
+    with pytest.raises(pipeline.ValidationFailed, match="s3:// URI, or size_on host"):
+        pipeline.resolve_run(RUN, local, Settings(artifact_root="/tmp/store"))
+    # A budget the sizing boxes alone would spend is refused before anything is rented.
+    tight = local.model_copy(update={"max_cost_usd": 0.2})
+    with pytest.raises(pipeline.ValidationFailed, match="sizing boxes' reserve") as refused:
+        pipeline.resolve_run(RUN, tight, Settings(artifact_root=S3_STORE))
+    assert "raise max_cost_usd" in str(refused.value)

@@ -387,15 +387,24 @@ class FleetOption(Contract):
 
 
 class BoxSizing(Artifact):
-    """A sizing box's record (bench/sizing/boxes/<type>.json): the sizes one instance type
-    sustained, measured on a box of that type, or why the type was not measured.
+    """`runs/<run_key>/bench/sizing/boxes/<type>.json`: the sizes one instance type sustained,
+    measured on a sizing box of that type, or why the type was not measured.
 
     Written by the box itself when it measured; by the orchestrator when the type could not be
     launched (quota, capacity) or its box ended without figures (``skipped`` says why).
     """
 
     omit_when_none = frozenset(
-        {"instance_id", "zone", "host", "measured_at", "seconds", "skipped", "usd_per_hour"}
+        {
+            "instance_id",
+            "zone",
+            "host",
+            "measured_at",
+            "seconds",
+            "skipped",
+            "speed_key",
+            "measured_in",
+        }
     )
 
     instance_type: str = Field(description="the EC2 type measured")
@@ -410,13 +419,20 @@ class BoxSizing(Artifact):
     )
     measured_at: str | None = Field(default=None, description="when (UTC, ISO 8601)")
     seconds: float | None = Field(default=None, description="how long the sizing took on it")
-    usd_per_hour: float | None = Field(
-        default=None, description="the box's on-demand price, what its minutes were billed at"
-    )
     skipped: str | None = Field(
         default=None,
         description="why the type has no figures (quota, capacity, a box that failed); "
         "null: measured",
+    )
+    speed_key: str | None = Field(
+        default=None,
+        description="digest of what sets the figures (architecture, input, preprocessing, "
+        "quantization, the type, SLO, step length, versions): equal keys measure alike",
+    )
+    measured_in: str | None = Field(
+        default=None,
+        description="the run whose box measured these figures: another run's when they "
+        "were reused (same speed_key)",
     )
 
 
@@ -1385,8 +1401,26 @@ class BoxBill(BoxRate):
     ended_at: str | None = Field(default=None, description="ISO 8601 UTC end; null: running")
 
 
+class SizingBudget(Contract):
+    """Say what a run sets aside for its sizing boxes (size_on ec2), out of its budget."""
+
+    boxes: int = Field(ge=1, description="CPU types sized on boxes of their own, at most")
+    max_s: int = Field(gt=0, description="the sizing's time bound, seconds")
+    margin_s: int = Field(ge=0, description="seconds a sizing box may outlive that bound")
+    box_rate: BoxRate = Field(
+        description="the priciest sizing box (on-demand on the priciest allowed serving type, "
+        "its root volume and public IPv4)"
+    )
+    reserve_usd: float = Field(
+        ge=0,
+        description="boxes x that rate x (max_s + margin_s): kept out of the training budget",
+    )
+
+
 class RunCosts(Contract):
     """Say what the run may spend and what its compute costs where it runs, priced once."""
+
+    omit_when_none = frozenset({"sizing"})
 
     region: str = Field(description="the AWS region prices are for")
     boxes: int = Field(ge=1, description="training boxes a launch starts (num_nodes)")
@@ -1415,6 +1449,16 @@ class RunCosts(Contract):
         default=None,
         description="why some or all serving types have no price, and what to set (null: all)",
     )
+    sizing: SizingBudget | None = Field(
+        default=None,
+        description="the sizing boxes' share of the budget when the run sizes its fleet on "
+        "ec2 (resolved from size_on); null: sized on the benchmark's host",
+    )
+
+    @property
+    def training_usd(self) -> float:
+        """Return what the training boxes may spend: the budget less the sizing's reserve."""
+        return self.max_cost_usd - (self.sizing.reserve_usd if self.sizing else 0.0)
 
 
 P = TypeVar("P", bound=BaseModel)
@@ -1681,6 +1725,7 @@ ARTIFACTS: tuple[type[Artifact], ...] = (
     CalibrationRecord,
     VerdictRecord,
     SizingReport,
+    BoxSizing,
     ModelCard,
     RegistryEntry,
     AliasRecord,

@@ -172,6 +172,11 @@ class RunLayout:
         """Return bench/sizing/boxes/<type>.json: one instance type's BoxSizing."""
         return storage.join(self.sizing_boxes, "boxes", f"{instance_type}.json")
 
+    def sizing_bill(self, instance_type: str) -> str:
+        """Return bench/sizing/bills/<type>/: its box's launch and end records, as a training
+        job folder holds its attempts' (attempts/1/{launch,end}.json)."""
+        return storage.join(self.sizing_boxes, "bills", instance_type)
+
     @property
     def sizing_requests(self) -> str:
         """Return bench/sizing/requests/: the images a sizing box sends its service."""

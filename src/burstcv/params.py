@@ -56,6 +56,7 @@ SECTION_TRAINING = "Training details"
 SECTION_DATA = "Data checks"
 SECTION_GATE = "Gate details"
 SECTION_SCALE = "Scale-out"
+SECTION_SIZING = "Fleet sizing"
 
 # The data checks a run may set: ValidationConfig's own names and defaults.
 DATA_CHECKS = (
@@ -214,8 +215,9 @@ class RunParams(BaseModel):
         default=["c7i", "m7i"],
         min_length=1,
         title="CPU instance families",
-        description="the EC2 families the serving fleet may use (compute: c7i, general purpose: "
-        "m7i; x86_64, as the fleet is measured here)",
+        description="the EC2 families the serving fleet may use (x86_64: c7i compute, m7i "
+        "general purpose; Graviton: c7g, m7g, c8g, measured on their own boxes when sized "
+        "on ec2)",
     )
     accuracy_floor: Annotated[float, Affects.RUN] = Field(
         default=0.9,
@@ -458,6 +460,35 @@ class RunParams(BaseModel):
         json_schema_extra={"section": SECTION_GATE},
     )
 
+    # Fleet sizing.
+    size_on: Annotated[Literal["auto", "host", "ec2"], Affects.RUN] = Field(
+        default="auto",
+        title="Size the fleet on",
+        description="host: the benchmark's worker measures the model, its figures stand for "
+        "every CPU type; ec2: one short-lived box per candidate type (x86 or Graviton) "
+        "measures it on its own CPUs, in the run's budget and bill; auto: ec2 when the run "
+        "trains on ec2 (its artifacts in S3), else host",
+        json_schema_extra={"section": SECTION_SIZING},
+    )
+    sizing_boxes: Annotated[int, Affects.RUN] = Field(
+        default=3,
+        ge=1,
+        le=8,
+        title="Types sized on boxes",
+        description="candidate CPU types measured on boxes of their own (size on ec2): the "
+        "cheapest fleets the worker's figures say could serve the load",
+        json_schema_extra={"section": SECTION_SIZING},
+    )
+    sizing_max_s: Annotated[int, Affects.RUN] = Field(
+        default=900,
+        ge=300,
+        le=3600,
+        title="Sizing time bound (s)",
+        description="how long the sizing boxes may take (size on ec2): no box outlives it by "
+        "more than its watchdog's margin; a type without figures by then is skipped",
+        json_schema_extra={"section": SECTION_SIZING},
+    )
+
     @field_validator("model")
     @classmethod
     def _known_model(cls, value: str) -> str:
@@ -485,6 +516,15 @@ class RunParams(BaseModel):
                 f"num_nodes {self.num_nodes} needs the ec2 compute backend (the "
                 f"{self.compute_backend} backend trains on this one machine); set num_nodes 1"
             )
+
+    def sizes_on(self, artifact_root: str) -> Literal["host", "ec2"]:
+        """Return where the serving fleet is measured: ``size_on``; else ec2 when the run
+        trains on ec2 and its artifacts are in S3 (where sizing boxes read and write), else
+        the host."""
+        if self.size_on != "auto":
+            return self.size_on
+        on_ec2 = self.compute_backend == "ec2" and artifact_root.startswith("s3://")
+        return "ec2" if on_ec2 else "host"
 
     def check_weights(self, model: str | None = None, pretrained: str | None = None) -> None:
         """Raise a one-line ValueError if the pretrained choice cannot seed the model; no GPU.

@@ -37,13 +37,16 @@ from burstcv.cost.budget import UnpricedRunError, resolve_costs
 from burstcv.cost.model import BudgetTooSmallError
 from burstcv.data.imagesize import choose_image_size
 from burstcv.data.manifest import read_manifest
+from burstcv.links import DAG_ID
 from burstcv.params import EXPORT_PARAMS, TRAINING_PARAMS, ResolvedRun, RunParams, job_values
 from burstcv.settings import Settings, get_settings
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
+    ArtifactError,
     BenchFigures,
     Benchmarked,
     Billing,
+    BoxSizing,
     DataChunk,
     Deployed,
     Exported,
@@ -826,10 +829,12 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
     now = lineage.utc_now()
     record_end(provisioned.output_uri, attempt, instances, now)  # the attempt is over
     spent = run_bill(provisioned.output_uri, attempt, now, backend=backend_name).cost_usd
-    budget = resolved_run(provisioned.run, s).costs.max_cost_usd
+    # The training boxes' share: the sizing boxes' reserve (size_on ec2) is kept for them.
+    budget = resolved_run(provisioned.run, s).costs.training_usd
     if spent >= budget:
         raise TrainingFailed(
-            f"the run's boxes have cost ${spent:.2f} of its ${budget:.2f} budget; no relaunch"
+            f"the run's boxes have cost ${spent:.2f} of its ${budget:.2f} training budget; "
+            "no relaunch"
         )
     ids = launch_attempt(backend_name, launch, provisioned.output_uri, attempt + 1, s)
     log.warning(
@@ -1138,6 +1143,8 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
                 }
             )
             memo.put(sizing)
+        if resolved.costs.sizing is not None:  # size_on ec2: the candidates on their own boxes
+            sizing = size_fleet_on_boxes(run, resolved, s, sizing, request_images)
         timings["sizing_s"] = round(time.monotonic() - started, 1)
         started = time.monotonic()
         # The staging services run on CPUs of their own, the load generator (this process)
@@ -1256,6 +1263,162 @@ def _capacity_rps(sizing: SizingReport | None, vcpus: int | None) -> float | Non
         return None
     rate, _ = rate_at(sizing.sizes, vcpus)
     return rate if rate > 0 else None
+
+
+def size_fleet_on_boxes(
+    run: RunRef, resolved: ResolvedRun, s: Settings, host: SizingReport, images: list[bytes]
+) -> SizingReport:
+    """Measure the cheapest candidate CPU types on boxes of their own (size_on ec2); return
+    the fleet chosen from their figures, the host's ``host`` report standing for the rest.
+
+    The candidates are the ``sizing_boxes`` cheapest fleets the host's figures say could
+    serve (any allowed family, Graviton included); the boxes' cost goes into billing.json.
+    """
+    from burstcv.compute.ec2 import Ec2Backend
+    from burstcv.compute.sizing_boxes import SizingRequest, size_on_boxes
+    from burstcv.gate.sizing import box_candidates, box_speed_key, recommend
+
+    budget, params = resolved.costs.sizing, resolved.params
+    assert budget is not None
+    types = box_candidates(
+        host.sizes,
+        count=budget.boxes,
+        target_rps=params.target_rps,
+        prices=resolved.costs.serving,
+        headroom=host.headroom,
+        families=params.serving_families,
+    )
+    if not types:
+        log.warning("sizing boxes: no priced CPU type could serve the load; the host's sizes stand")
+        return host
+    paths = run_layout(run, s)
+    card = read_artifact(paths.model_card, ModelCard)
+    keys = {
+        t: box_speed_key(
+            card, instance_type=t, latency_slo_ms=params.latency_slo_ms, duration_s=s.sizing_step_s
+        )
+        for t in types
+    }
+    # A type measured before for a model of the same speed key (any run): its figures stand.
+    earlier = {} if s.sizing_remeasure else _box_memo(s, keys)
+    if earlier:
+        log.info(
+            "sizing boxes: reused %s (same speed key: architecture, input, preprocessing, SLO; "
+            "BURSTCV_SIZING_REMEASURE=true measures again)",
+            ", ".join(f"{t} of run {b.measured_in}" for t, b in earlier.items()),
+        )
+    fresh = [t for t in types if t not in earlier]
+    measured: dict[str, BoxSizing] = {}
+    if fresh:
+        log.info("sizing boxes: measuring %s on boxes of their own", ", ".join(fresh))
+        try:
+            found = size_on_boxes(
+                Ec2Backend(s.ec2),
+                SizingRequest(
+                    run=run,
+                    dag_id=DAG_ID,
+                    model_uri=paths.model,
+                    instance_types=fresh,
+                    latency_slo_ms=params.latency_slo_ms,
+                    step_s=s.sizing_step_s,
+                    max_s=budget.max_s,
+                    parallel=s.sizing_parallel,
+                    bound_rate=budget.box_rate,
+                ),
+                paths,
+                images,
+                artifact_root=s.artifact_root,
+            )
+        finally:
+            bill_sizing_boxes(run, s)
+        for box in found:
+            if box.skipped is None:
+                box = box.model_copy(
+                    update={"speed_key": keys[box.instance_type], "measured_in": run.airflow_run_id}
+                )
+                write_artifact(paths.box_sizing(box.instance_type), box)
+                write_artifact(_box_memo_uri(s, keys[box.instance_type]), box)
+            measured[box.instance_type] = box
+    boxes = [earlier.get(t) or measured[t] for t in types if t in earlier or t in measured]
+    report = recommend(
+        host.sizes,
+        latency_slo_ms=params.latency_slo_ms,
+        target_rps=params.target_rps,
+        prices=resolved.costs.serving,
+        region=resolved.costs.region,
+        unpriced=resolved.costs.serving_unpriced,
+        headroom=host.headroom,
+        host_cores=host.host_cores,
+        families=params.serving_families,
+        boxes=boxes,
+    )
+    log.info("sizing boxes: %s", report.reason)
+    return report.model_copy(
+        update={
+            "host_load": host.host_load,
+            "speed_key": host.speed_key,
+            "measured_in": host.measured_in,
+        }
+    )
+
+
+def _box_memo_uri(s: Settings, key: str) -> str:
+    """Return where a sizing box's figures are kept for its speed key (any run reuses them)."""
+    return storage.join(s.artifact_root, "sizing", "boxes", f"{key}.json")
+
+
+def _box_memo(s: Settings, keys: dict[str, str]) -> dict[str, BoxSizing]:
+    """Return {type: its figures measured before under the same speed key}."""
+    found = {}
+    for instance_type, key in keys.items():
+        uri = _box_memo_uri(s, key)
+        if not storage.exists(uri):
+            continue
+        try:
+            box = read_artifact(uri, BoxSizing)
+        except ArtifactError:  # damaged: measured again, and rewritten
+            continue
+        if box.speed_key == key and box.skipped is None:
+            found[instance_type] = box
+    return found
+
+
+def bill_sizing_boxes(run: RunRef, settings: Settings | None = None) -> Billing | None:
+    """Add the run's sizing boxes to its bill (billing.json; teardown wrote it before them).
+
+    Their records are priced like training attempts' (``run_bill``, one cost model); a box
+    billed before (a benchmark tried again) is replaced by its latest bill, never counted
+    twice. None when the run launched no sizing box.
+    """
+    from burstcv.compute.sizing_boxes import bill_sizing
+
+    s = settings or get_settings()
+    paths = run_layout(run, s)
+    bills = bill_sizing(paths, lineage.utc_now(), run.airflow_run_id)
+    if not bills:
+        return None
+    sized = [i for b in bills for i in b.instances]
+    ids = {i.instance_id for i in sized}
+    base = read_artifact(paths.billing, Billing) if storage.exists(paths.billing) else None
+    kept = [i for i in base.instances if i.instance_id not in ids] if base else []
+    instances = kept + sized
+    seconds = {k: v for k, v in (base.billed_seconds if base else {}).items() if k not in ids}
+    for b in bills:
+        seconds.update(b.billed_seconds)
+    billing = Billing(
+        instance_ids=[i for i in (base.instance_ids if base else []) if i not in ids]
+        + [i.instance_id for i in sized],
+        billed_seconds=seconds,
+        cost_usd=(base.cost_usd if base else 0.0)
+        - sum(i.cost_usd or 0.0 for i in (base.instances if base else []) if i.instance_id in ids)
+        + sum(b.cost_usd for b in bills),
+        backend=base.backend if base else "ec2",
+        instances=instances,
+        terminated_at=lineage.utc_now_iso(),
+    )
+    write_artifact(paths.billing, billing)
+    log.info("billing: the sizing boxes cost $%.4f", sum(b.cost_usd for b in bills))
+    return billing
 
 
 def _size_fleet(

@@ -171,6 +171,8 @@ class Settings(BaseSettings):
     # preprocessing, quantization, host, SLO, these settings) equals one measured before on
     # this host reuses those sizes (<BURSTCV_HOME>/bench/sizing/); true measures every time.
     sizing_remeasure: bool = False
+    # Sizing boxes (size_on ec2) up at once: each is one CPU type's own box.
+    sizing_parallel: int = Field(default=2, ge=1, le=8)
 
     # Serving (the deployed service that deploy notifies and verifies).
     serving_url: str = "http://127.0.0.1:8000"

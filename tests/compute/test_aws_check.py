@@ -260,10 +260,11 @@ def test_a_ready_account_passes_every_check_and_rents_nothing(
         "ok       serving price c7i.large on-demand in us-east-1: $0.0892/h",
         "ok       serving price c7i.xlarge on-demand in us-east-1: $0.1785/h",
         "ok       serving price m7i.large on-demand in us-east-1: $0.1008/h",
+        "ok       serving price m7i.xlarge on-demand in us-east-1: $0.2016/h",
     ]
     # Not the last line: a handler an earlier in-process CLI run left on a closed stream may
     # print its logging error after it.
-    assert "all 41 checks passed: nothing was rented" in lines
+    assert "all 42 checks passed: nothing was rented" in lines
     assert not [x for x in lines if x.startswith("MISSING")]
     assert kit.live_managed() == []
     calls = audited_calls.snapshot()
@@ -805,7 +806,7 @@ def test_serving_types_nobody_prices_in_the_region_are_named_with_what_to_set(
     (missing,) = lines[1:]
     assert missing.startswith(
         "MISSING  serving prices (c7i, m7i) in eu-west-1: no on-demand price for c7i.2xlarge, "
-        "c7i.xlarge, m7i.large in eu-west-1"
+        "c7i.xlarge, m7i.large, m7i.xlarge in eu-west-1"
     )
     # What to set: the permission to ask AWS, or a table that prices them there.
     assert "allow pricing:GetProducts" in missing and "deploy/iam-policy.json" in missing
@@ -815,4 +816,4 @@ def test_serving_types_nobody_prices_in_the_region_are_named_with_what_to_set(
         for c in audited_calls.snapshot()
         if c.action == "pricing:GetProducts"
     )
-    assert asked == ["c7i.2xlarge", "c7i.large", "c7i.xlarge", "m7i.large"]
+    assert asked == ["c7i.2xlarge", "c7i.large", "c7i.xlarge", "m7i.large", "m7i.xlarge"]

@@ -67,6 +67,7 @@ GPU_TYPE = "g6.xlarge"
 FAR_GPU_USD = 0.975  # the Price List API's answer for g6.xlarge in eu-west-1 (no table row)
 # AWS's published rates, written here rather than read back from the code under test.
 TABLE_GPU_USD = 0.8048  # g6.xlarge on demand in us-east-1 (the bundled table)
+SIZING_BOX_USD = 0.357  # c7i.2xlarge on demand in us-east-1 (the bundled table)
 GP3_USD_PER_GB_MONTH = {IN_TABLE: 0.08, FAR: 0.088}
 IPV4_USD_PER_HOUR = 0.005
 HOURS_PER_MONTH = 730
@@ -232,7 +233,20 @@ def expected_deadline_s(resolved: ResolvedRun, cell: Cell, settings: Settings) -
     volume = settings.ec2.volume_gb * GP3_USD_PER_GB_MONTH[cell.region] / HOURS_PER_MONTH
     per_hour = cell.boxes * (usd + volume + IPV4_USD_PER_HOUR)
     margin_s = (settings.ec2.watchdog_margin_min + 1) * 60
-    return min(cap, math.floor(resolved.params.max_cost_usd / per_hour * 3600) - margin_s)
+    return min(cap, math.floor(training_usd(resolved, cell) / per_hour * 3600) - margin_s)
+
+
+def training_usd(resolved: ResolvedRun, cell: Cell) -> float:
+    """Return the training boxes' budget: an ec2 run in a region that prices its serving types
+    sizes its fleet on EC2 (size_on auto), and sets aside three sizing boxes of its priciest
+    serving type (c7i.2xlarge), a 16 GB volume and an IPv4 each, for 900 s and 3 min."""
+    if cell.backend != "ec2" or cell.region == FAR:
+        return resolved.params.max_cost_usd
+    box = SIZING_BOX_USD + 16 * GP3_USD_PER_GB_MONTH[cell.region] / HOURS_PER_MONTH
+    reserve = 3 * (box + IPV4_USD_PER_HOUR) * (900 + 180) / 3600
+    if reserve > resolved.params.max_cost_usd / 4:  # auto leaves a small budget to training
+        return resolved.params.max_cost_usd
+    return resolved.params.max_cost_usd - reserve
 
 
 def priced_by_hand(box: BoxBill, now: datetime) -> float:
@@ -317,6 +331,9 @@ def test_a_run_holds_together_from_its_trigger_to_its_bill(
     assert resolved.params.dataset_uri == str(expected_dataset)
     assert (resolved.costs.boxes, resolved.costs.region) == (cell.boxes, cell.region)
     assert resolved.costs.time_budget_s == expected_deadline_s(resolved, cell, s)
+    sized_on_ec2 = training_usd(resolved, cell) < resolved.params.max_cost_usd
+    assert (resolved.costs.sizing is not None) == sized_on_ec2
+    assert resolved.costs.training_usd == pytest.approx(training_usd(resolved, cell))
     serving_types = {q.instance_type for q in resolved.costs.serving}
     if cell.region == FAR:  # nobody prices a serving type there: known now, not at the gate
         assert not serving_types & {"c7i.large", "m7i.large"}

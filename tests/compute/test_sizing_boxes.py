@@ -14,6 +14,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -26,12 +28,16 @@ from botocore.exceptions import ClientError
 from boxsandbox import Boot, BoxSandbox, SandboxUnavailable, make_ami_python
 from burstcv_testkit import power_off_in_emulator
 
+from burstcv import pipeline
 from burstcv.compute.base import TAG_RUN_ID
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.compute.sizing_boxes import SizingRequest, box_run_key, size_on_boxes
-from burstcv.gate.sizing import host_cpus
+from burstcv.compute.userdata import parse_config
+from burstcv.gate.sizing import host_cpus, recommend
+from burstcv.params import RunParams
+from burstcv.settings import Settings
 from burstcv_spec import storage
-from burstcv_spec.contracts import BoxSizing, RunRef, read_artifact
+from burstcv_spec.contracts import Billing, BoxSizing, RunRef, SizePoint, read_artifact
 from burstcv_spec.layout import RunLayout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
@@ -240,3 +246,161 @@ def test_two_sizing_boxes_measure_in_parallel_and_a_refused_type_is_skipped(
     variables = {"ARTIFACT_ROOT": f"{BUCKET}/artifacts", "BURSTCV_BUCKET": BUCKET}
     refused_calls = denied(policy, calls, variables)
     assert not refused_calls, "calls the instance role denies:\n" + "\n".join(refused_calls)
+
+
+class SizingBoxPlayer:
+    """Play each sizing box the run launches: its own command, from its own user-data's
+    config, on one CPU of this machine; then power it off as EC2 would. (The boot script
+    around that command is the sandbox test's above.)"""
+
+    def __init__(self, ec2: Any, endpoint: str, run_key: str) -> None:
+        self.ec2, self.endpoint, self.run_key = ec2, endpoint, run_key
+        self.played: dict[str, int] = {}  # instance id -> exit code
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> SizingBoxPlayer:
+        self._watcher.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._watcher.join(timeout=10)
+        for thread in self._threads:
+            thread.join(timeout=120)
+
+    def _watch(self) -> None:
+        seen: set[str] = set()
+        while not self._stop.is_set():
+            reservations = self.ec2.describe_instances(
+                Filters=[
+                    {"Name": f"tag:{TAG_RUN_ID}", "Values": [f"{self.run_key}.size-*"]},
+                    {"Name": "instance-state-name", "Values": ["running"]},
+                ]
+            )["Reservations"]
+            for iid in [i["InstanceId"] for r in reservations for i in r["Instances"]]:
+                if iid not in seen:
+                    seen.add(iid)
+                    cpu = host_cpus()[len(seen) % len(host_cpus())]
+                    thread = threading.Thread(target=self._play, args=(iid, cpu))
+                    thread.start()
+                    self._threads.append(thread)
+            time.sleep(0.2)
+
+    def _play(self, instance_id: str, cpu: int) -> None:
+        config = parse_config(user_data(self.ec2, instance_id))
+        command = [
+            "taskset",
+            "-c",
+            str(cpu),
+            sys.executable,
+            "-m",
+            "burstcv.gate.sizebox",
+            "measure",
+            *("--model", config["MODEL_URI"], "--requests", config["REQUESTS_URI"]),
+            *("--out", config["OUT_URI"], "--slo-ms", config["SLO_MS"]),
+            *("--step-s", config["STEP_S"], "--instance-type", config["SIZED_TYPE"]),
+            *("--instance-id", instance_id, "--region", REGION),
+        ]
+        env = {**os.environ, "AWS_ENDPOINT_URL": self.endpoint}
+        env.pop("AWS_ENDPOINT_URL_S3", None)
+        self.played[instance_id] = subprocess.run(command, env=env, timeout=300).returncode
+        power_off_in_emulator(instance_id, REGION)
+
+
+def test_a_local_run_sized_on_ec2_chooses_from_its_boxes_figures_and_bills_them(
+    aws: str, ec2_client: Any, ec2_account: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Local training, ec2 sizing, an x86 and a Graviton candidate: the whole run's view."""
+    for key, value in {
+        "REGION": REGION,
+        "INSTANCE_PROFILE": PROFILE,
+        "WAITER_DELAY_S": "0.1",
+    }.items():
+        monkeypatch.setenv(f"BURSTCV_EC2_{key}", value)
+    settings = Settings(
+        artifact_root=ARTIFACT_ROOT,
+        registry_uri=f"{ARTIFACT_ROOT}/registry",
+        sizing_step_s=0.5,
+        sizing_parallel=2,
+    )
+    run = RunRef.of("manual__local-train-ec2-sizing")
+    params = RunParams.resolve(
+        {
+            "dataset_uri": "s3://unused/dataset",
+            "compute_backend": "local",
+            "size_on": "ec2",
+            "serving_families": ["c7g", "c7i"],
+            "sizing_boxes": 2,
+            "sizing_max_s": 300,
+            "target_rps": 50,
+            "latency_slo_ms": 200,
+        },
+        settings,
+    )
+    resolved = pipeline.resolve_run(run, params, settings)
+    assert resolved.costs.sizing is not None
+    paths = RunLayout.of(ARTIFACT_ROOT, run.run_key)
+    upload_model(paths.model)
+    # What the worker measured: 100 req/s a vCPU. Its cheapest fleets: c7g.large, c7i.large.
+    host = recommend(
+        [
+            SizePoint(vcpus=1, measured=True, sustainable_rps=100, p95_ms=5, rss_mb=90),
+            SizePoint(vcpus=2, measured=True, sustainable_rps=200, p95_ms=5, rss_mb=90),
+        ],
+        latency_slo_ms=200,
+        target_rps=50,
+        prices=resolved.costs.serving,
+        region=REGION,
+        families=params.serving_families,
+        host_cores=2,
+    )
+    images = [image_bytes(fmt, (48 + n, 40)) for n, fmt in enumerate(["PNG", "JPEG"] * 4)]
+    with SizingBoxPlayer(ec2_client, aws, run.run_key) as player:
+        report = pipeline.size_fleet_on_boxes(run, resolved, settings, host, images)
+    assert sorted(player.played.values()) == [0, 0]
+    by_type = {b.instance_type: b for b in report.boxes}
+    assert sorted(by_type) == ["c7g.large", "c7i.large"]
+    assert all(b.skipped is None and b.sizes[0].sustainable_rps > 0 for b in by_type.values())
+    chosen = report.chosen
+    # Each played box had one CPU of this machine where its type has two: its own figure at
+    # one vCPU is scaled to two (extrapolated, but on its own box's figures).
+    assert chosen is not None and chosen.measured_on in by_type
+    measured = by_type[chosen.measured_on].sizes[0].sustainable_rps
+    assert chosen.rps_per_replica >= measured
+    assert all(o.extrapolated for o in report.options if o.measured_on is None)
+    # The Graviton box ran Amazon Linux for arm64, the x86 one for x86_64.
+    reservations = ec2_client.describe_instances(
+        Filters=[{"Name": f"tag:{TAG_RUN_ID}", "Values": [f"{run.run_key}.size-*"]}]
+    )["Reservations"]
+    boxes = {i["InstanceType"]: i for r in reservations for i in r["Instances"]}
+    images_of = ec2_client.describe_images(ImageIds=[b["ImageId"] for b in boxes.values()])
+    arch = {i["ImageId"]: i["Architecture"] for i in images_of["Images"]}
+    assert arch[boxes["c7g.large"]["ImageId"]] == "arm64"
+    assert arch[boxes["c7i.large"]["ImageId"]] == "x86_64"
+    assert {b["State"]["Name"] for b in boxes.values()} == {"terminated"}
+    # The boxes are in the run's bill, each under its own run key, priced by the cost model.
+    billing = read_artifact(paths.billing, Billing)
+    assert {i.run_id for i in billing.instances} == {
+        box_run_key(run.run_key, t) for t in ("c7g.large", "c7i.large")
+    }
+    assert all(i.stopped_at and (i.cost_usd or 0) > 0 for i in billing.instances)
+    assert billing.cost_usd == pytest.approx(sum(i.cost_usd or 0 for i in billing.instances))
+    assert billing.cost_usd <= resolved.costs.sizing.reserve_usd
+    # Billed again (a benchmark tried again): the same boxes, never counted twice.
+    again = pipeline.bill_sizing_boxes(run, settings)
+    assert again is not None and again.cost_usd == pytest.approx(billing.cost_usd, rel=0.05)
+    assert len(again.instances) == 2
+    # What the boxes measured is kept by speed key, named by the run that measured it.
+    assert {b.measured_in for b in report.boxes} == {run.airflow_run_id}
+    # A later run of a model of the same speed key (architecture, input, export, SLO) reuses
+    # the figures: no box is launched, and the fleet rests on the same measurements.
+    later = RunRef.of("manual__same-architecture-later")
+    later_resolved = pipeline.resolve_run(later, params, settings)
+    upload_model(RunLayout.of(ARTIFACT_ROOT, later.run_key).model)
+    with SizingBoxPlayer(ec2_client, aws, later.run_key) as player:
+        reused = pipeline.size_fleet_on_boxes(later, later_resolved, settings, host, images)
+    assert player.played == {}
+    assert reused.boxes == report.boxes and reused.chosen == report.chosen
+    assert not storage.exists(RunLayout.of(ARTIFACT_ROOT, later.run_key).billing)

@@ -72,3 +72,51 @@ def test_the_serving_lock_resolves_to_aarch64_wheels(tmp_path: Path) -> None:
     # The compiled ones are the reason this is checked: each has its aarch64 build.
     for compiled in ("onnxruntime", "numpy", "pillow", "pydantic-core", "uvloop", "httptools"):
         assert "aarch64" in resolved[compiled]["download_info"]["url"], compiled
+
+
+def test_the_sizing_wheel_installs_on_a_graviton_box_from_aarch64_wheels(tmp_path: Path) -> None:
+    """A Graviton sizing box installs the burstcv-size wheel (the serving pins, psutil, httpx,
+    boto3) into Amazon Linux's Python 3.11: every requirement resolves to an aarch64 wheel."""
+    from burstcv.compute.runtime import build_sizing_wheel
+
+    wheel = build_sizing_wheel()
+    path = tmp_path / wheel.filename
+    path.write_bytes(wheel.data)
+    report = tmp_path / "report.json"
+    platforms = [arg for tag in AARCH64 for arg in ("--platform", tag)]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--disable-pip-version-check",
+            *platforms,
+            "--python-version",
+            "3.11",
+            "--implementation",
+            "cp",
+            "--only-binary=:all:",
+            "--target",
+            str(tmp_path / "target"),
+            "--report",
+            str(report),
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, f"the sizing wheel does not resolve for aarch64:\n{done.stderr}"
+    installs = json.loads(report.read_text())["install"]
+    resolved = {re.sub(r"[-_.]+", "-", item["metadata"]["name"]).lower(): item for item in installs}
+    for name, version in pins().items():  # the service exactly as the image runs it
+        assert resolved[name]["metadata"]["version"] == version, name
+    for name, item in resolved.items():
+        url = item["download_info"]["url"]
+        tags = url.rsplit("/", 1)[-1].removesuffix(".whl").split("-")[-1]
+        assert tags == "any" or "aarch64" in tags, f"{name}: {url} is not for aarch64"
+    assert {"psutil", "httpx", "boto3", "burstcv-size"} <= set(resolved)

@@ -546,7 +546,10 @@ def test_a_fleet_without_a_price_says_unpriced_and_what_to_set(
         "For 500 req/s: 3 x c7i.large at 270 req/s each (measured), 30% headroom: "
         f"unpriced ({unpriced})" in page
     )
-    assert "<td>3</td><td>270.0 req/s</td><td>unpriced</td><td>unpriced</td></tr>" in page
+    assert (
+        "<td>3</td><td>270.0 req/s</td><td>the benchmark host</td><td>unpriced</td>"
+        "<td>unpriced</td></tr>"
+    ) in page
     assert f"Unpriced: {unpriced}" in page
     cost = cost_section(page)
     assert f"3 x c7i.large serve 500 req/s, unpriced: {unpriced}" in cost

@@ -97,7 +97,7 @@ class WaitForTrainingOperator(BaseOperator):
                 output_uri=info.output_uri,
                 attempt=attempt,
                 poll_interval_s=self.poll_interval_s,
-                max_cost_usd=resolved_run(info.run).costs.max_cost_usd,
+                max_cost_usd=resolved_run(info.run).costs.training_usd,
                 boxes=info.launch.count,
             ),
             method_name="execute_complete",

@@ -103,6 +103,14 @@ def attempt_bills(job_dir: str, last_attempt: int) -> list[AttemptBill]:
     return bills
 
 
+def recorded_attempts(job_dir: str) -> int:
+    """Return how many attempts have a launch record in ``job_dir`` (0: none)."""
+    count = 0
+    while storage.exists(attempt_dir(job_dir, count + 1, LAUNCH_RECORD)):
+        count += 1
+    return count
+
+
 def run_bill(
     job_dir: str, last_attempt: int, now: datetime, *, backend: str, airflow_run_id: str = ""
 ) -> Billing:

@@ -25,20 +25,23 @@ from datetime import UTC, datetime, timedelta
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from burstcv.compute.base import WORKING
+from burstcv.compute.base import WORKING, InstanceInfo
+from burstcv.compute.billing import record_end, record_launch, recorded_attempts, run_bill
 from burstcv.compute.ec2 import CapacityUnavailableError, Ec2Backend
 from burstcv.compute.runtime import StagedRuntime, stage_sizing_wheel
 from burstcv.compute.userdata import SizingBoxSpec, render_sizing_user_data
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
     ArtifactError,
+    Billing,
+    BoxRate,
     BoxSizing,
     Launch,
     RunRef,
     read_artifact,
     write_artifact,
 )
-from burstcv_spec.layout import RunLayout
+from burstcv_spec.layout import LAUNCH_RECORD, RunLayout
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,7 @@ class SizingRequest:
     step_s: float
     max_s: float  # the sizing's time bound: no box lives past it (plus its watchdog's margin)
     parallel: int = 2  # boxes at once
+    bound_rate: BoxRate | None = None  # what a box nobody can quote is billed at
 
 
 def stage_requests(paths: RunLayout, images: Sequence[bytes]) -> str:
@@ -92,14 +96,13 @@ def size_on_boxes(
     results: dict[str, BoxSizing] = {}
     waiting = list(dict.fromkeys(request.instance_types))
     live: dict[str, str] = {}  # type -> its box's run key
-    launched: list[str] = []
     try:
         while waiting or live:
             while waiting and len(live) < max(1, request.parallel) and clock() < ends:
                 instance_type = waiting.pop(0)
                 key = box_run_key(request.run.run_key, instance_type)
                 try:
-                    _launch(
+                    ids = _launch(
                         backend,
                         request,
                         paths,
@@ -114,8 +117,8 @@ def size_on_boxes(
                         paths, backend, instance_type, f"not launched: {exc}"
                     )
                     continue
-                launched.append(key)
                 live[instance_type] = key
+                _record(backend, request, paths, instance_type, key, ids)
             for instance_type, key in list(live.items()):
                 record = _figures(paths, instance_type)
                 if record is not None:
@@ -129,7 +132,7 @@ def size_on_boxes(
                     )
                 else:
                     continue
-                backend.terminate_run(key)
+                _end(backend, paths, instance_type, key)
                 del live[instance_type]
             if clock() >= ends:
                 for instance_type in [*live, *waiting]:
@@ -143,9 +146,9 @@ def size_on_boxes(
             if live:
                 time.sleep(poll_s)
     finally:
-        for key in launched:
+        for instance_type, key in live.items():
             try:
-                backend.terminate_run(key)
+                _end(backend, paths, instance_type, key)
             except (ClientError, BotoCoreError) as exc:  # the backstop and reaper remain
                 log.error("sizing box %s: terminate failed (%s); its backstop ends it", key, exc)
     return [results[t] for t in dict.fromkeys(request.instance_types) if t in results]
@@ -196,6 +199,59 @@ def _launch(
     ids = backend.launch_sizing_box(launch, user_data, image_id)
     log.info("sizing box %s: %s launched as %s", instance_type, ids, key)
     return ids
+
+
+def _record(
+    backend: Ec2Backend,
+    request: SizingRequest,
+    paths: RunLayout,
+    instance_type: str,
+    key: str,
+    ids: list[str],
+) -> None:
+    """Write the box's launch record (its rate as quoted now), as a training attempt's."""
+    volume_gb = backend.settings.sizing_volume_gb
+
+    def rate_of(info: InstanceInfo) -> BoxRate:
+        rate = backend.box_rate(info, bound=request.bound_rate)
+        return rate.model_copy(update={"volume_gb": volume_gb})
+
+    folder = paths.sizing_bill(instance_type)
+    # A benchmark tried again sizes again: its boxes are the folder's next attempt.
+    record_launch(
+        folder,
+        recorded_attempts(folder) + 1,
+        run_key=key,
+        dag_id=request.dag_id,
+        backend="ec2",
+        region=backend.settings.region,
+        boxes=[i for i in backend.describe(key) if i.instance_id in ids],
+        rate_of=rate_of,
+        now=datetime.now(UTC),
+    )
+
+
+def _end(backend: Ec2Backend, paths: RunLayout, instance_type: str, key: str) -> None:
+    """Terminate the box and write its end record (its bill is final)."""
+    backend.terminate_run(key)
+    folder = paths.sizing_bill(instance_type)
+    record_end(folder, recorded_attempts(folder), backend.describe(key), datetime.now(UTC))
+
+
+def bill_sizing(paths: RunLayout, now: datetime, airflow_run_id: str = "") -> list[Billing]:
+    """Return the bill of each type's sizing boxes, every attempt (the one cost model)."""
+    root = storage.join(paths.sizing_boxes, "bills")
+    types = {
+        uri[len(root) :].strip("/").split("/", 1)[0]
+        for uri in storage.list_files(root)
+        if uri.endswith(LAUNCH_RECORD)
+    }
+    bills = []
+    for instance_type in sorted(types):
+        folder = paths.sizing_bill(instance_type)
+        last = recorded_attempts(folder)
+        bills.append(run_bill(folder, last, now, backend="ec2", airflow_run_id=airflow_run_id))
+    return bills
 
 
 def _log_uri(paths: RunLayout, instance_type: str) -> str:

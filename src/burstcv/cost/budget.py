@@ -6,7 +6,9 @@ bounds the bill: it is lowered until ``num_nodes`` boxes of the priciest kind a 
 until the deadline plus the watchdog's margin, cost no more than ``max_cost_usd``
 (``burstcv.cost.model.time_budget``). The serving fleet's CPU types are priced here too, from
 the same sources: a price nobody has is known before anything is rented, and the fleet is
-then reported unpriced rather than the model rejected.
+then reported unpriced rather than the model rejected. A run that sizes its fleet on EC2
+(``size_on``) first sets aside what its sizing boxes can cost at most (``sizing_budget``); the
+training boxes' deadline is bought with the rest.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import logging
 
 from burstcv.compute.userdata import outlives_deadline_s
-from burstcv.cost.model import LOCAL_RATE, time_budget
+from burstcv.cost.model import LOCAL_RATE, BudgetTooSmallError, box_usd_per_hour, time_budget
 from burstcv.cost.pricing import (
     instance_shapes,
     public_ipv4_usd_per_hour,
@@ -23,9 +25,14 @@ from burstcv.cost.pricing import (
 from burstcv.cost.quotes import PriceSources, quote
 from burstcv.params import RunParams
 from burstcv.settings import Settings
-from burstcv_spec.contracts import BoxRate, PriceQuote, RunCosts
+from burstcv_spec import storage
+from burstcv_spec.contracts import BoxRate, PriceQuote, RunCosts, SizingBudget
 
 log = logging.getLogger(__name__)
+
+
+# The most of a run's budget its sizing boxes may set aside when size_on is auto.
+AUTO_SIZING_SHARE = 0.25
 
 
 class UnpricedRunError(RuntimeError):
@@ -134,8 +141,16 @@ def resolve_costs(params: RunParams, settings: Settings) -> RunCosts:
         if params.compute_backend == "ec2"
         else 0
     )
+    sizing = sizing_budget(params, settings, region, sources)
+    training_usd = params.max_cost_usd - (sizing.reserve_usd if sizing else 0.0)
+    if training_usd <= 0:
+        raise BudgetTooSmallError(
+            f"${params.max_cost_usd:.2f} does not cover the sizing boxes' reserve "
+            f"(${sizing.reserve_usd if sizing else 0.0:.4f}: size on ec2); raise max_cost_usd, "
+            "lower sizing_boxes or sizing_max_s, or size on the host"
+        )
     budget_s, reason = time_budget(
-        params.max_cost_usd,
+        training_usd,
         params.time_budget_s,
         boxes=params.num_nodes,
         rate=rate,
@@ -156,4 +171,65 @@ def resolve_costs(params: RunParams, settings: Settings) -> RunCosts:
         budget_reason=reason,
         serving=serving + gpus,
         serving_unpriced=unpriced,
+        sizing=sizing,
+    )
+
+
+def sizing_budget(
+    params: RunParams, settings: Settings, region: str, sources: PriceSources
+) -> SizingBudget | None:
+    """Return what the run sets aside for its sizing boxes, or None when it sizes on the host.
+
+    ``sizing_boxes`` boxes, each on-demand on the priciest CPU type the run's families allow,
+    with its root volume and public IPv4, living at most ``sizing_max_s`` plus their
+    watchdog's margin: the most the sizing can cost, whichever candidates it picks.
+    """
+    if params.sizes_on(settings.artifact_root) != "ec2":
+        return None
+    if not storage.is_s3(settings.artifact_root):
+        raise ValueError(
+            f"size_on ec2: sizing boxes read the model and write their figures in S3, and the "
+            f"artifact root {settings.artifact_root} is not; set BURSTCV_ARTIFACT_ROOT to an "
+            "s3:// URI, or size_on host"
+        )
+    quotes, _ = serving_quotes(list(params.serving_families), region, sources)
+    if not quotes:
+        why = (
+            f"no CPU type of the serving families ({', '.join(params.serving_families)}) has "
+            f"a price in {region}, so sizing boxes cannot be budgeted"
+        )
+        if params.size_on == "ec2":
+            raise UnpricedRunError(f"size_on ec2: {why}; set BURSTCV_PRICE_TABLE or size_on host")
+        # Chosen by default: the host sizes the fleet, as it would be reported unpriced anyway.
+        log.warning("sizing on the host: %s", why)
+        return None
+    priciest = max(quotes, key=lambda q: q.usd_per_hour)
+    rate = BoxRate(
+        instance_type=priciest.instance_type,
+        market="on-demand",
+        usd_per_hour=priciest.usd_per_hour,
+        price_source=f"{priciest.source}, {priciest.as_of}",
+        volume_gb=settings.ec2.sizing_volume_gb,
+        ebs_usd_per_gb_month=volume_usd_per_gb_month(region),
+        public_ipv4_usd_per_hour=public_ipv4_usd_per_hour(),
+    )
+    margin_s = outlives_deadline_s(settings.ec2.sizing_margin_min)
+    reserve = params.sizing_boxes * box_usd_per_hour(rate) * (params.sizing_max_s + margin_s)
+    if params.size_on == "auto" and reserve / 3600.0 > AUTO_SIZING_SHARE * params.max_cost_usd:
+        # Chosen by default, the boxes may not take the training's budget: the host sizes.
+        log.warning(
+            "sizing on the host: %d sizing boxes would set aside $%.4f, over %d%% of the "
+            "$%.2f budget (size_on ec2 asks for them anyway)",
+            params.sizing_boxes,
+            reserve / 3600.0,
+            round(AUTO_SIZING_SHARE * 100),
+            params.max_cost_usd,
+        )
+        return None
+    return SizingBudget(
+        boxes=params.sizing_boxes,
+        max_s=params.sizing_max_s,
+        margin_s=margin_s,
+        box_rate=rate,
+        reserve_usd=round(reserve / 3600.0, 6),
     )

@@ -851,6 +851,31 @@ def size_model(
     return report
 
 
+def _model_facts(card: ModelCard) -> dict[str, Any]:
+    """Return what a graph costs per request follows: architecture, input, class count,
+    opset, quantization and preprocessing (not its weights)."""
+    return {
+        "arch": card.arch,
+        "classes": len(card.classes),
+        "opset": card.opset,
+        "input": card.input.model_dump(mode="json"),
+        "preprocess": card.preprocess.model_dump(mode="json"),
+        "quantization": None
+        if card.quantization is None
+        else card.quantization.model_dump(mode="json"),
+        "onnx_file": card.onnx_file,
+    }
+
+
+def _digest(facts: dict[str, Any]) -> str:
+    facts = {
+        **facts,
+        "versions": {name: _version(name) for name in ("burstcv", "onnxruntime", "numpy")},
+        "generator": GENERATOR_VERSION,
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
+
+
 def speed_key(
     card: ModelCard,
     *,
@@ -867,25 +892,32 @@ def speed_key(
     versions of the service and its runtime. Two models with equal keys measure alike (within
     the host's noise), so a new version of the same architecture reuses the last one's sizes.
     """
-    facts = {
-        "arch": card.arch,
-        "classes": len(card.classes),
-        "opset": card.opset,
-        "input": card.input.model_dump(mode="json"),
-        "preprocess": card.preprocess.model_dump(mode="json"),
-        "quantization": None
-        if card.quantization is None
-        else card.quantization.model_dump(mode="json"),
-        "onnx_file": card.onnx_file,
-        "host": host,
-        "cpus": host_cpus(),
-        "latency_slo_ms": latency_slo_ms,
-        "max_vcpus": max_vcpus,
-        "duration_s": duration_s,
-        "versions": {name: _version(name) for name in ("burstcv", "onnxruntime", "numpy")},
-        "generator": GENERATOR_VERSION,
-    }
-    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
+    return _digest(
+        {
+            **_model_facts(card),
+            "host": host,
+            "cpus": host_cpus(),
+            "latency_slo_ms": latency_slo_ms,
+            "max_vcpus": max_vcpus,
+            "duration_s": duration_s,
+        }
+    )
+
+
+def box_speed_key(
+    card: ModelCard, *, instance_type: str, latency_slo_ms: float, duration_s: float
+) -> str:
+    """Return :func:`speed_key`'s digest for a sizing box: the box's instance type stands for
+    its host (a type is one CPU model and count); the service's versions are the serving
+    pins the box installs, which this environment's equal."""
+    return _digest(
+        {
+            **_model_facts(card),
+            "instance_type": instance_type,
+            "latency_slo_ms": latency_slo_ms,
+            "duration_s": duration_s,
+        }
+    )
 
 
 def _version(package: str) -> str | None:

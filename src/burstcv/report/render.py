@@ -39,6 +39,7 @@ from burstcv_spec.contracts import (
     ArtifactError,
     BenchFigures,
     Billing,
+    BoxSizing,
     FailedMarker,
     HostLoad,
     LatencyRecord,
@@ -578,6 +579,7 @@ def _fleet_view(record: RunDocs) -> dict[str, Any]:
                 + fmt(o.rps_per_replica, ".1f", " req/s")
                 + (" (extrapolated)" if o.extrapolated else "")
                 + (" (the load generator's ceiling)" if o.generator_bound else ""),
+                f"its own {o.measured_on} box" if o.measured_on else "the benchmark host",
                 usd(o.usd_per_month, 2) if o.usd_per_month is not None else "unpriced",
                 usd(o.usd_per_million) if o.usd_per_million is not None else "unpriced",
             ]
@@ -585,9 +587,40 @@ def _fleet_view(record: RunDocs) -> dict[str, Any]:
         ],
         "unpriced": sizing.unpriced,
         "chart": chart,
+        "boxes": [
+            _box_view(b, sizing.latency_slo_ms, record.run.run_id if record.run else None)
+            for b in sizing.boxes
+        ],
         "prices": "{source} (as of {as_of})".format_map(
             {"source": "", "as_of": "?", **sizing.price_source}
         ),
+    }
+
+
+def _box_view(box: BoxSizing, slo_ms: float, run_id: str | None) -> dict[str, Any]:
+    """Show one type's sizing box: what it measured on its own CPUs, or why it did not."""
+    from burstcv.report.charts import sizing_curves
+
+    where = box.instance_id or "no box"
+    if box.host is not None:
+        where += f", {box.host.processor} ({box.host.machine}, {box.host.cpu_count} vCPU)"
+    if box.measured_in is not None and box.measured_in != run_id:
+        where += f"; reused from run {box.measured_in} (same speed key)"
+    measured = [p for p in box.sizes if p.measured]
+    return {
+        "instance_type": box.instance_type,
+        "where": where,
+        "skipped": box.skipped,
+        "seconds": box.seconds,
+        "sizes": "; ".join(
+            f"{p.vcpus} vCPU: {p.sustainable_rps:g} req/s, p95 {fmt(p.p95_ms, '.2f', ' ms')}"
+            for p in measured
+        ),
+        "chart": _chart(
+            lambda: sizing_curves(box.sizes, slo_ms), f"p95 under load on {box.instance_type}"
+        )
+        if any(p.steps for p in measured)
+        else None,
     }
 
 

@@ -1,0 +1,229 @@
+"""The sizing boxes' orchestrator decides: how many at once, when a type is skipped, and that
+every box it launched is gone when it returns.
+
+The real ``size_on_boxes`` and ``Ec2Backend`` against moto (every call audited by the compute
+conftest); the boxes themselves are played from outside (the sandbox test boots their real
+script): one answers with figures written as a box writes them, one halts without any, one
+never answers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from burstcv_testkit import power_off_in_emulator
+
+from burstcv.compute.base import TAG_RUN_ID
+from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
+from burstcv.compute.sizing_boxes import (
+    SizingRequest,
+    bill_sizing,
+    box_run_key,
+    size_on_boxes,
+)
+from burstcv_spec.contracts import BoxSizing, RunRef, SizePoint, write_artifact
+from burstcv_spec.layout import RunLayout
+
+REGION = "us-east-1"
+ARTIFACT_ROOT = "s3://burstcv-test/artifacts"
+RUN = RunRef.of("manual__orchestration")
+PATHS = RunLayout.of(ARTIFACT_ROOT, RUN.run_key)
+IMAGES = [b"\x89PNG not decoded by anyone here"]
+
+# What each played box does: write its figures, halt without them, or never answer.
+ANSWER, HALT, SILENT = "answer", "halt", "silent"
+
+
+@pytest.fixture
+def backend(ec2_account: None) -> Ec2Backend:
+    return Ec2Backend(
+        Ec2Settings(
+            region=REGION,
+            instance_profile="burstcv-training",
+            waiter_delay_s=0.05,
+            waiter_max_attempts=200,
+        )
+    )
+
+
+class Boxes:
+    """Play the run's sizing boxes by type; record the most that were up at once."""
+
+    def __init__(self, ec2: Any, behaviour: dict[str, str]) -> None:
+        self.ec2, self.behaviour = ec2, behaviour
+        self.most_at_once = 0
+        self.started: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> Boxes:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _watch(self) -> None:
+        seen: set[str] = set()
+        while not self._stop.is_set():
+            up = [
+                i
+                for r in self.ec2.describe_instances(
+                    Filters=[
+                        {"Name": f"tag:{TAG_RUN_ID}", "Values": [f"{RUN.run_key}.size-*"]},
+                        {"Name": "instance-state-name", "Values": ["pending", "running"]},
+                    ]
+                )["Reservations"]
+                for i in r["Instances"]
+            ]
+            self.most_at_once = max(self.most_at_once, len(up))
+            for box in up:
+                if box["InstanceId"] in seen:
+                    continue
+                seen.add(box["InstanceId"])
+                instance_type = box["InstanceType"]
+                self.started.append(instance_type)
+                what = self.behaviour[instance_type]
+                if what == ANSWER:
+                    write_artifact(
+                        PATHS.box_sizing(instance_type),
+                        BoxSizing(
+                            instance_type=instance_type,
+                            instance_id=box["InstanceId"],
+                            region=REGION,
+                            sizes=[SizePoint(vcpus=1, measured=True, sustainable_rps=50.0)],
+                        ),
+                    )
+                if what in (ANSWER, HALT):
+                    power_off_in_emulator(box["InstanceId"], REGION)
+            time.sleep(0.05)
+
+
+def request(types: list[str], parallel: int, max_s: float = 600.0) -> SizingRequest:
+    return SizingRequest(
+        run=RUN,
+        dag_id="burstcv_pipeline",
+        model_uri=PATHS.model,
+        instance_types=types,
+        latency_slo_ms=50.0,
+        step_s=1.0,
+        max_s=max_s,
+        parallel=parallel,
+    )
+
+
+def live(ec2: Any) -> list[str]:
+    return [
+        i["InstanceId"]
+        for r in ec2.describe_instances(
+            Filters=[
+                {"Name": f"tag:{TAG_RUN_ID}", "Values": [f"{RUN.run_key}.size-*"]},
+                {"Name": "instance-state-name", "Values": ["pending", "running", "stopped"]},
+            ]
+        )["Reservations"]
+        for i in r["Instances"]
+    ]
+
+
+def test_at_most_parallel_boxes_are_up_and_a_box_without_figures_is_skipped(
+    backend: Ec2Backend, ec2_client: Any
+) -> None:
+    behaviour = {"c7i.large": ANSWER, "m7i.large": HALT, "c6i.large": ANSWER}
+    with Boxes(ec2_client, behaviour) as boxes:
+        records = size_on_boxes(
+            backend,
+            request(list(behaviour), parallel=1),
+            PATHS,
+            IMAGES,
+            artifact_root=ARTIFACT_ROOT,
+            poll_s=0.05,
+        )
+    assert boxes.most_at_once == 1 and boxes.started == list(behaviour)
+    by_type = {r.instance_type: r for r in records}
+    assert [r.instance_type for r in records] == list(behaviour)
+    assert by_type["c7i.large"].skipped is None and by_type["c6i.large"].skipped is None
+    halted = by_type["m7i.large"]
+    assert halted.skipped is not None and not halted.sizes
+    assert "ended without figures" in halted.skipped
+    assert halted.skipped.endswith("bench/sizing/logs/m7i.large.log")
+    assert live(ec2_client) == []
+    # Each box is billed under its own key, from its launch and end records.
+    bills = bill_sizing(PATHS, datetime.now(UTC))
+    assert [b.instances[0].run_id for b in bills] == [
+        box_run_key(RUN.run_key, t) for t in sorted(behaviour)
+    ]
+    assert all(len(b.instances) == 1 and b.instances[0].stopped_at for b in bills)
+    assert all(b.cost_usd > 0 for b in bills)
+    # Sized again (a benchmark tried again): a second attempt per type, both billed.
+    with Boxes(ec2_client, {"c7i.large": ANSWER}):
+        size_on_boxes(
+            backend,
+            request(["c7i.large"], parallel=1),
+            PATHS,
+            IMAGES,
+            artifact_root=ARTIFACT_ROOT,
+            poll_s=0.05,
+        )
+    again = {b.instances[0].instance_type: b for b in bill_sizing(PATHS, datetime.now(UTC))}
+    assert len(again["c7i.large"].instances) == 2 and len(again["m7i.large"].instances) == 1
+
+
+def test_the_time_bound_skips_a_silent_box_and_the_types_never_launched(
+    backend: Ec2Backend, ec2_client: Any
+) -> None:
+    behaviour = {"c7i.large": SILENT, "m7i.large": ANSWER}
+    ticks = iter(range(10_000))
+    clock: Callable[[], float] = lambda: float(next(ticks))  # noqa: E731  a second a reading
+    with Boxes(ec2_client, behaviour) as boxes:
+        records = size_on_boxes(
+            backend,
+            request(list(behaviour), parallel=1, max_s=5.0),
+            PATHS,
+            IMAGES,
+            artifact_root=ARTIFACT_ROOT,
+            poll_s=0.05,
+            clock=clock,
+        )
+    assert boxes.started == ["c7i.large"]  # the bound came before the second type's turn
+    assert [r.instance_type for r in records] == ["c7i.large", "m7i.large"]
+    assert all(r.skipped and "time bound (5 s)" in r.skipped for r in records)
+    assert live(ec2_client) == []  # the silent box was terminated, not left to its watchdog
+    keys = {
+        t["Value"]
+        for r in ec2_client.describe_instances()["Reservations"]
+        for i in r["Instances"]
+        for t in i["Tags"]
+        if t["Key"] == TAG_RUN_ID
+    }
+    assert box_run_key(RUN.run_key, "c7i.large") in keys
+
+
+def test_every_box_is_terminated_when_the_orchestrator_fails(
+    backend: Ec2Backend, ec2_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash while the boxes measure (here: reading their figures) still ends them all."""
+    import burstcv.compute.sizing_boxes as sizing_boxes
+
+    def broken(paths: RunLayout, instance_type: str) -> BoxSizing | None:
+        raise RuntimeError("the store went away")
+
+    monkeypatch.setattr(sizing_boxes, "_figures", broken)
+    with (
+        Boxes(ec2_client, {"c7i.large": SILENT, "m7i.large": SILENT}),
+        pytest.raises(RuntimeError, match="the store went away"),
+    ):
+        size_on_boxes(
+            backend,
+            request(["c7i.large", "m7i.large"], parallel=2),
+            PATHS,
+            IMAGES,
+            artifact_root=ARTIFACT_ROOT,
+            poll_s=0.05,
+        )
+    assert live(ec2_client) == []
