@@ -29,10 +29,11 @@ def pins() -> dict[str, str]:
     return found
 
 
-def test_the_serving_lock_resolves_to_aarch64_wheels(tmp_path: Path) -> None:
-    report = tmp_path / "report.json"
+def resolve_for_aarch64(tmp_path: Path, *wanted: str) -> subprocess.CompletedProcess[str]:
+    """Ask pip's resolver to install ``wanted`` (pip arguments) for CPython 3.11 on manylinux
+    aarch64, binary wheels only; its report is ``tmp_path/report.json``."""
     platforms = [arg for tag in AARCH64 for arg in ("--platform", tag)]
-    done = subprocess.run(
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -51,14 +52,18 @@ def test_the_serving_lock_resolves_to_aarch64_wheels(tmp_path: Path) -> None:
             "--target",
             str(tmp_path / "target"),
             "--report",
-            str(report),
-            "-r",
-            str(LOCK),
+            str(tmp_path / "report.json"),
+            *wanted,
         ],
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+def test_the_serving_lock_resolves_to_aarch64_wheels(tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    done = resolve_for_aarch64(tmp_path, "-r", str(LOCK))
     assert done.returncode == 0, f"the serving lock does not resolve for aarch64:\n{done.stderr}"
     installs = json.loads(report.read_text())["install"]
     resolved = {re.sub(r"[-_.]+", "-", item["metadata"]["name"]).lower(): item for item in installs}
@@ -83,33 +88,7 @@ def test_the_sizing_wheel_installs_on_a_graviton_box_from_aarch64_wheels(tmp_pat
     path = tmp_path / wheel.filename
     path.write_bytes(wheel.data)
     report = tmp_path / "report.json"
-    platforms = [arg for tag in AARCH64 for arg in ("--platform", tag)]
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--dry-run",
-            "--ignore-installed",
-            "--quiet",
-            "--disable-pip-version-check",
-            *platforms,
-            "--python-version",
-            "3.11",
-            "--implementation",
-            "cp",
-            "--only-binary=:all:",
-            "--target",
-            str(tmp_path / "target"),
-            "--report",
-            str(report),
-            str(path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = resolve_for_aarch64(tmp_path, str(path))
     assert done.returncode == 0, f"the sizing wheel does not resolve for aarch64:\n{done.stderr}"
     installs = json.loads(report.read_text())["install"]
     resolved = {re.sub(r"[-_.]+", "-", item["metadata"]["name"]).lower(): item for item in installs}
