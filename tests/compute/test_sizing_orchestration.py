@@ -12,14 +12,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from itertools import pairwise
 from typing import Any
 
 import pytest
 from burstcv_testkit import power_off_in_emulator
 
-from burstcv.compute.base import TAG_RUN_ID
-from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
+from burstcv.compute.base import TAG_EXPIRES_AT, TAG_RUN_ID
+from burstcv.compute.ec2 import Ec2Backend, Ec2Settings, parse_expiry
 from burstcv.compute.sizing_boxes import (
     SizingRequest,
     bill_sizing,
@@ -153,6 +154,19 @@ def test_at_most_parallel_boxes_are_up_and_a_box_without_figures_is_skipped(
     assert "ended without figures" in halted.skipped
     assert halted.skipped.endswith("bench/sizing/logs/m7i.large.log")
     assert live(ec2_client) == []
+    # Each box's watchdog and backstop are armed from the sizing's bound, never past it.
+    expiries = [
+        parse_expiry(t["Value"])
+        for r in ec2_client.describe_instances()["Reservations"]
+        for i in r["Instances"]
+        for t in i["Tags"]
+        if t["Key"] == TAG_EXPIRES_AT
+    ]
+    now = datetime.now(UTC)
+    assert len(expiries) == 3
+    assert all(
+        e and now + timedelta(seconds=540) < e < now + timedelta(seconds=900) for e in expiries
+    )
     # Each box is billed under its own key, from its launch and end records.
     bills = bill_sizing(PATHS, datetime.now(UTC))
     assert [b.instances[0].run_id for b in bills] == [
@@ -160,6 +174,9 @@ def test_at_most_parallel_boxes_are_up_and_a_box_without_figures_is_skipped(
     ]
     assert all(len(b.instances) == 1 and b.instances[0].stopped_at for b in bills)
     assert all(b.cost_usd > 0 for b in bills)
+    # One at a time: each box launched after the one before it ended.
+    spans = sorted((b.instances[0].launched_at, b.instances[0].stopped_at or "") for b in bills)
+    assert all(later[0] >= earlier[1] for earlier, later in pairwise(spans))
     # Sized again (a benchmark tried again): a second attempt per type, both billed.
     with Boxes(ec2_client, {"c7i.large": ANSWER}):
         size_on_boxes(
@@ -226,4 +243,13 @@ def test_every_box_is_terminated_when_the_orchestrator_fails(
             artifact_root=ARTIFACT_ROOT,
             poll_s=0.05,
         )
+    # Both were launched at once (two in parallel) before the failure, and both are gone.
+    keys = {
+        t["Value"]
+        for r in ec2_client.describe_instances()["Reservations"]
+        for i in r["Instances"]
+        for t in i["Tags"]
+        if t["Key"] == TAG_RUN_ID
+    }
+    assert keys == {box_run_key(RUN.run_key, t) for t in ("c7i.large", "m7i.large")}
     assert live(ec2_client) == []

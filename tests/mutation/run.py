@@ -157,6 +157,20 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
         ),
         ("recommend", "0.0 -> 1.0", "in points), default=0.0", "a point per size, never none"),
     ),
+    "sizing-boxes": (
+        (
+            "size_on_boxes",
+            "cmp0: >= -> >",
+            "if clock() >= ends:",
+            "the time bound, to one reading of the clock",
+        ),
+        (
+            "bill_sizing",
+            "1 -> 2",
+            'split("/", 1)[0]',
+            "the first part of the path is the same however many splits follow",
+        ),
+    ),
     "billing": (
         (
             "attempt_bills",
