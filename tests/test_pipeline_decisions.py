@@ -619,6 +619,23 @@ def test_a_run_sized_on_ec2_keeps_its_sizing_boxes_out_of_the_training_budget(
     assert budget.resolve_costs(ec2_run(["g6.xlarge"], 1.8), Settings()).sizing is None
 
 
+@pytest.mark.parametrize(("max_cost_usd", "sized_on_ec2"), [(1.2, False), (1.4, True)])
+def test_auto_sizes_on_ec2_only_where_the_boxes_take_at_most_a_quarter_of_the_budget(
+    monkeypatch: pytest.MonkeyPatch, local_quotes: None, max_cost_usd: float, sized_on_ec2: bool
+) -> None:
+    """Three boxes set aside about $0.327: over a quarter of $1.20, under a quarter of $1.40."""
+    Prices(monkeypatch, {"g6.xlarge": 3.6})
+    run = ec2_run(["g6.xlarge"], max_cost_usd)
+    costs = budget.resolve_costs(run, Settings(artifact_root=S3_STORE))
+    assert (costs.sizing is not None) == sized_on_ec2
+    # Asked for by name, the boxes are set aside whatever their share.
+    asked = budget.resolve_costs(
+        run.model_copy(update={"size_on": "ec2"}), Settings(artifact_root=S3_STORE)
+    )
+    assert asked.sizing is not None
+    assert asked.sizing.reserve_usd == pytest.approx(sizing_reserve(3, 900), abs=1e-6)
+
+
 def test_a_local_run_may_size_on_ec2_and_an_ec2_sizing_needs_an_s3_store(
     monkeypatch: pytest.MonkeyPatch, local_quotes: None
 ) -> None:

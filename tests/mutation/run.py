@@ -157,6 +157,27 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
         ),
         ("recommend", "0.0 -> 1.0", "in points), default=0.0", "a point per size, never none"),
     ),
+    "budget": (
+        (
+            "resolve_costs",
+            "cmp0: <= -> <",
+            "if training_usd <= 0:",
+            "a budget the reserve spends exactly is refused by time_budget's minimum instead",
+        ),
+        (
+            "resolve_costs",
+            "0.0 -> 1.0",
+            "if sizing else 0.0:.4f}",
+            "unreached: training_usd <= 0 only with a reserve, max_cost_usd being positive",
+        ),
+        (
+            "sizing_budget",
+            "cmp0: > -> >=",
+            "> AUTO_SIZING_SHARE",
+            "a reserve exactly a quarter of the budget, to the float",
+        ),
+        ("sizing_budget", "6 -> 7", "round(reserve / 3600.0, 6)", "to the micro-dollar"),
+    ),
     "sizing-boxes": (
         (
             "size_on_boxes",
