@@ -43,9 +43,7 @@ def main() -> None:
         access_log=settings.access_log,
         server_header=False,
         # Named, not "auto": a missing uvloop/httptools fails here instead of silently
-        # falling back to the slower pure-Python loop and parser. The service's httptools
-        # protocol sheds overload as soon as a request's headers are parsed, where the
-        # installed uvicorn allows it; else uvicorn's own (see protocol.py).
+        # falling back to the slower pure-Python loop and parser.
         loop="uvloop",
         http=protocol_for(app),
     )

@@ -1,39 +1,22 @@
 """Admit prediction requests into service only as fast as they can be answered within the target.
 
-Under overload the service's limit is its event loop (reading, parsing and decoding each
-request, writing each answer), not only the model: admitting every request the model could
-batch in time would let hundreds of them wait for the loop, every one answered late. So a
-request needs one of a limited number of *service slots* to be served (its body read,
-parsed, decoded, batched, answered). The number follows measurement: the answer rate of the
-windows in which every slot was taken, times a quarter of the queueing-delay target
-(Little's law: admitted requests then take about that long), never fewer than two full
-batches (one running while the next one gathers) nor more than the inference queue holds.
+Under overload the limit is the event loop (reading, parsing, decoding, answering), not only
+the model: admitting all the model could batch in time would let hundreds of requests wait
+for the loop and every one be answered late. So a request needs one of a limited number of
+*service slots*; their number follows the measured answer rate (Little's law, ``_adjust``).
 
-A request that finds every slot taken waits for one in a *waiting room*, at the cost of a
-small object: its body is not read, parsed or decoded. A freed slot goes to the oldest
-waiting request while the room empties quickly, and to the newest once the oldest has
-waited a quarter of the queueing-delay target: a standing queue has formed, the old ones
-could no longer be answered in time and the new ones still can (CoDel's sojourn time
-against a target, with adaptive LIFO). A free slot is taken while the model's queue would
-let the request's batch start within the target; from the room, only while the time it has
-waited plus the time an admitted request now takes (measured) still fits in the target. A
-request that has waited the whole target is answered 503 with ``Retry-After``, its body
-unread. So an admitted request is answered within its deadline.
+A request that finds every slot taken waits in a *waiting room* as a small object, its body
+unread. A freed slot goes to the oldest waiter until the oldest has waited a quarter of the
+target, then to the newest (CoDel's sojourn time, adaptive LIFO): past a standing queue the
+old ones can no longer be answered in time and the new ones still can. A request that has
+waited the whole target is answered 503 with ``Retry-After``, its body unread.
 
-A refusal costs the event loop far less than a prediction, but a client that ignores
-Retry-After and sends again at once would come back once per target, and hundreds of them
-would keep the loop busy refusing. So a request that arrives on a connection before the
-Retry-After of the 503 answered on it has passed (an *early retry*) may still take a slot
-while it is fresh, but otherwise gets its 503 only when that Retry-After has passed since
-its arrival: a retry storm waits for its answers instead of taking the cores from the
-requests being served. Clients that honour Retry-After never see the difference.
+Clients that ignore Retry-After would keep the loop busy refusing, so an *early retry* (sent
+on a connection before the Retry-After of its last 503 passed) may still take a slot while
+fresh, but otherwise gets its 503 only once Retry-After has passed since its arrival.
 
-The decision is taken as soon as a request's headers are parsed: in the service's HTTP
-protocol (``burstcv_serving.protocol``) before a task is started for the request, and in the
-ASGI middleware under uvicorn's public protocol (the fallback ``protocol_for`` picks when the
-installed uvicorn is not the one the service's protocol was written for, or the setting
-``fast_protocol`` is off), any other server and the test client. Everything here runs on
-the event loop: no lock.
+The decision is taken as soon as a request's headers are parsed: in ``protocol`` before its
+task starts, else in the ASGI middleware. Everything here runs on the event loop: no lock.
 """
 
 from __future__ import annotations
@@ -45,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from burstcv_serving.batcher import MicroBatcher
+from burstcv_serving.batcher import MicroBatcher, moving_average
 from burstcv_serving.metrics import SHED_REASONS, ServiceMetrics
 
 PREDICTION_PATHS = frozenset({"/v1/predict", "/v1/predict/batch"})
@@ -62,19 +45,15 @@ BODY_READ_AT = "burstcv_body_read_at"
 # in milliseconds, so the smallest value is the right one.
 RETRY_AFTER_S = 1
 
-# Share of the queueing-delay target that admitted requests should take from admission to
-# their answer, on average: the slot count follows the measured answer rate times this time
-# (Little's law), so that a faster machine or model admits more at once, and a slower one
-# fewer (down to the floor). The rest of the target is for the slow tail, the wait in the
-# room, and the wait in the socket before the event loop reads the request.
+# Share of the target that admitted requests should take from admission to their answer: the
+# slot count follows the measured answer rate times it (Little's law). The rest is for the slow
+# tail, the wait in the room, and the wait in the socket.
 SERVICE_SHARE = 0.25
-# Once the oldest waiting request has waited this share of the target, slots go to the
-# newest first (adaptive LIFO): a standing queue has formed.
+# Once the oldest waiter has waited this share of the target, slots go newest first (LIFO).
 LIFO_SHARE = 0.25
-# Weight of the newest saturated window in the moving average of the answer rate: the last
-# few windows (a few tenths of a second) count, so bursts of answers do not swing the slots.
+# Weights of the newest sample in the moving averages: of saturated windows' answer rate (a
+# few tenths of a second count, so bursts do not swing the slots) and of a request's time.
 _RATE_WEIGHT = 0.3
-# Weight of the newest answer in the moving average of the time an admitted request takes.
 _SERVICE_WEIGHT = 0.05
 
 
@@ -99,8 +78,7 @@ class Waiter(Protocol):
         """Tell whether its client still waits for an answer."""
 
     def admit(self, admitted_at: float) -> None:
-        """Start serving it: its slot is taken; it calls AdmissionGate.release when answered,
-        and puts ADMISSION_WAIT (and, once read, BODY_READ_AT) in its scope state."""
+        """Start serving it (ADMISSION_WAIT in its scope); AdmissionGate.release when answered."""
 
     def refuse(self, refused: Refusal) -> None:
         """Answer it 503 with Retry-After, without reading its body."""
@@ -140,7 +118,7 @@ class AdmissionGate:
         self._slots = self._min_slots
         self._in_service = 0
         self._waiting: deque[Waiter] = deque()
-        # Early retries (see offer): they wait up to Retry-After instead of the target.
+        # Early retries: they wait up to Retry-After instead of the target.
         self._held: deque[Waiter] = deque()
         self._sweep: asyncio.TimerHandle | None = None
         self._sweep_due = float("inf")  # time.perf_counter() the sweep is armed for
@@ -180,8 +158,7 @@ class AdmissionGate:
         return self._target_s
 
     def set_target(self, queue_delay_target_s: float) -> None:
-        """Set the queueing-delay target (a new model judged against another SLO); a request
-        already waiting is held to the new one from now on."""
+        """Set the queueing-delay target; a request already waiting is held to the new one."""
         self._target_s = queue_delay_target_s
         self._lifo_after_s = queue_delay_target_s * LIFO_SHARE
         self._service_target_s = queue_delay_target_s * SERVICE_SHARE
@@ -197,14 +174,7 @@ class AdmissionGate:
         self._loop = asyncio.get_running_loop()
 
     def offer(self, waiter: Waiter, *, early_retry: bool = False) -> None:
-        """Admit a request that has just arrived, park it, or refuse it when the room is full.
-
-        ``early_retry``: it came on a connection whose last answer, a 503, asked to retry
-        after RETRY_AFTER_S, and that time has not passed. It may take a slot as any other,
-        but if it gets none its 503 comes when that Retry-After has passed since its arrival,
-        not at the target: a client that retries at once waits for its answer, instead of
-        the event loop spending itself on its retries.
-        """
+        """Admit a request that has just arrived, park it, or refuse it when the room is full."""
         now = time.perf_counter()
         if self._can_admit(now, waiter.arrived, waited_in_room=False):
             self._admit(waiter, now)
@@ -222,17 +192,12 @@ class AdmissionGate:
             self._arm(now)
 
     def release(self, admitted_at: float, body_read_at: float | None = None) -> None:
-        """Free the slot of an answered request, learn from its time, and fill free slots.
-
-        Its time is counted from admission, or from the end of its body when that came later.
-        """
+        """Free an answered request's slot, learn from its time (from admission, or from the end
+        of its body when later), and fill free slots."""
         now = time.perf_counter()
         self._in_service -= 1
         elapsed = now - (admitted_at if body_read_at is None else max(admitted_at, body_read_at))
-        if self._service_s == 0.0:
-            self._service_s = elapsed
-        else:
-            self._service_s += _SERVICE_WEIGHT * (elapsed - self._service_s)
+        self._service_s = moving_average(self._service_s, elapsed, _SERVICE_WEIGHT)
         self._window_answers += 1
         if now - self._window_start >= self._service_target_s:
             self._adjust(now)
@@ -242,13 +207,9 @@ class AdmissionGate:
     # --- internals ----------------------------------------------------------------------------
 
     def _can_admit(self, now: float, arrived: float, *, waited_in_room: bool) -> bool:
-        """Tell whether a request that arrived at ``arrived`` may take a slot now.
-
-        A free slot is taken while the model's queue would let its batch start within the
-        target; a request from the waiting room also needs the time an admitted request now
-        takes to fit in what is left of the target. An idle service admits any request that
-        has not waited the whole target.
-        """
+        """Tell whether a request that arrived at ``arrived`` may take a slot now: while its batch
+        would start within the target (from the room, while the time an admitted request now
+        takes fits too); an idle service admits any that has not waited the whole target."""
         waited = now - arrived
         if self._in_service == 0:
             return waited <= self._target_s
@@ -263,10 +224,7 @@ class AdmissionGate:
         """Set the slots to the answer rate of saturated windows times the service share."""
         if self._window_full:
             rate = self._window_answers / (now - self._window_start)
-            if self._rate == 0.0:
-                self._rate = rate
-            else:
-                self._rate += _RATE_WEIGHT * (rate - self._rate)
+            self._rate = moving_average(self._rate, rate, _RATE_WEIGHT)
             wanted = self._rate * self._service_target_s
             # At most halve or double at once: one odd window (a GC pause) moves little.
             wanted = min(max(wanted, self._slots / 2), self._slots * 2)
@@ -288,31 +246,22 @@ class AdmissionGate:
         waiter.refuse(refused)
 
     def _fill(self, now: float) -> None:
-        """Give free slots to waiting requests: oldest first, newest first past a standing queue.
-
-        Early retries are taken newest first, as the newest of all when the queue stands.
-        """
+        """Give free slots to waiters: oldest first (early retries newest first), the newest of
+        all past a standing queue."""
         waiting, held = self._waiting, self._held
         while waiting or held:
             lifo = not waiting or now - waiting[0].arrived > self._lifo_after_s
-            if not lifo:
-                room = waiting
-                waiter = waiting.popleft()
-            else:
-                room = (
-                    held
-                    if not waiting or (held and held[-1].arrived > waiting[-1].arrived)
-                    else waiting
-                )
+            if lifo:
+                newest_held = not waiting or (held and held[-1].arrived > waiting[-1].arrived)
+                room = held if newest_held else waiting
                 waiter = room.pop()
+            else:
+                room, waiter = waiting, waiting.popleft()
             if not waiter.alive():
                 continue
             if not self._can_admit(now, waiter.arrived, waited_in_room=True):
                 # Newest (LIFO) or oldest of a young queue: no other one can do better now.
-                if lifo:
-                    room.append(waiter)
-                else:
-                    room.appendleft(waiter)
+                (room.append if lifo else room.appendleft)(waiter)
                 break
             self._admit(waiter, now)
 

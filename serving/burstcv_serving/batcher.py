@@ -1,29 +1,17 @@
 """Gather concurrent prediction requests into micro-batches for one session.run each.
 
 The inference thread drains the queue itself: it takes every job already waiting (up to the
-batch size), runs them at once, and takes the next batch straight away, handing each batch's
-answers to the event loop in one callback. A lone request therefore runs immediately and a
-busy service runs full batches back to back. Only when a batch already holds several jobs
-does it wait, at most ``max_batch_wait_ms``, for more. Each batch takes the model reference
-once, and every job in it is answered with that model.
+batch size), runs them, hands the answers to the event loop in one callback and takes the next
+batch at once; it waits (at most ``max_batch_wait_ms``) for more only when a batch already
+holds several jobs. The thread, not an event-loop task, moves between batches because under
+overload a loop turn grows with the connections that have a request ready: a batch per turn
+would tie the model's throughput to the load it is shedding.
 
-The thread, not an event-loop task, moves from one batch to the next because under overload
-one turn of the event loop grows with the number of connections that have a request ready
-(every refused client sends again at once): a batch per turn would tie the model's
-throughput to the load it is shedding.
+Every job carries a deadline: the queueing-delay target less what its request waited for a
+service slot. A job whose batch cannot start by then is answered 503 instead of late.
 
-Every job carries a deadline: the queueing-delay target less what its request already waited
-for a service slot, counted from its queueing (the time its body took to arrive and decode is
-not queueing). A job whose batch cannot start by then is answered 503 instead of late, and
-``expected_delay_s`` (what admission control reads) says how long a request admitted now
-would wait, from the images ahead of it and the measured batch times.
-
-A single image that is the only request in the service (none other being read, decoded,
-queued or run) skips the queue and the inference thread: it runs right on the event loop,
-which saves two thread hand-offs (a few tenths of a millisecond on a small CPU) when the
-model answers within ``inline_max_ms``. No other request can be delayed by it, as there is
-none; under concurrency every request goes through the batches. Slower models always go
-through the thread.
+A single image that is the only request in the service runs right on the event loop when the
+model answers within ``inline_max_ms``: that saves two thread hand-offs and delays no one.
 """
 
 from __future__ import annotations
@@ -49,9 +37,8 @@ logger = logging.getLogger(__name__)
 
 BatchResult = tuple[LoadedModel, np.ndarray]  # the model that answered, probabilities (n, K)
 
-# Weight of the newest batch in the moving averages of batch time: about the last ten
-# batches count, so the estimate follows a model swap or a busier machine within
-# milliseconds under load, and one slow batch (a GC pause) does not swing admission.
+# Weight of the newest batch in the moving averages of batch time: about the last ten count,
+# so the estimate follows a model swap within milliseconds and one GC pause moves it little.
 _BATCH_TIME_WEIGHT = 0.1
 
 
@@ -118,7 +105,7 @@ class MicroBatcher:
         self._max_queue = max_queue
         self._max_pixels = max_pixels
         self._inline_max_s = inline_max_s
-        self._target_s = queue_delay_target_s
+        self.queue_delay_target_s = queue_delay_target_s  # follows the serving model's SLO
         self._active = 0  # prediction requests inside the routes (see tracking())
         # Requests inside the routes that have not reached submit() yet (read, decode).
         self._arriving: set[asyncio.Task[object] | None] = set()
@@ -128,7 +115,6 @@ class MicroBatcher:
         self._pending: deque[_Job] = deque()
         self._pending_images = 0
         self._running_jobs = 0  # in the batch the thread is gathering or running
-        self._running_images = 0
         self._closed = False
         self._idle = False  # the thread sleeps until a job is queued
         self._wake_scheduled = False  # a _wake call waits on the event loop
@@ -149,28 +135,10 @@ class MicroBatcher:
         """Return the number of prediction requests being handled now."""
         return self._active
 
-    @property
-    def max_queue(self) -> int:
-        """Return the most images that may wait for inference."""
-        return self._max_queue
-
-    @property
-    def queue_delay_target_s(self) -> float:
-        """Return the queueing delay a request may wait before its batch starts."""
-        return self._target_s
-
-    def set_target(self, queue_delay_target_s: float) -> None:
-        """Set the queueing-delay target (a new model judged against another SLO)."""
-        self._target_s = queue_delay_target_s
-
     def expected_delay_s(self) -> float:
-        """Return how long a request admitted now would wait before its batch starts.
-
-        The batch being run finishes first; then every full batch's worth of images ahead
-        of it (waiting, and one for each request admitted but still being read or decoded)
-        runs before its own batch. Batch times are measured, so a slower model or a busier
-        machine lowers what is admitted.
-        """
+        """Return how long a request admitted now would wait before its batch starts: the running
+        batch, then a measured full batch per batch's worth of images ahead (waiting, and one
+        per request still being read or decoded)."""
         ahead = self._pending_images + len(self._arriving)
         running_s = self._batch_s if self._running_jobs else 0.0
         full_batch_s = self._full_batch_s or self._batch_s
@@ -214,7 +182,7 @@ class MicroBatcher:
             with contextlib.suppress(Exception):
                 await asyncio.wrap_future(drain)
         for job in waiting:
-            _settle(job, error=NoModelError("the service is shutting down"))
+            _fail(job, NoModelError("the service is shutting down"))
         self._metrics.queue_depth.set(0)
 
     async def submit(
@@ -224,13 +192,8 @@ class MicroBatcher:
         spec: PreprocessSpec,
         waited: float = 0.0,
     ) -> BatchResult:
-        """Queue one request's images and wait for the model and probabilities that answer it.
-
-        ``waited`` is how long the request waited for a service slot (admission control).
-        Raises QueueFullError when the queue holds ``max_queue`` images, and
-        DeadlineExceededError when no batch could take the job before its queueing delay
-        (``waited`` plus its time in the queue) passed the target.
-        """
+        """Queue one request's images and wait for the model and probabilities that answer it
+        (``waited``: seconds it waited for a service slot, counted against its deadline)."""
         self._arriving.discard(asyncio.current_task())
         n = len(images)
         if self._pending_images + n > self._max_queue:
@@ -249,17 +212,16 @@ class MicroBatcher:
         loop = self._loop or asyncio.get_running_loop()
         queued_at = time.perf_counter()
         future: asyncio.Future[BatchResult] = loop.create_future()
-        deadline = queued_at + self._target_s - waited
+        deadline = queued_at + self.queue_delay_target_s - waited
         job = _Job(payloads, images, spec, future, waited, queued_at, deadline)
         with self._lock:
             if self._closed:
                 raise NoModelError("the service is shutting down")
             self._pending.append(job)
             self._pending_images += n
-            # A sleeping thread is woken at once (not at the end of this turn of the event
-            # loop, which under overload lasts as long as reading every waiting request). A
-            # thread gathering a batch is woken only when it is full: every wake-up is a GIL
-            # hand-off that the busy event loop pays for.
+            # Wake a sleeping thread now, not at the end of this loop turn (under overload as
+            # long as reading every waiting request); a gathering one only when the batch is
+            # full: every wake-up is a GIL hand-off that the busy event loop pays for.
             if self._idle or self._pending_images >= self._max_batch_size:
                 self._more.notify()
             if self._drain is None and not self._wake_scheduled:
@@ -281,10 +243,7 @@ class MicroBatcher:
                 self._more.notify()
 
     def _inline_model(self, spec: PreprocessSpec) -> LoadedModel | None:
-        """Return the model a single image may run on right now, skipping the queue, or None.
-
-        See the module docstring: only when no other request is in the service.
-        """
+        """Return the model a lone single image may run on now, skipping the queue, or None."""
         model = self._manager.current
         if (
             self._active <= 1
@@ -334,7 +293,6 @@ class MicroBatcher:
                 finally:
                     with self._lock:
                         self._running_jobs = 0
-                        self._running_images = 0
                 loop.call_soon_threadsafe(self._deliver, outcome)
         except BaseException:
             with self._lock:
@@ -356,7 +314,6 @@ class MicroBatcher:
                     break
                 size = self._take(jobs, size)
         self._running_jobs = len(jobs)
-        self._running_images = size
         return jobs
 
     def _take(self, jobs: list[_Job], size: int) -> int:
@@ -381,6 +338,7 @@ class MicroBatcher:
         """Run one batch: expire late jobs, re-decode for a new input size, call the model."""
         model = self._manager.current  # taken once: the whole batch answers with this model
         outcome = _Outcome(model, [])
+        max_pixels = self._max_pixels
         started = time.perf_counter()
         if model is None:
             outcome.failures = [(job, NoModelError("no model is loaded")) for job in jobs]
@@ -389,26 +347,20 @@ class MicroBatcher:
         for job in jobs:
             if started > job.deadline:
                 waited_ms = (started - job.queued_at + job.waited) * 1000.0
-                outcome.failures.append(
-                    (
-                        job,
-                        DeadlineExceededError(
-                            f"the service is overloaded: the request waited {waited_ms:.0f} ms "
-                            f"for the model, over the target of {self._target_s * 1000:.0f} "
-                            "ms; retry shortly"
-                        ),
-                    )
+                late = DeadlineExceededError(
+                    f"the service is overloaded: the request waited {waited_ms:.0f} ms for the "
+                    f"model, over the target of {self.queue_delay_target_s * 1000:.0f} ms; "
+                    "retry shortly"
                 )
+                outcome.failures.append((job, late))
                 continue
             images = job.images
             if job.spec != model.spec:  # the model changed its input size since decoding
                 try:
-                    images = np.stack(
-                        [
-                            decode_to_uint8(p, model.spec, max_pixels=self._max_pixels)
-                            for p in job.payloads
-                        ]
-                    )
+                    decoded = [
+                        decode_to_uint8(p, model.spec, max_pixels=max_pixels) for p in job.payloads
+                    ]
+                    images = np.stack(decoded)
                 except ImageDecodeError as exc:
                     outcome.failures.append((job, exc))
                     continue
@@ -427,10 +379,10 @@ class MicroBatcher:
             return outcome
         elapsed = time.perf_counter() - started
         # Only this thread writes the averages; the event loop reads them.
-        self._batch_s = _moving_average(self._batch_s, elapsed)
+        self._batch_s = moving_average(self._batch_s, elapsed)
         if 2 * len(batch) >= self._max_batch_size:
             full_s = elapsed * self._max_batch_size / len(batch)
-            self._full_batch_s = _moving_average(self._full_batch_s, full_s)
+            self._full_batch_s = moving_average(self._full_batch_s, full_s)
         self._metrics.inference.observe(elapsed)
         self._metrics.batch_size.observe(len(batch))
         return outcome
@@ -442,28 +394,21 @@ class MicroBatcher:
         if outcome.probabilities is not None and outcome.model is not None:
             offset = 0
             for job in outcome.ran:
-                result = (outcome.model, outcome.probabilities[offset : offset + job.size])
-                _settle(job, result=result)
+                rows = outcome.probabilities[offset : offset + job.size]
+                if not job.future.done():
+                    job.future.set_result((outcome.model, rows))
                 offset += job.size
         for job, error in outcome.failures:
             if isinstance(error, DeadlineExceededError):
                 self._metrics.shed.labels(reason="deadline").inc()
-            _settle(job, error=error)
+            _fail(job, error)
 
 
-def _moving_average(previous: float, sample: float) -> float:
-    """Return the batch-time average after one more sample (the sample itself at first)."""
-    if previous == 0.0:
-        return sample
-    return previous + _BATCH_TIME_WEIGHT * (sample - previous)
+def moving_average(previous: float, sample: float, weight: float = _BATCH_TIME_WEIGHT) -> float:
+    """Return an average after one more sample (the sample itself while the average is 0)."""
+    return sample if previous == 0.0 else previous + weight * (sample - previous)
 
 
-def _settle(
-    job: _Job, *, result: BatchResult | None = None, error: BaseException | None = None
-) -> None:
-    if job.future.done():
-        return
-    if error is not None:
+def _fail(job: _Job, error: BaseException) -> None:
+    if not job.future.done():  # the client may have gone away
         job.future.set_exception(error)
-    else:
-        job.future.set_result(result)  # type: ignore[arg-type]

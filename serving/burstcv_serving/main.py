@@ -7,7 +7,7 @@ import contextlib
 import gc
 import logging
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -44,31 +44,26 @@ def make_source(settings: Settings) -> ModelSource:
     return RegistrySource(settings.registry_uri, settings.model_name, settings.alias)
 
 
-@contextlib.asynccontextmanager
-async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Load and warm the model, start the batcher and the alias poller; stop them after."""
-    settings: Settings = app.state.settings
-    service_metrics: ServiceMetrics = app.state.metrics
-    source = make_source(settings)
-    manager = ModelManager(source, settings, service_metrics)
-    target_ms, _ = queue_target_ms(settings, None)
-    # One inference thread: onnxruntime parallelises inside a batch with its own threads.
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="burstcv-infer")
+def _admission(
+    settings: Settings, manager: ModelManager, metrics: ServiceMetrics, executor: Executor
+) -> tuple[MicroBatcher, AdmissionGate]:
+    """Build the micro-batcher and the admission gate; their target follows the serving SLO."""
+    target_s = queue_target_ms(settings, None)[0] / 1000.0
     batcher = MicroBatcher(
         manager,
         executor,
-        service_metrics,
+        metrics,
         max_batch_size=settings.max_batch_size,
         max_batch_wait_s=settings.max_batch_wait_ms / 1000.0,
         max_queue=settings.max_queue,
         max_pixels=settings.max_pixels,
         inline_max_s=settings.inline_max_ms / 1000.0,
-        queue_delay_target_s=target_ms / 1000.0,
+        queue_delay_target_s=target_s,
     )
     gate = AdmissionGate(
         batcher,
-        service_metrics,
-        queue_delay_target_s=target_ms / 1000.0,
+        metrics,
+        queue_delay_target_s=target_s,
         max_waiting=settings.max_waiting,
         # At least two full batches in service (one running while the next one gathers); at
         # most what the inference queue holds.
@@ -77,14 +72,25 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     )
 
     def follow(model: LoadedModel) -> None:
-        # The queueing target follows the SLO the serving version was judged against.
         target, why = queue_target_ms(settings, model.latency_slo_ms)
         if target / 1000.0 != gate.queue_delay_target_s:
             logger.info("queueing-delay target %g ms: %s", target, why)
-        batcher.set_target(target / 1000.0)
+        batcher.queue_delay_target_s = target / 1000.0
         gate.set_target(target / 1000.0)
 
     manager.on_swap = follow
+    return batcher, gate
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Load and warm the model, start the batcher and the alias poller; stop them after."""
+    settings: Settings = app.state.settings
+    source = make_source(settings)
+    manager = ModelManager(source, settings, app.state.metrics)
+    # One inference thread: onnxruntime parallelises inside a batch with its own threads.
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="burstcv-infer")
+    batcher, gate = _admission(settings, manager, app.state.metrics, executor)
     logger.info("loading the model from %s", source.description)
     await manager.refresh()  # a failure leaves the service up but not ready; polling retries
     batcher.start()
@@ -111,17 +117,21 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         executor.shutdown(wait=True)
 
 
+_SEND_JSON = "(send a JSON object, as the OpenAPI document at /openapi.json describes)"
+
+
 def _describe_validation_errors(request: Request, exc: RequestValidationError) -> str:
     multipart = request.url.path.startswith("/v1/predict")  # the admin routes take JSON
     kind = "multipart field" if multipart else "field"
     reasons = []
     whole_body = False  # the body itself is wrong (absent, not JSON, not an object)
     for error in exc.errors():
-        field = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
-        if error.get("type") == "json_invalid":
-            field = ""
+        invalid_json = error.get("type") == "json_invalid"
+        field = (
+            "" if invalid_json else ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+        )
         whole_body = whole_body or not field
-        if error.get("type") == "json_invalid":
+        if invalid_json:
             reasons.append(f"the body is not valid JSON ({error.get('ctx', {}).get('error', '?')})")
         elif error.get("type") == "missing":
             reasons.append(f"missing {kind} '{field}'" if field else "the request has no body")
@@ -133,7 +143,7 @@ def _describe_validation_errors(request: Request, exc: RequestValidationError) -
     if multipart and request.method == "POST" and not ctype.startswith("multipart/form-data"):
         detail += f" (send multipart/form-data; the request's content type is {ctype or 'none'})"
     elif not multipart and request.method == "POST" and whole_body:
-        detail += " (send a JSON object, as the OpenAPI document at /openapi.json describes)"
+        detail += f" {_SEND_JSON}"
     return detail
 
 
@@ -143,41 +153,27 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
-    """Answer FastAPI's own 400 for a body it could not parse (bytes that are not UTF-8, JSON
-    nested past the parser's depth) as the 422 every other unreadable body gets: the
-    documented answer, with the reason."""
+    """Answer FastAPI's own 400 for a body it could not parse (not UTF-8, JSON nested too
+    deeply) as the documented 422 every other unreadable body gets, with the reason."""
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 400 and exc.__cause__ is not None:
         cause = exc.__cause__
-        why = (
-            "it is not UTF-8 text"
-            if isinstance(cause, UnicodeDecodeError)
-            else "it is nested too deeply"
-            if isinstance(cause, RecursionError)
-            else type(cause).__name__
-        )
+        why = type(cause).__name__
+        if isinstance(cause, UnicodeDecodeError):
+            why = "it is not UTF-8 text"
+        elif isinstance(cause, RecursionError):
+            why = "it is nested too deeply"
         if request.url.path.startswith("/v1/predict"):
             detail = f"the body could not be read as multipart/form-data ({why})"
         else:
-            detail = (
-                f"the body is not valid JSON ({why}) (send a JSON object, as the OpenAPI "
-                "document at /openapi.json describes)"
-            )
+            detail = f"the body is not valid JSON ({why}) {_SEND_JSON}"
         return JSONResponse({"detail": detail}, status_code=422)
     return await http_exception_handler(request, exc)
 
 
-VALIDATION_422 = (
-    "The request does not match this endpoint's schema; detail says which field and why."
-)
-
-
 def _document_string_details(app: FastAPI) -> None:
-    """Make the OpenAPI document say what a 422 is: an ``ErrorOut`` (one ``detail`` string).
-
-    FastAPI documents its own 422 body (a list of errors); this service answers every 4xx the
-    same way, a sentence a client can act on, and its document says so.
-    """
+    """Make the OpenAPI document say what a 422 is: an ``ErrorOut`` (one ``detail`` string),
+    not FastAPI's list of errors."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -189,7 +185,8 @@ def _document_string_details(app: FastAPI) -> None:
             for operation in operations.values():
                 if "422" in operation.get("responses", {}):
                     operation["responses"]["422"] = {
-                        "description": VALIDATION_422,
+                        "description": "The request does not match this endpoint's schema; "
+                        "detail says which field and why.",
                         "content": {"application/json": {"schema": error_ref}},
                     }
         components = schema.setdefault("components", {}).setdefault("schemas", {})

@@ -1,8 +1,6 @@
 """Keep the serving model current: load the alias's version, hot-swap it, remember failures.
 
-A deploy first *stages* a version: the service loads, verifies and warms it beside the serving
-model without switching, and says so (or why not, in its own words). When the alias then
-names that version, the swap takes the staged model: no load happens after production moves.
+A staged version (``routes.admin``) is taken at the swap: no load happens after the alias moves.
 """
 
 from __future__ import annotations
@@ -11,7 +9,6 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from starlette.concurrency import run_in_threadpool
@@ -19,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from burstcv_serving.metrics import ServiceMetrics
 from burstcv_serving.model import LoadedModel, ModelLoadError, load_model
 from burstcv_serving.registry import ModelRef, ModelSource, SourceError
+from burstcv_serving.schemas import LoadErrorOut
 from burstcv_serving.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -26,21 +24,6 @@ logger = logging.getLogger(__name__)
 # Staged models held beside the serving one (each costs a model's memory): two lets two
 # overlapping deploys both stage; an older one is dropped (its switch then loads it again).
 MAX_STAGED = 2
-
-
-@dataclass(frozen=True)
-class LoadFailure:
-    """Record why a version could not serve (version None: the alias itself was unreadable)."""
-
-    version: int | str | None
-    sha256: str | None
-    reason: str
-    at: datetime
-
-    def describe(self) -> str:
-        """Return one line for logs and API answers."""
-        what = "the alias" if self.version is None else f"version {self.version}"
-        return f"{what} failed to load: {self.reason}"
 
 
 class ModelManager:
@@ -55,9 +38,9 @@ class ModelManager:
         # Staging has its own lock: loading a candidate must not hold up alias polling.
         self._stage_lock = asyncio.Lock()
         self._staged: dict[tuple[int | str, str | None], LoadedModel] = {}
-        # (version, sha256) pairs that failed: not retried by polling, only by an admin reload.
+        # (version, sha256) pairs that failed: not retried by polling, only by refresh(force).
         self._failed: set[tuple[int | str, str | None]] = set()
-        self.last_error: LoadFailure | None = None
+        self.last_error: LoadErrorOut | None = None
         self.target_version: int | str | None = None  # what the alias named at the last check
         # Called with the new model right after each swap (the service's queueing target
         # follows the SLO recorded with the model it serves).
@@ -69,11 +52,7 @@ class ModelManager:
         return self._current
 
     async def refresh(self, *, force: bool = False) -> LoadedModel | None:
-        """Check the alias and swap in its version if it changed; return the serving model.
-
-        A version that fails keeps the old model serving and is remembered, so polling does
-        not retry it; ``force`` (an admin reload) tries it again.
-        """
+        """Check the alias and swap in its version if it changed; return the serving model."""
         async with self._lock:
             try:
                 ref = await run_in_threadpool(self._source.resolve)
@@ -96,7 +75,6 @@ class ModelManager:
                 model = staged if staged is not None else await run_in_threadpool(self._load, ref)
             except ModelLoadError as exc:
                 self._failed.add(key)
-                self._metrics.model_loads.labels(outcome="failed").inc()
                 self._record_failure(ref.version, ref.expected_sha256, str(exc))
                 return current
             self._current = model  # the swap: one reference assignment
@@ -116,12 +94,8 @@ class ModelManager:
             return model
 
     async def stage(self, version: int, sha256: str | None) -> tuple[LoadedModel, bool]:
-        """Load, verify and warm ``version`` beside the serving model, without switching.
-
-        Return the model and whether it was loaded now (False: already staged or serving).
-        Raise SourceError when this service cannot name registry versions, ModelLoadError
-        (the service's reason) when the version cannot serve.
-        """
+        """Load, verify and warm ``version`` beside the serving model, without switching; return
+        it and whether it was loaded now (False: already staged or serving)."""
         ref = self._source.ref_for(version, sha256)
         key = (ref.version, ref.expected_sha256)
         current = self._current
@@ -130,11 +104,7 @@ class ModelManager:
         async with self._stage_lock:
             if key in self._staged:
                 return self._staged[key], False
-            try:
-                model = await run_in_threadpool(self._load, ref)
-            except ModelLoadError:
-                self._metrics.model_loads.labels(outcome="failed").inc()
-                raise
+            model = await run_in_threadpool(self._load, ref)
             self._staged[key] = model
             while len(self._staged) > MAX_STAGED:
                 dropped = next(iter(self._staged))
@@ -150,12 +120,16 @@ class ModelManager:
         return [version for version, _ in self._staged]
 
     def _load(self, ref: ModelRef) -> LoadedModel:
-        model = load_model(
-            ref,
-            intra_op_threads=self._settings.intra_op_threads,
-            max_batch_size=self._settings.max_batch_size,
-            spinning=self._settings.intra_op_spinning,
-        )
+        try:
+            model = load_model(
+                ref,
+                intra_op_threads=self._settings.intra_op_threads,
+                max_batch_size=self._settings.max_batch_size,
+                spinning=self._settings.intra_op_spinning,
+            )
+        except ModelLoadError:
+            self._metrics.model_loads.labels(outcome="failed").inc()
+            raise
         return dataclasses.replace(model, latency_slo_ms=self._source.recorded_slo_ms(ref))
 
     async def poll_forever(self, interval_s: float) -> None:
@@ -165,7 +139,7 @@ class ModelManager:
             await self.refresh()
 
     def _record_failure(self, version: int | str | None, sha256: str | None, reason: str) -> None:
-        failure = LoadFailure(version, sha256, reason, datetime.now(UTC))
+        failure = LoadErrorOut(version=version, sha256=sha256, reason=reason, at=datetime.now(UTC))
         previous = self.last_error
         self.last_error = failure
         # Log a failure once, not on every poll.

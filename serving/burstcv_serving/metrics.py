@@ -4,23 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-_LATENCY_BUCKETS_S = (
-    0.0005,
-    0.001,
-    0.002,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
+_LATENCY_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+Labels = tuple[str, ...]
+Buckets = tuple[float, ...]
 SHED_REASONS = ("queue_delay", "early_retry", "queue_full", "deadline", "no_model")
 
 
@@ -29,42 +16,33 @@ class ServiceMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter(
+        self.requests = self._counter(
             "burstcv_serving_requests",
             "HTTP requests answered, by route, method and status code.",
-            ["path", "method", "status"],
-            registry=self.registry,
+            ("path", "method", "status"),
         )
-        self.latency = Histogram(
+        self.latency = self._histogram(
             "burstcv_serving_request_duration_seconds",
             "Time from receiving a request to sending its response.",
-            ["path"],
-            buckets=_LATENCY_BUCKETS_S,
-            registry=self.registry,
+            ("path",),
         )
-        self.batch_size = Histogram(
+        self.batch_size = self._histogram(
             "burstcv_serving_batch_size",
             "Images per onnxruntime session.run call.",
             buckets=_BATCH_BUCKETS,
-            registry=self.registry,
         )
-        self.inference = Histogram(
+        self.inference = self._histogram(
             "burstcv_serving_inference_duration_seconds",
             "Time of one batch: normalisation, session.run and softmax.",
-            buckets=_LATENCY_BUCKETS_S,
-            registry=self.registry,
         )
-        self.queue_depth = Gauge(
-            "burstcv_serving_queue_depth",
-            "Images waiting for inference.",
-            registry=self.registry,
+        self.queue_depth = self._gauge(
+            "burstcv_serving_queue_depth", "Images waiting for inference."
         )
-        self.admitted = Counter(
+        self.admitted = self._counter(
             "burstcv_serving_admitted_requests",
             "Prediction requests given a service slot (their body then read, decoded, queued).",
-            registry=self.registry,
         )
-        self.shed = Counter(
+        self.shed = self._counter(
             "burstcv_serving_shed_requests",
             "Prediction requests refused with 503 and Retry-After, by reason: queue_delay "
             "(waited the queueing-delay target for a slot; the body never read), early_retry "
@@ -72,52 +50,53 @@ class ServiceMetrics:
             "waited that long for a slot in vain; the body never read), queue_full "
             "(the waiting room, or the inference queue, full), deadline (admitted, but its "
             "batch could not start within the target of its arrival), no_model (none loaded).",
-            ["reason"],
-            registry=self.registry,
+            ("reason",),
         )
         for reason in SHED_REASONS:
             self.shed.labels(reason=reason)  # exported at 0 from the start, for rate()
-        self.queue_delay = Histogram(
+        self.queue_delay = self._histogram(
             "burstcv_serving_queue_delay_seconds",
             "Queueing delay of a prediction request: its wait for a service slot plus its "
             "wait in the inference queue, until its batch started.",
-            buckets=_LATENCY_BUCKETS_S,
-            registry=self.registry,
         )
-        self.admission_wait = Histogram(
+        self.admission_wait = self._histogram(
             "burstcv_serving_admission_wait_seconds",
             "Time an admitted prediction request waited for a service slot.",
-            buckets=_LATENCY_BUCKETS_S,
-            registry=self.registry,
         )
-        self.waiting = Gauge(
+        self.waiting = self._gauge(
             "burstcv_serving_waiting_requests",
             "Prediction requests waiting for a service slot (their body not read yet).",
-            registry=self.registry,
         )
-        self.admission_slots = Gauge(
+        self.admission_slots = self._gauge(
             "burstcv_serving_admission_slots",
             "Prediction requests that may be in service at once: the measured answer rate "
             "times a quarter of the queueing-delay target, within bounds.",
-            registry=self.registry,
         )
-        self.in_service = Gauge(
+        self.in_service = self._gauge(
             "burstcv_serving_in_service_requests",
             "Prediction requests admitted and not answered yet (at most the service slots).",
-            registry=self.registry,
         )
-        self.model_info = Gauge(
+        self.model_info = self._gauge(
             "burstcv_serving_model_info",
             "1 for the model version now serving.",
-            ["name", "version", "sha256"],
-            registry=self.registry,
+            ("name", "version", "sha256"),
         )
-        self.model_loads = Counter(
+        self.model_loads = self._counter(
             "burstcv_serving_model_loads",
             "Model load attempts, by outcome (loaded or failed).",
-            ["outcome"],
-            registry=self.registry,
+            ("outcome",),
         )
+
+    def _counter(self, name: str, documentation: str, labels: Labels = ()) -> Counter:
+        return Counter(name, documentation, labels, registry=self.registry)
+
+    def _gauge(self, name: str, documentation: str, labels: Labels = ()) -> Gauge:
+        return Gauge(name, documentation, labels, registry=self.registry)
+
+    def _histogram(
+        self, name: str, documentation: str, labels: Labels = (), buckets: Buckets = _LATENCY_S
+    ) -> Histogram:
+        return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
 
     def set_serving(self, name: str, version: int | str, sha256: str) -> None:
         """Point the model_info gauge at the version now serving (and only at it)."""

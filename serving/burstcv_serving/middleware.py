@@ -1,12 +1,8 @@
-"""ASGI middleware: refuse oversized bodies early, admit prediction requests through the
-admission gate before reading them, count every request for Prometheus, and send prediction
-requests straight to their handlers.
+"""Limit bodies, admit prediction requests before their body is read, count every request.
 
-A refusal sent before the body is read keeps the connection open when the body is no larger
-than ``max_discard_bytes``: uvicorn reads and discards the rest of it, so a client that
-sends its whole body before reading (Python's urllib) still reads the answer, where closing
-the socket on unread data would reset the connection under it. A larger body, or one the
-client waits to send (``Expect: 100-continue``), is refused with ``Connection: close``.
+A refusal sent before the body is read keeps the connection open when the body is at most
+``max_discard_bytes`` (uvicorn discards the rest), so a client that sends its whole body before
+reading (urllib) still reads the answer instead of a reset.
 """
 
 from __future__ import annotations
@@ -16,6 +12,7 @@ import json
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -36,12 +33,8 @@ def _too_large(limit: int) -> str:
 
 
 def must_close(scope: Mapping[str, Any], max_discard_bytes: int) -> bool:
-    """Tell whether a refusal sent before reading the body must close the connection.
-
-    True when the body is larger than ``max_discard_bytes``, has no declared length
-    (chunked: unbounded), or waits for ``100 Continue`` (it will never be sent, so the
-    connection cannot be reused).
-    """
+    """Tell whether a refusal sent before reading the body must close the connection: a body
+    over ``max_discard_bytes``, chunked (unbounded), or waiting for ``100 Continue``."""
     for name, value in scope["headers"]:
         if name == b"content-length" and (not value.isdigit() or int(value) > max_discard_bytes):
             return True
@@ -52,25 +45,27 @@ def must_close(scope: Mapping[str, Any], max_discard_bytes: int) -> bool:
     return False
 
 
-def client_closes(scope: Mapping[str, Any]) -> bool:
-    """Tell whether the server closes the connection after this request's answer.
-
-    HTTP/1.0, or ``Connection: close`` (urllib sends it with every request): the body must
-    then be read before answering, or closing on the unread rest resets the connection.
-    """
-    if scope.get("http_version") == "1.0":
-        return True
-    return any(
+async def refuse_unread(
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    status: int,
+    detail: str,
+    max_discard_bytes: int,
+    extra_headers: tuple[tuple[bytes, bytes], ...] = (),
+) -> None:
+    """Refuse before reading the body. When the server closes after the answer anyway (HTTP/1.0,
+    or ``Connection: close`` as urllib sends) and need not cut the body off, read the body to
+    its end first: closing on the unread rest would reset the connection."""
+    close = must_close(scope, max_discard_bytes)
+    closes = scope.get("http_version") == "1.0" or any(
         name == b"connection" and b"close" in value.lower() for name, value in scope["headers"]
     )
-
-
-async def discard_body(receive: Receive) -> None:
-    """Read the request's body to its end and throw it away."""
-    while True:
+    while not close and closes:  # read and drop the body, to its end
         message = await receive()
         if message["type"] != "http.request" or not message.get("more_body", False):
-            return
+            break
+    await send_error(send, status, detail, close=close, extra_headers=extra_headers)
 
 
 async def send_error(
@@ -83,11 +78,8 @@ async def send_error(
 ) -> None:
     """Send a ``{"detail": ...}`` JSON answer, closing the connection after it if ``close``."""
     body = json.dumps({"detail": detail}).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        *extra_headers,
-    ]
+    length = str(len(body)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", length), *extra_headers]
     if close:
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -115,10 +107,8 @@ class BodyLimitMiddleware:
                     await send_error(send, 400, "Content-Length is not a number", close=True)
                     return
                 if declared > limit:
-                    close = must_close(scope, self.max_discard_bytes)
-                    if not close and client_closes(scope):
-                        await discard_body(receive)
-                    await send_error(send, 413, _too_large(limit), close=close)
+                    detail = _too_large(limit)
+                    await refuse_unread(scope, receive, send, 413, detail, self.max_discard_bytes)
                     return
         received = 0
         discard = self.max_discard_bytes
@@ -145,15 +135,13 @@ class BodyLimitMiddleware:
 Client = tuple[object, ...]
 
 
+@dataclass(slots=True, eq=False)
 class _WaitingRequest:
     """A request waiting in the admission gate, resolved through a future."""
 
-    __slots__ = ("admitted_at", "arrived", "future")
-
-    def __init__(self, arrived: float, future: asyncio.Future[Refusal | None]) -> None:
-        self.arrived = arrived
-        self.future = future
-        self.admitted_at: float | None = None
+    arrived: float
+    future: asyncio.Future[Refusal | None]
+    admitted_at: float | None = None
 
     def alive(self) -> bool:
         return not self.future.done()
@@ -169,13 +157,8 @@ class _WaitingRequest:
 class AdmissionMiddleware:
     """Admit prediction requests through the admission gate before their body is read.
 
-    The service's own HTTP protocol has done it already (``burstcv_serving.protocol``); this
-    is the same gate under uvicorn's public protocol (``protocol_for``'s fallback), any other
-    server and the test client: a request waits for a service slot, its body unread, and is
-    answered 503 with ``Retry-After`` if none frees within the queueing-delay target.
-
-    Early retries (``AdmissionGate.offer``) are known by the client's address and port, which
-    name its connection while it is open: a 503's time is kept for Retry-After per client.
+    Where ``burstcv_serving.protocol`` does not run: uvicorn's public protocol, any other server,
+    the test client. Early retries are known by the client's (address, port).
     """
 
     def __init__(
@@ -239,10 +222,9 @@ class AdmissionMiddleware:
         finally:
             if waiter.admitted_at is not None:
                 service.gate.release(waiter.admitted_at, state.get(BODY_READ_AT))
-        close = must_close(scope, self.max_discard_bytes)
-        if not close and client_closes(scope):
-            await discard_body(receive)
-        await send_error(send, 503, refused.detail, close=close, extra_headers=self.retry_after)
+        await refuse_unread(
+            scope, receive, send, 503, refused.detail, self.max_discard_bytes, self.retry_after
+        )
         self._refused(client)
 
 
@@ -283,12 +265,9 @@ Handler = Callable[[Request], Awaitable[Response]]
 class FastLaneMiddleware:
     """Hand POST requests for the given paths to their handlers, past FastAPI's router.
 
-    The prediction routes take only the raw request and build their own response, so the
-    router's matching, dependency solving and exception middleware add nothing but time
-    (about a tenth of a millisecond per request on a small CPU). HTTPExceptions become the
-    same ``{"detail": ...}`` answers FastAPI gives; anything else propagates to the server
-    error middleware (a 500). The FastAPI routes stay registered: they document the
-    endpoints in /openapi.json and answer any other method.
+    The prediction routes take the raw request and build their own response, so the router
+    would add only time (a tenth of a millisecond per request on a small CPU). The FastAPI
+    routes stay registered: they document the endpoints and answer any other method.
     """
 
     def __init__(self, app: ASGIApp, handlers: Mapping[str, Handler]) -> None:

@@ -22,8 +22,8 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
-from burstcv_serving.registry import ModelRef
-from burstcv_spec.contracts import ArtifactError, ModelCard, read_artifact
+from burstcv_serving.registry import ModelRef, read_or_raise
+from burstcv_spec.contracts import ModelCard
 from burstcv_spec.layout import MODEL_CARD
 from burstcv_spec.preprocess import PreprocessSpec, normalize
 from burstcv_spec.storage import join, read_bytes
@@ -39,15 +39,6 @@ ORT_ERRORS: tuple[type[BaseException], ...] = tuple(
 
 class ModelLoadError(RuntimeError):
     """Raise when a model version cannot serve; the message says what is wrong with it."""
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """Hold one class of a top-k answer."""
-
-    label: str
-    index: int
-    score: float
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,12 +74,11 @@ class LoadedModel:
         scores = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
         return softmax(scores) if self.outputs_logits else scores
 
-    def top_k(self, probabilities: np.ndarray, k: int) -> list[Prediction]:
-        """Return the k most probable classes of one row, best first."""
-        k = min(k, len(self.classes))
-        best = np.argsort(-probabilities, kind="stable")[:k]
+    def top_k(self, probabilities: np.ndarray, k: int) -> list[dict[str, Any]]:
+        """Return the k most probable classes of one row, best first, as the API answers them."""
+        best = np.argsort(-probabilities, kind="stable")[: min(k, len(self.classes))]
         return [
-            Prediction(label=self.classes[i], index=int(i), score=float(probabilities[i]))
+            {"label": self.classes[i], "index": int(i), "score": float(probabilities[i])}
             for i in best
         ]
 
@@ -110,66 +100,36 @@ def load_model(
 ) -> LoadedModel:
     """Read, verify, open and warm one model version; raise ModelLoadError saying why not."""
     meta_uri = join(ref.location, MODEL_CARD)
-    try:
-        card = read_artifact(meta_uri, ModelCard)
-    except FileNotFoundError as exc:
-        raise ModelLoadError(f"{meta_uri} does not exist") from exc
-    except ArtifactError as exc:  # names the file and the field
-        raise ModelLoadError(f"cannot read {exc}") from exc
-    except OSError as exc:
-        raise ModelLoadError(f"cannot read {meta_uri}: {exc}") from exc
-
-    onnx_file, meta_sha = card.onnx_file, card.sha256
-    spec = card.preprocess.to_spec()  # checked when model.json was read
+    card = read_or_raise(meta_uri, ModelCard, ModelLoadError)
     if isinstance(ref.version, int) and card.version not in (None, ref.version):
         raise ModelLoadError(
             f"{meta_uri} says version {card.version!r} but the alias points at {ref.version}"
         )
-
-    onnx_uri = join(ref.location, onnx_file)
+    onnx_uri = join(ref.location, card.onnx_file)
     try:
         onnx_bytes = read_bytes(onnx_uri)
     except OSError as exc:
         raise ModelLoadError(f"cannot read {onnx_uri}: {exc}") from exc
     actual_sha = hashlib.sha256(onnx_bytes).hexdigest()
-    if actual_sha != meta_sha:
-        raise ModelLoadError(
-            f"sha256 mismatch for {onnx_uri}: file is {actual_sha[:12]}…, "
-            f"model.json says {meta_sha[:12]}…"
-        )
-    if ref.expected_sha256 and actual_sha != ref.expected_sha256:
-        raise ModelLoadError(
-            f"sha256 mismatch for {onnx_uri}: file is {actual_sha[:12]}…, "
-            f"the alias says {ref.expected_sha256[:12]}…"
-        )
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = intra_op_threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-    try:
-        # From the verified bytes, so the file cannot change between hashing and loading.
-        session = ort.InferenceSession(
-            onnx_bytes, sess_options=options, providers=["CPUExecutionProvider"]
-        )
-    except ORT_ERRORS as exc:
-        raise ModelLoadError(f"onnxruntime cannot load {onnx_uri}: {exc}") from exc
-
+    for expected, says in ((card.sha256, "model.json"), (ref.expected_sha256, "the alias")):
+        if expected and actual_sha != expected:
+            raise ModelLoadError(
+                f"sha256 mismatch for {onnx_uri}: file is {actual_sha[:12]}…, "
+                f"{says} says {expected[:12]}…"
+            )
+    session = _open_session(onnx_bytes, onnx_uri, intra_op_threads, spinning)
     input_name, output_name = card.input.name, card.output.name
     if input_name not in {i.name for i in session.get_inputs()}:
         raise ModelLoadError(f"{onnx_uri} has no input named {input_name!r}")
     if output_name not in {o.name for o in session.get_outputs()}:
         raise ModelLoadError(f"{onnx_uri} has no output named {output_name!r}")
-
     model = LoadedModel(
         name=card.name,
         version=ref.version,
         sha256=actual_sha,
         classes=tuple(card.classes),
         metrics=MappingProxyType(dict(card.metrics)),
-        spec=spec,
+        spec=card.preprocess.to_spec(),  # checked when model.json was read
         session=session,
         input_name=input_name,
         output_name=output_name,
@@ -180,11 +140,27 @@ def load_model(
     return replace(model, single_latency_s=_warm(model, onnx_uri))
 
 
-def _warm(model: LoadedModel, onnx_uri: str) -> float:
-    """Run a batch of one and a full batch, check one score per class; time a single image.
+def _open_session(
+    onnx_bytes: bytes, onnx_uri: str, intra_op_threads: int, spinning: bool
+) -> ort.InferenceSession:
+    """Open a CPU session on the verified bytes, so the file cannot change after hashing."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    try:
+        return ort.InferenceSession(
+            onnx_bytes, sess_options=options, providers=["CPUExecutionProvider"]
+        )
+    except ORT_ERRORS as exc:
+        raise ModelLoadError(f"onnxruntime cannot load {onnx_uri}: {exc}") from exc
 
-    Returns the median seconds of a few single-image runs after the warm-up ones.
-    """
+
+def _warm(model: LoadedModel, onnx_uri: str) -> float:
+    """Run a batch of one and a full batch, check one score per class; return the median
+    seconds of a few single-image runs after them."""
     spec = model.spec
     for n in sorted({1, model.max_batch_size}):
         dummy = np.zeros((n, spec.height, spec.width, 3), dtype=np.uint8)

@@ -1,9 +1,8 @@
 """Parse a multipart/form-data body that is already in memory (RFC 7578), strictly and fast.
 
-The prediction endpoints read the whole body anyway (it is capped by the body limit), so a
-single pass over bytes with ``bytes.find`` replaces the streaming parser, its temporary files
-and FastAPI's form machinery: about a tenth of a millisecond per request on a small CPU.
-Anything malformed raises MultipartError with a reason a client can act on (a 422).
+The prediction endpoints read the whole (capped) body anyway, so one pass with ``bytes.find``
+replaces the streaming parser, its temporary files and FastAPI's form machinery: about a
+tenth of a millisecond per request on a small CPU.
 """
 
 from __future__ import annotations

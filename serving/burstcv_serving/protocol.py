@@ -1,34 +1,19 @@
 """Admit prediction requests in uvicorn's HTTP protocol, as soon as their headers are parsed.
 
-Under overload every refused client sends again at once, so a refusal must cost the event loop
-as little as possible, and so must a request that waits for a service slot
-(``burstcv_serving.admission``). ``AdmissionHttpProtocol`` hands each prediction request to
-the admission gate before uvicorn starts its ASGI task: an admitted one starts at once; a
-waiting one costs a small object in the gate's room, its body left to uvicorn's parser; a
-refused one is answered with the whole 503 in one write, and uvicorn's parser throws its body
-away as it arrives. Every other request goes to the app unchanged.
+Under overload every refused client sends again at once, so a refusal, and a wait for a
+service slot (``burstcv_serving.admission``), must cost the event loop as little as possible.
+``AdmissionHttpProtocol`` offers each prediction request to the admission gate before uvicorn
+starts its ASGI task: an admitted one starts at once; a waiting one costs a small object, its
+body left to uvicorn's parser; a refused one gets the whole 503 in one write, and the parser
+throws its body away. While requests wait, one that arrives whole in one read, between
+requests, in the plainest form (``simple_request``) waits as raw bytes: most are refused, and
+parsing each would cost more than the refusal. Each connection remembers its last 503, for
+early retries.
 
-While requests wait in the room (the service is overloaded), a request that arrives whole in
-one read, on a keep-alive connection between requests, in the plainest form (``POST`` of a
-prediction path, HTTP/1.1, one Content-Length, no Transfer-Encoding, Expect or Upgrade
-header, no Connection header but ``keep-alive``) waits as its raw bytes, not parsed at all:
-most such requests are refused (a write of cached bytes), and parsing each one would cost
-more than the refusal. One that gets a slot is then parsed as any other. Anything else goes
-through uvicorn's parser first.
-
-Each connection remembers when it was last answered 503: a request it sends before that
-answer's Retry-After has passed is an early retry, which the gate makes wait up to
-Retry-After rather than the target for a slot (see ``AdmissionGate.offer``).
-
-It extends uvicorn's httptools protocol at one private method, ``_start_asgi_task``, and
-reads its private state (the parser, the pipeline, the current cycle), so it is written for
-one uvicorn version (``WRITTEN_FOR_UVICORN``, the one serving/requirements.txt pins).
-``protocol_for`` is the one door: it hands uvicorn this protocol only when the installed
-uvicorn is that version and its ``_start_asgi_task`` has the expected signature, and the
-setting ``fast_protocol`` is on; otherwise uvicorn's own httptools protocol runs and the ASGI
-middleware (``burstcv_serving.middleware.AdmissionMiddleware``) admits the same requests
-through the same gate, after uvicorn has started their task. tests/serving run the
-shedding tests both ways, as real processes.
+It overrides uvicorn's private ``_start_asgi_task`` and reads private state, so it is written
+for one uvicorn version (``WRITTEN_FOR_UVICORN``); ``protocol_for`` is the one door, falling
+back to uvicorn's own protocol and ``middleware.AdmissionMiddleware`` (the same gate).
+tests/serving run the shedding tests both ways, as real processes.
 """
 
 from __future__ import annotations
@@ -39,6 +24,7 @@ import inspect
 import logging
 import re
 import time
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Literal
 
@@ -68,30 +54,27 @@ log = logging.getLogger(__name__)
 _STATUS_LINE = b"HTTP/1.1 503 " + HTTPStatus.SERVICE_UNAVAILABLE.phrase.encode() + b"\r\n"
 
 
+@dataclass(slots=True, eq=False)
 class _WaitingCycle:
     """A request whose headers are parsed, waiting in the admission gate for a slot."""
 
-    __slots__ = ("app", "arrived", "cycle", "protocol", "service")
-
-    def __init__(
-        self,
-        protocol: AdmissionHttpProtocol,
-        cycle: RequestResponseCycle,
-        app: Any,
-        service: ServiceState,
-        arrived: float,
-    ) -> None:
-        self.protocol = protocol
-        self.cycle = cycle
-        self.app = app
-        self.service = service
-        self.arrived = arrived
+    protocol: AdmissionHttpProtocol
+    cycle: RequestResponseCycle
+    app: Any
+    service: ServiceState
+    arrived: float
 
     def alive(self) -> bool:
         return not self.cycle.disconnected and not self.protocol.transport.is_closing()
 
     def admit(self, admitted_at: float) -> None:
-        self.protocol.admit(self.cycle, self.app, self.service, self.arrived, admitted_at)
+        """Start the request's task; its slot is freed when it ends."""
+        state = self.cycle.scope["state"]
+        state[ADMITTED] = True
+        state[ADMISSION_WAIT] = admitted_at - self.arrived
+        task = self.protocol.start_task(self.cycle, self.app)
+        gate = self.service.gate
+        task.add_done_callback(lambda _: gate.release(admitted_at, state.get(BODY_READ_AT)))
 
     def refuse(self, refused: Refusal) -> None:
         self.protocol.refuse(self.cycle, refused)
@@ -105,10 +88,10 @@ _FRAMING = re.compile(rb"\r\n(content-length|connection|transfer-encoding|expect
 
 
 def simple_request(data: bytes) -> str | None:
-    """Return the path of a prediction request that ``data`` holds exactly, or None.
+    """Return the path of the one whole prediction request ``data`` holds, or None.
 
-    Exactly: one whole request and nothing more, in the plainest form (see the module
-    docstring), so that its framing and its answer need nothing from a parser.
+    Only the plainest form, whose framing and answer need nothing from a parser: HTTP/1.1, one
+    Content-Length, no Transfer-Encoding, Expect, Upgrade, or Connection but ``keep-alive``.
     """
     line_end = data.find(b"\r\n")
     path = _SIMPLE_REQUEST_LINES.get(data[: line_end + 2]) if line_end > 0 else None
@@ -129,18 +112,14 @@ def simple_request(data: bytes) -> str | None:
     return path
 
 
+@dataclass(slots=True, eq=False)
 class _WaitingBytes:
     """A simple request (``simple_request``) waiting in the admission gate, not parsed yet."""
 
-    __slots__ = ("arrived", "length", "path", "protocol")
-
-    def __init__(
-        self, protocol: AdmissionHttpProtocol, path: str, length: int, arrived: float
-    ) -> None:
-        self.protocol = protocol
-        self.path = path
-        self.length = length
-        self.arrived = arrived
+    protocol: AdmissionHttpProtocol
+    path: str
+    length: int
+    arrived: float
 
     def alive(self) -> bool:
         return not self.protocol.transport.is_closing()
@@ -176,20 +155,11 @@ class _Refusals:
         written = self._written.get(key)
         if written is None:
             body = refused.body()
-            head = [_STATUS_LINE]
-            for name, value in default_headers:
-                head += [name, b": ", value, b"\r\n"]
-            head += [
-                b"content-type: application/json\r\ncontent-length: ",
-                str(len(body)).encode(),
-                b"\r\nretry-after: ",
-                str(RETRY_AFTER_S).encode(),
-                b"\r\n",
-                b"connection: close\r\n" if close else b"",
-                b"\r\n",
-                body,
-            ]
-            written = self._written[key] = b"".join(head)
+            head = b"".join(b"%s: %s\r\n" % header for header in default_headers)
+            head += b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
+            head += b"retry-after: %d\r\n" % RETRY_AFTER_S
+            head += b"connection: close\r\n" if close else b""
+            written = self._written[key] = _STATUS_LINE + head + b"\r\n" + body
         return written
 
 
@@ -266,29 +236,14 @@ class AdmissionHttpProtocol(HttpToolsProtocol):
                 self.timeout_keep_alive, self.timeout_keep_alive_handler
             )
 
-    def admit(
-        self,
-        cycle: RequestResponseCycle,
-        app: Any,
-        service: ServiceState,
-        arrived: float,
-        admitted_at: float,
-    ) -> None:
-        """Start the task of a request that got its slot; the slot is freed when it ends."""
-        state = cycle.scope["state"]
-        state[ADMITTED] = True
-        state[ADMISSION_WAIT] = admitted_at - arrived
-        task = self.start_task(cycle, app)
-        gate = service.gate
-        task.add_done_callback(lambda _: gate.release(admitted_at, state.get(BODY_READ_AT)))
-
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         scope = cycle.scope
         if self.admitted is not None:  # an unparsed request that got its slot while waiting
             arrived, admitted_at = self.admitted
             self.admitted = None
             scope["state"]["received_at"] = arrived
-            self.admit(cycle, app, self.app_of_service.state.service, arrived, admitted_at)
+            waiting = _WaitingCycle(self, cycle, app, self.app_of_service.state.service, arrived)
+            waiting.admit(admitted_at)
             return
         now = time.perf_counter()
         scope["state"]["received_at"] = now
@@ -352,12 +307,8 @@ def fast_path_mismatch() -> str | None:
 
 
 def protocol_for(app: FastAPI) -> type[AdmissionHttpProtocol] | Literal["httptools"]:
-    """Return the HTTP protocol to serve ``app`` with (pass it to uvicorn as ``http``).
-
-    The protocol that sheds for ``app`` when the setting ``fast_protocol`` is on and the
-    installed uvicorn is the one it was written for (``fast_path_mismatch``); otherwise
-    uvicorn's own httptools protocol, the ASGI middleware admitting requests.
-    """
+    """Return the HTTP protocol to serve ``app`` with (pass it to uvicorn as ``http``): the one
+    that sheds, if ``fast_protocol`` is on and uvicorn is the written-for one; else uvicorn's."""
     if not app.state.settings.fast_protocol:
         log.info("fast HTTP protocol off (setting): uvicorn's httptools protocol admits in ASGI")
         return "httptools"

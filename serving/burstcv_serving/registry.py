@@ -1,21 +1,17 @@
 """Find which model version should serve and read its files, from a registry or one directory.
 
-Layout (``burstcv_spec.layout.RegistryLayout``, docs/contracts.md)::
-
-    <registry>/<name>/aliases/<alias>.json     AliasRecord: {"version": n, "sha256": "<hex>", ...}
-    <registry>/<name>/versions/<n>/model.json  ModelCard (+ the onnx file it names)
-
-A registry is a local folder or ``s3://bucket/prefix``, read through ``burstcv_spec.storage``
-(S3 needs boto3, which is imported only when an s3:// URI is met).
+The registry (``burstcv_spec.layout.RegistryLayout``, docs/contracts.md) is a local folder or
+``s3://bucket/prefix``, read through ``burstcv_spec.storage``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from burstcv_spec.contracts import (
     AliasRecord,
+    Artifact,
     ArtifactError,
     ModelCard,
     RegistryEntry,
@@ -24,9 +20,25 @@ from burstcv_spec.contracts import (
 from burstcv_spec.layout import MODEL_CARD, RegistryLayout
 from burstcv_spec.storage import join
 
+ArtifactT = TypeVar("ArtifactT", bound=Artifact)
+
 
 class SourceError(RuntimeError):
     """Raise when the registry cannot say which version should serve (alias unreadable)."""
+
+
+def read_or_raise(
+    uri: str, schema: type[ArtifactT], error: type[Exception], what: str = ""
+) -> ArtifactT:
+    """Read a JSON artifact; raise ``error`` naming ``what`` file (and field) is unreadable."""
+    try:
+        return read_artifact(uri, schema)
+    except FileNotFoundError as exc:
+        raise error(f"{what}{uri} does not exist") from exc
+    except ArtifactError as exc:  # names the file and the field
+        raise error(f"cannot read {what}{exc}") from exc
+    except OSError as exc:
+        raise error(f"cannot read {what}{uri}: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -45,69 +57,43 @@ class ModelSource(Protocol):
 
     def resolve(self) -> ModelRef:
         """Return the version that should serve, or raise SourceError."""
-        ...
 
     def ref_for(self, version: int, sha256: str | None) -> ModelRef:
         """Return where a given version's files are (to stage it), or raise SourceError."""
-        ...
 
     def recorded_slo_ms(self, ref: ModelRef) -> float | None:
         """Return the latency SLO the gate held this version to, ms, or None if unrecorded."""
-        ...
 
 
 class RegistrySource:
     """Resolve ``<registry>/<name>/aliases/<alias>.json`` to a version directory."""
 
     def __init__(self, registry_uri: str, name: str, alias: str) -> None:
-        self.registry_uri = registry_uri
-        self.name = name
-        self.alias = alias
         self.layout = RegistryLayout(registry_uri, name)
         self.alias_uri = self.layout.alias(alias)
         self.description = f"alias {alias!r} of model {name!r} in {registry_uri}"
 
     def resolve(self) -> ModelRef:
         """Read the alias file and return the version it points at."""
-        try:
-            alias = read_artifact(self.alias_uri, AliasRecord)
-        except FileNotFoundError as exc:
-            raise SourceError(f"alias file {self.alias_uri} does not exist") from exc
-        except ArtifactError as exc:  # names the file and the field
-            raise SourceError(f"cannot read alias file {exc}") from exc
-        except OSError as exc:
-            raise SourceError(f"cannot read alias file {self.alias_uri}: {exc}") from exc
+        alias = read_or_raise(self.alias_uri, AliasRecord, SourceError, "alias file ")
         return self.ref_for(alias.version, alias.sha256 or None)
 
     def ref_for(self, version: int, sha256: str | None) -> ModelRef:
         """Return the registry folder of ``version``, to be checked against ``sha256``."""
-        return ModelRef(
-            version=version,
-            expected_sha256=sha256,
-            location=self.layout.version(version),
-        )
+        return ModelRef(version, sha256, self.layout.version(version))
 
     def recorded_slo_ms(self, ref: ModelRef) -> float | None:
-        """Read the version's entry.json: the limit of the gate's latency_p95 check.
-
-        None when the entry has no gate (registered by hand) or cannot be read: the service
-        then keeps its configured target, and the model serves all the same.
-        """
+        """Read the limit of the gate's latency_p95 check from entry.json; None if there is none
+        or it is unreadable (the configured target stays: the model serves the same)."""
         if not isinstance(ref.version, int):
             return None
         try:
             entry = read_artifact(self.layout.entry(ref.version), RegistryEntry)
         except (ArtifactError, OSError):
             return None
-        return latency_limit(entry)
-
-
-def latency_limit(entry: RegistryEntry) -> float | None:
-    """Return the p95 limit the gate held a version to (its latency_p95 check), or None."""
-    if entry.gate is None:
-        return None
-    limits = [c.limit for c in entry.gate.checks if c.name == "latency_p95" and c.limit > 0]
-    return limits[0] if limits else None
+        checks = entry.gate.checks if entry.gate is not None else []
+        limits = [c.limit for c in checks if c.name == "latency_p95" and c.limit > 0]
+        return limits[0] if limits else None
 
 
 class DirectorySource:
@@ -119,15 +105,7 @@ class DirectorySource:
 
     def resolve(self) -> ModelRef:
         """Read model.json's version (or 'candidate') and sha256 from the directory."""
-        uri = join(self.model_dir, MODEL_CARD)
-        try:
-            card = read_artifact(uri, ModelCard)
-        except FileNotFoundError as exc:
-            raise SourceError(f"{uri} does not exist") from exc
-        except ArtifactError as exc:  # names the file and the field
-            raise SourceError(f"cannot read {exc}") from exc
-        except OSError as exc:
-            raise SourceError(f"cannot read {uri}: {exc}") from exc
+        card = read_or_raise(join(self.model_dir, MODEL_CARD), ModelCard, SourceError)
         return ModelRef(
             version="candidate" if card.version is None else card.version,
             expected_sha256=card.sha256,

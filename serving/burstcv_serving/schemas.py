@@ -55,6 +55,11 @@ class LoadErrorOut(BaseModel):
     reason: str
     at: datetime
 
+    def describe(self) -> str:
+        """Return one line for logs and API answers."""
+        what = "the alias" if self.version is None else f"version {self.version}"
+        return f"{what} failed to load: {self.reason}"
+
 
 class ModelInfo(BaseModel):
     """Describe the model serving now and the last version that failed to replace it."""

@@ -1,7 +1,6 @@
 """Read the prediction service's configuration from the environment (prefix BURSTCV_SERVING_).
 
-Every figure carries its unit in its name. The defaults suit a developer's machine: the
-registry under ``var/registry`` of the working directory, the service on 127.0.0.1:8000.
+Every figure carries its unit in its name; the defaults suit a developer's machine.
 """
 
 from __future__ import annotations
@@ -25,11 +24,8 @@ DEFAULT_QUEUE_DELAY_TARGET_MS = 100.0
 
 
 def _host_cores() -> int:
-    """Return the cores this process may run on: its CPU affinity, capped by a cgroup quota.
-
-    A container limited with ``--cpus=2`` (ECS's cpu units, a Kubernetes limit) sees every
-    host CPU in its affinity; its CFS quota says how many it may keep busy.
-    """
+    """Return the cores this process may run on: its CPU affinity, capped by a cgroup quota
+    (a container limited with ``--cpus=2`` sees every host CPU in its affinity)."""
     try:
         cores = max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
@@ -81,38 +77,29 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(default=32, ge=1)  # images per session.run
     max_batch_wait_ms: float = Field(default=1.0, ge=0.0)  # extra wait, only when already busy
     # A lone image runs on the event loop (no thread hand-off) when the model's single-image
-    # latency, measured at warm-up, is at most this; 0 sends every request through the thread.
-    # While it runs, new requests wait to be read; they would wait for the one inference
-    # thread anyway, so only their parsing is delayed (and /healthz by as long).
+    # latency, measured at warm-up, is at most this; 0: always through the inference thread.
     inline_max_ms: float = Field(default=10.0, ge=0.0)
     max_queue: int = Field(default=256, ge=1)  # images waiting for inference; beyond → 503
-    # Admission control (burstcv_serving.admission): a prediction request is served only when
-    # it can start inference within this many ms of its arrival; it waits for a service slot
-    # meanwhile, its body unread, and is answered 503 + Retry-After once it has waited this
-    # long. An admitted request whose batch still cannot start by then is answered 503 too,
-    # rather than late. Unset: the latency SLO the gate held the serving version to (its
-    # registry entry), so a model judged against 2 s is not shed at 100 ms; with none
-    # recorded, DEFAULT_QUEUE_DELAY_TARGET_MS. A number fixes it whatever the model.
+    # A prediction request whose batch cannot start within this many ms of its arrival is
+    # answered 503 + Retry-After. Unset: the latency SLO the gate held the serving version to
+    # (a model judged against 2 s is not shed at 100 ms), else DEFAULT_QUEUE_DELAY_TARGET_MS.
     queue_delay_target_ms: float | None = Field(default=None, gt=0.0)
-    # Prediction requests in service at once (body read, decoded, batched, answered); the
-    # others wait for a slot. 0: follow the measured answer rate times a quarter of the
-    # target, between two full batches and max_queue; a number fixes it.
+    # Prediction requests in service at once; the others wait for a slot. 0: follow the
+    # measured answer rate (see burstcv_serving.admission); a number fixes it.
     service_slots: int = Field(default=0, ge=0)
     # Requests that may wait for a service slot at once; beyond → 503 at once. Each holds
     # at most uvicorn's read buffer (64 KiB) of its body while it waits.
     max_waiting: int = Field(default=2048, ge=0)
     max_batch_files: int = Field(default=64, ge=1)  # files in one /v1/predict/batch request
-    # Admit prediction requests in the service's own HTTP protocol (burstcv_serving.protocol,
-    # built on uvicorn's private API), when the installed uvicorn is the one it was written
-    # for; false: always uvicorn's public httptools protocol, admitting in ASGI middleware.
+    # Admit in the service's own HTTP protocol (burstcv_serving.protocol) when the installed
+    # uvicorn is the one it was written for; false: always admit in ASGI middleware.
     fast_protocol: bool = True
 
     # Input limits.
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)  # whole request body
     max_pixels: int = Field(default=4096 * 4096, ge=1)  # width × height declared by the image
     # A refused request's body up to this size is read and thrown away, so that a client that
-    # sends its whole body before reading (Python's urllib) reads the 413/503 instead of a
-    # connection reset; a larger body is cut off by closing the connection.
+    # sends its whole body before reading (urllib) reads the 413/503, not a connection reset.
     max_discard_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
 
     # onnxruntime.

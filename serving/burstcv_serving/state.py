@@ -1,9 +1,8 @@
 """Hold the objects one running service shares between requests, and their typed dependencies.
 
 The dependencies are ``async def`` although they never await: FastAPI runs a plain ``def``
-dependency in the thread pool, and a thread hop per dependency costs more than the request.
-The prediction routes call ``current_service``/``current_model`` directly instead: resolving
-dependencies costs more per request than everything else in FastAPI's routing.
+one in the thread pool. The prediction routes await them directly: resolving dependencies
+costs more than everything else in FastAPI's routing.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ async def get_metrics(request: Request) -> ServiceMetrics:
     return metrics
 
 
-def current_service(request: Request) -> ServiceState:
+async def get_service(request: Request) -> ServiceState:
     """Return what the lifespan built; 503 if the service has not started."""
     service: ServiceState | None = getattr(request.app.state, "service", None)
     if service is None:
@@ -52,7 +51,7 @@ def current_service(request: Request) -> ServiceState:
     return service
 
 
-def current_model(service: ServiceState) -> LoadedModel:
+async def require_model(service: Annotated[ServiceState, Depends(get_service)]) -> LoadedModel:
     """Return the model serving now; 503 with the reason when there is none."""
     model = service.manager.current
     if model is None:
@@ -62,16 +61,6 @@ def current_model(service: ServiceState) -> LoadedModel:
             503, detail=f"no model is loaded{reason}; retry later", headers={"Retry-After": "1"}
         )
     return model
-
-
-async def get_service(request: Request) -> ServiceState:
-    """Return what the lifespan built; 503 if the service has not started."""
-    return current_service(request)
-
-
-async def require_model(service: Annotated[ServiceState, Depends(get_service)]) -> LoadedModel:
-    """Return the model serving now; 503 with the reason when there is none."""
-    return current_model(service)
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]

@@ -1,8 +1,7 @@
 """The prediction service's rule for its admin token, shared with the stack check.
 
-The service refuses to start with a token this rule rejects; ``burstcv check-stack`` applies the
-same rule before a compose stack starts, so a weak token stops the stack at init, named, instead
-of a service that restarts in a loop.
+``burstcv check-stack`` applies it before a compose stack starts, so a weak token stops the
+stack at init, named, instead of a service that restarts in a loop.
 """
 
 from __future__ import annotations
@@ -16,14 +15,10 @@ MIN_EXPOSED_ADMIN_TOKEN_CHARS = 16
 
 
 def admin_token_problem(token: str, host: str, environment: str) -> str | None:
-    """Return why the service refuses ``token`` when listening on ``host``, or None.
-
-    ``environment`` is the service's BURSTCV_SERVING_ENVIRONMENT.
-    """
+    """Return why the service refuses ``token`` on ``host`` in ``environment``, or None."""
     if not token:
         return "BURSTCV_SERVING_ADMIN_TOKEN must not be empty"
-    # Off loopback, whatever the environment says: listening beyond this machine is what
-    # exposes the admin door.
+    # Off loopback whatever the environment: listening beyond this machine exposes the door.
     if not is_loopback(host) and (
         token == PLACEHOLDER_ADMIN_TOKEN or len(token) < MIN_EXPOSED_ADMIN_TOKEN_CHARS
     ):

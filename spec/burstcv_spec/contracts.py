@@ -1,14 +1,9 @@
 """Define, once, every value that crosses a stage boundary: stage results and JSON artifacts.
 
-Stage results travel through XCom as ``model_dump(mode="json")`` and are rebuilt with
-``Model.model_validate`` by the next task (or handed on as they are by the CLI). Artifacts are
-the JSON files the pipeline writes to the artifact store and the registry; each carries a
-``schema_version`` and is validated once where it is read (``read_artifact``). A file
-without ``schema_version`` predates it and is read as version 1; a newer version than this
-code knows is refused (``SchemaVersionError``) rather than half understood.
-
-Torch-free and Airflow-free: the prediction service and the training box import it too.
-docs/contracts.md is generated from these models (``burstcv_spec.contracts_doc``).
+Stage results travel through XCom as ``model_dump(mode="json")``; artifacts are JSON files,
+validated once where they are read (``read_artifact``); a newer ``schema_version`` than this
+code knows is refused rather than half understood. Torch-free and Airflow-free (the service
+and the training box import it); docs/contracts.md is generated from these models.
 """
 
 from __future__ import annotations
@@ -38,6 +33,11 @@ if TYPE_CHECKING:  # imported when used: readers of other contracts need no nump
 SCHEMA_VERSION = 1  # of every artifact below; raise it when a reader must change
 
 
+def _optional(description: str, **constraints: Any) -> Any:
+    """Return a field that defaults to None (left out of the JSON under ``omit_nones``)."""
+    return Field(default=None, description=description, **constraints)
+
+
 class ArtifactError(ValueError):
     """Raise when an artifact file is missing its fields or holds bad values (names both)."""
 
@@ -49,16 +49,24 @@ class SchemaVersionError(ArtifactError):
 class Contract(BaseModel):
     """Hold what every contract shares: immutable, unknown keys refused.
 
-    Fields named in ``omit_when_none`` are left out of the JSON when they are None, as the
-    files have always done (a run's model.json has no registry ``version``, say).
+    ``omit_when_none`` fields are left out of the JSON when None, as the files always did.
     """
 
-    # A loss that blew up stays NaN or Infinity in the file (as json.dumps writes them), so it
-    # reads back as the number it was rather than failing as null.
+    # NaN and Infinity (a loss that blew up) are written as json.dumps does, and read back.
     model_config = ConfigDict(
         frozen=True, extra="forbid", populate_by_name=True, ser_json_inf_nan="constants"
     )
     omit_when_none: ClassVar[frozenset[str]] = frozenset()
+    omit_nones: ClassVar[bool] = False  # True: omit_when_none is every field whose default is None
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        if cls.omit_nones:
+            fields = cls.model_fields.items()
+            cls.omit_when_none = frozenset(
+                name for name, f in fields if f.default is None and not f.is_required()
+            )
 
     @model_serializer(mode="wrap")
     def _omit_nones(
@@ -79,10 +87,8 @@ class Artifact(Contract):
 
     schema_version: int = Field(
         default=SCHEMA_VERSION,
-        description=(
-            f"version of this file's schema (current {SCHEMA_VERSION}; a file without it is "
-            "version 1; a newer one is refused)"
-        ),
+        description=f"version of this file's schema (current {SCHEMA_VERSION}; a file without "
+        "it is version 1; a newer one is refused)",
     )
 
     @field_validator("schema_version")
@@ -114,7 +120,7 @@ class RunRef(Contract):
 class PreprocessBlock(Contract):
     """Describe the eval transform as model.json and job.json carry it (PreprocessSpec)."""
 
-    omit_when_none = frozenset({"resize_short"})
+    omit_nones = True
 
     height: int = Field(gt=0, description="input height in pixels")
     width: int = Field(gt=0, description="input width in pixels")
@@ -125,10 +131,8 @@ class PreprocessBlock(Contract):
     layout: str = Field(description="tensor layout (NCHW)")
     scale: float = Field(description="multiplier from uint8 to 0..1 before normalising")
     formats: list[str] = Field(description="image formats accepted (Pillow names)")
-    resize_short: int | None = Field(
-        default=None,
-        description="short side (px) resized to before the centre crop (photos); "
-        "absent: resized straight to height x width",
+    resize_short: int | None = _optional(
+        "short side (px) before the centre crop (photos); absent: straight to height x width"
     )
 
     @model_validator(mode="after")
@@ -161,16 +165,12 @@ class HostInfo(Contract):
 class HostLoad(Contract):
     """Say how busy the host was while a measurement ran, beside the figures it produced.
 
-    ``others_share`` is the CPU time processes other than the measurement's took on the CPUs
-    it ran on (``/proc/stat``), as a share of those CPUs' time over the window. A
-    measurement is *busy* when that share, the calibration kernel's slowdown against its
-    quiet figure on this host, or the time the measurement's own cgroup was throttled
-    passes its limit: its figures then measure the neighbours, not the model.
+    It is *busy* when other processes' share of its CPUs (``/proc/stat``), the calibration
+    kernel's slowdown or its cgroup's throttling passes its limit: its figures then measure
+    the neighbours, not the model.
     """
 
-    omit_when_none = frozenset(
-        {"psi_some_share", "throttled_s", "calibration_ms", "calibration_quiet_ms", "reason"}
-    )
+    omit_nones = True
 
     cpus: list[int] = Field(description="the CPUs watched (those the measurement could run on)")
     wall_s: float = Field(ge=0, description="seconds the window lasted")
@@ -178,32 +178,26 @@ class HostLoad(Contract):
         ge=0, description="share of the watched CPUs' time that other processes took"
     )
     own_cpu_s: float = Field(ge=0, description="CPU seconds the measurement's processes took")
-    psi_some_share: float | None = Field(
-        default=None,
-        description="share of the window some task waited for a CPU (/proc/pressure/cpu, "
-        "the measurement's own tasks included); null where the kernel has no PSI",
+    psi_some_share: float | None = _optional(
+        "share of the window some task waited for a CPU (/proc/pressure/cpu, "
+        "the measurement's own tasks included); null where the kernel has no PSI"
     )
-    throttled_s: float | None = Field(
-        default=None,
-        description="seconds the measurement's cgroup was throttled by its CPU quota "
-        "(cpu.stat); null outside a cgroup v2 with a quota",
+    throttled_s: float | None = _optional(
+        "seconds the measurement's cgroup was throttled by its CPU quota "
+        "(cpu.stat); null outside a cgroup v2 with a quota"
     )
-    calibration_ms: float | None = Field(
-        default=None,
-        description="the fixed calibration kernel's time, the slower of before and after, ms",
+    calibration_ms: float | None = _optional(
+        "the fixed calibration kernel's time, the slower of before and after, ms"
     )
-    calibration_quiet_ms: float | None = Field(
-        default=None, description="the kernel's fastest time recorded on this host, ms"
-    )
+    calibration_quiet_ms: float | None = _optional("the kernel's fastest time on this host, ms")
     busy: bool = Field(description="the host was too busy for the figures to be trusted")
-    reason: str | None = Field(default=None, description="why it was busy, with the figures")
+    reason: str | None = _optional("why it was busy, with the figures")
 
 
 class CalibrationRecord(Artifact):
     """`<BURSTCV_HOME>/bench/calibration.json`: the calibration kernel's quiet time per host.
 
-    The fastest time the benchmark host has run the kernel in a window nobody else used its
-    CPUs; a later run much slower than it was measured on a busy host (``HostLoad``).
+    A later run much slower than it was measured on a busy host (``HostLoad``).
     """
 
     quiet_ms: dict[str, float] = Field(
@@ -215,16 +209,7 @@ class CalibrationRecord(Artifact):
 class BenchFigures(Contract):
     """Say what one load run over HTTP measured, and the model's accuracy."""
 
-    omit_when_none = frozenset(
-        {
-            "latencies_ms",
-            "accuracy_note",
-            "version",
-            "bare_onnxruntime_p50_ms",
-            "host_load",
-            "offered_rps",
-        }
-    )
+    omit_nones = True
 
     label: str = Field(description="candidate or production")
     requests: int = Field(description="requests sent after the warm-up")
@@ -232,10 +217,9 @@ class BenchFigures(Contract):
         description="requests in flight at once: the clients of a closed-loop run, the most "
         "that were in flight during an open-loop one"
     )
-    offered_rps: float | None = Field(
-        default=None,
-        description="the rate an open-loop run sent its requests at (each latency counts from "
-        "when its request was due); absent for a closed-loop run",
+    offered_rps: float | None = _optional(
+        "the rate an open-loop run sent its requests at (each latency counts from "
+        "when its request was due); absent for a closed-loop run"
     )
     errors: int = Field(
         description="requests that failed: neither a 200 nor a 503 the service shed on purpose"
@@ -254,20 +238,14 @@ class BenchFigures(Contract):
     wall_s: float = Field(description="seconds the load run took")
     status_counts: dict[str, int] = Field(description="responses by HTTP status")
     error_rate: float = Field(description="errors / requests")
-    latencies_ms: list[float] | None = Field(
-        default=None, description="every request's latency, ms (latency.json only)"
+    latencies_ms: list[float] | None = _optional("every request's latency, ms (latency.json only)")
+    accuracy: float | None = Field(description="validation top-1; null when not comparable")
+    accuracy_note: str | None = _optional("why accuracy is null")
+    version: int | None = _optional("registry version (production only)")
+    bare_onnxruntime_p50_ms: float | None = _optional(
+        "median of onnxruntime alone, no HTTP (candidate only)"
     )
-    accuracy: float | None = Field(
-        description="top-1 on the validation split; null when not comparable"
-    )
-    accuracy_note: str | None = Field(default=None, description="why accuracy is null")
-    version: int | None = Field(default=None, description="registry version (production only)")
-    bare_onnxruntime_p50_ms: float | None = Field(
-        default=None, description="median of onnxruntime alone, no HTTP (candidate only)"
-    )
-    host_load: HostLoad | None = Field(
-        default=None, description="how busy the host was while these figures were measured"
-    )
+    host_load: HostLoad | None = _optional("how busy the host was while the figures were measured")
 
     def summary(self) -> BenchFigures:
         """Return the figures without the raw samples (what XCom and the registry hold)."""
@@ -277,14 +255,14 @@ class BenchFigures(Contract):
 class LoadStep(Contract):
     """Say how the service answered one open-loop rate during a sizing search."""
 
-    omit_when_none = frozenset({"seconds"})
+    omit_nones = True
 
     rate_rps: float = Field(description="the rate the requests were sent at, req/s")
     p95_ms: float = Field(description="p95 latency at that rate, counted from when each was due")
     errors: int = Field(description="requests that did not get a 200")
     held: bool = Field(description="p95 within the SLO, no error, requests sent on time")
     requests: int = Field(default=0, ge=0, description="requests sent at that rate")
-    seconds: float | None = Field(default=None, gt=0, description="how long the rate was sent for")
+    seconds: float | None = _optional("how long the rate was sent for", gt=0)
     scouting: bool = Field(
         default=False,
         description="a short step that only brackets the limit before the measuring steps; "
@@ -295,52 +273,35 @@ class LoadStep(Contract):
 class SizePoint(Contract):
     """Say how fast the service answered at one CPU size under an open-loop load.
 
-    ``sustainable_rps`` is the highest request rate tried whose p95 stayed under the SLO with
-    no error; the latencies are those at that rate. Sizes beyond the measuring host's cores are
-    extrapolated from the measured scaling (``measured`` false, no latencies).
+    Sizes beyond the measuring host's cores are extrapolated from the measured scaling.
     """
 
-    omit_when_none = frozenset(
-        {
-            "p50_ms",
-            "p95_ms",
-            "p99_ms",
-            "cpu_s_per_request",
-            "rss_mb",
-            "send_lag_p95_ms",
-            "generator_rps",
-            "generator_processes",
-            "anomaly",
-        }
-    )
+    omit_nones = True
 
     vcpus: int = Field(ge=1, description="CPUs the service could use (affinity)")
     measured: bool = Field(description="measured here; false: extrapolated")
     sustainable_rps: float = Field(ge=0, description="highest rate meeting the SLO, req/s")
-    p50_ms: float | None = Field(default=None, description="median latency at that rate, ms")
-    p95_ms: float | None = Field(default=None, description="p95 latency at that rate, ms")
-    p99_ms: float | None = Field(default=None, description="p99 latency at that rate, ms")
-    cpu_s_per_request: float | None = Field(
-        default=None,
-        description="the service's CPU seconds per request: its CPU time over the whole "
-        "search, over every request the search sent",
+    p50_ms: float | None = _optional("median latency at that rate, ms")
+    p95_ms: float | None = _optional("p95 latency at that rate, ms")
+    p99_ms: float | None = _optional("p99 latency at that rate, ms")
+    cpu_s_per_request: float | None = _optional(
+        "the service's CPU seconds per request: its CPU time over the whole "
+        "search, over every request the search sent"
     )
-    rss_mb: float | None = Field(default=None, description="the service's resident memory, MB")
+    rss_mb: float | None = _optional("the service's resident memory, MB")
     steps: list[LoadStep] = Field(
         default_factory=list, description="every rate tried, in order (measured sizes only)"
     )
-    send_lag_p95_ms: float | None = Field(
-        default=None,
-        description="how late the load generator sent the requests at that rate, p95, ms",
+    send_lag_p95_ms: float | None = _optional(
+        "how late the load generator sent the requests at that rate, p95, ms"
     )
-    generator_rps: float | None = Field(
-        default=None,
-        description="the rate the load generator sent on time to a trivial endpoint on this "
+    generator_rps: float | None = _optional(
+        "the rate the load generator sent on time to a trivial endpoint on this "
         "size's CPUs (tried at 2x, then 1.25x, the size's rate), or, when neither held, the "
-        "rate it reached: its ceiling there, or at least that",
+        "rate it reached: its ceiling there, or at least that"
     )
-    generator_processes: int | None = Field(
-        default=None, description="load generator processes that sent the size's final search"
+    generator_processes: int | None = _optional(
+        "load generator processes that sent the size's final search"
     )
     generator_bound: bool = Field(
         default=False,
@@ -351,10 +312,9 @@ class SizePoint(Contract):
         default=False,
         description="the load generator ran on CPUs of the service's (the host had no spare)",
     )
-    anomaly: str | None = Field(
-        default=None,
-        description="why this size's figure is a measurement error (a rate below a smaller "
-        "size's); it is priced at the smaller size's rate",
+    anomaly: str | None = _optional(
+        "why this size's figure is a measurement error (a rate below a smaller "
+        "size's); it is priced at the smaller size's rate"
     )
 
 
@@ -376,70 +336,49 @@ class FleetOption(Contract):
         description="the fleet's on-demand price per hour (null: no price for the type)"
     )
     usd_per_month: float | None = Field(description="the fleet's price per month (730 hours)")
-    usd_per_million: float | None = Field(
-        description="dollars per 1M predictions at the target load"
-    )
-    measured_on: str | None = Field(
-        default=None,
-        description="the instance type whose own box measured this rate (a sizing box of "
-        "this type); null: the rate rests on the benchmark host's sizes",
+    usd_per_million: float | None = Field(description="USD per 1M predictions at the target load")
+    measured_on: str | None = _optional(
+        "the instance type whose own box measured this rate (a sizing box of "
+        "this type); null: the rate rests on the benchmark host's sizes"
     )
 
 
 class BoxSizing(Artifact):
-    """`runs/<run_key>/bench/sizing/boxes/<type>.json`: the sizes one instance type sustained,
-    measured on a sizing box of that type, or why the type was not measured.
+    """`runs/<run_key>/bench/sizing/boxes/<type>.json`: one instance type's sizes, or why none.
 
-    Written by the box itself when it measured; by the orchestrator when the type could not be
-    launched (quota, capacity) or its box ended without figures (``skipped`` says why).
+    Written by the box that measured them, or by the orchestrator when the type could not be
+    launched or its box ended without figures (``skipped``).
     """
 
-    omit_when_none = frozenset(
-        {
-            "instance_id",
-            "zone",
-            "host",
-            "measured_at",
-            "seconds",
-            "skipped",
-            "speed_key",
-            "measured_in",
-        }
-    )
+    omit_nones = True
 
     instance_type: str = Field(description="the EC2 type measured")
-    instance_id: str | None = Field(default=None, description="the box that measured it")
+    instance_id: str | None = _optional("the box that measured it")
     region: str = Field(description="the box's region")
-    zone: str | None = Field(default=None, description="its Availability Zone")
-    host: HostInfo | None = Field(default=None, description="the box's CPU, as it reported it")
+    zone: str | None = _optional("its Availability Zone")
+    host: HostInfo | None = _optional("the box's CPU, as it reported it")
     sizes: list[SizePoint] = Field(
         default_factory=list,
-        description="the sustainable rate per CPU size on the box, 1 .. its vCPUs "
-        "(empty when skipped)",
+        description="the sustainable rate per CPU size on the box, 1 .. its vCPUs (empty: skipped)",
     )
-    measured_at: str | None = Field(default=None, description="when (UTC, ISO 8601)")
-    seconds: float | None = Field(default=None, description="how long the sizing took on it")
-    skipped: str | None = Field(
-        default=None,
-        description="why the type has no figures (quota, capacity, a box that failed); "
-        "null: measured",
+    measured_at: str | None = _optional("when (UTC, ISO 8601)")
+    seconds: float | None = _optional("how long the sizing took on it")
+    skipped: str | None = _optional(
+        "why the type has no figures (quota, capacity, a box that failed); null: measured"
     )
-    speed_key: str | None = Field(
-        default=None,
-        description="digest of what sets the figures (architecture, input, preprocessing, "
-        "quantization, the type, SLO, step length, versions): equal keys measure alike",
+    speed_key: str | None = _optional(
+        "digest of what sets the figures (architecture, input, preprocessing, "
+        "quantization, the type, SLO, step length, versions): equal keys measure alike"
     )
-    measured_in: str | None = Field(
-        default=None,
-        description="the run whose box measured these figures: another run's when they "
-        "were reused (same speed_key)",
+    measured_in: str | None = _optional(
+        "the run whose box measured the figures: another run's when reused (same speed_key)"
     )
 
 
 class SizingReport(Artifact):
     """`burstcv size` output: the right-sized CPU fleet for a model at the expected load."""
 
-    omit_when_none = frozenset({"unpriced", "host_load", "speed_key", "measured_in"})
+    omit_nones = True
 
     latency_slo_ms: float = Field(
         validation_alias=AliasChoices("latency_slo_ms", "slo_p95_ms"),
@@ -457,22 +396,14 @@ class SizingReport(Artifact):
         default_factory=list, description="the instance families allowed (empty: every one)"
     )
     price_source: dict[str, str] = Field(description="where the prices come from, and when")
-    unpriced: str | None = Field(
-        default=None,
-        description="why the fleets carry no price, and what to set (null: priced)",
+    unpriced: str | None = _optional("why the fleets carry no price and what to set (null: priced)")
+    host_load: HostLoad | None = _optional("how busy the host was while the sizes were measured")
+    speed_key: str | None = _optional(
+        "digest of what sets the sizes (architecture, input, preprocessing, "
+        "quantization, host, SLO, sizing settings): equal keys measure alike"
     )
-    host_load: HostLoad | None = Field(
-        default=None, description="how busy the host was while the sizes were measured"
-    )
-    speed_key: str | None = Field(
-        default=None,
-        description="digest of what sets the sizes (architecture, input, preprocessing, "
-        "quantization, host, SLO, sizing settings): equal keys measure alike",
-    )
-    measured_in: str | None = Field(
-        default=None,
-        description="the run whose staging services measured the sizes: another run's when "
-        "they were reused (same speed_key)",
+    measured_in: str | None = _optional(
+        "the run whose staging services measured the sizes: another's when reused (same speed_key)"
     )
     boxes: list[BoxSizing] = Field(
         default_factory=list,
@@ -484,7 +415,7 @@ class SizingReport(Artifact):
 class GateCheck(Contract):
     """Say how one gate check went: the figure observed, the limit, and why it failed."""
 
-    omit_when_none = frozenset({"reason"})
+    omit_nones = True
 
     name: str = Field(
         description="latency_p95, error_rate, accuracy_floor, no_regression, "
@@ -493,7 +424,7 @@ class GateCheck(Contract):
     passed: bool = Field(description="the observed figure is within the limit")
     observed: float = Field(description="the candidate's figure")
     limit: float = Field(description="the limit it was held to")
-    reason: str | None = Field(default=None, description="one line, when the check failed")
+    reason: str | None = _optional("one line, when the check failed")
 
 
 SuggestionAction = Literal["int8", "smaller_model", "larger_instance", "gpu_serving"]
@@ -595,9 +526,7 @@ class Lineage(Contract):
     run_id: str = Field(description="the run that exported it")
     dataset_fingerprint: str = Field(description="sha256 over the validated dataset")
     source_commit: str = Field(description="git commit of the code, or 'unknown'")
-    dataset_uri: str = Field(
-        default="", description="the dataset it was trained on, as the run resolved it"
-    )
+    dataset_uri: str = Field(default="", description="its training dataset, as the run resolved it")
 
 
 class InstanceRecord(Contract):
@@ -607,24 +536,22 @@ class InstanceRecord(Contract):
     run_id: str = Field(description="the run key it is tagged with")
     dag_id: str = Field(description="the DAG it is tagged with")
     state: str = Field(description="state at the last look")
-    expires_at: str | None = Field(default=None, description="ISO 8601 expiry tag")
+    expires_at: str | None = _optional("ISO 8601 expiry tag")
     instance_type: str = Field(default="", description="EC2 instance type")
     lifecycle: str = Field(default="", description="spot, on-demand or local")
-    launched_at: str | None = Field(default=None, description="ISO 8601 launch time")
-    stopped_at: str | None = Field(default=None, description="ISO 8601 stop time")
+    launched_at: str | None = _optional("ISO 8601 launch time")
+    stopped_at: str | None = _optional("ISO 8601 stop time")
     airflow_run_id: str = Field(default="", description="the Airflow run id tag")
     image_id: str = Field(default="", description="the AMI it booted (ec2)")
     zone: str = Field(default="", description="its Availability Zone (ec2)")
-    usd_per_hour: float | None = Field(
-        default=None, description="the price it was billed at, USD per hour"
-    )
-    cost_usd: float | None = Field(default=None, description="what it cost, USD")
+    usd_per_hour: float | None = _optional("the price it was billed at, USD per hour")
+    cost_usd: float | None = _optional("what it cost, USD")
 
 
 class TrainingChoice(Contract):
     """Say how the run will train: each value the run's own or derived from the data, and why."""
 
-    omit_when_none = frozenset({"warning"})
+    omit_nones = True
 
     model: str = Field(description="architecture to train")
     pretrained: str = Field(description="'none', a torchvision weights name, or a state_dict URI")
@@ -644,9 +571,7 @@ class TrainingChoice(Contract):
     )
     derived: list[str] = Field(description="the values chosen from the data (auto), by name")
     reason: str = Field(description="one line: what was chosen and why")
-    warning: str | None = Field(
-        default=None, description="one line when an auto choice fell back (no pretrained weights)"
-    )
+    warning: str | None = _optional("a line when an auto choice fell back (no pretrained weights)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -679,37 +604,19 @@ class ExpectationResult(Contract):
 class DriftBlock(Contract):
     """Say how far the dataset moved from the last one of its name that passed."""
 
-    omit_when_none = frozenset(
-        {
-            "score",
-            "class_proportion_tvd",
-            "median_size_change",
-            "drift_warn",
-            "drift_max",
-            "baseline",
-            "current",
-        }
-    )
+    omit_nones = True
 
     status: Literal["no_baseline", "ok", "warning", "failed"] = Field(
         description="no_baseline, ok, warning (above drift_warn) or failed (above drift_max)"
     )
     message: str = Field(description="the movement in a line")
-    score: float | None = Field(default=None, description="the larger of the two movements")
-    class_proportion_tvd: float | None = Field(
-        default=None, description="total variation distance of the class proportions"
-    )
-    median_size_change: float | None = Field(
-        default=None, description="relative change of the median width or height"
-    )
-    drift_warn: float | None = Field(default=None, description="the warning threshold")
-    drift_max: float | None = Field(default=None, description="the failing threshold (null: none)")
-    baseline: dict[str, Any] | None = Field(
-        default=None, description="the baseline's fingerprint, date, proportions and sizes"
-    )
-    current: dict[str, Any] | None = Field(
-        default=None, description="this dataset's proportions and sizes"
-    )
+    score: float | None = _optional("the larger of the two movements")
+    class_proportion_tvd: float | None = _optional("total variation distance of class proportions")
+    median_size_change: float | None = _optional("relative change of the median width or height")
+    drift_warn: float | None = _optional("the warning threshold")
+    drift_max: float | None = _optional("the failing threshold (null: none)")
+    baseline: dict[str, Any] | None = _optional("its fingerprint, date, proportions and sizes")
+    current: dict[str, Any] | None = _optional("this dataset's proportions and sizes")
 
 
 class DatasetProfile(Artifact):
@@ -730,9 +637,7 @@ class ImageSizeChoice(Contract):
 
     px: int = Field(gt=0, description="height and width, px")
     reason: str = Field(description="the run's image_size, or what the data's sizes gave")
-    resize_short: int | None = Field(
-        default=None, description="photos: the short side resized to before the centre crop"
-    )
+    resize_short: int | None = _optional("photos: the short side resized to before the centre crop")
 
     def spec(self) -> PreprocessSpec:
         """Return the eval transform of this size (normalisation left at its defaults)."""
@@ -766,7 +671,7 @@ class ValidationRecord(Artifact):
 class EpochRecord(Contract):
     """Say how one epoch of training went (progress.json and metrics.json, one each)."""
 
-    omit_when_none = frozenset({"backbone_frozen", "gpu_max_memory_mb"})
+    omit_nones = True
 
     epoch: int = Field(ge=1, description="1-based epoch number")
     train_loss: float = Field(description="mean training loss over the epoch")
@@ -776,12 +681,8 @@ class EpochRecord(Contract):
     lr: float = Field(description="learning rate at the epoch's end")
     elapsed_s: float = Field(description="seconds since this attempt started training")
     attempt: int = Field(default=1, ge=1, description="the training attempt that ran it")
-    backbone_frozen: bool | None = Field(
-        default=None, description="pretrained: the backbone was frozen (head-only warm-up)"
-    )
-    gpu_max_memory_mb: float | None = Field(
-        default=None, description="peak GPU memory allocated, MiB (CUDA only)"
-    )
+    backbone_frozen: bool | None = _optional("pretrained: backbone frozen (head-only warm-up)")
+    gpu_max_memory_mb: float | None = _optional("peak GPU memory allocated, MiB (CUDA only)")
 
 
 class Recovery(Contract):
@@ -819,9 +720,7 @@ class OptimizerBlock(Contract):
         description="per_gpu: the run's batch size was each GPU's, and the step's batch and "
         "rate grew with the GPUs; global: it was all GPUs' together",
     )
-    batch_per_rank: int | None = Field(
-        default=None, description="images per optimizer step on each GPU (training process)"
-    )
+    batch_per_rank: int | None = _optional("images per optimizer step on each GPU (rank)")
     lr_world_factor: float = Field(
         default=1.0,
         description="the rate over the one-GPU rate the run chose: the GPUs (per_gpu: linear "
@@ -862,7 +761,7 @@ class TrainingProgress(Artifact):
 class TrainingMetrics(Artifact):
     """`runs/<run_key>/job/metrics.json`: what training made, on the best validation epoch."""
 
-    omit_when_none = frozenset({"lr_range_test", "pretrained_loaded"})
+    omit_nones = True
 
     val_accuracy: float = Field(description="validation top-1 of the model kept")
     val_loss: float = Field(description="its validation loss")
@@ -876,17 +775,15 @@ class TrainingMetrics(Artifact):
     seconds_saved: float = Field(description="estimated seconds an early stop saved")
     stop_reason: str = Field(description="why training stopped, in a line")
     recoveries: list[Recovery] = Field(description="each divergence recovered from")
-    lr_range_test: RangeTest | None = Field(
-        default=None, description="the range test, when the job asked for it"
-    )
+    lr_range_test: RangeTest | None = _optional("the range test, when the job asked for it")
     optimizer: OptimizerBlock = Field(description="how the weights were optimised")
     wall_s: WallSeconds = Field(description="where the time went")
     device: str = Field(description="cuda:<n> or cpu")
     device_name: str = Field(description="the GPU's name, or cpu")
     world_size: int = Field(description="processes (GPUs) that trained")
     pretrained: str = Field(description="'none', a torchvision weights name, or a state_dict URI")
-    pretrained_loaded: PretrainedLoad | None = Field(
-        default=None, description="what loading the weights did; absent from scratch"
+    pretrained_loaded: PretrainedLoad | None = _optional(
+        "what loading the weights did; absent from scratch"
     )
     amp_dtype: str = Field(description="autocast dtype, or float32")
     precision: str = Field(description="bf16, fp16 (with a gradient scaler) or fp32")
@@ -917,13 +814,11 @@ class DoneMarker(Artifact):
 class FailedMarker(Artifact):
     """`runs/<run_key>/job/attempts/<n>/FAILED`: where the attempt stopped and why.
 
-    Written by training (``write_failed``) or, when training could not, by the box's boot
-    script (with its exit code and instance id). In a run of several processes, each rank
-    also writes its own, `attempts/<n>/ranks/<rank>/FAILED`, with its rank, its box's place
-    and its traceback's last lines: the error is told apart from the peers it stopped.
+    Written by training or, when it could not, by the boot script; each rank of a run of
+    several also writes `ranks/<rank>/FAILED`, telling the error apart from the peers it stopped.
     """
 
-    omit_when_none = frozenset({"at", "exit_code", "instance_id", "rank", "node", "traceback"})
+    omit_nones = True
 
     stage: str = Field(
         description="bootstrap, preflight, train, budget, interrupted, or stalled (written by "
@@ -932,29 +827,25 @@ class FailedMarker(Artifact):
     reason: str = Field(description="one line: why")
     resumable: bool = Field(description="a relaunch resumes from the checkpoint")
     attempt: int = Field(ge=1, description="the attempt")
-    at: str | None = Field(default=None, description="ISO 8601 UTC (training's markers)")
-    exit_code: int | None = Field(default=None, description="the stage's exit code (boot script)")
-    instance_id: str | None = Field(default=None, description="the box (boot script)")
-    rank: int | None = Field(default=None, ge=0, description="the rank that wrote it (ranks/)")
-    node: int | None = Field(
-        default=None, ge=0, description="its box's place in the rendezvous (torchrun's GROUP_RANK)"
-    )
-    traceback: list[str] | None = Field(
-        default=None, description="the last lines of the rank's traceback (ranks/)"
-    )
+    at: str | None = _optional("ISO 8601 UTC (training's markers)")
+    exit_code: int | None = _optional("the stage's exit code (boot script)")
+    instance_id: str | None = _optional("the box (boot script)")
+    rank: int | None = _optional("the rank that wrote it (ranks/)", ge=0)
+    node: int | None = _optional("its box's place in the rendezvous (torchrun's GROUP_RANK)", ge=0)
+    traceback: list[str] | None = _optional("the last lines of the rank's traceback (ranks/)")
 
 
 class TrainingOutcome(Contract):
     """Say how a training attempt stands: what the trigger hands the train task."""
 
-    omit_when_none = frozenset({"stage"})
+    omit_nones = True
 
     status: Literal["done", "failed", "lost", "running"] = Field(
         description="done (DONE marker), failed (FAILED marker), lost (every box gone "
         "without a marker) or running"
     )
     attempt: int = Field(ge=1, description="the attempt")
-    stage: str | None = Field(default=None, description="failed: where it stopped")
+    stage: str | None = _optional("failed: where it stopped")
     reason: str = Field(default="", description="failed or lost: why, in a line")
     resumable: bool = Field(
         default=False, description="a relaunch may resume it (interrupted, or lost)"
@@ -974,11 +865,7 @@ class TrainingOutcome(Contract):
 
 
 class Validated(Contract):
-    """Say where validate put the evidence of a dataset that passed.
-
-    What validate derives from the data (the image size, the training recipe) is written
-    into the run's run.json (``RunRecord``), which every later task reads.
-    """
+    """Say where validate put the evidence of a dataset that passed."""
 
     fingerprint: str = Field(description="sha256 over the validated files")
     manifest_uri: str = Field(description="dataset/manifest.parquet: one row per file")
@@ -987,13 +874,9 @@ class Validated(Contract):
 
 
 class DataChunk(Contract):
-    """Name one mapped task's share of a dataset: listed files to scan, or shards to pack.
+    """Name one mapped task's share of a dataset: listed files to scan, or shards to pack."""
 
-    The DAG's plan_scan and plan_pack tasks return the list of their plan's chunks: Airflow
-    maps one scan or pack_shards task over each.
-    """
-
-    omit_when_none = frozenset({"listing_uri"})
+    omit_nones = True
 
     index: int = Field(ge=0, description="the chunk's number, from 0 (its map index)")
     start: int = Field(ge=0, description="first item: a row of the listing, or a shard number")
@@ -1001,12 +884,11 @@ class DataChunk(Contract):
     files: int = Field(ge=0, description="source image files in the chunk")
     bytes: int = Field(ge=0, description="their size on the store, bytes")
     part_uri: str = Field(description="where the chunk's task writes its part")
-    listing_uri: str | None = Field(
-        default=None,
-        description="the chunk's own rows, so that its task reads no more: a scan chunk's "
+    listing_uri: str | None = _optional(
+        "the chunk's own rows, so that its task reads no more: a scan chunk's "
         "rows of the listing (dataset/scan/listing/<index>.parquet), a pack chunk's images of "
         "its shards (dataset/shards/rows/rows-<index>.parquet); none (a plan from before "
-        "them): the task reads the whole listing or manifest",
+        "them): the task reads the whole listing or manifest"
     )
 
 
@@ -1021,9 +903,7 @@ class ScanPlan(Artifact):
         description="dataset/scan/refused.parquet: manifest rows of the files refused unread "
         "(wrong depth, symlinks out of the root)"
     )
-    ignored: list[dict[str, str]] = Field(
-        description="hidden and system files skipped: {path, note}"
-    )
+    ignored: list[dict[str, str]] = Field(description="hidden, system files skipped: {path, note}")
     files: int = Field(ge=0, description="files to inspect")
     bytes: int = Field(ge=0, description="their size, bytes")
     chunks: list[DataChunk] = Field(description="the scan's chunks, in listing order")
@@ -1060,10 +940,8 @@ class Packed(Contract):
 class BoxRate(Contract):
     """Say what one box costs an hour, part by part: the instance, its root volume, its IPv4.
 
-    EC2 bills the instance per second from ``running`` (at least 60 s a start), the EBS
-    volume per GB-month from its creation (launch) to its deletion (termination), and a
-    public IPv4 address per hour while it is attached. ``burstcv.cost.model`` prices a box,
-    a run and a budget from these parts alone.
+    EC2 bills the instance per second from ``running`` (60 s minimum), the volume from launch
+    to termination, the IPv4 while attached; ``burstcv.cost.model`` prices from these alone.
     """
 
     instance_type: str = Field(default="", description="EC2 instance type")
@@ -1099,10 +977,9 @@ class Launch(Contract):
     deadline_at: datetime = Field(description="the run's absolute deadline (every attempt)")
     wheel_uri: str = Field(description="the staged training wheel (ec2), else empty")
     wheel_sha256: str = Field(description="its sha256, else empty")
-    bound_rate: BoxRate | None = Field(
-        default=None,
-        description="the run's priciest box (RunCosts.box_rate): the rate a box is billed at "
-        "when its own price cannot be quoted",
+    bound_rate: BoxRate | None = _optional(
+        "the run's priciest box (RunCosts.box_rate): the rate a box is billed at "
+        "when its own price cannot be quoted"
     )
 
 
@@ -1139,30 +1016,26 @@ class Trained(Contract):
 class Exported(Contract):
     """Say where export wrote the ONNX model and how it compares with torch."""
 
-    omit_when_none = frozenset({"quantization"})
+    omit_nones = True
 
     model_dir: str = Field(description="`runs/<run_key>/model/`")
     sha256: str = Field(description="sha256 of the file that serves")
     parity_max_abs_diff: float = Field(description="largest ONNX vs torch logit difference")
     onnx_file: str = Field(description="the file that serves, beside model.json")
-    quantization: QuantizationBlock | None = Field(
-        default=None, description="present when INT8 tried"
-    )
+    quantization: QuantizationBlock | None = _optional("present when INT8 tried")
 
 
 class Benchmarked(Contract):
     """Say what the benchmark measured for the candidate and production (no raw samples)."""
 
-    omit_when_none = frozenset({"production", "sizing"})
+    omit_nones = True
 
     latency_uri: str = Field(description="bench/latency.json: the full figures and samples")
     host: HostInfo = Field(description="the machine measured on")
     candidate: BenchFigures = Field(description="the candidate's figures")
-    production: BenchFigures | None = Field(
-        default=None, description="production's; absent if none"
-    )
-    sizing: SizingReport | None = Field(
-        default=None, description="bench/sizing.json: the candidate's fleet at the expected load"
+    production: BenchFigures | None = _optional("production's; absent if none")
+    sizing: SizingReport | None = _optional(
+        "bench/sizing.json: the candidate's fleet at the expected load"
     )
 
 
@@ -1200,10 +1073,7 @@ class ReapError(Contract):
 
 
 class ReaperReport(Contract):
-    """What one reaper pass over one backend (and EC2 region) terminated, kept and failed on.
-
-    The reaper DAG task's result and what ``burstcv reap`` prints.
-    """
+    """What one reaper pass over one backend (and EC2 region) terminated, kept and failed on."""
 
     backend: str = Field(default="", description="local or ec2")
     region: str = Field(default="", description="the EC2 region swept; '' for local")
@@ -1288,28 +1158,19 @@ class AttemptRecord(Artifact):
 
 
 class LocalProcessRecord(Artifact):
-    """`<compute state dir>/<run_key>/local-<id>.json`: one training process of the local backend.
+    """`<compute state dir>/<run_key>/local-<id>.json`: a training process of the local backend."""
 
-    The local backend's own record of a box it started (the state dir is on the worker, not
-    in the artifact store): enough to find, describe and stop the process group later.
-    """
-
-    omit_when_none = frozenset({"stopped_at", "start_ticks"})
+    omit_nones = True
 
     instance_id: str = Field(description="local-<12 hex>: the box's id")
     pid: int = Field(description="the wrapper's pid, which leads the process group")
-    # Records written before the field existed have none: they are judged on this host.
     host: str = Field(
         default="",
-        description=(
-            "the launching host, `<hostname>/<pid namespace inode>`: pid and start_ticks mean "
-            "something only there; elsewhere liveness is read from the wrapper's files "
-            "(empty in older records: read as this host)"
-        ),
+        description="the launching host, `<hostname>/<pid namespace inode>`: pid and start_ticks "
+        "mean something only there; elsewhere liveness is read from the wrapper's files "
+        "(empty in older records: read as this host)",
     )
-    start_ticks: int | None = Field(
-        default=None, description="the wrapper's start time in clock ticks (guards pid reuse)"
-    )
+    start_ticks: int | None = _optional("the wrapper's start time, clock ticks (guards pid reuse)")
     # Records written before the field was named run_key say run_id.
     run_key: str = Field(
         validation_alias=AliasChoices("run_key", "run_id"), description="the run key"
@@ -1321,7 +1182,7 @@ class LocalProcessRecord(Artifact):
     attempt: int = Field(ge=1, description="the training attempt")
     expires_at: str = Field(description="ISO 8601 UTC: the reaper stops it after this")
     log: str = Field(description="path of its log file")
-    stopped_at: str | None = Field(default=None, description="ISO 8601 UTC, once stopped")
+    stopped_at: str | None = _optional("ISO 8601 UTC, once stopped")
 
 
 class TriggerHeartbeat(Artifact):
@@ -1335,8 +1196,7 @@ class TriggerHeartbeat(Artifact):
 class SupervisorState(Artifact):
     """`var/run/airflow.state.json`: the pids of `make airflow`'s supervised components.
 
-    Written by ``burstcv.airflow.standalone`` at each start, exit and restart; read by
-    ``burstcv.airflow.health --state`` so that a dead process is unhealthy at once.
+    Read by ``burstcv.airflow.health --state`` so that a dead process is unhealthy at once.
     """
 
     supervisor: int = Field(description="the supervisor's pid")
@@ -1348,33 +1208,23 @@ class SupervisorState(Artifact):
 class TrainingBeat(Artifact):
     """`runs/<run_key>/job/attempts/<n>/beat.json`: the training loop's own heartbeat.
 
-    Rewritten (by the first rank) at most every few seconds while training steps or
-    validation batches complete, never by a watchdog: a trainer that is alive but makes no
-    progress (stopped, hung in a collective) stops beating. The train task's trigger ends an
-    attempt whose beat has not changed for longer than its stall bound
-    (``burstcv.compute.liveness``).
+    Written only as steps complete, never by a watchdog, so a trainer alive but stuck (hung in
+    a collective, say) stops beating, and ``burstcv.compute.liveness`` ends it.
     """
 
-    omit_when_none = frozenset({"step_s"})
+    omit_nones = True
 
     attempt: int = Field(ge=1, description="the attempt")
     beats: int = Field(ge=1, description="writes so far: a new value is progress")
     epoch: int = Field(ge=0, description="the epoch under way (0: the first)")
     step: int = Field(ge=0, description="optimizer steps done in the epoch")
     phase: Literal["train", "validate"] = Field(description="what the loop was doing")
-    step_s: float | None = Field(
-        default=None, description="median seconds of a training step so far; absent before one"
-    )
+    step_s: float | None = _optional("median seconds of a training step so far; absent before one")
     written_at: str = Field(description="ISO 8601 UTC, the box's clock")
 
 
 class PriceQuote(Artifact):
-    """`prices/<region>/<type>/<market>.json`: one hourly price, where and when it came from.
-
-    Fetched by the orchestrator (the AWS Price List API for on-demand, the EC2 spot price
-    history for the Availability Zone launched) and cached in the artifact store; the bundled
-    table only when AWS cannot be asked.
-    """
+    """`prices/<region>/<type>/<market>.json`: one hourly price, where and when it came from."""
 
     instance_type: str = Field(description="EC2 instance type")
     region: str = Field(description="AWS region")
@@ -1393,12 +1243,10 @@ class BoxBill(BoxRate):
     zone: str = Field(default="", description="its Availability Zone (ec2)")
     image_id: str = Field(default="", description="the AMI it booted (ec2)")
     launched_at: str = Field(description="ISO 8601 UTC launch time (the volume and IPv4 bill)")
-    running_at: str | None = Field(
-        default=None,
-        description="ISO 8601 UTC when it was first seen running (the instance bills from "
-        "then; null: from launch)",
+    running_at: str | None = _optional(
+        "ISO 8601 UTC when first seen running (the instance bills from then; null: from launch)"
     )
-    ended_at: str | None = Field(default=None, description="ISO 8601 UTC end; null: running")
+    ended_at: str | None = _optional("ISO 8601 UTC end; null: running")
 
 
 class SizingBudget(Contract):
@@ -1424,9 +1272,7 @@ class RunCosts(Contract):
 
     region: str = Field(description="the AWS region prices are for")
     boxes: int = Field(ge=1, description="training boxes a launch starts (num_nodes)")
-    max_cost_usd: float = Field(
-        gt=0, description="the run's budget, USD, every box of every attempt"
-    )
+    max_cost_usd: float = Field(gt=0, description="the budget, USD, every box of every attempt")
     box_rate: BoxRate = Field(
         description="the priciest box the run may rent (on-demand on its priciest type; "
         "spot falls back to it): what bounds the budget"
@@ -1445,14 +1291,12 @@ class RunCosts(Contract):
         description="on-demand prices of the CPU types the serving fleet may use, and of the "
         "GPU types the gate's advice may name, where known"
     )
-    serving_unpriced: str | None = Field(
-        default=None,
-        description="why some or all serving types have no price, and what to set (null: all)",
+    serving_unpriced: str | None = _optional(
+        "why some or all serving types have no price, and what to set (null: all)"
     )
-    sizing: SizingBudget | None = Field(
-        default=None,
-        description="the sizing boxes' share of the budget when the run sizes its fleet on "
-        "ec2 (resolved from size_on); null: sized on the benchmark's host",
+    sizing: SizingBudget | None = _optional(
+        "the sizing boxes' share of the budget when the run sizes its fleet on "
+        "ec2 (resolved from size_on); null: sized on the benchmark's host"
     )
 
     @property
@@ -1467,13 +1311,11 @@ P = TypeVar("P", bound=BaseModel)
 class RunRecord(Artifact, Generic[P]):
     """`runs/<run_key>/run.json`: the run, resolved once; every later task reads it.
 
-    The first task writes it from the trigger (form, command line, schedule, asset event),
-    the deployment's defaults and the prices; validate adds what it derives from the data.
-    ``params`` is ``burstcv.params.RunParams`` (``RunRecord[RunParams]``); this torch-free
-    module does not import it.
+    ``params`` is ``burstcv.params.RunParams`` (``RunRecord[RunParams]``), which this
+    torch-free module does not import.
     """
 
-    omit_when_none = frozenset({"image_size", "training"})
+    omit_nones = True
 
     run_id: str = Field(description="the Airflow run id (the folder name is path-safe)")
     trigger: str = Field(
@@ -1485,20 +1327,16 @@ class RunRecord(Artifact, Generic[P]):
         "an asset event's dataset applied"
     )
     costs: RunCosts = Field(description="the prices and the budget, as resolved")
-    image_size: ImageSizeChoice | None = Field(
-        default=None, description="the size validate chose (null until validate passed)"
-    )
-    training: TrainingChoice | None = Field(
-        default=None, description="how the run trains, as validate chose (null until then)"
+    image_size: ImageSizeChoice | None = _optional("the size validate chose (null until it passed)")
+    training: TrainingChoice | None = _optional(
+        "how the run trains, as validate chose (null until then)"
     )
 
 
 class AttemptBill(Artifact):
     """`runs/<run_key>/job/attempts/<n>/{launch,end}.json`: one attempt's boxes, as billed.
 
-    Written when the attempt launches (``launch.json``, no end times) and when it ends
-    (``end.json``): billing.json, the budget and the progress lines read these records, never
-    the cloud's memory of terminated instances (EC2 lists them for about an hour).
+    Bills are read from these, never from the cloud's memory (EC2 lists ended boxes an hour).
     """
 
     attempt: int = Field(ge=1, description="1 for provision, +1 per relaunch")
@@ -1510,42 +1348,22 @@ class AttemptBill(Artifact):
 
 
 class Billing(Artifact):
-    """`runs/<run_key>/job/billing.json`: what teardown terminated and what it cost.
+    """`runs/<run_key>/job/billing.json`: what teardown terminated and what it cost."""
 
-    Also the teardown stage's result, and, with no ``terminated_at``, a run's bill so far (the
-    budget and the progress lines): one computation, from the attempts' records.
-    """
-
-    omit_when_none = frozenset({"terminated_at"})
+    omit_nones = True
 
     instance_ids: list[str] = Field(description="instances terminated (or billed so far)")
     billed_seconds: dict[str, float] = Field(description="billed seconds per instance")
     cost_usd: float = Field(description="cost of the run's boxes, USD")
     backend: str = Field(description="compute backend: local or ec2")
     instances: list[InstanceRecord] = Field(description="every instance of the run")
-    terminated_at: str | None = Field(
-        default=None, description="ISO 8601 UTC; null: a bill so far, the boxes may be up"
-    )
+    terminated_at: str | None = _optional("ISO 8601 UTC; null: a bill so far, the boxes may be up")
 
 
 class LatencyRecord(Artifact):
-    """`runs/<run_key>/bench/latency.json`: the benchmark's full figures and samples.
+    """`runs/<run_key>/bench/latency.json`: the benchmark's full figures and samples."""
 
-    An *inconclusive* record is one whose measurements the host's other work kept spoiling
-    (``inconclusive`` says how): it judges nothing, and the benchmark is tried again later.
-    """
-
-    omit_when_none = frozenset(
-        {
-            "candidate",
-            "production",
-            "inconclusive",
-            "bench_s",
-            "sizing_s",
-            "offered_rps",
-            "load_note",
-        }
-    )
+    omit_nones = True
 
     measured_at: str = Field(description="ISO 8601 UTC")
     host: HostInfo = Field(description="the machine measured on")
@@ -1554,35 +1372,22 @@ class LatencyRecord(Artifact):
         description="requests in flight at once (closed loop); the most in flight for any "
         "model (open loop)"
     )
-    offered_rps: float | None = Field(
-        default=None, description="the open-loop rate every model was driven at, req/s"
+    offered_rps: float | None = _optional("the open-loop rate every model was driven at, req/s")
+    load_note: str | None = _optional("where the rate comes from: the sizing, or a setting")
+    candidate: BenchFigures | None = _optional(
+        "the candidate's figures, with samples; absent only when the fleet sizing "
+        "before them was inconclusive (nothing was measured)"
     )
-    load_note: str | None = Field(
-        default=None, description="where the rate comes from: the sizing, or a setting"
+    production: BenchFigures | None = _optional("production's; absent if none")
+    inconclusive: str | None = _optional(
+        "why nothing was judged: the host stayed busy through every attempt"
     )
-    candidate: BenchFigures | None = Field(
-        default=None,
-        description="the candidate's figures, with samples; absent only when the fleet sizing "
-        "before them was inconclusive (nothing was measured)",
-    )
-    production: BenchFigures | None = Field(
-        default=None, description="production's; absent if none"
-    )
-    inconclusive: str | None = Field(
-        default=None,
-        description="why nothing was judged: the host stayed busy through every attempt",
-    )
-    bench_s: float | None = Field(
-        default=None, description="seconds the latency benchmark took, repeats included"
-    )
-    sizing_s: float | None = Field(default=None, description="seconds the fleet sizing took")
+    bench_s: float | None = _optional("seconds the latency benchmark took, repeats included")
+    sizing_s: float | None = _optional("seconds the fleet sizing took")
 
 
 class VerdictRecord(GateVerdict, Artifact):
-    """`runs/<run_key>/bench/verdict.json`: the gate's verdict on the version it registered.
-
-    Also the gate stage's result: deploy reads the version and whether to promote from it.
-    """
+    """`runs/<run_key>/bench/verdict.json`: the gate's verdict on the version it registered."""
 
     version: int = Field(description="the registry version, accepted or rejected")
 
@@ -1590,13 +1395,11 @@ class VerdictRecord(GateVerdict, Artifact):
 class ModelCard(Artifact):
     """model.json: makes the ONNX file self-describing; serving reads it and never imports torch."""
 
-    omit_when_none = frozenset({"version", "parity", "quantization", "versions"})
+    omit_nones = True
 
     format_version: int = Field(default=1, description="model.json's original format marker (1)")
     name: str = Field(description="the model's name (BURSTCV_MODEL_NAME)")
-    version: int | None = Field(
-        default=None, description="registry version; absent in `runs/<run_key>/model/`"
-    )
+    version: int | None = _optional("registry version; absent in `runs/<run_key>/model/`")
     arch: str = Field(description="architecture, e.g. resnet10")
     classes: list[str] = Field(min_length=1, description="index i of the logits is classes[i]")
     onnx_file: str = Field(description="the file beside model.json that serves")
@@ -1606,17 +1409,13 @@ class ModelCard(Artifact):
     output: TensorOutput = Field(description="the graph's output")
     preprocess: PreprocessBlock = Field(description="the eval transform (PreprocessSpec)")
     metrics: dict[str, float] = Field(description="validation figures, e.g. val_accuracy")
-    parity: ParityBlock | None = Field(default=None, description="ONNX vs torch on real images")
-    quantization: QuantizationBlock | None = Field(
-        default=None, description="present when INT8 tried"
-    )
+    parity: ParityBlock | None = _optional("ONNX vs torch on real images")
+    quantization: QuantizationBlock | None = _optional("present when INT8 tried")
     dataset_fingerprint: str = Field(description="sha256 over the validated dataset")
     source_commit: str = Field(description="git commit of the code, or 'unknown'")
     run_id: str = Field(description="the run that exported it")
     created_at: str = Field(description="ISO 8601 UTC")
-    versions: dict[str, str] | None = Field(
-        default=None, description="torch, onnx and onnxruntime versions used to export"
-    )
+    versions: dict[str, str] | None = _optional("versions of torch, onnx and onnxruntime at export")
 
     @field_validator("onnx_file")
     @classmethod
@@ -1636,28 +1435,25 @@ class ModelCard(Artifact):
 class RegistryDecision(Contract):
     """The gate's part of a registry entry: what it decided, and on which figures and params."""
 
-    omit_when_none = frozenset({"gate", "benchmark", "params", "fleet", "fleet_measured_in"})
+    omit_nones = True
 
     status: Literal["accepted", "rejected"] = Field(
         description="what the gate decided: accepted (promotable) or rejected"
     )
     reason: str = Field(default="", description="the gate's one-line summary")
-    gate: GateVerdict | None = Field(default=None, description="the gate's full verdict")
-    benchmark: dict[str, BenchFigures] | None = Field(
-        default=None, description="candidate (and production) figures, no samples"
+    gate: GateVerdict | None = _optional("the gate's full verdict")
+    benchmark: dict[str, BenchFigures] | None = _optional(
+        "candidate (and production) figures, no samples"
     )
-    params: dict[str, Any] | None = Field(
-        default=None,
-        description="the run's parameters; absent when registered outside the pipeline",
+    params: dict[str, Any] | None = _optional(
+        "the run's parameters; absent when registered outside the pipeline"
     )
-    fleet: FleetOption | None = Field(
-        default=None,
-        description="the cheapest CPU fleet serving the run's expected load within the SLO",
+    fleet: FleetOption | None = _optional(
+        "the cheapest CPU fleet serving the run's expected load within the SLO"
     )
-    fleet_measured_in: str | None = Field(
-        default=None,
-        description="the Airflow run whose staging services measured the sizes the fleet rests "
-        "on: an earlier version's run when this one reused them (the same speed key)",
+    fleet_measured_in: str | None = _optional(
+        "the Airflow run whose staging services measured the sizes the fleet rests "
+        "on: an earlier version's run when this one reused them (the same speed key)"
     )
 
 
@@ -1762,9 +1558,8 @@ def parse_artifact(data: Any, model: type[A], source: str) -> A:
 def read_artifact(uri: str, model: type[A]) -> A:
     """Read and validate one artifact file (local path or s3:// URI), once, at the boundary.
 
-    Raise ``storage.ArtifactNotFoundError`` when it does not exist, ``SchemaVersionError``
-    when a newer schema wrote it, and ``ArtifactError`` naming the file and the field when it
-    is not JSON or does not fit ``model``.
+    Raise ``storage.ArtifactNotFoundError`` when it is missing, else ``ArtifactError`` (or
+    ``SchemaVersionError``) naming the file and the field.
     """
     raw = storage.read_bytes(uri)
     try:

@@ -1,8 +1,7 @@
 """Name the folders and files of one run and of the model registry, for every reader and writer.
 
-The pipeline writes these paths, the report, the Airflow plugin and the prediction service
-read them; each side asks this module rather than joining names of its own
-(docs/contracts.md lists them).
+The pipeline writes these paths; the report, the Airflow plugin and the service read them,
+asking this module rather than joining names of their own.
 """
 
 from __future__ import annotations
@@ -19,13 +18,12 @@ TRAINING_BEAT = "beat.json"  # in an attempt's folder: the training loop's progr
 LAUNCH_RECORD = "launch.json"  # in an attempt's folder: its boxes as launched (AttemptBill)
 END_RECORD = "end.json"  # in an attempt's folder: its boxes as ended (AttemptBill)
 MODEL_CARD = "model.json"
-# The training box's files, in the job folder (progress, metrics) and in an attempt's folder
-# (the markers: exactly one of them ends an attempt).
 MANIFEST = "manifest.parquet"  # in dataset/: one row per file
 VALIDATION_RECORD = "validation.json"  # in dataset/, beside the manifest
 JOB_SPEC = "job.json"  # in the job folder: what the training box runs (JobSpec)
 PROGRESS = "progress.json"
 METRICS = "metrics.json"
+# An attempt's markers: exactly one of them ends it.
 DONE_MARKER = "DONE"
 FAILED_MARKER = "FAILED"
 RANK_MARKERS = "ranks"  # in an attempt's folder: ranks/<rank>/FAILED, each rank's own
@@ -34,61 +32,52 @@ PRODUCTION = "production"
 PREVIOUS = "previous"
 
 
+class _Path:
+    """Name a path of a layout: ``name`` inside another of its paths (the attribute ``under``)."""
+
+    def __init__(self, under: str, name: str) -> None:
+        self.under, self.name = under, name
+
+    def __get__(self, layout: object, owner: type | None = None) -> str:
+        return storage.join(getattr(layout, self.under), self.name)
+
+
 @dataclass(frozen=True)
 class RunLayout:
     """Name every folder and file one run writes under ``<artifact root>/runs/<run_key>/``."""
 
     root: str
 
+    record = _Path("root", RUN_RECORD)
+    skip = _Path("root", SKIP_RECORD)  # written when the run had nothing new to train on
+    dataset = _Path("root", "dataset")  # manifest, validation.json, Data Docs, shards
+    manifest = _Path("dataset", MANIFEST)
+    validation = _Path("dataset", VALIDATION_RECORD)
+    shards = _Path("dataset", "shards")
+    scan = _Path("dataset", "scan")  # the listing, the refused rows and each chunk's manifest part
+    scan_plan = _Path("scan", "plan.json")  # the scan's chunks
+    pack_plan = _Path("shards", "plan.json")  # the pack's chunks
+    job = _Path("root", "job")  # the training box's inputs and results
+    job_spec = _Path("job", JOB_SPEC)
+    metrics = _Path("job", METRICS)
+    progress = _Path("job", PROGRESS)  # the epochs so far, rewritten at each epoch's end
+    weights = _Path("job", "model.pt")  # the trained state dict
+    attempt = _Path("job", ATTEMPT_RECORD)  # the training attempt the run waits for
+    billing = _Path("job", "billing.json")
+    model = _Path("root", "model")  # model.onnx, [model.int8.onnx], model.json
+    model_card = _Path("model", MODEL_CARD)
+    bench = _Path("root", "bench")
+    latency = _Path("bench", "latency.json")
+    sizing = _Path("bench", "sizing.json")
+    sizing_boxes = _Path("bench", "sizing")  # what the sizing boxes read and write (size_on ec2)
+    sizing_requests = _Path("sizing_boxes", "requests")  # the images a sizing box sends
+    verdict = _Path("bench", "verdict.json")
+    report = _Path("root", "report")
+
     @classmethod
     def of(cls, artifact_root: str, run_id: str) -> RunLayout:
         """Return the layout of a run (its Airflow run id or run key) under an artifact root."""
         return cls(storage.join(artifact_root, "runs", storage.safe_run_id(run_id)))
-
-    @property
-    def record(self) -> str:
-        """Return run.json: the Airflow run id (the folder name is path-safe)."""
-        return storage.join(self.root, RUN_RECORD)
-
-    @property
-    def skip(self) -> str:
-        """Return skip.json: written when the run had nothing new to train on."""
-        return storage.join(self.root, SKIP_RECORD)
-
-    @property
-    def dataset(self) -> str:
-        """Return dataset/: manifest, validation.json, Data Docs, shards."""
-        return storage.join(self.root, "dataset")
-
-    @property
-    def manifest(self) -> str:
-        """Return dataset/manifest.parquet."""
-        return storage.join(self.dataset, MANIFEST)
-
-    @property
-    def validation(self) -> str:
-        """Return dataset/validation.json."""
-        return storage.join(self.dataset, VALIDATION_RECORD)
-
-    @property
-    def shards(self) -> str:
-        """Return dataset/shards."""
-        return storage.join(self.dataset, "shards")
-
-    @property
-    def scan(self) -> str:
-        """Return dataset/scan/: the listing, the refused rows and each chunk's manifest part."""
-        return storage.join(self.dataset, "scan")
-
-    @property
-    def scan_plan(self) -> str:
-        """Return dataset/scan/plan.json: the scan's chunks."""
-        return storage.join(self.scan, "plan.json")
-
-    @property
-    def pack_plan(self) -> str:
-        """Return dataset/shards/plan.json: the pack's chunks."""
-        return storage.join(self.shards, "plan.json")
 
     def scan_part(self, index: int) -> str:
         """Return dataset/scan/part-NNNNN.parquet: the manifest rows of scan chunk ``index``."""
@@ -103,71 +92,6 @@ class RunLayout:
         """Return dataset/shards/parts/part-NNNNN.json: what pack chunk ``index`` wrote."""
         return storage.join(self.shards, "parts", f"part-{index:05d}.json")
 
-    @property
-    def job(self) -> str:
-        """Return job/: the training box's inputs and results."""
-        return storage.join(self.root, "job")
-
-    @property
-    def job_spec(self) -> str:
-        """Return job/job.json."""
-        return storage.join(self.job, JOB_SPEC)
-
-    @property
-    def metrics(self) -> str:
-        """Return job/metrics.json."""
-        return storage.join(self.job, METRICS)
-
-    @property
-    def progress(self) -> str:
-        """Return job/progress.json: the epochs so far, rewritten at each epoch's end."""
-        return storage.join(self.job, PROGRESS)
-
-    @property
-    def weights(self) -> str:
-        """Return job/model.pt: the trained state dict."""
-        return storage.join(self.job, "model.pt")
-
-    @property
-    def attempt(self) -> str:
-        """Return job/attempt.json: the training attempt the run waits for."""
-        return storage.join(self.job, ATTEMPT_RECORD)
-
-    @property
-    def billing(self) -> str:
-        """Return job/billing.json."""
-        return storage.join(self.job, "billing.json")
-
-    @property
-    def model(self) -> str:
-        """Return model/: model.onnx, [model.int8.onnx], model.json."""
-        return storage.join(self.root, "model")
-
-    @property
-    def model_card(self) -> str:
-        """Return model/model.json."""
-        return storage.join(self.model, MODEL_CARD)
-
-    @property
-    def bench(self) -> str:
-        """Return bench/."""
-        return storage.join(self.root, "bench")
-
-    @property
-    def latency(self) -> str:
-        """Return bench/latency.json."""
-        return storage.join(self.bench, "latency.json")
-
-    @property
-    def sizing(self) -> str:
-        """Return bench/sizing.json."""
-        return storage.join(self.bench, "sizing.json")
-
-    @property
-    def sizing_boxes(self) -> str:
-        """Return bench/sizing/: what the sizing boxes read and write (size_on ec2)."""
-        return storage.join(self.bench, "sizing")
-
     def box_sizing(self, instance_type: str) -> str:
         """Return bench/sizing/boxes/<type>.json: one instance type's BoxSizing."""
         return storage.join(self.sizing_boxes, "boxes", f"{instance_type}.json")
@@ -177,21 +101,6 @@ class RunLayout:
         job folder holds its attempts' (attempts/1/{launch,end}.json)."""
         return storage.join(self.sizing_boxes, "bills", instance_type)
 
-    @property
-    def sizing_requests(self) -> str:
-        """Return bench/sizing/requests/: the images a sizing box sends its service."""
-        return storage.join(self.sizing_boxes, "requests")
-
-    @property
-    def verdict(self) -> str:
-        """Return bench/verdict.json."""
-        return storage.join(self.bench, "verdict.json")
-
-    @property
-    def report(self) -> str:
-        """Return report/."""
-        return storage.join(self.root, "report")
-
 
 @dataclass(frozen=True)
 class RegistryLayout:
@@ -200,15 +109,15 @@ class RegistryLayout:
     registry_uri: str
     model_name: str
 
+    versions = _Path("root", "versions")  # one folder per version number
+    aliases = _Path("root", "aliases")
+    alias_lock = _Path("aliases", ".lock")  # held while an alias moves
+    history = _Path("root", "history")  # one JSON file per alias event
+
     @property
     def root(self) -> str:
         """Return <registry>/<model>."""
         return storage.join(self.registry_uri, self.model_name)
-
-    @property
-    def versions(self) -> str:
-        """Return versions/: one folder per version number."""
-        return storage.join(self.root, "versions")
 
     def version(self, version: int, *parts: str) -> str:
         """Return versions/<n> or a file inside it."""
@@ -222,21 +131,6 @@ class RegistryLayout:
         """Return versions/<n>/entry.json."""
         return self.version(version, REGISTRY_ENTRY)
 
-    @property
-    def aliases(self) -> str:
-        """Return aliases/."""
-        return storage.join(self.root, "aliases")
-
     def alias(self, name: str) -> str:
         """Return aliases/<name>.json."""
         return storage.join(self.aliases, f"{name}.json")
-
-    @property
-    def alias_lock(self) -> str:
-        """Return aliases/.lock: held while an alias moves."""
-        return storage.join(self.aliases, ".lock")
-
-    @property
-    def history(self) -> str:
-        """Return history/: one JSON file per alias event."""
-        return storage.join(self.root, "history")

@@ -1,8 +1,7 @@
 """Decode and normalise images exactly as the model was trained: the one definition.
 
-Training (through ``burstcv.data.pack`` and ``burstcv.training``), export parity checks and
-the service all go through these functions, driven by the ``preprocess`` block of
-``model.json``. The module needs only numpy and Pillow, never torch.
+Training, export parity checks and the service all go through these functions, driven by the
+``preprocess`` block of ``model.json``; they need only numpy and Pillow, never torch.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # recipe (resize 256, crop 224), so pretrained features see objects at the scale they learnt.
 CROP_FRACTION = 0.875
 
-# Pillow modes holding 16 bits per sample (a 16-bit greyscale PNG opens as I;16; older Pillow
-# opened it as I). convert("RGB") clips them at 255 instead of scaling: see _to_rgb.
+# Pillow modes of 16 bits per sample: convert("RGB") clips them at 255 instead of scaling.
 _SIXTEEN_BIT_MODES = frozenset({"I", "I;16", "I;16B", "I;16L", "I;16N"})
 
 
@@ -46,9 +44,8 @@ class ImageTooLargeError(ImageDecodeError):
 class PreprocessSpec:
     """Describe the eval transform: RGB, resize (and crop) to (height, width), normalise, NCHW.
 
-    Without ``resize_short`` the image is resized straight to height x width (aspect not
-    kept: the demo digits). With it, the short side is resized to ``resize_short`` px
-    keeping the aspect, and the centre height x width is cropped (photos).
+    Without ``resize_short`` the image is resized straight to height x width, aspect not kept
+    (the digits); with it, the short side goes to ``resize_short`` and the centre is cropped.
     """
 
     height: int = 32
@@ -124,9 +121,7 @@ def resize_short_for(size_px: int, crop_fraction: float = CROP_FRACTION) -> int:
 def margin_spec(spec: PreprocessSpec) -> PreprocessSpec:
     """Return the spec pack stores photos with: the square of side resize_short, uncropped.
 
-    Its images keep the margin that random crops draw from during training, and the centre
-    height x width of each one is exactly what ``spec`` makes of the same bytes (to_uint8
-    crops through that same square).
+    Training's random crops draw from the margin; the centre is exactly what ``spec`` makes.
     """
     if spec.resize_short is None:
         raise ValueError("a margin needs resize_short; this spec resizes straight to its size")
@@ -143,11 +138,7 @@ def center_crop(images: np.ndarray, height: int, width: int) -> np.ndarray:
 
 
 def eval_view(images: np.ndarray, spec: PreprocessSpec) -> np.ndarray:
-    """Return stored (packed) uint8 NHWC images as the model sees them at eval.
-
-    Images already at the spec's size are returned as they are; images stored with the pack
-    margin (resize_short square) are centre-cropped, which equals ``decode_to_uint8``.
-    """
+    """Return stored (packed) uint8 NHWC images as the model sees them at eval."""
     size = (images.shape[-3], images.shape[-2])
     if size == (spec.height, spec.width):
         return images
@@ -192,9 +183,8 @@ def open_image(
 ) -> Image.Image:
     """Decode bytes fully into an RGB image, or raise an ImageDecodeError saying why.
 
-    The pixel count is checked from the header before any pixel is decoded, so a
-    decompression bomb costs nothing; truncated data fails in ``load()``. Safe to call from
-    several threads at once (no process-wide warning filters are touched).
+    A decompression bomb is refused from the header alone. Safe to call from several threads
+    at once (no process-wide warning filters are touched).
     """
     return load_image(probe_image(data, max_pixels=max_pixels, formats=formats))
 
@@ -207,25 +197,20 @@ def probe_image(
 ) -> Image.Image:
     """Read only the header: check format and pixel count, decode no pixel (see open_image).
 
-    Cheap at any declared size, so a caller may decide from ``img.size`` where to spend the
-    decode (the service decodes small images inline and large ones in a thread).
+    Cheap at any size: the service decodes small images inline and large ones in a thread.
     """
     if not data:
         raise ImageDecodeError("empty file")
     fmt = "unknown"
     try:
-        # Pillow's own bomb check raises DecompressionBombError past 2x MAX_IMAGE_PIXELS; the
-        # warning it gives below that is made moot by the max_pixels check right after.
         try:
-            # Only the accepted formats' plugins are tried first: the common case skips
-            # probing every other format Pillow knows.
+            # The accepted formats first: the common case probes no other format.
             img: Image.Image = Image.open(io.BytesIO(data), formats=formats)
         except UnidentifiedImageError:
             img = Image.open(io.BytesIO(data))  # not accepted: find out what it is, to say so
         fmt = img.format or "unknown"
         if fmt not in formats and not (fmt == "MPO" and "JPEG" in formats):
-            # MPO: the multi-picture JPEG that cameras and phones write; its first picture
-            # is a plain JPEG, and that is the one Pillow decodes.
+            # MPO: a camera's multi-picture JPEG; Pillow decodes its first, plain JPEG picture.
             raise UnsupportedFormatError(
                 f"unsupported image format {fmt}; send one of {', '.join(formats)}"
             )
@@ -250,8 +235,7 @@ def probe_image(
 def load_image(img: Image.Image) -> Image.Image:
     """Decode the pixels of an image from probe_image and return it upright, in RGB mode.
 
-    The EXIF orientation is applied (a phone's portrait photo is stored landscape with a
-    rotate tag), so training and serving see the picture as a viewer shows it.
+    EXIF orientation applied: training and serving see a phone's portrait photo as a viewer.
     """
     fmt = img.format or "unknown"
     try:
@@ -262,27 +246,23 @@ def load_image(img: Image.Image) -> Image.Image:
     except Image.DecompressionBombError as exc:
         raise ImageTooLargeError(f"decompression bomb refused: {exc}") from exc
     except Exception as exc:
-        # Pillow reports truncated or corrupt streams as OSError/SyntaxError/EOFError, and a
-        # crafted file can make a plugin fail with anything (struct.error, IndexError, ...):
+        # A crafted file can make a plugin fail with anything (struct.error, IndexError, ...):
         # untrusted bytes never escape as anything but a decode error.
         raise ImageDecodeError(f"corrupt or truncated {fmt} data: {exc}") from exc
     return img
 
 
-# A JPEG larger than the transform needs is decoded at 1/2, 1/4 or 1/8 scale (libjpeg's scaled
-# IDCT: cheaper in proportion, and itself a low-pass filter), keeping at least this many times
-# the size the resize ends at, so the resize that follows still antialiases from a larger
-# image. A 4032x3024 phone photo at 224 px: 1008x756 decoded, 3x faster, pixels within a
-# few levels of a full decode.
+# A large JPEG is decoded at 1/2, 1/4 or 1/8 scale (libjpeg's scaled IDCT), keeping at least
+# this many times the final size so the resize still antialiases: a 4032x3024 photo at 224 px
+# decodes 3x faster, pixels within a few levels of a full decode.
 DRAFT_OVERSAMPLE = 2
 
 
 def load_for(img: Image.Image, spec: PreprocessSpec) -> Image.Image:
     """Decode an image from probe_image for ``spec``: as load_image, a large JPEG scaled down.
 
-    Pack, the parity check and the service all decode through here (``decode_to_uint8``), so
-    the scale chosen, which depends only on the file and the spec's output size, is the same
-    for the same bytes everywhere.
+    Pack, the parity check and the service all decode through here, so the scale chosen (from
+    the file and the spec's output size alone) is the same for the same bytes everywhere.
     """
     if img.format in ("JPEG", "MPO"):
         # Both sides at least the target: the short side survives an EXIF rotation too.
@@ -297,9 +277,8 @@ def load_for(img: Image.Image, spec: PreprocessSpec) -> Image.Image:
 def _to_rgb(img: Image.Image) -> Image.Image:
     """Return an image in RGB mode, 8 bits per channel.
 
-    16-bit greyscale keeps its high byte (as Pillow reads 16-bit RGB PNGs); CMYK uses
-    Pillow's conversion (Adobe's inverted CMYK JPEGs are read as such); palette, L, LA, RGBA
-    and the rest use convert("RGB"), which drops any alpha as torchvision's loader does.
+    16-bit greyscale keeps its high byte (as Pillow reads 16-bit RGB PNGs); every other mode
+    uses convert("RGB"), which drops any alpha as torchvision's loader does.
     """
     if img.mode == "RGB":
         return img
@@ -324,9 +303,8 @@ def to_uint8(img: Image.Image, spec: PreprocessSpec) -> np.ndarray:
         size = (short, int(short * height / width))
     else:
         size = (int(short * width / height), short)
-    # Only the centre resize_short square of the resized image is ever used: Pillow resizes
-    # just the source box under it, so a 4096x1 strip never becomes a 256x1048576 image.
-    # Every photo goes through this square, so a stored margin image (margin_spec),
+    # Only the centre resize_short square is used: Pillow resizes just the source box under it
+    # (a 4096x1 strip never becomes 256x1048576), and a stored margin image (margin_spec),
     # centre-cropped, is this result exactly, whatever the parity of the sizes.
     left, top = (size[0] - short) // 2, (size[1] - short) // 2
     if size == img.size:

@@ -1,9 +1,7 @@
 """Read and write artifacts under a URI root that is either a local folder or ``s3://bucket/prefix``.
 
-Writes are atomic: locally write-then-rename, on S3 a single PUT. Every stage addresses its
-files through these functions, so the same code runs on a laptop and against S3. The
-prediction service reads its registry through them too; boto3 is imported only when an
-s3:// URI is used, so a service image without boto3 serves local registries.
+Writes are atomic (locally write-then-rename, on S3 a single PUT). boto3 is imported only
+for an s3:// URI, so a service image without boto3 serves local registries.
 """
 
 from __future__ import annotations
@@ -115,8 +113,7 @@ def _write_local(path: Path, fill: Callable[[IO[bytes]], object]) -> None:
 def remove_partial_writes(folder_uri: str) -> list[str]:
     """Remove the temporary files that killed local writes left in a folder; return their paths.
 
-    Only for a folder nothing is writing to now: a write in progress has such a file there
-    too. An S3 folder has none (a PUT or an upload lands whole or not at all).
+    Only for a folder nothing is writing to now: a write in progress has such a file too.
     """
     if is_s3(folder_uri):
         return []

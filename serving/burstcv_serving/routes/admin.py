@@ -1,8 +1,7 @@
 """Serve the admin calls (bearer token required): reload the alias now, stage a version.
 
-A deploy stages a version on every service first (``POST /v1/admin/stage``: load, verify and
-warm it beside the serving model, no switch), moves the alias only when all of them succeeded,
-then asks each to reload (``POST /v1/admin/reload``), which swaps in the staged model at once.
+A deploy stages a version on every service (load, verify, warm; no switch), moves the alias
+only when all succeeded, then has each reload, which swaps in the staged model at once.
 """
 
 from __future__ import annotations
@@ -15,15 +14,17 @@ from fastapi import APIRouter, Depends, HTTPException
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
-from burstcv_serving.model import ModelLoadError
+from burstcv_serving.model import LoadedModel, ModelLoadError
 from burstcv_serving.registry import SourceError
 from burstcv_serving.schemas import ErrorOut, ReloadOut
 from burstcv_serving.settings import Settings
 from burstcv_serving.state import ServiceDep, SettingsDep
 
-router = APIRouter(prefix="/v1/admin", tags=["admin"])
-
 _bearer = HTTPBearer(auto_error=False)
+
+
+def _version(model: LoadedModel | None) -> int | str | None:
+    return None if model is None else model.version
 
 
 def require_admin(
@@ -42,12 +43,18 @@ def require_admin(
         raise HTTPException(401, detail="invalid admin token", headers=challenge)
 
 
+router = APIRouter(
+    prefix="/v1/admin",
+    tags=["admin"],
+    dependencies=[Depends(require_admin)],
+    responses={401: {"model": ErrorOut, "description": "Missing or wrong bearer token."}},
+)
+
+
 @router.post(
     "/reload",
     response_model=ReloadOut,
-    dependencies=[Depends(require_admin)],
     responses={
-        401: {"model": ErrorOut, "description": "Missing or wrong bearer token."},
         409: {"model": ErrorOut, "description": "The alias's version failed to load."},
         503: {"model": ErrorOut, "description": "No model could be loaded at all."},
     },
@@ -65,7 +72,7 @@ async def reload_model(service: ServiceDep) -> ReloadOut:
         raise HTTPException(409, detail=f"{error.describe()}; still serving {model.version}")
     return ReloadOut(
         version=model.version,
-        previous_version=None if previous is None else previous.version,
+        previous_version=_version(previous),
         changed=model is not previous,
     )
 
@@ -104,11 +111,7 @@ class StagedOut(BaseModel):
 @router.post(
     "/stage",
     response_model=StagedOut,
-    dependencies=[Depends(require_admin)],
-    responses={
-        401: {"model": ErrorOut, "description": "Missing or wrong bearer token."},
-        409: {"model": ErrorOut, "description": "The version cannot serve here, and why."},
-    },
+    responses={409: {"model": ErrorOut, "description": "The version cannot serve here, and why."}},
 )
 async def stage_model(body: StageIn, service: ServiceDep, settings: SettingsDep) -> StagedOut:
     """Load, verify and warm a version beside the serving model without switching to it."""
@@ -123,21 +126,17 @@ async def stage_model(body: StageIn, service: ServiceDep, settings: SettingsDep)
         raise HTTPException(
             409, detail=f"version {body.version} failed to load: {exc}; {still}"
         ) from exc
-    serving = manager.current
     return StagedOut(
         version=body.version,
         sha256=model.sha256,
         loaded_now=loaded_now,
-        serving_version=None if serving is None else serving.version,
+        serving_version=_version(manager.current),
     )
 
 
 def same_registry(mine: str, theirs: str) -> bool | None:
-    """Return whether two registry locations are one (None: this host cannot tell).
-
-    S3 URIs compare as written; folders by what they are on this host (a service in a
-    container may see the deploying host's folder under another path, or not at all).
-    """
+    """Return whether two registry locations are one (None: this host cannot tell): S3 URIs as
+    written, folders as files here (a container may see the deployer's elsewhere, or not)."""
     if mine.startswith("s3://") or theirs.startswith("s3://"):
         return mine.rstrip("/") == theirs.rstrip("/")
     theirs_path = Path(theirs)
@@ -153,16 +152,11 @@ def another_registrys_deploy(settings: Settings, model: str | None, registry: st
     """Return why a deploy of ``model`` from ``registry`` is not this service's, or ''."""
     if settings.model_dir is not None:
         return ""  # serving one model directory: no registry to compare
+    elsewhere = "the deploy is meant for another service (check the serving URL)"
     if model is not None and model != settings.model_name:
-        return (
-            f"this service serves model {settings.model_name!r}, not {model!r}: the deploy is "
-            "meant for another service (check the serving URL)"
-        )
+        return f"this service serves model {settings.model_name!r}, not {model!r}: {elsewhere}"
     if registry is not None and same_registry(settings.registry_uri, registry) is False:
-        return (
-            f"this service reads registry {settings.registry_uri}, not {registry}: the deploy is "
-            "meant for another service (check the serving URL)"
-        )
+        return f"this service reads registry {settings.registry_uri}, not {registry}: {elsewhere}"
     return ""
 
 
@@ -173,16 +167,9 @@ class StagedListOut(BaseModel):
     serving_version: int | str | None
 
 
-@router.get(
-    "/staged",
-    response_model=StagedListOut,
-    dependencies=[Depends(require_admin)],
-    responses={401: {"model": ErrorOut, "description": "Missing or wrong bearer token."}},
-)
+@router.get("/staged", response_model=StagedListOut)
 async def staged_models(service: ServiceDep) -> StagedListOut:
     """Say which versions are staged beside the serving model."""
-    serving = service.manager.current
     return StagedListOut(
-        staged=service.manager.staged_versions(),
-        serving_version=None if serving is None else serving.version,
+        staged=service.manager.staged_versions(), serving_version=_version(service.manager.current)
     )

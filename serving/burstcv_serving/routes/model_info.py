@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from burstcv_serving.schemas import ErrorOut, LoadErrorOut, ModelInfo
+from burstcv_serving.schemas import ErrorOut, ModelInfo
 from burstcv_serving.state import ModelDep, ServiceDep, SettingsDep
 
 router = APIRouter(prefix="/v1", tags=["model"])
@@ -17,7 +17,6 @@ router = APIRouter(prefix="/v1", tags=["model"])
 )
 async def model_info(model: ModelDep, service: ServiceDep, settings: SettingsDep) -> ModelInfo:
     """Describe the serving model: name, version, classes, sha256, metrics, load error."""
-    error = service.manager.last_error
     return ModelInfo(
         name=model.name,
         version=model.version,
@@ -26,9 +25,5 @@ async def model_info(model: ModelDep, service: ServiceDep, settings: SettingsDep
         sha256=model.sha256,
         metrics=dict(model.metrics),
         loaded_at=model.loaded_at,
-        last_error=None
-        if error is None
-        else LoadErrorOut(
-            version=error.version, sha256=error.sha256, reason=error.reason, at=error.at
-        ),
+        last_error=service.manager.last_error,
     )

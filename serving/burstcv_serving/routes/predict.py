@@ -1,9 +1,8 @@
 """Serve POST /v1/predict and POST /v1/predict/batch: images in, top-k classes out.
 
-These two routes are the service's hot path, so they take the raw request: the body is read
-once and split by ``burstcv_serving.multipart`` (no form machinery, no temporary files, no
-dependency resolution), and the answer is serialised straight to JSON bytes. The pydantic
-models in ``schemas`` still describe both in /openapi.json, and tests hold the answers to them.
+The hot path takes the raw request: the body is split by ``burstcv_serving.multipart`` (no
+form machinery, no dependency resolution) and the answer serialised straight to JSON bytes;
+the models in ``schemas`` still describe both in /openapi.json.
 """
 
 from __future__ import annotations
@@ -19,16 +18,10 @@ from starlette.concurrency import run_in_threadpool
 
 from burstcv_serving import multipart
 from burstcv_serving.admission import ADMISSION_WAIT, BODY_READ_AT, RETRY_AFTER_S
-from burstcv_serving.batcher import (
-    BatchResult,
-    DeadlineExceededError,
-    NoModelError,
-    QueueFullError,
-)
-from burstcv_serving.model import LoadedModel
+from burstcv_serving.batcher import DeadlineExceededError, NoModelError, QueueFullError
 from burstcv_serving.schemas import BatchPredictionOut, ErrorOut, PredictionOut
 from burstcv_serving.settings import Settings
-from burstcv_serving.state import ServiceState, current_model, current_service
+from burstcv_serving.state import get_service, require_model
 from burstcv_spec.preprocess import (
     ImageDecodeError,
     ImageTooLargeError,
@@ -59,24 +52,12 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _form_body(field: str, description: str, *, many: bool) -> dict[str, Any]:
+def _form_body(field: str, about: str, *, many: bool) -> dict[str, Any]:
     """Return the OpenAPI requestBody of a multipart form with one (or repeated) file field."""
     binary: dict[str, Any] = {"type": "string", "format": "binary"}
-    schema = {"type": "array", "items": binary} if many else binary
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {
-                "multipart/form-data": {
-                    "schema": {
-                        "type": "object",
-                        "required": [field],
-                        "properties": {field: {**schema, "description": description}},
-                    }
-                }
-            },
-        }
-    }
+    schema = {**({"type": "array", "items": binary} if many else binary), "description": about}
+    form = {"type": "object", "required": [field], "properties": {field: schema}}
+    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": form}}}}
 
 
 def _check_part_type(part: multipart.Part, what: str) -> None:
@@ -110,13 +91,12 @@ async def _file_parts(request: Request, field: str) -> list[multipart.Part]:
     files = [part for part in parts if part.name == field]
     if not files:
         raise HTTPException(422, detail=f"missing multipart field '{field}'")
-    for part in files:
-        if part.filename is None:
-            raise HTTPException(
-                422,
-                detail=f"multipart field '{field}' is a form value, not a file: send the "
-                "image as a file part (with a filename)",
-            )
+    if any(part.filename is None for part in files):
+        raise HTTPException(
+            422,
+            detail=f"multipart field '{field}' is a form value, not a file: send the "
+            "image as a file part (with a filename)",
+        )
     return files
 
 
@@ -127,24 +107,23 @@ def _decode_probed(probed: list[Image.Image], spec: PreprocessSpec) -> np.ndarra
     return np.stack([to_uint8(load_for(img, spec), spec) for img in probed])
 
 
-async def _read_and_decode(
+async def _decode(
     parts: list[multipart.Part], labels: list[str], spec: PreprocessSpec, max_pixels: int
-) -> tuple[list[bytes], np.ndarray]:
+) -> np.ndarray:
+    """Decode every part at the model's input size; a 4xx naming the file that fails."""
     for part, label in zip(parts, labels, strict=True):
         _check_part_type(part, label)
-    payloads = [part.data for part in parts]
     try:
         # Headers only (cheap at any size): they say how much decoding is ahead.
-        probed = [probe_image(p, max_pixels=max_pixels, formats=spec.formats) for p in payloads]
+        probed = [probe_image(p.data, max_pixels=max_pixels, formats=spec.formats) for p in parts]
         if sum(img.width * img.height for img in probed) <= INLINE_DECODE_MAX_PIXELS:
-            images = _decode_probed(probed, spec)
-        else:
-            images = await run_in_threadpool(_decode_probed, probed, spec)
+            return _decode_probed(probed, spec)
+        return await run_in_threadpool(_decode_probed, probed, spec)
     except ImageDecodeError:
         # Name the offending file: decode again one by one (only on the error path).
-        for payload, label in zip(payloads, labels, strict=True):
+        for part, label in zip(parts, labels, strict=True):
             try:
-                await run_in_threadpool(decode_to_uint8, payload, spec, max_pixels=max_pixels)
+                await run_in_threadpool(decode_to_uint8, part.data, spec, max_pixels=max_pixels)
             except UnsupportedFormatError as exc:
                 raise HTTPException(415, detail=f"{label}: {exc}") from exc
             except ImageTooLargeError as exc:
@@ -152,37 +131,53 @@ async def _read_and_decode(
             except ImageDecodeError as exc:
                 raise HTTPException(422, detail=f"{label}: {exc}") from exc
         raise
-    return payloads, images
 
 
-async def _infer(
-    request: Request,
-    service: ServiceState,
-    payloads: list[bytes],
-    images: np.ndarray,
-    spec: PreprocessSpec,
-) -> BatchResult:
-    waited = request.scope.get("state", {}).get(ADMISSION_WAIT, 0.0)
-    try:
-        return await service.batcher.submit(payloads, images, spec, waited)
-    except (QueueFullError, DeadlineExceededError, NoModelError) as exc:
-        raise HTTPException(
-            503, detail=str(exc), headers={"Retry-After": str(RETRY_AFTER_S)}
-        ) from exc
-    except ImageDecodeError as exc:  # re-decoding for a new model's input size failed
-        raise HTTPException(422, detail=str(exc)) from exc
-
-
-def _elapsed_ms(request: Request, fallback: float) -> float:
-    started: float = request.scope.get("state", {}).get("received_at", fallback)
-    return round((time.perf_counter() - started) * 1000.0, 3)
-
-
-def _items(model: LoadedModel, row: np.ndarray, k: int) -> list[dict[str, Any]]:
-    return [{"label": p.label, "index": p.index, "score": p.score} for p in model.top_k(row, k)]
-
-
-def _json(content: dict[str, Any]) -> Response:
+async def _classify(request: Request, field: str) -> Response:
+    """Answer a prediction request whose images come in multipart ``field``, as JSON bytes."""
+    started = time.perf_counter()
+    service = await get_service(request)
+    model = await require_model(service)
+    settings: Settings = request.app.state.settings
+    many = field == "files"
+    with service.batcher.tracking():
+        files = await _file_parts(request, field)
+        if not many:
+            files = files[:1]
+            labels = [f"file {files[0].filename!r}" if files[0].filename else "file"]
+        elif len(files) > settings.max_batch_files:
+            raise HTTPException(
+                413,
+                detail=f"{len(files)} files sent; the limit is {settings.max_batch_files} "
+                "per request",
+            )
+        else:
+            labels = [
+                f"file {i} ({f.filename!r})" if f.filename else f"file {i}"
+                for i, f in enumerate(files)
+            ]
+        images = await _decode(files, labels, model.spec, settings.max_pixels)
+        waited = request.scope.get("state", {}).get(ADMISSION_WAIT, 0.0)
+        try:
+            answered_by, probabilities = await service.batcher.submit(
+                [part.data for part in files], images, model.spec, waited
+            )
+        except (QueueFullError, DeadlineExceededError, NoModelError) as exc:
+            raise HTTPException(
+                503, detail=str(exc), headers={"Retry-After": str(RETRY_AFTER_S)}
+            ) from exc
+        except ImageDecodeError as exc:  # re-decoding for a new model's input size failed
+            raise HTTPException(422, detail=str(exc)) from exc
+    rows = [answered_by.top_k(row, settings.top_k) for row in probabilities]
+    content: dict[str, Any] = {"version": answered_by.version, "model": answered_by.name}
+    if many:
+        content["results"] = [
+            {"filename": f.filename, "predictions": row} for f, row in zip(files, rows, strict=True)
+        ]
+    else:
+        content["predictions"] = rows[0]
+    received_at: float = request.scope.get("state", {}).get("received_at", started)
+    content["server_time_ms"] = round((time.perf_counter() - received_at) * 1000.0, 3)
     body = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     return Response(body.encode(), media_type="application/json")
 
@@ -196,23 +191,7 @@ def _json(content: dict[str, Any]) -> Response:
 )
 async def predict(request: Request) -> Response:
     """Classify one image sent as multipart field ``file``."""
-    started = time.perf_counter()
-    service = current_service(request)
-    model = current_model(service)
-    settings: Settings = request.app.state.settings
-    with service.batcher.tracking():
-        part = (await _file_parts(request, "file"))[0]
-        label = f"file {part.filename!r}" if part.filename else "file"
-        payloads, images = await _read_and_decode([part], [label], model.spec, settings.max_pixels)
-        answered_by, probabilities = await _infer(request, service, payloads, images, model.spec)
-    return _json(
-        {
-            "version": answered_by.version,
-            "model": answered_by.name,
-            "predictions": _items(answered_by, probabilities[0], settings.top_k),
-            "server_time_ms": _elapsed_ms(request, started),
-        }
-    )
+    return await _classify(request, "file")
 
 
 @router.post(
@@ -224,34 +203,4 @@ async def predict(request: Request) -> Response:
 )
 async def predict_batch(request: Request) -> Response:
     """Classify every image sent as multipart field ``files``, in order."""
-    started = time.perf_counter()
-    service = current_service(request)
-    model = current_model(service)
-    settings: Settings = request.app.state.settings
-    with service.batcher.tracking():
-        files = await _file_parts(request, "files")
-        if len(files) > settings.max_batch_files:
-            raise HTTPException(
-                413,
-                detail=f"{len(files)} files sent; the limit is {settings.max_batch_files} "
-                "per request",
-            )
-        labels = [
-            f"file {i} ({f.filename!r})" if f.filename else f"file {i}" for i, f in enumerate(files)
-        ]
-        payloads, images = await _read_and_decode(files, labels, model.spec, settings.max_pixels)
-        answered_by, probabilities = await _infer(request, service, payloads, images, model.spec)
-    return _json(
-        {
-            "version": answered_by.version,
-            "model": answered_by.name,
-            "results": [
-                {
-                    "filename": f.filename,
-                    "predictions": _items(answered_by, row, settings.top_k),
-                }
-                for f, row in zip(files, probabilities, strict=True)
-            ],
-            "server_time_ms": _elapsed_ms(request, started),
-        }
-    )
+    return await _classify(request, "files")
