@@ -201,3 +201,47 @@ def test_the_graph_sees_a_known_import() -> None:
     assert "burstcv.cost.pricing" in graph["burstcv.gate.gate"]
     assert "burstcv_spec.preprocess" in graph["burstcv.gate.accuracy"]
     assert len(graph) > 80
+
+
+# The layers of burstcv, top down: a module imports only from its own layer or those below.
+# What a lower layer needs from a higher one is handed to it as data.
+LAYERS = (
+    ("burstcv.cli",),
+    ("burstcv.airflow",),
+    ("burstcv.stages",),
+    ("burstcv.report",),
+    ("burstcv.compute", "burstcv.gate"),
+    ("burstcv.cost", "burstcv.cli_options"),
+    ("burstcv.params", "burstcv.export"),
+    ("burstcv.training", "burstcv.registry"),
+    (
+        "burstcv.data",
+        "burstcv.settings",
+        "burstcv.lineage",
+        "burstcv.links",
+        "burstcv.stack",
+        "burstcv.localports",
+        "burstcv_serving",
+    ),
+    ("burstcv_spec",),
+)
+
+
+def layer_of(module: str) -> int:
+    """Return the layer of a module (0 at the top), by the longest prefix that names one."""
+    for depth, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return depth
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+
+
+def test_every_import_runs_down_the_layers() -> None:
+    roots = {root.name for root in ROOTS}  # the packages' faces: they import nothing
+    upward = sorted(
+        f"{module} -> {target}"
+        for module, targets in import_graph().items()
+        if module not in roots
+        for target in targets - roots
+        if layer_of(target) < layer_of(module)
+    )
+    assert not upward, "imports that run back up the layers:\n" + "\n".join(upward)

@@ -1,7 +1,7 @@
 """The gate on a busy host: the benchmark stage, for real, beside CPU burners.
 
 A run's folder holds what the stages before the benchmark write (run.json, job.json, the
-validated manifest, the exported demo model); ``pipeline.benchmark`` then measures it through
+validated manifest, the exported demo model); ``benchmark_stage.benchmark`` then measures it through
 real staging services, with the fleet sizing. On a quiet host the model passes the gate; on
 a host kept busy on purpose (burners on the same CPUs, bounded in time) the benchmark is
 inconclusive with the reason: nothing is registered, nothing rejected, and the report and
@@ -19,7 +19,6 @@ import pandas as pd
 import pytest
 from burstcv_testkit import cpu_burners, demo_val_images, export_trained
 
-from burstcv import pipeline
 from burstcv.data.manifest import write_manifest
 from burstcv.gate.interference import Placement
 from burstcv.gate.latency import drive, staging_service
@@ -27,6 +26,10 @@ from burstcv.gate.sizing import host_cpus
 from burstcv.params import RunParams
 from burstcv.registry.registry import Registry
 from burstcv.settings import Settings
+from burstcv.stages import benchmark as benchmark_stage
+from burstcv.stages import gate as gate_stage
+from burstcv.stages import report as report_stage
+from burstcv.stages import resolve
 from burstcv.training.job import write_job
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
@@ -76,8 +79,8 @@ def prepared_run(
     """Write a run's folder as the stages before the benchmark do; return it and its export."""
     run = RunRef.of(f"manual__{name}")
     params = RunParams.resolve({"dataset_uri": str(demo_dataset), "accuracy_floor": 0.5, **conf}, s)
-    pipeline.resolve_run(run, params, s, trigger="manual")
-    paths = pipeline.run_layout(run, s)
+    resolve.resolve_run(run, params, s, trigger="manual")
+    paths = resolve.run_layout(run, s)
     write_job(trained_demo["job"], paths.job_spec)
     rows = [
         {
@@ -110,8 +113,8 @@ def test_a_quiet_host_measures_the_model_and_it_passes(
 ) -> None:
     s = settings(tmp_path)
     run, exported = prepared_run("quiet-host", s, trained_demo, exported_demo, demo_dataset)
-    bench = pipeline.benchmark(run, s)
-    record = read_artifact(pipeline.run_layout(run, s).latency, LatencyRecord)
+    bench = benchmark_stage.benchmark(run, s)
+    record = read_artifact(resolve.run_layout(run, s).latency, LatencyRecord)
     assert record.inconclusive is None
     load = record.candidate.host_load
     assert load is not None and not load.busy
@@ -122,7 +125,7 @@ def test_a_quiet_host_measures_the_model_and_it_passes(
     assert record.bench_s is not None and record.bench_s > 0
     assert record.sizing_s is not None and record.sizing_s > 0
     assert record.candidate.errors == 0 and record.candidate.shed == 0
-    verdict = pipeline.gate(run, exported, bench, s)
+    verdict = gate_stage.gate(run, exported, bench, s)
     assert verdict.promote, verdict.summary
 
 
@@ -142,16 +145,16 @@ def test_a_busy_host_makes_the_gate_inconclusive_never_a_rejection(
     # by themselves within two minutes whatever happens here.
     with (
         cpu_burners(per_cpu=3, seconds=120),
-        pytest.raises(pipeline.GateInconclusive) as caught,
+        pytest.raises(benchmark_stage.GateInconclusive) as caught,
     ):
-        pipeline.benchmark(run, s)
+        benchmark_stage.benchmark(run, s)
     message = str(caught.value)
     # The sizing comes first (the latency benchmark's load follows from it): it found the
     # host busy, and nothing after it was measured.
     assert message.startswith("gate inconclusive: fleet sizing: inconclusive")
     assert "busy through 2 attempt(s)" in message
     assert "other processes took" in message and "The model was not judged" in message
-    paths = pipeline.run_layout(run, s)
+    paths = resolve.run_layout(run, s)
     record = read_artifact(paths.latency, LatencyRecord)
     assert record.inconclusive is not None and "other processes took" in record.inconclusive
     assert record.candidate is None and record.sizing_s is not None
@@ -161,7 +164,7 @@ def test_a_busy_host_makes_the_gate_inconclusive_never_a_rejection(
     # Nothing was judged: no verdict, no version registered (rejected or otherwise).
     assert not storage.exists(paths.verdict)
     assert Registry(s.registry_uri, s.model_name).versions() == []
-    page = storage.read_bytes(pipeline.report(run, s)).decode()
+    page = storage.read_bytes(report_stage.report(run, s)).decode()
     assert "Inconclusive, nothing judged" in page and "BUSY" in page
 
 
@@ -178,14 +181,14 @@ def test_a_busy_host_with_the_services_isolated_from_it_measures_the_model_and_i
     # The neighbours are kept off the staging services' CPUs (as a dedicated worker's cpuset
     # would): they share the load generator's.
     with cpu_burners(per_cpu=2, seconds=180, cpus=place.generator):
-        bench = pipeline.benchmark(run, s)
-    record = read_artifact(pipeline.run_layout(run, s).latency, LatencyRecord)
+        bench = benchmark_stage.benchmark(run, s)
+    record = read_artifact(resolve.run_layout(run, s).latency, LatencyRecord)
     assert record.inconclusive is None
     load = record.candidate.host_load
     assert load is not None and load.cpus == place.service and not load.busy, load
     assert bench.sizing is not None and bench.sizing.host_load is not None
     assert bench.sizing.host_load.cpus == place.service and not bench.sizing.host_load.busy
-    verdict = pipeline.gate(run, exported, bench, s)
+    verdict = gate_stage.gate(run, exported, bench, s)
     assert verdict.promote, verdict.summary
 
 
@@ -197,7 +200,7 @@ def test_a_new_version_of_the_same_model_reuses_its_sizes_until_something_change
 ) -> None:
     s = settings(tmp_path)
     first, _ = prepared_run("sizes-first", s, trained_demo, exported_demo, demo_dataset)
-    measured = pipeline.benchmark(first, s).sizing
+    measured = benchmark_stage.benchmark(first, s).sizing
     assert measured is not None and measured.measured_in == first.airflow_run_id
     assert measured.speed_key and measured.host_load is not None
     # The same architecture, input and preprocessing on the same host, at the same SLO: the
@@ -207,26 +210,26 @@ def test_a_new_version_of_the_same_model_reuses_its_sizes_until_something_change
     again, again_exported = prepared_run(
         "sizes-again", s, trained_demo, exported_demo, demo_dataset, target_rps=float(load)
     )
-    again_bench = pipeline.benchmark(again, s)
+    again_bench = benchmark_stage.benchmark(again, s)
     reused = again_bench.sizing
     assert reused is not None and reused.measured_in == first.airflow_run_id
     assert reused.sizes == measured.sizes and reused.speed_key == measured.speed_key
     assert reused.host_load == measured.host_load and reused.target_rps == load
     assert reused.chosen is not None and measured.chosen is not None
     assert reused.chosen.replicas > measured.chosen.replicas  # its load, not the default
-    timing = read_artifact(pipeline.run_layout(again, s).latency, LatencyRecord).sizing_s
+    timing = read_artifact(resolve.run_layout(again, s).latency, LatencyRecord).sizing_s
     assert timing is not None and timing < 1.0
-    page = storage.read_bytes(pipeline.report(again, s)).decode()
+    page = storage.read_bytes(report_stage.report(again, s)).decode()
     assert f"Sizes reused from run {first.airflow_run_id}" in page
     # The registry says whose figures the version's fleet rests on.
-    version = pipeline.gate(again, again_exported, again_bench, s).version
+    version = gate_stage.gate(again, again_exported, again_bench, s).version
     entry = Registry(s.registry_uri, s.model_name).entry(version)
     assert entry.fleet is not None and entry.fleet_measured_in == first.airflow_run_id
     # Another SLO holds each rate to another limit: measured again.
     other_slo, _ = prepared_run(
         "sizes-slo", s, trained_demo, exported_demo, demo_dataset, latency_slo_ms=80.0
     )
-    remeasured = pipeline.benchmark(other_slo, s).sizing
+    remeasured = benchmark_stage.benchmark(other_slo, s).sizing
     assert remeasured is not None and remeasured.measured_in == other_slo.airflow_run_id
     assert remeasured.speed_key != measured.speed_key
     # The setting forces a measurement where one would be reused.
@@ -234,7 +237,7 @@ def test_a_new_version_of_the_same_model_reuses_its_sizes_until_something_change
     forced, _ = prepared_run(
         "sizes-forced", forced_settings, trained_demo, exported_demo, demo_dataset
     )
-    again_measured = pipeline.benchmark(forced, forced_settings).sizing
+    again_measured = benchmark_stage.benchmark(forced, forced_settings).sizing
     assert again_measured is not None and again_measured.measured_in == forced.airflow_run_id
     assert again_measured.speed_key == measured.speed_key
 

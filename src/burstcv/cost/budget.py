@@ -1,28 +1,25 @@
 """Resolve a run's costs once, at its first task: the prices where it runs and its budget.
 
-The training boxes' watchdog is armed from the run's deadline, so the time budget is what
-bounds the bill: it is lowered until ``num_nodes`` boxes of the priciest kind a launch may get
-(on-demand on the priciest allowed type, its root volume and public IPv4 included), living
-until the deadline plus the watchdog's margin, cost no more than ``max_cost_usd``
-(``burstcv.cost.model.time_budget``). The serving fleet's CPU types are priced here too, from
-the same sources: a price nobody has is known before anything is rented, and the fleet is
-then reported unpriced rather than the model rejected. A run that sizes its fleet on EC2
-(``size_on``) first sets aside what its sizing boxes can cost at most (``sizing_budget``); the
-training boxes' deadline is bought with the rest.
+The watchdog is armed from the run's deadline, so the time budget bounds the bill. The serving
+fleet's CPU types are priced here too: a price nobody has is known before anything is rented,
+and the fleet is then reported unpriced rather than the model rejected. A run that sizes on EC2
+first sets aside what its sizing boxes can cost at most; the training boxes get the rest.
 """
 
 from __future__ import annotations
 
 import logging
 
-from burstcv.compute.userdata import outlives_deadline_s
-from burstcv.cost.model import LOCAL_RATE, BudgetTooSmallError, box_usd_per_hour, time_budget
-from burstcv.cost.pricing import (
-    instance_shapes,
-    public_ipv4_usd_per_hour,
-    volume_usd_per_gb_month,
+from burstcv.cost.model import (
+    GPU_SERVING_TYPES,
+    LOCAL_RATE,
+    BudgetTooSmallError,
+    box_usd_per_hour,
+    outlives_deadline_s,
+    time_budget,
 )
-from burstcv.cost.quotes import PriceSources, quote
+from burstcv.cost.pricing import instance_shapes, public_ipv4_usd_per_hour, volume_usd_per_gb_month
+from burstcv.cost.quotes import PriceSources, aws_price_sources, quote
 from burstcv.params import RunParams
 from burstcv.settings import Settings
 from burstcv_spec import storage
@@ -30,9 +27,13 @@ from burstcv_spec.contracts import BoxRate, PriceQuote, RunCosts, SizingBudget
 
 log = logging.getLogger(__name__)
 
-
-# The most of a run's budget its sizing boxes may set aside when size_on is auto.
-AUTO_SIZING_SHARE = 0.25
+AUTO_SIZING_SHARE = 0.25  # of a run's budget its sizing boxes may take when size_on is auto
+# What to do about a type no source prices (the rest of the sentence names the types).
+_NO_PRICE_FIX = (
+    "the AWS Price List API did not answer and the bundled table has none; allow "
+    "pricing:GetProducts to the orchestrator (deploy/iam-policy.json) or set "
+    "BURSTCV_PRICE_TABLE to a table that prices"
+)
 
 
 class UnpricedRunError(RuntimeError):
@@ -40,32 +41,38 @@ class UnpricedRunError(RuntimeError):
 
 
 def price_sources(params: RunParams, settings: Settings) -> PriceSources:
-    """Return where the run's prices come from: AWS (cached in the artifact store) when this
-    deployment reaches AWS or the run trains on EC2; else the store's cache and the bundled
-    table alone (a local run never waits on AWS)."""
+    """Return where the run's prices come from: AWS, cached in the store, when this deployment
+    reaches AWS or trains on EC2; else the cache and the bundled table (a local run never waits)."""
     if params.compute_backend != "ec2" and not settings.aws_configured():
         return PriceSources(artifact_root=settings.artifact_root)
-    from burstcv.compute.ec2 import Ec2Backend
-
-    return Ec2Backend(settings.ec2).price_sources(settings.artifact_root)
+    return aws_price_sources(settings.ec2, settings.artifact_root)
 
 
 def candidate_quotes(
     instance_types: list[str], region: str, sources: PriceSources
 ) -> dict[str, PriceQuote | None]:
-    """Return each candidate type's on-demand quote (None: nobody prices it).
-
-    On-demand is a launch's worst case: spot falls back to it.
-    """
+    """Return each type's on-demand quote (None: nobody prices it); on-demand is a launch's
+    worst case: spot falls back to it."""
     return {t: quote(t, region, "on-demand", sources) for t in instance_types}
 
 
-def worst_box_rate(params: RunParams, settings: Settings, sources: PriceSources) -> BoxRate:
-    """Return the priciest box the run may rent, every part priced.
+def _on_demand_rate(price: PriceQuote, region: str, volume_gb: int) -> BoxRate:
+    """Return a box on-demand at ``price``, with its root volume and a public IPv4 (a subnet
+    that assigns public addresses, as the default subnets do, gives it one)."""
+    return BoxRate(
+        instance_type=price.instance_type,
+        market="on-demand",
+        usd_per_hour=price.usd_per_hour,
+        price_source=f"{price.source}, {price.as_of}",
+        volume_gb=volume_gb,
+        ebs_usd_per_gb_month=volume_usd_per_gb_month(region),
+        public_ipv4_usd_per_hour=public_ipv4_usd_per_hour(),
+    )
 
-    A type nobody can price is assumed to cost the highest known price of the others; if
-    none of them has a price, UnpricedRunError says what to set.
-    """
+
+def worst_box_rate(params: RunParams, settings: Settings, sources: PriceSources) -> BoxRate:
+    """Return the priciest box the run may rent, every part priced: a type nobody prices
+    counts at the highest known price; none priced raises UnpricedRunError."""
     if params.compute_backend == "local":
         return LOCAL_RATE
     region = settings.ec2.region
@@ -74,9 +81,7 @@ def worst_box_rate(params: RunParams, settings: Settings, sources: PriceSources)
     if not known:
         raise UnpricedRunError(
             f"no price for any of the run's instance types ({', '.join(quotes)}) in {region}: "
-            "the AWS Price List API did not answer and the bundled table has none; allow "
-            "pricing:GetProducts to the orchestrator (deploy/iam-policy.json) or set "
-            "BURSTCV_PRICE_TABLE to a table that prices one of them"
+            f"{_NO_PRICE_FIX} one of them"
         )
     priciest = max(known.values(), key=lambda q: q.usd_per_hour)
     unpriced = [t for t, q in quotes.items() if q is None]
@@ -89,26 +94,13 @@ def worst_box_rate(params: RunParams, settings: Settings, sources: PriceSources)
             priciest.instance_type,
             priciest.usd_per_hour,
         )
-    return BoxRate(
-        instance_type=priciest.instance_type,
-        market="on-demand",
-        usd_per_hour=priciest.usd_per_hour,
-        price_source=f"{priciest.source}, {priciest.as_of}",
-        volume_gb=settings.ec2.volume_gb,
-        ebs_usd_per_gb_month=volume_usd_per_gb_month(region),
-        # A box in a subnet that assigns public addresses (the default subnets do) pays one.
-        public_ipv4_usd_per_hour=public_ipv4_usd_per_hour(),
-    )
+    return _on_demand_rate(priciest, region, settings.ec2.volume_gb)
 
 
 def serving_quotes(
     families: list[str], region: str, sources: PriceSources
 ) -> tuple[list[PriceQuote], str | None]:
-    """Return the on-demand quotes of the CPU types of ``families``, and what is unpriced.
-
-    The second value is None when every type has a price, else one line naming the types
-    without one and what to set.
-    """
+    """Return the on-demand quotes of ``families``' CPU types, and a line naming the unpriced."""
     types = [t for t in sorted(instance_shapes()) if t.split(".")[0] in families]
     if not types:
         return [], (
@@ -121,10 +113,8 @@ def serving_quotes(
     unpriced = None
     if missing:
         unpriced = (
-            f"no on-demand price for {', '.join(missing)} in {region}: the AWS Price List API "
-            "did not answer and the bundled table has none; allow pricing:GetProducts to the "
-            "orchestrator (deploy/iam-policy.json) or set BURSTCV_PRICE_TABLE to a table that "
-            f"prices them in {region}"
+            f"no on-demand price for {', '.join(missing)} in {region}: {_NO_PRICE_FIX} them "
+            f"in {region}"
         )
         log.warning("serving fleet: %s", unpriced)
     return [q for q in quotes.values() if q is not None], unpriced
@@ -142,24 +132,19 @@ def resolve_costs(params: RunParams, settings: Settings) -> RunCosts:
         else 0
     )
     sizing = sizing_budget(params, settings, region, sources)
-    training_usd = params.max_cost_usd - (sizing.reserve_usd if sizing else 0.0)
+    reserve_usd = sizing.reserve_usd if sizing else 0.0
+    training_usd = params.max_cost_usd - reserve_usd
     if training_usd <= 0:
         raise BudgetTooSmallError(
             f"${params.max_cost_usd:.2f} does not cover the sizing boxes' reserve "
-            f"(${sizing.reserve_usd if sizing else 0.0:.4f}: size on ec2); raise max_cost_usd, "
+            f"(${reserve_usd:.4f}: size on ec2); raise max_cost_usd, "
             "lower sizing_boxes or sizing_max_s, or size on the host"
         )
     budget_s, reason = time_budget(
-        training_usd,
-        params.time_budget_s,
-        boxes=params.num_nodes,
-        rate=rate,
-        margin_s=margin_s,
+        training_usd, params.time_budget_s, boxes=params.num_nodes, rate=rate, margin_s=margin_s
     )
     serving, unpriced = serving_quotes(list(params.serving_families), region, sources)
     # The one-GPU types the gate may advise serving on, priced alike (unpriced: advised so).
-    from burstcv.gate.gate import GPU_SERVING_TYPES
-
     gpus = [q for t in GPU_SERVING_TYPES if (q := quote(t, region, "on-demand", sources))]
     return RunCosts(
         region=region,
@@ -178,12 +163,8 @@ def resolve_costs(params: RunParams, settings: Settings) -> RunCosts:
 def sizing_budget(
     params: RunParams, settings: Settings, region: str, sources: PriceSources
 ) -> SizingBudget | None:
-    """Return what the run sets aside for its sizing boxes, or None when it sizes on the host.
-
-    ``sizing_boxes`` boxes, each on-demand on the priciest CPU type the run's families allow,
-    with its root volume and public IPv4, living at most ``sizing_max_s`` plus their
-    watchdog's margin: the most the sizing can cost, whichever candidates it picks.
-    """
+    """Return what the run sets aside for its sizing boxes (the most they can cost, whichever
+    types they size), or None when it sizes on the host."""
     if params.sizes_on(settings.artifact_root) != "ec2":
         return None
     if not storage.is_s3(settings.artifact_root):
@@ -204,15 +185,7 @@ def sizing_budget(
         log.warning("sizing on the host: %s", why)
         return None
     priciest = max(quotes, key=lambda q: q.usd_per_hour)
-    rate = BoxRate(
-        instance_type=priciest.instance_type,
-        market="on-demand",
-        usd_per_hour=priciest.usd_per_hour,
-        price_source=f"{priciest.source}, {priciest.as_of}",
-        volume_gb=settings.ec2.sizing_volume_gb,
-        ebs_usd_per_gb_month=volume_usd_per_gb_month(region),
-        public_ipv4_usd_per_hour=public_ipv4_usd_per_hour(),
-    )
+    rate = _on_demand_rate(priciest, region, settings.ec2.sizing_volume_gb)
     margin_s = outlives_deadline_s(settings.ec2.sizing_margin_min)
     reserve = params.sizing_boxes * box_usd_per_hour(rate) * (params.sizing_max_s + margin_s)
     if params.size_on == "auto" and reserve / 3600.0 > AUTO_SIZING_SHARE * params.max_cost_usd:

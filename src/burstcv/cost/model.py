@@ -1,9 +1,5 @@
 """Price what burstcv rents, one way: a box, a run of boxes, its budget, a serving fleet.
 
-Every figure that counts money asks this module: the budget and deadline a run's boxes get
-(resolved once, at the run's first task), the bill (billing.json and the progress lines,
-from the attempt records), the serving fleet, the gate's advice and the report.
-
 EC2's rules, as billed (Linux):
 - the instance per second from ``running`` (``pending`` is not billed), at least 60 s a start;
 - its EBS root volume per GB-month (730 hours), per second from launch to termination, at
@@ -26,9 +22,8 @@ MINIMUM_BILLED_S = 60  # per instance start, and per volume
 # A serving replica runs at most at 70% of its sustainable rate: load moves faster than a
 # fleet scales, and a replica near its limit breaks the SLO.
 DEFAULT_HEADROOM = 0.3
-
-
-# A local box (a process on this machine) costs nothing.
+# One-GPU types the gate may advise serving on (the cheapest priced one is suggested).
+GPU_SERVING_TYPES: tuple[str, ...] = ("g4dn.xlarge", "g6.xlarge", "g5.xlarge")
 LOCAL_RATE = BoxRate(
     instance_type="local", market="local", usd_per_hour=0.0, price_source="local compute"
 )
@@ -42,6 +37,12 @@ def box_usd_per_hour(rate: BoxRate) -> float:
     """Return what one box costs an hour: instance, root volume and public IPv4 together."""
     volume = rate.volume_gb * rate.ebs_usd_per_gb_month / HOURS_PER_MONTH
     return rate.usd_per_hour + volume + rate.public_ipv4_usd_per_hour
+
+
+def outlives_deadline_s(margin_min: int) -> int:
+    """Return the seconds a box may outlive the run's deadline: the watchdog's margin and the
+    minute its ``shutdown -h +N`` rounds up to."""
+    return (margin_min + 1) * 60
 
 
 def _at(text: str) -> datetime:
@@ -60,12 +61,8 @@ class BoxCost:
 
 
 def box_cost(box: BoxBill, now: datetime) -> BoxCost:
-    """Return what one box of an attempt cost, from its record, up to its end (or ``now``).
-
-    The instance bills from when it was seen running (``running_at``; unknown: from launch,
-    an upper bound), the volume and the address from launch; each at least 60 s. A local
-    box costs nothing, and its seconds are its wall time.
-    """
+    """Return what one box of an attempt cost up to its end (or ``now``), as EC2 bills it; an
+    unknown ``running_at`` bills the instance from launch (an upper bound)."""
     launched = _at(box.launched_at)
     ended = max(_at(box.ended_at) if box.ended_at else now, launched)
     if box.market == "local":
@@ -86,13 +83,8 @@ def run_cost(attempts: Iterable[AttemptBill], now: datetime) -> float:
 def time_budget(
     max_cost_usd: float, cap_s: int, *, boxes: int, rate: BoxRate, margin_s: int
 ) -> tuple[int, str]:
-    """Return (seconds from provision to the deadline, why), so the run stays in its budget.
-
-    ``boxes`` boxes at ``rate`` (the priciest a launch may get) live at most until the
-    deadline plus the watchdog's ``margin_s``: the deadline is lowered from ``cap_s`` until
-    that costs no more than ``max_cost_usd``. Raises BudgetTooSmallError when the budget
-    does not buy each box its billed minimum beyond the margin.
-    """
+    """Return (seconds from provision to the deadline, why): at most ``cap_s``, and what
+    ``max_cost_usd`` buys the boxes living until the deadline plus ``margin_s``."""
     if cap_s <= 0:
         raise ValueError(f"cap_s must be positive, got {cap_s}")
     if boxes < 1:

@@ -1,45 +1,38 @@
 """Read prices: the dated bundled table, and the AWS Price List API's answers.
 
-The table (``prices.json`` beside this module, or the file named by ``BURSTCV_PRICE_TABLE``)
-holds on-demand and spot $/hour per region and instance type, with its source and date.
-Spot figures are indicative: the real price moves by hour and Availability Zone. A training
+The table (``prices.json`` beside this module, or ``$BURSTCV_PRICE_TABLE``) holds on-demand and
+spot $/hour per region and type, with its source and date; its spot figures are indicative. A
 run quotes AWS itself (``burstcv.cost.quotes``) and falls back on this table only offline.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import UTC, datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 log = logging.getLogger(__name__)
 
-Lifecycle = Literal["on-demand", "spot", "local"]
 LIFECYCLES: tuple[str, ...] = ("on-demand", "spot", "local")
 
 PACKAGED_TABLE = Path(__file__).with_name("prices.json")
 PRICE_TABLE_ENV = "BURSTCV_PRICE_TABLE"
 
-# The Price List API answers at two endpoints, each with every region's prices: us-east-1
-# first, then ap-south-1 (for an account whose policies deny us-east-1).
+# The Price List API's two endpoints, each with every region's prices (a policy may deny one).
 PRICING_API_REGIONS = ("us-east-1", "ap-south-1")
-# Refusals of one endpoint (an SCP or a permissions boundary that denies its region) that
-# the other may not share.
+# Refusals of one endpoint (an SCP or a permissions boundary) that the other may not share.
 _ENDPOINT_REFUSALS = ("AccessDenied", "UnauthorizedOperation", "UnrecognizedClient")
 
 
 class PriceListEndpoints:
-    """Ask the Price List API at the first of its endpoints that answers.
-
-    An account whose organisation denies every region but its own (a common SCP) may still
-    allow one of the two: a refusal (or an unreachable endpoint) moves to the next; the
-    endpoint that answered is asked first from then on. Only ``get_products`` is used.
-    """
+    """Ask the Price List API at the first of its endpoints that answers (an SCP may deny
+    one region); the endpoint that answered is asked first from then on."""
 
     def __init__(self, client_in: Any, regions: Iterable[str] = PRICING_API_REGIONS) -> None:
         self._client_in = client_in  # region -> boto3 pricing client
@@ -141,15 +134,13 @@ def instance_shapes(path: Path | None = None) -> dict[str, tuple[int, float]]:
 
 
 def instance_arch(instance_type: str, path: Path | None = None) -> str:
-    """Return the architecture of a CPU type the table sizes fleets on: ``arm64`` (Graviton)
-    or ``x86_64`` (the default, and for a type the table does not list)."""
+    """Return a CPU type's architecture: ``arm64`` (Graviton) or ``x86_64`` (the default)."""
     shape = load_price_table(path).get("instances", {}).get(instance_type, {})
     return str(shape.get("arch", "x86_64"))
 
 
 def normal_arch(machine: str) -> str:
-    """Return EC2's name for a machine architecture (``platform.machine()``: aarch64 is
-    arm64, AMD64 is x86_64)."""
+    """Return EC2's name for a ``platform.machine()`` architecture (aarch64 is arm64)."""
     name = machine.lower()
     return {"aarch64": "arm64", "amd64": "x86_64"}.get(name, name)
 
@@ -162,8 +153,7 @@ def _table_value(key: str, path: Path | None) -> Any:
 
 
 def volume_usd_per_gb_month(region: str, *, path: Path | None = None) -> float:
-    """Return the gp3 root volume's USD per GB-month in ``region`` (the table's default row
-    for a region it does not list)."""
+    """Return the gp3 root volume's USD per GB-month in ``region`` (else the table's default)."""
     rates: dict[str, float] = _table_value("storage", path)["gp3_usd_per_gb_month"]
     return float(rates.get(region, rates["default"]))
 
@@ -219,16 +209,8 @@ def refresh_from_pricing_api(
     output: Path | None = None,
     as_of: str | None = None,
 ) -> dict[str, Any]:
-    """Return the price table with on-demand rates re-read from the AWS Pricing API.
-
-    Spot rates are kept from the current table (the Pricing API has none). Writes the new
-    table to ``output`` when given; point ``BURSTCV_PRICE_TABLE`` at it to use it. Runs need
-    no refreshed table: they quote AWS themselves (``burstcv.cost.quotes``); this is for an
-    offline deployment's fallback.
-    """
-    import copy
-    from datetime import UTC
-
+    """Return the price table with on-demand rates re-read from the AWS Pricing API (spot rates
+    kept: it has none), for an offline deployment's fallback; written to ``output`` if given."""
     if client is None:
         import boto3
 

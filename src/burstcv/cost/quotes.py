@@ -1,17 +1,14 @@
 """Quote an instance's hourly price from AWS, cached in the artifact store; the table offline.
 
-On-demand prices come from the AWS Price List API (``pricing:GetProducts``), spot prices from
-the EC2 spot price history of the Availability Zone launched (``ec2:DescribeSpotPriceHistory``).
-The orchestrator asks, never the box. Each answer is written to
-``<artifact root>/prices/<region>/<type>/<market>[-<zone>].json`` with its date and source,
-and reused while fresh (on-demand a week, spot an hour). When AWS cannot answer (no route, no
-permission, a type it does not price) a stale answer from the store is used, then the bundled
-table (``prices.json``), each saying so in its ``source``; when none has a price the quote is
-None and the caller decides (the budget takes the highest known price of the candidates).
+On-demand prices come from the Price List API, spot prices from the spot price history of the
+Availability Zone launched; the orchestrator asks, never the box. An answer is reused while
+fresh; when AWS cannot answer, a stale answer from the store is used, then the bundled table,
+each saying so in its ``source``; when none has a price the quote is None and the caller decides.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,11 +18,13 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from burstcv.cost.pricing import (
+    PriceListEndpoints,
     UnknownPriceError,
     hourly_price,
     load_price_table,
     on_demand_from_price_list,
 )
+from burstcv.settings import Ec2Settings
 from burstcv_spec import storage
 from burstcv_spec.contracts import ArtifactError, PriceQuote, read_artifact, write_artifact
 
@@ -52,6 +51,22 @@ class PriceSources:
     ec2: ClientFactory | None = None  # the region's EC2 client
 
 
+def aws_price_sources(ec2: Ec2Settings, artifact_root: str) -> PriceSources:
+    """Return AWS as the price source over the deployment's ``aws_conn_id``, cached in the store."""
+    from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
+
+    @functools.cache
+    def client(client_type: str, region: str) -> Any:
+        return AwsBaseHook(
+            aws_conn_id=ec2.aws_conn_id, client_type=client_type, region_name=region
+        ).conn
+
+    pricing = PriceListEndpoints(lambda region: client("pricing", region))
+    return PriceSources(
+        artifact_root, pricing=lambda: pricing, ec2=lambda: client("ec2", ec2.region)
+    )
+
+
 def quote_uri(artifact_root: str, instance_type: str, region: str, market: str, zone: str) -> str:
     """Return where one quote is cached in the artifact store."""
     name = f"{market}-{zone}.json" if zone else f"{market}.json"
@@ -67,55 +82,51 @@ def quote(
     zone: str = "",
     now: datetime | None = None,
 ) -> PriceQuote | None:
-    """Return the hourly price of one instance type and market, or None if nobody knows it.
-
-    ``zone`` names the Availability Zone of a spot box; without it the spot quote is the
-    highest of the region's zones (a bound, for a box not yet placed).
-    """
+    """Return the hourly price of one instance type and market, or None if nobody knows it;
+    without ``zone``, a spot quote is the highest of the region's (a bound, for a box not yet
+    placed)."""
     now = now or datetime.now(UTC)
     uri = quote_uri(sources.artifact_root, instance_type, region, market, zone)
     cached = _cached(uri)
     if cached is not None and now - datetime.fromisoformat(cached.fetched_at) < FRESH_FOR[market]:
         return cached
+    where = f"{region} ({zone})" if zone else region
     try:
-        fetched = _fetch(instance_type, region, market, zone, sources, now)
+        priced = _fetch(instance_type, region, market, zone, sources, now)
     except _AWS_ERRORS as exc:
         log.warning(
-            "the %s price of %s in %s%s could not be read from AWS: %s",
+            "the %s price of %s in %s could not be read from AWS: %s",
             market,
             instance_type,
-            region,
-            f" ({zone})" if zone else "",
+            where,
             exc,
         )
-        fetched = None
-    if fetched is not None:
-        write_artifact(uri, fetched)
-        return fetched
-    if cached is not None:
+        priced = None
+    if priced is None and cached is not None:
         log.warning("using the %s price of %s fetched %s", market, instance_type, cached.fetched_at)
         return cached
-    return bundled_quote(instance_type, region, market, zone, now)
-
-
-def bundled_quote(
-    instance_type: str, region: str, market: str, zone: str, now: datetime
-) -> PriceQuote | None:
-    """Return the bundled table's price (dated by the table), or None if it has none."""
-    try:
-        usd = hourly_price(instance_type, region, market)
-    except UnknownPriceError:
-        return None
-    return PriceQuote(
+    if priced is None:
+        try:  # the bundled table's price, dated by the table
+            usd = hourly_price(instance_type, region, market)
+        except UnknownPriceError:
+            return None
+        priced = usd, SOURCE_BUNDLED, str(load_price_table()["as_of"])
+    else:
+        log.info("%s %s in %s: $%.4f/h (%s)", market, instance_type, where, *priced[:2])
+    usd, source, as_of = priced
+    found = PriceQuote(
         instance_type=instance_type,
         region=region,
         market=market,
         zone=zone,
         usd_per_hour=usd,
-        source=SOURCE_BUNDLED,
-        as_of=str(load_price_table()["as_of"]),
+        source=source,
+        as_of=as_of,
         fetched_at=now.isoformat(),
     )
+    if source != SOURCE_BUNDLED:  # a fallback is not cached as if AWS had said it
+        write_artifact(uri, found)
+    return found
 
 
 def spot_from_history(
@@ -143,13 +154,9 @@ def spot_from_history(
 
 
 def _fetch(
-    instance_type: str,
-    region: str,
-    market: str,
-    zone: str,
-    sources: PriceSources,
-    now: datetime,
-) -> PriceQuote | None:
+    instance_type: str, region: str, market: str, zone: str, sources: PriceSources, now: datetime
+) -> tuple[float, str, str] | None:
+    """Return AWS's price: ($/hour, source, as of), or None when no source is given."""
     if market == "on-demand" and sources.pricing is not None:
         usd = on_demand_from_price_list(sources.pricing(), instance_type, region)
         source, as_of = SOURCE_PRICE_LIST, now
@@ -158,18 +165,7 @@ def _fetch(
         source = SOURCE_SPOT_HISTORY
     else:
         return None
-    where = f"{region} ({zone})" if zone else region
-    log.info("%s %s in %s: $%.4f/h (%s)", market, instance_type, where, usd, source)
-    return PriceQuote(
-        instance_type=instance_type,
-        region=region,
-        market=market,
-        zone=zone,
-        usd_per_hour=usd,
-        source=source,
-        as_of=as_of.astimezone(UTC).isoformat(),
-        fetched_at=now.isoformat(),
-    )
+    return usd, source, as_of.astimezone(UTC).isoformat()
 
 
 def _cached(uri: str) -> PriceQuote | None:

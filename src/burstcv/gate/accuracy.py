@@ -15,12 +15,8 @@ EVAL_BATCH = 256
 
 
 def onnx_accuracy(model_dir: str | Path, images_u8: np.ndarray, labels: list[str]) -> float:
-    """Return top-1 accuracy of the ONNX model in ``model_dir`` on uint8 NHWC images.
-
-    ``labels`` are class names, so a model whose class list differs is scored by name.
-    Images are the run's shards: at the model's input size, or with the pack margin around
-    it (photos), of which the centre is taken, as serving computes it.
-    """
+    """Return top-1 accuracy of the ONNX model in ``model_dir`` on uint8 NHWC images (the
+    run's shards, centre-cropped as serving does); ``labels`` are class names, scored by name."""
     card = read_artifact(str(Path(model_dir) / MODEL_CARD), ModelCard)
     spec = card.preprocess.to_spec()
     images_u8 = eval_view(images_u8, spec)
@@ -28,14 +24,10 @@ def onnx_accuracy(model_dir: str | Path, images_u8: np.ndarray, labels: list[str
         str(Path(model_dir) / card.onnx_file), providers=["CPUExecutionProvider"]
     )
     name = session.get_inputs()[0].name
-    classes = card.classes
     correct = 0
     for start in range(0, len(images_u8), EVAL_BATCH):
-        logits = session.run(None, {name: normalize(images_u8[start : start + EVAL_BATCH], spec)})[
-            0
-        ]
-        predicted = [classes[i] for i in logits.argmax(1)]
-        correct += sum(
-            p == t for p, t in zip(predicted, labels[start : start + EVAL_BATCH], strict=True)
-        )
+        batch = slice(start, start + EVAL_BATCH)
+        logits = session.run(None, {name: normalize(images_u8[batch], spec)})[0]
+        predicted = [card.classes[i] for i in logits.argmax(1)]
+        correct += sum(p == t for p, t in zip(predicted, labels[batch], strict=True))
     return correct / max(1, len(labels))

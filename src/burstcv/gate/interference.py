@@ -1,23 +1,11 @@
 """Tell how busy the host was while a measurement ran, so a gate verdict measures the model.
 
-A latency figure taken while other work shares the CPUs measures that work as much as the
-model. Each measurement the gate relies on (the latency benchmark of each model, the fleet
-sizing) runs in a *watch* that records, over its window:
-
-- **others' CPU time** on the CPUs it ran on: the busy ticks of those CPUs in ``/proc/stat``
-  (user, nice, system, irq, softirq and steal) less the CPU time of the measurement's own
-  processes (this process, the children it waited for, and its live descendants: the
-  staging service). Steal counts as others' work: on a shared VM it is the neighbours' time;
-- a **calibration kernel**: a fixed single-thread computation timed before and after the
-  window and compared with the fastest time this host has recorded for it (a file under
-  ``BURSTCV_HOME``), which catches what ``/proc/stat`` cannot see (a CPU quota, a slower
-  clock, a noisy VM neighbour);
-- the **CPU pressure** (PSI, ``/proc/pressure/cpu``) and the **throttling** of this process's
-  cgroup by its CPU quota (``cpu.stat``), where the kernel has them.
-
-A busy window is measured again after a pause (bounded, with backoff); a host that stays busy
-makes the measurement *inconclusive* (:class:`HostBusyError`): the caller does not judge the
-model on it.
+Each measurement the gate relies on runs in a *watch* that records, over its window: others'
+CPU time on its CPUs (busy ticks in ``/proc/stat``, steal included, less the measurement's
+own); a calibration kernel timed before and after against this host's quiet figure, which
+catches what ``/proc/stat`` cannot see (a CPU quota, a slower clock, a noisy VM neighbour); CPU
+pressure (PSI) and cgroup throttling. A busy window is measured again after a pause; a host
+that stays busy makes the measurement inconclusive (:class:`HostBusyError`), not failed.
 """
 
 from __future__ import annotations
@@ -48,8 +36,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-PROC_STAT = "/proc/stat"
-PSI_CPU = "/proc/pressure/cpu"
 # /proc/stat's per-CPU fields that are work: user nice system idle iowait irq softirq steal
 # (guest time is already in user).
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
@@ -67,11 +53,8 @@ class BusyLimits:
 
 
 class HostBusyError(RuntimeError, Generic[T]):
-    """A measurement the host's other work spoiled at every attempt: inconclusive, not failed.
-
-    ``loads`` holds each attempt's host load, ``last`` the last attempt's result (its figures
-    are kept for the record, not judged).
-    """
+    """A measurement the host's other work spoiled at every attempt: inconclusive, not failed
+    (``last``: the last result, kept for the record, not judged)."""
 
     def __init__(self, what: str, loads: list[HostLoad], last: T) -> None:
         self.what, self.loads, self.last = what, loads, last
@@ -84,7 +67,7 @@ class HostBusyError(RuntimeError, Generic[T]):
 def cpu_ticks(cpus: Sequence[int], text: str | None = None) -> float:
     """Return the busy seconds of ``cpus`` since boot, from ``/proc/stat`` (or ``text``)."""
     if text is None:
-        text = Path(PROC_STAT).read_text()
+        text = Path("/proc/stat").read_text()
     wanted = {f"cpu{c}" for c in cpus}
     ticks = 0
     for line in text.splitlines():
@@ -99,7 +82,7 @@ def psi_some_us(text: str | None = None) -> int | None:
     """Return the CPU pressure's ``some total`` (µs since boot), or None without PSI."""
     if text is None:
         try:
-            text = Path(PSI_CPU).read_text()
+            text = Path("/proc/pressure/cpu").read_text()
         except OSError:
             return None
     for line in text.splitlines():
@@ -119,12 +102,12 @@ def _cgroup_cpu_stat() -> Path | None:
     for line in lines:
         hid, controllers, path = [*line.split(":", 2), "", ""][:3]
         if hid == "0" and controllers == "":
-            candidate = Path("/sys/fs/cgroup") / path.lstrip("/") / "cpu.stat"
+            base = Path("/sys/fs/cgroup")
         elif "cpu" in controllers.split(","):
             base = Path("/sys/fs/cgroup") / controllers
-            candidate = base / path.lstrip("/") / "cpu.stat"
         else:
             continue
+        candidate = base / path.lstrip("/") / "cpu.stat"
         if candidate.is_file():
             return candidate
     return None
@@ -153,12 +136,7 @@ def _descendants() -> list[psutil.Process]:
 
 
 def others_among_descendants(own_pids: Sequence[int]) -> set[int]:
-    """Return the pids of this process's live descendants that are not the measurement's.
-
-    The measurement's are ``own_pids`` and their descendants (a staging service started
-    before the window); a descendant started before the window for another purpose (another
-    service, a training process of the same test process) is a neighbour like any other.
-    """
+    """Return the pids of this process's live descendants outside ``own_pids``' trees."""
     own: set[int] = set(own_pids)
     for pid in own_pids:
         with contextlib.suppress(psutil.Error):
@@ -168,8 +146,7 @@ def others_among_descendants(own_pids: Sequence[int]) -> set[int]:
 
 def own_cpu_s(exclude: Collection[int] = (), *, include_self: bool = True) -> dict[int, float]:
     """Return the CPU seconds of this process (with the children it waited for) and of each
-    live descendant not in ``exclude``, by pid. ``include_self=False``: the children's alone
-    (this process's own threads ran elsewhere)."""
+    live descendant not in ``exclude``, by pid; ``include_self=False``: the children's alone."""
     t = os.times()
     mine = t.user + t.system if include_self else 0.0
     times = {os.getpid(): mine + t.children_user + t.children_system}
@@ -188,11 +165,8 @@ def _own_delta(before: dict[int, float], after: dict[int, float]) -> float:
 
 
 def calibration_kernel_ms(repeats: int = 3) -> float:
-    """Return the median time (ms) of a fixed single-thread numpy kernel (~30 ms when quiet).
-
-    Longer than a scheduler slice, so a CPU shared with another runnable task shows up as a
-    slower run rather than slipping between its slices.
-    """
+    """Return the median time (ms) of a fixed single-thread numpy kernel (~30 ms when quiet):
+    longer than a scheduler slice, so a shared CPU shows as a slower run."""
     x = np.linspace(0.0, 1.0, 200_000)
     samples = []
     for _ in range(repeats):
@@ -256,11 +230,8 @@ def running_on(cpus: Collection[int]) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a measurement runs: the measured service's CPUs and the load generator's.
-
-    ``isolated``: the two sets are disjoint, so the service's CPUs carry the service alone
-    (and whatever else the host puts there: what the window counts as others').
-    """
+    """Where a measurement runs: the measured service's CPUs and the load generator's
+    (``isolated``: disjoint, so the service's CPUs carry the service and the host's others)."""
 
     service: list[int]
     generator: list[int]
@@ -273,9 +244,7 @@ class Placement:
     def split(cls, cpus: Sequence[int]) -> Placement:
         """Give the load generator the first CPU and the service the rest (one CPU: both)."""
         cpus = sorted(cpus)
-        if len(cpus) < 2:
-            return cls(service=list(cpus), generator=list(cpus))
-        return cls(service=list(cpus[1:]), generator=[cpus[0]])
+        return cls(service=cpus[1:] or cpus, generator=cpus[:1])
 
 
 @dataclass
@@ -289,8 +258,7 @@ class Window:
     neighbours: set[int] = field(default_factory=set)
     psi_us: int | None = None
     throttled: float | None = None
-    # This process (the load generator) runs on other CPUs than ``cpus``: its own threads'
-    # time is not the measurement's there, only its children's (the services).
+    # The load generator (this process) runs on other CPUs: only its children's time counts.
     isolated: bool = False
 
     @classmethod
@@ -319,20 +287,11 @@ class Window:
         wall = max(_now() - self.started, 1e-6)
         busy = cpu_ticks(self.cpus) - self.busy_s
         own = _own_delta(self.own, self._own_now())
-        capacity = wall * max(1, len(self.cpus))
         # Ticks are coarse (10 ms): a share is never below zero nor above the whole.
-        others = min(1.0, max(0.0, (busy - own) / capacity))
-        psi_after, throttled_after = psi_some_us(), throttled_s()
-        psi = (
-            None
-            if self.psi_us is None or psi_after is None
-            else min(1.0, max(0.0, (psi_after - self.psi_us) / 1e6 / wall))
-        )
-        throttled = (
-            None
-            if self.throttled is None or throttled_after is None
-            else max(0.0, throttled_after - self.throttled)
-        )
+        others = min(1.0, max(0.0, (busy - own) / (wall * max(1, len(self.cpus)))))
+        psi_us = _grown(self.psi_us, psi_some_us())
+        psi = None if psi_us is None else min(1.0, psi_us / 1e6 / wall)
+        throttled = _grown(self.throttled, throttled_s())
         reasons = []
         if others > limits.others_share:
             reasons.append(
@@ -365,6 +324,11 @@ class Window:
         )
 
 
+def _grown(before: float | None, after: float | None) -> float | None:
+    """Return how much a counter grew (never below zero), or None where the kernel lacks it."""
+    return None if before is None or after is None else max(0.0, after - before)
+
+
 def _cpu_list(cpus: Sequence[int]) -> str:
     return ",".join(map(str, cpus)) if len(cpus) <= 8 else f"{cpus[0]}-{cpus[-1]}"
 
@@ -373,13 +337,8 @@ def _cpu_list(cpus: Sequence[int]) -> str:
 def watch(
     cpus: Sequence[int] | None = None, own_pids: Sequence[int] = (), *, isolated: bool = False
 ) -> Iterator[Window]:
-    """Sample the host around a block; close the yielded window afterwards for its load.
-
-    The measurement's processes are this one, what it starts within the block, and
-    ``own_pids`` (with their descendants); everything else on ``cpus`` (default: those this
-    process may run on) is a neighbour. ``isolated``: this process (the load generator) runs
-    on other CPUs than ``cpus``, so only the processes it started count as the measurement's.
-    """
+    """Sample the host around a block; close the yielded window afterwards for its load (what
+    runs on ``cpus`` besides this process, its children and ``own_pids`` is a neighbour)."""
     cpus = cpus if cpus is not None else sorted(os.sched_getaffinity(0))
     yield Window.open(cpus, own_pids, isolated=isolated)
 
@@ -406,34 +365,13 @@ def measure_quietly(
     passes: Callable[[T], bool] | None = None,
 ) -> tuple[T, HostLoad]:
     """Run ``measure`` until a run of it finds the host quiet; return its result and load.
-
-    ``own_pids`` are processes started before the call that belong to the measurement (the
-    staging service). ``isolated``: this process runs on other CPUs than ``cpus``
-    (:class:`Placement`), so only its children count as the measurement's there; the
-    calibration kernel runs on ``cpus``. Each attempt runs the calibration ``kernel``
-    before and after; the slower
-    of the two is compared with the quiet figure, the faster offered as one. A busy one is
-    logged and tried again after a pause (``backoff_s``, doubled each time); when every
-    attempt was busy, raise :class:`HostBusyError` with their loads and the last result.
-
-    ``passes``: whether a result meets what it is measured for even so. Other work on the
-    CPUs only slows a measurement down, so a busy result that passes is kept (its load says
-    busy); only one that would fail is measured again.
-    """
+    ``own_pids``: the measurement's processes started before the call (the staging service);
+    ``passes``: whether a busy result is kept even so (other work only slows it down)."""
     limits = limits or BusyLimits()
     quiet = quiet or QuietFigure(None)
     loads: list[HostLoad] = []
-    result: T | None = None
     for attempt in range(1, max(1, limits.attempts) + 1):
-        before = _on(cpus if isolated else None, kernel)
-        with watch(cpus, own_pids, isolated=isolated) as window:
-            result = measure()
-        after = _on(cpus if isolated else None, kernel)
-        quiet_ms = quiet.read()
-        load = window.close(limits, calibration_ms=max(before, after), quiet_ms=quiet_ms)
-        if load.others_share <= limits.others_share:
-            # Nobody else was on the CPUs: the kernel's faster run is a quiet figure.
-            quiet.offer(min(before, after))
+        result, load = _watched(measure, limits, quiet, cpus, own_pids, isolated, kernel)
         if not load.busy:
             if attempt > 1:
                 log.info("%s: the host was quiet at attempt %d", what, attempt)
@@ -454,3 +392,25 @@ def measure_quietly(
             log.info("%s: measuring again in %.0f s", what, pause)
             sleep(pause)
     raise HostBusyError(what, loads, result)
+
+
+def _watched(
+    measure: Callable[[], T],
+    limits: BusyLimits,
+    quiet: QuietFigure,
+    cpus: Sequence[int] | None,
+    own_pids: Sequence[int],
+    isolated: bool,
+    kernel: Callable[[], float],
+) -> tuple[T, HostLoad]:
+    """Run ``measure`` once in a watch, the calibration ``kernel`` before and after: the
+    slower of the two is compared with the quiet figure, the faster offered as one."""
+    kernel_cpus = cpus if isolated else None
+    before = _on(kernel_cpus, kernel)
+    with watch(cpus, own_pids, isolated=isolated) as window:
+        result = measure()
+    after = _on(kernel_cpus, kernel)
+    load = window.close(limits, calibration_ms=max(before, after), quiet_ms=quiet.read())
+    if load.others_share <= limits.others_share:
+        quiet.offer(min(before, after))
+    return result, load

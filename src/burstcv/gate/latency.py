@@ -1,19 +1,16 @@
 """Measure a model's latency as users will see it: through a staging copy of the real service.
 
-A staging service process is started on a free 127.0.0.1 port with the model folder, pinned
-to the production thread settings, warmed, and driven with a fixed request mix: open-loop at a
-fixed rate (requests leave when due whatever the answers do, each latency counted from when
-its request was due), or closed-loop from a fixed number of clients. The candidate and the
-production model are measured in the same window, interleaved (:func:`drive_paired`), so a
-noisy machine shifts both alike.
+The service is warmed and driven open-loop at a fixed rate, or closed-loop from a fixed number
+of clients; candidate and production are measured interleaved in the same window
+(:func:`drive_paired`), so a noisy machine shifts both alike.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,22 +40,16 @@ def serving_env(
     threads: int | None = None,
     queue_delay_target_ms: float | None = None,
 ) -> dict[str, str]:
-    """Return the environment of a staging service that serves one model folder.
-
-    ``queue_delay_target_ms``: how long a request may queue before the service sheds it (503
-    with Retry-After); the gate sets it to the run's latency SLO, so a request is shed only
-    once it has missed the SLO anyway. None: the service's default.
-    """
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BURSTCV_SERVING_")}
-    env.update(
-        {
-            "BURSTCV_SERVING_MODEL_DIR": model_dir,
-            "BURSTCV_SERVING_HOST": "127.0.0.1",
-            "BURSTCV_SERVING_PORT": str(port),
-            "BURSTCV_SERVING_POLL_INTERVAL_S": "0",
-            "BURSTCV_SERVING_ENVIRONMENT": "development",
-        }
-    )
+    """Return the environment of a staging service that serves one model folder, shedding what
+    queued past ``queue_delay_target_ms`` (None: the service's default)."""
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("BURSTCV_SERVING_")},
+        "BURSTCV_SERVING_MODEL_DIR": model_dir,
+        "BURSTCV_SERVING_HOST": "127.0.0.1",
+        "BURSTCV_SERVING_PORT": str(port),
+        "BURSTCV_SERVING_POLL_INTERVAL_S": "0",
+        "BURSTCV_SERVING_ENVIRONMENT": "development",
+    }
     if threads:
         env["BURSTCV_SERVING_INTRA_OP_THREADS"] = str(threads)
     if queue_delay_target_ms is not None:
@@ -85,27 +76,15 @@ def staging_process(
     cpus: Sequence[int] | None = None,
     queue_delay_target_ms: float | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Run the real service with one model folder (on ``cpus`` only, if given: CPU affinity).
-
-    Yield its base URL and its process. Without ``threads``, the service sizes its threads
-    from the CPUs it may use, as it does in a container limited to that many.
-    """
+    """Run the real service with one model folder (on ``cpus`` only, if given); yield its base
+    URL and its process. Without ``threads``, it sizes its threads from the CPUs it may use."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "burstcv_serving"]
-    if cpus is not None and shutil.which("taskset"):
-        cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
+    env = serving_env(model_dir, port, threads, queue_delay_target_ms)
     with tempfile.TemporaryFile() as log_fh:
-        proc = subprocess.Popen(
-            cmd,
-            env=serving_env(model_dir, port, threads, queue_delay_target_ms),
-            stdout=log_fh,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
+        cmd = [sys.executable, "-m", "burstcv_serving"]
+        proc = loadgen.start_on(cpus, cmd, env=env, stdout=log_fh, stderr=subprocess.STDOUT)
         try:
-            if cpus is not None and not shutil.which("taskset"):
-                os.sched_setaffinity(proc.pid, set(cpus))
             wait_ready(url, proc)
             yield url, proc
         except BaseException:
@@ -184,7 +163,7 @@ def _send(
                         endpoint, files={"file": (f"{i}.png", body, content_type)}
                     )
                     code = str(response.status_code)
-                    was_shed = is_shed(response)
+                    was_shed = response.status_code == 503 and "retry-after" in response.headers
                 except httpx.HTTPError as exc:
                     code = type(exc).__name__
                 elapsed = (time.perf_counter() - t0) * 1000
@@ -225,37 +204,6 @@ def _figures(label: str, sample: Sample, rate_rps: float | None) -> BenchFigures
     )
 
 
-def _stretch(
-    url: str,
-    images: list[bytes],
-    *,
-    requests: int,
-    concurrency: int | None,
-    rate_rps: float | None,
-    content_type: str,
-    first: int = 0,
-) -> Sample:
-    if rate_rps is not None:
-        return loadgen.send(
-            url,
-            images,
-            requests=requests,
-            rate_rps=rate_rps,
-            content_type=content_type,
-            first=first,
-        )
-    if concurrency is None or concurrency < 1:
-        raise ValueError("give a rate (open loop) or a concurrency of at least 1 (closed loop)")
-    return _send(
-        url,
-        images,
-        requests=requests,
-        concurrency=concurrency,
-        content_type=content_type,
-        first=first,
-    )
-
-
 def drive(
     url: str,
     images: list[bytes],
@@ -267,26 +215,19 @@ def drive(
     rate_rps: float | None = None,
     content_type: str = "image/png",
 ) -> BenchFigures:
-    """Send ``requests`` predictions (cycling through ``images``): open-loop at ``rate_rps``,
-    or closed-loop from ``concurrency`` clients when no rate is given.
-
-    The figures' accuracy is left unmeasured (None): the caller measures it on the validation
-    split, which the request mix is too small to judge. A 503 with Retry-After is the
-    service shedding a request that queued past its target: counted as ``shed``, not as an
-    error, and its latency (the time it queued) counts in the percentiles.
-    """
-    if not images:
-        raise ValueError("no images to send")
-    _warm(url, images, warmup, content_type)
-    sample = _stretch(
-        url,
+    """Send ``requests`` predictions: open-loop at ``rate_rps``, or closed-loop from
+    ``concurrency`` clients. A 503 with Retry-After is a request shed after queueing past its
+    target: counted as ``shed``, not as an error, and its latency counts in the percentiles."""
+    return drive_paired(
+        {label: url},
         images,
         requests=requests,
+        warmup=warmup,
         concurrency=concurrency,
         rate_rps=rate_rps,
+        rounds=1,
         content_type=content_type,
-    )
-    return _figures(label, sample, rate_rps)
+    )[label]
 
 
 def drive_paired(
@@ -300,44 +241,29 @@ def drive_paired(
     rounds: int = 4,
     content_type: str = "image/png",
 ) -> dict[str, BenchFigures]:
-    """Measure several services in the same window, interleaved: like with like.
-
-    Each service (by label) gets ``requests`` predictions in ``rounds`` stretches, the
-    services taking turns, the order reversed every other round (A B B A ...), so a host
-    that grows busier or quieter during the window shifts them all alike. Each stretch
-    sends the same images to every service, at the same rate (or concurrency). Figures as
-    :func:`drive` gives them.
-    """
+    """Measure several services in the same window, interleaved: like with like (``rounds``
+    stretches each, in an order reversed every other round: A B B A ...)."""
     if not images:
         raise ValueError("no images to send")
     if not urls:
         return {}
     for url in urls.values():
         _warm(url, images, warmup, content_type)
+    if rate_rps is not None:
+        stretch = functools.partial(loadgen.send, rate_rps=rate_rps, content_type=content_type)
+    elif concurrency is not None and concurrency >= 1:
+        stretch = functools.partial(_send, concurrency=concurrency, content_type=content_type)
+    else:
+        raise ValueError("give a rate (open loop) or a concurrency of at least 1 (closed loop)")
     rounds = max(1, min(rounds, requests))
     samples = {label: Sample() for label in urls}
     labels, sent = list(urls), 0
     for r in range(rounds):
         chunk = requests * (r + 1) // rounds - sent
         for label in labels if r % 2 == 0 else reversed(labels):
-            samples[label].add(
-                _stretch(
-                    urls[label],
-                    images,
-                    requests=chunk,
-                    concurrency=concurrency,
-                    rate_rps=rate_rps,
-                    content_type=content_type,
-                    first=sent,
-                )
-            )
+            samples[label].add(stretch(urls[label], images, requests=chunk, first=sent))
         sent += chunk
     return {label: _figures(label, samples[label], rate_rps) for label in labels}
-
-
-def is_shed(response: httpx.Response) -> bool:
-    """Tell a deliberate shed (503 with Retry-After) from a failed request."""
-    return response.status_code == 503 and "retry-after" in response.headers
 
 
 def bare_onnxruntime_p50(

@@ -1,19 +1,11 @@
-"""The open-loop load generator, and the measure of its own ceiling.
+"""The open-loop load generator, and the trivial endpoint its own ceiling is measured on.
 
 Requests leave when due whatever the answers do; each latency counts from when its request was
-due, and each request's *send lag* (how late it left) is kept, so a generator that cannot keep
-up shows it instead of hiding it as service latency.
-
-Why this generator: every request is encoded once (one per image) and written as bytes over
-persistent HTTP/1.1 connections on asyncio streams, so a request costs the generator a write
-and a read, not an HTTP client's per-request machinery (an httpx client capped at a few hundred
-requests a second on one CPU, below what one service CPU answers). Where the generator gets
-several CPUs it runs one process per CPU, each sending its share of one schedule. Compiled
-generators were weighed: hey and wrk wait for each answer before the next request (closed
-loop: a slow service slows the load, and its queueing is never seen); an open-loop one (wrk2,
-vegeta) would be another binary for every worker and sizing box to carry. A Python generator
-is slower than either, which is why its ceiling is measured (:func:`ceiling_check`) against a
-trivial endpoint on the CPUs the service used, and recorded beside every size.
+due, and each request's send lag is kept, so a generator that cannot keep up shows it instead
+of hiding it as service latency. Requests are encoded once and written as bytes over persistent
+HTTP/1.1 connections (an httpx client tops out at a few hundred requests a second on one CPU).
+hey and wrk are closed-loop, and wrk2 or vegeta would be another binary for every sizing box to
+carry: hence this generator, whose ceiling is measured beside every size.
 """
 
 from __future__ import annotations
@@ -30,6 +22,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 PREDICT_PATH = "/v1/predict"
@@ -43,8 +36,7 @@ TRIVIAL_BODY = (
 
 @dataclass
 class Sample:
-    """What a stretch of load collected: each request's latency (from when it was due), status
-    and send lag, and the span the requests were sent over."""
+    """What a stretch of load collected, and the span its requests were sent over."""
 
     latencies: list[float] = field(default_factory=list)
     statuses: dict[str, int] = field(default_factory=dict)
@@ -80,12 +72,9 @@ def parallel(samples: Sequence[Sample]) -> Sample:
 
 def encode_predict(host: str, body: bytes, name: str, content_type: str) -> bytes:
     """Return one whole prediction request (a multipart upload of ``body``) as bytes."""
+    disposition = f'Content-Disposition: form-data; name="file"; filename="{name}"'
     part = (
-        (
-            f"--{BOUNDARY}\r\n"
-            f'Content-Disposition: form-data; name="file"; filename="{name}"\r\n'
-            f"Content-Type: {content_type}\r\n\r\n"
-        ).encode()
+        f"--{BOUNDARY}\r\n{disposition}\r\nContent-Type: {content_type}\r\n\r\n".encode()
         + body
         + f"\r\n--{BOUNDARY}--\r\n".encode()
     )
@@ -108,11 +97,8 @@ async def _read_answer(reader: asyncio.StreamReader) -> tuple[str, bool, bool]:
     parts = lines[0].split(" ", 2)
     if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
         raise _Answer(lines[0][:80])
-    headers = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if sep:
-            headers[name.strip().lower()] = value.strip()
+    fields = (line.partition(":") for line in lines[1:])
+    headers = {name.strip().lower(): value.strip() for name, sep, value in fields if sep}
     if headers.get("transfer-encoding", "").lower() == "chunked":
         while True:
             size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
@@ -129,44 +115,37 @@ async def _read_answer(reader: asyncio.StreamReader) -> tuple[str, bool, bool]:
     return parts[1], shed, keep
 
 
-async def _open_loop(
-    url: str,
-    requests: Sequence[bytes],
-    *,
-    indices: range,
-    rate_rps: float,
-    timeout_s: float,
-    start_wall: float | None,
-) -> Sample:
-    """Send request ``i % len(requests)`` for each ``i`` of ``indices``, due at ``i / rate``."""
-    parsed = urlsplit(url)
-    host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
-    loop = asyncio.get_running_loop()
-    interval = 1.0 / rate_rps
-    start = loop.time() + (0.05 if start_wall is None else max(0.0, start_wall - time.time()))
-    sample = Sample()
-    idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-    in_flight, last_sent = 0, start
-    tasks: set[asyncio.Task[None]] = set()
+class _Connections:
+    """Send requests over persistent connections to one host, recording each in ``sample``."""
 
-    async def one(i: int, due: float) -> None:
-        nonlocal in_flight, last_sent
-        sent = loop.time()
-        last_sent = max(last_sent, sent)
+    def __init__(self, url: str, requests: Sequence[bytes], timeout_s: float) -> None:
+        parsed = urlsplit(url)
+        self.peer = (parsed.hostname or "127.0.0.1", parsed.port or 80)
+        self.requests, self.timeout_s = requests, timeout_s
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.sample = Sample()
+        self.in_flight = 0
+        self.last_sent = 0.0
+
+    async def send(self, i: int, due: float) -> None:
+        """Send request ``i % len(requests)``, due at ``due``; count its answer."""
+        loop = asyncio.get_running_loop()
+        sample, sent = self.sample, loop.time()
+        self.last_sent = max(self.last_sent, sent)
         sample.lags.append(max(0.0, sent - due) * 1000)
-        in_flight += 1
-        sample.peak_in_flight = max(sample.peak_in_flight, in_flight)
+        self.in_flight += 1
+        sample.peak_in_flight = max(sample.peak_in_flight, self.in_flight)
         code, shed, conn = "ConnectError", False, None
         try:
-            async with asyncio.timeout(timeout_s):
-                conn = idle.pop() if idle else await asyncio.open_connection(host, port)
+            async with asyncio.timeout(self.timeout_s):
+                conn = self.idle.pop() if self.idle else await asyncio.open_connection(*self.peer)
                 code = "WriteError"
-                conn[1].write(requests[i % len(requests)])
+                conn[1].write(self.requests[i % len(self.requests)])
                 await conn[1].drain()
                 code = "ReadError"
                 code, shed, keep = await _read_answer(conn[0])
             if keep:
-                idle.append(conn)
+                self.idle.append(conn)
                 conn = None
         except TimeoutError:
             code = "ReadTimeout" if code == "ReadError" else code
@@ -177,23 +156,40 @@ async def _open_loop(
         finally:
             if conn is not None:
                 conn[1].close()
-        in_flight -= 1
+        self.in_flight -= 1
         sample.latencies.append((loop.time() - due) * 1000)
         sample.count(code, shed)
 
+
+async def _open_loop(
+    url: str,
+    requests: Sequence[bytes],
+    indices: range,
+    rate_rps: float,
+    timeout_s: float,
+    start_wall: float | None,
+) -> Sample:
+    """Send request ``i % len(requests)`` for each ``i`` of ``indices``, due at ``i / rate``."""
+    loop = asyncio.get_running_loop()
+    interval = 1.0 / rate_rps
+    start = loop.time() + (0.05 if start_wall is None else max(0.0, start_wall - time.time()))
+    conns = _Connections(url, requests, timeout_s)
+    conns.last_sent = start
+    tasks: set[asyncio.Task[None]] = set()
     for i in indices:
         due = start + i * interval
         delay = due - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        task = loop.create_task(one(i, due))
+        task = loop.create_task(conns.send(i, due))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
     if tasks:
         await asyncio.gather(*tasks)
-    for _, writer in idle:
+    for _, writer in conns.idle:
         writer.close()
-    sample.wall_s = max(last_sent - start, interval * (len(indices) - 1)) or interval
+    sample = conns.sample
+    sample.wall_s = max(conns.last_sent - start, interval * (len(indices) - 1)) or interval
     return sample
 
 
@@ -203,18 +199,9 @@ def _process_share(
     indices: range,
     rate_rps: float,
     timeout_s: float,
-    start_wall: float,
+    start_wall: float | None,
 ) -> Sample:
-    return asyncio.run(
-        _open_loop(
-            url,
-            requests,
-            indices=indices,
-            rate_rps=rate_rps,
-            timeout_s=timeout_s,
-            start_wall=start_wall,
-        )
-    )
+    return asyncio.run(_open_loop(url, requests, indices, rate_rps, timeout_s, start_wall))
 
 
 def _ready() -> int:
@@ -231,14 +218,12 @@ class Senders:
 
     @property
     def processes(self) -> int:
-        """How many processes send."""
         return len(self.pids)
 
 
 @contextlib.contextmanager
 def senders(processes: int) -> Iterator[Senders | None]:
-    """Start ``processes`` generator processes (None for one: the caller's own sends), wait
-    until every one answers, and stop them at the end."""
+    """Start ``processes`` generator processes (None for one: the caller sends); stop them after."""
     if processes <= 1:
         yield None
         return
@@ -262,63 +247,36 @@ def send(
     processes: int = 1,
     pool: Senders | None = None,
 ) -> Sample:
-    """Send ``requests`` predictions to ``url`` at ``rate_rps``, each when due.
-
-    Request ``i`` carries image ``(first + i) % len(images)``. With ``processes`` > 1, that many
-    processes (started first, then given one shared start) send every ``processes``-th request
-    of the same schedule; they inherit this process's CPUs. ``pool``: processes already
-    started (:func:`senders`), which then send whatever ``processes`` says.
-    """
+    """Send ``requests`` predictions to ``url`` at ``rate_rps``, each when due; request ``i``
+    carries image ``first + i``. ``pool``, or ``processes`` started for the call (on this
+    process's CPUs), share the schedule out."""
     if rate_rps <= 0:
         raise ValueError(f"rate_rps must be positive, got {rate_rps}")
     if not images:
         raise ValueError("no images to send")
     requests = max(1, requests)
     host = urlsplit(url).netloc
-    # Rotated so that request i (counted from 0) carries image first + i.
     encoded = [
         encode_predict(host, images[(first + k) % len(images)], f"{first + k}.png", content_type)
         for k in range(min(len(images), requests))
     ]
-    if pool is None and min(processes, requests) > 1:
-        with senders(min(processes, requests)) as started:
-            assert started is not None
-            return _send_from(started, url, encoded, requests, rate_rps, timeout_s)
-    if pool is not None:
-        return _send_from(pool, url, encoded, requests, rate_rps, timeout_s)
-    return asyncio.run(
-        _open_loop(
-            url,
-            encoded,
-            indices=range(requests),
-            rate_rps=rate_rps,
-            timeout_s=timeout_s,
-            start_wall=None,
-        )
+    started: contextlib.AbstractContextManager[Senders | None] = (
+        senders(min(processes, requests)) if pool is None else contextlib.nullcontext(pool)
     )
+    with started as sending:
+        if sending is None:
+            return _process_share(url, encoded, range(requests), rate_rps, timeout_s, None)
+        return _send_from(sending, url, encoded, requests, rate_rps, timeout_s)
 
 
 def _send_from(
-    pool: Senders,
-    url: str,
-    encoded: Sequence[bytes],
-    requests: int,
-    rate_rps: float,
-    timeout_s: float,
+    pool: Senders, url: str, wire: Sequence[bytes], n: int, rate: float, timeout_s: float
 ) -> Sample:
-    """Send one schedule from the pool's processes, each every n-th request, one shared start."""
-    shares = min(pool.processes, requests)
-    start_wall = time.time() + 0.2
+    """Send ``n`` requests from the pool's processes, each its share, from one shared start."""
+    shares = min(pool.processes, n)
+    start = time.time() + 0.2
     futures = [
-        pool.pool.submit(
-            _process_share,
-            url,
-            encoded,
-            range(p, requests, shares),
-            rate_rps,
-            timeout_s,
-            start_wall,
-        )
+        pool.pool.submit(_process_share, url, wire, range(p, n, shares), rate, timeout_s, start)
         for p in range(shares)
     ]
     return parallel([f.result() for f in futures])
@@ -372,13 +330,8 @@ def free_port() -> int:
 def trivial_endpoint(cpus: Sequence[int] | None = None, timeout_s: float = 20.0) -> Iterator[str]:
     """Run an endpoint that answers every request at once (on ``cpus``); yield its URL."""
     port = free_port()
-    cmd = [sys.executable, "-m", "burstcv.gate.loadgen", str(port)]
-    if cpus is not None and shutil.which("taskset"):
-        cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    proc = start_on(cpus, [sys.executable, "-m", "burstcv.gate.loadgen", str(port)])
     try:
-        if cpus is not None and not shutil.which("taskset"):
-            os.sched_setaffinity(proc.pid, set(cpus))
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
@@ -391,6 +344,21 @@ def trivial_endpoint(cpus: Sequence[int] | None = None, timeout_s: float = 20.0)
         yield f"http://127.0.0.1:{port}"
     finally:
         stop(proc)
+
+
+def start_on(cpus: Sequence[int] | None, cmd: list[str], **popen: Any) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` on ``cpus`` only, if given (taskset, else the process's CPU affinity)."""
+    taskset = cpus is not None and shutil.which("taskset")
+    if cpus is not None and taskset:
+        cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, **popen)
+    if cpus is not None and not taskset:
+        try:
+            os.sched_setaffinity(proc.pid, set(cpus))
+        except BaseException:
+            stop(proc)
+            raise
+    return proc
 
 
 def stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:

@@ -1,16 +1,7 @@
 """What a sizing box runs: size one model on this box's own CPUs, and write the figures.
 
-A sizing box (``size_on`` ec2, ``burstcv.gate.boxes``) is one instance of a candidate serving
-type. Its boot script installs the ``burstcv-size`` wheel (the staging service, the load
-generator and the sizing search; onnxruntime, no torch) and runs::
-
-    burstcv-size measure --model <registry version or run model/> --requests <folder of images>
-        --slo-ms <p95 SLO> --step-s <seconds a step> --out <run>/bench/sizing/boxes/<type>.json
-
-which measures the sustainable rate at 1 .. the box's vCPUs exactly as the benchmark host does
-(``burstcv.gate.sizing.measure_sizes``: the generator's own ceiling beside every size) and
-writes one :class:`~burstcv_spec.contracts.BoxSizing`. Nothing here knows about EC2 beyond
-the identity the boot script passes in.
+A sizing box (``size_on`` ec2) is one instance of a candidate serving type; its boot script
+runs ``burstcv-size measure``. Nothing here knows about EC2 beyond the identity it passes in.
 """
 
 from __future__ import annotations
@@ -40,42 +31,30 @@ def request_images(folder_uri: str) -> list[bytes]:
     return images
 
 
-def measure_box(
-    *,
-    model_uri: str,
-    requests_uri: str,
-    out_uri: str,
-    latency_slo_ms: float,
-    instance_type: str,
-    region: str,
-    instance_id: str | None = None,
-    zone: str | None = None,
-    duration_s: float = STEP_DURATION_S,
-    max_vcpus: int | None = None,
-) -> BoxSizing:
-    """Size the model on this machine's CPUs; write and return its BoxSizing."""
+def _measure_box(args: argparse.Namespace) -> BoxSizing:
+    """Size the model on this machine's CPUs, as ``main``'s arguments say; write its BoxSizing."""
     started = time.monotonic()
-    images = request_images(requests_uri)
+    images = request_images(args.requests)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = materialise_model(model_uri, Path(tmp) / "model")
+        model_dir = materialise_model(args.model, Path(tmp) / "model")
         points = measure_sizes(
             str(model_dir),
             images,
-            latency_slo_ms=latency_slo_ms,
-            max_vcpus=max_vcpus,
-            duration_s=duration_s,
+            latency_slo_ms=args.slo_ms,
+            max_vcpus=args.max_vcpus,
+            duration_s=args.step_s,
         )
     record = BoxSizing(
-        instance_type=instance_type,
-        instance_id=instance_id or None,
-        region=region,
-        zone=zone or None,
+        instance_type=args.instance_type,
+        instance_id=args.instance_id or None,
+        region=args.region,
+        zone=args.zone or None,
         host=HostInfo.model_validate(lineage.host_description()),
         sizes=points,
         measured_at=lineage.utc_now_iso(),
         seconds=round(time.monotonic() - started, 1),
     )
-    write_artifact(out_uri, record)
+    write_artifact(args.out, record)
     return record
 
 
@@ -97,18 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        record = measure_box(
-            model_uri=args.model,
-            requests_uri=args.requests,
-            out_uri=args.out,
-            latency_slo_ms=args.slo_ms,
-            instance_type=args.instance_type,
-            region=args.region,
-            instance_id=args.instance_id,
-            zone=args.zone,
-            duration_s=args.step_s,
-            max_vcpus=args.max_vcpus,
-        )
+        record = _measure_box(args)
     except (OSError, ValueError, RuntimeError) as exc:
         log.error("burstcv-size: %s: %s", type(exc).__name__, exc)
         return 2

@@ -1,15 +1,9 @@
 """Right-size the CPU serving fleet: measure, per CPU size, the load the service sustains.
 
-For each size from 1 vCPU up to the measuring host's cores, a staging copy of the real service
-is started pinned to that many CPUs (its workers and threads follow the CPUs it may use, as in
-production) and driven with an *open-loop* load: requests leave at a fixed rate whatever the
-answers do, and each latency counts from when its request was due, so a slow service is not
-hidden by clients that wait for it (closed-loop load would). The rate steps up until the p95
-breaks the SLO or a request fails; the last rate that held is the size's sustainable rate.
-
-The recommendation prices, for each CPU type of the price table, the replicas the target load
-needs at that sustainable rate (with headroom), and picks the cheapest fleet. Types larger than
-the host are extrapolated from the measured scaling per vCPU and marked so.
+Each size (1 vCPU up to the host's) is a staging copy of the real service pinned to that many
+CPUs, driven with an open-loop load (a slow service is not hidden by clients that wait for it)
+whose rate steps up until p95 breaks the SLO or a request fails. The cheapest fleet is priced
+from each CPU type's sustainable rate; types larger than the host are extrapolated, and marked so.
 """
 
 from __future__ import annotations
@@ -36,7 +30,6 @@ from burstcv.cost.pricing import instance_arch, instance_shapes, normal_arch
 from burstcv.gate import loadgen
 from burstcv.gate.interference import Placement, running_on
 from burstcv.gate.latency import staging_process
-from burstcv.gate.loadgen import trivial_endpoint
 from burstcv_spec.contracts import (
     ArtifactError,
     BoxSizing,
@@ -54,28 +47,21 @@ log = logging.getLogger(__name__)
 
 STEP_FACTOR = 1.5  # each rate tried is this much higher than the last that held
 STEP_DURATION_S = 3.0
-# A search first brackets the limit with short steps (a measuring step's length over this),
-# doubling the rate each time (SCOUT_FACTOR); only the measuring steps give a size's figures.
-SCOUT_SHARE = 3.0
-SCOUT_FACTOR = 2.0
+SCOUT_SHARE = 3.0  # a scouting step lasts a measuring step's length over this
+SCOUT_FACTOR = 2.0  # ... and doubles the rate (only measuring steps give a size's figures)
 MAX_RATE_RPS = 5000.0
 MIN_RATE_RPS = 1.0
-# Sizes beyond the host scale at least this well per doubling of vCPUs (and at most linearly).
-MIN_SCALING_EXPONENT = 0.5
+MIN_SCALING_EXPONENT = 0.5  # sizes beyond the host scale at least this well (at most linearly)
 # The generator must send this many times a size's rate on time to a trivial endpoint, or the
 # size is generator-bound: its rate is then the generator's, a lower bound of the service's.
 GENERATOR_MARGIN = 1.25
-# ... and is first tried at this many times the rate (one step where it outruns the service).
-GENERATOR_PROBE = 2.0
+GENERATOR_PROBE = 2.0  # ... and is first tried at this many times (where it outruns the service)
 # The generator's own delay a check allows: a tenth of the SLO, and never under this (ms): a
 # request over loopback takes about a millisecond however fast the generator is.
 GENERATOR_DELAY_FLOOR_MS = 5.0
-# Seconds each generator check drives the trivial endpoint for (at most a sizing step).
-GENERATOR_CHECK_S = 1.0
-# A rate below this share of a smaller size's is a measurement error, not the service's.
-FALLING_SHARE = 0.9
-# Bumped when the load generator changes: sizes measured with another are measured again.
-GENERATOR_VERSION = 2
+GENERATOR_CHECK_S = 1.0  # seconds each generator check drives the trivial endpoint for
+FALLING_SHARE = 0.9  # a rate below this share of a smaller size's is a measurement error
+GENERATOR_VERSION = 2  # bumped when the load generator changes: its sizes are measured again
 
 
 @dataclass
@@ -116,22 +102,10 @@ def open_loop(
     timeout_s: float = 10.0,
     pool: loadgen.Senders | None = None,
 ) -> LoadRun:
-    """Send predictions to ``url`` at ``rate_rps`` for ``duration_s``, whatever the answers do
-    (from ``pool``'s generator processes, or this one's)."""
-    if rate_rps <= 0:
-        raise ValueError(f"rate_rps must be positive, got {rate_rps}")
+    """Send predictions to ``url`` at ``rate_rps`` for ``duration_s``, whatever the answers do."""
     n = max(1, round(rate_rps * duration_s))
-    sample = loadgen.send(
-        url, images, requests=n, rate_rps=rate_rps, timeout_s=timeout_s, pool=pool
-    )
-    return LoadRun(
-        rate_rps=rate_rps,
-        sent=n,
-        latencies_ms=sample.latencies,
-        statuses=sample.statuses,
-        wall_s=sample.wall_s,
-        lags_ms=sample.lags,
-    )
+    load = loadgen.send(url, images, requests=n, rate_rps=rate_rps, timeout_s=timeout_s, pool=pool)
+    return LoadRun(rate_rps, n, load.latencies, load.statuses, load.wall_s, load.lags)
 
 
 def _holds(run: LoadRun, latency_slo_ms: float) -> bool:
@@ -159,39 +133,14 @@ def sustainable_rate(
     """Step the open-loop rate up until the SLO breaks; return the last run that held, or None.
 
     Without ``start_rps``, the first rate is a quarter of what one request's latency allows.
-    With ``scout_s``, short steps of that many seconds first double the rate until one breaks
-    (:data:`SCOUT_FACTOR`): the measuring steps (``duration_s`` each) then start at the last
-    scouting rate that held and stop below the one that broke, so a service far faster than
-    the first rate is not climbed to at full length. The rate returned is always a measuring
-    step's. Every rate tried is appended to ``tried``.
+    With ``scout_s``, short steps first double the rate until one breaks, so that a fast service
+    is not climbed to at full length; only a measuring step's rate is returned.
     """
 
     def attempt(rate_rps: float, seconds: float = duration_s) -> tuple[LoadRun, bool]:
         run = open_loop(url, images, rate_rps=rate_rps, duration_s=seconds, pool=pool)
         held = _holds(run, latency_slo_ms)
-        scouting = seconds < duration_s
-        log.info(
-            "sizing: %.1f req/s%s: p95 %.1f ms, %d error(s), sent at %.1f req/s: %s",
-            rate_rps,
-            f" (scouting, {seconds:g} s)" if scouting else "",
-            run.percentile(95),
-            run.errors,
-            run.achieved_rps,
-            "held" if held else "broke",
-        )
-        if tried is not None:
-            p95 = run.percentile(95)
-            tried.append(
-                LoadStep(
-                    rate_rps=round(rate_rps, 2),
-                    p95_ms=round(p95, 3) if math.isfinite(p95) else 1e9,
-                    errors=run.errors,
-                    held=held,
-                    requests=sum(run.statuses.values()),
-                    seconds=round(seconds, 3),
-                    scouting=scouting,
-                )
-            )
+        _record(run, held, seconds, seconds < duration_s, tried)
         return run, held
 
     if start_rps is None:
@@ -232,37 +181,52 @@ def sustainable_rate(
     return best
 
 
+def _record(
+    run: LoadRun, held: bool, seconds: float, scouting: bool, tried: list[LoadStep] | None
+) -> None:
+    """Log one rate tried, and append it to ``tried``."""
+    p95 = run.percentile(95)
+    log.info(
+        "sizing: %.1f req/s%s: p95 %.1f ms, %d error(s), sent at %.1f req/s: %s",
+        run.rate_rps,
+        f" (scouting, {seconds:g} s)" if scouting else "",
+        p95,
+        run.errors,
+        run.achieved_rps,
+        "held" if held else "broke",
+    )
+    if tried is not None:
+        tried.append(
+            LoadStep(
+                rate_rps=round(run.rate_rps, 2),
+                p95_ms=round(p95, 3) if math.isfinite(p95) else 1e9,
+                errors=run.errors,
+                held=held,
+                requests=sum(run.statuses.values()),
+                seconds=round(seconds, 3),
+                scouting=scouting,
+            )
+        )
+
+
 @contextlib.contextmanager
 def pinned_service(
     model_dir: str, cpus: Sequence[int], queue_delay_target_ms: float | None = None
 ) -> Iterator[tuple[str, psutil.Process]]:
-    """Run the real service on ``cpus`` only (CPU affinity); yield its URL and its process.
-
-    The service sizes its workers and threads from the CPUs it may use, as it does in a
-    container limited to that many; it sheds what queued past ``queue_delay_target_ms``.
-    """
-    with staging_process(model_dir, cpus=cpus, queue_delay_target_ms=queue_delay_target_ms) as (
-        url,
-        proc,
-    ):
-        yield url, psutil.Process(proc.pid)
+    """Run the real service on ``cpus`` only; yield its URL and its process."""
+    with staging_process(model_dir, cpus=cpus, queue_delay_target_ms=queue_delay_target_ms) as pair:
+        yield pair[0], psutil.Process(pair[1].pid)
 
 
-def _cpu_seconds(proc: psutil.Process) -> float:
-    total = 0.0
+def _usage(proc: psutil.Process) -> tuple[float, float]:
+    """Return the CPU seconds and resident MB of ``proc`` and its descendants."""
+    cpu_s, rss = 0.0, 0
     for p in [proc, *proc.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
             times = p.cpu_times()
-            total += times.user + times.system
-    return total
-
-
-def _rss_mb(proc: psutil.Process) -> float:
-    total = 0
-    for p in [proc, *proc.children(recursive=True)]:
-        with contextlib.suppress(psutil.Error):
-            total += p.memory_info().rss
-    return total / 2**20
+            cpu_s += times.user + times.system
+            rss += p.memory_info().rss
+    return cpu_s, rss / 2**20
 
 
 def host_cpus() -> list[int]:
@@ -272,8 +236,7 @@ def host_cpus() -> list[int]:
 
 def size_placement(cpus: Sequence[int], vcpus: int) -> Placement:
     """Place a ``vcpus``-CPU service on the last CPUs and the load generator (this process)
-    on the others, as the latency benchmark does (:meth:`Placement.split`); with every CPU
-    the service's, the generator shares the first."""
+    on the others; with every CPU the service's, the generator shares the first."""
     cpus = sorted(cpus)
     cut = max(0, len(cpus) - vcpus)
     return Placement(service=cpus[cut:], generator=cpus[:cut] or cpus[:1])
@@ -304,35 +267,21 @@ def generator_check(
     processes: int = 1,
     duration_s: float = STEP_DURATION_S,
 ) -> GeneratorCheck:
-    """Measure whether the generator (on this process's CPUs) outruns a size's ``rate_rps``.
-
-    A trivial endpoint (it answers at once, computing nothing) runs on ``service_cpus`` and is
-    driven at :data:`GENERATOR_PROBE` times the rate, then, if that broke, at
-    :data:`GENERATOR_MARGIN` times. A rate holds as a size's does, with a tenth of the SLO (at
-    least :data:`GENERATOR_DELAY_FLOOR_MS`) for the generator's own delay. When even the margin
-    broke, the size's rate is the generator's.
-    """
-    last = None
-    with trivial_endpoint(service_cpus) as url, loadgen.senders(processes) as pool:
+    """Measure whether the generator outruns ``rate_rps`` to a trivial endpoint on a size's CPUs."""
+    with loadgen.trivial_endpoint(service_cpus) as url, loadgen.senders(processes) as pool:
         open_loop(url, images, rate_rps=20.0, duration_s=0.5)  # connections and caches warm
         for factor in (GENERATOR_PROBE, GENERATOR_MARGIN):
             run = open_loop(
                 url, images, rate_rps=rate_rps * factor, duration_s=duration_s, pool=pool
             )
-            if _holds(run, max(latency_slo_ms / 10, GENERATOR_DELAY_FLOOR_MS)):
-                return GeneratorCheck(
-                    rps=round(run.rate_rps, 2),
-                    send_lag_p95_ms=round(run.send_lag_p95_ms, 3),
-                    processes=processes,
-                    bound=False,
-                )
-            last = run
-    assert last is not None
+            bound = not _holds(run, max(latency_slo_ms / 10, GENERATOR_DELAY_FLOOR_MS))
+            if not bound:
+                break
     return GeneratorCheck(
-        rps=round(min(last.achieved_rps, last.rate_rps), 2),
-        send_lag_p95_ms=round(last.send_lag_p95_ms, 3),
+        rps=round(min(run.achieved_rps, run.rate_rps) if bound else run.rate_rps, 2),
+        send_lag_p95_ms=round(run.send_lag_p95_ms, 3),
         processes=processes,
-        bound=True,
+        bound=bound,
     )
 
 
@@ -346,105 +295,69 @@ class _Search:
     rss_mb: float
 
 
-def _search(
-    model_dir: str,
-    images: Sequence[bytes],
-    place: Placement,
-    *,
-    latency_slo_ms: float,
-    start_rps: float | None,
-    step: float,
-    duration_s: float,
-    processes: int,
-) -> _Search:
-    with (
-        running_on(place.generator),
-        pinned_service(model_dir, place.service, latency_slo_ms) as (url, proc),
-        loadgen.senders(processes) as pool,  # started once, for every rate of the search
-    ):
-        open_loop(url, images, rate_rps=5.0, duration_s=1.0)  # warm-up
-        before = _cpu_seconds(proc)
-        tried: list[LoadStep] = []
-        best = sustainable_rate(
-            url,
-            images,
-            latency_slo_ms=latency_slo_ms,
-            start_rps=start_rps,
-            step=step,
-            duration_s=duration_s,
-            tried=tried,
-            pool=pool,
-            scout_s=duration_s / SCOUT_SHARE,
-        )
-        return _Search(best, tried, _cpu_seconds(proc) - before, _rss_mb(proc))
+@dataclass(frozen=True)
+class _Sizer:
+    """Search one model's sizes, each on its :class:`Placement`, with these settings."""
 
+    model_dir: str
+    images: Sequence[bytes]
+    latency_slo_ms: float
+    step: float
+    duration_s: float
 
-def _check_at(
-    images: Sequence[bytes],
-    place: Placement,
-    rate_rps: float,
-    processes: int,
-    latency_slo_ms: float,
-    duration_s: float,
-) -> GeneratorCheck:
-    """Run :func:`generator_check` from the generator's CPUs of ``place`` against its
-    service's, for at most :data:`GENERATOR_CHECK_S` seconds a rate."""
-    with running_on(place.generator):
-        return generator_check(
-            images,
-            service_cpus=place.service,
-            rate_rps=rate_rps,
-            latency_slo_ms=latency_slo_ms,
-            duration_s=min(duration_s, GENERATOR_CHECK_S),
-            processes=processes,
-        )
-
-
-def measure_sizes(
-    model_dir: str,
-    images: Sequence[bytes],
-    *,
-    latency_slo_ms: float,
-    max_vcpus: int | None = None,
-    duration_s: float = STEP_DURATION_S,
-    step: float = STEP_FACTOR,
-) -> list[SizePoint]:
-    """Measure the sustainable rate at 1, 2, ... vCPUs (up to the host's, or ``max_vcpus``).
-
-    Beside each size, the generator's check (:func:`generator_check`): a size it could not
-    outrun is measured again from one generator process per CPU the generator has (where it
-    has its own), and is marked generator-bound if that cannot outrun it either.
-    """
-    cpus = host_cpus()
-    sizes = range(1, min(len(cpus), max_vcpus or len(cpus)) + 1)
-    points, start = [], None
-    for vcpus in sizes:
-        place = size_placement(cpus, vcpus)
-        processes = 1
-        search = _search(
-            model_dir,
-            images,
-            place,
-            latency_slo_ms=latency_slo_ms,
-            start_rps=start,
-            step=step,
-            duration_s=duration_s,
-            processes=processes,
-        )
-        if search.best is None:
-            points.append(
-                SizePoint(
-                    vcpus=vcpus,
-                    measured=True,
-                    sustainable_rps=0.0,
-                    rss_mb=search.rss_mb,
-                    steps=search.tried,
-                )
+    def search(self, place: Placement, start_rps: float | None, processes: int) -> _Search:
+        """Find the sustainable rate of the service on ``place``, sent from ``processes``."""
+        images, slo = self.images, self.latency_slo_ms
+        with (
+            running_on(place.generator),
+            pinned_service(self.model_dir, place.service, slo) as (url, proc),
+            loadgen.senders(processes) as pool,  # started once, for every rate of the search
+        ):
+            open_loop(url, images, rate_rps=5.0, duration_s=1.0)  # warm-up
+            before, _ = _usage(proc)
+            tried: list[LoadStep] = []
+            best = sustainable_rate(
+                url,
+                images,
+                latency_slo_ms=slo,
+                start_rps=start_rps,
+                step=self.step,
+                duration_s=self.duration_s,
+                tried=tried,
+                pool=pool,
+                scout_s=self.duration_s / SCOUT_SHARE,
             )
-            continue
-        check = _check_at(
-            images, place, search.best.rate_rps, processes, latency_slo_ms, duration_s
-        )
+            cpu_s, rss_mb = _usage(proc)
+            return _Search(best, tried, cpu_s - before, rss_mb)
+
+    def check(self, place: Placement, rate_rps: float, processes: int) -> GeneratorCheck:
+        """Run :func:`generator_check` from ``place``'s generator CPUs against its service's."""
+        with running_on(place.generator):
+            return generator_check(
+                self.images,
+                service_cpus=place.service,
+                rate_rps=rate_rps,
+                latency_slo_ms=self.latency_slo_ms,
+                duration_s=min(self.duration_s, GENERATOR_CHECK_S),
+                processes=processes,
+            )
+
+    def size(
+        self, vcpus: int, place: Placement, start_rps: float | None
+    ) -> tuple[SizePoint, float | None]:
+        """Measure one size: its point and the rate that held (None: none did). A size the
+        generator could not outrun is measured again from one process per generator CPU."""
+        search, processes = self.search(place, start_rps, 1), 1
+        if search.best is None:
+            point = SizePoint(
+                vcpus=vcpus,
+                measured=True,
+                sustainable_rps=0.0,
+                rss_mb=search.rss_mb,
+                steps=search.tried,
+            )
+            return point, None
+        check = self.check(place, search.best.rate_rps, processes)
         more = len(place.generator) if place.isolated else 1
         if check.bound and more > processes:
             log.info(
@@ -455,22 +368,11 @@ def measure_sizes(
                 search.best.rate_rps,
                 more,
             )
-            again = _search(
-                model_dir,
-                images,
-                place,
-                latency_slo_ms=latency_slo_ms,
-                start_rps=search.best.rate_rps,
-                step=step,
-                duration_s=duration_s,
-                processes=more,
-            )
+            again = self.search(place, search.best.rate_rps, more)
             if again.best is not None and again.best.rate_rps >= search.best.rate_rps:
                 again.tried[:0] = search.tried
                 search, processes = again, more
-                check = _check_at(
-                    images, place, again.best.rate_rps, processes, latency_slo_ms, duration_s
-                )
+                check = self.check(place, again.best.rate_rps, processes)
         best = search.best
         assert best is not None
         if check.bound:
@@ -482,43 +384,60 @@ def measure_sizes(
                 check.rps,
             )
         requests = sum(s.requests for s in search.tried)
-        points.append(
-            SizePoint(
-                vcpus=vcpus,
-                measured=True,
-                sustainable_rps=round(best.rate_rps, 2),
-                p50_ms=round(best.percentile(50), 3),
-                p95_ms=round(best.percentile(95), 3),
-                p99_ms=round(best.percentile(99), 3),
-                # The service's CPU over the whole search, shared by every request it got.
-                cpu_s_per_request=round(search.cpu_s / max(1, requests), 5),
-                rss_mb=round(search.rss_mb, 1),
-                steps=search.tried,
-                send_lag_p95_ms=round(best.send_lag_p95_ms, 3),
-                generator_rps=check.rps,
-                generator_processes=processes,
-                generator_bound=check.bound,
-                generator_shares_cpus=not place.isolated,
-            )
+        point = SizePoint(
+            vcpus=vcpus,
+            measured=True,
+            sustainable_rps=round(best.rate_rps, 2),
+            p50_ms=round(best.percentile(50), 3),
+            p95_ms=round(best.percentile(95), 3),
+            p99_ms=round(best.percentile(99), 3),
+            # The service's CPU over the whole search, shared by every request it got.
+            cpu_s_per_request=round(search.cpu_s / max(1, requests), 5),
+            rss_mb=round(search.rss_mb, 1),
+            steps=search.tried,
+            send_lag_p95_ms=round(best.send_lag_p95_ms, 3),
+            generator_rps=check.rps,
+            generator_processes=processes,
+            generator_bound=check.bound,
+            generator_shares_cpus=not place.isolated,
         )
-        # The next size sustains at least about as much: its search starts a step below.
-        start = best.rate_rps / step
+        return point, best.rate_rps
+
+
+def measure_sizes(
+    model_dir: str,
+    images: Sequence[bytes],
+    *,
+    latency_slo_ms: float,
+    max_vcpus: int | None = None,
+    duration_s: float = STEP_DURATION_S,
+    step: float = STEP_FACTOR,
+) -> list[SizePoint]:
+    """Measure the sustainable rate at 1, 2, ... vCPUs (up to the host's, or ``max_vcpus``)."""
+    sizer = _Sizer(model_dir, images, latency_slo_ms, step, duration_s)
+    cpus = host_cpus()
+    points: list[SizePoint] = []
+    start = None
+    for vcpus in range(1, min(len(cpus), max_vcpus or len(cpus)) + 1):
+        point, held_rps = sizer.size(vcpus, size_placement(cpus, vcpus), start)
+        points.append(point)
+        if held_rps is not None:
+            # The next size sustains at least about as much: its search starts a step below.
+            start = held_rps / step
     return flag_falling(points)
 
 
 def describe_generator(point: SizePoint) -> str:
-    """Say how the load generator fared at a size: what it sent on time to a trivial
-    endpoint on the size's CPUs, its send lag, and whether the size's rate is its ceiling."""
+    """Say how the load generator fared at a size against a trivial endpoint on its CPUs."""
     if point.generator_rps is None:
         return "-"
-    processes = point.generator_processes or 1
     text = (
         f"ceiling {point.generator_rps:.0f} req/s: the size's rate is a lower bound"
         if point.generator_bound
         else f"outran it: {point.generator_rps:.0f} req/s on time"
     )
-    if processes > 1:
-        text += f" ({processes} processes)"
+    if (point.generator_processes or 1) > 1:
+        text += f" ({point.generator_processes} processes)"
     if point.send_lag_p95_ms is not None:
         text += f"; sent {point.send_lag_p95_ms:.1f} ms late (p95)"
     if point.generator_shares_cpus:
@@ -527,12 +446,7 @@ def describe_generator(point: SizePoint) -> str:
 
 
 def flag_falling(points: Sequence[SizePoint]) -> list[SizePoint]:
-    """Mark each measured size whose rate fell below a smaller size's: a measurement error.
-
-    A service given more CPUs does not answer fewer requests; a rate that falls as CPUs are
-    added says the measurement broke (the generator sharing the service's CPUs, a neighbour),
-    and it is priced at the smaller size's rate (:func:`rate_at`), never at its own.
-    """
+    """Mark each measured size whose rate fell below a smaller size's: a measurement error."""
     out: list[SizePoint] = []
     best: SizePoint | None = None
     for p in sorted(points, key=lambda p: p.vcpus):
@@ -540,15 +454,12 @@ def flag_falling(points: Sequence[SizePoint]) -> list[SizePoint]:
             out.append(p)
             continue
         if best is not None and p.sustainable_rps < FALLING_SHARE * best.sustainable_rps:
+            shared = ", and the load generator shared this size's CPUs"
             why = (
                 f"measurement error: {p.sustainable_rps:g} req/s at {p.vcpus} vCPUs is below "
                 f"the {best.sustainable_rps:g} req/s measured at {best.vcpus} vCPU(s); a "
                 "service does not slow down with more CPUs"
-                + (
-                    ", and the load generator shared this size's CPUs"
-                    if p.generator_shares_cpus
-                    else ""
-                )
+                + (shared if p.generator_shares_cpus else "")
                 + f" (priced at {best.vcpus} vCPU(s)'s rate)"
             )
             log.warning("sizing: %s", why)
@@ -606,31 +517,19 @@ MIN_GATE_REQUESTS = 20  # fewer give a p95 from a handful of samples
 
 
 def gate_load(
-    sizing: SizingReport,
-    vcpus: int,
-    *,
-    requests: int,
-    max_s: float,
-    rate_rps: float | None = None,
+    sizing: SizingReport, vcpus: int, *, requests: int, max_s: float, rate_rps: float | None = None
 ) -> GateLoad:
-    """Return the load the gate measures a model at on a ``vcpus``-CPU staging service.
-
-    The model is measured at the load it was asked to serve: the most one replica of the fleet
-    carries (the sizing's sustainable rate at ``vcpus`` less the headroom), never more than
-    the run's whole target load; ``rate_rps`` (a setting) overrides it. A model no rate held
-    the SLO for is measured at the sizing's lowest rate. ``requests`` per model, at most
-    ``max_s`` seconds of load, but never fewer than :data:`MIN_GATE_REQUESTS`.
-    """
+    """Return the load the gate measures a model at on a ``vcpus``-CPU staging service, and why."""
     if rate_rps is not None:
         rate, note = rate_rps, f"the rate set (BURSTCV_BENCH_RATE_RPS={rate_rps:g})"
     else:
         sustainable, extrapolated = rate_at(sizing.sizes, vcpus)
         if sustainable <= 0:
             rate = MIN_RATE_RPS
-            note = (
-                f"the sizing's lowest rate: no rate held the SLO at {vcpus} vCPU(s)"
-                if not extrapolated
-                else f"the sizing's lowest rate: nothing to extrapolate {vcpus} vCPU(s) from"
+            note = "the sizing's lowest rate: " + (
+                f"nothing to extrapolate {vcpus} vCPU(s) from"
+                if extrapolated
+                else f"no rate held the SLO at {vcpus} vCPU(s)"
             )
         else:
             per_replica = sustainable * (1 - sizing.headroom)
@@ -665,13 +564,9 @@ def fleet_options(
     boxes: Sequence[BoxSizing] = (),
     host_arch: str | None = None,
 ) -> list[FleetOption]:
-    """Return every allowed type's fleet for ``target_rps``, best first.
-
-    A type a sizing box measured (``boxes``) rests on its own box's sizes (``measured_on``);
-    any other on the host's ``points``, and is extrapolated when boxes measured others or its
-    architecture is not the host's (``host_arch``): a figure from another CPU. Where boxes
-    measured any type, the measured fleets rank first: the fleet is chosen from measurements.
-    """
+    """Return every allowed type's fleet for ``target_rps``, best first: a type a sizing box
+    measured rests on its box's sizes and ranks first; any other is extrapolated from the
+    host's ``points`` when boxes measured others or its architecture is not the host's."""
     usd = {q.instance_type: q.usd_per_hour for q in prices}
     measured_on = _box_points(boxes)
     arch = normal_arch(host_arch or platform.machine())
@@ -729,8 +624,7 @@ def box_candidates(
     headroom: float = DEFAULT_HEADROOM,
     families: Sequence[str] | None = None,
 ) -> list[str]:
-    """Return the types worth a sizing box: the ``count`` cheapest priced fleets the host's
-    measurement says could serve ``target_rps`` within the SLO (any architecture)."""
+    """Return the ``count`` cheapest priced types (any architecture) worth a sizing box."""
     options = fleet_options(
         points, target_rps=target_rps, prices=prices, headroom=headroom, families=families
     )
@@ -750,14 +644,8 @@ def recommend(
     families: Sequence[str] | None = None,
     boxes: Sequence[BoxSizing] = (),
 ) -> SizingReport:
-    """Return the cheapest fleet (and the next two) serving ``target_rps`` within the SLO.
-
-    ``families`` (c7i, m7i, ...) limits the CPU types considered; None: every known one.
-    Each is priced from ``prices`` (the run's on-demand quotes) with the cost model's fleet
-    formula; a type without a price is still a fleet, reported unpriced (``unpriced`` says
-    what to set), and ranked after the priced ones by the vCPUs it takes. ``boxes``: the
-    types measured on boxes of their own (:func:`fleet_options`).
-    """
+    """Return the cheapest fleet (and the next two) serving ``target_rps`` within the SLO;
+    ``unpriced`` says what to set for the types without a price (still fleets, ranked last)."""
     options = fleet_options(
         points,
         target_rps=target_rps,
@@ -766,38 +654,8 @@ def recommend(
         families=families,
         boxes=boxes,
     )
-    usd = {q.instance_type: q.usd_per_hour for q in prices}
     chosen = options[0] if options else None
-    if chosen is None:
-        best = max((p.sustainable_rps for p in points), default=0.0)
-        reason = (
-            f"no CPU size meets p95 <= {latency_slo_ms:g} ms at any rate: every size measured "
-            "broke the SLO at its lowest load (a smaller or INT8 model, or a looser SLO)"
-            if best <= 0
-            else "no CPU type of the allowed families could hold the model"
-        )
-    else:
-        reason = (
-            f"{chosen.replicas} x {chosen.instance_type} at "
-            + ("at least " if chosen.generator_bound else "")
-            + f"{chosen.rps_per_replica:g} req/s each "
-            f"({'extrapolated' if chosen.extrapolated else 'measured'}"
-            + (f" on a {chosen.measured_on} box" if chosen.measured_on else "")
-            + (
-                "; the load generator's ceiling, not the service's: the fleet may be larger "
-                "than it needs"
-                if chosen.generator_bound
-                else ""
-            )
-            + f"), "
-            f"{round(headroom * 100)}% headroom: "
-            + (
-                f"${chosen.usd_per_month:,.2f}/month"
-                if chosen.usd_per_month is not None
-                else f"unpriced ({unpriced or f'no price for {chosen.instance_type}'})"
-            )
-        )
-    sources = sorted({q.source for q in prices if q.instance_type in usd})
+    sources = sorted({q.source for q in prices})
     return SizingReport(
         latency_slo_ms=latency_slo_ms,
         target_rps=target_rps,
@@ -807,7 +665,7 @@ def recommend(
         sizes=list(points),
         options=options[:3],
         chosen=chosen,
-        reason=reason,
+        reason=_reason(chosen, points, latency_slo_ms, headroom, unpriced),
         families=sorted(families) if families is not None else [],
         price_source={
             "source": "; ".join(sources) or "none",
@@ -815,6 +673,41 @@ def recommend(
         },
         unpriced=unpriced,
         boxes=list(boxes),
+    )
+
+
+def _reason(
+    chosen: FleetOption | None,
+    points: Sequence[SizePoint],
+    latency_slo_ms: float,
+    headroom: float,
+    unpriced: str | None,
+) -> str:
+    """Say which fleet was chosen and on what figures, or why there is none."""
+    if chosen is None:
+        if max((p.sustainable_rps for p in points), default=0.0) <= 0:
+            return (
+                f"no CPU size meets p95 <= {latency_slo_ms:g} ms at any rate: every size "
+                "measured broke the SLO at its lowest load (a smaller or INT8 model, or a "
+                "looser SLO)"
+            )
+        return "no CPU type of the allowed families could hold the model"
+    ceiling = (
+        "; the load generator's ceiling, not the service's: the fleet may be larger than it needs"
+    )
+    return (
+        f"{chosen.replicas} x {chosen.instance_type} at "
+        + ("at least " if chosen.generator_bound else "")
+        + f"{chosen.rps_per_replica:g} req/s each "
+        f"({'extrapolated' if chosen.extrapolated else 'measured'}"
+        + (f" on a {chosen.measured_on} box" if chosen.measured_on else "")
+        + (ceiling if chosen.generator_bound else "")
+        + f"), {round(headroom * 100)}% headroom: "
+        + (
+            f"${chosen.usd_per_month:,.2f}/month"
+            if chosen.usd_per_month is not None
+            else f"unpriced ({unpriced or f'no price for {chosen.instance_type}'})"
+        )
     )
 
 
@@ -851,10 +744,10 @@ def size_model(
     return report
 
 
-def _model_facts(card: ModelCard) -> dict[str, Any]:
-    """Return what a graph costs per request follows: architecture, input, class count,
-    opset, quantization and preprocessing (not its weights)."""
-    return {
+def _digest(card: ModelCard, **settings: Any) -> str:
+    """Return a digest of the graph's shape (not its weights), the versions and ``settings``."""
+    facts = {
+        **settings,
         "arch": card.arch,
         "classes": len(card.classes),
         "opset": card.opset,
@@ -864,12 +757,6 @@ def _model_facts(card: ModelCard) -> dict[str, Any]:
         if card.quantization is None
         else card.quantization.model_dump(mode="json"),
         "onnx_file": card.onnx_file,
-    }
-
-
-def _digest(facts: dict[str, Any]) -> str:
-    facts = {
-        **facts,
         "versions": {name: _version(name) for name in ("burstcv", "onnxruntime", "numpy")},
         "generator": GENERATOR_VERSION,
     }
@@ -884,39 +771,25 @@ def speed_key(
     max_vcpus: int | None,
     duration_s: float,
 ) -> str:
-    """Return a digest of everything that sets a model's sizes, and nothing that does not.
-
-    What a graph costs per request follows its architecture, input, class count, opset,
-    quantization and preprocessing, not its weights; what a size sustains follows the host
-    (its CPU model and count), the SLO each rate is held to, the sizing's own settings and the
-    versions of the service and its runtime. Two models with equal keys measure alike (within
-    the host's noise), so a new version of the same architecture reuses the last one's sizes.
-    """
+    """Return a digest of everything that sets a model's sizes, and nothing that does not:
+    a new version of the same architecture reuses the last one's sizes."""
     return _digest(
-        {
-            **_model_facts(card),
-            "host": host,
-            "cpus": host_cpus(),
-            "latency_slo_ms": latency_slo_ms,
-            "max_vcpus": max_vcpus,
-            "duration_s": duration_s,
-        }
+        card,
+        host=host,
+        cpus=host_cpus(),
+        latency_slo_ms=latency_slo_ms,
+        max_vcpus=max_vcpus,
+        duration_s=duration_s,
     )
 
 
 def box_speed_key(
     card: ModelCard, *, instance_type: str, latency_slo_ms: float, duration_s: float
 ) -> str:
-    """Return :func:`speed_key`'s digest for a sizing box: the box's instance type stands for
-    its host (a type is one CPU model and count); the service's versions are the serving
-    pins the box installs, which this environment's equal."""
+    """Return :func:`speed_key`'s digest for a sizing box: its instance type stands for its host
+    (one CPU model and count), and the serving pins it installs equal this environment's."""
     return _digest(
-        {
-            **_model_facts(card),
-            "instance_type": instance_type,
-            "latency_slo_ms": latency_slo_ms,
-            "duration_s": duration_s,
-        }
+        card, instance_type=instance_type, latency_slo_ms=latency_slo_ms, duration_s=duration_s
     )
 
 
@@ -933,17 +806,11 @@ class SizesMemo:
 
     root: Path
 
-    def _path(self, key: str) -> Path:
-        return self.root / f"{key}.json"
-
     def get(self, key: str) -> SizingReport | None:
         """Return the report measured under ``key`` on a quiet host, or None."""
-        path = self._path(key)
-        if not path.is_file():
-            return None
         try:
-            report = read_artifact(str(path), SizingReport)
-        except (OSError, ArtifactError):  # damaged: measured again, and rewritten
+            report = read_artifact(str(self.root / f"{key}.json"), SizingReport)
+        except (OSError, ArtifactError):  # missing, or damaged: measured again, and rewritten
             return None
         if report.speed_key != key or report.host_load is None or report.host_load.busy:
             return None
@@ -954,4 +821,4 @@ class SizesMemo:
         if report.speed_key is None or report.host_load is None or report.host_load.busy:
             return
         with contextlib.suppress(OSError):
-            write_artifact(str(self._path(report.speed_key)), report)
+            write_artifact(str(self.root / f"{report.speed_key}.json"), report)
