@@ -16,13 +16,14 @@ from typing import Any
 import pytest
 from burstcv_testkit import HELD_WHEEL, forget_in_emulator, g6_box_rate, reclaim_in_emulator
 
-from burstcv import pipeline
 from burstcv.compute import attempts
 from burstcv.compute.base import PENDING, RUNNING, STOPPED, InstanceInfo
 from burstcv.compute.billing import record_end, record_launch, run_bill
 from burstcv.compute.ec2 import Ec2Backend
 from burstcv.params import RunParams
 from burstcv.settings import Settings
+from burstcv.stages import boxes as boxes_stage
+from burstcv.stages import resolve
 from burstcv.training.job import attempt_dir
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
@@ -64,12 +65,12 @@ def launch_run(
     return provision's result."""
     run = RunRef.of(given.pop("run_key", "manual__billed"))
     player.modes[run.run_key] = kit.HOLD
-    for module in (pipeline, attempts):
+    for module in (boxes_stage, attempts):
         monkeypatch.setattr(module, "get_backend", lambda name, settings=None: backend)
     fields = {"compute_backend": "ec2", "instance_types": ["g6.xlarge"], "use_spot": True}
     given = {**fields, "max_cost_usd": 5.0, "time_budget_s": 600, **given}
     params = RunParams.resolve(given, settings)
-    costs = pipeline.resolve_run(run, params, settings).costs
+    costs = resolve.resolve_run(run, params, settings).costs
     launch = Launch(
         run=run,
         dag_id="burstcv_pipeline",
@@ -100,8 +101,8 @@ def set_budget(run: RunRef, settings: Settings, max_cost_usd: float) -> None:
     watchdog's margin, so a run already at its budget is written here; the relaunch check
     reads only ``costs.max_cost_usd``.
     """
-    uri = pipeline.run_layout(run, settings).record
-    resolved = pipeline.resolved_run(run, settings)
+    uri = resolve.run_layout(run, settings).record
+    resolved = resolve.resolved_run(run, settings)
     costs = resolved.costs.model_copy(update={"max_cost_usd": max_cost_usd})
     write_artifact(uri, resolved.model_copy(update={"costs": costs}))
 
@@ -134,12 +135,12 @@ def test_billing_json_is_the_same_when_the_cloud_has_forgotten_the_instances(
     assert datetime.fromisoformat(box.launched_at) <= datetime.fromisoformat(box.running_at)
 
     reclaim_in_emulator(first)
-    assert pipeline.relaunch(provisioned) == 2  # attempt 1 ends: its end.json is written
+    assert boxes_stage.relaunch(provisioned) == 2  # attempt 1 ends: its end.json is written
     ended = read_artifact(attempt_dir(provisioned.output_uri, 1, END_RECORD), AttemptBill)
     assert ended.boxes[0].ended_at is not None
 
-    remembered = pipeline.terminate(provisioned.run, "ec2")
-    billing_uri = pipeline.run_layout(provisioned.run).billing
+    remembered = boxes_stage.terminate(provisioned.run, "ec2")
+    billing_uri = resolve.run_layout(provisioned.run).billing
     first_billing = read_artifact(billing_uri, Billing)
     assert len(first_billing.instances) == 2 and remembered.cost_usd > 0
     assert all(s >= 60 for s in first_billing.billed_seconds.values())
@@ -161,7 +162,7 @@ def test_billing_json_is_the_same_when_the_cloud_has_forgotten_the_instances(
     # An hour on, EC2 no longer lists them: the bill does not change.
     forget_in_emulator(first_billing.instance_ids)
     assert Ec2Backend().describe(provisioned.run.run_key) == []
-    forgotten = pipeline.terminate(provisioned.run, "ec2")
+    forgotten = boxes_stage.terminate(provisioned.run, "ec2")
     second_billing = read_artifact(billing_uri, Billing)
     assert (remembered, forgotten) == (first_billing, second_billing)  # what the stage returns
     assert second_billing.model_dump(exclude={"terminated_at"}) == first_billing.model_dump(
@@ -180,8 +181,8 @@ def test_the_budget_counts_an_attempt_the_cloud_has_forgotten(
     # minute is the whole box's (the cost model): instance, root volume and public IPv4.
     box_usd_per_hour = box.usd_per_hour + attached_usd_per_hour(box)
     set_budget(provisioned.run, s3_deployment, box_usd_per_hour * 59 / 3600)
-    with pytest.raises(pipeline.TrainingFailed, match="budget; no relaunch"):
-        pipeline.relaunch(provisioned)
+    with pytest.raises(resolve.TrainingFailed, match="budget; no relaunch"):
+        boxes_stage.relaunch(provisioned)
     assert attempts.current_attempt(provisioned.output_uri) == 1
     assert kit.live_managed() == []
 
@@ -206,8 +207,8 @@ def test_the_relaunch_budget_counts_every_box_of_a_two_box_attempt(
     set_budget(provisioned.run, s3_deployment, budget)
 
     ec2_client.terminate_instances(InstanceIds=[ids[1]])  # one box lost loses the attempt
-    with pytest.raises(pipeline.TrainingFailed, match="budget; no relaunch"):
-        pipeline.relaunch(provisioned, s3_deployment)
+    with pytest.raises(resolve.TrainingFailed, match="budget; no relaunch"):
+        boxes_stage.relaunch(provisioned, s3_deployment)
 
     assert attempts.current_attempt(provisioned.output_uri) == 1
     assert kit.live_managed() == []  # the survivor was ended, nothing new started
@@ -215,7 +216,7 @@ def test_the_relaunch_budget_counts_every_box_of_a_two_box_attempt(
     costs = [expected_cost(b) for b in ended.boxes]
     # Each box alone is within the budget; the two together are not.
     assert len(costs) == 2 and max(costs) < budget <= sum(costs)
-    pipeline.terminate(provisioned.run, "ec2", s3_deployment)
+    boxes_stage.terminate(provisioned.run, "ec2", s3_deployment)
 
 
 # --- the records, box by box: when each part of a box's bill starts --------------------------

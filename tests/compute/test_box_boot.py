@@ -1,6 +1,6 @@
 """Boot the real user-data of real EC2 launches in a sandbox that looks like a fresh instance.
 
-The orchestrator side is the real code against moto (``pipeline.provision`` stages the
+The orchestrator side is the real code against moto (``boxes_stage.provision`` stages the
 training wheel and writes job.json, ``Ec2Backend.launch`` renders the user-data, the real
 trigger waits for the attempt's marker, the train task's own try relaunches a reclaimed box). The
 box side is the rendered script, unmodified, run by bash in a network namespace where
@@ -42,7 +42,6 @@ from burstcv_testkit import (
     s3_gateway_endpoint,
 )
 
-from burstcv import pipeline
 from burstcv.airflow.operators import WaitForTrainingOperator
 from burstcv.airflow.triggers import TrainingCompletionTrigger
 from burstcv.compute.attempts import current_attempt
@@ -51,6 +50,9 @@ from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.compute.runtime import stage_training_wheel
 from burstcv.params import RunParams
 from burstcv.settings import Settings, get_settings
+from burstcv.stages import boxes as boxes_stage
+from burstcv.stages import report as report_stage
+from burstcv.stages import resolve
 from burstcv.training.job import JobSpec, attempt_dir, rank_failures, write_job
 from burstcv.training.stream import node_shards, read_shard_info
 from burstcv_spec import storage
@@ -202,7 +204,7 @@ def provision(run_key: str, packed: Packed, **overrides: Any) -> Provisioned:
     with validate's choices for the slice), then the provision stage."""
     run = RunRef.of(run_key)
     resolve_validated(run, params(**overrides), settings(), packed)
-    return pipeline.provision(run, "burstcv_pipeline", packed, settings())
+    return boxes_stage.provision(run, "burstcv_pipeline", packed, settings())
 
 
 def user_data(ec2: Any, instance_id: str) -> str:
@@ -236,7 +238,7 @@ def wait_for_trigger(provisioned: Provisioned, attempt: int) -> dict[str, Any]:
         output_uri=provisioned.output_uri,
         attempt=attempt,
         poll_interval_s=0.2,
-        max_cost_usd=pipeline.resolved_run(provisioned.run, settings()).costs.max_cost_usd,
+        max_cost_usd=resolve.resolved_run(provisioned.run, settings()).costs.max_cost_usd,
     )
 
     async def first() -> dict[str, Any]:
@@ -534,7 +536,7 @@ def test_a_bucket_whose_kms_key_the_role_cannot_use_fails_at_boot_after_one_laun
     )["Reservations"]
     assert [i["InstanceId"] for r in launched for i in r["Instances"]] == [instance_id]
     # The run's report says the same.
-    page = storage.read_bytes(pipeline.report(provisioned.run, settings())).decode()
+    page = storage.read_bytes(report_stage.report(provisioned.run, settings())).decode()
     assert "Training failed in attempt 1, at the boot stage: " in page and key in page
 
 
@@ -842,7 +844,7 @@ def test_two_boxes_rendezvous_over_their_link_and_train_to_done(
     assert [e["epoch"] for e in metrics["epochs"]] == [1, 2]
     assert all(state(ec2, iid) == "terminated" for iid in provisioned.instance_ids)
     # The teardown bills both boxes and removes the run's groups.
-    billing = pipeline.terminate(provisioned.run, "ec2", settings())
+    billing = boxes_stage.terminate(provisioned.run, "ec2", settings())
     assert sorted(billing.billed_seconds) == sorted(provisioned.instance_ids)
     assert (
         ec2.describe_security_groups(
@@ -888,10 +890,10 @@ def test_a_deterministic_error_on_the_second_box_fails_once_with_that_ranks_reas
     launched = {i.instance_id for i in Ec2Backend().describe(provisioned.run.run_key)}
     assert launched == set(provisioned.instance_ids)
     assert current_attempt(provisioned.output_uri) == 1
-    billing = pipeline.terminate(provisioned.run, "ec2", settings())
+    billing = boxes_stage.terminate(provisioned.run, "ec2", settings())
     assert sorted(billing.billed_seconds) == sorted(provisioned.instance_ids)
     # The run's report says whose error it was, with that rank's traceback.
-    page = storage.read_bytes(pipeline.report(provisioned.run, settings())).decode()
+    page = storage.read_bytes(report_stage.report(provisioned.run, settings())).decode()
     assert "Training failed in attempt 1, rank 1 (node 1), at the train stage: " in page
     assert bad in page and '<pre class="traceback">' in page
 
@@ -974,6 +976,6 @@ def test_the_rendezvous_host_lost_mid_run_relaunches_both_from_the_checkpoint(
     metrics = storage.read_json(f"{provisioned.output_uri}/metrics.json")
     assert [e["epoch"] for e in metrics["epochs"]] == [1, 2, 3]
     assert metrics["attempt"] == 2 and metrics["world_size"] == 2
-    billing = pipeline.terminate(provisioned.run, "ec2", settings())
+    billing = boxes_stage.terminate(provisioned.run, "ec2", settings())
     assert sorted(billing.billed_seconds) == sorted(provisioned.instance_ids + second_ids)
     get_settings.cache_clear()

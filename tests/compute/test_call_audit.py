@@ -19,7 +19,6 @@ import pytest
 from awsaudit import AwsCall, Check, RecordingProxy, denied, evaluate
 from burstcv_testkit import HELD_WHEEL, launch_of, make_model_dir, resolve_validated
 
-from burstcv import pipeline
 from burstcv.compute import attempts, reaper
 from burstcv.compute import ec2 as ec2_module
 from burstcv.compute.base import MANAGED_TAG_KEYS, TAG_AIRFLOW_RUN_ID, TAG_ATTEMPT
@@ -27,6 +26,7 @@ from burstcv.compute.ec2 import Ec2Backend
 from burstcv.params import RunParams
 from burstcv.registry.registry import PREVIOUS, PRODUCTION, Registry
 from burstcv.settings import Settings
+from burstcv.stages import boxes as boxes_stage
 from burstcv_spec.contracts import Launch, Packed, PreprocessBlock, RegistryDecision, RunRef
 from burstcv_spec.preprocess import PreprocessSpec
 
@@ -56,10 +56,10 @@ def test_one_pipeline_life_makes_no_call_the_policy_denies(
     run = RunRef.of(AIRFLOW_RUN_ID)
     assert run.run_key == key
     resolve_validated(run, params, settings, packed)  # the first task prices it (GetProducts)
-    provisioned = pipeline.provision(run, "burstcv_pipeline", packed, settings)
+    provisioned = boxes_stage.provision(run, "burstcv_pipeline", packed, settings)
     outcome = attempts.training_outcome(key, "ec2", provisioned.output_uri)  # the wait
     assert (outcome.status, outcome.attempt) == ("running", 1)
-    report = pipeline.terminate(run, "ec2", settings)
+    report = boxes_stage.terminate(run, "ec2", settings)
     assert report.instance_ids == provisioned.instance_ids
     reaped = reaper.reap_everywhere(None, lambda dag, run: False, settings=settings)
     assert reaper.reap_errors(reaped) == 0
@@ -210,9 +210,9 @@ def test_a_two_box_life_makes_only_allowed_calls_on_the_runs_own_groups(
     )
     run = RunRef.of(key)
     resolve_validated(run, params, s3_deployment, packed)
-    provisioned = pipeline.provision(run, "burstcv_pipeline", packed, s3_deployment)
+    provisioned = boxes_stage.provision(run, "burstcv_pipeline", packed, s3_deployment)
     assert len(provisioned.instance_ids) == 2
-    pipeline.terminate(run, "ec2", s3_deployment)
+    boxes_stage.terminate(run, "ec2", s3_deployment)
 
     calls = audited_calls.snapshot()
     actions = {c.action for c in calls}

@@ -36,7 +36,6 @@ from awsaudit import RecordingProxy, price_list
 from burstcv_testkit import bench_figures, write_dataset, write_model_dir
 from typer.testing import CliRunner
 
-from burstcv import pipeline
 from burstcv.airflow import data_stages
 from burstcv.cli import app
 from burstcv.compute.attempts import training_outcome
@@ -45,6 +44,11 @@ from burstcv.gate.sizing import recommend
 from burstcv.params import ResolvedRun
 from burstcv.registry.registry import Registry
 from burstcv.settings import Settings, get_settings
+from burstcv.stages import boxes as boxes_stage
+from burstcv.stages import data as data_stage
+from burstcv.stages import gate as gate_stage
+from burstcv.stages import report as report_stage
+from burstcv.stages import resolve
 from burstcv.training.job import load_job
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
@@ -278,7 +282,7 @@ def wait_done(run: RunRef, backend: str, output_uri: str, timeout_s: float = 240
 
 def judge(run: RunRef, settings: Settings, tmp: Path) -> Any:
     """Run the gate on fixed figures and the fleet sized at the run's resolved prices."""
-    resolved = pipeline.resolved_run(run, settings)
+    resolved = resolve.resolved_run(run, settings)
     params = resolved.params
     sizes = [
         SizePoint(vcpus=1, measured=True, sustainable_rps=180.0, p95_ms=9.0, rss_mb=120.0),
@@ -301,7 +305,7 @@ def judge(run: RunRef, settings: Settings, tmp: Path) -> Any:
     bench = Benchmarked(
         latency_uri="unused", host=host, candidate=bench_figures(p95_ms=12.0), sizing=sizing
     )
-    return pipeline.gate(run, exported, bench, settings), sizing
+    return gate_stage.gate(run, exported, bench, settings), sizing
 
 
 def verdict_of(record: Any) -> tuple[Any, ...]:
@@ -318,12 +322,12 @@ def test_a_run_holds_together_from_its_trigger_to_its_bill(
         # run asked for its boxes (a conf, or the deployment's default).
         with pytest.raises(Exception, match="num_nodes 2 needs the ec2 compute backend"):
             start(world, conf)
-        assert not storage.exists(pipeline.run_layout(RunRef.of(f"{cell.trigger}__{cell}")).record)
+        assert not storage.exists(resolve.run_layout(RunRef.of(f"{cell.trigger}__{cell}")).record)
         return
     run = start(world, conf)
 
     # The run as resolved: the trigger's dataset and kind, the boxes and the region.
-    resolved = pipeline.resolved_run(run, s)
+    resolved = resolve.resolved_run(run, s)
     expected_dataset = (
         world.event_dataset if cell.trigger == "asset_triggered" else world.default_dataset
     )
@@ -349,16 +353,16 @@ def test_a_run_holds_together_from_its_trigger_to_its_bill(
 
     # validate (scanned by the run's own chunks), pack, provision: the real stages.
     if cell.trigger != "cli":
-        for chunk in read_artifact(pipeline.run_layout(run, s).scan_plan, ScanPlan).chunks:
-            pipeline.scan_chunk(run, chunk, s)
-        validated = pipeline.validate(run, s)
+        for chunk in read_artifact(resolve.run_layout(run, s).scan_plan, ScanPlan).chunks:
+            data_stage.scan_chunk(run, chunk, s)
+        validated = data_stage.validate(run, s)
     else:
-        validated = pipeline.validate(run, s)  # burstcv validate ran it; again, as the DAG would
-    packed = pipeline.pack(run, validated, settings=s)
+        validated = data_stage.validate(run, s)  # burstcv validate ran it; again, as the DAG would
+    packed = data_stage.pack(run, validated, settings=s)
     if cell.backend == "ec2":
         player.modes[run.run_key] = player.DIE  # each box runs its job, then is gone
     before = datetime.now(UTC)
-    provisioned = pipeline.provision(run, "burstcv_pipeline", packed, s)
+    provisioned = boxes_stage.provision(run, "burstcv_pipeline", packed, s)
     after = datetime.now(UTC)
     assert len(provisioned.instance_ids) == cell.boxes
 
@@ -379,7 +383,7 @@ def test_a_run_holds_together_from_its_trigger_to_its_bill(
             assert f"{int(job.deadline_at.timestamp())} - $(date +%s)" in play.user_data
 
     wait_done(run, cell.backend, provisioned.output_uri)
-    billing: Billing = pipeline.terminate(run, cell.backend, s)
+    billing: Billing = boxes_stage.terminate(run, cell.backend, s)
 
     # The bill, against the attempt's records priced here by EC2's rules.
     (end,) = [
@@ -409,7 +413,7 @@ def test_a_run_holds_together_from_its_trigger_to_its_bill(
     monkeypatch.setenv("BURSTCV_EC2_REGION", other)
     get_settings.cache_clear()
     sibling = RunRef.of(f"{run.airflow_run_id}-elsewhere")
-    pipeline.resolve_run(sibling, resolved.params, get_settings(), trigger=cell.trigger)
+    resolve.resolve_run(sibling, resolved.params, get_settings(), trigger=cell.trigger)
     elsewhere, _ = judge(sibling, get_settings(), world.tmp)
     monkeypatch.setenv("BURSTCV_EC2_REGION", cell.region)
     get_settings.cache_clear()
@@ -424,6 +428,6 @@ def test_a_run_holds_together_from_its_trigger_to_its_bill(
     assert entry.params["num_nodes"] == cell.boxes
 
     # The report says what started the run, on which data, and for how many boxes.
-    page = storage.read_bytes(pipeline.report(run, s)).decode()
+    page = storage.read_bytes(report_stage.report(run, s)).decode()
     assert f"Started by <b>{cell.trigger}</b> on <code>{expected_dataset}</code>" in page
     assert f"<b>{cell.boxes}</b> box{'es' if cell.boxes > 1 else ''} a launch" in page

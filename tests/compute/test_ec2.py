@@ -13,7 +13,6 @@ import pytest
 from botocore.exceptions import ClientError, WaiterError
 from burstcv_testkit import HELD_WHEEL, launch_of, resolve_validated
 
-from burstcv import pipeline
 from burstcv.compute.base import (
     ENDING,
     RUNNING,
@@ -39,6 +38,8 @@ from burstcv.cost.pricing import hourly_price
 from burstcv.cost.quotes import SOURCE_SPOT_HISTORY, quote_uri
 from burstcv.params import RunParams
 from burstcv.settings import get_settings
+from burstcv.stages import boxes as boxes_stage
+from burstcv.stages import resolve
 from burstcv_spec.contracts import (
     Launch,
     Packed,
@@ -410,7 +411,7 @@ def provision_run(settings: Any, kit: Any, run_key: str, given: dict[str, Any]) 
     packed = packed_for(kit, run_key)
     run = RunRef.of(run_key)
     resolve_validated(run, params, settings, packed)  # the run's first task and validate
-    provisioned = pipeline.provision(run, "burstcv_pipeline", packed, settings)
+    provisioned = boxes_stage.provision(run, "burstcv_pipeline", packed, settings)
     (instance_id,) = provisioned.instance_ids
     return str(instance_id)
 
@@ -427,7 +428,7 @@ def test_the_ec2_settings_are_a_runs_defaults_and_the_run_decides(
     inst = the_instance(ec2_client, provision_run(s3_deployment, kit, "settings-decide", {}))
     assert inst["InstanceType"] == "g5.xlarge"
     assert "InstanceLifecycle" not in inst  # on-demand
-    pipeline.terminate(RunRef.of("settings-decide"), "ec2", s3_deployment)
+    boxes_stage.terminate(RunRef.of("settings-decide"), "ec2", s3_deployment)
 
     # A run's own choice wins: spot on its type, though the deployment's default is on-demand
     # (one spot setting, not the run's and the deployment's ANDed).
@@ -435,7 +436,7 @@ def test_the_ec2_settings_are_a_runs_defaults_and_the_run_decides(
     inst = the_instance(ec2_client, provision_run(s3_deployment, kit, "run-decides", given))
     assert inst["InstanceType"] == "g4dn.xlarge"
     assert inst.get("InstanceLifecycle") == "spot"
-    pipeline.terminate(RunRef.of("run-decides"), "ec2", s3_deployment)
+    boxes_stage.terminate(RunRef.of("run-decides"), "ec2", s3_deployment)
     assert kit.live_managed() == []
 
 
@@ -513,7 +514,7 @@ def test_several_boxes_share_a_placement_group_only_they_can_reach_and_go_togeth
     player.modes[run_id] = kit.HOLD
     params = RunParams.resolve({"compute_backend": "ec2", "num_nodes": 2}, s3_deployment)
     resolve_validated(RunRef.of(run_id), params, s3_deployment, packed_for(kit, run_id))
-    provisioned = pipeline.provision(
+    provisioned = boxes_stage.provision(
         RunRef.of(run_id), DAG_ID, packed_for(kit, run_id), s3_deployment
     )
     ids = provisioned.instance_ids
@@ -553,7 +554,7 @@ def test_several_boxes_share_a_placement_group_only_they_can_reach_and_go_togeth
     ec2_client.terminate_instances(InstanceIds=[ids[1]])
     assert job_outcome(backend, run_id, job_dir) == "lost"
     # The relaunch ends the survivor and starts both boxes again, in the same groups.
-    assert pipeline.relaunch(provisioned, s3_deployment) == 2
+    assert boxes_stage.relaunch(provisioned, s3_deployment) == 2
     relaunched = [i for i in backend.describe(run_id) if i.state == RUNNING]
     assert len(relaunched) == 2 and not {i.instance_id for i in relaunched} & set(ids)
     record = read_artifact(f"{job_dir}/attempt.json", AttemptRecord)
@@ -564,7 +565,7 @@ def test_several_boxes_share_a_placement_group_only_they_can_reach_and_go_togeth
     assert the_instance(ec2_client, ids[0])["State"]["Name"] in ("shutting-down", "terminated")
 
     # The teardown takes every box of every attempt, then the groups; billing counts each box.
-    billing = pipeline.terminate(RunRef.of(run_id), "ec2", s3_deployment)
+    billing = boxes_stage.terminate(RunRef.of(run_id), "ec2", s3_deployment)
     assert sorted(billing.instance_ids) == sorted(ids + [i.instance_id for i in relaunched])
     assert set(billing.billed_seconds) == set(billing.instance_ids)
     assert kit.live_managed() == []
@@ -713,12 +714,10 @@ def test_several_boxes_need_the_ec2_backend_and_nothing_starts_without_it(
     params = RunParams.resolve({"compute_backend": "local", "num_nodes": 2}, s3_deployment)
     run = RunRef.of("local-two")
     # The run's first task refuses it: nothing is resolved, so nothing can be provisioned.
-    with pytest.raises(
-        pipeline.ValidationFailed, match="num_nodes 2 needs the ec2 compute backend"
-    ):
-        pipeline.resolve_run(run, params, s3_deployment)
-    with pytest.raises(pipeline.StageError, match=r"run\.json does not exist"):
-        pipeline.provision(run, DAG_ID, packed_for(kit, "local-two"), s3_deployment)
+    with pytest.raises(resolve.ValidationFailed, match="num_nodes 2 needs the ec2 compute backend"):
+        resolve.resolve_run(run, params, s3_deployment)
+    with pytest.raises(resolve.StageError, match=r"run\.json does not exist"):
+        boxes_stage.provision(run, DAG_ID, packed_for(kit, "local-two"), s3_deployment)
     assert kit.live_managed() == []
 
 
@@ -732,25 +731,25 @@ def test_a_retry_of_provision_launches_against_the_first_tries_deadline(
     run = RunRef.of(run_id)
     params = RunParams.resolve({"compute_backend": "ec2"}, s3_deployment)
     resolve_validated(run, params, s3_deployment, packed_for(kit, run_id))
-    first = pipeline.provision(run, DAG_ID, packed_for(kit, run_id), s3_deployment)
+    first = boxes_stage.provision(run, DAG_ID, packed_for(kit, run_id), s3_deployment)
     armed = load_job(first.job_uri).deadline_at
     assert armed is not None and first.launch.deadline_at == armed
     # The first try failed after its launch (its worker died): the clean-up ended its box.
-    pipeline.clean_up_provision(run, "ec2", s3_deployment)
+    boxes_stage.clean_up_provision(run, "ec2", s3_deployment)
     time.sleep(1.1)  # a retry comes later: a fresh budget would end later
 
-    second = pipeline.provision(run, DAG_ID, packed_for(kit, run_id), s3_deployment, attempt=2)
+    second = boxes_stage.provision(run, DAG_ID, packed_for(kit, run_id), s3_deployment, attempt=2)
 
     assert second.launch.deadline_at == armed == load_job(second.job_uri).deadline_at
     (box,) = second.instance_ids
     assert box not in first.instance_ids
     assert {i.instance_id for i in backend.describe(run_id) if i.state == RUNNING} == {box}
     # A try with too little of the budget left launches nothing, and says why.
-    pipeline.clean_up_provision(run, "ec2", s3_deployment)
+    boxes_stage.clean_up_provision(run, "ec2", s3_deployment)
     job = load_job(second.job_uri)
-    soon = datetime.now(UTC) + timedelta(seconds=pipeline.MIN_TRAINING_LEFT_S / 2)
+    soon = datetime.now(UTC) + timedelta(seconds=boxes_stage.MIN_TRAINING_LEFT_S / 2)
     write_job(job.model_copy(update={"deadline_at": soon}), second.job_uri)
-    with pytest.raises(pipeline.StageError, match="the run's time budget is spent"):
-        pipeline.provision(run, DAG_ID, packed_for(kit, run_id), s3_deployment, attempt=3)
+    with pytest.raises(resolve.StageError, match="the run's time budget is spent"):
+        boxes_stage.provision(run, DAG_ID, packed_for(kit, run_id), s3_deployment, attempt=3)
     assert [i for i in backend.describe(run_id) if i.state == RUNNING] == []
     assert kit.live_managed() == []

@@ -22,7 +22,6 @@ from awsaudit import RecordingProxy, denied, evaluate
 from botocore.exceptions import ClientError
 from burstcv_testkit import HELD_WHEEL, launch_of
 
-from burstcv import pipeline
 from burstcv.compute import attempts
 from burstcv.compute.base import TAG_EXPIRES_AT, TAG_RUN_ID
 from burstcv.compute.ec2 import (
@@ -36,6 +35,7 @@ from burstcv.compute.ec2 import (
 )
 from burstcv.params import RunParams
 from burstcv.settings import Settings
+from burstcv.stages import boxes, resolve
 from burstcv_spec.contracts import Launch, Provisioned, RunRef
 
 DAG_ID = "burstcv_pipeline"
@@ -104,7 +104,7 @@ def test_a_failed_provision_terminates_what_it_started(
         if launched:
             raise KeyboardInterrupt  # any BaseException, after the box exists
 
-    for module in (pipeline, attempts):
+    for module in (boxes, attempts):
         monkeypatch.setattr(module, "get_backend", lambda name, settings=None: backend)
     backend.client.meta.events.register("after-call.ec2.RunInstances", after_run)
     backend.scheduler.meta.events.register("before-call.scheduler.CreateSchedule", interrupt)
@@ -164,9 +164,9 @@ def test_a_worker_killed_right_after_launch_is_cleaned_up_by_the_dag(
     assert states(ec2_client, run_id) == ["running"]  # what a killed worker leaves behind
 
     # The pipeline DAG's clean-up task (provision failed: no teardown runs) ends it.
-    for module in (pipeline, attempts):
+    for module in (boxes, attempts):
         monkeypatch.setattr(module, "get_backend", lambda name, settings=None: backend)
-    (iid,) = pipeline.clean_up_provision(RunRef.of(run_id), "ec2")
+    (iid,) = boxes.clean_up_provision(RunRef.of(run_id), "ec2")
     assert states(ec2_client, run_id) == ["terminated"]
     assert kit.live_managed() == []
     assert iid == instances_of(ec2_client, run_id)[0]["InstanceId"]
@@ -367,7 +367,7 @@ def test_a_relaunch_after_a_lost_box_is_a_new_attempt_with_a_new_token(
 ) -> None:
     run_id = "lost-then-relaunched"
     player.modes[run_id] = kit.HOLD
-    for module in (pipeline, attempts):
+    for module in (boxes, attempts):
         monkeypatch.setattr(module, "get_backend", lambda name, settings=None: backend)
     launch = Launch(
         run=RunRef.of(run_id),
@@ -382,7 +382,7 @@ def test_a_relaunch_after_a_lost_box_is_a_new_attempt_with_a_new_token(
     settings = Settings()
     # The run as its first task resolved it: the relaunch reads its budget from run.json.
     given = {"compute_backend": "ec2", "instance_types": ["g6.xlarge"], "use_spot": True}
-    pipeline.resolve_run(launch.run, RunParams.resolve(given, settings), settings)
+    resolve.resolve_run(launch.run, RunParams.resolve(given, settings), settings)
     (first,) = attempts.launch_attempt("ec2", launch, job_dir, 1, settings)
     ec2_client.terminate_instances(InstanceIds=[first])  # the box is lost (spot reclaim)
     provisioned = Provisioned(
@@ -393,7 +393,7 @@ def test_a_relaunch_after_a_lost_box_is_a_new_attempt_with_a_new_token(
         backend="ec2",
         launch=launch,
     )
-    assert pipeline.relaunch(provisioned, settings) == 2
+    assert boxes.relaunch(provisioned, settings) == 2
     (second,) = [i.instance_id for i in backend.describe(run_id) if i.state != "stopped"]
     assert second != first
     tokens = [

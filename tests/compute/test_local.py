@@ -75,13 +75,13 @@ def provisioned_for(
     The run is resolved first (its run.json, as the run's first task writes it): a relaunch
     reads the run's budget there.
     """
-    from burstcv import pipeline
     from burstcv.params import RunParams
+    from burstcv.stages import resolve
     from burstcv_spec.contracts import Launch, Provisioned, RunRef
 
     run = RunRef(airflow_run_id=f"manual__{run_key}", run_key=run_key)
     settings = get_settings()
-    pipeline.resolve_run(run, RunParams.resolve({"compute_backend": "local"}, settings), settings)
+    resolve.resolve_run(run, RunParams.resolve({"compute_backend": "local"}, settings), settings)
     launch = Launch(
         run=run,
         dag_id="d",
@@ -326,7 +326,8 @@ def test_a_retry_after_a_job_failure_fails_without_relaunching(
 
 
 def test_no_relaunch_after_the_runs_deadline(tmp_path: Path, state_dir: Path) -> None:
-    from burstcv.pipeline import TrainingFailed, relaunch
+    from burstcv.stages.boxes import relaunch
+    from burstcv.stages.resolve import TrainingFailed
 
     out = tmp_path / "job"
     out.mkdir()

@@ -19,12 +19,12 @@ import pytest
 from awsaudit import EMPTY_PRICE_LIST, AwsCall, RecordingProxy, price_list
 from burstcv_testkit import HELD_WHEEL, launch_of
 
-from burstcv import pipeline
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.cost import budget
 from burstcv.cost.quotes import SOURCE_BUNDLED, SOURCE_PRICE_LIST, SOURCE_SPOT_HISTORY, quote_uri
 from burstcv.params import RunParams
 from burstcv.settings import Settings
+from burstcv.stages import data, resolve
 from burstcv_spec import storage
 from burstcv_spec.contracts import PriceQuote, RunRef, read_artifact
 
@@ -204,8 +204,8 @@ def test_a_run_nobody_can_price_fails_at_validate_with_one_line(
         400,
         json.dumps({"__type": "AccessDeniedException", "Message": "not allowed"}).encode(),
     )
-    with pytest.raises(pipeline.ValidationFailed) as failed:
-        pipeline.validate(RunRef.of("manual__unpriced"), far_deployment, params=params())
+    with pytest.raises(resolve.ValidationFailed) as failed:
+        data.validate(RunRef.of("manual__unpriced"), far_deployment, params=params())
     line = str(failed.value)
     assert "\n" not in line and TYPE in line and REGION in line
     assert "pricing:GetProducts" in line and "BURSTCV_PRICE_TABLE" in line

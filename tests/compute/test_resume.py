@@ -16,12 +16,13 @@ from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 from awsaudit import RecordingProxy, console_answer
 from burstcv_testkit import HELD_WHEEL, power_off_in_emulator, reclaim_in_emulator
 
-from burstcv import pipeline
 from burstcv.airflow.operators import WaitForTrainingOperator
 from burstcv.compute import attempts
 from burstcv.compute.ec2 import Ec2Backend
 from burstcv.params import RunParams
 from burstcv.settings import Settings
+from burstcv.stages import boxes as boxes_stage
+from burstcv.stages import resolve
 from burstcv.training.job import write_failed
 from burstcv_spec import storage
 from burstcv_spec.contracts import Launch, Provisioned, RunRef, TrainingOutcome
@@ -36,7 +37,7 @@ def provisioned(
     """Launch attempt 1 of a run through the pipeline, its box held; return provision's result."""
     run = RunRef.of("manual__reclaimed")
     player.modes[run.run_key] = kit.HOLD
-    for module in (pipeline, attempts):
+    for module in (boxes_stage, attempts):
         monkeypatch.setattr(module, "get_backend", lambda name, settings=None: backend)
     launch = Launch(
         run=run,
@@ -51,7 +52,7 @@ def provisioned(
     settings = Settings()
     # The run as its first task resolved it: a relaunch reads its budget from run.json.
     given = {"compute_backend": "ec2", "instance_types": ["g6.xlarge"], "use_spot": True}
-    pipeline.resolve_run(run, RunParams.resolve(given, settings), settings)
+    resolve.resolve_run(run, RunParams.resolve(given, settings), settings)
     ids = attempts.launch_attempt("ec2", launch, kit.job_dir(run.run_key), 1, settings)
     return Provisioned(
         run=run,
@@ -129,7 +130,7 @@ def test_a_resumable_failed_with_its_box_still_up_relaunches_and_ends_that_box(
 def test_relaunches_stop_at_the_runs_bound_with_one_line(
     provisioned: Provisioned, kit: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(pipeline, "get_settings", lambda: Settings(max_relaunches=1))
+    monkeypatch.setattr(boxes_stage, "get_settings", lambda: Settings(max_relaunches=1))
     operator = WaitForTrainingOperator(task_id="train", provisioned=provisioned.model_dump())
     (first,) = provisioned.instance_ids
     reclaim_in_emulator(first)

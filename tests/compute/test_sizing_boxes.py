@@ -28,7 +28,6 @@ from botocore.exceptions import ClientError
 from boxsandbox import Boot, BoxSandbox, SandboxUnavailable, make_ami_python
 from burstcv_testkit import power_off_in_emulator
 
-from burstcv import pipeline
 from burstcv.compute.base import TAG_RUN_ID
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.compute.sizing_boxes import SizingRequest, box_run_key, size_on_boxes
@@ -36,6 +35,8 @@ from burstcv.compute.userdata import parse_config
 from burstcv.gate.sizing import host_cpus, recommend
 from burstcv.params import RunParams
 from burstcv.settings import Settings
+from burstcv.stages import resolve
+from burstcv.stages import sizing as sizing_stage
 from burstcv_spec import storage
 from burstcv_spec.contracts import Billing, BoxSizing, RunRef, SizePoint, read_artifact
 from burstcv_spec.layout import RunLayout
@@ -339,7 +340,7 @@ def test_a_local_run_sized_on_ec2_chooses_from_its_boxes_figures_and_bills_them(
         },
         settings,
     )
-    resolved = pipeline.resolve_run(run, params, settings)
+    resolved = resolve.resolve_run(run, params, settings)
     assert resolved.costs.sizing is not None
     paths = RunLayout.of(ARTIFACT_ROOT, run.run_key)
     upload_model(paths.model)
@@ -358,7 +359,7 @@ def test_a_local_run_sized_on_ec2_chooses_from_its_boxes_figures_and_bills_them(
     )
     images = [image_bytes(fmt, (48 + n, 40)) for n, fmt in enumerate(["PNG", "JPEG"] * 4)]
     with SizingBoxPlayer(ec2_client, aws, run.run_key) as player:
-        report = pipeline.size_fleet_on_boxes(run, resolved, settings, host, images)
+        report = sizing_stage.size_fleet_on_boxes(run, resolved, settings, host, images)
     assert sorted(player.played.values()) == [0, 0]
     by_type = {b.instance_type: b for b in report.boxes}
     assert sorted(by_type) == ["c7g.large", "c7i.large"]
@@ -389,7 +390,7 @@ def test_a_local_run_sized_on_ec2_chooses_from_its_boxes_figures_and_bills_them(
     assert billing.cost_usd == pytest.approx(sum(i.cost_usd or 0 for i in billing.instances))
     assert billing.cost_usd <= resolved.costs.sizing.reserve_usd
     # Billed again (a benchmark tried again): the same boxes, never counted twice.
-    again = pipeline.bill_sizing_boxes(run, settings)
+    again = sizing_stage.bill_sizing_boxes(run, settings)
     assert again is not None and again.cost_usd == pytest.approx(billing.cost_usd, rel=0.05)
     assert len(again.instances) == 2
     # What the boxes measured is kept by speed key, named by the run that measured it.
@@ -397,10 +398,10 @@ def test_a_local_run_sized_on_ec2_chooses_from_its_boxes_figures_and_bills_them(
     # A later run of a model of the same speed key (architecture, input, export, SLO) reuses
     # the figures: no box is launched, and the fleet rests on the same measurements.
     later = RunRef.of("manual__same-architecture-later")
-    later_resolved = pipeline.resolve_run(later, params, settings)
+    later_resolved = resolve.resolve_run(later, params, settings)
     upload_model(RunLayout.of(ARTIFACT_ROOT, later.run_key).model)
     with SizingBoxPlayer(ec2_client, aws, later.run_key) as player:
-        reused = pipeline.size_fleet_on_boxes(later, later_resolved, settings, host, images)
+        reused = sizing_stage.size_fleet_on_boxes(later, later_resolved, settings, host, images)
     assert player.played == {}
     assert reused.boxes == report.boxes and reused.chosen == report.chosen
     assert not storage.exists(RunLayout.of(ARTIFACT_ROOT, later.run_key).billing)

@@ -1,12 +1,7 @@
 """Follow a run's training attempts: launch one, read its state, progress and box logs.
 
-A run trains in one or more attempts (a relaunch after a lost box resumes from the
-checkpoint). Each attempt has its record in the job folder (the attempt the run waits for,
-each box's launch, place and price), and its boxes write markers, progress and logs there.
-The pipeline's provision and relaunch start attempts through ``launch_attempt``; the train
-task's trigger and operator read an attempt's state, progress lines and box logs from here.
-Everything is read from the artifact store and the backend's description of the boxes: no
-GPU time is spent to look.
+Everything is read from the job folder (where each attempt's boxes write their markers,
+progress and logs) and the backend's description of the boxes: no GPU time is spent to look.
 """
 
 from __future__ import annotations
@@ -50,34 +45,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-ATTEMPT_FILE = ATTEMPT_RECORD  # in the job folder: the attempt the run now waits for
-
-
 def launch_attempt(
     backend_name: str, launch: Launch, job_dir: str, attempt: int, settings: Settings
 ) -> list[str]:
     """Start an attempt's boxes; record the attempt and each box's place and price."""
+    from burstcv.compute.ec2 import Ec2Backend
+
     backend = get_backend(backend_name, settings)
     ids = backend.launch(launch, attempt)
     write_artifact(
-        storage.join(job_dir, ATTEMPT_FILE),
+        storage.join(job_dir, ATTEMPT_RECORD),
         AttemptRecord(attempt=attempt, instance_ids=ids, launched_at=lineage.utc_now_iso()),
     )
-    _record_launch(backend_name, backend, launch, job_dir, attempt, ids)
-    return ids
-
-
-def _record_launch(
-    backend_name: str,
-    backend: ComputeBackend,
-    launch: Launch,
-    job_dir: str,
-    attempt: int,
-    ids: list[str],
-) -> None:
-    """Write the attempt's launch record: each box's place, rate (quoted now) and launch."""
-    from burstcv.compute.ec2 import Ec2Backend
-
     region = backend.settings.region if isinstance(backend, Ec2Backend) else ""
 
     def rate_of(info: InstanceInfo) -> BoxRate:
@@ -96,6 +75,7 @@ def _record_launch(
         rate_of=rate_of,
         now=lineage.utc_now(),
     )
+    return ids
 
 
 def wait_ended(
@@ -108,14 +88,8 @@ def wait_ended(
     terminated: bool,
 ) -> list[InstanceInfo]:
     """Wait until the boxes of attempts up to ``attempt`` have ended; return the run's boxes.
-
-    Ended is no longer pending or running: such a box never trains again and bills nothing
-    but its volume. With ``terminated`` (a run of several boxes), ended is terminated: until
-    then its boxes hold the run's cluster placement group, in their zone. Bounded by
-    ``wait_s`` and the run's deadline; a box not ended by then is logged and left to the
-    teardown, which takes every box of the run (the attempt tag keeps it apart from the new
-    attempt's meanwhile).
-    """
+    With ``terminated`` (several boxes hold the run's placement group until then), until
+    terminated. Bounded by ``wait_s`` and the run's deadline: a box left is the teardown's."""
     bound = min(wait_s, max(0.0, (deadline - lineage.utc_now()).total_seconds()))
     until = time.monotonic() + bound
     while True:
@@ -143,17 +117,13 @@ def wait_ended(
 
 def current_attempt(output_uri: str) -> int:
     """Return the run's latest launched attempt (1 before any relaunch)."""
-    uri = storage.join(output_uri, ATTEMPT_FILE)
+    uri = storage.join(output_uri, ATTEMPT_RECORD)
     return read_artifact(uri, AttemptRecord).attempt if storage.exists(uri) else 1
 
 
 def resumable(outcome: TrainingOutcome) -> bool:
-    """Return whether an attempt's outcome may be resumed by a new box.
-
-    A box that vanished (spot reclaim, crash, shutting down without a marker) or was
-    interrupted on purpose left a checkpoint to continue from; a job that failed on its own
-    would fail again.
-    """
+    """Return whether an attempt's outcome may be resumed by a new box: a box that vanished
+    or was interrupted left a checkpoint; a job that failed on its own would fail again."""
     return outcome.status == "lost" or (outcome.status == "failed" and outcome.resumable)
 
 
@@ -166,14 +136,9 @@ def training_outcome(
     boxes: int = 1,
 ) -> TrainingOutcome:
     """Return an attempt's state: done, failed (stage, reason), lost (no marker) or running.
-
-    In a run of several processes, a rank's own error decides: the attempt ends FAILED with
-    that rank's reason, never relaunched, even when the first rank wrote "a peer box was
-    lost" or a box went away (the failing rank's, once it had written its marker). The rank
-    markers are read on every poll for a run of several ``boxes`` (the other boxes' ranks
-    wait out their timeouts), and for one box only once its attempt has ended (torchrun ends
-    a box's other processes as soon as one fails): one listing less per poll of a box.
-    """
+    A rank's own error decides (never relaunched), even over a peer box lost. Rank markers are
+    read on every poll for several ``boxes`` (the other boxes' ranks wait out their timeouts),
+    and for one box only once it has ended (torchrun ends its other processes at once)."""
     status = job_outcome(
         get_backend(backend_name, settings), safe_run_id(run_id), output_uri, attempt
     )
@@ -181,34 +146,17 @@ def training_outcome(
         return TrainingOutcome(status="done", attempt=attempt)
     owned = rank_error(run_id, output_uri, attempt) if boxes > 1 or status != "running" else None
     if status == "failed":
-        uri = attempt_dir(output_uri, attempt, FAILED_MARKER)
-        try:
-            failed = read_artifact(uri, FailedMarker)
-        except ArtifactError as exc:  # failed all the same: say so rather than crash the wait
-            return owned or TrainingOutcome(
-                status="failed", attempt=attempt, reason=f"unreadable FAILED marker: {exc}"
-            )
-        if owned is not None and failed.resumable:
-            return owned
-        return TrainingOutcome(
-            status="failed",
-            attempt=attempt,
-            stage=failed.stage,
-            reason=failed.reason,
-            resumable=failed.resumable,
-        )
+        return _marked_failure(output_uri, attempt, owned)
     if owned is not None:
         return owned
-    if status in ("lost", "running"):
-        s = settings or get_settings()
-        boot = boot_failure(run_id, backend_name, output_uri, attempt, s)
-        if boot is not None:
-            log.error("run %s attempt %d: %s", run_id, attempt, boot)
-            # The record of it: a box still up is terminated by the task's teardown.
-            write_failed(output_uri, attempt, STAGE_BOOT, boot, resumable=False)
-            return TrainingOutcome(
-                status="failed", attempt=attempt, stage=STAGE_BOOT, reason=boot, resumable=False
-            )
+    boot = boot_failure(run_id, backend_name, output_uri, attempt, settings or get_settings())
+    if boot is not None:
+        log.error("run %s attempt %d: %s", run_id, attempt, boot)
+        # The record of it: a box still up is terminated by the task's teardown.
+        write_failed(output_uri, attempt, STAGE_BOOT, boot, resumable=False)
+        return TrainingOutcome(
+            status="failed", attempt=attempt, stage=STAGE_BOOT, reason=boot, resumable=False
+        )
     if status == "lost":
         return TrainingOutcome(
             status="lost",
@@ -219,13 +167,29 @@ def training_outcome(
     return TrainingOutcome(status=status, attempt=attempt)
 
 
-def rank_error(run_id: str, output_uri: str, attempt: int) -> TrainingOutcome | None:
-    """Return the outcome a rank's own error gives the attempt, or None.
+def _marked_failure(
+    output_uri: str, attempt: int, owned: TrainingOutcome | None
+) -> TrainingOutcome:
+    """Return the outcome of the attempt's FAILED marker; ``owned`` wins over a resumable one."""
+    try:
+        failed = read_artifact(attempt_dir(output_uri, attempt, FAILED_MARKER), FailedMarker)
+    except ArtifactError as exc:  # failed all the same: say so rather than crash the wait
+        reason = f"unreadable FAILED marker: {exc}"
+        return owned or TrainingOutcome(status="failed", attempt=attempt, reason=reason)
+    if owned is not None and failed.resumable:
+        return owned
+    return TrainingOutcome(
+        status="failed",
+        attempt=attempt,
+        stage=failed.stage,
+        reason=failed.reason,
+        resumable=failed.resumable,
+    )
 
-    The lowest rank whose marker is not resumable owns the failure; the others' resumable
-    ones ("a peer box was lost") are what its exit did to them. Its traceback's last lines
-    go to the task log: they were on its box only.
-    """
+
+def rank_error(run_id: str, output_uri: str, attempt: int) -> TrainingOutcome | None:
+    """Return the outcome a rank's own error gives the attempt, or None: the lowest rank whose
+    marker is not resumable owns it. Its traceback's last lines go to the task log."""
     owner = owning_rank_failure(output_uri, attempt)
     if owner is None:
         return None
@@ -255,14 +219,9 @@ POWERED_ITSELF_OFF = "Client.InstanceInitiatedShutdown"
 def boot_failure(
     run_id: str, backend_name: str, output_uri: str, attempt: int, settings: Settings
 ) -> str | None:
-    """Return why an attempt's boxes never got through their boot to S3, or None.
-
-    A box ships its log the moment its boot script reached S3. One of the attempt with no log
-    that powered itself off (its script found no way to S3 and gave up), or still up
-    BURSTCV_BOOT_BOUND_S after its launch, could never work: a relaunch would pay for another
-    alike. The reason names the likeliest cause, read from the account (security groups,
-    route, role and KMS key). A local box is a process of this host: it has no boot to fail.
-    """
+    """Return why an attempt's boxes never got through their boot to S3, or None. A box ships
+    its log as soon as it reaches S3: one with no log that powered itself off, or is up
+    BURSTCV_BOOT_BOUND_S after its launch, never will (a relaunch would fail alike)."""
     if backend_name != "ec2":
         return None
     from burstcv.compute.awscheck import no_s3_cause
@@ -295,13 +254,12 @@ def boot_failure(
     stuck = off or late
     ids = ", ".join(i.instance_id for i in stuck)
     cause, said = "no cause read", ""
-    try:
-        if isinstance(backend, Ec2Backend):
-            cause = no_s3_cause(backend, stuck[0].instance_id, settings.artifact_root)
-    # Broad on purpose: the verdict stands without its diagnosis.
-    except Exception as exc:
-        cause = f"the account could not be read for a cause ({type(exc).__name__}: {exc})"
     if isinstance(backend, Ec2Backend):
+        try:
+            cause = no_s3_cause(backend, stuck[0].instance_id, settings.artifact_root)
+        # Broad on purpose: the verdict stands without its diagnosis.
+        except Exception as exc:
+            cause = f"the account could not be read for a cause ({type(exc).__name__}: {exc})"
         said = _last_step(backend, stuck[0].instance_id)
     return (
         f"box {ids} {what} (no log, no marker): {cause}{said}; not relaunched: a new box would "
@@ -314,7 +272,7 @@ STEP_SHOWN_CHARS = 400  # of the last step a box stamped, in a boot failure's re
 
 def _last_step(backend: Ec2Backend, instance_id: str) -> str:
     """Return '; its console's last step: "…"' from the box's own stamps, or "" when EC2 has
-    captured none (yet) or cannot be read: its own words, where nothing else of it got out."""
+    captured none (yet) or cannot be read."""
     from burstcv.compute.userdata import stamps
 
     try:
@@ -343,15 +301,8 @@ def progress_lines(
     already_logged: int,
     max_cost_usd: float | None = None,
 ) -> list[str]:
-    """Return a line per epoch the attempt finished after its first ``already_logged`` ones.
-
-    Read from the job's progress.json (the box writes it at every epoch end). The figures a
-    reader scans for come first, so they fit the log viewer's width: the epoch, validation
-    accuracy and loss, the dollars spent and left of ``max_cost_usd`` (None: no budget), the
-    minutes left before the run's deadline; then train loss, speed, time and billed seconds.
-    Costs no GPU time: it reads the artifact store.
-    """
-
+    """Return a line per epoch the attempt finished after its first ``already_logged`` ones
+    (what a reader scans for first, to fit the log viewer's width)."""
     uri = storage.join(output_uri, PROGRESS)
     if not storage.exists(uri):
         return []
@@ -361,21 +312,16 @@ def progress_lines(
     if not epochs:
         return []
     now = lineage.utc_now()
-    # The attempt records, never the cloud's memory.
     bill = run_bill(output_uri, attempt, now, backend=backend_name)
     billed, spent = sum(bill.billed_seconds.values()), bill.cost_usd
     job = load_job(storage.join(output_uri, JOB_SPEC))
+    time_left, money = "no deadline", f"{_usd(spent)} spent, no budget"
     if job.deadline_at is not None:
         left_s = max(0.0, (job.deadline_at - now).total_seconds())
         time_left = f"{left_s / 60:.1f} min to the deadline"
-    else:
-        time_left = "no deadline"
     if max_cost_usd is not None:
-        money = (
-            f"{_usd(spent)} of {_usd(max_cost_usd)}, {_usd(max(0.0, max_cost_usd - spent))} left"
-        )
-    else:
-        money = f"{_usd(spent)} spent, no budget"
+        left_usd = _usd(max(0.0, max_cost_usd - spent))
+        money = f"{_usd(spent)} of {_usd(max_cost_usd)}, {left_usd} left"
     total = progress.epochs_total
     return [
         f"epoch {e.epoch}/{total} val_accuracy {e.val_accuracy:.4f} "

@@ -2,11 +2,8 @@
 
 Every check is free: launches are dry runs, the backstop schedule is created disabled and
 deleted at once, and the S3 checks write, read, list and delete one small probe object under
-the prefixes the pipeline writes (the run folders and the registry's aliases). The rest only
-reads: the vCPU quotas of the candidate types' families, the training role's S3 access (IAM's
-policy simulator), each launch subnet's route to S3, the bucket's region, the default EBS
-encryption key, the Spot service-linked role and a price for every type and market. Each
-check yields one line or a few: ``ok``, or ``MISSING`` with the command or setting that fixes it.
+the prefixes the pipeline writes; the rest only reads. Each check yields one line or a few:
+``ok``, or ``MISSING`` with the command or setting that fixes it.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, ParamSpec
 
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -38,6 +35,7 @@ from burstcv_spec import storage
 from burstcv_spec.contracts import Launch, RunRef
 
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
 
 PROBE_BODY = b"burstcv aws check probe: safe to delete\n"
 
@@ -67,6 +65,23 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _bucket(uri: str) -> str:
+    return uri.removeprefix("s3://").split("/", 1)[0]
+
+
+def _refusal(step: Callable[[], object]) -> str:
+    """Run ``step``; return "" when AWS allowed it, else why not."""
+    try:
+        step()
+    except (ClientError, BotoCoreError) as exc:
+        return _reason(exc)
+    return ""
+
+
 def check_s3_prefix(label: str, prefix: str) -> list[Finding]:
     """Write, read, list and delete one probe object under ``prefix``."""
     if not storage.is_s3(prefix):
@@ -74,21 +89,13 @@ def check_s3_prefix(label: str, prefix: str) -> list[Finding]:
     probe = storage.join(prefix, f".burstcv-check-{uuid.uuid4().hex[:12]}")
     bucket, key = probe.removeprefix("s3://").split("/", 1)
     client = storage.s3_client()
-    findings = []
     steps: tuple[tuple[str, Callable[[], object]], ...] = (
         ("s3:PutObject", lambda: client.put_object(Bucket=bucket, Key=key, Body=PROBE_BODY)),
         ("s3:GetObject", lambda: client.get_object(Bucket=bucket, Key=key)["Body"].read()),
         ("s3:ListBucket", lambda: client.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1)),
         ("s3:DeleteObject", lambda: client.delete_object(Bucket=bucket, Key=key)),
     )
-    for action, step in steps:
-        try:
-            step()
-        except (ClientError, BotoCoreError) as exc:
-            findings.append(Finding(f"{action} under {prefix}", _reason(exc)))
-            continue
-        findings.append(Finding(f"{action} under {prefix}"))
-    return findings
+    return [Finding(f"{action} under {prefix}", _refusal(step)) for action, step in steps]
 
 
 # --- vCPU quotas ------------------------------------------------------------------------------
@@ -96,16 +103,12 @@ def check_s3_prefix(label: str, prefix: str) -> list[Finding]:
 
 @dataclass(frozen=True)
 class VcpuQuota:
-    """Name the two EC2 quotas (Service Quotas codes) that count one family's vCPUs in a region.
-
-    ``spot_family``: the spot quota's own name where it differs (P5's spot quota is its own;
-    its on-demand one is every P family's).
-    """
+    """Name the two EC2 quotas (Service Quotas codes) that count one family's vCPUs in a region."""
 
     family: str
     on_demand: str
     spot: str
-    spot_family: str | None = None
+    spot_family: str | None = None  # the spot quota's own name where it differs (P5's)
 
     def code(self, market: str) -> str:
         """Return the quota code of ``market`` (spot or on-demand)."""
@@ -139,18 +142,44 @@ def vcpu_quota_of(instance_type: str) -> VcpuQuota | None:
 
 
 def _quota_value(quotas: Any, code: str) -> float:
-    """Return the vCPUs an EC2 quota allows in the region: the applied value, else the default.
-
-    Service Quotas answers NoSuchResourceException for a quota the account never had applied
-    (never raised): the default then holds, which is not always 0. Neither: 0, nothing runs.
-    """
+    """Return the vCPUs an EC2 quota allows in the region: the applied value, else the default."""
     for read in (quotas.get_service_quota, quotas.get_aws_default_service_quota):
         try:
             return float(read(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"])
         except ClientError as exc:
+            # A quota never raised has no applied value; its default (not always 0) holds.
             if _code(exc) != "NoSuchResourceException":
                 raise
     return 0.0
+
+
+def _quota_needs(backend: Ec2Backend) -> tuple[list[Finding], dict[str, tuple[str, str, int]]]:
+    """Return the types no known quota counts, and per quota code (P5 and P4 on demand share
+    one) its label, the largest candidate type and that type's vCPUs."""
+    s = backend.settings
+    described = backend.client.describe_instance_types(InstanceTypes=list(s.instance_types))
+    vcpus = {
+        t["InstanceType"]: int(t["VCpuInfo"]["DefaultVCpus"]) for t in described["InstanceTypes"]
+    }
+    unknown: list[Finding] = []
+    needs: dict[str, tuple[str, str, int]] = {}
+    for option in launch_plan(s.instance_types, s.use_spot):
+        instance_type, market = option.instance_type, option.market
+        family = vcpu_quota_of(instance_type)
+        if family is None or instance_type not in vcpus:
+            why = (
+                "not a G, VT, P or standard family: find its quota in Service Quotas "
+                f"(Amazon EC2) for {s.region} and check it yourself"
+                if family is None
+                else f"EC2 does not describe {instance_type} in {s.region}; check "
+                "BURSTCV_EC2_INSTANCE_TYPES"
+            )
+            unknown.append(Finding(f"vCPU quota of {instance_type} {market}", why))
+            continue
+        code = family.code(market)
+        if code not in needs or vcpus[instance_type] > needs[code][2]:
+            needs[code] = (f"{family.name(market)} {market}", instance_type, vcpus[instance_type])
+    return unknown, needs
 
 
 def check_vcpu_quotas(
@@ -158,75 +187,34 @@ def check_vcpu_quotas(
 ) -> list[Finding]:
     """Compare each market's vCPU quota of each family with the largest candidate's vCPUs.
 
-    A new account has 0 vCPUs of G and VT and of P instances, on demand and spot: every
-    launch is refused (``VcpuLimitExceeded``) until an increase is granted. Only the markets
-    the settings use are checked; the increase asked for fits BURSTCV_GPU_POOL_SLOTS boxes.
+    A new account has 0 G, VT and P vCPUs: every launch is refused until an increase is granted.
     """
-    s = backend.settings
-    plan = launch_plan(s.instance_types, s.use_spot)
-    described = backend.client.describe_instance_types(InstanceTypes=list(s.instance_types))
-    vcpus = {
-        t["InstanceType"]: int(t["VCpuInfo"]["DefaultVCpus"]) for t in described["InstanceTypes"]
-    }
+    region = backend.settings.region
+    findings, needs = _quota_needs(backend)
     quotas = backend._aws_client("service-quotas")  # the backend's connection and region
-    findings: list[Finding] = []
-    # One entry per quota code (P5 and P4 on demand share one): its family, the largest type.
-    needs: dict[str, tuple[str, str, int]] = {}
-    for option in plan:
-        family = vcpu_quota_of(option.instance_type)
-        if family is None:
-            findings.append(
-                Finding(
-                    f"vCPU quota of {option.instance_type} {option.market}",
-                    "not a G, VT, P or standard family: find its quota in Service Quotas "
-                    f"(Amazon EC2) for {s.region} and check it yourself",
-                )
-            )
-            continue
-        if option.instance_type not in vcpus:
-            findings.append(
-                Finding(
-                    f"vCPU quota of {option.instance_type} {option.market}",
-                    f"EC2 does not describe {option.instance_type} in {s.region}; check "
-                    "BURSTCV_EC2_INSTANCE_TYPES",
-                )
-            )
-            continue
-        code = family.code(option.market)
-        largest = needs.get(code)
-        if largest is None or vcpus[option.instance_type] > largest[2]:
-            label = f"{family.name(option.market)} {option.market}"
-            needs[code] = (label, option.instance_type, vcpus[option.instance_type])
+    # The GPU pool bounds the boxes that exist at once (a run takes a slot per box).
+    slots = max(settings.gpu_pool_slots, num_nodes, 1)
     for code, (label, instance_type, need) in needs.items():
-        name = f"vCPU quota {label} ({code}) in {s.region}"
+        name = f"vCPU quota {label} ({code}) in {region}"
         try:
             value = _quota_value(quotas, code)
         except ClientError as exc:
-            findings.append(
-                Finding(
-                    name,
-                    f"{_reason(exc)}; allow servicequotas:GetServiceQuota and "
-                    "servicequotas:GetAWSDefaultServiceQuota",
-                )
-            )
+            why = "allow servicequotas:GetServiceQuota and servicequotas:GetAWSDefaultServiceQuota"
+            findings.append(Finding(name, f"{_reason(exc)}; {why}"))
             continue
         run_need = need * num_nodes  # a launch starts every box of the run at once
         boxes = f"{num_nodes} x {instance_type}" if num_nodes > 1 else f"a {instance_type}"
+        have = f"{value:g} vCPUs, {boxes} needs {run_need}"
         if value >= run_need:
-            findings.append(Finding(f"{name}: {value:g} vCPUs, {boxes} needs {run_need}"))
+            findings.append(Finding(f"{name}: {have}"))
             continue
-        # The GPU pool bounds the boxes that exist at once (a run takes a slot per box).
-        slots = max(settings.gpu_pool_slots, num_nodes, 1)
-        desired = need * slots
-        findings.append(
-            Finding(
-                name,
-                f"{value:g} vCPUs, {boxes} needs {run_need}; ask for {desired} "
-                f"({slots} boxes at once, BURSTCV_GPU_POOL_SLOTS): aws "
-                f"service-quotas request-service-quota-increase --service-code ec2 "
-                f"--quota-code {code} --desired-value {desired} --region {s.region}",
-            )
+        why = (
+            f"{have}; ask for {need * slots} ({slots} boxes at once, "
+            "BURSTCV_GPU_POOL_SLOTS): aws service-quotas request-service-quota-increase "
+            f"--service-code ec2 --quota-code {code} --desired-value {need * slots} "
+            f"--region {region}"
         )
+        findings.append(Finding(name, why))
     return findings
 
 
@@ -246,15 +234,8 @@ KMS_USE = ("kms:Decrypt", "kms:GenerateDataKey")  # read and write SSE-KMS objec
 def instance_role_requests(
     artifact_root: str, kms_key_arn: str | None = None
 ) -> list[tuple[str, str]]:
-    """Return the (action, resource ARN) pairs a training box needs under ``artifact_root``.
-
-    It reads its job, its shards and the training wheel (and pretrained weights kept in the
-    store), writes its checkpoints, metrics, markers and logs into its run's job folder, and
-    lists the bucket so that a marker not yet written answers 404, not 403. A bucket that
-    encrypts with a customer managed KMS key by default needs that key's use too.
-    """
+    """Return the (action, resource ARN) pairs a training box needs under ``artifact_root``."""
     run = storage.join(artifact_root, "runs", CHECK_RUN)
-    bucket = artifact_root.removeprefix("s3://").split("/", 1)[0]
     reads = (
         storage.join(run, "job", "job.json"),
         storage.join(run, "dataset", "shards", "train-00000.tar"),
@@ -268,22 +249,15 @@ def instance_role_requests(
     return [
         *((S3_READ, _s3_arn(uri)) for uri in reads),
         *((S3_WRITE, _s3_arn(uri)) for uri in writes),
-        (S3_LIST, f"arn:aws:s3:::{bucket}"),
+        (S3_LIST, f"arn:aws:s3:::{_bucket(artifact_root)}"),  # a missing marker: 404, not 403
         *((action, kms_key_arn) for action in KMS_USE if kms_key_arn),
     ]
 
 
 def bucket_kms_key(backend: Ec2Backend, artifact_root: str) -> str | None:
-    """Return the customer managed KMS key the bucket encrypts new objects with by default.
-
-    None for SSE-S3, no default, or an AWS managed key (aws/s3, which S3 uses for anyone the
-    bucket lets write). A customer managed key is used only by principals its policies allow:
-    a box without kms:Decrypt and kms:GenerateDataKey on it can neither read its job nor
-    write its FAILED marker.
-    """
-    bucket = artifact_root.removeprefix("s3://").split("/", 1)[0]
+    """Return the customer managed KMS key the bucket encrypts new objects with by default."""
     try:
-        config = backend._aws_client("s3").get_bucket_encryption(Bucket=bucket)
+        config = backend._aws_client("s3").get_bucket_encryption(Bucket=_bucket(artifact_root))
     except ClientError as exc:
         if _code(exc) == "ServerSideEncryptionConfigurationNotFoundError":
             return None
@@ -294,6 +268,7 @@ def bucket_kms_key(backend: Ec2Backend, artifact_root: str) -> str | None:
         if not str(default.get("SSEAlgorithm", "")).startswith("aws:kms") or not key:
             continue
         meta = backend._aws_client("kms").describe_key(KeyId=key)["KeyMetadata"]
+        # aws/s3 (AWS managed) serves anyone the bucket lets write: nothing to check.
         return None if meta.get("KeyManager") == "AWS" else str(meta["Arn"])
     return None
 
@@ -312,11 +287,28 @@ def _simulated_decisions(results: Iterable[dict[str, Any]]) -> dict[tuple[str, s
     return decisions
 
 
+def _refused(
+    iam: Any, principal: str, wanted: list[tuple[str, str]], **context: Any
+) -> list[tuple[str, str, str]]:
+    """Return (action, resource, decision) of each request IAM's policy simulator refuses."""
+    pages = iam.get_paginator("simulate_principal_policy").paginate(
+        PolicySourceArn=principal,
+        ActionNames=sorted({action for action, _ in wanted}),
+        ResourceArns=sorted({resource for _, resource in wanted}),
+        **context,
+    )
+    decisions = _simulated_decisions(r for page in pages for r in page["EvaluationResults"])
+    return [
+        (action, resource, decisions.get((action, resource), "not simulated"))
+        for action, resource in wanted
+        if decisions.get((action, resource)) != "allowed"
+    ]
+
+
 def check_instance_role_s3(backend: Ec2Backend, artifact_root: str) -> list[Finding]:
     """Ask IAM's policy simulator whether the training role may read and write its run's files.
 
-    The role is the one behind BURSTCV_EC2_INSTANCE_PROFILE. A box without these rights boots,
-    is billed, and fails at its first S3 call; the dry-run launch cannot see it.
+    The dry-run launch cannot see it: a box without these rights boots, is billed, and fails.
     """
     profile = backend.settings.instance_profile
     if not profile or not storage.is_s3(artifact_root):
@@ -325,64 +317,53 @@ def check_instance_role_s3(backend: Ec2Backend, artifact_root: str) -> list[Find
     profile_name = profile.rsplit("/", 1)[-1]
     name = f"training role's S3 access under {artifact_root}"
     try:
-        roles = iam.get_instance_profile(InstanceProfileName=profile_name)["InstanceProfile"][
-            "Roles"
-        ]
+        found = iam.get_instance_profile(InstanceProfileName=profile_name)["InstanceProfile"]
     except ClientError as exc:
-        if _code(exc) == "NoSuchEntity":
-            return [
-                Finding(name, f"no instance profile {profile_name}: create it (docs/aws.md, IAM)")
-            ]
-        return [Finding(name, f"{_reason(exc)}; allow iam:GetInstanceProfile on {profile_name}")]
-    if not roles:
-        return [
-            Finding(
-                name,
-                f"instance profile {profile_name} holds no role: aws iam "
-                f"add-role-to-instance-profile --instance-profile-name {profile_name} "
-                "--role-name burstcv-training",
-            )
-        ]
-    role_arn = str(roles[0]["Arn"])
+        why = (
+            f"no instance profile {profile_name}: create it (docs/aws.md, IAM)"
+            if _code(exc) == "NoSuchEntity"
+            else f"{_reason(exc)}; allow iam:GetInstanceProfile on {profile_name}"
+        )
+        return [Finding(name, why)]
+    if not found["Roles"]:
+        why = (
+            f"instance profile {profile_name} holds no role: aws iam "
+            f"add-role-to-instance-profile --instance-profile-name {profile_name} "
+            "--role-name burstcv-training"
+        )
+        return [Finding(name, why)]
+    role_arn = str(found["Roles"][0]["Arn"])
     name = f"training role {role_arn.rsplit('/', 1)[-1]}: S3 access under {artifact_root}"
     try:
         key = bucket_kms_key(backend, artifact_root)
     except ClientError as exc:
-        return [
-            Finding(
-                name,
-                f"{_reason(exc)}; allow s3:GetEncryptionConfiguration on the bucket and "
-                "kms:DescribeKey (deploy/iam-policy.json)",
-            )
-        ]
+        why = "allow s3:GetEncryptionConfiguration on the bucket and kms:DescribeKey"
+        return [Finding(name, f"{_reason(exc)}; {why} (deploy/iam-policy.json)")]
     if key:
         name += f" (the bucket's default key {key})"
-    wanted = instance_role_requests(artifact_root, key)
     try:
-        pages = iam.get_paginator("simulate_principal_policy").paginate(
-            PolicySourceArn=role_arn,
-            ActionNames=sorted({action for action, _ in wanted}),
-            ResourceArns=sorted({resource for _, resource in wanted}),
-        )
-        decisions = _simulated_decisions(r for page in pages for r in page["EvaluationResults"])
+        refused = _refused(iam, role_arn, instance_role_requests(artifact_root, key))
     except ClientError as exc:
         return [Finding(name, f"{_reason(exc)}; allow iam:SimulatePrincipalPolicy on {role_arn}")]
-    under_root = _s3_arn(artifact_root) + "/"
-    refused = [
-        f"{action} on {resource.removeprefix(under_root).removeprefix('arn:aws:s3:::')}"
-        f" ({decisions.get((action, resource), 'not simulated')})"
-        for action, resource in wanted
-        if decisions.get((action, resource)) != "allowed"
-    ]
+    return [Finding(name, _role_fix(refused, _s3_arn(artifact_root) + "/", key))]
+
+
+def _role_fix(refused: list[tuple[str, str, str]], under_root: str, key: str | None) -> str:
+    """Return what the training role may not do and how to grant it ("" for nothing)."""
     if not refused:
-        return [Finding(name)]
+        return ""
+    lines = [
+        f"{action} on {resource.removeprefix(under_root).removeprefix('arn:aws:s3:::')} "
+        f"({decision})"
+        for action, resource, decision in refused
+    ]
     fix = "give it deploy/instance-role-policy.json (docs/aws.md, the training instance's role)"
-    if key and any(line.startswith(KMS_USE) for line in refused):
+    if key and any(line.startswith(KMS_USE) for line in lines):
         fix += (
             f", and {' and '.join(KMS_USE)} on {key} (the bucket encrypts with it by default: "
             "without them a box can neither read its job nor write its FAILED marker)"
         )
-    return [Finding(name, f"the role may not {'; '.join(refused)}: {fix}")]
+    return f"the role may not {'; '.join(lines)}: {fix}"
 
 
 # --- network: a route from each launch subnet to S3 ---------------------------------------------
@@ -400,33 +381,30 @@ def _s3_route(
     for route in routes:
         if str(route.get("GatewayId", "")) in s3_endpoints:
             return f"S3 gateway endpoint {route['GatewayId']}", ""
-    default = [r for r in routes if r.get("DestinationCidrBlock") == "0.0.0.0/0"]
-    for route in default:
-        if route.get("NatGatewayId"):
-            # Works, at a price: a NAT gateway bills each GB it carries, and every box's S3
-            # traffic (shards, wheel, checkpoints) goes through it; a gateway endpoint is free.
-            return (
-                f"NAT gateway {route['NatGatewayId']}, billed per GB: every box's shard "
-                "download, wheel and checkpoints pass through it; an S3 gateway endpoint "
-                f"carries them free (aws ec2 create-vpc-endpoint --vpc-id {table['VpcId']} "
-                f"--service-name com.amazonaws.{region}.s3 --route-table-ids {table_id})",
-                "",
-            )
-    for route in default:
-        gateway = str(route.get("GatewayId", ""))
-        if gateway.startswith("igw-"):
-            if public_ip:
-                return f"internet gateway {gateway} (public IPs on launch)", ""
-            return "", (
-                f"its route table {table_id} goes to internet gateway {gateway}, but the subnet "
-                "gives instances no public IP: turn on its auto-assign public IPv4 address "
-                "(aws ec2 modify-subnet-attribute --map-public-ip-on-launch --subnet-id …), "
-                "or add an S3 gateway endpoint"
-            )
-    for route in default:
-        for target in ("TransitGatewayId", "NetworkInterfaceId", "InstanceId"):
-            if route.get(target):
-                return f"default route via {route[target]} (not followed further)", ""
+    # A route table holds one route per destination: at most one default route.
+    defaults = [r for r in routes if r.get("DestinationCidrBlock") == "0.0.0.0/0"]
+    default: dict[str, Any] = defaults[0] if defaults else {}
+    gateway = str(default.get("GatewayId", ""))
+    if default.get("NatGatewayId"):
+        return (
+            f"NAT gateway {default['NatGatewayId']}, billed per GB: every box's shard "
+            "download, wheel and checkpoints pass through it; an S3 gateway endpoint "
+            f"carries them free (aws ec2 create-vpc-endpoint --vpc-id {table['VpcId']} "
+            f"--service-name com.amazonaws.{region}.s3 --route-table-ids {table_id})",
+            "",
+        )
+    if gateway.startswith("igw-"):
+        if public_ip:
+            return f"internet gateway {gateway} (public IPs on launch)", ""
+        return "", (
+            f"its route table {table_id} goes to internet gateway {gateway}, but the subnet "
+            "gives instances no public IP: turn on its auto-assign public IPv4 address "
+            "(aws ec2 modify-subnet-attribute --map-public-ip-on-launch --subnet-id …), "
+            "or add an S3 gateway endpoint"
+        )
+    for target in ("TransitGatewayId", "NetworkInterfaceId", "InstanceId"):
+        if default.get(target):
+            return f"default route via {default[target]} (not followed further)", ""
     return "", f"its route table {table_id} has no S3 gateway endpoint, NAT or internet gateway"
 
 
@@ -458,23 +436,15 @@ def _s3_routing(
 
 
 def check_subnet_routes(backend: Ec2Backend) -> list[Finding]:
-    """Check every subnet a launch may use can reach S3 (the box's job, wheel and results).
-
-    The table is the subnet's explicit association, else its VPC's main table; S3 is reached
-    through an S3 gateway endpoint, a NAT gateway, or an internet gateway with a public IP.
-    """
+    """Check every subnet a launch may use can reach S3 (the box's job, wheel and results)."""
     region = backend.settings.region
     subnets: list[Subnet] = backend.launch_subnets()
     ids = [sub.subnet_id for sub in subnets if sub.subnet_id]
-    findings = [
-        Finding(
-            "route to S3",
-            f"{region} has no default VPC: set BURSTCV_EC2_SUBNET_IDS to subnets with a route "
-            "to S3 (docs/aws.md, network)",
-        )
-        for sub in subnets
-        if not sub.subnet_id
-    ]
+    no_vpc = (
+        f"{region} has no default VPC: set BURSTCV_EC2_SUBNET_IDS to subnets with a route "
+        "to S3 (docs/aws.md, network)"
+    )
+    findings = [Finding("route to S3", no_vpc) for sub in subnets if not sub.subnet_id]
     if not ids:
         return findings
     ec2 = backend.client
@@ -490,19 +460,13 @@ def check_subnet_routes(backend: Ec2Backend) -> list[Finding]:
         if table is None:
             findings.append(Finding(name, f"VPC {info['VpcId']} has no main route table"))
             continue
-        public_ip = bool(info.get("MapPublicIpOnLaunch"))
-        via, missing = _s3_route(table, s3_endpoints, public_ip, region)
-        if via:
-            findings.append(Finding(f"{name} via {via}"))
-            continue
-        findings.append(
-            Finding(
-                name,
-                f"{missing}: aws ec2 create-vpc-endpoint --vpc-id {info['VpcId']} --service-name "
-                f"com.amazonaws.{region}.s3 --route-table-ids {table['RouteTableId']} "
-                f"--region {region} (free), or a NAT gateway",
-            )
+        via, missing = _s3_route(table, s3_endpoints, bool(info.get("MapPublicIpOnLaunch")), region)
+        fix = (
+            f"aws ec2 create-vpc-endpoint --vpc-id {info['VpcId']} --service-name "
+            f"com.amazonaws.{region}.s3 --route-table-ids {table['RouteTableId']} "
+            f"--region {region} (free), or a NAT gateway"
         )
+        findings.append(Finding(f"{name} via {via}") if via else Finding(name, f"{missing}: {fix}"))
     return findings
 
 
@@ -541,10 +505,8 @@ def _s3_prefix_lists(backend: Ec2Backend) -> set[str]:
 def check_security_group_egress(backend: Ec2Backend) -> list[Finding]:
     """Check the security groups a training box gets let it reach S3 over HTTPS.
 
-    A box gets BURSTCV_EC2_SECURITY_GROUP_IDS, else its VPC's default group. Accounts that
-    follow CIS 4.3 (AWS Config ``vpc-default-security-group-closed``) strip the default group
-    of every rule: a box there reaches nothing, cannot even write its FAILED marker, and would
-    be paid for until its boot bound. Egress is the union of the groups' rules.
+    Accounts that follow CIS 4.3 strip a VPC's default group of every rule: a box there cannot
+    even write its FAILED marker, and is paid for until its boot bound.
     """
     s = backend.settings
     ec2 = backend.client
@@ -554,15 +516,13 @@ def check_security_group_egress(backend: Ec2Backend) -> list[Finding]:
         sets = {"BURSTCV_EC2_SECURITY_GROUP_IDS": groups["SecurityGroups"]}
     else:
         vpcs = sorted({sub.vpc_id for sub in backend.launch_subnets() if sub.vpc_id})
-        sets = {}
-        for vpc in vpcs:
-            found = ec2.describe_security_groups(
-                Filters=[
-                    {"Name": "vpc-id", "Values": [vpc]},
-                    {"Name": "group-name", "Values": ["default"]},
-                ]
+        default = {"Name": "group-name", "Values": ["default"]}
+        sets = {
+            f"the default security group of {vpc}": ec2.describe_security_groups(
+                Filters=[{"Name": "vpc-id", "Values": [vpc]}, default]
             )["SecurityGroups"]
-            sets[f"the default security group of {vpc}"] = found
+            for vpc in vpcs
+        }
     findings = []
     for label, groups in sets.items():
         ids = [str(g["GroupId"]) for g in groups]
@@ -573,21 +533,16 @@ def check_security_group_egress(backend: Ec2Backend) -> list[Finding]:
             for rule in g.get("IpPermissionsEgress", [])
             if (where := _https_egress(rule, s3_lists))
         ]
-        if reaches:
-            findings.append(Finding(f"{name}: to {reaches[0]}"))
-            continue
         s3_list = sorted(s3_lists)[0] if s3_lists else "<the S3 prefix list>"
         rule = f"IpProtocol=tcp,FromPort=443,ToPort=443,PrefixListIds=[{{PrefixListId={s3_list}}}]"
-        findings.append(
-            Finding(
-                name,
-                "no egress rule lets a box reach S3 over HTTPS (a box could not read its job "
-                "nor write its FAILED marker): aws ec2 authorize-security-group-egress "
-                f"--group-id {ids[0] if ids else '<group>'} --ip-permissions '{rule}' "
-                f"--region {s.region}, or set BURSTCV_EC2_SECURITY_GROUP_IDS to a group with "
-                "such a rule",
-            )
+        why = (
+            "no egress rule lets a box reach S3 over HTTPS (a box could not read its job "
+            "nor write its FAILED marker): aws ec2 authorize-security-group-egress "
+            f"--group-id {ids[0] if ids else '<group>'} --ip-permissions '{rule}' "
+            f"--region {s.region}, or set BURSTCV_EC2_SECURITY_GROUP_IDS to a group with "
+            "such a rule"
         )
+        findings.append(Finding(f"{name}: to {reaches[0]}") if reaches else Finding(name, why))
     return findings
 
 
@@ -610,34 +565,24 @@ def _route_table_of(
 
 
 def check_bucket_region(artifact_root: str, region: str) -> list[Finding]:
-    """Check the artifact bucket is in the run's region.
-
-    Asked with HeadBucket, which needs only s3:ListBucket (the orchestrator has it) and
-    answers with the bucket's region (``x-amz-bucket-region``) even when it refuses. A bucket
-    elsewhere is reached across regions: billed per GB each way, slower, and never through
-    an S3 gateway endpoint (it serves its own region's buckets only).
-    """
+    """Check the artifact bucket is in the run's region (else billed per GB each way, slower)."""
     if not storage.is_s3(artifact_root):
         return []
-    bucket = artifact_root.removeprefix("s3://").split("/", 1)[0]
+    bucket = _bucket(artifact_root)
     name = f"bucket {bucket} in the run's region {region}"
-    try:
+    try:  # HeadBucket needs only s3:ListBucket, and names the region even when it refuses
         response = storage.s3_client().head_bucket(Bucket=bucket)
     except ClientError as exc:
         response = exc.response
         if not _bucket_region(response):
             return [Finding(name, f"{_reason(exc)}; its region cannot be read")]
     where = _bucket_region(response) or "us-east-1"
-    if where == region:
-        return [Finding(name)]
-    return [
-        Finding(
-            name,
-            f"it is in {where}: every shard, checkpoint and log would cross regions (billed per "
-            f"GB, and no S3 gateway endpoint reaches it); use a bucket in {region} for "
-            f"BURSTCV_ARTIFACT_ROOT, or set BURSTCV_EC2_REGION={where}",
-        )
-    ]
+    why = (
+        f"it is in {where}: every shard, checkpoint and log would cross regions (billed per "
+        f"GB, and no S3 gateway endpoint reaches it); use a bucket in {region} for "
+        f"BURSTCV_ARTIFACT_ROOT, or set BURSTCV_EC2_REGION={where}"
+    )
+    return [Finding(name, "" if where == region else why)]
 
 
 def _bucket_region(response: Any) -> str:
@@ -647,8 +592,7 @@ def _bucket_region(response: Any) -> str:
 
 # --- the default EBS encryption key -------------------------------------------------------------
 
-# What a launch needs on a customer managed key that encrypts its volumes (AWS's EBS docs),
-# besides kms:CreateGrant with kms:GrantIsForAWSResource=true.
+# What a launch needs on a customer managed key that encrypts its volumes (AWS's EBS docs).
 EBS_KMS_ACTIONS = (
     "kms:Decrypt",
     "kms:DescribeKey",
@@ -657,13 +601,10 @@ EBS_KMS_ACTIONS = (
 )
 
 
-# The same, as IAM's policy simulator names them (it takes no wildcard), and the context a
-# launch's grant carries.
+# The same as IAM's simulator names them (no wildcard), with the context of a launch's grant.
 EBS_KMS_SIMULATED = (
     "kms:CreateGrant",
-    "kms:Decrypt",
-    "kms:DescribeKey",
-    "kms:GenerateDataKeyWithoutPlaintext",
+    *EBS_KMS_ACTIONS[:-1],
     "kms:ReEncryptFrom",
     "kms:ReEncryptTo",
 )
@@ -672,6 +613,7 @@ GRANT_FOR_AWS_RESOURCE = {
     "ContextKeyValues": ["true"],
     "ContextKeyType": "boolean",
 }
+SPOT_ROLE = "AWSServiceRoleForEC2Spot"
 
 
 def own_principal(backend: Ec2Backend) -> str | None:
@@ -694,22 +636,6 @@ def simulator_principal(arn: str) -> str | None:
     return None
 
 
-def _refused_key_uses(backend: Ec2Backend, principal: str, key_arn: str) -> list[str]:
-    """Return the launch's uses of ``key_arn`` IAM's simulator refuses ``principal``."""
-    results = backend._aws_client("iam").simulate_principal_policy(
-        PolicySourceArn=principal,
-        ActionNames=list(EBS_KMS_SIMULATED),
-        ResourceArns=[key_arn],
-        ContextEntries=[GRANT_FOR_AWS_RESOURCE],
-    )["EvaluationResults"]
-    decisions = _simulated_decisions(results)
-    return [
-        f"{action} ({decisions.get((action, key_arn), 'not simulated')})"
-        for action in EBS_KMS_SIMULATED
-        if decisions.get((action, key_arn)) != "allowed"
-    ]
-
-
 def _spot_role_on_key(kms: Any, key_arn: str) -> str:
     """Return "" when the key's policy names the Spot service-linked role, else what to do."""
     fix = (
@@ -726,71 +652,70 @@ def _spot_role_on_key(kms: Any, key_arn: str) -> str:
 def check_ebs_key(backend: Ec2Backend, use_spot: bool) -> list[Finding]:
     """Check which KMS key encrypts the boxes' volumes, and what a customer managed one needs.
 
-    burstcv asks for an encrypted root volume without naming a key, so EC2 uses the account's
-    default EBS key: the AWS managed ``aws/ebs`` needs nothing; a customer managed key needs
-    the launching identity (and, for spot, the Spot service-linked role) allowed to use it, or
-    the instance is terminated during launch (``Client.InvalidKMSKey.InvalidState``). Whether
-    this identity may is asked of IAM's policy simulator (its own identity policies); whether
-    the Spot role may, of the key's policy.
+    A default EBS key the launcher (and, for spot, the Spot role) may not use gets the instance
+    terminated during launch (``Client.InvalidKMSKey.InvalidState``).
     """
     ec2 = backend.client
     by_default = bool(ec2.get_ebs_encryption_by_default()["EbsEncryptionByDefault"])
     key_id = str(ec2.get_ebs_default_kms_key_id()["KmsKeyId"])
     kms = backend._aws_client("kms")
-    name = f"default EBS encryption key {key_id}"
     try:
         meta = kms.describe_key(KeyId=key_id)["KeyMetadata"]
     except ClientError as exc:
-        return [Finding(name, f"{_reason(exc)}; allow kms:DescribeKey on the account's keys")]
+        why = f"{_reason(exc)}; allow kms:DescribeKey on the account's keys"
+        return [Finding(f"default EBS encryption key {key_id}", why)]
     arn = str(meta.get("Arn", key_id))
     if meta.get("KeyManager") == "AWS":
-        account_default = "on" if by_default else "off"
+        on = "on" if by_default else "off"
         return [
             Finding(
-                f"default EBS encryption key: AWS managed key (encryption by default "
-                f"{account_default}; burstcv encrypts its volumes either way)"
+                f"default EBS encryption key: AWS managed key (encryption by default {on}; "
+                "burstcv encrypts its volumes either way)"
             )
         ]
     name = f"default EBS encryption key {arn} (customer managed)"
+    principal = own_principal(backend)
+    problems = [_own_key_problem(backend, principal, arn)]
+    if use_spot:
+        problems.append(_spot_role_on_key(kms, arn))
+    if missing := "; ".join(p for p in problems if p):
+        return [Finding(name, missing)]
+    spot_ok = f", and its key policy names {SPOT_ROLE}" if use_spot else ""
+    return [Finding(f"{name}: {principal} may use it for the boxes' volumes{spot_ok}")]
+
+
+def _own_key_problem(backend: Ec2Backend, principal: str | None, arn: str) -> str:
+    """Return why ``principal`` may not use the key for a launch, by its IAM policies ("" if it
+    may); a key policy naming it is not read."""
     grants = (
         f"add to the orchestrator's policy (deploy/iam-policy.json) "
         f"{', '.join(EBS_KMS_ACTIONS)} and kms:CreateGrant (with the condition "
         f"kms:GrantIsForAWSResource=true) on {arn}"
     )
-    problems = []
-    principal = own_principal(backend)
     if principal is None:
-        problems.append(
+        return (
             f"not checked: burstcv calls AWS as neither a user nor a role; {grants}, or name "
             "this identity in the key's policy"
         )
-    else:
-        try:
-            refused = _refused_key_uses(backend, principal, arn)
-        except ClientError as exc:
-            problems.append(
-                f"not checked ({_reason(exc)}: allow iam:SimulatePrincipalPolicy on "
-                f"{principal}, deploy/iam-policy.json SimulateItself); {grants}"
-            )
-        else:
-            if refused:
-                problems.append(
-                    f"{principal} may not {', '.join(refused)} by its IAM policies: {grants} "
-                    "(or name it in the key's policy)"
-                )
-    if use_spot:
-        spot = _spot_role_on_key(kms, arn)
-        if spot:
-            problems.append(spot)
-    if problems:
-        return [Finding(name, "; ".join(problems))]
-    spot_ok = f", and its key policy names {SPOT_ROLE}" if use_spot else ""
-    return [Finding(f"{name}: {principal} may use it for the boxes' volumes{spot_ok}")]
+    wanted = [(action, arn) for action in EBS_KMS_SIMULATED]
+    iam = backend._aws_client("iam")
+    try:
+        refused = _refused(iam, principal, wanted, ContextEntries=[GRANT_FOR_AWS_RESOURCE])
+    except ClientError as exc:
+        return (
+            f"not checked ({_reason(exc)}: allow iam:SimulatePrincipalPolicy on "
+            f"{principal}, deploy/iam-policy.json SimulateItself); {grants}"
+        )
+    if refused:
+        uses = ", ".join(f"{action} ({decision})" for action, _, decision in refused)
+        return (
+            f"{principal} may not {uses} by its IAM policies: {grants} "
+            "(or name it in the key's policy)"
+        )
+    return ""
 
 
 # --- the Spot service-linked role ---------------------------------------------------------------
-
-SPOT_ROLE = "AWSServiceRoleForEC2Spot"
 
 
 def check_spot_role(backend: Ec2Backend) -> list[Finding]:
@@ -799,14 +724,12 @@ def check_spot_role(backend: Ec2Backend) -> list[Finding]:
     try:
         backend._aws_client("iam").get_role(RoleName=SPOT_ROLE)
     except ClientError as exc:
-        if _code(exc) == "NoSuchEntity":
-            return [
-                Finding(
-                    name,
-                    "aws iam create-service-linked-role --aws-service-name spot.amazonaws.com",
-                )
-            ]
-        return [Finding(name, f"{_reason(exc)}; allow iam:GetRole on {SPOT_ROLE}")]
+        why = (
+            "aws iam create-service-linked-role --aws-service-name spot.amazonaws.com"
+            if _code(exc) == "NoSuchEntity"
+            else f"{_reason(exc)}; allow iam:GetRole on {SPOT_ROLE}"
+        )
+        return [Finding(name, why)]
     return [Finding(name)]
 
 
@@ -835,14 +758,12 @@ def check_prices(
         else:
             api = "ec2:DescribeSpotPriceHistory"
             where = f"{api} in {region}"
-        findings.append(
-            Finding(
-                name,
-                f"neither AWS ({api}) nor the bundled table prices it: allow {where} to the "
-                "orchestrator (deploy/iam-policy.json), or set BURSTCV_PRICE_TABLE to a table "
-                f"that prices {option.instance_type} {option.market} in {region}",
-            )
+        why = (
+            f"neither AWS ({api}) nor the bundled table prices it: allow {where} to the "
+            "orchestrator (deploy/iam-policy.json), or set BURSTCV_PRICE_TABLE to a table "
+            f"that prices {option.instance_type} {option.market} in {region}"
         )
+        findings.append(Finding(name, why))
     return findings
 
 
@@ -880,14 +801,10 @@ def check_launch_of(budget_s: int = 3600) -> Launch:
 
 
 def check_cluster_calls(backend: Ec2Backend, launch: Launch) -> list[Finding]:
-    """Make what a run of several boxes makes before its launch, as the run makes it; dry-run
-    the launch of its boxes into it; delete it again.
+    """Make a run's placement and security groups, dry-run its launch into them, delete them.
 
-    The placement group and the run's security group cost nothing. The policy lets this
-    identity open, launch into and delete only groups that carry the run's tags, which no dry
-    run of a group that does not exist can show; so they are made for real (with the ingress
-    rule between the boxes), tagged with the check's expiry: should the delete fail, the
-    reaper removes them.
+    Made for real (free): no dry run shows the policy's tag conditions. Tagged with the check's
+    expiry, so the reaper removes them should the delete fail.
     """
     label = f"a run of {launch.count} boxes"
     subnet = backend.launch_subnets()[0]
@@ -895,30 +812,20 @@ def check_cluster_calls(backend: Ec2Backend, launch: Launch) -> list[Finding]:
         findings = _made_cluster(backend, launch, subnet, label)
     finally:
         left = backend.remove_cluster(launch.run.run_key)
-    findings.append(
-        Finding(
-            f"{label}: its groups deleted",
-            f"{left}: allow ec2:DeleteSecurityGroup and ec2:DeletePlacementGroup on the groups "
-            "a run tags (deploy/iam-policy.json); the reaper removes these after "
-            f"{format_expiry(launch.deadline_at)}"
-            if left
-            else "",
-        )
+    why = (
+        f"{left}: allow ec2:DeleteSecurityGroup and ec2:DeletePlacementGroup on the groups "
+        "a run tags (deploy/iam-policy.json); the reaper removes these after "
+        f"{format_expiry(launch.deadline_at)}"
     )
-    return findings
+    return [*findings, Finding(f"{label}: its groups deleted", why if left else "")]
 
 
 def _made_cluster(backend: Ec2Backend, launch: Launch, subnet: Subnet, label: str) -> list[Finding]:
     try:
         cluster = backend.ensure_cluster(launch, launch.deadline_at, subnet)
     except ClientError as exc:
-        return [
-            Finding(
-                f"{label}: ec2:{exc.operation_name}",
-                f"{_reason(exc)}: allow it on the groups a run tags "
-                "(deploy/iam-policy.json), or train on one box",
-            )
-        ]
+        why = "allow it on the groups a run tags (deploy/iam-policy.json), or train on one box"
+        return [Finding(f"{label}: ec2:{exc.operation_name}", f"{_reason(exc)}: {why}")]
     made = Finding(
         f"{label}: placement group {cluster.placement_group} and security group "
         f"{cluster.security_group_id} made, its members' ingress opened"
@@ -948,11 +855,7 @@ def _made_cluster(backend: Ec2Backend, launch: Launch, subnet: Subnet, label: st
 def no_s3_cause(backend: Ec2Backend, instance_id: str, artifact_root: str) -> str:
     """Return the likeliest reason a box could not reach S3, read from the account's side.
 
-    In order: its security groups let no HTTPS out, its subnet has no route to S3, its role
-    may not use the run's files (or the bucket's default KMS key). EC2 forgets a terminated
-    box's network, so what the box had is read while it is described, else what a launch
-    gives (the same checks as ``burstcv aws check``). What the account cannot show (a
-    firewall on the way, a bucket policy) is left to the box's console output.
+    EC2 forgets a terminated box's network: then what a launch gives is checked instead.
     """
     found = list(backend._instances([], [instance_id]))
     inst = found[0] if found else {}
@@ -966,60 +869,41 @@ def no_s3_cause(backend: Ec2Backend, instance_id: str, artifact_root: str) -> st
                 f"no egress rule of its security group(s) {', '.join(groups)} lets HTTPS out "
                 "to S3 (burstcv aws check names the rule to add)"
             )
-    else:
-        blocked = [f for f in check_security_group_egress(backend) if not f.ok]
-        if blocked:
-            return f"{blocked[0].name}: {blocked[0].missing}"
+    elif blocked := _first_missing(check_security_group_egress(backend)):
+        return blocked
     zone = str(inst.get("Placement", {}).get("AvailabilityZone", ""))
-    routes = [
-        f for f in check_subnet_routes(backend) if not f.ok and (not zone or f"({zone})" in f.name)
-    ]
-    if routes:
-        return f"{routes[0].name}: {routes[0].missing}"
-    role = [f for f in check_instance_role_s3(backend, artifact_root) if not f.ok]
-    if role:
-        return f"{role[0].name}: {role[0].missing}"
+    routes = check_subnet_routes(backend)
+    if route := _first_missing(f for f in routes if not zone or f"({zone})" in f.name):
+        return route
+    if role := _first_missing(check_instance_role_s3(backend, artifact_root)):
+        return role
     return (
         "its security groups, route and role look right from here: read its console output "
         f"(aws ec2 get-console-output --instance-id {instance_id} --latest)"
     )
 
 
+def _first_missing(findings: Iterable[Finding]) -> str:
+    return next((f"{f.name}: {f.missing}" for f in findings if not f.ok), "")
+
+
 # --- the whole check ----------------------------------------------------------------------------
 
 
-def _code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
-
-
-def _guarded(label: str, check: Callable[[], list[Finding]]) -> list[Finding]:
+def _guarded(
+    label: str, check: Callable[P, list[Finding]], *args: P.args, **kwargs: P.kwargs
+) -> list[Finding]:
     """Run one check; a refusal or an unreachable service becomes its MISSING line."""
     try:
-        return check()
+        return check(*args, **kwargs)
     except (ClientError, BotoCoreError, LaunchCheckError) as exc:
         return [Finding(label, f"{_reason(exc)}; see docs/aws.md")]
 
 
-def check_account(
-    settings: Settings,
-    ec2: Ec2Settings | None = None,
-    *,
-    num_nodes: int = 1,
-    serving_families: list[str] | None = None,
-) -> list[Finding]:
-    """Return every finding: identity, launches, backstop, S3, role, quotas, network, prices.
-
-    ``num_nodes`` and ``serving_families`` are the run params the check sizes for: a run of
-    several boxes needs each family's quota for all of them, and its serving fleet a price.
-    """
-    backend = Ec2Backend(ec2 or Ec2Settings())
+def _launch_and_store(backend: Ec2Backend, settings: Settings) -> list[Finding]:
+    """Dry-run every launch option and the backstop; probe the S3 prefixes a run writes."""
     s = backend.settings
     findings: list[Finding] = []
-    try:
-        account = backend.sts.get_caller_identity()["Account"]
-        findings.append(Finding(f"credentials (account {account}, region {s.region})"))
-    except (ClientError, BotoCoreError) as exc:
-        return [Finding("credentials", f"{_reason(exc)}; see docs/aws.md, the connection")]
     try:
         for option, refused in backend.check_launch(check_launch_of()):
             name = f"dry-run launch {option.instance_type} {option.market}"
@@ -1032,48 +916,49 @@ def check_account(
     findings += check_s3_prefix("artifact store", storage.join(settings.artifact_root, "runs"))
     registry_aliases = storage.join(settings.registry_uri, settings.model_name, "aliases")
     findings += check_s3_prefix("registry", registry_aliases)
-    # What a training box needs beyond the launch: its instance profile (the role it reads
-    # its job and writes its results with) and an S3 artifact store (it cannot read a local
-    # folder). The training wheel is built and staged by each run itself.
+    # What a training box needs beyond the launch: its role, and a store it can reach.
     try:
-        profile = s.required_instance_profile()
-        findings.append(Finding(f"instance profile {profile}"))
+        findings.append(Finding(f"instance profile {s.required_instance_profile()}"))
     except ValueError as exc:
         findings.append(Finding("instance profile", str(exc)))
+    why = "set BURSTCV_ARTIFACT_ROOT=s3://bucket/prefix for the ec2 backend"
     store_ok = storage.is_s3(settings.artifact_root)
-    findings.append(
-        Finding(
-            f"artifact store {settings.artifact_root}",
-            "" if store_ok else "set BURSTCV_ARTIFACT_ROOT=s3://bucket/prefix for the ec2 backend",
-        )
-    )
-    # What the dry run cannot see: each would fail the first real run after it was billed,
-    # or (quotas) refuse every launch with a message that looks like a capacity shortage.
+    return [*findings, Finding(f"artifact store {settings.artifact_root}", "" if store_ok else why)]
+
+
+def check_account(
+    settings: Settings,
+    ec2: Ec2Settings | None = None,
+    *,
+    num_nodes: int = 1,
+    serving_families: list[str] | None = None,
+) -> list[Finding]:
+    """Return every finding: identity, launches, backstop, S3, role, quotas, network, prices."""
+    backend = Ec2Backend(ec2 or Ec2Settings())
+    s = backend.settings
+    try:
+        account = backend.sts.get_caller_identity()["Account"]
+    except (ClientError, BotoCoreError) as exc:
+        return [Finding("credentials", f"{_reason(exc)}; see docs/aws.md, the connection")]
+    findings = [Finding(f"credentials (account {account}, region {s.region})")]
+    findings += _launch_and_store(backend, settings)
+    # Unseen by a dry run: each fails a run once billed, or (quotas) looks like no capacity.
     root = settings.artifact_root
     plan = launch_plan(s.instance_types, s.use_spot)
-    findings += _guarded(
-        "vCPU quotas", lambda: check_vcpu_quotas(backend, settings, num_nodes=num_nodes)
-    )
-    findings += _guarded("training role's S3 access", lambda: check_instance_role_s3(backend, root))
-    findings += _guarded("route to S3", lambda: check_subnet_routes(backend))
-    findings += _guarded("HTTPS egress to S3", lambda: check_security_group_egress(backend))
+    findings += _guarded("vCPU quotas", check_vcpu_quotas, backend, settings, num_nodes=num_nodes)
+    findings += _guarded("training role's S3 access", check_instance_role_s3, backend, root)
+    findings += _guarded("route to S3", check_subnet_routes, backend)
+    findings += _guarded("HTTPS egress to S3", check_security_group_egress, backend)
     if num_nodes > 1:
-        findings += _guarded(
-            "a run of several boxes",
-            lambda: check_cluster_calls(
-                backend, check_launch_of().model_copy(update={"count": num_nodes})
-            ),
-        )
-    findings += _guarded("bucket region", lambda: check_bucket_region(root, s.region))
-    findings += _guarded("default EBS encryption key", lambda: check_ebs_key(backend, s.use_spot))
+        launch = check_launch_of().model_copy(update={"count": num_nodes})
+        findings += _guarded("a run of several boxes", check_cluster_calls, backend, launch)
+    findings += _guarded("bucket region", check_bucket_region, root, s.region)
+    findings += _guarded("default EBS encryption key", check_ebs_key, backend, s.use_spot)
     if s.use_spot:
-        findings += _guarded(
-            f"Spot service-linked role {SPOT_ROLE}", lambda: check_spot_role(backend)
-        )
-    findings += _guarded("prices", lambda: check_prices(backend, plan, root))
+        findings += _guarded(f"Spot service-linked role {SPOT_ROLE}", check_spot_role, backend)
+    findings += _guarded("prices", check_prices, backend, plan, root)
     if serving_families:
-        families = serving_families
         findings += _guarded(
-            "serving prices", lambda: check_serving_prices(backend, families, root)
+            "serving prices", check_serving_prices, backend, serving_families, root
         )
     return findings

@@ -1,8 +1,4 @@
-"""Choose a compute backend by name: the one module that knows every backend.
-
-``base`` defines what a backend offers and each backend imports it; choosing one by name
-needs every backend, so it lives here, above them, and ``base`` imports none of them.
-"""
+"""Choose a compute backend by name: the one module that knows every backend (above ``base``)."""
 
 from __future__ import annotations
 
@@ -19,10 +15,7 @@ class UnknownBackendError(ValueError):
 
 
 def get_backend(name: str, settings: Settings | None = None) -> ComputeBackend:
-    """Return the backend called ``name`` (local or ec2), set up from ``settings``.
-
-    ``settings`` None: the process's (``get_settings``).
-    """
+    """Return the backend called ``name`` (local or ec2), set up from ``settings``."""
     from burstcv.settings import get_settings
 
     s = settings or get_settings()

@@ -1,8 +1,7 @@
 """Define what every compute backend offers: launch a training box, watch it, destroy it by tag.
 
-A backend never trains anything itself: whatever it starts runs ``burstcv train --job <uri>``.
-Instances are found again by their run-id tag, never only by ids remembered elsewhere, so
-a teardown or the reaper can clean up after a process that died.
+Instances are found again by their run-id tag, never only by ids remembered elsewhere, so a
+teardown or the reaper can clean up after a process that died.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ RUNNING = "running"
 # reaper still terminate it.
 ENDING = "ending"
 STOPPED = "stopped"  # gone: terminated, shut down, or exited
-STATES = (PENDING, RUNNING, ENDING, STOPPED)
 WORKING = (PENDING, RUNNING)  # the states of a box that may still write a marker
 
 JobOutcome = Literal["done", "failed", "lost", "running"]
@@ -87,11 +85,7 @@ class ComputeBackend(Protocol):
     poll_s: float  # between two looks at its boxes while waiting for them to change state
 
     def launch(self, launch: Launch, attempt: int = 1) -> list[str]:
-        """Start attempt ``attempt`` of the run's box(es) and return their ids.
-
-        Clean up what started on failure. ``attempt`` names the markers' folder and keys the
-        launch's idempotency token: a retried call cannot start a second box, a relaunch can.
-        """
+        """Start attempt ``attempt`` of the run's boxes; return their ids (clean up on failure)."""
         ...
 
     def describe(self, run_id: str) -> list[InstanceInfo]:
@@ -99,11 +93,7 @@ class ComputeBackend(Protocol):
         ...
 
     def terminate_run(self, run_id: str) -> list[str]:
-        """Terminate every instance tagged with the run id, wait until gone; return their ids.
-
-        Billing is not the backend's: ``burstcv.compute.billing`` bills a run from its
-        attempts' launch and end records, one rule for every backend.
-        """
+        """Terminate every instance tagged with the run id, wait until gone; return their ids."""
         ...
 
     def list_managed(self) -> list[InstanceInfo]:
@@ -119,16 +109,9 @@ def job_outcome(
     backend: ComputeBackend, run_id: str, job_dir_uri: str, attempt: int = 1
 ) -> JobOutcome:
     """Return done, failed, lost (every box ending or gone without a marker) or running.
-
-    Only this attempt's markers count: an earlier attempt's FAILED never ends the wait for a
-    relaunch. The boxes' state is read before the markers, so a marker written just before
-    its box went away is still seen. DONE wins over FAILED (training writes DONE last). A box
-    that is shutting down, stopping or stopped counts as gone: it will never write a marker.
-    An attempt of several boxes is one training job: one box gone without a marker loses it
-    for all (the others would wait for their lost peer until a collective times out). Only the
-    attempt's own boxes count, told apart by their attempt tag: a box of the attempt before,
-    still listed as running while it dies, neither keeps this attempt alive nor loses it.
-    """
+    The boxes are read before the markers, so a marker written just before its box went away
+    is still seen; DONE wins (training writes it last). Of several boxes, one gone without a
+    marker loses the attempt for all (the others would wait for a collective's timeout)."""
     instances = [i for i in backend.describe(run_id) if i.of_attempt(attempt)]
     if storage.exists(attempt_dir(job_dir_uri, attempt, DONE_MARKER)):
         return "done"

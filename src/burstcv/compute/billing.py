@@ -1,11 +1,7 @@
 """Write each training attempt's launch and end records, and bill a run from those records only.
 
-An attempt's boxes are recorded when they launch (``attempts/<n>/launch.json``: instance,
-type, market, AZ, each part of its rate as quoted then, launch and running times) and when
-the attempt ends (``end.json``: the same, with end times). billing.json, the relaunch budget
-check and the progress lines all read these records through ``run_bill``, which prices them
-with the one cost model (``burstcv.cost.model``): EC2 lists a terminated instance for only
-about an hour, so a bill remembered by the cloud would forget early attempts.
+EC2 lists a terminated instance for only about an hour: a bill remembered by the cloud would
+forget early attempts.
 """
 
 from __future__ import annotations
@@ -48,11 +44,8 @@ def record_launch(
     now: datetime,
 ) -> AttemptBill:
     """Write the attempt's launch.json: each box with its place, rate, launch and running time.
-
-    A box seen running now is billed from now (the backend waited for ``running``); one
-    still pending, from its launch time (an upper bound). A box the attempt's record already
-    holds (a retried launch found it up) keeps its record: it has run since then.
-    """
+    A box still pending is billed from its launch time (an upper bound); one the record already
+    holds (a retried launch found it up) keeps its record: it has run since then."""
     uri = attempt_dir(job_dir, attempt, LAUNCH_RECORD)
     recorded = (
         {b.instance_id: b for b in read_artifact(uri, AttemptBill).boxes}
@@ -72,11 +65,8 @@ def record_launch(
 
 
 def record_end(job_dir: str, attempt: int, described: list[InstanceInfo], now: datetime) -> None:
-    """Write the attempt's end.json once (end times: as the backend saw them, else now).
-
-    An attempt already ended keeps its record; one without a launch record (never launched)
-    gets none.
-    """
+    """Write the attempt's end.json once (end times: as the backend saw them, else now); an
+    attempt never launched (no launch record) gets none."""
     end_uri = attempt_dir(job_dir, attempt, END_RECORD)
     launch_uri = attempt_dir(job_dir, attempt, LAUNCH_RECORD)
     if storage.exists(end_uri) or not storage.exists(launch_uri):
@@ -114,11 +104,7 @@ def recorded_attempts(job_dir: str) -> int:
 def run_bill(
     job_dir: str, last_attempt: int, now: datetime, *, backend: str, airflow_run_id: str = ""
 ) -> Billing:
-    """Return the run's bill from its attempt records (a box still running: until now).
-
-    Each box is priced by ``burstcv.cost.model.box_cost``. ``terminated_at`` is left unset:
-    teardown sets it on the bill it writes as billing.json.
-    """
+    """Return the run's bill from its attempt records (a box still running: until now)."""
     instances: list[InstanceRecord] = []
     seconds_by_box: dict[str, float] = {}
     total_usd = 0.0

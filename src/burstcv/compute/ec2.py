@@ -1,13 +1,9 @@
 """Run training boxes on EC2: spot first, tagged for teardown by run id, unable to outlive a run.
 
-Written against apache-airflow-providers-amazon (``EC2Hook``/``SsmHook`` over the
-``aws_default`` connection) and boto3 waiters. Every instance carries the burstcv tags, so
-teardown and the reaper find it by tag. Each option is tried as a dry run first, so a missing
-permission or a wrong setting fails before anything is rented; every real launch carries a
-ClientToken, so a retried call cannot start a second box; any failure once ``RunInstances``
-was sent (a task timeout included) terminates what it may have started before re-raising; and
-an EventBridge Scheduler one-time schedule per instance makes AWS itself terminate the box at
-its expiry, even if Airflow is down and the box's own script never ran.
+Each option is dry-run first (a missing permission fails before anything is rented); a real
+launch carries a ClientToken (a retried call cannot start a second box); any failure once
+``RunInstances`` was sent terminates what it may have started; and a one-time EventBridge
+Scheduler schedule per instance makes AWS itself terminate the box at its expiry.
 """
 
 from __future__ import annotations
@@ -72,18 +68,15 @@ CAPACITY_ERRORS = frozenset(
 # spot is unavailable to this account but on-demand still works.
 SPOT_ROLE_ERRORS = frozenset({"AuthFailure.ServiceLinkedRoleCreationNotPermitted"})
 NEXT_OPTION_ERRORS = CAPACITY_ERRORS | SPOT_ROLE_ERRORS
-# Refusals of one Availability Zone (capacity, and whether it offers the type at all are per
-# AZ): the same option is tried in the next subnet first. The others (quotas, the spot role)
-# are the account's: no other AZ would answer differently.
+# Refusals of one Availability Zone: the same option is tried in the next subnet first. The
+# others (quotas, the spot role) are the account's: no other AZ would answer differently.
 ZONE_ERRORS = frozenset(
     {"InsufficientInstanceCapacity", "InsufficientCapacity", "Unsupported", "SpotMaxPriceTooLow"}
 )
-# A launch into the run's placement group refused for the group (see placement_refusal).
 PLACEMENT_REFUSAL = "placement group"
 # Dry-run refusals that mean "this identity may not", as opposed to a wrong parameter.
 _PERMISSION_ERRORS = ("UnauthorizedOperation", "AccessDenied", "AuthFailure", "Blocked")
-# Parameter errors, and the setting that supplies the parameter (matched in the error's code
-# and message, lower-cased and without spaces).
+# Parameter errors (in the code and message, lower-cased, no spaces) and the setting at fault.
 _SETTING_OF_ERROR = (
     ("invalidamiid", "BURSTCV_EC2_AMI"),
     ("subnet", "BURSTCV_EC2_SUBNET_IDS"),
@@ -97,8 +90,6 @@ _SETTING_OF_ERROR = (
 BACKSTOP_TARGET_ARN = "arn:aws:scheduler:::aws-sdk:ec2:terminateInstances"
 BACKSTOP_GROUP = "default"
 
-# EC2 states: working, ending (still exists and may still bill, if only for EBS, but will
-# never train again: a reclaimed spot box is shutting-down for minutes), or gone.
 _EC2_TO_STATE = {
     "pending": PENDING,
     "running": RUNNING,
@@ -107,7 +98,7 @@ _EC2_TO_STATE = {
     "stopped": ENDING,  # a stopped instance keeps its volume (and its bill): not gone
     "terminated": STOPPED,
 }
-_LIVE_EC2_STATES = ["pending", "running", "shutting-down", "stopping", "stopped"]
+_LIVE_EC2_STATES = [name for name, state in _EC2_TO_STATE.items() if state != STOPPED]
 
 # "User initiated (2024-05-01 10:00:00 GMT)": when EC2 says the instance left running.
 _TRANSITION_TIME = re.compile(r"\((\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}) (?:GMT|UTC)\)")
@@ -157,12 +148,7 @@ def launch_plan(instance_types: Iterable[str], use_spot: bool) -> list[LaunchAtt
 
 
 def prefer_zones(subnets: list[Subnet], zones: Iterable[str]) -> list[Subnet]:
-    """Return the subnets with those in ``zones`` first (in that order), the rest as they were.
-
-    A relaunch of several boxes tries its earlier attempt's Availability Zone first: the run's
-    cluster placement group lives in one zone, and the earlier boxes may still be shutting
-    down there.
-    """
+    """Return the subnets with those in ``zones`` first (in that order), the rest as they were."""
     order = list(dict.fromkeys(z for z in zones if z))
     rank = {zone: n for n, zone in enumerate(order)}
     return sorted(subnets, key=lambda sub: rank.get(sub.zone, len(order)))
@@ -170,12 +156,7 @@ def prefer_zones(subnets: list[Subnet], zones: Iterable[str]) -> list[Subnet]:
 
 def placement_refusal(exc: ClientError, params: dict[str, Any]) -> str:
     """Return ``PLACEMENT_REFUSAL: <code>`` when a launch into a placement group was refused
-    for its placement (the group is tied to another zone, full, or busy); else "".
-
-    A cluster placement group holds one Availability Zone's boxes; EC2 names such a refusal
-    with an ``InvalidPlacementGroup`` code or a parameter error about the group. It is the
-    zone's refusal, like a capacity shortage: the next subnet is tried, never a crash.
-    """
+    for the group (tied to another zone, full, or busy), else "": like a shortage, the zone's."""
     if "Placement" not in params:
         return ""
     code, message = _error_code(exc), _error_message(exc).lower()
@@ -186,16 +167,17 @@ def placement_refusal(exc: ClientError, params: dict[str, Any]) -> str:
     return f"{PLACEMENT_REFUSAL}: {code}" if about_group else ""
 
 
+def _next_option(exc: ClientError, params: dict[str, Any]) -> str:
+    """Return the code of a refusal that moves a launch on to its next option, else ""."""
+    code = _error_code(exc)
+    return code if code in NEXT_OPTION_ERRORS else placement_refusal(exc, params)
+
+
 def client_token(
     run_id: str, attempt: int, option: LaunchAttempt, subnet_id: str | None = None
 ) -> str:
-    """Return the RunInstances ClientToken of one option, in one subnet, of one launch attempt.
-
-    EC2 answers a repeated token with the first call's instances instead of starting more,
-    so a retried call (a lost response, a retried task) cannot double-launch; a relaunch is a
-    new attempt, and another subnet other parameters, and each gets a new token. At most 64
-    ASCII characters, as EC2 requires.
-    """
+    """Return the RunInstances ClientToken (at most 64 characters) of one option, in one subnet,
+    of one attempt: a retried call gets the first call's boxes; a relaunch, new ones."""
     key = f"{run_id}|{attempt}|{option.instance_type}|{option.market}"
     if subnet_id:
         key += f"|{subnet_id}"
@@ -203,18 +185,12 @@ def client_token(
 
 
 def in_cluster(params: dict[str, Any], cluster: Cluster) -> dict[str, Any]:
-    """Return RunInstances parameters that put the boxes in the run's placement group, with
-    its security group beside the deployment's."""
+    """Return RunInstances parameters that put the boxes in the run's placement group."""
     return dict(
         params,
         Placement={"GroupName": cluster.placement_group},
         SecurityGroupIds=[*params.get("SecurityGroupIds", []), cluster.security_group_id],
     )
-
-
-def cluster_name(run_id: str) -> str:
-    """Return the name of a multi-box run's placement group and security group."""
-    return f"burstcv-{run_id}"[:255]
 
 
 @dataclass(frozen=True)
@@ -233,10 +209,8 @@ def backstop_name(instance_id: str) -> str:
 def instance_tags(
     launch: Launch, expires_at: datetime, attempt: int | None = None
 ) -> list[dict[str, str]]:
-    """Return the tags a launch puts on its instances and volumes (keys: MANAGED_TAG_KEYS).
-
-    ``attempt`` tags the boxes of one attempt; the groups a run's attempts share get none.
-    """
+    """Return the tags a launch puts on its instances and volumes (keys: MANAGED_TAG_KEYS);
+    the groups a run's attempts share get no ``attempt``."""
     tags = [
         {"Key": TAG_MANAGED, "Value": "true"},
         {"Key": TAG_RUN_ID, "Value": launch.run.run_key},
@@ -258,6 +232,19 @@ def _error_code(exc: ClientError) -> str:
 def _error_message(exc: ClientError) -> str:
     message = str(exc.response.get("Error", {}).get("Message", ""))
     return message.splitlines()[0] if message else ""
+
+
+def _said(exc: ClientError) -> str:
+    """Return ``<code>: <first line of the message>`` of an AWS error."""
+    return f"{_error_code(exc)}: {_error_message(exc)}"
+
+
+def _run_filters(run_id: str | None = None) -> list[dict[str, Any]]:
+    """Return the describe filters of burstcv's resources (of one run, with ``run_id``)."""
+    filters: list[dict[str, Any]] = [{"Name": f"tag:{TAG_MANAGED}", "Values": ["true"]}]
+    if run_id is not None:
+        filters.append({"Name": f"tag:{TAG_RUN_ID}", "Values": [run_id]})
+    return filters
 
 
 def format_expiry(moment: datetime) -> str:
@@ -282,10 +269,8 @@ def _tags(instance: dict[str, Any]) -> dict[str, str]:
 
 
 def _stopped_at(instance: dict[str, Any]) -> datetime | None:
-    if instance["State"]["Name"] != "terminated":
-        return None
     match = _TRANSITION_TIME.search(instance.get("StateTransitionReason") or "")
-    if match is None:
+    if instance["State"]["Name"] != "terminated" or match is None:
         return None
     return datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC)
 
@@ -332,15 +317,8 @@ class Ec2Backend:
 
     @cached_property
     def client(self) -> Any:
-        """Return the boto3 EC2 client of the provider's ``EC2Hook`` over ``aws_conn_id``."""
-        from airflow.providers.amazon.aws.hooks.ec2 import EC2Hook
-
-        hook = EC2Hook(
-            api_type="client_type",
-            aws_conn_id=self.settings.aws_conn_id,
-            region_name=self.settings.region,
-        )
-        return hook.conn
+        """Return the boto3 EC2 client over ``aws_conn_id``."""
+        return self._aws_client("ec2")
 
     def _aws_client(self, client_type: str, region: str | None = None) -> Any:
         from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
@@ -381,11 +359,8 @@ class Ec2Backend:
         )
 
     def box_rate(self, info: InstanceInfo, *, bound: BoxRate | None) -> BoxRate:
-        """Return one of this backend's boxes' rate, every part priced.
-
-        Its instance price is quoted (spot: in its AZ); one nobody can quote is billed at the
-        run's ``bound`` rate (its priciest type on-demand), which the budget assumed anyway.
-        """
+        """Return one of this backend's boxes' rate, every part priced; an instance nobody can
+        quote is billed at the run's ``bound`` rate, which the budget assumed anyway."""
         found = self.price_quote(info)
         if found is not None:
             usd, source = found.usd_per_hour, f"{found.source}, {found.as_of}"
@@ -420,18 +395,17 @@ class Ec2Backend:
 
     def enabled_regions(self) -> list[str]:
         """Return every region enabled for the account (the reaper looks in each)."""
-        regions = self.client.describe_regions()["Regions"]
-        return sorted(r["RegionName"] for r in regions)
+        return sorted(r["RegionName"] for r in self.client.describe_regions()["Regions"])
 
-    def resolve_ami(self) -> str:
-        """Return the AMI id: the setting itself, or the SSM parameter it names."""
-        ami = self.settings.ami
+    def resolve_ami(self, ami: str | None = None) -> str:
+        """Return the AMI id: the setting (or ``ami``) itself, or the SSM parameter it names."""
+        ami = self.settings.ami if ami is None else ami
         if ami.startswith("ami-"):
             return ami
         from airflow.providers.amazon.aws.hooks.ssm import SsmHook
 
         hook = SsmHook(aws_conn_id=self.settings.aws_conn_id, region_name=self.settings.region)
-        image_id = hook.get_parameter_value(ami)
+        image_id = str(hook.get_parameter_value(ami))
         log.info("AMI %s resolved through SSM %s", image_id, ami)
         return image_id
 
@@ -439,13 +413,7 @@ class Ec2Backend:
 
     def launch(self, launch: Launch, attempt: int = 1) -> list[str]:
         """Start attempt ``attempt`` of the run's instance(s), spot first; return their ids.
-
-        Idempotent: when boxes tagged with the run id and this attempt are already pending or
-        running (a retried task), returns those instead of starting more. A box of an earlier
-        attempt is never taken for this one's, whatever state EC2 still lists it in (a dying
-        box may read running for a while after its termination). A run of several boxes tries
-        the Availability Zone its earlier attempt used first: its placement group is there.
-        """
+        A retry gets this attempt's working boxes, never an earlier one's (it may be dying)."""
         described = self.describe(launch.run.run_key)
         existing = [
             i.instance_id for i in described if i.of_attempt(attempt) and i.state in WORKING
@@ -463,7 +431,6 @@ class Ec2Backend:
         s.required_instance_profile()
         if not launch.wheel_uri:
             raise ValueError("an EC2 launch needs the staged training wheel (wheel_uri)")
-        deadline_at = launch.deadline_at
         user_data = render_user_data(
             UserDataSpec(
                 run_id=launch.run.run_key,
@@ -472,23 +439,19 @@ class Ec2Backend:
                 num_nodes=launch.count,
                 wheel_uri=launch.wheel_uri,
                 wheel_sha256=launch.wheel_sha256,
-                deadline_at=deadline_at,
+                deadline_at=launch.deadline_at,
                 region=s.region,
                 margin_min=s.watchdog_margin_min,
                 python=s.python,
                 log_every_s=s.log_every_s,
             )
         )
-        expires_at = expiry_of(deadline_at, s.watchdog_margin_min)
+        expires_at = expiry_of(launch.deadline_at, s.watchdog_margin_min)
         return self._start(launch, attempt, user_data, self.resolve_ami(), expires_at, described)
 
     def launch_sizing_box(self, launch: Launch, user_data: str, image_id: str) -> list[str]:
-        """Start one sizing box (``user_data`` from ``render_sizing_user_data``): on-demand,
-        tagged, IMDSv2, backstop armed, like a training box; return its id.
-
-        ``launch.run`` carries the box's own run key (``<run key>.size-<type>``), so its
-        teardown, the reaper and its bill find it by tag, apart from the run's training boxes.
-        """
+        """Start one sizing box (``user_data`` from ``render_sizing_user_data``) as a training
+        box is started; return its id. ``launch.run`` carries the box's own run key."""
         self.settings.required_instance_profile()
         described = self.describe(launch.run.run_key)
         existing = [i.instance_id for i in described if i.state in WORKING]
@@ -508,15 +471,8 @@ class Ec2Backend:
         return "arm64" if "arm64" in supported else "x86_64"
 
     def resolve_sizing_ami(self, architecture: str) -> str:
-        """Return the sizing boxes' AMI id for ``architecture`` (the setting, or its SSM
-        parameter with ``{arch}`` filled in)."""
-        ami = self.settings.sizing_ami.replace("{arch}", architecture)
-        if ami.startswith("ami-"):
-            return ami
-        from airflow.providers.amazon.aws.hooks.ssm import SsmHook
-
-        hook = SsmHook(aws_conn_id=self.settings.aws_conn_id, region_name=self.settings.region)
-        return str(hook.get_parameter_value(ami))
+        """Return the sizing boxes' AMI id for ``architecture`` (``{arch}`` in the setting)."""
+        return self.resolve_ami(self.settings.sizing_ami.replace("{arch}", architecture))
 
     def _start(
         self,
@@ -528,10 +484,7 @@ class Ec2Backend:
         described: list[InstanceInfo],
         volume_gb: int | None = None,
     ) -> list[str]:
-        base_params = self._run_params(launch, image_id, user_data, expires_at, attempt)
-        if volume_gb is not None:
-            base_params["BlockDeviceMappings"][0]["Ebs"]["VolumeSize"] = volume_gb
-
+        base_params = self._run_params(launch, image_id, user_data, expires_at, attempt, volume_gb)
         subnets = self.launch_subnets()
         if launch.count > 1:
             subnets = prefer_zones(subnets, [i.zone for i in described if i.attempt < attempt])
@@ -557,8 +510,7 @@ class Ec2Backend:
                 self._arm_backstop(ids, launch.run.run_key, expires_at)
                 self._confirm_findable(ids, launch.run.run_key)
                 self._wait_running(ids)
-            except BaseException:
-                # Anything after run_instances returned: destroy what started, then re-raise.
+            except BaseException:  # a task timeout too: destroy what started, then re-raise
                 log.error(
                     "run %s: setup failed after launch; terminating %s", launch.run.run_key, ids
                 )
@@ -581,10 +533,7 @@ class Ec2Backend:
         refusals: list[str],
     ) -> tuple[Subnet, list[str]] | None:
         """Launch one option in the first subnet that has room; None (refusals noted) if none.
-
-        A refusal of the zone (no capacity there) moves to the next subnet; a refusal of the
-        account (a quota, the spot role) ends this option at once.
-        """
+        A refusal of the zone moves to the next subnet; one of the account ends the option."""
         for subnet in subnets:
             params = self._option_params(base_params, option, subnet)
             # Zero cost: a missing permission or a wrong setting fails here, before renting.
@@ -612,58 +561,39 @@ class Ec2Backend:
         return None
 
     def launch_subnets(self) -> list[Subnet]:
-        """Return the subnets a launch tries, in order, with their Availability Zones.
-
-        BURSTCV_EC2_SUBNET_IDS as listed; unset, the default subnet of every AZ of the region
-        (by AZ name), so a capacity shortage in one AZ is not the end of the run; with no
-        default VPC, EC2's own choice (which then asks for a subnet).
-        """
+        """Return the subnets a launch tries, in order: BURSTCV_EC2_SUBNET_IDS, else the default
+        subnet of every AZ (a shortage in one is not the end), else EC2's own choice."""
         s = self.settings
         try:
             if s.subnet_ids:
                 found = self.client.describe_subnets(SubnetIds=list(s.subnet_ids))["Subnets"]
                 known = {sub["SubnetId"]: sub for sub in found}
-                return [
-                    Subnet(
-                        sid,
-                        known.get(sid, {}).get("AvailabilityZone", ""),
-                        known.get(sid, {}).get("VpcId", ""),
-                    )
-                    for sid in s.subnet_ids
-                ]
-            found = self.client.describe_subnets(
-                Filters=[{"Name": "default-for-az", "Values": ["true"]}]
-            )["Subnets"]
+                chosen = [known.get(sid, {"SubnetId": sid}) for sid in s.subnet_ids]
+            else:
+                found = self.client.describe_subnets(
+                    Filters=[{"Name": "default-for-az", "Values": ["true"]}]
+                )["Subnets"]
+                chosen = sorted(found, key=lambda sub: str(sub["AvailabilityZone"]))
         except ClientError as exc:
             raise LaunchCheckError(
                 f"the subnets {list(s.subnet_ids)} cannot be read in {s.region} "
-                f"({_error_code(exc)}: {_error_message(exc)}); check BURSTCV_EC2_SUBNET_IDS"
+                f"({_said(exc)}); check BURSTCV_EC2_SUBNET_IDS"
             ) from exc
-        defaults = sorted(found, key=lambda sub: str(sub["AvailabilityZone"]))
-        if not defaults:
-            return [Subnet(None)]
-        return [
-            Subnet(sub["SubnetId"], sub["AvailabilityZone"], sub.get("VpcId", ""))
-            for sub in defaults
+        subnets = [
+            Subnet(sub["SubnetId"], sub.get("AvailabilityZone", ""), sub.get("VpcId", ""))
+            for sub in chosen
         ]
+        return subnets or [Subnet(None)]
 
     def plan(self, launch: Launch) -> list[LaunchAttempt]:
-        """Return a launch's options in order: the run's choices, else this deployment's.
-
-        The run's types and spot choice decide alone (its trigger form defaults to
-        BURSTCV_EC2_INSTANCE_TYPES and BURSTCV_EC2_USE_SPOT); a launch that leaves one
-        unset (the account check) gets the setting.
-        """
+        """Return a launch's options in order: the run's choices, else this deployment's."""
         s = self.settings
         use_spot = s.use_spot if launch.use_spot is None else launch.use_spot
         return launch_plan(launch.instance_types or s.instance_types, use_spot)
 
     def check_launch(self, launch: Launch) -> list[tuple[LaunchAttempt, str]]:
         """Dry-run every option of a launch; return (option, "" if allowed, else why not).
-
-        Nothing is started: every call carries DryRun. The user data is a stand-in of the
-        real one's shape (EC2 checks permissions and parameters, not the script).
-        """
+        The user data is a stand-in: EC2 checks permissions and parameters, not the script."""
         expires_at = datetime.now(UTC) + timedelta(seconds=launch.time_budget_s)
         image_id = self.resolve_ami()
         # Tagged as a first attempt: the dry run sends every tag key a real launch sends.
@@ -700,9 +630,8 @@ class Ec2Backend:
             self.scheduler.delete_schedule(Name=name, GroupName=BACKSTOP_GROUP)
         except ClientError as exc:
             return (
-                f"{_error_code(exc)}: {_error_message(exc)}; create the "
-                f"{self.settings.backstop_role} role and allow scheduler:CreateSchedule "
-                "(docs/aws.md), or set BURSTCV_EC2_BACKSTOP=false"
+                f"{_said(exc)}; create the {self.settings.backstop_role} role and allow "
+                "scheduler:CreateSchedule (docs/aws.md), or set BURSTCV_EC2_BACKSTOP=false"
             )
         return ""
 
@@ -725,21 +654,14 @@ class Ec2Backend:
 
     def _dry_run(self, params: dict[str, Any], option: LaunchAttempt) -> str | None:
         """Ask EC2 whether this launch would be allowed; return a next-option code or None.
-
-        Raise LaunchCheckError, one line naming the missing permission or the wrong setting,
-        for any other refusal.
-        """
+        Raise LaunchCheckError, naming the missing permission or wrong setting, for others."""
         try:
             response = self.client.run_instances(**params, DryRun=True)
         except ClientError as exc:
-            code = _error_code(exc)
-            if code == "DryRunOperation":
+            if _error_code(exc) == "DryRunOperation":
                 return None
-            if code in NEXT_OPTION_ERRORS:
-                return code
-            placed = placement_refusal(exc, params)
-            if placed:
-                return placed
+            if refused := _next_option(exc, params):
+                return refused
             raise LaunchCheckError(self.explain_refusal(exc, option)) from exc
         # A dry run never launches; an endpoint that ignored the flag did: undo it at once.
         ids = [inst["InstanceId"] for inst in response.get("Instances", [])]
@@ -751,13 +673,9 @@ class Ec2Backend:
         try:
             response = self.client.run_instances(**params)
         except ClientError as exc:
-            code = _error_code(exc)
-            if code in NEXT_OPTION_ERRORS:
-                return code, []
-            placed = placement_refusal(exc, params)
-            if not placed:
-                raise
-            return placed, []
+            if refused := _next_option(exc, params):
+                return refused, []
+            raise
         except BaseException:
             # Interrupted inside RunInstances (a task timeout, SIGTERM, a dropped connection):
             # EC2 may have started the box without us learning its id. Find it by tag.
@@ -839,9 +757,8 @@ class Ec2Backend:
                 if _error_code(exc) == "ConflictException":
                     continue  # armed already (a retried call)
                 raise BackstopError(
-                    f"could not schedule the AWS-side termination of {iid} "
-                    f"({_error_code(exc)}: {_error_message(exc)}); create the "
-                    f"{self.settings.backstop_role} role (docs/aws.md) or set "
+                    f"could not schedule the AWS-side termination of {iid} ({_said(exc)}); "
+                    f"create the {self.settings.backstop_role} role (docs/aws.md) or set "
                     "BURSTCV_EC2_BACKSTOP=false"
                 ) from exc
         log.info(
@@ -877,10 +794,8 @@ class Ec2Backend:
                     log.warning("could not remove the backstop of %s: %s", iid, exc)
 
     def console_output(self, instance_id: str) -> str:
-        """Return an instance's console output as EC2 last captured it ("" before any).
-
-        The newest capture where the instance type offers one (Nitro); the buffered one else.
-        """
+        """Return an instance's console output as EC2 last captured it ("" before any): the
+        newest capture on Nitro types, the buffered one else."""
         try:
             answer = self.client.get_console_output(InstanceId=instance_id, Latest=True)
         except ClientError as exc:
@@ -891,24 +806,17 @@ class Ec2Backend:
 
     def describe(self, run_id: str) -> list[InstanceInfo]:
         """Return every burstcv instance tagged with the run id, in any state."""
-        filters = [
-            {"Name": f"tag:{TAG_MANAGED}", "Values": ["true"]},
-            {"Name": f"tag:{TAG_RUN_ID}", "Values": [run_id]},
-        ]
-        return [_info(inst) for inst in self._instances(filters)]
+        return [_info(inst) for inst in self._instances(_run_filters(run_id))]
 
     def terminate_run(self, run_id: str) -> list[str]:
-        """Terminate every instance tagged with the run id, wait until gone; return their ids.
-
-        Instances that already shut themselves down are listed too, and their backstop
-        schedules removed with the others'.
-        """
+        """Terminate every instance tagged with the run id, wait until gone; return their ids
+        (those already gone too: their backstops are removed with the others')."""
         described = self.describe(run_id)
         live = [i.instance_id for i in described if i.state != STOPPED]
         if live:
             log.info("run %s: terminating %s", run_id, live)
             self.client.terminate_instances(InstanceIds=live)
-            self._wait_terminated(live)
+            self._wait("instance_terminated", live)
         ids = [i.instance_id for i in described]
         self._remove_backstops(ids)
         self.remove_cluster(run_id)
@@ -918,15 +826,11 @@ class Ec2Backend:
     # --- several boxes: one placement group, one security group of their own ---
 
     def ensure_cluster(self, launch: Launch, expires_at: datetime, subnet: Subnet) -> Cluster:
-        """Create (or find again, for a relaunch) the run's placement and security groups.
-
-        A cluster placement group puts the boxes close together in one Availability Zone
-        (the lowest latency between them); the security group admits TCP from its own
-        members only: the torchrun rendezvous port and the ports the collectives (gloo, NCCL)
-        pick at random, so no other machine reaches them. Both carry the run's tags, so the
-        IAM policy lets this identity create, open and delete only its own.
-        """
-        run_id, name = launch.run.run_key, cluster_name(launch.run.run_key)
+        """Create (or find again, for a relaunch) the run's placement and security groups: the
+        latter admits TCP from its own members only; both carry the run's tags (the IAM policy
+        lets this identity touch only its own)."""
+        run_id = launch.run.run_key
+        name = f"burstcv-{run_id}"[:255]
         tags = instance_tags(launch, expires_at)
         try:
             self.client.create_placement_group(
@@ -973,34 +877,23 @@ class Ec2Backend:
         return Cluster(placement_group=name, security_group_id=group_id)
 
     def _run_security_group(self, run_id: str) -> str | None:
-        groups = self.client.describe_security_groups(
-            Filters=[
-                {"Name": f"tag:{TAG_MANAGED}", "Values": ["true"]},
-                {"Name": f"tag:{TAG_RUN_ID}", "Values": [run_id]},
-            ]
-        )["SecurityGroups"]
+        filters = _run_filters(run_id)
+        groups = self.client.describe_security_groups(Filters=filters)["SecurityGroups"]
         return str(groups[0]["GroupId"]) if groups else None
 
     def remove_cluster(self, run_id: str) -> str:
-        """Delete the run's security and placement groups, if it has them (its boxes gone).
-
-        Neither costs anything: one that cannot be deleted is logged, not raised over the
-        teardown, whose job (no box left running) is done. Return "" or why not.
-        """
+        """Delete the run's security and placement groups, if any (its boxes gone); return ""
+        or why not. Neither costs anything: a failure is logged, never raised over teardown."""
         try:
             group_id = self._run_security_group(run_id)
             if group_id is not None:
                 self.client.delete_security_group(GroupId=group_id)
-            found = self.client.describe_placement_groups(
-                Filters=[
-                    {"Name": f"tag:{TAG_MANAGED}", "Values": ["true"]},
-                    {"Name": f"tag:{TAG_RUN_ID}", "Values": [run_id]},
-                ]
-            )["PlacementGroups"]
+            filters = _run_filters(run_id)
+            found = self.client.describe_placement_groups(Filters=filters)["PlacementGroups"]
             for group in found:
                 self.client.delete_placement_group(GroupName=group["GroupName"])
         except ClientError as exc:
-            why = f"ec2:{exc.operation_name}: {_error_code(exc)}: {_error_message(exc)}"
+            why = f"ec2:{exc.operation_name}: {_said(exc)}"
             log.warning(
                 "run %s: could not remove its security or placement group (%s); they cost "
                 "nothing, delete them by their burstcv:run-id tag",
@@ -1016,18 +909,12 @@ class Ec2Backend:
         self, now: datetime, live_runs: set[str], *, dry_run: bool = False
     ) -> list[str]:
         """Remove the groups of every run past its expiry that has no box left; return the runs.
-
-        A run's groups outlive its boxes only when its teardown never ran (the orchestrator
-        died with the run): the reaper calls this after each pass. ``live_runs`` are the runs
-        that still have a box (one being terminated holds its security group: its groups go
-        on the next pass). ``dry_run`` lists them and removes nothing.
-        """
-        managed = [{"Name": f"tag:{TAG_MANAGED}", "Values": ["true"]}]
-        groups = self.client.describe_security_groups(Filters=managed)["SecurityGroups"]
-        groups += self.client.describe_placement_groups(Filters=managed)["PlacementGroups"]
+        ``live_runs`` still have a box (one being terminated holds its security group)."""
+        groups = self.client.describe_security_groups(Filters=_run_filters())["SecurityGroups"]
+        groups += self.client.describe_placement_groups(Filters=_run_filters())["PlacementGroups"]
         expired: set[str] = set()
         for group in groups:
-            tags = {t["Key"]: t["Value"] for t in group.get("Tags", [])}
+            tags = _tags(group)
             run_id, expiry = tags.get(TAG_RUN_ID), parse_expiry(tags.get(TAG_EXPIRES_AT, ""))
             if run_id and run_id not in live_runs and expiry is not None and expiry <= now:
                 expired.add(run_id)
@@ -1043,10 +930,7 @@ class Ec2Backend:
 
     def list_managed(self) -> list[InstanceInfo]:
         """Return every burstcv-managed instance that still exists (stopped ones included)."""
-        filters = [
-            {"Name": f"tag:{TAG_MANAGED}", "Values": ["true"]},
-            {"Name": "instance-state-name", "Values": _LIVE_EC2_STATES},
-        ]
+        filters = [*_run_filters(), {"Name": "instance-state-name", "Values": _LIVE_EC2_STATES}]
         return [_info(inst) for inst in self._instances(filters)]
 
     def terminate(self, instance_ids: list[str]) -> None:
@@ -1073,6 +957,7 @@ class Ec2Backend:
         user_data: str,
         expires_at: datetime,
         attempt: int | None = None,
+        volume_gb: int | None = None,
     ) -> dict[str, Any]:
         s = self.settings
         tags = instance_tags(launch, expires_at, attempt)
@@ -1096,7 +981,7 @@ class Ec2Backend:
                     # Encrypted at rest, gp3 (cheaper than gp2 at the same speed), and deleted
                     # with the instance so no orphan volume keeps billing.
                     "Ebs": {
-                        "VolumeSize": s.volume_gb,
+                        "VolumeSize": s.volume_gb if volume_gb is None else volume_gb,
                         "VolumeType": "gp3",
                         "Encrypted": True,
                         "DeleteOnTermination": True,
@@ -1133,15 +1018,16 @@ class Ec2Backend:
             for reservation in page["Reservations"]:
                 yield from reservation["Instances"]
 
-    def _waiter_config(self) -> dict[str, Any]:
+    def _wait(self, waiter: str, instance_ids: list[str]) -> None:
         s = self.settings
-        return {"Delay": s.waiter_delay_s, "MaxAttempts": s.waiter_max_attempts}
+        self.client.get_waiter(waiter).wait(
+            InstanceIds=instance_ids,
+            WaiterConfig={"Delay": s.waiter_delay_s, "MaxAttempts": s.waiter_max_attempts},
+        )
 
     def _confirm_findable(self, instance_ids: list[str], run_id: str) -> None:
         """Wait until EC2 knows the instances and check they carry the run's tags."""
-        self.client.get_waiter("instance_exists").wait(
-            InstanceIds=instance_ids, WaiterConfig=self._waiter_config()
-        )
+        self._wait("instance_exists", instance_ids)
         for inst in self._instances([], instance_ids):
             tags = _tags(inst)
             if tags.get(TAG_MANAGED) != "true" or tags.get(TAG_RUN_ID) != run_id:
@@ -1151,12 +1037,8 @@ class Ec2Backend:
                 )
 
     def _wait_running(self, instance_ids: list[str]) -> None:
-        """Wait (briefly) for the boxes to run: EC2 bills an instance from ``running``.
-
-        The launch record bills a box seen running from then; a box that does not get there
-        in time (or ends while pending) is billed from its launch, an upper bound, and the
-        train task's watch judges it as any other.
-        """
+        """Wait (briefly) for the boxes to run: EC2 bills an instance from ``running``, and a
+        box not seen running is billed from its launch (an upper bound)."""
         # At most about 3 minutes (a box is seldom pending one), polled every 2 s at most.
         delay = min(self.settings.waiter_delay_s, 2.0)
         try:
@@ -1167,17 +1049,9 @@ class Ec2Backend:
         except WaiterError as exc:
             log.warning("boxes %s not all running yet (%s); billed from launch", instance_ids, exc)
 
-    def _wait_terminated(self, instance_ids: list[str]) -> None:
-        self.client.get_waiter("instance_terminated").wait(
-            InstanceIds=instance_ids, WaiterConfig=self._waiter_config()
-        )
-
     def _terminate_after_failed_setup(self, instance_ids: list[str]) -> None:
-        """Terminate what a failed launch started; log (never raise over) a failure to do so.
-
-        The caller re-raises the original failure; the DAG's clean-up task, the reaper and
-        the backstop find anything left here by tag.
-        """
+        """Terminate what a failed launch started; log (never raise over) a failure to do so:
+        the caller re-raises the original one, and the clean-up layers find what is left."""
         try:
             self.client.terminate_instances(InstanceIds=instance_ids)
         except (ClientError, BotoCoreError):

@@ -1,17 +1,9 @@
 """Tell a training attempt that makes progress from one that only looks alive.
 
-A box's watchdog sees its trainer's process; a stopped (SIGSTOP) or hung trainer (a
-deadlocked data loader, a collective waiting for a lost peer) is a live process that keeps
-its GPU until the run's deadline. The training loop itself writes a beat (``TrainingBeat``,
-``attempts/<n>/beat.json``) as steps and validation batches complete, at most every
-``BEAT_EVERY_S``; the train task's trigger reads it each poll and ends an attempt whose beat
-has not changed for longer than its stall bound: ``STALL_STEPS`` of the trainer's own
-measured steps, and never less than ``BURSTCV_TRAIN_STALL_MIN_S`` (which also covers an epoch
-end: validation beats too, and a checkpoint upload takes seconds). The silence is timed on
-the watcher's clock (when it last saw the beat change), so the box's clock does not matter.
-
-Before the first beat (booting, installing, fetching data and weights) only the run's
-deadline bounds the attempt: those steps have no step time to compare with.
+A stopped (SIGSTOP) or hung trainer is a live process that would keep its GPU until the
+run's deadline. The training loop writes a beat as steps complete (at most every
+``BEAT_EVERY_S``); the train task's trigger ends an attempt whose beat has not changed for
+longer than its stall bound, timed on the watcher's clock.
 """
 
 from __future__ import annotations

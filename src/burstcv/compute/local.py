@@ -1,16 +1,10 @@
 """Run the training job as a local process: the embedded default and the model of a GPU box.
 
-Each launch is a process group running ``burstcv train --job <uri>`` under a shell wrapper
-that, like the EC2 user-data, records when it stopped. A JSON record per process under
-``BURSTCV_COMPUTE_STATE_DIR/<run_id>/`` plays the role of EC2 tags: teardown and the reaper
-find processes by run id from these records, never from ids kept elsewhere.
-
-The state dir may be shared by hosts that do not share a pid namespace (the containers of a
-docker-compose stack: the worker that launched, the triggerer that polls, another worker that
-tears down). A pid means something only on the host that launched it, so each record names
-that host; elsewhere a box is judged from files the wrapper keeps next to its record (a
-heartbeat while the trainer lives, the stop record when it ends) and stopped by a stop-request
-file the wrapper's watchdog honours.
+Each launch is a process group running ``burstcv train --job <uri>`` under a shell wrapper;
+a JSON record per process under ``BURSTCV_COMPUTE_STATE_DIR/<run_id>/`` plays the role of EC2
+tags. Hosts that share the state dir may not share a pid namespace (a docker-compose stack's
+containers): each record names the host whose pid it is; elsewhere a box is judged from the
+wrapper's files beside its record (heartbeat, stop record) and stopped by a stop-request file.
 """
 
 from __future__ import annotations
@@ -29,11 +23,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from burstcv import lineage
-from burstcv.compute.base import (
-    RUNNING,
-    STOPPED,
-    InstanceInfo,
-)
+from burstcv.compute.base import RUNNING, STOPPED, InstanceInfo
 from burstcv.settings import get_settings
 from burstcv_spec.contracts import Launch, LocalProcessRecord, read_artifact, write_artifact
 
@@ -45,20 +35,19 @@ STOP_SETTLE_S = 10.0  # beyond both graces, how long a stop request may take to 
 
 
 def this_host() -> str:
-    """Return who runs this code: hostname and pid namespace inode, ``<hostname>/<inode>``.
-
-    Containers sharing the state dir may share a hostname (or set none) but never a pid
-    namespace; a pid from another namespace names another process here, or none.
-    """
+    """Return who runs this code, ``<hostname>/<pid namespace inode>``: containers may share
+    a hostname (or set none), never a pid namespace."""
     host = socket.gethostname()
     with contextlib.suppress(OSError):
         host += f"/{os.stat('/proc/self/ns/pid').st_ino}"
     return host
 
 
-def _stopped_file(record_path: Path) -> Path:
-    """Return the file the wrapper writes (its stop time) when the box ends."""
-    return record_path.with_suffix(".stopped")
+def _beside(record_path: Path, kind: str) -> Path:
+    """Return one of the wrapper's files beside a box's record: ``stopped`` (written with its
+    stop time when the box ends), ``heartbeat`` (touched while the trainer lives) or ``stop``
+    (a stop request: its existence asks the wrapper's watchdog to stop the trainer)."""
+    return record_path.with_suffix(f".{kind}")
 
 
 def _stop_time(stopped_file: Path) -> datetime | None:
@@ -68,16 +57,6 @@ def _stop_time(stopped_file: Path) -> datetime | None:
         return datetime.fromtimestamp(float(text[0]) if text else stopped_file.stat().st_mtime, UTC)
     except (OSError, ValueError):
         return None
-
-
-def _heartbeat_file(record_path: Path) -> Path:
-    """Return the file the wrapper's watchdog touches while the trainer lives."""
-    return record_path.with_suffix(".heartbeat")
-
-
-def _stop_request_file(record_path: Path) -> Path:
-    """Return the file whose existence asks the wrapper's watchdog to stop the trainer."""
-    return record_path.with_suffix(".stop")
 
 
 def _reap(pid: int) -> None:
@@ -111,15 +90,12 @@ def _alive(path: Path, rec: LocalProcessRecord) -> bool:
 
 
 def _alive_by_files(path: Path, rec: LocalProcessRecord) -> bool:
-    """Judge a box of another host: not stopped, and its heartbeat fresh.
-
-    A box killed whole (kill -9 of its process group) writes no stop record: its heartbeat
-    going stale says so. Before the watchdog's first beat, the launch time stands in for it.
-    """
-    if _stopped_file(path).exists():
+    """Judge a box of another host: not stopped, and its heartbeat (before the first: its
+    launch) fresh; a box killed whole writes no stop record, but its heartbeat goes stale."""
+    if _beside(path, "stopped").exists():
         return False
     try:
-        beat = _heartbeat_file(path).stat().st_mtime
+        beat = _beside(path, "heartbeat").stat().st_mtime
     except OSError:
         beat = datetime.fromisoformat(rec.launched_at).timestamp()
     return time.time() - beat < HEARTBEAT_STALE_S
@@ -144,38 +120,19 @@ HEARTBEAT_EVERY_S = 5  # how often the watchdog touches the heartbeat file
 
 def train_command(job_uri: str, attempt: int) -> list[str]:
     """Return the command a box runs: ``burstcv train --job <uri> --attempt <n>``."""
-    return [
-        sys.executable,
-        "-m",
-        "burstcv.cli",
-        "train",
-        "--job",
-        job_uri,
-        "--attempt",
-        str(attempt),
-    ]
+    cli = [sys.executable, "-m", "burstcv.cli"]
+    return [*cli, "train", "--job", job_uri, "--attempt", str(attempt)]
 
 
 def wrapper_script(train_cmd: list[str], budget_s: int, record_path: Path) -> str:
     """Return the bash that runs one box: the trainer, its watchdog, and the stop record.
-
-    It mirrors the EC2 user-data: a watchdog bounds the run (from the run's deadline, like the
-    box's), and the stop time is recorded when the job ends. Everything stays in this one
-    process group (no `timeout`, which makes its own group and would survive a killpg), so
-    terminating the group ends the whole box. The watchdog lives exactly as long as the
-    trainer: it polls the trainer's process every WATCHDOG_POLL_S, so the box's process
-    group, which is what liveness reads on the launching host, ends within a poll of the
-    trainer's end, whoever killed which process (the out-of-memory killer's kill -9 of the
-    trainer, or of this wrapper: the trainer then runs on and writes its own markers). A single
-    long `sleep` here outlived a killed trainer and made the box look alive until the deadline.
-
-    For the hosts that share the state dir but not the pid namespace, the watchdog also
-    touches the heartbeat file (at most every HEARTBEAT_EVERY_S) while the trainer lives, and
-    once the stop-request file exists it ends the trainer as at the deadline: SIGTERM, then
-    SIGKILL after KILL_GRACE_S.
-    """
-    heartbeat = shlex.quote(str(_heartbeat_file(record_path)))
-    stop_request = shlex.quote(str(_stop_request_file(record_path)))
+    All in one process group (no `timeout`, which makes its own group and would survive a
+    killpg). The watchdog polls the trainer, so the group ends within a poll of the trainer's
+    end, whoever killed it; it touches the heartbeat file while the trainer lives, and honours
+    the stop-request file as it does the deadline."""
+    heartbeat = shlex.quote(str(_beside(record_path, "heartbeat")))
+    stop_request = shlex.quote(str(_beside(record_path, "stop")))
+    stopped = shlex.quote(str(_beside(record_path, "stopped")))
     return (
         # A zombie (exited, not yet reaped: the wrapper is gone) no longer trains.
         'alive() { local s; s=$(cat /proc/"$1"/stat 2>/dev/null) || return 1; s=${s##*) }; '
@@ -201,9 +158,7 @@ def wrapper_script(train_cmd: list[str], budget_s: int, record_path: Path) -> st
         "wait $child; rc=$?\n"
         "kill $watchdog 2>/dev/null\n"
         # Written aside, then renamed: a reader never finds the stop record empty.
-        f"date +%s.%N > {shlex.quote(str(_stopped_file(record_path)))}.tmp && "
-        f"mv {shlex.quote(str(_stopped_file(record_path)))}.tmp "
-        f"{shlex.quote(str(_stopped_file(record_path)))}\n"
+        f"date +%s.%N > {stopped}.tmp && mv {stopped}.tmp {stopped}\n"
         "exit $rc\n"
     )
 
@@ -218,12 +173,9 @@ class LocalBackend:
         self.state_dir = Path(state_dir or get_settings().compute_state_dir)
 
     # -- records ---------------------------------------------------------------------------
-    def _run_dir(self, run_id: str) -> Path:
-        return self.state_dir / run_id
-
     def _records(self, run_id: str | None = None) -> list[tuple[Path, LocalProcessRecord]]:
         dirs = (
-            [self._run_dir(run_id)]
+            [self.state_dir / run_id]
             if run_id
             else sorted(p for p in self.state_dir.glob("*") if p.is_dir())
         )
@@ -235,7 +187,7 @@ class LocalBackend:
 
     def _info(self, path: Path, rec: LocalProcessRecord) -> InstanceInfo:
         alive = _alive(path, rec)
-        stopped_file = _stopped_file(path)
+        stopped_file = _beside(path, "stopped")
         stopped_at = None
         if stopped_file.exists():
             stopped_at = _stop_time(stopped_file)
@@ -258,18 +210,16 @@ class LocalBackend:
     # -- protocol --------------------------------------------------------------------------
     def launch(self, launch: Launch, attempt: int = 1) -> list[str]:
         """Start ``burstcv train --job`` in its own process group; return its id."""
-        folder = self._run_dir(launch.run.run_key)
+        folder = self.state_dir / launch.run.run_key
         folder.mkdir(parents=True, exist_ok=True)
         ids = []
         for _ in range(launch.count):
             instance_id = f"local-{uuid.uuid4().hex[:12]}"
             record_path = folder / f"{instance_id}.json"
             log_path = record_path.with_suffix(".log")
-            train_cmd = train_command(launch.job_uri, attempt)
             launched = lineage.utc_now()
-            deadline = launch.deadline_at
-            budget = max(1, int((deadline - launched).total_seconds())) + 60
-            script = wrapper_script(train_cmd, budget, record_path)
+            budget = max(1, int((launch.deadline_at - launched).total_seconds())) + 60
+            script = wrapper_script(train_command(launch.job_uri, attempt), budget, record_path)
             with open(log_path, "ab") as log_fh:
                 proc = subprocess.Popen(
                     ["bash", "-c", script],
@@ -289,7 +239,7 @@ class LocalBackend:
                 airflow_run_id=launch.run.airflow_run_id,
                 launched_at=launched.isoformat(),
                 attempt=attempt,
-                expires_at=(deadline + timedelta(seconds=120)).isoformat(),
+                expires_at=(launch.deadline_at + timedelta(seconds=120)).isoformat(),
                 log=str(log_path),
             )
             write_artifact(str(record_path), record)
@@ -312,10 +262,7 @@ class LocalBackend:
         return [i for i in (self._info(p, r) for p, r in self._records()) if i.state != STOPPED]
 
     def terminate(self, instance_ids: list[str]) -> None:
-        """Stop the given processes: SIGTERM to the group, SIGKILL after the grace period.
-
-        A process of another host is asked to stop through its wrapper (see ``_stop``).
-        """
+        """Stop the given processes (one of another host: through its wrapper)."""
         wanted = set(instance_ids)
         for path, rec in self._records():
             if rec.instance_id in wanted:
@@ -362,13 +309,9 @@ class LocalBackend:
                 time.sleep(0.1)
 
     def _request_stop(self, path: Path, rec: LocalProcessRecord) -> None:
-        """Stop a box of another host through its wrapper; never signal its pid from here.
-
-        The watchdog sees the stop-request file within a poll and ends the trainer (SIGTERM,
-        SIGKILL after KILL_GRACE_S); the wrapper then writes the stop record.
-        """
+        """Stop a box of another host through its wrapper's stop-request file, never its pid."""
         log.info("asking %s (launched on %s) to stop", rec.instance_id, rec.host)
-        _stop_request_file(path).touch()
+        _beside(path, "stop").touch()
         deadline = time.monotonic() + TERMINATE_GRACE_S + KILL_GRACE_S + STOP_SETTLE_S
         while time.monotonic() < deadline and _alive(path, rec):
             time.sleep(0.2)

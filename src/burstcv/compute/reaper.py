@@ -1,16 +1,8 @@
 """Terminate burstcv instances that outlived their expiry or their DAG run, whoever started them.
 
-The reaper is the fourth of five layers against a leaked GPU: it trusts nothing but the tags
-on the instances and the answer to "is this DAG run still running?", so it cleans up after an
-orchestrator that died mid-run. Each pass first terminates every box past its expiry,
-unconditionally (no question to Airflow is asked, so none can fail or keep it), then asks
-Airflow about the rest. A box goes only when the answer is that its run is OVER
-(:class:`RunActivity`); a run that is ACTIVE keeps its boxes, and so does one whose state the
-question could not classify (UNKNOWN: kept, with a warning), because a reaper must not guess
-that a run is over. An error about one box (a refused terminate, Airflow failing to answer) is
-logged and counted in the report and never stops the others. It never
-touches an instance without the burstcv tags (``list_managed`` only returns managed ones and
-``terminate`` refuses the rest).
+The fourth of five layers against a leaked GPU (DESIGN.md): it trusts nothing but the
+instances' tags and Airflow's answer to "is this DAG run still running?". A run ACTIVE or
+UNKNOWN (kept, with a warning) keeps its boxes: a reaper must not guess that a run is over.
 """
 
 from __future__ import annotations
@@ -19,7 +11,7 @@ import logging
 from collections.abc import Callable
 from datetime import UTC, datetime
 from enum import Enum
-from typing import Final
+from typing import Final, Literal
 
 from burstcv.compute.backends import get_backend
 from burstcv.compute.base import STOPPED, ComputeBackend, InstanceInfo
@@ -31,6 +23,8 @@ log = logging.getLogger(__name__)
 REASON_EXPIRED: Final = "expired"
 REASON_RUN_NOT_ACTIVE: Final = "run-not-active"
 REASON_UNTRACEABLE: Final = "missing-run-tags"
+Reason = Literal["expired", "run-not-active", "missing-run-tags"]
+Step = Literal["list", "check-run", "terminate", "groups"]
 
 
 class RunActivity(Enum):
@@ -44,42 +38,43 @@ class RunActivity(Enum):
 RunActivityCheck = Callable[[str, str], RunActivity]
 
 
-def _expiry_decision(info: InstanceInfo) -> ReapDecision:
-    expires_at = info.expires_at.isoformat() if info.expires_at else "?"
+def _decision(info: InstanceInfo, reason: Reason, detail: str) -> ReapDecision:
     return ReapDecision(
         instance_id=info.instance_id,
         run_key=info.run_id,
         dag_id=info.dag_id,
-        reason=REASON_EXPIRED,
-        detail=f"expired at {expires_at}",
+        reason=reason,
+        detail=detail,
     )
+
+
+def _error(step: Step, exc: BaseException, instance_id: str = "", run_key: str = "") -> ReapError:
+    """Return the report's record of an error, which never stops the pass."""
+    return ReapError(
+        instance_id=instance_id, run_key=run_key, step=step, error=f"{type(exc).__name__}: {exc}"
+    )
+
+
+def _expiry_decision(info: InstanceInfo) -> ReapDecision:
+    expires_at = info.expires_at.isoformat() if info.expires_at else "?"
+    return _decision(info, REASON_EXPIRED, f"expired at {expires_at}")
 
 
 def decide(
     info: InstanceInfo, *, run_activity: RunActivityCheck, now: datetime
 ) -> ReapDecision | None:
     """Return why ``info`` must go, or None to keep it (its run is active or unclassified)."""
-    if info.expires_at is not None and info.expires_at <= now:
+    if _expired(info, now):
         return _expiry_decision(info)
     if not info.run_id or not info.dag_id:
-        return ReapDecision(
-            instance_id=info.instance_id,
-            run_key=info.run_id,
-            dag_id=info.dag_id,
-            reason=REASON_UNTRACEABLE,
-            detail="managed but without run-id/dag-id tags: no run can own it",
-        )
+        why = "managed but without run-id/dag-id tags: no run can own it"
+        return _decision(info, REASON_UNTRACEABLE, why)
     activity = run_activity(info.dag_id, info.run_id)
     if not isinstance(activity, RunActivity):
         raise TypeError(f"run_activity answered {activity!r}, not a RunActivity")
     if activity is RunActivity.OVER:
-        return ReapDecision(
-            instance_id=info.instance_id,
-            run_key=info.run_id,
-            dag_id=info.dag_id,
-            reason=REASON_RUN_NOT_ACTIVE,
-            detail=f"DAG run {info.dag_id}/{info.run_id} is not running",
-        )
+        why = f"DAG run {info.dag_id}/{info.run_id} is not running"
+        return _decision(info, REASON_RUN_NOT_ACTIVE, why)
     return None
 
 
@@ -97,20 +92,14 @@ def reap(
     backend_name: str = "",
     region: str = "",
 ) -> ReaperReport:
-    """Terminate managed instances whose expiry passed, then those whose DAG run is not running.
-
-    ``run_activity(dag_id, run_id)`` answers from Airflow; when it raises for a box, that
-    box is kept (and the error counted), and the pass goes on; when it answers UNKNOWN, the
-    box is kept with a warning. ``managed`` is the backend's
-    ``list_managed()`` when the caller already has it; ``backend_name`` and ``region`` name
-    the sweep in the report.
-    """
+    """Terminate managed instances whose expiry passed, then those whose DAG run is not running;
+    a box ``run_activity`` raises for is kept (the error counted)."""
     checked_at = now or datetime.now(UTC)
     report = ReaperReport(
         backend=backend_name, region=region, checked_at=checked_at, dry_run=dry_run
     )
-    live = [i for i in (backend.list_managed() if managed is None else managed)]
-    live = [i for i in live if i.state != STOPPED]
+    listed = backend.list_managed() if managed is None else managed
+    live = [i for i in listed if i.state != STOPPED]
     # Pass 1: past its expiry, a box goes whatever Airflow would say (Airflow may be down).
     for info in live:
         if _expired(info, checked_at):
@@ -126,14 +115,7 @@ def reap(
         # Broad on purpose: counted in the report; the pass goes on.
         except Exception as exc:
             log.exception("reaper: could not check the run of %s; keeping it", info.instance_id)
-            report.errors.append(
-                ReapError(
-                    instance_id=info.instance_id,
-                    run_key=info.run_id,
-                    step="check-run",
-                    error=f"{type(exc).__name__}: {exc}",
-                )
-            )
+            report.errors.append(_error("check-run", exc, info.instance_id, info.run_id))
             report.kept.append(info.instance_id)
             continue
         if decision is None:
@@ -177,14 +159,7 @@ def _terminate(backend: ComputeBackend, decision: ReapDecision, report: ReaperRe
         # Broad on purpose: counted in the report; the pass goes on.
         except Exception as exc:
             log.exception("reaper: could not terminate %s", decision.instance_id)
-            report.errors.append(
-                ReapError(
-                    instance_id=decision.instance_id,
-                    run_key=decision.run_key,
-                    step="terminate",
-                    error=f"{type(exc).__name__}: {exc}",
-                )
-            )
+            report.errors.append(_error("terminate", exc, decision.instance_id, decision.run_key))
             return
     report.decisions.append(decision)
 
@@ -196,17 +171,9 @@ def reap_everywhere(
     dry_run: bool = False,
     settings: Settings,
 ) -> list[ReaperReport]:
-    """Terminate managed boxes whose expiry passed or whose DAG run is over, everywhere.
-
-    ``backend_names`` empty: the settings' (local, and ec2 whenever AWS is configured). EC2
-    is swept in every configured region, or every region enabled for the account. One report
-    per backend and region; an error about a backend, a region or one box is logged and
-    counted in its report's ``errors`` and never stops the rest.
-
-    ``run_activity(dag_id, airflow_run_id)`` answers from Airflow (active, over, or unknown:
-    kept). Boxes are tagged with a path-safe run key; the raw Airflow run id travels in its
-    own tag for this question.
-    """
+    """Terminate managed boxes whose expiry passed or whose DAG run is over, everywhere: EC2 in
+    every configured region, else every region enabled for the account, one report each.
+    ``run_activity`` is asked with the raw Airflow run id (its own tag), not the run key."""
     reports = []
     for name, region, backend in _reaper_targets(
         backend_names or settings.reaper_backend_names(), settings
@@ -243,11 +210,7 @@ def reap_everywhere(
 def _remove_expired_clusters(
     backend: ComputeBackend, managed: list[InstanceInfo], report: ReaperReport
 ) -> None:
-    """Remove the placement and security groups of expired runs with no box left (EC2).
-
-    A run of several boxes has groups of its own; its teardown removes them, so only a run
-    whose orchestrator died leaves them. They cost nothing, so an error is counted, not fatal.
-    """
+    """Remove the groups of expired runs with no box left (EC2); an error is counted, not fatal."""
     remove = getattr(backend, "remove_expired_clusters", None)
     if remove is None:
         return
@@ -256,9 +219,7 @@ def _remove_expired_clusters(
     # Broad on purpose: counted in the report; the other backends and regions go on.
     except Exception as exc:
         log.exception("reaper: could not sweep the run groups in %s", report.region or "-")
-        report.errors.append(
-            ReapError(instance_id="", step="groups", error=f"{type(exc).__name__}: {exc}")
-        )
+        report.errors.append(_error("groups", exc))
 
 
 def reap_errors(reports: list[ReaperReport]) -> int:
@@ -276,9 +237,7 @@ def _failed_sweep(backend: str, region: str, exc: BaseException, dry_run: bool) 
         report.warnings.append(f"{backend} not swept: no AWS credentials ({exc})")
         log.warning("reaper: %s", report.warnings[-1])
     else:
-        report.errors.append(
-            ReapError(instance_id="", step="list", error=f"{type(exc).__name__}: {exc}")
-        )
+        report.errors.append(_error("list", exc))
     return report
 
 
@@ -297,16 +256,12 @@ def _reaper_targets(
     """Return (backend name, region, backend or the error that prevented making it)."""
     targets: list[tuple[str, str, ComputeBackend | BaseException]] = []
     for name in names:
-        if name != "ec2":
-            try:
-                targets.append((name, "", get_backend(name, settings)))
-            # Broad on purpose: reported as that backend's error.
-            except Exception as exc:
-                targets.append((name, "", exc))
-            continue
-        from burstcv.compute.ec2 import Ec2Backend
-
         try:
+            if name != "ec2":
+                targets.append((name, "", get_backend(name, settings)))
+                continue
+            from burstcv.compute.ec2 import Ec2Backend
+
             ec2 = settings.ec2
             regions = settings.reaper_region_names() or Ec2Backend(ec2).enabled_regions()
         # Broad on purpose: reported as that backend's error.

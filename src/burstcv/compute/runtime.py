@@ -1,16 +1,9 @@
 """Build the training wheel a GPU box installs, and stage it in the artifact store by sha256.
 
-A box boots on a Deep Learning AMI whose Python already has CUDA torch and torchvision, so the
-only code it downloads is burstcv's own training code: a ``burstcv-train`` wheel of a few
-tens of KB, built here from the running source, holding exactly the modules training imports
-(no Airflow, Great Expectations or service). It declares numpy, boto3 and pydantic, never
-torch, so installing it cannot re-resolve the AMI's torch. The wheel is byte-for-byte
-reproducible (fixed timestamps and order), so its sha256 names it: a run uploads it only
-when that exact build is not in the store yet, and job.json records the hash the box checks.
-
-A sizing box (``size_on`` ec2) boots on a plain CPU AMI and installs a ``burstcv-size`` wheel
-built the same way: the staging service (``burstcv_serving``), the load generator and the
-sizing search, with the serving image's own pins (onnxruntime, no torch) as its requirements.
+The wheel holds exactly the modules training imports and never declares torch, so installing
+it cannot re-resolve the AMI's. It is byte-for-byte reproducible, so its sha256 names it: a
+run uploads it only when that build is not in the store yet. A sizing box installs a
+``burstcv-size`` wheel built the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +22,6 @@ from burstcv_spec import storage
 
 log = logging.getLogger(__name__)
 
-DIST_NAME = "burstcv_train"
 # The modules a training box imports, and nothing else (tests/compute/test_runtime.py proves
 # that `burstcv train` runs from them alone).
 MODULES = (
@@ -52,13 +44,8 @@ MODULES = (
     "burstcv_spec/preprocess.py",
     "burstcv_spec/storage.py",
 )
-REQUIRES_PYTHON = ">=3.10"  # burstcv.training.preflight.SUPPORTED_PYTHON checks the upper end
-# Present in the DLAMI PyTorch environments; pip fetches only what an AMI lacks.
-REQUIRES = ("numpy", "boto3", "pydantic>=2,<3")
-CONSOLE_SCRIPT = "burstcv = burstcv.training.entry:main"
 # A sizing box: the search, the load generator, the staging service and the box's entry; the
 # whole of burstcv_spec and burstcv_serving come with them (sizing_files).
-SIZING_DIST_NAME = "burstcv_size"
 SIZING_MODULES = (
     "burstcv/__init__.py",
     "burstcv/lineage.py",
@@ -73,10 +60,6 @@ SIZING_MODULES = (
     "burstcv/gate/sizebox.py",
     "burstcv/gate/sizing.py",
 )
-# numpy 2.4 (the serving pin) needs 3.11; psutil and httpx are the search's own.
-SIZING_REQUIRES_PYTHON = ">=3.11"
-SIZING_REQUIRES = ("psutil", "httpx", "boto3")
-SIZING_CONSOLE_SCRIPT = "burstcv-size = burstcv.gate.sizebox:main"
 _EPOCH = (1980, 1, 1, 0, 0, 0)  # the earliest zip timestamp: a fixed one makes builds equal
 
 # The folder holding each top-level package (src/ and spec/ in a checkout).
@@ -125,15 +108,15 @@ def _record_hash(data: bytes) -> str:
 
 def build_training_wheel(version: str = __version__) -> TrainingWheel:
     """Return the ``burstcv-train`` wheel built from this checkout's training modules."""
-    files = [(name, module_path(name).read_bytes()) for name in MODULES]
     return _build_wheel(
-        DIST_NAME,
+        "burstcv_train",
         version,
         "burstcv's training job, as a GPU box installs it",
-        files,
-        REQUIRES_PYTHON,
-        REQUIRES,
-        CONSOLE_SCRIPT,
+        [(name, module_path(name).read_bytes()) for name in MODULES],
+        ">=3.10",  # burstcv.training.preflight.SUPPORTED_PYTHON checks the upper end
+        # Present in the DLAMI PyTorch environments; pip fetches only what an AMI lacks.
+        ("numpy", "boto3", "pydantic>=2,<3"),
+        "burstcv = burstcv.training.entry:main",
     )
 
 
@@ -202,13 +185,13 @@ def sizing_files() -> list[tuple[str, bytes]]:
 def build_sizing_wheel(version: str = __version__) -> TrainingWheel:
     """Return the ``burstcv-size`` wheel a sizing box installs (no torch, no Airflow)."""
     return _build_wheel(
-        SIZING_DIST_NAME,
+        "burstcv_size",
         version,
         "burstcv's fleet sizing, as a CPU sizing box installs it",
         sizing_files(),
-        SIZING_REQUIRES_PYTHON,
-        (*_serving_pins(), *SIZING_REQUIRES),
-        SIZING_CONSOLE_SCRIPT,
+        ">=3.11",  # numpy 2.4 (the serving pin) needs 3.11
+        (*_serving_pins(), "psutil", "httpx", "boto3"),  # psutil and httpx: the search's own
+        "burstcv-size = burstcv.gate.sizebox:main",
     )
 
 
@@ -227,12 +210,7 @@ def _stage(artifact_root: str, wheel: TrainingWheel, what: str) -> StagedRuntime
     uploaded = not storage.exists(uri)
     if uploaded:
         storage.write_bytes(uri, wheel.data)
-    log.info(
-        "%s wheel %s (%d bytes, sha256 %s) %s",
-        what,
-        uri,
-        wheel.size_bytes,
-        wheel.sha256[:12],
-        "uploaded" if uploaded else "already staged",
-    )
+    state = "uploaded" if uploaded else "already staged"
+    size, sha = wheel.size_bytes, wheel.sha256[:12]
+    log.info("%s wheel %s (%d bytes, sha256 %s) %s", what, uri, size, sha, state)
     return StagedRuntime(uri, wheel.sha256, wheel.size_bytes, uploaded)

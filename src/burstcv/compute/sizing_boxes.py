@@ -1,18 +1,10 @@
 """Size a model on boxes of the CPU types it may serve on: one short-lived box per type.
 
-For each candidate type (at most ``parallel`` at once), one on-demand box is launched through
-:meth:`Ec2Backend.launch_sizing_box`, with every leak layer of a training box (tags, the
-watchdog in its boot script, the EventBridge backstop, IMDSv2 only, no inbound rule, the
-reaper by its expiry tag). Its boot script (``render_sizing_user_data``) installs the
-``burstcv-size`` wheel, fetches the model and the request images, runs the staging service
-and the open-loop load generator on the box's own CPUs and writes its BoxSizing to
-``bench/sizing/boxes/<type>.json``, then powers off. This side waits for those figures within
-the sizing's time bound and terminates every box it launched, in a ``finally``, whatever
-happens. A type that cannot be launched (quota, capacity) or whose box ends without figures
-is recorded as skipped with the reason; it never fails the run.
-
-Each box carries its own run key, ``<run key>.size-<type>``: its teardown, its backstop and
-its bill are its own, and the run's training boxes are never touched by it.
+Each candidate type (at most ``parallel`` at once) gets one on-demand box with every leak
+layer of a training box; it runs the staging service and the load generator on its own CPUs,
+writes its BoxSizing to ``bench/sizing/boxes/<type>.json`` and powers off. A type that cannot
+be launched, or whose box ends without figures, is recorded as skipped with the reason; it
+never fails the run. Each box has its own run key (its teardown, backstop and bill).
 """
 
 from __future__ import annotations
@@ -68,13 +60,6 @@ class SizingRequest:
     bound_rate: BoxRate | None = None  # what a box nobody can quote is billed at
 
 
-def stage_requests(paths: RunLayout, images: Sequence[bytes]) -> str:
-    """Write the request images a sizing box sends to bench/sizing/requests/; return it."""
-    for no, data in enumerate(images):
-        storage.write_bytes(storage.join(paths.sizing_requests, f"{no:04d}.img"), data)
-    return paths.sizing_requests
-
-
 def size_on_boxes(
     backend: Ec2Backend,
     request: SizingRequest,
@@ -86,12 +71,18 @@ def size_on_boxes(
     clock: Callable[[], float] = time.monotonic,
 ) -> list[BoxSizing]:
     """Launch one sizing box per candidate type; return each type's BoxSizing, in order.
-
-    Every box launched is terminated before this returns (or raises).
-    """
-    requests_uri = stage_requests(paths, images)
-    wheel = stage_sizing_wheel(artifact_root)
-    deadline_at = datetime.now(UTC) + timedelta(seconds=request.max_s)
+    Every box launched is terminated before this returns (or raises)."""
+    # The request images a box sends.
+    for no, data in enumerate(images):
+        storage.write_bytes(storage.join(paths.sizing_requests, f"{no:04d}.img"), data)
+    boxes = _Boxes(
+        backend,
+        request,
+        paths,
+        requests_uri=paths.sizing_requests,
+        wheel=stage_sizing_wheel(artifact_root),
+        deadline_at=datetime.now(UTC) + timedelta(seconds=request.max_s),
+    )
     ends = clock() + request.max_s
     results: dict[str, BoxSizing] = {}
     waiting = list(dict.fromkeys(request.instance_types))
@@ -102,45 +93,26 @@ def size_on_boxes(
                 instance_type = waiting.pop(0)
                 key = box_run_key(request.run.run_key, instance_type)
                 try:
-                    ids = _launch(
-                        backend,
-                        request,
-                        paths,
-                        instance_type,
-                        key,
-                        requests_uri,
-                        wheel,
-                        deadline_at,
-                    )
+                    ids = boxes.launch(instance_type, key)
                 except (CapacityUnavailableError, ClientError, BotoCoreError, ValueError) as exc:
-                    results[instance_type] = _skip(
-                        paths, backend, instance_type, f"not launched: {exc}"
-                    )
+                    why = f"not launched: {exc}"
+                    results[instance_type] = _skip(paths, backend, instance_type, why)
                     continue
                 live[instance_type] = key
-                _record(backend, request, paths, instance_type, key, ids)
+                boxes.record(instance_type, key, ids)
             for instance_type, key in list(live.items()):
                 record = _figures(paths, instance_type)
-                if record is not None:
-                    results[instance_type] = record
-                elif not any(i.state in WORKING for i in backend.describe(key)):
-                    results[instance_type] = _skip(
-                        paths,
-                        backend,
-                        instance_type,
-                        "its box ended without figures; its log: " + _log_uri(paths, instance_type),
-                    )
-                else:
+                if record is None and any(i.state in WORKING for i in backend.describe(key)):
                     continue
-                _end(backend, paths, instance_type, key)
+                why = f"its box ended without figures; its log: {_log_uri(paths, instance_type)}"
+                results[instance_type] = record or _skip(paths, backend, instance_type, why)
+                boxes.end(instance_type, key)
                 del live[instance_type]
             if clock() >= ends:
+                why = f"no figures within the sizing's time bound ({request.max_s:g} s)"
                 for instance_type in [*live, *waiting]:
                     results[instance_type] = _figures(paths, instance_type) or _skip(
-                        paths,
-                        backend,
-                        instance_type,
-                        f"no figures within the sizing's time bound ({request.max_s:g} s)",
+                        paths, backend, instance_type, why
                     )
                 break
             if live:
@@ -148,94 +120,89 @@ def size_on_boxes(
     finally:
         for instance_type, key in live.items():
             try:
-                _end(backend, paths, instance_type, key)
+                boxes.end(instance_type, key)
             except (ClientError, BotoCoreError) as exc:  # the backstop and reaper remain
                 log.error("sizing box %s: terminate failed (%s); its backstop ends it", key, exc)
     return [results[t] for t in dict.fromkeys(request.instance_types) if t in results]
 
 
-def _launch(
-    backend: Ec2Backend,
-    request: SizingRequest,
-    paths: RunLayout,
-    instance_type: str,
-    key: str,
-    requests_uri: str,
-    wheel: StagedRuntime,
-    deadline_at: datetime,
-) -> list[str]:
-    s = backend.settings
-    user_data = render_sizing_user_data(
-        SizingBoxSpec(
-            run_id=key,
-            instance_type=instance_type,
-            model_uri=request.model_uri,
-            requests_uri=requests_uri,
-            out_uri=paths.box_sizing(instance_type),
-            log_uri=_log_uri(paths, instance_type),
-            wheel_uri=wheel.uri,
-            wheel_sha256=wheel.sha256,
-            latency_slo_ms=request.latency_slo_ms,
-            step_s=request.step_s,
-            deadline_at=deadline_at,
-            region=s.region,
-            margin_min=s.sizing_margin_min,
-            python=s.sizing_python,
-            log_every_s=s.log_every_s,
+@dataclass(frozen=True)
+class _Boxes:
+    """Launch, record and end the boxes of one sizing: what they share, and until when."""
+
+    backend: Ec2Backend
+    request: SizingRequest
+    paths: RunLayout
+    requests_uri: str
+    wheel: StagedRuntime
+    deadline_at: datetime
+
+    def launch(self, instance_type: str, key: str) -> list[str]:
+        """Start the box that sizes ``instance_type``, under its own run key; return its id."""
+        s, request, paths = self.backend.settings, self.request, self.paths
+        user_data = render_sizing_user_data(
+            SizingBoxSpec(
+                run_id=key,
+                instance_type=instance_type,
+                model_uri=request.model_uri,
+                requests_uri=self.requests_uri,
+                out_uri=paths.box_sizing(instance_type),
+                log_uri=_log_uri(paths, instance_type),
+                wheel_uri=self.wheel.uri,
+                wheel_sha256=self.wheel.sha256,
+                latency_slo_ms=request.latency_slo_ms,
+                step_s=request.step_s,
+                deadline_at=self.deadline_at,
+                region=s.region,
+                margin_min=s.sizing_margin_min,
+                python=s.sizing_python,
+                log_every_s=s.log_every_s,
+            )
         )
-    )
-    image_id = backend.resolve_sizing_ami(backend.architecture(instance_type))
-    launch = Launch(
-        run=RunRef(airflow_run_id=request.run.airflow_run_id, run_key=key),
-        dag_id=request.dag_id,
-        job_uri=paths.box_sizing(instance_type),
-        time_budget_s=int(request.max_s),
-        instance_types=[instance_type],
-        use_spot=False,
-        deadline_at=deadline_at,
-        wheel_uri=wheel.uri,
-        wheel_sha256=wheel.sha256,
-    )
-    ids = backend.launch_sizing_box(launch, user_data, image_id)
-    log.info("sizing box %s: %s launched as %s", instance_type, ids, key)
-    return ids
+        image_id = self.backend.resolve_sizing_ami(self.backend.architecture(instance_type))
+        launch = Launch(
+            run=RunRef(airflow_run_id=request.run.airflow_run_id, run_key=key),
+            dag_id=request.dag_id,
+            job_uri=paths.box_sizing(instance_type),
+            time_budget_s=int(request.max_s),
+            instance_types=[instance_type],
+            use_spot=False,
+            deadline_at=self.deadline_at,
+            wheel_uri=self.wheel.uri,
+            wheel_sha256=self.wheel.sha256,
+        )
+        ids = self.backend.launch_sizing_box(launch, user_data, image_id)
+        log.info("sizing box %s: %s launched as %s", instance_type, ids, key)
+        return ids
 
+    def record(self, instance_type: str, key: str, ids: list[str]) -> None:
+        """Write the box's launch record (its rate as quoted now), as a training attempt's."""
+        backend = self.backend
 
-def _record(
-    backend: Ec2Backend,
-    request: SizingRequest,
-    paths: RunLayout,
-    instance_type: str,
-    key: str,
-    ids: list[str],
-) -> None:
-    """Write the box's launch record (its rate as quoted now), as a training attempt's."""
-    volume_gb = backend.settings.sizing_volume_gb
+        def rate_of(info: InstanceInfo) -> BoxRate:
+            rate = backend.box_rate(info, bound=self.request.bound_rate)
+            return rate.model_copy(update={"volume_gb": backend.settings.sizing_volume_gb})
 
-    def rate_of(info: InstanceInfo) -> BoxRate:
-        rate = backend.box_rate(info, bound=request.bound_rate)
-        return rate.model_copy(update={"volume_gb": volume_gb})
+        folder = self.paths.sizing_bill(instance_type)
+        # A benchmark tried again sizes again: its boxes are the folder's next attempt.
+        record_launch(
+            folder,
+            recorded_attempts(folder) + 1,
+            run_key=key,
+            dag_id=self.request.dag_id,
+            backend="ec2",
+            region=backend.settings.region,
+            boxes=[i for i in backend.describe(key) if i.instance_id in ids],
+            rate_of=rate_of,
+            now=datetime.now(UTC),
+        )
 
-    folder = paths.sizing_bill(instance_type)
-    # A benchmark tried again sizes again: its boxes are the folder's next attempt.
-    record_launch(
-        folder,
-        recorded_attempts(folder) + 1,
-        run_key=key,
-        dag_id=request.dag_id,
-        backend="ec2",
-        region=backend.settings.region,
-        boxes=[i for i in backend.describe(key) if i.instance_id in ids],
-        rate_of=rate_of,
-        now=datetime.now(UTC),
-    )
-
-
-def _end(backend: Ec2Backend, paths: RunLayout, instance_type: str, key: str) -> None:
-    """Terminate the box and write its end record (its bill is final)."""
-    backend.terminate_run(key)
-    folder = paths.sizing_bill(instance_type)
-    record_end(folder, recorded_attempts(folder), backend.describe(key), datetime.now(UTC))
+    def end(self, instance_type: str, key: str) -> None:
+        """Terminate the box and write its end record (its bill is final)."""
+        self.backend.terminate_run(key)
+        folder = self.paths.sizing_bill(instance_type)
+        now = datetime.now(UTC)
+        record_end(folder, recorded_attempts(folder), self.backend.describe(key), now)
 
 
 def bill_sizing(paths: RunLayout, now: datetime, airflow_run_id: str = "") -> list[Billing]:

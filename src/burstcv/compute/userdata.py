@@ -1,25 +1,11 @@
 """Render the bash user-data that turns a fresh GPU instance into one training attempt, then off.
 
-The script's order is the safety argument:
-1. arm a ``shutdown -h +N`` watchdog from the run's absolute deadline, before anything else;
-2. learn the box's identity and region from IMDSv2 and export the region for every AWS call;
-   every S3 call on the box goes through boto3 in the AMI's Python (a small helper the script
-   writes), never the AWS CLI, whose place on an AMI is not certain;
-3. on every exit path (the EXIT trap) make sure the attempt has DONE or FAILED, upload the
-   log and ``shutdown -h now`` (with ``InstanceInitiatedShutdownBehavior=terminate`` that
-   destroys the box: no idle tail);
-4. watch for a spot interruption notice from the start, and ship the log every few seconds;
-5. install the run's training wheel (checked against its sha256) into the AMI's PyTorch
-   Python, run ``burstcv preflight``, then ``burstcv train``.
-A run of several boxes (``num_nodes``) starts them in one RunInstances call: the box of
-launch index 0 there (IMDS ``ami-launch-index``) hosts the rendezvous and publishes its
-private address in the attempt's folder, and every box runs ``burstcv train`` under torchrun
-with c10d rendezvous on that address. Each box's node rank is torchrun's, given by the
-rendezvous (not always its launch index); it decides which shards the box reads. Training's
-rank 0 writes the checkpoints and markers; a box that ends training without a marker leaves
-the attempt to the orchestrator, which counts it lost and relaunches every box from the
-checkpoint.
-Nothing large is downloaded at boot: the AMI brings CUDA torch, the wheel is tens of KB.
+The script's order is the safety argument: a ``shutdown -h +N`` watchdog from the run's
+deadline before anything else; the box's identity and region from IMDSv2; an EXIT trap that
+makes sure the attempt has DONE or FAILED, uploads the log and powers off (destroying the box);
+the spot-notice poller and the log shipper; then the wheel (checked against its sha256),
+``burstcv preflight`` and ``burstcv train``. Every S3 call goes through boto3 in the AMI's
+Python (a helper the script writes), never the AWS CLI, whose place on an AMI is not certain.
 """
 
 from __future__ import annotations
@@ -28,8 +14,9 @@ import math
 import re
 import shlex
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
+from burstcv.cost.model import outlives_deadline_s
 from burstcv.training.job import attempt_dir
 from burstcv.training.preflight import SUPPORTED_PYTHON
 
@@ -44,21 +31,6 @@ IMDS = "http://169.254.169.254/latest"
 RENDEZVOUS_PORT = 29400
 RENDEZVOUS_WAIT_S = 900  # how long a box waits for launch index 0's address (it boots alike)
 SPOT_POLL_INTERVAL_S = 5
-
-# The config block every render fills in (tests read it back with parse_config).
-CONFIG_KEYS = (
-    "RUN_ID",
-    "JOB_URI",
-    "ATTEMPT",
-    "ATTEMPT_DIR",
-    "WHEEL_URI",
-    "WHEEL_SHA256",
-    "PYTHON",
-    "FALLBACK_REGION",
-    "LOG_EVERY_S",
-)
-# And a render for several boxes.
-MULTI_NODE_KEYS = ("NUM_NODES", "RENDEZVOUS_PORT")
 
 
 @dataclass(frozen=True)
@@ -77,11 +49,6 @@ class UserDataSpec:
     log_every_s: int = DEFAULT_LOG_EVERY_S
     num_nodes: int = 1  # boxes started together by one launch, training as one job
 
-    @property
-    def job_dir(self) -> str:
-        """Return the folder of job.json."""
-        return self.job_uri.rsplit("/", 1)[0]
-
 
 def watchdog_minutes(seconds_left: float, margin_min: int = DEFAULT_MARGIN_MIN) -> int:
     """Return the ``shutdown -h +N`` minutes: the time to the deadline, rounded up, plus margin."""
@@ -90,28 +57,17 @@ def watchdog_minutes(seconds_left: float, margin_min: int = DEFAULT_MARGIN_MIN) 
     return max(1, math.ceil(max(0.0, seconds_left) / 60) + margin_min)
 
 
-def outlives_deadline_s(margin_min: int = DEFAULT_MARGIN_MIN) -> int:
-    """Return the seconds a box may outlive the run's deadline: the watchdog's margin and the
-    minute its ``shutdown -h +N`` rounds up to."""
-    return (margin_min + 1) * 60
-
-
 def expiry_of(deadline_at: datetime, margin_min: int = DEFAULT_MARGIN_MIN) -> datetime:
     """Return when the watchdog has ended any box of the run at the latest (the expiry tag)."""
-    from datetime import timedelta
-
     return deadline_at + timedelta(seconds=outlives_deadline_s(margin_min))
 
 
-# One box: training is one `burstcv train` process.
 _SINGLE_TRAIN = r"""STAGE=train
-# Shards are cached on this box's disk after their first download.
 BURSTCV_SHARD_CACHE_DIR="$WORK/shard-cache" \
   "$BURSTCV" train --job "$JOB_URI" --attempt "$ATTEMPT" &
 """
 
-# Several boxes: which of the launch this box is (its launch index) and where it is. Its node
-# rank comes later, from torchrun's rendezvous.
+# Several boxes: this box's launch index and address (its node rank comes from torchrun).
 _NODE_IDENTITY = r"""LAUNCH_INDEX=$(imds meta-data/ami-launch-index) || LAUNCH_INDEX=""
 PRIVATE_IP=$(imds meta-data/local-ipv4) || PRIVATE_IP=""
 stamp "launch index ${LAUNCH_INDEX:-?} of $NUM_NODES at ${PRIVATE_IP:-?}"
@@ -150,8 +106,7 @@ BURSTCV_SHARD_CACHE_DIR="$WORK/shard-cache" \
   -m burstcv.training.entry train --job "$JOB_URI" --attempt "$ATTEMPT" &
 """
 
-# What every box's script starts with, after its watchdog and config: its log, its identity
-# from IMDSv2 (region exported for every AWS call), and S3 through boto3. Every `$` below is
+# What every box's script starts with, after its watchdog and config. Every `$` below is
 # bash's; __NAME__ placeholders are filled in by the renders.
 _PRELUDE = r"""
 # Run by cloud-init as root; the overrides are for a sandbox.
@@ -171,7 +126,6 @@ imds() {
 }
 INSTANCE_ID=$(imds meta-data/instance-id) || INSTANCE_ID=unknown
 INSTANCE_TYPE=$(imds meta-data/instance-type) || INSTANCE_TYPE=""
-# Every AWS call on the box goes to its own region.
 AWS_REGION=$(imds meta-data/placement/region) || AWS_REGION="$FALLBACK_REGION"
 AWS_DEFAULT_REGION="$AWS_REGION"
 export AWS_REGION AWS_DEFAULT_REGION
@@ -180,7 +134,6 @@ AWS_METADATA_SERVICE_TIMEOUT=5
 AWS_METADATA_SERVICE_NUM_ATTEMPTS=5
 export AWS_METADATA_SERVICE_TIMEOUT AWS_METADATA_SERVICE_NUM_ATTEMPTS
 stamp "instance $INSTANCE_ID ($INSTANCE_TYPE) in $AWS_REGION"
-# S3 through boto3, which the AMI's PyTorch Python has.
 cat > "$WORK/s3io.py" << 'S3IO'
 # burstcv box: S3 copies and existence checks through boto3.
 import sys
@@ -255,41 +208,20 @@ s3_object_exists() {
 }
 """
 
-# A training box, after the prelude.
-_BODY = r"""
-LOG_URI="$ATTEMPT_DIR/logs/$INSTANCE_ID.log"
-__NODE_IDENTITY__
-write_failed() {  # stage, resumable (true|false), reason, exit code
-  local doc='{"schema_version": 1, "stage": "%s", "resumable": %s, "reason": "%s", '
-  doc+='"attempt": %s, "exit_code": %d, "instance_id": "%s"}\n'
-  # shellcheck disable=SC2059
-  printf "$doc" "$1" "$2" "${3//\"/\'}" "$ATTEMPT" "$4" "$INSTANCE_ID" \
-    | s3 cp - "$ATTEMPT_DIR/FAILED"
-}
-
+# Every box, after the prelude; the __PARTS__ are what a training and a sizing box do differently.
+_BOX = r"""
+__SETUP__
 # Runs on every exit: the attempt gets a marker, the log goes up, the box goes down.
 finish() {
   local rc=$?
   trap - EXIT
   set +e  # best effort from here on: every step may fail, the shutdown must still run
-  [ -n "${POLLER_PID:-}" ] && kill "$POLLER_PID" 2> /dev/null
-  [ -n "${SHIPPER_PID:-}" ] && kill "$SHIPPER_PID" 2> /dev/null
+  kill ${POLLER_PID:-} ${SHIPPER_PID:-} ${SIZE_PID:-} 2> /dev/null  # unquoted: those started
   if [ -n "${NO_S3:-}" ]; then  # neither a marker nor the log can get out: off at once
     shutdown -h now
     return
   fi
-  if [ -n "${LAUNCH_INDEX:-}" ] && [ "$STAGE" = train ]; then
-    stamp "training ended with exit code $rc; its ranks wrote their markers"
-  elif ! s3_object_exists "$ATTEMPT_DIR/DONE" && ! s3_object_exists "$ATTEMPT_DIR/FAILED"; then
-    if [ -f "$WORK/spot-notice" ]; then
-      stamp "writing FAILED: spot interruption during $STAGE"
-      write_failed "$STAGE" true "spot interruption during $STAGE (exit code $rc)" "$rc"
-    else
-      stamp "writing FAILED: $STAGE ended with exit code $rc and no marker"
-      write_failed "$STAGE" false \
-        "$STAGE ended with exit code $rc and no DONE or FAILED marker; see $LOG_URI" "$rc"
-    fi
-  fi
+__ON_EXIT__
   stamp "done (exit code $rc); shutting down now"
   s3 cp "$LOG" "$LOG_URI"
   shutdown -h now
@@ -300,19 +232,64 @@ trap 'exit 143' TERM INT HUP
 # A failure no relaunch can fix: record it with its reason, then the trap powers off.
 fail_final() {
   stamp "$STAGE failed: $1"
-  write_failed "$STAGE" false "$1" 3
-  exit 3
+__RECORD_FAILURE__  exit 3
 }
 
 # S3 first: a box that cannot reach it says so (console log) and halts.
 for try in 1 2 3; do
-  out=$(s3 exists "$JOB_URI" 2>&1) && break
+  out=$(s3 exists "__PROBE_URI__" 2>&1) && break
   [ "$?" = 1 ] && break
   [ "$try" = 3 ] && stamp "cannot reach S3: $out" && NO_S3=1 && exit 4
   sleep 10
 done
 s3 cp "$LOG" "$LOG_URI" || true
+__SPOT_POLLER__
+# The log ships while the box runs: a hard death leaves its last lines.
+ship_log() {
+  while sleep "$LOG_EVERY_S"; do s3 cp "$LOG" "$LOG_URI" || true; done
+}
+ship_log &
+SHIPPER_PID=$!
+__PYTHON_CHECK__
+STAGE=install
+stamp "installing $WHEEL_URI"
+WHEEL="$WORK/$(basename "$WHEEL_URI")"
+s3 cp "$WHEEL_URI" "$WHEEL"
+echo "$WHEEL_SHA256  $WHEEL" | sha256sum -c --quiet - \
+  || fail_final "the __WHAT__ wheel at $WHEEL_URI does not match its sha256 $WHEEL_SHA256"
+"$PYTHON" -m pip --version > /dev/null 2>&1 || "$PYTHON" -m ensurepip --upgrade > /dev/null
+# Into the AMI's environment: its torch reused, never resolved (a sizing box has none).
+PIP_BREAK_SYSTEM_PACKAGES=1 "$PYTHON" -m pip install --quiet --no-input \
+  --disable-pip-version-check --no-warn-script-location "$WHEEL"
+BURSTCV="$(dirname "$(command -v "$PYTHON")")/__ENTRY__"
+[ -x "$BURSTCV" ] || BURSTCV=__ENTRY__
+stamp "installed"
+__WORK__"""
 
+# A training box's parts of _BOX.
+_TRAIN_SETUP = r"""LOG_URI="$ATTEMPT_DIR/logs/$INSTANCE_ID.log"
+__NODE_IDENTITY__
+write_failed() {  # stage, resumable (true|false), reason, exit code
+  local doc='{"schema_version": 1, "stage": "%s", "resumable": %s, "reason": "%s", '
+  doc+='"attempt": %s, "exit_code": %d, "instance_id": "%s"}\n'
+  # shellcheck disable=SC2059
+  printf "$doc" "$1" "$2" "${3//\"/\'}" "$ATTEMPT" "$4" "$INSTANCE_ID" \
+    | s3 cp - "$ATTEMPT_DIR/FAILED"
+}
+"""
+_TRAIN_ON_EXIT = r"""  if [ -n "${LAUNCH_INDEX:-}" ] && [ "$STAGE" = train ]; then
+    stamp "training ended with exit code $rc; its ranks wrote their markers"
+  elif ! s3_object_exists "$ATTEMPT_DIR/DONE" && ! s3_object_exists "$ATTEMPT_DIR/FAILED"; then
+    if [ -f "$WORK/spot-notice" ]; then
+      stamp "writing FAILED: spot interruption during $STAGE"
+      write_failed "$STAGE" true "spot interruption during $STAGE (exit code $rc)" "$rc"
+    else
+      stamp "writing FAILED: $STAGE ended with exit code $rc and no marker"
+      write_failed "$STAGE" false \
+        "$STAGE ended with exit code $rc and no DONE or FAILED marker; see $LOG_URI" "$rc"
+    fi
+  fi"""
+_SPOT_POLLER = r"""
 # Spot notice (looked for at once, then every few s): SIGTERM training to checkpoint, or
 # end the bootstrap; the attempt's FAILED is resumable.
 spot_poller() {
@@ -332,14 +309,8 @@ spot_poller() {
 }
 spot_poller &
 POLLER_PID=$!
-
-# The log ships while the box runs: a hard death leaves its last lines.
-ship_log() {
-  while sleep "$LOG_EVERY_S"; do s3 cp "$LOG" "$LOG_URI" || true; done
-}
-ship_log &
-SHIPPER_PID=$!
-
+"""
+_TRAIN_PYTHON = r"""
 STAGE=preflight
 PY_CHECK='import sys; sys.exit(not (__PY_MIN__ <= sys.version_info[:2] < __PY_MAX__))'
 if ! "$PYTHON" -c "$PY_CHECK" 2> /dev/null; then
@@ -347,21 +318,8 @@ if ! "$PYTHON" -c "$PY_CHECK" 2> /dev/null; then
   fail_final "$found: burstcv training needs Python __PY_RANGE__; set BURSTCV_EC2_PYTHON to \
 the AMI's PyTorch interpreter, or BURSTCV_EC2_AMI to a PyTorch Deep Learning AMI"
 fi
-
-STAGE=install
-stamp "installing $WHEEL_URI"
-WHEEL="$WORK/$(basename "$WHEEL_URI")"
-s3 cp "$WHEEL_URI" "$WHEEL"
-echo "$WHEEL_SHA256  $WHEEL" | sha256sum -c --quiet - \
-  || fail_final "the training wheel at $WHEEL_URI does not match its sha256 $WHEEL_SHA256"
-"$PYTHON" -m pip --version > /dev/null 2>&1 || "$PYTHON" -m ensurepip --upgrade > /dev/null
-# Into the AMI's environment: its torch reused, never resolved.
-PIP_BREAK_SYSTEM_PACKAGES=1 "$PYTHON" -m pip install --quiet --no-input \
-  --disable-pip-version-check --no-warn-script-location "$WHEEL"
-BURSTCV="$(dirname "$PYTHON")/burstcv"
-[ -x "$BURSTCV" ] || BURSTCV=burstcv
-stamp "installed"
-
+"""
+_TRAIN_WORK = r"""
 STAGE=preflight
 "$BURSTCV" preflight --job "$JOB_URI" --attempt "$ATTEMPT" --instance-type "$INSTANCE_TYPE"
 stamp "preflight passed"
@@ -384,66 +342,77 @@ def render_user_data(spec: UserDataSpec) -> str:
         raise ValueError(f"an EC2 instance reads its job from S3; got job_uri {spec.job_uri!r}")
     if not spec.wheel_uri.startswith("s3://"):
         raise ValueError(f"the training wheel must be an s3:// URI; got {spec.wheel_uri!r}")
+    config = {
+        "JOB_URI": spec.job_uri,
+        "ATTEMPT": str(spec.attempt),
+        "ATTEMPT_DIR": attempt_dir(spec.job_uri.rsplit("/", 1)[0], spec.attempt),
+    }
+    multi = spec.num_nodes > 1
+    if multi:
+        config["NUM_NODES"] = str(int(spec.num_nodes))
+        config["RENDEZVOUS_PORT"] = str(RENDEZVOUS_PORT)
+    low, high = SUPPORTED_PYTHON
+    parts = {
+        "__FIRST_STAMP__": "run $RUN_ID attempt $ATTEMPT, job $JOB_URI",
+        "__SETUP__": _TRAIN_SETUP,
+        "__NODE_IDENTITY__": _NODE_IDENTITY if multi else "",
+        "__ON_EXIT__": _TRAIN_ON_EXIT,
+        "__RECORD_FAILURE__": '  write_failed "$STAGE" false "$1" 3\n',
+        "__PROBE_URI__": "$JOB_URI",
+        "__SPOT_POLLER__": _SPOT_POLLER,
+        "__PYTHON_CHECK__": _TRAIN_PYTHON,
+        "__WHAT__": "training",
+        "__ENTRY__": "burstcv",
+        "__WORK__": _TRAIN_WORK,
+        "__TRAIN__": _MULTI_TRAIN if multi else _SINGLE_TRAIN,
+        "__RENDEZVOUS_WAIT_S__": str(RENDEZVOUS_WAIT_S),
+        "__SPOT_POLL_INTERVAL_S__": str(SPOT_POLL_INTERVAL_S),
+        "__PY_MIN__": repr(tuple(low)),
+        "__PY_MAX__": repr(tuple(high)),
+        "__PY_RANGE__": f"{low[0]}.{low[1]}-{high[0]}.{high[1] - 1}",
+    }
+    what = f"training instance for run {_comment_safe(spec.run_id)}, attempt {spec.attempt}"
+    return _render(what, spec, config, parts)
+
+
+def _render(
+    what: str, spec: UserDataSpec | SizingBoxSpec, config: dict[str, str], parts: dict[str, str]
+) -> str:
+    """Return a box's script: the watchdog, the config block (``config`` and what every box
+    has), the prelude and ``_BOX`` with ``parts`` filled in (in order: a part may hold the
+    placeholders of a later one)."""
     if len(spec.wheel_sha256) != 64:
         raise ValueError(f"wheel_sha256 must be a sha256 hex digest, got {spec.wheel_sha256!r}")
     if spec.deadline_at.tzinfo is None:
         raise ValueError("deadline_at must be timezone-aware (UTC)")
-    header = _watchdog_header(
-        f"training instance for run {_comment_safe(spec.run_id)}, attempt {spec.attempt}",
-        spec.deadline_at,
-        spec.margin_min,
-    )
-    values = {
+    config = {
         "RUN_ID": spec.run_id,
-        "JOB_URI": spec.job_uri,
-        "ATTEMPT": str(spec.attempt),
-        "ATTEMPT_DIR": attempt_dir(spec.job_dir, spec.attempt),
+        **config,
         "WHEEL_URI": spec.wheel_uri,
         "WHEEL_SHA256": spec.wheel_sha256,
         "PYTHON": spec.python,
         "FALLBACK_REGION": spec.region,
         "LOG_EVERY_S": str(int(spec.log_every_s)),
     }
-    keys: tuple[str, ...] = CONFIG_KEYS
-    multi = spec.num_nodes > 1
-    if multi:
-        values["NUM_NODES"] = str(int(spec.num_nodes))
-        values["RENDEZVOUS_PORT"] = str(RENDEZVOUS_PORT)
-        keys = CONFIG_KEYS + MULTI_NODE_KEYS
-    config = [f"readonly {key}={shlex.quote(values[key])}" for key in keys]
-    low, high = SUPPORTED_PYTHON
-    body = (
-        (_PRELUDE + _BODY)
-        .replace("__FIRST_STAMP__", "run $RUN_ID attempt $ATTEMPT, job $JOB_URI")
-        .replace("__NODE_IDENTITY__", _NODE_IDENTITY if multi else "")
-        .replace("__TRAIN__", _MULTI_TRAIN if multi else _SINGLE_TRAIN)
-        .replace("__RENDEZVOUS_WAIT_S__", str(RENDEZVOUS_WAIT_S))
-        .replace("__IMDS__", IMDS)
-        .replace("__SPOT_POLL_INTERVAL_S__", str(SPOT_POLL_INTERVAL_S))
-        .replace("__PY_MIN__", repr(tuple(low)))
-        .replace("__PY_MAX__", repr(tuple(high)))
-        .replace("__PY_RANGE__", f"{low[0]}.{low[1]}-{high[0]}.{high[1] - 1}")
-    )
-    return "\n".join(header + config) + "\n" + body
-
-
-def _watchdog_header(what: str, deadline_at: datetime, margin_min: int) -> list[str]:
-    """Return a box script's first lines: bash's strict mode and the watchdog, before anything."""
-    deadline = int(deadline_at.timestamp())
-    margin = int(margin_min)
-    return [
+    body = _PRELUDE + _BOX
+    for placeholder, text in {**parts, "__IMDS__": IMDS}.items():
+        body = body.replace(placeholder, text)
+    deadline, margin = int(spec.deadline_at.timestamp()), int(spec.margin_min)
+    header = [
         "#!/bin/bash",
         f"# burstcv {what}",
         "# (rendered by burstcv.compute.userdata; do not edit)",
         "set -Eeuo pipefail",
         "# Watchdog first: whatever happens below, the box powers off (and, with",
         "# InstanceInitiatedShutdownBehavior=terminate, is destroyed) when the run's time is up:",
-        f"# the deadline ({deadline_at.isoformat()}) plus {margin} min for the last upload.",
+        f"# the deadline ({spec.deadline_at.isoformat()}) plus {margin} min for the last upload.",
         f"WATCHDOG_MIN=$(( ({deadline} - $(date +%s) + 59) / 60 + {margin} ))",
         f'[ "$WATCHDOG_MIN" -ge {max(1, margin)} ] || WATCHDOG_MIN={max(1, margin)}',
         'shutdown -h "+$WATCHDOG_MIN" "burstcv watchdog: the run\'s time is up" || poweroff',
         "",
     ]
+    lines = header + [f"readonly {key}={shlex.quote(value)}" for key, value in config.items()]
+    return "\n".join(lines) + "\n" + body
 
 
 @dataclass(frozen=True)
@@ -467,56 +436,8 @@ class SizingBoxSpec:
     log_every_s: int = DEFAULT_LOG_EVERY_S
 
 
-SIZING_CONFIG_KEYS = (
-    "RUN_ID",
-    "SIZED_TYPE",
-    "MODEL_URI",
-    "REQUESTS_URI",
-    "OUT_URI",
-    "LOG_URI",
-    "WHEEL_URI",
-    "WHEEL_SHA256",
-    "SLO_MS",
-    "STEP_S",
-    "PYTHON",
-    "FALLBACK_REGION",
-    "LOG_EVERY_S",
-)
-
-# A sizing box, after the prelude: no marker but its figures; the log goes up on every exit.
-_SIZING_BODY = r"""
-ZONE=$(imds meta-data/placement/availability-zone) || ZONE=""
-finish() {
-  local rc=$?
-  trap - EXIT
-  set +e  # best effort from here on: the shutdown must still run
-  [ -n "${SHIPPER_PID:-}" ] && kill "$SHIPPER_PID" 2> /dev/null
-  [ -n "${SIZE_PID:-}" ] && kill "$SIZE_PID" 2> /dev/null
-  if [ -n "${NO_S3:-}" ]; then
-    shutdown -h now
-    return
-  fi
-  s3_object_exists "$OUT_URI" || stamp "sizing ended in $STAGE (exit code $rc) with no figures"
-  stamp "done (exit code $rc); shutting down now"
-  s3 cp "$LOG" "$LOG_URI"
-  shutdown -h now
-}
-trap finish EXIT
-trap 'exit 143' TERM INT HUP
-
-for try in 1 2 3; do
-  out=$(s3 exists "$REQUESTS_URI" 2>&1) && break
-  [ "$?" = 1 ] && break
-  [ "$try" = 3 ] && stamp "cannot reach S3: $out" && NO_S3=1 && exit 4
-  sleep 10
-done
-s3 cp "$LOG" "$LOG_URI" || true
-ship_log() {
-  while sleep "$LOG_EVERY_S"; do s3 cp "$LOG" "$LOG_URI" || true; done
-}
-ship_log &
-SHIPPER_PID=$!
-
+# A sizing box's parts of _BOX: no marker but its figures; the log goes up on every exit.
+_SIZING_PYTHON = r"""
 STAGE=python
 PY_CHECK='import sys; sys.exit(sys.version_info[:2] < (3, 11))'
 if ! "$PYTHON" -c "$PY_CHECK" 2> /dev/null && command -v dnf > /dev/null; then
@@ -524,26 +445,14 @@ if ! "$PYTHON" -c "$PY_CHECK" 2> /dev/null && command -v dnf > /dev/null; then
   dnf install -y -q "$PYTHON" "$PYTHON-pip"
 fi
 "$PYTHON" -c "$PY_CHECK" 2> /dev/null \
-  || { stamp "no Python 3.11 or newer at $PYTHON: set BURSTCV_SIZING_PYTHON"; exit 3; }
-
-STAGE=install
-stamp "installing $WHEEL_URI"
-WHEEL="$WORK/$(basename "$WHEEL_URI")"
-s3 cp "$WHEEL_URI" "$WHEEL"
-echo "$WHEEL_SHA256  $WHEEL" | sha256sum -c --quiet - \
-  || { stamp "the sizing wheel at $WHEEL_URI does not match its sha256"; exit 3; }
-"$PYTHON" -m pip --version > /dev/null 2>&1 || "$PYTHON" -m ensurepip --upgrade > /dev/null
-# The serving image's pins (onnxruntime, no torch) come with the wheel.
-PIP_BREAK_SYSTEM_PACKAGES=1 "$PYTHON" -m pip install --quiet --no-input \
-  --disable-pip-version-check --no-warn-script-location "$WHEEL"
-BURSTCV_SIZE="$(dirname "$(command -v "$PYTHON")")/burstcv-size"
-[ -x "$BURSTCV_SIZE" ] || BURSTCV_SIZE=burstcv-size
+  || fail_final "no Python 3.11 or newer at $PYTHON: set BURSTCV_SIZING_PYTHON"
+"""
+_SIZING_WORK = r"""
 # boto3 came with the wheel: S3 through this Python from here on.
 "$PYTHON" -c "import boto3" 2> /dev/null && S3PY=$(command -v "$PYTHON")
-stamp "installed"
 
 STAGE=size
-"$BURSTCV_SIZE" measure --model "$MODEL_URI" --requests "$REQUESTS_URI" --out "$OUT_URI" \
+"$BURSTCV" measure --model "$MODEL_URI" --requests "$REQUESTS_URI" --out "$OUT_URI" \
   --slo-ms "$SLO_MS" --step-s "$STEP_S" --instance-type "${INSTANCE_TYPE:-$SIZED_TYPE}" \
   --instance-id "$INSTANCE_ID" --region "$AWS_REGION" --zone "$ZONE" &
 SIZE_PID=$!
@@ -559,47 +468,38 @@ def render_sizing_user_data(spec: SizingBoxSpec) -> str:
         uri = getattr(spec, name)
         if not uri.startswith("s3://"):
             raise ValueError(f"a sizing box reads and writes S3; got {name} {uri!r}")
-    if len(spec.wheel_sha256) != 64:
-        raise ValueError(f"wheel_sha256 must be a sha256 hex digest, got {spec.wheel_sha256!r}")
-    if spec.deadline_at.tzinfo is None:
-        raise ValueError("deadline_at must be timezone-aware (UTC)")
-    header = _watchdog_header(
-        f"sizing box {_comment_safe(spec.instance_type)} for run {_comment_safe(spec.run_id)}",
-        spec.deadline_at,
-        spec.margin_min,
-    )
-    values = {
-        "RUN_ID": spec.run_id,
+    config = {
         "SIZED_TYPE": spec.instance_type,
         "MODEL_URI": spec.model_uri,
         "REQUESTS_URI": spec.requests_uri,
         "OUT_URI": spec.out_uri,
         "LOG_URI": spec.log_uri,
-        "WHEEL_URI": spec.wheel_uri,
-        "WHEEL_SHA256": spec.wheel_sha256,
         "SLO_MS": f"{spec.latency_slo_ms:g}",
         "STEP_S": f"{spec.step_s:g}",
-        "PYTHON": spec.python,
-        "FALLBACK_REGION": spec.region,
-        "LOG_EVERY_S": str(int(spec.log_every_s)),
     }
-    config = [f"readonly {key}={shlex.quote(values[key])}" for key in SIZING_CONFIG_KEYS]
-    body = (
-        (_PRELUDE + _SIZING_BODY)
-        .replace("__FIRST_STAMP__", "sizing $SIZED_TYPE for run $RUN_ID")
-        .replace("__IMDS__", IMDS)
-    )
-    return "\n".join(header + config) + "\n" + body
+    parts = {
+        "__FIRST_STAMP__": "sizing $SIZED_TYPE for run $RUN_ID",
+        "__SETUP__": 'ZONE=$(imds meta-data/placement/availability-zone) || ZONE=""',
+        "__ON_EXIT__": '  s3_object_exists "$OUT_URI" '
+        '|| stamp "sizing ended in $STAGE (exit code $rc) with no figures"',
+        "__RECORD_FAILURE__": "",
+        "__PROBE_URI__": "$REQUESTS_URI",
+        "__SPOT_POLLER__": "",
+        "__PYTHON_CHECK__": _SIZING_PYTHON,
+        "__WHAT__": "sizing",
+        "__ENTRY__": "burstcv-size",
+        "__WORK__": _SIZING_WORK,
+    }
+    what = f"sizing box {_comment_safe(spec.instance_type)} for run {_comment_safe(spec.run_id)}"
+    return _render(what, spec, config, parts)
 
 
 def parse_config(script: str) -> dict[str, str]:
     """Return the config block of a rendered script (what the instance will run)."""
     found: dict[str, str] = {}
     for line in script.splitlines():
-        if not line.startswith("readonly "):
-            continue
-        key, _, raw = line.removeprefix("readonly ").partition("=")
-        if key in CONFIG_KEYS + MULTI_NODE_KEYS + SIZING_CONFIG_KEYS:
+        if line.startswith("readonly "):
+            key, _, raw = line.removeprefix("readonly ").partition("=")
             parts = shlex.split(raw)
             found[key] = parts[0] if parts else ""
     return found
