@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from burstcv import pipeline
 from burstcv.data.photos import PHOTO_CLASSES, write_photo_dataset
 from burstcv.params import ResolvedRun, RunParams
+from burstcv.stages import boxes, data, resolve
 from burstcv.training.job import write_job
 from burstcv.training.train import run_job
 from burstcv_spec import storage
@@ -31,12 +31,12 @@ def train_with_defaults(
     the run as resolved (run.json, with validate's choices) and its metrics."""
     params = RunParams.resolve({"dataset_uri": str(dataset), **given})
     run = RunRef.of(run_key)
-    validated = pipeline.validate(run, params=params)
-    packed = pipeline.pack(run, validated)
-    job = pipeline.training_job(run, packed)
-    layout = pipeline.run_layout(run)
+    validated = data.validate(run, params=params)
+    packed = data.pack(run, validated)
+    job = boxes.training_job(run, packed)
+    layout = resolve.run_layout(run)
     assert run_job(write_job(job, layout.job_spec)) == 0
-    return pipeline.resolved_run(run), json.loads(storage.read_bytes(layout.metrics))
+    return resolve.resolved_run(run), json.loads(storage.read_bytes(layout.metrics))
 
 
 def test_a_small_photo_set_trains_well_with_every_default(
@@ -45,7 +45,7 @@ def test_a_small_photo_set_trains_well_with_every_default(
     # 3 classes of real photos (crops of scikit-learn's two), 40 + 12 per class, 200-800 px;
     # the size is lowered to 32 px for the CPU (a training default is not a size choice).
     write_photo_dataset(tmp_path / "photos", per_class=(40, 12))
-    with caplog.at_level(logging.INFO, logger="burstcv.pipeline"):
+    with caplog.at_level(logging.INFO, logger="burstcv.stages"):
         resolved, metrics = train_with_defaults(
             tmp_path / "photos", "photos-defaults", image_size=32
         )
@@ -62,7 +62,7 @@ def test_a_small_photo_set_trains_well_with_every_default(
         assert training.pretrained.startswith("ResNet18_Weights.")
     chose = [r.getMessage() for r in caplog.records if r.getMessage().startswith("training: ")]
     assert chose == [f"training: {training.reason}"] and "\n" not in training.reason
-    doc = json.loads(storage.read_bytes(pipeline.run_layout(resolved.run_id).record))
+    doc = json.loads(storage.read_bytes(resolve.run_layout(resolved.run_id).record))
     assert doc["training"]["reason"] == training.reason  # run.json, as every later task reads
     assert metrics["classes"] == sorted(PHOTO_CLASSES) and metrics["arch"] == "resnet18"
     assert metrics["optimizer"]["name"] == "adamw" and metrics["epochs_asked"] == training.epochs

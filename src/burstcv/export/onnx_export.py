@@ -1,8 +1,7 @@
 """Convert a trained checkpoint to ONNX and prove the ONNX model equals it on real images.
 
-The exported file is what serves, so the parity check runs on the final, offline-optimised
-file, feeding onnxruntime through the service's own numpy preprocessing and torch through the
-training transform: a mismatch in either the graph or the preprocessing fails the export.
+Parity runs on the final file, onnxruntime fed through the service's preprocessing and torch
+through training's: a mismatch in the graph or the preprocessing fails the export.
 """
 
 from __future__ import annotations
@@ -101,13 +100,7 @@ def check_parity(
     *,
     max_abs_diff: float,
 ) -> ParityBlock:
-    """Compare torch and onnxruntime logits image by image; raise ParityError on a mismatch.
-
-    Each side runs its own path end to end: onnxruntime gets the bytes through the service's
-    decoder and numpy transform as model.json describes them (``serving_spec``); torch gets
-    them through the training transform of the job (``training_spec``). A wrong mean/std,
-    size or colour order in model.json therefore fails here, not in production.
-    """
+    """Compare torch and onnxruntime logits image by image; raise ParityError on a mismatch."""
     if not images:
         raise ParityError("no validation images to check parity on")
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
@@ -153,6 +146,59 @@ def check_parity(
     return report
 
 
+def _load_model(
+    checkpoint_uri: str, arch: str, classes: list[str], height: int, pretrained: str
+) -> torch.nn.Module:
+    """Return the checkpoint's model in eval mode, built as training built it."""
+    state = load_state_dict(storage.read_bytes(checkpoint_uri))
+    model = build_model(arch, len(classes), height, pretrained=is_pretrained(pretrained))
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise CheckpointError(
+            f"checkpoint does not fit {arch} with {len(classes)} classes: {exc}"
+        ) from exc
+    return model.eval()
+
+
+def _model_card(
+    onnx_path: Path,
+    name: str,
+    arch: str,
+    classes: list[str],
+    spec: PreprocessSpec,
+    opset: int,
+    metrics: dict[str, Any] | None,
+    dataset_fingerprint: str,
+    run_id: str,
+) -> ModelCard:
+    """Return model.json for the ONNX file at ``onnx_path``, before its parity check."""
+    return ModelCard(
+        format_version=MODEL_JSON_FORMAT,
+        name=name,
+        arch=arch,
+        classes=list(classes),
+        onnx_file="model.onnx",
+        sha256=storage.sha256_file(onnx_path),
+        opset=opset,
+        input=TensorInput(
+            name=INPUT_NAME, shape=[None, 3, spec.height, spec.width], dtype="float32"
+        ),
+        output=TensorOutput(name=OUTPUT_NAME, kind="logits"),
+        preprocess=PreprocessBlock.of(spec),
+        metrics={k: v for k, v in (metrics or {}).items() if isinstance(v, int | float)},
+        dataset_fingerprint=dataset_fingerprint,
+        source_commit=lineage.source_commit(),
+        run_id=run_id,
+        created_at=lineage.utc_now_iso(),
+        versions={
+            "torch": torch.__version__,
+            "onnx": onnx.__version__,
+            "onnxruntime": ort.__version__,
+        },
+    )
+
+
 def export_model(
     *,
     checkpoint_uri: str,
@@ -175,56 +221,19 @@ def export_model(
     calibration_images: int = 256,
     pretrained: str = PRETRAINED_NONE,
 ) -> ModelCard:
-    """Export a checkpoint to ``<out_uri>/model.onnx`` + model.json after the parity gate passes.
-
-    With ``int8`` the parity-checked file is also quantized (calibrated on
-    ``calibration_images_u8``, training images as uint8 NHWC) and ``model.int8.onnx`` serves
-    instead only when, on ``eval_images_u8``/``eval_labels`` (validation split, class names),
-    it loses at most ``max_accuracy_drop`` accuracy and is faster; model.json's
-    ``quantization`` block says which file serves and why. ``pretrained`` is the job's: a
-    pretrained model keeps torchvision's stem at any input size, so the graph is rebuilt so.
-    """
+    """Export a checkpoint to ``<out_uri>/model.onnx`` + model.json after the parity gate passes."""
     if int8 and (calibration_images_u8 is None or eval_images_u8 is None or eval_labels is None):
         raise ValueError(
             "int8=True needs calibration_images_u8 (training images), eval_images_u8 and "
             "eval_labels (validation images and their class names)"
         )
-    state = load_state_dict(storage.read_bytes(checkpoint_uri))
-    model = build_model(arch, len(classes), spec.height, pretrained=is_pretrained(pretrained))
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as exc:
-        raise CheckpointError(
-            f"checkpoint does not fit {arch} with {len(classes)} classes: {exc}"
-        ) from exc
-    model.eval()
+    model = _load_model(checkpoint_uri, arch, classes, spec.height, pretrained)
     with tempfile.TemporaryDirectory() as tmp:
         raw, final = Path(tmp) / "raw.onnx", Path(tmp) / "model.onnx"
         export_onnx(model, spec, raw, opset)
         optimize_offline(raw, final)
-        card = ModelCard(
-            format_version=MODEL_JSON_FORMAT,
-            name=name,
-            arch=arch,
-            classes=list(classes),
-            onnx_file="model.onnx",
-            sha256=storage.sha256_file(final),
-            opset=opset,
-            input=TensorInput(
-                name=INPUT_NAME, shape=[None, 3, spec.height, spec.width], dtype="float32"
-            ),
-            output=TensorOutput(name=OUTPUT_NAME, kind="logits"),
-            preprocess=PreprocessBlock.of(spec),
-            metrics={k: v for k, v in (metrics or {}).items() if isinstance(v, int | float)},
-            dataset_fingerprint=dataset_fingerprint,
-            source_commit=lineage.source_commit(),
-            run_id=run_id,
-            created_at=lineage.utc_now_iso(),
-            versions={
-                "torch": torch.__version__,
-                "onnx": onnx.__version__,
-                "onnxruntime": ort.__version__,
-            },
+        card = _model_card(
+            final, name, arch, classes, spec, opset, metrics, dataset_fingerprint, run_id
         )
         # Parity reads the spec back from model.json as serving will, not from memory.
         serving_spec = ModelCard.model_validate_json(card.model_dump_json()).preprocess.to_spec()
@@ -247,11 +256,8 @@ def export_model(
                 max_accuracy_drop=max_accuracy_drop,
                 calibration_images=calibration_images,
             )
-        storage.upload_file(final, storage.join(out_uri, "model.onnx"))
-        if card.onnx_file != "model.onnx":
-            storage.upload_file(
-                final.parent / card.onnx_file, storage.join(out_uri, card.onnx_file)
-            )
+        for file in dict.fromkeys(("model.onnx", card.onnx_file)):  # and the INT8 one serving
+            storage.upload_file(final.parent / file, storage.join(out_uri, file))
     write_artifact(storage.join(out_uri, MODEL_CARD), card)
     log.info(
         "exported %s (sha256 %s…): parity max |Δ| %.2g on %d images",

@@ -1,11 +1,7 @@
 """Quantize an exported model to INT8 and serve it only where it is as accurate and faster.
 
-Static QDQ quantization (per-channel int8 weights, activation ranges calibrated on training
-images) is tried on the parity-checked ``model.onnx``. Both files are then scored on the
-validation split through serving's own numpy preprocessing and timed at batch 1 in this process
-with the service's session settings, interleaved so a noisy machine slows both alike. INT8
-replaces the FP32 file in model.json only when its accuracy drop is within the bound and its
-p50 is lower; either way model.json records what was measured and why the choice was made.
+Both files are scored on the validation split through serving's preprocessing and timed at
+batch 1 with the service's session settings, interleaved so a noisy machine slows both alike.
 """
 
 from __future__ import annotations
@@ -99,7 +95,6 @@ class ImageCalibrationReader(CalibrationDataReader):  # type: ignore[misc]  # OR
         input_name: str,
         batch_size: int = CALIBRATION_BATCH,
     ) -> None:
-        """Hold the images; each batch is normalised only when the calibrator asks for it."""
         self._images = images_u8
         self._spec = spec
         self._input_name = input_name
@@ -129,8 +124,7 @@ def quantize_int8(
     """Write a static QDQ INT8 model (per-channel weights) as one file that passes the checker."""
     with tempfile.TemporaryDirectory() as tmp:
         prepared = Path(tmp) / "prepared.onnx"
-        # onnxruntime's recommended preparation: symbolic + ONNX shape inference and graph
-        # optimisation, so every tensor the quantizer sees has a known type and rank.
+        # onnxruntime's recommended preparation: every tensor gets a known type and rank.
         quant_pre_process(str(fp32_path), str(prepared), save_as_external_data=False)
         quantize_static(
             str(prepared),
@@ -138,9 +132,8 @@ def quantize_int8(
             ImageCalibrationReader(calibration_u8, spec, input_name),
             quant_format=QuantFormat.QDQ,
             per_channel=True,
-            # U8S8: x86 int8 kernels (AVX512-VNNI/AVX-VNNI VPDPBUSD) multiply u8 activations by
-            # s8 weights natively; S8S8 measured ~3x slower than U8S8 on an EPYC here. Without
-            # VNNI, U8S8 can saturate; the accuracy gate below refuses such a model.
+            # U8S8: VNNI kernels multiply u8 by s8 natively (S8S8 measured ~3x slower on an
+            # EPYC); without VNNI U8S8 can saturate, and the accuracy gate refuses such a model.
             activation_type=QuantType.QUInt8,
             weight_type=QuantType.QInt8,
             calibrate_method=CalibrationMethod.MinMax,
@@ -239,6 +232,35 @@ def _centre_if_margin(images_u8: np.ndarray, spec: PreprocessSpec) -> np.ndarray
     return images_u8
 
 
+def _checked_images(
+    spec: PreprocessSpec,
+    classes: list[str],
+    train_images_u8: np.ndarray,
+    val_images_u8: np.ndarray,
+    val_labels: Sequence[str],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Return the training and validation images as serving sees them; raise if they do not fit."""
+    if spec.resize_short is not None:  # shards packed with the margin: serving sees the centre
+        train_images_u8 = _centre_if_margin(train_images_u8, spec)
+        val_images_u8 = _centre_if_margin(val_images_u8, spec)
+    for what, images in (("training", train_images_u8), ("validation", val_images_u8)):
+        if (
+            images.dtype != np.uint8
+            or images.ndim != 4
+            or images.shape[1:] != (spec.height, spec.width, 3)
+        ):
+            raise ValueError(
+                f"{what} images are {images.dtype} {images.shape}; expected uint8 "
+                f"N x {spec.height} x {spec.width} x 3"
+            )
+    if len(val_images_u8) != len(val_labels) or not len(val_labels):
+        raise ValueError(f"{len(val_images_u8)} validation images for {len(val_labels)} labels")
+    unknown = sorted(set(map(str, val_labels)) - set(classes))
+    if unknown:
+        raise ValueError(f"validation labels {unknown[:5]} are not among the classes {classes}")
+    return train_images_u8, val_images_u8
+
+
 def quantize_in_folder(
     folder: Path,
     card: ModelCard,
@@ -252,33 +274,16 @@ def quantize_in_folder(
 ) -> ModelCard:
     """Try INT8 beside ``folder/model.onnx``; return the card with the file that serves.
 
-    Writes ``folder/model.int8.onnx`` whatever the verdict (the caller decides what to keep);
-    the returned card's ``onnx_file`` and ``sha256`` name the file that should serve, and its
-    ``quantization`` block says why.
+    Writes ``folder/model.int8.onnx`` whatever the verdict: the caller decides what to keep.
     """
-    spec = card.preprocess.to_spec()
-    classes = card.classes
-    input_name = card.input.name
-    expected_shape = (spec.height, spec.width, 3)
-    if spec.resize_short is not None:  # shards packed with the margin: serving sees the centre
-        train_images_u8 = _centre_if_margin(train_images_u8, spec)
-        val_images_u8 = _centre_if_margin(val_images_u8, spec)
-    for what, images in (("training", train_images_u8), ("validation", val_images_u8)):
-        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != expected_shape:
-            raise ValueError(
-                f"{what} images are {images.dtype} {images.shape}; expected uint8 "
-                f"N x {spec.height} x {spec.width} x 3"
-            )
-    if len(val_images_u8) != len(val_labels) or not len(val_labels):
-        raise ValueError(f"{len(val_images_u8)} validation images for {len(val_labels)} labels")
-    unknown = sorted(set(map(str, val_labels)) - set(classes))
-    if unknown:
-        raise ValueError(f"validation labels {unknown[:5]} are not among the classes {classes}")
-
+    spec, classes = card.preprocess.to_spec(), card.classes
+    train_images_u8, val_images_u8 = _checked_images(
+        spec, classes, train_images_u8, val_images_u8, val_labels
+    )
     fp32_path, int8_path = folder / FP32_FILE, folder / INT8_FILE
     calibration = evenly_spaced(train_images_u8, calibration_images)
     started = time.perf_counter()
-    quantize_int8(fp32_path, int8_path, calibration, spec, input_name)
+    quantize_int8(fp32_path, int8_path, calibration, spec, card.input.name)
     log.info(
         "quantized %s to INT8 (QDQ, per-channel) with %d calibration images in %.1fs",
         fp32_path.name,
@@ -343,11 +348,7 @@ def quantize_and_choose(
     calibration_images: int = CALIBRATION_IMAGES,
     threads: int | None = None,
 ) -> QuantizationBlock:
-    """Try INT8 for the model in ``model_dir`` (local or S3); update model.json; return the block.
-
-    ``model.int8.onnx`` is written beside model.json only when it is kept; model.onnx (the
-    parity-checked FP32 file) always stays.
-    """
+    """Try INT8 for the model in ``model_dir`` update model.json; return the block."""
     meta_uri = storage.join(model_dir, MODEL_CARD)
     card = read_artifact(meta_uri, ModelCard)
     with tempfile.TemporaryDirectory() as tmp:

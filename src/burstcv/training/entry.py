@@ -1,8 +1,6 @@
 """Run the training box's two commands: ``burstcv preflight`` and ``burstcv train``.
 
-This is the ``burstcv`` console script of the training wheel (the small distribution a GPU
-box installs): argparse only, no Typer, Airflow or service code. The orchestrator's full
-CLI offers the same two verbs over the same functions.
+The training wheel's ``burstcv`` console script: argparse only, no Typer, Airflow or service.
 """
 
 from __future__ import annotations

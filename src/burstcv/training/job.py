@@ -1,11 +1,8 @@
 """Define job.json: the whole contract between the orchestrator and a training box.
 
-A run has one job.json and one or more attempts (a relaunch after a spot interruption or a
-lost box is the next attempt). Each attempt writes its markers (DONE / FAILED) and logs
-under ``attempts/<n>/`` of the job folder, so a marker of an earlier attempt can never end
-the wait for a later one; checkpoints, metrics and weights are shared by the attempts.
-
-This module ships in the training wheel and runs on the AMI's Python (3.10+).
+Each attempt (a relaunch is the next) writes its markers and logs under ``attempts/<n>/``, so an
+earlier attempt's marker never ends the wait for a later one; checkpoints are shared. This
+module runs on the AMI's Python (3.10+).
 """
 
 from __future__ import annotations
@@ -31,18 +28,11 @@ log = logging.getLogger(__name__)
 
 
 class AugmentSpec(BaseModel):
-    """Describe the on-device augmentation applied to training batches.
-
-    ``mode`` "shift" moves each image by up to crop_padding_px (digits); "random_resized_crop"
-    takes a random area share (rrc_scale) and aspect ratio (rrc_ratio) of the stored image
-    and resizes it to the input size (photos, torchvision's recipe); "auto" picks the latter
-    when the shards carry the pack margin (stored larger than the input size).
-    """
+    """Describe the on-device augmentation applied to training batches ("shift" suits digits)."""
 
     mode: Literal["auto", "shift", "random_resized_crop"] = "auto"
     crop_padding_px: int = Field(default=2, ge=0, le=16)  # random shift of up to N pixels
-    # None: on for random_resized_crop (photos), off for shift (mirrored digits and text are
-    # different classes).
+    # None: on for random_resized_crop, off for shift (mirrored digits are other classes).
     hflip: bool | None = None
     rrc_scale: tuple[float, float] = (0.35, 1.0)  # share of the stored image's area
     rrc_ratio: tuple[float, float] = (3 / 4, 4 / 3)  # width / height of the crop
@@ -74,55 +64,41 @@ class JobSpec(BaseModel):
     output_uri: str
     epochs: int = Field(default=6, ge=1, le=1000)
     batch_size: int = Field(default=128, ge=1, le=65536)
-    # per_gpu: batch_size is each rank's, the rate one rank's (the box scales both by the
-    # ranks); global: batch_size is all ranks' together. A job.json without it is global.
+    # per_gpu: batch and rate are one rank's (the box scales both); global: all ranks' together.
     batch_scaling: BatchScaling = "global"
     learning_rate: float = Field(default=0.2, gt=0)  # peak of the schedule (after the warm-up)
-    # The optimiser: SGD with Nesterov momentum (long runs, the torchvision recipes) or AdamW
-    # (short runs: it needs fewer steps to settle; Ultralytics' optimizer=auto rule).
     optimizer: Literal["sgd", "adamw"] = "sgd"
     # None: the optimiser's usual decay (SGD 5e-4, AdamW's decoupled 0.05).
     weight_decay: float | None = Field(default=None, ge=0)
-    # Optimizer steps of linear warm-up before the cosine decay; None: the first quarter of
-    # the run (the one-cycle shape the digits were tuned with).
+    # Steps of linear warm-up before the cosine decay; None: the first quarter of the run.
     warmup_steps: int | None = Field(default=None, ge=0)
     label_smoothing: float = Field(default=0.1, ge=0, lt=1)
     # Stop when validation accuracy has not improved for this many epochs; None: never.
     early_stop_patience: int | None = Field(default=None, ge=1)
-    # A diverged epoch (a non-finite loss, or one far above where training started) is
-    # undone: the last good state is restored and the rate lowered, at most this many times.
+    # A diverged epoch is undone (last good state, lower rate) at most this many times.
     max_recoveries: int = Field(default=3, ge=0, le=10)
-    # Before training, sweep the rate over a few steps on the box and train at the one the
-    # sweep suggests (learning_rate=auto); learning_rate is then only the fallback.
+    # Sweep the rate on the box and train at the one found; learning_rate is the fallback.
     lr_range_test: bool = False
     seed: int = 0
     time_budget_s: int = Field(default=3600, ge=10)  # the run's budget; sets deadline_at
-    # Absolute end of the whole run, across attempts, bootstrap included: training stops
-    # before an epoch that would end past it, and at any step once it is reached.
+    # The whole run's end, across attempts: no epoch starts that would end past it.
     deadline_at: datetime | None = None
     require_cuda: bool = False  # the preflight fails without CUDA (the ec2 backend sets it)
     source_commit: str = ""  # the orchestrator's commit: the box has no git checkout
     runtime_sha256: str = ""  # sha256 of the training wheel the box installs (ec2)
     checkpoint_every_s: float = Field(default=60.0, gt=0)  # a spot box loses at most this much
-    # Host memory (MiB) the training data may take. Shards whose decoded images fit (train +
-    # val, from their headers) are loaded whole onto the device, the fastest path; a larger
-    # dataset is streamed shard by shard, holding at most 3 shards (window + prefetch) at once.
+    # Host memory (MiB) for the data: within it, loaded whole onto the device; beyond, streamed.
     data_memory_budget_mb: int = Field(default=2048, ge=1)
     target_accuracy: float | None = Field(default=None, gt=0, le=1)  # early stop once reached
     augment: AugmentSpec = Field(default_factory=AugmentSpec)
     compile: str = Field(default="auto", pattern="^(auto|on|off)$")  # torch.compile on CUDA
-    # "none", a torchvision weights name of arch ("DEFAULT", "IMAGENET1K_V2") or a state_dict
-    # URI (path, file://, s3://); burstcv.training.weights.check_pretrained vets it on CPU.
+    # "none", a torchvision weights name of arch ("DEFAULT") or a state_dict URI.
     pretrained: str = "none"
-    # Where named weights are kept by sha256 (weights_store_uri(artifact root)): the box reads
-    # them from there and downloads them (once) only when missing. None: download every run.
+    # Where named weights are kept by sha256; None: download every run.
     weights_store_uri: str | None = None
-    # Fine-tuning (pretrained runs only). Epochs that train the new head alone (backbone
-    # weights and BatchNorm statistics untouched): 0, since the one-cycle warm-up already keeps
-    # the first, largest updates of a random head small.
+    # Epochs that train the new head alone (pretrained only); 0: the warm-up keeps it gentle.
     freeze_backbone_epochs: int = Field(default=0, ge=0, le=1000)
-    # Backbone learning rate / head learning rate: pretrained features need smaller steps
-    # than the fresh head (torchvision's fine-tuning recipes use 0.1x or less).
+    # Backbone rate / head rate: pretrained features need smaller steps (torchvision: <= 0.1x).
     backbone_lr_scale: float = Field(default=0.1, gt=0, le=1)
     dataset_fingerprint: str = ""
 
@@ -182,8 +158,7 @@ def write_job(job: JobSpec, uri: str) -> str:
     return storage.write_json(uri, job.model_dump(mode="json"))
 
 
-# Marker stages: where an attempt ended. Only "interrupted" (a spot notice or a SIGTERM,
-# checkpoint saved) and a box lost without a marker are worth a relaunch.
+# Where an attempt ended; only "interrupted" (or a box lost without a marker) earns a relaunch.
 STAGE_BOOTSTRAP = "bootstrap"
 STAGE_PREFLIGHT = "preflight"
 STAGE_TRAIN = "train"
@@ -191,8 +166,7 @@ STAGE_BUDGET = "budget"
 STAGE_INTERRUPTED = "interrupted"
 STAGE_STALLED = "stalled"  # written by the train task's trigger: the trainer stopped beating
 STAGE_BOOT = "boot"  # written by the orchestrator: a box never got through to S3
-# The training loop writes its progress beat (TrainingBeat) at most this often: a write to
-# the artifact store (S3 on a box) per interval (burstcv.compute.liveness reads it).
+# The training loop's progress beat (TrainingBeat) is written at most this often.
 BEAT_EVERY_S = 10.0
 
 
@@ -225,11 +199,7 @@ def write_rank_failed(job_dir_uri: str, marker: FailedMarker) -> str:
 
 
 def rank_failures(job_dir_uri: str, attempt: int) -> list[FailedMarker]:
-    """Return the FAILED markers an attempt's ranks wrote, by rank.
-
-    One that cannot be read (a write cut short) is left out with a warning: the attempt's
-    own marker and its boxes still say how it ended.
-    """
+    """Return the FAILED markers an attempt's ranks wrote, by rank; skip unreadable ones."""
     found: list[tuple[int, FailedMarker]] = []
     for uri in storage.list_files(attempt_dir(job_dir_uri, attempt, RANK_MARKERS)):
         *_, rank, name = uri.split("/")
@@ -251,10 +221,8 @@ def owning_rank_failure(job_dir_uri: str, attempt: int) -> FailedMarker | None:
 
 
 def attempt_failure(job_dir_uri: str, attempt: int) -> FailedMarker | None:
-    """Return why an attempt failed, from its markers alone: the owning rank's marker, else
-    the attempt's FAILED; None when it wrote neither (or that cannot be read)."""
-    owner = owning_rank_failure(job_dir_uri, attempt)
-    if owner is not None:
+    """Return why an attempt failed: the owning rank's marker, else the attempt's FAILED."""
+    if owner := owning_rank_failure(job_dir_uri, attempt):
         return owner
     uri = attempt_dir(job_dir_uri, attempt, FAILED_MARKER)
     if not storage.exists(uri):

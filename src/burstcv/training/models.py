@@ -16,10 +16,8 @@ from burstcv.training.names import ARCHITECTURE_NAMES
 
 log = logging.getLogger(__name__)
 
-# Below this input size the ImageNet stem (4x downsampling for resnets and convnext, a stride-2
-# first conv for the mobile nets) throws away most of the image; scratch models get a stem
-# that keeps 2x more resolution. Pretrained models keep torchvision's stem: it must match the
-# weights.
+# At or below this input size the ImageNet stem throws away most of the image: scratch models
+# get one that keeps 2x more resolution (pretrained ones keep torchvision's, to fit the weights).
 SMALL_INPUT_PX = 64
 
 
@@ -70,9 +68,8 @@ def _resnet10(num_classes: int) -> nn.Module:
     return model
 
 
-# resnet10 is resnet18 with one block per stage (torchvision has no weights for it): the
-# default, because it reaches >95% on the demo digits in seconds on a laptop CPU. The others
-# are what users pick for photos, all with torchvision ImageNet weights.
+# resnet10 (resnet18 with one block a stage, no weights) reaches >95% on the demo digits in
+# seconds on a laptop CPU; the others are for photos, with torchvision's ImageNet weights.
 ARCHITECTURES: dict[str, Architecture] = {
     "resnet10": Architecture(_resnet10, _resnet_small_stem, "fc", None),
     "resnet18": Architecture(_torchvision("resnet18"), _resnet_small_stem, "fc", "resnet18"),
@@ -115,25 +112,18 @@ def architecture(arch: str) -> Architecture:
     return ARCHITECTURES[arch]
 
 
-def uses_small_input_stem(input_px: int, pretrained: bool) -> bool:
-    """Return True where the model gets the small-input stem: trained from scratch, <= 64 px."""
-    return not pretrained and input_px <= SMALL_INPUT_PX
-
-
 def build_model(
     arch: str, num_classes: int, input_px: int, *, pretrained: bool = False
 ) -> nn.Module:
     """Return a classifier with random weights; never downloads or loads anything.
 
-    ``pretrained=True`` builds the layout that pretrained weights fit (torchvision's stem at
-    any input size); ``burstcv.training.weights.load_pretrained`` then fills it. Training and
-    export must pass the same value, or the exported graph is not the trained one.
+    ``pretrained=True`` builds the layout pretrained weights fit; training and export must agree.
     """
     spec = architecture(arch)
     if num_classes < 2:
         raise ValueError(f"a classifier needs at least 2 classes, got {num_classes}")
     model = spec.build(num_classes)
-    if uses_small_input_stem(input_px, pretrained):
+    if not pretrained and input_px <= SMALL_INPUT_PX:
         spec.small_stem(model)
     return model
 

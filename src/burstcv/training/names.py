@@ -1,8 +1,4 @@
-"""List the model architectures and read a ``pretrained`` choice, without importing torch.
-
-DAG files, forms and job.json validate names here; which weights a name resolves to, and
-whether a file fits, is torch's business (``burstcv.training.weights``).
-"""
+"""List the model architectures and read a ``pretrained`` choice, without importing torch."""
 
 from __future__ import annotations
 
@@ -20,12 +16,10 @@ ARCHITECTURE_NAMES: tuple[str, ...] = (
     "convnext_tiny",
 )
 
-# "none": train from scratch. A torchvision weights name: "DEFAULT", "IMAGENET1K_V2" or the
-# enum's full spelling "ResNet50_Weights.IMAGENET1K_V2". Anything that looks like a path or
-# a URI (a '/', a scheme, a .pt/.pth file name): a state_dict to load.
+# "none": from scratch; a torchvision weights name ("DEFAULT", "ResNet50_Weights.IMAGENET1K_V2");
+# anything like a path or URI (a '/', a scheme, a .pt file name): a state_dict to load.
 PRETRAINED_NONE = "none"
-# "auto" (a run parameter only, resolved at validate): the architecture's ImageNet weights for
-# photos when they can be fetched, else none; never in job.json.
+# "auto": a run parameter only, resolved at validate; never in job.json.
 PRETRAINED_AUTO = "auto"
 MODEL_AUTO = "auto"  # a run parameter only: the model validate chooses for the data
 PretrainedKind = Literal["none", "auto", "torchvision", "uri"]
@@ -41,10 +35,7 @@ def check_architecture(name: str) -> str:
 
 
 def pretrained_kind(pretrained: str) -> PretrainedKind:
-    """Say what a ``pretrained`` value names: nothing, torchvision weights, or a weights file.
-
-    Raises ValueError for an empty value or one that is neither (say ``"imagenet weights"``).
-    """
+    """Say what a ``pretrained`` value names: nothing, torchvision weights, or a weights file."""
     value = pretrained.strip()
     if value.lower() == PRETRAINED_NONE:
         return "none"
@@ -61,10 +52,7 @@ def pretrained_kind(pretrained: str) -> PretrainedKind:
 
 
 def pretrained_value(pretrained: str, *, auto_allowed: bool) -> str:
-    """Return a ``pretrained`` value, stripped; raise ValueError for one of no known form.
-
-    ``auto`` is allowed where it is still to be resolved (a run's params), not in a job.
-    """
+    """Return a ``pretrained`` value, stripped; raise ValueError for one of no known form."""
     if pretrained_kind(pretrained) == "auto" and not auto_allowed:
         raise ValueError("pretrained 'auto' is resolved at validate; name the weights")
     return pretrained.strip()
@@ -77,10 +65,7 @@ FREEZE_NEEDS_WEIGHTS = (
 
 
 def is_pretrained(pretrained: str) -> bool:
-    """Return True unless ``pretrained`` is "none" (the model is trained from scratch).
-
-    Raises ValueError for "auto", which must be resolved (at validate) before anyone asks.
-    """
+    """Return True unless ``pretrained`` is "none"; raise for "auto" (resolved at validate)."""
     kind = pretrained_kind(pretrained)
     if kind == "auto":
         raise ValueError("pretrained 'auto' is resolved at validate; a job names its weights")

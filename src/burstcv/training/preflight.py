@@ -1,18 +1,8 @@
 """Check a training box before it trains: Python, torch, CUDA, the driver, the GPUs.
 
-The GPU checks: as many GPUs as the instance type has, each one an architecture torch's build
-has kernels for (a V100 on a torch built for sm_75 and newer fails at its first kernel, not at
-import), and the mixed precision it runs natively (bf16 from compute capability 8.0; below,
-fp16 with a gradient scaler: a T4 emulates bf16, slowly, and cuDNN has no bf16 convolutions).
-
-Every second on a GPU box is billed, and a box that cannot train should say why in one line
-and power off at once. The checks run as ``burstcv preflight`` before ``burstcv train``; a
-failed check is final (a relaunch on the same AMI would fail the same way), so the FAILED
-marker it writes is not resumable.
-
-This module imports only the standard library at import time, so it still reports a missing
-or broken torch instead of dying with an ImportError. It ships in the training wheel and
-runs on the AMI's Python (3.10+).
+A box that cannot train says why in one line and powers off; a failed check is final (a relaunch
+on the same AMI fails the same way). Imports only the standard library at import time, so a
+broken torch is reported, not raised.
 """
 
 from __future__ import annotations
@@ -24,15 +14,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-# The versions the training code is written and tested for. Python: the AMIs' (3.10 on
-# Ubuntu 22.04 DLAMIs, 3.12 on 24.04) up to the orchestrator's lock. torch: the oldest with
-# every API train.py uses (torch.amp.GradScaler("cuda"), weights_only loads); the box's
-# checkpoints are state_dicts of tensors, which any torch in this range reads.
+# Python: the DLAMIs' (3.10 on Ubuntu 22.04, 3.12 on 24.04) up to the orchestrator's lock.
+# torch: the oldest with every API train.py uses (torch.amp.GradScaler("cuda"), weights_only).
 SUPPORTED_PYTHON = ((3, 10), (3, 14))  # [min, max)
 SUPPORTED_TORCH = ((2, 4), (3, 0))  # [min, max)
 
-# The oldest Linux driver that runs a CUDA major release (CUDA minor-version compatibility:
-# any 12.x build runs on a 12.0-capable driver). From NVIDIA's CUDA release notes, table 2.
+# The oldest Linux driver that runs a CUDA major release (minor-version compatibility), from
+# NVIDIA's CUDA release notes, table 2.
 MIN_DRIVER_FOR_CUDA: dict[int, tuple[int, ...]] = {
     11: (450, 80, 2),
     12: (525, 60, 13),
@@ -40,22 +28,19 @@ MIN_DRIVER_FOR_CUDA: dict[int, tuple[int, ...]] = {
 }
 
 # GPUs an instance type has, for the types burstcv suggests; others are not checked.
+_G_SIZES = {"xlarge": 1, "2xlarge": 1, "4xlarge": 1, "8xlarge": 1, "16xlarge": 1, "12xlarge": 4}
 GPUS_PER_INSTANCE_TYPE: dict[str, int] = {
-    **{f"g4dn.{s}": 1 for s in ("xlarge", "2xlarge", "4xlarge", "8xlarge", "16xlarge")},
-    "g4dn.12xlarge": 4,
+    **{
+        f"{family}.{size}": n
+        for family in ("g4dn", "g5", "g6", "g6e")
+        for size, n in _G_SIZES.items()
+    },
+    **{
+        f"{family}.{size}": n
+        for family in ("g5", "g6", "g6e")
+        for size, n in (("24xlarge", 4), ("48xlarge", 8))
+    },
     "g4dn.metal": 8,
-    **{f"g5.{s}": 1 for s in ("xlarge", "2xlarge", "4xlarge", "8xlarge", "16xlarge")},
-    "g5.12xlarge": 4,
-    "g5.24xlarge": 4,
-    "g5.48xlarge": 8,
-    **{f"g6.{s}": 1 for s in ("xlarge", "2xlarge", "4xlarge", "8xlarge", "16xlarge")},
-    "g6.12xlarge": 4,
-    "g6.24xlarge": 4,
-    "g6.48xlarge": 8,
-    **{f"g6e.{s}": 1 for s in ("xlarge", "2xlarge", "4xlarge", "8xlarge", "16xlarge")},
-    "g6e.12xlarge": 4,
-    "g6e.24xlarge": 4,
-    "g6e.48xlarge": 8,
     "p3.2xlarge": 1,
     "p3.8xlarge": 4,
     "p3.16xlarge": 8,
@@ -153,9 +138,8 @@ def check_gpu_count(found: int, instance_type: str | None) -> str | None:
 def runs_on(capability: tuple[int, int], arch_list: list[str]) -> bool:
     """Return True when a build for ``arch_list`` has kernels a GPU of ``capability`` runs.
 
-    CUDA's rules: a cubin (``sm_XY``) runs on the same major version at minor Y or later; PTX
-    (``compute_XY``) is compiled by the driver for any later GPU; an arch-specific cubin
-    (``sm_90a``) runs on that exact capability only.
+    A cubin (``sm_XY``) runs on the same major at minor Y or later, PTX (``compute_XY``) on any
+    later GPU, an arch-specific cubin (``sm_90a``) on that capability only.
     """
     for arch in arch_list:
         match = _ARCH.fullmatch(arch)

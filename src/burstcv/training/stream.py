@@ -1,24 +1,9 @@
 """Stream uint8 shards to the device through a bounded window of memory, in an order fixed by
 (seed, epoch).
 
-A dataset larger than the box's memory cannot be moved to the device whole. A ShardStream reads
-every shard's headers once (image count and size, classes, label range: a bad shard fails the
-job before its first step), then for each epoch:
-
-- shuffles the shard order, groups the shards into windows of ``mix`` (1 or 2) and shuffles the
-  images of each window, so with ``mix=2`` a batch mixes the images of two shards;
-- loads the next shards in a background thread while the current window trains; at most
-  ``slots`` shards are in memory at once (the window's and the prefetched ones), so memory is
-  bounded by the shard size, whatever the dataset size;
-- gathers each batch into pinned memory and copies it to the device without blocking (CUDA).
-
-Batches run across window boundaries (the few images left at the end of a window are copied
-out and open the next batch), so every step has the job's batch size, as in the in-memory path,
-and an epoch has ``images // batch_size`` steps.
-
-Resume: the order is a pure function of (seed, epoch, shard counts), so an epoch resumed at step
-k starts at image ``k * batch_size`` of the same order; the windows before it are skipped
-unread, and the remaining steps see exactly the batches an unbroken run would have seen.
+Each epoch shuffles the shards into windows of ``mix`` and the images of each window, loading
+ahead in a thread. The order is a pure function of (seed, epoch, shard counts): an epoch
+resumed at step k skips the windows before it unread.
 """
 
 from __future__ import annotations
@@ -75,21 +60,13 @@ class ShardInfo:
         return self.count * (self.height * self.width * 3 + 8)
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading shards
-
-
 class _S3RangeReader(io.RawIOBase):
     """Read an S3 object by byte ranges, so zipfile can parse a shard's headers unread."""
 
     def __init__(self, uri: str) -> None:
         self._bucket, self._key = storage._split_s3(uri)
         self._client = storage.s3_client()
-        try:
-            head = self._client.head_object(Bucket=self._bucket, Key=self._key)
-        except self._client.exceptions.ClientError as exc:
-            raise storage.ArtifactNotFoundError(uri) from exc
-        self._size = int(head["ContentLength"])
+        self._size = _object_size(uri)
         self._pos = 0
 
     def readable(self) -> bool:
@@ -124,11 +101,11 @@ def _open_zip(path: str, uri: str | None = None) -> Iterator[zipfile.ZipFile]:
     """Open the shard at ``path`` (a local file or s3://) as a zip; errors name ``uri``."""
     uri = uri or path
     try:
-        if storage.is_s3(path):
+        if storage.is_s3(path):  # a missing object raises JobSpecError here
             raw: IO[bytes] = io.BufferedReader(_S3RangeReader(path), buffer_size=1 << 16)
         else:
             raw = open(storage.local_path(path), "rb")  # noqa: SIM115 - closed below
-    except (storage.ArtifactNotFoundError, FileNotFoundError) as exc:
+    except FileNotFoundError as exc:
         raise JobSpecError(f"missing shard {uri}") from exc
     try:
         with zipfile.ZipFile(raw) as zf:
@@ -144,18 +121,6 @@ def _member(zf: zipfile.ZipFile, uri: str, name: str) -> IO[bytes]:
         return zf.open(f"{name}.npy")
     except KeyError as exc:
         raise JobSpecError(f"shard {uri} has no '{name}' array") from exc
-
-
-def _check_classes(uri: str, shard_classes: list[str], classes: list[str]) -> None:
-    if shard_classes != classes:
-        raise JobSpecError(
-            f"shard {uri} was packed for classes {shard_classes}, the job names {classes}"
-        )
-
-
-def _check_images(uri: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> None:
-    if dtype != np.uint8 or len(shape) != 4 or shape[-1] != 3:
-        raise JobSpecError(f"shard {uri} holds {dtype} {shape}, not uint8 NxHxWx3")
 
 
 def _check_labels(uri: str, labels: np.ndarray, count: int, num_classes: int) -> None:
@@ -177,9 +142,7 @@ def _read_images(
 ) -> np.ndarray:
     """Read an array's data into fresh anonymous memory, returned to the OS when it is freed.
 
-    Shard-sized buffers from malloc raise glibc's mmap threshold and then fragment its heap:
-    the process would keep every shard it ever loaded. An mmap of its own is unmapped as soon
-    as the last view of the array goes.
+    Shard-sized malloc buffers raise glibc's mmap threshold, then fragment its heap for good.
     """
     count = int(np.prod(shape))
     nbytes = count * dtype.itemsize
@@ -200,14 +163,18 @@ def _read_shard(
 ) -> tuple[ShardInfo, np.ndarray | None, np.ndarray]:
     with _member(zf, uri, "classes") as fp:
         shard_classes = [str(c) for c in np.lib.format.read_array(fp, allow_pickle=False)]
-    _check_classes(uri, shard_classes, classes)
+    if shard_classes != classes:
+        raise JobSpecError(
+            f"shard {uri} was packed for classes {shard_classes}, the job names {classes}"
+        )
     with _member(zf, uri, "labels") as fp:
         labels = np.lib.format.read_array(fp, allow_pickle=False).astype(np.int64)
     if "jpeg.npy" in zf.namelist():
         return _read_jpeg_shard(zf, uri, labels, len(classes), with_images=with_images)
     with _member(zf, uri, "images") as fp:
         shape, fortran, dtype = _array_header(fp)
-        _check_images(uri, dtype, shape)
+        if dtype != np.uint8 or len(shape) != 4 or shape[-1] != 3:
+            raise JobSpecError(f"shard {uri} holds {dtype} {shape}, not uint8 NxHxWx3")
         _check_labels(uri, labels, shape[0], len(classes))
         images = _read_images(fp, uri, shape, fortran, dtype) if with_images else None
     info = ShardInfo(uri=uri, count=int(shape[0]), height=int(shape[1]), width=int(shape[2]))
@@ -239,10 +206,7 @@ def _read_jpeg_shard(
 def decode_jpegs(
     data: np.ndarray, offsets: np.ndarray, shape: tuple[int, ...], uri: str
 ) -> np.ndarray:
-    """Decode a JPEG shard's files into fresh anonymous memory, on every usable core.
-
-    Pillow's decoder releases the GIL: threads decode in parallel. Memory as ``_read_images``.
-    """
+    """Decode a JPEG shard into fresh anonymous memory (as ``_read_images``) on parallel threads."""
     from concurrent.futures import ThreadPoolExecutor
 
     from PIL import Image
@@ -278,13 +242,8 @@ def read_shard_info(uri: str, classes: list[str]) -> ShardInfo:
 class ShardCache:
     """Keep the S3 shards a box has downloaded on its own disk, for the epochs after the first.
 
-    A streamed dataset is read once per epoch; without a cache every epoch downloads it again
-    (paid seconds on the box, and S3 requests). The first epoch downloads each shard into the
-    cache folder (written under a temporary name, renamed when complete, so a half-written file
-    is never read); later epochs read the local copy. Once the disk's free space would drop
-    below ``reserve_bytes`` the cache takes nothing more, and the shards it does not hold are
-    downloaded per epoch into a temporary file in the same folder (on the disk, not in a RAM
-    /tmp) as before.
+    Once free space would drop below ``reserve_bytes`` it takes nothing more; the shards it
+    lacks are downloaded each epoch into a temporary file in its folder (not a RAM /tmp).
     """
 
     def __init__(self, root: str | Path, *, reserve_bytes: int = CACHE_RESERVE_BYTES) -> None:
@@ -355,9 +314,7 @@ def load_shard(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Read one shard whole: uint8 NHWC images and int64 labels, validated like its headers.
 
-    An S3 shard is read from ``cache`` (downloaded into it the first time), or else downloaded
-    to a temporary file first, so its bytes and its decoded arrays are never in memory together
-    (the uncompressed members are read straight into the arrays).
+    An S3 shard goes through a file (``cache`` or temporary): bytes and arrays never both in RAM.
     """
     if not storage.is_s3(uri):
         return _load_local(uri, uri, classes)
@@ -381,10 +338,6 @@ def _load_local(path: str, uri: str, classes: list[str]) -> tuple[np.ndarray, np
     return images, labels
 
 
-# ---------------------------------------------------------------------------------------------
-# The order of an epoch
-
-
 def _rng(seed: int, *keys: int) -> np.random.Generator:
     # SeedSequence wants non-negative entropy; a job's seed may be any int.
     return np.random.default_rng(np.random.SeedSequence([seed % 2**63, *keys]))
@@ -399,10 +352,8 @@ def epoch_windows(counts: list[int], seed: int, epoch: int, mix: int) -> list[li
 def node_shards(counts: list[int], nodes: int) -> list[list[int]]:
     """Deal a split's shards to ``nodes`` boxes, their images as even as whole shards allow.
 
-    The largest shard goes first, each to the box with the fewest images so far (ties: the
-    lower box); each box's list is in shard order. The deal follows from the shard sizes alone,
-    so it is the same on every box, in every epoch and after a relaunch: a box downloads, and
-    its disk cache holds, its own share of the split only.
+    Largest first, each to the box with the fewest images so far: it follows from the sizes
+    alone, so it is the same on every box, in every epoch and after a relaunch.
     """
     if not 1 <= nodes <= len(counts):
         raise ValueError(f"cannot deal {len(counts)} shard(s) to {nodes} box(es)")
@@ -421,11 +372,7 @@ def window_order(size: int, seed: int, epoch: int, window: int) -> np.ndarray:
 
 
 def plan_slots(shard_bytes: int, budget_bytes: int) -> tuple[int, int]:
-    """Return (mix, prefetch): shards per window and shards loaded ahead, within the budget.
-
-    Three shards in memory buy a 2-shard shuffle window and one shard of prefetch; two, one
-    window shard and one prefetch; one, no prefetch (loading then stalls the loop).
-    """
+    """Return (mix, prefetch): shards per window and shards loaded ahead, within the budget."""
     slots = max(1, min(MAX_SLOTS, budget_bytes // max(1, shard_bytes)))
     if budget_bytes < shard_bytes:
         log.warning(
@@ -436,10 +383,6 @@ def plan_slots(shard_bytes: int, budget_bytes: int) -> tuple[int, int]:
         )
     mix = 2 if slots >= 3 else 1
     return mix, slots - mix
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading ahead
 
 
 _DONE = object()
@@ -457,21 +400,13 @@ _MALLOC_TRIM = _load_malloc_trim()
 
 
 def trim_heap() -> None:
-    """Hand the heap's free pages back to the OS (glibc), after a window's shards are freed.
-
-    glibc keeps freed blocks of a few MB (batches, activations) in its heaps; as the blocks
-    move, the process's resident memory would creep up by tens of MB over an epoch.
-    """
+    """Hand the heap's free pages back to the OS (glibc): else resident memory creeps up."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 
 
 class _Prefetcher:
-    """Load shards in a background thread, at most ``slots`` of them alive at once.
-
-    The consumer calls ``get()`` for each shard in order and ``release()`` once it has dropped
-    every reference to a shard's arrays; the thread loads the next shard only when a slot is free.
-    """
+    """Load shards in a background thread, at most ``slots`` alive (``get`` then ``release``)."""
 
     def __init__(
         self, uris: list[str], classes: list[str], slots: int, cache: ShardCache | None = None
@@ -520,16 +455,9 @@ class _Prefetcher:
             self._ready.get_nowait()
 
 
-# ---------------------------------------------------------------------------------------------
-# Batches on the device
-
-
 class _DeviceCopier:
-    """Copy uint8 NHWC batches to the device as NCHW, through pinned buffers on CUDA.
-
-    Two pinned buffers alternate: one is filled while the other's copy may still be in flight;
-    an event per buffer says when it may be refilled.
-    """
+    """Copy uint8 NHWC batches to the device as NCHW, through two alternating pinned buffers
+    on CUDA (one is filled while the other's copy may still be in flight)."""
 
     def __init__(
         self, device: torch.device, on_wait: Callable[[float], None] | None = None
@@ -556,9 +484,7 @@ class _DeviceCopier:
         self._turn += 1
         waited = time.perf_counter()
         done.synchronize()  # the copy that last read this buffer has finished
-        if self._on_wait is not None:
-            # Waiting here is waiting for the GPU (the copy queued behind its steps): busy GPU
-            # time, not data time.
+        if self._on_wait is not None:  # the copy queued behind the GPU's steps: GPU time
             self._on_wait(time.perf_counter() - waited)
         if host_x.shape[0] < x.shape[0] or host_x.shape[1:] != x.shape[1:]:
             host_x = torch.empty(x.shape, dtype=x.dtype).pin_memory()
@@ -590,6 +516,12 @@ def _gather(
     return images, labels
 
 
+def _join(
+    first: tuple[np.ndarray, np.ndarray], then: tuple[np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    return np.concatenate([first[0], then[0]]), np.concatenate([first[1], then[1]])
+
+
 class ShardStream:
     """Serve a split's shards as device batches, bounded in memory, reproducible per epoch."""
 
@@ -603,10 +535,7 @@ class ShardStream:
         eval_view: Callable[[np.ndarray], np.ndarray] | None = None,
         cache: ShardCache | None = None,
     ) -> None:
-        """Serve ``infos``' shards; ``eval_view`` maps stored images to evaluated ones.
-
-        ``cache`` keeps downloaded S3 shards on local disk for the epochs after the first.
-        """
+        """Serve ``infos``' shards; ``eval_view`` maps stored images to evaluated ones."""
         self.cache = cache
         self.gpu_wait_s = 0.0  # time batches waited for the GPU to free a pinned buffer
         if not infos:
@@ -625,18 +554,17 @@ class ShardStream:
         cls, uris: list[str], classes: list[str], device: torch.device, *, budget_bytes: int
     ) -> ShardStream:
         """Read and validate every shard's headers; return the stream over them."""
-        return cls(
-            [read_shard_info(uri, classes) for uri in uris],
-            classes,
-            device,
-            budget_bytes=budget_bytes,
-        )
+        infos = [read_shard_info(uri, classes) for uri in uris]
+        return cls(infos, classes, device, budget_bytes=budget_bytes)
 
     def __len__(self) -> int:
         return self.count
 
     def _add_gpu_wait(self, seconds: float) -> None:
         self.gpu_wait_s += seconds
+
+    def _loader(self, uris: list[str]) -> _Prefetcher:
+        return _Prefetcher(uris, self.classes, self.mix + self.prefetch, self.cache)
 
     @property
     def peak_bytes(self) -> int:
@@ -656,11 +584,7 @@ class ShardStream:
     ) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
         """Yield the epoch's batches from ``start_step`` on: this rank's share of each, on device.
 
-        Each rank takes every ``world_size``-th image of the batch (as the in-memory path
-        does), so the ranks that read these shards train disjoint shares of it. ``steps`` is
-        the epoch's step count where the boxes of a run agreed one (each box streams its own
-        shards); by default as many full batches as the shards hold. A split smaller than one
-        batch gives one step over all of it, as the in-memory path.
+        ``steps``: what the boxes of a run agreed; by default the full batches the shards hold.
         """
         steps = max(1, self.count // batch_size) if steps is None else steps
         per_rank = max(1, batch_size // world_size)
@@ -669,7 +593,6 @@ class ShardStream:
             return
         windows = epoch_windows(self.counts, seed, epoch, self.mix)
         sizes = [sum(self.counts[i] for i in w) for w in windows]
-        # Skip, unread, the windows that the steps already done consumed whole.
         begin = start_step * batch_size
         first = 0
         while begin >= sizes[first]:
@@ -677,8 +600,7 @@ class ShardStream:
             first += 1
         share = np.arange(batch_size)[rank::world_size][:per_rank]
         copier = _DeviceCopier(self.device, self._add_gpu_wait)
-        uris = [self.infos[i].uri for w in windows[first:] for i in w]
-        loader = _Prefetcher(uris, self.classes, self.mix + self.prefetch, self.cache)
+        loader = self._loader([self.infos[i].uri for w in windows[first:] for i in w])
         step = start_step
         carry: tuple[np.ndarray, np.ndarray] | None = None  # a batch's start from the last window
         try:
@@ -696,8 +618,7 @@ class ShardStream:
                     x, y = _gather(shards, offsets, order[pos + new_rows])
                     if carry is not None:
                         keep = share[share < held]
-                        x = np.concatenate([carry[0][keep], x])
-                        y = np.concatenate([carry[1][keep], y])
+                        x, y = _join((carry[0][keep], carry[1][keep]), (x, y))
                         carry = None
                     pos += take
                     step += 1
@@ -705,14 +626,7 @@ class ShardStream:
                 if step < steps and pos < len(order):
                     # Copy the window's last images out, so the window can be released.
                     rest = _gather(shards, offsets, order[pos:])
-                    carry = (
-                        rest
-                        if carry is None
-                        else (
-                            np.concatenate([carry[0], rest[0]]),
-                            np.concatenate([carry[1], rest[1]]),
-                        )
-                    )
+                    carry = rest if carry is None else _join(carry, rest)
                 del shards
                 for _ in windows[number]:
                     loader.release()
@@ -727,9 +641,7 @@ class ShardStream:
     ) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
         """Yield every image once, shard by shard in file order, as device batches."""
         copier = _DeviceCopier(self.device)
-        loader = _Prefetcher(
-            [info.uri for info in self.infos], self.classes, self.mix + self.prefetch, self.cache
-        )
+        loader = self._loader([info.uri for info in self.infos])
         try:
             for _ in self.infos:
                 images, labels = loader.get()
@@ -748,9 +660,7 @@ class ShardStream:
 def sample_split(uris: list[str], classes: list[str], limit: int) -> tuple[np.ndarray, np.ndarray]:
     """Return up to ``limit`` images (and label indices) evenly spaced over a split's shards.
 
-    The orchestrator never holds a whole split: shard sizes come from their headers, and the
-    shards are read one at a time, keeping only the chosen rows. A split of ``limit`` images or
-    fewer is returned whole, in shard order.
+    One shard at a time, keeping only the chosen rows: the orchestrator never holds a split.
     """
     counts = [read_shard_info(uri, classes).count for uri in uris]
     total = sum(counts)

@@ -1,9 +1,8 @@
 """Run one training job from job.json: on CPU, one GPU or many (torchrun), resumable, then DONE.
 
-Data arrives as uint8 shards that were decoded once on CPU. A dataset within the job's data
-memory budget is moved to the device whole, so a GPU step never waits for a host-to-device
-copy; a larger one is streamed shard by shard (burstcv.training.stream), loaded ahead in the
-background. Cropping, flipping and normalisation run on the device either way.
+Data within the job's memory budget moves to the device whole, so a GPU step never waits for a
+host-to-device copy; larger data is streamed (burstcv.training.stream). Augmentation and
+normalisation run on the device either way.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import traceback
 from collections.abc import Callable, Generator
 from contextlib import closing
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -83,18 +83,13 @@ C = TypeVar("C", bound=Contract)
 
 log = logging.getLogger(__name__)
 
-# DDP ranks agree on a SIGTERM or the deadline every this many steps (seconds on a GPU; a spot
-# notice leaves two minutes).
+# DDP ranks agree on a SIGTERM or the deadline every this many steps (a spot notice: 2 min).
 DDP_STOP_CHECK_STEPS = 10
 
 CHECKPOINTS = "checkpoints"  # the folder; only rank 0 of the running attempt writes to it
 CHECKPOINT = "checkpoints/last.pt"  # the newest
-# The one before last.pt, kept until the next lands: a resume's fallback when last.pt does not
-# load (a write garbled or cut short), so that losing one costs at most checkpoint_every_s.
-PREVIOUS_CHECKPOINT = "checkpoints/prev.pt"
-# The end of the best validation epoch: its weights are what is exported, and the whole state,
-# so that it is the last fallback of a resume.
-BEST_CHECKPOINT = "checkpoints/best.pt"
+PREVIOUS_CHECKPOINT = "checkpoints/prev.pt"  # a resume's fallback when last.pt does not load
+BEST_CHECKPOINT = "checkpoints/best.pt"  # the best epoch: exported, and a resume's last fallback
 # What a resume reads from a checkpoint (the rest has defaults): one without it is skipped.
 RESUME_KEYS = ("model", "optimizer", "scheduler", "rng_cpu", "epoch", "step", "history")
 EXIT_INTERRUPTED = 143  # the conventional code of a SIGTERM'd process
@@ -108,9 +103,13 @@ __all__ = ["JobSpecError", "load_shards", "main", "run_job"]  # JobSpecError: st
 class Interrupted(Exception):
     """Raise inside the loop when SIGTERM asked for a checkpoint-and-exit."""
 
+    stage, resumable, exit_code = STAGE_INTERRUPTED, True, EXIT_INTERRUPTED
+
 
 class BudgetExhausted(Exception):
     """Raise inside the loop when the run's deadline is reached (checkpoint saved)."""
+
+    stage, resumable, exit_code = STAGE_BUDGET, False, EXIT_BUDGET
 
 
 class Diverged(Exception):
@@ -119,6 +118,8 @@ class Diverged(Exception):
 
 class TrainingDiverged(RuntimeError):
     """Raise when training still diverges after every recovery the job allows."""
+
+    stage, resumable, exit_code = STAGE_TRAIN, False, EXIT_DIVERGED
 
 
 class CheckpointError(RuntimeError):
@@ -143,13 +144,7 @@ class Dist:
 
 @dataclass(frozen=True)
 class Share:
-    """What a rank trains on: its place among the ranks reading the same shards, and the steps.
-
-    On one box every rank reads the whole split and takes every ``world_size``-th image of each
-    global batch. On several boxes each box reads only its own shards (``node_shards``); its
-    ranks split a box batch of ``batch_size`` images, and every box takes ``steps`` steps an
-    epoch, agreed from every shard's header so that no rank waits on a collective alone.
-    """
+    """What a rank trains on: its place among the ranks reading the same shards, and the steps."""
 
     rank: int
     world_size: int
@@ -211,10 +206,6 @@ class Split:
         return self.images.device
 
 
-# ---------------------------------------------------------------------------------------------
-# Data
-
-
 def load_shards(uris: list[str], classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Read .npz shards into one uint8 NHWC array and int64 labels, checking the class list."""
     parts = [load_shard(uri, classes) for uri in uris]
@@ -232,10 +223,7 @@ def open_splits(
 ) -> tuple[Split | ShardStream, Split | ShardStream, Share]:
     """Return (train, val, share): whole on the device where the data fits, else streamed.
 
-    Sizes come from the shards' headers, so nothing large is read to take the decision.
-    ``cache`` keeps streamed S3 shards on the box's disk after their first download. In a run
-    of several boxes (``d``) train holds this box's own shards only; every box evaluates the
-    whole validation split.
+    On several boxes train holds this box's own shards; every box evaluates all of val.
     """
     infos = {
         name: [read_shard_info(uri, job.classes) for uri in uris]
@@ -244,30 +232,25 @@ def open_splits(
     share, mine = share_shards([i.count for i in infos["train"]], job.batch_size, d or Dist())
     infos["train"] = [infos["train"][i] for i in mine]
     for size in {(i.height, i.width) for i in infos["train"] + infos["val"]}:
-        # The shards fit the spec (with or without the pack margin).
+        # Fail here when a shard's size fits the spec neither with nor without the pack margin.
         eval_images(np.zeros((0, *size, 3), np.uint8), job)
     budget = job.data_memory_budget_mb * 2**20
     sizes = {name: sum(i.nbytes for i in split) for name, split in infos.items()}
 
     def whole(split: list[ShardInfo], *, for_eval: bool) -> Split:
         images, labels = load_shards([i.uri for i in split], job.classes)
-        # Evaluation crops as serving does; training crops at random.
         return to_device_split(eval_images(images, job) if for_eval else images, labels, device)
 
     if sizes["train"] + sizes["val"] <= budget:
         return whole(infos["train"], for_eval=False), whole(infos["val"], for_eval=True), share
-    train = ShardStream(infos["train"], job.classes, device, budget_bytes=budget, cache=cache)
+    stream = partial(
+        ShardStream, classes=job.classes, device=device, budget_bytes=budget, cache=cache
+    )
+    train = stream(infos["train"])
     val: Split | ShardStream = (
         whole(infos["val"], for_eval=True)
         if train.peak_bytes + sizes["val"] <= budget
-        else ShardStream(
-            infos["val"],
-            job.classes,
-            device,
-            budget_bytes=budget,
-            eval_view=lambda images: eval_images(images, job),
-            cache=cache,
-        )
+        else stream(infos["val"], eval_view=lambda images: eval_images(images, job))
     )
     log.info(
         "data of %.0f MB > budget of %d MB: streaming train shards (%d per window, %d ahead, "
@@ -342,16 +325,8 @@ def eval_images(images: np.ndarray, job: JobSpec) -> np.ndarray:
         raise JobSpecError(f"shards do not fit the job's preprocess block: {exc}") from exc
 
 
-# ---------------------------------------------------------------------------------------------
-# Checkpoints
-
-
 def save_checkpoint(uri: str, state: dict[str, Any], *, keep_as: str | None = None) -> None:
-    """Write a checkpoint atomically (temp file, then one upload or rename).
-
-    ``keep_as``: first copy the checkpoint now at ``uri`` there (atomically too), so that a
-    new one that lands garbled still leaves the one before it.
-    """
+    """Write a checkpoint atomically; ``keep_as``: first copy the one at ``uri`` there."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ckpt.pt"
         torch.save(state, path)
@@ -361,11 +336,7 @@ def save_checkpoint(uri: str, state: dict[str, Any], *, keep_as: str | None = No
 
 
 def load_checkpoint(uri: str, required: tuple[str, ...] = ()) -> dict[str, Any] | None:
-    """Return the checkpoint at a URI, or None when there is none yet.
-
-    Raise CheckpointError, naming the file and why, when it does not load (truncated, garbled)
-    or lacks one of the ``required`` keys.
-    """
+    """Return the checkpoint at a URI or None; raise if it does not load or lacks a required key."""
     if not storage.exists(uri):
         return None
     data = storage.read_bytes(uri)
@@ -383,15 +354,10 @@ def load_checkpoint(uri: str, required: tuple[str, ...] = ()) -> dict[str, Any] 
 
 
 def resume_checkpoint(output_uri: str) -> tuple[str, dict[str, Any]] | None:
-    """Return the checkpoint of a job (its output folder) to resume from and its URI, or None.
+    """Return the URI and contents of the checkpoint a job (its output folder) resumes from.
 
-    last.pt when it loads; else the further along of prev.pt and best.pt that load (both are
-    whole checkpoints; best.pt, written at an epoch's end, may be the newer). A file that does
-    not load is skipped with a warning naming it and why. When last.pt or prev.pt exists and
-    nothing loads, raise CheckpointError: starting over would overwrite them, and what made
-    them unreadable (another torch, a bad disk) is for a person to look at. A best.pt alone
-    that does not load (one of weights only, written before best.pt held the whole state) is
-    skipped like a missing one: the run starts afresh, as with no checkpoint.
+    last.pt when it loads, else the further along of prev.pt and best.pt. Raise when last.pt or
+    prev.pt exists and nothing loads: starting over would overwrite what a person should see.
     """
     last, prev, best = (
         storage.join(output_uri, name)
@@ -422,10 +388,6 @@ def resume_checkpoint(output_uri: str) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------
-# Loop
-
-
 def _dist_from_env() -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
@@ -448,16 +410,11 @@ class WorldScale:
     lr_factor: float  # the rate over the job's (per_gpu: the rule's; global: 1)
 
     def sweep_job(self, job: JobSpec) -> JobSpec:
-        """Return the job the range test sweeps: one rank's batch at one rank's rate, so the
-        rate it finds is scaled by the same rule (a global job sweeps as it trains)."""
+        """Return the job the range test sweeps: one rank's batch at one rank's rate (per_gpu)."""
         if job.batch_scaling == "global":
             return job
-        return job.model_copy(
-            update={
-                "batch_size": self.per_rank,
-                "learning_rate": job.learning_rate / self.lr_factor,
-            }
-        )
+        rate = job.learning_rate / self.lr_factor
+        return job.model_copy(update={"batch_size": self.per_rank, "learning_rate": rate})
 
 
 def scale_to_world(
@@ -465,12 +422,8 @@ def scale_to_world(
 ) -> tuple[JobSpec, WorldScale]:
     """Return the job as its ranks train it: the global batch, the peak rate, the warm-up.
 
-    per_gpu: the job's batch is each rank's, so ``world`` ranks step over ``world`` times as
-    many images, at the rate times ``world_lr_factor`` (linear for SGD, square root for
-    AdamW), with the warm-up counted for one rank a box (the recipe's) shortened by the GPUs
-    a box has, so it covers the same images. A resumed run keeps its first attempt's world
-    (in the checkpoint): its schedule and step count hold even on boxes with another number
-    of GPUs. global: the job's batch is split between the ranks, the rate as it is.
+    per_gpu: the warm-up (counted one rank a box) shrinks by the GPUs a box has, to cover the
+    same images; a resume keeps its first attempt's world, so its schedule holds on other boxes.
     """
     if job.batch_scaling == "global":
         return job, WorldScale(max(1, job.batch_size // d.world_size), d.world_size, 1.0)
@@ -510,13 +463,6 @@ def scale_to_world(
     return scaled, WorldScale(job.batch_size, world, factor)
 
 
-def _pick_device(d: Dist) -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(d.local_rank)
-        return torch.device("cuda", d.local_rank)
-    return torch.device("cpu")
-
-
 def _step_generator(seed: int, epoch: int, step: int) -> torch.Generator:
     # A generator per (epoch, step) makes the stream independent of where a run resumed.
     return torch.Generator().manual_seed(seed * 1_000_003 + epoch * 10_007 + step)
@@ -539,10 +485,7 @@ def evaluate(
     amp_dtype: torch.dtype | None,
     on_batch: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Return loss, top-1 accuracy and the confusion matrix of the model on a split.
-
-    ``on_batch``: called after each batch (the progress beat).
-    """
+    """Return loss, top-1 accuracy and the confusion matrix; ``on_batch`` after each batch."""
     model.eval()
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.long)
     total_loss = 0.0
@@ -583,7 +526,7 @@ class Run:
     std: torch.Tensor
     scale: float
     amp_dtype: torch.dtype | None
-    scaler: torch.amp.GradScaler | None
+    scaler: torch.amp.GradScaler  # enabled for fp16 only: a pass-through otherwise
     model: nn.Module  # the bare model: state dicts, evaluation
     net: nn.Module  # what a training step calls: the model for DDP and/or compiled, or itself
     opt: torch.optim.Optimizer
@@ -598,9 +541,8 @@ class Run:
 class MetricLogger:
     """Meter the run: the wall-time split, and the running epoch's loss and images per second.
 
-    Losses are summed on the device and read once an epoch: reading a GPU value every step
-    would make the host wait for each step to finish before it prepares the next batch (an
-    idle GPU). The divergence check reads a window's mean every DIVERGENCE_CHECK_STEPS steps.
+    Losses are summed on the device and read once an epoch (or a divergence window): reading a
+    GPU value every step would make the host wait for each step, leaving the GPU idle.
     """
 
     def __init__(self) -> None:
@@ -648,10 +590,8 @@ BEAT_STEPS = 50
 class Beat:
     """Write the training loop's own heartbeat (``TrainingBeat``) as it makes progress.
 
-    Only progress writes it, at most every ``every_s``: a trainer that is alive but stalled
-    (stopped, hung in a collective or a data loader) stops beating, and the train task's
-    trigger ends its attempt (``burstcv.compute.liveness``). A failed write (the store is
-    briefly unreachable) is logged, never fatal: the next progress writes again.
+    Only progress writes it, at most every ``every_s``: a trainer alive but stalled stops
+    beating, and the train task's trigger ends its attempt (``burstcv.compute.liveness``).
     """
 
     uri: str
@@ -698,8 +638,7 @@ class RunState:
     step: int = 0
     epochs: list[EpochRecord] = field(default_factory=list)
     # The best validation epoch so far (ties: the later) and its weights: what is exported.
-    # "improved_at": the last epoch that beat every earlier one (a tie does not): what early
-    # stopping's patience counts from.
+    # "improved_at": the last epoch that beat every earlier one: early stopping counts from it.
     best: dict[str, Any] = field(
         default_factory=lambda: {"epoch": 0, "val_accuracy": -1.0, "improved_at": 0}
     )
@@ -710,8 +649,7 @@ class RunState:
     meters: MetricLogger = field(default_factory=MetricLogger)
     started: float = 0.0  # time.monotonic() when the loop started
     last_ckpt: float = 0.0  # time.monotonic() of the last periodic or end-of-epoch checkpoint
-    # last.pt holds a checkpoint that loads (this attempt wrote it, or resumed from it): only
-    # then does the next save keep it as prev.pt, never one that failed to load.
+    # last.pt loads (this attempt wrote it or resumed from it): only then is it kept as prev.pt.
     keep_last: bool = False
     first_step_logged: bool = False
     sigterm: bool = False
@@ -723,26 +661,24 @@ class RunState:
 
 
 def train_one_epoch(ctx: Run, state: RunState, train: Split | ShardStream) -> dict[str, float]:
-    """Train for the rest of epoch ``state.epoch`` from ``state.step``; return loss and images/s.
-
-    During the job's ``freeze_backbone_epochs`` the backbone keeps its values: its gradients
-    are dropped before each step, so the optimiser skips it (no update, no weight decay, no
-    momentum). After every step ``_after_step`` may end the epoch there (Diverged,
-    Interrupted, BudgetExhausted).
-    """
+    """Train for the rest of epoch ``state.epoch`` from ``state.step``; return loss and images/s."""
     job, epoch, device, meters = ctx.job, state.epoch, train.device, state.meters
     frozen = backbone_frozen(job, epoch)
-    set_train_mode(ctx.model, job.arch, frozen=frozen)
+    if frozen:  # the backbone in eval mode: its BatchNorm statistics are kept too
+        ctx.model.eval()
+        ctx.model.get_submodule(architecture(job.arch).head).train()
+    else:
+        ctx.model.train()
     frozen_params = split_head(ctx.model, job.arch)[0] if frozen else []
-    batches = _train_batches(train, job.seed, epoch, state.step, ctx.share)
     meters.start_epoch(device)
-    try:
+    # closing: stops the stream's loader thread
+    with closing(_train_batches(train, job.seed, epoch, state.step, ctx.share)) as batches:
         for step in range(state.step, ctx.share.steps):
             t0 = time.perf_counter()
             gpu_wait = getattr(train, "gpu_wait_s", 0.0)
             gen = _step_generator(job.seed, epoch, step)
             x_u8, y = next(batches)
-            t0 += getattr(train, "gpu_wait_s", 0.0) - gpu_wait  # that wait was compute, not data
+            t0 += getattr(train, "gpu_wait_s", 0.0) - gpu_wait  # GPU time, not data time
             x = normalize(augment(x_u8, job, gen), ctx.mean, ctx.std, ctx.scale)
             if device.type == "cuda":
                 x = x.contiguous(memory_format=torch.channels_last)
@@ -750,33 +686,21 @@ def train_one_epoch(ctx: Run, state: RunState, train: Split | ShardStream) -> di
             with _autocast(device, ctx.amp_dtype):
                 loss = F.cross_entropy(ctx.net(x), y, label_smoothing=job.label_smoothing)
             ctx.opt.zero_grad(set_to_none=True)
-            if ctx.scaler is not None:
-                ctx.scaler.scale(loss).backward()
-            else:
-                loss.backward()
-            # Gradients still flow through a frozen backbone (DistributedDataParallel expects
-            # every parameter's gradient each step); they are only not applied.
+            ctx.scaler.scale(loss).backward()
+            # A frozen backbone's gradients: computed (DDP expects them all), never applied.
             for param in frozen_params:
                 param.grad = None
-            if ctx.scaler is not None:
-                ctx.scaler.step(ctx.opt)
-                ctx.scaler.update()
-            else:
-                ctx.opt.step()
+            ctx.scaler.step(ctx.opt)
+            ctx.scaler.update()
             ctx.sched.step()
             meters.update(loss, len(y), t1 - t0, time.perf_counter() - t1)
             check = (step + 1) % DIVERGENCE_CHECK_STEPS == 0 or step + 1 == ctx.share.steps
             _after_step(ctx, state, step + 1, meters.window_loss() if check else None)
-    finally:
-        batches.close()  # stops the stream's loader thread
     return meters.end_epoch(ctx.d.world_size)
 
 
 def _after_step(ctx: Run, state: RunState, step: int, window: torch.Tensor | None) -> None:
-    """Note ``step`` done; stop on divergence, SIGTERM or the deadline; checkpoint when due.
-
-    ``window``: the mean loss since the last check, at the steps the ranks agree at (else None).
-    """
+    """Note ``step`` done; stop on divergence, SIGTERM or the deadline; checkpoint when due."""
     d, job, epoch = ctx.d, ctx.job, state.epoch
     state.step = step
     if state.beat is not None:
@@ -784,10 +708,8 @@ def _after_step(ctx: Run, state: RunState, step: int, window: torch.Tensor | Non
     if not state.first_step_logged:
         state.first_step_logged = True
         log.info("first step done %.2f s after the job started", time.perf_counter() - ctx.t_setup)
-    # Every rank must take the same decision, or the others hang in the next collective.
-    # Agreeing is an all-reduce the host waits on: once every DDP_STOP_CHECK_STEPS steps,
-    # and at the last step of every epoch (an epoch shorter than that still checks).
-    # The loss window comes at those same steps.
+    # Every rank must decide alike, or the others hang in the next collective; agreeing is an
+    # all-reduce the host waits on, so only every DDP_STOP_CHECK_STEPS and at an epoch's end.
     if d.world_size == 1 or step % DDP_STOP_CHECK_STEPS == 0 or step == ctx.share.steps:
         why = divergence(float(window), len(job.classes)) if window is not None else None
         deadline = ctx.deadline
@@ -814,12 +736,8 @@ def _after_step(ctx: Run, state: RunState, step: int, window: torch.Tensor | Non
         state.last_ckpt = time.monotonic()
 
 
-# ---------------------------------------------------------------------------------------------
-# Learning-rate range test
-
-# The sweep: the rate grows geometrically from RANGE_START to RANGE_END times the job's rate
-# over two epochs' steps, at least RANGE_MIN_STEPS (fewer is noise) and at most
-# RANGE_TEST_STEPS, and stops once the smoothed loss is RANGE_STOP_FACTOR times its minimum.
+# The rate grows geometrically from RANGE_START to RANGE_END times the job's over two epochs'
+# steps (within RANGE_MIN_STEPS..RANGE_TEST_STEPS), until the loss is RANGE_STOP_FACTOR its min.
 RANGE_TEST_STEPS = 100
 RANGE_MIN_STEPS = 30
 RANGE_START, RANGE_END = 1e-3, 30.0
@@ -838,126 +756,112 @@ def lr_range_test(
     scale: float,
     amp_dtype: torch.dtype | None,
 ) -> RangeTest:
-    """Sweep the rate over a few steps and return the one to train at, with what was seen.
-
-    The model and its optimiser state are restored afterwards: training starts from the same
-    weights as without the sweep. The rate chosen is a tenth of the one with the lowest
-    smoothed loss (past it the loss is about to climb; fastai's ``lr_min``), or the rate of
-    the steepest descent when that is lower, bounded by the sweep's range. On one box every
-    rank sweeps the same batches; on several, each box sweeps its own shards and rank 0's
-    result is everyone's (``_agree_range_test``).
-    """
+    """Sweep the rate over a few steps (weights restored after); return the rate to train at."""
     t0 = time.perf_counter()
     saved = copy.deepcopy(model.state_dict())
-    opt = make_optimizer(param_groups(model, job), job)
-    shares = [group["lr"] / job.learning_rate for group in opt.param_groups]
-    whole = Share.whole(len(train), job.batch_size)  # one rank's sweep over its box's shards
-    steps = max(RANGE_MIN_STEPS, min(RANGE_TEST_STEPS, 2 * whole.steps))
-    ratio = (RANGE_END / RANGE_START) ** (1 / max(1, steps - 1))
-    device = train.device
-    lrs: list[float] = []
-    losses: list[float] = []
-    smooth, best_loss = 0.0, math.inf
-    model.train()
-    step = 0
-    for epoch in range(RANGE_EPOCH, RANGE_EPOCH + RANGE_TEST_STEPS):  # until enough steps
-        batches = _train_batches(train, job.seed, epoch, 0, whole)
-        try:
-            for x_u8, y in batches:
-                if step >= steps:
-                    break
-                lr = job.learning_rate * RANGE_START * ratio**step
-                for group, share in zip(opt.param_groups, shares, strict=True):
-                    group["lr"] = lr * share
-                x = normalize(
-                    augment(x_u8, job, _step_generator(job.seed, epoch, step)), mean, std, scale
-                )
-                if device.type == "cuda":
-                    x = x.contiguous(memory_format=torch.channels_last)
-                with _autocast(device, amp_dtype):
-                    loss = F.cross_entropy(model(x), y, label_smoothing=job.label_smoothing)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                value = float(loss.detach())  # the sweep reads every step: it is short
-                step += 1
-                smooth = RANGE_SMOOTHING * smooth + (1 - RANGE_SMOOTHING) * value
-                debiased = smooth / (1 - RANGE_SMOOTHING**step)
-                lrs.append(lr)
-                losses.append(debiased)
-                best_loss = min(best_loss, debiased)
-                if not math.isfinite(debiased) or debiased > RANGE_STOP_FACTOR * best_loss:
-                    step = steps
-        finally:
-            batches.close()
-        if step >= steps:
-            break
+    lrs, losses = _sweep(model, train, job, mean, std, scale, amp_dtype)
     model.load_state_dict(saved)
-    finite = [(loss, lr) for loss, lr in zip(losses, lrs, strict=True) if math.isfinite(loss)]
-    at_min = min(finite)[1] if finite else job.learning_rate
-    # Steepest descent: where the smoothed loss falls fastest per step of log(rate), before
-    # its minimum. On a short sweep from scratch the loss still falls because the model is
-    # learning, so the minimum sits late: the lower of the two is the safer rate.
-    before = [(loss, lr) for loss, lr in finite[RANGE_SKIP_START:] if lr <= at_min]
-    slopes = [(b[0] - a[0], a[1]) for a, b in itertools.pairwise(before)]
-    steepest = min(slopes)[1] if slopes else at_min
-    chosen = min(steepest, at_min / 10)
-    chosen = min(max(chosen, job.learning_rate * RANGE_START), job.learning_rate * RANGE_END)
-    result = RangeTest(
-        chosen_lr=chosen,
-        min_loss_lr=at_min,
-        steepest_lr=steepest,
-        fallback_lr=job.learning_rate,
-        steps=len(lrs),
-        seconds=time.perf_counter() - t0,
-        lrs=lrs,
-        losses=losses,
-    )
+    result = _pick_rate(lrs, losses, job.learning_rate, t0)
     log.info(
         "learning-rate range test: %d steps in %.1f s, lowest loss at %.3g: training at %.3g "
         "(instead of %.3g)",
-        len(lrs),
+        result.steps,
         result.seconds,
-        at_min,
-        chosen,
+        result.min_loss_lr,
+        result.chosen_lr,
         job.learning_rate,
     )
     return result
 
 
-# ---------------------------------------------------------------------------------------------
-# Divergence
+def _sweep(
+    model: nn.Module,
+    train: Split | ShardStream,
+    job: JobSpec,
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    scale: float,
+    amp_dtype: torch.dtype | None,
+) -> tuple[list[float], list[float]]:
+    """Train at a geometrically growing rate; return the rates and the smoothed losses."""
+    opt = make_optimizer(param_groups(model, job), job)
+    shares = [group["lr"] / job.learning_rate for group in opt.param_groups]
+    whole = Share.whole(len(train), job.batch_size)  # one rank's sweep over its box's shards
+    steps = max(RANGE_MIN_STEPS, min(RANGE_TEST_STEPS, 2 * whole.steps))
+    ratio = (RANGE_END / RANGE_START) ** (1 / max(1, steps - 1))
+    lrs: list[float] = []
+    losses: list[float] = []
+    smooth, best_loss, step = 0.0, math.inf, 0
+    model.train()
+    for epoch in range(RANGE_EPOCH, RANGE_EPOCH + RANGE_TEST_STEPS):  # until enough steps
+        with closing(_train_batches(train, job.seed, epoch, 0, whole)) as batches:
+            for x_u8, y in batches:
+                lr = job.learning_rate * RANGE_START * ratio**step
+                for group, share in zip(opt.param_groups, shares, strict=True):
+                    group["lr"] = lr * share
+                gen = _step_generator(job.seed, epoch, step)
+                x = normalize(augment(x_u8, job, gen), mean, std, scale)
+                if train.device.type == "cuda":
+                    x = x.contiguous(memory_format=torch.channels_last)
+                with _autocast(train.device, amp_dtype):
+                    loss = F.cross_entropy(model(x), y, label_smoothing=job.label_smoothing)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                step += 1
+                # The sweep reads every step's loss: it is short.
+                smooth = RANGE_SMOOTHING * smooth + (1 - RANGE_SMOOTHING) * float(loss.detach())
+                debiased = smooth / (1 - RANGE_SMOOTHING**step)
+                lrs.append(lr)
+                losses.append(debiased)
+                best_loss = min(best_loss, debiased)
+                diverged = debiased > RANGE_STOP_FACTOR * best_loss
+                if step >= steps or not math.isfinite(debiased) or diverged:
+                    return lrs, losses
+    return lrs, losses
 
-# Every this many steps (and at an epoch's last) the mean loss since the last check is read:
-# the same cadence at which DDP ranks agree on stopping, so they decide together.
+
+def _pick_rate(lrs: list[float], losses: list[float], fallback: float, t0: float) -> RangeTest:
+    """Return the sweep's verdict: the lower of a tenth of the rate at the lowest loss (past it
+    the loss is about to climb; fastai's ``lr_min``) and the steepest descent's, in range."""
+    finite = [(loss, lr) for loss, lr in zip(losses, lrs, strict=True) if math.isfinite(loss)]
+    at_min = min(finite)[1] if finite else fallback
+    # Steepest descent before the minimum: on a short sweep from scratch the model is still
+    # learning, so the minimum sits late and the lower of the two is the safer rate.
+    before = [(loss, lr) for loss, lr in finite[RANGE_SKIP_START:] if lr <= at_min]
+    slopes = [(b[0] - a[0], a[1]) for a, b in itertools.pairwise(before)]
+    steepest = min(slopes)[1] if slopes else at_min
+    chosen = min(steepest, at_min / 10)
+    return RangeTest(
+        chosen_lr=min(max(chosen, fallback * RANGE_START), fallback * RANGE_END),
+        min_loss_lr=at_min,
+        steepest_lr=steepest,
+        fallback_lr=fallback,
+        steps=len(lrs),
+        seconds=time.perf_counter() - t0,
+        lrs=lrs,
+        losses=losses,
+    )
+
+
+# The mean loss is read at the cadence DDP ranks agree on stopping, so they decide together.
 DIVERGENCE_CHECK_STEPS = DDP_STOP_CHECK_STEPS
-# A mean training loss this many times the loss of a model that knows nothing (ln of the
-# class count, at least 1) has left the range training comes back from. A validation loss
-# gets more room, and counts only with a model that guesses (accuracy near chance): early in
-# a run, at the peak rate, BatchNorm's running statistics lag the weights and the validation
-# loss may spike while the model is fine; thousands at chance accuracy is the issue's wreck.
+# Times the loss of a model that knows nothing (ln of the class count). Validation counts only
+# near chance: early at the peak rate BatchNorm lags the weights and its loss spikes harmlessly.
 DIVERGENCE_FACTOR = 3.0
 VAL_DIVERGENCE_FACTOR = 10.0
 RECOVERY_LR_FACTOR = 0.3  # the rate (the whole schedule) is multiplied by this per recovery
 
 
-def chance_loss(num_classes: int) -> float:
-    """Return the reference loss divergence is judged against: ln(classes), at least 1."""
-    return max(1.0, math.log(num_classes))
-
-
 def divergence(
     loss: float, num_classes: int, *, validation: bool = False, guessing: bool = False
 ) -> str | None:
-    """Return why a loss counts as diverged (non-finite, or far above chance), or None.
-
-    A validation loss counts when it is far above chance and the model ``guessing``.
-    """
+    """Return why a loss counts as diverged (non-finite, or far above chance), or None."""
     what = "validation loss" if validation else "training loss"
     if not math.isfinite(loss):
         return f"{what} is {loss}"
     factor = VAL_DIVERGENCE_FACTOR if validation else DIVERGENCE_FACTOR
-    limit = factor * chance_loss(num_classes)
+    limit = factor * max(1.0, math.log(num_classes))
     if loss > limit and (guessing or not validation):
         return (
             f"{what} {loss:.4g} is over {limit:.3g} (a model that knows nothing scores "
@@ -967,8 +871,7 @@ def divergence(
     return None
 
 
-# Validation accuracy within this much of the better of chance and the majority-class rate is
-# near chance: the model guesses (the report warns on it too).
+# Within this much of the better of chance and the majority-class rate, the model guesses.
 NEAR_CHANCE_MARGIN = 0.1
 
 
@@ -982,8 +885,7 @@ def near_chance(accuracy: float, confusion: list[list[int]]) -> bool:
 def _amp_dtype(device: torch.device) -> torch.dtype | None:
     if device.type != "cuda":
         return None  # fp32 on CPU: bf16 autocast is slower than fp32 on most CPUs
-    # bf16 only where the GPU computes it natively: is_bf16_supported() is also true where
-    # it is emulated (a T4), which is slow and has no cuDNN bf16 convolutions.
+    # Not is_bf16_supported(): it is also true where bf16 is emulated (a T4), which is slow.
     major, minor = torch.cuda.get_device_capability(device)
     return torch.bfloat16 if native_bf16((int(major), int(minor))) else torch.float16
 
@@ -995,15 +897,11 @@ def _should_compile(job: JobSpec, device: torch.device, total_steps: int) -> boo
     return job.compile == "on" or total_steps >= 2000
 
 
-# ---------------------------------------------------------------------------------------------
-# Fine-tuning
-
-
 def param_groups(model: nn.Module, job: JobSpec) -> list[dict[str, Any]]:
     """Return parameter groups: head then backbone, each with and without weight decay.
 
-    A pretrained backbone learns at ``backbone_lr_scale`` times the head's rate; from scratch
-    every group has the job's rate. Biases and norm parameters (1-D) get no weight decay.
+    A pretrained backbone learns at ``backbone_lr_scale`` times the head's rate; 1-D parameters
+    (biases, norms) get no weight decay.
     """
     backbone, head = split_head(model, job.arch)
     scale = job.backbone_lr_scale if is_pretrained(job.pretrained) else 1.0
@@ -1052,9 +950,7 @@ class LrScale:
 def warmup_cosine(
     opt: torch.optim.Optimizer, total_steps: int, warmup: int, scale: LrScale
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """Return the schedule: linear warm-up over ``warmup`` steps to each group's rate, then
-    cosine decay to a thousandth of it; every rate times ``scale.value``.
-    """
+    """Return linear warm-up to each group's rate, then cosine decay; all times ``scale.value``."""
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -1067,28 +963,12 @@ def warmup_cosine(
     return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def apply_schedule(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LambdaLR) -> None:
-    """Set every group's rate to what the schedule says now (after its scale changed)."""
-    for group, base, fn in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
-        group["lr"] = base * fn(sched.last_epoch)
-
-
 def backbone_frozen(job: JobSpec, epoch: int) -> bool:
     """Return True during the first ``freeze_backbone_epochs`` epochs (0-based ``epoch``)."""
     return epoch < job.freeze_backbone_epochs
 
 
-def set_train_mode(model: nn.Module, arch: str, *, frozen: bool) -> None:
-    """Put the model in train mode; a frozen backbone in eval mode (BatchNorm stats kept)."""
-    if not frozen:
-        model.train()
-        return
-    model.eval()
-    model.get_submodule(architecture(arch).head).train()
-
-
 def _warn_on_normalisation(job: JobSpec) -> None:
-    # pack fixes mean/std (weights.normalization): torchvision weights expect their own.
     if pretrained_kind(job.pretrained) != "torchvision":
         return
     expected = resolve_weights(job.arch, job.pretrained).transforms()
@@ -1112,15 +992,6 @@ def _deadline_ts(job: JobSpec) -> float | None:
     return job.deadline_at.timestamp() if job.deadline_at is not None else None
 
 
-def _agree_range_test(result: RangeTest, d: Dist) -> RangeTest:
-    """Return rank 0's sweep on every rank: boxes that read different shards may choose apart."""
-    if d.world_size <= 1:
-        return result
-    box = [result]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _from_checkpoint(ckpt: dict[str, Any], key: str, model: type[C]) -> C | None:
     """Return a contract a checkpoint keeps as JSON under ``key`` (None when it has none)."""
     raw = ckpt.get(key, "null")
@@ -1136,7 +1007,10 @@ def main(job: JobSpec, attempt: int = 1) -> TrainingMetrics:
     d = _dist_from_env()
     if d.world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    device = _pick_device(d)
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", d.local_rank)
+        torch.cuda.set_device(d.local_rank)
     torch.manual_seed(job.seed)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
@@ -1195,22 +1069,11 @@ def _build_run(
     world: WorldScale,
 ) -> Run:
     """Build the model, its optimiser and schedule: a new run's, or restored from ``ckpt``."""
-    spec, pretrained = job.preprocess, is_pretrained(job.pretrained)
+    spec = job.preprocess
     mean = torch.tensor(spec["mean"], dtype=torch.float32, device=device).view(1, 3, 1, 1)
     std = torch.tensor(spec["std"], dtype=torch.float32, device=device).view(1, 3, 1, 1)
     scale = float(spec.get("scale", 1.0 / 255.0))
-    model = build_model(job.arch, len(job.classes), int(spec["height"]), pretrained=pretrained)
-    loaded: PretrainedLoad | None = None
-    if ckpt is not None:
-        loaded = _from_checkpoint(ckpt, "pretrained_loaded", PretrainedLoad)
-    elif pretrained:  # a resumed run has its weights in the checkpoint: no second download
-        _warn_on_normalisation(job)
-        loaded = load_pretrained(
-            model, job.arch, job.pretrained, weights_store=job.weights_store_uri
-        )
-    model = model.to(device)
-    if device.type == "cuda":
-        model = model.to(memory_format=torch.channels_last)
+    model, loaded = _build_model(job, device, ckpt)
     amp_dtype = _amp_dtype(device)
     range_test: RangeTest | None = None
     if ckpt is not None:
@@ -1219,7 +1082,11 @@ def _build_run(
         swept = lr_range_test(model, train, world.sweep_job(job), mean, std, scale, amp_dtype)
         if job.batch_scaling == "per_gpu":  # found at one rank's batch: scaled by the rule
             swept = swept.model_copy(update={"chosen_lr": swept.chosen_lr * world.lr_factor})
-        range_test = _agree_range_test(swept, d)
+        if d.world_size > 1:  # rank 0's for all: boxes that read other shards may choose apart
+            box = [swept]
+            dist.broadcast_object_list(box, src=0)
+            swept = box[0]
+        range_test = swept
     if range_test is not None:  # the rate the sweep found is the run's peak rate
         job = job.model_copy(update={"learning_rate": range_test.chosen_lr})
     total_steps = share.steps * job.epochs
@@ -1250,7 +1117,7 @@ def _build_run(
         std=std,
         scale=scale,
         amp_dtype=amp_dtype,
-        scaler=torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None,
+        scaler=torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16),
         model=model,
         net=net,
         opt=opt,
@@ -1261,6 +1128,27 @@ def _build_run(
         range_test=range_test,
         world=world,
     )
+
+
+def _build_model(
+    job: JobSpec, device: torch.device, ckpt: dict[str, Any] | None
+) -> tuple[nn.Module, PretrainedLoad | None]:
+    """Return the job's model on the device, with what load_pretrained reported (or ``ckpt``)."""
+    pretrained = is_pretrained(job.pretrained)
+    height = int(job.preprocess["height"])
+    model = build_model(job.arch, len(job.classes), height, pretrained=pretrained)
+    loaded: PretrainedLoad | None = None
+    if ckpt is not None:
+        loaded = _from_checkpoint(ckpt, "pretrained_loaded", PretrainedLoad)
+    elif pretrained:  # a resumed run has its weights in the checkpoint: no second download
+        _warn_on_normalisation(job)
+        loaded = load_pretrained(
+            model, job.arch, job.pretrained, weights_store=job.weights_store_uri
+        )
+    model = model.to(device)
+    if device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+    return model, loaded
 
 
 def _resume(ctx: Run, resume: tuple[str, dict[str, Any]] | None) -> RunState:
@@ -1280,7 +1168,6 @@ def _resume(ctx: Run, resume: tuple[str, dict[str, Any]] | None) -> RunState:
     try:
         saved_best = ckpt if uri == best_uri else load_checkpoint(best_uri, ("model", "best"))
     except CheckpointError as exc:
-        # Its weights are gone; the epochs from here on choose the best among themselves.
         log.warning("%s: the exported model is the best of the epochs from here on", exc)
         saved_best = None
     if saved_best is not None:
@@ -1298,8 +1185,7 @@ def _resume(ctx: Run, resume: tuple[str, dict[str, Any]] | None) -> RunState:
 
 
 def _snapshot(ctx: Run, state: RunState) -> dict[str, Any]:
-    # The last good state, in memory: a periodic checkpoint may already hold diverged
-    # weights, an epoch that passed its checks does not.
+    # In memory: a periodic checkpoint may already hold diverged weights; a checked epoch not.
     return {
         "model": copy.deepcopy(ctx.model.state_dict()),
         "optimizer": copy.deepcopy(ctx.opt.state_dict()),
@@ -1310,11 +1196,7 @@ def _snapshot(ctx: Run, state: RunState) -> dict[str, Any]:
 
 
 def _save_last(ctx: Run, state: RunState, best: dict[str, Any] | None = None) -> None:
-    """Write checkpoints/last.pt to resume at ``state``'s epoch and step; every rank waits.
-
-    The last.pt before it is kept as prev.pt. ``best``: the epoch just ended is the best so far
-    (its record): best.pt gets the same checkpoint first.
-    """
+    """Write last.pt (the one before kept as prev.pt), and best.pt for a ``best``; ranks wait."""
     job, range_test, loaded = ctx.job, ctx.range_test, ctx.loaded
     if ctx.d.is_main:
         ckpt = {
@@ -1351,17 +1233,8 @@ def _validate(
     """Evaluate the epoch's model; raise Diverged when a loss (any rank's) says it diverged."""
     n, t_eval = len(ctx.job.classes), time.perf_counter()
     beat = state.beat
-    ev = evaluate(
-        ctx.model,
-        val,
-        ctx.mean,
-        ctx.std,
-        ctx.scale,
-        n,
-        EVAL_BATCH,
-        ctx.amp_dtype,
-        on_batch=None if beat is None else lambda: beat.tick(state.epoch, state.step, "validate"),
-    )
+    tick = None if beat is None else lambda: beat.tick(state.epoch, state.step, "validate")
+    ev = evaluate(ctx.model, val, ctx.mean, ctx.std, ctx.scale, n, EVAL_BATCH, ctx.amp_dtype, tick)
     state.meters.eval_s += time.perf_counter() - t_eval
     why = divergence(train_loss, n) or divergence(
         ev["loss"], n, validation=True, guessing=near_chance(ev["accuracy"], ev["confusion"])
@@ -1394,9 +1267,10 @@ def _recover(ctx: Run, state: RunState, reason: str) -> None:
     ctx.opt.load_state_dict(good["optimizer"])
     ctx.sched.load_state_dict(good["scheduler"])
     lr_scale.value = lowered
-    apply_schedule(ctx.opt, ctx.sched)
-    if ctx.scaler is not None:  # its scale may have collapsed on the non-finite steps
-        ctx.scaler.update(2.0**16)
+    opt, sched = ctx.opt, ctx.sched  # every rate as the lowered schedule says now
+    for group, base, fn in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
+        group["lr"] = base * fn(sched.last_epoch)
+    ctx.scaler.update(2.0**16)  # fp16: its scale may have collapsed on the non-finite steps
     state.epoch, state.step = int(good["epoch"]), int(good["step"])
     log.warning(
         "%s: restored the state of epoch %d step %d and lowered the learning rate to "
@@ -1449,9 +1323,7 @@ def _end_epoch(ctx: Run, state: RunState, stats: dict[str, float], ev: dict[str,
     state.epoch, state.step = epoch + 1, 0
     _save_last(ctx, state, best=state.best if improved else None)
     if ctx.d.is_main:
-        # What the orchestrator shows while the run goes on (one line per epoch), written
-        # once the epoch is in the checkpoint: a box lost in between shows the epoch its
-        # next attempt resumes after, never one it will train again.
+        # Written after the checkpoint: it never shows an epoch the next attempt trains again.
         write_artifact(
             job.uri(PROGRESS),
             TrainingProgress(attempt=ctx.attempt, epochs_total=job.epochs, epochs=state.epochs),
@@ -1485,12 +1357,11 @@ def _final_metrics(
 ) -> TrainingMetrics:
     """Evaluate the best epoch's model (it is the model) and return the run's metrics."""
     job, model, device, amp_dtype = ctx.job, ctx.model, ctx.device, ctx.amp_dtype
-    n, steps_per_epoch, epoch_seconds = len(job.classes), ctx.share.steps, state.epoch_seconds
+    n, epoch_seconds = len(job.classes), state.epoch_seconds
     if state.best_state is not None:  # the best validation epoch is the model, not the last
         model.load_state_dict(state.best_state)
     final = evaluate(model, val, ctx.mean, ctx.std, ctx.scale, n, EVAL_BATCH, amp_dtype)
     if state.recoveries and near_chance(final["accuracy"], final["confusion"]):
-        # Recovered from divergence only to a model that guesses: not worth exporting.
         raise TrainingDiverged(
             f"training diverged {len(state.recoveries)} time(s) and recovered only to a "
             f"near-chance model (validation accuracy {final['accuracy']:.3f}, chance "
@@ -1508,7 +1379,6 @@ def _final_metrics(
         best_epoch=state.best["epoch"],
         epochs_asked=job.epochs,
         epochs_run=epochs_run,
-        # Epochs not run times the mean epoch of this attempt.
         seconds_saved=(
             (job.epochs - epochs_run) * sum(epoch_seconds) / len(epoch_seconds)
             if stop.startswith(("early stop", "target accuracy")) and epoch_seconds
@@ -1517,20 +1387,7 @@ def _final_metrics(
         stop_reason=stop,
         recoveries=state.recoveries,
         lr_range_test=ctx.range_test,
-        optimizer=OptimizerBlock(
-            name=job.optimizer,
-            learning_rate=job.learning_rate,
-            lr_scale=ctx.lr_scale.value,
-            weight_decay=weight_decay(job),
-            batch_size=job.batch_size,
-            batch_scaling=job.batch_scaling,
-            batch_per_rank=ctx.world.per_rank,
-            lr_world_factor=ctx.world.lr_factor,
-            warmup_steps=warmup_steps(job, steps_per_epoch * job.epochs),
-            steps_per_epoch=steps_per_epoch,
-            total_steps=steps_per_epoch * job.epochs,
-            schedule="linear warm-up, cosine decay",
-        ),
+        optimizer=_optimizer_block(ctx),
         wall_s=WallSeconds(
             setup=meters.setup_s, data=meters.data_s, compute=meters.compute_s, eval=meters.eval_s
         ),
@@ -1555,13 +1412,29 @@ def _final_metrics(
     )
 
 
+def _optimizer_block(ctx: Run) -> OptimizerBlock:
+    """Return what the run's optimiser and schedule were, for metrics.json."""
+    job, steps_per_epoch = ctx.job, ctx.share.steps
+    return OptimizerBlock(
+        name=job.optimizer,
+        learning_rate=job.learning_rate,
+        lr_scale=ctx.lr_scale.value,
+        weight_decay=weight_decay(job),
+        batch_size=job.batch_size,
+        batch_scaling=job.batch_scaling,
+        batch_per_rank=ctx.world.per_rank,
+        lr_world_factor=ctx.world.lr_factor,
+        warmup_steps=warmup_steps(job, steps_per_epoch * job.epochs),
+        steps_per_epoch=steps_per_epoch,
+        total_steps=steps_per_epoch * job.epochs,
+        schedule="linear warm-up, cosine decay",
+    )
+
+
 def _write_results(ctx: Run, metrics: TrainingMetrics) -> None:
     """Write the exported weights (model.pt), metrics.json, then the attempt's DONE."""
     job, attempt = ctx.job, ctx.attempt
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "model.pt"
-        torch.save(ctx.model.state_dict(), path)
-        storage.upload_file(path, job.uri("model.pt"))
+    save_checkpoint(job.uri("model.pt"), ctx.model.state_dict())
     write_artifact(job.uri(METRICS), metrics)
     write_artifact(
         job.attempt_uri(attempt, DONE_MARKER),
@@ -1572,10 +1445,7 @@ def _write_results(ctx: Run, metrics: TrainingMetrics) -> None:
 
 
 def run_job(job_uri: str, attempt: int = 1) -> int:
-    """Run the job at ``job_uri`` as ``attempt``; return the exit code; FAILED on any error.
-
-    Markers go to the attempt's own folder, so a relaunch never sees an earlier attempt's.
-    """
+    """Run the job at ``job_uri`` as ``attempt``; return the exit code; FAILED on any error."""
     output_uri: str | None = None
     try:
         raw = storage.read_json(job_uri)
@@ -1584,44 +1454,24 @@ def run_job(job_uri: str, attempt: int = 1) -> int:
         output_uri = job.output_uri
         main(job, attempt)
         return 0
-    except Interrupted as exc:
-        _write_failed(output_uri, attempt, STAGE_INTERRUPTED, str(exc), resumable=True, exc=exc)
-        log.warning("%s", exc)
-        return EXIT_INTERRUPTED
-    except BudgetExhausted as exc:
-        _write_failed(output_uri, attempt, STAGE_BUDGET, str(exc), resumable=False, exc=exc)
-        log.error("%s", exc)
-        return EXIT_BUDGET
-    except TrainingDiverged as exc:
-        _write_failed(output_uri, attempt, STAGE_TRAIN, str(exc), resumable=False, exc=exc)
-        log.error("%s", exc)
-        return EXIT_DIVERGED
-    except Exception as exc:
-        if not peer_lost(exc):
-            _write_own_error(output_uri, attempt, exc)
+    except (Interrupted, BudgetExhausted, TrainingDiverged) as exc:  # an ending the job foresaw
+        _write_failed(output_uri, attempt, exc.stage, str(exc), resumable=exc.resumable, exc=exc)
+        log.log(logging.WARNING if exc.resumable else logging.ERROR, "%s", exc)
+        return exc.exit_code
+    except BaseException as exc:
+        if not peer_lost(exc):  # this rank's own error: final, its type and message the reason
+            own = f"{type(exc).__name__}: {exc}"
+            _write_failed(output_uri, attempt, STAGE_TRAIN, own, resumable=False, exc=exc)
             raise
-        # Another box of the run went away mid-collective: nothing wrong with the job, and the
-        # relaunch restarts every box from the last checkpoint.
+        # A peer box went away mid-collective: the relaunch restarts every box from the checkpoint.
         reason = f"a peer box was lost: {str(exc).splitlines()[0][:300]}"
         _write_failed(output_uri, attempt, STAGE_INTERRUPTED, reason, resumable=True, exc=exc)
         log.warning("%s", reason)
         return EXIT_INTERRUPTED
-    except BaseException as exc:
-        _write_own_error(output_uri, attempt, exc)
-        raise
 
 
-def _write_own_error(output_uri: str | None, attempt: int, exc: BaseException) -> None:
-    """Write FAILED for an error of this rank's own: final, its type and message the reason."""
-    _write_failed(
-        output_uri, attempt, STAGE_TRAIN, f"{type(exc).__name__}: {exc}", resumable=False, exc=exc
-    )
-
-
-# What a collective says when its peer process vanished: gloo's transport errors (a plain
-# RuntimeError) and NCCL's or the store's (torch.distributed.DistError). A peer whose box lost
-# power sends nothing, not even a reset: the collective times out. What a peer's own error
-# did to this rank is never the run's reason: that rank writes its own marker, which decides.
+# What gloo's transport says (a plain RuntimeError) when a peer vanished; NCCL and the store
+# raise DistError. A box that lost power sends nothing: the collective times out.
 _PEER_GONE = (
     "Connection reset by peer",
     "Connection closed by peer",
@@ -1633,8 +1483,7 @@ _PEER_GONE = (
 def peer_lost(exc: BaseException) -> bool:
     """Return True when a multi-box run's collective failed because another box went away.
 
-    Only a run across several boxes (torchrun's GROUP_WORLD_SIZE > 1): on one box a rank
-    that dies takes the job with it, and its own error is the FAILED marker's reason.
+    On one box a rank that dies takes the job with it: its own error is the reason.
     """
     if int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
         return False
@@ -1655,9 +1504,10 @@ def _write_failed(
     resumable: bool,
     exc: BaseException | None = None,
 ) -> None:
-    """Write the attempt's FAILED (the first rank) and, in a run of several processes, this
-    rank's own, with its traceback's last lines: a rank's error stays its own, never taken
-    for the peer it stopped (the orchestrator reads every rank's)."""
+    """Write the attempt's FAILED (the first rank) and, with several ranks, this rank's own.
+
+    A rank's error (its traceback's last lines) stays its own, never taken for a peer it stopped.
+    """
     if not output_uri:
         return
     rank = int(os.environ.get("RANK", "0"))

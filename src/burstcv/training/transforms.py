@@ -1,10 +1,8 @@
 """Crop, resize and flip whole batches of stored uint8 images on the training device.
 
-Stored images are the spec's eval images (digits) or, for photos, the resize_short square
-that pack keeps around them (``burstcv_spec.preprocess.margin_spec``). Evaluation takes the
-centre of that square, which is what serving computes from the same bytes; training takes
-random-resized crops of it. Random numbers come from a CPU generator, so a batch is the same
-on any device and after any resume.
+Photos are stored with pack's margin (``burstcv_spec.preprocess.margin_spec``): evaluation
+takes its centre, as serving does; training takes random-resized crops. Random numbers come
+from a CPU generator, so a batch is the same on any device and after any resume.
 """
 
 from __future__ import annotations
@@ -59,12 +57,7 @@ def rrc_boxes(
     ratio: tuple[float, float],
     gen: torch.Generator,
 ) -> torch.Tensor:
-    """Draw one crop box per image as torchvision's RandomResizedCrop does: (n, 4) x0 y0 x1 y1.
-
-    Each image gets RRC_ATTEMPTS candidates (area share in ``scale``, log-uniform aspect in
-    ``ratio``); the first that fits is kept, else the whole image cropped to the nearest
-    allowed aspect, centred. Boxes are whole pixels.
-    """
+    """Draw one crop box per image as torchvision's RandomResizedCrop does: (n, 4) x0 y0 x1 y1."""
     area = float(height * width)
     shares = torch.empty(n, RRC_ATTEMPTS).uniform_(scale[0], scale[1], generator=gen)
     log_ratio = torch.empty(n, RRC_ATTEMPTS).uniform_(
@@ -74,7 +67,6 @@ def rrc_boxes(
     crop_w = torch.round(torch.sqrt(area * shares * aspect))
     crop_h = torch.round(torch.sqrt(area * shares / aspect))
     fits = (crop_w > 0) & (crop_w <= width) & (crop_h > 0) & (crop_h <= height)
-    # Where the box goes: uniform over the positions that keep it inside the image.
     u_top = torch.rand(n, RRC_ATTEMPTS, generator=gen)
     u_left = torch.rand(n, RRC_ATTEMPTS, generator=gen)
     top = torch.floor(u_top * (height - crop_h + 1)).clamp(min=0)
@@ -111,9 +103,7 @@ def random_resized_crop(
 ) -> torch.Tensor:
     """Crop a random box of each image and resize it to ``size``: uint8 NCHW in, float out.
 
-    roi_align resamples every box of the batch in one call; its adaptive sampling averages
-    several bilinear samples per output pixel when a box shrinks, so a downscale is
-    anti-aliased as Pillow's resize is at eval. Values stay on the 0..255 scale.
+    roi_align's adaptive sampling anti-aliases a downscale as Pillow's resize does at eval.
     """
     n, _, height, width = batch_u8.shape
     boxes = rrc_boxes(n, height, width, scale, ratio, gen).to(batch_u8.device)
@@ -129,19 +119,13 @@ def random_resized_crop(
     return crops
 
 
-def resolved_mode(aug: AugmentSpec, stored: tuple[int, int], size: tuple[int, int]) -> str:
-    """Return the augmentation to run: "auto" becomes random_resized_crop on margin shards."""
-    if aug.mode != "auto":
-        return aug.mode
-    return "random_resized_crop" if stored != size else "shift"
-
-
 def train_transform(
     batch_u8: torch.Tensor, aug: AugmentSpec, size: tuple[int, int], gen: torch.Generator
 ) -> torch.Tensor:
     """Turn stored uint8 NCHW images into augmented training inputs of ``size`` (0..255)."""
-    stored = (batch_u8.shape[-2], batch_u8.shape[-1])
-    mode = resolved_mode(aug, stored, size)
+    mode = aug.mode
+    if mode == "auto":  # random_resized_crop on margin shards
+        mode = "random_resized_crop" if batch_u8.shape[-2:] != size else "shift"
     if mode == "random_resized_crop":
         out = random_resized_crop(batch_u8, size, aug.rrc_scale, aug.rrc_ratio, gen)
         hflip = True if aug.hflip is None else aug.hflip

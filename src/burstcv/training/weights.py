@@ -1,13 +1,8 @@
 """Resolve, fetch, check and load the pretrained weights a run starts from.
 
-``pretrained`` is ``none``, a torchvision weights name of the architecture (``DEFAULT``,
-``IMAGENET1K_V2``, ``ResNet50_Weights.IMAGENET1K_V2``) or the URI of a state_dict (a path,
-``file://``, ``s3://``). Named weights are downloaded by torchvision on the training box the
-first time, then kept in the artifact store by sha256 (``<artifact root>/weights/``), so
-later runs read them from there. Every file is read with ``torch.load(weights_only=True)``.
-
-``check_pretrained`` runs the checks that need no GPU (the name, the file, its shapes), so
-the orchestrator can refuse a run before renting one.
+Named weights are downloaded by torchvision once, then kept in the artifact store by sha256.
+Every file is read with ``torch.load(weights_only=True)``. ``check_pretrained`` needs no GPU,
+so the orchestrator can refuse a run before renting one.
 """
 
 from __future__ import annotations
@@ -19,7 +14,6 @@ import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from urllib.parse import unquote, urlparse
 
 import torch
@@ -29,11 +23,7 @@ from torchvision.models._api import WeightsEnum
 
 from burstcv import lineage
 from burstcv.training.models import architecture, build_model, head_prefix
-from burstcv.training.names import (
-    ARCHITECTURE_NAMES,
-    check_architecture,
-    pretrained_kind,
-)
+from burstcv.training.names import ARCHITECTURE_NAMES, check_architecture, pretrained_kind
 from burstcv_spec import storage
 from burstcv_spec.contracts import PretrainedLoad
 
@@ -50,27 +40,19 @@ class PretrainedError(ValueError):
     """Raise when pretrained weights cannot be used; the one-line message says why."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Names and normalisation
-
-
 def weights_store_uri(artifact_root: str) -> str:
     """Return where named weights are kept by sha256: ``<artifact root>/weights``."""
     return storage.join(artifact_root, "weights")
-
-
-def models_with_weights() -> list[str]:
-    """Return the architectures that torchvision has weights for."""
-    return [name for name in ARCHITECTURE_NAMES if architecture(name).torchvision_name]
 
 
 def resolve_weights(arch: str, name: str) -> WeightsEnum:
     """Return the torchvision weights ``name`` of ``arch``, or raise listing the valid names."""
     tv_name = architecture(arch).torchvision_name
     if tv_name is None:
+        with_weights = [a for a in ARCHITECTURE_NAMES if architecture(a).torchvision_name]
         raise PretrainedError(
             f"{arch} has no torchvision weights; use pretrained 'none' or a state_dict URI, "
-            f"or a model that has weights: {', '.join(models_with_weights())}"
+            f"or a model that has weights: {', '.join(with_weights)}"
         )
     enum = get_model_weights(tv_name)
     member = name.removeprefix(f"{enum.__name__}.")
@@ -91,9 +73,7 @@ def normalization(
 ) -> tuple[Triple, Triple]:
     """Return the (mean, std) a model must be trained and served with.
 
-    From scratch: the dataset's own statistics. torchvision weights: the mean/std of the
-    weights' own transforms. A state_dict URI: ImageNet's, the convention of the torchvision
-    layout such a file must have (the stem of a pretrained model is torchvision's).
+    From scratch the dataset's, torchvision weights theirs, a state_dict URI ImageNet's.
     """
     kind = pretrained_kind(pretrained)
     if kind == "none":
@@ -110,25 +90,10 @@ def normalization(
     return mean, std
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading files
-
-
-def storage_uri(uri: str) -> str:
-    """Return what burstcv_spec.storage reads for a weights URI (``file://`` becomes a path)."""
-    parsed = urlparse(uri)
-    if parsed.scheme == "file":
-        return unquote(parsed.path)
-    if parsed.scheme not in ("", "s3") and len(parsed.scheme) > 1:  # 1 letter: C:\ on Windows
-        raise PretrainedError(f"weights URI {uri!r}: only paths, file:// and s3:// are supported")
-    return uri
-
-
 def _reason(exc: BaseException) -> str:
     """Return the part of a torch.load error that says what was wrong, on one line."""
     text = str(exc)
-    # torch's weights_only refusal buries the culprit in a long explanation (whose advice,
-    # to allowlist it, is not for untrusted files): keep only the culprit.
+    # torch's refusal buries the culprit in advice (allowlist it) unfit for untrusted files.
     culprit = re.search(r"Unsupported (global: GLOBAL \S+|operand \d+)", text)
     if culprit:
         return culprit.group(0)
@@ -139,20 +104,17 @@ def _reason(exc: BaseException) -> str:
 def read_state_dict(data: bytes, source: str) -> dict[str, torch.Tensor]:
     """Load weights with ``weights_only=True``; refuse anything but a state dict of tensors.
 
-    A training checkpoint (``{"model": state_dict, ...}``) gives its weights; the ``module.``
-    prefix of a model saved inside DistributedDataParallel is dropped.
+    A training checkpoint gives its ``model``; DistributedDataParallel's ``module.`` is dropped.
     """
     try:
         obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        if "Unsupported global" in str(exc):  # a class or function the file would call
+    except Exception as exc:  # untrusted bytes: any failure to parse them is the file's fault
+        if isinstance(exc, pickle.UnpicklingError) and "Unsupported global" in str(exc):
             raise PretrainedError(
                 f"{source} is not a plain state dict: it pickles code or objects, which "
                 f"torch.load(weights_only=True) refuses ({_reason(exc)}); save weights "
                 "with torch.save(model.state_dict(), path)"
             ) from exc
-        raise PretrainedError(f"{source} is not a torch weights file ({_reason(exc)})") from exc
-    except Exception as exc:  # untrusted bytes: any failure to parse them is the file's fault
         raise PretrainedError(f"{source} is not a torch weights file ({_reason(exc)})") from exc
     if isinstance(obj, dict):
         for key in _NESTED_STATE_KEYS:
@@ -160,9 +122,8 @@ def read_state_dict(data: bytes, source: str) -> dict[str, torch.Tensor]:
                 obj = obj[key]
                 break
     if not isinstance(obj, dict) or not obj:
-        raise PretrainedError(
-            f"{source} is not a state dict of name -> tensor (it holds {_describe(obj)})"
-        )
+        holds = "an empty dict" if isinstance(obj, dict) else f"a {type(obj).__name__}"
+        raise PretrainedError(f"{source} is not a state dict of name -> tensor (it holds {holds})")
     bad = [k for k, v in obj.items() if not (isinstance(k, str) and isinstance(v, torch.Tensor))]
     if bad:
         raise PretrainedError(
@@ -174,23 +135,16 @@ def read_state_dict(data: bytes, source: str) -> dict[str, torch.Tensor]:
     return obj
 
 
-def _describe(obj: Any) -> str:
-    if isinstance(obj, dict):
-        return "an empty dict"
-    return f"a {type(obj).__name__}"
-
-
 def read_weights_uri(uri: str) -> dict[str, torch.Tensor]:
     """Read the state_dict at a URI (path, file://, s3://), or raise a one-line PretrainedError."""
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("", "s3", "file") and len(parsed.scheme) > 1:  # 1 letter: C:\ drive
+        raise PretrainedError(f"weights URI {uri!r}: only paths, file:// and s3:// are supported")
     try:
-        data = storage.read_bytes(storage_uri(uri))
+        data = storage.read_bytes(unquote(parsed.path) if parsed.scheme == "file" else uri)
     except storage.ArtifactNotFoundError as exc:
         raise PretrainedError(f"pretrained weights {uri} not found") from exc
     return read_state_dict(data, uri)
-
-
-# ---------------------------------------------------------------------------------------------
-# Named weights: torchvision's download, kept in the artifact store by sha256
 
 
 def _index_uri(store: str, weights: WeightsEnum) -> str:
@@ -221,11 +175,7 @@ def _from_store(store: str, weights: WeightsEnum) -> tuple[dict[str, torch.Tenso
 
 
 def fetch_weights(weights: WeightsEnum, store: str | None) -> tuple[dict[str, torch.Tensor], str]:
-    """Return the state dict of torchvision weights and where it was read from.
-
-    From the store when it holds them; else torchvision downloads them (into torch's hub
-    cache, checking the hash in the file name) and they are copied into the store.
-    """
+    """Return torchvision weights' state dict and its source: the store, else a download (kept)."""
     if store:
         found = _from_store(store, weights)
         if found is not None:
@@ -254,10 +204,6 @@ def fetch_weights(weights: WeightsEnum, store: str | None) -> tuple[dict[str, to
     )
     log.info("kept %s in the artifact store: %s", weights_key(weights), uri)
     return state, uri
-
-
-# ---------------------------------------------------------------------------------------------
-# Fitting weights to a model
 
 
 def _fit(
@@ -302,12 +248,7 @@ def _fit(
 def load_pretrained(
     model: nn.Module, arch: str, pretrained: str, *, weights_store: str | None = None
 ) -> PretrainedLoad:
-    """Load the backbone of ``model`` (built with ``pretrained=True``) from ``pretrained``.
-
-    Every backbone tensor must be in the weights with its shape; the classifier head keeps
-    its fresh initialisation for the dataset's class count. ``weights_store`` is where named
-    weights are kept (``weights_store_uri(artifact_root)``); None downloads them every time.
-    """
+    """Load the backbone of ``model`` (built with ``pretrained=True``); the head starts fresh."""
     kind = pretrained_kind(pretrained)
     if kind == "none":
         raise ValueError("load_pretrained needs weights; pretrained is 'none'")
@@ -329,11 +270,7 @@ def load_pretrained(
 
 
 def check_pretrained(arch: str, pretrained: str) -> None:
-    """Raise a one-line error if ``pretrained`` cannot seed ``arch``; needs no GPU.
-
-    Checks the weights name against the architecture's torchvision weights (nothing is
-    downloaded), or reads a state_dict URI and fits it to the architecture's backbone.
-    """
+    """Raise a one-line error if ``pretrained`` cannot seed ``arch``; downloads nothing."""
     try:
         check_architecture(arch)
         kind = pretrained_kind(pretrained)
@@ -359,10 +296,8 @@ class AutoWeights:
 def auto_pretrained(arch: str, *, photos: bool, store: str | None) -> AutoWeights:
     """Resolve ``pretrained=auto``: for photos, the architecture's ImageNet weights.
 
-    They are fetched once, here on the orchestrator, into the artifact store (``store``), so
-    the training box never needs the internet; a later run finds them there, sha256-checked.
-    Where they cannot be fetched (no internet), the run trains from scratch with a warning.
-    Small images (the digits) train from scratch: ImageNet features at 224 px do not fit them.
+    Fetched here into ``store``, so the box never needs the internet; where they cannot be,
+    the run trains from scratch with a warning.
     """
     if not photos:
         return AutoWeights("none", "from scratch (small images, not photos)")
