@@ -15,12 +15,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from burstcv import pipeline
 from burstcv.data import pack
 from burstcv.data.chunks import MB, chunk_ranges
 from burstcv.data.validate import validate_dataset
 from burstcv.params import RunParams
 from burstcv.settings import Settings
+from burstcv.stages import data as data_stage
+from burstcv.stages import resolve
 from burstcv_spec.contracts import PackPlan, RunRef, ScanPlan, ValidationRecord, read_artifact
 
 # Fields that name where or when a record was written, not what it found.
@@ -76,9 +77,9 @@ def test_a_chunked_validation_fails_as_the_one_pass_scan_does(tmp_path: Path, ki
     dataset = _faulty(kit, tmp_path / "pets")
     run = RunRef.of("manual__chunks")
     settings, params = _run(tmp_path / "chunked", dataset, chunk_files=7)
-    with pytest.raises(pipeline.ValidationFailed) as chunked:
-        pipeline.validate(run, settings, params=params)
-    paths = pipeline.run_layout(run, settings)
+    with pytest.raises(resolve.ValidationFailed) as chunked:
+        data_stage.validate(run, settings, params=params)
+    paths = resolve.run_layout(run, settings)
     plan = read_artifact(paths.scan_plan, ScanPlan)
     # 62 files to inspect (the stray is refused unread, the dotfile ignored), 7 a chunk.
     assert plan.files == 62 and len(plan.chunks) == 9
@@ -108,9 +109,9 @@ def test_chunked_scan_and_pack_equal_one_chunk_byte_for_byte(
     for name, limits in {"one": {}, "files": {"chunk_files": 20}}.items():
         settings, params = _run(tmp_path / name, dataset, shard_format, **limits)
         run = RunRef.of(f"manual__{name}")
-        validated = pipeline.validate(run, settings, params=params)
-        packed = pipeline.pack(run, validated, settings=settings)
-        paths = pipeline.run_layout(run, settings)
+        validated = data_stage.validate(run, settings, params=params)
+        packed = data_stage.pack(run, validated, settings=settings)
+        paths = resolve.run_layout(run, settings)
         results[name] = (paths, validated, packed)
 
     one_paths, one_validated, one_packed = results["one"]
@@ -147,18 +148,18 @@ def test_a_chunk_that_did_not_run_is_named_and_a_rerun_chunk_joins(
     dataset = kit.write_dataset(tmp_path / "pets")
     settings, params = _run(tmp_path / "home", dataset, chunk_files=25)
     run = RunRef.of("manual__retry")
-    plan = pipeline.plan_scan(run, params, settings)
+    plan = data_stage.plan_scan(run, params, settings)
     assert [c.files for c in plan.chunks] == [25, 25, 10]
     assert plan.bytes == sum(p.stat().st_size for p in dataset.rglob("*.png"))
     assert plan.chunks[0].bytes + plan.chunks[1].bytes + plan.chunks[2].bytes == plan.bytes
     for chunk in (plan.chunks[0], plan.chunks[2]):
-        pipeline.scan_chunk(run, chunk, settings)
+        data_stage.scan_chunk(run, chunk, settings)
     with pytest.raises(FileNotFoundError, match="scan chunk 1: no manifest part"):
-        pipeline.validate(run, settings)
+        data_stage.validate(run, settings)
     # A retried chunk rewrites its own part only: twice is the same as once.
     for _ in range(2):
-        assert pipeline.scan_chunk(run, plan.chunks[1], settings) == 25
-    validated = pipeline.validate(run, settings)
+        assert data_stage.scan_chunk(run, plan.chunks[1], settings) == 25
+    validated = data_stage.validate(run, settings)
     assert read_artifact(validated.validation_uri, ValidationRecord).counts.usable == 60
 
 
@@ -167,7 +168,7 @@ def test_the_mb_limit_cuts_large_files_into_more_chunks(tmp_path: Path, kit: Any
     big = dataset / "train" / "cat" / "zz-big.png"
     big.write_bytes((dataset / "train" / "cat" / "000.png").read_bytes() + b"\0" * (2 * MB))
     settings, params = _run(tmp_path / "home", dataset, chunk_mb=1)
-    plan = pipeline.plan_scan(RunRef.of("manual__mb"), params, settings)
+    plan = data_stage.plan_scan(RunRef.of("manual__mb"), params, settings)
     # The files listed before the big one, the big one alone, the rest.
     assert [c.files for c in plan.chunks] == [6, 1, 30]
     assert plan.chunks[1].bytes > 2 * MB and plan.chunks[0].bytes + plan.chunks[2].bytes < MB
@@ -196,10 +197,10 @@ def test_chunks_past_the_map_limit_are_grown_and_each_reads_its_own_listing(
     dataset = kit.write_dataset(tmp_path / "pets")  # 60 files
     settings, params = _run(tmp_path / "home", dataset, chunk_files=2)  # 30 chunks asked
     monkeypatch.setenv("AIRFLOW__CORE__MAX_MAP_LENGTH", "5")  # a deployment's lower limit
-    assert pipeline.map_limit() == 5
+    assert data_stage.map_limit() == 5
     run = RunRef.of("manual__maplimit")
     with caplog.at_level("WARNING", logger="burstcv.data.chunks"):
-        plan = pipeline.plan_scan(run, params, settings)
+        plan = data_stage.plan_scan(run, params, settings)
     assert len(plan.chunks) <= 4  # 90% of 5
     assert sum(c.files for c in plan.chunks) == 60
     assert "more chunks than the 4 mapped tasks allowed" in caplog.text
@@ -208,8 +209,8 @@ def test_chunks_past_the_map_limit_are_grown_and_each_reads_its_own_listing(
         assert chunk.listing_uri and Path(chunk.listing_uri).is_file()
     Path(plan.listing_uri).unlink()
     for chunk in plan.chunks:
-        assert pipeline.scan_chunk(run, chunk, settings) == chunk.files
-    validated = pipeline.validate(run, settings)
+        assert data_stage.scan_chunk(run, chunk, settings) == chunk.files
+    validated = data_stage.validate(run, settings)
     assert read_artifact(validated.validation_uri, ValidationRecord).counts.usable == 60
 
 
@@ -217,17 +218,17 @@ def test_a_plan_from_before_chunk_slices_still_scans_and_packs(tmp_path: Path, k
     dataset = kit.write_dataset(tmp_path / "pets")
     settings, params = _run(tmp_path / "home", dataset, chunk_files=25)
     run = RunRef.of("manual__oldplan")
-    plan = pipeline.plan_scan(run, params, settings)
+    plan = data_stage.plan_scan(run, params, settings)
     old = plan.chunks[1].model_copy(update={"listing_uri": None})
     assert "listing_uri" not in old.model_dump(mode="json")
-    assert pipeline.scan_chunk(run, old, settings) == 25
+    assert data_stage.scan_chunk(run, old, settings) == 25
     for chunk in (plan.chunks[0], plan.chunks[2]):
-        pipeline.scan_chunk(run, chunk, settings)
-    validated = pipeline.validate(run, settings)
+        data_stage.scan_chunk(run, chunk, settings)
+    validated = data_stage.validate(run, settings)
     # A pack chunk without its rows (a plan from before them) orders the whole manifest.
-    pack_plan = pipeline.plan_pack(run, validated, settings)
-    sliced = pipeline.pack_chunk(run, validated, pack_plan.chunks[0], settings)
-    whole = pipeline.pack_chunk(
+    pack_plan = data_stage.plan_pack(run, validated, settings)
+    sliced = data_stage.pack_chunk(run, validated, pack_plan.chunks[0], settings)
+    whole = data_stage.pack_chunk(
         run, validated, pack_plan.chunks[0].model_copy(update={"listing_uri": None}), settings
     )
     assert sliced == whole
@@ -240,8 +241,8 @@ def test_each_pack_chunk_reads_its_own_shards_rows_not_the_manifest(
     dataset = kit.write_dataset(tmp_path / "pets", per_class=12)  # 36 training, 36 validation
     settings, params = _run(tmp_path / "home", dataset, "raw", chunk_files=20)
     run = RunRef.of("manual__rows")
-    validated = pipeline.validate(run, settings, params=params)
-    plan = pipeline.plan_pack(run, validated, settings)
+    validated = data_stage.validate(run, settings, params=params)
+    plan = data_stage.plan_pack(run, validated, settings)
     assert len(plan.chunks) == 4
     rows = [pack.read_shard_rows(Path(c.listing_uri).read_bytes()) for c in plan.chunks]
     # Every shard once, in order, each image once: 5 training shards, then 5 validation.
@@ -253,11 +254,11 @@ def test_each_pack_chunk_reads_its_own_shards_rows_not_the_manifest(
     def no_manifest(*_: Any, **__: Any) -> Any:
         raise AssertionError("a pack chunk read the whole manifest")
 
-    monkeypatch.setattr(pipeline, "read_manifest", no_manifest)
+    monkeypatch.setattr(data_stage, "read_manifest", no_manifest)
     for chunk in plan.chunks:
-        part = pipeline.pack_chunk(run, validated, chunk, settings)
+        part = data_stage.pack_chunk(run, validated, chunk, settings)
         assert part.index == chunk.index
-    packed = pipeline.pack(run, validated, settings=settings, packed_chunks=True)
+    packed = data_stage.pack(run, validated, settings=settings, packed_chunks=True)
     assert packed.counts == {"train": 36, "val": 36}
     assert len(packed.train_shards) == len(packed.val_shards) == 5
 
@@ -283,17 +284,17 @@ def test_a_scan_chunks_pool_takes_its_task_slots_share_of_the_cpus(
     monkeypatch.setattr("burstcv.data.scanner.dispatch.usable_cpus", lambda: 16)
     monkeypatch.setenv("AIRFLOW__CORE__EXECUTOR", "CeleryExecutor")
     monkeypatch.setenv("AIRFLOW__CELERY__WORKER_CONCURRENCY", "4")
-    assert pipeline.worker_task_slots() == 4
-    assert pipeline.task_processes(Settings()) == 4  # 16 CPUs over 4 slots
-    assert pipeline.task_processes(Settings(task_processes=3)) == 3  # the setting wins
+    assert data_stage.worker_task_slots() == 4
+    assert data_stage.task_processes(Settings()) == 4  # 16 CPUs over 4 slots
+    assert data_stage.task_processes(Settings(task_processes=3)) == 3  # the setting wins
     monkeypatch.setenv("AIRFLOW__CELERY__WORKER_CONCURRENCY", "64")
-    assert pipeline.task_processes(Settings()) == 1  # never fewer than one
+    assert data_stage.task_processes(Settings()) == 1  # never fewer than one
     monkeypatch.setenv("AIRFLOW__CORE__EXECUTOR", "LocalExecutor")
-    assert pipeline.worker_task_slots() == 1
-    assert pipeline.task_processes(Settings()) == 16
+    assert data_stage.worker_task_slots() == 1
+    assert data_stage.task_processes(Settings()) == 16
     monkeypatch.setenv("AIRFLOW__CORE__EXECUTOR", "CeleryExecutor")
     monkeypatch.setenv("AIRFLOW__CELERY__WORKER_CONCURRENCY", "0")
-    assert pipeline.worker_task_slots() == 1  # a worker has at least its own slot
+    assert data_stage.worker_task_slots() == 1  # a worker has at least its own slot
     # No readable Airflow configuration: one slot, and Airflow's default map limit.
     import airflow.configuration
 
@@ -302,7 +303,7 @@ def test_a_scan_chunks_pool_takes_its_task_slots_share_of_the_cpus(
 
     monkeypatch.setattr(airflow.configuration.conf, "get", unreadable)
     monkeypatch.setattr(airflow.configuration.conf, "getint", unreadable)
-    assert pipeline.worker_task_slots() == 1 and pipeline.map_limit() == 1024
+    assert data_stage.worker_task_slots() == 1 and data_stage.map_limit() == 1024
     # The pool: one process below the size a pool pays for, then the CPUs up to the cap.
     assert worker_count(None, POOL_MIN_FILES, cap=1) == 1
     assert worker_count(1, 10) == 1

@@ -506,10 +506,10 @@ def test_the_validate_stage_logs_one_summary_and_nothing_of_gx(dataset: Path) ->
         "import logging, sys\n"
         "logging.basicConfig(level=logging.INFO, stream=sys.stdout,\n"
         "                    format='%(name)s: %(message)s')\n"
-        "from burstcv import pipeline\n"
+        "from burstcv.stages import data as data_stage\n"
         "from burstcv.params import RunParams\n"
         "from burstcv_spec.contracts import RunRef\n"
-        "pipeline.validate(\n"
+        "data_stage.validate(\n"
         f"    RunRef.of('manual__log'), params=RunParams(dataset_uri={str(dataset)!r})\n"
         ")\n"
     )

@@ -21,11 +21,8 @@ def log_failure_summary(context: dict[str, Any]) -> None:
 
 
 def dataset_from_asset_events(events: Any) -> str | None:
-    """Return the dataset URI carried by the newest triggering Asset event, if any.
-
-    An ingestion job or an external POST /api/v2/assets/events says which dataset it
-    updated in the event's ``extra``: ``{"dataset_uri": "s3://bucket/datasets/v7"}``.
-    """
+    """Return the dataset URI carried by the newest triggering Asset event, if any: its
+    ``extra``'s ``dataset_uri`` (from an ingestion job or a POST /api/v2/assets/events)."""
     if not events:
         return None
     newest: tuple[Any, str] | None = None

@@ -1,17 +1,8 @@
 """Define the data stages of the pipeline DAG: validate and pack, each spread over chunks.
 
-Each stage is a plan, one mapped task per chunk and a join: ``plan_scan`` lists the dataset
-and cuts it into chunks (the run's ``chunk_files`` and ``chunk_mb``), a ``scan`` task per
-chunk writes its part of the manifest, and ``validate`` runs the Great Expectations suite and
-the drift check once over the joined manifest; ``plan_pack`` cuts the shards into chunks, a
-``pack_shards`` task per chunk writes its shards, and ``pack`` lists them all. A
-CeleryExecutor spreads the mapped tasks over its workers, the embedded default runs them on
-its one; a chunk that fails is retried alone. A dataset within one chunk maps one task each.
-
-``data_stages()``, called inside a DAG, adds the six tasks and returns the packed result;
-every task body is one call into ``burstcv.pipeline``. ``plan_scan``, the run's first task,
-resolves the run once (``pipeline.resolve_run``: the trigger's params, an asset event's
-dataset, the prices and the budget, into run.json); every later task reads that.
+Each stage is a plan, one mapped task per chunk and a join (``plan_scan``, ``scan``,
+``validate``; ``plan_pack``, ``pack_shards``, ``pack``); a chunk that fails is retried alone.
+``plan_scan``, the run's first task, also resolves the run once (into run.json).
 """
 
 from __future__ import annotations
@@ -46,58 +37,59 @@ def plan_scan(
     dag_run: Any = None,
 ) -> list[dict[str, Any]]:
     """Resolve the run, list the dataset and cut it into scan chunks; fail before any GPU."""
-    from burstcv import pipeline
     from burstcv.airflow.callbacks import dataset_from_asset_events
     from burstcv.airflow.runs import state_value
+    from burstcv.stages import data, resolve
 
     given = dict(params or {})
     if uri := dataset_from_asset_events(triggering_asset_events):
         given["dataset_uri"] = uri  # the data the event says changed is the data trained on
     try:
         run_params = RunParams.resolve(given, get_settings())
-        plan = pipeline.plan_scan(
+        plan = data.plan_scan(
             _run(run_id),
             run_params,
             get_settings(),
             trigger=state_value(getattr(dag_run, "run_type", None)),
         )
-    except (ValueError, pipeline.ValidationFailed) as exc:
+    except (ValueError, resolve.ValidationFailed) as exc:
         raise AirflowFailException(str(exc)) from exc  # retrying cannot fix the data
     return [chunk.model_dump(mode="json") for chunk in plan.chunks]
 
 
 @task(
     execution_timeout=timedelta(minutes=60),
+    # A mapped task's docs come from its partial arguments only, never from the docstring.
     doc_md="Read, hash and decode one chunk's files into its part of the manifest.",
     **SAFE_RETRY,
 )
 def scan(chunk: dict[str, Any], run_id: str | None = None) -> int:
     """Read, hash and decode one chunk's files into its part of the manifest."""
-    from burstcv import pipeline
+    from burstcv.stages import data
 
-    return pipeline.scan_chunk(_run(run_id), DataChunk.model_validate(chunk), get_settings())
+    return data.scan_chunk(_run(run_id), DataChunk.model_validate(chunk), get_settings())
 
 
 @task(execution_timeout=timedelta(minutes=30))
 def validate(run_id: str | None = None) -> dict[str, Any]:
     """Check the whole dataset with Great Expectations; fail before any GPU exists."""
-    from burstcv import pipeline
+    from burstcv.stages import data, resolve
 
     try:
-        return pipeline.validate(_run(run_id), get_settings()).model_dump(mode="json")
-    except pipeline.ValidationFailed as exc:
+        return data.validate(_run(run_id), get_settings()).model_dump(mode="json")
+    except resolve.ValidationFailed as exc:
         raise AirflowFailException(str(exc)) from exc  # retrying cannot fix the data
 
 
 @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
 def plan_pack(validated: dict[str, Any], run_id: str | None = None) -> list[dict[str, Any]]:
     """Cut the shards into chunks (skip: production's data, nothing new to train on)."""
-    from burstcv import pipeline
+    from burstcv.stages import data, resolve
 
     checked = Validated.model_validate(validated)
-    if reason := pipeline.nothing_new_to_train(_run(run_id), checked, settings=get_settings()):
+    if reason := resolve.nothing_new_to_train(_run(run_id), checked, settings=get_settings()):
         raise AirflowSkipException(reason)  # everything after it is skipped: no GPU rented
-    plan = pipeline.plan_pack(_run(run_id), checked, get_settings())
+    plan = data.plan_pack(_run(run_id), checked, get_settings())
     return [chunk.model_dump(mode="json") for chunk in plan.chunks]
 
 
@@ -110,22 +102,18 @@ def pack_shards(
     validated: dict[str, Any], chunk: dict[str, Any], run_id: str | None = None
 ) -> dict[str, Any]:
     """Decode one chunk's images once into its uint8 shards."""
-    from burstcv import pipeline
+    from burstcv.stages import data
 
-    return pipeline.pack_chunk(
-        _run(run_id),
-        Validated.model_validate(validated),
-        DataChunk.model_validate(chunk),
-        get_settings(),
-    ).model_dump(mode="json")
+    checked, part = Validated.model_validate(validated), DataChunk.model_validate(chunk)
+    return data.pack_chunk(_run(run_id), checked, part, get_settings()).model_dump(mode="json")
 
 
 @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
 def pack(validated: dict[str, Any], run_id: str | None = None) -> dict[str, Any]:
     """List every chunk's shards and fix the preprocessing from their training images."""
-    from burstcv import pipeline
+    from burstcv.stages import data
 
-    return pipeline.pack(
+    return data.pack(
         _run(run_id),
         Validated.model_validate(validated),
         settings=get_settings(),

@@ -1,11 +1,4 @@
-"""Build the pipeline DAG's trigger form (Airflow Params) from the run parameters.
-
-Every field of ``burstcv.params.RunParams`` becomes one typed Param: its title, description,
-type, bounds, choices and form section come from the model, its default from the model or
-the deployment's settings. Numeric bounds sit under ``allOf``: Airflow validates them there
-like any JSON-schema keyword and refuses the trigger (the form shows the error, the REST API
-answers 400), whereas top-level bounds make the UI's number input clamp a value silently.
-"""
+"""Build the pipeline DAG's trigger form (Airflow Params) from the run parameters."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """Say which Airflow components are unhealthy, so `make airflow` restarts what stopped.
 
-``GET /api/v2/monitor/health`` tells, from each component's heartbeat in the metadata
-database; a heartbeat stays fresh for half a minute after its process died, so with
-``--state`` (the pids ``burstcv.airflow.standalone`` writes) a component whose process is
-gone, or waits to be restarted, is unhealthy at once.
-
-    python -m burstcv.airflow.health http://127.0.0.1:8080 [--state var/run/airflow.state.json]
-    # exit 0 healthy, 1 not, 2 no answer
+A heartbeat stays fresh for half a minute after its process died, so with ``--state`` (the
+pids ``burstcv.airflow.standalone`` writes) a component whose process is gone is unhealthy at once.
 """
 
 from __future__ import annotations
@@ -43,10 +38,8 @@ def _alive(pid: Any) -> bool:
 
 
 def dead_processes(state_path: str) -> list[str]:
-    """Return 'name (why)' for each supervised process that is not running now.
-
-    A missing or unreadable state file says nothing (an Airflow started another way).
-    """
+    """Return 'name (why)' for each supervised process not running now (none without a
+    readable state file: an Airflow started another way)."""
     from burstcv_spec.contracts import ArtifactError, SupervisorState, read_artifact
 
     try:
@@ -71,11 +64,6 @@ def check(api_url: str, timeout_s: float = 10.0) -> list[str]:
     return unhealthy(response.json())
 
 
-def _names(lines: list[str]) -> set[str]:
-    """Return the health endpoint's names of the components these lines name."""
-    return {line.split()[0].replace("-", "_") for line in lines}
-
-
 def main(argv: list[str] | None = None) -> int:
     """Print the unhealthy components on one line; exit 0 (healthy), 1 (not) or 2 (no answer)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -83,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state", default="", help="the supervisor's pid file (JSON)")
     args = parser.parse_args(argv)
     dead = dead_processes(args.state) if args.state else []
+    named = {line.split()[0].replace("-", "_") for line in dead}  # as the health answer names
     try:
-        bad = dead + [b for b in check(args.api_url) if b.split()[0] not in _names(dead)]
+        bad = dead + [b for b in check(args.api_url) if b.split()[0] not in named]
     except (httpx.HTTPError, ValueError) as exc:
         why = f"; {', '.join(dead)}" if dead else ""
         sys.stdout.write(

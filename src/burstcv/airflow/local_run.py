@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from burstcv import lineage
+from burstcv.links import DAG_ID
 from burstcv.settings import HOME_ENV, get_settings
 from burstcv_spec import storage
 
 log = logging.getLogger(__name__)
 
-DAG_ID = "burstcv_pipeline"
 DAGS_FOLDER_ENV = "AIRFLOW__CORE__DAGS_FOLDER"
 # Airflow's folders in a source checkout, each found by a file it must hold.
 _CHECKOUT_FOLDERS = (
@@ -26,10 +26,8 @@ _CHECKOUT_FOLDERS = (
 def embedded_airflow_env() -> dict[str, str]:
     """Return the embedded Airflow's environment: SQLite in the burstcv home, burstcv's DAGs.
 
-    Callers set each variable only where it is unset. The home itself is named too, so
-    settings read once ``AIRFLOW_HOME`` is set (whose default depends on it) find the same
-    folder. The DAG and plugin folders default to those of the source checkout burstcv runs
-    from; an installed package has none, and then ``AIRFLOW__CORE__DAGS_FOLDER`` must say.
+    The home is named too, so settings read once ``AIRFLOW_HOME`` is set find the same folder;
+    an installed package has no DAG folder, and then ``AIRFLOW__CORE__DAGS_FOLDER`` must say.
     """
     home = os.environ.get(HOME_ENV) or get_settings().home
     airflow_home = os.environ.get("AIRFLOW_HOME") or str(Path(home) / "airflow")
@@ -46,11 +44,8 @@ def embedded_airflow_env() -> dict[str, str]:
 
 
 def use_embedded_airflow() -> None:
-    """Point this process at the embedded Airflow, wherever a variable does not say otherwise.
-
-    Call before Airflow is imported: its first import reads ``AIRFLOW_HOME`` (and would make
-    ``~/airflow`` when unset).
-    """
+    """Point this process at the embedded Airflow, wherever a variable does not say otherwise
+    (before Airflow is imported: its first import reads ``AIRFLOW_HOME``)."""
     for key, value in embedded_airflow_env().items():
         os.environ.setdefault(key, value)
 
@@ -83,7 +78,7 @@ def run_pipeline_once(conf: dict[str, Any]) -> tuple[str, str]:
         states.setdefault(ti.task_id, []).append(str(ti.state))
     lines = [f"{DAG_ID} run {dag_run.run_id}: {dag_run.state}"]
     lines += [f"  {task:<10} {_states_line(found)}" for task, found in sorted(states.items())]
-    from burstcv.pipeline import run_layout
+    from burstcv.stages.resolve import run_layout
     from burstcv_spec.contracts import LatencyRecord, VerdictRecord, read_artifact
 
     layout = run_layout(dag_run.run_id)

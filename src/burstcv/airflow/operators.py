@@ -17,13 +17,9 @@ log = logging.getLogger(__name__)
 class WaitForTrainingOperator(BaseOperator):
     """Defer until the training job of this run finishes; resume a lost box in the same try.
 
-    An attempt whose box was lost (a spot reclaim, still shutting down or gone) or interrupted
-    (a resumable FAILED) is relaunched by this same try, and the job resumes from its last
-    checkpoint: no Airflow retry is spent. ``pipeline.relaunch`` bounds the relaunches by the
-    run's deadline, budget and BURSTCV_MAX_RELAUNCHES. A retry (a worker that died while
-    waiting) picks the wait up where it was. ``on_kill`` (a user marking the task failed, a
-    timeout) terminates every instance of the run: the second layer against a leaked GPU,
-    after the teardown task.
+    A lost attempt is relaunched (within ``boxes.relaunch``'s bounds) and resumes from its
+    checkpoint without spending an Airflow retry. ``on_kill`` terminates the run's instances:
+    the second layer against a leaked GPU, after the teardown task.
     """
 
     template_fields = ("provisioned",)  # provision's XCom: Provisioned as JSON
@@ -36,7 +32,7 @@ class WaitForTrainingOperator(BaseOperator):
     def execute(self, context: Any) -> Any:
         """Hand the wait to the triggerer (relaunching first if this is a retry after a loss)."""
         from burstcv.compute.attempts import current_attempt, training_outcome
-        from burstcv.pipeline import collect_training
+        from burstcv.stages.boxes import collect_training
 
         info = self._boxes()
         # The attempt the run waits for: provision's (its try number), or the last relaunch.
@@ -58,7 +54,8 @@ class WaitForTrainingOperator(BaseOperator):
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
         """Return the training figures; relaunch a lost attempt; else fail with the box's reason."""
-        from burstcv.pipeline import TrainingFailed, collect_training
+        from burstcv.stages.boxes import collect_training
+        from burstcv.stages.resolve import TrainingFailed
 
         outcome = TrainingOutcome.model_validate(event)
         try:
@@ -71,7 +68,8 @@ class WaitForTrainingOperator(BaseOperator):
     def _relaunch_or_fail(self, outcome: TrainingOutcome) -> int:
         """Start the next attempt of a resumable outcome, or fail the task for good."""
         from burstcv.compute.attempts import resumable
-        from burstcv.pipeline import TrainingFailed, relaunch
+        from burstcv.stages.boxes import relaunch
+        from burstcv.stages.resolve import TrainingFailed
 
         attempt = outcome.attempt
         if not resumable(outcome):
@@ -87,7 +85,7 @@ class WaitForTrainingOperator(BaseOperator):
 
     def _wait_for(self, attempt: int) -> None:
         """Defer to the trigger that watches one attempt's markers and boxes."""
-        from burstcv.pipeline import resolved_run
+        from burstcv.stages.resolve import resolved_run
 
         info = self._boxes()
         self.defer(
@@ -117,7 +115,7 @@ class WaitForTrainingOperator(BaseOperator):
 
     def on_kill(self) -> None:
         """Terminate the run's instances when the task is killed."""
-        from burstcv.pipeline import terminate
+        from burstcv.stages.boxes import terminate
 
         if isinstance(self.provisioned, dict):  # else not rendered yet: nothing was read
             info = self._boxes()

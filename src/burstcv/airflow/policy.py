@@ -1,15 +1,8 @@
 """Make a pipeline run's GPU tasks take one slot of the GPU pool per training box it rents.
 
-An Airflow cluster policy (``task_instance_mutation_hook``), installed by the entry point
-``[project.entry-points."airflow.policy"]`` in pyproject.toml: every Airflow process loads it
-when Airflow starts, and the scheduler calls it for every task instance of every DAG as it
-creates or reconciles them. ``pool_slots`` is a static operator argument, so a run's
-``num_nodes`` (its trigger's conf) can reach the pool only here, per task instance.
-
-The tasks are picked by DAG id *and* pool: ``num_nodes`` means training boxes only in
-burstcv_pipeline's conf, and within that DAG the GPU pool (``BURSTCV_GPU_POOL``) is what marks
-the tasks that hold boxes (provision, train), so a box-holding task added to the pool is
-counted without a change here, and one taken out of it stops counting.
+An Airflow cluster policy (the ``airflow.policy`` entry point in pyproject.toml): ``pool_slots``
+is a static operator argument, so a run's ``num_nodes`` (its conf) can reach the pool only
+here. Within burstcv_pipeline the GPU pool marks the tasks that hold boxes.
 """
 
 from __future__ import annotations
@@ -42,11 +35,8 @@ hookimpl = pluggy.HookimplMarker(POLICY_PROJECT)
 def task_instance_mutation_hook(task_instance: TaskInstance, dag_run: DagRun | None) -> None:
     """Set a burstcv_pipeline GPU task's ``pool_slots`` to its run's number of training boxes.
 
-    Other DAGs' task instances, and the pipeline's tasks outside the GPU pool, are left as
-    they are, and so is any instance whose run is not given (``dag_run`` None). The scheduler
-    calls this inside its own transaction: no DB session, no network, and no exception may
-    leave it (one would abort scheduling for every DAG), so a conf value that cannot be read
-    leaves the slots the task declared, with a warning.
+    The scheduler calls this inside its own transaction: no DB session, no network, and no
+    exception may leave it (one would abort scheduling for every DAG).
     """
     if task_instance.dag_id != DAG_ID or dag_run is None:
         return
@@ -54,10 +44,8 @@ def task_instance_mutation_hook(task_instance: TaskInstance, dag_run: DagRun | N
         _set_pool_slots(task_instance, dag_run)
     except Exception:  # raising here would stop the scheduler: see the docstring
         log.exception(
-            "burstcv pool policy failed on %s.%s run %s: it keeps its declared %s pool slot(s)",
-            task_instance.dag_id,
-            task_instance.task_id,
-            task_instance.run_id,
+            "burstcv pool policy failed on %s: it keeps its declared %s pool slot(s)",
+            _where(task_instance),
             task_instance.pool_slots,
         )
 
@@ -68,36 +56,30 @@ def _set_pool_slots(task_instance: TaskInstance, dag_run: DagRun) -> None:
     settings = get_settings()
     if task_instance.pool != settings.gpu_pool:
         return
-    boxes = requested_boxes(dag_run.conf)
+    boxes, where = requested_boxes(dag_run.conf), _where(task_instance)
     if boxes is None:
+        conf = dag_run.conf
         log.warning(
-            "%s.%s run %s: conf %s=%r is not a number of boxes; it keeps its declared %s "
-            "pool slot(s)",
-            task_instance.dag_id,
-            task_instance.task_id,
-            task_instance.run_id,
+            "%s: conf %s=%r is not a number of boxes; it keeps its declared %s pool slot(s)",
+            where,
             NUM_NODES,
-            dag_run.conf.get(NUM_NODES) if isinstance(dag_run.conf, Mapping) else dag_run.conf,
+            conf.get(NUM_NODES) if isinstance(conf, Mapping) else conf,
             task_instance.pool_slots,
         )
         return
     if boxes > settings.gpu_pool_slots:
         log.warning(
-            "%s.%s run %s needs %d slots of pool %s, which has %d "
-            "(BURSTCV_GPU_POOL_SLOTS): it will wait until the pool is that large",
-            task_instance.dag_id,
-            task_instance.task_id,
-            task_instance.run_id,
+            "%s needs %d slots of pool %s, which has %d (BURSTCV_GPU_POOL_SLOTS): it will wait "
+            "until the pool is that large",
+            where,
             boxes,
             settings.gpu_pool,
             settings.gpu_pool_slots,
         )
     if task_instance.pool_slots != boxes:
         log.info(
-            "%s.%s run %s: %d slot(s) of pool %s, one per training box (%s)",
-            task_instance.dag_id,
-            task_instance.task_id,
-            task_instance.run_id,
+            "%s: %d slot(s) of pool %s, one per training box (%s)",
+            where,
             boxes,
             settings.gpu_pool,
             NUM_NODES,
@@ -105,12 +87,14 @@ def _set_pool_slots(task_instance: TaskInstance, dag_run: DagRun) -> None:
     task_instance.pool_slots = boxes
 
 
-def requested_boxes(conf: Any) -> int | None:
-    """Return the run's number of training boxes: conf's ``num_nodes``, else RunParams' default.
+def _where(task_instance: TaskInstance) -> str:
+    """Name a task instance in a log line: dag.task run <run id>."""
+    return f"{task_instance.dag_id}.{task_instance.task_id} run {task_instance.run_id}"
 
-    None when the conf gives a value RunParams would refuse (validated as RunParams does:
-    same type, same bounds), or is not a mapping at all.
-    """
+
+def requested_boxes(conf: Any) -> int | None:
+    """Return the run's number of training boxes: conf's ``num_nodes``, else RunParams' default;
+    None for a value RunParams would refuse, or a conf that is not a mapping."""
     if conf is None:
         conf = {}
     if not isinstance(conf, Mapping):
@@ -145,14 +129,9 @@ def _make_airflow_call_the_hook() -> None:
     """Undo Airflow's "no policy" shortcut, which only its local-settings file would undo.
 
     Airflow (3.3 included) marks its task-instance hook a no-op unless
-    ``airflow_local_settings`` defines one; while it is, the scheduler creates a run's task
-    instances in bulk without calling any policy, so this one would be skipped exactly where
-    a run's ``provision`` and ``train`` get their slots. Probed, not assumed: the flag is
-    only cleared where it exists and is set.
-
-    Called last, when this module is complete: Airflow loads this module while it starts
-    (then ``airflow.settings`` is already there); imported before Airflow, this import starts
-    Airflow, which registers the finished module through the entry point.
+    ``airflow_local_settings`` defines one, and then calls no policy; the flag is cleared only
+    where it is set. Called last: imported before Airflow, this import starts Airflow, which
+    registers the finished module through the entry point.
     """
     from airflow import settings as airflow_settings
 

@@ -1,12 +1,9 @@
 """Answer "is this DAG run still going?" for the reaper, from inside or outside a task.
 
-The answer is one of three (:class:`~burstcv.compute.reaper.RunActivity`), never a guess: a
-run whose ``train`` task is queued, running or deferred is ACTIVE whatever the run's own
-state says; a run that ended (or does not exist) with its ``train`` task done is OVER; any
-state this module does not know is UNKNOWN, and the reaper keeps that run's boxes. States are
-compared by their enum *values* (``"running"``): Airflow hands them out as ``DagRunState`` /
-``TaskInstanceState`` enums in some places and as plain strings in others, and ``str()`` of
-such an enum is its qualified name (``'DagRunState.RUNNING'``), not its value.
+Never a guess: a run whose ``train`` task is live is ACTIVE whatever the run's state says; a
+run that ended (or does not exist) with ``train`` done is OVER; any other state is UNKNOWN,
+and the reaper keeps its boxes. States are compared by *value*: Airflow hands out enums or
+strings, and ``str()`` of an enum is its qualified name (``'DagRunState.RUNNING'``).
 """
 
 from __future__ import annotations
@@ -94,10 +91,8 @@ def run_activity_db(dag_id: str, run_id: str) -> RunActivity:
 
 
 def run_activity_sdk(dag_id: str, run_id: str) -> RunActivity:
-    """Ask through the Task SDK's execution API (inside a task, where the ORM is off limits).
-
-    A run the API does not know (deleted, or never existed) is OVER.
-    """
+    """Ask through the Task SDK's execution API (inside a task, where the ORM is off limits);
+    a run the API does not know (deleted, or never existed) is OVER."""
     from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
 
     states = RuntimeTaskInstance.get_task_states(

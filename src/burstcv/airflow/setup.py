@@ -9,55 +9,33 @@ from burstcv.settings import Settings, get_settings
 log = logging.getLogger(__name__)
 
 
-def ensure_gpu_pool(settings: Settings | None = None) -> None:
-    """Create or resize the pool whose slots bound concurrent training boxes (the GPU quota).
-
-    Deferred tasks keep their slot (``include_deferred``), so a run waiting on its training
-    box holds one until the teardown; further runs queue instead of renting more GPUs.
-    """
-    from airflow.models.pool import Pool
-
-    s = settings or get_settings()
-    Pool.create_or_update_pool(
-        name=s.gpu_pool,
-        slots=s.gpu_pool_slots,
-        description="burstcv: training boxes that may exist at once (the account's GPU quota)",
-        include_deferred=True,
-    )
-    log.info("pool %s: %d slots (deferred tasks count)", s.gpu_pool, s.gpu_pool_slots)
-
-
 def ensure_pools(settings: Settings | None = None) -> None:
-    """Create or resize burstcv's pools: the GPU boxes' and the benchmarks'."""
-    s = settings or get_settings()
-    ensure_gpu_pool(s)
-    ensure_bench_pool(s)
+    """Create or resize burstcv's pools: the GPU boxes' and the benchmarks'.
 
-
-def ensure_bench_pool(settings: Settings | None = None) -> None:
-    """Create or resize the pool the benchmark task runs in (one slot by default).
-
-    Two runs' latency benchmarks and fleet sizings on one worker would measure each other:
-    the pool keeps them one at a time (``BURSTCV_BENCH_POOL_SLOTS``, per worker pool).
+    Deferred tasks keep their GPU slot, so a run waiting on its box holds one until the
+    teardown and further runs queue instead of renting more GPUs. The bench pool keeps two
+    runs' latency benchmarks and sizings from measuring each other.
     """
     from airflow.models.pool import Pool
 
     s = settings or get_settings()
-    Pool.create_or_update_pool(
-        name=s.bench_pool,
-        slots=s.bench_pool_slots,
-        description="burstcv: gate measurements (latency, sizing) that may run at once",
-        include_deferred=False,
-    )
-    log.info("pool %s: %d slot(s)", s.bench_pool, s.bench_pool_slots)
+    boxes = "training boxes that may exist at once (the account's GPU quota)"
+    measurements = "gate measurements (latency, sizing) that may run at once"
+    for name, slots, what, deferred in (
+        (s.gpu_pool, s.gpu_pool_slots, boxes, True),
+        (s.bench_pool, s.bench_pool_slots, measurements, False),
+    ):
+        Pool.create_or_update_pool(
+            name=name, slots=slots, description=f"burstcv: {what}", include_deferred=deferred
+        )
+        log.info(
+            "pool %s: %d slot(s)%s", name, slots, " (deferred tasks count)" if deferred else ""
+        )
 
 
 def ensure_metadata_db() -> bool:
-    """Create or migrate the Airflow metadata DB when it is missing or behind; return if it did.
-
-    What ``airflow db migrate`` does, so ``burstcv run`` works on a fresh ``AIRFLOW_HOME``
-    instead of failing on a missing table. A DB that is up to date is left alone.
-    """
+    """Create or migrate the Airflow metadata DB when it is missing or behind; return if it did
+    (what ``airflow db migrate`` does, so ``burstcv run`` works on a fresh ``AIRFLOW_HOME``)."""
     from airflow import settings as airflow_settings
     from airflow.utils import db
 

@@ -1,25 +1,11 @@
 """Run and supervise Airflow's components on this machine for `make airflow`, nothing
 listening beyond it.
 
-What ``airflow standalone`` does, with three differences:
-
-- The scheduler and the triggerer start with ``--skip-serve-logs``. Their log servers bind
-  every interface (Airflow hard-codes the host) and serve task logs to the network; on one
-  machine sharing one ``AIRFLOW_HOME`` the api-server reads task and trigger logs from disk, so
-  they are not needed. The api-server binds ``[api] host`` and ``port`` (127.0.0.1 and
-  ``AIRFLOW_PORT`` under make).
-- The api-server starts first and the others once it answers: a task queued at start-up
-  reports to the execution API it serves, and failed when it did not answer yet.
-- A component that exits is started again, after a backoff that doubles while it keeps
-  exiting soon after its start (1 s up to a minute), with a line naming it: a database lock
-  that takes the scheduler, triggerer and dag-processor down at once stalls nothing for long.
-
-The components run as children in this process's group, each output line prefixed with its
-name; SIGTERM (``make airflow-stop``) ends them all. Each component's pid is written to
-``BURSTCV_AIRFLOW_STATE`` (a JSON file, when set) as it starts, so `make airflow` can tell a
-dead process from a stale heartbeat (``burstcv.airflow.health --state``).
-
-    python -m burstcv.airflow.standalone
+What ``airflow standalone`` does, except that: the scheduler and triggerer skip their log
+servers (which bind every interface; the api-server reads the logs from disk); the others
+start once the api-server answers (a task queued at start-up reports to it); and a component
+that exits restarts after a backoff. Their pids go to ``BURSTCV_AIRFLOW_STATE`` (JSON, when
+set) for ``burstcv.airflow.health``.
 """
 
 from __future__ import annotations
@@ -117,13 +103,14 @@ class Component:
     quick_exits: int = 0  # exits in a row, each sooner than STABLE_S after its start
     restart_at: float | None = None  # time.monotonic() of the next start, once it exited
 
-    def start(self, env: dict[str, str]) -> None:
+    def start(self, env: dict[str, str], verb: str = "started") -> None:
         self.proc = subprocess.Popen(
             self.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
         self.started_at, self.restart_at = time.monotonic(), None
         assert self.proc.stdout is not None
         threading.Thread(target=_relay, args=(self.name, self.proc.stdout), daemon=True).start()
+        _say("burstcv", f"{verb} {self.name} (pid {self.proc.pid})")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -163,9 +150,8 @@ def supervise(
 ) -> None:
     """Start ``components`` (the first alone, the rest once ``ready()``), restart any that
     exits, until ``stopping`` is set; then stop them all."""
-    first, rest = components[0], components[1:]
+    first = components[0]
     first.start(env)
-    _say("burstcv", f"started {first.name} (pid {first.proc.pid if first.proc else '?'})")
     _write_state(state_path, components)
     waited_since = time.monotonic()
     while not stopping.is_set() and first.alive() and not ready():
@@ -177,39 +163,45 @@ def supervise(
             )
             break
         stopping.wait(0.5)
-    for component in rest:
+    for component in components[1:]:
         if stopping.is_set():
             break
         component.start(env)
-        _say(
-            "burstcv",
-            f"started {component.name} (pid {component.proc.pid if component.proc else '?'})",
-        )
     _write_state(state_path, components)
     while not stopping.is_set():
-        changed = False
-        now = time.monotonic()
-        for component in components:
-            if component.proc is None or component.alive():
-                continue
-            if component.restart_at is None:
-                ran_s = now - component.started_at
-                component.quick_exits = component.quick_exits + 1 if ran_s < STABLE_S else 1
-                delay = backoff_s(component.quick_exits)
-                component.restart_at = now + delay
-                _say(
-                    "burstcv",
-                    f"{component.name} exited with {component.proc.returncode} after "
-                    f"{ran_s:.0f} s; restarting it in {delay:.0f} s",
-                )
-                changed = True
-            elif now >= component.restart_at:
-                component.start(env)
-                _say("burstcv", f"restarted {component.name} (pid {component.proc.pid})")
-                changed = True
-        if changed:
+        if _restart_exited(components, env):
             _write_state(state_path, components)
         stopping.wait(SUPERVISE_EVERY_S)
+    _stop(components)
+
+
+def _restart_exited(components: Sequence[Component], env: dict[str, str]) -> bool:
+    """Schedule the restart of each component that exited, or restart it when due; return
+    whether any changed."""
+    changed = False
+    now = time.monotonic()
+    for component in components:
+        if component.proc is None or component.alive():
+            continue
+        if component.restart_at is None:
+            ran_s = now - component.started_at
+            component.quick_exits = component.quick_exits + 1 if ran_s < STABLE_S else 1
+            delay = backoff_s(component.quick_exits)
+            component.restart_at = now + delay
+            _say(
+                "burstcv",
+                f"{component.name} exited with {component.proc.returncode} after "
+                f"{ran_s:.0f} s; restarting it in {delay:.0f} s",
+            )
+            changed = True
+        elif now >= component.restart_at:
+            component.start(env, "restarted")
+            changed = True
+    return changed
+
+
+def _stop(components: Sequence[Component]) -> None:
+    """Terminate every component, and kill any still running after STOP_GRACE_S."""
     for component in components:
         if component.alive() and component.proc is not None:
             component.proc.terminate()

@@ -1,14 +1,14 @@
 """Wait for a training job without holding a worker slot: an Airflow trigger on its markers.
 
-While it polls, the trigger leaves a heartbeat in the attempt's folder (at most once a
-minute). A trigger that starts again after a silence (the triggerer died, or was too busy)
-says in the train task's log how long nobody watched the training, and where to look.
+Its heartbeat in the attempt's folder lets a trigger started again after a silence (the
+triggerer died, or was too busy) say how long nobody watched the training.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import inspect
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime
@@ -84,28 +84,16 @@ class TrainingCompletionTrigger(BaseTrigger):
         self.output_uri = output_uri
         self.attempt = attempt  # only this attempt's markers end the wait
         self.poll_interval_s = poll_interval_s
-        # The run's budget, for the progress lines (None: none; 0 from a trigger serialized
-        # before None said it).
+        # The run's budget, for the progress lines (None: none; an older serialized trigger: 0).
         self.max_cost_usd = max_cost_usd or None
         # The floor of the stall bound (burstcv.compute.liveness); None: the setting's.
         self.stall_min_s = stall_min_s
         self.boxes = boxes  # boxes per attempt: how often the ranks' markers are read
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        """Return the classpath and kwargs the triggerer rebuilds this trigger from."""
-        return (
-            "burstcv.airflow.triggers.TrainingCompletionTrigger",
-            {
-                "run_id": self.run_id,
-                "backend": self.backend,
-                "output_uri": self.output_uri,
-                "attempt": self.attempt,
-                "poll_interval_s": self.poll_interval_s,
-                "max_cost_usd": self.max_cost_usd,
-                "stall_min_s": self.stall_min_s,
-                "boxes": self.boxes,
-            },
-        )
+        """Return the classpath and kwargs (``__init__``'s) the triggerer rebuilds this from."""
+        kwargs = {name: getattr(self, name) for name in inspect.signature(type(self)).parameters}
+        return "burstcv.airflow.triggers.TrainingCompletionTrigger", kwargs
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Poll the artifact store and the backend until the job has an outcome."""
@@ -122,30 +110,15 @@ class TrainingCompletionTrigger(BaseTrigger):
         logged, beat_at = 0, float("-inf")
         floor_s = self.stall_min_s or get_settings().train_stall_min_s
         watch = StallWatch(floor_s=floor_s)
+        job = (self.run_id, self.backend, self.output_uri, self.attempt)
         while True:
             if time.monotonic() - beat_at >= HEARTBEAT_EVERY_S:
                 await asyncio.to_thread(write_heartbeat, self.output_uri, self.attempt)
                 beat_at = time.monotonic()
             # Storage and cloud calls are blocking: keep them off the triggerer's event loop.
-            outcome = await asyncio.to_thread(
-                training_outcome,
-                self.run_id,
-                self.backend,
-                self.output_uri,
-                self.attempt,
-                None,
-                self.boxes,
-            )
+            outcome = await asyncio.to_thread(training_outcome, *job, None, self.boxes)
             # One line per finished epoch in the task log, as the box writes them.
-            lines = await asyncio.to_thread(
-                progress_lines,
-                self.run_id,
-                self.backend,
-                self.output_uri,
-                self.attempt,
-                logged,
-                self.max_cost_usd,
-            )
+            lines = await asyncio.to_thread(progress_lines, *job, logged, self.max_cost_usd)
             for line in lines:
                 self.log.info(line)
             logged += len(lines)

@@ -1,19 +1,13 @@
 """Split a dataset's scan into chunks that separate tasks run, and join their parts again.
 
-A large dataset's scan is CPU work in the hundreds of images per second per core: hours on
-one machine. ``plan_scan`` lists the dataset once and cuts the listing into chunks of at
-most ``max_files`` files and ``max_bytes`` bytes; ``scan_chunk`` inspects one chunk (in this
-process, or a local pool for a large one) and writes its manifest rows as a part;
-``join_scan`` joins every part into the manifest a one-pass ``scan`` makes of the same data,
-row for row. Airflow maps one task per chunk (dags/burstcv_pipeline.py), so a CeleryExecutor
-spreads them over its workers, and a chunk that fails is retried alone.
-
-``chunk_ranges`` groups any sized items the same way: pack cuts its shards with it.
+``plan_scan`` lists the dataset once and cuts the listing into chunks; ``scan_chunk`` writes
+one chunk's manifest rows as a part; ``join_scan`` joins the parts into the manifest a
+one-pass ``scan`` makes, row for row. Airflow maps one task per chunk, so a chunk that fails
+is retried alone. ``chunk_ranges`` groups any sized items (pack's shards too) the same way.
 """
 
 from __future__ import annotations
 
-import gc
 import io
 import logging
 import math
@@ -23,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from burstcv.data.config import ValidationConfig
 from burstcv.data.manifest import write_manifest
-from burstcv.data.scanner.columns import COLUMNS, append, to_frame
+from burstcv.data.scanner.columns import COLUMNS, new_columns, to_frame
 from burstcv.data.scanner.dispatch import Dispatcher
 from burstcv.data.scanner.listing import DatasetUnusableError, Task, list_dataset
 from burstcv_spec import storage
@@ -43,11 +37,8 @@ MB = 1 << 20
 def chunk_ranges(
     sizes: Sequence[tuple[int, int]], max_files: int, max_bytes: int
 ) -> list[tuple[int, int, int, int]]:
-    """Group consecutive items of (files, bytes) into runs within both limits.
-
-    Returns (start, stop, files, bytes) per run; an item over a limit by itself is a run of
-    its own. No items: one empty run, so that a plan always has a chunk.
-    """
+    """Group consecutive items of (files, bytes) into runs within both limits: (start, stop,
+    files, bytes) each (an item over a limit is a run alone; no items, one empty run)."""
     if max_files < 1 or max_bytes < 1:
         raise ValueError(f"chunk limits must be >= 1, got {max_files} files, {max_bytes} bytes")
     runs: list[tuple[int, int, int, int]] = []
@@ -70,11 +61,9 @@ GROWTH = 1.25  # each try at fitting the map limit grows both chunk limits this 
 def ranges_within(
     sizes: Sequence[tuple[int, int]], max_files: int, max_bytes: int, max_chunks: int | None
 ) -> tuple[list[tuple[int, int, int, int]], int, int]:
-    """Return ``chunk_ranges`` of ``sizes`` in at most ``max_chunks`` chunks, and the limits
-    that made them: the ones asked for, grown by ``GROWTH`` at a time while there would be
-    more chunks than Airflow may map (a mapped task over more than its ``max_map_length``
-    fails the run). None: no cap.
-    """
+    """Return ``chunk_ranges`` of ``sizes`` in at most ``max_chunks`` chunks (None: no cap),
+    and the limits that made them: grown by ``GROWTH`` while there would be more chunks than
+    Airflow may map (a mapped task over its ``max_map_length`` fails the run)."""
     runs = chunk_ranges(sizes, max_files, max_bytes)
     if max_chunks is not None and max_chunks < 1:
         raise ValueError(f"a plan needs room for at least one chunk, not {max_chunks}")
@@ -120,14 +109,8 @@ def plan_scan(
     max_bytes: int,
     max_chunks: int | None = None,
 ) -> ScanPlan:
-    """List a dataset into ``scan_uri`` and cut the listing into chunks.
-
-    Writes the files to inspect (``listing.parquet``), each chunk's own rows of it (so a
-    chunk's task reads its slice, not the whole listing), and the manifest rows of the files
-    the listing refused unread (``refused.parquet``). ``part_uri(i)`` names where chunk
-    ``i``'s rows go; ``max_chunks`` caps the chunks (``ranges_within``). Raises
-    DatasetUnusableError when the URI names nothing or holds no file.
-    """
+    """List a dataset into ``scan_uri`` (the listing, each chunk's slice of it, the files
+    refused unread) and cut it into chunks, chunk ``i``'s rows going to ``part_uri(i)``."""
     import pyarrow as pa
 
     tasks: list[Task] = []
@@ -144,24 +127,8 @@ def plan_scan(
         }
     )
     listing_uri = storage.write_bytes(storage.join(scan_uri, LISTING), _parquet(listing))
-    columns: dict[str, list[Any]] = {name: [] for name in COLUMNS}
-    for row in refused:
-        append(columns, row)
-    refused_uri = write_manifest(to_frame(columns), storage.join(scan_uri, REFUSED))
-    runs, files_cap, bytes_cap = ranges_within(
-        [(1, size) for size in sizes], max_files, max_bytes, max_chunks
-    )
-    if (files_cap, bytes_cap) != (max_files, max_bytes):
-        log.warning(
-            "%d files at %d files and %d MB a chunk would be more chunks than the %d mapped "
-            "tasks allowed: chunks of up to %d files and %d MB instead",
-            len(tasks),
-            max_files,
-            max_bytes // MB,
-            max_chunks,
-            files_cap,
-            bytes_cap // MB,
-        )
+    refused_uri = write_manifest(to_frame(new_columns(refused)), storage.join(scan_uri, REFUSED))
+    runs = _file_runs(sizes, max_files, max_bytes, max_chunks)
 
     def write_slice(index: int, start: int, stop: int) -> str:
         slice_uri = storage.join(scan_uri, LISTING_SLICES, f"{index:05d}.parquet")
@@ -177,6 +144,27 @@ def plan_scan(
         bytes=sum(sizes),
         chunks=chunks,
     )
+
+
+def _file_runs(
+    sizes: list[int], max_files: int, max_bytes: int, max_chunks: int | None
+) -> list[tuple[int, int, int, int]]:
+    """Return ``ranges_within`` of the listed files, saying so when the map limit grew them."""
+    runs, files_cap, bytes_cap = ranges_within(
+        [(1, size) for size in sizes], max_files, max_bytes, max_chunks
+    )
+    if (files_cap, bytes_cap) != (max_files, max_bytes):
+        log.warning(
+            "%d files at %d files and %d MB a chunk would be more chunks than the %d mapped "
+            "tasks allowed: chunks of up to %d files and %d MB instead",
+            len(sizes),
+            max_files,
+            max_bytes // MB,
+            max_chunks,
+            files_cap,
+            bytes_cap // MB,
+        )
+    return runs
 
 
 def _parquet(table: Any) -> bytes:
@@ -202,12 +190,8 @@ def scan_chunk(
     workers: int | None = None,
     max_workers: int | None = None,
 ) -> int:
-    """Inspect one chunk's files and write their manifest rows to ``chunk.part_uri``.
-
-    Every file becomes a row (an unreadable one an error row), exactly as in ``scan``;
-    rewriting the part is harmless, so a retried chunk starts over. ``workers`` processes,
-    else as many as its size is worth, at most ``max_workers``. Returns the rows written.
-    """
+    """Inspect one chunk's files (as ``scan`` does) into ``chunk.part_uri``; return the rows.
+    ``workers`` processes, else as many as its size is worth, at most ``max_workers``."""
     import pyarrow.parquet as pq
 
     if chunk.listing_uri:  # the chunk's own rows
@@ -216,33 +200,25 @@ def scan_chunk(
         table = pq.read_table(io.BytesIO(storage.read_bytes(plan.listing_uri)))
         rows = table.slice(chunk.start, chunk.stop - chunk.start).to_pydict()
     tasks: list[Task] = list(zip(rows["path"], rows["uri"], rows["bytes"], strict=True))
-    columns: dict[str, list[Any]] = {name: [] for name in COLUMNS}
+    columns = new_columns()
     options = (
         config.max_pixels,
         config.max_file_bytes,
         config.near_duplicate_max_distance is not None,
     )
-    gc_was_enabled = gc.isenabled()
-    gc.disable()  # plain rows, never cycles (see scan)
-    try:
-        with Dispatcher(workers, options, max_workers) as dispatcher:
-            dispatcher.add(tasks)
-            dispatcher.finish(columns)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    with Dispatcher(workers, options, max_workers) as dispatcher:
+        dispatcher.add(tasks)
+        dispatcher.finish(columns)
     write_manifest(to_frame(columns), chunk.part_uri)
     return len(tasks)
 
 
 def join_scan(plan: ScanPlan) -> pd.DataFrame:
-    """Return the manifest of every chunk's part and the refused rows, sorted by path.
-
-    Raises FileNotFoundError naming the chunk whose part is missing (its task did not run).
-    """
+    """Return the manifest of every chunk's part and the refused rows, sorted by path; raise
+    FileNotFoundError naming a chunk whose part is missing."""
     import pyarrow.parquet as pq
 
-    columns: dict[str, list[Any]] = {name: [] for name in COLUMNS}
+    columns = new_columns()
     sources = [("the listing's refused files", plan.refused_uri)] + [
         (f"scan chunk {chunk.index}", chunk.part_uri) for chunk in plan.chunks
     ]

@@ -1,10 +1,5 @@
-"""Hold the thresholds of the dataset gate: a light module (no Great Expectations, no pandas).
-
-It lives apart from ``suite`` (which builds the checks from it) and ``validate`` (which is
-handed it and records it), so each imports it without importing the other. It is the one
-home of each threshold's default and its reason: the run parameters (``burstcv.params``),
-and through them the trigger form and the command line, take their defaults from it, so
-the DAG file reads them without importing the checks or the scanner.
+"""Hold the thresholds of the dataset gate: a light module (no Great Expectations, no pandas),
+so that the run parameters take their defaults from here without importing the checks.
 """
 
 from __future__ import annotations
@@ -18,14 +13,12 @@ DEFAULT_MAX_PIXELS = 4096 * 4096
 # 32x32 classifier has no business holding a 64 MiB file; raise it for photo datasets).
 DEFAULT_MAX_FILE_BYTES = 64 * 1024 * 1024
 
-# The chunks validate and pack are split into, one mapped task each. A scan and decode runs
-# at a few hundred photos a second per core: 20,000 files (4 GB at most) is a few minutes
-# on a 2-core worker, long enough that a task's start-up (seconds) is noise, short enough
-# that a retried chunk loses little. The demo's 1,800 digits and most first datasets are one
-# chunk.
 # The square sizes a run may train and serve at, px (burstcv.data.imagesize chooses one).
 MIN_IMAGE_SIZE = 16
 MAX_IMAGE_SIZE = 640
+# The chunks validate and pack are split into, one mapped task each: 20,000 files (4 GB at
+# most) take a few minutes on a 2-core worker, long enough that a task's start-up is noise,
+# short enough that a retried chunk loses little.
 DEFAULT_CHUNK_FILES = 20_000
 DEFAULT_CHUNK_MB = 4096
 

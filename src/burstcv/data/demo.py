@@ -21,11 +21,8 @@ SPLIT_SEED = 0  # fixed: the same files land in the same split on every machine
 
 
 def write_demo_dataset(root: str | Path, *, size_px: int = DEMO_SIZE_PX) -> dict[str, int]:
-    """Write ``root/{train,val}/<digit>/<n>.png`` (RGB, size_px square) and return split counts.
-
-    The 1,797 8x8 images (values 0..16) are scaled to 0..255 and resized with bicubic
-    interpolation; the split is stratified by class and deterministic.
-    """
+    """Write ``root/{train,val}/<digit>/<n>.png`` (RGB, size_px square) and return split counts
+    (the split is stratified by class and deterministic)."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -54,12 +51,8 @@ def write_demo_dataset(root: str | Path, *, size_px: int = DEMO_SIZE_PX) -> dict
 def pack_demo(
     root: str | Path, out_uri: str, spec: PreprocessSpec | None = None
 ) -> tuple[Packed, PreprocessSpec]:
-    """Pack a demo dataset (digits or photos), without running the validation gate.
-
-    For benchmarks and test fixtures only: the demo files are known to be good, so the
-    manifest comes from the folder layout. The default spec is the digits': 32 px, normalised
-    with round figures close to their own statistics (white strokes on black).
-    """
+    """Pack a demo dataset (digits or photos) for benchmarks and test fixtures, unvalidated
+    (the default spec is the digits': round figures close to their own statistics)."""
     root = Path(root)
     rows = [
         {

@@ -1,15 +1,9 @@
 """Choose the resolution a run trains and serves at, from its request and the validated data.
 
-A run may name an ``image_size``; left empty, it is taken from the data: the median short
-side of the usable images, at most ``DEFAULT_MAX_IMAGE_SIZE`` (the size ImageNet-pretrained
-networks are made for, and where CPU serving cost is still modest), and never more than the
-images hold (upscaling adds pixels, not signal). Either way it is bounded by what the run
-parameters accept.
-
-The size also decides the eval transform. Images at least as large as the margin square
-(``resize_short_for(px)``, 256 for 224) are photos: their short side is resized, keeping the
-aspect, and the centre is cropped (training draws random crops from the margin). Smaller
-ones (the digits) are resized straight to the size, as they always were.
+Unless the run names an ``image_size``: the median short side of the usable images (upscaling
+adds pixels, not signal), at most ``DEFAULT_MAX_IMAGE_SIZE`` (what ImageNet-pretrained networks
+are made for, and cheap enough to serve on CPU). Images at least as large as the margin square
+are photos: short side resized, centre cropped.
 """
 
 from __future__ import annotations
@@ -24,10 +18,8 @@ DEFAULT_MAX_IMAGE_SIZE = 224
 
 
 def choose_image_size(manifest: pd.DataFrame, requested: int | None) -> ImageSizeChoice:
-    """Return the square training/serving size for a validated manifest.
-
-    Raises ValueError when the request is out of bounds or no image is usable.
-    """
+    """Return the square training/serving size for a validated manifest (ValueError: the
+    request is out of bounds, or no image is usable)."""
     if requested is not None and not MIN_IMAGE_SIZE <= requested <= MAX_IMAGE_SIZE:
         raise ValueError(f"image_size {requested} is outside {MIN_IMAGE_SIZE}..{MAX_IMAGE_SIZE} px")
     usable = manifest[manifest["decode_ok"].astype(bool)]
@@ -36,23 +28,16 @@ def choose_image_size(manifest: pd.DataFrame, requested: int | None) -> ImageSiz
     short = usable[["width", "height"]].min(axis=1)
     median = int(short.median())
     if requested is not None:
-        return _with_transform(ImageSizeChoice(px=requested, reason="the run's image_size"), median)
-    px = max(MIN_IMAGE_SIZE, min(DEFAULT_MAX_IMAGE_SIZE, median))
-    why = (
-        f"the median short side of {len(usable)} images is {median} px"
-        + (f", capped at {DEFAULT_MAX_IMAGE_SIZE}" if median > DEFAULT_MAX_IMAGE_SIZE else "")
-        + (f", raised to the {MIN_IMAGE_SIZE} px minimum" if median < MIN_IMAGE_SIZE else "")
-    )
-    return _with_transform(ImageSizeChoice(px=px, reason=why), median)
-
-
-def _with_transform(size: ImageSizeChoice, median_short: int) -> ImageSizeChoice:
-    margin = resize_short_for(size.px)
-    if median_short < margin:
-        return size
-    return size.model_copy(
-        update={
-            "reason": f"{size.reason}; photos: short side to {margin}, centre crop",
-            "resize_short": margin,
-        }
-    )
+        px, why = requested, "the run's image_size"
+    else:
+        px = max(MIN_IMAGE_SIZE, min(DEFAULT_MAX_IMAGE_SIZE, median))
+        why = (
+            f"the median short side of {len(usable)} images is {median} px"
+            + (f", capped at {DEFAULT_MAX_IMAGE_SIZE}" if median > DEFAULT_MAX_IMAGE_SIZE else "")
+            + (f", raised to the {MIN_IMAGE_SIZE} px minimum" if median < MIN_IMAGE_SIZE else "")
+        )
+    margin = resize_short_for(px)
+    if median < margin:
+        return ImageSizeChoice(px=px, reason=why)
+    why += f"; photos: short side to {margin}, centre crop"
+    return ImageSizeChoice(px=px, reason=why, resize_short=margin)

@@ -1,46 +1,27 @@
 """Scan an ImageFolder dataset (local folder or s3:// prefix) into a one-row-per-file manifest.
 
-The layout is ``<root>/<split>/<class>/<image>``. Every file is read once, hashed (sha256 and
-a 64-bit difference hash for near duplicates) and fully decoded with the same rules as the
-service's ``burstcv_spec.preprocess.open_image``. Hostile or odd files become error rows,
-never exceptions: a lying extension, zero bytes, a symlink that leaves the root, a file at
-the wrong depth. Hidden and system files (``.DS_Store``, ``Thumbs.db``, dotfiles) are skipped
-and listed in ``ScanResult.ignored``.
-
-This module is the entry point; the work is done in ``burstcv.data.scanner``: ``listing``
-finds the files, ``dispatch`` spreads them over a process pool while the listing goes on,
-``inspection`` turns each file into a row with Pillow's public decode (``dhash`` hashes it),
-and ``columns`` assembles the DataFrame.
+The entry point of ``burstcv.data.scanner``, which does the work: a hostile or odd file is an
+error row, never an exception; hidden and system files are listed in ``ScanResult.ignored``.
 """
 
 from __future__ import annotations
 
-import gc
 import io
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from burstcv.data.config import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS
-from burstcv.data.scanner.columns import COLUMNS, append, to_frame
+from burstcv.data.config import DEFAULT_MAX_FILE_BYTES as DEFAULT_MAX_FILE_BYTES
+from burstcv.data.config import DEFAULT_MAX_PIXELS as DEFAULT_MAX_PIXELS
+from burstcv.data.scanner.columns import COLUMNS as COLUMNS
+from burstcv.data.scanner.columns import new_columns, to_frame
 from burstcv.data.scanner.dispatch import Dispatcher
-from burstcv.data.scanner.listing import DatasetUnusableError, is_system_name, list_dataset
+from burstcv.data.scanner.listing import DatasetUnusableError as DatasetUnusableError
+from burstcv.data.scanner.listing import list_dataset
 from burstcv_spec import storage
 
 if TYPE_CHECKING:
     import pandas as pd
-
-__all__ = [
-    "COLUMNS",
-    "DEFAULT_MAX_FILE_BYTES",
-    "DEFAULT_MAX_PIXELS",
-    "DatasetUnusableError",
-    "ScanResult",
-    "is_system_name",
-    "read_manifest",
-    "scan",
-    "write_manifest",
-]
 
 logger = logging.getLogger(__name__)
 
@@ -63,42 +44,26 @@ def scan(
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     phash: bool = True,
 ) -> ScanResult:
-    """Scan every file of an ImageFolder dataset into a manifest DataFrame.
-
-    ``workers`` is the number of processes (default: every core for large datasets, one for
-    small ones). ``phash=False`` skips the difference hash and leaves the column null, for
-    when near duplicates are not checked.
-    Raises DatasetUnusableError when the URI names nothing or holds no file.
-    """
+    """Scan every file of an ImageFolder dataset into a manifest DataFrame, in ``workers``
+    processes (default: by the dataset's size). Raise DatasetUnusableError if it holds no file."""
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    columns: dict[str, list[Any]] = {name: [] for name in COLUMNS}
-    # The rows are plain values, never cycles: a cyclic GC pass while they pile up would only
-    # walk the whole process heap (large in an Airflow worker) again and again for nothing.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        with Dispatcher(workers, (max_pixels, max_file_bytes, phash)) as dispatcher:
-            # Listing feeds the pool as it goes: on a large dataset the workers start on the
-            # first folders while the later ones are still being listed.
-            error_rows, ignored = list_dataset(dataset_uri, dispatcher.add)
-            if not dispatcher.listed and not error_rows:
-                detail = f" ({len(ignored)} hidden/system files ignored)" if ignored else ""
-                raise DatasetUnusableError(f"no files under {dataset_uri}{detail}")
-            for row in error_rows:
-                append(columns, row)
-            dispatcher.finish(columns)
-            logger.info(
-                "scanned %d files of %s with %d worker(s) (%d ignored, %d layout errors)",
-                dispatcher.listed,
-                dataset_uri,
-                dispatcher.workers,
-                len(ignored),
-                len(error_rows),
-            )
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    with Dispatcher(workers, (max_pixels, max_file_bytes, phash)) as dispatcher:
+        # Listing feeds the pool as it goes: workers start before the listing ends.
+        error_rows, ignored = list_dataset(dataset_uri, dispatcher.add)
+        if not dispatcher.listed and not error_rows:
+            detail = f" ({len(ignored)} hidden/system files ignored)" if ignored else ""
+            raise DatasetUnusableError(f"no files under {dataset_uri}{detail}")
+        columns = new_columns(error_rows)
+        dispatcher.finish(columns)
+        logger.info(
+            "scanned %d files of %s with %d worker(s) (%d ignored, %d layout errors)",
+            dispatcher.listed,
+            dataset_uri,
+            dispatcher.workers,
+            len(ignored),
+            len(error_rows),
+        )
     return ScanResult(
         dataset_uri=dataset_uri,
         manifest=to_frame(columns),
@@ -112,7 +77,7 @@ def write_manifest(df: pd.DataFrame, uri: str) -> str:
     import pyarrow as pa
 
     buffer = io.BytesIO()
-    # zstd: half the size of the default snappy on hex digests and paths, and faster to write.
+    # zstd: half the size of snappy on hex digests and paths, and faster to write.
     df.to_parquet(buffer, index=False, compression="zstd")
     # Arrow keeps freed conversion buffers in its pool; hand them back before the suite runs.
     pa.default_memory_pool().release_unused()

@@ -8,7 +8,7 @@ import re
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 import pandas as pd
@@ -68,11 +68,8 @@ def class_list(labels: Iterable[str]) -> list[str]:
 
 
 def spread_order(rows: int, per_shard: int) -> np.ndarray:
-    """Return an order of sorted rows in which each ``per_shard`` chunk samples them evenly.
-
-    Each shard in turn takes evenly spaced rows of those left, so a shard of label-sorted rows
-    holds every label in proportion; one shard's rows keep their order.
-    """
+    """Return an order of sorted rows in which each ``per_shard`` chunk samples them evenly
+    (so a shard of label-sorted rows holds every label in proportion, in order)."""
     left = np.arange(rows)
     chunks = []
     while len(left):
@@ -81,10 +78,6 @@ def spread_order(rows: int, per_shard: int) -> np.ndarray:
         chunks.append(left[picks])
         left = np.delete(left, picks)
     return np.concatenate(chunks) if chunks else left
-
-
-def _decode(uri: str, spec: PreprocessSpec) -> np.ndarray:
-    return decode_to_uint8(storage.read_bytes(uri), spec)
 
 
 @dataclass(frozen=True)
@@ -99,10 +92,8 @@ class Shard:
 
 
 def shard_rows(shards: Sequence[Shard]) -> bytes:
-    """Return a run of shards as Parquet: one row per image (shard, uri, label), and each
-    shard's split and number within it in the file's metadata (an empty shard has no rows).
-
-    What a pack chunk reads to write its shards, instead of the whole manifest."""
+    """Return a run of shards as Parquet (what a pack chunk reads instead of the manifest): one
+    row per image (shard, uri, label), each shard's split and number in the metadata."""
     table = pa.table(
         {
             "shard": pa.array([s.number for s in shards for _ in s.uris], pa.int64()),
@@ -141,11 +132,8 @@ def read_shard_rows(data: bytes) -> list[Shard]:
 
 @dataclass(frozen=True)
 class ShardOrder:
-    """Fix which rows go to which shard, so that any run of shards can be packed alone.
-
-    Shards are numbered over the whole dataset, the training split's first: shard ``k`` is
-    the same whoever packs it, in one pass or in chunks.
-    """
+    """Fix which rows go to which shard, so that any run of shards can be packed alone
+    (numbered over the whole dataset, the training split's first)."""
 
     spec: PreprocessSpec  # what each stored image is (the margin square for photos)
     classes: list[str]
@@ -216,8 +204,7 @@ def shard_order(
     for split in SPLITS:
         part = rows[rows["split"] == split]
         if split == "train" and len(part) > per_shard:
-            # Streamed training holds a few shards at a time: every shard must hold all
-            # classes in proportion, not the label-sorted rows' runs of one class.
+            # Streamed training holds a few shards at a time: each must hold every class.
             part = part.iloc[spread_order(len(part), per_shard)]
         uris[split] = part["uri"].tolist()
         labels[split] = np.array([index[str(lab)] for lab in part["label"]], dtype=np.int64)
@@ -231,10 +218,8 @@ def shard_order(
 
 def choose_format(setting: str, spec: PreprocessSpec) -> ShardFormat:
     """Return the training shards' format: the setting's, or for auto, JPEG for photo sizes."""
-    if setting == "raw":
-        return "raw"
-    if setting == "jpeg":
-        return "jpeg"
+    if setting in ("raw", "jpeg"):
+        return cast(ShardFormat, setting)
     if setting != "auto":
         raise ValueError(f"shard format {setting!r} is not auto, raw or jpeg")
     return "jpeg" if min(spec.height, spec.width) >= JPEG_MIN_SIDE else "raw"
@@ -288,23 +273,21 @@ def pack_shards(
     shard_format: ShardFormat = "raw",
 ) -> PackedPart:
     """Decode and write a run of shards (``ShardOrder.shard``) under ``out_uri``, each image
-    as ``spec`` stores it.
-
-    ``shard_format`` jpeg stores the training shards' images as JPEG files (the validation
-    shards stay raw); the channel statistics are those of the pixels before encoding.
-    """
+    as ``spec`` stores it; ``shard_format`` jpeg stores the training shards' images as JPEG
+    (the channel statistics are those of the pixels before encoding)."""
     shards: dict[str, list[str]] = {split: [] for split in SPLITS}
     counts = dict.fromkeys(SPLITS, 0)
     train_stats = ChannelStats()
-    height, width = spec.height, spec.width
     # Decoding is C code that releases the GIL: threads keep both cores busy without pickling.
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for shard in run:
             split, chunk = shard.split, shard.uris
             images = (
-                np.stack(list(pool.map(lambda u: _decode(u, spec), chunk)))
+                np.stack(
+                    list(pool.map(lambda u: decode_to_uint8(storage.read_bytes(u), spec), chunk))
+                )
                 if chunk
-                else (np.zeros((0, height, width, 3), np.uint8))
+                else np.zeros((0, spec.height, spec.width, 3), np.uint8)
             )
             if split == "train":
                 train_stats.add(images)
@@ -331,8 +314,7 @@ def join_parts(
     shard_format: ShardFormat = "raw",
 ) -> Packed:
     """Return the pack of a dataset from its parts, in chunk order: shards listed in order,
-    counts summed, and the training images' mean and std from the summed histograms.
-    """
+    counts summed, and the training images' mean and std from the summed histograms."""
     shards: dict[str, list[str]] = {split: [] for split in SPLITS}
     counts = dict.fromkeys(SPLITS, 0)
     train_stats = ChannelStats()
@@ -365,14 +347,10 @@ def pack_dataset(
     fingerprint: str = "",
     shard_format: ShardFormat = "raw",
 ) -> Packed:
-    """Write ``<out_uri>/{split}-NNNNN.npz`` from the decodable rows of a manifest.
+    """Write ``<out_uri>/{split}-NNNNN.npz`` from the decodable rows of a manifest, in one pass.
 
-    Images are stored as ``spec`` makes them, or with ``margin`` (photos; the spec must have
-    resize_short) as the resize_short square around that crop: training draws random crops
-    from it, and its centre height x width is exactly the eval transform of the image. The
-    result's preprocessing is ``spec`` with the training images' per-channel mean and std
-    (0..1 scale), gathered while packing so that nothing reads the shards back for them.
-    In one pass; ``burstcv.pipeline`` packs the same shards in chunks (``pack_shards``).
+    Images are stored as ``spec`` makes them, or with ``margin`` (photos) as the resize_short
+    square whose centre is the eval transform: training draws random crops from it.
     """
     order = shard_order(manifest, spec, classes=classes, margin=margin)
     part = pack_shards(

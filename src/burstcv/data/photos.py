@@ -1,12 +1,8 @@
 """Write a small dataset of real photos, as a user's product-photo folder would look.
 
-Built from the two photographs scikit-learn ships (``load_sample_images``: a temple in China
-and a flower, 640x427 JPEG): three classes of random crops (the upper and the lower part of
-the temple photo, and the flower), each crop resized to 200-800 px on its short side,
-mirrored at random, colour-shifted and saved as JPEG, so no two files are the same image.
-It also holds what photo folders hold and the digits demo does not: EXIF-rotated JPEGs
-(stored sideways, with the Orientation tag that makes them upright), CMYK JPEGs and 16-bit
-greyscale PNGs. Used by the photo tests and ``burstcv demo-photos``.
+Three classes of random crops of scikit-learn's two sample photographs, resized, mirrored and
+colour-shifted so no two files are the same image, with what photo folders hold and the digits
+do not: EXIF-rotated JPEGs, CMYK JPEGs and 16-bit greyscale PNGs.
 """
 
 from __future__ import annotations
@@ -50,12 +46,7 @@ def _sources() -> dict[str, Image.Image]:
 
 def _crop(src: Image.Image, region: tuple[float, ...], rng: np.random.Generator) -> Image.Image:
     w, h = src.size
-    left, top, right, bottom = (
-        region[0] * w,
-        region[1] * h,
-        region[2] * w,
-        region[3] * h,
-    )
+    left, top, right, bottom = region[0] * w, region[1] * h, region[2] * w, region[3] * h
     side = rng.uniform(0.45, 0.95) * min(right - left, bottom - top)
     aspect = rng.uniform(0.75, 1.33)
     cw, ch = min(side * aspect, right - left), min(side / aspect, bottom - top)
@@ -82,11 +73,8 @@ def _photo(src: Image.Image, region: tuple[float, ...], rng: np.random.Generator
 def write_photo_dataset(
     root: str | Path, *, per_class: tuple[int, int] = (24, 8), seed: int = 0
 ) -> PhotoSet:
-    """Write ``root/{train,val}/<class>/<n>.jpg|png`` and return what was written.
-
-    ``per_class`` is (train, val) images per class. In every class and split the first
-    image is saved EXIF-rotated, the second as CMYK JPEG, the third as a 16-bit PNG.
-    """
+    """Write ``root/{train,val}/<class>/<n>.jpg|png`` (``per_class``: train and val images per
+    class; the first three EXIF-rotated, CMYK and 16-bit) and return what was written."""
     root = Path(root)
     rng = np.random.default_rng(seed)
     sources = _sources()
@@ -100,8 +88,8 @@ def write_photo_dataset(
             for i in range(n):
                 img = _photo(sources[source], region, rng)
                 quality = int(rng.integers(85, 96))
+                path = folder / f"{i:04d}.{'png' if i == 2 else 'jpg'}"
                 if i == 0:
-                    path = folder / f"{i:04d}.jpg"
                     exif = Image.Exif()
                     exif[EXIF_ORIENTATION] = ROTATED_90_CW
                     # Stored turned 90 degrees counter-clockwise: the tag turns it back.
@@ -110,16 +98,13 @@ def write_photo_dataset(
                     )
                     written.exif_rotated.append(path)
                 elif i == 1:
-                    path = folder / f"{i:04d}.jpg"
                     img.convert("CMYK").save(path, quality=quality)
                     written.cmyk.append(path)
                 elif i == 2:
-                    path = folder / f"{i:04d}.png"
                     grey16 = np.asarray(img.convert("L"), dtype=np.uint16) * 257
                     Image.fromarray(grey16).save(path)  # uint16: mode I;16
                     written.sixteen_bit.append(path)
                 else:
-                    path = folder / f"{i:04d}.jpg"
                     img.save(path, quality=quality)
                 written.counts[split] += 1
     return written

@@ -1,12 +1,9 @@
 """Run the dataset's Great Expectations suite over a manifest DataFrame and render Data Docs.
 
-Each rule is a real GX expectation with GX's own observed value. Rules that GX cannot state
-row by row (duplicates, train/val leakage, per-class counts, imbalance) are first computed
-into per-row columns (``dup_of``, ``leak_exact_of``, ``class_min_split_count``, ...) by
-``add_rule_columns``, and the expectation is then stated on that column, so GX still names
-the offending files (through ``unexpected_index_column_names=["path"]``). Where a column can
-carry the reason (the decode error, the file a leak matches), the expectation is stated on it,
-so the Data Docs page shows why as well as how many.
+Rules that GX cannot state row by row (duplicates, leakage, class counts) are first computed
+into per-row columns by ``add_rule_columns``, so GX still names the offending files. Where a
+column can carry the reason (the decode error, the file a leak matches), the expectation is
+stated on it, so the Data Docs show why as well as how many.
 """
 
 from __future__ import annotations
@@ -19,7 +16,8 @@ import operator
 import os
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,10 +45,10 @@ _DOCS_SITE = "burstcv"
 # A difference hash with almost every bit equal comes from a flat or smooth image: two such
 # images share a hash without looking alike, so they are left to the exact (sha256) check.
 _MIN_INFORMATIVE_BITS = 4
-# Beyond this many images with one identical hash the data is degenerate (blank frames, say);
-# near-duplicate pairing among them is capped so that it stays linear. Exact copies are
-# still all caught by sha256.
+# Beyond this many images with one identical hash the data is degenerate (blank frames, say):
+# near-duplicate pairing among them is capped to stay linear (sha256 still finds exact copies).
 _MAX_ROWS_PER_HASH = 500
+_COUNTED = ("min_images_per_class", "class_imbalance")  # their details list the class counts
 
 
 @dataclass(frozen=True)
@@ -66,12 +64,11 @@ class Check:
 
 @dataclass
 class SuiteOutcome:
-    """Hold the suite's verdict, one result per check, and where the Data Docs were written."""
+    """Hold the suite's verdict, one result per check, and the usable images per class."""
 
     success: bool
     checks: list[ExpectationResult]
-    data_docs_index: Path | None = None
-    class_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # split -> label -> n
+    class_counts: dict[str, dict[str, int]]  # split -> label -> n
 
 
 def class_counts(
@@ -86,17 +83,12 @@ def class_counts(
 
 
 def add_rule_columns(manifest: pd.DataFrame, config: ValidationConfig) -> pd.DataFrame:
-    """Return a copy of the manifest with the per-row columns that dataset-level rules check.
-
-    ``usable`` (0/1), ``class_min_split_count``, ``split_imbalance_ratio``,
-    ``dup_within_split``/``dup_of``, ``leaks_exact``/``leak_exact_of``,
-    ``leaks_near``/``leak_near_of`` (the ``*_of`` columns name the matching file).
-    """
+    """Return a copy of the manifest with the per-row columns that dataset-level rules check
+    (each ``*_of`` column names the matching file)."""
     df = manifest.reset_index(drop=True)  # positions below index rows
     splits = tuple(config.splits)
     usable = usable_mask(df, splits)
     df["usable"] = usable.astype("int64")
-
     counts = class_counts(df, splits)
     labels = {str(label) for label in df["label"].dropna().unique().tolist()}
     labels |= set(config.expected_classes or [])
@@ -110,24 +102,41 @@ def add_rule_columns(manifest: pd.DataFrame, config: ValidationConfig) -> pd.Dat
             ratios[split] = max(present) / min(present)
     df["split_imbalance_ratio"] = df["split"].map(ratios).astype("Float64")
 
+    usable_array = usable.to_numpy(dtype=bool)
+    dup_of, leak_exact_of = _exact_copies(df, usable_array)
+    leak_near_of: list[str | None] = [None] * len(df)
+    if config.near_duplicate_max_distance is not None:
+        paths = df["path"].tolist()
+        for i, j in _near_leaks(df, usable_array, config).items():
+            if leak_exact_of[i] is None:
+                leak_near_of[i] = paths[j]
+    for column, flag, values in (
+        ("dup_of", "dup_within_split", dup_of),
+        ("leak_exact_of", "leaks_exact", leak_exact_of),
+        ("leak_near_of", "leaks_near", leak_near_of),
+    ):
+        df[column] = pd.Series(values, dtype="object", index=df.index)
+        df[flag] = df[column].notna()
+    return df
+
+
+def _exact_copies(
+    df: pd.DataFrame, usable: np.ndarray
+) -> tuple[list[str | None], list[str | None]]:
+    """Return per row the path of an exact copy in its split, and of one in another split."""
     dup_of: list[str | None] = [None] * len(df)
     leak_exact_of: list[str | None] = [None] * len(df)
-    leak_near_of: list[str | None] = [None] * len(df)
     paths = df["path"].tolist()
     row_splits = df["split"].tolist()
-    usable_array = usable.to_numpy(dtype=bool)
-
     # Only rows whose sha256 occurs more than once can be duplicates or leaks: pandas finds
     # them in C, and the Python loop below sees those few rows, not the whole dataset.
-    shared_sha = usable_array & df["sha256"].duplicated(keep=False).to_numpy(dtype=bool)
+    shared_sha = usable & df["sha256"].duplicated(keep=False).to_numpy(dtype=bool)
     shas = df["sha256"].tolist()
     by_sha: dict[str, list[int]] = defaultdict(list)
     for i in np.flatnonzero(shared_sha).tolist():
         by_sha[shas[i]].append(i)
     # Linear in the group size even when thousands of files share one hash.
     for group in by_sha.values():
-        if len(group) < 2:
-            continue
         by_split: dict[Any, list[int]] = defaultdict(list)
         for i in group:
             by_split[row_splits[i]].append(i)
@@ -138,49 +147,49 @@ def add_rule_columns(manifest: pd.DataFrame, config: ValidationConfig) -> pd.Dat
                     dup_of[i] = paths[members[1] if i == members[0] else members[0]]
                 if other is not None:
                     leak_exact_of[i] = paths[other]
+    return dup_of, leak_exact_of
 
-    max_distance = config.near_duplicate_max_distance
-    if max_distance is not None:
-        phash_column = df["phash"]
-        if phash_column[usable].isna().any():
-            raise ValueError(
-                "the manifest has no phash for some decoded rows: scan with phash=True, or set "
-                "near_duplicate_max_distance=None"
-            )
-        candidates = usable_array
-        if max_distance == 0:  # partners share the exact hash: only repeated values matter
-            candidates = candidates & phash_column.duplicated(keep=False).to_numpy(dtype=bool)
-        phashes = phash_column.tolist()
-        hashes = {i: int(phashes[i], 16) for i in np.flatnonzero(candidates).tolist()}
-        thumbs = df["thumb"].tolist() if "thumb" in df.columns else [None] * len(df)
-        partners = _near_partners(
-            hashes, thumbs, row_splits, max_distance, config.near_duplicate_max_pixel_diff
+
+def _near_leaks(df: pd.DataFrame, usable: np.ndarray, config: ValidationConfig) -> dict[int, int]:
+    """Return ``_near_partners`` of the usable rows, by their difference hashes."""
+    max_distance = config.near_duplicate_max_distance or 0
+    phash_column = df["phash"]
+    if phash_column[usable].isna().any():
+        raise ValueError(
+            "the manifest has no phash for some decoded rows: scan with phash=True, or set "
+            "near_duplicate_max_distance=None"
         )
-        for i, j in partners.items():
-            if leak_exact_of[i] is None:
-                leak_near_of[i] = paths[j]
-
-    df["dup_of"] = pd.Series(dup_of, dtype="object", index=df.index)
-    df["dup_within_split"] = df["dup_of"].notna()
-    df["leak_exact_of"] = pd.Series(leak_exact_of, dtype="object", index=df.index)
-    df["leaks_exact"] = df["leak_exact_of"].notna()
-    df["leak_near_of"] = pd.Series(leak_near_of, dtype="object", index=df.index)
-    df["leaks_near"] = df["leak_near_of"].notna()
-    return df
+    candidates = usable
+    if max_distance == 0:  # partners share the exact hash: only repeated values matter
+        candidates = candidates & phash_column.duplicated(keep=False).to_numpy(dtype=bool)
+    phashes = phash_column.tolist()
+    hashes = {i: int(phashes[i], 16) for i in np.flatnonzero(candidates).tolist()}
+    thumbs = df["thumb"].tolist() if "thumb" in df.columns else [None] * len(df)
+    return _near_partners(
+        hashes, thumbs, df["split"].tolist(), max_distance, config.near_duplicate_max_pixel_diff
+    )
 
 
 def _format_set(config: ValidationConfig) -> list[str]:
-    """Return the format names the manifest may show: MPO is JPEG as the service decodes it."""
+    """Return the format names the manifest may show: with JPEG, the MPO that cameras write
+    (a multi-picture JPEG the service accepts as JPEG: burstcv_spec.preprocess.probe_image)."""
     formats = list(config.allowed_formats)
-    # Cameras and phones write multi-picture JPEGs, which Pillow names MPO; the service
-    # accepts them wherever it accepts JPEG (burstcv_spec.preprocess.probe_image).
     return [*formats, "MPO"] if "JPEG" in formats and "MPO" not in formats else formats
 
 
 def build_checks(config: ValidationConfig) -> list[Check]:
     """Return the suite's checks, in report order, with thresholds from the config."""
+    checks = _file_checks(config) + _dataset_checks(config)
+    for check in checks:
+        check.expectation.meta = {"name": check.name}
+        check.expectation.description = check.description
+    return checks
+
+
+def _file_checks(config: ValidationConfig) -> list[Check]:
+    """Return the checks each file must pass on its own, and the splits' presence."""
     splits = list(config.splits)
-    checks = [
+    return [
         Check(
             "imagefolder_layout",
             "Every file sits at <split>/<class>/<file>",
@@ -201,23 +210,18 @@ def build_checks(config: ValidationConfig) -> list[Check]:
             "format",
             "format ",
         ),
-        Check(
-            "width_in_bounds",
-            f"Width is {config.min_width}..{config.max_width} px",
-            gxe.ExpectColumnValuesToBeBetween(
-                column="width", min_value=config.min_width, max_value=config.max_width
-            ),
-            "width",
-            "width ",
-        ),
-        Check(
-            "height_in_bounds",
-            f"Height is {config.min_height}..{config.max_height} px",
-            gxe.ExpectColumnValuesToBeBetween(
-                column="height", min_value=config.min_height, max_value=config.max_height
-            ),
-            "height",
-            "height ",
+        *(
+            Check(
+                f"{side}_in_bounds",
+                f"{side.capitalize()} is {low}..{high} px",
+                gxe.ExpectColumnValuesToBeBetween(column=side, min_value=low, max_value=high),
+                side,
+                f"{side} ",
+            )
+            for side, low, high in (
+                ("width", config.min_width, config.max_width),
+                ("height", config.min_height, config.max_height),
+            )
         ),
         Check(
             "channels_allowed",
@@ -241,6 +245,11 @@ def build_checks(config: ValidationConfig) -> list[Check]:
             gxe.ExpectColumnDistinctValuesToContainSet(column="split", value_set=splits),
         ),
     ]
+
+
+def _dataset_checks(config: ValidationConfig) -> list[Check]:
+    """Return the checks on classes, copies and leaks, stated on ``add_rule_columns``'."""
+    checks: list[Check] = []
     if config.expected_classes is not None:
         expected = list(config.expected_classes)
         checks += [
@@ -308,9 +317,6 @@ def build_checks(config: ValidationConfig) -> list[Check]:
             gxe.ExpectColumnSumToBeBetween(column="usable", min_value=config.min_total_images),
         )
     )
-    for check in checks:
-        check.expectation.meta = {"name": check.name}
-        check.expectation.description = check.description
     return checks
 
 
@@ -323,25 +329,7 @@ def run_suite(
     """Validate a manifest with the suite; write Data Docs under ``data_docs_dir`` if given."""
     df = add_rule_columns(manifest, config)
     checks = build_checks(config)
-    sites: dict[str, Any] = {}
-    if data_docs_dir is not None:
-        sites[_DOCS_SITE] = {
-            "class_name": "SiteBuilder",
-            "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
-            "store_backend": {
-                "class_name": "TupleFilesystemStoreBackend",
-                "base_directory": str(data_docs_dir),
-            },
-        }
-    context = gx.get_context(
-        mode="ephemeral",
-        project_config=DataContextConfig(
-            store_backend_defaults=InMemoryStoreBackendDefaults(init_temp_docs_sites=False),
-            data_docs_sites=sites,
-            analytics_enabled=False,
-            progress_bars=ProgressBarsConfig(globally=False),
-        ),
-    )
+    context = _context(data_docs_dir)
     batch = (
         context.data_sources.add_pandas("manifest")
         .add_dataframe_asset("manifest")
@@ -372,31 +360,46 @@ def run_suite(
     if missing:
         raise RuntimeError(f"GX returned no result for checks: {', '.join(missing)}")
 
-    reasons_source = df.set_index("path")
-    outcomes = [_check_result(check, by_name[check.name], reasons_source) for check in checks]
+    rows = df.set_index("path")
     counts = class_counts(df, tuple(config.splits))
-    for i, outcome in enumerate(outcomes):
-        if outcome.name in ("min_images_per_class", "class_imbalance"):
-            outcomes[i] = outcome.model_copy(update={"details": {"class_counts": counts}})
-
-    index = None
+    outcomes = [_check_result(check, by_name[check.name], rows) for check in checks]
+    outcomes = [
+        o.model_copy(update={"details": {"class_counts": counts}}) if o.name in _COUNTED else o
+        for o in outcomes
+    ]
     if data_docs_dir is not None:
         context.build_data_docs(site_names=[_DOCS_SITE])
-        index = data_docs_dir / "index.html"
-        if not index.is_file():
-            raise RuntimeError(f"GX built no Data Docs index at {index}")
+        if not (data_docs_dir / "index.html").is_file():
+            raise RuntimeError(f"GX built no Data Docs index at {data_docs_dir / 'index.html'}")
         finish_data_docs(data_docs_dir)
-    return SuiteOutcome(
-        success=bool(result.success),
-        checks=outcomes,
-        data_docs_index=index,
-        class_counts=counts,
+    return SuiteOutcome(bool(result.success), outcomes, counts)
+
+
+def _context(data_docs_dir: Path | None) -> Any:
+    """Return an ephemeral GX context, with a Data Docs site in ``data_docs_dir`` if given."""
+    sites: dict[str, Any] = {}
+    if data_docs_dir is not None:
+        sites[_DOCS_SITE] = {
+            "class_name": "SiteBuilder",
+            "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+            "store_backend": {
+                "class_name": "TupleFilesystemStoreBackend",
+                "base_directory": str(data_docs_dir),
+            },
+        }
+    return gx.get_context(
+        mode="ephemeral",
+        project_config=DataContextConfig(
+            store_backend_defaults=InMemoryStoreBackendDefaults(init_temp_docs_sites=False),
+            data_docs_sites=sites,
+            analytics_enabled=False,
+            progress_bars=ProgressBarsConfig(globally=False),
+        ),
     )
 
 
-# Shown at the top of every Data Docs page that loads assets from a CDN. Bootstrap's own
-# ``d-none`` class hides it once Bootstrap's CSS has loaded, so it is seen only when the
-# styling really is missing (no internet); the inline style shows it until then.
+# Shown at the top of every Data Docs page that loads assets from a CDN until Bootstrap's CSS
+# loads and its ``d-none`` class hides it: it stays only when there is no internet.
 CDN_NOTICE = (
     '<div class="d-none burstcv-offline-note" role="note" style="display:block;margin:0;'
     "padding:.6rem 1rem;background:#fffbea;border-bottom:1px solid #d69e2e;color:#744210;"
@@ -412,29 +415,17 @@ _PAGES_HEADING = (
 )
 _BODY_TAG = re.compile(r"<body[^>]*>", re.IGNORECASE)
 _CDN_REFERENCE = re.compile(r"""(?:src|href)=["']https?://""", re.IGNORECASE)
-
-
 _LOCAL_LINK = re.compile(r"""((?:src|href)=["'])((?:\.\./)+)([^"'#?:]+)(["'])""", re.IGNORECASE)
 
 
 def finish_data_docs(docs_dir: Path) -> None:
-    """Make GX's Data Docs pages say what they need from the internet, and fix broken links.
-
-    GX ships only its own stylesheet; Bootstrap, jQuery, bootstrap-table and Vega come from
-    public CDNs, in versions GX pins and does not install, so they are not served locally:
-    each page that loads them starts with :data:`CDN_NOTICE` instead of showing empty tables
-    without a word. GX also climbs one folder too few from validation pages to its favicon
-    (``../../../static/...`` four folders deep); such a link is pointed at the file it meant.
-    """
+    """Make GX's Data Docs pages say what they need from the internet (:data:`CDN_NOTICE`),
+    and point the favicon links GX gets wrong (one folder too few) at the file they meant."""
     for page in sorted(docs_dir.rglob("*.html")):
         text = page.read_text(encoding="utf-8")
         fixed = _LOCAL_LINK.sub(functools.partial(_repaired_link, page=page, root=docs_dir), text)
         body = _BODY_TAG.search(fixed)
-        if (
-            body is not None
-            and _CDN_REFERENCE.search(fixed)
-            and "burstcv-offline-note" not in fixed
-        ):
+        if body and _CDN_REFERENCE.search(fixed) and "burstcv-offline-note" not in fixed:
             notice = _offline_notice(docs_dir) if page == docs_dir / "index.html" else CDN_NOTICE
             fixed = fixed[: body.end()] + notice + fixed[body.end() :]
         if fixed != text:
@@ -459,10 +450,8 @@ def _offline_notice(docs_dir: Path) -> str:
 def _repaired_link(match: re.Match[str], *, page: Path, root: Path) -> str:
     """Return a relative link unchanged if it resolves, else re-pointed at the site's file."""
     head, ups, rest, tail = match.groups()
-    if (page.parent / ups / rest).resolve().exists():
-        return match.group(0)
     meant = root / rest  # GX's links are relative to the site root
-    if not meant.is_file():
+    if (page.parent / ups / rest).resolve().exists() or not meant.is_file():
         return match.group(0)
     return f"{head}{os.path.relpath(meant, page.parent).replace(os.sep, '/')}{tail}"
 
@@ -508,11 +497,8 @@ def _check_result(check: Check, result: Any, rows: pd.DataFrame) -> ExpectationR
 
 
 def _gx_frame(df: pd.DataFrame, checks: list[Check]) -> pd.DataFrame:
-    """Return the columns the suite reads (and path, to name files), in GX's fastest dtypes.
-
-    GX compares numpy int/float columns in one vectorised step, but calls a Python function
-    per row for pandas' nullable Int64/Float64: the between-checks get numpy columns.
-    """
+    """Return the columns the suite reads (and path), in GX's fastest dtypes: numpy numbers
+    for the between-checks (GX calls Python per row on nullable Int64/Float64)."""
     wanted = {"path"} | {str(getattr(check.expectation, "column", "")) for check in checks}
     between = tuple(
         str(check.expectation.column)
@@ -524,12 +510,8 @@ def _gx_frame(df: pd.DataFrame, checks: list[Check]) -> pd.DataFrame:
 
 
 def _arrow_strings(df: pd.DataFrame) -> pd.DataFrame:
-    """Return df with its text columns (str or missing) as Arrow-backed strings.
-
-    GX tests every column for nulls once per expectation; on Python objects that is a pass
-    over every value, on Arrow strings a look at the validity bitmap: half of GX's time on a
-    large manifest. The values GX reports back are the same Python strings.
-    """
+    """Return df with its text columns (str or missing) as Arrow-backed strings: GX's null
+    test per expectation then reads a bitmap, not objects (half its time on large manifests)."""
     dtypes = {
         name: pd.StringDtype("pyarrow")
         for name in df.columns
@@ -561,15 +543,9 @@ def _near_partners(
     max_distance: int,
     max_pixel_diff: int,
 ) -> dict[int, int]:
-    """Map rows to a near-duplicate row of another split: hash close, thumbnail closer.
-
-    Candidates are rows whose hashes differ in at most max_distance bits, found with a
-    pigeonhole search: split the 64 bits into max_distance + 1 bands; two hashes within the
-    distance agree exactly on at least one band, so only values sharing a band are compared.
-    A candidate pair is confirmed when no pixel of their 9x8 grayscale thumbnails differs by
-    more than max_pixel_diff grey levels (a row without a thumbnail is confirmed by the hash).
-    ``hashes`` maps row → hash for the rows to consider; ``thumbs`` holds every row's hex.
-    """
+    """Map rows (``hashes``: row -> hash) to a near-duplicate row of another split: hashes
+    within max_distance bits, and no pixel of their 9x8 thumbnails more than max_pixel_diff
+    apart (a row without a thumbnail is confirmed by the hash)."""
     rows_by_value: dict[int, list[int]] = defaultdict(list)
     for i, value in hashes.items():
         if _MIN_INFORMATIVE_BITS <= value.bit_count() <= 64 - _MIN_INFORMATIVE_BITS:
@@ -604,22 +580,27 @@ def _near_partners(
     for rows in rows_by_value.values():
         if len(rows) > 1 and len({splits[i] for i in rows}) > 1:
             link(rows, rows)
-    if max_distance == 0:
-        return partners
+    if max_distance > 0:
+        for a, b in _close_pairs(rows_by_value, max_distance):
+            link(rows_by_value[a], rows_by_value[b])
+    return partners
+
+
+def _close_pairs(values: Collection[int], max_distance: int) -> Iterator[tuple[int, int]]:
+    """Yield each pair of distinct values within max_distance bits once, by pigeonhole: of
+    max_distance + 1 bands of the 64 bits, two such values agree on at least one."""
     bands = max_distance + 1
     edges = [round(64 * b / bands) for b in range(bands + 1)]
     compared: set[tuple[int, int]] = set()
     for low, high in itertools.pairwise(edges):
         mask = (1 << (high - low)) - 1
         buckets: dict[int, list[int]] = defaultdict(list)
-        for value in rows_by_value:
+        for value in values:
             buckets[(value >> low) & mask].append(value)
-        for values in buckets.values():
-            for a_pos, a in enumerate(values):
-                for b in values[a_pos + 1 :]:
-                    if (a, b) in compared:
-                        continue
-                    compared.add((a, b))
-                    if (a ^ b).bit_count() <= max_distance:
-                        link(rows_by_value[a], rows_by_value[b])
-    return partners
+        for bucket in buckets.values():
+            for a_pos, a in enumerate(bucket):
+                for b in bucket[a_pos + 1 :]:
+                    if (a, b) not in compared:
+                        compared.add((a, b))
+                        if (a ^ b).bit_count() <= max_distance:
+                            yield a, b

@@ -1,7 +1,5 @@
 """Validate an image dataset before any GPU exists: scan, run the GX suite, write the evidence.
 
-``validate_dataset`` writes ``manifest.parquet``, ``validation.json`` and ``data_docs/`` under
-an output URI and returns a report whose ``summary`` names every failed check and its files.
 Drift is measured against the last dataset of the same name that passed (kept under
 ``history_uri``): class proportions and image size.
 """
@@ -26,9 +24,10 @@ import pandas as pd
 import PIL
 import tqdm
 
-from burstcv.data.config import ValidationConfig
-from burstcv.data.manifest import DatasetUnusableError, scan, write_manifest
-from burstcv.data.suite import run_suite, usable_mask
+from burstcv.data.config import ValidationConfig as ValidationConfig
+from burstcv.data.manifest import DatasetUnusableError as DatasetUnusableError
+from burstcv.data.manifest import scan, write_manifest
+from burstcv.data.suite import SuiteOutcome, run_suite, usable_mask
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
     DatasetCounts,
@@ -40,25 +39,14 @@ from burstcv_spec.contracts import (
 )
 from burstcv_spec.layout import MANIFEST, VALIDATION_RECORD
 
-__all__ = [
-    "DatasetUnusableError",
-    "ValidationConfig",
-    "dataset_fingerprint",
-    "describe_observed",
-    "summary",
-    "usable_rows",
-    "validate_dataset",
-    "validate_scanned",
-]
-
 logger = logging.getLogger(__name__)
 
-# GX makes (disabled) progress bars, and tqdm starts a monitor thread for a bar unless this
-# documented switch is 0; a thread left running makes a later scan in the same process start
-# its workers by spawn rather than fork (slower). Only bars' refresh depends on it.
+# GX makes (disabled) progress bars, for which tqdm starts a monitor thread unless this is 0;
+# a thread left running makes a later scan here start its workers by spawn, not fork (slower).
 tqdm.tqdm.monitor_interval = 0
 
 _HISTORY_FORMAT = 1
+_DRIFT_FIELDS = ("class_proportions", "median_width", "median_height")  # what drift compares
 SUMMARY_FILES_PER_CHECK = 5  # offending files named per failed check (all are in the JSON)
 SUMMARY_MAX_CLASSES = 20  # per-class counts listed up to this many classes per split
 
@@ -113,25 +101,29 @@ def validate_dataset(
 ) -> ValidationRecord:
     """Scan and validate a dataset; write manifest, validation.json and Data Docs to out_uri.
 
-    Raises DatasetUnusableError (one-line reason) when there is nothing to validate: a missing
-    path, no files, or no file in the ``<split>/<class>/<file>`` layout. Every other problem is
-    a failed check in the returned record (``summary`` puts it on one screen). After a pass,
-    the dataset's profile is stored under ``history_uri`` as the baseline for the next drift
-    comparison.
+    Raises DatasetUnusableError (one-line reason) when there is nothing to validate (no path,
+    no file, none in the ``<split>/<class>/<file>`` layout); every other problem is a failed
+    check in the returned record. After a pass, the dataset's profile is stored under
+    ``history_uri`` as the baseline for the next drift comparison.
     """
+    config = config or ValidationConfig()
     with _gc_spares_existing_objects():
-        return _validate(dataset_uri, out_uri, config or ValidationConfig(), history_uri, workers)
+        scanned = scan(
+            dataset_uri,
+            workers=workers,
+            max_pixels=config.max_pixels,
+            max_file_bytes=config.max_file_bytes,
+            phash=config.near_duplicate_max_distance is not None,
+        )
+        return validate_scanned(
+            dataset_uri, out_uri, scanned.manifest, scanned.ignored, config, history_uri=history_uri
+        )
 
 
 @contextlib.contextmanager
 def _gc_spares_existing_objects() -> Iterator[None]:
-    """Keep the objects alive now (modules, an Airflow worker's state) out of GC passes.
-
-    Validation allocates hundreds of thousands of small objects; each full collection it
-    triggers would otherwise walk every object of the process too (a tenth of a second or
-    more apiece in a process that has imported GX and pandas). New objects are still
-    collected as usual. Left alone if something else froze objects already.
-    """
+    """Keep the objects alive now (modules, an Airflow worker's state) out of GC passes: each
+    full collection that validation triggers would walk them all (0.1 s+ with GX and pandas)."""
     if gc.get_freeze_count():
         yield
         return
@@ -142,23 +134,7 @@ def _gc_spares_existing_objects() -> Iterator[None]:
         gc.unfreeze()
 
 
-def _validate(
-    dataset_uri: str,
-    out_uri: str,
-    config: ValidationConfig,
-    history_uri: str | None,
-    workers: int | None,
-) -> ValidationRecord:
-    scanned = scan(
-        dataset_uri,
-        workers=workers,
-        max_pixels=config.max_pixels,
-        max_file_bytes=config.max_file_bytes,
-        phash=config.near_duplicate_max_distance is not None,
-    )
-    return _judge(dataset_uri, out_uri, scanned.manifest, scanned.ignored, config, history_uri)
-
-
+@_gc_spares_existing_objects()
 def validate_scanned(
     dataset_uri: str,
     out_uri: str,
@@ -169,22 +145,8 @@ def validate_scanned(
     history_uri: str | None = None,
 ) -> ValidationRecord:
     """Validate a dataset already scanned (in chunks, ``burstcv.data.chunks``) as
-    ``validate_dataset`` does: the suite and the drift check run once over the whole manifest.
-    """
-    with _gc_spares_existing_objects():
-        return _judge(
-            dataset_uri, out_uri, manifest, ignored, config or ValidationConfig(), history_uri
-        )
-
-
-def _judge(
-    dataset_uri: str,
-    out_uri: str,
-    manifest: pd.DataFrame,
-    ignored: list[dict[str, str]],
-    config: ValidationConfig,
-    history_uri: str | None,
-) -> ValidationRecord:
+    ``validate_dataset`` does."""
+    config = config or ValidationConfig()
     if not manifest["label"].notna().any():
         raise DatasetUnusableError(
             f"{dataset_uri} is not an ImageFolder: no file at <split>/<class>/<file> "
@@ -192,35 +154,19 @@ def _judge(
         )
 
     manifest_uri = storage.join(out_uri, MANIFEST)
-    validation_uri = storage.join(out_uri, VALIDATION_RECORD)
-    data_docs_uri = storage.join(out_uri, "data_docs", "index.html")
-    # The parquet encoding, upload or fsync mostly runs outside the GIL: it overlaps the suite.
-    with (
-        ThreadPoolExecutor(max_workers=1, thread_name_prefix="burstcv-manifest") as writer,
-        tempfile.TemporaryDirectory(prefix="burstcv-docs-") as scratch,
-    ):
-        written = writer.submit(write_manifest, manifest, manifest_uri)
-        docs_dir = (
-            Path(scratch) / "data_docs"
-            if storage.is_s3(out_uri)
-            else storage.local_path(out_uri) / "data_docs"
-        )
-        # A fresh site: pages left by an earlier run here would describe another dataset.
-        shutil.rmtree(docs_dir, ignore_errors=True)
-        outcome = run_suite(manifest, config, data_docs_dir=docs_dir)
-        if storage.is_s3(out_uri):
-            for path in sorted(p for p in docs_dir.rglob("*") if p.is_file()):
-                rel = path.relative_to(docs_dir).as_posix()
-                storage.upload_file(path, storage.join(out_uri, "data_docs", rel))
-        written.result()  # raises what the write raised
-
+    outcome = _suite_beside_manifest(manifest, manifest_uri, out_uri, config)
     fingerprint = dataset_fingerprint(manifest)
     profile = _profile(manifest, config, fingerprint, dataset_uri)
     warnings: list[str] = []
     if ignored:
         example = ignored[0]["path"]
         warnings.append(f"{len(ignored)} hidden/system file(s) ignored, e.g. {example}")
-    drift = _drift(profile, _load_baseline(history_uri, dataset_uri), config)
+    name = f"{dataset_name(dataset_uri)}.json"
+    baseline_uri = None if history_uri is None else storage.join(history_uri, name)
+    baseline = None
+    if baseline_uri is not None and storage.exists(baseline_uri):
+        baseline = read_artifact(baseline_uri, DatasetProfile)
+    drift = _drift(profile, baseline, config)
     if drift.status == "warning":
         warnings.append(f"drift: {drift.message}")
     record = ValidationRecord(
@@ -240,23 +186,43 @@ def _judge(
         warnings=warnings,
         config=config.to_dict(),
         manifest_uri=manifest_uri,
-        data_docs_uri=data_docs_uri,
+        data_docs_uri=storage.join(out_uri, "data_docs", "index.html"),
         validated_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         versions={"great_expectations": gx.__version__, "pillow": PIL.__version__},
     )
-    write_artifact(validation_uri, record)
-    if record.success and history_uri is not None:
-        write_artifact(_history_entry_uri(history_uri, dataset_uri), profile)
+    write_artifact(storage.join(out_uri, VALIDATION_RECORD), record)
+    if record.success and baseline_uri is not None:
+        write_artifact(baseline_uri, profile)
     # The caller shows summary(record) (the pipeline logs it once, the CLI prints it).
     return record
 
 
-def split_count_lines(per_split: dict[str, dict[str, int]]) -> list[str]:
-    """Return one line per split: its usable images, and the count of each class.
+def _suite_beside_manifest(
+    manifest: pd.DataFrame, manifest_uri: str, out_uri: str, config: ValidationConfig
+) -> SuiteOutcome:
+    """Run the suite (Data Docs under out_uri) while another thread writes the manifest."""
+    # The parquet encoding, upload or fsync mostly runs outside the GIL: it overlaps the suite.
+    with (
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="burstcv-manifest") as writer,
+        tempfile.TemporaryDirectory(prefix="burstcv-docs-") as scratch,
+    ):
+        written = writer.submit(write_manifest, manifest, manifest_uri)
+        s3 = storage.is_s3(out_uri)
+        docs_dir = (Path(scratch) if s3 else storage.local_path(out_uri)) / "data_docs"
+        # A fresh site: pages left by an earlier run here would describe another dataset.
+        shutil.rmtree(docs_dir, ignore_errors=True)
+        outcome = run_suite(manifest, config, data_docs_dir=docs_dir)
+        if s3:
+            for path in sorted(p for p in docs_dir.rglob("*") if p.is_file()):
+                rel = path.relative_to(docs_dir).as_posix()
+                storage.upload_file(path, storage.join(out_uri, "data_docs", rel))
+        written.result()  # raises what the write raised
+    return outcome
 
-    Past ``SUMMARY_MAX_CLASSES`` classes a split's line gives the smallest and largest
-    classes instead, so the summary stays one screen whatever the number of classes.
-    """
+
+def split_count_lines(per_split: dict[str, dict[str, int]]) -> list[str]:
+    """Return one line per split: its usable images, and the count of each class (past
+    ``SUMMARY_MAX_CLASSES`` classes only the smallest and largest, to stay one screen)."""
     lines = []
     for split, per_class in per_split.items():
         total = sum(per_class.values())
@@ -321,27 +287,10 @@ def dataset_fingerprint(manifest_df: pd.DataFrame) -> str:
     return digest.hexdigest()
 
 
-# ---------------------------------------------------------------------------------------------
-# Drift
-
-
 def dataset_name(dataset_uri: str) -> str:
     """Return the path-safe name of a dataset: its last path segment."""
     last = dataset_uri.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1] or "dataset"
     return re.sub(r"[^A-Za-z0-9._-]", "_", last)
-
-
-def _history_entry_uri(history_uri: str, dataset_uri: str) -> str:
-    return storage.join(history_uri, f"{dataset_name(dataset_uri)}.json")
-
-
-def _load_baseline(history_uri: str | None, dataset_uri: str) -> DatasetProfile | None:
-    if history_uri is None:
-        return None
-    uri = _history_entry_uri(history_uri, dataset_uri)
-    if not storage.exists(uri):
-        return None
-    return read_artifact(uri, DatasetProfile)
 
 
 def _profile(
@@ -402,15 +351,8 @@ def _drift(
         drift_warn=config.drift_warn,
         drift_max=config.drift_max,
         baseline=baseline.model_dump(
-            include={
-                "fingerprint",
-                "validated_at",
-                "dataset_uri",
-                "class_proportions",
-                "median_width",
-                "median_height",
-            }
+            include={"fingerprint", "validated_at", "dataset_uri", *_DRIFT_FIELDS}
         ),
-        current=profile.model_dump(include={"class_proportions", "median_width", "median_height"}),
+        current=profile.model_dump(include=set(_DRIFT_FIELDS)),
         message=message,
     )

@@ -1,22 +1,13 @@
 """Deploy a registry version in two phases, so production only ever names a version that serves.
 
-1. Stage: every configured service loads, verifies and warms the version beside the model it
-   serves (``POST /v1/admin/stage``), all in parallel. The first refusal ends the deploy with
-   that service's own words, as soon as it arrives; production has not moved.
-2. Switch: under the registry's alias lock, production moves by compare-and-swap from the
-   version read before staging (if someone moved it meanwhile, their move is left alone and the
-   deploy fails saying so), every service is asked to reload (it swaps in the staged, warm
-   model at once) and must answer with the new version. If one does not, production is put
-   back, again by compare-and-swap, and every service is told to reload.
+1. Stage: every service loads, verifies and warms the version beside the model it serves,
+   in parallel; the first refusal ends the deploy, in that service's words.
+2. Switch: under the alias lock (held only here: no model bytes move), production moves by
+   compare-and-swap from the version read before staging, and every service must reload and
+   answer with the new version; if one does not, production is put back and all reload.
 
-The alias lock is held only for the switch, which moves no model bytes: a version that cannot
-load never reaches production, and no other alias move can slip between this deploy's move and
-its verification. Every move, refusal and conflict lands in the registry's history.
-
-A service that cannot be reached, or answers 503 (it is restarting, loading, or shedding
-load), has not refused anything: each call is retried with backoff until the deploy's
-timeout, so a service restart during a deploy delays it instead of failing the run. Only a
-service's own answer (4xx, 5xx other than 503, a wrong version) counts as a refusal.
+An unreachable service, or a 503 (restarting, loading, shedding load), is no refusal: each call
+is retried with backoff until the deploy's timeout. Only the service's own answer refuses.
 """
 
 from __future__ import annotations
@@ -34,9 +25,11 @@ from burstcv.registry.registry import (
     PREVIOUS,
     PRODUCTION,
     AliasConflictError,
+    AliasWriter,
     Current,
     Registry,
     RegistryError,
+    version_name,
 )
 from burstcv_spec import storage
 from burstcv_spec.contracts import Deployed
@@ -78,11 +71,8 @@ class Unreachable(RuntimeError):
 def post_until_answered(
     client: httpx.Client, url: str, *, timeout_s: float, **kwargs: Any
 ) -> httpx.Response:
-    """POST to a service, retrying with backoff while it is unreachable or answers 503.
-
-    Return its first other answer (or its last 503 once ``timeout_s`` is spent); raise
-    Unreachable, naming the last error and the tries, when it never answered in time.
-    """
+    """POST to a service, retrying with backoff while it is unreachable or answers 503; return
+    its first other answer (or its last 503 at ``timeout_s``), or raise Unreachable."""
     deadline = time.monotonic() + timeout_s
     delay, tries = RETRY_FIRST_S, 0
     while True:
@@ -103,27 +93,32 @@ def post_until_answered(
         delay = min(2 * delay, RETRY_MAX_S)
 
 
+def _admin_call(
+    client: httpx.Client, url: str, token: str, timeout_s: float, **kwargs: Any
+) -> tuple[Any, str]:
+    """POST an admin call to a service; return (its JSON answer, "") or (None, why not)."""
+    try:
+        response = post_until_answered(
+            client, url, timeout_s=timeout_s, headers={"Authorization": f"Bearer {token}"}, **kwargs
+        )
+    except Unreachable as exc:
+        return None, str(exc)
+    except httpx.HTTPError as exc:
+        return None, one_line(f"{type(exc).__name__}: {exc}")
+    if response.status_code != 200:
+        return None, _service_words(response)
+    return response.json(), ""
+
+
 def _stage_one(
     url: str, version: int, sha256: str, token: str, timeout_s: float, whose: dict[str, str]
 ) -> tuple[str, dict[str, Any] | None, str]:
     """Ask one service to stage a version; return (url, its answer or None, why not)."""
-    try:
-        with httpx.Client() as client:
-            response = post_until_answered(
-                client,
-                f"{url}/v1/admin/stage",
-                timeout_s=timeout_s,
-                # whose: the registry and model, so another registry's service refuses.
-                json={"version": version, "sha256": sha256, **whose},
-                headers={"Authorization": f"Bearer {token}"},
-            )
-    except Unreachable as exc:
-        return url, None, str(exc)
-    except httpx.HTTPError as exc:
-        return url, None, one_line(f"{type(exc).__name__}: {exc}")
-    if response.status_code != 200:
-        return url, None, _service_words(response)
-    return url, response.json(), ""
+    # whose names the registry and model, so that another registry's service refuses.
+    body = {"version": version, "sha256": sha256, **whose}
+    with httpx.Client() as client:
+        answer, why = _admin_call(client, f"{url}/v1/admin/stage", token, timeout_s, json=body)
+    return url, answer, why
 
 
 def _whose(registry: Registry) -> dict[str, str]:
@@ -142,10 +137,7 @@ def stage_everywhere(
     whose: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Have every service load and warm ``version`` without switching; return their answers.
-
-    Raise DeployError naming the first service that refused and its own words, as soon as
-    that refusal arrives (the other calls are not waited for).
-    """
+    Raise DeployError, in the first refusing service's words, as soon as it refuses."""
     answers: dict[str, Any] = {}
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(urls)))
     try:
@@ -171,25 +163,13 @@ def switch_everywhere(
     failed: dict[str, str] = {}
     with httpx.Client() as client:
         for url in urls:
-            try:
-                response = post_until_answered(
-                    client,
-                    f"{url}/v1/admin/reload",
-                    timeout_s=timeout_s,
-                    headers={"Authorization": f"Bearer {token}"},
-                )
-            except Unreachable as exc:
-                seen[url] = failed[url] = str(exc)
-                continue
-            except httpx.HTTPError as exc:
-                seen[url] = failed[url] = one_line(f"{type(exc).__name__}: {exc}")
-                continue
-            if response.status_code != 200:
-                seen[url] = failed[url] = _service_words(response)
-                continue
-            seen[url] = answer = response.json()
-            if answer.get("version") != version:
-                failed[url] = f"it serves version {answer.get('version')}, not {version}"
+            answer, why = _admin_call(client, f"{url}/v1/admin/reload", token, timeout_s)
+            if why:
+                seen[url] = failed[url] = why
+            else:
+                seen[url] = answer
+                if answer.get("version") != version:
+                    failed[url] = f"it serves version {answer.get('version')}, not {version}"
     return seen, failed
 
 
@@ -207,16 +187,27 @@ def deploy(
 ) -> Deployed:
     """Stage ``version`` on every service, then move production to it and switch them.
 
-    ``expect`` is the version production must hold for the move (by default what it holds
-    when the deploy starts). Raise RegistryError for a version the gate rejected (unless
-    ``force``) and DeployError, one line, when the deploy did not happen or was undone.
+    ``expect``: the version production must hold (by default what it holds at the start).
+    Raise DeployError, one line, when the deploy did not happen or was undone.
     """
     before = registry.get_alias(PRODUCTION)
     expected = (before.version if before else None) if isinstance(expect, Current) else expect
+
+    def refuse(why: str) -> None:
+        registry.record(
+            actor=actor,
+            action=action,
+            alias=PRODUCTION,
+            from_version=expected,
+            to_version=version,
+            result="refused",
+            detail=why,
+        )
+
     try:
         registry.check_promotable(version, force=force)
     except RegistryError as exc:
-        _record_refusal(registry, actor, action, expected, version, str(exc))
+        refuse(str(exc))
         raise
     sha256 = registry.model_card(version).sha256
     urls = [url.rstrip("/") for url in service_urls]
@@ -225,48 +216,56 @@ def deploy(
         try:
             staged = stage_everywhere(urls, version, sha256, token, timeout_s, _whose(registry))
         except DeployError as exc:
-            _record_refusal(registry, actor, action, expected, version, str(exc))
-            raise DeployError(f"{exc}; production left at {_name(expected)}") from None
+            refuse(str(exc))
+            raise DeployError(f"{exc}; production left at {version_name(expected)}") from None
     else:
         log.warning(
             "no serving URLs configured: version %d goes live in the registry only", version
         )
     with registry.aliases_locked(actor) as aliases:
-        previous_before = aliases.read(PREVIOUS)
-        production_before = aliases.read(PRODUCTION)
-        try:
-            old = aliases.promote(version, expect=expected, action=action)
-        except AliasConflictError as exc:
-            raise DeployError(
-                f"{exc.alias} was moved to {_name(exc.found)} while version {version} was being "
-                f"staged; that move was left alone (run the command again to replace it)"
-            ) from None
-        previous_version = old.version if old else None
-        if not urls:
-            return Deployed(
-                version=version, previous_version=previous_version, services={}, staged=staged
-            )
-        services, failed = switch_everywhere(urls, version, token, timeout_s)
-        if not failed:
+        previous, services = _switch(aliases, version, expected, urls, token, timeout_s, action)
+    return Deployed(version=version, previous_version=previous, services=services, staged=staged)
+
+
+def _switch(
+    aliases: AliasWriter,
+    version: int,
+    expected: int | None,
+    urls: list[str],
+    token: str,
+    timeout_s: float,
+    action: str,
+) -> tuple[int | None, dict[str, Any]]:
+    """Move production to ``version`` and have every service serve it, else move it back;
+    return (the version production held before, the services' answers)."""
+    previous_before, production_before = aliases.read(PREVIOUS), aliases.read(PRODUCTION)
+    try:
+        old = aliases.promote(version, expect=expected, action=action)
+    except AliasConflictError as exc:
+        raise DeployError(
+            f"{exc.alias} was moved to {version_name(exc.found)} while version {version} was "
+            "being staged; that move was left alone (run the command again to replace it)"
+        ) from None
+    services, failed = switch_everywhere(urls, version, token, timeout_s) if urls else ({}, {})
+    if not failed:
+        if urls:
             log.info("version %d serving on %s", version, ", ".join(urls))
-            return Deployed(
-                version=version, previous_version=previous_version, services=services, staged=staged
-            )
-        why = "; ".join(f"{url}: {words}" for url, words in failed.items())
-        if old is not None and old.version == version:
-            raise DeployError(f"version {version} is production but not served: {why}")
-        if aliases.undo(version, production=production_before, previous=previous_before):
-            undone = f"production restored to {_name(expected)}"
-            # Every service goes back, not only those that failed: one that already switched
-            # would otherwise serve the undone version until its next poll.
-            if expected is not None:
-                switch_everywhere(urls, expected, token, timeout_s)
-        else:
-            now = aliases.read(PRODUCTION)
-            undone = (
-                f"production was moved on to {_name(now.version if now else None)} "
-                "meanwhile and was left alone"
-            )
+        return (old.version if old else None), services
+    why = "; ".join(f"{url}: {words}" for url, words in failed.items())
+    if old is not None and old.version == version:
+        raise DeployError(f"version {version} is production but not served: {why}")
+    if aliases.undo(version, production=production_before, previous=previous_before):
+        undone = f"production restored to {version_name(expected)}"
+        # Every service goes back, not only those that failed: one that already switched
+        # would otherwise serve the undone version until its next poll.
+        if expected is not None:
+            switch_everywhere(urls, expected, token, timeout_s)
+    else:
+        now = aliases.read(PRODUCTION)
+        undone = (
+            f"production was moved on to {version_name(now.version if now else None)} "
+            "meanwhile and was left alone"
+        )
     raise DeployError(f"version {version} failed to switch ({why}); {undone}")
 
 
@@ -294,26 +293,3 @@ def rollback(
         action="rollback",
         expect=current.version,
     )
-
-
-def _record_refusal(
-    registry: Registry,
-    actor: str,
-    action: str,
-    current: int | None,
-    version: int,
-    why: str,
-) -> None:
-    registry.record(
-        actor=actor,
-        action=action,
-        alias=PRODUCTION,
-        from_version=current,
-        to_version=version,
-        result="refused",
-        detail=why,
-    )
-
-
-def _name(version: int | None) -> str:
-    return "nothing" if version is None else f"version {version}"

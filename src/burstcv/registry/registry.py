@@ -1,16 +1,11 @@
 """Keep numbered, immutable model versions and the aliases that point at them.
 
-Layout (docs/contracts.md): ``<root>/<model>/versions/<n>/{model.onnx, model.json, entry.json}``
-and ``<root>/<model>/aliases/<alias>.json``. A version number is claimed by creating its folder
-exclusively (``mkdir`` locally, a conditional PUT on S3), so two concurrent registrations never
-share one; aliases move under a lock (locally ``flock``, on S3 a lease object taken with
-conditional PUTs), written whole (rename locally, one PUT on S3), so a reader never sees a
-half-written alias.
-
-Every alias write is a compare-and-swap: it names the version it expects to replace and fails
-(AliasConflictError) when the alias holds anything else; on S3 the PUT itself is conditional on
-the ETag read, so even a writer whose lease was taken over cannot lose another's move. Each
-move, refusal and conflict is appended to ``<root>/<model>/history/`` (one JSON file per event).
+A version number is claimed by creating its folder exclusively (``mkdir``, or a conditional
+PUT on S3). Aliases move under a lock (``flock``, or an S3 lease object), written whole, by
+compare-and-swap: a write names the version it replaces and fails (AliasConflictError) when
+the alias holds anything else; on S3 the PUT is conditional on the ETag read, so even a writer
+whose lease was taken over cannot lose another's move. Every move, refusal and conflict is
+appended to ``history/``, one JSON file per event.
 """
 
 from __future__ import annotations
@@ -25,6 +20,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from burstcv import lineage
 from burstcv_spec import layout, storage
@@ -66,8 +62,8 @@ class AliasConflictError(RegistryError):
     def __init__(self, alias: str, expected: int | None, found: int | None) -> None:
         self.alias, self.expected, self.found = alias, expected, found
         super().__init__(
-            f"{alias} holds {_name(found)}, not {_name(expected)}: it was moved meanwhile, "
-            "so it was left alone"
+            f"{alias} holds {version_name(found)}, not {version_name(expected)}: it was moved "
+            "meanwhile, so it was left alone"
         )
 
 
@@ -88,7 +84,6 @@ class Registry:
         self.root = self.layout.root
         self.model_name = model_name
 
-    # -- paths -----------------------------------------------------------------------------
     def version_uri(self, version: int, *parts: str) -> str:
         """Return the URI of a version folder or a file inside it."""
         return self.layout.version(version, *parts)
@@ -97,16 +92,15 @@ class Registry:
         """Return the URI of an alias file."""
         return self.layout.alias(alias)
 
-    # -- versions --------------------------------------------------------------------------
-    def versions(self) -> list[int]:
-        """Return every registered version number, ascending."""
-        found: set[int] = set()
+    def _listed(self) -> list[list[str]]:
         prefix = self.layout.versions
-        for uri in storage.list_files(prefix):
-            rel = uri[len(prefix) :].lstrip("/").split("/")
-            if rel and rel[0].isdigit() and rel[-1] == "entry.json":
-                found.add(int(rel[0]))
-        return sorted(found)
+        return [uri[len(prefix) :].lstrip("/").split("/") for uri in storage.list_files(prefix)]
+
+    def versions(self) -> list[int]:
+        """Return every registered version number (one with its entry.json), ascending."""
+        return sorted(
+            {int(r[0]) for r in self._listed() if r[0].isdigit() and r[-1] == "entry.json"}
+        )
 
     def entry(self, version: int) -> RegistryEntry:
         """Return a version's entry.json (gate verdict, figures, lineage, status)."""
@@ -122,12 +116,7 @@ class Registry:
     def register(
         self, model_dir_uri: str, decision: RegistryDecision, *, dataset_uri: str = ""
     ) -> int:
-        """Copy model.onnx + model.json from a run into a new version; return its number.
-
-        ``decision`` is the gate's part of entry.json (status, reason, gate, benchmark,
-        params); the registry adds the version, hashes and lineage (``dataset_uri``: the
-        dataset the run trained on).
-        """
+        """Copy model.onnx + model.json from a run into a new version; return its number."""
         card = read_artifact(storage.join(model_dir_uri, MODEL_CARD), ModelCard)
         onnx_bytes = storage.read_bytes(storage.join(model_dir_uri, card.onnx_file))
         version = self._claim_version()
@@ -161,31 +150,17 @@ class Registry:
         raise RegistryError("could not claim a version number after 1000 tries")
 
     def _claimed_numbers(self) -> list[int]:
-        prefix = self.layout.versions
-        if storage.is_s3(prefix):
-            nums = set()
-            for uri in storage.list_files(prefix):
-                head = uri[len(prefix) :].lstrip("/").split("/")[0]
-                if head.isdigit():
-                    nums.add(int(head))
-            return sorted(nums)
-        path = Path(prefix)
-        return (
-            sorted(int(p.name) for p in path.iterdir() if p.name.isdigit()) if path.is_dir() else []
-        )
+        path = Path(self.layout.versions)  # locally a claimed folder may hold no file yet
+        if storage.is_s3(self.layout.versions):
+            names = [rel[0] for rel in self._listed()]
+        else:
+            names = [p.name for p in path.iterdir()] if path.is_dir() else []
+        return sorted({int(name) for name in names if name.isdigit()})
 
     def _try_claim(self, version: int) -> bool:
         uri = self.version_uri(version, ".claim")
         if storage.is_s3(uri):
-            bucket, _, key = uri[5:].partition("/")
-            client = storage.s3_client()
-            try:
-                client.put_object(Bucket=bucket, Key=key, Body=b"", IfNoneMatch="*")
-            except client.exceptions.ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") in _CONDITION_FAILED:
-                    return False
-                raise
-            return True
+            return _s3_conditional(storage.s3_client(), uri, b"", IfNoneMatch="*")
         folder = Path(self.version_uri(version))
         folder.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -194,17 +169,13 @@ class Registry:
             return False
         return True
 
-    # -- aliases ---------------------------------------------------------------------------
     def get_alias(self, alias: str) -> AliasRecord | None:
         """Return where an alias points, or None if it was never set."""
         return _read_alias(self.alias_uri(alias))[0]
 
     @contextlib.contextmanager
     def aliases_locked(self, actor: str = DEFAULT_ACTOR) -> Iterator[AliasWriter]:
-        """Hold the alias lock and yield the one object that may move aliases meanwhile.
-
-        Every move it makes is a compare-and-swap recorded in the history under ``actor``.
-        """
+        """Hold the alias lock; yield the one object that may move aliases meanwhile."""
         with self._alias_lock():
             yield AliasWriter(self, actor)
 
@@ -225,37 +196,23 @@ class Registry:
 
     @contextlib.contextmanager
     def _s3_lease(self) -> Iterator[None]:
-        """Hold aliases/.lock on S3: created with a conditional PUT (If-None-Match: *).
-
-        A lease older than S3_LEASE_S (its holder died) is taken over with a PUT conditional
-        on the stale lease's ETag, so two waiters can never both take it. The alias writes
-        made under the lease are conditional too, so even a holder that outlived its lease
-        cannot overwrite a move it did not see.
-        """
-        bucket, _, key = self.layout.alias_lock[5:].partition("/")
+        """Hold aliases/.lock on S3, created by a PUT with If-None-Match: *; a lease older than
+        S3_LEASE_S is taken over by a PUT conditional on its ETag, so only one waiter wins."""
+        uri = self.layout.alias_lock
+        bucket, _, key = uri[5:].partition("/")
         client = storage.s3_client()
         body = json.dumps({"owner": uuid.uuid4().hex, "at": time.time()}).encode()
         deadline = time.monotonic() + S3_LOCK_WAIT_S
-        while True:
-            try:
-                client.put_object(Bucket=bucket, Key=key, Body=body, IfNoneMatch="*")
-                break
-            except client.exceptions.ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") not in _CONDITION_FAILED:
-                    raise
+        while not _s3_conditional(client, uri, body, IfNoneMatch="*"):
             try:
                 held = client.get_object(Bucket=bucket, Key=key)
             except client.exceptions.NoSuchKey:
                 continue  # released between our two calls: try again at once
             lease = json.loads(held["Body"].read() or b"{}")
-            if time.time() - float(lease.get("at", 0)) > S3_LEASE_S:
-                try:
-                    client.put_object(Bucket=bucket, Key=key, Body=body, IfMatch=held["ETag"])
-                    log.warning("took over a stale registry lease of %s", lease.get("owner"))
-                    break
-                except client.exceptions.ClientError as exc:
-                    if exc.response.get("Error", {}).get("Code") not in _CONDITION_FAILED:
-                        raise
+            stale = time.time() - float(lease.get("at", 0)) > S3_LEASE_S
+            if stale and _s3_conditional(client, uri, body, IfMatch=held["ETag"]):
+                log.warning("took over a stale registry lease of %s", lease.get("owner"))
+                break
             if time.monotonic() > deadline:
                 raise RegistryError(f"s3://{bucket}/{key} stayed locked for {S3_LOCK_WAIT_S}s")
             time.sleep(0.05)
@@ -283,9 +240,7 @@ class Registry:
     ) -> AliasRecord | None:
         """Point production at a version and previous at what production was; return the old one.
 
-        A version the gate rejected is refused unless ``force`` (an operator's explicit call).
-        ``expect`` names the version production must still hold (None: unset), else
-        AliasConflictError; by default whatever it holds when the lock is taken.
+        ``expect``: the version production must still hold (None: unset).
         """
         self.check_promotable(version, force=force)
         with self.aliases_locked(actor) as aliases:
@@ -302,11 +257,6 @@ class Registry:
             aliases.promote(previous.version, expect=expect, action="rollback")
         return current.version, previous.version
 
-    # -- history ---------------------------------------------------------------------------
-    def history_uri(self) -> str:
-        """Return the folder (or S3 prefix) that holds one JSON file per alias event."""
-        return self.layout.history
-
     def record(
         self,
         *,
@@ -318,11 +268,8 @@ class Registry:
         result: str,
         detail: str = "",
     ) -> HistoryEvent:
-        """Append one event to the alias history and return it.
-
-        Each event is its own file named by its time, so appending never rewrites (or races
-        on) a shared log, on S3 as locally.
-        """
+        """Append one event to the alias history and return it (its own file, named by its
+        time: appending never rewrites, or races on, a shared log)."""
         event = HistoryEvent(
             at=lineage.utc_now_iso(),
             actor=actor,
@@ -334,12 +281,12 @@ class Registry:
             detail=" ".join(detail.split()),
         )
         name = f"{_monotonic_ns():020d}-{uuid.uuid4().hex[:8]}.json"
-        write_artifact(storage.join(self.history_uri(), name), event)
+        write_artifact(storage.join(self.layout.history, name), event)
         return event
 
     def history(self, limit: int | None = None) -> list[HistoryEvent]:
         """Return the alias history, oldest first (only the newest ``limit`` events if given)."""
-        uris = [u for u in storage.list_files(self.history_uri()) if u.endswith(".json")]
+        uris = [u for u in storage.list_files(self.layout.history) if u.endswith(".json")]
         if limit is not None:
             uris = uris[-limit:] if limit > 0 else []
         events = []
@@ -365,12 +312,8 @@ class AliasWriter:
     def swap(
         self, alias: str, *, expect: int | None, version: int | None, action: str
     ) -> AliasRecord | None:
-        """Point ``alias`` at ``version`` (None: remove it) only if it still holds ``expect``.
-
-        Raise AliasConflictError (after recording it) when the alias holds anything else; on
-        S3 the write itself is conditional on the object read, so a writer whose lease was
-        taken over cannot overwrite the newer value either.
-        """
+        """Point ``alias`` at ``version`` (None: remove it) only if it still holds ``expect``,
+        else record the conflict and raise AliasConflictError."""
         uri = self.registry.alias_uri(alias)
         current, etag = _read_alias(uri)
         found = current.version if current else None
@@ -384,37 +327,29 @@ class AliasWriter:
                 updated_by=self.actor,
             )
         )
-        if found != expect or not _conditional_write(uri, value, etag):
-            if found == expect:  # the conditional write lost: read what won
-                now = self.registry.get_alias(alias)
-                found = now.version if now else None
-            self.registry.record(
-                actor=self.actor,
-                action=action,
-                alias=alias,
-                from_version=expect,
-                to_version=version,
-                result="conflict",
-                detail=f"{alias} holds {_name(found)}, not {_name(expect)}",
-            )
-            raise AliasConflictError(alias, expect, found)
+        conflict = found != expect or not _conditional_write(uri, value, etag)
+        if conflict and found == expect:  # the conditional write lost: read what won
+            now = self.registry.get_alias(alias)
+            found = now.version if now else None
+        held = f"{alias} holds {version_name(found)}, not {version_name(expect)}"
         self.registry.record(
             actor=self.actor,
             action=action,
             alias=alias,
             from_version=expect,
             to_version=version,
-            result="moved",
+            result="conflict" if conflict else "moved",
+            detail=held if conflict else "",
         )
+        if conflict:
+            raise AliasConflictError(alias, expect, found)
         return value
 
     def promote(
         self, version: int, *, expect: int | Current | None = CURRENT, action: str = "promote"
     ) -> AliasRecord | None:
-        """Point production at ``version`` and previous at what production held; return that.
-
-        Nothing moves if production already holds ``version``.
-        """
+        """Point production at ``version`` and previous at what production held; return that
+        (nothing moves if production already holds ``version``)."""
         old = self.read(PRODUCTION)
         old_version = old.version if old else None
         if not isinstance(expect, Current) and old_version != expect:
@@ -449,7 +384,7 @@ class AliasWriter:
                 to_version=production.version if production else None,
                 result="left",
                 detail=(
-                    f"production holds {_name(current.version if current else None)}, not "
+                    f"production holds {version_name(current.version if current else None)}, not "
                     f"{wrote}: a newer move was left alone"
                 ),
             )
@@ -471,7 +406,8 @@ class AliasWriter:
         return True
 
 
-def _name(version: int | None) -> str:
+def version_name(version: int | None) -> str:
+    """Return "version <n>", or "nothing" for None (an alias that was never set)."""
     return "nothing" if version is None else f"version {version}"
 
 
@@ -511,10 +447,8 @@ def _read_alias(uri: str) -> tuple[AliasRecord | None, str | None]:
 
 
 def _conditional_write(uri: str, value: AliasRecord | None, etag: str | None) -> bool:
-    """Write (or remove, for None) an alias file; on S3 only if it is still ``etag``.
-
-    ``etag`` None means the object must not exist. Return False when the condition failed.
-    Locally the caller's flock already excludes every other writer.
+    """Write (or remove, for None) an alias file; on S3 only if it is still ``etag`` (None:
+    absent). Return False when the condition failed; locally the flock excludes other writers.
     """
     if not storage.is_s3(uri):
         if value is None:
@@ -523,16 +457,23 @@ def _conditional_write(uri: str, value: AliasRecord | None, etag: str | None) ->
         else:
             write_artifact(uri, value)
         return True
-    bucket, _, key = uri[5:].partition("/")
-    client = storage.s3_client()
+    if value is None and etag is None:
+        return True  # nothing to remove
+    body = None
+    if value is not None:
+        doc = value.model_dump(mode="json", by_alias=True)
+        body = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
     condition = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
+    return _s3_conditional(storage.s3_client(), uri, body, **condition)
+
+
+def _s3_conditional(client: Any, uri: str, body: bytes | None, **condition: str) -> bool:
+    """PUT ``body`` (None: DELETE) at an S3 URI only while ``condition`` holds; return if it did."""
+    bucket, _, key = uri[5:].partition("/")
     try:
-        if value is None:
-            if etag is not None:
-                client.delete_object(Bucket=bucket, Key=key, IfMatch=etag)
+        if body is None:
+            client.delete_object(Bucket=bucket, Key=key, **condition)
         else:
-            doc = value.model_dump(mode="json", by_alias=True)
-            body = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
             client.put_object(Bucket=bucket, Key=key, Body=body, **condition)
     except client.exceptions.ClientError as exc:
         if exc.response.get("Error", {}).get("Code") in _CONDITION_FAILED:

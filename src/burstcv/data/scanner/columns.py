@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -52,10 +53,13 @@ def extend(columns: dict[str, list[Any]], chunk_columns: list[list[Any]]) -> Non
         columns[name].extend(values)
 
 
-def append(columns: dict[str, list[Any]], row: tuple[Any, ...]) -> None:
-    """Append one row (in COLUMNS order) to the scan's column lists."""
-    for name, value in zip(COLUMNS, row, strict=True):
-        columns[name].append(value)
+def new_columns(rows: Iterable[tuple[Any, ...]] = ()) -> dict[str, list[Any]]:
+    """Return a scan's column lists (one per COLUMNS name) holding ``rows`` (in COLUMNS order)."""
+    columns: dict[str, list[Any]] = {name: [] for name in COLUMNS}
+    for row in rows:
+        for name, value in zip(COLUMNS, row, strict=True):
+            columns[name].append(value)
+    return columns
 
 
 def to_frame(columns: dict[str, list[Any]]) -> pd.DataFrame:

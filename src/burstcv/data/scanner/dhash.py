@@ -28,12 +28,8 @@ def difference_hash(img: Image.Image) -> tuple[str, str]:
 
 
 def hash_decoded(img: Image.Image) -> tuple[str, str]:
-    """Return difference_hash of a decoded image, even when its metadata breaks convert().
-
-    A text chunk may plant a bogus ``transparency`` entry in ``img.info``; convert("L")
-    then fails while converting that colour, although the pixels are fine (and the grey
-    levels never depend on it). The hash is then taken without the entry.
-    """
+    """Return difference_hash of a decoded image, even when a text chunk planted a bogus
+    ``transparency`` entry that convert("L") fails on (grey levels never depend on it)."""
     try:
         return difference_hash(img)
     except Exception:

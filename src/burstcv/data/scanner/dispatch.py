@@ -1,9 +1,7 @@
 """Spread the inspection of listed files over processes: this one, or a pool started once it pays.
 
-Files are inspected in chunks by a process pool (fork when the host is single-threaded, spawn
-otherwise) that starts as soon as enough files are listed, so the listing of a large dataset
-overlaps the inspection. Each chunk's columns are appended straight into the scan's column
-lists, so memory grows with the number of rows, never with image bytes.
+Each chunk's columns are appended straight into the scan's column lists, so memory grows with
+the number of rows, never with image bytes.
 """
 
 from __future__ import annotations
@@ -28,13 +26,8 @@ POOL_MIN_FILES = 2000
 
 
 class Dispatcher:
-    """Inspect listed files in chunks: in this process, or in a pool started once it pays.
-
-    ``add`` takes each listed batch; as soon as ``POOL_MIN_FILES`` files are listed (and more
-    than one worker is wanted) the pool starts and full chunks go out while listing goes on.
-    ``finish`` sends the rest, splitting the tail finer so both cores stay busy to the end,
-    and collects every chunk's columns in order.
-    """
+    """Inspect listed files in chunks; the pool starts once ``POOL_MIN_FILES`` files are
+    listed, so listing overlaps inspection."""
 
     def __init__(
         self, requested: int | None, options: tuple[int, int, bool], cap: int | None = None
@@ -49,11 +42,19 @@ class Dispatcher:
         self._futures: deque[Future[list[list[Any]]]] = deque()
 
     def __enter__(self) -> Dispatcher:
+        # The rows are plain values, never cycles: a cyclic GC pass while they pile up would
+        # only walk the whole process heap (large in an Airflow worker) again and again.
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=exc_type is not None)
+        try:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=exc_type is not None)
+        finally:
+            if self._gc_was_enabled:
+                gc.enable()
 
     def add(self, tasks: list[Task]) -> None:
         """Take a listed batch; start the pool once it pays, and send out every full chunk."""
@@ -117,21 +118,14 @@ def usable_cpus() -> int:
 
 
 def _worker_init() -> None:
-    """Freeze what a forked worker inherited: its GC then never walks (or copies) those pages.
-
-    The parent may hold hundreds of thousands of objects (pandas, GX, Airflow); without this
-    every collection in the worker traverses them all and copy-on-write duplicates the pages.
-    """
+    """Freeze what a forked worker inherited (pandas, GX, Airflow): its GC then never walks
+    those objects, nor copies their pages on write."""
     gc.freeze()
 
 
 def pool_context() -> multiprocessing.context.BaseContext:
-    """Return fork where it is safe (Linux, no other thread alive), else spawn.
-
-    fork starts workers in milliseconds and needs no importable ``__main__``; it is unsafe
-    only when another thread might hold a lock at fork time (an Airflow worker's heartbeat, a
-    test's emulator server), and on macOS, so those get spawn.
-    """
+    """Return fork (workers in milliseconds) where it is safe: on Linux with no other thread
+    alive (one could hold a lock at fork time: an Airflow heartbeat, an emulator); else spawn."""
     if sys.platform.startswith("linux") and threading.active_count() == 1:
         return multiprocessing.get_context("fork")
     return multiprocessing.get_context("spawn")

@@ -1,11 +1,7 @@
 """Inspect listed files into manifest rows: read, sha256, decode with the service's rules, hash.
 
-Every file is read once, hashed (sha256 and a 64-bit difference hash for near duplicates) and
-fully decoded with the same rules as the service's ``burstcv_spec.preprocess.open_image``:
-the pixel count is checked from the header before any pixel is decoded (decompression bombs
-cost nothing), truncated data fails in ``load()``. Hostile or odd files become error rows,
-never exceptions; every verdict is Pillow's, through its public API. This runs in the pool's
-worker processes.
+The pixel count is checked from the header before any pixel is decoded (decompression bombs
+cost nothing); hostile or odd files become error rows, never exceptions. Runs in the workers.
 """
 
 from __future__ import annotations
@@ -53,12 +49,8 @@ def read_task(task: Task, max_file_bytes: int, s3_client: Any) -> bytes | str:
 
 
 def read_local(path: str, max_file_bytes: int) -> bytes | str:
-    """Read a local file to its end with raw system calls, or return the too-large message.
-
-    Half the cost of ``open(path, "rb").read()`` (no file objects, usually a single read), with
-    the same errors: a directory fails as open() fails, with the path in the message. Reading
-    stops once more than ``max_file_bytes`` arrived (a file that grows while it is read).
-    """
+    """Read a local file to its end with raw system calls (half the cost of ``open().read()``,
+    same errors), or return the too-large message once more than ``max_file_bytes`` arrived."""
     fd = os.open(path, os.O_RDONLY)
     try:
         info = os.fstat(fd)
@@ -67,9 +59,8 @@ def read_local(path: str, max_file_bytes: int) -> bytes | str:
         size = info.st_size
         if size > max_file_bytes:
             return f"file is {size} bytes; the limit is {max_file_bytes}"
-        # Ask for one byte more than fstat promised: getting exactly the promised size back is
-        # the whole file in one call. Anything else (a short read, a file that grew since
-        # fstat) reads on until the end, as file.read() does, or until past the limit.
+        # One byte more than fstat promised: exactly the promised size back is the whole file;
+        # else (a short read, a file that grew) read on to the end, or until past the limit.
         block = os.read(fd, size + 1)
         if len(block) == size:
             return block
@@ -173,12 +164,9 @@ class BadImage(ImageDecodeError):
 
 
 def decode(data: bytes, ext: str, max_pixels: int) -> tuple[str, int, int, str, int, Image.Image]:
-    """Decode bytes fully and return (format, width, height, mode, channels, image).
-
-    Mirrors ``burstcv_spec.preprocess.open_image`` (same checks, same order, same messages)
-    without its RGB conversion, so the manifest keeps the original mode; a test asserts that
-    the two agree on every fault kind.
-    """
+    """Decode bytes fully and return (format, width, height, mode, channels, image): the checks,
+    order and messages of ``burstcv_spec.preprocess.open_image`` (a test holds them together),
+    without its RGB conversion, so that the manifest keeps the original mode."""
     header: tuple[Any, ...] = (None, None, None, None, None)
     if not data:
         raise BadImage("empty file", header)
@@ -214,8 +202,7 @@ def decode(data: bytes, ext: str, max_pixels: int) -> tuple[str, int, int, str, 
     except UnidentifiedImageError as exc:
         raise BadImage("not an image (no known format signature)", header) from exc
     except Exception as exc:
-        # Pillow reports truncated or corrupt streams as OSError/SyntaxError/EOFError, and a
-        # crafted file can make a plugin fail with anything (struct.error, IndexError, ...):
-        # untrusted bytes never escape as anything but a decode error.
+        # A crafted file can make a Pillow plugin fail with anything (struct.error, IndexError,
+        # ...): untrusted bytes never escape as anything but a decode error.
         raise BadImage(f"corrupt or truncated {fmt} data: {exc}", header) from exc
     return (fmt, width, height, header[3], header[4], img)

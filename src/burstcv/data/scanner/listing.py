@@ -1,8 +1,7 @@
 """List an ImageFolder (local folder or s3:// prefix): files to inspect, refused and ignored files.
 
-The layout is ``<root>/<split>/<class>/<image>``. Files at another depth, symlinks that leave
-the root and anything that is not a regular file become ready-made error rows; hidden and
-system files (``.DS_Store``, ``Thumbs.db``, dotfiles) are skipped with a note.
+Files at another depth than ``<split>/<class>/<image>``, symlinks that leave the root and
+non-regular files become error rows; hidden and system files are skipped with a note.
 """
 
 from __future__ import annotations
@@ -49,10 +48,7 @@ def is_system_name(name: str) -> bool:
 
 
 def list_dataset(dataset_uri: str, sink: Callable[[list[Task]], None]) -> Listing:
-    """List a dataset: files to inspect go to ``sink`` in batches (one per folder or page).
-
-    Returns the ready-made error rows and the ignored files with a note.
-    """
+    """List a dataset: files to inspect go to ``sink`` in batches (one per folder or page)."""
     if storage.is_s3(dataset_uri):
         return _list_s3(dataset_uri, sink)
     return _list_local(Path(dataset_uri), sink)
