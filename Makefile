@@ -115,7 +115,7 @@ demo: serve-port $(STAMP) $(AIRFLOW_HOME)/airflow.db $(DEMO_DATA)
 	$(BIN)/burstcv predict "$$image" --url $(SERVE_URL)
 
 test: $(STAMP) sysdeps test312
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 # The production stack (docker-compose.yaml), built and run for real with podman: stand-in
 # base images from Debian's packages, the project's images, a pipeline run through the REST

@@ -169,11 +169,12 @@ def figures(
 
 def in_process_work(dataset: Path, scratch: Path, image_size: int) -> dict[str, float]:
     """Time the scan and the pack of the whole dataset in this process, pinned to one CPU."""
-    from burstcv import pipeline
     from burstcv.data.chunks import scan_chunk
     from burstcv.data.pack import pack_shards
     from burstcv.params import RunParams
     from burstcv.settings import Settings
+    from burstcv.stages import data as data_stage
+    from burstcv.stages import resolve
     from burstcv_spec.contracts import DataChunk, RunRef
 
     cpus = os.sched_getaffinity(0)
@@ -185,7 +186,7 @@ def in_process_work(dataset: Path, scratch: Path, image_size: int) -> dict[str, 
             settings,
         )
         run = RunRef.of("manual__in_process")
-        plan = pipeline.plan_scan(run, params, settings)
+        plan = data_stage.plan_scan(run, params, settings)
         whole = DataChunk(
             index=0,
             start=0,
@@ -197,8 +198,8 @@ def in_process_work(dataset: Path, scratch: Path, image_size: int) -> dict[str, 
         started = time.perf_counter()
         scan_chunk(plan, whole, params.validation_config(), workers=1)
         scan_s = time.perf_counter() - started
-        validated = pipeline.validate(run, settings, params=params)
-        order = pipeline.shard_order(pipeline.resolved_run(run, settings), validated)
+        validated = data_stage.validate(run, settings, params=params)
+        order = data_stage.shard_order(resolve.resolved_run(run, settings), validated)
         started = time.perf_counter()
         shards = [order.shard(n) for n in range(order.total)]
         pack_shards(shards, order.spec, order.classes, str(scratch / "inproc" / "shards"))

@@ -79,6 +79,142 @@ def _run(run_id: str | None) -> RunRef:
 # resolved once, by plan_scan (run.json); no later task reads the trigger's params.
 
 
+# Retried: a failed try terminated what it started, and a retry launches against the
+# deadline the first try armed (no second time budget, no second bill). What a retry
+# cannot fix (a setting, a spent budget) fails at once.
+@task(
+    execution_timeout=timedelta(minutes=15),
+    pool=SETTINGS.gpu_pool,
+    retries=2,
+    retry_delay=timedelta(seconds=30),
+)
+def provision(
+    packed: dict[str, Any], run_id: str | None = None, dag: Any = None, ti: Any = None
+) -> dict[str, Any]:
+    """Write job.json and start the training box(es), tagged with this run.
+
+    Retried (no capacity yet, a throttled or dropped call) against the first try's
+    deadline; a stage error (a setting, the time budget spent) is final.
+    """
+    from burstcv.stages import boxes
+
+    try:
+        return boxes.provision(
+            _run(run_id),
+            dag.dag_id,
+            Packed.model_validate(packed),
+            SETTINGS,
+            attempt=int(getattr(ti, "try_number", 1) or 1),
+        ).model_dump(mode="json")
+    except boxes.StageError as exc:
+        raise AirflowFailException(str(exc)) from exc  # retrying cannot fix it
+
+
+# Airflow runs no teardown for a setup that failed (or whose worker died): this does.
+@task(
+    execution_timeout=timedelta(minutes=30),
+    trigger_rule="one_failed",
+    retries=2,
+    retry_delay=timedelta(seconds=30),
+)
+def clean_up_failed_provision(
+    params: dict[str, Any] | None = None, run_id: str | None = None
+) -> list[str]:
+    """Terminate every box tagged with this run when provision failed."""
+    from burstcv.stages import boxes, resolve
+
+    run = _run(run_id)
+    return boxes.clean_up_provision(run, resolve.run_backend(run, params or {}, SETTINGS), SETTINGS)
+
+
+@task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
+def terminate(provisioned: dict[str, Any]) -> dict[str, Any]:
+    """Terminate every box tagged with this run and record what it cost."""
+    from burstcv.stages.boxes import terminate
+
+    boxes = Provisioned.model_validate(provisioned)
+    return terminate(boxes.run, boxes.backend, SETTINGS).model_dump(mode="json")
+
+
+@task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
+def export(run_id: str | None = None) -> dict[str, Any]:
+    """Convert the run's checkpoint to ONNX and prove it equals torch on real images."""
+    from burstcv.stages import export as stage
+
+    return stage.export(_run(run_id), SETTINGS).model_dump(mode="json")
+
+
+# In a pool of its own: two runs' measurements on one host would measure each other; on
+# the CeleryExecutor, on a queue a worker of its own serves (BURSTCV_BENCH_QUEUE). A
+# host too busy to measure on fails it as inconclusive (GateInconclusive), and
+# the retries measure again later; nothing is judged meanwhile.
+@task(
+    execution_timeout=timedelta(minutes=30),
+    pool=SETTINGS.bench_pool,
+    **({"queue": SETTINGS.bench_queue} if SETTINGS.bench_queue else {}),
+    **SAFE_RETRY,
+)
+def benchmark(run_id: str | None = None) -> dict[str, Any]:
+    """Measure candidate and production latency, and size the candidate's CPU fleet."""
+    from burstcv.stages import benchmark as stage
+
+    return stage.benchmark(_run(run_id), SETTINGS).model_dump(mode="json")
+
+
+# Retried: a retry finds the version an earlier try registered and keeps its verdict.
+@task(execution_timeout=timedelta(minutes=10), **SAFE_RETRY)
+def gate(
+    exported: dict[str, Any], bench: dict[str, Any], run_id: str | None = None
+) -> dict[str, Any]:
+    """Judge latency and accuracy, and register the version as accepted or rejected."""
+    from burstcv.stages import gate as stage
+
+    return stage.gate(
+        _run(run_id),
+        Exported.model_validate(exported),
+        Benchmarked.model_validate(bench),
+        SETTINGS,
+    ).model_dump(mode="json")
+
+
+# Retried: a deploy that failed left production as it was; the next try stages again.
+@task(execution_timeout=timedelta(minutes=10), **SAFE_RETRY)
+def deploy(verdict: dict[str, Any], run_id: str | None = None) -> dict[str, Any]:
+    """Move the production alias and verify the service serves the new version."""
+    from burstcv.stages import deploy as stage
+    from burstcv.stages.resolve import resolved_run
+
+    run, judged = _run(run_id), VerdictRecord.model_validate(verdict)
+    promote = resolved_run(run, SETTINGS).params.promote
+    if reason := stage.deploy_skip_reason(judged, promote=promote):
+        raise AirflowSkipException(reason)
+    return stage.deploy(run, judged, SETTINGS).model_dump(mode="json")
+
+
+# A teardown (all_done once its upstream tasks are): the report is the page that says what
+# went wrong, so it runs whatever failed, and after a user marks the run failed too.
+@task(execution_timeout=timedelta(minutes=10), **SAFE_RETRY)
+def report(run_id: str | None = None) -> str:
+    """Write the run's one-page HTML report (data checks, curves, latency, verdict, cost)."""
+    from burstcv.stages import report as stage
+
+    return stage.report(_run(run_id), SETTINGS)
+
+
+# A teardown, so that it runs even after a user marks the run failed (Airflow skips every
+# other pending task then, and leaves the run running until its teardowns are done), and
+# counted in the run's state (on_failure_fail_dagrun): without it, an all_done report and
+# the skipped rest would end such a run, or one whose deploy failed, as a success.
+# Retried when its own worker fails; the failure it reports (AirflowFailException) is final.
+@task(execution_timeout=timedelta(minutes=5), **SAFE_RETRY)
+def outcome(run_id: str | None = None, dag: Any = None, ti: Any = None) -> None:
+    """Fail the run when any of its tasks failed (a user's mark-failed included)."""
+    from burstcv.airflow.runs import failed_tasks
+
+    if failed := failed_tasks(dag.dag_id, str(run_id), besides=ti.task_id):
+        raise AirflowFailException(f"the run failed: {', '.join(failed)} failed")
+
+
 @dag(
     dag_id="burstcv_pipeline",
     schedule=(
@@ -100,135 +236,7 @@ def _run(run_id: str | None) -> RunRef:
     params=trigger_form(SETTINGS),
 )
 def burstcv_pipeline() -> None:
-    """Wire the stages; every task body is one call into burstcv.pipeline."""
-
-    # Retried: a failed try terminated what it started, and a retry launches against the
-    # deadline the first try armed (no second time budget, no second bill). What a retry
-    # cannot fix (a setting, a spent budget) fails at once.
-    @task(
-        execution_timeout=timedelta(minutes=15),
-        pool=SETTINGS.gpu_pool,
-        retries=2,
-        retry_delay=timedelta(seconds=30),
-    )
-    def provision(
-        packed: dict[str, Any], run_id: str | None = None, dag: Any = None, ti: Any = None
-    ) -> dict[str, Any]:
-        """Write job.json and start the training box(es), tagged with this run.
-
-        Retried (no capacity yet, a throttled or dropped call) against the first try's
-        deadline; a stage error (a setting, the time budget spent) is final.
-        """
-        from burstcv import pipeline
-
-        try:
-            return pipeline.provision(
-                _run(run_id),
-                dag.dag_id,
-                Packed.model_validate(packed),
-                SETTINGS,
-                attempt=int(getattr(ti, "try_number", 1) or 1),
-            ).model_dump(mode="json")
-        except pipeline.StageError as exc:
-            raise AirflowFailException(str(exc)) from exc  # retrying cannot fix it
-
-    # Airflow runs no teardown for a setup that failed (or whose worker died): this does.
-    @task(
-        execution_timeout=timedelta(minutes=30),
-        trigger_rule="one_failed",
-        retries=2,
-        retry_delay=timedelta(seconds=30),
-    )
-    def clean_up_failed_provision(
-        params: dict[str, Any] | None = None, run_id: str | None = None
-    ) -> list[str]:
-        """Terminate every box tagged with this run when provision failed."""
-        from burstcv import pipeline
-
-        run = _run(run_id)
-        return pipeline.clean_up_provision(
-            run, pipeline.run_backend(run, params or {}, SETTINGS), SETTINGS
-        )
-
-    @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
-    def terminate(provisioned: dict[str, Any]) -> dict[str, Any]:
-        """Terminate every box tagged with this run and record what it cost."""
-        from burstcv import pipeline
-
-        boxes = Provisioned.model_validate(provisioned)
-        return pipeline.terminate(boxes.run, boxes.backend, SETTINGS).model_dump(mode="json")
-
-    @task(execution_timeout=timedelta(minutes=30), **SAFE_RETRY)
-    def export(run_id: str | None = None) -> dict[str, Any]:
-        """Convert the run's checkpoint to ONNX and prove it equals torch on real images."""
-        from burstcv import pipeline
-
-        return pipeline.export(_run(run_id), SETTINGS).model_dump(mode="json")
-
-    # In a pool of its own: two runs' measurements on one host would measure each other; on
-    # the CeleryExecutor, on a queue a worker of its own serves (BURSTCV_BENCH_QUEUE). A
-    # host too busy to measure on fails it as inconclusive (pipeline.GateInconclusive), and
-    # the retries measure again later; nothing is judged meanwhile.
-    @task(
-        execution_timeout=timedelta(minutes=30),
-        pool=SETTINGS.bench_pool,
-        **({"queue": SETTINGS.bench_queue} if SETTINGS.bench_queue else {}),
-        **SAFE_RETRY,
-    )
-    def benchmark(run_id: str | None = None) -> dict[str, Any]:
-        """Measure candidate and production latency, and size the candidate's CPU fleet."""
-        from burstcv import pipeline
-
-        return pipeline.benchmark(_run(run_id), SETTINGS).model_dump(mode="json")
-
-    # Retried: a retry finds the version an earlier try registered and keeps its verdict.
-    @task(execution_timeout=timedelta(minutes=10), **SAFE_RETRY)
-    def gate(
-        exported: dict[str, Any], bench: dict[str, Any], run_id: str | None = None
-    ) -> dict[str, Any]:
-        """Judge latency and accuracy, and register the version as accepted or rejected."""
-        from burstcv import pipeline
-
-        return pipeline.gate(
-            _run(run_id),
-            Exported.model_validate(exported),
-            Benchmarked.model_validate(bench),
-            SETTINGS,
-        ).model_dump(mode="json")
-
-    # Retried: a deploy that failed left production as it was; the next try stages again.
-    @task(execution_timeout=timedelta(minutes=10), **SAFE_RETRY)
-    def deploy(verdict: dict[str, Any], run_id: str | None = None) -> dict[str, Any]:
-        """Move the production alias and verify the service serves the new version."""
-        from burstcv import pipeline
-
-        run, judged = _run(run_id), VerdictRecord.model_validate(verdict)
-        promote = pipeline.resolved_run(run, SETTINGS).params.promote
-        if reason := pipeline.deploy_skip_reason(judged, promote=promote):
-            raise AirflowSkipException(reason)
-        return pipeline.deploy(run, judged, SETTINGS).model_dump(mode="json")
-
-    # A teardown (all_done once its upstream tasks are): the report is the page that says what
-    # went wrong, so it runs whatever failed, and after a user marks the run failed too.
-    @task(execution_timeout=timedelta(minutes=10), **SAFE_RETRY)
-    def report(run_id: str | None = None) -> str:
-        """Write the run's one-page HTML report (data checks, curves, latency, verdict, cost)."""
-        from burstcv import pipeline
-
-        return pipeline.report(_run(run_id), SETTINGS)
-
-    # A teardown, so that it runs even after a user marks the run failed (Airflow skips every
-    # other pending task then, and leaves the run running until its teardowns are done), and
-    # counted in the run's state (on_failure_fail_dagrun): without it, an all_done report and
-    # the skipped rest would end such a run, or one whose deploy failed, as a success.
-    # Retried when its own worker fails; the failure it reports (AirflowFailException) is final.
-    @task(execution_timeout=timedelta(minutes=5), **SAFE_RETRY)
-    def outcome(run_id: str | None = None, dag: Any = None, ti: Any = None) -> None:
-        """Fail the run when any of its tasks failed (a user's mark-failed included)."""
-        from burstcv.airflow.runs import failed_tasks
-
-        if failed := failed_tasks(dag.dag_id, str(run_id), besides=ti.task_id):
-            raise AirflowFailException(f"the run failed: {', '.join(failed)} failed")
+    """Wire the stages; every task body is one call into a module of burstcv.stages."""
 
     # validate and pack: a plan, one mapped task per chunk and a join each (data_stages).
     packed = data_stages()

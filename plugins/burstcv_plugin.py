@@ -1,15 +1,7 @@
 """Register burstcv's Airflow UI extensions: task links to run artifacts, the models page.
 
-- Extra links on task instances: ``validate`` → its Great Expectations Data Docs, ``report``
-  → the run's HTML report, ``deploy`` → the deployed service's ``/v1/model``. The artifact
-  files are served by the plugin's own FastAPI app (``/burstcv``, see ``burstcv_views``), so
-  the links open in a browser whether the artifact store is a local folder or S3.
-- The ``/burstcv`` app itself: model versions with status, accuracy, p95 latency, aliases
-  and gate reasons, and what each run cost, as a page and as JSON.
-- A top-level nav entry ("Models") that shows that page inside the Airflow UI.
-
-The module imports only Airflow's plugin base, FastAPI and burstcv's settings/registry/storage
-(no torch, numpy or pandas): every Airflow process loads plugins.
+Only Airflow's plugin base, FastAPI and burstcv's settings/registry/storage are imported (no
+torch, numpy or pandas): every Airflow process loads plugins.
 """
 
 from __future__ import annotations
@@ -84,9 +76,8 @@ class BurstcvPlugin(AirflowPlugin):
     """Add burstcv's task links, its models/costs app and a nav entry to Airflow."""
 
     name = "burstcv"
-    # Global links: the DAG's tasks are @task functions (one operator class for all), so the
-    # link decides by dag_id/task_id and returns '' where it does not apply; the UI hides
-    # empty links.
+    # Global: @task functions share one operator class, so each link picks its task by id
+    # and returns '' (hidden) for the others.
     global_operator_extra_links: ClassVar[list[Any]] = [
         DataDocsLink(),
         RunReportLink(),

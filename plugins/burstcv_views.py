@@ -1,11 +1,7 @@
 """Serve burstcv's pages inside the Airflow api-server: model versions, run costs, run artifacts.
 
-The plugin mounts :data:`app` at ``/burstcv``. Pages read the registry and the artifact store
-named by ``BURSTCV_*`` settings; artifact files (Data Docs, run reports) are streamed from the
-store so a browser can open them even when the store is a local folder or an S3 bucket. Every
-route but the nav icon asks Airflow's auth manager whether the caller may read the
-``burstcv_pipeline`` DAG. Nothing heavy is imported here: the plugin loads in every Airflow
-process.
+Artifact files are streamed from the store, local or S3. Every route but the nav icon needs
+the right to read the DAG. Nothing heavy is imported here: every Airflow process loads it.
 """
 
 from __future__ import annotations
@@ -40,7 +36,7 @@ from burstcv_spec.storage import safe_run_id
 A = TypeVar("A", bound=Artifact)
 log = logging.getLogger(__name__)
 
-__all__ = ["DAG_ID", "URL_PREFIX", "app", "artifact_uri", "artifact_url", "safe_run_id"]
+__all__ = ["DAG_ID", "URL_PREFIX", "app", "artifact_uri", "safe_run_id"]
 
 ALIASES = (PRODUCTION, PREVIOUS)
 _SAFE_SEGMENT = re.compile(r"^[A-Za-z0-9._+@=,-]+$")
@@ -53,18 +49,10 @@ ICON_SVG = (
 )
 
 
-def artifact_url(run_id: str, page: str, path: str = links.INDEX) -> str:
-    """Return the plugin URL (absolute path) of a file in a run's Data Docs or report."""
-    return links.page_url(run_id, page, path)
-
-
 def artifact_uri(settings: Settings, run_key: str, path: str) -> str:
     """Return the store URI of ``path`` (relative to the run folder), refusing path traversal.
 
-    ``run_key`` must already be a safe run id and ``path`` a relative path of plain segments
-    inside one of the served trees (``links.SERVED_TREES``): anything else, or anything that
-    could climb out of the tree (``..``, absolute paths, backslashes, empty or dot segments),
-    is a 404, never a file. A served tree's folder itself means its ``index.html``.
+    Anything but plain segments inside a served tree of a safe run key is a 404, never a file.
     """
     if run_key in ("", ".", "..") or safe_run_id(run_key) != run_key:
         raise HTTPException(status.HTTP_404_NOT_FOUND, "no such run")
@@ -90,8 +78,7 @@ def artifact_uri(settings: Settings, run_key: str, path: str) -> str:
 
 
 def _read_or_none(uri: str, model: type[A]) -> A | None:
-    """Return the artifact, or None when it is absent or unreadable (a run written before
-    its format changed, say): one run's file never takes the page down."""
+    """Return the artifact, or None when absent or unreadable: one run never takes the page down."""
     try:
         return read_artifact(uri, model)
     except storage.ArtifactNotFoundError:
@@ -124,9 +111,8 @@ def model_versions(settings: Settings) -> dict[str, Any]:
                 # The cheapest CPU fleet for the run's expected load: a costlier version shows.
                 "fleet": entry.fleet.model_dump(mode="json") if entry.fleet else None,
                 "fleet_measured_in": entry.fleet_measured_in,
-                # Where the sizes behind the fleet were measured: each size's p95 against load.
                 "sizes_url": (
-                    artifact_url(entry.fleet_measured_in or run_id, "report") + "#fleet"
+                    links.page_url(entry.fleet_measured_in or run_id, "report") + "#fleet"
                     if entry.fleet and (entry.fleet_measured_in or run_id)
                     else None
                 ),
@@ -136,7 +122,7 @@ def model_versions(settings: Settings) -> dict[str, Any]:
                 "registered_at": entry.registered_at,
                 "run_id": run_id,
                 "airflow_run_url": links.airflow_run_path(run_id) if run_id else None,
-                "report_url": artifact_url(run_id, "report") if run_id else None,
+                "report_url": links.page_url(run_id, "report") if run_id else None,
             }
         )
     return {
@@ -187,7 +173,6 @@ def run_costs(settings: Settings) -> list[dict[str, Any]]:
                 "run_id": run_id,
                 "run_key": key,
                 "airflow_run_url": links.airflow_run_path(run_id) if record else None,
-                # The run as resolved: what started it, on which data, how many boxes, budget.
                 "trigger": record.trigger if record else None,
                 "dataset_uri": record.params.dataset_uri if record else None,
                 "boxes": record.costs.boxes if record else None,
@@ -200,8 +185,8 @@ def run_costs(settings: Settings) -> list[dict[str, Any]]:
                 "skipped": skipped is not None,
                 "summary": (verdict.summary if verdict else None)
                 or (skipped.reason if skipped else None),
-                "data_docs_url": artifact_url(key, "data-docs") if served["data-docs"] else None,
-                "report_url": artifact_url(key, "report") if served["report"] else None,
+                "data_docs_url": links.page_url(key, "data-docs") if served["data-docs"] else None,
+                "report_url": links.page_url(key, "report") if served["report"] else None,
             }
         )
     return rows
@@ -209,8 +194,7 @@ def run_costs(settings: Settings) -> list[dict[str, Any]]:
 
 async def require_dag_read(request: Request) -> None:
     """Allow the request only if its user (bearer token or UI cookie) may read the DAG."""
-    # Imported on first request: the api-server has these loaded already; other Airflow
-    # processes that load the plugin never pay for them.
+    # Imported here: only the api-server, which has them loaded already, pays for them.
     from airflow.api_fastapi.app import get_auth_manager
     from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
     from airflow.api_fastapi.core_api.security import bearer_scheme, get_user
@@ -259,11 +243,7 @@ def models_page(settings: SettingsDep) -> HTMLResponse:
 
 @app.get("/runs/{run_key}/{path:path}", dependencies=[Authorized])
 def run_artifact(run_key: str, path: str, settings: SettingsDep) -> Response:
-    """Stream one file of a run's Data Docs or report from the artifact store.
-
-    The path is the file's path in the run folder (``report/index.html``), so links between
-    the run's pages are the same relative links as in the store itself.
-    """
+    """Stream one file (by its path in the run folder) of a run's Data Docs or report."""
     uri = artifact_uri(settings, run_key, path.rstrip("/"))
     try:
         body = storage.read_bytes(uri)
@@ -288,8 +268,7 @@ def _airflow_link(url: str | None, text: str) -> str:
     """Return a link to an Airflow UI page (a path below its base URL), or the bare text."""
     if not url:
         return html.escape(text)
-    # The page is served at <base>/burstcv/: one level up is Airflow's own base URL.
-    # target=_top: Airflow's UI replaces the page, not the plugin's frame within it.
+    # One level up from <base>/burstcv/ is Airflow's base URL; _top leaves the plugin's frame.
     return f'<a href="..{html.escape(url)}" target="_top">{html.escape(text)}</a>'
 
 
@@ -298,9 +277,8 @@ def _usd(value: Any) -> str:
 
 
 def _fleet(version: dict[str, Any], versions: list[dict[str, Any]]) -> str:
-    """Return '3 x c7i.large, $195.46/month' for a version's fleet, '–' without one, whose
-    measurement it rests on when another version's run measured the sizes, and a link to
-    those sizes (each one's p95 against load, in the measuring run's report)."""
+    """Return '3 x c7i.large, $195.46/month' for a version's fleet ('–' without one), whose
+    sizes it rests on when another run measured them, and a link to those sizes."""
     fleet = version.get("fleet")
     if not fleet:
         return "–"
@@ -321,62 +299,67 @@ def _fleet(version: dict[str, Any], versions: list[dict[str, Any]]) -> str:
     return html.escape(text) + (f" ({curve})" if curve else "")
 
 
+def _rows(cells: list[str], none: str, columns: int) -> str:
+    """Return the table rows of ``cells`` (each a row's <td>s), or one row saying ``none``."""
+    rows = "".join(f"<tr>{row}</tr>" for row in cells)
+    return rows or f'<tr><td colspan="{columns}">{none}</td></tr>'
+
+
+def _version_cells(v: dict[str, Any], versions: list[dict[str, Any]]) -> str:
+    e = html.escape
+    return (
+        f"<td>{v['version']}</td>"
+        f'<td class="{e(v["status"])}">{e(v["status"])}</td>'
+        f"<td>{_fmt(v['accuracy'], '.4f')}</td>"
+        f"<td>{_fmt(v['p95_ms'], '.2f', ' ms')}</td>"
+        f"<td>{_fleet(v, versions)}</td>"
+        f"<td>{e(', '.join(v['aliases']))}</td>"
+        f"<td>{e('; '.join(v['reasons']) or v['summary'])}</td>"
+        f"<td>{_airflow_link(v.get('airflow_run_url'), 'run')} "
+        f"{_link(v['report_url'], 'report')}</td>"
+    )
+
+
+def _run_cells(r: dict[str, Any]) -> str:
+    e = html.escape
+    return (
+        f"<td>{_airflow_link(r.get('airflow_run_url'), r['run_id'])}</td>"
+        f"<td>{e(str(r['trigger'] or '–'))}</td>"
+        f"<td>{e(str(r['dataset_uri'] or '–'))}</td>"
+        f"<td>{e(str(r['backend'] or '–'))}</td>"
+        f"<td>{_fmt(r['boxes'], 'd')}</td>"
+        f"<td>{'$0 (skipped)' if r.get('skipped') else _usd(r['cost_usd'])}"
+        f" of {_usd(r['max_cost_usd'])}</td>"
+        f"<td>{_fmt(r['version'], 'd')}</td>"
+        f"<td>{e(r['summary'] or '–')}</td>"
+        f"<td>{_link(r['data_docs_url'], 'Data Docs')} {_link(r['report_url'], 'report')}</td>"
+    )
+
+
+def _history_cells(h: dict[str, Any]) -> str:
+    def text(key: str) -> str:
+        return html.escape(str(h.get(key, "")))
+
+    def moved(key: str) -> str:
+        return "–" if h.get(key) is None else str(int(h[key]))
+
+    return (
+        f"<td>{text('at')}</td><td>{text('actor')}</td><td>{text('action')}</td>"
+        f"<td>{text('alias')}</td><td>{moved('from')} → {moved('to')}</td>"
+        f'<td class="{text("result")}">{text("result")}</td><td>{text("detail")}</td>'
+    )
+
+
 def render_page(models: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     """Render the versions table and the cost table as one self-contained HTML page."""
     e = html.escape
-    version_rows = (
-        "".join(
-            "<tr>"
-            f"<td>{v['version']}</td>"
-            f'<td class="{e(v["status"])}">{e(v["status"])}</td>'
-            f"<td>{_fmt(v['accuracy'], '.4f')}</td>"
-            f"<td>{_fmt(v['p95_ms'], '.2f', ' ms')}</td>"
-            f"<td>{_fleet(v, models['versions'])}</td>"
-            f"<td>{e(', '.join(v['aliases']))}</td>"
-            f"<td>{e('; '.join(v['reasons']) or v['summary'])}</td>"
-            f"<td>{_airflow_link(v.get('airflow_run_url'), 'run')} "
-            f"{_link(v['report_url'], 'report')}</td>"
-            "</tr>"
-            for v in models["versions"]
-        )
-        or '<tr><td colspan="8">no versions registered yet</td></tr>'
+    versions = models["versions"]
+    version_rows = _rows(
+        [_version_cells(v, versions) for v in versions], "no versions registered yet", 8
     )
-    run_rows = (
-        "".join(
-            "<tr>"
-            f"<td>{_airflow_link(r.get('airflow_run_url'), r['run_id'])}</td>"
-            f"<td>{e(str(r['trigger'] or '–'))}</td>"
-            f"<td>{e(str(r['dataset_uri'] or '–'))}</td>"
-            f"<td>{e(str(r['backend'] or '–'))}</td>"
-            f"<td>{_fmt(r['boxes'], 'd')}</td>"
-            f"<td>{'$0 (skipped)' if r.get('skipped') else _usd(r['cost_usd'])}"
-            f" of {_usd(r['max_cost_usd'])}</td>"
-            f"<td>{_fmt(r['version'], 'd')}</td>"
-            f"<td>{e(r['summary'] or '–')}</td>"
-            f"<td>{_link(r['data_docs_url'], 'Data Docs')} {_link(r['report_url'], 'report')}</td>"
-            "</tr>"
-            for r in runs
-        )
-        or '<tr><td colspan="9">no runs yet</td></tr>'
-    )
-
-    def moved(version: Any) -> str:
-        return "–" if version is None else str(int(version))
-
-    history_rows = (
-        "".join(
-            "<tr>"
-            f"<td>{e(str(h.get('at', '')))}</td>"
-            f"<td>{e(str(h.get('actor', '')))}</td>"
-            f"<td>{e(str(h.get('action', '')))}</td>"
-            f"<td>{e(str(h.get('alias', '')))}</td>"
-            f"<td>{moved(h.get('from'))} → {moved(h.get('to'))}</td>"
-            f'<td class="{e(str(h.get("result", "")))}">{e(str(h.get("result", "")))}</td>'
-            f"<td>{e(str(h.get('detail', '')))}</td>"
-            "</tr>"
-            for h in models.get("history", [])
-        )
-        or '<tr><td colspan="7">no alias moves recorded yet</td></tr>'
+    run_rows = _rows([_run_cells(r) for r in runs], "no runs yet", 9)
+    history_rows = _rows(
+        [_history_cells(h) for h in models.get("history", [])], "no alias moves recorded yet", 7
     )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>burstcv models</title>

@@ -184,26 +184,26 @@ def resolve_validated(run: RunRef, params: Any, settings: Any, packed: Packed) -
     """Write the run's run.json as its first task and validate would, and return it.
 
     For a test that provisions a packed dataset made by hand: the run is resolved
-    (``pipeline.resolve_run``: params, prices, budget), then validate's choices for that data
+    (``resolve.resolve_run``: params, prices, budget), then validate's choices for that data
     are added: the packed size, and the training recipe for its training images
-    (``pipeline.choose_training``, the rules validate applies).
+    (``resolve.choose_training``, the rules validate applies).
     """
-    from burstcv import pipeline
+    from burstcv.stages import resolve
     from burstcv_spec.contracts import ImageSizeChoice, write_artifact
 
-    resolved = pipeline.resolve_run(run, params, settings)
+    resolved = resolve.resolve_run(run, params, settings)
     shape = packed.preprocess
     size = ImageSizeChoice(
         px=shape.height, reason="the packed dataset's size", resize_short=shape.resize_short
     )
-    training = pipeline.choose_training(
+    training = resolve.choose_training(
         params,
         train_images=packed.counts.get("train", 0),
         photos=shape.resize_short is not None,
         settings=settings,
     )
     validated = resolved.model_copy(update={"image_size": size, "training": training})
-    write_artifact(pipeline.run_layout(run, settings).record, validated)
+    write_artifact(resolve.run_layout(run, settings).record, validated)
     return validated
 
 

@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from burstcv import pipeline
 from burstcv.data.config import ValidationConfig
 from burstcv.params import DATA_CHECKS, RunParams, describe_default, params_table, run_fields
 from burstcv.settings import Settings, get_settings
+from burstcv.stages import data as data_stage
+from burstcv.stages import resolve
 from burstcv.training.job import JobSpec
 from burstcv_spec.contracts import RunRef
 
@@ -80,13 +81,13 @@ def test_the_data_checks_take_effect_in_the_validate_stage(
 ) -> None:
     settings = Settings(home=str(tmp_path))
     given = {"dataset_uri": str(demo_dataset)}
-    passed = pipeline.validate(
+    passed = data_stage.validate(
         RunRef.of("manual__defaults"), settings, params=RunParams.resolve(given, settings)
     )
     assert Path(passed.validation_uri).is_file()
     strict = RunParams.resolve({**given, "min_images_per_class": 100}, settings)
-    with pytest.raises(pipeline.ValidationFailed, match="min_images_per_class"):
-        pipeline.validate(RunRef.of("manual__strict"), settings, params=strict)
+    with pytest.raises(resolve.ValidationFailed, match="min_images_per_class"):
+        data_stage.validate(RunRef.of("manual__strict"), settings, params=strict)
 
 
 def test_the_docs_table_is_the_generated_one() -> None:

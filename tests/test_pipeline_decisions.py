@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 from burstcv_testkit import bench_figures, write_model_dir
 
-from burstcv import pipeline
 from burstcv.cost import budget
 from burstcv.cost.quotes import PriceSources
 from burstcv.params import EXPORT_PARAMS, TRAINING_PARAMS, Affects, RunParams
 from burstcv.registry.registry import Registry
 from burstcv.settings import Settings
+from burstcv.stages import deploy as deploy_stage
+from burstcv.stages import gate as gate_stage
+from burstcv.stages import resolve as resolve_stage
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
     Benchmarked,
@@ -58,10 +60,11 @@ def resolve(
     resize_short: int | None = None,
 ) -> None:
     """Resolve RUN with these params (run.json), and the image size validate chose."""
-    resolved = pipeline.resolve_run(RUN, run_params, settings)
+    resolved = resolve_stage.resolve_run(RUN, run_params, settings)
     size = ImageSizeChoice(px=image_size, reason="the data's", resize_short=resize_short)
     write_artifact(
-        pipeline.run_layout(RUN, settings).record, resolved.model_copy(update={"image_size": size})
+        resolve_stage.run_layout(RUN, settings).record,
+        resolved.model_copy(update={"image_size": size}),
     )
 
 
@@ -106,7 +109,7 @@ def promote_production(settings: Settings, tmp_path: Path, recorded: dict[str, o
 
 def decide(settings: Settings, fingerprint: str = FINGERPRINT, **params: object) -> str | None:
     resolve(settings, RunParams(dataset_uri="/data/digits-copy", **{"epochs": 3, **params}))
-    return pipeline.nothing_new_to_train(RUN, validated(fingerprint), settings=settings)
+    return resolve_stage.nothing_new_to_train(RUN, validated(fingerprint), settings=settings)
 
 
 def test_production_data_and_params_need_no_training(
@@ -121,7 +124,7 @@ def test_production_data_and_params_need_no_training(
     # Params left unset are not listed as if they had a value.
     assert "None" not in reason and "batch_size" not in reason and "expected_classes" not in reason
     assert reason in caplog.messages
-    skip = read_artifact(pipeline.run_layout(RUN, settings).skip, SkipRecord)
+    skip = read_artifact(resolve_stage.run_layout(RUN, settings).skip, SkipRecord)
     assert skip.reason == reason and skip.production_version == 1
 
 
@@ -141,7 +144,7 @@ def test_new_data_other_params_or_force_train(
     settings: Settings, change: dict[str, object], why: str
 ) -> None:
     assert decide(settings, **change) is None, why
-    assert not storage.exists(pipeline.run_layout(RUN, settings).skip)
+    assert not storage.exists(resolve_stage.run_layout(RUN, settings).skip)
 
 
 def test_every_run_param_says_what_it_changes() -> None:
@@ -240,10 +243,10 @@ def choice(**values: object) -> TrainingChoice:
 def decide_resolved(settings: Settings, training: TrainingChoice, **params: object) -> str | None:
     """Decide RUN with these params and the training values validate chose for it."""
     resolve(settings, RunParams(dataset_uri="/data/digits-copy", **params))
-    layout = pipeline.run_layout(RUN, settings)
-    record = pipeline.resolved_run(RUN, settings)
+    layout = resolve_stage.run_layout(RUN, settings)
+    record = resolve_stage.resolved_run(RUN, settings)
     write_artifact(layout.record, record.model_copy(update={"training": training}))
-    return pipeline.nothing_new_to_train(RUN, validated(FINGERPRINT), settings=settings)
+    return resolve_stage.nothing_new_to_train(RUN, validated(FINGERPRINT), settings=settings)
 
 
 @pytest.mark.parametrize(
@@ -275,15 +278,19 @@ def test_auto_is_compared_as_the_value_it_chose(
 
 def test_another_image_size_trains(settings: Settings) -> None:
     resolve(settings, RunParams(dataset_uri="/data/digits", epochs=3), image_size=64)
-    assert pipeline.nothing_new_to_train(RUN, validated(FINGERPRINT), settings=settings) is None
+    assert (
+        resolve_stage.nothing_new_to_train(RUN, validated(FINGERPRINT), settings=settings) is None
+    )
 
 
 def test_the_same_image_size_with_another_resize_trains(settings: Settings) -> None:
     run_params = RunParams(dataset_uri="/data/digits", epochs=3)
     resolve(settings, run_params, resize_short=48)
-    assert pipeline.nothing_new_to_train(RUN, validated(FINGERPRINT), settings=settings) is None
+    assert (
+        resolve_stage.nothing_new_to_train(RUN, validated(FINGERPRINT), settings=settings) is None
+    )
     resolve(settings, run_params)
-    same = pipeline.nothing_new_to_train(RUN, validated(FINGERPRINT), settings=settings)
+    same = resolve_stage.nothing_new_to_train(RUN, validated(FINGERPRINT), settings=settings)
     assert same is not None and "image size 32 px" in same
 
 
@@ -305,12 +312,12 @@ def test_a_skipped_deploy_says_which_check_failed_with_its_figures(
         failed_figures=["accuracy 0.6890 < floor 0.9"],
     )
     with caplog.at_level(logging.INFO, logger="burstcv"):
-        reason = pipeline.deploy_skip_reason(verdict, promote=True)
+        reason = deploy_stage.deploy_skip_reason(verdict, promote=True)
     assert reason == "version 7 not promoted: accuracy 0.6890 < floor 0.9"
     assert caplog.messages[0] == reason
     accepted = verdict.model_copy(update={"promote": True, "failed_figures": []})
-    assert pipeline.deploy_skip_reason(accepted, promote=True) is None
-    held = pipeline.deploy_skip_reason(accepted, promote=False)
+    assert deploy_stage.deploy_skip_reason(accepted, promote=True) is None
+    held = deploy_stage.deploy_skip_reason(accepted, promote=False)
     assert held == "version 7 passed the gate but is not deployed: the run has promote=false"
 
 
@@ -438,8 +445,8 @@ def test_a_budget_that_cannot_buy_every_box_its_minute_is_refused_before_renting
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     Prices(monkeypatch, {"g5.12xlarge": 5.672})
-    with pytest.raises(pipeline.ValidationFailed, match=r"4 x g5\.12xlarge") as refused:
-        pipeline.resolve_run(RUN, ec2_run(["g5.12xlarge"], 2.0, num_nodes=4), Settings())
+    with pytest.raises(resolve_stage.ValidationFailed, match=r"4 x g5\.12xlarge") as refused:
+        resolve_stage.resolve_run(RUN, ec2_run(["g5.12xlarge"], 2.0, num_nodes=4), Settings())
     assert "raise max_cost_usd" in str(refused.value)
 
 
@@ -528,16 +535,16 @@ def test_a_retried_gate_keeps_the_version_its_earlier_try_registered(
     bench = Benchmarked(latency_uri="unused", host=host, candidate=bench_figures(p95_ms=12.0))
     registry = Registry(settings.registry_uri, settings.model_name)
     before = registry.versions()
-    first = pipeline.gate(RUN, exported, bench, settings)
+    first = gate_stage.gate(RUN, exported, bench, settings)
     assert registry.versions() == [*before, first.version]
-    Path(pipeline.run_layout(RUN, settings).verdict).unlink()  # died before writing it
+    Path(resolve_stage.run_layout(RUN, settings).verdict).unlink()  # died before writing it
     slower = bench.model_copy(update={"candidate": bench_figures(p95_ms=400.0)})
-    again = pipeline.gate(RUN, exported, slower, settings)
+    again = gate_stage.gate(RUN, exported, slower, settings)
     assert again == first and registry.versions() == [*before, first.version]
-    assert read_artifact(pipeline.run_layout(RUN, settings).verdict, VerdictRecord) == first
+    assert read_artifact(resolve_stage.run_layout(RUN, settings).verdict, VerdictRecord) == first
     # Another model of the same run (retrained after a clear) is judged and registered anew.
     other = write_model_dir(tmp_path / "retrained", b"another onnx", run_id=RUN.airflow_run_id)
-    third = pipeline.gate(
+    third = gate_stage.gate(
         RUN, exported.model_copy(update={"model_dir": str(other)}), slower, settings
     )
     assert third.version == first.version + 1 and not third.promote
@@ -554,19 +561,19 @@ def test_the_advice_prices_a_replica_at_the_rate_the_sizing_found_it_sustains() 
             points, latency_slo_ms=50.0, target_rps=10.0, prices=[], region="us-east-1"
         )
 
-    assert pipeline._capacity_rps(sizing(40.0, 70.0), 2) == 70.0
-    assert pipeline._capacity_rps(sizing(40.0, 70.0), 1) == 40.0
-    assert pipeline._capacity_rps(sizing(40.0), 2) == 80.0  # extrapolated, linear at best
-    assert pipeline._capacity_rps(sizing(0.5), 1) == 0.5  # a trickle is still a rate
+    assert gate_stage.capacity_rps(sizing(40.0, 70.0), 2) == 70.0
+    assert gate_stage.capacity_rps(sizing(40.0, 70.0), 1) == 40.0
+    assert gate_stage.capacity_rps(sizing(40.0), 2) == 80.0  # extrapolated, linear at best
+    assert gate_stage.capacity_rps(sizing(0.5), 1) == 0.5  # a trickle is still a rate
     # Nothing held the SLO, nothing measured, no sizing, no host figure: no capacity.
-    assert pipeline._capacity_rps(sizing(0.0, 0.0), 2) is None
+    assert gate_stage.capacity_rps(sizing(0.0, 0.0), 2) is None
     unmeasured = sizing(40.0).model_copy(
         update={"sizes": [SizePoint(vcpus=1, measured=False, sustainable_rps=40.0)]}
     )
-    assert pipeline._capacity_rps(unmeasured, 1) is None
-    assert pipeline._capacity_rps(None, 2) is None
-    assert pipeline._capacity_rps(sizing(40.0), None) is None
-    assert pipeline._capacity_rps(sizing(40.0), 0) is None
+    assert gate_stage.capacity_rps(unmeasured, 1) is None
+    assert gate_stage.capacity_rps(None, 2) is None
+    assert gate_stage.capacity_rps(sizing(40.0), None) is None
+    assert gate_stage.capacity_rps(sizing(40.0), 0) is None
 
 
 S3_STORE = "s3://burstcv-test/artifacts"
@@ -655,10 +662,10 @@ def test_a_local_run_may_size_on_ec2_and_an_ec2_sizing_needs_an_s3_store(
     arm_only = local.model_copy(update={"serving_families": ["c7g"]})
     arm = budget.resolve_costs(arm_only, Settings(artifact_root=S3_STORE)).sizing
     assert arm is not None and arm.box_rate.instance_type == "c7g.2xlarge"
-    with pytest.raises(pipeline.ValidationFailed, match="s3:// URI, or size_on host"):
-        pipeline.resolve_run(RUN, local, Settings(artifact_root="/tmp/store"))
+    with pytest.raises(resolve_stage.ValidationFailed, match="s3:// URI, or size_on host"):
+        resolve_stage.resolve_run(RUN, local, Settings(artifact_root="/tmp/store"))
     # A budget the sizing boxes alone would spend is refused before anything is rented.
     tight = local.model_copy(update={"max_cost_usd": 0.2})
-    with pytest.raises(pipeline.ValidationFailed, match="sizing boxes' reserve") as refused:
-        pipeline.resolve_run(RUN, tight, Settings(artifact_root=S3_STORE))
+    with pytest.raises(resolve_stage.ValidationFailed, match="sizing boxes' reserve") as refused:
+        resolve_stage.resolve_run(RUN, tight, Settings(artifact_root=S3_STORE))
     assert "raise max_cost_usd" in str(refused.value)

@@ -7,22 +7,25 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from pydantic import ValidationError
 
+from burstcv import lineage
 from burstcv.cli_options import run_options
 from burstcv.params import DATA_CHECKS, EXPORT_PARAMS, RunParams, run_fields
 from burstcv.settings import Settings, get_settings
 
+if TYPE_CHECKING:
+    from burstcv_spec.contracts import Deployed, SizingReport
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 log = logging.getLogger("burstcv")
 
-# Third-party loggers whose INFO lines only `burstcv -v` shows (Airflow's config, DAG bag and
-# DB lines would otherwise bury burstcv's own answer).
+# Third-party loggers whose INFO lines (which would bury burstcv's answer) only `-v` shows.
 QUIET_NAMESPACES = ("airflow", "sqlalchemy", "alembic", "botocore", "py.warnings")
 _VERBOSE = {"on": False}
 
@@ -59,10 +62,6 @@ def _fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _print_json(doc: Any) -> None:
-    typer.echo(json.dumps(doc, indent=2, sort_keys=True, default=str))
-
-
 def _run_params(given: dict[str, Any], settings: Settings, code: int = 1) -> RunParams:
     """Return the run's parameters, or exit with the one-line reason they are refused."""
     try:
@@ -74,13 +73,6 @@ def _run_params(given: dict[str, Any], settings: Settings, code: int = 1) -> Run
         raise _fail(f"invalid run parameters: {reasons}", code) from None
     except ValueError as exc:
         raise _fail(str(exc), code) from None
-
-
-def _new_run_id() -> str:
-    """Return the id of a run started from the command line (cli__<UTC time>)."""
-    from burstcv import lineage
-
-    return f"cli__{lineage.utc_now_iso()}"
 
 
 @app.command("demo-data")
@@ -107,21 +99,20 @@ def validate(
 ) -> None:
     """Check a dataset with the pipeline's validate stage: exit 0 pass, 1 failed check, 2 unusable.
 
-    The thresholds are the run parameters the trigger form has. The evidence (manifest,
-    validation.json, Data Docs) goes to the run's dataset folder in the artifact store, and a
-    pass becomes the drift baseline of the next run, as in the DAG.
+    The evidence goes to the run's dataset folder; a pass is the next run's drift baseline.
     """
-    from burstcv import pipeline
     from burstcv.data.manifest import DatasetUnusableError
+    from burstcv.stages.data import validate as validate_dataset
+    from burstcv.stages.resolve import ValidationFailed
     from burstcv_spec.contracts import RunRef
 
     _setup_logging()
     settings = get_settings()
     params = _run_params({**given, "dataset_uri": dataset}, settings, code=2)
-    run = run_id or _new_run_id()
+    run = run_id or f"cli__{lineage.utc_now_iso()}"
     try:
-        validated = pipeline.validate(RunRef.of(run), settings, params=params)
-    except pipeline.ValidationFailed as exc:
+        validated = validate_dataset(RunRef.of(run), settings, params=params)
+    except ValidationFailed as exc:
         if isinstance(exc.__cause__, DatasetUnusableError):
             raise _fail(str(exc), 2) from None
         typer.echo(str(exc))
@@ -168,26 +159,23 @@ def export(
     *,
     given: dict[str, Any],
 ) -> None:
-    """Export a run's trained model as the pipeline's export stage does (ONNX, parity, INT8).
-
-    Reads what the run's earlier stages left in the artifact store (job.json, the checkpoint,
-    the shards, the manifest) and writes the run's model folder.
-    """
-    from burstcv import pipeline
+    """Export a run's trained model as the pipeline's export stage does (ONNX, parity, INT8)."""
     from burstcv.export.onnx_export import CheckpointError, ParityError
+    from burstcv.stages.export import export as export_model
+    from burstcv.stages.resolve import StageError, run_layout
     from burstcv_spec import storage
     from burstcv_spec.contracts import ArtifactError, RunRef
 
     _setup_logging()
     settings = get_settings()
-    paths = pipeline.run_layout(run_id, settings)
+    paths = run_layout(run_id, settings)
     if not storage.exists(paths.metrics):
         raise _fail(f"run {run_id} has no trained model: {paths.metrics} does not exist")
     try:
-        exported = pipeline.export(RunRef.of(run_id), settings, overrides=given)
+        exported = export_model(RunRef.of(run_id), settings, overrides=given)
     except (ValidationError, ValueError) as exc:
         raise _fail(f"invalid export options: {exc}".splitlines()[0]) from None
-    except (CheckpointError, ParityError, ArtifactError, pipeline.StageError) as exc:
+    except (CheckpointError, ParityError, ArtifactError, StageError) as exc:
         raise _fail(str(exc)) from None
     typer.echo(
         f"exported {exported.model_dir}/{exported.onnx_file} sha256={exported.sha256} "
@@ -227,7 +215,7 @@ def predict(
         f"{image.name}: {top['label']} (score {top['score']:.3f}) from model "
         f"{body.get('model', '')} version {body['version']}"
     )
-    _print_json(body)
+    typer.echo(json.dumps(body, indent=2, sort_keys=True, default=str))
 
 
 def _cli_actor() -> str:
@@ -241,10 +229,6 @@ def _cli_actor() -> str:
         user = f"uid{os.getuid()}"
     # The pid tells two commands by one operator apart in the history.
     return f"cli:{user}@{socket.gethostname()}:{os.getpid()}"
-
-
-def _service_urls(serving_url: str) -> list[str]:
-    return [u.strip().rstrip("/") for u in serving_url.split(",") if u.strip()]
 
 
 @app.command()
@@ -273,13 +257,10 @@ def models(
             "result    detail"
         )
         for event in events:
-            moved_from, moved_to = event.from_version, event.to_version
+            moved = ["-" if v is None else v for v in (event.from_version, event.to_version)]
             typer.echo(
-                f"{event.at:<27} {event.actor:<24} "
-                f"{event.action:<8} {event.alias:<10} "
-                f"{'-' if moved_from is None else moved_from:>4} "
-                f"{'-' if moved_to is None else moved_to:>4}  "
-                f"{event.result:<9} {event.detail}".rstrip()
+                f"{event.at:<27} {event.actor:<24} {event.action:<8} {event.alias:<10} "
+                f"{moved[0]:>4} {moved[1]:>4}  {event.result:<9} {event.detail}".rstrip()
             )
         return
     aliases = {name: registry.get_alias(name) for name in (PRODUCTION, PREVIOUS)}
@@ -323,14 +304,12 @@ def size(
 ) -> None:
     """Measure a version's sustainable rate per CPU size and print the cheapest fleet.
 
-    The SLO, the expected load and the families are the run parameters of the same names,
-    with the same defaults; prices come from where a run's come from (AWS, else the bundled
-    table).
+    Options and prices default as a run's (prices: AWS, else the bundled table).
     """
     import tempfile
 
     from burstcv.cost.budget import price_sources, serving_quotes
-    from burstcv.gate.sizing import describe_generator, size_model
+    from burstcv.gate.sizing import size_model
     from burstcv.registry.registry import Registry
     from burstcv_spec.contracts import write_artifact
     from burstcv_spec.storage import download_file, list_files
@@ -367,6 +346,17 @@ def size(
             duration_s=step_s or s.sizing_step_s,
             families=families,
         )
+    _echo_sizing(report)
+    if out is not None:
+        write_artifact(str(out), report)
+    if report.chosen is None:
+        raise typer.Exit(1)
+
+
+def _echo_sizing(report: SizingReport) -> None:
+    """Print each size's sustainable rate, each fleet option and the verdict."""
+    from burstcv.gate.sizing import describe_generator
+
     typer.echo(
         f"{'vCPUs':>5} {'req/s at SLO':>12} {'p95 ms':>8} {'CPU ms/req':>10}  load generator"
     )
@@ -391,10 +381,6 @@ def size(
             f"{'  (at least: the load generator ceiling)' if option.generator_bound else ''}"
         )
     typer.echo(report.reason)
-    if out is not None:
-        write_artifact(str(out), report)
-    if report.chosen is None:
-        raise typer.Exit(1)
 
 
 @app.command()
@@ -404,50 +390,38 @@ def promote(
 ) -> None:
     """Stage a version on the services, then point production at it (gate-accepted unless --force).
 
-    Production moves only once every service has loaded and warmed the version; otherwise the
-    command exits 1 with the refusing service's own reason, on one line.
+    Production moves only once every service has warmed it; else exit 1 with the refusal.
     """
-    from burstcv.registry.deploy import DeployError, deploy
-    from burstcv.registry.registry import Registry, RegistryError, RejectedVersionError
+    from burstcv.registry.deploy import deploy
 
-    _setup_logging()
-    s = get_settings()
-    registry = Registry(s.registry_uri, s.model_name)
-    try:
-        result = deploy(
-            registry,
-            version,
-            service_urls=_service_urls(s.serving_url),
-            token=s.serving_admin_token,
-            timeout_s=s.deploy_verify_timeout_s,
-            force=force,
-            actor=_cli_actor(),
-        )
-    except RejectedVersionError as exc:
-        raise _fail(f"{exc} (use --force)") from None
-    except (RegistryError, DeployError) as exc:
-        raise _fail(str(exc)) from None
-    typer.echo(f"production -> version {result.version} (was {result.previous_version})")
+    _move_production(lambda registry, **how: deploy(registry, version, force=force, **how))
 
 
 @app.command()
 def rollback() -> None:
     """Point production back at the previous version (staged on the services first)."""
-    from burstcv.registry.deploy import DeployError
     from burstcv.registry.deploy import rollback as rollback_deploy
-    from burstcv.registry.registry import Registry, RegistryError
+
+    _move_production(rollback_deploy)
+
+
+def _move_production(move: Callable[..., Deployed]) -> None:
+    """Move production as ``move`` says (staged on the services); print where it points now."""
+    from burstcv.registry.deploy import DeployError
+    from burstcv.registry.registry import Registry, RegistryError, RejectedVersionError
 
     _setup_logging()
     s = get_settings()
-    registry = Registry(s.registry_uri, s.model_name)
     try:
-        result = rollback_deploy(
-            registry,
-            service_urls=_service_urls(s.serving_url),
+        result = move(
+            Registry(s.registry_uri, s.model_name),
+            service_urls=[u.strip().rstrip("/") for u in s.serving_url.split(",") if u.strip()],
             token=s.serving_admin_token,
             timeout_s=s.deploy_verify_timeout_s,
             actor=_cli_actor(),
         )
+    except RejectedVersionError as exc:  # only an unforced promote
+        raise _fail(f"{exc} (use --force)") from None
     except (RegistryError, DeployError) as exc:
         raise _fail(str(exc)) from None
     typer.echo(f"production -> version {result.version} (was {result.previous_version})")
@@ -494,15 +468,11 @@ app.add_typer(aws_app, name="aws")
 def aws_check(*, given: dict[str, Any]) -> None:
     """Check the account a first EC2 run needs, renting nothing; print what is missing.
 
-    Dry-runs each launch option and the backstop, probes the S3 prefixes, and reads the vCPU
-    quotas (for --num-nodes boxes at once), the training role's S3 access, each subnet's
-    route to S3, the bucket's region, the default EBS key, the Spot role, the candidates'
-    prices and the serving fleet's (docs/aws.md).
+    Launches and the backstop are dry runs; quotas are sized for --num-nodes (docs/aws.md).
     """
     from burstcv.airflow.local_run import use_embedded_airflow
 
-    # The AWS connection is Airflow's: read from the embedded Airflow burstcv runs (in the
-    # burstcv home), never from an ~/airflow that importing Airflow would otherwise create.
+    # The AWS connection is Airflow's: the embedded one's, never a new ~/airflow.
     use_embedded_airflow()
     from burstcv.compute.awscheck import check_account
 
@@ -586,9 +556,7 @@ def run(
 ) -> None:
     """Run the burstcv_pipeline DAG once, locally, with Airflow's dag.test().
 
-    The tasks' own output (Airflow's and burstcv's logs) goes to a log file whose path is
-    printed; the terminal gets the run's summary and, for a failed run, why each task failed.
-    With ``burstcv -v run`` everything is printed as it happens instead.
+    The tasks' logs go to a file whose path is printed (``burstcv -v run``: to the terminal).
     """
     from burstcv.airflow.local_run import run_pipeline_once
 
@@ -617,19 +585,18 @@ def _output_to(path: Path | None) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
     try:
         with open(path, "wb") as sink:
-            os.dup2(sink.fileno(), 1)
-            os.dup2(sink.fileno(), 2)
+            for fd in saved:
+                os.dup2(sink.fileno(), fd)
             yield
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        os.close(saved[0])
-        os.close(saved[1])
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
 
 
 def _failure_reasons(log_path: Path) -> list[str]:

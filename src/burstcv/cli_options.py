@@ -1,11 +1,8 @@
 """Turn the run parameters into command-line options, as the trigger form turns them into fields.
 
-``run_options(names)`` adds one ``--option`` per named ``RunParams`` field to a Typer command.
-Its help, type and bounds come from ``burstcv.params.run_fields``, the description the
-trigger form is built from, and a value is checked against the same JSON schema that
-Airflow checks the form's value against; so the command line and the form cannot disagree.
-The command receives only the values given on the command line; ``RunParams`` fills in the
-rest, so each default stays written once.
+Help, type and bounds come from ``run_fields`` and a value is checked against the form's own
+JSON schema, so the two cannot disagree. A command receives only the values given on the
+command line; ``RunParams`` fills in the rest, so each default stays written once.
 """
 
 from __future__ import annotations
@@ -32,8 +29,7 @@ AUTO_WORDS = ("auto", "")  # what leaves a field whose empty means auto on auto
 def value_parser(spec: RunField) -> Callable[[Any], Any]:
     """Return the parser of a field's option: text to a value the field's schema accepts.
 
-    Lists are comma-separated (``g6.xlarge,g5.xlarge``); a field that may be empty takes
-    ``none``. A value the schema refuses is a usage error naming the option's bounds.
+    Lists are comma-separated; a field that may be empty takes ``none`` (``auto``, if auto).
     """
     kind = spec.value_type
 
@@ -106,9 +102,7 @@ def option_parameter(spec: RunField) -> inspect.Parameter:
 def run_options(names: Iterable[str]) -> Callable[[F], F]:
     """Add an option per named run parameter to a command, handing it those given as ``given``.
 
-    The command declares a keyword-only ``given: dict[str, Any]``; it receives, by field
-    name, the values of the options given on the command line, ready for
-    ``RunParams.resolve``.
+    The command declares a keyword-only ``given: dict[str, Any]``, ready for ``RunParams.resolve``.
     """
     specs = run_fields()
     chosen = [specs[name] for name in names]

@@ -1,11 +1,8 @@
 """Say where each run artifact a browser may open is served, once for every page that links it.
 
-The Airflow plugin serves a run's folder of the artifact store under
-``/burstcv/runs/<run key>/<path in the run folder>``, but only inside the trees named in
-:data:`SERVED_TREES`. Because the URL keeps the store's own layout, a link written relative
-to one page (the report's link to the Data Docs) resolves the same way through the plugin
-and when the files are opened straight from a local artifact folder. The report, the plugin's
-pages and the task extra links all take their URLs from here. Nothing here imports Airflow.
+The plugin serves them at ``/burstcv/runs/<run key>/<path in the run folder>``: the store's own
+layout, so a relative link between pages resolves the same way through the plugin and in a
+local artifact folder.
 """
 
 from __future__ import annotations
@@ -66,9 +63,7 @@ MODELS_PAGE = URL_PREFIX + "/"  # the plugin's Models page
 def from_page(run_id: str, page: str, target: str) -> str:
     """Return ``target`` (a path on the Airflow host) relative to a run's served page.
 
-    For the links that leave the run's own files (its Airflow run, the Models page): relative,
-    so they survive a proxy's path prefix; they resolve when the page is opened through
-    Airflow, not from the artifact folder.
+    Relative, so it survives a proxy's path prefix; it resolves only through Airflow.
     """
     here = posixpath.dirname(page_url(run_id, page))
     relative = posixpath.relpath(target, here)

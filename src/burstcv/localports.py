@@ -1,13 +1,10 @@
 """Check who listens on a local port, so `make serve` / `make airflow` never misread a busy one.
 
-Before starting a server, ``free`` stops at once if anything already listens on the port,
-naming the port, the program that holds it (when this user may see it) and the make variable
-that chooses another port. After starting one, ``ours`` confirms that the listener is the
-process just started (or one of its children) and, for the prediction service, that it
-serves this checkout's registry: a health check answered by some other program must not
-pass for ours. Linux and macOS, through psutil (an Airflow dependency). ``free`` also runs
-on a bare Python before any setup (the make targets check their port first): without
-psutil it knocks on the port and cannot name the holder.
+Before starting a server, ``free`` stops if anything listens on the port, naming the holder
+and the make variable that chooses another port. After starting one, ``ours`` confirms the
+listener is the process just started (or a child) and, for the prediction service, that it
+serves this checkout's registry. Without psutil (a bare Python before setup) ``free`` only
+knocks on the port and cannot name the holder.
 
     python -m burstcv.localports free 8000 --var SERVE_PORT --what "the prediction service"
     python -m burstcv.localports ours 8000 --pid 1234 --var SERVE_PORT --registry var/registry
@@ -20,7 +17,6 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 REGISTRY_ENV = "BURSTCV_SERVING_REGISTRY_URI"  # what the service reads its registry from
 HOST = "127.0.0.1"
@@ -61,18 +57,11 @@ def _answers(port: int) -> bool:
         return sock.connect_ex((HOST, port)) == 0
 
 
-def _psutil() -> Any:
+def listener(port: int) -> Listener | None:
+    """Return the process listening on ``port`` (on 127.0.0.1 or all interfaces), or None."""
     try:
         import psutil
     except ImportError:  # a bare Python before setup
-        return None
-    return psutil
-
-
-def listener(port: int) -> Listener | None:
-    """Return the process listening on ``port`` (on 127.0.0.1 or all interfaces), or None."""
-    psutil = _psutil()
-    if psutil is None:
         return Listener(None, inspected=False) if _answers(port) else None
     try:
         connections = psutil.net_connections(kind="tcp")
@@ -138,8 +127,8 @@ def _same_location(a: str, b: str) -> bool:
 def check_ours(port: int, *, pid: int, var: str, target: str, registry: str | None = None) -> None:
     """Raise PortProblem unless process ``pid`` (or a child) listens on ``port``.
 
-    With ``registry``, the listener must also read that registry (its environment's
-    BURSTCV_SERVING_REGISTRY_URI): a service of another checkout is not this one's.
+    With ``registry``, the listener must also read that registry (a service of another
+    checkout is not this one's).
     """
     import psutil
 

@@ -1,14 +1,10 @@
 """Define the run parameters: what one pipeline run may choose, with bounds and one default each.
 
-``RunParams`` is the one definition behind the DAG's trigger form (``burstcv.airflow.form``
-builds the Airflow Params from ``run_fields``), the command line's options (``burstcv.cli``)
-and the params table of docs/airflow.md (``params_table``): a field added here appears in all
-of them. Each default is written once: a deployment fact comes from the settings
-(``BURSTCV_DATASET_URI``, ``BURSTCV_COMPUTE_BACKEND``, ``BURSTCV_NUM_NODES``,
-``BURSTCV_TRAIN_TIMEOUT_S``, ``BURSTCV_EC2_INSTANCE_TYPES``, ``BURSTCV_EC2_USE_SPOT``), a
-training choice from ``JobSpec``, a data check from ``ValidationConfig``; the rest are written
-here. The stages take a
-``RunParams``, validated once from a plain dict (the task's ``params`` or the CLI's options).
+``RunParams`` is the one definition behind the DAG's trigger form (``burstcv.airflow.form``),
+the command line's options (``burstcv.cli``) and the params table of docs/airflow.md
+(``params_table``). Each default is written once: a deployment fact comes from the settings
+(``default_from``), a training choice from ``JobSpec``, a data check from ``ValidationConfig``;
+the rest are written here.
 """
 
 from __future__ import annotations
@@ -50,33 +46,18 @@ from burstcv.training.names import (
 )
 from burstcv_spec.contracts import RunRecord, TrainingChoice
 
-# Form sections: the fields without one are on the form's first, open section; the others
-# fold away under these headings (Airflow's ``section``).
+# Form sections (Airflow's ``section``): fields without one are on the first, open one.
 SECTION_TRAINING = "Training details"
 SECTION_DATA = "Data checks"
 SECTION_GATE = "Gate details"
 SECTION_SCALE = "Scale-out"
 SECTION_SIZING = "Fleet sizing"
 
-# The data checks a run may set: ValidationConfig's own names and defaults.
-DATA_CHECKS = (
-    "min_images_per_class",
-    "min_total_images",
-    "max_imbalance_ratio",
-    "min_width",
-    "max_width",
-    "min_height",
-    "max_height",
-    "near_duplicate_max_distance",
-    "drift_max",
-)
-
 
 class Affects(StrEnum):
     """Say what a run param changes; every RunParams field declares one (a test checks).
 
-    "Nothing new to train on" compares the params that change the model or its export with
-    production's, so a field that changes training and says so can never be skipped over.
+    "Nothing new to train on" compares the MODEL and EXPORT params with production's.
     """
 
     MODEL = "model"  # what training makes of the same data
@@ -87,9 +68,8 @@ class Affects(StrEnum):
 _JOB_DEFAULTS: dict[str, Any] = {name: f.default for name, f in JobSpec.model_fields.items()}
 _CHECK_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ValidationConfig)}
 _BACKEND: TypeAdapter[BackendName] = TypeAdapter(BackendName)
-# JSON-schema keywords that bound a number. The form keeps them under ``allOf``: Airflow's
-# validation (jsonschema) applies them there all the same, but the UI's number input reads
-# only top-level bounds and would silently clamp an out-of-range value instead of refusing.
+# JSON-schema bounds. The form keeps them under ``allOf``, where Airflow's validation applies
+# them but the UI's number input, which would clamp a value instead of refusing it, does not.
 BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
@@ -101,12 +81,38 @@ def _deployment_value(setting: str, settings: Settings | None = None) -> Any:
     return getattr(settings or get_settings(), setting.removeprefix("BURSTCV_").lower())
 
 
-def _from_deployment(setting: str, **kwargs: Any) -> Any:
-    """Return a Field whose default is the deployment's setting (named by its variable)."""
-    extra = {"default_from": setting, **kwargs.pop("json_schema_extra", {})}
-    return Field(
-        default_factory=lambda: _deployment_value(setting), json_schema_extra=extra, **kwargs
-    )
+# The form's own keys, beside the standard ones, in a field's JSON schema (in this order).
+_FORM_KEYS = ("default_from", "section", "auto", "maximum_from", "enum")
+
+
+def _param(default: Any, title: str, description: str, **kwargs: Any) -> Any:
+    """Return a RunParams field; its ``_FORM_KEYS`` go into its JSON schema for the form."""
+    extra = {key: kwargs.pop(key) for key in _FORM_KEYS if key in kwargs}
+    if "default_from" in extra:
+        setting = extra["default_from"]
+        kwargs["default_factory"] = lambda: _deployment_value(setting)
+    else:
+        kwargs["default"] = default
+    return Field(title=title, description=description, json_schema_extra=extra or None, **kwargs)
+
+
+def _from_deployment(setting: str, title: str, description: str, **kwargs: Any) -> Any:
+    """Return a RunParams field whose default is the deployment's setting of that name."""
+    return _param(None, title, description, default_from=setting, **kwargs)
+
+
+def _data_check(name: str, title: str, description: str, **kwargs: Any) -> Any:
+    """Return a data check's field: ValidationConfig's default of the same name."""
+    return _param(_CHECK_DEFAULTS[name], title, description, section=SECTION_DATA, **kwargs)
+
+
+_training = functools.partial(_param, section=SECTION_TRAINING)
+_scale_out = functools.partial(_param, section=SECTION_SCALE)
+_gate = functools.partial(_param, section=SECTION_GATE)
+_sizing = functools.partial(_param, section=SECTION_SIZING)
+_TOO_SMALL = "smaller images carry no signal after resizing"
+_TOO_LARGE = "the service refuses images over 4096x4096 pixels"
+_SIDE_BOUNDS: dict[str, Any] = {"ge": 1, "le": 4096}
 
 
 # Boxes one run may train on together: a cluster placement group holds this many of one type.
@@ -121,372 +127,321 @@ class RunParams(BaseModel):
     # The form's first section: what most runs change.
     dataset_uri: Annotated[str, Affects.RUN] = _from_deployment(
         "BURSTCV_DATASET_URI",
+        "Dataset URI",
+        "ImageFolder root: <root>/{train,val}/<class>/<image>; a folder or s3://",
         min_length=1,
-        title="Dataset URI",
-        description="ImageFolder root: <root>/{train,val}/<class>/<image>; a folder or s3://",
     )
-    model: Annotated[str, Affects.MODEL] = Field(
-        default=MODEL_AUTO,
-        title="Model",
-        description=f"torchvision architecture to train; auto: {R.PHOTO_MODEL} for photos (it "
+    model: Annotated[str, Affects.MODEL] = _param(
+        MODEL_AUTO,
+        "Model",
+        f"torchvision architecture to train; auto: {R.PHOTO_MODEL} for photos (it "
         f"has ImageNet weights), {R.SMALL_IMAGE_MODEL} for small images such as the digits",
-        json_schema_extra={"enum": [MODEL_AUTO, *ARCHITECTURE_NAMES]},
+        enum=[MODEL_AUTO, *ARCHITECTURE_NAMES],
     )
-    pretrained: Annotated[str, Affects.MODEL] = Field(
-        default=PRETRAINED_AUTO,
-        min_length=1,
-        title="Pretrained weights",
-        description="auto: for photos, the model's ImageNet weights, fetched once into the "
+    pretrained: Annotated[str, Affects.MODEL] = _param(
+        PRETRAINED_AUTO,
+        "Pretrained weights",
+        "auto: for photos, the model's ImageNet weights, fetched once into the "
         "artifact store at validate (from scratch, with a warning, where they cannot be "
         "fetched); none: train from scratch; a torchvision weights name of the model "
         "(DEFAULT, IMAGENET1K_V2, ...), kept in the artifact store by sha256 after the first "
         "download; or the URI of a state_dict (a path, file://, s3://), loaded weights-only",
+        min_length=1,
     )
-    image_size: Annotated[int | None, Affects.MODEL] = Field(
-        default=None,
+    image_size: Annotated[int | None, Affects.MODEL] = _param(
+        None,
+        "Image size (px)",
+        "the square resolution the model trains and serves at; empty: chosen "
+        "from the validated data (the median short side, at most 224, never upscaling)",
         ge=MIN_IMAGE_SIZE,
         le=MAX_IMAGE_SIZE,
-        title="Image size (px)",
-        description="the square resolution the model trains and serves at; empty: chosen "
-        "from the validated data (the median short side, at most 224, never upscaling)",
     )
-    epochs: Annotated[int | None, Affects.MODEL] = Field(
-        default=None,
-        ge=1,
-        le=500,
-        title="Epochs",
-        description="passes over the training split; empty: auto, enough that a small "
+    epochs: Annotated[int | None, Affects.MODEL] = _param(
+        None,
+        "Epochs",
+        "passes over the training split; empty: auto, enough that a small "
         f"training set is seen {R.IMAGES_SEEN:,} images' worth ({R.MIN_EPOCHS} to "
         f"{R.MAX_EPOCHS}); early stopping or the time budget may stop training earlier",
-        json_schema_extra={"auto": True},
+        auto=True,
+        ge=1,
+        le=500,
     )
     compute_backend: Annotated[BackendName, Affects.RUN] = _from_deployment(
         "BURSTCV_COMPUTE_BACKEND",
-        title="Compute backend",
-        description="local: a process on the worker; ec2: ephemeral GPU instances",
+        "Compute backend",
+        "local: a process on the worker; ec2: ephemeral GPU instances",
     )
     instance_types: Annotated[list[str], Affects.RUN] = _from_deployment(
         "BURSTCV_EC2_INSTANCE_TYPES",
+        "GPU instance types",
+        "EC2 types in order of preference",
         min_length=1,
-        title="GPU instance types",
-        description="EC2 types in order of preference",
     )
     use_spot: Annotated[bool, Affects.RUN] = _from_deployment(
         "BURSTCV_EC2_USE_SPOT",
-        title="Use spot instances",
-        description="spot on every type first, then on-demand on every type",
+        "Use spot instances",
+        "spot on every type first, then on-demand on every type",
     )
+    # A run takes a slot of the GPU pool per box (burstcv.airflow.policy): more boxes than the
+    # pool has slots would never be scheduled (maximum_from).
     num_nodes: Annotated[int, Affects.RUN] = _from_deployment(
         "BURSTCV_NUM_NODES",
-        ge=1,
-        le=MAX_NUM_NODES,
-        title="Training boxes",
-        description="boxes of one type that train together (ec2): one placement group, "
+        "Training boxes",
+        "boxes of one type that train together (ec2): one placement group, "
         "torchrun rendezvous on the first box, each box reading its own share of the "
         "training shards; rank 0 writes the checkpoints and markers, and losing one box "
         "relaunches them all. The budget, the GPU pool's slots and the bill count every box",
-        # A run takes a slot of the GPU pool per box (burstcv.airflow.policy): more boxes than
-        # the pool has slots would never be scheduled.
-        json_schema_extra={"maximum_from": "BURSTCV_GPU_POOL_SLOTS"},
+        maximum_from="BURSTCV_GPU_POOL_SLOTS",
+        ge=1,
+        le=MAX_NUM_NODES,
     )
-    max_cost_usd: Annotated[float, Affects.RUN] = Field(
-        default=5.0,
+    max_cost_usd: Annotated[float, Affects.RUN] = _param(
+        5.0,
+        "Max cost (USD)",
+        "per-run budget, every box of every attempt (instance, root volume and "
+        "public IPv4); bounds the deadline the boxes' watchdog is armed from",
         gt=0,
         le=10_000,
-        title="Max cost (USD)",
-        description="per-run budget, every box of every attempt (instance, root volume and "
-        "public IPv4); bounds the deadline the boxes' watchdog is armed from",
     )
-    latency_slo_ms: Annotated[float, Affects.RUN] = Field(
-        default=50.0,
-        gt=0,
-        title="Latency SLO (ms)",
-        description="p95 over HTTP, one image per request, the gate's limit",
+    latency_slo_ms: Annotated[float, Affects.RUN] = _param(
+        50.0, "Latency SLO (ms)", "p95 over HTTP, one image per request, the gate's limit", gt=0
     )
-    target_rps: Annotated[float, Affects.RUN] = Field(
-        default=10.0,
+    target_rps: Annotated[float, Affects.RUN] = _param(
+        10.0,
+        "Expected peak load (req/s)",
+        "the load the CPU serving fleet is sized for: the benchmark measures the "
+        "rate each CPU size sustains within the SLO, and the gate names the cheapest fleet",
         gt=0,
         le=1_000_000,
-        title="Expected peak load (req/s)",
-        description="the load the CPU serving fleet is sized for: the benchmark measures the "
-        "rate each CPU size sustains within the SLO, and the gate names the cheapest fleet",
     )
-    serving_families: Annotated[list[str], Affects.RUN] = Field(
-        default=["c7i", "m7i"],
+    serving_families: Annotated[list[str], Affects.RUN] = _param(
+        ["c7i", "m7i"],
+        "CPU instance families",
+        "the EC2 families the serving fleet may use (x86_64: c7i compute, m7i general purpose; "
+        "Graviton: c7g, m7g, c8g, measured on their own boxes when sized on ec2)",
         min_length=1,
-        title="CPU instance families",
-        description="the EC2 families the serving fleet may use (x86_64: c7i compute, m7i "
-        "general purpose; Graviton: c7g, m7g, c8g, measured on their own boxes when sized "
-        "on ec2)",
     )
-    accuracy_floor: Annotated[float, Affects.RUN] = Field(
-        default=0.9,
-        ge=0,
-        le=1,
-        title="Accuracy floor",
-        description="validation top-1 the candidate must reach",
+    accuracy_floor: Annotated[float, Affects.RUN] = _param(
+        0.9, "Accuracy floor", "validation top-1 the candidate must reach", ge=0, le=1
     )
-    int8: Annotated[bool, Affects.EXPORT] = Field(
-        default=True,
-        title="Try INT8",
-        description="also export a static INT8 model; it serves only if as accurate (within "
+    int8: Annotated[bool, Affects.EXPORT] = _param(
+        True,
+        "Try INT8",
+        "also export a static INT8 model; it serves only if as accurate (within "
         "the INT8 accuracy drop) and faster",
     )
-    promote: Annotated[bool, Affects.RUN] = Field(
-        default=True,
-        title="Promote",
-        description="deploy the candidate if it passes the gate (off: gate and register only)",
+    promote: Annotated[bool, Affects.RUN] = _param(
+        True, "Promote", "deploy the candidate if it passes the gate (off: gate and register only)"
     )
-    force_train: Annotated[bool, Affects.RUN] = Field(
-        default=False,
-        title="Force training",
-        description="train even when the dataset and training params are production's "
+    force_train: Annotated[bool, Affects.RUN] = _param(
+        False,
+        "Force training",
+        "train even when the dataset and training params are production's "
         "(otherwise such a run ends after validation, renting nothing)",
     )
 
     # Training details.
-    batch_size: Annotated[int | None, Affects.MODEL] = Field(
-        default=None,
-        ge=8,
-        le=8192,
-        title="Batch size",
-        description="images per optimizer step on each GPU (batch scaling per_gpu) or over "
+    batch_size: Annotated[int | None, Affects.MODEL] = _training(
+        None,
+        "Batch size",
+        "images per optimizer step on each GPU (batch scaling per_gpu) or over "
         f"all of them (global); empty: auto, the largest power of two up to {R.MAX_BATCH} "
         f"that gives an epoch {R.MIN_STEPS_PER_EPOCH} steps",
-        json_schema_extra={"section": SECTION_TRAINING, "auto": True},
+        auto=True,
+        ge=8,
+        le=8192,
     )
-    batch_scaling: Annotated[R.BatchScaling, Affects.MODEL] = Field(
-        default="per_gpu",
-        title="Batch scaling",
-        description="per_gpu: batch_size is each GPU's, so more GPUs (boxes, or GPUs a box) "
+    batch_scaling: Annotated[R.BatchScaling, Affects.MODEL] = _training(
+        "per_gpu",
+        "Batch scaling",
+        "per_gpu: batch_size is each GPU's, so more GPUs (boxes, or GPUs a box) "
         "step over more images, fewer steps an epoch, at a learning rate scaled by the rule "
         "(linear for SGD, square root for AdamW; in metrics.json); global: batch_size is "
         "split between the GPUs, the rate as chosen",
-        json_schema_extra={"section": SECTION_TRAINING},
     )
-    learning_rate: Annotated[float | None, Affects.MODEL] = Field(
-        default=None,
-        gt=0,
-        le=10,
-        title="Learning rate",
-        description="peak of the schedule (linear warm-up, cosine decay); empty: auto, scaled "
+    learning_rate: Annotated[float | None, Affects.MODEL] = _training(
+        None,
+        "Learning rate",
+        "peak of the schedule (linear warm-up, cosine decay); empty: auto, scaled "
         f"with the batch (AdamW {R.ADAMW_LR_AT_32:g} x sqrt(batch/32), SGD "
         f"{R.SGD_LR_PER_256:g} x batch/256)",
-        json_schema_extra={"section": SECTION_TRAINING, "auto": True},
+        auto=True,
+        gt=0,
+        le=10,
     )
-    optimizer: Annotated[Literal["auto", "sgd", "adamw"], Affects.MODEL] = Field(
-        default="auto",
-        title="Optimizer",
-        description=f"auto: AdamW for runs under {R.SGD_MIN_STEPS:,} steps, SGD with Nesterov "
+    optimizer: Annotated[Literal["auto", "sgd", "adamw"], Affects.MODEL] = _training(
+        "auto",
+        "Optimizer",
+        f"auto: AdamW for runs under {R.SGD_MIN_STEPS:,} steps, SGD with Nesterov "
         "momentum for longer ones",
-        json_schema_extra={"section": SECTION_TRAINING},
     )
-    warmup_steps: Annotated[int | None, Affects.MODEL] = Field(
-        default=None,
+    warmup_steps: Annotated[int | None, Affects.MODEL] = _training(
+        None,
+        "Warm-up steps",
+        "optimizer steps of linear warm-up; empty: auto, a quarter of the run, at "
+        f"most max(3 epochs, {R.MIN_WARMUP_CAP_STEPS} steps)",
+        auto=True,
         ge=0,
         le=100_000,
-        title="Warm-up steps",
-        description="optimizer steps of linear warm-up; empty: auto, a quarter of the run, at "
-        f"most max(3 epochs, {R.MIN_WARMUP_CAP_STEPS} steps)",
-        json_schema_extra={"section": SECTION_TRAINING, "auto": True},
     )
-    early_stop_patience: Annotated[int | None, Affects.MODEL] = Field(
-        default=None,
-        ge=1,
-        le=500,
-        title="Early-stop patience (epochs)",
-        description="stop when validation accuracy has not improved for this many epochs "
+    early_stop_patience: Annotated[int | None, Affects.MODEL] = _training(
+        None,
+        "Early-stop patience (epochs)",
+        "stop when validation accuracy has not improved for this many epochs "
         "(the best epoch is exported either way); empty: auto, a quarter of the epochs, at "
         f"least {R.MIN_PATIENCE}",
-        json_schema_extra={"section": SECTION_TRAINING, "auto": True},
+        auto=True,
+        ge=1,
+        le=500,
     )
-    lr_range_test: Annotated[bool, Affects.MODEL] = Field(
-        default=_JOB_DEFAULTS["lr_range_test"],
-        title="Learning-rate range test",
-        description="sweep the rate over at most 100 steps on the training box before "
+    lr_range_test: Annotated[bool, Affects.MODEL] = _training(
+        _JOB_DEFAULTS["lr_range_test"],
+        "Learning-rate range test",
+        "sweep the rate over at most 100 steps on the training box before "
         "training, and train at the lower of a tenth of the lowest-loss rate and the rate of "
         "the steepest descent (its seconds are "
         "counted; the rate is in metrics.json and the report); learning_rate is the fallback",
-        json_schema_extra={"section": SECTION_TRAINING},
     )
-    freeze_backbone_epochs: Annotated[int, Affects.MODEL] = Field(
-        default=_JOB_DEFAULTS["freeze_backbone_epochs"],
+    freeze_backbone_epochs: Annotated[int, Affects.MODEL] = _training(
+        _JOB_DEFAULTS["freeze_backbone_epochs"],
+        "Frozen-backbone epochs",
+        "pretrained runs: first epochs that train the new head alone",
         ge=0,
         le=500,
-        title="Frozen-backbone epochs",
-        description="pretrained runs: first epochs that train the new head alone",
-        json_schema_extra={"section": SECTION_TRAINING},
     )
-    backbone_lr_scale: Annotated[float, Affects.MODEL] = Field(
-        default=_JOB_DEFAULTS["backbone_lr_scale"],
+    backbone_lr_scale: Annotated[float, Affects.MODEL] = _training(
+        _JOB_DEFAULTS["backbone_lr_scale"],
+        "Backbone learning-rate scale",
+        "pretrained runs: the backbone's learning rate over the head's",
         gt=0,
         le=1,
-        title="Backbone learning-rate scale",
-        description="pretrained runs: the backbone's learning rate over the head's",
-        json_schema_extra={"section": SECTION_TRAINING},
     )
-    seed: Annotated[int, Affects.MODEL] = Field(
-        default=_JOB_DEFAULTS["seed"],
+    seed: Annotated[int, Affects.MODEL] = _training(
+        _JOB_DEFAULTS["seed"],
+        "Seed",
+        "random seed of initialisation, shuffling and augmentation",
         ge=0,
-        title="Seed",
-        description="random seed of initialisation, shuffling and augmentation",
-        json_schema_extra={"section": SECTION_TRAINING},
     )
+    # The train task's timeout is set from the setting: a longer budget would be cut short.
     time_budget_s: Annotated[int, Affects.RUN] = _from_deployment(
         "BURSTCV_TRAIN_TIMEOUT_S",
+        "Time budget (s)",
+        "the run's training deadline, every attempt and the box's boot included "
+        "(the max cost may lower it); at most the train task's timeout",
+        section=SECTION_TRAINING,
+        maximum_from="BURSTCV_TRAIN_TIMEOUT_S",
         ge=60,
         le=7 * 24 * 3600,
-        title="Time budget (s)",
-        description="the run's training deadline, every attempt and the box's boot included "
-        "(the max cost may lower it); at most the train task's timeout",
-        # The train task's timeout is set from the setting: a longer budget would be cut short.
-        json_schema_extra={"section": SECTION_TRAINING, "maximum_from": "BURSTCV_TRAIN_TIMEOUT_S"},
     )
 
     # Data checks (ValidationConfig's names and defaults).
-    expected_classes: Annotated[list[str], Affects.MODEL] = Field(
-        default=[],
-        title="Expected classes",
-        description="class folder names the dataset must have, exactly; empty: the class "
-        "folders found",
-        json_schema_extra={"section": SECTION_DATA},
+    expected_classes: Annotated[list[str], Affects.MODEL] = _param(
+        [],
+        "Expected classes",
+        "class folder names the dataset must have, exactly; empty: the class folders found",
+        section=SECTION_DATA,
     )
-    min_images_per_class: Annotated[int, Affects.RUN] = Field(
-        default=_CHECK_DEFAULTS["min_images_per_class"],
+    min_images_per_class: Annotated[int, Affects.RUN] = _data_check(
+        "min_images_per_class",
+        "Min images per class",
+        "in every split: fewer cannot train or measure a class",
         ge=1,
-        title="Min images per class",
-        description="in every split: fewer cannot train or measure a class",
-        json_schema_extra={"section": SECTION_DATA},
     )
-    min_total_images: Annotated[int, Affects.RUN] = Field(
-        default=_CHECK_DEFAULTS["min_total_images"],
+    min_total_images: Annotated[int, Affects.RUN] = _data_check(
+        "min_total_images", "Min total images", "usable images over all splits", ge=1
+    )
+    max_imbalance_ratio: Annotated[float, Affects.RUN] = _data_check(
+        "max_imbalance_ratio",
+        "Max class imbalance",
+        "largest class / smallest class, per split",
         ge=1,
-        title="Min total images",
-        description="usable images over all splits",
-        json_schema_extra={"section": SECTION_DATA},
     )
-    max_imbalance_ratio: Annotated[float, Affects.RUN] = Field(
-        default=_CHECK_DEFAULTS["max_imbalance_ratio"],
-        ge=1,
-        title="Max class imbalance",
-        description="largest class / smallest class, per split",
-        json_schema_extra={"section": SECTION_DATA},
+    min_width: Annotated[int, Affects.RUN] = _data_check(
+        "min_width", "Min image width (px)", _TOO_SMALL, **_SIDE_BOUNDS
     )
-    min_width: Annotated[int, Affects.RUN] = Field(
-        default=_CHECK_DEFAULTS["min_width"],
-        ge=1,
-        le=4096,
-        title="Min image width (px)",
-        description="smaller images carry no signal after resizing",
-        json_schema_extra={"section": SECTION_DATA},
+    max_width: Annotated[int, Affects.RUN] = _data_check(
+        "max_width", "Max image width (px)", _TOO_LARGE, **_SIDE_BOUNDS
     )
-    max_width: Annotated[int, Affects.RUN] = Field(
-        default=_CHECK_DEFAULTS["max_width"],
-        ge=1,
-        le=4096,
-        title="Max image width (px)",
-        description="the service refuses images over 4096x4096 pixels",
-        json_schema_extra={"section": SECTION_DATA},
+    min_height: Annotated[int, Affects.RUN] = _data_check(
+        "min_height", "Min image height (px)", _TOO_SMALL, **_SIDE_BOUNDS
     )
-    min_height: Annotated[int, Affects.RUN] = Field(
-        default=_CHECK_DEFAULTS["min_height"],
-        ge=1,
-        le=4096,
-        title="Min image height (px)",
-        description="smaller images carry no signal after resizing",
-        json_schema_extra={"section": SECTION_DATA},
+    max_height: Annotated[int, Affects.RUN] = _data_check(
+        "max_height", "Max image height (px)", _TOO_LARGE, **_SIDE_BOUNDS
     )
-    max_height: Annotated[int, Affects.RUN] = Field(
-        default=_CHECK_DEFAULTS["max_height"],
-        ge=1,
-        le=4096,
-        title="Max image height (px)",
-        description="the service refuses images over 4096x4096 pixels",
-        json_schema_extra={"section": SECTION_DATA},
-    )
-    near_duplicate_max_distance: Annotated[int | None, Affects.RUN] = Field(
-        default=_CHECK_DEFAULTS["near_duplicate_max_distance"],
+    near_duplicate_max_distance: Annotated[int | None, Affects.RUN] = _data_check(
+        "near_duplicate_max_distance",
+        "Near-duplicate distance (bits)",
+        "difference-hash bits within which an image in one split counts as a copy "
+        "of one in another (0: the same hash); empty: no near-duplicate check",
         ge=0,
         le=16,
-        title="Near-duplicate distance (bits)",
-        description="difference-hash bits within which an image in one split counts as a copy "
-        "of one in another (0: the same hash); empty: no near-duplicate check",
-        json_schema_extra={"section": SECTION_DATA},
     )
-    drift_max: Annotated[float | None, Affects.RUN] = Field(
-        default=_CHECK_DEFAULTS["drift_max"],
-        ge=0,
-        title="Max drift",
-        description="drift score (class proportions, image size) against the last dataset "
+    drift_max: Annotated[float | None, Affects.RUN] = _data_check(
+        "drift_max",
+        "Max drift",
+        "drift score (class proportions, image size) against the last dataset "
         "that passed, above which validation fails; empty: only warn",
-        json_schema_extra={"section": SECTION_DATA},
+        ge=0,
     )
 
     # Scale-out: how validate and pack spread over Airflow's workers.
-    chunk_files: Annotated[int, Affects.RUN] = Field(
-        default=DEFAULT_CHUNK_FILES,
-        ge=1,
-        le=10_000_000,
-        title="Files per chunk",
-        description="validate and pack split the dataset into chunks of at most this many "
+    chunk_files: Annotated[int, Affects.RUN] = _scale_out(
+        DEFAULT_CHUNK_FILES,
+        "Files per chunk",
+        "validate and pack split the dataset into chunks of at most this many "
         "files, one mapped task each (spread over the workers by a CeleryExecutor); a dataset "
         "under both limits is one chunk",
-        json_schema_extra={"section": SECTION_SCALE},
-    )
-    chunk_mb: Annotated[int, Affects.RUN] = Field(
-        default=DEFAULT_CHUNK_MB,
         ge=1,
         le=10_000_000,
-        title="MB per chunk",
-        description="and of at most this many MB of image files",
-        json_schema_extra={"section": SECTION_SCALE},
+    )
+    chunk_mb: Annotated[int, Affects.RUN] = _scale_out(
+        DEFAULT_CHUNK_MB,
+        "MB per chunk",
+        "and of at most this many MB of image files",
+        ge=1,
+        le=10_000_000,
     )
 
     # Gate details.
-    max_accuracy_drop: Annotated[float, Affects.RUN] = Field(
-        default=0.02,
+    max_accuracy_drop: Annotated[float, Affects.RUN] = _gate(
+        0.02,
+        "Max accuracy drop",
+        "accuracy the candidate may lose against the production model",
         ge=0,
         le=1,
-        title="Max accuracy drop",
-        description="accuracy the candidate may lose against the production model",
-        json_schema_extra={"section": SECTION_GATE},
     )
-    int8_max_accuracy_drop: Annotated[float, Affects.EXPORT] = Field(
-        default=0.01,
+    int8_max_accuracy_drop: Annotated[float, Affects.EXPORT] = _gate(
+        0.01,
+        "INT8 max accuracy drop",
+        "accuracy the INT8 model may lose against the FP32 one and still serve",
         ge=0,
         le=1,
-        title="INT8 max accuracy drop",
-        description="accuracy the INT8 model may lose against the FP32 one and still serve",
-        json_schema_extra={"section": SECTION_GATE},
     )
 
     # Fleet sizing.
-    size_on: Annotated[Literal["auto", "host", "ec2"], Affects.RUN] = Field(
-        default="auto",
-        title="Size the fleet on",
-        description="host: the benchmark's worker measures the model, its figures stand for "
+    size_on: Annotated[Literal["auto", "host", "ec2"], Affects.RUN] = _sizing(
+        "auto",
+        "Size the fleet on",
+        "host: the benchmark's worker measures the model, its figures stand for "
         "every CPU type; ec2: one short-lived box per candidate type (x86 or Graviton) "
         "measures it on its own CPUs, in the run's budget and bill; auto: ec2 when the run "
         "trains on ec2 (its artifacts in S3), else host",
-        json_schema_extra={"section": SECTION_SIZING},
     )
-    sizing_boxes: Annotated[int, Affects.RUN] = Field(
-        default=3,
+    sizing_boxes: Annotated[int, Affects.RUN] = _sizing(
+        3,
+        "Types sized on boxes",
+        "candidate CPU types measured on boxes of their own (size on ec2): the "
+        "cheapest fleets the worker's figures say could serve the load",
         ge=1,
         le=8,
-        title="Types sized on boxes",
-        description="candidate CPU types measured on boxes of their own (size on ec2): the "
-        "cheapest fleets the worker's figures say could serve the load",
-        json_schema_extra={"section": SECTION_SIZING},
     )
-    sizing_max_s: Annotated[int, Affects.RUN] = Field(
-        default=900,
+    sizing_max_s: Annotated[int, Affects.RUN] = _sizing(
+        900,
+        "Sizing time bound (s)",
+        "how long the sizing boxes may take (size on ec2): no box outlives it by "
+        "more than its watchdog's margin; a type without figures by then is skipped",
         ge=300,
         le=3600,
-        title="Sizing time bound (s)",
-        description="how long the sizing boxes may take (size on ec2): no box outlives it by "
-        "more than its watchdog's margin; a type without figures by then is skipped",
-        json_schema_extra={"section": SECTION_SIZING},
     )
 
     @field_validator("model")
@@ -506,11 +461,7 @@ class RunParams(BaseModel):
         return self
 
     def check_compute(self) -> None:
-        """Raise a one-line ValueError if the run's boxes cannot be had from its backend.
-
-        A cross-field check the trigger form cannot express: provision makes it before it
-        writes or rents anything.
-        """
+        """Raise a one-line ValueError if the run's boxes cannot be had from its backend."""
         if self.num_nodes > 1 and self.compute_backend != "ec2":
             raise ValueError(
                 f"num_nodes {self.num_nodes} needs the ec2 compute backend (the "
@@ -518,9 +469,7 @@ class RunParams(BaseModel):
             )
 
     def sizes_on(self, artifact_root: str) -> Literal["host", "ec2"]:
-        """Return where the serving fleet is measured: ``size_on``; else ec2 when the run
-        trains on ec2 and its artifacts are in S3 (where sizing boxes read and write), else
-        the host."""
+        """Return where the serving fleet is measured: ``size_on``, auto resolved."""
         if self.size_on != "auto":
             return self.size_on
         on_ec2 = self.compute_backend == "ec2" and artifact_root.startswith("s3://")
@@ -529,10 +478,8 @@ class RunParams(BaseModel):
     def check_weights(self, model: str | None = None, pretrained: str | None = None) -> None:
         """Raise a one-line ValueError if the pretrained choice cannot seed the model; no GPU.
 
-        A cross-field check the trigger form cannot express, so the run makes it before
-        renting anything: freezing needs weights, a weights name must be the model's, a state_dict
-        URI must exist, be a state_dict (read weights-only) and fit the model's backbone.
-        ``model`` and ``pretrained`` are the values chosen where the run left them on auto.
+        A cross-field check the form cannot express, made before renting anything; ``model``
+        and ``pretrained`` are the values chosen where the run left them on auto.
         """
         model = model or self.model
         pretrained = pretrained or self.pretrained
@@ -557,20 +504,18 @@ class RunParams(BaseModel):
     @classmethod
     def defaults(cls, settings: Settings | None = None) -> dict[str, Any]:
         """Return every field's default (JSON-ready), deployment facts read from ``settings``."""
-        values: dict[str, Any] = {}
-        for name, spec in run_fields().items():
-            if spec.default_from:
-                values[name] = _deployment_value(spec.default_from, settings)
-            else:
-                values[name] = spec.default
-        return values
+        return {
+            name: _deployment_value(spec.default_from, settings)
+            if spec.default_from
+            else spec.default
+            for name, spec in run_fields().items()
+        }
 
     @classmethod
     def backend_of(cls, given: dict[str, Any], settings: Settings | None = None) -> BackendName:
         """Return a run's compute backend alone, whatever its other values.
 
-        For the clean-up of a failed provision: it must run even when a run was refused for
-        another field (an unknown name, a bound), so it checks only the one it needs.
+        A failed provision's clean-up must run even when another field was refused.
         """
         value = given.get("compute_backend")
         if value is None:
@@ -581,11 +526,7 @@ class RunParams(BaseModel):
     def resolve(
         cls, given: dict[str, Any] | None = None, settings: Settings | None = None
     ) -> RunParams:
-        """Validate the given values over the defaults (a given None means none, not default).
-
-        A field bounded by a setting (``maximum_from``) is checked against this deployment's
-        value of it, as the trigger form and the command line check it.
-        """
+        """Validate the given values over the defaults (a given None means none, not default)."""
         s = settings or get_settings()
         params = cls.model_validate({**cls.defaults(s), **(given or {})})
         for name, spec in run_fields().items():
@@ -599,14 +540,19 @@ class RunParams(BaseModel):
         return params
 
 
+# The data checks a run may set: ValidationConfig's own names and defaults, in form order.
+DATA_CHECKS = tuple(
+    n for n in RunParams.model_fields if n in _CHECK_DEFAULTS and n != "expected_classes"
+)
+
+
 def params_that(affect: Affects) -> tuple[str, ...]:
     """Return the RunParams fields that declare ``affect``, in the form's order."""
     return tuple(name for name, f in RunParams.model_fields.items() if affect in f.metadata)
 
 
 # The params that change what training produces: same data + same values = same model. The
-# image size is compared as the model was made (model.json), since empty means "chosen from
-# the data".
+# image size is compared as the model was made (model.json): empty means "from the data".
 TRAINING_PARAMS = tuple(name for name in params_that(Affects.MODEL) if name != "image_size")
 # ...and those that change what export makes of it (the `export` verb's options).
 EXPORT_PARAMS = params_that(Affects.EXPORT)
@@ -641,8 +587,7 @@ class RunField:
     name: str
     title: str
     description: str
-    # JSON schema of the value: type (["null", T] when it may be empty), enum, items,
-    # minLength/minItems, bounds under allOf, and the form section.
+    # JSON schema: type (["null", T] when it may be empty), enum, items, bounds under allOf, ...
     schema: dict[str, Any]
     default: Any  # None when default_from names the setting it comes from
     default_from: str | None = None
@@ -742,7 +687,7 @@ def describe_values(spec: RunField) -> str:
         if "minimum" in b and "maximum" in b:
             text += f" {_number(b['minimum'])}–{_number(b['maximum'])}"
         else:
-            parts = [f"{op} {_number(b[key])}" for key, op in _BOUND_WORDS if key in b]
+            parts = [f"{op} {_number(b[key])}" for key, op in _BOUND_WORDS.items() if key in b]
             text += (", " if parts else "") + ", ".join(parts)
     if spec.maximum_from:
         text += f", ≤ `{spec.maximum_from}`"
@@ -751,12 +696,7 @@ def describe_values(spec: RunField) -> str:
     return text
 
 
-_BOUND_WORDS = (
-    ("minimum", "≥"),
-    ("exclusiveMinimum", ">"),
-    ("maximum", "≤"),
-    ("exclusiveMaximum", "<"),
-)
+_BOUND_WORDS = {"minimum": "≥", "exclusiveMinimum": ">", "maximum": "≤", "exclusiveMaximum": "<"}
 
 
 def _number(value: float) -> str:

@@ -1,17 +1,12 @@
 """Read burstcv's deployment settings from the environment (prefix ``BURSTCV_``).
 
-``Settings`` say where things live; ``Ec2Settings`` (prefix ``BURSTCV_EC2_``) how the EC2
-backend rents boxes. Both are deployment facts, read without importing any AWS client (the
-DAG file reads them). What one run chooses (model, epochs, data checks, gates, budget) is a
-run parameter (``burstcv.params.RunParams``), set on the trigger form or the command line,
-never here.
+``Settings`` say where things live, ``Ec2Settings`` (``BURSTCV_EC2_``) how the EC2 backend
+rents boxes; both are read without importing any AWS client (the DAG file reads them). What
+one run chooses is a run parameter (``burstcv.params.RunParams``), never a setting.
 
-Every local default lives under one home folder, ``BURSTCV_HOME``, never beside the installed
-code (an installed package's folder is no place for data): when ``BURSTCV_HOME`` is unset it
-is ``$AIRFLOW_HOME/burstcv`` where Airflow has a home, else ``var/`` of the working directory
-(the repo's ``var/`` when run from a checkout; ``make`` exports ``BURSTCV_HOME`` to it). The
-home is resolved to an absolute path once, when the settings are read. Every figure carries
-its unit in its name.
+Every local default lives under ``BURSTCV_HOME``, never beside the installed code: unset, it
+is ``$AIRFLOW_HOME/burstcv`` where Airflow has a home, else ``var/`` of the working directory.
+Every figure carries its unit in its name.
 """
 
 from __future__ import annotations
@@ -82,8 +77,7 @@ class Settings(BaseSettings):
 
     # Compute.
     compute_backend: BackendName = "local"  # a run's default backend (the form's default)
-    # A run's default number of training boxes (ec2): what scheduled and asset-triggered runs,
-    # which carry no conf, train on. Each box takes a slot of the GPU pool.
+    # Training boxes (ec2) of a run that names none (scheduled and asset-triggered runs).
     num_nodes: int = Field(default=1, ge=1)
     compute_state_dir: str = _under_home("compute")  # local backend's record of live processes
     # The longest a run may train, watchdog included: the train task's execution timeout is
@@ -95,34 +89,24 @@ class Settings(BaseSettings):
     # Comma-separated EC2 regions the reaper looks in; empty: every region enabled for the
     # account (so every region burstcv ever launched in, whatever the settings said then).
     reaper_regions: str = ""
-    # Relaunches of a run's training after a lost or interrupted box (spot reclaim), within
-    # the same train task try; the run's deadline and max_cost_usd bound them too. A run whose
-    # boxes keep vanishing is more likely broken (a boot that cannot start) than unlucky.
+    # Relaunches after a lost or interrupted box (spot reclaim), within one train task try: a
+    # run whose boxes keep vanishing is more likely broken than unlucky.
     max_relaunches: int = Field(default=3, ge=0)
-    # Before a relaunch starts its boxes, the ended attempt's boxes are waited for at most this
-    # long (never past the run's deadline): out of pending and running, and for a run of
-    # several boxes terminated (they hold its placement group; EC2 ends a reclaimed box in a
-    # few minutes). Past it the relaunch goes on: the attempt tag keeps the boxes apart, and
-    # the teardown takes every box of every attempt.
+    # How long a relaunch waits for the ended attempt's boxes to go (they hold the placement
+    # group; never past the deadline). Past it, the attempt tag keeps the boxes apart.
     relaunch_wait_s: float = Field(default=180.0, ge=0.0)
-    # A training box ships its log as soon as its boot reached S3 (a few minutes after launch:
-    # the instance boots, cloud-init starts the script). One with no log this long after its
-    # launch is stuck before S3 (no egress, no KMS key use, a script that never ran): the
-    # attempt ends FAILED at boot, not relaunched, and the teardown terminates the box.
+    # A box with no log in S3 this long after launch is stuck before S3 (no egress, no KMS key
+    # use, a script that never ran): the attempt ends FAILED at boot, not relaunched.
     boot_bound_s: float = Field(default=900.0, ge=60.0)
-    # A trainer that makes no progress (stopped, hung in a collective) is ended after this many
-    # seconds without a new beat at least (burstcv.compute.liveness), or after
-    # STALL_STEPS of its own measured steps when that is longer; the attempt ends resumable
-    # and is relaunched from its checkpoint, instead of holding its GPU until the deadline.
+    # A trainer with no new beat this long (or STALL_STEPS of its steps, if longer) is relaunched
+    # from its checkpoint rather than hold its GPU to the deadline (burstcv.compute.liveness).
     train_stall_min_s: float = Field(default=300.0, ge=10.0)
     gpu_pool: str = "burstcv_gpu"  # Airflow pool that bounds live training boxes
     gpu_pool_slots: int = 4  # set to the account's GPU instance quota
 
-    # Pack: how training shards store their images (bench/shards.py has the figures). auto:
-    # JPEG at quality 90 when the stored images are photo-sized (a side of 128 px or more:
-    # at 224 px a tenth of the bytes, taken in faster than raw below ~13 Gbit/s on 4 vCPUs),
-    # raw uint8 for small ones (decoding would cost more than the bytes). Validation shards
-    # stay raw: the accuracy the gate reads is measured on exact pixels.
+    # Pack: how training shards store images (figures: bench/shards.py). auto: JPEG q90 for
+    # photo-sized images (a side of 128 px or more: a tenth of the bytes at 224 px), raw for
+    # small ones. Validation shards stay raw: the gate's accuracy is read on exact pixels.
     shard_format: Literal["auto", "raw", "jpeg"] = "auto"
 
     # Export: this deployment's toolchain limits, not a run's choice.
@@ -132,33 +116,26 @@ class Settings(BaseSettings):
     # spaced over the split (all of a smaller one); bounds its memory, read a shard at a time.
     eval_max_images: int = Field(default=2048, ge=32)
 
-    # Benchmark load: how this deployment measures latency (the SLO is a run parameter).
-    # The latency benchmark is open-loop: each model gets up to ``bench_requests`` requests at
-    # the rate one replica of the chosen fleet carries at most (the sizing's sustainable rate
-    # at the staging service's CPUs, less the headroom; never above the run's target_rps),
-    # or at ``bench_rate_rps`` when set; at most ``bench_max_s`` seconds of load per model.
+    # Benchmark load, open-loop: up to ``bench_requests`` per model at the rate one replica of
+    # the chosen fleet carries (less the headroom, at most target_rps), or ``bench_rate_rps``
+    # when set; at most ``bench_max_s`` seconds of load per model.
     bench_requests: int = Field(default=200, ge=1)
     bench_rate_rps: float | None = Field(default=None, gt=0)
     bench_max_s: float = Field(default=30.0, gt=0)
     bench_warmup_requests: int = 20
-    # Processes one data task (a scan chunk) inspects its files with. 0: the CPUs this worker
-    # may use divided by its task slots (a CeleryExecutor's worker_concurrency; 1 otherwise),
-    # so chunks running side by side on one worker do not oversubscribe its cores.
+    # Processes a scan chunk inspects its files with; 0: this worker's CPUs over its task
+    # slots, so chunks side by side on one worker do not oversubscribe its cores.
     task_processes: int = Field(default=0, ge=0)
-    # Isolation: the benchmark task (latency and sizing) runs in a pool of its own, one slot by
-    # default, so no two runs' measurements overlap.
+    # The benchmark task's own pool, one slot by default: no two runs' measurements overlap.
     bench_pool: str = "burstcv_bench"
     bench_pool_slots: int = Field(default=1, ge=1)
-    # The Celery queue the benchmark task goes to ("": the executor's default queue). The
-    # production stack sets it, and runs a worker of its own for that queue alone
-    # (docker-compose.yaml's airflow-bench-worker): no training shares its CPUs.
+    # The benchmark task's Celery queue ("": the default); the production stack gives it a
+    # worker of its own (airflow-bench-worker), so no training shares its CPUs.
     bench_queue: str = ""
-    # Interference (burstcv.gate.interference): a measurement is busy when other processes
-    # took more than this share of its CPUs, or the calibration kernel ran this much slower
-    # than its quiet figure; it is tried this many times, the pause doubling from the
-    # backoff, before the gate is inconclusive (the task fails and is retried, nothing judged).
-    # Half: Airflow's own components on a 2-CPU host (scheduler, DAG processor, health checks)
-    # take a steady third of it; a neighbour's training or test run takes three quarters.
+    # Interference (burstcv.gate.interference): a measurement is busy when others took more
+    # than this share of its CPUs or the calibration kernel ran this much slower; tried this
+    # many times, the pause doubling, before the gate is inconclusive. Half: on a 2-CPU host
+    # Airflow itself takes a steady third; a neighbour's training takes three quarters.
     bench_busy_share: float = Field(default=0.5, gt=0.0, le=1.0)
     bench_busy_slowdown: float = Field(default=1.5, gt=1.0)
     bench_attempts: int = Field(default=3, ge=1)
@@ -167,8 +144,7 @@ class Settings(BaseSettings):
     # most CPUs measured (0: every CPU of the benchmark host).
     sizing_step_s: float = Field(default=3.0, gt=0)
     sizing_max_vcpus: int = Field(default=0, ge=0)
-    # A model whose speed key (burstcv.gate.sizing.speed_key: architecture, input,
-    # preprocessing, quantization, host, SLO, these settings) equals one measured before on
+    # A model whose speed key (burstcv.gate.sizing.speed_key) equals one measured before on
     # this host reuses those sizes (<BURSTCV_HOME>/bench/sizing/); true measures every time.
     sizing_remeasure: bool = False
     # Sizing boxes (size_on ec2) up at once: each is one CPU type's own box.
@@ -181,18 +157,8 @@ class Settings(BaseSettings):
 
     @cached_property
     def ec2(self) -> Ec2Settings:
-        """Return the EC2 backend's settings (``BURSTCV_EC2_*``), read once per ``Settings``.
-
-        Stages reach them through the settings they are given, so a caller (or a test) that
-        passes settings decides them; nothing below reads the environment again.
-        """
+        """Return the EC2 backend's settings, read once: who passes ``Settings`` decides them."""
         return Ec2Settings()
-
-    def with_ec2(self, ec2: Ec2Settings) -> Settings:
-        """Return a copy of these settings whose EC2 settings are ``ec2``."""
-        copy = self.model_copy()
-        copy.__dict__["ec2"] = ec2
-        return copy
 
     @model_validator(mode="before")
     @classmethod
@@ -241,11 +207,9 @@ class Settings(BaseSettings):
         return [r.strip() for r in self.reaper_regions.split(",") if r.strip()]
 
 
-# The PyTorch Deep Learning AMI for the region, resolved through its public SSM parameter at
-# each launch (the resolved ami-… is recorded in billing.json). It brings the NVIDIA driver,
-# CUDA torch + torchvision and boto3 in /opt/pytorch (Python 3.12), so a box downloads only
-# burstcv's own training wheel (tens of KB) before its first step; its S3 calls go through that
-# boto3 (the boot never needs the AWS CLI).
+# The PyTorch Deep Learning AMI, resolved through its public SSM parameter at each launch: its
+# NVIDIA driver, CUDA torch and boto3 in /opt/pytorch leave a box only burstcv's own training
+# wheel (tens of KB) to download before its first step.
 DEFAULT_AMI = (
     "/aws/service/deeplearning/ami/x86_64/oss-nvidia-driver-gpu-pytorch-2.9-ubuntu-24.04"
     "/latest/ami-id"
@@ -267,9 +231,8 @@ class Ec2Settings(BaseSettings):
     # The defaults of a run's instance_types and use_spot (its trigger form's): comma-separated,
     # most preferred first; spot is tried on each before on-demand on each.
     instance_types: Annotated[tuple[str, ...], NoDecode] = ("g6.xlarge", "g5.xlarge", "g4dn.xlarge")
-    # Comma-separated, tried in order for each instance type and market when one refuses for
-    # capacity (capacity is per Availability Zone), before the next type; empty: the default
-    # subnet of every AZ of the region. Security groups must be in the subnets' VPC.
+    # Comma-separated, tried in order per type and market on a capacity refusal (capacity is
+    # per AZ); empty: every AZ's default subnet. Security groups must be in the subnets' VPC.
     subnet_ids: Annotated[tuple[str, ...], NoDecode] = ()
     security_group_ids: Annotated[tuple[str, ...], NoDecode] = ()  # no inbound rule is needed
     # Name or ARN of the instance profile (deploy/instance-role-policy.json): required, the
@@ -287,9 +250,8 @@ class Ec2Settings(BaseSettings):
     backstop_role: str = "burstcv-backstop"
     waiter_delay_s: float = Field(default=5.0, gt=0)  # between describe calls while waiting
     waiter_max_attempts: int = Field(default=120, ge=1)
-    # Sizing boxes (size_on ec2): Amazon Linux 2023 for the type's architecture ({arch}:
-    # x86_64 or arm64), whose Python 3.11 the box installs with dnf at boot; the serving
-    # wheel's pins come from the package index (the box needs egress to it, or a mirror).
+    # Sizing boxes (size_on ec2): Amazon Linux 2023 for the type's {arch} (x86_64, arm64); the
+    # box installs Python 3.11 and the serving wheel's pins from the index (egress or a mirror).
     sizing_ami: str = Field(
         default="/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-{arch}",
         description="AMI id (ami-…) or SSM parameter name, {arch} filled in",

@@ -1,9 +1,7 @@
 """Check a compose stack's settings before it starts, and write its UI passwords.
 
-docker-compose.yaml's airflow-init runs ``burstcv check-stack`` first: a stack with a weak or
-malformed secret, or an EC2 backend without the settings it needs, stops there with every
-problem named, instead of starting and failing later (a service restarting in a loop, tasks
-that cannot decrypt connections, a run that fails at launch).
+airflow-init runs ``burstcv check-stack`` first: a weak secret or incomplete EC2 settings stop
+the stack there, every problem named, instead of failing later in a less readable way.
 """
 
 from __future__ import annotations
@@ -98,9 +96,8 @@ def users(spec: str) -> list[str]:
 def write_passwords(path: Path, environ: Mapping[str, str] | None = None) -> list[str]:
     """Write the simple auth manager's passwords file; return the users it names.
 
-    The first user of ``AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS`` gets
-    ``AIRFLOW_ADMIN_PASSWORD``; any other keeps the password it already has in the file, or
-    gets a random one (read it from the file). The file is readable by its owner only.
+    The first user gets ``AIRFLOW_ADMIN_PASSWORD``; any other keeps its password, or gets a
+    random one. The file is readable by its owner only.
     """
     import secrets
 

@@ -195,9 +195,10 @@ def assert_chunks_equal_one_pass(store: Path, run_id: str, dataset: Path) -> Non
     """Assert the run's joined manifest, validation and shards equal a one-chunk run's."""
     import pandas as pd
 
-    from burstcv import pipeline
     from burstcv.params import RunParams
     from burstcv.settings import Settings
+    from burstcv.stages import data as data_stage
+    from burstcv.stages import resolve as resolve_stage
     from burstcv_spec.contracts import (
         PackPlan,
         RunRef,
@@ -206,15 +207,15 @@ def assert_chunks_equal_one_pass(store: Path, run_id: str, dataset: Path) -> Non
         read_artifact,
     )
 
-    chunked = pipeline.run_layout(run_id, Settings(artifact_root=str(store / "artifacts")))
+    chunked = resolve_stage.run_layout(run_id, Settings(artifact_root=str(store / "artifacts")))
     assert len(read_artifact(chunked.scan_plan, ScanPlan).chunks) == SCAN_CHUNKS
     assert len(read_artifact(chunked.pack_plan, PackPlan).chunks) == 2  # train, val shard
     settings = Settings(home=str(store / "one-pass"), artifact_root=str(store / "one-pass"))
     params = RunParams.resolve({"dataset_uri": str(dataset)}, settings)
     run = RunRef.of("manual__one_pass")
-    validated = pipeline.validate(run, settings, params=params)
-    packed = pipeline.pack(run, validated, settings=settings)
-    one = pipeline.run_layout(run, settings)
+    validated = data_stage.validate(run, settings, params=params)
+    packed = data_stage.pack(run, validated, settings=settings)
+    one = resolve_stage.run_layout(run, settings)
     assert len(read_artifact(one.scan_plan, ScanPlan).chunks) == 1
     pd.testing.assert_frame_equal(pd.read_parquet(chunked.manifest), pd.read_parquet(one.manifest))
     where = {"manifest_uri", "data_docs_uri", "validated_at"}

@@ -28,9 +28,9 @@ import structlog.testing
 from airflow.dag_processing.dagbag import DagBag
 from localserver import prediction_service
 
-from burstcv.pipeline import run_layout
 from burstcv.registry.registry import PRODUCTION, Registry
 from burstcv.settings import get_settings
+from burstcv.stages.resolve import run_layout
 from burstcv_spec import storage
 from burstcv_spec.contracts import LatencyRecord, SkipRecord, read_artifact
 from burstcv_spec.storage import safe_run_id

@@ -71,7 +71,12 @@ _JSON = "JSON layout only; every reader parses it the same"
 EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
     "gate": (
         ("_price", "cmp0: <= -> <", "throughput_rps <= 0", "`not throughput_rps` refuses 0"),
-        ("advise", "1e-06 -> 1.5e-06", "1e-6)", "a divide-by-zero guard; no p95 is that small"),
+        (
+            "_Advice.throughput_at",
+            "1e-06 -> 1.5e-06",
+            "1e-6)",
+            "a divide-by-zero guard; no p95 is that small",
+        ),
         ("advise", "0.0 -> 1.0", "or 0.0", "sort key of unpriced advice, after priced either way"),
     ),
     "registry": (
@@ -86,7 +91,7 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
         ("_conditional_write", "True -> False", "by_alias=True", "AliasRecord has no aliases"),
         ("_conditional_write", "2 -> 3", "indent=2", _JSON),
         ("_conditional_write", "True -> False", "sort_keys=True", _JSON),
-        ("_conditional_write", "return value dropped (None)", "return False", _TRUTHY),
+        ("_s3_conditional", "return value dropped (None)", "return False", _TRUTHY),
     ),
     "deploy": (
         (
@@ -124,7 +129,7 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
     ),
     "sizing": (
         ("LoadRun.achieved_rps", "0.0 -> 1.0", "else 0.0", "a run lasts at least one interval"),
-        ("sustainable_rate", "1000000000.0 -> 1500000000.0", "else 1e9", _NO_ANSWER),
+        ("_record", "1000000000.0 -> 1500000000.0", "else 1e9", _NO_ANSWER),
         ("sustainable_rate", "2.0 -> 3.0", "rate_rps=2.0, duration_s=1.0", _START),
         ("sustainable_rate", "1.0 -> 1.5", "rate_rps=2.0, duration_s=1.0", _START),
         ("sustainable_rate", "max() -> min()", "start_rps = max(1.0", _START),
@@ -135,16 +140,16 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
         ("sustainable_rate", "cmp0: >= -> >", "while rate >= MIN_RATE_RPS", _FLOAT_EDGE),
         ("sustainable_rate", "cmp0: <= -> <", "while rate <= max_rps", _FLOAT_EDGE),
         ("sustainable_rate", "cmp0: <= -> <", "if rate <= max_rps", _FLOAT_EDGE),
-        ("_search", "5.0 -> 7.5", "# warm-up", _WARM_UP),
-        ("_search", "1.0 -> 1.5", "# warm-up", _WARM_UP),
+        ("_Sizer.search", "5.0 -> 7.5", "# warm-up", _WARM_UP),
+        ("_Sizer.search", "1.0 -> 1.5", "# warm-up", _WARM_UP),
         ("generator_check", "20.0 -> 30.0", "# connections and caches warm", _WARM_UP),
         ("generator_check", "0.5 -> 0.75", "# connections and caches warm", _WARM_UP),
-        ("measure_sizes", "50 -> 51", "percentile(50)", "neighbouring percentiles: noise"),
-        ("measure_sizes", "3 -> 4", "round(best.percentile", _DIGITS),
-        ("measure_sizes", "5 -> 6", "requests), 5)", _DIGITS),
-        ("measure_sizes", "1 -> 2", "round(search.rss_mb, 1)", _DIGITS),
-        ("measure_sizes", "1 -> 2", "max(1, requests)", "a search sends hundreds of requests"),
-        ("measure_sizes", "/ -> *", "best.rate_rps / step", _START),
+        ("_Sizer.size", "50 -> 51", "percentile(50)", "neighbouring percentiles: noise"),
+        ("_Sizer.size", "3 -> 4", "round(best.percentile", _DIGITS),
+        ("_Sizer.size", "5 -> 6", "requests), 5)", _DIGITS),
+        ("_Sizer.size", "1 -> 2", "round(search.rss_mb, 1)", _DIGITS),
+        ("_Sizer.size", "1 -> 2", "max(1, requests)", "a search sends hundreds of requests"),
+        ("measure_sizes", "/ -> *", "held_rps / step", _START),
         ("rate_at", "cmp0: < -> <=", "vcpus < top", "vcpus == top is measured: returned above"),
         ("rate_at", "1.0 -> 1.5", "exponent = 1.0", "clamped to at most 1.0 below"),
         ("fleet_options", "0.0 -> 1.0", "p.rss_mb or 0.0", "1 MB or 0 rules out no 4 GiB type"),
@@ -155,7 +160,7 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
             "o.usd_per_hour or 0.0",
             "unpriced: ranked by the key before",
         ),
-        ("recommend", "0.0 -> 1.0", "in points), default=0.0", "a point per size, never none"),
+        ("_reason", "0.0 -> 1.0", "in points), default=0.0", "a point per size, never none"),
     ),
     "budget": (
         (
@@ -163,12 +168,6 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
             "cmp0: <= -> <",
             "if training_usd <= 0:",
             "a budget the reserve spends exactly is refused by time_budget's minimum instead",
-        ),
-        (
-            "resolve_costs",
-            "0.0 -> 1.0",
-            "if sizing else 0.0:.4f}",
-            "unreached: training_usd <= 0 only with a reserve, max_cost_usd being positive",
         ),
         (
             "sizing_budget",
@@ -211,7 +210,7 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
     ),
     "interference": (
         (
-            "measure_quietly",
+            "_watched",
             "cmp0: <= -> <",
             "if load.others_share <= limits.others_share",
             "a share exactly at the limit, to the tick: whether that reading is kept as quiet",
@@ -297,7 +296,7 @@ TARGETS = (
     ),
     Target(
         "task-sizing",
-        "burstcv.pipeline",
+        "burstcv.stages.data",
         ("tests/data/test_chunks.py",),
         functions=("map_limit", "worker_task_slots", "task_processes"),
     ),
@@ -336,15 +335,15 @@ TARGETS = (
     ),
     Target(
         "nothing-new",
-        "burstcv.pipeline",
+        "burstcv.stages.resolve",
         ("tests/test_pipeline_decisions.py",),
-        functions=(
-            "nothing_new_to_train",
-            "_auto_choices",
-            "_as_chosen",
-            "_registered_by",
-            "_capacity_rps",
-        ),
+        functions=("nothing_new_to_train", "_auto_choices", "_as_chosen"),
+    ),
+    Target(
+        "gate-stage",
+        "burstcv.stages.gate",
+        ("tests/test_pipeline_decisions.py",),
+        functions=("_registered_by", "capacity_rps"),
     ),
     Target(
         "budget",
@@ -354,7 +353,13 @@ TARGETS = (
             "tests/cost/test_pricing.py",
             "tests/compute/test_prices.py",
         ),
-        functions=("worst_box_rate", "resolve_costs", "serving_quotes", "sizing_budget"),
+        functions=(
+            "worst_box_rate",
+            "_on_demand_rate",
+            "resolve_costs",
+            "serving_quotes",
+            "sizing_budget",
+        ),
     ),
     Target(
         "cost-model",
@@ -377,9 +382,11 @@ TARGETS = (
             "LoadRun.achieved_rps",
             "_holds",
             "sustainable_rate",
-            "_search",
+            "_record",
+            "_Sizer.search",
             "generator_check",
-            "_check_at",
+            "_Sizer.check",
+            "_Sizer.size",
             "measure_sizes",
             "flag_falling",
             "_basis",
@@ -391,6 +398,7 @@ TARGETS = (
             "fleet_options",
             "box_candidates",
             "recommend",
+            "_reason",
         ),
     ),
     Target(
@@ -409,6 +417,7 @@ TARGETS = (
             "parallel",
             "encode_predict",
             "_read_answer",
+            "_Connections.send",
             "_open_loop",
             "send",
             "_Trivial.data_received",
@@ -428,6 +437,7 @@ TARGETS = (
             "QuietFigure.offer",
             "Window.close",
             "measure_quietly",
+            "_watched",
         ),
         tables=("*",),
         jobs=1,
@@ -453,7 +463,7 @@ TARGETS = (
             "check_cluster_calls",
             "_made_cluster",
             "simulator_principal",
-            "_refused_key_uses",
+            "_own_key_problem",
             "_spot_role_on_key",
             "check_ebs_key",
         ),

@@ -1,7 +1,6 @@
 """Draw the run report's figures with matplotlib (Agg) and return them as PNG bytes.
 
-matplotlib is imported inside each function: importing this module stays cheap for the DAG
-parser and for callers that never draw.
+matplotlib is imported only to draw: importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -19,14 +18,13 @@ PRODUCTION_COLOUR = "#ff7f0e"
 
 
 def _png(fig: Any) -> bytes:
-    """Return a figure as PNG bytes and free it."""
-    import matplotlib.pyplot as plt
-
+    """Lay a figure out, return it as PNG bytes and free it."""
     buf = io.BytesIO()
     try:
+        fig.tight_layout()
         fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
     finally:
-        plt.close(fig)
+        _pyplot().close(fig)
     return buf.getvalue()
 
 
@@ -55,7 +53,6 @@ def training_curves(epochs: Sequence[EpochRecord]) -> bytes:
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.set_xticks(xs)
-    fig.tight_layout()
     return _png(fig)
 
 
@@ -75,18 +72,9 @@ def confusion_matrix(matrix: Sequence[Sequence[int]], classes: Sequence[str]) ->
     ax.set(xlabel="predicted class", ylabel="true class", title="Confusion matrix (validation)")
     if n <= 20:  # counts stay legible up to ~20 classes
         threshold = data.max() / 2 if data.size else 0
-        for i in range(data.shape[0]):
-            for j in range(data.shape[1]):
-                ax.text(
-                    j,
-                    i,
-                    f"{int(data[i, j])}",
-                    ha="center",
-                    va="center",
-                    fontsize=8,
-                    color="white" if data[i, j] > threshold else "black",
-                )
-    fig.tight_layout()
+        for (i, j), count in np.ndenumerate(data):
+            colour = "white" if count > threshold else "black"
+            ax.text(j, i, f"{int(count)}", ha="center", va="center", fontsize=8, color=colour)
     return _png(fig)
 
 
@@ -125,7 +113,6 @@ def latency_histogram(
     ax.set_title("Request latency: candidate vs production (dashed: p95)")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
     return _png(fig)
 
 
@@ -163,5 +150,4 @@ def sizing_curves(points: Sequence[SizePoint], slo_ms: float) -> bytes:
     )
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
     return _png(fig)

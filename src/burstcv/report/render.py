@@ -1,14 +1,8 @@
 """Assemble one self-contained HTML page about a pipeline run from what its stages recorded.
 
-The page (``<run_root>/report/index.html``) needs nothing else to display: figures are PNGs
-embedded as ``data:`` URIs, the CSS is inline, there is no script and no external resource.
-The one link is relative, to the Data Docs the validate stage wrote beside it. A file a stage
-did not write (the run stopped early) becomes a "not reached" note, never an error.
-
-This module reads the run and works out what each section says (a view: a dict of plain
-values, with ``missing`` set to the reason when the section has nothing to show); the
-markup is ``report.html.j2`` beside this module, rendered by Jinja with autoescape on, so a class
-name or a file path from a dataset is always shown as text.
+The page embeds its figures as ``data:`` URIs and its CSS inline: no script, no external
+resource. A file a stage did not write becomes a "not reached" note, never an error. Each
+section's view is a dict for ``report.html.j2``, whose ``missing`` says why it shows nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +26,7 @@ from burstcv.cost.model import box_usd_per_hour
 from burstcv.gate.gate import format_figure
 from burstcv.gate.sizing import describe_generator
 from burstcv.params import ResolvedRun
+from burstcv.report import charts
 from burstcv.training.job import attempt_failure
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
@@ -60,8 +55,7 @@ log = logging.getLogger(__name__)
 DATA_DOCS_LINK = links.link_between("report", "data-docs")
 MAX_OFFENDING_SHOWN = 5
 
-# Each file the report reads: its contract, its RunLayout name, and the stage that writes it
-# (for "not reached" notes).
+# Each file the report reads: its contract, its RunLayout name, and the stage that writes it.
 READS: dict[str, tuple[type[Artifact], str, str]] = {
     "run": (ResolvedRun, "record", "plan_scan"),
     "validation": (ValidationRecord, "validation", "validate"),
@@ -88,8 +82,7 @@ class RunDocs:
     latency: LatencyRecord | None = None
     sizing: SizingReport | None = None
     verdict: VerdictRecord | None = None
-    # Why the last training attempt failed (its markers), when training wrote no metrics.
-    failure: FailedMarker | None = None
+    failure: FailedMarker | None = None  # the last attempt's, when training wrote no metrics
     missing: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -121,8 +114,7 @@ class RunDocs:
         return docs
 
 
-# ---------------------------------------------------------------------------------------------
-# formatting helpers (plain text: the template escapes)
+# --- formatting helpers (plain text: the template escapes) ------------------------------------
 
 
 def fmt(value: Any, spec: str = "", suffix: str = "") -> str:
@@ -181,20 +173,7 @@ def _templates() -> jinja2.Environment:
     return env
 
 
-# ---------------------------------------------------------------------------------------------
-# section views: what each section says, as plain values
-
-
-def _skip_view(record: RunDocs) -> dict[str, Any] | None:
-    """Say, first thing, that the run ended after validation and why (or None)."""
-    skip = record.skip
-    if skip is None:
-        return None
-    return {
-        "reason": skip.reason,
-        "decided_at": skip.decided_at,
-        "production_version": skip.production_version,
-    }
+# --- section views: what each section says, as plain values -----------------------------------
 
 
 def _data_view(record: RunDocs) -> dict[str, Any]:
@@ -202,11 +181,9 @@ def _data_view(record: RunDocs) -> dict[str, Any]:
     doc = record.validation
     if doc is None:
         return {"missing": record.missing["validation"]}
-    counts = doc.counts
     expectations = doc.expectations
-    failed = [e for e in expectations if not e.success]
     docs_rel = f"{links.tree_path('data-docs')}/{links.INDEX}"
-    per_split = counts.per_split
+    per_split = doc.counts.per_split
     classes = sorted({c for split in per_split.values() for c in split})
     rows = [
         {
@@ -221,14 +198,8 @@ def _data_view(record: RunDocs) -> dict[str, Any]:
     ]
     return {
         "missing": None,
-        "success": doc.success,
-        "met": len(expectations) - len(failed),
-        "total": len(expectations),
-        "dataset_uri": doc.dataset_uri,
-        "usable": counts.usable,
-        "files": counts.files,
-        "errors": counts.errors,
-        "ignored": counts.ignored,
+        "doc": doc,
+        "met": sum(e.success for e in expectations),
         "docs_rel": docs_rel,
         "docs_link": DATA_DOCS_LINK,
         "docs_written": storage.exists(storage.join(record.root, docs_rel)),
@@ -242,9 +213,6 @@ def _data_view(record: RunDocs) -> dict[str, Any]:
             for split in per_split
         ],
         "expectations": rows,
-        "drift_status": doc.drift.status,
-        "drift_message": doc.drift.message,
-        "warnings": doc.warnings,
     }
 
 
@@ -255,37 +223,20 @@ WORST_CLASSES = 3  # per-class accuracy shown for this many of the worst classes
 
 
 def model_quality(metrics: TrainingMetrics) -> dict[str, Any]:
-    """Return chance, the majority-class rate, the worst classes and warnings of a run's model.
-
-    From metrics.json: the confusion matrix (rows: true class) of the exported model, and the
-    per-epoch losses. A warning when the model is near chance, or when the loss diverged
-    (a recovery, or a validation loss that is not finite or far above chance).
-    """
+    """Return chance, the majority-class rate, the worst classes and warnings of a run's model."""
     confusion, classes, accuracy = metrics.confusion, metrics.classes, metrics.val_accuracy
-    out: dict[str, Any] = {
-        "chance": None,
-        "majority": None,
-        "worst_classes": [],
-        "quality_warnings": [],
-    }
     if not confusion or not classes:
-        return out
+        return {"chance": None, "majority": None, "worst_classes": [], "quality_warnings": []}
     totals = [sum(row) for row in confusion]
-    n = sum(totals) or 1
-    chance, majority = 1 / len(classes), max(totals) / n
-    out["chance"], out["majority"] = chance, majority
+    chance, majority = 1 / len(classes), max(totals) / (sum(totals) or 1)
     per_class: list[tuple[str, float, int]] = [
         (name, row[i] / total, total)
         for i, (name, row, total) in enumerate(zip(classes, confusion, totals, strict=False))
         if total
     ]
     ranked = sorted(per_class, key=lambda c: c[1])
-    out["worst_classes"] = [
-        [name, f"{acc:.1%}", f"{total:,}"] for name, acc, total in ranked[:WORST_CLASSES]
-    ]
-    warnings = out["quality_warnings"]
-    floor = max(chance, majority)
-    if accuracy < floor + NEAR_CHANCE_MARGIN:
+    warnings: list[str] = []
+    if accuracy < max(chance, majority) + NEAR_CHANCE_MARGIN:
         warnings.append(
             f"the model is near chance: validation accuracy {accuracy:.1%} against chance "
             f"{chance:.1%} and the majority-class rate {majority:.1%}; it has learned little "
@@ -305,7 +256,8 @@ def model_quality(metrics: TrainingMetrics) -> dict[str, Any]:
             "the loss curve diverged: " + "; ".join(what) + "; a lower learning rate or a "
             "larger batch may train better"
         )
-    return out
+    worst = [[name, f"{acc:.1%}", f"{total:,}"] for name, acc, total in ranked[:WORST_CLASSES]]
+    return dict(chance=chance, majority=majority, worst_classes=worst, quality_warnings=warnings)
 
 
 def _batch_line(metrics: TrainingMetrics) -> str:
@@ -357,23 +309,18 @@ def _training_view(record: RunDocs) -> dict[str, Any]:
     epochs = metrics.epochs
     curves = confusion_chart = None
     if epochs:
-        from burstcv.report.charts import training_curves
-
-        curves = _chart(lambda: training_curves(epochs), "training curves")
+        curves = _chart(lambda: charts.training_curves(epochs), "training curves")
     confusion, classes = metrics.confusion, metrics.classes
     if confusion and classes:
-        from burstcv.report.charts import confusion_matrix
-
-        confusion_chart = _chart(lambda: confusion_matrix(confusion, classes), "confusion matrix")
+        confusion_chart = _chart(
+            lambda: charts.confusion_matrix(confusion, classes), "confusion matrix"
+        )
     recipe = record.run.training if record.run else None
-    wall = metrics.wall_s.model_dump()
     return {
         "missing": None,
+        "metrics": metrics,
         "recipe": recipe.reason if recipe else None,
         "recipe_warning": recipe.warning if recipe else None,
-        "best_epoch": metrics.best_epoch,
-        "epochs_asked": metrics.epochs_asked,
-        "seconds_saved": metrics.seconds_saved,
         "recoveries": [
             f"epoch {r.epoch} step {r.step}: {r.reason}; restored the last "
             f"good state, learning rate x{r.lr_scale:.3g}"
@@ -382,15 +329,7 @@ def _training_view(record: RunDocs) -> dict[str, Any]:
         "range_test": _range_test_line(metrics.lr_range_test),
         "batch": _batch_line(metrics),
         **model_quality(metrics),
-        "val_accuracy": metrics.val_accuracy,
-        "val_loss": metrics.val_loss,
-        "epoch_count": len(epochs),
-        "device": metrics.device,
-        "device_name": metrics.device_name,
-        "precision": metrics.precision,
-        "stop_reason": metrics.stop_reason,
-        "wall": list(wall.items()),
-        "total_wall": metrics.train_wall_s,
+        "wall": list(metrics.wall_s.model_dump().items()),
         "curves": curves,
         "epoch_rows": [
             [
@@ -409,27 +348,15 @@ def _training_view(record: RunDocs) -> dict[str, Any]:
 
 
 def _model_view(record: RunDocs) -> dict[str, Any]:
-    """Describe the exported model: architecture, input, opset, hash, lineage."""
+    """Describe the exported model: its card, and why its input is that size."""
     card = record.model
     if card is None:
         return {"missing": record.missing["model"]}
-    pre = card.preprocess
     size = record.run.image_size if record.run else None
     return {
         "missing": None,
-        "image_size_reason": size.reason if size and size.px == pre.height else None,
-        "arch": card.arch,
-        "classes": ", ".join(card.classes),
-        "height": pre.height,
-        "width": pre.width,
-        "resize_short": pre.resize_short,
-        "color_mode": pre.color_mode,
-        "onnx_file": card.onnx_file,
-        "opset": card.opset,
-        "sha256": card.sha256,
-        "parity_max_abs_diff": card.parity.max_abs_diff if card.parity else None,
-        "dataset_fingerprint": card.dataset_fingerprint,
-        "source_commit": card.source_commit,
+        "card": card,
+        "image_size_reason": size.reason if size and size.px == card.preprocess.height else None,
     }
 
 
@@ -465,11 +392,9 @@ def _latency_view(record: RunDocs) -> dict[str, Any]:
     prod_ms = (prod.latencies_ms if prod else None) or None
     candidate_ms = (latency.candidate.latencies_ms if latency.candidate else None) or []
     if candidate_ms:
-        from burstcv.report.charts import latency_histogram
-
-        slo = _slo_ms(record)
+        slo = record.run.params.latency_slo_ms if record.run else None
         histogram = _chart(
-            lambda: latency_histogram(
+            lambda: charts.latency_histogram(
                 candidate_ms,
                 prod_ms,
                 slo_ms=slo,
@@ -479,9 +404,7 @@ def _latency_view(record: RunDocs) -> dict[str, Any]:
         )
     return {
         "missing": None,
-        "measured_at": latency.measured_at,
-        "cpu_count": latency.host.cpu_count,
-        "processor": latency.host.processor,
+        "record": latency,
         "load": _load_line(latency),
         "labels": [label for label, _ in sources],
         "rows": [
@@ -490,7 +413,6 @@ def _latency_view(record: RunDocs) -> dict[str, Any]:
         ],
         "histogram": histogram,
         "production_sampled": bool(prod_ms),
-        "inconclusive": latency.inconclusive,
         "host_load": [
             f"{label}: {_host_load_line(figures.host_load)}"
             for label, figures in sources
@@ -543,21 +465,15 @@ def _fleet_view(record: RunDocs) -> dict[str, Any]:
     sizing = record.sizing
     if sizing is None:
         return {"missing": record.missing["sizing"]}
-    from burstcv.report.charts import sizing_curves
-
+    run_id = record.run.run_id if record.run else None
     chart = None
     if any(p.steps for p in sizing.sizes):
-        chart = _chart(lambda: sizing_curves(sizing.sizes, sizing.latency_slo_ms), "p95 under load")
+        draw = functools.partial(charts.sizing_curves, sizing.sizes, sizing.latency_slo_ms)
+        chart = _chart(draw, "p95 under load")
     return {
         "missing": None,
-        "target_rps": sizing.target_rps,
-        "slo_ms": sizing.latency_slo_ms,
-        "headroom": sizing.headroom,
-        "region": sizing.region,
-        "host_cores": sizing.host_cores,
-        "provenance": _sizing_provenance(sizing, record.run.run_id if record.run else None),
-        "reason": sizing.reason,
-        "chosen": sizing.chosen,
+        "sizing": sizing,
+        "provenance": _sizing_provenance(sizing, run_id),
         "sizes": [
             [
                 str(p.vcpus),
@@ -585,12 +501,8 @@ def _fleet_view(record: RunDocs) -> dict[str, Any]:
             ]
             for o in sizing.options
         ],
-        "unpriced": sizing.unpriced,
         "chart": chart,
-        "boxes": [
-            _box_view(b, sizing.latency_slo_ms, record.run.run_id if record.run else None)
-            for b in sizing.boxes
-        ],
+        "boxes": [_box_view(b, sizing.latency_slo_ms, run_id) for b in sizing.boxes],
         "prices": "{source} (as of {as_of})".format_map(
             {"source": "", "as_of": "?", **sizing.price_source}
         ),
@@ -599,8 +511,6 @@ def _fleet_view(record: RunDocs) -> dict[str, Any]:
 
 def _box_view(box: BoxSizing, slo_ms: float, run_id: str | None) -> dict[str, Any]:
     """Show one type's sizing box: what it measured on its own CPUs, or why it did not."""
-    from burstcv.report.charts import sizing_curves
-
     where = box.instance_id or "no box"
     if box.host is not None:
         where += f", {box.host.processor} ({box.host.machine}, {box.host.cpu_count} vCPU)"
@@ -617,7 +527,8 @@ def _box_view(box: BoxSizing, slo_ms: float, run_id: str | None) -> dict[str, An
             for p in measured
         ),
         "chart": _chart(
-            lambda: sizing_curves(box.sizes, slo_ms), f"p95 under load on {box.instance_type}"
+            lambda: charts.sizing_curves(box.sizes, slo_ms),
+            f"p95 under load on {box.instance_type}",
         )
         if any(p.steps for p in measured)
         else None,
@@ -637,12 +548,8 @@ def _sizing_provenance(sizing: SizingReport, run_id: str | None) -> str | None:
     return " ".join(parts) or None
 
 
-def _slo_ms(record: RunDocs) -> float | None:
-    return record.run.params.latency_slo_ms if record.run else None
-
-
 def _gate_view(
-    record: RunDocs, *, registry_uri: str, model_name: str, serving_url: str
+    record: RunDocs, registry_uri: str, model_name: str, serving_url: str
 ) -> dict[str, Any]:
     """Show the gate's verdict, each check, priced suggestions, and where production points."""
     verdict = record.verdict
@@ -650,8 +557,7 @@ def _gate_view(
         return {"missing": record.missing["verdict"]}
     return {
         "missing": None,
-        "promote": verdict.promote,
-        "version": verdict.version,
+        "verdict": verdict,
         "summary": verdict.summary.removeprefix("not promoted: "),
         "checks": [
             {
@@ -705,12 +611,7 @@ def _registry_view(version: int, registry_uri: str, model_name: str, url: str) -
 
 
 def _cost_view(record: RunDocs) -> dict[str, Any]:
-    """Show the run as resolved (boxes, budget, deadline), its bill, and what serving costs.
-
-    Every figure comes from what the stages recorded with the one cost model: the budget from
-    run.json, the bill from billing.json (every box of every attempt), serving from the
-    sizing's chosen fleet at the run's expected load.
-    """
+    """Show the run as resolved (boxes, budget, deadline), its bill, and what serving costs."""
     run, billing = record.run, record.billing
     view: dict[str, Any] = {
         "billing_missing": record.missing.get("billing"),
@@ -718,16 +619,9 @@ def _cost_view(record: RunDocs) -> dict[str, Any]:
         "serving": _serving_cost_view(record),
     }
     if run is not None:
-        costs, params = run.costs, run.params
-        rate = costs.box_rate
+        rate = run.costs.box_rate
         view.update(
-            trigger=run.trigger,
-            dataset_uri=params.dataset_uri,
-            backend=params.compute_backend,
-            region=costs.region,
-            boxes=costs.boxes,
-            max_cost_usd=costs.max_cost_usd,
-            budget_reason=costs.budget_reason,
+            run=run,
             box_rate=(
                 "a process on the worker: free"
                 if rate.market == "local"
@@ -739,9 +633,8 @@ def _cost_view(record: RunDocs) -> dict[str, Any]:
         )
     if billing is not None:
         view.update(
-            billed_backend=billing.backend,
+            billing=billing,
             billed_seconds=f"{sum(billing.billed_seconds.values()):,.0f}",
-            cost_usd=billing.cost_usd,
             instances=[
                 {
                     "instance_id": inst.instance_id,
@@ -786,30 +679,22 @@ def _cards(record: RunDocs) -> list[tuple[str, str]]:
     validation, metrics, verdict = record.validation, record.metrics, record.verdict
     billing, latency = record.billing, record.latency
     unreached = "skipped" if record.skip else "not reached"
+    p95 = unreached
+    if latency is not None:
+        candidate = latency.candidate
+        p95 = "inconclusive" if candidate is None else fmt(candidate.p95_ms, ".2f", " ms")
+    checks = ("passed" if validation.success else "failed") if validation else unreached
+    gate = ("promote" if verdict.promote else "not promoted") if verdict else unreached
     return [
-        (
-            "Data checks",
-            ("passed" if validation.success else "failed") if validation else unreached,
-        ),
+        ("Data checks", checks),
         ("Validation accuracy", fmt(metrics.val_accuracy, ".4f") if metrics else unreached),
-        (
-            "Candidate p95",
-            unreached
-            if latency is None
-            else "inconclusive"
-            if latency.candidate is None
-            else fmt(latency.candidate.p95_ms, ".2f", " ms"),
-        ),
-        (
-            "Gate",
-            ("promote" if verdict.promote else "not promoted") if verdict else unreached,
-        ),
+        ("Candidate p95", p95),
+        ("Gate", gate),
         ("Run cost", usd(billing.cost_usd) if billing else unreached),
     ]
 
 
-# ---------------------------------------------------------------------------------------------
-# the page
+# --- the page ----------------------------------------------------------------------------------
 
 NAV = (
     ("data", "Data"),
@@ -824,33 +709,28 @@ NAV = (
 def render_html(record: RunDocs, *, registry_uri: str, model_name: str, serving_url: str) -> str:
     """Return the whole report page for a run record."""
     run_key = record.root.rstrip("/").rsplit("/", 1)[-1]
-    airflow_run_id = record.run.run_id if record.run else None
+    # Back to Airflow: the run's page (when run.json names it) and the Models page.
+    run_id = record.run.run_id if record.run else None
+    airflow_run = links.airflow_run_path(run_id) if run_id else None
     return (
         _templates()
         .get_template("report.html.j2")
         .render(
             run_id=run_key,
-            # Back to Airflow: the run's page (when run.json names it) and the Models page.
-            airflow_run_link=links.from_page(
-                run_key, "report", links.airflow_run_path(airflow_run_id)
-            )
-            if airflow_run_id
-            else None,
+            airflow_run_link=airflow_run and links.from_page(run_key, "report", airflow_run),
             models_link=links.from_page(run_key, "report", links.MODELS_PAGE),
             run_root=record.root,
             model_name=model_name,
             generated=datetime.now(UTC).isoformat(timespec="seconds"),
             nav=NAV,
             cards=_cards(record),
-            skip=_skip_view(record),
+            skip=record.skip,
             data=_data_view(record),
             training=_training_view(record),
             model=_model_view(record),
             latency=_latency_view(record),
             fleet=_fleet_view(record),
-            gate=_gate_view(
-                record, registry_uri=registry_uri, model_name=model_name, serving_url=serving_url
-            ),
+            gate=_gate_view(record, registry_uri, model_name, serving_url),
             cost=_cost_view(record),
         )
     )

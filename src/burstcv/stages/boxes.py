@@ -1,0 +1,316 @@
+"""Start, watch, relaunch and end a run's training boxes, and bill them.
+
+Whatever starts a box runs the job.json written here; every box is tagged with the run and
+terminated by that tag.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
+
+from burstcv import lineage
+from burstcv.compute.attempts import (
+    current_attempt,
+    launch_attempt,
+    resumable,
+    training_outcome,
+    wait_ended,
+)
+from burstcv.compute.backends import get_backend
+from burstcv.compute.base import WORKING
+from burstcv.params import job_values
+from burstcv.settings import Settings, get_settings
+from burstcv.stages.resolve import StageError, TrainingFailed, derived, resolved_run, run_layout
+from burstcv_spec import storage
+from burstcv_spec.contracts import (
+    Billing,
+    Launch,
+    Packed,
+    Provisioned,
+    RunRef,
+    Trained,
+    TrainingMetrics,
+    TrainingOutcome,
+    read_artifact,
+    write_artifact,
+)
+
+if TYPE_CHECKING:
+    from burstcv.training.job import JobSpec
+
+
+log = logging.getLogger(__name__)
+
+
+def training_job(
+    run: RunRef,
+    packed: Packed,
+    *,
+    deadline_at: datetime | None = None,
+    settings: Settings | None = None,
+) -> JobSpec:
+    """Return the job.json of a run: the packed shards, its model params as validate chose.
+
+    Every model param reaches the job through ``job_values``: declared once in RunParams.
+    """
+    from burstcv.training.job import JobSpec
+    from burstcv.training.weights import weights_store_uri
+
+    s = settings or get_settings()
+    resolved = resolved_run(run, s)
+    _, training = derived(resolved)
+    return JobSpec(
+        **job_values(resolved.params, training),
+        run_id=run.run_key,
+        classes=packed.classes,
+        train_shards=packed.train_shards,
+        val_shards=packed.val_shards,
+        preprocess=packed.preprocess.model_dump(mode="json"),
+        output_uri=run_layout(run, s).job,
+        weights_store_uri=weights_store_uri(s.artifact_root),
+        time_budget_s=resolved.costs.time_budget_s,
+        deadline_at=deadline_at,
+        source_commit=lineage.source_commit(),
+        dataset_fingerprint=packed.fingerprint,
+    )
+
+
+def provision(
+    run: RunRef,
+    dag_id: str,
+    packed: Packed,
+    settings: Settings | None = None,
+    *,
+    attempt: int = 1,
+) -> Provisioned:
+    """Write job.json and start the training box(es) for this run.
+
+    The run's time budget becomes an absolute deadline here, armed once: a relaunch and a
+    retry of this task (``attempt``, part of the launch's idempotency token) launch against
+    the first try's, so no try gets a fresh budget. Whatever interrupts the launch, a task
+    timeout included, the run's boxes are terminated by tag before the failure goes on.
+    """
+    from burstcv.training.job import write_job
+
+    s = settings or get_settings()
+    paths = run_layout(run, s)
+    resolved = resolved_run(run, s)
+    params, costs = resolved.params, resolved.costs
+    armed = armed_deadline(paths.job_spec, attempt)
+    if armed is not None:
+        left_s = (armed - lineage.utc_now()).total_seconds()
+        if left_s < MIN_TRAINING_LEFT_S:
+            raise StageError(
+                f"the run's time budget is spent: its deadline {armed.isoformat()} (armed by "
+                f"the first try of provision) leaves {max(0.0, left_s):.0f} s; nothing launched"
+            )
+    deadline_at = armed or lineage.utc_now() + timedelta(seconds=costs.time_budget_s)
+    wheel_uri, wheel_sha256, require_cuda = "", "", False
+    if params.compute_backend == "ec2":
+        from burstcv.compute.runtime import stage_training_wheel
+
+        if not storage.is_s3(s.artifact_root):
+            raise StageError(
+                "the ec2 backend needs BURSTCV_ARTIFACT_ROOT=s3://bucket/prefix: the training "
+                f"box reads its job and writes its results there (now {s.artifact_root!r})"
+            )
+        staged = stage_training_wheel(s.artifact_root)
+        wheel_uri, wheel_sha256 = staged.uri, staged.sha256
+        require_cuda = s.ec2.require_gpu
+    job = training_job(run, packed, deadline_at=deadline_at, settings=s).model_copy(
+        update={"require_cuda": require_cuda, "runtime_sha256": wheel_sha256}
+    )
+    job_uri = write_job(job, paths.job_spec)
+    launch = Launch(
+        run=run,
+        dag_id=dag_id,
+        job_uri=job_uri,
+        time_budget_s=costs.time_budget_s,
+        instance_types=list(params.instance_types),
+        use_spot=params.use_spot,
+        count=params.num_nodes,
+        deadline_at=deadline_at,
+        wheel_uri=wheel_uri,
+        wheel_sha256=wheel_sha256,
+        bound_rate=costs.box_rate,
+    )
+    try:
+        ids = launch_attempt(params.compute_backend, launch, paths.job, attempt, s)
+    except BaseException:
+        log.error("provision of run %s failed; terminating whatever it started", run.airflow_run_id)
+        clean_up_provision(run, params.compute_backend, s)
+        raise
+    return Provisioned(
+        run=run,
+        job_uri=job_uri,
+        output_uri=paths.job,
+        instance_ids=ids,
+        backend=params.compute_backend,
+        launch=launch,  # what a retry of the train task needs to start a box again
+    )
+
+
+MIN_TRAINING_LEFT_S = 120.0  # a retry of provision launches only with this much time left
+
+
+def armed_deadline(job_spec_uri: str, attempt: int) -> datetime | None:
+    """Return the deadline an earlier try of provision armed (its job.json), or None on the
+    first try (or when no earlier try got as far as writing it)."""
+    from burstcv.training.job import load_job
+
+    if attempt <= 1 or not storage.exists(job_spec_uri):
+        return None
+    return load_job(job_spec_uri).deadline_at
+
+
+def clean_up_provision(
+    run: RunRef, backend_name: str, settings: Settings | None = None
+) -> list[str]:
+    """Terminate every box tagged with the run after a failed provision; return their ids.
+
+    Airflow runs no teardown for a setup that failed, so the DAG has a clean-up task of its
+    own. A failure here is logged, not raised over the original: the reaper and the AWS-side
+    backstop remain.
+    """
+    try:
+        backend = get_backend(backend_name, settings)
+        return backend.terminate_run(run.run_key)
+    # Broad on purpose: logged; the original failure is what the task reports.
+    except Exception:
+        log.exception(
+            "could not clean up run %s on %s; the reaper will", run.airflow_run_id, backend_name
+        )
+        return []
+
+
+def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
+    """Start the run's next attempt after a lost or interrupted box; return the attempt.
+
+    A running or done attempt keeps its number. A resumable one has its boxes still up
+    terminated, and the new ones start (from the checkpoint) once every earlier box has ended:
+    several boxes hold one placement group. Relaunches are bounded by the run, not the
+    attempt: its deadline, its training budget and BURSTCV_MAX_RELAUNCHES (boxes that keep
+    vanishing are more likely broken than unlucky); past them, or on a final failure,
+    TrainingFailed says why.
+    """
+    s = settings or get_settings()
+    backend_name, run_key = provisioned.backend, provisioned.run.run_key
+    attempt = current_attempt(provisioned.output_uri)
+    outcome = training_outcome(
+        run_key, backend_name, provisioned.output_uri, attempt, s, provisioned.launch.count
+    )
+    if outcome.status in ("running", "done"):
+        return attempt
+    if not resumable(outcome):
+        raise TrainingFailed(outcome.line())
+    backend = get_backend(backend_name, s)
+    instances = backend.describe(run_key)
+    still_up = [i.instance_id for i in instances if i.state in WORKING]
+    if still_up:
+        log.warning(
+            "run %s: attempt %d ended (%s); terminating its boxes still up %s",
+            run_key,
+            attempt,
+            outcome.line(),
+            still_up,
+        )
+        backend.terminate(still_up)
+    launch = provisioned.launch
+    deadline = launch.deadline_at
+    if lineage.utc_now() >= deadline:
+        raise TrainingFailed(
+            f"the run's deadline {deadline.isoformat()} has passed; no relaunch after attempt "
+            f"{attempt} (raise max_cost_usd or time_budget_s for a longer run)"
+        )
+    if attempt > s.max_relaunches:
+        raise TrainingFailed(
+            f"attempt {attempt} ended ({outcome.line()}) and the run has been "
+            f"relaunched {attempt - 1} times, its limit; no relaunch (BURSTCV_MAX_RELAUNCHES)"
+        )
+    from burstcv.compute.billing import record_end, run_bill
+
+    instances = wait_ended(
+        backend, run_key, attempt, s.relaunch_wait_s, deadline, terminated=launch.count > 1
+    )
+    now = lineage.utc_now()
+    record_end(provisioned.output_uri, attempt, instances, now)  # the attempt is over
+    spent = run_bill(provisioned.output_uri, attempt, now, backend=backend_name).cost_usd
+    # The training boxes' share: the sizing boxes' reserve (size_on ec2) is kept for them.
+    budget = resolved_run(provisioned.run, s).costs.training_usd
+    if spent >= budget:
+        raise TrainingFailed(
+            f"the run's boxes have cost ${spent:.2f} of its ${budget:.2f} training budget; "
+            "no relaunch"
+        )
+    ids = launch_attempt(backend_name, launch, provisioned.output_uri, attempt + 1, s)
+    log.warning(
+        "run %s: attempt %d ended (%s); attempt %d on %s resumes from the checkpoint "
+        "(spent so far $%.2f)",
+        run_key,
+        attempt,
+        outcome.reason or outcome.status,
+        attempt + 1,
+        ids,
+        spent,
+    )
+    return attempt + 1
+
+
+def collect_training(
+    run: RunRef, outcome: TrainingOutcome, settings: Settings | None = None
+) -> Trained:
+    """Turn the training outcome into figures, or raise TrainingFailed with the box's reason."""
+    if outcome.status != "done":
+        raise TrainingFailed(outcome.line())
+    return trained(run, settings)
+
+
+def trained(run: RunRef, settings: Settings | None = None) -> Trained:
+    """Return the figures of the run's trained model, from metrics.json."""
+    paths = run_layout(run, settings)
+    metrics = read_artifact(paths.metrics, TrainingMetrics)
+    return Trained(
+        model_uri=paths.weights,
+        metrics_uri=paths.metrics,
+        val_accuracy=metrics.val_accuracy,
+        epochs=len(metrics.epochs),
+        train_wall_s=metrics.train_wall_s,
+        device=metrics.device,
+    )
+
+
+def terminate(run: RunRef, backend_name: str, settings: Settings | None = None) -> Billing:
+    """Terminate every instance tagged with the run and record billed seconds and cost.
+
+    The bill comes from the attempts' launch and end records (``run_bill``), never from
+    DescribeInstances, which forgets terminated instances after about an hour.
+    """
+    from burstcv.compute.billing import record_end, run_bill
+
+    backend = get_backend(backend_name, settings)
+    gone = backend.terminate_run(run.run_key)
+    job_dir = run_layout(run, settings).job
+    last = current_attempt(job_dir)
+    described, now = backend.describe(run.run_key), lineage.utc_now()
+    for attempt in range(1, last + 1):
+        record_end(job_dir, attempt, described, now)
+    bill = run_bill(job_dir, last, now, backend=backend_name, airflow_run_id=run.airflow_run_id)
+    unbilled = sorted(set(gone) - set(bill.billed_seconds))
+    if unbilled:  # launched without a launch record: nothing says what it cost
+        log.warning("no launch record for %s: not in the bill", unbilled)
+    billing = bill.model_copy(
+        update={
+            "instance_ids": bill.instance_ids + unbilled,
+            "terminated_at": lineage.utc_now_iso(),
+        }
+    )
+    write_artifact(run_layout(run, settings).billing, billing)
+    log.info(
+        "terminated %s; billed seconds %s; cost $%.4f",
+        billing.instance_ids,
+        billing.billed_seconds,
+        billing.cost_usd,
+    )
+    return billing
