@@ -38,13 +38,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from airflow.sdk import (
-    Asset,
-    AssetOrTimeSchedule,
-    CronTriggerTimetable,
-    dag,
-    task,
-)
+from airflow.sdk import Asset, AssetOrTimeSchedule, CronTriggerTimetable, dag, task
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from burstcv.airflow.callbacks import log_failure_summary
@@ -52,14 +46,7 @@ from burstcv.airflow.data_stages import SAFE_RETRY, data_stages
 from burstcv.airflow.form import trigger_form
 from burstcv.airflow.operators import WaitForTrainingOperator
 from burstcv.settings import get_settings
-from burstcv_spec.contracts import (
-    Benchmarked,
-    Exported,
-    Packed,
-    Provisioned,
-    RunRef,
-    VerdictRecord,
-)
+from burstcv_spec.contracts import Benchmarked, Exported, Packed, Provisioned, RunRef, VerdictRecord
 
 SETTINGS = get_settings()
 # Updating this Asset (an ingestion job, or POST /api/v2/assets/events with
@@ -70,18 +57,13 @@ DATASET = Asset(
 )
 
 
+# Stage results travel through XCom as JSON, rebuilt and validated (Model.model_validate) by the
+# task that receives them. The run's params are resolved once, by plan_scan (run.json).
 def _run(run_id: str | None) -> RunRef:
     return RunRef.of(str(run_id))
 
 
-# Stage results travel through XCom as JSON (model_dump(mode="json")) and are rebuilt, and
-# validated, with Model.model_validate by the task that receives them. The run's params are
-# resolved once, by plan_scan (run.json); no later task reads the trigger's params.
-
-
-# Retried: a failed try terminated what it started, and a retry launches against the
-# deadline the first try armed (no second time budget, no second bill). What a retry
-# cannot fix (a setting, a spent budget) fails at once.
+# Retried: a failed try terminated what it started (no second bill).
 @task(
     execution_timeout=timedelta(minutes=15),
     pool=SETTINGS.gpu_pool,
@@ -98,13 +80,10 @@ def provision(
     """
     from burstcv.stages import boxes
 
+    attempt = int(getattr(ti, "try_number", 1) or 1)
     try:
         return boxes.provision(
-            _run(run_id),
-            dag.dag_id,
-            Packed.model_validate(packed),
-            SETTINGS,
-            attempt=int(getattr(ti, "try_number", 1) or 1),
+            _run(run_id), dag.dag_id, Packed.model_validate(packed), SETTINGS, attempt=attempt
         ).model_dump(mode="json")
     except boxes.StageError as exc:
         raise AirflowFailException(str(exc)) from exc  # retrying cannot fix it
@@ -170,10 +149,7 @@ def gate(
     from burstcv.stages import gate as stage
 
     return stage.gate(
-        _run(run_id),
-        Exported.model_validate(exported),
-        Benchmarked.model_validate(bench),
-        SETTINGS,
+        _run(run_id), Exported.model_validate(exported), Benchmarked.model_validate(bench), SETTINGS
     ).model_dump(mode="json")
 
 

@@ -1,10 +1,6 @@
-"""Benchmark a candidate: size its CPU fleet, then measure its latency beside production.
-
-Three plain steps, each a function: ``size_fleet`` (``burstcv.stages.sizing``: the host or
-boxes of their own), ``measure_latency`` (both models through staging copies of the real
-service, side by side, under one open-loop load) and ``score`` (accuracy on the validation
-shards). The gate stage judges what they wrote.
-"""
+"""Benchmark a candidate: size its CPU fleet (``burstcv.stages.sizing``), measure its latency
+beside production's through staging copies of the real service under one open-loop load, and
+``score`` its accuracy on the validation shards. The gate stage judges what they wrote."""
 
 from __future__ import annotations
 
@@ -46,18 +42,6 @@ log = logging.getLogger(__name__)
 
 class GateInconclusive(RuntimeError):
     """The host stayed busy: nothing was judged, and the task fails to be retried later."""
-
-
-def busy_limits(s: Settings) -> BusyLimits:
-    """Return the interference limits this deployment measures under (``BURSTCV_BENCH_*``)."""
-    from burstcv.gate.interference import BusyLimits
-
-    return BusyLimits(
-        others_share=s.bench_busy_share,
-        slowdown=s.bench_busy_slowdown,
-        attempts=s.bench_attempts,
-        backoff_s=s.bench_busy_backoff_s,
-    )
 
 
 @dataclasses.dataclass
@@ -116,12 +100,9 @@ class LatencyLog:
 
 
 def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
-    """Size the candidate's fleet, then measure it beside production (latency.json).
-
-    The requests are validated images of the run's manifest. A host busy through every
-    attempt makes the benchmark inconclusive (:class:`GateInconclusive`), never a rejection.
-    """
-    from burstcv.gate.interference import QuietFigure
+    """Size the candidate's fleet, then measure it beside production (latency.json); a host
+    busy through every attempt makes it inconclusive (GateInconclusive), never a rejection."""
+    from burstcv.gate.interference import BusyLimits, QuietFigure
     from burstcv.gate.latency import materialise_model
     from burstcv.registry.registry import PRODUCTION, Registry
     from burstcv.training.job import load_job
@@ -135,7 +116,13 @@ def benchmark(run: RunRef, settings: Settings | None = None) -> Benchmarked:
     registry = Registry(s.registry_uri, s.model_name)
     prod_alias = registry.get_alias(PRODUCTION)
     latency = LatencyLog(paths.latency, HostInfo.model_validate(lineage.host_description()))
-    limits, quiet = busy_limits(s), QuietFigure(Path(s.home) / "bench" / "calibration.json")
+    limits = BusyLimits(
+        others_share=s.bench_busy_share,
+        slowdown=s.bench_busy_slowdown,
+        attempts=s.bench_attempts,
+        backoff_s=s.bench_busy_backoff_s,
+    )
+    quiet = QuietFigure(Path(s.home) / "bench" / "calibration.json")
     with tempfile.TemporaryDirectory() as tmp:
         with latency.step("sizing_s"):
             models = {"candidate": materialise_model(paths.model, Path(tmp) / "candidate")}
@@ -224,10 +211,9 @@ def measure_latency(
     with contextlib.ExitStack() as services:
         urls, pids = {}, []
         for label, folder in models.items():
-            url, proc = services.enter_context(
+            urls[label], proc = services.enter_context(
                 staging_process(str(folder), cpus=place.service, queue_delay_target_ms=slo_ms)
             )
-            urls[label] = url
             pids.append(proc.pid)
 
         def load() -> dict[str, BenchFigures]:

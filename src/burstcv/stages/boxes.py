@@ -1,8 +1,5 @@
-"""Start, watch, relaunch and end a run's training boxes, and bill them.
-
-Whatever starts a box runs the job.json written here; every box is tagged with the run and
-terminated by that tag.
-"""
+"""Start, watch, relaunch and end a run's training boxes, and bill them: every box is tagged
+with the run and terminated by that tag."""
 
 from __future__ import annotations
 
@@ -40,7 +37,6 @@ from burstcv_spec.contracts import (
 if TYPE_CHECKING:
     from burstcv.training.job import JobSpec
 
-
 log = logging.getLogger(__name__)
 
 
@@ -51,10 +47,7 @@ def training_job(
     deadline_at: datetime | None = None,
     settings: Settings | None = None,
 ) -> JobSpec:
-    """Return the job.json of a run: the packed shards, its model params as validate chose.
-
-    Every model param reaches the job through ``job_values``: declared once in RunParams.
-    """
+    """Return the job.json of a run: the packed shards, its model params as validate chose."""
     from burstcv.training.job import JobSpec
     from burstcv.training.weights import weights_store_uri
 
@@ -78,20 +71,13 @@ def training_job(
 
 
 def provision(
-    run: RunRef,
-    dag_id: str,
-    packed: Packed,
-    settings: Settings | None = None,
-    *,
-    attempt: int = 1,
+    run: RunRef, dag_id: str, packed: Packed, settings: Settings | None = None, *, attempt: int = 1
 ) -> Provisioned:
     """Write job.json and start the training box(es) for this run.
 
-    The run's time budget becomes an absolute deadline here, armed once: a relaunch and a
-    retry of this task (``attempt``, part of the launch's idempotency token) launch against
-    the first try's, so no try gets a fresh budget. Whatever interrupts the launch, a task
-    timeout included, the run's boxes are terminated by tag before the failure goes on.
-    """
+    The time budget becomes a deadline armed once: a relaunch or a retry (``attempt``, part of
+    the launch's idempotency token) launches against the first try's, so no try gets a fresh
+    budget. Whatever interrupts the launch (a timeout too), the run's boxes are terminated."""
     from burstcv.training.job import write_job
 
     s = settings or get_settings()
@@ -156,8 +142,7 @@ MIN_TRAINING_LEFT_S = 120.0  # a retry of provision launches only with this much
 
 
 def armed_deadline(job_spec_uri: str, attempt: int) -> datetime | None:
-    """Return the deadline an earlier try of provision armed (its job.json), or None on the
-    first try (or when no earlier try got as far as writing it)."""
+    """Return the deadline an earlier try of provision armed in its job.json, or None."""
     from burstcv.training.job import load_job
 
     if attempt <= 1 or not storage.exists(job_spec_uri):
@@ -168,16 +153,12 @@ def armed_deadline(job_spec_uri: str, attempt: int) -> datetime | None:
 def clean_up_provision(
     run: RunRef, backend_name: str, settings: Settings | None = None
 ) -> list[str]:
-    """Terminate every box tagged with the run after a failed provision; return their ids.
-
-    Airflow runs no teardown for a setup that failed, so the DAG has a clean-up task of its
-    own. A failure here is logged, not raised over the original: the reaper and the AWS-side
-    backstop remain.
-    """
+    """Terminate every box tagged with the run after a failed provision; return their ids
+    (Airflow runs no teardown for a setup that failed)."""
     try:
-        backend = get_backend(backend_name, settings)
-        return backend.terminate_run(run.run_key)
-    # Broad on purpose: logged; the original failure is what the task reports.
+        return get_backend(backend_name, settings).terminate_run(run.run_key)
+    # Broad on purpose: logged, not raised over the original failure (which the task reports);
+    # the reaper and the AWS-side backstop remain.
     except Exception:
         log.exception(
             "could not clean up run %s on %s; the reaper will", run.airflow_run_id, backend_name
@@ -188,13 +169,9 @@ def clean_up_provision(
 def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
     """Start the run's next attempt after a lost or interrupted box; return the attempt.
 
-    A running or done attempt keeps its number. A resumable one has its boxes still up
-    terminated, and the new ones start (from the checkpoint) once every earlier box has ended:
-    several boxes hold one placement group. Relaunches are bounded by the run, not the
-    attempt: its deadline, its training budget and BURSTCV_MAX_RELAUNCHES (boxes that keep
-    vanishing are more likely broken than unlucky); past them, or on a final failure,
-    TrainingFailed says why.
-    """
+    The new boxes start from the checkpoint once every earlier box has ended (several boxes hold
+    one placement group), within the run's deadline, training budget and BURSTCV_MAX_RELAUNCHES
+    (boxes that keep vanishing are more likely broken than unlucky)."""
     s = settings or get_settings()
     backend_name, run_key = provisioned.backend, provisioned.run.run_key
     attempt = current_attempt(provisioned.output_uri)
@@ -206,8 +183,7 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
     if not resumable(outcome):
         raise TrainingFailed(outcome.line())
     backend = get_backend(backend_name, s)
-    instances = backend.describe(run_key)
-    still_up = [i.instance_id for i in instances if i.state in WORKING]
+    still_up = [i.instance_id for i in backend.describe(run_key) if i.state in WORKING]
     if still_up:
         log.warning(
             "run %s: attempt %d ended (%s); terminating its boxes still up %s",
@@ -282,11 +258,8 @@ def trained(run: RunRef, settings: Settings | None = None) -> Trained:
 
 
 def terminate(run: RunRef, backend_name: str, settings: Settings | None = None) -> Billing:
-    """Terminate every instance tagged with the run and record billed seconds and cost.
-
-    The bill comes from the attempts' launch and end records (``run_bill``), never from
-    DescribeInstances, which forgets terminated instances after about an hour.
-    """
+    """Terminate every instance tagged with the run and bill it from the attempts' launch and
+    end records, never from DescribeInstances (it forgets terminated instances in an hour)."""
     from burstcv.compute.billing import record_end, run_bill
 
     backend = get_backend(backend_name, settings)

@@ -1,8 +1,6 @@
 """List, scan, validate and pack a run's dataset: the stages that run before anything is rented.
 
-Scanning and packing are cut into chunks (the DAG maps a task over each); the checks run once
-over the joined manifest.
-"""
+Scanning and packing are cut into chunks (the DAG maps a task over each)."""
 
 from __future__ import annotations
 
@@ -38,11 +36,9 @@ from burstcv_spec.contracts import (
     read_artifact,
     write_artifact,
 )
-from burstcv_spec.preprocess import PreprocessSpec
 
 if TYPE_CHECKING:
     from burstcv.data.pack import ShardOrder
-
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +92,7 @@ def map_limit() -> int:
 
 
 def worker_task_slots() -> int:
-    """Return the task slots of this Airflow worker: a CeleryExecutor's worker_concurrency,
-    else 1 (this process is the only task the count is for)."""
+    """Return this Airflow worker's task slots: a CeleryExecutor's worker_concurrency, else 1."""
     try:
         from airflow.configuration import conf
 
@@ -120,10 +115,8 @@ def task_processes(settings: Settings) -> int:
 
 
 def scan_chunk(run: RunRef, chunk: DataChunk, settings: Settings | None = None) -> int:
-    """Scan one chunk of the run's listing into its manifest part; return its files.
-
-    Its pool takes the CPUs of one task slot, so a worker's slots do not oversubscribe it.
-    """
+    """Scan one chunk of the run's listing into its manifest part; return its files. Its pool
+    takes the CPUs of one task slot, so a worker's slots do not oversubscribe it."""
     from burstcv.data.chunks import scan_chunk as scan_dataset_chunk
 
     s = settings or get_settings()
@@ -140,10 +133,8 @@ def validate(
     run: RunRef, settings: Settings | None = None, *, params: RunParams | None = None
 ) -> Validated:
     """Run the dataset checks; raise ValidationFailed naming the failed checks and files.
-
-    With ``params`` (the command line), the run is resolved and scanned here first. What is
-    derived from the data that passed (the image size, the recipe) is added to run.json.
-    """
+    With ``params`` (the command line), the run is resolved and scanned here first; the image
+    size and recipe derived from the data that passed are added to run.json."""
     from burstcv.data.chunks import join_scan
     from burstcv.data.validate import DatasetUnusableError, summary, validate_scanned
 
@@ -211,19 +202,9 @@ def shard_order(resolved: ResolvedRun, validated: Validated) -> ShardOrder:
     )
 
 
-def _stored_spec(resolved: ResolvedRun) -> PreprocessSpec:
-    """Return how the shards store each image: validate's size, with the margin for photos
-    (as ``shard_order`` stores them)."""
-    from burstcv_spec.preprocess import margin_spec
-
-    size, _ = derived(resolved)
-    return margin_spec(size.spec()) if size.resize_short is not None else size.spec()
-
-
 def plan_pack(run: RunRef, validated: Validated, settings: Settings | None = None) -> PackPlan:
     """Cut the validated images' shards into chunks (``chunk_files``, ``chunk_mb``) of whole
-    shards: each shard is the one a one-pass pack writes, whichever task writes it.
-    """
+    shards: each shard is the one a one-pass pack writes, whichever task writes it."""
     from burstcv.data.chunks import MB, chunk_cap, data_chunks, ranges_within
     from burstcv.data.pack import choose_format, shard_rows
 
@@ -260,23 +241,20 @@ def pack_chunk(
 ) -> PackedPart:
     """Decode one chunk's shards and write them, and the chunk's part record."""
     from burstcv.data.pack import pack_shards, read_shard_rows
+    from burstcv_spec.preprocess import margin_spec
 
     paths = run_layout(run, settings)
     plan = read_artifact(paths.pack_plan, PackPlan)
     resolved = resolved_run(run, settings)
     if chunk.listing_uri:  # the chunk's own images, from the plan
         shards = read_shard_rows(storage.read_bytes(chunk.listing_uri))
-        spec = _stored_spec(resolved)
+        size, _ = derived(resolved)  # stored as shard_order stores them: photos with a margin
+        spec = margin_spec(size.spec()) if size.resize_short is not None else size.spec()
     else:  # a plan from before them: the whole manifest, ordered again
         order = shard_order(resolved, validated)
         shards, spec = [order.shard(n) for n in range(chunk.start, chunk.stop)], order.spec
     part = pack_shards(
-        shards,
-        spec,
-        plan.classes,
-        paths.shards,
-        index=chunk.index,
-        shard_format=plan.shard_format,
+        shards, spec, plan.classes, paths.shards, index=chunk.index, shard_format=plan.shard_format
     )
     write_artifact(chunk.part_uri, part)
     log.info(
@@ -293,10 +271,8 @@ def pack(
     packed_chunks: bool = False,
 ) -> Packed:
     """Join the packed chunks into the run's shards and fix the preprocessing spec.
-
     Photos are stored with the margin training's random crops draw from (the centre is
-    the eval transform). ``packed_chunks``: the DAG's mapped tasks packed them already.
-    """
+    the eval transform). ``packed_chunks``: the DAG's mapped tasks packed them already."""
     from burstcv.data.pack import join_parts
     from burstcv.training.weights import normalization
 

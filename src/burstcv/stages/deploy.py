@@ -29,11 +29,8 @@ def deploy(run: RunRef, verdict: VerdictRecord, settings: Settings | None = None
 
 
 def deploy_skip_reason(verdict: VerdictRecord, *, promote: bool) -> str | None:
-    """Return why deploy does not run (the failed checks with their figures), or None.
-
-    ``promote`` is the run's param. The line is logged here, at INFO, so the deploy task's
-    own log says why it skipped.
-    """
+    """Return why deploy does not run (the failed checks with their figures), or None; logged
+    here, so the deploy task's own log says why it skipped. ``promote`` is the run's param."""
     version = verdict.version
     if not verdict.promote:
         figures = verdict.failed_figures

@@ -20,9 +20,7 @@ def export(
 ) -> Exported:
     """Export the run's trained weights to ONNX, proven equal to torch on real validation images.
 
-    Everything comes from the run's folder; ``overrides`` are export params to use instead
-    (``burstcv export``).
-    """
+    ``overrides`` are export params to use instead of the run's (``burstcv export``)."""
     from burstcv.export.onnx_export import export_model
     from burstcv.training.job import load_job
 

@@ -24,7 +24,6 @@ from burstcv_spec.layout import MODEL_CARD
 if TYPE_CHECKING:
     from burstcv.registry.registry import Registry
 
-
 log = logging.getLogger(__name__)
 
 
@@ -41,11 +40,8 @@ def capacity_rps(sizing: SizingReport | None, vcpus: int | None) -> float | None
 def gate(
     run: RunRef, exported: Exported, bench: Benchmarked, settings: Settings | None = None
 ) -> VerdictRecord:
-    """Judge the candidate, register it (promotable or rejected), and return the verdict.
-
-    The registry entry records the run as resolved: its params (the dataset an asset event
-    named among them) and, in the lineage, the dataset the model was trained on.
-    """
+    """Judge the candidate, register it (promotable or rejected) with the run's params as
+    resolved (the dataset an asset event named among them), and return the verdict."""
     from burstcv.gate.gate import GateThresholds, ServingContext, check_lines, judge
     from burstcv.registry.registry import Registry
 
@@ -111,8 +107,7 @@ RECENT_VERSIONS = 10
 
 
 def _registered_by(registry: Registry, card: ModelCard) -> VerdictRecord | None:
-    """Return the verdict of a version this run already registered from this very model
-    file (same run, same sha256), among the newest versions, or None."""
+    """Return the verdict this run registered for this very model file (same sha256), or None."""
     for version in reversed(registry.versions()[-RECENT_VERSIONS:]):
         entry = registry.entry(version)
         if entry.lineage.run_id == card.run_id and entry.sha256 == card.sha256 and entry.gate:

@@ -1,9 +1,6 @@
 """Resolve a run once (run.json) and decide what it trains: the params, prices and budget
 first, then what validate derives from the data, and whether production already is this model.
-
-Every stage module reads the run through ``resolved_run``; the errors here are the one-line
-reasons a failed stage reports.
-"""
+Every stage reads the run through ``resolved_run``; a failed stage reports an error from here."""
 
 from __future__ import annotations
 
@@ -52,11 +49,8 @@ def run_layout(run: RunRef | str, settings: Settings | None = None) -> RunLayout
 def resolve_run(
     run: RunRef, params: RunParams, settings: Settings | None = None, *, trigger: str = "cli"
 ) -> ResolvedRun:
-    """Resolve the run once and write it to run.json: its params, prices and budget.
-
-    A run that cannot be had or priced fails here (ValidationFailed), before anything is
-    rented.
-    """
+    """Resolve the run once and write it to run.json (params, prices, budget); one that cannot
+    be had or priced fails here (ValidationFailed), before anything is rented."""
     s = settings or get_settings()
     try:
         params.check_compute()
@@ -96,10 +90,8 @@ def choose_training(
     params: RunParams, *, train_images: int, photos: bool, settings: Settings | None = None
 ) -> TrainingChoice:
     """Return how the run will train: its explicit values, the rest derived from the data.
-
     ``pretrained=auto`` fetches the model's ImageNet weights for photos, or trains from
-    scratch with a warning. Raises ValueError when the weights cannot seed the model.
-    """
+    scratch with a warning. Raises ValueError when the weights cannot seed the model."""
     from burstcv.training.names import MODEL_AUTO, pretrained_kind
     from burstcv.training.recipe import RecipeRequest, choose_recipe
 
@@ -166,10 +158,8 @@ def _auto_choices(training: TrainingChoice | None) -> dict[str, Any]:
 
 def _as_chosen(name: str, value: Any, chosen: dict[str, Any]) -> Any:
     """Return ``value`` as the run trains it: auto (empty, or "auto") is what validate chose.
-
-    The same data and the same other params make the same choice, so a run on auto and a
-    recorded run that named the value auto chose are one choice, either way round.
-    """
+    The same data and other params make the same choice, so a run on auto and a recorded run
+    that named the value auto chose are one choice, either way round."""
     if name in chosen and (value is None or value == "auto"):
         return chosen[name]
     return value
@@ -180,10 +170,8 @@ def nothing_new_to_train(
 ) -> str | None:
     """Return why this run need not train (it would remake production), or None to train.
 
-    Production was made from the same validated data with the same params that matter
-    (``TRAINING_PARAMS``, ``EXPORT_PARAMS``, the eval transform). The reason goes to
-    skip.json; ``force_train``, or a production without recorded params, always trains.
-    """
+    It would when production was made from the same validated data and params that matter
+    (``TRAINING_PARAMS``, ``EXPORT_PARAMS``, the eval transform). ``force_train`` always trains."""
     from burstcv.registry.registry import PRODUCTION, Registry
 
     s = settings or get_settings()
@@ -248,8 +236,7 @@ def _differing(
     preprocess: PreprocessBlock,
     s: Settings,
 ) -> list[str]:
-    """Return the params that matter (and the image size) in which this run differs from
-    production's ``recorded`` ones."""
+    """Return the params that matter (and the image size) that differ from production's."""
     mine = resolved.params.model_dump(mode="json")
     # A param production's record lacks (added since) had its default then.
     defaults = RunParams.defaults(s)
@@ -260,10 +247,7 @@ def _differing(
         if _as_chosen(k, recorded.get(k, defaults.get(k)), chosen)
         != _as_chosen(k, mine.get(k), chosen)
     ]
-    if (preprocess.height, preprocess.width, preprocess.resize_short) != (
-        size.px,
-        size.px,
-        size.resize_short,
-    ):
+    stored = (preprocess.height, preprocess.width, preprocess.resize_short)
+    if stored != (size.px, size.px, size.resize_short):
         differing.append("image size")
     return differing

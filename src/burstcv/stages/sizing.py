@@ -1,10 +1,6 @@
 """Size a candidate's CPU fleet for the run's expected load: on this host, or (size_on ec2)
-on short-lived boxes of the cheapest candidate types as well.
-
-``size_fleet`` is the one door: the benchmark stage calls it and gets a SizingReport, however
-the sizes were had (measured here, reused from an earlier run of the same speed key, or
-measured on boxes of their own).
-"""
+on short-lived boxes of the cheapest candidate types as well. ``size_fleet`` is the one door,
+however the sizes were had (measured here, reused by speed key, or measured on boxes)."""
 
 from __future__ import annotations
 
@@ -34,17 +30,13 @@ from burstcv_spec.layout import MODEL_CARD
 if TYPE_CHECKING:
     from burstcv.gate.interference import BusyLimits, QuietFigure
 
-
 log = logging.getLogger(__name__)
-
-
-# What a fleet chosen again from earlier sizes keeps of the report that measured them.
-_PROVENANCE = ("host_load", "speed_key", "measured_in")
 
 
 def _with_provenance(report: SizingReport, measured: SizingReport) -> SizingReport:
     """Return ``report`` marked as resting on the sizes ``measured`` records."""
-    return report.model_copy(update={k: getattr(measured, k) for k in _PROVENANCE})
+    kept = ("host_load", "speed_key", "measured_in")
+    return report.model_copy(update={k: getattr(measured, k) for k in kept})
 
 
 def size_fleet(
@@ -58,11 +50,8 @@ def size_fleet(
     limits: BusyLimits,
     quiet: QuietFigure,
 ) -> SizingReport:
-    """Size the candidate's CPU fleet (sizing.json's content): on this host, then on boxes.
-
-    The host's sizes are measured where nothing competes, or reused from a model of the same
-    speed key; HostBusyError (sizing.json marked busy) when the host stayed busy.
-    """
+    """Size the candidate's CPU fleet (sizing.json's content): on this host, then on boxes;
+    HostBusyError (sizing.json marked busy) when the host stayed busy through every attempt."""
     from burstcv.gate.interference import HostBusyError, measure_quietly
     from burstcv.gate.sizing import SizesMemo, sizing_placement, speed_key
 
@@ -116,11 +105,8 @@ def _size_on_host(
     s: Settings,
     earlier: SizingReport | None = None,
 ) -> SizingReport:
-    """Size the fleet from this host's figures (``burstcv.gate.sizing``).
-
-    ``earlier``: sizes measured before under the same speed key: the fleet is chosen from
-    them, at this run's load and prices, without measuring.
-    """
+    """Size the fleet from this host's figures, or choose it from ``earlier`` sizes (same speed
+    key) at this run's load and prices, without measuring."""
     from burstcv.gate.sizing import recommend, size_model
 
     params, costs = resolved.params, resolved.costs
@@ -286,10 +272,8 @@ def _box_memo(s: Settings, keys: dict[str, str]) -> dict[str, BoxSizing]:
 
 def bill_sizing_boxes(run: RunRef, settings: Settings | None = None) -> Billing | None:
     """Add the run's sizing boxes to its bill (billing.json; teardown wrote it before them).
-
-    A box billed before (a benchmark tried again) is replaced by its latest bill, never
-    counted twice. None when the run launched no sizing box.
-    """
+    A box billed before (a benchmark tried again) is replaced by its latest bill, never counted
+    twice. None when the run launched no sizing box."""
     from burstcv.compute.sizing_boxes import bill_sizing
 
     s = settings or get_settings()
@@ -299,21 +283,20 @@ def bill_sizing_boxes(run: RunRef, settings: Settings | None = None) -> Billing 
         return None
     sized = [i for b in bills for i in b.instances]
     ids = {i.instance_id for i in sized}
-    base = read_artifact(paths.billing, Billing) if storage.exists(paths.billing) else None
-    kept = [i for i in base.instances if i.instance_id not in ids] if base else []
-    instances = kept + sized
-    seconds = {k: v for k, v in (base.billed_seconds if base else {}).items() if k not in ids}
+    base = Billing(instance_ids=[], billed_seconds={}, cost_usd=0.0, backend="ec2", instances=[])
+    if storage.exists(paths.billing):  # teardown's bill of the training boxes
+        base = read_artifact(paths.billing, Billing)
+    seconds = {k: v for k, v in base.billed_seconds.items() if k not in ids}
     for b in bills:
         seconds.update(b.billed_seconds)
+    replaced = sum(i.cost_usd or 0.0 for i in base.instances if i.instance_id in ids)
     billing = Billing(
-        instance_ids=[i for i in (base.instance_ids if base else []) if i not in ids]
+        instance_ids=[i for i in base.instance_ids if i not in ids]
         + [i.instance_id for i in sized],
         billed_seconds=seconds,
-        cost_usd=(base.cost_usd if base else 0.0)
-        - sum(i.cost_usd or 0.0 for i in (base.instances if base else []) if i.instance_id in ids)
-        + sum(b.cost_usd for b in bills),
-        backend=base.backend if base else "ec2",
-        instances=instances,
+        cost_usd=base.cost_usd - replaced + sum(b.cost_usd for b in bills),
+        backend=base.backend,
+        instances=[i for i in base.instances if i.instance_id not in ids] + sized,
         terminated_at=lineage.utc_now_iso(),
     )
     write_artifact(paths.billing, billing)
