@@ -1,9 +1,8 @@
 """Resolve a run's costs once, at its first task: the prices where it runs and its budget.
 
-The watchdog is armed from the run's deadline, so the time budget bounds the bill. The serving
-fleet's CPU types are priced here too: a price nobody has is known before anything is rented,
-and the fleet is then reported unpriced rather than the model rejected. A run that sizes on EC2
-first sets aside what its sizing boxes can cost at most; the training boxes get the rest.
+The watchdog is armed from the run's deadline, so the time budget bounds the bill. Serving CPU
+types are priced here too, so a missing price is known before anything is rented (the fleet is
+reported unpriced, the model not rejected). EC2 sizing boxes' worst cost is set aside first.
 """
 
 from __future__ import annotations
@@ -126,11 +125,8 @@ def resolve_costs(params: RunParams, settings: Settings) -> RunCosts:
     region = settings.ec2.region
     rate = worst_box_rate(params, settings, sources)
     # An EC2 box outlives the deadline by at most the watchdog's margin (its expiry).
-    margin_s = (
-        outlives_deadline_s(settings.ec2.watchdog_margin_min)
-        if params.compute_backend == "ec2"
-        else 0
-    )
+    on_ec2 = params.compute_backend == "ec2"
+    margin_s = outlives_deadline_s(settings.ec2.watchdog_margin_min) if on_ec2 else 0
     sizing = sizing_budget(params, settings, region, sources)
     reserve_usd = sizing.reserve_usd if sizing else 0.0
     training_usd = params.max_cost_usd - reserve_usd

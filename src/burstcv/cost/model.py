@@ -76,7 +76,6 @@ def box_cost(box: BoxBill, now: datetime) -> BoxCost:
 
 
 def run_cost(attempts: Iterable[AttemptBill], now: datetime) -> float:
-    """Return what a run's boxes cost: every box of every attempt, up to its end (or now)."""
     return sum(box_cost(box, now).usd for attempt in attempts for box in attempt.boxes)
 
 

@@ -45,7 +45,6 @@ class PriceListEndpoints:
         return self._clients[region]
 
     def get_products(self, **kwargs: Any) -> Any:
-        """Return GetProducts' answer from the first endpoint that gives one."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         last: Exception | None = None
@@ -74,7 +73,6 @@ class UnknownPriceError(ValueError):
 
 
 def price_table_path() -> Path:
-    """Return the price table in use: ``$BURSTCV_PRICE_TABLE`` if set, else the packaged one."""
     override = os.environ.get(PRICE_TABLE_ENV)
     return Path(override) if override else PACKAGED_TABLE
 
@@ -89,7 +87,6 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 def load_price_table(path: Path | None = None) -> dict[str, Any]:
-    """Return the parsed price table (cached per path)."""
     return _load(path or price_table_path())
 
 
@@ -140,7 +137,6 @@ def instance_arch(instance_type: str, path: Path | None = None) -> str:
 
 
 def normal_arch(machine: str) -> str:
-    """Return EC2's name for a ``platform.machine()`` architecture (aarch64 is arm64)."""
     name = machine.lower()
     return {"aarch64": "arm64", "amd64": "x86_64"}.get(name, name)
 

@@ -68,7 +68,6 @@ def aws_price_sources(ec2: Ec2Settings, artifact_root: str) -> PriceSources:
 
 
 def quote_uri(artifact_root: str, instance_type: str, region: str, market: str, zone: str) -> str:
-    """Return where one quote is cached in the artifact store."""
     name = f"{market}-{zone}.json" if zone else f"{market}.json"
     return storage.join(artifact_root, "prices", region, instance_type, name)
 
@@ -83,8 +82,7 @@ def quote(
     now: datetime | None = None,
 ) -> PriceQuote | None:
     """Return the hourly price of one instance type and market, or None if nobody knows it;
-    without ``zone``, a spot quote is the highest of the region's (a bound, for a box not yet
-    placed)."""
+    without ``zone``, a spot quote is the region's highest (a bound, for a box not yet placed)."""
     now = now or datetime.now(UTC)
     uri = quote_uri(sources.artifact_root, instance_type, region, market, zone)
     cached = _cached(uri)

@@ -1,8 +1,5 @@
-"""Decide whether a candidate may replace production: SLO, errors, accuracy, no regression.
-
-A candidate that misses the latency SLO also gets priced suggestions (INT8, a smaller
-architecture, a larger CPU instance, GPU serving), each with its estimate's assumption.
-"""
+"""Decide whether a candidate may replace production: SLO, errors, accuracy, no regression;
+a latency miss also gets priced suggestions, each with its estimate's assumption."""
 
 from __future__ import annotations
 
@@ -24,13 +21,9 @@ from burstcv_spec.contracts import (
 DEFAULT_SERVING_INSTANCE = "c7i.large"
 DEFAULT_SERVING_REGION = "us-east-1"
 
-# vCPUs per instance type: the price table's CPU types, and the one-GPU types (AWS's figures).
-VCPUS: dict[str, int] = {
-    **{name: vcpus for name, (vcpus, _) in instance_shapes().items()},
-    "g4dn.xlarge": 4,
-    "g5.xlarge": 4,
-    "g6.xlarge": 4,
-}
+# vCPUs per instance type: the price table's CPU types, and the one-GPU types (AWS: 4 each).
+VCPUS: dict[str, int] = {name: vcpus for name, (vcpus, _) in instance_shapes().items()}
+VCPUS.update(dict.fromkeys(GPU_SERVING_TYPES, 4))
 CPU_UPGRADES: tuple[str, ...] = ("c7i.xlarge", "c7i.2xlarge")  # larger CPU types, smallest first
 
 # onnxruntime's CPU time per image (ms; median at batch 1, one intra-op thread; bench/arch_cpu.py
@@ -70,8 +63,6 @@ GPU_COMPUTE_MS = 1.0  # a small CNN at batch 1 on one data-centre GPU, copies in
 
 @dataclass
 class GateThresholds:
-    """Hold the limits a candidate must meet."""
-
     latency_slo_ms: float  # p95 over HTTP, one image per request
     accuracy_floor: float  # validation top-1
     max_accuracy_drop: float  # against production on the same validation split
@@ -119,13 +110,11 @@ def verdict_of(checks: list[GateCheck], suggestions: list[Suggestion]) -> GateVe
 
 
 def check_lines(verdict: GateVerdict) -> list[str]:
-    """Return a line per check (observed vs limit, passed or failed) and the verdict."""
     lines = [
         f"gate check {c.name}: {describe_check(c)}: {'passed' if c.passed else 'FAILED'}"
         for c in verdict.checks
     ]
-    lines.append(f"gate verdict: {verdict.summary}")
-    return lines
+    return [*lines, f"gate verdict: {verdict.summary}"]
 
 
 # How each check reads as "<observed> <op> <limit>": (what, limit's name, format, unit).
@@ -184,16 +173,11 @@ def judge(
     if limits.max_latency_increase is not None and production is not None:
         p95, prod_p95 = candidate.p95_ms, production.p95_ms
         ceiling = prod_p95 * (1.0 + limits.max_latency_increase)
-        checks.append(
-            _check(
-                "no_latency_regression",
-                p95 <= ceiling,
-                p95,
-                ceiling,
-                f"p95 {p95:.2f} ms is {p95 / prod_p95:.1f}x production v{production.version}"
-                f"'s {prod_p95:.2f} ms; at most +{limits.max_latency_increase:.0%} allowed",
-            )
+        why = (
+            f"p95 {p95:.2f} ms is {p95 / prod_p95:.1f}x production v{production.version}"
+            f"'s {prod_p95:.2f} ms; at most +{limits.max_latency_increase:.0%} allowed"
         )
+        checks.append(_check("no_latency_regression", p95 <= ceiling, p95, ceiling, why))
     if sizing is not None:
         best = max((p.sustainable_rps for p in sizing.sizes if p.measured), default=0.0)
         fleet = sizing.chosen is not None
@@ -210,18 +194,10 @@ def _check(name: str, ok: bool, observed: float, limit: float, reason: str) -> G
 
 def _latency_check(candidate: BenchFigures, limits: GateThresholds) -> GateCheck:
     p95, slo, shed = candidate.p95_ms, limits.latency_slo_ms, candidate.shed
-    return _check(
-        "latency_p95",
-        p95 <= slo,
-        p95,
-        slo,
-        f"p95 {p95:.2f} ms exceeds the SLO {slo:g} ms by {p95 - slo:.2f} ms ({p95 / slo:.1f}x)"
-        + (
-            f", {shed} of {candidate.requests} requests queued past it and were shed"
-            if shed
-            else ""
-        ),
-    )
+    why = f"p95 {p95:.2f} ms exceeds the SLO {slo:g} ms by {p95 - slo:.2f} ms ({p95 / slo:.1f}x)"
+    if shed:
+        why += f", {shed} of {candidate.requests} requests queued past it and were shed"
+    return _check("latency_p95", p95 <= slo, p95, slo, why)
 
 
 def _accuracy_checks(
@@ -229,32 +205,19 @@ def _accuracy_checks(
 ) -> list[GateCheck]:
     measured = candidate.accuracy is not None
     acc = candidate.accuracy if candidate.accuracy is not None else 0.0
-    checks = [
-        _check(
-            "accuracy_floor",
-            measured and acc >= limits.accuracy_floor,
-            acc,
-            limits.accuracy_floor,
-            f"accuracy {acc:.4f} is below the floor {limits.accuracy_floor:.4f}"
-            if measured
-            # Not measured: it fails the floor, with the benchmark's reason.
-            else f"accuracy was not measured ({candidate.accuracy_note or 'no reason given'})",
-        )
-    ]
+    least = limits.accuracy_floor
+    why = f"accuracy {acc:.4f} is below the floor {least:.4f}"
+    if not measured:  # it fails the floor, with the benchmark's reason
+        why = f"accuracy was not measured ({candidate.accuracy_note or 'no reason given'})"
+    checks = [_check("accuracy_floor", measured and acc >= least, acc, least, why)]
     if production is not None and production.accuracy is not None:
         prod_acc = production.accuracy
         floor = prod_acc - limits.max_accuracy_drop
-        checks.append(
-            _check(
-                "no_regression",
-                acc >= floor,
-                acc,
-                floor,
-                f"accuracy {acc:.4f} drops {prod_acc - acc:.4f} below production "
-                f"v{production.version} ({prod_acc:.4f}); "
-                f"at most {limits.max_accuracy_drop:.4f} allowed",
-            )
+        why = (
+            f"accuracy {acc:.4f} drops {prod_acc - acc:.4f} below production v{production.version} "
+            f"({prod_acc:.4f}); at most {limits.max_accuracy_drop:.4f} allowed"
         )
+        checks.append(_check("no_regression", acc >= floor, acc, floor, why))
     return checks
 
 
@@ -315,9 +278,8 @@ def advise(
         or None
     )
     base_vcpus = ctx.measured_vcpus or VCPUS.get(ctx.instance_type, 2)
-    advice = _Advice(
-        _LatencySplit.of(candidate), limits.latency_slo_ms, ctx, throughput, base_vcpus
-    )
+    split = _LatencySplit.of(candidate)
+    advice = _Advice(split, limits.latency_slo_ms, ctx, throughput, base_vcpus)
     options = (advice.int8(), advice.smaller_model(), advice.larger_instance(), advice.gpu())
     # At the same cost, the option whose estimate rests on a measurement comes first.
     return sorted(
@@ -377,7 +339,6 @@ class _Advice:
         return self.throughput * self.split.p95_ms / max(p95_est, 1e-6)
 
     def throughput_on(self, instance_type: str) -> float | None:
-        """Scale a replica's capacity with the vCPUs of ``instance_type``."""
         if self.throughput is None:
             return None
         return self.throughput * VCPUS[instance_type] / self.base_vcpus
@@ -459,6 +420,5 @@ class _Advice:
 
 
 def _cheapest_gpu(prices: dict[str, float]) -> str | None:
-    """Return the one-GPU instance type with the lowest on-demand price the run resolved."""
     priced = [(prices[t], t) for t in GPU_SERVING_TYPES if t in prices]
     return min(priced)[1] if priced else None

@@ -1,11 +1,10 @@
 """Tell how busy the host was while a measurement ran, so a gate verdict measures the model.
 
-Each measurement the gate relies on runs in a *watch* that records, over its window: others'
-CPU time on its CPUs (busy ticks in ``/proc/stat``, steal included, less the measurement's
-own); a calibration kernel timed before and after against this host's quiet figure, which
-catches what ``/proc/stat`` cannot see (a CPU quota, a slower clock, a noisy VM neighbour); CPU
-pressure (PSI) and cgroup throttling. A busy window is measured again after a pause; a host
-that stays busy makes the measurement inconclusive (:class:`HostBusyError`), not failed.
+A *watch* records over its window others' CPU time on its CPUs (``/proc/stat``, less the
+measurement's own), a calibration kernel timed against this host's quiet figure (it sees what
+``/proc/stat`` cannot: a CPU quota, a slower clock, a noisy VM neighbour), CPU pressure (PSI)
+and cgroup throttling. A busy window is measured again after a pause; a host that stays busy
+makes the measurement inconclusive (:class:`HostBusyError`), not failed.
 """
 
 from __future__ import annotations
@@ -36,9 +35,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# /proc/stat's per-CPU fields that are work: user nice system idle iowait irq softirq steal
-# (guest time is already in user).
-_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # /proc/stat's user nice system irq softirq steal (guest: user)
 
 
 @dataclass(frozen=True)
@@ -213,7 +210,6 @@ class QuietFigure:
 
 
 def _now() -> float:
-    """Return the monotonic clock windows are timed by."""
     return time.monotonic()
 
 
@@ -345,9 +341,7 @@ def watch(
 
 def _on(cpus: Sequence[int] | None, kernel: Callable[[], float]) -> float:
     """Run the calibration kernel on ``cpus`` (None: wherever this thread runs)."""
-    if cpus is None:
-        return kernel()
-    with running_on(cpus):
+    with running_on(cpus) if cpus is not None else contextlib.nullcontext():
         return kernel()
 
 

@@ -1,8 +1,7 @@
 """Measure a model's latency as users will see it: through a staging copy of the real service.
 
-The service is warmed and driven open-loop at a fixed rate, or closed-loop from a fixed number
-of clients; candidate and production are measured interleaved in the same window
-(:func:`drive_paired`), so a noisy machine shifts both alike.
+The service is warmed, then driven open-loop at a fixed rate or closed-loop from fixed clients;
+candidate and production run interleaved (:func:`drive_paired`): a noisy machine shifts both.
 """
 
 from __future__ import annotations
@@ -35,10 +34,7 @@ READY_TIMEOUT_S = 60.0
 
 
 def serving_env(
-    model_dir: str,
-    port: int,
-    threads: int | None = None,
-    queue_delay_target_ms: float | None = None,
+    model_dir: str, port: int, threads: int | None, queue_delay_target_ms: float | None
 ) -> dict[str, str]:
     """Return the environment of a staging service that serves one model folder, shedding what
     queued past ``queue_delay_target_ms`` (None: the service's default)."""
@@ -105,14 +101,12 @@ def materialise_model(model_dir_uri: str, dest: Path) -> Path:
     return dest
 
 
-def wait_ready(
-    url: str, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = READY_TIMEOUT_S
-) -> None:
+def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
     """Wait until ``url``/readyz answers 200; fail early if the process exits."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + READY_TIMEOUT_S
     with httpx.Client(timeout=2.0) as client:
         while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
+            if proc.poll() is not None:
                 raise RuntimeError(
                     f"service exited with code {proc.returncode} before it was ready"
                 )
@@ -120,7 +114,7 @@ def wait_ready(
                 if client.get(f"{url}/readyz").status_code == 200:
                     return
             time.sleep(0.2)
-    raise TimeoutError(f"{url} was not ready after {timeout_s:.0f}s")
+    raise TimeoutError(f"{url} was not ready after {READY_TIMEOUT_S:.0f}s")
 
 
 def _warm(url: str, images: list[bytes], warmup: int, content_type: str) -> None:
@@ -215,9 +209,8 @@ def drive(
     rate_rps: float | None = None,
     content_type: str = "image/png",
 ) -> BenchFigures:
-    """Send ``requests`` predictions: open-loop at ``rate_rps``, or closed-loop from
-    ``concurrency`` clients. A 503 with Retry-After is a request shed after queueing past its
-    target: counted as ``shed``, not as an error, and its latency counts in the percentiles."""
+    """Send ``requests`` predictions, open-loop at ``rate_rps`` or from ``concurrency`` clients;
+    a 503 with Retry-After (queued past its target) is ``shed`` (latency counted), not an error."""
     return drive_paired(
         {label: url},
         images,

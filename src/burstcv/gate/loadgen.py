@@ -1,11 +1,10 @@
 """The open-loop load generator, and the trivial endpoint its own ceiling is measured on.
 
-Requests leave when due whatever the answers do; each latency counts from when its request was
-due, and each request's send lag is kept, so a generator that cannot keep up shows it instead
-of hiding it as service latency. Requests are encoded once and written as bytes over persistent
-HTTP/1.1 connections (an httpx client tops out at a few hundred requests a second on one CPU).
-hey and wrk are closed-loop, and wrk2 or vegeta would be another binary for every sizing box to
-carry: hence this generator, whose ceiling is measured beside every size.
+Requests leave when due whatever the answers do, latency counts from when a request was due and
+send lag is kept, so a generator that falls behind shows it rather than passing it off as service
+latency. Requests are encoded once, written over persistent HTTP/1.1 connections (an httpx client
+tops out at a few hundred a second on one CPU). hey and wrk are closed-loop; wrk2 or vegeta would
+be one more binary for every sizing box to carry.
 """
 
 from __future__ import annotations
@@ -128,7 +127,6 @@ class _Connections:
         self.last_sent = 0.0
 
     async def send(self, i: int, due: float) -> None:
-        """Send request ``i % len(requests)``, due at ``due``; count its answer."""
         loop = asyncio.get_running_loop()
         sample, sent = self.sample, loop.time()
         self.last_sent = max(self.last_sent, sent)
@@ -247,9 +245,8 @@ def send(
     processes: int = 1,
     pool: Senders | None = None,
 ) -> Sample:
-    """Send ``requests`` predictions to ``url`` at ``rate_rps``, each when due; request ``i``
-    carries image ``first + i``. ``pool``, or ``processes`` started for the call (on this
-    process's CPUs), share the schedule out."""
+    """Send ``requests`` predictions to ``url`` at ``rate_rps``, each when due (request ``i``
+    carries image ``first + i``), from ``pool`` or ``processes`` started for the call."""
     if rate_rps <= 0:
         raise ValueError(f"rate_rps must be positive, got {rate_rps}")
     if not images:
@@ -312,15 +309,12 @@ class _Trivial(asyncio.Protocol):
 
 
 async def _serve_trivial(port: int) -> None:
-    server = await asyncio.get_running_loop().create_server(
-        _Trivial, "127.0.0.1", port, backlog=1024
-    )
-    async with server:
+    loop = asyncio.get_running_loop()
+    async with await loop.create_server(_Trivial, "127.0.0.1", port, backlog=1024) as server:
         await server.serve_forever()
 
 
 def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that is free right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -80,10 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError, RuntimeError) as exc:
         log.error("burstcv-size: %s: %s", type(exc).__name__, exc)
         return 2
-    for point in record.sizes:
-        log.info(
-            "%d vCPU(s): %g req/s, p95 %s ms", point.vcpus, point.sustainable_rps, point.p95_ms
-        )
+    for p in record.sizes:
+        log.info("%d vCPU(s): %g req/s, p95 %s ms", p.vcpus, p.sustainable_rps, p.p95_ms)
     return 0
 
 

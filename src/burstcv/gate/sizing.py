@@ -1,9 +1,8 @@
 """Right-size the CPU serving fleet: measure, per CPU size, the load the service sustains.
 
-Each size (1 vCPU up to the host's) is a staging copy of the real service pinned to that many
-CPUs, driven with an open-loop load (a slow service is not hidden by clients that wait for it)
-whose rate steps up until p95 breaks the SLO or a request fails. The cheapest fleet is priced
-from each CPU type's sustainable rate; types larger than the host are extrapolated, and marked so.
+Each size is a staging copy of the service pinned to that many CPUs, driven open-loop (clients
+that wait would hide a slow service) at rising rates until p95 breaks the SLO or a request fails;
+the cheapest fleet is priced from that, types larger than the host extrapolated and marked so.
 """
 
 from __future__ import annotations
@@ -89,7 +88,6 @@ class LoadRun:
 
     @property
     def achieved_rps(self) -> float:
-        """The rate the requests actually left at."""
         return self.sent / self.wall_s if self.wall_s > 0 else 0.0
 
 
@@ -131,11 +129,8 @@ def sustainable_rate(
     scout_s: float | None = None,
 ) -> LoadRun | None:
     """Step the open-loop rate up until the SLO breaks; return the last run that held, or None.
-
-    Without ``start_rps``, the first rate is a quarter of what one request's latency allows.
-    With ``scout_s``, short steps first double the rate until one breaks, so that a fast service
-    is not climbed to at full length; only a measuring step's rate is returned.
-    """
+    ``scout_s``: short steps first double the rate until one breaks (a fast service is not
+    climbed to at full length); only a measuring step's rate is returned."""
 
     def attempt(rate_rps: float, seconds: float = duration_s) -> tuple[LoadRun, bool]:
         run = open_loop(url, images, rate_rps=rate_rps, duration_s=seconds, pool=pool)
@@ -143,7 +138,7 @@ def sustainable_rate(
         _record(run, held, seconds, seconds < duration_s, tried)
         return run, held
 
-    if start_rps is None:
+    if start_rps is None:  # a quarter of the rate one request's latency allows
         probe = open_loop(url, images, rate_rps=2.0, duration_s=1.0)
         start_rps = max(1.0, 250.0 / max(probe.percentile(50), 1.0))
     rate, broke_at = start_rps, math.inf
@@ -184,7 +179,6 @@ def sustainable_rate(
 def _record(
     run: LoadRun, held: bool, seconds: float, scouting: bool, tried: list[LoadStep] | None
 ) -> None:
-    """Log one rate tried, and append it to ``tried``."""
     p95 = run.percentile(95)
     log.info(
         "sizing: %.1f req/s%s: p95 %.1f ms, %d error(s), sent at %.1f req/s: %s",
@@ -213,7 +207,6 @@ def _record(
 def pinned_service(
     model_dir: str, cpus: Sequence[int], queue_delay_target_ms: float | None = None
 ) -> Iterator[tuple[str, psutil.Process]]:
-    """Run the real service on ``cpus`` only; yield its URL and its process."""
     with staging_process(model_dir, cpus=cpus, queue_delay_target_ms=queue_delay_target_ms) as pair:
         yield pair[0], psutil.Process(pair[1].pid)
 
@@ -230,13 +223,11 @@ def _usage(proc: psutil.Process) -> tuple[float, float]:
 
 
 def host_cpus() -> list[int]:
-    """Return the CPUs this process may run on, in order."""
     return sorted(os.sched_getaffinity(0))
 
 
 def size_placement(cpus: Sequence[int], vcpus: int) -> Placement:
-    """Place a ``vcpus``-CPU service on the last CPUs and the load generator (this process)
-    on the others; with every CPU the service's, the generator shares the first."""
+    """Place the service on the last ``vcpus`` CPUs, the generator on the rest (else the first)."""
     cpus = sorted(cpus)
     cut = max(0, len(cpus) - vcpus)
     return Placement(service=cpus[cut:], generator=cpus[:cut] or cpus[:1])
@@ -306,7 +297,6 @@ class _Sizer:
     duration_s: float
 
     def search(self, place: Placement, start_rps: float | None, processes: int) -> _Search:
-        """Find the sustainable rate of the service on ``place``, sent from ``processes``."""
         images, slo = self.images, self.latency_slo_ms
         with (
             running_on(place.generator),
@@ -331,7 +321,6 @@ class _Sizer:
             return _Search(best, tried, cpu_s - before, rss_mb)
 
     def check(self, place: Placement, rate_rps: float, processes: int) -> GeneratorCheck:
-        """Run :func:`generator_check` from ``place``'s generator CPUs against its service's."""
         with running_on(place.generator):
             return generator_check(
                 self.images,
@@ -349,14 +338,13 @@ class _Sizer:
         generator could not outrun is measured again from one process per generator CPU."""
         search, processes = self.search(place, start_rps, 1), 1
         if search.best is None:
-            point = SizePoint(
+            return SizePoint(
                 vcpus=vcpus,
                 measured=True,
                 sustainable_rps=0.0,
                 rss_mb=search.rss_mb,
                 steps=search.tried,
-            )
-            return point, None
+            ), None
         check = self.check(place, search.best.rate_rps, processes)
         more = len(place.generator) if place.isolated else 1
         if check.bound and more > processes:
@@ -546,7 +534,6 @@ def gate_load(
 
 
 def _box_points(boxes: Sequence[BoxSizing]) -> dict[str, list[SizePoint]]:
-    """Return {type: its box's sizes} of the types a sizing box measured."""
     return {
         b.instance_type: list(b.sizes)
         for b in boxes
@@ -562,14 +549,12 @@ def fleet_options(
     headroom: float = DEFAULT_HEADROOM,
     families: Sequence[str] | None = None,
     boxes: Sequence[BoxSizing] = (),
-    host_arch: str | None = None,
 ) -> list[FleetOption]:
     """Return every allowed type's fleet for ``target_rps``, best first: a type a sizing box
-    measured rests on its box's sizes and ranks first; any other is extrapolated from the
-    host's ``points`` when boxes measured others or its architecture is not the host's."""
+    measured rests on its box's sizes and ranks first; any other is extrapolated from ``points``."""
     usd = {q.instance_type: q.usd_per_hour for q in prices}
     measured_on = _box_points(boxes)
-    arch = normal_arch(host_arch or platform.machine())
+    arch = normal_arch(platform.machine())
     options = []
     for instance_type, (vcpus, memory_gib) in sorted(instance_shapes().items()):
         if families is not None and instance_type.split(".")[0] not in families:
@@ -687,9 +672,8 @@ def _reason(
     if chosen is None:
         if max((p.sustainable_rps for p in points), default=0.0) <= 0:
             return (
-                f"no CPU size meets p95 <= {latency_slo_ms:g} ms at any rate: every size "
-                "measured broke the SLO at its lowest load (a smaller or INT8 model, or a "
-                "looser SLO)"
+                f"no CPU size meets p95 <= {latency_slo_ms:g} ms at any rate: every size measured "
+                "broke the SLO at its lowest load (a smaller or INT8 model, or a looser SLO)"
             )
         return "no CPU type of the allowed families could hold the model"
     ceiling = (
@@ -817,7 +801,6 @@ class SizesMemo:
         return report
 
     def put(self, report: SizingReport) -> None:
-        """Keep a quiet measurement under its speed key."""
         if report.speed_key is None or report.host_load is None or report.host_load.busy:
             return
         with contextlib.suppress(OSError):

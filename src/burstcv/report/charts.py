@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from burstcv_spec.contracts import EpochRecord, SizePoint
+    from burstcv_spec.contracts import EpochRecord, LoadStep, SizePoint
 
 DPI = 100
 CANDIDATE_COLOUR = "#1f77b4"
@@ -99,13 +99,8 @@ def latency_histogram(
     bins = np.linspace(0.0, max(upper, 1e-3) * 1.05, 50)
     for label, values, colour in series:
         p95 = float(np.percentile(values, 95))
-        ax.hist(
-            np.clip(values, 0, bins[-1]),
-            bins=bins,
-            alpha=0.55,
-            color=colour,
-            label=f"{label} (n={values.size}, p95 {p95:.1f} ms)",
-        )
+        legend = f"{label} (n={values.size}, p95 {p95:.1f} ms)"
+        ax.hist(np.clip(values, 0, bins[-1]), bins=bins, alpha=0.55, color=colour, label=legend)
         ax.axvline(p95, color=colour, linestyle="--", linewidth=1.2)
     if slo_ms is not None:
         ax.axvline(slo_ms, color="#d62728", linewidth=1.5, label=f"SLO {slo_ms:g} ms")
@@ -121,26 +116,19 @@ def sizing_curves(points: Sequence[SizePoint], slo_ms: float) -> bytes:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9.5, 3.6))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+    def xy(some: Sequence[LoadStep]) -> tuple[list[float], list[float]]:  # p95 capped at 4 SLOs
+        return [s.rate_rps for s in some], [min(s.p95_ms, slo_ms * 4) for s in some]
+
     for i, point in enumerate(p for p in points if p.steps):
         steps = sorted((s for s in point.steps if not s.scouting), key=lambda s: s.rate_rps)
         scouts = [s for s in point.steps if s.scouting]
         colour = colours[i % len(colours)]
-        ax.plot(
-            [s.rate_rps for s in steps],
-            [min(s.p95_ms, slo_ms * 4) for s in steps],
-            marker="o",
-            color=colour,
-            label=f"{point.vcpus} vCPU: {point.sustainable_rps:.0f} req/s within the SLO",
-        )
+        label = f"{point.vcpus} vCPU: {point.sustainable_rps:.0f} req/s within the SLO"
+        ax.plot(*xy(steps), marker="o", color=colour, label=label)
         if scouts:  # the short steps that bracketed the limit: hollow, unjoined
-            ax.scatter(
-                [s.rate_rps for s in scouts],
-                [min(s.p95_ms, slo_ms * 4) for s in scouts],
-                marker="o",
-                facecolors="none",
-                edgecolors=colour,
-                label=f"{point.vcpus} vCPU: scouting steps",
-            )
+            label = f"{point.vcpus} vCPU: scouting steps"
+            ax.scatter(*xy(scouts), marker="o", facecolors="none", edgecolors=colour, label=label)
         if point.sustainable_rps > 0:
             ax.axvline(point.sustainable_rps, color=colour, linestyle="--", linewidth=1)
     ax.axhline(slo_ms, color="#d62728", linewidth=1.5, label=f"SLO {slo_ms:g} ms")

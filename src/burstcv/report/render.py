@@ -1,8 +1,7 @@
 """Assemble one self-contained HTML page about a pipeline run from what its stages recorded.
 
-The page embeds its figures as ``data:`` URIs and its CSS inline: no script, no external
-resource. A file a stage did not write becomes a "not reached" note, never an error. Each
-section's view is a dict for ``report.html.j2``, whose ``missing`` says why it shows nothing.
+Figures are ``data:`` URIs and the CSS inline: no script, no external resource. A file a stage
+did not write becomes a "not reached" note (a view's ``missing``), never an error.
 """
 
 from __future__ import annotations
@@ -114,9 +113,6 @@ class RunDocs:
         return docs
 
 
-# --- formatting helpers (plain text: the template escapes) ------------------------------------
-
-
 def fmt(value: Any, spec: str = "", suffix: str = "") -> str:
     """Format a number (or pass text through), with an em dash for a missing value."""
     if value is None or value == "":
@@ -127,12 +123,10 @@ def fmt(value: Any, spec: str = "", suffix: str = "") -> str:
 
 
 def usd(value: float | None, digits: int = 4) -> str:
-    """Format dollars, or an em dash."""
     return "—" if value is None else f"${value:,.{digits}f}"
 
 
 def short_json(value: Any, limit: int = 140) -> str:
-    """Return compact JSON of a value, cut to ``limit`` characters."""
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -157,7 +151,6 @@ def _chart(draw: Callable[[], bytes], alt: str) -> Chart:
 
 @functools.cache
 def _templates() -> jinja2.Environment:
-    """Return the Jinja environment of the report template (package data)."""
     env = jinja2.Environment(
         # Beside this module: a templates/ folder would be a data-only "package" that
         # setuptools warns about on every build.
@@ -173,33 +166,18 @@ def _templates() -> jinja2.Environment:
     return env
 
 
-# --- section views: what each section says, as plain values -----------------------------------
-
-
 def _data_view(record: RunDocs) -> dict[str, Any]:
     """Describe the dataset checks: verdict, counts, each expectation, a link to Data Docs."""
     doc = record.validation
     if doc is None:
         return {"missing": record.missing["validation"]}
-    expectations = doc.expectations
     docs_rel = f"{links.tree_path('data-docs')}/{links.INDEX}"
     per_split = doc.counts.per_split
     classes = sorted({c for split in per_split.values() for c in split})
-    rows = [
-        {
-            "name": e.name,
-            "description": e.description,
-            "success": e.success,
-            "observed": short_json(e.observed),
-            "shown": e.offending_files[:MAX_OFFENDING_SHOWN],
-            "more": max(0, len(e.offending_files) - MAX_OFFENDING_SHOWN),
-        }
-        for e in expectations
-    ]
     return {
         "missing": None,
         "doc": doc,
-        "met": sum(e.success for e in expectations),
+        "met": sum(e.success for e in doc.expectations),
         "docs_rel": docs_rel,
         "docs_link": DATA_DOCS_LINK,
         "docs_written": storage.exists(storage.join(record.root, docs_rel)),
@@ -212,7 +190,17 @@ def _data_view(record: RunDocs) -> dict[str, Any]:
             ]
             for split in per_split
         ],
-        "expectations": rows,
+        "expectations": [
+            {
+                "name": e.name,
+                "description": e.description,
+                "success": e.success,
+                "observed": short_json(e.observed),
+                "shown": e.offending_files[:MAX_OFFENDING_SHOWN],
+                "more": max(0, len(e.offending_files) - MAX_OFFENDING_SHOWN),
+            }
+            for e in doc.expectations
+        ],
     }
 
 
@@ -306,11 +294,9 @@ def _training_view(record: RunDocs) -> dict[str, Any]:
     metrics = record.metrics
     if metrics is None:
         return {"missing": record.missing["metrics"], "failure": _failure_view(record.failure)}
-    epochs = metrics.epochs
-    curves = confusion_chart = None
-    if epochs:
-        curves = _chart(lambda: charts.training_curves(epochs), "training curves")
-    confusion, classes = metrics.confusion, metrics.classes
+    epochs, confusion, classes = metrics.epochs, metrics.confusion, metrics.classes
+    curves = _chart(lambda: charts.training_curves(epochs), "training curves") if epochs else None
+    confusion_chart = None
     if confusion and classes:
         confusion_chart = _chart(
             lambda: charts.confusion_matrix(confusion, classes), "confusion matrix"
@@ -393,15 +379,11 @@ def _latency_view(record: RunDocs) -> dict[str, Any]:
     candidate_ms = (latency.candidate.latencies_ms if latency.candidate else None) or []
     if candidate_ms:
         slo = record.run.params.latency_slo_ms if record.run else None
-        histogram = _chart(
-            lambda: charts.latency_histogram(
-                candidate_ms,
-                prod_ms,
-                slo_ms=slo,
-                production_label=f"production v{prod.version if prod else '?'}",
-            ),
-            "latency histogram",
+        label = f"production v{prod.version if prod else '?'}"
+        draw = functools.partial(
+            charts.latency_histogram, candidate_ms, prod_ms, slo_ms=slo, production_label=label
         )
+        histogram = _chart(draw, "latency histogram")
     return {
         "missing": None,
         "record": latency,
@@ -423,7 +405,6 @@ def _latency_view(record: RunDocs) -> dict[str, Any]:
 
 
 def _host_load_line(load: HostLoad) -> str:
-    """Say how busy the host was during one measurement, in a line."""
     line = f"other processes took {load.others_share:.0%} of CPUs {load.cpus}"
     line += f" over {load.wall_s:.1f} s"
     if load.calibration_ms is not None:
@@ -517,6 +498,10 @@ def _box_view(box: BoxSizing, slo_ms: float, run_id: str | None) -> dict[str, An
     if box.measured_in is not None and box.measured_in != run_id:
         where += f"; reused from run {box.measured_in} (same speed key)"
     measured = [p for p in box.sizes if p.measured]
+    chart = None
+    if any(p.steps for p in measured):
+        draw = functools.partial(charts.sizing_curves, box.sizes, slo_ms)
+        chart = _chart(draw, f"p95 under load on {box.instance_type}")
     return {
         "instance_type": box.instance_type,
         "where": where,
@@ -526,12 +511,7 @@ def _box_view(box: BoxSizing, slo_ms: float, run_id: str | None) -> dict[str, An
             f"{p.vcpus} vCPU: {p.sustainable_rps:g} req/s, p95 {fmt(p.p95_ms, '.2f', ' ms')}"
             for p in measured
         ),
-        "chart": _chart(
-            lambda: charts.sizing_curves(box.sizes, slo_ms),
-            f"p95 under load on {box.instance_type}",
-        )
-        if any(p.steps for p in measured)
-        else None,
+        "chart": chart,
     }
 
 
@@ -675,7 +655,6 @@ def _serving_cost_view(record: RunDocs) -> dict[str, Any]:
 
 
 def _cards(record: RunDocs) -> list[tuple[str, str]]:
-    """Return the one-glance summary: data, accuracy, latency, gate, run cost."""
     validation, metrics, verdict = record.validation, record.metrics, record.verdict
     billing, latency = record.billing, record.latency
     unreached = "skipped" if record.skip else "not reached"
@@ -694,8 +673,6 @@ def _cards(record: RunDocs) -> list[tuple[str, str]]:
     ]
 
 
-# --- the page ----------------------------------------------------------------------------------
-
 NAV = (
     ("data", "Data"),
     ("training", "Training"),
@@ -707,32 +684,28 @@ NAV = (
 
 
 def render_html(record: RunDocs, *, registry_uri: str, model_name: str, serving_url: str) -> str:
-    """Return the whole report page for a run record."""
     run_key = record.root.rstrip("/").rsplit("/", 1)[-1]
     # Back to Airflow: the run's page (when run.json names it) and the Models page.
     run_id = record.run.run_id if record.run else None
     airflow_run = links.airflow_run_path(run_id) if run_id else None
-    return (
-        _templates()
-        .get_template("report.html.j2")
-        .render(
-            run_id=run_key,
-            airflow_run_link=airflow_run and links.from_page(run_key, "report", airflow_run),
-            models_link=links.from_page(run_key, "report", links.MODELS_PAGE),
-            run_root=record.root,
-            model_name=model_name,
-            generated=datetime.now(UTC).isoformat(timespec="seconds"),
-            nav=NAV,
-            cards=_cards(record),
-            skip=record.skip,
-            data=_data_view(record),
-            training=_training_view(record),
-            model=_model_view(record),
-            latency=_latency_view(record),
-            fleet=_fleet_view(record),
-            gate=_gate_view(record, registry_uri, model_name, serving_url),
-            cost=_cost_view(record),
-        )
+    template = _templates().get_template("report.html.j2")
+    return template.render(
+        run_id=run_key,
+        airflow_run_link=airflow_run and links.from_page(run_key, "report", airflow_run),
+        models_link=links.from_page(run_key, "report", links.MODELS_PAGE),
+        run_root=record.root,
+        model_name=model_name,
+        generated=datetime.now(UTC).isoformat(timespec="seconds"),
+        nav=NAV,
+        cards=_cards(record),
+        skip=record.skip,
+        data=_data_view(record),
+        training=_training_view(record),
+        model=_model_view(record),
+        latency=_latency_view(record),
+        fleet=_fleet_view(record),
+        gate=_gate_view(record, registry_uri, model_name, serving_url),
+        cost=_cost_view(record),
     )
 
 
@@ -743,10 +716,6 @@ def build_report(run_root: str, *, registry_uri: str, model_name: str, serving_u
         record, registry_uri=registry_uri, model_name=model_name, serving_url=serving_url
     )
     uri = storage.write_bytes(storage.join(run_root, "report", "index.html"), page.encode())
-    log.info(
-        "report written to %s (%d KiB; missing: %s)",
-        uri,
-        len(page) // 1024,
-        ", ".join(sorted(record.missing)) or "nothing",
-    )
+    missing = ", ".join(sorted(record.missing)) or "nothing"
+    log.info("report written to %s (%d KiB; missing: %s)", uri, len(page) // 1024, missing)
     return uri
