@@ -57,7 +57,6 @@ def launch_attempt(
         storage.join(job_dir, ATTEMPT_RECORD),
         AttemptRecord(attempt=attempt, instance_ids=ids, launched_at=lineage.utc_now_iso()),
     )
-    region = backend.settings.region if isinstance(backend, Ec2Backend) else ""
 
     def rate_of(info: InstanceInfo) -> BoxRate:
         if isinstance(backend, Ec2Backend):
@@ -70,7 +69,7 @@ def launch_attempt(
         run_key=launch.run.run_key,
         dag_id=launch.dag_id,
         backend=backend_name,
-        region=region,
+        region=backend.settings.region if isinstance(backend, Ec2Backend) else "",
         boxes=[i for i in backend.describe(launch.run.run_key) if i.instance_id in ids],
         rate_of=rate_of,
         now=lineage.utc_now(),
@@ -158,12 +157,8 @@ def training_outcome(
             status="failed", attempt=attempt, stage=STAGE_BOOT, reason=boot, resumable=False
         )
     if status == "lost":
-        return TrainingOutcome(
-            status="lost",
-            attempt=attempt,
-            reason="every training instance stopped without writing DONE or FAILED",
-            resumable=True,
-        )
+        reason = "every training instance stopped without writing DONE or FAILED"
+        return TrainingOutcome(status="lost", attempt=attempt, reason=reason, resumable=True)
     return TrainingOutcome(status=status, attempt=attempt)
 
 

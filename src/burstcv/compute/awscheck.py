@@ -2,8 +2,7 @@
 
 Every check is free: launches are dry runs, the backstop schedule is created disabled and
 deleted at once, and the S3 checks write, read, list and delete one small probe object under
-the prefixes the pipeline writes; the rest only reads. Each check yields one line or a few:
-``ok``, or ``MISSING`` with the command or setting that fixes it.
+the prefixes the pipeline writes; the rest only reads.
 """
 
 from __future__ import annotations
@@ -24,6 +23,8 @@ from burstcv.compute.ec2 import (
     LaunchAttempt,
     LaunchCheckError,
     Subnet,
+    _error_code,
+    _error_message,
     format_expiry,
     in_cluster,
     launch_plan,
@@ -49,7 +50,6 @@ class Finding:
 
     @property
     def ok(self) -> bool:
-        """Return whether nothing is missing."""
         return not self.missing
 
     def line(self) -> str:
@@ -59,14 +59,8 @@ class Finding:
 
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, ClientError):
-        error = exc.response.get("Error", {})
-        message = str(error.get("Message", "")).splitlines()[:1]
-        return f"{error.get('Code', '?')}: {message[0] if message else ''}"
+        return f"{exc.response.get('Error', {}).get('Code', '?')}: {_error_message(exc)}"
     return f"{type(exc).__name__}: {exc}"
-
-
-def _code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
 
 
 def _bucket(uri: str) -> str:
@@ -98,9 +92,6 @@ def check_s3_prefix(label: str, prefix: str) -> list[Finding]:
     return [Finding(f"{action} under {prefix}", _refusal(step)) for action, step in steps]
 
 
-# --- vCPU quotas ------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class VcpuQuota:
     """Name the two EC2 quotas (Service Quotas codes) that count one family's vCPUs in a region."""
@@ -111,7 +102,6 @@ class VcpuQuota:
     spot_family: str | None = None  # the spot quota's own name where it differs (P5's)
 
     def code(self, market: str) -> str:
-        """Return the quota code of ``market`` (spot or on-demand)."""
         return self.spot if market == "spot" else self.on_demand
 
     def name(self, market: str) -> str:
@@ -148,7 +138,7 @@ def _quota_value(quotas: Any, code: str) -> float:
             return float(read(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"])
         except ClientError as exc:
             # A quota never raised has no applied value; its default (not always 0) holds.
-            if _code(exc) != "NoSuchResourceException":
+            if _error_code(exc) != "NoSuchResourceException":
                 raise
     return 0.0
 
@@ -186,9 +176,7 @@ def check_vcpu_quotas(
     backend: Ec2Backend, settings: Settings, *, num_nodes: int = 1
 ) -> list[Finding]:
     """Compare each market's vCPU quota of each family with the largest candidate's vCPUs.
-
-    A new account has 0 G, VT and P vCPUs: every launch is refused until an increase is granted.
-    """
+    A new account has 0 G, VT and P vCPUs: every launch is refused until an increase is granted."""
     region = backend.settings.region
     findings, needs = _quota_needs(backend)
     quotas = backend._aws_client("service-quotas")  # the backend's connection and region
@@ -205,16 +193,13 @@ def check_vcpu_quotas(
         run_need = need * num_nodes  # a launch starts every box of the run at once
         boxes = f"{num_nodes} x {instance_type}" if num_nodes > 1 else f"a {instance_type}"
         have = f"{value:g} vCPUs, {boxes} needs {run_need}"
-        if value >= run_need:
-            findings.append(Finding(f"{name}: {have}"))
-            continue
         why = (
             f"{have}; ask for {need * slots} ({slots} boxes at once, "
             "BURSTCV_GPU_POOL_SLOTS): aws service-quotas request-service-quota-increase "
             f"--service-code ec2 --quota-code {code} --desired-value {need * slots} "
             f"--region {region}"
         )
-        findings.append(Finding(name, why))
+        findings.append(Finding(f"{name}: {have}") if value >= run_need else Finding(name, why))
     return findings
 
 
@@ -222,13 +207,11 @@ def check_vcpu_quotas(
 
 CHECK_RUN = "burstcv-check"  # the run name in the objects the simulation asks about
 S3_READ, S3_WRITE, S3_LIST = "s3:GetObject", "s3:PutObject", "s3:ListBucket"
+KMS_USE = ("kms:Decrypt", "kms:GenerateDataKey")  # read and write SSE-KMS objects
 
 
 def _s3_arn(uri: str) -> str:
     return "arn:aws:s3:::" + uri.removeprefix("s3://")
-
-
-KMS_USE = ("kms:Decrypt", "kms:GenerateDataKey")  # read and write SSE-KMS objects
 
 
 def instance_role_requests(
@@ -259,7 +242,7 @@ def bucket_kms_key(backend: Ec2Backend, artifact_root: str) -> str | None:
     try:
         config = backend._aws_client("s3").get_bucket_encryption(Bucket=_bucket(artifact_root))
     except ClientError as exc:
-        if _code(exc) == "ServerSideEncryptionConfigurationNotFoundError":
+        if _error_code(exc) == "ServerSideEncryptionConfigurationNotFoundError":
             return None
         raise
     for rule in config["ServerSideEncryptionConfiguration"].get("Rules", []):
@@ -307,9 +290,7 @@ def _refused(
 
 def check_instance_role_s3(backend: Ec2Backend, artifact_root: str) -> list[Finding]:
     """Ask IAM's policy simulator whether the training role may read and write its run's files.
-
-    The dry-run launch cannot see it: a box without these rights boots, is billed, and fails.
-    """
+    The dry-run launch cannot see it: a box without these rights boots, is billed, and fails."""
     profile = backend.settings.instance_profile
     if not profile or not storage.is_s3(artifact_root):
         return []  # the instance profile and artifact store lines already say what to set
@@ -321,7 +302,7 @@ def check_instance_role_s3(backend: Ec2Backend, artifact_root: str) -> list[Find
     except ClientError as exc:
         why = (
             f"no instance profile {profile_name}: create it (docs/aws.md, IAM)"
-            if _code(exc) == "NoSuchEntity"
+            if _error_code(exc) == "NoSuchEntity"
             else f"{_reason(exc)}; allow iam:GetInstanceProfile on {profile_name}"
         )
         return [Finding(name, why)]
@@ -413,16 +394,12 @@ def _s3_routing(
 ) -> tuple[list[dict[str, Any]], dict[str, set[str]]]:
     """Return the VPCs' route tables and their S3 gateway endpoints (id: its route tables)."""
     ec2, region = backend.client, backend.settings.region
-    tables = [
-        t
-        for page in ec2.get_paginator("describe_route_tables").paginate(
-            Filters=[{"Name": "vpc-id", "Values": vpcs}]
-        )
-        for t in page["RouteTables"]
-    ]
+    in_vpcs = {"Name": "vpc-id", "Values": vpcs}
+    pages = ec2.get_paginator("describe_route_tables").paginate(Filters=[in_vpcs])
+    tables = [t for page in pages for t in page["RouteTables"]]
     endpoints = ec2.describe_vpc_endpoints(
         Filters=[
-            {"Name": "vpc-id", "Values": vpcs},
+            in_vpcs,
             {"Name": "service-name", "Values": [f"com.amazonaws.{region}.s3"]},
             {"Name": "vpc-endpoint-type", "Values": ["Gateway"]},
         ]
@@ -447,8 +424,8 @@ def check_subnet_routes(backend: Ec2Backend) -> list[Finding]:
     findings = [Finding("route to S3", no_vpc) for sub in subnets if not sub.subnet_id]
     if not ids:
         return findings
-    ec2 = backend.client
-    described = {s["SubnetId"]: s for s in ec2.describe_subnets(SubnetIds=ids)["Subnets"]}
+    found = backend.client.describe_subnets(SubnetIds=ids)["Subnets"]
+    described = {s["SubnetId"]: s for s in found}
     vpcs = sorted({str(s["VpcId"]) for s in described.values()})
     tables, s3_endpoints = _s3_routing(backend, vpcs)
     for sub in subnets:
@@ -496,20 +473,16 @@ def _https_egress(rule: dict[str, Any], s3_lists: set[str]) -> str:
 def _s3_prefix_lists(backend: Ec2Backend) -> set[str]:
     """Return the ids of the region's S3 prefix list (what an egress rule to S3 names)."""
     name = f"com.amazonaws.{backend.settings.region}.s3"
-    found = backend.client.describe_prefix_lists(
-        Filters=[{"Name": "prefix-list-name", "Values": [name]}]
-    )["PrefixLists"]
+    by_name = [{"Name": "prefix-list-name", "Values": [name]}]
+    found = backend.client.describe_prefix_lists(Filters=by_name)["PrefixLists"]
     return {str(p["PrefixListId"]) for p in found}
 
 
 def check_security_group_egress(backend: Ec2Backend) -> list[Finding]:
     """Check the security groups a training box gets let it reach S3 over HTTPS.
-
     Accounts that follow CIS 4.3 strip a VPC's default group of every rule: a box there cannot
-    even write its FAILED marker, and is paid for until its boot bound.
-    """
-    s = backend.settings
-    ec2 = backend.client
+    even write its FAILED marker, and is paid for until its boot bound."""
+    s, ec2 = backend.settings, backend.client
     s3_lists = _s3_prefix_lists(backend)
     if s.security_group_ids:
         groups = ec2.describe_security_groups(GroupIds=list(s.security_group_ids))
@@ -554,14 +527,10 @@ def _route_table_of(
         if any(a.get("SubnetId") == subnet_id for a in table.get("Associations", [])):
             return table
     for table in tables:
-        if table.get("VpcId") == vpc_id and any(
-            a.get("Main") for a in table.get("Associations", [])
-        ):
+        main = any(a.get("Main") for a in table.get("Associations", []))
+        if main and table.get("VpcId") == vpc_id:
             return table
     return None
-
-
-# --- the bucket's region --------------------------------------------------------------------------
 
 
 def check_bucket_region(artifact_root: str, region: str) -> list[Finding]:
@@ -599,8 +568,6 @@ EBS_KMS_ACTIONS = (
     "kms:GenerateDataKeyWithoutPlaintext",
     "kms:ReEncrypt*",
 )
-
-
 # The same as IAM's simulator names them (no wildcard), with the context of a launch's grant.
 EBS_KMS_SIMULATED = (
     "kms:CreateGrant",
@@ -651,10 +618,8 @@ def _spot_role_on_key(kms: Any, key_arn: str) -> str:
 
 def check_ebs_key(backend: Ec2Backend, use_spot: bool) -> list[Finding]:
     """Check which KMS key encrypts the boxes' volumes, and what a customer managed one needs.
-
     A default EBS key the launcher (and, for spot, the Spot role) may not use gets the instance
-    terminated during launch (``Client.InvalidKMSKey.InvalidState``).
-    """
+    terminated during launch (``Client.InvalidKMSKey.InvalidState``)."""
     ec2 = backend.client
     by_default = bool(ec2.get_ebs_encryption_by_default()["EbsEncryptionByDefault"])
     key_id = str(ec2.get_ebs_default_kms_key_id()["KmsKeyId"])
@@ -667,12 +632,11 @@ def check_ebs_key(backend: Ec2Backend, use_spot: bool) -> list[Finding]:
     arn = str(meta.get("Arn", key_id))
     if meta.get("KeyManager") == "AWS":
         on = "on" if by_default else "off"
-        return [
-            Finding(
-                f"default EBS encryption key: AWS managed key (encryption by default {on}; "
-                "burstcv encrypts its volumes either way)"
-            )
-        ]
+        name = (
+            f"default EBS encryption key: AWS managed key (encryption by default {on}; "
+            "burstcv encrypts its volumes either way)"
+        )
+        return [Finding(name)]
     name = f"default EBS encryption key {arn} (customer managed)"
     principal = own_principal(backend)
     problems = [_own_key_problem(backend, principal, arn)]
@@ -715,9 +679,6 @@ def _own_key_problem(backend: Ec2Backend, principal: str | None, arn: str) -> st
     return ""
 
 
-# --- the Spot service-linked role ---------------------------------------------------------------
-
-
 def check_spot_role(backend: Ec2Backend) -> list[Finding]:
     """Check the EC2 Spot service-linked role exists (a first spot launch needs it)."""
     name = f"Spot service-linked role {SPOT_ROLE}"
@@ -726,14 +687,11 @@ def check_spot_role(backend: Ec2Backend) -> list[Finding]:
     except ClientError as exc:
         why = (
             "aws iam create-service-linked-role --aws-service-name spot.amazonaws.com"
-            if _code(exc) == "NoSuchEntity"
+            if _error_code(exc) == "NoSuchEntity"
             else f"{_reason(exc)}; allow iam:GetRole on {SPOT_ROLE}"
         )
         return [Finding(name, why)]
     return [Finding(name)]
-
-
-# --- prices --------------------------------------------------------------------------------------
 
 
 def check_prices(
@@ -802,10 +760,8 @@ def check_launch_of(budget_s: int = 3600) -> Launch:
 
 def check_cluster_calls(backend: Ec2Backend, launch: Launch) -> list[Finding]:
     """Make a run's placement and security groups, dry-run its launch into them, delete them.
-
     Made for real (free): no dry run shows the policy's tag conditions. Tagged with the check's
-    expiry, so the reaper removes them should the delete fail.
-    """
+    expiry, so the reaper removes them should the delete fail."""
     label = f"a run of {launch.count} boxes"
     subnet = backend.launch_subnets()[0]
     try:
@@ -830,33 +786,23 @@ def _made_cluster(backend: Ec2Backend, launch: Launch, subnet: Subnet, label: st
         f"{label}: placement group {cluster.placement_group} and security group "
         f"{cluster.security_group_id} made, its members' ingress opened"
     )
-    base = backend._run_params(
-        launch, backend.resolve_ami(), "#!/bin/bash\n", launch.deadline_at, 1
-    )
+    image_id = backend.resolve_ami()
+    base = backend._run_params(launch, image_id, "#!/bin/bash\n", launch.deadline_at, 1)
     option = backend.plan(launch)[0]
     params = backend._option_params(in_cluster(base, cluster), option, subnet)
+    name = (
+        f"dry-run launch {launch.count} x {option.instance_type} {option.market} "
+        f"into placement group {cluster.placement_group}"
+    )
     try:
-        refused = backend._dry_run(params, option) or ""
+        return [made, Finding(name, backend._dry_run(params, option) or "")]
     except LaunchCheckError as exc:
-        refused = str(exc)
-    return [
-        made,
-        Finding(
-            f"dry-run launch {launch.count} x {option.instance_type} {option.market} "
-            f"into placement group {cluster.placement_group}",
-            refused,
-        ),
-    ]
-
-
-# --- why a box found no way to S3 ---------------------------------------------------------------
+        return [made, Finding(name, str(exc))]
 
 
 def no_s3_cause(backend: Ec2Backend, instance_id: str, artifact_root: str) -> str:
     """Return the likeliest reason a box could not reach S3, read from the account's side.
-
-    EC2 forgets a terminated box's network: then what a launch gives is checked instead.
-    """
+    EC2 forgets a terminated box's network: then what a launch gives is checked instead."""
     found = list(backend._instances([], [instance_id]))
     inst = found[0] if found else {}
     groups = [str(g["GroupId"]) for g in inst.get("SecurityGroups", [])]
@@ -887,9 +833,6 @@ def _first_missing(findings: Iterable[Finding]) -> str:
     return next((f"{f.name}: {f.missing}" for f in findings if not f.ok), "")
 
 
-# --- the whole check ----------------------------------------------------------------------------
-
-
 def _guarded(
     label: str, check: Callable[P, list[Finding]], *args: P.args, **kwargs: P.kwargs
 ) -> list[Finding]:
@@ -910,9 +853,8 @@ def _launch_and_store(backend: Ec2Backend, settings: Settings) -> list[Finding]:
             findings.append(Finding(name, refused))
     except (ClientError, BotoCoreError, ValueError) as exc:
         findings.append(Finding(f"AMI {s.ami}", f"{_reason(exc)}; check BURSTCV_EC2_AMI"))
-    findings.append(
-        Finding(f"backstop schedule (role {s.backstop_role})", backend.check_backstop())
-    )
+    backstop = f"backstop schedule (role {s.backstop_role})"
+    findings.append(Finding(backstop, backend.check_backstop()))
     findings += check_s3_prefix("artifact store", storage.join(settings.artifact_root, "runs"))
     registry_aliases = storage.join(settings.registry_uri, settings.model_name, "aliases")
     findings += check_s3_prefix("registry", registry_aliases)

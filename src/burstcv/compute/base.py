@@ -86,23 +86,18 @@ class ComputeBackend(Protocol):
 
     def launch(self, launch: Launch, attempt: int = 1) -> list[str]:
         """Start attempt ``attempt`` of the run's boxes; return their ids (clean up on failure)."""
-        ...
 
     def describe(self, run_id: str) -> list[InstanceInfo]:
         """Return every instance tagged with the run id, in any state."""
-        ...
 
     def terminate_run(self, run_id: str) -> list[str]:
         """Terminate every instance tagged with the run id, wait until gone; return their ids."""
-        ...
 
     def list_managed(self) -> list[InstanceInfo]:
         """Return every burstcv-managed instance that is not yet stopped (for the reaper)."""
-        ...
 
     def terminate(self, instance_ids: list[str]) -> None:
         """Terminate the given managed instances (the reaper's tool)."""
-        ...
 
 
 def job_outcome(

@@ -35,12 +35,7 @@ from burstcv.compute.base import (
     WORKING,
     InstanceInfo,
 )
-from burstcv.compute.userdata import (
-    RENDEZVOUS_PORT,
-    UserDataSpec,
-    expiry_of,
-    render_user_data,
-)
+from burstcv.compute.userdata import RENDEZVOUS_PORT, UserDataSpec, expiry_of, render_user_data
 from burstcv.cost.pricing import (
     PriceListEndpoints,
     public_ipv4_usd_per_hour,
@@ -52,27 +47,18 @@ from burstcv_spec.contracts import BoxRate, Launch, PriceQuote
 
 log = logging.getLogger(__name__)
 
-# Errors that mean "no room for this type/market right now": try the next option.
-CAPACITY_ERRORS = frozenset(
-    {
-        "InsufficientInstanceCapacity",
-        "InsufficientCapacity",
-        "SpotMaxPriceTooLow",
-        "MaxSpotInstanceCountExceeded",
-        "Unsupported",
-        # The account's vCPU quota for this market is used up: the other market has its own.
-        "VcpuLimitExceeded",
-    }
-)
-# A first spot launch needs the EC2 Spot service-linked role; without leave to create it,
-# spot is unavailable to this account but on-demand still works.
-SPOT_ROLE_ERRORS = frozenset({"AuthFailure.ServiceLinkedRoleCreationNotPermitted"})
-NEXT_OPTION_ERRORS = CAPACITY_ERRORS | SPOT_ROLE_ERRORS
 # Refusals of one Availability Zone: the same option is tried in the next subnet first. The
 # others (quotas, the spot role) are the account's: no other AZ would answer differently.
 ZONE_ERRORS = frozenset(
     {"InsufficientInstanceCapacity", "InsufficientCapacity", "Unsupported", "SpotMaxPriceTooLow"}
 )
+# Errors that mean "no room for this type/market right now": try the next option.
+# VcpuLimitExceeded: the account's vCPU quota for this market is used up; the other has its own.
+CAPACITY_ERRORS = ZONE_ERRORS | {"MaxSpotInstanceCountExceeded", "VcpuLimitExceeded"}
+# A first spot launch needs the EC2 Spot service-linked role; without leave to create it,
+# spot is unavailable to this account but on-demand still works.
+SPOT_ROLE_ERRORS = frozenset({"AuthFailure.ServiceLinkedRoleCreationNotPermitted"})
+NEXT_OPTION_ERRORS = CAPACITY_ERRORS | SPOT_ROLE_ERRORS
 PLACEMENT_REFUSAL = "placement group"
 # Dry-run refusals that mean "this identity may not", as opposed to a wrong parameter.
 _PERMISSION_ERRORS = ("UnauthorizedOperation", "AccessDenied", "AuthFailure", "Blocked")
@@ -89,6 +75,8 @@ _SETTING_OF_ERROR = (
 # EventBridge Scheduler's universal target: the schedule itself calls EC2 TerminateInstances.
 BACKSTOP_TARGET_ARN = "arn:aws:scheduler:::aws-sdk:ec2:terminateInstances"
 BACKSTOP_GROUP = "default"
+# Keep retrying for a day: EC2 throttling must not save the box.
+BACKSTOP_RETRY = {"MaximumRetryAttempts": 185, "MaximumEventAgeInSeconds": 86400}
 
 _EC2_TO_STATE = {
     "pending": PENDING,
@@ -409,21 +397,17 @@ class Ec2Backend:
         log.info("AMI %s resolved through SSM %s", image_id, ami)
         return image_id
 
-    # --- ComputeBackend ---
-
     def launch(self, launch: Launch, attempt: int = 1) -> list[str]:
         """Start attempt ``attempt`` of the run's instance(s), spot first; return their ids.
         A retry gets this attempt's working boxes, never an earlier one's (it may be dying)."""
-        described = self.describe(launch.run.run_key)
+        run_key = launch.run.run_key
+        described = self.describe(run_key)
         existing = [
             i.instance_id for i in described if i.of_attempt(attempt) and i.state in WORKING
         ]
         if existing:
             log.info(
-                "run %s already has live instances %s of attempt %d",
-                launch.run.run_key,
-                existing,
-                attempt,
+                "run %s already has live instances %s of attempt %d", run_key, existing, attempt
             )
             return existing
 
@@ -433,7 +417,7 @@ class Ec2Backend:
             raise ValueError("an EC2 launch needs the staged training wheel (wheel_uri)")
         user_data = render_user_data(
             UserDataSpec(
-                run_id=launch.run.run_key,
+                run_id=run_key,
                 job_uri=launch.job_uri,
                 attempt=attempt,
                 num_nodes=launch.count,
@@ -491,15 +475,16 @@ class Ec2Backend:
             # Made before the boxes and removed by the teardown (terminate_run), with them.
             cluster = self.ensure_cluster(launch, expires_at, subnets[0])
             base_params = in_cluster(base_params, cluster)
+        run_key = launch.run.run_key
         refusals: list[str] = []
         for option in self.plan(launch):
-            launched = self._launch_option(launch, attempt, base_params, option, subnets, refusals)
+            launched = self._launch_option(run_key, attempt, base_params, option, subnets, refusals)
             if launched is None:
                 continue
             subnet, ids = launched
             log.info(
                 "run %s: launched %s as %s %s in %s (expires %s)",
-                launch.run.run_key,
+                run_key,
                 ids,
                 option.instance_type,
                 option.market,
@@ -507,25 +492,23 @@ class Ec2Backend:
                 format_expiry(expires_at),
             )
             try:
-                self._arm_backstop(ids, launch.run.run_key, expires_at)
-                self._confirm_findable(ids, launch.run.run_key)
+                self._arm_backstop(ids, run_key, expires_at)
+                self._confirm_findable(ids, run_key)
                 self._wait_running(ids)
             except BaseException:  # a task timeout too: destroy what started, then re-raise
-                log.error(
-                    "run %s: setup failed after launch; terminating %s", launch.run.run_key, ids
-                )
+                log.error("run %s: setup failed after launch; terminating %s", run_key, ids)
                 self._terminate_after_failed_setup(ids)
                 raise
             return ids
         raise CapacityUnavailableError(
-            f"no capacity for run {launch.run.run_key} in {len(subnets)} subnet(s): tried "
+            f"no capacity for run {run_key} in {len(subnets)} subnet(s): tried "
             + "; ".join(refusals)
             + " (a quota of 0 vCPUs looks the same: docs/aws.md, one-time account setup)"
         )
 
     def _launch_option(
         self,
-        launch: Launch,
+        run_key: str,
         attempt: int,
         base_params: dict[str, Any],
         option: LaunchAttempt,
@@ -539,10 +522,8 @@ class Ec2Backend:
             # Zero cost: a missing permission or a wrong setting fails here, before renting.
             refused = self._dry_run(params, option)
             if refused is None:
-                params["ClientToken"] = client_token(
-                    launch.run.run_key, attempt, option, subnet.subnet_id
-                )
-                refused, ids = self._run(params, launch.run.run_key)
+                params["ClientToken"] = client_token(run_key, attempt, option, subnet.subnet_id)
+                refused, ids = self._run(params, run_key)
                 if refused is None:
                     return subnet, ids
             refusals.append(f"{option.instance_type} {option.market} in {subnet}: {refused}")
@@ -551,7 +532,7 @@ class Ec2Backend:
                 "no %s %s for run %s in %s (%s); trying the next %s",
                 option.instance_type,
                 option.market,
-                launch.run.run_key,
+                run_key,
                 subnet,
                 refused,
                 "subnet" if zone_only else "option",
@@ -746,11 +727,7 @@ class Ec2Backend:
                         "Arn": BACKSTOP_TARGET_ARN,
                         "RoleArn": role_arn,
                         "Input": json.dumps({"InstanceIds": [iid]}),
-                        # Keep retrying for a day: EC2 throttling must not save the box.
-                        "RetryPolicy": {
-                            "MaximumRetryAttempts": 185,
-                            "MaximumEventAgeInSeconds": 86400,
-                        },
+                        "RetryPolicy": BACKSTOP_RETRY,
                     },
                 )
             except ClientError as exc:
@@ -851,19 +828,10 @@ class Ec2Backend:
             if subnet.vpc_id:
                 create["VpcId"] = subnet.vpc_id
             group_id = str(self.client.create_security_group(**create)["GroupId"])
+        own = [{"GroupId": group_id}]
+        rule = {"IpProtocol": "tcp", "FromPort": 0, "ToPort": 65535, "UserIdGroupPairs": own}
         try:  # again on a relaunch: a rule a failed launch never added is added now
-            self.client.authorize_security_group_ingress(
-                GroupId=group_id,
-                IpPermissions=[
-                    {
-                        "IpProtocol": "tcp",
-                        "FromPort": 0,
-                        "ToPort": 65535,
-                        # Only boxes in this same group: the run's own.
-                        "UserIdGroupPairs": [{"GroupId": group_id}],
-                    }
-                ],
-            )
+            self.client.authorize_security_group_ingress(GroupId=group_id, IpPermissions=[rule])
         except ClientError as exc:
             if _error_code(exc) != "InvalidPermission.Duplicate":
                 raise
@@ -938,17 +906,12 @@ class Ec2Backend:
         if not instance_ids:
             return
         found = {inst["InstanceId"]: inst for inst in self._instances([], instance_ids)}
-        unmanaged = sorted(
-            iid
-            for iid in instance_ids
-            if iid not in found or _tags(found[iid]).get(TAG_MANAGED) != "true"
-        )
+        managed = {iid for iid, inst in found.items() if _tags(inst).get(TAG_MANAGED) == "true"}
+        unmanaged = sorted(iid for iid in instance_ids if iid not in managed)
         if unmanaged:
             raise NotManagedError(f"refusing to terminate {unmanaged}: no {TAG_MANAGED}=true tag")
         log.info("terminating %s", instance_ids)
         self.client.terminate_instances(InstanceIds=list(instance_ids))
-
-    # --- helpers ---
 
     def _run_params(
         self,

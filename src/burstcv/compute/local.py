@@ -172,18 +172,14 @@ class LocalBackend:
     def __init__(self, state_dir: str | None = None) -> None:
         self.state_dir = Path(state_dir or get_settings().compute_state_dir)
 
-    # -- records ---------------------------------------------------------------------------
     def _records(self, run_id: str | None = None) -> list[tuple[Path, LocalProcessRecord]]:
-        dirs = (
-            [self.state_dir / run_id]
-            if run_id
-            else sorted(p for p in self.state_dir.glob("*") if p.is_dir())
-        )
-        out = []
-        for folder in dirs:
-            for path in sorted(folder.glob("local-*.json")):
-                out.append((path, read_artifact(str(path), LocalProcessRecord)))
-        return out
+        root = self.state_dir
+        dirs = [root / run_id] if run_id else sorted(p for p in root.glob("*") if p.is_dir())
+        return [
+            (path, read_artifact(str(path), LocalProcessRecord))
+            for folder in dirs
+            for path in sorted(folder.glob("local-*.json"))
+        ]
 
     def _info(self, path: Path, rec: LocalProcessRecord) -> InstanceInfo:
         alive = _alive(path, rec)
@@ -207,7 +203,6 @@ class LocalBackend:
             attempt=rec.attempt,
         )
 
-    # -- protocol --------------------------------------------------------------------------
     def launch(self, launch: Launch, attempt: int = 1) -> list[str]:
         """Start ``burstcv train --job`` in its own process group; return its id."""
         folder = self.state_dir / launch.run.run_key

@@ -105,13 +105,12 @@ def reap(
         if _expired(info, checked_at):
             _terminate(backend, _expiry_decision(info), report)
     # Pass 2: ask Airflow about the rest, one box at a time.
+    noting = _noting_unknown(run_activity, report)
     for info in live:
         if _expired(info, checked_at):
             continue
         try:
-            decision = decide(
-                info, run_activity=_noting_unknown(run_activity, report), now=checked_at
-            )
+            decision = decide(info, run_activity=noting, now=checked_at)
         # Broad on purpose: counted in the report; the pass goes on.
         except Exception as exc:
             log.exception("reaper: could not check the run of %s; keeping it", info.instance_id)
@@ -175,9 +174,8 @@ def reap_everywhere(
     every configured region, else every region enabled for the account, one report each.
     ``run_activity`` is asked with the raw Airflow run id (its own tag), not the run key."""
     reports = []
-    for name, region, backend in _reaper_targets(
-        backend_names or settings.reaper_backend_names(), settings
-    ):
+    names = backend_names or settings.reaper_backend_names()
+    for name, region, backend in _reaper_targets(names, settings):
         try:
             if isinstance(backend, BaseException):
                 raise backend
@@ -268,6 +266,5 @@ def _reaper_targets(
         except Exception as exc:
             targets.append((name, "", exc))
             continue
-        for region in regions:
-            targets.append((name, region, Ec2Backend(ec2.model_copy(update={"region": region}))))
+        targets += [(name, r, Ec2Backend(ec2.model_copy(update={"region": r}))) for r in regions]
     return targets

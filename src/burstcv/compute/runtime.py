@@ -61,6 +61,7 @@ SIZING_MODULES = (
     "burstcv/gate/sizing.py",
 )
 _EPOCH = (1980, 1, 1, 0, 0, 0)  # the earliest zip timestamp: a fixed one makes builds equal
+_WHEEL = b"Wheel-Version: 1.0\nGenerator: burstcv\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
 
 # The folder holding each top-level package (src/ and spec/ in a checkout).
 _PACKAGE_ROOTS = {
@@ -87,7 +88,6 @@ class TrainingWheel:
 
     @property
     def size_bytes(self) -> int:
-        """Return the wheel's size."""
         return len(self.data)
 
 
@@ -145,10 +145,7 @@ def _build_wheel(
     files = list(files)
     files += [
         (f"{dist_info}/METADATA", metadata.encode()),
-        (
-            f"{dist_info}/WHEEL",
-            b"Wheel-Version: 1.0\nGenerator: burstcv\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-        ),
+        (f"{dist_info}/WHEEL", _WHEEL),
         (f"{dist_info}/entry_points.txt", f"[console_scripts]\n{console_script}\n".encode()),
     ]
     record = "".join(f"{name},{_record_hash(data)},{len(data)}\n" for name, data in files)

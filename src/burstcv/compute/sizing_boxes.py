@@ -72,17 +72,11 @@ def size_on_boxes(
 ) -> list[BoxSizing]:
     """Launch one sizing box per candidate type; return each type's BoxSizing, in order.
     Every box launched is terminated before this returns (or raises)."""
-    # The request images a box sends.
-    for no, data in enumerate(images):
+    for no, data in enumerate(images):  # the requests a box sends
         storage.write_bytes(storage.join(paths.sizing_requests, f"{no:04d}.img"), data)
-    boxes = _Boxes(
-        backend,
-        request,
-        paths,
-        requests_uri=paths.sizing_requests,
-        wheel=stage_sizing_wheel(artifact_root),
-        deadline_at=datetime.now(UTC) + timedelta(seconds=request.max_s),
-    )
+    wheel = stage_sizing_wheel(artifact_root)
+    deadline_at = datetime.now(UTC) + timedelta(seconds=request.max_s)
+    boxes = _Boxes(backend, request, paths, wheel, deadline_at)
     ends = clock() + request.max_s
     results: dict[str, BoxSizing] = {}
     waiting = list(dict.fromkeys(request.instance_types))
@@ -133,7 +127,6 @@ class _Boxes:
     backend: Ec2Backend
     request: SizingRequest
     paths: RunLayout
-    requests_uri: str
     wheel: StagedRuntime
     deadline_at: datetime
 
@@ -145,7 +138,7 @@ class _Boxes:
                 run_id=key,
                 instance_type=instance_type,
                 model_uri=request.model_uri,
-                requests_uri=self.requests_uri,
+                requests_uri=paths.sizing_requests,
                 out_uri=paths.box_sizing(instance_type),
                 log_uri=_log_uri(paths, instance_type),
                 wheel_uri=self.wheel.uri,
