@@ -1,7 +1,5 @@
-"""Convert a trained checkpoint to ONNX and prove the ONNX model equals it on real images.
-
-Parity runs on the final file, onnxruntime fed through the service's preprocessing and torch
-through training's: a mismatch in the graph or the preprocessing fails the export.
+"""Convert a trained checkpoint to ONNX and prove the final file equals it on real images, fed
+to onnxruntime through serving's preprocessing and to torch through training's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Quantize an exported model to INT8 and serve it only where it is as accurate and faster.
-
-Both files are scored on the validation split through serving's preprocessing and timed at
-batch 1 with the service's session settings, interleaved so a noisy machine slows both alike.
+"""Quantize an exported model to INT8 and serve it only where it is as accurate and faster,
+both scored through serving's preprocessing and timed with the service's session settings.
 """
 
 from __future__ import annotations
@@ -88,25 +86,18 @@ def evenly_spaced(images_u8: np.ndarray, count: int) -> np.ndarray:
 class ImageCalibrationReader(CalibrationDataReader):  # type: ignore[misc]  # ORT ships no types
     """Feed uint8 NHWC images to the calibrator in batches, normalised exactly as serving does."""
 
-    def __init__(
-        self,
-        images_u8: np.ndarray,
-        spec: PreprocessSpec,
-        input_name: str,
-        batch_size: int = CALIBRATION_BATCH,
-    ) -> None:
+    def __init__(self, images_u8: np.ndarray, spec: PreprocessSpec, input_name: str) -> None:
         self._images = images_u8
         self._spec = spec
         self._input_name = input_name
-        self._batch_size = batch_size
         self._start = 0
 
     def get_next(self) -> dict[str, np.ndarray] | None:
         """Return the next batch as ``{input_name: float32 NCHW}``, or None when done."""
         if self._start >= len(self._images):
             return None
-        chunk = self._images[self._start : self._start + self._batch_size]
-        self._start += self._batch_size
+        chunk = self._images[self._start : self._start + CALIBRATION_BATCH]
+        self._start += CALIBRATION_BATCH
         return {self._input_name: normalize(chunk, self._spec)}
 
     def rewind(self) -> None:
@@ -173,23 +164,18 @@ def accuracy(predicted: np.ndarray, labels: Sequence[str], classes: Sequence[str
 
 
 def interleaved_latency_ms(
-    sessions: dict[str, ort.InferenceSession],
-    batch: np.ndarray,
-    *,
-    warmup: int = LATENCY_WARMUP_RUNS,
-    rounds: int = LATENCY_ROUNDS,
-    runs_per_round: int = LATENCY_RUNS_PER_ROUND,
+    sessions: dict[str, ort.InferenceSession], batch: np.ndarray
 ) -> dict[str, dict[str, float]]:
     """Time ``session.run`` on one input for each session, alternating engines round by round."""
     samples: dict[str, list[float]] = {label: [] for label in sessions}
     feeds = {label: {s.get_inputs()[0].name: batch} for label, s in sessions.items()}
     for label, session in sessions.items():
-        for _ in range(warmup):
+        for _ in range(LATENCY_WARMUP_RUNS):
             session.run(None, feeds[label])
-    for _ in range(rounds):
+    for _ in range(LATENCY_ROUNDS):
         for label, session in sessions.items():
             feed = feeds[label]
-            for _ in range(runs_per_round):
+            for _ in range(LATENCY_RUNS_PER_ROUND):
                 t0 = time.perf_counter()
                 session.run(None, feed)
                 samples[label].append((time.perf_counter() - t0) * 1000.0)
@@ -244,11 +230,7 @@ def _checked_images(
         train_images_u8 = _centre_if_margin(train_images_u8, spec)
         val_images_u8 = _centre_if_margin(val_images_u8, spec)
     for what, images in (("training", train_images_u8), ("validation", val_images_u8)):
-        if (
-            images.dtype != np.uint8
-            or images.ndim != 4
-            or images.shape[1:] != (spec.height, spec.width, 3)
-        ):
+        if images.dtype != np.uint8 or images.shape[1:] != (spec.height, spec.width, 3):
             raise ValueError(
                 f"{what} images are {images.dtype} {images.shape}; expected uint8 "
                 f"N x {spec.height} x {spec.width} x 3"
@@ -272,10 +254,8 @@ def quantize_in_folder(
     calibration_images: int = CALIBRATION_IMAGES,
     threads: int | None = None,
 ) -> ModelCard:
-    """Try INT8 beside ``folder/model.onnx``; return the card with the file that serves.
-
-    Writes ``folder/model.int8.onnx`` whatever the verdict: the caller decides what to keep.
-    """
+    """Try INT8 beside ``folder/model.onnx``; return the card with the file that serves (writes
+    ``folder/model.int8.onnx`` whatever the verdict: the caller decides what to keep)."""
     spec, classes = card.preprocess.to_spec(), card.classes
     train_images_u8, val_images_u8 = _checked_images(
         spec, classes, train_images_u8, val_images_u8, val_labels
@@ -290,7 +270,6 @@ def quantize_in_folder(
         len(calibration),
         time.perf_counter() - started,
     )
-
     sessions = {
         "fp32": serving_session(fp32_path, threads=threads),
         "int8": serving_session(int8_path, threads=threads),

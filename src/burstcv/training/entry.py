@@ -1,7 +1,4 @@
-"""Run the training box's two commands: ``burstcv preflight`` and ``burstcv train``.
-
-The training wheel's ``burstcv`` console script: argparse only, no Typer, Airflow or service.
-"""
+"""The training wheel's ``burstcv`` console script (``preflight``, ``train``): argparse only."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Define job.json: the whole contract between the orchestrator and a training box.
 
 Each attempt (a relaunch is the next) writes its markers and logs under ``attempts/<n>/``, so an
-earlier attempt's marker never ends the wait for a later one; checkpoints are shared. This
-module runs on the AMI's Python (3.10+).
+earlier attempt's marker never ends the wait for a later one. Runs on the AMI's Python (3.10+).
 """
 
 from __future__ import annotations
@@ -213,10 +212,8 @@ def rank_failures(job_dir_uri: str, attempt: int) -> list[FailedMarker]:
 
 
 def owning_rank_failure(job_dir_uri: str, attempt: int) -> FailedMarker | None:
-    """Return the marker of the lowest rank whose error is its own (not resumable), or None.
-
-    The other ranks' resumable markers ("a peer box was lost") are what its exit did to them.
-    """
+    """Return the marker of the lowest rank whose error is its own (not resumable), or None;
+    the other ranks' resumable markers ("a peer box was lost") are what its exit did to them."""
     return next((m for m in rank_failures(job_dir_uri, attempt) if not m.resumable), None)
 
 

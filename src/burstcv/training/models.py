@@ -4,7 +4,6 @@ for small inputs trained from scratch.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,8 +12,6 @@ from torchvision import models as tvm
 from torchvision.models.resnet import BasicBlock, ResNet
 
 from burstcv.training.names import ARCHITECTURE_NAMES
-
-log = logging.getLogger(__name__)
 
 # At or below this input size the ImageNet stem throws away most of the image: scratch models
 # get one that keeps 2x more resolution (pretrained ones keep torchvision's, to fit the weights).
@@ -55,12 +52,12 @@ class Architecture:
     torchvision_name: str | None  # for torchvision.models.get_model_weights; None: no weights
 
 
-def _torchvision(name: str) -> Callable[[int], nn.Module]:
+def _torchvision(name: str, small_stem: Callable[[nn.Module], None], head: str) -> Architecture:
     def build(num_classes: int) -> nn.Module:
         model: nn.Module = tvm.get_model(name, weights=None, num_classes=num_classes)
         return model
 
-    return build
+    return Architecture(build, small_stem, head, name)
 
 
 def _resnet10(num_classes: int) -> nn.Module:
@@ -72,27 +69,13 @@ def _resnet10(num_classes: int) -> nn.Module:
 # seconds on a laptop CPU; the others are for photos, with torchvision's ImageNet weights.
 ARCHITECTURES: dict[str, Architecture] = {
     "resnet10": Architecture(_resnet10, _resnet_small_stem, "fc", None),
-    "resnet18": Architecture(_torchvision("resnet18"), _resnet_small_stem, "fc", "resnet18"),
-    "resnet34": Architecture(_torchvision("resnet34"), _resnet_small_stem, "fc", "resnet34"),
-    "resnet50": Architecture(_torchvision("resnet50"), _resnet_small_stem, "fc", "resnet50"),
-    "mobilenet_v3_small": Architecture(
-        _torchvision("mobilenet_v3_small"),
-        _first_conv_stride_1,
-        "classifier.3",
-        "mobilenet_v3_small",
-    ),
-    "mobilenet_v3_large": Architecture(
-        _torchvision("mobilenet_v3_large"),
-        _first_conv_stride_1,
-        "classifier.3",
-        "mobilenet_v3_large",
-    ),
-    "efficientnet_b0": Architecture(
-        _torchvision("efficientnet_b0"), _first_conv_stride_1, "classifier.1", "efficientnet_b0"
-    ),
-    "convnext_tiny": Architecture(
-        _torchvision("convnext_tiny"), _convnext_small_stem, "classifier.2", "convnext_tiny"
-    ),
+    "resnet18": _torchvision("resnet18", _resnet_small_stem, "fc"),
+    "resnet34": _torchvision("resnet34", _resnet_small_stem, "fc"),
+    "resnet50": _torchvision("resnet50", _resnet_small_stem, "fc"),
+    "mobilenet_v3_small": _torchvision("mobilenet_v3_small", _first_conv_stride_1, "classifier.3"),
+    "mobilenet_v3_large": _torchvision("mobilenet_v3_large", _first_conv_stride_1, "classifier.3"),
+    "efficientnet_b0": _torchvision("efficientnet_b0", _first_conv_stride_1, "classifier.1"),
+    "convnext_tiny": _torchvision("convnext_tiny", _convnext_small_stem, "classifier.2"),
 }
 
 
@@ -115,10 +98,8 @@ def architecture(arch: str) -> Architecture:
 def build_model(
     arch: str, num_classes: int, input_px: int, *, pretrained: bool = False
 ) -> nn.Module:
-    """Return a classifier with random weights; never downloads or loads anything.
-
-    ``pretrained=True`` builds the layout pretrained weights fit; training and export must agree.
-    """
+    """Return a classifier with random weights; never downloads or loads anything. ``pretrained``
+    builds the layout pretrained weights fit (training and export must agree)."""
     spec = architecture(arch)
     if num_classes < 2:
         raise ValueError(f"a classifier needs at least 2 classes, got {num_classes}")

@@ -1,8 +1,7 @@
 """Check a training box before it trains: Python, torch, CUDA, the driver, the GPUs.
 
-A box that cannot train says why in one line and powers off; a failed check is final (a relaunch
-on the same AMI fails the same way). Imports only the standard library at import time, so a
-broken torch is reported, not raised.
+A failed check is final (a relaunch on the same AMI fails the same way). Imports only the
+standard library at import time, so a broken torch is reported, not raised.
 """
 
 from __future__ import annotations
@@ -29,17 +28,10 @@ MIN_DRIVER_FOR_CUDA: dict[int, tuple[int, ...]] = {
 
 # GPUs an instance type has, for the types burstcv suggests; others are not checked.
 _G_SIZES = {"xlarge": 1, "2xlarge": 1, "4xlarge": 1, "8xlarge": 1, "16xlarge": 1, "12xlarge": 4}
+_G_BIG_SIZES = {"24xlarge": 4, "48xlarge": 8}  # no g4dn of these sizes
 GPUS_PER_INSTANCE_TYPE: dict[str, int] = {
-    **{
-        f"{family}.{size}": n
-        for family in ("g4dn", "g5", "g6", "g6e")
-        for size, n in _G_SIZES.items()
-    },
-    **{
-        f"{family}.{size}": n
-        for family in ("g5", "g6", "g6e")
-        for size, n in (("24xlarge", 4), ("48xlarge", 8))
-    },
+    **{f"{kind}.{size}": n for kind in ("g4dn", "g5", "g6", "g6e") for size, n in _G_SIZES.items()},
+    **{f"{kind}.{size}": n for kind in ("g5", "g6", "g6e") for size, n in _G_BIG_SIZES.items()},
     "g4dn.metal": 8,
     "p3.2xlarge": 1,
     "p3.8xlarge": 4,
@@ -80,7 +72,6 @@ def version_tuple(text: str) -> tuple[int, ...]:
 
 
 def dotted(version: tuple[int, ...]) -> str:
-    """Return a version tuple as text."""
     return ".".join(str(p) for p in version)
 
 
@@ -108,8 +99,7 @@ def check_torch_version(version: str) -> str | None:
 
 def check_driver(driver: str | None, torch_version: str, torch_cuda: str) -> str | None:
     """Return a problem if the NVIDIA driver cannot run torch's CUDA build."""
-    cuda_major = version_tuple(torch_cuda)[0]
-    needed = MIN_DRIVER_FOR_CUDA.get(cuda_major)
+    needed = MIN_DRIVER_FOR_CUDA.get(version_tuple(torch_cuda)[0])
     if driver is None:
         return (
             f"no NVIDIA driver found (nvidia-smi is missing or failed); torch {torch_version} "
@@ -136,11 +126,9 @@ def check_gpu_count(found: int, instance_type: str | None) -> str | None:
 
 
 def runs_on(capability: tuple[int, int], arch_list: list[str]) -> bool:
-    """Return True when a build for ``arch_list`` has kernels a GPU of ``capability`` runs.
-
-    A cubin (``sm_XY``) runs on the same major at minor Y or later, PTX (``compute_XY``) on any
-    later GPU, an arch-specific cubin (``sm_90a``) on that capability only.
-    """
+    """Return True when a build for ``arch_list`` has kernels a GPU of ``capability`` runs: a
+    cubin (``sm_XY``) runs on the same major at minor Y or later, PTX (``compute_XY``) on any
+    later GPU, an arch-specific cubin (``sm_90a``) on that capability only."""
     for arch in arch_list:
         match = _ARCH.fullmatch(arch)
         if match is None:

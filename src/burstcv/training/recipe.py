@@ -1,15 +1,8 @@
 """Choose the training recipe a run leaves on auto, from the validated data and the model.
 
 Chosen at validate time, before anything is rented (torch-free: the orchestrator imports it);
-a value the run names wins. The anchors:
-
-- model: resnet18 for photos (ImageNet weights), resnet10 from scratch for small images.
-- batch: the largest power of two up to MAX_BATCH leaving MIN_STEPS_PER_EPOCH steps; with
-  per_gpu it is each GPU's, and the box scales the rate by ``world_lr_factor``.
-- epochs: a small training set is seen IMAGES_SEEN times over; early stopping ends the rest.
-- optimizer: AdamW under SGD_MIN_STEPS steps, else SGD with Nesterov (Ultralytics' auto).
-- learning rate: AdamW 1e-3 x sqrt(batch / 32); SGD 0.1 per 256 images (Goyal et al.).
-- warm-up: a quarter of the run, at most max(3 epochs, 100 steps) (Ultralytics').
+a value the run names wins. The optimizer (AdamW for short runs, else SGD with Nesterov) and the
+warm-up follow Ultralytics' auto; SGD's rate is 0.1 per 256 images (Goyal et al.).
 """
 
 from __future__ import annotations

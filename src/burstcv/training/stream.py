@@ -1,9 +1,6 @@
-"""Stream uint8 shards to the device through a bounded window of memory, in an order fixed by
-(seed, epoch).
-
-Each epoch shuffles the shards into windows of ``mix`` and the images of each window, loading
-ahead in a thread. The order is a pure function of (seed, epoch, shard counts): an epoch
-resumed at step k skips the windows before it unread.
+"""Stream uint8 shards to the device through a bounded window of memory, in an order that is a
+pure function of (seed, epoch, shard counts): an epoch resumed at step k skips the windows before
+it unread.
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ import threading
 import time
 import zipfile
 from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,10 +138,8 @@ def _array_header(fp: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype[Any]]:
 def _read_images(
     fp: IO[bytes], uri: str, shape: tuple[int, ...], fortran: bool, dtype: np.dtype[Any]
 ) -> np.ndarray:
-    """Read an array's data into fresh anonymous memory, returned to the OS when it is freed.
-
-    Shard-sized malloc buffers raise glibc's mmap threshold, then fragment its heap for good.
-    """
+    """Read an array's data into fresh anonymous memory, returned to the OS when it is freed
+    (shard-sized malloc buffers raise glibc's mmap threshold, then fragment its heap for good)."""
     count = int(np.prod(shape))
     nbytes = count * dtype.itemsize
     buffer = mmap.mmap(-1, max(1, nbytes))
@@ -207,8 +203,6 @@ def decode_jpegs(
     data: np.ndarray, offsets: np.ndarray, shape: tuple[int, ...], uri: str
 ) -> np.ndarray:
     """Decode a JPEG shard into fresh anonymous memory (as ``_read_images``) on parallel threads."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from PIL import Image
 
     count = len(offsets) - 1
@@ -240,19 +234,15 @@ def read_shard_info(uri: str, classes: list[str]) -> ShardInfo:
 
 
 class ShardCache:
-    """Keep the S3 shards a box has downloaded on its own disk, for the epochs after the first.
-
-    Once free space would drop below ``reserve_bytes`` it takes nothing more; the shards it
-    lacks are downloaded each epoch into a temporary file in its folder (not a RAM /tmp).
-    """
+    """Keep the S3 shards a box has downloaded on its own disk, for the epochs after the first;
+    once free space would drop below ``reserve_bytes`` it takes nothing more, and the shards it
+    lacks are downloaded each epoch into a temporary file in its folder (not a RAM /tmp)."""
 
     def __init__(self, root: str | Path, *, reserve_bytes: int = CACHE_RESERVE_BYTES) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.reserve_bytes = reserve_bytes
-        self.full = False
-        self.hits = 0
-        self.downloads = 0
+        self.full, self.hits, self.downloads = False, 0, 0
         self._lock = threading.Lock()
 
     @classmethod
@@ -312,10 +302,8 @@ def _object_size(uri: str) -> int:
 def load_shard(
     uri: str, classes: list[str], cache: ShardCache | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Read one shard whole: uint8 NHWC images and int64 labels, validated like its headers.
-
-    An S3 shard goes through a file (``cache`` or temporary): bytes and arrays never both in RAM.
-    """
+    """Read one shard whole (uint8 NHWC images, int64 labels), validated like its headers; an S3
+    shard goes through a file (``cache`` or temporary): bytes and arrays never both in RAM."""
     if not storage.is_s3(uri):
         return _load_local(uri, uri, classes)
     if cache is not None:
@@ -350,11 +338,9 @@ def epoch_windows(counts: list[int], seed: int, epoch: int, mix: int) -> list[li
 
 
 def node_shards(counts: list[int], nodes: int) -> list[list[int]]:
-    """Deal a split's shards to ``nodes`` boxes, their images as even as whole shards allow.
-
-    Largest first, each to the box with the fewest images so far: it follows from the sizes
-    alone, so it is the same on every box, in every epoch and after a relaunch.
-    """
+    """Deal a split's shards to ``nodes`` boxes, their images as even as whole shards allow:
+    largest first, each to the box with the fewest images so far. It follows from the sizes
+    alone, so it is the same on every box, in every epoch and after a relaunch."""
     if not 1 <= nodes <= len(counts):
         raise ValueError(f"cannot deal {len(counts)} shard(s) to {nodes} box(es)")
     deal: list[list[int]] = [[] for _ in range(nodes)]
@@ -473,13 +459,7 @@ class _DeviceCopier:
         if not self._pinned:
             return x.permute(0, 3, 1, 2).to(self.device), y.to(self.device)
         if len(self._buffers) < 2:
-            self._buffers.append(
-                (
-                    torch.empty(x.shape, dtype=x.dtype).pin_memory(),
-                    torch.empty(y.shape, dtype=y.dtype).pin_memory(),
-                    torch.cuda.Event(),
-                )
-            )
+            self._buffers.append((_pinned_like(x), _pinned_like(y), torch.cuda.Event()))
         host_x, host_y, done = self._buffers[self._turn % len(self._buffers)]
         self._turn += 1
         waited = time.perf_counter()
@@ -487,8 +467,7 @@ class _DeviceCopier:
         if self._on_wait is not None:  # the copy queued behind the GPU's steps: GPU time
             self._on_wait(time.perf_counter() - waited)
         if host_x.shape[0] < x.shape[0] or host_x.shape[1:] != x.shape[1:]:
-            host_x = torch.empty(x.shape, dtype=x.dtype).pin_memory()
-            host_y = torch.empty(y.shape, dtype=y.dtype).pin_memory()
+            host_x, host_y = _pinned_like(x), _pinned_like(y)
             self._buffers[(self._turn - 1) % len(self._buffers)] = (host_x, host_y, done)
         n = x.shape[0]
         host_x[:n].copy_(x)
@@ -498,6 +477,10 @@ class _DeviceCopier:
         done.record()
         # NHWC memory seen as NCHW is channels_last, the layout the CUDA loop wants anyway.
         return dev_x.permute(0, 3, 1, 2), dev_y
+
+
+def _pinned_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype).pin_memory()
 
 
 def _gather(
@@ -582,10 +565,8 @@ class ShardStream:
         world_size: int = 1,
         steps: int | None = None,
     ) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
-        """Yield the epoch's batches from ``start_step`` on: this rank's share of each, on device.
-
-        ``steps``: what the boxes of a run agreed; by default the full batches the shards hold.
-        """
+        """Yield the epoch's batches from ``start_step`` on: this rank's share of each, on device;
+        ``steps`` is what the boxes of a run agreed (default: the full batches the shards hold)."""
         steps = max(1, self.count // batch_size) if steps is None else steps
         per_rank = max(1, batch_size // world_size)
         batch_size = min(batch_size, self.count)
@@ -658,10 +639,8 @@ class ShardStream:
 
 
 def sample_split(uris: list[str], classes: list[str], limit: int) -> tuple[np.ndarray, np.ndarray]:
-    """Return up to ``limit`` images (and label indices) evenly spaced over a split's shards.
-
-    One shard at a time, keeping only the chosen rows: the orchestrator never holds a split.
-    """
+    """Return up to ``limit`` images (and label indices) evenly spaced over a split's shards, one
+    shard at a time keeping only the chosen rows: the orchestrator never holds a split."""
     counts = [read_shard_info(uri, classes).count for uri in uris]
     total = sum(counts)
     picks = np.unique(np.linspace(0, total - 1, num=min(limit, total)).round().astype(np.int64))

@@ -1,8 +1,7 @@
 """Run one training job from job.json: on CPU, one GPU or many (torchrun), resumable, then DONE.
 
 Data within the job's memory budget moves to the device whole, so a GPU step never waits for a
-host-to-device copy; larger data is streamed (burstcv.training.stream). Augmentation and
-normalisation run on the device either way.
+host-to-device copy; larger data is streamed (burstcv.training.stream).
 """
 
 from __future__ import annotations
@@ -202,7 +201,6 @@ class Split:
 
     @property
     def device(self) -> torch.device:
-        """Return the device the split lives on."""
         return self.images.device
 
 
@@ -221,10 +219,8 @@ def to_device_split(images: np.ndarray, labels: np.ndarray, device: torch.device
 def open_splits(
     job: JobSpec, device: torch.device, cache: ShardCache | None = None, d: Dist | None = None
 ) -> tuple[Split | ShardStream, Split | ShardStream, Share]:
-    """Return (train, val, share): whole on the device where the data fits, else streamed.
-
-    On several boxes train holds this box's own shards; every box evaluates all of val.
-    """
+    """Return (train, val, share): whole on the device where the data fits, else streamed; on
+    several boxes train holds this box's own shards, and every box evaluates all of val."""
     infos = {
         name: [read_shard_info(uri, job.classes) for uri in uris]
         for name, uris in (("train", job.train_shards), ("val", job.val_shards))
@@ -354,11 +350,9 @@ def load_checkpoint(uri: str, required: tuple[str, ...] = ()) -> dict[str, Any] 
 
 
 def resume_checkpoint(output_uri: str) -> tuple[str, dict[str, Any]] | None:
-    """Return the URI and contents of the checkpoint a job (its output folder) resumes from.
-
-    last.pt when it loads, else the further along of prev.pt and best.pt. Raise when last.pt or
-    prev.pt exists and nothing loads: starting over would overwrite what a person should see.
-    """
+    """Return (URI, contents) of the checkpoint to resume from: last.pt when it loads, else the
+    further along of prev.pt and best.pt. Raise when last.pt or prev.pt exists and nothing
+    loads: starting over would overwrite what a person should see."""
     last, prev, best = (
         storage.join(output_uri, name)
         for name in (CHECKPOINT, PREVIOUS_CHECKPOINT, BEST_CHECKPOINT)
@@ -420,11 +414,9 @@ class WorldScale:
 def scale_to_world(
     job: JobSpec, d: Dist, ckpt: dict[str, Any] | None = None
 ) -> tuple[JobSpec, WorldScale]:
-    """Return the job as its ranks train it: the global batch, the peak rate, the warm-up.
-
-    per_gpu: the warm-up (counted one rank a box) shrinks by the GPUs a box has, to cover the
-    same images; a resume keeps its first attempt's world, so its schedule holds on other boxes.
-    """
+    """Return the job as its ranks train it: the global batch, the peak rate, the warm-up. With
+    per_gpu the warm-up (counted one rank a box) shrinks by the GPUs a box has, to cover the same
+    images; a resume keeps its first attempt's world, so its schedule holds on other boxes."""
     if job.batch_scaling == "global":
         return job, WorldScale(max(1, job.batch_size // d.world_size), d.world_size, 1.0)
     world = int(ckpt.get("batch_world", d.world_size)) if ckpt is not None else d.world_size
@@ -468,6 +460,10 @@ def _step_generator(seed: int, epoch: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + epoch * 10_007 + step)
 
 
+def _channels_last(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous(memory_format=torch.channels_last) if x.device.type == "cuda" else x
+
+
 def _autocast(device: torch.device, amp_dtype: torch.dtype | None) -> torch.autocast:
     return torch.autocast(
         device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
@@ -491,9 +487,7 @@ def evaluate(
     total_loss = 0.0
     with torch.no_grad(), closing(_eval_batches(split, batch_size)) as batches:
         for x_u8, y in batches:
-            x = normalize(x_u8, mean, std, scale)
-            if x.device.type == "cuda":
-                x = x.contiguous(memory_format=torch.channels_last)
+            x = _channels_last(normalize(x_u8, mean, std, scale))
             with _autocast(x.device, amp_dtype):
                 logits = model(x)
             total_loss += float(F.cross_entropy(logits.float(), y, reduction="sum"))
@@ -539,11 +533,9 @@ class Run:
 
 
 class MetricLogger:
-    """Meter the run: the wall-time split, and the running epoch's loss and images per second.
-
-    Losses are summed on the device and read once an epoch (or a divergence window): reading a
-    GPU value every step would make the host wait for each step, leaving the GPU idle.
-    """
+    """Meter the run's wall-time split and the epoch's loss and images/s. Losses are summed on
+    the device and read once an epoch (or a divergence window): reading a GPU value every step
+    would make the host wait for each step, leaving the GPU idle."""
 
     def __init__(self) -> None:
         self.setup_s = self.data_s = self.compute_s = self.eval_s = 0.0
@@ -588,11 +580,9 @@ BEAT_STEPS = 50
 
 @dataclass
 class Beat:
-    """Write the training loop's own heartbeat (``TrainingBeat``) as it makes progress.
-
-    Only progress writes it, at most every ``every_s``: a trainer alive but stalled stops
-    beating, and the train task's trigger ends its attempt (``burstcv.compute.liveness``).
-    """
+    """Write the training loop's heartbeat (``TrainingBeat``) only on progress, at most every
+    ``every_s``: a trainer alive but stalled stops beating, and the train task's trigger ends
+    its attempt (``burstcv.compute.liveness``)."""
 
     uri: str
     attempt: int
@@ -679,9 +669,7 @@ def train_one_epoch(ctx: Run, state: RunState, train: Split | ShardStream) -> di
             gen = _step_generator(job.seed, epoch, step)
             x_u8, y = next(batches)
             t0 += getattr(train, "gpu_wait_s", 0.0) - gpu_wait  # GPU time, not data time
-            x = normalize(augment(x_u8, job, gen), ctx.mean, ctx.std, ctx.scale)
-            if device.type == "cuda":
-                x = x.contiguous(memory_format=torch.channels_last)
+            x = _channels_last(normalize(augment(x_u8, job, gen), ctx.mean, ctx.std, ctx.scale))
             t1 = time.perf_counter()
             with _autocast(device, ctx.amp_dtype):
                 loss = F.cross_entropy(ctx.net(x), y, label_smoothing=job.label_smoothing)
@@ -800,9 +788,7 @@ def _sweep(
                 for group, share in zip(opt.param_groups, shares, strict=True):
                     group["lr"] = lr * share
                 gen = _step_generator(job.seed, epoch, step)
-                x = normalize(augment(x_u8, job, gen), mean, std, scale)
-                if train.device.type == "cuda":
-                    x = x.contiguous(memory_format=torch.channels_last)
+                x = _channels_last(normalize(augment(x_u8, job, gen), mean, std, scale))
                 with _autocast(train.device, amp_dtype):
                     loss = F.cross_entropy(model(x), y, label_smoothing=job.label_smoothing)
                 opt.zero_grad(set_to_none=True)
@@ -898,11 +884,8 @@ def _should_compile(job: JobSpec, device: torch.device, total_steps: int) -> boo
 
 
 def param_groups(model: nn.Module, job: JobSpec) -> list[dict[str, Any]]:
-    """Return parameter groups: head then backbone, each with and without weight decay.
-
-    A pretrained backbone learns at ``backbone_lr_scale`` times the head's rate; 1-D parameters
-    (biases, norms) get no weight decay.
-    """
+    """Return parameter groups: head then backbone, each with and without weight decay (none
+    for 1-D biases and norms); a pretrained backbone learns at ``backbone_lr_scale`` x."""
     backbone, head = split_head(model, job.arch)
     scale = job.backbone_lr_scale if is_pretrained(job.pretrained) else 1.0
     groups: list[dict[str, Any]] = []
@@ -1011,11 +994,10 @@ def main(job: JobSpec, attempt: int = 1) -> TrainingMetrics:
     if torch.cuda.is_available():
         device = torch.device("cuda", d.local_rank)
         torch.cuda.set_device(d.local_rank)
-    torch.manual_seed(job.seed)
-    if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(job.seed)
     cache = ShardCache.from_env(job.run_id)  # set on the training box: a folder on its disk
     if d.is_main:  # the attempt before this one has ended: nothing else writes there
         for path in storage.remove_partial_writes(job.uri(CHECKPOINTS)):
@@ -1481,10 +1463,8 @@ _PEER_GONE = (
 
 
 def peer_lost(exc: BaseException) -> bool:
-    """Return True when a multi-box run's collective failed because another box went away.
-
-    On one box a rank that dies takes the job with it: its own error is the reason.
-    """
+    """Return True when a multi-box run's collective failed because another box went away (on
+    one box a rank that dies takes the job with it: its own error is the reason)."""
     if int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
         return False
     if isinstance(exc, dist.DistError):
@@ -1504,10 +1484,8 @@ def _write_failed(
     resumable: bool,
     exc: BaseException | None = None,
 ) -> None:
-    """Write the attempt's FAILED (the first rank) and, with several ranks, this rank's own.
-
-    A rank's error (its traceback's last lines) stays its own, never taken for a peer it stopped.
-    """
+    """Write the attempt's FAILED (the first rank) and, with several ranks, this rank's own: a
+    rank's error (its traceback's last lines) stays its own, never taken for a peer it stopped."""
     if not output_uri:
         return
     rank = int(os.environ.get("RANK", "0"))

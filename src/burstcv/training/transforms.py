@@ -1,8 +1,7 @@
 """Crop, resize and flip whole batches of stored uint8 images on the training device.
 
-Photos are stored with pack's margin (``burstcv_spec.preprocess.margin_spec``): evaluation
-takes its centre, as serving does; training takes random-resized crops. Random numbers come
-from a CPU generator, so a batch is the same on any device and after any resume.
+Random numbers come from a CPU generator, so a batch is the same on any device and after any
+resume.
 """
 
 from __future__ import annotations
@@ -101,10 +100,8 @@ def random_resized_crop(
     ratio: tuple[float, float],
     gen: torch.Generator,
 ) -> torch.Tensor:
-    """Crop a random box of each image and resize it to ``size``: uint8 NCHW in, float out.
-
-    roi_align's adaptive sampling anti-aliases a downscale as Pillow's resize does at eval.
-    """
+    """Crop a random box of each image and resize it to ``size`` (uint8 NCHW in, float out);
+    roi_align's adaptive sampling anti-aliases a downscale as Pillow's resize does at eval."""
     n, _, height, width = batch_u8.shape
     boxes = rrc_boxes(n, height, width, scale, ratio, gen).to(batch_u8.device)
     index = torch.arange(n, device=batch_u8.device, dtype=boxes.dtype)[:, None]

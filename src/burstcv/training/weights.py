@@ -1,8 +1,7 @@
 """Resolve, fetch, check and load the pretrained weights a run starts from.
 
 Named weights are downloaded by torchvision once, then kept in the artifact store by sha256.
-Every file is read with ``torch.load(weights_only=True)``. ``check_pretrained`` needs no GPU,
-so the orchestrator can refuse a run before renting one.
+``check_pretrained`` needs no GPU, so the orchestrator can refuse a run before renting one.
 """
 
 from __future__ import annotations
@@ -71,10 +70,8 @@ def weights_key(weights: WeightsEnum) -> str:
 def normalization(
     arch: str, pretrained: str, dataset_mean: Triple, dataset_std: Triple
 ) -> tuple[Triple, Triple]:
-    """Return the (mean, std) a model must be trained and served with.
-
-    From scratch the dataset's, torchvision weights theirs, a state_dict URI ImageNet's.
-    """
+    """Return the (mean, std) a model must be trained and served with: from scratch the
+    dataset's, torchvision weights theirs, a state_dict URI ImageNet's."""
     kind = pretrained_kind(pretrained)
     if kind == "none":
         return dataset_mean, dataset_std
@@ -102,10 +99,8 @@ def _reason(exc: BaseException) -> str:
 
 
 def read_state_dict(data: bytes, source: str) -> dict[str, torch.Tensor]:
-    """Load weights with ``weights_only=True``; refuse anything but a state dict of tensors.
-
-    A training checkpoint gives its ``model``; DistributedDataParallel's ``module.`` is dropped.
-    """
+    """Load weights with ``weights_only=True``; refuse anything but a state dict of tensors (a
+    training checkpoint gives its ``model``; DistributedDataParallel's ``module.`` is dropped)."""
     try:
         obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # untrusted bytes: any failure to parse them is the file's fault
@@ -117,10 +112,7 @@ def read_state_dict(data: bytes, source: str) -> dict[str, torch.Tensor]:
             ) from exc
         raise PretrainedError(f"{source} is not a torch weights file ({_reason(exc)})") from exc
     if isinstance(obj, dict):
-        for key in _NESTED_STATE_KEYS:
-            if isinstance(obj.get(key), dict):
-                obj = obj[key]
-                break
+        obj = next((obj[k] for k in _NESTED_STATE_KEYS if isinstance(obj.get(k), dict)), obj)
     if not isinstance(obj, dict) or not obj:
         holds = "an empty dict" if isinstance(obj, dict) else f"a {type(obj).__name__}"
         raise PretrainedError(f"{source} is not a state dict of name -> tensor (it holds {holds})")
@@ -294,11 +286,8 @@ class AutoWeights:
 
 
 def auto_pretrained(arch: str, *, photos: bool, store: str | None) -> AutoWeights:
-    """Resolve ``pretrained=auto``: for photos, the architecture's ImageNet weights.
-
-    Fetched here into ``store``, so the box never needs the internet; where they cannot be,
-    the run trains from scratch with a warning.
-    """
+    """Resolve ``pretrained=auto``: for photos, the architecture's ImageNet weights, fetched
+    here into ``store`` so the box never needs the internet (else from scratch, with a warning)."""
     if not photos:
         return AutoWeights("none", "from scratch (small images, not photos)")
     if architecture(arch).torchvision_name is None:
@@ -308,12 +297,11 @@ def auto_pretrained(arch: str, *, photos: bool, store: str | None) -> AutoWeight
     try:
         _, source = fetch_weights(weights, store)
     except (OSError, RuntimeError, ValueError) as exc:  # no network, a bad download
-        reason = _reason(exc)
         return AutoWeights(
             "none",
             f"from scratch ({key} could not be fetched)",
             f"pretrained auto: the ImageNet weights of {arch} ({key}) could not be fetched "
-            f"({reason}); training from scratch, which needs more data and epochs to reach "
+            f"({_reason(exc)}); training from scratch, which needs more data and epochs to reach "
             "the same accuracy",
         )
     return AutoWeights(key, f"{key} (ImageNet), kept in the artifact store: {source}")
