@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+from logging.handlers import BufferingHandler
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from burstcv.data.photos import PHOTO_CLASSES, write_photo_dataset
 from burstcv.params import ResolvedRun, RunParams
@@ -39,16 +38,23 @@ def train_with_defaults(
     return resolve.resolved_run(run), json.loads(storage.read_bytes(layout.metrics))
 
 
-def test_a_small_photo_set_trains_well_with_every_default(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_small_photo_set_trains_well_with_every_default(tmp_path: Path) -> None:
     # 3 classes of real photos (crops of scikit-learn's two), 40 + 12 per class, 200-800 px;
     # the size is lowered to 32 px for the CPU (a training default is not a size choice).
     write_photo_dataset(tmp_path / "photos", per_class=(40, 12))
-    with caplog.at_level(logging.INFO, logger="burstcv.stages"):
+    # A handler on the stages' own logger: Airflow, first imported mid-run when this test runs
+    # alone, replaces the root logger's handlers (pytest's capture handler among them).
+    stages_log, seen = logging.getLogger("burstcv.stages"), BufferingHandler(100_000)
+    level = stages_log.level
+    stages_log.setLevel(logging.INFO)
+    stages_log.addHandler(seen)
+    try:
         resolved, metrics = train_with_defaults(
             tmp_path / "photos", "photos-defaults", image_size=32
         )
+    finally:
+        stages_log.removeHandler(seen)
+        stages_log.setLevel(level)
     training = resolved.training
     assert training is not None and set(training.derived) >= AUTO
     assert training.model == "resnet18"  # it has ImageNet weights
@@ -56,11 +62,11 @@ def test_a_small_photo_set_trains_well_with_every_default(
     if training.warning:  # no internet here: from scratch, said in one line
         assert training.pretrained == "none"
         assert training.warning.startswith("pretrained auto: the ImageNet weights of resnet18")
-        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        warned = [r.getMessage() for r in seen.buffer if r.levelno == logging.WARNING]
         assert warned == [training.warning]
     else:
         assert training.pretrained.startswith("ResNet18_Weights.")
-    chose = [r.getMessage() for r in caplog.records if r.getMessage().startswith("training: ")]
+    chose = [r.getMessage() for r in seen.buffer if r.getMessage().startswith("training: ")]
     assert chose == [f"training: {training.reason}"] and "\n" not in training.reason
     doc = json.loads(storage.read_bytes(resolve.run_layout(resolved.run_id).record))
     assert doc["training"]["reason"] == training.reason  # run.json, as every later task reads
