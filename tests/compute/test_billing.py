@@ -18,7 +18,7 @@ from burstcv_testkit import HELD_WHEEL, forget_in_emulator, g6_box_rate, reclaim
 
 from burstcv.compute import attempts
 from burstcv.compute.base import PENDING, RUNNING, STOPPED, InstanceInfo
-from burstcv.compute.billing import record_end, record_launch, run_bill
+from burstcv.compute.billing import record_end, record_launch, recorded_attempts, run_bill
 from burstcv.compute.ec2 import Ec2Backend
 from burstcv.params import RunParams
 from burstcv.settings import Settings
@@ -356,3 +356,41 @@ def test_a_box_without_a_launch_time_is_recorded_at_now_and_billed_its_minimum(
     # 30 s up: every part is billed its 60 s minimum.
     assert bill.billed_seconds == {"i-0b1": 60.0}
     assert bill.cost_usd == pytest.approx((0.8048 + ATTACHED_USD_PER_HOUR) * 60 / 3600)
+
+
+def test_the_attempts_recorded_are_counted_up_to_the_first_without_a_launch_record(
+    tmp_path: Path,
+) -> None:
+    """A sizing tried again launches its boxes as the folder's next attempt: the count is of
+    the launch records 1, 2, 3... in a row (an end record alone, or one after a gap, is none)."""
+    job_dir = str(tmp_path / "job")
+    assert recorded_attempts(job_dir) == 0  # nothing launched yet: the next attempt is 1
+
+    def launched(attempt: int) -> None:
+        record_launch(
+            job_dir,
+            attempt,
+            run_key="billed",
+            dag_id="burstcv_pipeline",
+            backend="ec2",
+            region="us-east-1",
+            boxes=[box(RUNNING, T0)],
+            rate_of=lambda info: RATE,
+            now=T0,
+        )
+
+    launched(1)
+    assert recorded_attempts(job_dir) == 1
+    launched(2)
+    launched(3)
+    assert recorded_attempts(job_dir) == 3
+    # Attempt 4 has an end record but was never launched; attempt 5's launch follows the gap.
+    end = AttemptBill(
+        attempt=4, run_key="billed", dag_id="burstcv_pipeline", backend="ec2", boxes=[]
+    )
+    write_artifact(attempt_dir(job_dir, 4, END_RECORD), end)
+    launched(5)
+    assert recorded_attempts(job_dir) == 3
+    # What the count bills: the three attempts recorded, each its box.
+    bill = run_bill(job_dir, recorded_attempts(job_dir), T0 + timedelta(minutes=5), backend="ec2")
+    assert len(bill.instances) == 3

@@ -13,20 +13,31 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from awsaudit import EMPTY_PRICE_LIST, AwsCall, RecordingProxy, price_list
 from burstcv_testkit import HELD_WHEEL, launch_of
 
+from burstcv.compute.base import InstanceInfo
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.cost import budget
-from burstcv.cost.quotes import SOURCE_BUNDLED, SOURCE_PRICE_LIST, SOURCE_SPOT_HISTORY, quote_uri
+from burstcv.cost.quotes import (
+    SOURCE_BUNDLED,
+    SOURCE_PRICE_LIST,
+    SOURCE_SPOT_HISTORY,
+    PriceSources,
+    aws_price_sources,
+    quote,
+    quote_uri,
+)
 from burstcv.params import RunParams
 from burstcv.settings import Settings
 from burstcv.stages import data, resolve
 from burstcv_spec import storage
-from burstcv_spec.contracts import PriceQuote, RunRef, read_artifact
+from burstcv_spec.contracts import BoxRate, PriceQuote, RunRef, read_artifact
 
 REGION = "eu-west-1"
 TYPE = "g5.2xlarge"  # neither in the bundled table
@@ -210,3 +221,121 @@ def test_a_run_nobody_can_price_fails_at_validate_with_one_line(
     assert "\n" not in line and TYPE in line and REGION in line
     assert "pricing:GetProducts" in line and "BURSTCV_PRICE_TABLE" in line
     assert not [c for c in audited_calls.snapshot() if c.action.startswith("ec2:Run")]
+
+
+@pytest.mark.parametrize("made_by", ["backend", "deployment"])
+def test_a_type_the_bundled_table_prices_too_is_priced_from_aws_in_both_markets(
+    made_by: str, s3_deployment: Settings, audited_calls: RecordingProxy
+) -> None:
+    """The EC2 backend's sources (its bills) and the deployment's (the budget) both ask AWS:
+    on-demand at the Price List API, spot at the region's spot price history; the bundled
+    table's older figure for the same type answers only where no AWS source is given."""
+    region = s3_deployment.ec2.region
+    assert region == "us-east-1"  # g6.xlarge has a row here: $0.8048 on-demand
+    audited_calls.answers["pricing:GetProducts"] = price_list({"g6.xlarge": "0.9100000000"}, region)
+    if made_by == "backend":
+        backend = Ec2Backend(Ec2Settings())
+        sources = backend.price_sources()  # the store: the deployment's
+        assert sources.ec2 is not None and sources.ec2() is backend.client
+    else:
+        sources = aws_price_sources(s3_deployment.ec2, s3_deployment.artifact_root)
+        assert sources.ec2 is not None and sources.ec2() is sources.ec2()  # one client, reused
+    assert sources.artifact_root == s3_deployment.artifact_root
+
+    on_demand = quote("g6.xlarge", region, "on-demand", sources)
+    assert on_demand is not None and on_demand.source == SOURCE_PRICE_LIST
+    assert on_demand.usd_per_hour == pytest.approx(0.91)
+    zone = f"{region}a"
+    spot = quote("g6.xlarge", region, "spot", sources, zone=zone)
+    assert spot is not None and spot.source == SOURCE_SPOT_HISTORY and spot.zone == zone
+    priced_by = {"pricing:GetProducts", "ec2:DescribeSpotPriceHistory"}
+    asked = [(c.action, c.region) for c in audited_calls.snapshot() if c.action in priced_by]
+    assert asked == [
+        ("pricing:GetProducts", "us-east-1"),
+        ("ec2:DescribeSpotPriceHistory", region),
+    ]
+    # Both are cached in the deployment's store, as AWS said them.
+    cached = read_artifact(
+        quote_uri(s3_deployment.artifact_root, "g6.xlarge", region, "on-demand", ""), PriceQuote
+    )
+    assert (cached.source, cached.usd_per_hour) == (SOURCE_PRICE_LIST, on_demand.usd_per_hour)
+    assert storage.exists(quote_uri(s3_deployment.artifact_root, "g6.xlarge", region, "spot", zone))
+    # Without an AWS source, a store that has no quote yet gets the table's figure.
+    offline = PriceSources(artifact_root=storage.join(s3_deployment.artifact_root, "offline"))
+    table = quote("g6.xlarge", region, "on-demand", offline)
+    assert table is not None and (table.source, table.usd_per_hour) == (SOURCE_BUNDLED, 0.8048)
+
+
+def test_the_deployments_spot_prices_are_asked_of_its_own_region(
+    far_deployment: Settings, audited_calls: RecordingProxy
+) -> None:
+    """The Price List API answers from us-east-1 for every region; spot prices are per region:
+    the deployment's EC2 client is its own region's."""
+    sources = aws_price_sources(Ec2Settings(), far_deployment.artifact_root)
+    spot = quote(TYPE, REGION, "spot", sources, zone=f"{REGION}a")
+    assert spot is not None and spot.source == SOURCE_SPOT_HISTORY
+    history = [c for c in audited_calls.snapshot() if c.action == "ec2:DescribeSpotPriceHistory"]
+    assert [c.region for c in history] == [REGION]
+
+
+def test_a_box_nobody_can_quote_is_billed_at_the_runs_bound_rate(
+    far_deployment: Settings, audited_calls: RecordingProxy
+) -> None:
+    audited_calls.answers["pricing:GetProducts"] = (200, EMPTY_PRICE_LIST)
+    backend = Ec2Backend(Ec2Settings())
+    # Not priced by the Price List API in eu-west-1, nor by the bundled table; no address.
+    info = InstanceInfo(
+        instance_id="i-0unpriced",
+        run_id="unpriced",
+        dag_id="dag",
+        state="running",
+        instance_type=TYPE,
+        lifecycle="on-demand",
+        zone=f"{REGION}a",
+        public_ipv4=False,
+    )
+    bound = BoxRate(
+        instance_type="g6.xlarge", market="on-demand", usd_per_hour=2.5, price_source="a bound"
+    )
+
+    rate = backend.box_rate(info, bound=bound)
+    assert (rate.instance_type, rate.market, rate.usd_per_hour) == (TYPE, "on-demand", 2.5)
+    assert rate.price_source.startswith("no quote: the run's bound rate")
+    assert rate.public_ipv4_usd_per_hour == 0.0  # a box without a public IPv4 pays for none
+    assert (rate.volume_gb, rate.ebs_usd_per_gb_month) == (VOLUME_GB, 0.088)
+    # With no bound either, the box's instance is billed nothing rather than a guess.
+    unbound = backend.box_rate(replace(info, public_ipv4=True), bound=None)
+    assert unbound.usd_per_hour == 0.0 and unbound.price_source == rate.price_source
+    assert unbound.public_ipv4_usd_per_hour == IPV4_USD_PER_HOUR
+    assert [c.region for c in asked_for(audited_calls, TYPE)] == ["us-east-1", "us-east-1"]
+
+
+@pytest.mark.parametrize(
+    ("run_on", "deployment_reaches_aws", "asks_aws"),
+    [("ec2", True, True), ("ec2", False, True), ("local", True, True), ("local", False, False)],
+)
+def test_a_run_is_priced_by_aws_unless_it_runs_locally_on_a_deployment_without_aws(
+    run_on: str,
+    deployment_reaches_aws: bool,
+    asks_aws: bool,
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An EC2 run must reach AWS anyway, and a deployment that reaches it asks it; only a local
+    run on a deployment with no AWS at all is priced from the store and the bundled table (it
+    never waits on a network it does not have)."""
+    for key in list(os.environ):
+        if key.startswith(("AWS_", "AIRFLOW_CONN_AWS", "BURSTCV_EC2_")):
+            monkeypatch.delenv(key)
+    if deployment_reaches_aws:
+        monkeypatch.setenv("AWS_PROFILE", "ml-team")
+    settings = Settings(artifact_root=str(tmp_path / "artifacts"), compute_backend="local")
+    assert settings.aws_configured() is deployment_reaches_aws
+
+    sources = budget.price_sources(params(compute_backend=run_on), settings)
+
+    assert sources.artifact_root == settings.artifact_root
+    assert (sources.pricing is not None, sources.ec2 is not None) == (asks_aws, asks_aws)
+    if not asks_aws:
+        found = quote("g6.xlarge", "us-east-1", "on-demand", sources)
+        assert found is not None and (found.source, found.usd_per_hour) == (SOURCE_BUNDLED, 0.8048)

@@ -191,6 +191,45 @@ def test_at_most_parallel_boxes_are_up_and_a_box_without_figures_is_skipped(
     assert len(again["c7i.large"].instances) == 2 and len(again["m7i.large"].instances) == 1
 
 
+def test_a_sizing_box_is_launched_on_demand_where_the_deployment_launches_spot(
+    ec2_account: None, ec2_client: Any, audited_calls: Any
+) -> None:
+    """A spot box could be reclaimed mid-measurement: the figures would be lost, or measured
+    on a box about to go. The sizing asks for on-demand whatever the deployment's default."""
+    backend = Ec2Backend(
+        Ec2Settings(
+            region=REGION,
+            instance_profile="burstcv-training",
+            use_spot=True,
+            waiter_delay_s=0.05,
+            waiter_max_attempts=200,
+        )
+    )
+    with Boxes(ec2_client, {"c7i.large": ANSWER}):
+        (record,) = size_on_boxes(
+            backend,
+            request(["c7i.large"], parallel=1),
+            PATHS,
+            IMAGES,
+            artifact_root=ARTIFACT_ROOT,
+            poll_s=0.05,
+        )
+    assert record.skipped is None and record.sizes
+    (launch,) = [
+        c.params
+        for c in audited_calls.snapshot()
+        if c.action == "ec2:RunInstances" and c.status == 200 and "DryRun" not in c.params
+    ]
+    assert launch["InstanceType"] == "c7i.large"
+    assert not [k for k in launch if k.startswith("InstanceMarketOptions")]
+    (box,) = [i for r in ec2_client.describe_instances()["Reservations"] for i in r["Instances"]]
+    assert "InstanceLifecycle" not in box  # EC2 marks a spot instance "spot"
+    # It is billed as what it is: on-demand.
+    (bill,) = bill_sizing(PATHS, datetime.now(UTC))
+    (billed,) = bill.instances
+    assert (billed.instance_id, billed.lifecycle) == (box["InstanceId"], "on-demand")
+
+
 def test_the_time_bound_skips_a_silent_box_and_the_types_never_launched(
     backend: Ec2Backend, ec2_client: Any
 ) -> None:

@@ -515,3 +515,105 @@ def test_a_window_records_pressure_and_throttling_where_the_kernel_has_them() ->
         assert load.psi_some_share is not None and 0.0 <= load.psi_some_share <= 1.0
     if load.throttled_s is not None:
         assert load.throttled_s >= 0.0
+
+
+@pytest.fixture
+def cgroup_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Show this process the cgroup files under ``tmp_path`` (``proc/self/cgroup`` and
+    ``sys/fs/cgroup/...``) in place of the kernel's; every other path is the real one."""
+    from burstcv.gate import interference
+
+    real = interference.Path
+
+    def rooted(*parts: Any) -> Path:
+        path: Path = real(*parts)
+        text = str(path)
+        if text in ("/proc/self/cgroup", "/sys/fs/cgroup") or text.startswith("/sys/fs/cgroup/"):
+            return tmp_path / text.lstrip("/")
+        return path
+
+    monkeypatch.setattr(interference, "Path", rooted)
+    return tmp_path
+
+
+def write(root: Path, path: str, text: str) -> None:
+    (root / path).parent.mkdir(parents=True, exist_ok=True)
+    (root / path).write_text(text)
+
+
+V2_STAT = "usage_usec 9000000\nuser_usec 6000000\nsystem_usec 3000000\nnr_periods 40\n"
+V1_CGROUPS = (
+    "12:memory:/docker/web:1\n"  # a cgroup's name may hold a colon: the path is all after two
+    "4:cpu,cpuacct:/docker/web:1\n"
+    "1:name=systemd:/docker/web:1\n"
+    "0::/\n"
+)
+
+
+def test_the_cgroups_throttling_is_read_from_its_cpu_stat_in_either_hierarchy(
+    cgroup_root: Path,
+) -> None:
+    # No /proc/self/cgroup (not Linux, or no cgroups): no figure, not a zero.
+    assert throttled_s() is None
+    # cgroup v2: the unified hierarchy's line, its cpu.stat in microseconds.
+    write(cgroup_root, "proc/self/cgroup", "0::/user.slice/burstcv.service\n")
+    assert throttled_s() is None  # listed, but no cpu.stat there
+    stat = "sys/fs/cgroup/user.slice/burstcv.service/cpu.stat"
+    write(cgroup_root, stat, V2_STAT)
+    assert throttled_s() is None  # a cgroup without the cpu controller counts no throttling
+    write(cgroup_root, stat, V2_STAT + "nr_throttled 3\nthrottled_usec 1500000\n")
+    assert throttled_s() == 1.5
+    # cgroup v1 (a hybrid host: v2 mounted beside, without a cpu.stat of its own): the cpu
+    # controller's hierarchy, named by its controllers, in nanoseconds.
+    write(cgroup_root, "proc/self/cgroup", V1_CGROUPS)
+    assert throttled_s() is None  # not the v2 figure of another cgroup
+    v1 = "nr_periods 5\nnr_throttled 1\nthrottled_time 250000000\n"
+    write(cgroup_root, "sys/fs/cgroup/cpu,cpuacct/docker/web:1/cpu.stat", v1)
+    assert throttled_s() == 0.25
+    # An unreadable statistics file: no figure rather than a wrong one.
+    write(cgroup_root, "sys/fs/cgroup/cpu,cpuacct/docker/web:1/cpu.stat", "nr_periods 5 extra\n")
+    assert throttled_s() is None
+
+
+def test_a_window_is_busy_when_its_cgroups_cpu_stat_says_it_was_throttled(
+    cgroup_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The throttling the kernel counted during a window, read from the cgroup's own file; the
+    other processes' share is not judged here (the limit is the whole), nor is the clock."""
+    from burstcv.gate import interference
+
+    clock = {"now": 100.0}
+    monkeypatch.setattr(interference, "_now", lambda: clock["now"])
+    stat = "sys/fs/cgroup/burstcv/cpu.stat"
+    write(cgroup_root, "proc/self/cgroup", "0::/burstcv\n")
+    limits = BusyLimits(others_share=1.0)
+
+    def counted(throttled_us: int | None) -> None:
+        """Write the cgroup's cpu.stat, throttled this long since boot (None: not counted)."""
+        line = "" if throttled_us is None else f"throttled_usec {throttled_us}\n"
+        write(cgroup_root, stat, V2_STAT + line)
+
+    def window(before_us: int | None, after_us: int | None) -> HostLoad:
+        """Return the load of a 2 s window the cgroup's counter went through these values."""
+        counted(before_us)
+        clock["now"] = 100.0
+        opened = Window.open(cpu_list())
+        counted(after_us)
+        clock["now"] = 102.0
+        return opened.close(limits)
+
+    throttled = window(1_000_000, 2_500_000)  # 1.5 s of a 2 s window
+    assert throttled.busy and throttled.throttled_s == 1.5
+    assert throttled.reason == "the CPU quota throttled this cgroup for 1.5 s of 2.0 s"
+    # The counter since boot is not the window's: an unthrottled window is quiet.
+    quiet = window(1_000_000, 1_000_000)
+    assert not quiet.busy and quiet.throttled_s == 0.0 and quiet.reason is None
+    # At most 5% of the window: a little under is quiet, a little over is busy.
+    assert not window(1_000_000, 1_099_000).busy
+    assert window(1_000_000, 1_101_000).busy
+    # A counter that went back (the cgroup made anew) throttled nothing in this window.
+    assert window(2_000_000, 500_000).throttled_s == 0.0
+    # Statistics that appear or vanish during the window: nothing to compare, not busy.
+    for before_us, after_us in ((None, 9_000_000), (1_000_000, None)):
+        load = window(before_us, after_us)
+        assert load.throttled_s is None and not load.busy
