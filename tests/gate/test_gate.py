@@ -183,8 +183,11 @@ def test_a_gap_no_cpu_can_close_is_reported_as_not_meeting_the_slo() -> None:
 
 def test_a_region_without_prices_still_advises_and_says_why_it_is_unpriced() -> None:
     suggestions = advise(SLOW, SLO_50, ctx(region="eu-west-9", prices={}))
-    # No GPU type has a price there either: GPU serving is not advised.
-    assert {s.action for s in suggestions} == {"int8", "smaller_model", "larger_instance"}
+    # No GPU type has a price there either: GPU serving is advised all the same, unpriced.
+    by_action = {s.action: s for s in suggestions}
+    assert set(by_action) == {"int8", "smaller_model", "larger_instance", "gpu_serving"}
+    gpu = by_action["gpu_serving"]
+    assert (gpu.instance_type, gpu.meets_slo, gpu.estimated_p95_ms) == ("g4dn.xlarge", True, 11.0)
     assert all(s.cost_per_million_usd is None for s in suggestions)
     assert [s.price_note for s in suggestions] == [
         f"no price for {s.instance_type} in eu-west-9" for s in suggestions
@@ -719,7 +722,7 @@ def test_the_verdict_is_the_same_whatever_the_region_and_prices(p95_ms: float) -
         )
     # Only the advice's prices differ: the same ways to close the gap, the same estimates.
     priced, dearer, unpriced = ([s.action for s in v.suggestions] for v in verdicts)
-    assert priced == dearer and set(unpriced) == set(priced) - {"gpu_serving"}
+    assert priced == dearer and set(unpriced) == set(priced)
     if p95_ms == 80.0:
         cost = {s.action: s.cost_per_million_usd for s in verdicts[0].suggestions}
         cost_twice = {s.action: s.cost_per_million_usd for s in verdicts[1].suggestions}

@@ -404,10 +404,8 @@ class _Advice:
             "with them",
         )
 
-    def gpu(self) -> Suggestion | None:
+    def gpu(self) -> Suggestion:
         gpu = _cheapest_gpu(self.ctx.prices)
-        if gpu is None:
-            return None
         return self.suggest(
             "gpu_serving",
             f"serve on GPU ({gpu}, onnxruntime CUDA provider)",
@@ -419,6 +417,7 @@ class _Advice:
         )
 
 
-def _cheapest_gpu(prices: dict[str, float]) -> str | None:
+def _cheapest_gpu(prices: dict[str, float]) -> str:
+    """Return the cheapest priced GPU type, or (none priced where it serves) the first, unpriced."""
     priced = [(prices[t], t) for t in GPU_SERVING_TYPES if t in prices]
-    return min(priced)[1] if priced else None
+    return min(priced)[1] if priced else GPU_SERVING_TYPES[0]
