@@ -9,6 +9,8 @@ its launch), at least 60 s; its root volume and public IPv4 from its launch.
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -17,13 +19,14 @@ import pytest
 from burstcv_testkit import HELD_WHEEL, forget_in_emulator, g6_box_rate, reclaim_in_emulator
 
 from burstcv.compute import attempts
-from burstcv.compute.base import PENDING, RUNNING, STOPPED, InstanceInfo
-from burstcv.compute.billing import record_end, record_launch, recorded_attempts, run_bill
+from burstcv.compute.base import ENDING, PENDING, RUNNING, STOPPED, InstanceInfo
+from burstcv.compute.billing import record_end, record_launch, run_bill, whole_bill
 from burstcv.compute.ec2 import Ec2Backend
 from burstcv.params import RunParams
 from burstcv.settings import Settings
 from burstcv.stages import boxes as boxes_stage
 from burstcv.stages import resolve
+from burstcv.stages import sizing as sizing_stage
 from burstcv.training.job import attempt_dir
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
@@ -37,7 +40,7 @@ from burstcv_spec.contracts import (
     read_artifact,
     write_artifact,
 )
-from burstcv_spec.layout import END_RECORD, LAUNCH_RECORD
+from burstcv_spec.layout import END_RECORD, LAUNCH_RECORD, RunLayout
 
 HOURS_PER_MONTH = 730  # AWS prices an EBS GB-month as 730 hours
 
@@ -134,12 +137,19 @@ def test_billing_json_is_the_same_when_the_cloud_has_forgotten_the_instances(
     assert box.running_at is not None
     assert datetime.fromisoformat(box.launched_at) <= datetime.fromisoformat(box.running_at)
 
-    reclaim_in_emulator(first)
-    assert boxes_stage.relaunch(provisioned) == 2  # attempt 1 ends: its end.json is written
+    reclaim_in_emulator(first)  # shutting-down for minutes, as EC2 shows a reclaimed box
+    assert boxes_stage.relaunch(provisioned) == 2
+    # Not terminated yet: AWS has not said it ended, so it is billed on.
     ended = read_artifact(attempt_dir(provisioned.output_uri, 1, END_RECORD), AttemptBill)
-    assert ended.boxes[0].ended_at is not None
+    assert ended.boxes[0].ended_at is None
+    relaunched_at = datetime.now(UTC)
+    time.sleep(1.5)
 
     remembered = boxes_stage.terminate(provisioned.run, "ec2")
+    # Billed until AWS confirmed its termination, at teardown: after the relaunch.
+    ended = read_artifact(attempt_dir(provisioned.output_uri, 1, END_RECORD), AttemptBill)
+    assert ended.boxes[0].ended_at is not None
+    assert datetime.fromisoformat(ended.boxes[0].ended_at) > relaunched_at
     billing_uri = resolve.run_layout(provisioned.run).billing
     first_billing = read_artifact(billing_uri, Billing)
     assert len(first_billing.instances) == 2 and remembered.cost_usd > 0
@@ -358,39 +368,90 @@ def test_a_box_without_a_launch_time_is_recorded_at_now_and_billed_its_minimum(
     assert bill.cost_usd == pytest.approx((0.8048 + ATTACHED_USD_PER_HOUR) * 60 / 3600)
 
 
-def test_the_attempts_recorded_are_counted_up_to_the_first_without_a_launch_record(
-    tmp_path: Path,
-) -> None:
-    """A sizing tried again launches its boxes as the folder's next attempt: the count is of
-    the launch records 1, 2, 3... in a row (an end record alone, or one after a gap, is none)."""
+def test_a_box_is_billed_until_aws_says_it_ended(tmp_path: Path) -> None:
+    """A box still running when an attempt is closed (a relaunch's wait ran out) has no end:
+    billed on. Its end is the time AWS reports, once it reports one; a box EC2 no longer lists
+    ends when it was last looked for."""
     job_dir = str(tmp_path / "job")
-    assert recorded_attempts(job_dir) == 0  # nothing launched yet: the next attempt is 1
+    record(job_dir, box(RUNNING, T0), T0)
+    closed = T0 + timedelta(minutes=3)
+    record_end(job_dir, 1, [box(RUNNING, T0)], closed)
+    (still,) = read_artifact(attempt_dir(job_dir, 1, END_RECORD), AttemptBill).boxes
+    assert still.ended_at is None
+    later = T0 + timedelta(minutes=20)
+    assert run_bill(job_dir, 1, later, backend="ec2").billed_seconds == {"i-0b1": 1200.0}
+    # A box shutting down or stopped still bills its volume: not ended either.
+    record_end(job_dir, 1, [box(ENDING, T0)], later)
+    assert run_bill(job_dir, 1, later, backend="ec2").instances[0].stopped_at is None
+    # Terminated: its end is when EC2 says it left running, not when it was seen.
+    gone_at = T0 + timedelta(minutes=12)
+    record_end(job_dir, 1, [box(STOPPED, T0, stopped_at=gone_at)], later)
+    bill = run_bill(job_dir, 1, later + timedelta(hours=1), backend="ec2")
+    assert bill.billed_seconds == {"i-0b1": 720.0}
+    assert bill.instances[0].stopped_at == gone_at.isoformat()
+    # Forgotten by EC2 before anyone saw it end: ended when it was last looked for.
+    other = str(tmp_path / "other")
+    record(other, box(RUNNING, T0), T0)
+    record_end(other, 1, [], later)
+    assert run_bill(other, 1, later + timedelta(hours=1), backend="ec2").billed_seconds == {
+        "i-0b1": 1200.0
+    }
 
-    def launched(attempt: int) -> None:
-        record_launch(
-            job_dir,
-            attempt,
-            run_key="billed",
-            dag_id="burstcv_pipeline",
-            backend="ec2",
-            region="us-east-1",
-            boxes=[box(RUNNING, T0)],
-            rate_of=lambda info: RATE,
-            now=T0,
-        )
 
-    launched(1)
-    assert recorded_attempts(job_dir) == 1
-    launched(2)
-    launched(3)
-    assert recorded_attempts(job_dir) == 3
-    # Attempt 4 has an end record but was never launched; attempt 5's launch follows the gap.
-    end = AttemptBill(
-        attempt=4, run_key="billed", dag_id="burstcv_pipeline", backend="ec2", boxes=[]
+def sizing_box_record(paths: RunLayout, run_key: str, sizing_try: int, launched: datetime) -> None:
+    """Write the launch and end records of a sizing try's c7i.large box, ten minutes up."""
+    folder = paths.sizing_bill("c7i.large")
+    sized = replace(
+        box(RUNNING, launched),
+        instance_id=f"i-0size{sizing_try}",
+        run_id=f"{run_key}.size-c7i-large",
+        instance_type="c7i.large",
     )
-    write_artifact(attempt_dir(job_dir, 4, END_RECORD), end)
-    launched(5)
-    assert recorded_attempts(job_dir) == 3
-    # What the count bills: the three attempts recorded, each its box.
-    bill = run_bill(job_dir, recorded_attempts(job_dir), T0 + timedelta(minutes=5), backend="ec2")
-    assert len(bill.instances) == 3
+    record_launch(
+        folder,
+        sizing_try,
+        run_key=sized.run_id,
+        dag_id="burstcv_pipeline",
+        backend="ec2",
+        region="us-east-1",
+        boxes=[sized],
+        rate_of=lambda info: RATE.model_copy(update={"instance_type": "c7i.large"}),
+        now=launched,
+    )
+    ended = launched + timedelta(minutes=10)
+    record_end(folder, sizing_try, [replace(sized, state=STOPPED, stopped_at=ended)], ended)
+
+
+def test_teardown_after_the_sizing_bill_keeps_the_sizing_boxes(
+    provisioned: Provisioned, s3_deployment: Settings
+) -> None:
+    """billing.json has two writers (teardown, the benchmark's sizing bill): whichever writes
+    last writes every box of the run, each once."""
+    run = provisioned.run
+    paths = resolve.run_layout(run, s3_deployment)
+    (trained,) = provisioned.instance_ids
+    # A benchmark tried twice: a sizing box a try, the second try numbered 3 (a gap).
+    sizing_box_record(paths, run.run_key, 1, T0)
+    sizing_box_record(paths, run.run_key, 3, T0 + timedelta(hours=1))
+
+    sized = sizing_stage.bill_sizing_boxes(run, s3_deployment)
+    assert {i.instance_id for i in sized.instances} == {trained, "i-0size1", "i-0size3"}
+    torn_down = boxes_stage.terminate(run, "ec2", s3_deployment)
+    billing = read_artifact(paths.billing, Billing)
+    assert billing == torn_down
+    assert sorted(billing.instance_ids) == sorted([trained, "i-0size1", "i-0size3"])
+    by_id = {i.instance_id: i for i in billing.instances}
+    assert by_id[trained].stopped_at is not None  # teardown ended the training box
+    # Each sizing box its ten minutes, once; the training box as its records say.
+    assert billing.billed_seconds["i-0size1"] == billing.billed_seconds["i-0size3"] == 600.0
+    assert billing.cost_usd == pytest.approx(sum(i.cost_usd or 0.0 for i in billing.instances))
+    training = run_bill(provisioned.output_uri, 1, datetime.now(UTC), backend="ec2")
+    assert by_id[trained].cost_usd == pytest.approx(training.instances[0].cost_usd)
+    # And in the other order: the sizing bill after teardown keeps the training box.
+    again = sizing_stage.bill_sizing_boxes(run, s3_deployment)
+    assert again.model_dump(exclude={"terminated_at"}) == billing.model_dump(
+        exclude={"terminated_at"}
+    )
+    assert whole_bill(paths, datetime.now(UTC), backend="ec2").cost_usd == pytest.approx(
+        billing.cost_usd
+    )

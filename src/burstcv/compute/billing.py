@@ -1,4 +1,5 @@
-"""Write each training attempt's launch and end records, and bill a run from those records only.
+"""Write each box's launch and end records (a training attempt's boxes, a sizing box), and bill
+a run from those records only.
 
 EC2 lists a terminated instance for only about an hour: a bill remembered by the cloud would
 forget early attempts.
@@ -23,7 +24,7 @@ from burstcv_spec.contracts import (
     read_artifact,
     write_artifact,
 )
-from burstcv_spec.layout import END_RECORD, LAUNCH_RECORD
+from burstcv_spec.layout import END_RECORD, LAUNCH_RECORD, RunLayout
 
 log = logging.getLogger(__name__)
 
@@ -65,20 +66,27 @@ def record_launch(
 
 
 def record_end(job_dir: str, attempt: int, described: list[InstanceInfo], now: datetime) -> None:
-    """Write the attempt's end.json once (end times: as the backend saw them, else now); an
-    attempt never launched (no launch record) gets none."""
+    """Write the attempt's end.json: each box's end as AWS reports it (its state-transition
+    time, else ``now``; a box EC2 no longer lists: ``now``). A box EC2 still describes as not
+    terminated has no end yet: it is billed on until a later call sees it end. An attempt
+    never launched (no launch record) gets none; an end once recorded never moves."""
     end_uri = attempt_dir(job_dir, attempt, END_RECORD)
     launch_uri = attempt_dir(job_dir, attempt, LAUNCH_RECORD)
-    if storage.exists(end_uri) or not storage.exists(launch_uri):
+    if not storage.exists(launch_uri):
         return
-    launched = read_artifact(launch_uri, AttemptBill)
+    ended = storage.exists(end_uri)
+    recorded = read_artifact(end_uri if ended else launch_uri, AttemptBill)
+    if ended and all(box.ended_at for box in recorded.boxes):
+        return
     seen = {info.instance_id: info for info in described}
     boxes = []
-    for box in launched.boxes:
+    for box in recorded.boxes:
         info = seen.get(box.instance_id)
-        ended = info.stopped_at if info is not None and info.stopped_at is not None else now
-        boxes.append(box.model_copy(update={"ended_at": ended.isoformat()}))
-    write_artifact(end_uri, launched.model_copy(update={"boxes": boxes}))
+        if box.ended_at is None and (info is None or info.state == STOPPED):
+            at = info.stopped_at if info is not None and info.stopped_at is not None else now
+            box = box.model_copy(update={"ended_at": at.isoformat()})
+        boxes.append(box)
+    write_artifact(end_uri, recorded.model_copy(update={"boxes": boxes}))
 
 
 def attempt_bills(job_dir: str, last_attempt: int) -> list[AttemptBill]:
@@ -93,23 +101,57 @@ def attempt_bills(job_dir: str, last_attempt: int) -> list[AttemptBill]:
     return bills
 
 
-def recorded_attempts(job_dir: str) -> int:
-    """Return how many attempts have a launch record in ``job_dir`` (0: none)."""
-    count = 0
-    while storage.exists(attempt_dir(job_dir, count + 1, LAUNCH_RECORD)):
-        count += 1
-    return count
-
-
 def run_bill(
     job_dir: str, last_attempt: int, now: datetime, *, backend: str, airflow_run_id: str = ""
 ) -> Billing:
-    """Return the run's bill from its attempt records (a box still running: until now)."""
+    """Return the bill of one folder's attempts up to ``last_attempt`` (a box still running:
+    until now)."""
+    return _billing(attempt_bills(job_dir, last_attempt), now, backend, airflow_run_id)
+
+
+def whole_bill(
+    paths: RunLayout, now: datetime, *, backend: str, airflow_run_id: str = ""
+) -> Billing:
+    """Return the run's whole bill (billing.json) from its durable records alone: every
+    training attempt's boxes and every sizing box of every try, each once. Whoever writes
+    billing.json writes all of it: no writer can drop another's boxes."""
+    records = _recorded(storage.join(paths.job, "attempts"))
+    records += _recorded(storage.join(paths.sizing_boxes, "bills"))
+    return _billing(records, now, backend, airflow_run_id)
+
+
+def _recorded(root: str) -> list[AttemptBill]:
+    """Return every attempt recorded under ``root`` (``<folder>/attempts/<n>/``: end.json,
+    else launch.json), by folder, then attempt."""
+    launched = sorted(
+        (folder, int(attempt))
+        for folder, attempt, name in (
+            uri.rsplit("/", 2) for uri in storage.list_files(root) if uri.count("/") >= 2
+        )
+        if name == LAUNCH_RECORD and attempt.isdigit()
+    )
+    found = []
+    for folder, attempt in launched:
+        end_uri = storage.join(folder, str(attempt), END_RECORD)
+        uri = (
+            end_uri
+            if storage.exists(end_uri)
+            else storage.join(folder, str(attempt), LAUNCH_RECORD)
+        )
+        found.append(read_artifact(uri, AttemptBill))
+    return found
+
+
+def _billing(
+    attempts: list[AttemptBill], now: datetime, backend: str, airflow_run_id: str
+) -> Billing:
     instances: list[InstanceRecord] = []
     seconds_by_box: dict[str, float] = {}
     total_usd = 0.0
-    for attempt in attempt_bills(job_dir, last_attempt):
+    for attempt in attempts:
         for box in attempt.boxes:
+            if box.instance_id in seconds_by_box:  # recorded twice: billed once
+                continue
             cost = box_cost(box, now)
             seconds_by_box[box.instance_id] = cost.instance_s
             total_usd += cost.usd

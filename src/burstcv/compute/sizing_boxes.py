@@ -2,9 +2,12 @@
 
 Each candidate type (at most ``parallel`` at once) gets one on-demand box with every leak
 layer of a training box; it runs the staging service and the load generator on its own CPUs,
-writes its BoxSizing to ``bench/sizing/boxes/<type>.json`` and powers off. A type that cannot
-be launched, or whose box ends without figures, is recorded as skipped with the reason; it
-never fails the run. Each box has its own run key (its teardown, backstop and bill).
+writes its BoxSizing to its try's ``bench/sizing/tries/<n>/<type>.json`` and powers off; the
+run's record of the type is ``bench/sizing/boxes/<type>.json``. A type that cannot be launched,
+for any reason, or whose box ends without figures (said from its console), is recorded as
+skipped with the reason; it never fails the run. Each box has its own run key (its teardown,
+backstop and bill); each call is a try of its own (a benchmark tried again reads only its own
+boxes' figures).
 """
 
 from __future__ import annotations
@@ -17,15 +20,15 @@ from datetime import UTC, datetime, timedelta
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from burstcv.compute.base import WORKING, InstanceInfo
-from burstcv.compute.billing import record_end, record_launch, recorded_attempts, run_bill
-from burstcv.compute.ec2 import CapacityUnavailableError, Ec2Backend
+from burstcv.compute.attempts import _last_step
+from burstcv.compute.base import STOPPED, WORKING, InstanceInfo
+from burstcv.compute.billing import record_end, record_launch
+from burstcv.compute.ec2 import Ec2Backend
 from burstcv.compute.runtime import StagedRuntime, stage_sizing_wheel
 from burstcv.compute.userdata import SizingBoxSpec, render_sizing_user_data
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
     ArtifactError,
-    Billing,
     BoxRate,
     BoxSizing,
     Launch,
@@ -38,6 +41,7 @@ from burstcv_spec.layout import LAUNCH_RECORD, RunLayout
 log = logging.getLogger(__name__)
 
 POLL_S = 5.0
+TRY_MARKER = "STARTED"  # bench/sizing/tries/<n>/STARTED: the try's number is taken
 
 
 def box_run_key(run_key: str, instance_type: str) -> str:
@@ -71,16 +75,19 @@ def size_on_boxes(
     clock: Callable[[], float] = time.monotonic,
 ) -> list[BoxSizing]:
     """Launch one sizing box per candidate type; return each type's BoxSizing, in order.
-    Every box launched is terminated before this returns (or raises)."""
+    Every box launched is terminated before this returns (or raises). Each call is a try of
+    its own: it first ends what an earlier try left, and reads only its own boxes' figures."""
     for no, data in enumerate(images):  # the requests a box sends
         storage.write_bytes(storage.join(paths.sizing_requests, f"{no:04d}.img"), data)
     wheel = stage_sizing_wheel(artifact_root)
     deadline_at = datetime.now(UTC) + timedelta(seconds=request.max_s)
-    boxes = _Boxes(backend, request, paths, wheel, deadline_at)
+    boxes = _Boxes(backend, request, paths, wheel, deadline_at, _claim_try(paths))
+    types = list(dict.fromkeys(request.instance_types))
+    boxes.end_earlier(types)
     ends = clock() + request.max_s
     results: dict[str, BoxSizing] = {}
-    waiting = list(dict.fromkeys(request.instance_types))
-    live: dict[str, str] = {}  # type -> its box's run key
+    waiting = list(types)
+    live: dict[str, tuple[str, list[str]]] = {}  # type -> its box's run key and id
     try:
         while waiting or live:
             while waiting and len(live) < max(1, request.parallel) and clock() < ends:
@@ -88,36 +95,52 @@ def size_on_boxes(
                 key = box_run_key(request.run.run_key, instance_type)
                 try:
                     ids = boxes.launch(instance_type, key)
-                except (CapacityUnavailableError, ClientError, BotoCoreError, ValueError) as exc:
-                    why = f"not launched: {exc}"
-                    results[instance_type] = _skip(paths, backend, instance_type, why)
+                # Broad on purpose: whatever refuses one type (a dry run, a quota, capacity,
+                # its image) skips that type, with the reason; the others are measured.
+                except Exception as exc:
+                    log.warning("sizing box %s: not launched", instance_type, exc_info=True)
+                    results[instance_type] = boxes.settle(instance_type, f"not launched: {exc}")
                     continue
-                live[instance_type] = key
+                live[instance_type] = key, ids
                 boxes.record(instance_type, key, ids)
-            for instance_type, key in list(live.items()):
-                record = _figures(paths, instance_type)
-                if record is None and any(i.state in WORKING for i in backend.describe(key)):
+            for instance_type, (key, ids) in list(live.items()):
+                measured = _figures(boxes.out_uri(instance_type)) is not None
+                if not measured and any(i.state in WORKING for i in backend.describe(key)):
                     continue
-                why = f"its box ended without figures; its log: {_log_uri(paths, instance_type)}"
-                results[instance_type] = record or _skip(paths, backend, instance_type, why)
+                why = "" if measured else boxes.unmeasured(instance_type, ids)
+                results[instance_type] = boxes.settle(instance_type, why)
                 boxes.end(instance_type, key)
                 del live[instance_type]
             if clock() >= ends:
                 why = f"no figures within the sizing's time bound ({request.max_s:g} s)"
                 for instance_type in [*live, *waiting]:
-                    results[instance_type] = _figures(paths, instance_type) or _skip(
-                        paths, backend, instance_type, why
-                    )
+                    results[instance_type] = boxes.settle(instance_type, why)
                 break
             if live:
                 time.sleep(poll_s)
     finally:
-        for instance_type, key in live.items():
+        for instance_type, (key, _) in live.items():
             try:
                 boxes.end(instance_type, key)
             except (ClientError, BotoCoreError) as exc:  # the backstop and reaper remain
                 log.error("sizing box %s: terminate failed (%s); its backstop ends it", key, exc)
-    return [results[t] for t in dict.fromkeys(request.instance_types) if t in results]
+    return [results[t] for t in types if t in results]
+
+
+def _try_uri(paths: RunLayout, sizing_try: int, *parts: str) -> str:
+    return storage.join(paths.sizing_boxes, "tries", str(sizing_try), *parts)
+
+
+def _claim_try(paths: RunLayout) -> int:
+    """Return this sizing's try number, marked in the store before any box launches: a
+    benchmark tried again sizes as the next try, with records of its own."""
+    sizing_try = 1
+    while storage.exists(_try_uri(paths, sizing_try, TRY_MARKER)):
+        sizing_try += 1
+    storage.write_bytes(
+        _try_uri(paths, sizing_try, TRY_MARKER), datetime.now(UTC).isoformat().encode()
+    )
+    return sizing_try
 
 
 @dataclass(frozen=True)
@@ -129,6 +152,11 @@ class _Boxes:
     paths: RunLayout
     wheel: StagedRuntime
     deadline_at: datetime
+    sizing_try: int  # this call's try: its boxes' figures and launch records are its own
+
+    def out_uri(self, instance_type: str) -> str:
+        """Return where this try's box of ``instance_type`` writes its figures."""
+        return _try_uri(self.paths, self.sizing_try, f"{instance_type}.json")
 
     def launch(self, instance_type: str, key: str) -> list[str]:
         """Start the box that sizes ``instance_type``, under its own run key; return its id."""
@@ -139,7 +167,7 @@ class _Boxes:
                 instance_type=instance_type,
                 model_uri=request.model_uri,
                 requests_uri=paths.sizing_requests,
-                out_uri=paths.box_sizing(instance_type),
+                out_uri=self.out_uri(instance_type),
                 log_uri=_log_uri(paths, instance_type),
                 wheel_uri=self.wheel.uri,
                 wheel_sha256=self.wheel.sha256,
@@ -156,7 +184,7 @@ class _Boxes:
         launch = Launch(
             run=RunRef(airflow_run_id=request.run.airflow_run_id, run_key=key),
             dag_id=request.dag_id,
-            job_uri=paths.box_sizing(instance_type),
+            job_uri=self.out_uri(instance_type),
             time_budget_s=int(request.max_s),
             instance_types=[instance_type],
             use_spot=False,
@@ -176,11 +204,9 @@ class _Boxes:
             rate = backend.box_rate(info, bound=self.request.bound_rate)
             return rate.model_copy(update={"volume_gb": backend.settings.sizing_volume_gb})
 
-        folder = self.paths.sizing_bill(instance_type)
-        # A benchmark tried again sizes again: its boxes are the folder's next attempt.
         record_launch(
-            folder,
-            recorded_attempts(folder) + 1,
+            self.paths.sizing_bill(instance_type),
+            self.sizing_try,
             run_key=key,
             dag_id=self.request.dag_id,
             backend="ec2",
@@ -191,46 +217,69 @@ class _Boxes:
         )
 
     def end(self, instance_type: str, key: str) -> None:
-        """Terminate the box and write its end record (its bill is final)."""
+        """Terminate the box and write its end record (its bill is final once AWS says so)."""
         self.backend.terminate_run(key)
-        folder = self.paths.sizing_bill(instance_type)
-        now = datetime.now(UTC)
-        record_end(folder, recorded_attempts(folder), self.backend.describe(key), now)
+        described = self.backend.describe(key)
+        record_end(self.paths.sizing_bill(instance_type), self.sizing_try, described, _now())
 
+    def end_earlier(self, types: Sequence[str]) -> None:
+        """End the boxes an earlier try left up (its worker died, say) and record their end:
+        this try launches its own, never adopts one writing an earlier try's figures."""
+        if self.sizing_try == 1:
+            return
+        root = storage.join(self.paths.sizing_boxes, "bills")
+        recorded = {
+            uri[len(root) :].strip("/").split("/", 1)[0]
+            for uri in storage.list_files(root)
+            if uri.endswith(LAUNCH_RECORD)
+        }
+        for instance_type in sorted(recorded | set(types)):
+            key = box_run_key(self.request.run.run_key, instance_type)
+            described = self.backend.describe(key)
+            if any(i.state != STOPPED for i in described):
+                log.warning("sizing box %s: left up by an earlier try; terminating it", key)
+                self.backend.terminate_run(key)
+                described = self.backend.describe(key)
+            folder = self.paths.sizing_bill(instance_type)
+            for earlier in range(1, self.sizing_try):
+                record_end(folder, earlier, described, _now())
 
-def bill_sizing(paths: RunLayout, now: datetime, airflow_run_id: str = "") -> list[Billing]:
-    """Return the bill of each type's sizing boxes, every attempt (the one cost model)."""
-    root = storage.join(paths.sizing_boxes, "bills")
-    types = {
-        uri[len(root) :].strip("/").split("/", 1)[0]
-        for uri in storage.list_files(root)
-        if uri.endswith(LAUNCH_RECORD)
-    }
-    bills = []
-    for instance_type in sorted(types):
-        folder = paths.sizing_bill(instance_type)
-        last = recorded_attempts(folder)
-        bills.append(run_bill(folder, last, now, backend="ec2", airflow_run_id=airflow_run_id))
-    return bills
+    def settle(self, instance_type: str, why: str) -> BoxSizing:
+        """Return the type's figures from this try's box, else a record of why it has none;
+        either is the run's record of the type."""
+        record = _figures(self.out_uri(instance_type))
+        if record is None:
+            log.warning("sizing box %s skipped: %s", instance_type, why)
+            region = self.backend.settings.region
+            record = BoxSizing(instance_type=instance_type, region=region, skipped=why)
+        write_artifact(self.paths.box_sizing(instance_type), record)
+        return record
+
+    def unmeasured(self, instance_type: str, ids: list[str]) -> str:
+        """Return why a box ended without figures, in its own words: the last step its console
+        shows, and its log where it left one."""
+        said = "".join(_last_step(self.backend, i) for i in ids)
+        said = said or "; no step of its script in its console output"
+        log_uri = _log_uri(self.paths, instance_type)
+        if storage.exists(log_uri):
+            said += f"; its log: {log_uri}"
+        return f"its box {', '.join(ids)} ended without figures{said}"
 
 
 def _log_uri(paths: RunLayout, instance_type: str) -> str:
     return storage.join(paths.sizing_boxes, "logs", f"{instance_type}.log")
 
 
-def _figures(paths: RunLayout, instance_type: str) -> BoxSizing | None:
-    uri = paths.box_sizing(instance_type)
+def _figures(uri: str) -> BoxSizing | None:
+    """Return the figures a box wrote at ``uri``, or None (none yet, or unreadable)."""
     if not storage.exists(uri):
         return None
     try:
         return read_artifact(uri, BoxSizing)
     except (OSError, ArtifactError) as exc:
-        log.warning("sizing box %s: unreadable figures (%s)", instance_type, exc)
+        log.warning("sizing box: unreadable figures at %s (%s)", uri, exc)
         return None
 
 
-def _skip(paths: RunLayout, backend: Ec2Backend, instance_type: str, why: str) -> BoxSizing:
-    log.warning("sizing box %s skipped: %s", instance_type, why)
-    record = BoxSizing(instance_type=instance_type, region=backend.settings.region, skipped=why)
-    write_artifact(paths.box_sizing(instance_type), record)
-    return record
+def _now() -> datetime:
+    return datetime.now(UTC)

@@ -258,18 +258,19 @@ def trained(run: RunRef, settings: Settings | None = None) -> Trained:
 
 
 def terminate(run: RunRef, backend_name: str, settings: Settings | None = None) -> Billing:
-    """Terminate every instance tagged with the run and bill it from the attempts' launch and
-    end records, never from DescribeInstances (it forgets terminated instances in an hour)."""
-    from burstcv.compute.billing import record_end, run_bill
+    """Terminate every instance tagged with the run and write the run's whole bill (its
+    training attempts and its sizing boxes) from their launch and end records, never from
+    DescribeInstances (it forgets terminated instances in an hour)."""
+    from burstcv.compute.billing import record_end, whole_bill
 
     backend = get_backend(backend_name, settings)
     gone = backend.terminate_run(run.run_key)
-    job_dir = run_layout(run, settings).job
-    last = current_attempt(job_dir)
+    paths = run_layout(run, settings)
+    last = current_attempt(paths.job)
     described, now = backend.describe(run.run_key), lineage.utc_now()
     for attempt in range(1, last + 1):
-        record_end(job_dir, attempt, described, now)
-    bill = run_bill(job_dir, last, now, backend=backend_name, airflow_run_id=run.airflow_run_id)
+        record_end(paths.job, attempt, described, now)
+    bill = whole_bill(paths, now, backend=backend_name, airflow_run_id=run.airflow_run_id)
     unbilled = sorted(set(gone) - set(bill.billed_seconds))
     if unbilled:  # launched without a launch record: nothing says what it cost
         log.warning("no launch record for %s: not in the bill", unbilled)
@@ -279,7 +280,7 @@ def terminate(run: RunRef, backend_name: str, settings: Settings | None = None) 
             "terminated_at": lineage.utc_now_iso(),
         }
     )
-    write_artifact(run_layout(run, settings).billing, billing)
+    write_artifact(paths.billing, billing)
     log.info(
         "terminated %s; billed seconds %s; cost $%.4f",
         billing.instance_ids,

@@ -12,7 +12,7 @@ from burstcv import lineage
 from burstcv.links import DAG_ID
 from burstcv.params import ResolvedRun
 from burstcv.settings import Settings, get_settings
-from burstcv.stages.resolve import run_layout
+from burstcv.stages.resolve import resolved_run, run_layout
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
     ArtifactError,
@@ -270,35 +270,19 @@ def _box_memo(s: Settings, keys: dict[str, str]) -> dict[str, BoxSizing]:
     return found
 
 
-def bill_sizing_boxes(run: RunRef, settings: Settings | None = None) -> Billing | None:
-    """Add the run's sizing boxes to its bill (billing.json; teardown wrote it before them).
-    A box billed before (a benchmark tried again) is replaced by its latest bill, never counted
-    twice. None when the run launched no sizing box."""
-    from burstcv.compute.sizing_boxes import bill_sizing
+def bill_sizing_boxes(run: RunRef, settings: Settings | None = None) -> Billing:
+    """Write the run's whole bill (billing.json) with its sizing boxes: every box of the run,
+    training and sizing, from their records, as teardown writes it. Whichever of the two
+    writes last writes everything; no box is counted twice."""
+    from burstcv.compute.billing import whole_bill
 
     s = settings or get_settings()
     paths = run_layout(run, s)
-    bills = bill_sizing(paths, lineage.utc_now(), run.airflow_run_id)
-    if not bills:
-        return None
-    sized = [i for b in bills for i in b.instances]
-    ids = {i.instance_id for i in sized}
-    base = Billing(instance_ids=[], billed_seconds={}, cost_usd=0.0, backend="ec2", instances=[])
-    if storage.exists(paths.billing):  # teardown's bill of the training boxes
-        base = read_artifact(paths.billing, Billing)
-    seconds = {k: v for k, v in base.billed_seconds.items() if k not in ids}
-    for b in bills:
-        seconds.update(b.billed_seconds)
-    replaced = sum(i.cost_usd or 0.0 for i in base.instances if i.instance_id in ids)
-    billing = Billing(
-        instance_ids=[i for i in base.instance_ids if i not in ids]
-        + [i.instance_id for i in sized],
-        billed_seconds=seconds,
-        cost_usd=base.cost_usd - replaced + sum(b.cost_usd for b in bills),
-        backend=base.backend,
-        instances=[i for i in base.instances if i.instance_id not in ids] + sized,
-        terminated_at=lineage.utc_now_iso(),
-    )
+    backend = resolved_run(run, s).params.compute_backend
+    billing = whole_bill(
+        paths, lineage.utc_now(), backend=backend, airflow_run_id=run.airflow_run_id
+    ).model_copy(update={"terminated_at": lineage.utc_now_iso()})
     write_artifact(paths.billing, billing)
-    log.info("billing: the sizing boxes cost $%.4f", sum(b.cost_usd for b in bills))
+    sized = sum(i.cost_usd or 0.0 for i in billing.instances if i.run_id != run.run_key)
+    log.info("billing: the sizing boxes cost $%.4f", sized)
     return billing
