@@ -24,10 +24,9 @@ from burstcv.compute.base import (
     TAG_RUN_ID,
     job_outcome,
 )
-from burstcv.compute.ec2 import (
+from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
+from burstcv.compute.ec2_terms import (
     CapacityUnavailableError,
-    Ec2Backend,
-    Ec2Settings,
     LaunchCheckError,
     NotManagedError,
     launch_plan,

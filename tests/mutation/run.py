@@ -265,10 +265,15 @@ TARGETS = (
     ),
     Target("reaper", "burstcv.compute.reaper", ("tests/compute/test_reaper.py",)),
     Target(
-        "launch-order",
-        "burstcv.compute.ec2",
-        ("tests/compute/test_ec2.py",),
-        functions=("launch_plan", "prefer_zones", "placement_refusal", "_attempt_tag"),
+        "ec2-terms",
+        "burstcv.compute.ec2_terms",
+        (
+            "tests/compute/test_ec2.py",
+            "tests/compute/test_prices.py",
+            "tests/compute/test_reaper.py",
+            "tests/compute/test_leaks.py",
+        ),
+        tables=("*",),
     ),
     Target(
         "attempts",
@@ -291,26 +296,21 @@ TARGETS = (
         "rank-markers",
         "burstcv.training.job",
         ("tests/training/test_rank_markers.py",),
-        functions=("write_rank_failed", "rank_failures", "owning_rank_failure", "attempt_failure"),
     ),
     Target(
         "chunks",
         "burstcv.data.chunks",
         ("tests/data/test_chunks.py",),
-        functions=("chunk_ranges", "ranges_within", "chunk_cap"),
-        tables=("MAP_LIMIT_SHARE", "GROWTH"),
     ),
     Target(
         "task-sizing",
         "burstcv.stages.data",
         ("tests/data/test_chunks.py",),
-        functions=("map_limit", "worker_task_slots", "task_processes"),
     ),
     Target(
         "scan-pool",
         "burstcv.data.scanner.dispatch",
         ("tests/data/test_chunks.py",),
-        functions=("worker_count",),
     ),
     Target(
         "recipe",
@@ -320,15 +320,13 @@ TARGETS = (
     ),
     Target(
         "world-scale",
-        "burstcv.training.train",
+        "burstcv.training.world",
         ("tests/training/test_train.py",),
-        functions=("scale_to_world", "WorldScale.sweep_job", "peer_lost"),
     ),
     Target(
         "job-outcome",
         "burstcv.compute.base",
         ("tests/compute/test_ec2.py",),
-        functions=("job_outcome", "InstanceInfo.of_attempt"),
     ),
     Target(
         "liveness", "burstcv.compute.liveness", ("tests/compute/test_liveness.py",), tables=("*",)
@@ -349,7 +347,6 @@ TARGETS = (
         "gate-stage",
         "burstcv.stages.gate",
         ("tests/test_pipeline_decisions.py",),
-        functions=("_registered_by", "capacity_rps"),
     ),
     Target(
         "budget",
@@ -380,16 +377,9 @@ TARGETS = (
         ("tests/compute/test_billing.py",),
     ),
     Target(
-        "price-sources",
-        "burstcv.compute.ec2",
-        ("tests/compute/test_prices.py",),
-        functions=("Ec2Backend.price_sources", "Ec2Backend.price_quote", "Ec2Backend.box_rate"),
-    ),
-    Target(
         "quotes",
         "burstcv.cost.quotes",
         ("tests/compute/test_prices.py",),
-        functions=("aws_price_sources",),
     ),
     Target(
         "sizing",

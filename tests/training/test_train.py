@@ -168,7 +168,7 @@ def test_a_lost_peer_box_is_resumable_only_in_a_run_of_several_boxes(
 ) -> None:
     import torch.distributed as dist
 
-    from burstcv.training.train import peer_lost
+    from burstcv.training.world import peer_lost
 
     # What gloo raises when the process at the other end of a collective is gone.
     gone = RuntimeError(
@@ -193,7 +193,7 @@ def test_a_lost_peer_box_is_resumable_only_in_a_run_of_several_boxes(
 def test_a_per_gpu_job_follows_its_ranks_and_a_resume_keeps_its_first_world(
     packed_demo: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from burstcv.training.train import Dist, scale_to_world
+    from burstcv.training.world import Dist, scale_to_world
 
     job = make_job(
         packed_demo,
