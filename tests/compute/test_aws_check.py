@@ -38,8 +38,10 @@ from typer.testing import CliRunner
 from burstcv.cli import app
 from burstcv.compute.awscheck import (
     check_serving_prices,
+    check_sizing_quota,
     check_vcpu_quotas,
     instance_role_requests,
+    sizing_role_requests,
     vcpu_quota_of,
 )
 from burstcv.compute.ec2 import Ec2Backend
@@ -49,6 +51,8 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 ACCOUNT = MOTO_ACCOUNT_ID
 EBS_ALIAS_ARN = f"arn:aws:kms:us-east-1:{ACCOUNT}:alias/aws/ebs"
 SPOT_ROLE_PATH = "/aws-service-role/spot.amazonaws.com/"
+# The serving_families default (c7i, m7i): the types a sizing box may measure.
+SERVING_TYPES = ("c7i.2xlarge", "c7i.large", "c7i.xlarge", "m7i.large", "m7i.xlarge")
 
 
 def run_check() -> Any:
@@ -116,7 +120,8 @@ def simulation_answer(
     Every action is evaluated on every resource the check asks about (IAM's cross product);
     each decision is the audit's IAM evaluator's.
     """
-    wanted = instance_role_requests(get_settings().artifact_root, kms_key_arn)
+    root = get_settings().artifact_root
+    wanted = instance_role_requests(root, kms_key_arn) + sizing_role_requests(root, kms_key_arn)
     return simulated(policy, variables, wanted)
 
 
@@ -264,14 +269,34 @@ def test_a_ready_account_passes_every_check_and_rents_nothing(
     ]
     # Not the last line: a handler an earlier in-process CLI run left on a closed stream may
     # print its logging error after it.
-    assert "all 42 checks passed: nothing was rented" in lines
+    # The sizing boxes: one on-demand box per serving type, two at once (the default
+    # BURSTCV_SIZING_PARALLEL), the largest two counted; each type dry-run on the AL2023 image
+    # of its architecture, as the sizing resolves it; the role's sizing paths simulated.
+    assert (
+        "ok       vCPU quota Standard (A, C, D, H, I, M, R, T, Z) on-demand (L-1216C47A) in "
+        "us-east-1: 64 vCPUs, sizing boxes c7i.2xlarge, c7i.xlarge (2 at once, "
+        "BURSTCV_SIZING_PARALLEL) needs 12" in lines
+    )
+    (image,) = [x for x in lines if "sizing boxes' AMI" in x]
+    assert image.startswith("ok       sizing boxes' AMI for x86_64: ami-")
+    sized = [x for x in lines if x.startswith("ok       dry-run launch sizing box ")]
+    assert [x.split()[5] for x in sized] == sorted(SERVING_TYPES), sized
+    assert all(image.rsplit(" ", 1)[-1] in x for x in sized)
+    assert (
+        "ok       sizing boxes' role burstcv-training: S3 access under s3://burstcv-test/artifacts"
+        in lines
+    )
+    assert "all 50 checks passed: nothing was rented" in lines
     assert not [x for x in lines if x.startswith("MISSING")]
     assert kit.live_managed() == []
     calls = audited_calls.snapshot()
     launches = [c for c in calls if c.action == "ec2:RunInstances"]
-    assert len(launches) == 6 and all(c.params.get("DryRun") == "true" for c in launches)
+    assert len(launches) == 6 + 5 and all(c.params.get("DryRun") == "true" for c in launches)
+    sizing = [c for c in launches if c.params["InstanceType"] in SERVING_TYPES]
+    assert {c.params.get("InstanceMarketOptions.MarketType") for c in sizing} == {None}
+    assert {c.params["BlockDeviceMapping.1.Ebs.VolumeSize"] for c in sizing} == {"16"}
     asked = sorted(c.params["QuotaCode"] for c in calls if c.action.startswith("servicequotas"))
-    assert asked == ["L-3819A6DF", "L-DB2E81BA"]
+    assert asked == ["L-1216C47A", "L-3819A6DF", "L-DB2E81BA"]
     # The probes are gone again.
     listed = kit.s3.list_objects_v2(Bucket=kit.bucket).get("Contents", [])
     assert not [o["Key"] for o in listed if ".burstcv-check" in o["Key"]]
@@ -336,11 +361,22 @@ def test_a_fresh_account_is_told_each_thing_to_set_up(
     assert "s3:PutObject on runs/burstcv-check/job/attempts/1/DONE (implicitDeny)" in role
     assert "s3:ListBucket on burstcv-test (implicitDeny)" in role
     assert "deploy/instance-role-policy.json" in role
+    # The same role, for what a sizing box reads and writes.
+    (sizing,) = [x for x in missing if "sizing boxes' role burstcv-training" in x]
+    assert "s3:GetObject on runs/burstcv-check/model/model.onnx (implicitDeny)" in sizing
+    assert "s3:GetObject on runtime/burstcv-check/burstcv_size-" in sizing  # the sizing wheel
+    assert "s3:PutObject on runs/burstcv-check/bench/sizing/boxes/c7i.large.json" in sizing
+    # A new account's standard quota (here its default, 0) for two sizing boxes at once.
+    (standard,) = [x for x in missing if "(L-1216C47A)" in x]
+    assert "0 vCPUs, sizing boxes c7i.2xlarge, c7i.xlarge (2 at once" in standard
+    assert standard.endswith(
+        f"{request} --quota-code L-1216C47A --desired-value 12 --region us-east-1"
+    )
     (price,) = [x for x in missing if "price " in x]
     assert price.startswith("MISSING  price g6e.xlarge on-demand in us-east-1")
     assert "BURSTCV_PRICE_TABLE" in price and "pricing:GetProducts" in price
     # Nothing else: the launches, the backstop, the probes and the profile are in place.
-    assert len(missing) == 4 + 6 + 1 + 1 + 1 + 1 + 1, "\n".join(missing)
+    assert len(missing) == 4 + 6 + 1 + 1 + 1 + 1 + 1 + 2, "\n".join(missing)
     assert kit.live_managed() == []
 
 
@@ -357,14 +393,14 @@ def test_what_is_missing_is_printed_one_line_each(
     assert result.exit_code == 1
     missing = [x for x in result.output.splitlines() if x.startswith("MISSING")]
     launch = [x for x in missing if "dry-run launch" in x]
-    assert len(launch) == 6 and all("BURSTCV_EC2_INSTANCE_PROFILE" in x for x in launch)
+    assert len(launch) == 6 + 5 and all("BURSTCV_EC2_INSTANCE_PROFILE" in x for x in launch)
     registry = [x for x in missing if "s3://no-such-bucket" in x]
     assert len(registry) == 4 and all("NoSuchBucket" in x for x in registry)
     (role,) = [x for x in missing if "training role" in x]
     assert "no instance profile no-such-profile" in role
     # The artifact store is fine; only the role's line names it.
     assert not [x for x in missing if "burstcv-test" in x and x != role]
-    assert "11 of" in result.output
+    assert "16 of" in result.output
     assert kit.live_managed() == []
     audited_calls.clear()  # the refused PassRole of a wrong profile is this test's point
 
@@ -817,3 +853,191 @@ def test_serving_types_nobody_prices_in_the_region_are_named_with_what_to_set(
         if c.action == "pricing:GetProducts"
     )
     assert asked == ["c7i.2xlarge", "c7i.large", "c7i.xlarge", "m7i.large", "m7i.xlarge"]
+
+
+# --- the sizing boxes ---------------------------------------------------------------------------
+
+
+def test_the_sizing_boxes_quota_is_sized_for_the_largest_candidates_run_at_once(
+    s3_deployment: Any, answers: Answers, audited_calls: RecordingProxy
+) -> None:
+    # 10 standard vCPUs: the two largest candidates at once (8 + 4) do not fit; one at a time
+    # (BURSTCV_SIZING_PARALLEL=1) the largest alone (8) does.
+    answers.set("servicequotas:GetServiceQuota", quota_answer(10.0))
+    backend = Ec2Backend(s3_deployment.ec2)
+    types = ["c7g.xlarge", "c7i.2xlarge", "c7i.large", "m7i.xlarge", "x2iedn.xlarge"]
+    standard = "vCPU quota Standard (A, C, D, H, I, M, R, T, Z) on-demand (L-1216C47A)"
+
+    lines = [f.line() for f in check_sizing_quota(backend, s3_deployment, types)]
+
+    request = "aws service-quotas request-service-quota-increase --service-code ec2"
+    assert lines == [
+        "MISSING  vCPU quota of x2iedn.xlarge on-demand: not a G, VT, P or standard family: "
+        "find its quota in Service Quotas (Amazon EC2) for us-east-1 and check it yourself",
+        f"MISSING  {standard} in us-east-1: 10 vCPUs, sizing boxes c7i.2xlarge, c7g.xlarge "
+        "(2 at once, BURSTCV_SIZING_PARALLEL) needs 12; ask for 12 (2 at once; more if other "
+        f"instances of the family run in us-east-1): {request} --quota-code L-1216C47A "
+        "--desired-value 12 --region us-east-1",
+    ]
+    one = s3_deployment.model_copy(update={"sizing_parallel": 1})
+    assert [f.line() for f in check_sizing_quota(backend, one, types[:4])] == [
+        f"ok       {standard} in us-east-1: 10 vCPUs, sizing boxes c7i.2xlarge "
+        "(1 at once, BURSTCV_SIZING_PARALLEL) needs 8"
+    ]
+    # Exactly what two boxes at once need: enough.
+    answers.set("servicequotas:GetServiceQuota", quota_answer(12.0))
+    (exact,) = [f.line() for f in check_sizing_quota(backend, s3_deployment, types[:4])]
+    assert exact.startswith(f"ok       {standard} in us-east-1: 12 vCPUs, sizing boxes")
+    asked = {
+        c.params["QuotaCode"] for c in audited_calls.snapshot() if c.service == "servicequotas"
+    }
+    assert asked == {"L-1216C47A"}  # sizing boxes are on demand: no spot quota is read
+
+
+@pytest.mark.parametrize(
+    ("parallel", "expected"),
+    [
+        (1, {"L-1216C47A": (["m7i.xlarge"], 4), "L-DB2E81BA": (["g6.xlarge"], 4)}),
+        (2, {"L-1216C47A": (["m7i.xlarge", "c7g.large"], 6), "L-DB2E81BA": (["g6.xlarge"], 4)}),
+        (
+            3,
+            {
+                "L-1216C47A": (["m7i.xlarge", "c7g.large", "c7i.large"], 8),
+                "L-DB2E81BA": (["g6.xlarge"], 4),
+            },
+        ),
+    ],
+)
+def test_sizing_quota_needs_count_the_largest_boxes_each_quota_holds_at_once(
+    parallel: int, expected: dict[str, tuple[list[str], int]]
+) -> None:
+    from burstcv.compute.awscheck import sizing_quota_needs
+
+    vcpus = {"c7i.large": 2, "m7i.xlarge": 4, "c7g.large": 2, "g6.xlarge": 4, "x2iedn.xlarge": 4}
+    needs = sizing_quota_needs(vcpus, parallel)
+    assert {code: (types, need) for code, (_, types, need) in needs.items()} == expected
+    assert needs["L-1216C47A"][0].family.startswith("Standard")
+
+
+def test_a_sizing_type_refused_at_its_dry_run_is_named_with_awss_reason(
+    s3_deployment: Any, answers: Answers, audited_calls: RecordingProxy
+) -> None:
+    from burstcv.compute.awscheck import check_sizing_launches
+
+    # An organisation policy that denies Graviton: EC2 refuses the arm64 type, encoding why.
+    def run_instances(call: Any) -> tuple[int, bytes]:
+        if call.params["InstanceType"].startswith("c7g"):
+            return 403, (
+                b"<Response><Errors><Error><Code>UnauthorizedOperation</Code><Message>You are "
+                b"not authorized to perform this operation. Encoded authorization failure "
+                b"message: gRaViToN-dEnIeD</Message></Error></Errors><RequestID>r-3</RequestID>"
+                b"</Response>"
+            )
+        return 412, (
+            b"<Response><Errors><Error><Code>DryRunOperation</Code><Message>Request would have "
+            b"succeeded, but DryRun flag is set.</Message></Error></Errors><RequestID>r-4"
+            b"</RequestID></Response>"
+        )
+
+    instances = f"arn:aws:ec2:us-east-1:{ACCOUNT}:instance/*"
+    decoded = json.dumps(
+        {
+            "allowed": False,
+            "explicitDeny": True,
+            "context": {"action": "ec2:RunInstances", "resource": instances},
+        }
+    )
+    answers.set_answer("ec2:RunInstances", run_instances)
+    answers.set(
+        "sts:DecodeAuthorizationMessage",
+        (
+            '<DecodeAuthorizationMessageResponse xmlns="https://sts.amazonaws.com/doc/2011-06-15/">'
+            f"<DecodeAuthorizationMessageResult><DecodedMessage>{escape(decoded)}</DecodedMessage>"
+            "</DecodeAuthorizationMessageResult><ResponseMetadata><RequestId>r-5</RequestId>"
+            "</ResponseMetadata></DecodeAuthorizationMessageResponse>"
+        ).encode(),
+    )
+    backend = Ec2Backend(s3_deployment.ec2)
+
+    lines = [f.line() for f in check_sizing_launches(backend, ["c7g.large", "c7i.large"])]
+
+    images = {
+        arch: backend.resolve_sizing_ami(arch) for arch in ("arm64", "x86_64")
+    }  # AL2023, per architecture, as the sizing boxes resolve them
+    assert images["arm64"] != images["x86_64"]
+    assert lines[:2] == [
+        f"ok       sizing boxes' AMI for arm64: {images['arm64']}",
+        f"ok       sizing boxes' AMI for x86_64: {images['x86_64']}",
+    ]
+    refused, allowed = lines[2:]
+    assert refused.startswith(
+        f"MISSING  dry-run launch sizing box c7g.large on-demand ({images['arm64']}): "
+        "a on-demand c7g.large launch in us-east-1 is not allowed (UnauthorizedOperation)"
+    )
+    assert f"ec2:RunInstances on {instances}" in refused
+    assert refused.endswith("every sizing skips c7g.large; allow it, or serve on other families")
+    assert allowed == (
+        f"ok       dry-run launch sizing box c7i.large on-demand ({images['x86_64']})"
+    )
+    launches = [c for c in audited_calls.snapshot() if c.action == "ec2:RunInstances"]
+    assert {(c.params["InstanceType"], c.params["ImageId"]) for c in launches} == {
+        ("c7g.large", images["arm64"]),
+        ("c7i.large", images["x86_64"]),
+    }
+    assert all(c.params["DryRun"] == "true" for c in launches)
+
+
+def test_a_role_policy_missing_the_sizing_paths_is_named_for_the_sizing_boxes(
+    s3_deployment: Any, kit: Any, answers: Answers
+) -> None:
+    from burstcv.compute.awscheck import check_instance_role_s3
+
+    shipped = json.loads((DEPLOY / "instance-role-policy.json").read_text())
+    sizing_sid = "WriteTheSizingBoxesFiguresAndLogs"
+    without = {
+        **shipped,
+        "Statement": [s for s in shipped["Statement"] if s["Sid"] != sizing_sid],
+    }
+    answers.set(
+        "iam:SimulatePrincipalPolicy",
+        simulation_answer(without, instance_role_policy_variables(kit)),
+    )
+    backend = Ec2Backend(s3_deployment.ec2)
+
+    training, sizing = [
+        f.line() for f in check_instance_role_s3(backend, kit.artifact_root, sizing=True)
+    ]
+
+    under = f"burstcv-training: S3 access under {kit.artifact_root}"
+    assert training == f"ok       training role {under}"
+    assert sizing == (
+        f"MISSING  sizing boxes' role {under}: the role may not s3:PutObject on "
+        "runs/burstcv-check/bench/sizing/boxes/c7i.large.json (implicitDeny); s3:PutObject on "
+        "runs/burstcv-check/bench/sizing/logs/c7i.large.log (implicitDeny): give it "
+        "deploy/instance-role-policy.json (docs/aws.md, the training instance's role)"
+    )
+    # A training box's own check asks nothing of the sizing paths.
+    assert [f.line() for f in check_instance_role_s3(backend, kit.artifact_root)] == [training]
+
+
+@pytest.mark.parametrize(
+    ("default_route", "public_ip", "way"),
+    [
+        ({"NatGatewayId": "nat-1"}, False, "NAT gateway nat-1"),
+        ({"GatewayId": "igw-1"}, True, "internet gateway igw-1"),
+        ({"GatewayId": "igw-1"}, False, ""),  # no public IP: the gateway does not carry it
+        ({"GatewayId": "igw-1", "State": "blackhole"}, True, ""),
+        ({"TransitGatewayId": "tgw-1"}, False, "default route via tgw-1 (not followed further)"),
+        ({"GatewayId": "vpce-1"}, True, ""),
+        (None, True, ""),
+    ],
+)
+def test_a_subnets_way_to_the_internet_is_its_default_route(
+    default_route: dict[str, str] | None, public_ip: bool, way: str
+) -> None:
+    from burstcv.compute.awscheck import _internet_way
+
+    routes: list[dict[str, str]] = [{"DestinationCidrBlock": "172.31.0.0/16", "GatewayId": "local"}]
+    if default_route is not None:
+        routes.append({"DestinationCidrBlock": "0.0.0.0/0", **default_route})
+    assert _internet_way({"RouteTableId": "rtb-1", "Routes": routes}, public_ip) == way

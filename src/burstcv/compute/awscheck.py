@@ -18,8 +18,8 @@ from typing import Any, ParamSpec
 from botocore.exceptions import BotoCoreError, ClientError
 
 from burstcv import lineage
-from burstcv.compute.ec2 import (
-    Ec2Backend,
+from burstcv.compute.ec2 import Ec2Backend
+from burstcv.compute.ec2_terms import (
     LaunchAttempt,
     LaunchCheckError,
     Subnet,
@@ -29,11 +29,12 @@ from burstcv.compute.ec2 import (
     in_cluster,
     launch_plan,
 )
-from burstcv.cost.pricing import PRICING_API_REGIONS
+from burstcv.cost.pricing import PRICING_API_REGIONS, instance_shapes
 from burstcv.cost.quotes import quote
 from burstcv.settings import Ec2Settings, Settings
 from burstcv_spec import storage
 from burstcv_spec.contracts import Launch, RunRef
+from burstcv_spec.layout import RunLayout
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -143,28 +144,42 @@ def _quota_value(quotas: Any, code: str) -> float:
     return 0.0
 
 
+def _vcpus(backend: Ec2Backend, types: Iterable[str]) -> dict[str, int]:
+    """Return the vCPUs of each type EC2 describes in the region (DescribeInstanceTypes)."""
+    described = backend.client.describe_instance_types(InstanceTypes=list(types))
+    return {
+        t["InstanceType"]: int(t["VCpuInfo"]["DefaultVCpus"]) for t in described["InstanceTypes"]
+    }
+
+
+def _unknown_quota(
+    instance_type: str, market: str, family: VcpuQuota | None, region: str, setting: str
+) -> Finding:
+    why = (
+        "not a G, VT, P or standard family: find its quota in Service Quotas "
+        f"(Amazon EC2) for {region} and check it yourself"
+        if family is None
+        else f"EC2 does not describe {instance_type} in {region}; check {setting}"
+    )
+    return Finding(f"vCPU quota of {instance_type} {market}", why)
+
+
 def _quota_needs(backend: Ec2Backend) -> tuple[list[Finding], dict[str, tuple[str, str, int]]]:
     """Return the types no known quota counts, and per quota code (P5 and P4 on demand share
     one) its label, the largest candidate type and that type's vCPUs."""
     s = backend.settings
-    described = backend.client.describe_instance_types(InstanceTypes=list(s.instance_types))
-    vcpus = {
-        t["InstanceType"]: int(t["VCpuInfo"]["DefaultVCpus"]) for t in described["InstanceTypes"]
-    }
+    vcpus = _vcpus(backend, s.instance_types)
     unknown: list[Finding] = []
     needs: dict[str, tuple[str, str, int]] = {}
     for option in launch_plan(s.instance_types, s.use_spot):
         instance_type, market = option.instance_type, option.market
         family = vcpu_quota_of(instance_type)
         if family is None or instance_type not in vcpus:
-            why = (
-                "not a G, VT, P or standard family: find its quota in Service Quotas "
-                f"(Amazon EC2) for {s.region} and check it yourself"
-                if family is None
-                else f"EC2 does not describe {instance_type} in {s.region}; check "
-                "BURSTCV_EC2_INSTANCE_TYPES"
+            unknown.append(
+                _unknown_quota(
+                    instance_type, market, family, s.region, "BURSTCV_EC2_INSTANCE_TYPES"
+                )
             )
-            unknown.append(Finding(f"vCPU quota of {instance_type} {market}", why))
             continue
         code = family.code(market)
         if code not in needs or vcpus[instance_type] > needs[code][2]:
@@ -172,34 +187,146 @@ def _quota_needs(backend: Ec2Backend) -> tuple[list[Finding], dict[str, tuple[st
     return unknown, needs
 
 
+@dataclass(frozen=True)
+class QuotaNeed:
+    """Say what one quota must hold: ``need`` vCPUs for ``boxes``, ``ask`` for ``ask_for``."""
+
+    code: str
+    label: str
+    boxes: str
+    need: int
+    ask: int
+    ask_for: str
+
+
+def _quota_finding(quotas: Any, region: str, want: QuotaNeed) -> Finding:
+    """Compare one quota's vCPUs with what ``want`` needs; say what to ask for if too few."""
+    name = f"vCPU quota {want.label} ({want.code}) in {region}"
+    try:
+        value = _quota_value(quotas, want.code)
+    except ClientError as exc:
+        why = "allow servicequotas:GetServiceQuota and servicequotas:GetAWSDefaultServiceQuota"
+        return Finding(name, f"{_reason(exc)}; {why}")
+    have = f"{value:g} vCPUs, {want.boxes} needs {want.need}"
+    if value >= want.need:
+        return Finding(f"{name}: {have}")
+    return Finding(
+        name,
+        f"{have}; ask for {want.ask} ({want.ask_for}): aws service-quotas "
+        f"request-service-quota-increase --service-code ec2 --quota-code {want.code} "
+        f"--desired-value {want.ask} --region {region}",
+    )
+
+
 def check_vcpu_quotas(
     backend: Ec2Backend, settings: Settings, *, num_nodes: int = 1
 ) -> list[Finding]:
     """Compare each market's vCPU quota of each family with the largest candidate's vCPUs.
     A new account has 0 G, VT and P vCPUs: every launch is refused until an increase is granted."""
-    region = backend.settings.region
     findings, needs = _quota_needs(backend)
     quotas = backend._aws_client("service-quotas")  # the backend's connection and region
     # The GPU pool bounds the boxes that exist at once (a run takes a slot per box).
     slots = max(settings.gpu_pool_slots, num_nodes, 1)
     for code, (label, instance_type, need) in needs.items():
-        name = f"vCPU quota {label} ({code}) in {region}"
-        try:
-            value = _quota_value(quotas, code)
-        except ClientError as exc:
-            why = "allow servicequotas:GetServiceQuota and servicequotas:GetAWSDefaultServiceQuota"
-            findings.append(Finding(name, f"{_reason(exc)}; {why}"))
-            continue
-        run_need = need * num_nodes  # a launch starts every box of the run at once
         boxes = f"{num_nodes} x {instance_type}" if num_nodes > 1 else f"a {instance_type}"
-        have = f"{value:g} vCPUs, {boxes} needs {run_need}"
-        why = (
-            f"{have}; ask for {need * slots} ({slots} boxes at once, "
-            "BURSTCV_GPU_POOL_SLOTS): aws service-quotas request-service-quota-increase "
-            f"--service-code ec2 --quota-code {code} --desired-value {need * slots} "
-            f"--region {region}"
+        # A launch starts every box of the run at once.
+        ask_for = f"{slots} boxes at once, BURSTCV_GPU_POOL_SLOTS"
+        want = QuotaNeed(code, label, boxes, need * num_nodes, need * slots, ask_for)
+        findings.append(_quota_finding(quotas, backend.settings.region, want))
+    return findings
+
+
+def sizing_candidates(families: Iterable[str]) -> list[str]:
+    """Return the CPU types a sizing box may measure: the serving families' known types."""
+    wanted = set(families)
+    return [t for t in sorted(instance_shapes()) if t.split(".")[0] in wanted]
+
+
+def sizing_quota_needs(
+    vcpus: dict[str, int], parallel: int
+) -> dict[str, tuple[VcpuQuota, list[str], int]]:
+    """Return per on-demand quota code its family, the ``parallel`` largest candidates it
+    counts (the sizing boxes that could run at once) and their vCPUs together."""
+    by_code: dict[str, tuple[VcpuQuota, list[str]]] = {}
+    for instance_type in sorted(vcpus, key=lambda t: (-vcpus[t], t)):
+        family = vcpu_quota_of(instance_type)
+        if family is not None:
+            by_code.setdefault(family.on_demand, (family, []))[1].append(instance_type)
+    needs = {}
+    for code, (family, types) in by_code.items():
+        largest = types[:parallel]
+        needs[code] = (family, largest, sum(vcpus[t] for t in largest))
+    return needs
+
+
+def check_sizing_quota(backend: Ec2Backend, settings: Settings, types: list[str]) -> list[Finding]:
+    """Compare the on-demand quota of the sizing boxes' family (Standard for the serving
+    types) with the largest candidates that could run at once (BURSTCV_SIZING_PARALLEL)."""
+    region = backend.settings.region
+    vcpus = _vcpus(backend, types)
+    # A type EC2 does not offer in the region fails DescribeInstanceTypes: the line says so.
+    findings = [
+        _unknown_quota(t, "on-demand", None, region, "--serving-families")
+        for t in types
+        if vcpu_quota_of(t) is None
+    ]
+    quotas = backend._aws_client("service-quotas")
+    for code, (family, largest, need) in sizing_quota_needs(
+        vcpus, settings.sizing_parallel
+    ).items():
+        at_once = f"{len(largest)} at once"
+        want = QuotaNeed(
+            code,
+            f"{family.name('on-demand')} on-demand",
+            f"sizing boxes {', '.join(largest)} ({at_once}, BURSTCV_SIZING_PARALLEL)",
+            need,
+            need,
+            f"{at_once}; more if other instances of the family run in {region}",
         )
-        findings.append(Finding(f"{name}: {have}") if value >= run_need else Finding(name, why))
+        findings.append(_quota_finding(quotas, region, want))
+    return findings
+
+
+def sizing_images(backend: Ec2Backend, types: list[str]) -> tuple[list[Finding], dict[str, str]]:
+    """Resolve the sizing boxes' image of each candidate's architecture as a sizing box does;
+    return a line per architecture and {type: its image id} for the types whose image resolved."""
+    s = backend.settings
+    arch = {t: backend.architecture(t) for t in types}
+    findings, images = [], {}
+    for architecture in sorted(set(arch.values())):
+        name = f"sizing boxes' AMI for {architecture}"
+        try:
+            images[architecture] = backend.resolve_sizing_ami(architecture)
+        except (ClientError, BotoCoreError, ValueError) as exc:
+            why = f"{_reason(exc)}; check BURSTCV_EC2_SIZING_AMI ({s.sizing_ami})"
+            findings.append(Finding(name, why))
+            continue
+        findings.append(Finding(f"{name}: {images[architecture]}"))
+    return findings, {t: images[a] for t, a in arch.items() if a in images}
+
+
+def check_sizing_launches(backend: Ec2Backend, types: list[str]) -> list[Finding]:
+    """Dry-run one sizing box of each candidate type on its architecture's image, as the
+    sizing launches it (on demand, its volume and tags, the first launch subnet). A type
+    refused here is skipped by every sizing: its line names AWS's reason."""
+    s = backend.settings
+    findings, images = sizing_images(backend, types)
+    subnet = backend.launch_subnets()[0]
+    for instance_type, image_id in images.items():
+        launch = check_launch_of().model_copy(
+            update={"instance_types": [instance_type], "use_spot": False}
+        )
+        option = LaunchAttempt(instance_type, "on-demand")
+        name = f"dry-run launch sizing box {instance_type} on-demand ({image_id})"
+        try:
+            base = backend._run_params(
+                launch, image_id, "#!/bin/bash\n", launch.deadline_at, 1, s.sizing_volume_gb
+            )
+            refused = backend._dry_run(backend._option_params(base, option, subnet), option)
+        except LaunchCheckError as exc:
+            refused = str(exc)
+        why = f"{refused}: every sizing skips {instance_type}; allow it, or serve on other families"
+        findings.append(Finding(name, why if refused else ""))
     return findings
 
 
@@ -212,6 +339,17 @@ KMS_USE = ("kms:Decrypt", "kms:GenerateDataKey")  # read and write SSE-KMS objec
 
 def _s3_arn(uri: str) -> str:
     return "arn:aws:s3:::" + uri.removeprefix("s3://")
+
+
+def _role_requests(
+    artifact_root: str, reads: Iterable[str], writes: Iterable[str], kms_key_arn: str | None
+) -> list[tuple[str, str]]:
+    return [
+        *((S3_READ, _s3_arn(uri)) for uri in reads),
+        *((S3_WRITE, _s3_arn(uri)) for uri in writes),
+        (S3_LIST, f"arn:aws:s3:::{_bucket(artifact_root)}"),  # a missing marker: 404, not 403
+        *((action, kms_key_arn) for action in KMS_USE if kms_key_arn),
+    ]
 
 
 def instance_role_requests(
@@ -229,12 +367,27 @@ def instance_role_requests(
         storage.join(run, "job", "checkpoints", "last.pt"),
         storage.join(run, "job", "attempts", "1", "DONE"),
     )
-    return [
-        *((S3_READ, _s3_arn(uri)) for uri in reads),
-        *((S3_WRITE, _s3_arn(uri)) for uri in writes),
-        (S3_LIST, f"arn:aws:s3:::{_bucket(artifact_root)}"),  # a missing marker: 404, not 403
-        *((action, kms_key_arn) for action in KMS_USE if kms_key_arn),
-    ]
+    return _role_requests(artifact_root, reads, writes, kms_key_arn)
+
+
+def sizing_role_requests(
+    artifact_root: str, kms_key_arn: str | None = None
+) -> list[tuple[str, str]]:
+    """Return the (action, resource ARN) pairs a sizing box needs under ``artifact_root``: its
+    wheel and the wheelhouse beside it, the model and requests it reads, its figures and log."""
+    paths, sized = RunLayout.of(artifact_root, CHECK_RUN), "c7i.large"
+    runtime = storage.join(artifact_root, "runtime", CHECK_RUN)
+    reads = (
+        storage.join(runtime, "burstcv_size-0-py3-none-any.whl"),
+        storage.join(runtime, "wheelhouse", "numpy-0-cp311-cp311-manylinux_2_28_x86_64.whl"),
+        storage.join(paths.model, "model.onnx"),
+        storage.join(paths.sizing_requests, "0000.img"),
+    )
+    writes = (
+        paths.box_sizing(sized),
+        storage.join(paths.sizing_boxes, "logs", f"{sized}.log"),
+    )
+    return _role_requests(artifact_root, reads, writes, kms_key_arn)
 
 
 def bucket_kms_key(backend: Ec2Backend, artifact_root: str) -> str | None:
@@ -288,9 +441,12 @@ def _refused(
     ]
 
 
-def check_instance_role_s3(backend: Ec2Backend, artifact_root: str) -> list[Finding]:
-    """Ask IAM's policy simulator whether the training role may read and write its run's files.
-    The dry-run launch cannot see it: a box without these rights boots, is billed, and fails."""
+def check_instance_role_s3(
+    backend: Ec2Backend, artifact_root: str, *, sizing: bool = False
+) -> list[Finding]:
+    """Ask IAM's policy simulator whether the training role may read and write its run's files
+    (and, with ``sizing``, a sizing box's). The dry-run launch cannot see it: a box without
+    these rights boots, is billed, and fails."""
     profile = backend.settings.instance_profile
     if not profile or not storage.is_s3(artifact_root):
         return []  # the instance profile and artifact store lines already say what to set
@@ -314,19 +470,30 @@ def check_instance_role_s3(backend: Ec2Backend, artifact_root: str) -> list[Find
         )
         return [Finding(name, why)]
     role_arn = str(found["Roles"][0]["Arn"])
-    name = f"training role {role_arn.rsplit('/', 1)[-1]}: S3 access under {artifact_root}"
+    under = f"role {role_arn.rsplit('/', 1)[-1]}: S3 access under {artifact_root}"
+    name = f"training {under}"
     try:
         key = bucket_kms_key(backend, artifact_root)
     except ClientError as exc:
         why = "allow s3:GetEncryptionConfiguration on the bucket and kms:DescribeKey"
         return [Finding(name, f"{_reason(exc)}; {why} (deploy/iam-policy.json)")]
     if key:
-        name += f" (the bucket's default key {key})"
+        under += f" (the bucket's default key {key})"
+    # The sizing boxes have the training boxes' instance profile: one simulation asks for both.
+    kinds = {"training": instance_role_requests(artifact_root, key)}
+    if sizing:
+        kinds["sizing boxes'"] = sizing_role_requests(artifact_root, key)
+    wanted = list(dict.fromkeys(pair for pairs in kinds.values() for pair in pairs))
     try:
-        refused = _refused(iam, role_arn, instance_role_requests(artifact_root, key))
+        refused = _refused(iam, role_arn, wanted)
     except ClientError as exc:
-        return [Finding(name, f"{_reason(exc)}; allow iam:SimulatePrincipalPolicy on {role_arn}")]
-    return [Finding(name, _role_fix(refused, _s3_arn(artifact_root) + "/", key))]
+        why = f"{_reason(exc)}; allow iam:SimulatePrincipalPolicy on {role_arn}"
+        return [Finding(f"{kind} {under}", why) for kind in kinds]
+    root = _s3_arn(artifact_root) + "/"
+    return [
+        Finding(f"{kind} {under}", _role_fix([r for r in refused if r[:2] in pairs], root, key))
+        for kind, pairs in kinds.items()
+    ]
 
 
 def _role_fix(refused: list[tuple[str, str, str]], under_root: str, key: str | None) -> str:
@@ -362,31 +529,46 @@ def _s3_route(
     for route in routes:
         if str(route.get("GatewayId", "")) in s3_endpoints:
             return f"S3 gateway endpoint {route['GatewayId']}", ""
-    # A route table holds one route per destination: at most one default route.
-    defaults = [r for r in routes if r.get("DestinationCidrBlock") == "0.0.0.0/0"]
-    default: dict[str, Any] = defaults[0] if defaults else {}
-    gateway = str(default.get("GatewayId", ""))
-    if default.get("NatGatewayId"):
+    way = _internet_way(table, public_ip)
+    if way.startswith("NAT"):
         return (
-            f"NAT gateway {default['NatGatewayId']}, billed per GB: every box's shard "
-            "download, wheel and checkpoints pass through it; an S3 gateway endpoint "
-            f"carries them free (aws ec2 create-vpc-endpoint --vpc-id {table['VpcId']} "
-            f"--service-name com.amazonaws.{region}.s3 --route-table-ids {table_id})",
+            f"{way}, billed per GB: every box's shard download, wheel and checkpoints pass "
+            "through it; an S3 gateway endpoint carries them free (aws ec2 create-vpc-endpoint "
+            f"--vpc-id {table['VpcId']} --service-name com.amazonaws.{region}.s3 "
+            f"--route-table-ids {table_id})",
             "",
         )
+    if way:
+        return way + (" (public IPs on launch)" if way.startswith("internet") else ""), ""
+    gateway = str(_default_route(table).get("GatewayId", ""))
     if gateway.startswith("igw-"):
-        if public_ip:
-            return f"internet gateway {gateway} (public IPs on launch)", ""
         return "", (
             f"its route table {table_id} goes to internet gateway {gateway}, but the subnet "
             "gives instances no public IP: turn on its auto-assign public IPv4 address "
             "(aws ec2 modify-subnet-attribute --map-public-ip-on-launch --subnet-id …), "
             "or add an S3 gateway endpoint"
         )
+    return "", f"its route table {table_id} has no S3 gateway endpoint, NAT or internet gateway"
+
+
+def _default_route(table: dict[str, Any]) -> dict[str, Any]:
+    """Return the table's default route ({} if none; a table holds one per destination)."""
+    routes = [r for r in table.get("Routes", []) if r.get("State") != "blackhole"]
+    return next((r for r in routes if r.get("DestinationCidrBlock") == "0.0.0.0/0"), {})
+
+
+def _internet_way(table: dict[str, Any], public_ip: bool) -> str:
+    """Return how a box of the table's subnet reaches the internet ("" if it cannot)."""
+    default = _default_route(table)
+    gateway = str(default.get("GatewayId", ""))
+    if default.get("NatGatewayId"):
+        return f"NAT gateway {default['NatGatewayId']}"
+    if gateway.startswith("igw-") and public_ip:
+        return f"internet gateway {gateway}"
     for target in ("TransitGatewayId", "NetworkInterfaceId", "InstanceId"):
         if default.get(target):
-            return f"default route via {default[target]} (not followed further)", ""
-    return "", f"its route table {table_id} has no S3 gateway endpoint, NAT or internet gateway"
+            return f"default route via {default[target]} (not followed further)"
+    return ""
 
 
 def _s3_routing(
@@ -478,26 +660,30 @@ def _s3_prefix_lists(backend: Ec2Backend) -> set[str]:
     return {str(p["PrefixListId"]) for p in found}
 
 
+def _box_groups(backend: Ec2Backend) -> dict[str, list[dict[str, Any]]]:
+    """Return the security groups a box gets, by what names them: the setting, else the
+    default group of each launch subnet's VPC."""
+    s, ec2 = backend.settings, backend.client
+    if s.security_group_ids:
+        groups = ec2.describe_security_groups(GroupIds=list(s.security_group_ids))
+        return {"BURSTCV_EC2_SECURITY_GROUP_IDS": groups["SecurityGroups"]}
+    vpcs = sorted({sub.vpc_id for sub in backend.launch_subnets() if sub.vpc_id})
+    default = {"Name": "group-name", "Values": ["default"]}
+    return {
+        f"the default security group of {vpc}": ec2.describe_security_groups(
+            Filters=[{"Name": "vpc-id", "Values": [vpc]}, default]
+        )["SecurityGroups"]
+        for vpc in vpcs
+    }
+
+
 def check_security_group_egress(backend: Ec2Backend) -> list[Finding]:
     """Check the security groups a training box gets let it reach S3 over HTTPS.
     Accounts that follow CIS 4.3 strip a VPC's default group of every rule: a box there cannot
     even write its FAILED marker, and is paid for until its boot bound."""
-    s, ec2 = backend.settings, backend.client
     s3_lists = _s3_prefix_lists(backend)
-    if s.security_group_ids:
-        groups = ec2.describe_security_groups(GroupIds=list(s.security_group_ids))
-        sets = {"BURSTCV_EC2_SECURITY_GROUP_IDS": groups["SecurityGroups"]}
-    else:
-        vpcs = sorted({sub.vpc_id for sub in backend.launch_subnets() if sub.vpc_id})
-        default = {"Name": "group-name", "Values": ["default"]}
-        sets = {
-            f"the default security group of {vpc}": ec2.describe_security_groups(
-                Filters=[{"Name": "vpc-id", "Values": [vpc]}, default]
-            )["SecurityGroups"]
-            for vpc in vpcs
-        }
     findings = []
-    for label, groups in sets.items():
+    for label, groups in _box_groups(backend).items():
         ids = [str(g["GroupId"]) for g in groups]
         name = f"HTTPS egress to S3 from {label} ({', '.join(ids)})"
         reaches = [
@@ -512,8 +698,8 @@ def check_security_group_egress(backend: Ec2Backend) -> list[Finding]:
             "no egress rule lets a box reach S3 over HTTPS (a box could not read its job "
             "nor write its FAILED marker): aws ec2 authorize-security-group-egress "
             f"--group-id {ids[0] if ids else '<group>'} --ip-permissions '{rule}' "
-            f"--region {s.region}, or set BURSTCV_EC2_SECURITY_GROUP_IDS to a group with "
-            "such a rule"
+            f"--region {backend.settings.region}, or set BURSTCV_EC2_SECURITY_GROUP_IDS to a "
+            "group with such a rule"
         )
         findings.append(Finding(f"{name}: to {reaches[0]}") if reaches else Finding(name, why))
     return findings
@@ -888,7 +1074,15 @@ def check_account(
     root = settings.artifact_root
     plan = launch_plan(s.instance_types, s.use_spot)
     findings += _guarded("vCPU quotas", check_vcpu_quotas, backend, settings, num_nodes=num_nodes)
-    findings += _guarded("training role's S3 access", check_instance_role_s3, backend, root)
+    # The sizing boxes (one on-demand CPU box per candidate serving type) share the role.
+    sizing = sizing_candidates(serving_families or [])
+    findings += _guarded(
+        "training role's S3 access", check_instance_role_s3, backend, root, sizing=bool(sizing)
+    )
+    if sizing:
+        quota = "sizing boxes' vCPU quota"
+        findings += _guarded(quota, check_sizing_quota, backend, settings, sizing)
+        findings += _guarded("sizing boxes' launches", check_sizing_launches, backend, sizing)
     findings += _guarded("route to S3", check_subnet_routes, backend)
     findings += _guarded("HTTPS egress to S3", check_security_group_egress, backend)
     if num_nodes > 1:
