@@ -450,6 +450,97 @@ def test_a_budget_that_cannot_buy_every_box_its_minute_is_refused_before_renting
     assert "raise max_cost_usd" in str(refused.value)
 
 
+# --- a deadline before the boxes' boot: refused at resolve, before anything is rented --------
+
+P4D_USD_PER_HOUR = 32.7726  # p4d.24xlarge on demand (AWS's published price)
+
+
+def refused_at_resolve(
+    run: RunParams, settings: Settings, trigger: str = "form"
+) -> resolve_stage.ValidationFailed:
+    """Resolve RUN as ``trigger`` does; return its refusal, asserting nothing was written."""
+    with pytest.raises(resolve_stage.ValidationFailed) as refused:
+        resolve_stage.resolve_run(RUN, run, settings, trigger=trigger)
+    assert not storage.exists(resolve_stage.run_layout(RUN, settings).record)
+    assert "\n" not in str(refused.value)
+    return refused.value
+
+
+@pytest.mark.parametrize("trigger", ["form", "schedule", "asset", "cli"])
+@pytest.mark.parametrize("use_spot", [True, False])
+def test_a_budget_whose_deadline_comes_before_the_boot_is_refused_saying_what_it_buys(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, trigger: str, use_spot: bool
+) -> None:
+    """p4d.24xlarge at $5: 188 s to the deadline, shorter than its family's assumed boot."""
+    Prices(monkeypatch, {"p4d.24xlarge": P4D_USD_PER_HOUR})
+    settings = Settings(artifact_root=str(tmp_path / "artifacts"))
+    run = ec2_run(["p4d.24xlarge"], 5.0).model_copy(update={"use_spot": use_spot})
+    message = str(refused_at_resolve(run, settings, trigger))
+    assert deadline_s(5.0, P4D_USD_PER_HOUR) == 188
+    assert message.startswith(
+        "1 x p4d.24xlarge at $5.00 buys 188 s to the deadline; a p4d.24xlarge box's boot takes "
+        "about 600 s (assumed: the p4d family's floor): its boxes would be paid and never train"
+    )
+    # Enough for the boot, a minute of training and the watchdog's margin, at the box's rate.
+    needed = (P4D_USD_PER_HOUR + EXTRAS_PER_HOUR) * (600 + 60 + MARGIN_S) / 3600
+    assert f"raise max_cost_usd to ${needed:.2f} or more" in message
+    assert budget.resolve_costs(ec2_run(["p4d.24xlarge"], round(needed + 0.01, 2)), settings)
+
+
+def test_several_boxes_are_refused_when_their_shared_deadline_comes_before_the_boot(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    Prices(monkeypatch, {"g5.12xlarge": 5.672})
+    settings = Settings(artifact_root=str(tmp_path / "artifacts"))
+    message = str(refused_at_resolve(ec2_run(["g5.12xlarge"], 5.0, num_nodes=4), settings))
+    assert deadline_s(5.0, 5.672, boxes=4) == 431
+    assert message.startswith("4 x g5.12xlarge at $5.00 buys 431 s to the deadline; a ")
+    assert "about 480 s (assumed: the g5 family's floor)" in message
+    # One box of the same type on the same budget reaches past its boot.
+    one = budget.resolve_costs(ec2_run(["g5.12xlarge"], 5.0), settings)
+    assert one.time_budget_s == deadline_s(5.0, 5.672) == 2804
+
+
+def test_the_slowest_boot_among_the_types_decides_and_a_short_time_budget_is_refused_too(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    Prices(monkeypatch, {"g4dn.xlarge": 0.526, "g6.xlarge": 0.8048})
+    settings = Settings(artifact_root=str(tmp_path / "artifacts"))
+    short = ec2_run(["g4dn.xlarge", "g6.xlarge"], 100.0).model_copy(update={"time_budget_s": 450})
+    message = str(refused_at_resolve(short, settings))
+    assert message.startswith(
+        "time_budget_s leaves 450 s to the deadline; a g6.xlarge box's boot takes about 480 s"
+    )
+    assert "raise time_budget_s" in message
+    only_g4dn = short.model_copy(update={"instance_types": ["g4dn.xlarge"]})
+    assert budget.resolve_costs(only_g4dn, settings).time_budget_s == 450  # its floor: 420 s
+
+
+def test_measured_boots_of_a_type_replace_its_familys_floor(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from burstcv.cost.boot import MEASURED_KEPT, boot_estimate, record_boots
+
+    Prices(monkeypatch, {"p4d.24xlarge": P4D_USD_PER_HOUR, "g6.xlarge": 0.8048})
+    root = str(tmp_path / "artifacts")
+    settings = Settings(artifact_root=root)
+    # This deployment's p4d boxes booted in under 3 minutes: 188 s is past their boot.
+    record_boots(root, "p4d.24xlarge", [150.0, 171.4])
+    costs = budget.resolve_costs(ec2_run(["p4d.24xlarge"], 5.0), settings)
+    assert costs.time_budget_s == 188
+    # Its g6 boxes boot slower than the family's floor: the measured boot refuses.
+    record_boots(root, "g6.xlarge", [900.0])
+    run = ec2_run(["g6.xlarge"], 100.0).model_copy(update={"time_budget_s": 600})
+    message = str(refused_at_resolve(run, settings))
+    assert (
+        "a g6.xlarge box's boot takes about 900 s (measured: the slowest of its last 1)" in message
+    )
+    # Only the latest boots count: an old slow one ages out.
+    record_boots(root, "g6.xlarge", [200.0] * MEASURED_KEPT)
+    assert boot_estimate(root, "g6.xlarge").seconds == 200.0
+    assert budget.resolve_costs(run, settings).time_budget_s == 600
+
+
 def test_a_type_nobody_can_price_counts_at_the_highest_known_price(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -1236,6 +1236,16 @@ class PriceQuote(Artifact):
     fetched_at: str = Field(description="ISO 8601 UTC of when it was read")
 
 
+class BootTimes(Artifact):
+    """`boots/<instance_type>.json`: how long the type's training boxes took to boot here."""
+
+    instance_type: str = Field(description="EC2 instance type")
+    measured_s: list[float] = Field(
+        description="seconds from a box's launch to its passed preflight, the latest few, "
+        "most recent last"
+    )
+
+
 class BoxBill(BoxRate):
     """Say where one box of one attempt ran, at what rate, and from when to when."""
 

@@ -8,24 +8,41 @@ and stops relaunching at the run's bound. The full boot of both attempts runs in
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 from awsaudit import RecordingProxy, console_answer
-from burstcv_testkit import HELD_WHEEL, power_off_in_emulator, reclaim_in_emulator
+from burstcv_testkit import (
+    HELD_WHEEL,
+    power_off_in_emulator,
+    reclaim_in_emulator,
+    resolve_validated,
+)
+from test_ec2 import packed_for
 
 from burstcv.airflow.operators import WaitForTrainingOperator
 from burstcv.compute import attempts
 from burstcv.compute.ec2 import Ec2Backend
+from burstcv.cost.boot import record_boots
 from burstcv.params import RunParams
 from burstcv.settings import Settings
 from burstcv.stages import boxes as boxes_stage
 from burstcv.stages import resolve
-from burstcv.training.job import write_failed
+from burstcv.training.job import attempt_dir, write_failed
 from burstcv_spec import storage
-from burstcv_spec.contracts import Launch, Provisioned, RunRef, TrainingOutcome
+from burstcv_spec.contracts import (
+    AttemptBill,
+    BoxBill,
+    Launch,
+    Provisioned,
+    RunRef,
+    TrainingOutcome,
+    read_artifact,
+)
+from burstcv_spec.layout import END_RECORD
 
 DAG_ID = "burstcv_pipeline"
 
@@ -153,6 +170,138 @@ def test_a_final_failure_is_never_relaunched(provisioned: Provisioned, kit: Any)
         operator.execute_complete({}, wait_event(provisioned, 1).model_dump(mode="json"))
     assert attempts.current_attempt(provisioned.output_uri) == 1
     assert len(states(kit, provisioned.run.run_key)) == 1
+    Ec2Backend().terminate_run(provisioned.run.run_key)
+
+
+# --- a box never paid twice: one attempt's boxes at a time, and a relaunch within the budget --
+
+
+def billed_by_hand(box: BoxBill) -> float:
+    """Price one ended box as EC2 bills it: the instance from running (else from launch), the
+    volume and the address from launch, each at least 60 s."""
+    launched, ended = (
+        datetime.fromisoformat(box.launched_at),
+        datetime.fromisoformat(box.ended_at or ""),
+    )
+    running = datetime.fromisoformat(box.running_at) if box.running_at else launched
+    instance_s = max(60, math.ceil((ended - running).total_seconds()))
+    attached_s = max(60, math.ceil((ended - launched).total_seconds()))
+    attached_per_hour = (
+        box.volume_gb * box.ebs_usd_per_gb_month / 730 + box.public_ipv4_usd_per_hour
+    )
+    return (box.usd_per_hour * instance_s + attached_per_hour * attached_s) / 3600
+
+
+def ended_boxes(job_dir: str, attempts_made: int) -> list[BoxBill]:
+    """Return every box of the run's attempts as their end records hold them."""
+    return [
+        box
+        for attempt in range(1, attempts_made + 1)
+        for box in read_artifact(attempt_dir(job_dir, attempt, END_RECORD), AttemptBill).boxes
+    ]
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["after-its-records", "before-them"])
+def test_a_provision_killed_after_its_launch_and_retried_runs_one_box_and_bills_both(
+    s3_deployment: Settings, player: Any, kit: Any, recorded: bool
+) -> None:
+    run = RunRef.of(f"manual__killed-{'late' if recorded else 'early'}")
+    player.modes[run.run_key] = kit.HOLD
+    packed = packed_for(kit, run.run_key)
+    params = RunParams.resolve({"compute_backend": "ec2", "time_budget_s": 600}, s3_deployment)
+    resolve_validated(run, params, s3_deployment, packed)
+    job_dir = kit.job_dir(run.run_key)
+    # The first try launched its box, then its worker died: no clean-up ran, the box runs on.
+    (first,) = boxes_stage.provision(run, DAG_ID, packed, s3_deployment).instance_ids
+    if not recorded:  # it died as RunInstances answered: no record holds the box
+        client = storage.s3_client()
+        for uri in (f"{job_dir}/attempt.json", f"{job_dir}/attempts/1/launch.json"):
+            bucket, _, key = uri.removeprefix("s3://").partition("/")
+            client.delete_object(Bucket=bucket, Key=key)
+
+    second = boxes_stage.provision(run, DAG_ID, packed, s3_deployment, attempt=2)
+
+    (box,) = second.instance_ids
+    boxes = states(kit, run.run_key)
+    assert box != first and boxes[box] == "running"
+    assert boxes[first] in ("shutting-down", "terminated")  # ended before the launch
+    ended = read_artifact(attempt_dir(job_dir, 1, END_RECORD), AttemptBill)
+    assert [b.instance_id for b in ended.boxes] == [first] and ended.boxes[0].ended_at
+    # The teardown bills both boxes, each from its own records.
+    billing = boxes_stage.terminate(run, "ec2", s3_deployment)
+    assert sorted(billing.billed_seconds) == sorted([first, box])
+    assert billing.cost_usd == pytest.approx(sum(map(billed_by_hand, ended_boxes(job_dir, 2))))
+    assert kit.live_managed() == []
+
+
+# A g6.xlarge on demand in us-east-1 an hour, as AWS publishes it: the instance at $0.8048, its
+# 50 GB gp3 root volume at $0.08 per GB-month (730 h) and a public IPv4 address at $0.005.
+G6_PER_HOUR = 0.8048 + 50 * 0.08 / 730 + 0.005
+MINUTE_USD = G6_PER_HOUR * 60 / 3600  # what an attempt that lived under a minute costs
+# What another attempt needs: its box's minimum and the 6 min it may outlive the deadline.
+ATTEMPT_USD = G6_PER_HOUR * (60 + 360) / 3600
+
+
+def test_a_relaunch_the_budget_cannot_cover_launches_nothing_and_the_bill_stays_within_it(
+    s3_deployment: Settings, backend: Ec2Backend, player: Any, kit: Any
+) -> None:
+    # Two attempts of a minute fit beside another attempt's reserve; three do not.
+    max_cost_usd = MINUTE_USD + ATTEMPT_USD + MINUTE_USD / 2
+    run = RunRef.of("manual__spent")
+    player.modes[run.run_key] = kit.HOLD
+    packed = packed_for(kit, run.run_key)
+    # This deployment's g6 boxes boot in 40 s: the 150 s the budget buys pass their boot.
+    record_boots(s3_deployment.artifact_root, "g6.xlarge", [40.0])
+    given = {"instance_types": ["g6.xlarge"], "use_spot": False, "max_cost_usd": max_cost_usd}
+    params = RunParams.resolve({"compute_backend": "ec2", **given}, s3_deployment)
+    costs = resolve_validated(run, params, s3_deployment, packed).costs
+    assert costs.time_budget_s == 150 and costs.box_rate.usd_per_hour == 0.8048
+    provisioned = boxes_stage.provision(run, DAG_ID, packed, s3_deployment)
+    operator = WaitForTrainingOperator(task_id="train", provisioned=provisioned.model_dump())
+
+    (first,) = provisioned.instance_ids
+    reclaim_in_emulator(first)
+    assert resumed_in_this_try(operator, wait_event(provisioned, 1)) == 2
+    (second,) = [i for i in states(kit, run.run_key) if i != first]
+    reclaim_in_emulator(second)
+    with pytest.raises(AirflowFailException) as refused:
+        operator.execute_complete({}, wait_event(provisioned, 2).model_dump(mode="json"))
+
+    assert len(states(kit, run.run_key)) == 2  # no third box
+    assert attempts.current_attempt(provisioned.output_uri) == 2
+    message = str(refused.value)
+    assert f"another attempt of 1 x g6.xlarge needs ${ATTEMPT_USD:.4f}" in message
+    assert "60 s minimum and the watchdog's 360 s margin" in message
+    assert message.endswith("over the budget; no relaunch") and "\n" not in message
+    billing = boxes_stage.terminate(run, "ec2", s3_deployment)
+    by_hand = sum(map(billed_by_hand, ended_boxes(provisioned.output_uri, 2)))
+    assert billing.cost_usd == pytest.approx(by_hand)
+    assert by_hand <= max_cost_usd
+    assert kit.live_managed() == []
+
+
+def test_an_attempts_end_keeps_how_long_its_boxes_took_to_boot(
+    s3_deployment: Settings, provisioned: Provisioned, kit: Any
+) -> None:
+    from burstcv.cost.boot import boot_estimate
+    from burstcv.stages.resolve import TrainingFailed
+
+    (first,) = provisioned.instance_ids
+    launch = read_artifact(f"{provisioned.output_uri}/attempts/1/launch.json", AttemptBill)
+    launched = datetime.fromisoformat(launch.boxes[0].launched_at)
+    passed = (launched + timedelta(seconds=95.25)).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    # The log the box shipped, its script's stamps in it.
+    storage.write_bytes(
+        f"{provisioned.output_uri}/attempts/1/logs/{first}.log",
+        f"burstcv: {passed[:-5]}Z installed\nburstcv: {passed} preflight passed\n".encode(),
+    )
+    root = s3_deployment.artifact_root
+    assert boot_estimate(root, "g6.xlarge").source == "assumed: the g6 family's floor"
+    lost = TrainingOutcome(status="lost", attempt=1, reason="gone", resumable=True)
+    with pytest.raises(TrainingFailed):
+        boxes_stage.collect_training(provisioned.run, lost, s3_deployment)
+    measured = boot_estimate(root, "g6.xlarge")
+    assert (measured.seconds, measured.source) == (95.2, "measured: the slowest of its last 1")
     Ec2Backend().terminate_run(provisioned.run.run_key)
 
 

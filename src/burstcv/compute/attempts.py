@@ -7,6 +7,7 @@ progress and logs) and the backend's description of the boxes: no GPU time is sp
 from __future__ import annotations
 
 import logging
+import re
 import time
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 from burstcv import lineage
 from burstcv.compute.backends import get_backend
 from burstcv.compute.base import STOPPED, WORKING, ComputeBackend, InstanceInfo, job_outcome
-from burstcv.compute.billing import record_launch, run_bill
+from burstcv.compute.billing import record_end, record_launch, run_bill
 from burstcv.cost.model import LOCAL_RATE
 from burstcv.settings import Settings, get_settings
 from burstcv.training.job import (
@@ -27,6 +28,7 @@ from burstcv.training.job import (
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
     ArtifactError,
+    AttemptBill,
     AttemptRecord,
     BoxRate,
     FailedMarker,
@@ -36,7 +38,13 @@ from burstcv_spec.contracts import (
     read_artifact,
     write_artifact,
 )
-from burstcv_spec.layout import ATTEMPT_RECORD, FAILED_MARKER, JOB_SPEC, PROGRESS
+from burstcv_spec.layout import (
+    ATTEMPT_RECORD,
+    FAILED_MARKER,
+    JOB_SPEC,
+    LAUNCH_RECORD,
+    PROGRESS,
+)
 from burstcv_spec.storage import safe_run_id
 
 if TYPE_CHECKING:
@@ -48,15 +56,25 @@ log = logging.getLogger(__name__)
 def launch_attempt(
     backend_name: str, launch: Launch, job_dir: str, attempt: int, settings: Settings
 ) -> list[str]:
-    """Start an attempt's boxes; record the attempt and each box's place and price."""
-    from burstcv.compute.ec2 import Ec2Backend
-
+    """Start an attempt's boxes once every box of an earlier attempt has ended; record the
+    attempt and each box's place and price."""
     backend = get_backend(backend_name, settings)
+    if attempt > 1:
+        end_earlier_attempts(backend, launch, job_dir, attempt, settings)
     ids = backend.launch(launch, attempt)
     write_artifact(
         storage.join(job_dir, ATTEMPT_RECORD),
         AttemptRecord(attempt=attempt, instance_ids=ids, launched_at=lineage.utc_now_iso()),
     )
+    _record_boxes(backend, launch, job_dir, attempt, ids)
+    return ids
+
+
+def _record_boxes(
+    backend: ComputeBackend, launch: Launch, job_dir: str, attempt: int, ids: list[str]
+) -> None:
+    """Write the attempt's launch record of boxes ``ids``, each at its quoted (or bound) rate."""
+    from burstcv.compute.ec2 import Ec2Backend
 
     def rate_of(info: InstanceInfo) -> BoxRate:
         if isinstance(backend, Ec2Backend):
@@ -68,13 +86,45 @@ def launch_attempt(
         attempt,
         run_key=launch.run.run_key,
         dag_id=launch.dag_id,
-        backend=backend_name,
+        backend=backend.name,
         region=backend.settings.region if isinstance(backend, Ec2Backend) else "",
         boxes=[i for i in backend.describe(launch.run.run_key) if i.instance_id in ids],
         rate_of=rate_of,
         now=lineage.utc_now(),
     )
-    return ids
+
+
+def end_earlier_attempts(
+    backend: ComputeBackend, launch: Launch, job_dir: str, attempt: int, settings: Settings
+) -> list[str]:
+    """End the boxes of the run's earlier attempts still pending or running (a try of
+    provision whose worker died after its launch left them) and record their end for the
+    bill; return their ids. A box no record holds (its try died before writing one) is
+    recorded from its launch: it is billed all the same."""
+    run_key = launch.run.run_key
+    earlier = [i for i in backend.describe(run_key) if i.attempt < attempt]
+    up = [i.instance_id for i in earlier if i.state in WORKING]
+    if up:
+        log.warning(
+            "run %s: ending %s of an earlier attempt before attempt %d", run_key, up, attempt
+        )
+        backend.terminate(up)
+        earlier = wait_ended(
+            backend,
+            run_key,
+            attempt - 1,
+            settings.relaunch_wait_s,
+            launch.deadline_at,
+            terminated=launch.count > 1,
+        )
+    now = lineage.utc_now()
+    for before in sorted({i.attempt for i in earlier if i.attempt < attempt}):
+        if not storage.exists(attempt_dir(job_dir, before, LAUNCH_RECORD)):
+            # Recorded once ended: not seen running, so billed from its launch (an upper bound).
+            ids = [i.instance_id for i in earlier if i.attempt == before]
+            _record_boxes(backend, launch, job_dir, before, ids)
+        record_end(job_dir, before, earlier, now)
+    return up
 
 
 def wait_ended(
@@ -112,6 +162,29 @@ def wait_ended(
             )
             return instances
         time.sleep(backend.poll_s)
+
+
+# The stamp a training box's script writes once its preflight passed: where its boot ends.
+_PREFLIGHT_PASSED = re.compile(r"burstcv: (\d{4}-\d\d-\d\dT[\d:.]+Z) preflight passed")
+
+
+def measured_boots(output_uri: str, attempt: int) -> dict[str, list[float]]:
+    """Return, by instance type, how long each box of the attempt took from its launch to its
+    passed preflight: its launch record's time and the stamp in the log it shipped."""
+    uri = attempt_dir(output_uri, attempt, LAUNCH_RECORD)
+    if not storage.exists(uri):
+        return {}
+    boots: dict[str, list[float]] = {}
+    for box in read_artifact(uri, AttemptBill).boxes:
+        log_uri = attempt_dir(output_uri, attempt, "logs", f"{box.instance_id}.log")
+        if box.market == "local" or not storage.exists(log_uri):
+            continue
+        passed = _PREFLIGHT_PASSED.search(storage.read_bytes(log_uri).decode(errors="replace"))
+        if passed is not None:
+            at = datetime.fromisoformat(passed.group(1))
+            seconds = (at - datetime.fromisoformat(box.launched_at)).total_seconds()
+            boots.setdefault(box.instance_type, []).append(seconds)
+    return boots
 
 
 def current_attempt(output_uri: str) -> int:

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import logging
 
+from burstcv.cost.boot import boot_estimate
 from burstcv.cost.model import (
     GPU_SERVING_TYPES,
     LOCAL_RATE,
+    MINIMUM_BILLED_S,
     BudgetTooSmallError,
+    attempt_minimum_usd,
     box_usd_per_hour,
     outlives_deadline_s,
     time_budget,
@@ -96,6 +99,37 @@ def worst_box_rate(params: RunParams, settings: Settings, sources: PriceSources)
     return _on_demand_rate(priciest, region, settings.ec2.volume_gb)
 
 
+def refuse_a_deadline_before_boot(
+    params: RunParams,
+    artifact_root: str,
+    training_usd: float,
+    budget_s: int,
+    rate: BoxRate,
+    margin_s: int,
+) -> None:
+    """Raise BudgetTooSmallError when the run's deadline comes before the slowest boot among
+    its instance types (measured here, else its family's floor): its boxes would never train."""
+    boot = max(
+        (boot_estimate(artifact_root, t) for t in params.instance_types), key=lambda b: b.seconds
+    )
+    if budget_s > boot.seconds:
+        return
+    boxes = params.num_nodes
+    if budget_s == params.time_budget_s:
+        bought, fix = f"time_budget_s leaves {budget_s} s", "raise time_budget_s"
+    else:
+        bought = f"{boxes} x {rate.instance_type} at ${training_usd:.2f} buys {budget_s} s"
+        # The boot, a minute of training and the margin, for every box; the sizing's reserve.
+        needed = attempt_minimum_usd(rate, boxes, round(boot.seconds) + margin_s)
+        needed += params.max_cost_usd - training_usd
+        fix = f"raise max_cost_usd to ${needed:.2f} or more for a minute of training"
+    raise BudgetTooSmallError(
+        f"{bought} to the deadline; a {boot.instance_type} box's boot takes about "
+        f"{boot.seconds:.0f} s ({boot.source}): its boxes would be paid and never train; {fix}, "
+        "or choose instance types that boot sooner"
+    )
+
+
 def serving_quotes(
     families: list[str], region: str, sources: PriceSources
 ) -> tuple[list[PriceQuote], str | None]:
@@ -139,6 +173,10 @@ def resolve_costs(params: RunParams, settings: Settings) -> RunCosts:
     budget_s, reason = time_budget(
         training_usd, params.time_budget_s, boxes=params.num_nodes, rate=rate, margin_s=margin_s
     )
+    if on_ec2:
+        refuse_a_deadline_before_boot(
+            params, sources.artifact_root, training_usd, budget_s, rate, margin_s
+        )
     serving, unpriced = serving_quotes(list(params.serving_families), region, sources)
     # The one-GPU types the gate may advise serving on, priced alike (unpriced: advised so).
     gpus = [q for t in GPU_SERVING_TYPES if (q := quote(t, region, "on-demand", sources))]
@@ -201,4 +239,23 @@ def sizing_budget(
         margin_s=margin_s,
         box_rate=rate,
         reserve_usd=round(reserve / 3600.0, 6),
+    )
+
+
+def relaunch_refusal(costs: RunCosts, spent_usd: float) -> str | None:
+    """Return why the run's training budget cannot start another attempt, or None: what its
+    boxes have cost and the new attempt's boxes for the billed minimum and the margin must fit."""
+    rate, boxes = costs.box_rate, costs.boxes
+    needed = attempt_minimum_usd(rate, boxes, costs.margin_s)
+    budget = costs.training_usd
+    left = budget - spent_usd
+    # Rounded to the microdollar: a budget that covers exactly the attempt is not short of it.
+    if round(needed, 6) <= round(left, 6):
+        return None
+    return (
+        f"the run's boxes have cost ${spent_usd:.4f} of its ${budget:.4f} training budget, "
+        f"${max(0.0, left):.4f} left; another attempt of {boxes} x {rate.instance_type} "
+        f"needs ${needed:.4f} (at ${box_usd_per_hour(rate):.4f}/h a box, its "
+        f"{MINIMUM_BILLED_S} s minimum and the watchdog's {costs.margin_s} s margin): over the "
+        "budget; no relaunch"
     )

@@ -79,6 +79,12 @@ def run_cost(attempts: Iterable[AttemptBill], now: datetime) -> float:
     return sum(box_cost(box, now).usd for attempt in attempts for box in attempt.boxes)
 
 
+def attempt_minimum_usd(rate: BoxRate, boxes: int, margin_s: int) -> float:
+    """Return what an attempt of ``boxes`` boxes at ``rate`` is sure to cost if it starts late:
+    each box's billed minimum and the ``margin_s`` it may outlive the deadline."""
+    return boxes * box_usd_per_hour(rate) * (MINIMUM_BILLED_S + margin_s) / 3600.0
+
+
 def time_budget(
     max_cost_usd: float, cap_s: int, *, boxes: int, rate: BoxRate, margin_s: int
 ) -> tuple[int, str]:
@@ -96,7 +102,7 @@ def time_budget(
     affordable_s = math.floor(round(max_cost_usd / per_hour * 3600.0, 6)) - margin_s
     where = f"{boxes} x {rate.instance_type} {rate.market} at ${per_hour / boxes:.4f}/h a box"
     if affordable_s < MINIMUM_BILLED_S:
-        needed = per_hour * (MINIMUM_BILLED_S + margin_s) / 3600.0
+        needed = attempt_minimum_usd(rate, boxes, margin_s)
         raise BudgetTooSmallError(
             f"${max_cost_usd:.4f} does not cover {where} for the {MINIMUM_BILLED_S} s minimum "
             f"and the watchdog's {margin_s} s margin (${needed:.4f}); raise max_cost_usd"

@@ -11,12 +11,15 @@ from burstcv import lineage
 from burstcv.compute.attempts import (
     current_attempt,
     launch_attempt,
+    measured_boots,
     resumable,
     training_outcome,
     wait_ended,
 )
 from burstcv.compute.backends import get_backend
 from burstcv.compute.base import WORKING
+from burstcv.cost.boot import record_boots
+from burstcv.cost.budget import relaunch_refusal
 from burstcv.params import job_values
 from burstcv.settings import Settings, get_settings
 from burstcv.stages.resolve import StageError, TrainingFailed, derived, resolved_run, run_layout
@@ -213,13 +216,10 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
     now = lineage.utc_now()
     record_end(provisioned.output_uri, attempt, instances, now)  # the attempt is over
     spent = run_bill(provisioned.output_uri, attempt, now, backend=backend_name).cost_usd
-    # The training boxes' share: the sizing boxes' reserve (size_on ec2) is kept for them.
-    budget = resolved_run(provisioned.run, s).costs.training_usd
-    if spent >= budget:
-        raise TrainingFailed(
-            f"the run's boxes have cost ${spent:.2f} of its ${budget:.2f} training budget; "
-            "no relaunch"
-        )
+    # Within the training boxes' share: the sizing boxes' reserve (size_on ec2) is theirs.
+    refused = relaunch_refusal(resolved_run(provisioned.run, s).costs, spent)
+    if refused is not None:
+        raise TrainingFailed(refused)
     ids = launch_attempt(backend_name, launch, provisioned.output_uri, attempt + 1, s)
     log.warning(
         "run %s: attempt %d ended (%s); attempt %d on %s resumes from the checkpoint "
@@ -237,10 +237,14 @@ def relaunch(provisioned: Provisioned, settings: Settings | None = None) -> int:
 def collect_training(
     run: RunRef, outcome: TrainingOutcome, settings: Settings | None = None
 ) -> Trained:
-    """Turn the training outcome into figures, or raise TrainingFailed with the box's reason."""
+    """Turn the training outcome into figures, or raise TrainingFailed with the box's reason.
+    How long its boxes took to boot is kept for the budgets of later runs."""
+    s = settings or get_settings()
+    for instance_type, seconds in measured_boots(run_layout(run, s).job, outcome.attempt).items():
+        record_boots(s.artifact_root, instance_type, seconds)
     if outcome.status != "done":
         raise TrainingFailed(outcome.line())
-    return trained(run, settings)
+    return trained(run, s)
 
 
 def trained(run: RunRef, settings: Settings | None = None) -> Trained:
