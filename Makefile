@@ -166,24 +166,49 @@ SERVE_CHECK := --var SERVE_PORT --target serve --registry $(BURSTCV_SERVING_REGI
 EARLY_PORTCHECK := PYTHONPATH=$(REPO)/src $$([ -x $(BIN)/python ] && echo $(BIN)/python || echo $(PYTHON)) \
   -m burstcv.localports free
 
+# One supervisor (burstcv.supervisor) runs what `make airflow` and `make serve` start: a child
+# that exits, stops or stops answering is ended with its process group and restarted. Each
+# records its groups in a state file, so a stop ends them even after the supervisor died.
+SUPERVISOR := $(BIN)/python -m burstcv.supervisor
+SERVE_STATE := $(RUN)/serve.state.json
+AIRFLOW_STATE := $(RUN)/airflow.state.json
+AIRFLOW_URL := http://127.0.0.1:$(AIRFLOW_PORT)
+# Whether a target's supervisor runs ($$1: serve or airflow).
+define ALIVE
+alive() { [ -f $(RUN)/$$1.pid ] && ps -o stat= -p $$(cat $(RUN)/$$1.pid) 2>/dev/null | grep -qv Z; }
+# A supervisor that died leaves its groups recorded: they are ended before a fresh start.
+orphans() {
+  if ! alive $$1 && [ -f $(RUN)/$$1.state.json ] && [ -x $(BIN)/python ]; then
+    $(SUPERVISOR) stop --state $(RUN)/$$1.state.json | sed "s/^>> ended/>> $$1's supervisor is gone; ended its orphaned/"
+    rm -f $(RUN)/$$1.pid
+  fi
+}
+endef
+
 serve-port:
-	@if ! { [ -f $(RUN)/serve.pid ] && kill -0 $$(cat $(RUN)/serve.pid) 2>/dev/null; }; then
+	@$(ALIVE)
+	orphans serve
+	if ! alive serve; then
 	  $(EARLY_PORTCHECK) $(SERVE_PORT) --var SERVE_PORT --target serve --what "the prediction service"
 	fi
 
 airflow-port:
-	@if ! { [ -f $(RUN)/airflow.pid ] && kill -0 $$(cat $(RUN)/airflow.pid) 2>/dev/null; }; then
+	@$(ALIVE)
+	orphans airflow
+	if ! alive airflow; then
 	  $(EARLY_PORTCHECK) $(AIRFLOW_PORT) --var AIRFLOW_PORT --target airflow --what "the Airflow UI"
 	fi
 
 serve: serve-port $(STAMP)
 	@mkdir -p $(RUN)
-	if [ -f $(RUN)/serve.pid ] && kill -0 $$(cat $(RUN)/serve.pid) 2>/dev/null; then
+	$(ALIVE)
+	if alive serve && $(SUPERVISOR) up --state $(SERVE_STATE) --within 60 > /dev/null; then
 	  $(PORTCHECK) ours $(SERVE_PORT) --pid $$(cat $(RUN)/serve.pid) $(SERVE_CHECK)
-	  echo ">> service already running (pid $$(cat $(RUN)/serve.pid)) on $(SERVE_URL)"; exit 0
+	  echo ">> service already running (supervisor pid $$(cat $(RUN)/serve.pid)) on $(SERVE_URL)"; exit 0
 	fi
+	$(MAKE) --no-print-directory serve-stop
 	$(PORTCHECK) free $(SERVE_PORT) --var SERVE_PORT --target serve --what "the prediction service"
-	setsid nohup $(BIN)/python -m burstcv_serving > $(RUN)/serve.log 2>&1 &
+	setsid nohup $(SUPERVISOR) run serve --state $(SERVE_STATE) >> $(RUN)/serve.log 2>&1 &
 	pid=$$!
 	echo $$pid > $(RUN)/serve.pid
 	up=""
@@ -192,22 +217,17 @@ serve: serve-port $(STAMP)
 	  kill -0 $$pid 2>/dev/null || { tail -20 $(RUN)/serve.log; rm -f $(RUN)/serve.pid; exit 1; }
 	  sleep 0.2
 	done
-	[ -n "$$up" ] || { echo ">> the service did not answer within 20 s:"; tail -20 $(RUN)/serve.log; exit 1; }
-	$(PORTCHECK) ours $(SERVE_PORT) --pid $$pid $(SERVE_CHECK) || {
-	  kill -TERM -$$pid 2>/dev/null || true; rm -f $(RUN)/serve.pid; exit 1; }
-	echo ">> service on $(SERVE_URL) (pid $$pid, log $(RUN)/serve.log); make serve-stop ends it"
+	[ -n "$$up" ] || { echo ">> the service did not answer within 20 s:"; tail -20 $(RUN)/serve.log; $(MAKE) --no-print-directory serve-stop; exit 1; }
+	$(PORTCHECK) ours $(SERVE_PORT) --pid $$pid $(SERVE_CHECK) || { $(MAKE) --no-print-directory serve-stop; exit 1; }
+	echo ">> service on $(SERVE_URL) (supervisor pid $$pid, log $(RUN)/serve.log); make serve-stop ends it"
 
-AIRFLOW_URL := http://127.0.0.1:$(AIRFLOW_PORT)
-AIRFLOW_STATE := $(RUN)/airflow.state.json
-AIRFLOW_HEALTH := $(BIN)/python -m burstcv.airflow.health $(AIRFLOW_URL) --state $(AIRFLOW_STATE)
-
-# The supervisor (burstcv.airflow.standalone) restarts a component that exits; a second
-# `make airflow` checks every component's process and heartbeat, and restarts Airflow alone
-# (not the service) when one is still down, the api-server included.
+# A second `make airflow` waits (bounded) for a component the supervisor is restarting, and
+# restarts Airflow alone (not the service) when one is still down, the api-server included.
 airflow: airflow-port $(STAMP) $(AIRFLOW_HOME)/airflow.db
 	@mkdir -p $(RUN)
-	if [ -f $(RUN)/airflow.pid ] && kill -0 $$(cat $(RUN)/airflow.pid) 2>/dev/null; then
-	  if bad=$$($(AIRFLOW_HEALTH)); then
+	$(ALIVE)
+	if alive airflow; then
+	  if bad=$$($(SUPERVISOR) up --state $(AIRFLOW_STATE) --airflow $(AIRFLOW_URL) --within 120); then
 	    $(PORTCHECK) ours $(AIRFLOW_PORT) --pid $$(cat $(RUN)/airflow.pid) --var AIRFLOW_PORT --target airflow
 	    echo ">> Airflow already running (pid $$(cat $(RUN)/airflow.pid)), every component healthy"
 	  else
@@ -215,43 +235,39 @@ airflow: airflow-port $(STAMP) $(AIRFLOW_HOME)/airflow.db
 	    $(MAKE) --no-print-directory airflow-stop
 	  fi
 	fi
-	if ! { [ -f $(RUN)/airflow.pid ] && kill -0 $$(cat $(RUN)/airflow.pid) 2>/dev/null; }; then
+	if ! alive airflow; then
 	  $(PORTCHECK) free $(AIRFLOW_PORT) --var AIRFLOW_PORT --target airflow --what "the Airflow UI"
 	  # Airflow's standalone set, without the log servers that bind every interface.
-	  rm -f $(AIRFLOW_STATE)
-	  BURSTCV_AIRFLOW_STATE=$(AIRFLOW_STATE) setsid nohup $(BIN)/python -m burstcv.airflow.standalone >> $(RUN)/airflow.log 2>&1 &
+	  setsid nohup $(SUPERVISOR) run airflow --state $(AIRFLOW_STATE) >> $(RUN)/airflow.log 2>&1 &
 	  pid=$$!
 	  echo $$pid > $(RUN)/airflow.pid
 	  up=""
 	  bad=""
 	  for i in $$(seq 1 300); do
 	    # Up means every component heartbeats, not only the UI answering.
-	    bad=$$($(AIRFLOW_HEALTH)) && { up=1; break; }
-	    kill -0 $$pid 2>/dev/null || { tail -40 $(RUN)/airflow.log; rm -f $(RUN)/airflow.pid; exit 1; }
+	    bad=$$($(SUPERVISOR) up --state $(AIRFLOW_STATE) --airflow $(AIRFLOW_URL) --within 0) && { up=1; break; }
+	    kill -0 $$pid 2>/dev/null || { tail -40 $(RUN)/airflow.log; $(MAKE) --no-print-directory airflow-stop; exit 1; }
 	    sleep 1
 	  done
 	  [ -n "$$up" ] || { echo ">> Airflow not healthy within 300 s ($$bad):"; tail -40 $(RUN)/airflow.log; exit 1; }
 	  $(PORTCHECK) ours $(AIRFLOW_PORT) --pid $$pid --var AIRFLOW_PORT --target airflow || {
-	    kill -TERM -$$pid 2>/dev/null || true; rm -f $(RUN)/airflow.pid; exit 1; }
+	    $(MAKE) --no-print-directory airflow-stop; exit 1; }
 	fi
 	echo ">> Airflow UI: $(AIRFLOW_URL)  (log $(RUN)/airflow.log; make airflow-stop ends it)"
 	echo ">> login: admin / $$($(BIN)/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["admin"])' $(AIRFLOW_HOME)/simple_auth_manager_passwords.json.generated)"
 
 # Stop one thing: `make airflow-stop` leaves the prediction service serving, and `make
-# serve-stop` leaves Airflow (and its runs) alone; `make stop` ends both.
+# serve-stop` leaves Airflow (and its runs) alone; `make stop` ends both. Each ends the
+# supervisor and every process group it recorded, whether or not their leaders live.
 define STOP_ONE
 stop_one() {
-  pidfile=$(RUN)/$$1.pid
-  if [ -f $$pidfile ]; then
-    pid=$$(cat $$pidfile)
-    if kill -0 $$pid 2>/dev/null; then
-      kill -TERM -$$pid 2>/dev/null || kill -TERM $$pid 2>/dev/null || true
-      for i in $$(seq 1 50); do kill -0 $$pid 2>/dev/null || break; sleep 0.2; done
-      kill -KILL -$$pid 2>/dev/null || kill -KILL $$pid 2>/dev/null || true
-      echo ">> stopped $$1 (pid $$pid)"
-    fi
-    rm -f $$pidfile
+  if [ -f $(RUN)/$$1.state.json ]; then
+    $(SUPERVISOR) stop --state $(RUN)/$$1.state.json | sed "s/^>> ended/>> $$1: ended/"
+  elif [ -f $(RUN)/$$1.pid ] && kill -0 $$(cat $(RUN)/$$1.pid) 2>/dev/null; then
+    kill -TERM -$$(cat $(RUN)/$$1.pid) 2>/dev/null || true
+    echo ">> stopped $$1 (pid $$(cat $(RUN)/$$1.pid))"
   fi
+  rm -f $(RUN)/$$1.pid
 }
 endef
 

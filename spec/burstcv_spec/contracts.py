@@ -1193,15 +1193,28 @@ class TriggerHeartbeat(Artifact):
     every_s: float = Field(gt=0, description="seconds between two writes while it runs")
 
 
-class SupervisorState(Artifact):
-    """`var/run/airflow.state.json`: the pids of `make airflow`'s supervised components.
+class ProcessGroup(Contract):
+    """One process group a supervisor started: its id and when its leader started."""
 
-    Read by ``burstcv.airflow.health --state`` so that a dead process is unhealthy at once.
+    pgid: int = Field(description="the process group id (its leader's pid)")
+    started: float = Field(description="when the leader started (epoch seconds, as ps says)")
+
+
+class SupervisorState(Artifact):
+    """`var/run/{airflow,serve}.state.json`: what `make airflow` / `make serve` supervise.
+
+    Read by ``burstcv.airflow.health --state`` so that a dead process is unhealthy at once, and
+    by ``burstcv.supervisor stop``, which ends the groups whether or not the supervisor lives.
     """
 
     supervisor: int = Field(description="the supervisor's pid")
     components: dict[str, int | Literal["starting", "restarting"]] = Field(
-        description="each component's pid, or starting (never started) or restarting (exited)"
+        description="each component's pid, or starting (not yet up) or restarting (ended, or "
+        "started again and not yet answering)"
+    )
+    groups: list[ProcessGroup] = Field(
+        default_factory=list,
+        description="the process groups started and not yet found empty, orphans included",
     )
 
 
