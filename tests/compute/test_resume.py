@@ -245,18 +245,37 @@ ATTEMPT_USD = G6_PER_HOUR * (60 + 360) / 3600
 def test_a_relaunch_the_budget_cannot_cover_launches_nothing_and_the_bill_stays_within_it(
     s3_deployment: Settings, backend: Ec2Backend, player: Any, kit: Any
 ) -> None:
-    # Two attempts of a minute fit beside another attempt's reserve; three do not.
-    max_cost_usd = MINUTE_USD + ATTEMPT_USD + MINUTE_USD / 2
+    # One attempt of a minute fits beside another attempt's reserve; two do not.
+    max_cost_usd = MINUTE_USD + ATTEMPT_USD + 0.95 * MINUTE_USD
     run = RunRef.of("manual__spent")
     player.modes[run.run_key] = kit.HOLD
-    packed = packed_for(kit, run.run_key)
-    # This deployment's g6 boxes boot in 40 s: the 150 s the budget buys pass their boot.
+    # This deployment's g6 boxes boot in 40 s: the 177 s the budget buys pass their boot.
     record_boots(s3_deployment.artifact_root, "g6.xlarge", [40.0])
     given = {"instance_types": ["g6.xlarge"], "use_spot": False, "max_cost_usd": max_cost_usd}
     params = RunParams.resolve({"compute_backend": "ec2", **given}, s3_deployment)
-    costs = resolve_validated(run, params, s3_deployment, packed).costs
-    assert costs.time_budget_s == 150 and costs.box_rate.usd_per_hour == 0.8048
-    provisioned = boxes_stage.provision(run, DAG_ID, packed, s3_deployment)
+    costs = resolve.resolve_run(run, params, s3_deployment).costs
+    assert costs.time_budget_s == 177 and costs.box_rate.usd_per_hour == 0.8048
+    # Attempt 1 launched as provision launches it, against the deadline the budget buys.
+    launch = Launch(
+        run=run,
+        dag_id=DAG_ID,
+        job_uri=f"{kit.job_dir(run.run_key)}/job.json",
+        time_budget_s=costs.time_budget_s,
+        instance_types=["g6.xlarge"],
+        use_spot=False,
+        deadline_at=datetime.now(UTC) + timedelta(seconds=costs.time_budget_s),
+        bound_rate=costs.box_rate,
+        **HELD_WHEEL,
+    )
+    job_dir = kit.job_dir(run.run_key)
+    provisioned = Provisioned(
+        run=run,
+        job_uri=launch.job_uri,
+        output_uri=job_dir,
+        instance_ids=attempts.launch_attempt("ec2", launch, job_dir, 1, s3_deployment),
+        backend="ec2",
+        launch=launch,
+    )
     operator = WaitForTrainingOperator(task_id="train", provisioned=provisioned.model_dump())
 
     (first,) = provisioned.instance_ids
