@@ -10,14 +10,22 @@ never answers.
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
+import subprocess
+import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from html import escape
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 import pytest
+from awsaudit import MOTO_ACCOUNT_ID, AwsCall, Check, RecordingProxy, evaluate
 from burstcv_testkit import power_off_in_emulator
 
 from burstcv.compute.base import TAG_EXPIRES_AT, TAG_RUN_ID
@@ -25,10 +33,30 @@ from burstcv.compute.billing import whole_bill
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings, parse_expiry
 from burstcv.compute.sizing_boxes import SizingRequest, box_run_key, size_on_boxes
 from burstcv.compute.userdata import parse_config
-from burstcv_spec.contracts import BoxSizing, InstanceRecord, RunRef, SizePoint, write_artifact
-from burstcv_spec.layout import RunLayout
+from burstcv.gate.sizing import recommend
+from burstcv.params import RunParams
+from burstcv.settings import Settings
+from burstcv.stages import resolve
+from burstcv.stages import sizing as sizing_stage
+from burstcv.training.job import attempt_dir
+from burstcv_spec import storage
+from burstcv_spec.contracts import (
+    AttemptBill,
+    Billing,
+    BoxSizing,
+    InstanceRecord,
+    RunRef,
+    SizePoint,
+    read_artifact,
+    write_artifact,
+)
+from burstcv_spec.layout import END_RECORD, LAUNCH_RECORD, RunLayout
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
+from servingkit import make_classifier_onnx, model_json
 
 REGION = "us-east-1"
+PROFILE = "burstcv-training"
 ARTIFACT_ROOT = "s3://burstcv-test/artifacts"
 RUN = RunRef.of("manual__orchestration")
 PATHS = RunLayout.of(ARTIFACT_ROOT, RUN.run_key)
@@ -53,12 +81,13 @@ def backend(ec2_account: None) -> Ec2Backend:
 class Boxes:
     """Play the run's sizing boxes by type; record the most that were up at once."""
 
-    def __init__(self, ec2: Any, behaviour: dict[str, str]) -> None:
-        self.ec2, self.behaviour = ec2, behaviour
+    def __init__(self, ec2: Any, behaviour: dict[str, str], answer_after_s: float = 0.0) -> None:
+        self.ec2, self.behaviour, self.answer_after_s = ec2, behaviour, answer_after_s
         self.most_at_once = 0
         self.started: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._timers: list[threading.Timer] = []
 
     def __enter__(self) -> Boxes:
         self._thread.start()
@@ -67,6 +96,8 @@ class Boxes:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        for timer in self._timers:
+            timer.join(timeout=10)
 
     def _watch(self) -> None:
         seen: set[str] = set()
@@ -89,20 +120,28 @@ class Boxes:
                 instance_type = box["InstanceType"]
                 self.started.append(instance_type)
                 what = self.behaviour[instance_type]
-                if what == ANSWER:  # where its user data says, as a box writes them
-                    config = parse_config(user_data(self.ec2, box["InstanceId"]))
-                    write_artifact(
-                        config["OUT_URI"],
-                        BoxSizing(
-                            instance_type=instance_type,
-                            instance_id=box["InstanceId"],
-                            region=REGION,
-                            sizes=[SizePoint(vcpus=1, measured=True, sustainable_rps=50.0)],
-                        ),
-                    )
                 if what in (ANSWER, HALT):
-                    power_off_in_emulator(box["InstanceId"], REGION)
+                    delay = self.answer_after_s if what == ANSWER else 0.0
+                    timer = threading.Timer(
+                        delay, self._end, args=(box["InstanceId"], instance_type, what)
+                    )
+                    self._timers.append(timer)
+                    timer.start()
             time.sleep(0.05)
+
+    def _end(self, instance_id: str, instance_type: str, what: str) -> None:
+        if what == ANSWER:  # where its user data says, as a box writes them
+            config = parse_config(user_data(self.ec2, instance_id))
+            write_artifact(
+                config["OUT_URI"],
+                BoxSizing(
+                    instance_type=instance_type,
+                    instance_id=instance_id,
+                    region=REGION,
+                    sizes=[SizePoint(vcpus=1, measured=True, sustainable_rps=50.0)],
+                ),
+            )
+        power_off_in_emulator(instance_id, REGION)
 
 
 def user_data(ec2: Any, instance_id: str) -> str:
@@ -305,3 +344,248 @@ def test_every_box_is_terminated_when_the_orchestrator_fails(
     }
     assert keys == {box_run_key(RUN.run_key, t) for t in ("c7i.large", "m7i.large")}
     assert live(ec2_client) == []
+
+
+# An organisation's policy (a service control policy): GPU types may be launched, Graviton
+# types may not. EC2 refuses such a launch, dry run or not, as UnauthorizedOperation.
+NO_GRAVITON = {
+    "Version": "2012-10-17",
+    "Statement": [
+        {"Sid": "AllowAll", "Effect": "Allow", "Action": "*", "Resource": "*"},
+        {
+            "Sid": "DenyGraviton",
+            "Effect": "Deny",
+            "Action": "ec2:RunInstances",
+            "Resource": "arn:aws:ec2:*:*:instance/*",
+            "Condition": {"StringLike": {"ec2:InstanceType": ["*g.*", "*gd.*", "*gn.*"]}},
+        },
+    ],
+}
+
+
+def under_policy(proxy: RecordingProxy, policy: dict[str, Any]) -> Callable[[AwsCall], Any]:
+    """Answer RunInstances as EC2 does under ``policy`` (refused where it denies the instance
+    type), the emulator answering every launch it allows."""
+
+    def answer(call: AwsCall) -> tuple[int, bytes]:
+        instance = f"arn:aws:ec2:{call.region}:{MOTO_ACCOUNT_ID}:instance/*"
+        context = {"ec2:InstanceType": call.params.get("InstanceType", "")}
+        allowed, reason = evaluate(policy, Check("ec2:RunInstances", instance, context))
+        if not allowed:
+            return 403, (
+                '<?xml version="1.0" encoding="UTF-8"?><Response><Errors><Error>'
+                "<Code>UnauthorizedOperation</Code><Message>You are not authorized to perform "
+                f"this operation: {escape(reason)}</Message></Error></Errors>"
+                "<RequestID>7a62c49f-347e-4fc4-9331-6e8eEXAMPLE</RequestID></Response>"
+            ).encode()
+        signed = f"Credential=testing/20260101/{call.region}/ec2/aws4_request"
+        headers = [
+            ("Host", proxy.upstream.netloc),
+            ("Content-Type", "application/x-www-form-urlencoded; charset=utf-8"),
+            ("Authorization", f"AWS4-HMAC-SHA256 {signed}, SignedHeaders=host, Signature=0"),
+        ]
+        body = urllib.parse.urlencode(call.params).encode()
+        status, _, data = proxy.forward("POST", "/", headers, body)
+        return status, data
+
+    return answer
+
+
+def test_a_type_refused_at_its_dry_run_is_skipped_and_the_others_are_measured(
+    backend: Ec2Backend,
+    ec2_client: Any,
+    audited_calls: RecordingProxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(
+        audited_calls.answers, "ec2:RunInstances", under_policy(audited_calls, NO_GRAVITON)
+    )
+    behaviour = {"c7g.large": ANSWER, "c7i.large": ANSWER, "m7i.large": ANSWER}
+    with Boxes(ec2_client, behaviour) as boxes:
+        records = size_on_boxes(
+            backend,
+            request(list(behaviour), parallel=2),
+            PATHS,
+            IMAGES,
+            artifact_root=ARTIFACT_ROOT,
+            poll_s=0.05,
+        )
+    by_type = {r.instance_type: r for r in records}
+    assert list(by_type) == list(behaviour)
+    refused = by_type["c7g.large"]
+    assert refused.skipped and refused.skipped.startswith("not launched: ")
+    assert "UnauthorizedOperation" in refused.skipped and not refused.sizes
+    assert all(by_type[t].skipped is None and by_type[t].sizes for t in ("c7i.large", "m7i.large"))
+    assert sorted(boxes.started) == ["c7i.large", "m7i.large"]
+    # Refused before anything was rented: its only launch call was the dry run.
+    graviton = [
+        c
+        for c in audited_calls.snapshot()
+        if c.action == "ec2:RunInstances" and c.params["InstanceType"] == "c7g.large"
+    ]
+    assert graviton and all(c.params.get("DryRun") == "true" and c.status == 403 for c in graviton)
+    assert read_artifact(PATHS.box_sizing("c7g.large"), BoxSizing) == refused
+    assert live(ec2_client) == []
+
+
+def test_a_benchmark_tried_again_measures_on_its_own_box_never_an_earlier_try_record(
+    backend: Ec2Backend, ec2_client: Any
+) -> None:
+    """Try 1's box ends without figures: its type is skipped. Try 2's box answers a moment
+    after it is up: the earlier try's skip record is not its answer."""
+    with Boxes(ec2_client, {"c7i.large": HALT}):
+        (first,) = size_on_boxes(
+            backend,
+            request(["c7i.large"], parallel=1),
+            PATHS,
+            IMAGES,
+            artifact_root=ARTIFACT_ROOT,
+            poll_s=0.05,
+        )
+    assert first.skipped and "ended without figures" in first.skipped
+    with Boxes(ec2_client, {"c7i.large": ANSWER}, answer_after_s=1.0):
+        (second,) = size_on_boxes(
+            backend,
+            request(["c7i.large"], parallel=1),
+            PATHS,
+            IMAGES,
+            artifact_root=ARTIFACT_ROOT,
+            poll_s=0.05,
+        )
+    assert second.skipped is None and second.sizes
+    assert read_artifact(PATHS.box_sizing("c7i.large"), BoxSizing) == second
+    # Each try's box has its own records, and both are billed, each once.
+    (box_1, box_2) = billed(datetime.now(UTC))["c7i.large"]
+    assert second.instance_id == box_2.instance_id != box_1.instance_id
+    assert box_1.stopped_at and box_2.stopped_at
+    folder = PATHS.sizing_bill("c7i.large")
+    assert [
+        read_artifact(attempt_dir(folder, n, END_RECORD), AttemptBill).boxes[0].instance_id
+        for n in (1, 2)
+    ] == [box_1.instance_id, box_2.instance_id]
+
+
+# The sizing as a worker runs it: killed (SIGKILL, no cleanup) once its box is up.
+ORCHESTRATOR = """
+import sys
+from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
+from burstcv.compute.sizing_boxes import SizingRequest, size_on_boxes
+from burstcv_spec.contracts import RunRef
+from burstcv_spec.layout import END_RECORD, LAUNCH_RECORD, RunLayout
+
+run_key, root, region = sys.argv[1:4]
+run = RunRef.of(run_key)
+paths = RunLayout.of(root, run.run_key)
+settings = Ec2Settings(
+    region=region, instance_profile="burstcv-training", waiter_delay_s=0.05,
+    waiter_max_attempts=200,
+)
+size_on_boxes(
+    Ec2Backend(settings),
+    SizingRequest(
+        run=run, dag_id="burstcv_pipeline", model_uri=paths.model,
+        instance_types=["c7i.large"], latency_slo_ms=50.0, step_s=1.0, max_s=600.0,
+    ),
+    paths, [b"image"], artifact_root=root, poll_s=0.05,
+)
+"""
+
+
+def test_a_retry_after_its_worker_died_ends_the_earlier_box_and_bills_both(
+    backend: Ec2Backend, ec2_client: Any
+) -> None:
+    key = box_run_key(RUN.run_key, "c7i.large")
+    worker = subprocess.Popen(
+        [sys.executable, "-c", ORCHESTRATOR, RUN.airflow_run_id, ARTIFACT_ROOT, REGION]
+    )
+    try:
+        launched = attempt_dir(PATHS.sizing_bill("c7i.large"), 1, LAUNCH_RECORD)
+        until = time.monotonic() + 120
+        while not storage.exists(launched) and worker.poll() is None:
+            assert time.monotonic() < until, "the first try's box was never recorded"
+            time.sleep(0.1)
+    finally:
+        worker.kill()
+        worker.wait(timeout=30)
+    (left,) = [i.instance_id for i in backend.describe(key) if i.state == "running"]
+
+    with Boxes(ec2_client, {"c7i.large": ANSWER}, answer_after_s=0.5):
+        (record,) = size_on_boxes(
+            backend,
+            request(["c7i.large"], parallel=1),
+            PATHS,
+            IMAGES,
+            artifact_root=ARTIFACT_ROOT,
+            poll_s=0.05,
+        )
+    assert record.skipped is None and record.instance_id != left
+    assert live(ec2_client) == []  # the box the dead worker left is gone too
+    boxes = billed(datetime.now(UTC))["c7i.large"]
+    assert [b.instance_id for b in boxes] == [left, record.instance_id]
+    assert all(b.stopped_at for b in boxes)  # each billed until AWS said it ended
+
+
+def test_a_benchmark_tried_again_reuses_what_its_earlier_try_measured_and_sizes_the_rest(
+    ec2_account: None,
+    ec2_client: Any,
+    audited_calls: RecordingProxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stage's view. Try 1: Graviton refused by the organisation's policy, the x86 type
+    measured, and the fleet chosen all the same. Try 2 (the policy lifted): the x86 figures
+    are reused by speed key, only the Graviton type gets a box; the bill holds both tries'
+    boxes, each once."""
+    ec2 = {"REGION": REGION, "INSTANCE_PROFILE": PROFILE, "WAITER_DELAY_S": "0.05"}
+    for key, value in ec2.items():
+        monkeypatch.setenv(f"BURSTCV_EC2_{key}", value)
+    settings = Settings(
+        artifact_root=ARTIFACT_ROOT, registry_uri=f"{ARTIFACT_ROOT}/registry", sizing_step_s=0.5
+    )
+    params = RunParams.resolve(
+        {
+            "dataset_uri": "s3://unused/dataset",
+            "compute_backend": "local",
+            "size_on": "ec2",
+            "serving_families": ["c7g", "c7i"],
+            "sizing_boxes": 2,
+            "sizing_max_s": 300,
+            "target_rps": 50,
+            "latency_slo_ms": 200,
+        },
+        settings,
+    )
+    resolved = resolve.resolve_run(RUN, params, settings)
+    onnx_bytes = make_classifier_onnx(1)
+    storage.write_bytes(storage.join(PATHS.model, "model.onnx"), onnx_bytes)
+    card = model_json(None, hashlib.sha256(onnx_bytes).hexdigest())
+    storage.write_bytes(PATHS.model_card, json.dumps(card).encode())
+    host = recommend(
+        [SizePoint(vcpus=1, measured=True, sustainable_rps=100, p95_ms=5, rss_mb=90)],
+        latency_slo_ms=200,
+        target_rps=50,
+        prices=resolved.costs.serving,
+        region=REGION,
+        families=params.serving_families,
+        host_cores=2,
+    )
+    both = {"c7g.large": ANSWER, "c7i.large": ANSWER}
+
+    refusing = under_policy(audited_calls, NO_GRAVITON)
+    monkeypatch.setitem(audited_calls.answers, "ec2:RunInstances", refusing)
+    with Boxes(ec2_client, both) as first:
+        report = sizing_stage.size_fleet_on_boxes(RUN, resolved, settings, host, IMAGES)
+    by_type = {b.instance_type: b for b in report.boxes}
+    assert first.started == ["c7i.large"]
+    assert by_type["c7g.large"].skipped and "UnauthorizedOperation" in by_type["c7g.large"].skipped
+    assert by_type["c7i.large"].skipped is None and report.chosen is not None
+
+    monkeypatch.delitem(audited_calls.answers, "ec2:RunInstances")
+    with Boxes(ec2_client, both) as second:
+        again = sizing_stage.size_fleet_on_boxes(RUN, resolved, settings, host, IMAGES)
+    assert second.started == ["c7g.large"]  # the x86 type's figures stand: no box for it
+    by_type = {b.instance_type: b for b in again.boxes}
+    assert all(b.skipped is None for b in by_type.values()) and len(by_type) == 2
+    assert by_type["c7i.large"].measured_in == RUN.airflow_run_id
+    billing = read_artifact(PATHS.billing, Billing)
+    assert sorted(i.instance_type for i in billing.instances) == ["c7g.large", "c7i.large"]
+    assert billing.cost_usd == pytest.approx(sum(i.cost_usd or 0 for i in billing.instances))

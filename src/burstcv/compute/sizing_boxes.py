@@ -2,7 +2,7 @@
 
 Each candidate type (at most ``parallel`` at once) gets one on-demand box with every leak
 layer of a training box; it runs the staging service and the load generator on its own CPUs,
-writes its BoxSizing to its try's ``bench/sizing/tries/<n>/<type>.json`` and powers off; the
+writes its BoxSizing to its try's ``bench/sizing/boxes/tries/<n>/<type>.json`` and powers off; the
 run's record of the type is ``bench/sizing/boxes/<type>.json``. A type that cannot be launched,
 for any reason, or whose box ends without figures (said from its console), is recorded as
 skipped with the reason; it never fails the run. Each box has its own run key (its teardown,
@@ -41,7 +41,7 @@ from burstcv_spec.layout import LAUNCH_RECORD, RunLayout
 log = logging.getLogger(__name__)
 
 POLL_S = 5.0
-TRY_MARKER = "STARTED"  # bench/sizing/tries/<n>/STARTED: the try's number is taken
+TRY_MARKER = "STARTED"  # bench/sizing/boxes/tries/<n>/STARTED: the try's number is taken
 
 
 def box_run_key(run_key: str, instance_type: str) -> str:
@@ -128,7 +128,8 @@ def size_on_boxes(
 
 
 def _try_uri(paths: RunLayout, sizing_try: int, *parts: str) -> str:
-    return storage.join(paths.sizing_boxes, "tries", str(sizing_try), *parts)
+    """Return bench/sizing/boxes/tries/<n>/<parts>: under boxes/, where a box may write."""
+    return storage.join(paths.sizing_boxes, "boxes", "tries", str(sizing_try), *parts)
 
 
 def _claim_try(paths: RunLayout) -> int:
