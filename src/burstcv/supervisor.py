@@ -206,12 +206,13 @@ class Supervisor:
         delay = backoff_s(child.quick_ends)
         exited = child.proc is not None and not child.alive()
         line = f"{child.name} {why} after {ran_s:.0f} s"
+        child.restart_at = now + delay
+        self.write_state()  # "restarting" before the group's grace runs
         if child.group is not None and child.proc is not None:
             ended = end_group(child.group, END_GRACE_S if exited else 0)
             if ended and exited:
                 line += f"; ended the {ended} process(es) it left in its group"
             child.proc.wait()
-        child.restart_at = now + delay
         _say("burstcv", f"{line}; restart {child.restarts} in {delay:.0f} s")
 
     def tick(self) -> None:
@@ -362,7 +363,7 @@ def stop(state_path: str) -> Iterator[str]:
 
 def wait_up(state_path: str, within_s: float, extra: Callable[[], list[str]]) -> list[str]:
     """Return what is not up (empty: all is), waiting up to ``within_s`` while the supervisor
-    is starting or restarting a component rather than calling that down."""
+    lives (it starts, restarts or ends what is down) rather than calling that down."""
     from burstcv.airflow.health import dead_processes
 
     deadline = time.monotonic() + within_s
@@ -371,13 +372,12 @@ def wait_up(state_path: str, within_s: float, extra: Callable[[], list[str]]) ->
         if state is not None and not _supervisor_alive(state):
             return ["supervisor (not running)"]
         if state is None:  # not written yet
-            bad, waiting = ["supervisor (no state yet)"], True
+            bad = ["supervisor (no state yet)"]
         else:
             dead = dead_processes(state_path)
             named = {line.split()[0].replace("-", "_") for line in dead}
             bad = dead + [b for b in extra() if b.split()[0] not in named]
-            waiting = any(v in ("starting", "restarting") for v in state.components.values())
-        if not bad or not waiting or time.monotonic() > deadline:
+        if not bad or time.monotonic() > deadline:
             return bad
         time.sleep(1.0)
 

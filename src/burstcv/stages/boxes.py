@@ -98,14 +98,15 @@ def provision(
     deadline_at = armed or lineage.utc_now() + timedelta(seconds=costs.time_budget_s)
     wheel_uri, wheel_sha256, require_cuda = "", "", False
     if params.compute_backend == "ec2":
-        from burstcv.compute.runtime import stage_training_wheel
+        from burstcv.compute.runtime import stage_training_wheel, training_tags
 
         if not storage.is_s3(s.artifact_root):
             raise StageError(
                 "the ec2 backend needs BURSTCV_ARTIFACT_ROOT=s3://bucket/prefix: the training "
                 f"box reads its job and writes its results there (now {s.artifact_root!r})"
             )
-        staged = stage_training_wheel(s.artifact_root)
+        tags = training_tags(s.ec2.python, params.instance_types)
+        staged = stage_training_wheel(s.artifact_root, tags)
         wheel_uri, wheel_sha256 = staged.uri, staged.sha256
         require_cuda = s.ec2.require_gpu
     job = training_job(run, packed, deadline_at=deadline_at, settings=s).model_copy(
