@@ -18,6 +18,7 @@ end. Each fault gets one verdict:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -263,25 +264,40 @@ class Drill:
         ]
         return pid
 
+    def supervised(self, target: str) -> dict[str, Any]:
+        """Return a supervisor's state (`make airflow`'s or `make serve`'s): pids and groups."""
+        state: dict[str, Any] = json.loads((self.home / "run" / f"{target}.state.json").read_text())
+        return state
+
     def airflow_component(self, component: str) -> list[int]:
-        """Return the pids of one of standalone Airflow's components (it may fork helpers)."""
-        pgid = int((self.home / "run" / "airflow.pid").read_text())
+        """Return the pids of one of Airflow's components: its process group (the leader and
+        whatever it forked)."""
+        pid = self.supervised("airflow")["components"][component]
+        if not isinstance(pid, int):
+            raise LookupError(f"{component} is {pid}")
+        return self.group(pid)
+
+    def group(self, pgid: int) -> list[int]:
+        """Return the live pids of a process group (none: it is gone whole)."""
         try:
-            return self.processes(pgid, f"{BIN / 'airflow'} {component}")
+            return self.processes(pgid, "")
         except LookupError:
-            # The api-server retitles itself: "airflow api_server -- host:... port:...".
-            return self.processes(pgid, f"airflow {component.replace('-', '_')} -- ")
+            return []
 
     def healthy(self) -> bool:
-        """Whether Airflow's health check passes now, as `make airflow` runs it."""
+        """Whether Airflow is up now, as `make airflow` checks it (waiting for nothing)."""
         done = subprocess.run(
             [
                 str(BIN / "python"),
                 "-m",
-                "burstcv.airflow.health",
-                self.api,
+                "burstcv.supervisor",
+                "up",
                 "--state",
                 str(self.home / "run" / "airflow.state.json"),
+                "--airflow",
+                self.api,
+                "--within",
+                "0",
             ],
             env={**self.env, "AIRFLOW_HOME": str(self.home / "airflow")},
             capture_output=True,
@@ -342,15 +358,17 @@ def triggerer_killed(drill: Drill) -> tuple[str, str]:
     drill.wait_training(run)
     for pid in drill.airflow_component("triggerer"):
         os.kill(pid, signal.SIGKILL)
-    # What an operator does on seeing it: make airflow at once, which must see the dead
-    # component (from the processes, not only a heartbeat that is still fresh) or find it
-    # already restarted by the supervisor.
+    # What an operator does on seeing it: make airflow a second later, which must wait for
+    # the supervisor's restart, not restart the whole of Airflow (running tasks with it).
+    supervisor = drill.supervised("airflow")["supervisor"]
+    time.sleep(1)
     said = drill.make("airflow")
-    noticed = "restarting Airflow" in said or "every component healthy" in said
-    drill._client = None  # the api-server may be a new one: log in again
+    waited = "every component healthy" in said and "restarting Airflow" not in said
+    kept = drill.supervised("airflow")["supervisor"] == supervisor
     final = drill.wait_end(run)
-    detail = f"make airflow at once: {said.splitlines()[0] if said else '(nothing)'}; run {final}"
-    return ("survived" if noticed and final == "success" else "broken"), detail
+    first = said.splitlines()[0] if said else "(nothing)"
+    detail = f"make airflow a second later: {first}; run {final}"
+    return ("survived" if waited and kept and final == "success" else "broken"), detail
 
 
 def component_killed(component: str) -> Callable[[Drill], tuple[str, str]]:
@@ -360,8 +378,7 @@ def component_killed(component: str) -> Callable[[Drill], tuple[str, str]]:
         run = drill.train()
         drill.wait_training(run)
         killed = drill.airflow_component(component)
-        for pid in killed:
-            os.kill(pid, signal.SIGKILL)
+        os.kill(killed[0], signal.SIGKILL)  # the leader: what it forked is left in its group
         # The health check must see it at once: the supervisor's state, not a heartbeat.
         noticed = not drill.healthy()
 
@@ -373,17 +390,19 @@ def component_killed(component: str) -> Callable[[Drill], tuple[str, str]]:
             return not now & set(killed) and drill.healthy()
 
         healed_s = drill.wait(f"{component} restarted and healthy", back, 300)
+        leaked = drill.group(killed[0])  # its workers, had they outlived it
         drill._client = None  # a new api-server: log in again
         final = drill.wait_end(run)
         said = drill.make("airflow")
         kept = "already running" in said and "every component healthy" in said
         detail = (
             f"{component} killed (-9): health {'noticed at once' if noticed else 'MISSED it'}; "
-            f"restarted and healthy in {healed_s:.0f} s with no one acting; run {final}; "
+            f"restarted and healthy in {healed_s:.0f} s with no one acting; "
+            f"{len(leaked)} of its {len(killed)} process(es) leaked; run {final}; "
             f"make airflow then: {'healthy, same supervisor' if kept else said.splitlines()[0]}"
         )
-        survived = noticed and kept and final == "success" and not drill.live_boxes(run)
-        return ("survived" if survived else "broken"), detail
+        survived = noticed and kept and not leaked and final == "success"
+        return ("survived" if survived and not drill.live_boxes(run) else "broken"), detail
 
     return fault
 
@@ -437,11 +456,11 @@ def db_locked(drill: Drill) -> tuple[str, str]:
     finally:
         db.execute("ROLLBACK")
         db.close()
-    exits = [line for line in drill.airflow_log_lines()[before:] if "restarting it in" in line]
+    exits = [line for line in drill.airflow_log_lines()[before:] if "; restart " in line]
     healed_s = drill.wait("Airflow healthy again", drill.healthy, 600)
     drill._client = None
     final = drill.wait_end(run)
-    names = sorted({line.split("|")[-1].split(" exited")[0].strip() for line in exits})
+    names = sorted({line.split("|")[-1].split()[0] for line in exits})
     detail = (
         f"database locked 60 s: {len(exits)} component exit(s) {names or ''} restarted by the "
         f"supervisor; healthy {healed_s:.0f} s after; run {final}"
@@ -450,11 +469,10 @@ def db_locked(drill: Drill) -> tuple[str, str]:
 
 
 def service_killed_mid_deploy(drill: Drill) -> tuple[str, str]:
-    """The prediction service killed (-9) while deploy runs (staging the new version), and not
-    restarted.
+    """The prediction service killed (-9) while deploy runs (staging the new version).
 
-    Nothing can stage the new version: deploy fails, saying so, and production stays where it
-    was; the operator then starts the service, which must serve that production version.
+    Its supervisor restarts it within seconds, saying so; deploy then succeeds (on a retry) or
+    fails cleanly with production kept; nobody runs `make serve`.
     """
     serving = f"http://127.0.0.1:{drill.serve_port}/v1/model"
 
@@ -475,17 +493,18 @@ def service_killed_mid_deploy(drill: Drill) -> tuple[str, str]:
         every_s=0.2,
     )
     state_then = drill.tasks(run)["deploy"]["state"]
-    os.kill(int((drill.home / "run" / "serve.pid").read_text()), signal.SIGKILL)
+    back_s, said = service_back_after_kill(drill)
     final = drill.wait_end(run)
     deploy = drill.tasks(run)["deploy"]["state"]
-    drill.make("serve")
     after = served()
     detail = (
-        f"service killed (-9) with deploy {state_then}, not restarted; deploy {deploy}; run "
-        f"{final}; started again, it serves version {after} (before the run: {before})"
+        f"service killed (-9) with deploy {state_then}: {said}, answering in {back_s:.1f} s; "
+        f"deploy {deploy}; run {final}; it serves version {after} (before the run: {before})"
     )
     if drill.live_boxes(run):
         return "broken", detail + "; a box outlived the run"
+    if "restart 1" not in said:
+        return "broken", detail
     if final == "failed" and deploy == "failed" and after == before:
         return "degraded", detail  # failed cleanly: production kept
     if final == "success" and deploy == "success" and after not in (None, before):
@@ -493,15 +512,121 @@ def service_killed_mid_deploy(drill: Drill) -> tuple[str, str]:
     return "broken", detail
 
 
+def service_back_after_kill(drill: Drill) -> tuple[float, str]:
+    """Kill the service (-9, not its supervisor); return how soon it answers again, by itself,
+    and the supervisor's log line about it."""
+    service = drill.supervised("serve")["components"]["service"]
+    log = drill.home / "run" / "serve.log"
+    before = len(log.read_text(errors="replace").splitlines())
+    os.kill(service, signal.SIGKILL)
+    killed = time.monotonic()
+
+    def answers() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{drill.serve_port}/healthz", timeout=1).is_success
+        except httpx.HTTPError:
+            return False
+
+    drill.wait("the service back", answers, 60, every_s=0.1)
+    back_s = time.monotonic() - killed
+    lines = log.read_text(errors="replace").splitlines()[before:]
+    said = next((line.split("| ", 1)[-1] for line in lines if "service exited" in line), "")
+    return back_s, said or "no log line about it"
+
+
+def service_killed_under_load(drill: Drill) -> tuple[str, str]:
+    """The service killed (-9) outside a deploy while predictions arrive: back within seconds
+    by itself, only the seconds it was down failing requests."""
+    import threading
+
+    image = next((drill.dataset / "val").rglob("*.png"))
+    url = f"http://127.0.0.1:{drill.serve_port}/v1/predict"
+    counts = {"ok": 0, "failed": 0}
+    stopping = threading.Event()
+
+    def load() -> None:  # ~20 predictions/s
+        with httpx.Client(timeout=5) as client:
+            while not stopping.is_set():
+                try:
+                    ok = client.post(url, files={"file": image.read_bytes()}).is_success
+                except httpx.HTTPError:
+                    ok = False
+                counts["ok" if ok else "failed"] += 1
+                stopping.wait(0.05)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    time.sleep(5)
+    try:
+        back_s, said = service_back_after_kill(drill)
+        time.sleep(5)
+    finally:
+        stopping.set()
+        thread.join()
+    detail = (
+        f"service killed (-9): {said}; answering again in {back_s:.1f} s; "
+        f"{counts['failed']} of {counts['ok'] + counts['failed']} predictions failed"
+    )
+    # Only the seconds it was truly down may fail requests (20/s).
+    survived = "restart 1" in said and back_s < 15 and counts["failed"] <= 20 * (back_s + 1)
+    return ("survived" if survived else "broken"), detail
+
+
 def airflow_killed(drill: Drill) -> tuple[str, str]:
-    """Every Airflow process killed at once (-9: the supervisor and its components, as a host's
-    out-of-memory killer or a lost container leaves them), then `make airflow`."""
+    """Every Airflow process killed at once (-9: the supervisor and every group it started, as
+    a host's out-of-memory killer or a lost container leaves them), then `make airflow`."""
     run = drill.train()
     drill.wait_training(run)
-    os.killpg(int((drill.home / "run" / "airflow.pid").read_text()), signal.SIGKILL)
+    state = drill.supervised("airflow")
+    os.kill(state["supervisor"], signal.SIGKILL)
+    for group in state["groups"]:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group["pgid"], signal.SIGKILL)
     drill._client = None  # a new api-server: log in again
     drill.make("airflow")
     return _resumed(drill, run, "whole Airflow killed (-9) and started again")
+
+
+def supervisor_killed(drill: Drill) -> tuple[str, str]:
+    """The supervisor alone killed (-9): its components run on, orphaned. `make airflow`
+    must end them (what they forked too) and start a fresh Airflow, not stop at the port."""
+    run = drill.train()
+    drill.wait_training(run)
+    state = drill.supervised("airflow")
+    os.kill(state["supervisor"], signal.SIGKILL)
+    time.sleep(20)  # as long as it took a dag-processor to die with nobody to restart it
+    orphans = [pid for group in state["groups"] for pid in drill.group(group["pgid"])]
+    drill._client = None
+    said = drill.make("airflow")
+    left = [pid for group in state["groups"] for pid in drill.group(group["pgid"])]
+    verdict, detail = _resumed(
+        drill,
+        run,
+        f"supervisor killed (-9), {len(orphans)} orphaned process(es); make airflow: "
+        f"{said.splitlines()[0] if said else '(nothing)'}; {len(left)} left running",
+    )
+    return ("broken" if left or "orphaned" not in said else verdict), detail
+
+
+def scheduler_stopped(drill: Drill) -> tuple[str, str]:
+    """The scheduler stopped (SIGSTOP) for 90 s mid-training: the supervisor counts it as hung,
+    ends its group and starts another; nobody acts."""
+    run = drill.train()
+    drill.wait_training(run)
+    before = len(drill.airflow_log_lines())
+    (leader, *_) = drill.airflow_component("scheduler")
+    os.kill(leader, signal.SIGSTOP)
+    time.sleep(90)
+    replaced = [line for line in drill.airflow_log_lines()[before:] if "scheduler stopped" in line]
+    left = drill.group(leader)
+    for pid in left:  # not replaced: let the drill go on
+        os.kill(pid, signal.SIGCONT)
+    drill._client = None
+    acted = replaced[0].split("| ", 1)[-1] if replaced else "never acted on"
+    verdict, detail = _resumed(
+        drill, run, f"scheduler stopped 90 s: {acted}; {len(left)} process(es) of its group left"
+    )
+    return ("broken" if left or not replaced else verdict), detail
 
 
 def service_restart_during_deploy(drill: Drill) -> tuple[str, str]:
@@ -554,6 +679,9 @@ FAULTS: dict[str, Callable[[Drill], tuple[str, str]]] = {
     "scheduler-kill": component_killed("scheduler"),
     "db-lock": db_locked,
     "service-kill": service_killed_mid_deploy,
+    "service-kill-load": service_killed_under_load,
+    "supervisor-kill": supervisor_killed,
+    "scheduler-stop": scheduler_stopped,
 }
 
 
