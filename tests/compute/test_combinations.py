@@ -224,7 +224,7 @@ def start(world: World, conf: dict[str, Any]) -> RunRef:
 def conf_of(cell: Cell) -> dict[str, Any]:
     """Return what the trigger says: a manual run's conf; the others take the defaults."""
     if cell.trigger == "manual":
-        return {"num_nodes": cell.boxes, "max_cost_usd": 0.25, "epochs": 2}
+        return {"num_nodes": cell.boxes, "max_cost_usd": 0.6, "epochs": 2}
     return {}
 
 

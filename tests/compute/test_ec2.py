@@ -733,8 +733,7 @@ def test_a_retry_of_provision_launches_against_the_first_tries_deadline(
     first = boxes_stage.provision(run, DAG_ID, packed_for(kit, run_id), s3_deployment)
     armed = load_job(first.job_uri).deadline_at
     assert armed is not None and first.launch.deadline_at == armed
-    # The first try failed after its launch (its worker died): the clean-up ended its box.
-    boxes_stage.clean_up_provision(run, "ec2", s3_deployment)
+    # The first try's worker died after its launch: nothing ended its box; the retry does.
     time.sleep(1.1)  # a retry comes later: a fresh budget would end later
 
     second = boxes_stage.provision(run, DAG_ID, packed_for(kit, run_id), s3_deployment, attempt=2)
@@ -743,6 +742,8 @@ def test_a_retry_of_provision_launches_against_the_first_tries_deadline(
     (box,) = second.instance_ids
     assert box not in first.instance_ids
     assert {i.instance_id for i in backend.describe(run_id) if i.state == RUNNING} == {box}
+    ended = {i.state for i in backend.describe(run_id) if i.instance_id in first.instance_ids}
+    assert ended <= {ENDING, STOPPED}
     # A try with too little of the budget left launches nothing, and says why.
     boxes_stage.clean_up_provision(run, "ec2", s3_deployment)
     job = load_job(second.job_uri)

@@ -40,12 +40,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 @dataclass(frozen=True)
 class Target:
-    """One decision module, the tests that are its own, and (for big modules) its functions."""
+    """One decision module, whole (every function, and the tables named), and its own tests."""
 
     name: str
     module: str
     tests: tuple[str, ...]
-    functions: tuple[str, ...] = ()  # qualnames to mutate; empty: all, and the tables
     tables: tuple[str, ...] = ()  # module-level names whose numbers are mutated
     # Mutants at once, at most: 1 for tests that measure how busy the host is (two children
     # would each read the other's work as a neighbour's).
@@ -283,14 +282,6 @@ TARGETS = (
             "tests/compute/test_resume.py",
             "tests/training/test_rank_markers.py",
         ),
-        functions=(
-            "wait_ended",
-            "resumable",
-            "boot_failure",
-            "_last_step",
-            "training_outcome",
-            "rank_error",
-        ),
     ),
     Target(
         "rank-markers",
@@ -341,7 +332,6 @@ TARGETS = (
         "nothing-new",
         "burstcv.stages.resolve",
         ("tests/test_pipeline_decisions.py",),
-        functions=("nothing_new_to_train", "_auto_choices", "_as_chosen"),
     ),
     Target(
         "gate-stage",
@@ -352,18 +342,17 @@ TARGETS = (
         "budget",
         "burstcv.cost.budget",
         (
+            "tests/cost/test_budget.py",
             "tests/test_pipeline_decisions.py",
             "tests/cost/test_pricing.py",
             "tests/compute/test_prices.py",
         ),
-        functions=(
-            "price_sources",
-            "worst_box_rate",
-            "_on_demand_rate",
-            "resolve_costs",
-            "serving_quotes",
-            "sizing_budget",
-        ),
+    ),
+    Target(
+        "boot",
+        "burstcv.cost.boot",
+        ("tests/cost/test_budget.py", "tests/test_pipeline_decisions.py"),
+        tables=("*",),
     ),
     Target(
         "cost-model",
@@ -385,80 +374,22 @@ TARGETS = (
         "sizing",
         "burstcv.gate.sizing",
         ("tests/gate/test_sizing.py", "tests/gate/test_loadgen.py"),
-        functions=(
-            "LoadRun.errors",
-            "LoadRun.percentile",
-            "LoadRun.achieved_rps",
-            "_holds",
-            "sustainable_rate",
-            "_record",
-            "_Sizer.search",
-            "generator_check",
-            "_Sizer.check",
-            "_Sizer.size",
-            "measure_sizes",
-            "flag_falling",
-            "_basis",
-            "rate_at",
-            "generator_bound_at",
-            "describe_generator",
-            "gate_load",
-            "_box_points",
-            "fleet_options",
-            "box_candidates",
-            "recommend",
-            "_reason",
-        ),
     ),
     Target(
         "sizing-boxes",
         "burstcv.compute.sizing_boxes",
         ("tests/compute/test_sizing_orchestration.py",),
-        functions=(
-            "box_run_key",
-            "size_on_boxes",
-            "_Boxes.launch",
-            "_Boxes.record",
-            "_figures",
-            "_skip",
-            "bill_sizing",
-        ),
         jobs=1,
     ),
     Target(
         "loadgen",
         "burstcv.gate.loadgen",
         ("tests/gate/test_loadgen.py",),
-        functions=(
-            "Sample.add",
-            "parallel",
-            "encode_predict",
-            "_read_answer",
-            "_Connections.send",
-            "_open_loop",
-            "send",
-            "_Trivial.data_received",
-        ),
     ),
     Target(
         "interference",
         "burstcv.gate.interference",
         ("tests/gate/test_interference.py",),
-        functions=(
-            "cpu_ticks",
-            "psi_some_us",
-            "others_among_descendants",
-            "own_cpu_s",
-            "_own_delta",
-            "QuietFigure.read",
-            "QuietFigure.offer",
-            "Window.close",
-            "measure_quietly",
-            "_watched",
-            "_cgroup_cpu_stat",
-            "throttled_s",
-            "_grown",
-        ),
         tables=("*",),
         jobs=1,
     ),
@@ -466,27 +397,11 @@ TARGETS = (
         "deadline",
         "burstcv.compute.userdata",
         ("tests/compute/test_userdata.py",),
-        functions=("watchdog_minutes", "expiry_of", "stamps"),
     ),
     Target(
         "aws-check",
         "burstcv.compute.awscheck",
         ("tests/compute/test_aws_check.py", "tests/compute/test_resume.py"),
-        functions=(
-            "_https_egress",
-            "_quota_value",
-            "_s3_route",
-            "vcpu_quota_of",
-            "bucket_kms_key",
-            "instance_role_requests",
-            "no_s3_cause",
-            "check_cluster_calls",
-            "_made_cluster",
-            "simulator_principal",
-            "_own_key_problem",
-            "_spot_role_on_key",
-            "check_ebs_key",
-        ),
     ),
     Target(
         "pricing",
@@ -569,9 +484,6 @@ class _Sites(ast.NodeVisitor):
         self.sites: list[tuple[ast.AST, str, str]] = []  # node, outer function, description
 
     # Scopes -------------------------------------------------------------------------------
-    def _wanted_function(self, name: str) -> bool:
-        return not self.target.functions or name in self.target.functions
-
     def visit_ClassDef(self, node: ast.ClassDef) -> None:
         self.stack.append(node.name)
         for stmt in node.body:
@@ -583,8 +495,6 @@ class _Sites(ast.NodeVisitor):
         qualname = ".".join([*self.stack, node.name])
         if self.outer:  # a nested function: part of the outer one's code
             self._body(node)
-            return
-        if not self._wanted_function(qualname):
             return
         self.outer = qualname
         self._body(node)
@@ -612,7 +522,7 @@ class _Sites(ast.NodeVisitor):
                 self.in_table = False
 
     def _is_table(self, stmt: ast.Assign | ast.AnnAssign) -> bool:
-        if not self.target.tables or self.target.functions:
+        if not self.target.tables:
             return False
         targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
         names = [t.id for t in targets if isinstance(t, ast.Name)]
