@@ -26,6 +26,7 @@ from localserver import REPO_ROOT, free_port
 
 from burstcv import supervisor
 from burstcv.supervisor import Child, Supervisor
+from burstcv_spec.contracts import ProcessGroup
 
 # Forks a worker (as a scheduler forks its executor's), records "leader worker", then waits.
 FAMILY = """
@@ -74,7 +75,7 @@ def _until(what: str, check: Callable[[], object], within_s: float = 30.0) -> No
 
 def _gone(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return True
 
@@ -91,7 +92,7 @@ def supervising(children: list[Child], state: Path) -> Iterator[Supervisor]:
         running.stopping.set()
         thread.join(timeout=60)
     for group in json.loads(state.read_text())["groups"]:
-        assert not supervisor.group_members(supervisor.ProcessGroup(**group)), group
+        assert not supervisor.group_members(ProcessGroup(**group)), group
 
 
 def test_a_child_killed_with_9_is_ended_with_its_workers_and_restarted(
