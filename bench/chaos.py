@@ -541,6 +541,8 @@ def service_killed_under_load(drill: Drill) -> tuple[str, str]:
 
     image = next((drill.dataset / "val").rglob("*.png"))
     url = f"http://127.0.0.1:{drill.serve_port}/v1/predict"
+    if not httpx.get(f"http://127.0.0.1:{drill.serve_port}/v1/model", timeout=30).is_success:
+        drill.wait_end(drill.train())  # a model to predict with
     counts = {"ok": 0, "failed": 0}
     stopping = threading.Event()
 
