@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from awsaudit import MOTO_ACCOUNT_ID, AwsCall, Check, RecordingProxy, evaluate
+from awsaudit import MOTO_ACCOUNT_ID, AwsCall, Check, RecordingProxy, console_answer, evaluate
 from burstcv_testkit import power_off_in_emulator
 
 from burstcv.compute.base import TAG_EXPIRES_AT, TAG_RUN_ID
@@ -589,3 +589,54 @@ def test_a_benchmark_tried_again_reuses_what_its_earlier_try_measured_and_sizes_
     billing = read_artifact(PATHS.billing, Billing)
     assert sorted(i.instance_type for i in billing.instances) == ["c7g.large", "c7i.large"]
     assert billing.cost_usd == pytest.approx(sum(i.cost_usd or 0 for i in billing.instances))
+
+
+def test_a_box_that_ends_without_figures_is_reported_from_its_console(
+    backend: Ec2Backend,
+    ec2_client: Any,
+    audited_calls: RecordingProxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A box that powered off before it could upload a log says why in its console: its own
+    last stamped step is the skip's reason, and no log is pointed at."""
+    stuck = "cannot reach S3 after 3 tries (aws s3api head-object: exit 255); powering off"
+    console = (
+        "[    0.000000] Linux version 6.1\n"
+        "burstcv: 2026-12-05T05:00:00.000Z sizing c7i.large for run manual__orchestration\n"
+        f"burstcv: 2026-12-05T05:00:24.000Z {stuck}\n"
+        "reboot: Power down\n"
+    )
+    monkeypatch.setitem(
+        audited_calls.answers,
+        "ec2:GetConsoleOutput",
+        lambda call: console_answer(call.params["InstanceId"], console),
+    )
+    with Boxes(ec2_client, {"c7i.large": HALT}):
+        (record,) = size_on_boxes(
+            backend,
+            request(["c7i.large"], parallel=1),
+            PATHS,
+            IMAGES,
+            artifact_root=ARTIFACT_ROOT,
+            poll_s=0.05,
+        )
+    (box,) = billed(datetime.now(UTC))["c7i.large"]
+    assert record.skipped == (
+        f'its box {box.instance_id} ended without figures; its console\'s last step: "{stuck}"'
+    )
+    assert [c.params["InstanceId"] for c in audited_calls.snapshot() if "Console" in c.action] == [
+        box.instance_id
+    ]
+    # A box that left its log is pointed at it as well.
+    log_uri = storage.join(PATHS.sizing_boxes, "logs", "m7i.large.log")
+    storage.write_bytes(log_uri, b"burstcv: booted\n")
+    with Boxes(ec2_client, {"m7i.large": HALT}):
+        (record,) = size_on_boxes(
+            backend,
+            request(["m7i.large"], parallel=1),
+            PATHS,
+            IMAGES,
+            artifact_root=ARTIFACT_ROOT,
+            poll_s=0.05,
+        )
+    assert record.skipped and record.skipped.endswith(f'"; its log: {log_uri}')
