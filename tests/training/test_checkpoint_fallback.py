@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,19 +18,18 @@ import pytest
 import torch
 from burstcv_testkit import make_job, write_shard
 
-from burstcv.training.job import JobSpec, write_job
-from burstcv.training.train import (
+from burstcv.training.checkpoint import (
     RESUME_KEYS,
-    CheckpointError,
     load_checkpoint,
-    load_shards,
     resume_checkpoint,
-    run_job,
     save_checkpoint,
+    staged_path,
 )
+from burstcv.training.job import JobSpec, write_job
+from burstcv.training.train import load_shards, run_job
 from burstcv_spec import storage
 
-TRAIN_LOG = "burstcv.training.train"
+TRAIN_LOG = "burstcv.training"  # the training loop's and its checkpoints' lines
 
 
 def _state(epoch: int, step: int = 0) -> dict[str, Any]:
@@ -113,21 +118,25 @@ def test_a_checkpoint_without_what_a_resume_reads_is_skipped(
     assert f"{ckpts / 'last.pt'} lacks optimizer, scheduler, rng_cpu, step, history" in caplog.text
 
 
-def test_when_no_checkpoint_loads_the_resume_fails_naming_each(tmp_path: Path) -> None:
+def test_when_no_checkpoint_loads_the_run_starts_over_keeping_them_aside(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     ckpts = tmp_path / "checkpoints"
     save_checkpoint(str(ckpts / "last.pt"), _state(3))
     _truncate(ckpts / "last.pt")
     (ckpts / "prev.pt").write_bytes(b"\0" * 4096)
     # best.pt of weights only (as before best.pt held the whole state): nothing to resume from.
     save_checkpoint(str(ckpts / "best.pt"), {"model": {"w": torch.zeros(2)}, "best": "{}"})
-    with pytest.raises(CheckpointError) as info:
-        resume_checkpoint(str(tmp_path))
-    message = str(info.value)
-    assert message.startswith("no checkpoint of the run loads: ")
+    torn = {name: (ckpts / name).read_bytes() for name in ("last.pt", "prev.pt", "best.pt")}
+    with caplog.at_level(logging.WARNING, logger=TRAIN_LOG):
+        assert resume_checkpoint(str(tmp_path)) is None
     for name in ("last.pt", "prev.pt"):
-        assert f"{ckpts / name} (" in message and "does not load" in message
-    assert f"{ckpts / 'best.pt'} lacks optimizer" in message
-    assert message.endswith(f"remove {ckpts} to train from scratch")
+        assert f"checkpoint skipped: {ckpts / name} (" in caplog.text
+    assert f"{ckpts / 'best.pt'} lacks optimizer" in caplog.text
+    kept = ckpts / "unreadable"
+    assert f"training starts over (kept in {kept})" in caplog.text
+    # What a person would look at is kept as it was, out of the way of the new saves.
+    assert {p.name: p.read_bytes() for p in kept.iterdir()} == torn
 
 
 def test_no_checkpoint_or_only_a_weights_only_best_pt_starts_afresh(tmp_path: Path) -> None:
@@ -217,7 +226,7 @@ def test_a_truncated_last_pt_resumes_from_prev_and_keeps_it(
     with caplog.at_level(logging.INFO, logger=TRAIN_LOG):
         assert run_job(job_uri, attempt=2) == 0
     assert f"checkpoint skipped: {ckpts / 'last.pt'} (" in caplog.text
-    assert f"attempt 2 resumed from {ckpts / 'prev.pt'} at epoch 2 step 0" in caplog.text
+    assert f"attempt 2 resumed from {ckpts / 'prev.pt'} after epoch 2" in caplog.text
     # Epoch 3 trained again from epoch 2's end, to the same numbers as the unbroken run.
     epochs = json.loads((out / "metrics.json").read_text())["epochs"]
     unbroken = trained[2]["epochs"]
@@ -254,7 +263,7 @@ def test_with_last_and_prev_unreadable_the_run_resumes_from_best_pt(
         assert run_job(job_uri, attempt=2) == 0
     for name in ("last.pt", "prev.pt"):
         assert f"checkpoint skipped: {ckpts / name} (" in caplog.text
-    assert f"attempt 2 resumed from {ckpts / 'best.pt'} at epoch 2 step 0" in caplog.text
+    assert f"attempt 2 resumed from {ckpts / 'best.pt'} after epoch 2" in caplog.text
     # best.pt holds the whole state of its epoch's end: epoch 3 trains again from it (the
     # optimiser's and the schedule's state too), to the same result as the unbroken run.
     metrics = json.loads((out / "metrics.json").read_text())
@@ -275,26 +284,109 @@ def test_a_partial_checkpoint_write_is_removed_when_the_next_attempt_starts(
         assert run_job(job_uri, attempt=2) == 0
     assert not partial.exists()
     assert f"removed {partial}, left by a checkpoint write that was cut short" in caplog.text
-    assert f"attempt 2 resumed from {out / 'checkpoints' / 'last.pt'} at epoch 3" in caplog.text
+    assert f"attempt 2 resumed from {out / 'checkpoints' / 'last.pt'} after epoch 3" in caplog.text
 
 
-def test_a_run_whose_checkpoints_all_fail_to_load_fails_naming_them(
-    packed_demo: dict[str, Any], trained: Any, tmp_path: Path
+def test_a_run_whose_only_checkpoint_is_torn_trains_its_epoch_over(
+    packed_demo: dict[str, Any], trained: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Epoch 1's checkpoint, the only one, is torn: the run starts over instead of failing."""
     out, job_uri = _copy(packed_demo, trained, tmp_path)
-    names = ("last.pt", "prev.pt", "best.pt")
-    for name in names:
-        _truncate(out / "checkpoints" / name)
-    before = {name: (out / "checkpoints" / name).read_bytes() for name in names}
-    with pytest.raises(CheckpointError):
-        run_job(job_uri, attempt=2)
-    failed = json.loads((out / "attempts" / "2" / "FAILED").read_text())
-    assert failed["resumable"] is False
-    assert failed["reason"].startswith("CheckpointError: no checkpoint of the run loads: ")
-    assert all(f"{out / 'checkpoints' / name} (" in failed["reason"] for name in names)
-    # Nothing trained over them: they are as they were, for a person to look at.
-    assert {name: (out / "checkpoints" / name).read_bytes() for name in names} == before
-    assert not (out / "attempts" / "2" / "DONE").exists()
+    ckpts = out / "checkpoints"
+    for name in ("prev.pt", "best.pt"):
+        (ckpts / name).unlink()
+    _truncate(ckpts / "last.pt")
+    with caplog.at_level(logging.INFO, logger=TRAIN_LOG):
+        assert run_job(job_uri, attempt=2) == 0
+    assert "no checkpoint of the run loads: training starts over" in caplog.text
+    metrics = json.loads((out / "metrics.json").read_text())
+    # Every epoch trained by attempt 2, to the numbers of the unbroken run (same seed).
+    assert [e["attempt"] for e in metrics["epochs"]] == [2, 2, 2]
+    for got, want in zip(metrics["epochs"], trained[2]["epochs"], strict=True):
+        assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
+    assert (out / "attempts" / "2" / "DONE").exists()
+    assert (ckpts / "unreadable" / "last.pt").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# A real SIGKILL of a real process in the middle of its saves
+
+SAVER = """
+import sys, torch
+from burstcv.training.checkpoint import save_checkpoint
+last, prev = sys.argv[1], sys.argv[2]
+state = {"model": {"w": torch.randn(12_000_000)}, "epoch": 0}  # 48 MB: a save takes a while
+print("saving", flush=True)
+while True:  # a trainer checkpointing as fast as it can
+    state["epoch"] += 1
+    save_checkpoint(last, state, keep_as=prev)
+"""
+
+
+def _kill_mid_save(uri: str, tmp: Path) -> bool:
+    """Run a saver, SIGKILL it while its staged copy is being written; True if it was."""
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    prev = uri.replace("last.pt", "prev.pt")
+    child = subprocess.Popen(
+        [sys.executable, "-c", SAVER, uri, prev], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "saving\n"
+        staged = staged_path(uri)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (staged.exists() and storage.exists(prev)):
+            time.sleep(0.005)
+        while time.monotonic() < deadline and not staged.exists():
+            time.sleep(0.002)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    return staged.exists()
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_save_killed_midway_leaves_nothing_in_the_temp_folder_and_is_cleared(
+    where: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if where == "s3":
+        request.getfixturevalue("s3")
+        root = "s3://artifacts/runs/r/job"
+    else:
+        root = str(tmp_path / "job")
+    last = storage.join(root, "checkpoints", "last.pt")
+    tmp = tmp_path / "tmp"  # the temp folder, the saver's and this test's
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    for _ in range(5):  # a kill that fell between two saves is tried again
+        if _kill_mid_save(last, tmp):
+            break
+    else:
+        pytest.fail("no kill fell inside a save")
+    staged = staged_path(last)
+    if where == "local":
+        # Staged beside its target, under a name that says what it is; the temp folder is empty.
+        assert staged.parent == tmp_path / "job" / "checkpoints"
+        assert staged.name == ".last.pt.staged" and list(tmp.iterdir()) == []
+    # The checkpoints themselves are whole: the kill tore only the staged copy.
+    for name in ("last.pt", "prev.pt"):
+        ckpt = load_checkpoint(storage.join(root, "checkpoints", name))
+        assert ckpt is not None and ckpt["model"]["w"].numel() == 12_000_000
+    # The next save replaces it, and an attempt's start removes it.
+    save_checkpoint(last, _state(9))
+    assert not staged.exists() and _position(last) == (9, 0)
+    staged.parent.mkdir(parents=True, exist_ok=True)
+    staged.write_bytes(b"cut short")
+    from burstcv.training.checkpoint import remove_leftovers
+
+    with caplog.at_level(logging.WARNING, logger=TRAIN_LOG):
+        remove_leftovers(root)
+    assert not staged.exists() and list(tmp.iterdir()) == []
+    assert f"removed {staged}, left by a checkpoint write that was cut short" in caplog.text
 
 
 def test_progress_lists_only_the_epochs_a_checkpoint_holds(

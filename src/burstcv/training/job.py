@@ -169,14 +169,29 @@ STAGE_BOOT = "boot"  # written by the orchestrator: a box never got through to S
 BEAT_EVERY_S = 10.0
 
 
+def place(epoch: int, step: int) -> str:
+    """Say where training stands (``epoch`` epochs done, ``step`` steps into the next), epochs
+    counted from 1 as every line a user reads counts them."""
+    if step:
+        return f"at epoch {epoch + 1} step {step}"
+    return f"after epoch {epoch}" if epoch else "before the first epoch"
+
+
 def write_failed(
     job_dir_uri: str, attempt: int, stage: str, reason: str, *, resumable: bool
 ) -> str:
-    """Write an attempt's FAILED marker: where it stopped, why, and whether to resume."""
+    """Write an attempt's FAILED marker: where it stopped, why, and whether to resume. The
+    trigger's "stalled" stands: the trainer it ended writes its own end after it, never over it."""
     from burstcv import lineage
 
+    uri = attempt_dir(job_dir_uri, attempt, FAILED_MARKER)
+    if stage != STAGE_STALLED and (verdict := _stalled(uri)) is not None:
+        log.warning(
+            "attempt %d stays %s (%s); its trainer's end: %s", attempt, verdict, uri, reason
+        )
+        return uri
     return write_artifact(
-        attempt_dir(job_dir_uri, attempt, FAILED_MARKER),
+        uri,
         FailedMarker(
             stage=stage,
             reason=reason,
@@ -185,6 +200,15 @@ def write_failed(
             at=lineage.utc_now_iso(),
         ),
     )
+
+
+def _stalled(uri: str) -> str | None:
+    """Return the stage of the FAILED marker at ``uri`` when it is the trigger's stall verdict."""
+    try:
+        marker = read_artifact(uri, FailedMarker)
+    except (storage.ArtifactNotFoundError, ArtifactError):
+        return None
+    return marker.stage if marker.stage == STAGE_STALLED else None
 
 
 def write_rank_failed(job_dir_uri: str, marker: FailedMarker) -> str:

@@ -7,21 +7,18 @@ host-to-device copy; larger data is streamed (burstcv.training.stream).
 from __future__ import annotations
 
 import copy
-import io
 import itertools
 import json
 import logging
 import math
 import os
 import signal
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Generator
 from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -31,6 +28,16 @@ from torch import nn
 from torch.nn import functional as F
 
 from burstcv import lineage
+from burstcv.training.checkpoint import (
+    BEST_CHECKPOINT,
+    CHECKPOINT,
+    PREVIOUS_CHECKPOINT,
+    CheckpointError,
+    load_checkpoint,
+    remove_leftovers,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from burstcv.training.job import (
     BEAT_EVERY_S,
     STAGE_BUDGET,
@@ -39,6 +46,7 @@ from burstcv.training.job import (
     JobSpec,
     attempt_dir,
     load_job,
+    place,
     write_failed,
     write_rank_failed,
 )
@@ -85,12 +93,6 @@ log = logging.getLogger(__name__)
 # DDP ranks agree on a SIGTERM or the deadline every this many steps (a spot notice: 2 min).
 DDP_STOP_CHECK_STEPS = 10
 
-CHECKPOINTS = "checkpoints"  # the folder; only rank 0 of the running attempt writes to it
-CHECKPOINT = "checkpoints/last.pt"  # the newest
-PREVIOUS_CHECKPOINT = "checkpoints/prev.pt"  # a resume's fallback when last.pt does not load
-BEST_CHECKPOINT = "checkpoints/best.pt"  # the best epoch: exported, and a resume's last fallback
-# What a resume reads from a checkpoint (the rest has defaults): one without it is skipped.
-RESUME_KEYS = ("model", "optimizer", "scheduler", "rng_cpu", "epoch", "step", "history")
 EXIT_INTERRUPTED = 143  # the conventional code of a SIGTERM'd process
 EXIT_BUDGET = 4  # the run's deadline was reached: a checkpoint exists, no relaunch
 EXIT_DIVERGED = 5  # training diverged after every recovery: nothing worth exporting
@@ -119,10 +121,6 @@ class TrainingDiverged(RuntimeError):
     """Raise when training still diverges after every recovery the job allows."""
 
     stage, resumable, exit_code = STAGE_TRAIN, False, EXIT_DIVERGED
-
-
-class CheckpointError(RuntimeError):
-    """Raise when a checkpoint's file does not load, or lacks what is read from it."""
 
 
 @dataclass(frozen=True)
@@ -303,67 +301,6 @@ def eval_images(images: np.ndarray, job: JobSpec) -> np.ndarray:
         return eval_view(images, PreprocessSpec.from_dict(job.preprocess))
     except ValueError as exc:
         raise JobSpecError(f"shards do not fit the job's preprocess block: {exc}") from exc
-
-
-def save_checkpoint(uri: str, state: dict[str, Any], *, keep_as: str | None = None) -> None:
-    """Write a checkpoint atomically; ``keep_as``: first copy the one at ``uri`` there."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "ckpt.pt"
-        torch.save(state, path)
-        if keep_as is not None and storage.exists(uri):
-            storage.copy(uri, keep_as)
-        storage.upload_file(path, uri)
-
-
-def load_checkpoint(uri: str, required: tuple[str, ...] = ()) -> dict[str, Any] | None:
-    """Return the checkpoint at a URI or None; raise if it does not load or lacks a required key."""
-    if not storage.exists(uri):
-        return None
-    data = storage.read_bytes(uri)
-    try:
-        ckpt = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch, zip and pickle each raise their own on a garbled file
-        why = ": ".join([type(exc).__name__, *str(exc).strip().splitlines()[:1]])
-        raise CheckpointError(f"{uri} ({len(data)} bytes) does not load: {why}") from exc
-    if not isinstance(ckpt, dict):
-        raise CheckpointError(f"{uri} holds a {type(ckpt).__name__}, not a checkpoint")
-    missing = [key for key in required if key not in ckpt]
-    if missing:
-        raise CheckpointError(f"{uri} lacks {', '.join(missing)}")
-    return ckpt
-
-
-def resume_checkpoint(output_uri: str) -> tuple[str, dict[str, Any]] | None:
-    """Return (URI, contents) of the checkpoint to resume from: last.pt when it loads, else the
-    further along of prev.pt and best.pt. Raise when last.pt or prev.pt exists and nothing
-    loads: starting over would overwrite what a person should see."""
-    last, prev, best = (
-        storage.join(output_uri, name)
-        for name in (CHECKPOINT, PREVIOUS_CHECKPOINT, BEST_CHECKPOINT)
-    )
-    loaded: list[tuple[str, dict[str, Any]]] = []
-    unreadable: dict[str, str] = {}
-    for uri in (last, prev, best):
-        try:
-            ckpt = load_checkpoint(uri, RESUME_KEYS)
-        except CheckpointError as exc:
-            log.warning("checkpoint skipped: %s", exc)
-            unreadable[uri] = str(exc)
-            continue
-        if ckpt is None:
-            continue
-        if uri == last:  # the newest: the others are not read
-            return uri, ckpt
-        loaded.append((uri, ckpt))
-    if loaded:  # ties (the same epoch end): prev.pt, the first
-        return max(loaded, key=lambda found: (int(found[1]["epoch"]), int(found[1]["step"])))
-    if last in unreadable or prev in unreadable:
-        raise CheckpointError(
-            "no checkpoint of the run loads: "
-            + "; ".join(unreadable.values())
-            + f"; remove {storage.join(output_uri, CHECKPOINTS)} to train from scratch"
-        )
-    return None
 
 
 def _step_generator(seed: int, epoch: int, step: int) -> torch.Generator:
@@ -623,7 +560,7 @@ def _after_step(ctx: Run, state: RunState, step: int, window: torch.Tensor | Non
             raise Diverged(f"{why} at epoch {epoch + 1} step {step}")
         if sigterm:
             _save_last(ctx, state)
-            raise Interrupted(f"SIGTERM: checkpoint saved at epoch {epoch} step {step}")
+            raise Interrupted(f"SIGTERM: checkpoint saved {place(epoch, step)}")
         if past_deadline:
             _save_last(ctx, state)
             raise BudgetExhausted(
@@ -911,8 +848,7 @@ def main(job: JobSpec, attempt: int = 1) -> TrainingMetrics:
     torch.manual_seed(job.seed)
     cache = ShardCache.from_env(job.run_id)  # set on the training box: a folder on its disk
     if d.is_main:  # the attempt before this one has ended: nothing else writes there
-        for path in storage.remove_partial_writes(job.uri(CHECKPOINTS)):
-            log.warning("removed %s, left by a checkpoint write that was cut short", path)
+        remove_leftovers(job.output_uri)
     resume = resume_checkpoint(job.output_uri)
     ckpt = resume[1] if resume is not None else None
     job, world = scale_to_world(job, d, ckpt)
@@ -1068,11 +1004,10 @@ def _resume(ctx: Run, resume: tuple[str, dict[str, Any]] | None) -> RunState:
         state.best = json.loads(saved_best["best"])
     log.log(
         logging.INFO if state.keep_last else logging.WARNING,  # a fallback: worth a look
-        "attempt %d resumed from %s at epoch %d step %d",
+        "attempt %d resumed from %s %s",
         ctx.attempt,
         uri,
-        state.epoch,
-        state.step,
+        place(state.epoch, state.step),
     )
     return state
 
@@ -1166,11 +1101,9 @@ def _recover(ctx: Run, state: RunState, reason: str) -> None:
     ctx.scaler.update(2.0**16)  # fp16: its scale may have collapsed on the non-finite steps
     state.epoch, state.step = int(good["epoch"]), int(good["step"])
     log.warning(
-        "%s: restored the state of epoch %d step %d and lowered the learning rate to "
-        "%.3gx (recovery %d of %d)",
+        "%s: restored the state %s and lowered the learning rate to %.3gx (recovery %d of %d)",
         reason,
-        state.epoch,
-        state.step,
+        place(state.epoch, state.step),
         lr_scale.value,
         len(recoveries),
         job.max_recoveries,
