@@ -37,6 +37,7 @@ from burstcv_spec.contracts import (
     RegistryDecision,
     RunCosts,
     SizingReport,
+    TrainingBeat,
     TrainingChoice,
     TrainingMetrics,
     ValidationRecord,
@@ -700,6 +701,54 @@ def test_the_last_attempt_s_own_failure_is_shown_when_no_rank_owns_one(tmp_path:
     page = render(run, tmp_path / "registry")
     assert "Training failed in attempt 2, at the boot stage: no route to S3" in page
     assert "spot interruption" not in page and "<pre class" not in page
+
+
+def test_a_stalled_attempt_says_how_long_its_box_sat_stopped_of_its_billed_seconds(
+    tmp_path: Path,
+) -> None:
+    """Attempt 1 stalled (its trigger's verdict kept), attempt 2 trained on: the report says
+    the stall and the seconds the box sat stopped, from its last beat to its end."""
+    run = tmp_path / "run"
+    write_run(run, resolved_run(tmp_path / "store"))
+    job = str(run / "job")
+    reason = "no progress for 301 s at epoch 2 step 14 (train); the trainer is alive but stalled"
+    write_failed(job, 1, "stalled", reason, resumable=True)
+    write_failed(job, 1, "interrupted", "SIGTERM: checkpoint saved", resumable=True)  # kept out
+    beat = TrainingBeat(
+        attempt=1, beats=7, epoch=1, step=14, phase="train", written_at="2025-01-01T10:01:01+00:00"
+    )
+    write_artifact(attempt_dir(job, 1, "beat.json"), beat)
+    for attempt, box, launched, ended in (
+        (1, "local-1", "10:00:00", "10:06:10"),
+        (2, "local-2", "10:06:20", "10:08:00"),
+    ):
+        record = AttemptBill(
+            attempt=attempt,
+            run_key="r",
+            dag_id="burstcv_pipeline",
+            backend="local",
+            boxes=[
+                BoxBill(
+                    market="local",
+                    usd_per_hour=0.0,
+                    price_source="local",
+                    instance_id=box,
+                    launched_at=f"2025-01-01T{launched}+00:00",
+                    ended_at=f"2025-01-01T{ended}+00:00",
+                )
+            ],
+        )
+        write_artifact(attempt_dir(job, attempt, END_RECORD), record)
+    write_artifact(
+        f"{job}/{ATTEMPT_RECORD}",
+        AttemptRecord(attempt=2, instance_ids=["local-2"], launched_at="now"),
+    )
+    now = datetime(2025, 1, 1, 10, 9, tzinfo=UTC)
+    write_artifact(RunLayout(str(run)).billing, run_bill(job, 2, now, backend="local"))
+    page = render(run, tmp_path / "registry")
+    assert f"Attempt 1 was ended as stalled: {reason}." in page
+    assert "Its box sat stopped for 309 of its 370 billed seconds." in page
+    assert "SIGTERM: checkpoint saved" not in page
 
 
 def test_a_run_with_nothing_new_to_train_on_says_it_skipped_and_why(tmp_path: Path) -> None:

@@ -21,12 +21,14 @@ import jinja2
 
 from burstcv import links
 from burstcv.compute.attempts import current_attempt
+from burstcv.compute.billing import attempt_bills
+from burstcv.compute.liveness import read_beat
 from burstcv.cost.model import box_usd_per_hour
 from burstcv.gate.gate import format_figure
 from burstcv.gate.sizing import describe_generator
 from burstcv.params import ResolvedRun
 from burstcv.report import charts
-from burstcv.training.job import attempt_failure
+from burstcv.training.job import STAGE_STALLED, attempt_failure
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
     Artifact,
@@ -82,6 +84,7 @@ class RunDocs:
     sizing: SizingReport | None = None
     verdict: VerdictRecord | None = None
     failure: FailedMarker | None = None  # the last attempt's, when training wrote no metrics
+    stalls: list[str] = field(default_factory=list)  # each attempt ended for want of progress
     missing: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -107,10 +110,45 @@ class RunDocs:
             except ArtifactError as exc:  # a stage wrote a broken file: say which, and why
                 log.warning("cannot read %s: %s", uri, exc)
                 docs.missing[key] = f"{rel} exists but cannot be read ({exc})."
-        if docs.metrics is None and docs.skip is None:
+        if docs.skip is None:
             with contextlib.suppress(ArtifactError):
-                docs.failure = attempt_failure(layout.job, current_attempt(layout.job))
+                last = current_attempt(layout.job)
+                if docs.metrics is None:
+                    docs.failure = attempt_failure(layout.job, last)
+                ended = (attempt_failure(layout.job, n) for n in range(1, last + 1))
+                docs.stalls = [
+                    stall_line(layout.job, m, docs.billing)
+                    for m in ended
+                    if m is not None and m.stage == STAGE_STALLED
+                ]
         return docs
+
+
+def stall_line(job_dir: str, marker: FailedMarker, billing: Billing | None) -> str:
+    """Say why an attempt was ended as stalled and for how many of its billed seconds its
+    boxes sat stopped (from its last progress beat to each box's end)."""
+    line = f"Attempt {marker.attempt} was ended as stalled: {marker.reason}"
+    beat = read_beat(job_dir, marker.attempt)
+    mine = [
+        b
+        for bill in attempt_bills(job_dir, marker.attempt)
+        if bill.attempt == marker.attempt
+        for b in bill.boxes
+        if b.ended_at
+    ]
+    if beat is None or billing is None or not mine:
+        return line + "."
+    last_beat = datetime.fromisoformat(beat.written_at)
+    billed = sum(billing.billed_seconds.get(b.instance_id, 0.0) for b in mine)
+    stopped = sum(
+        max(0.0, (datetime.fromisoformat(str(b.ended_at)) - last_beat).total_seconds())
+        for b in mine
+    )
+    boxes = "boxes" if len(mine) > 1 else "box"
+    return (
+        f"{line}. Its {boxes} sat stopped for {min(stopped, billed):,.0f} of its "
+        f"{billed:,.0f} billed seconds."
+    )
 
 
 def fmt(value: Any, spec: str = "", suffix: str = "") -> str:
@@ -293,7 +331,11 @@ def _training_view(record: RunDocs) -> dict[str, Any]:
     """Show the training curves, the per-epoch table and where the time went."""
     metrics = record.metrics
     if metrics is None:
-        return {"missing": record.missing["metrics"], "failure": _failure_view(record.failure)}
+        return {
+            "missing": record.missing["metrics"],
+            "failure": _failure_view(record.failure),
+            "stalls": record.stalls,
+        }
     epochs, confusion, classes = metrics.epochs, metrics.confusion, metrics.classes
     curves = _chart(lambda: charts.training_curves(epochs), "training curves") if epochs else None
     confusion_chart = None
@@ -304,6 +346,7 @@ def _training_view(record: RunDocs) -> dict[str, Any]:
     recipe = record.run.training if record.run else None
     return {
         "missing": None,
+        "stalls": record.stalls,
         "metrics": metrics,
         "recipe": recipe.reason if recipe else None,
         "recipe_warning": recipe.warning if recipe else None,
