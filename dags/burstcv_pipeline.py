@@ -21,7 +21,7 @@ service **only if** it meets the latency SLO and does not lose accuracy.
 | `benchmark` | p50/p95/p99 over HTTP through a staging copy of the service | no |
 | `gate` | latency SLO, accuracy floor, no regression; registers the version | no |
 | `deploy` | moves the `production` alias, verifies the service serves it, else rolls back | no |
-| `report` | one HTML page: data checks, curves, latency, verdict, cost (whatever failed) | no |
+| `report` (teardown) | after the boxes end: one HTML page, cost and why it failed included | no |
 | `outcome` (teardown) | fails the run when any task failed (a user's mark-failed too) | no |
 
 A run whose validated dataset and training params are those of the production model has
@@ -168,7 +168,8 @@ def deploy(verdict: dict[str, Any], run_id: str | None = None) -> dict[str, Any]
 
 
 # A teardown (all_done once its upstream tasks are): the report is the page that says what
-# went wrong, so it runs whatever failed, and after a user marks the run failed too.
+# went wrong, so it runs whatever failed, and after a user marks the run failed too. It waits
+# for the boxes' end (terminate writes the bill; clean_up_failed_provision), so it has the cost.
 @task(execution_timeout=timedelta(minutes=10), **SAFE_RETRY)
 def report(run_id: str | None = None) -> str:
     """Write the run's one-page HTML report (data checks, curves, latency, verdict, cost)."""
@@ -240,11 +241,11 @@ def burstcv_pipeline() -> None:
     bench = benchmark()
     exported >> bench
     verdict = gate(exported, bench)
-    # After the verdict: it reads the run's folder (ordering only).
+    # After the verdict and the boxes' end: it reads the run's folder (ordering only), the
+    # bill terminate writes and the reason training failed included.
     reported = report().as_teardown()
-    verdict >> reported
-    deploy(verdict) >> reported
-    [reported, teardown, cleaned] >> outcome().as_teardown(on_failure_fail_dagrun=True)
+    [verdict, deploy(verdict), teardown, cleaned] >> reported
+    reported >> outcome().as_teardown(on_failure_fail_dagrun=True)
 
 
 burstcv_pipeline()

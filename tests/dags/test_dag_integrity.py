@@ -98,19 +98,24 @@ def test_pipeline_params_form_schema(dagbag) -> None:  # type: ignore[no-untyped
 def test_every_failure_fails_the_run_and_the_report_is_written_whatever_failed(dagbag) -> None:  # type: ignore[no-untyped-def]
     t = dagbag.dags["burstcv_pipeline"].task_dict
     # The page that says what went wrong: a teardown with no setup of its own, it runs once
-    # the verdict and deploy are done, whatever they ended as. Airflow's mark-failed skips
-    # every pending task but the teardowns (set_dag_run_state_to_failed), so it runs then too.
+    # the verdict, deploy and the boxes' end are done, whatever they ended as (all_done: no
+    # setup upstream of it to wait for). Airflow's mark-failed skips every pending task but
+    # the teardowns (set_dag_run_state_to_failed), so it runs then too.
     report = t["report"]
     assert report.is_teardown and not report.on_failure_fail_dagrun
     assert report.trigger_rule == "all_done_setup_success"
     assert not [u for u in report.upstream_list if u.is_setup]
-    assert report.upstream_task_ids == {"gate", "deploy"}
+    assert report.upstream_task_ids == {"gate", "deploy", "terminate", "clean_up_failed_provision"}
+    # The bill is written by terminate, a teardown: the report reads it after, never beside it.
+    assert t["terminate"].is_teardown and "report" in t["terminate"].downstream_task_ids
     outcome = t["outcome"]
     # A teardown: Airflow skips every other pending task of a run a user marks failed, and
-    # runs its teardowns; on_failure_fail_dagrun makes its failure the run's.
+    # runs its teardowns; on_failure_fail_dagrun makes its failure the run's. Last: everything
+    # else is upstream of it.
     assert outcome.is_teardown and outcome.on_failure_fail_dagrun
-    assert outcome.upstream_task_ids == {"report", "terminate", "clean_up_failed_provision"}
+    assert outcome.upstream_task_ids == {"report"}
     assert outcome.downstream_task_ids == set()
+    assert set(outcome.get_flat_relative_ids(upstream=True)) == set(t) - {"outcome"}
 
 
 def test_reaper_is_on_from_the_start(dagbag) -> None:  # type: ignore[no-untyped-def]
