@@ -184,7 +184,7 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str, str], ...]] = {
             "the time bound, to one reading of the clock",
         ),
         (
-            "bill_sizing",
+            "_Boxes.end_earlier",
             "1 -> 2",
             'split("/", 1)[0]',
             "the first part of the path is the same however many splits follow",
