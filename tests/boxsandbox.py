@@ -6,9 +6,14 @@ a spot instance-action the test switches on), and 127.0.0.1:5000 there relays to
 server outside, which plays S3. The user-data runs unmodified with ``bash`` under
 ``ip netns exec``; only ``shutdown`` and ``poweroff`` are shims (they record the call; the
 harness then terminates the emulated instance, as InstanceInitiatedShutdownBehavior says).
-The AWS CLI, curl, pip and the training code are the real ones; the "AMI environment" is a
-Python that sees the test's own torch (a venv with a .pth onto this environment's
-site-packages), standing in for the Deep Learning AMI's PyTorch environment.
+curl, pip and the training code are the real ones. The box runs as on its image (``image``):
+this machine's Pythons are hidden from its PATH; its ``python3`` has no boto3 (Amazon Linux
+2023's has none, nor has the Deep Learning AMI's system Python); on Amazon Linux 2023 an AWS
+CLI v2 stand-in answers ``aws`` (boto3 in an interpreter the box cannot import, with v2's
+documented exit codes) and ``dnf install python3.11`` makes a fresh Python 3.11 with pip. The
+Deep Learning AMI's PyTorch environment is a venv that sees this environment's torch,
+torchvision, numpy and boto3 (and what they need), nothing else. The namespace has no route
+but to the emulator: a pip that needs the package index fails there.
 
 Sockets are made inside the namespace by a short-lived thread that enters it with setns(2):
 the servers themselves run in the test process, and nothing listens outside 127.0.0.1.
@@ -25,8 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.metadata
 import json
 import os
+import re
 import selectors
 import shlex
 import shutil
@@ -34,7 +41,6 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import threading
 import time
 import uuid
@@ -214,23 +220,166 @@ def _pipe(inner: socket.socket, upstream: tuple[str, int]) -> None:
         outer.close()
 
 
-def make_ami_python(where: Path) -> Path:
-    """Return a Python standing in for the AMI's PyTorch environment (sees this env's torch)."""
-    python = where / "bin" / "python"
+# What the Deep Learning AMI's PyTorch environment holds of what burstcv's boxes import.
+DLAMI_PACKAGES = ("torch", "torchvision", "numpy", "boto3")
+_HIDDEN = re.compile(r"(python|pip|pydoc|idle|2to3|aws|dnf)")  # not on a box's PATH
+
+
+def make_ami_python(where: Path, packages: tuple[str, ...] = DLAMI_PACKAGES) -> Path:
+    """Return a Python standing in for the AMI's PyTorch environment: it sees ``packages`` of
+    this environment and what they require, nothing else (its path names its version)."""
+    python = where / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
     if python.exists():
         return python
-    base = getattr(sys, "_base_executable", sys.executable)
-    subprocess.run([base, "-m", "venv", str(where)], check=True, timeout=300)
+    subprocess.run([_base_python(), "-m", "venv", str(where)], check=True, timeout=300)
     site = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.strip()
-    # Only this environment's packages (torch, numpy, boto3, pydantic), not its burstcv: the
-    # editable install's own .pth is not read from a folder that a .pth line adds.
-    Path(site, "ami_pytorch_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    shelf = where / "ami-packages"
+    shelf.mkdir()
+    for dist in _closure(packages):
+        tops = {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}
+        for top in tops - {"__pycache__", "bin"}:
+            with contextlib.suppress(FileExistsError):
+                (shelf / top).symlink_to(Path(str(dist.locate_file(top))))
+    Path(site, "ami_pytorch_env.pth").write_text(f"{shelf}\n")
     return python
+
+
+def _closure(names: tuple[str, ...]) -> list[importlib.metadata.Distribution]:
+    """Return the distributions ``names`` need (their requirements, transitively, no extras)."""
+    from packaging.requirements import Requirement
+
+    found: dict[str, importlib.metadata.Distribution] = {}
+    todo = list(names)
+    while todo:
+        name = todo.pop().lower().replace("_", "-")
+        if name in found:
+            continue
+        try:
+            found[name] = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for line in found[name].requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return list(found.values())
+
+
+def make_bare_python(where: Path, pip: bool = False) -> Path:
+    """Return a Python of this version with nothing installed (no boto3), with pip or not."""
+    python = where / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    if not python.exists():
+        command = [_base_python(), "-m", "venv", *([] if pip else ["--without-pip"]), str(where)]
+        subprocess.run(command, check=True, timeout=300)
+    return python
+
+
+def _base_python() -> str:
+    return getattr(sys, "_base_executable", sys.executable)
+
+
+# The AWS CLI v2 subcommands the boot scripts use, with the exit codes v2 documents: 0; 1 an
+# s3 transfer failed; 2 a local file skipped; 252 a command it cannot parse; 253 no
+# credentials or region; 254 the service answered an error; 255 no answer (and the rest).
+AWS_CLI_V2 = """#!{python}
+import json, sys
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError
+from botocore.exceptions import PartialCredentialsError
+
+
+def client():
+    config = Config(connect_timeout=60, retries={{"mode": "standard", "max_attempts": 3}})
+    return boto3.client("s3", config=config)
+
+
+def split(uri):
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    return bucket, key
+
+
+def head_object(args):
+    options = dict(zip(args[::2], args[1::2]))
+    if len(args) != 4 or set(options) != {{"--bucket", "--key"}}:
+        return usage()
+    try:
+        answer = client().head_object(Bucket=options["--bucket"], Key=options["--key"])
+    except ClientError as exc:
+        error = exc.response.get("Error", {{}})
+        print(f"\\nAn error occurred ({{error.get('Code')}}) when calling the HeadObject "
+              f"operation: {{error.get('Message', '')}}", file=sys.stderr)
+        return 254
+    print(json.dumps({{"ContentLength": answer["ContentLength"]}}))
+    return 0
+
+
+def cp(args):
+    args = [arg for arg in args if arg != "--quiet"]
+    if len(args) != 2 or args[0] == args[1] == "-":
+        return usage()
+    source, target = args
+    try:
+        if source.startswith("s3://") and target.startswith("s3://"):
+            return usage()
+        if source.startswith("s3://"):
+            client().download_file(*split(source), target)
+        elif source == "-":
+            bucket, key = split(target)
+            client().put_object(Body=sys.stdin.buffer.read(), Bucket=bucket, Key=key)
+        else:
+            with open(source, "rb") as data:
+                client().upload_fileobj(data, *split(target))
+    except FileNotFoundError:
+        print(f"warning: Skipping file {{source}}. File does not exist.", file=sys.stderr)
+        return 2
+    except (NoCredentialsError, NoRegionError, PartialCredentialsError):
+        raise
+    except (ClientError, BotoCoreError) as exc:
+        print(f"fatal error: {{exc}}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def usage():
+    print("aws: error: the following arguments are not understood: " + " ".join(sys.argv[1:]),
+          file=sys.stderr)
+    return 252
+
+
+def main(argv):
+    if argv[:2] == ["s3api", "head-object"]:
+        return head_object(argv[2:])
+    if argv[:2] == ["s3", "cp"]:
+        return cp(argv[2:])
+    return usage()
+
+
+try:
+    sys.exit(main(sys.argv[1:]))
+except (NoCredentialsError, NoRegionError, PartialCredentialsError) as exc:
+    print(exc, file=sys.stderr)
+    sys.exit(253)
+except Exception as exc:
+    print(f"\\n{{exc}}", file=sys.stderr)
+    sys.exit(255)
+"""
+
+# Amazon Linux 2023's dnf, as far as the sizing boxes use it: python3.X and its pip.
+DNF = """#!/bin/bash
+for name in "$@"; do
+  case "$name" in
+    install | -y | -q | {python} | {python}-pip) ;;
+    *) echo "Error: Unable to find a match: $name" >&2; exit 1 ;;
+  esac
+done
+[ -x {installed}/bin/{python} ] || {base} -m venv {installed}
+"""
 
 
 @dataclass
@@ -252,10 +401,13 @@ class Boot:
 class BoxSandbox:
     """A network namespace dressed as an EC2 instance; boot user-data scripts in it."""
 
-    def __init__(self, work: Path, s3_upstream: str) -> None:
+    def __init__(self, work: Path, s3_upstream: str, image: str = "dlami") -> None:
         if os.geteuid() != 0 or shutil.which("ip") is None:
             raise SandboxUnavailable("network namespaces need root and iproute2")
+        if image not in ("dlami", "al2023"):
+            raise ValueError(f"image is dlami or al2023, not {image!r}")
         self.work = work
+        self.image = image
         self.netns = f"burstcv-box-{uuid.uuid4().hex[:8]}"
         self.imds = Imds()
         host, _, port = s3_upstream.removeprefix("http://").partition(":")
@@ -264,8 +416,14 @@ class BoxSandbox:
         self._servers: list[_Server] = []
         self._threads: list[threading.Thread] = []
         self.shims = work / "shims"
-        # What cloud-init's PATH holds on the box: no AWS CLI (the script must not need one).
-        self.path = f"{self.shims}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        self.system = work / "image"  # the image's own commands: python3, aws, dnf
+        self.installed = work / "installed"  # where dnf puts its Python (and pip, its scripts)
+        self.usr_bin = work / "usr-bin"  # this machine's /usr/bin, less its Pythons and CLIs
+        # cloud-init's PATH on the box: no AWS CLI on the Deep Learning AMI until add_aws_cli.
+        self.path = ":".join(
+            map(str, [self.shims, self.system, self.installed / "bin", "/usr/local/sbin"])
+        )
+        self.path += f":/usr/local/bin:/usr/sbin:{self.usr_bin}"
 
     def __enter__(self) -> BoxSandbox:
         _ip("netns", "add", self.netns)
@@ -303,6 +461,30 @@ class BoxSandbox:
         )
         shim.chmod(0o755)
         (self.shims / "poweroff").symlink_to(shim)
+        self.usr_bin.mkdir(parents=True, exist_ok=True)
+        for command in Path("/usr/bin").iterdir():
+            if not _HIDDEN.match(command.name):
+                (self.usr_bin / command.name).symlink_to(command)
+        self.system.mkdir(parents=True, exist_ok=True)
+        python3 = make_bare_python(self.work / "system-python")
+        _script(self.system / "python3", f'#!/bin/bash\nexec {python3} "$@"\n')
+        if self.image == "al2023":
+            self._write_aws_cli(self.system / "aws")
+            version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+            dnf = DNF.format(python=version, installed=self.installed, base=_base_python())
+            _script(self.system / "dnf", dnf)
+
+    def _write_aws_cli(self, where: Path) -> None:
+        _script(where, AWS_CLI_V2.format(python=sys.executable))
+
+    def routes(self) -> str:
+        """Return the namespace's routes (IPv4 and IPv6), as ``ip route`` prints them."""
+        return "".join(
+            subprocess.run(
+                ["ip", *family, "-n", self.netns, "route"], capture_output=True, text=True
+            ).stdout
+            for family in ([], ["-6"])
+        )
 
     def cut_s3(self) -> None:
         """Let nothing out of the box to S3, as a security group with no egress rule does.
@@ -314,8 +496,8 @@ class BoxSandbox:
             self._relay_sock.close()
 
     def add_aws_cli(self) -> None:
-        """Put the AWS CLI (the real awscli of this environment) on the box's PATH."""
-        (self.shims / "aws").symlink_to(Path(sys.executable).parent / "aws")
+        """Put the AWS CLI v2 stand-in on the box's PATH (the Deep Learning AMI has one)."""
+        self._write_aws_cli(self.shims / "aws")
 
     def processes(self) -> list[int]:
         """Return the pids still running in the namespace."""
@@ -356,7 +538,10 @@ class BoxSandbox:
             "BURSTCV_WORK_DIR": str(box / "opt"),
             "BURSTCV_LOG": str(box / "bootstrap.log"),
             "SANDBOX_SHUTDOWN_LOG": str(box / "shutdown.log"),
+            # An image has no pip configuration (this machine's names local package mirrors).
+            "PIP_CONFIG_FILE": os.devnull,
         }
+        shutil.rmtree(self.installed, ignore_errors=True)  # a fresh box: nothing installed yet
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         started = time.monotonic()
@@ -460,6 +645,11 @@ def link(boxes: list[BoxSandbox], subnet: str = "10.77.0") -> list[str]:
         )
         addresses.append(address)
     return addresses
+
+
+def _script(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(0o755)
 
 
 @contextlib.contextmanager

@@ -110,6 +110,8 @@ def ec2_settings(ec2_account: None) -> Ec2Settings:
         region=REGION,
         ami=AMI_PARAMETER,
         instance_profile=INSTANCE_PROFILE,
+        # The AMI's interpreter by its versioned name: a run stages that Python's wheelhouse only.
+        python="/opt/pytorch/bin/python3.12",
         volume_gb=50,
         waiter_delay_s=0.1,
         waiter_max_attempts=100,

@@ -4,8 +4,10 @@ The orchestrator side is the real code against moto (``boxes_stage.provision`` s
 training wheel and writes job.json, ``Ec2Backend.launch`` renders the user-data, the real
 trigger waits for the attempt's marker, the train task's own try relaunches a reclaimed box). The
 box side is the rendered script, unmodified, run by bash in a network namespace where
-169.254.169.254 is an IMDSv2 and S3 is moto: it downloads the wheel, checks its sha256,
-pip-installs it into the "AMI" Python, runs the preflight and trains for real. Only
+169.254.169.254 is an IMDSv2 and S3 is moto, and nothing else is reachable: it downloads the
+wheel, checks its sha256, pip-installs it and what the "AMI" Python lacks (pydantic: the
+stand-in holds torch, torchvision, numpy and boto3) from the wheelhouse staged beside it,
+runs the preflight and trains for real. The box's ``python3`` has no boto3. Only
 ``shutdown``/``poweroff`` are shims, and the GPU: CUDA is required only where the test says.
 """
 
@@ -16,8 +18,10 @@ import base64
 import io
 import json
 import math
+import platform
 import re
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -71,7 +75,7 @@ SLOW_BOOT_S = 1500.0
 
 @pytest.fixture(scope="module")
 def ami_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Return the stand-in for the Deep Learning AMI's PyTorch interpreter."""
+    """Return the stand-in for the Deep Learning AMI's PyTorch interpreter (no pydantic)."""
     return make_ami_python(tmp_path_factory.mktemp("ami") / "pytorch")
 
 
@@ -104,6 +108,7 @@ def box(box_calls: RecordingProxy, tmp_path: Path) -> Iterator[BoxSandbox]:
     except SandboxUnavailable as exc:
         pytest.skip(f"network namespaces are not permitted here: {exc}")
     sandbox.imds.region = BOX_REGION
+    assert sandbox.routes() == "", "the box reaches more than the emulator"
     try:
         yield sandbox
         assert sandbox.reap_processes() == [], "a process of the box outlived its script"
@@ -293,6 +298,10 @@ def test_a_clean_boot_installs_the_wheel_trains_and_powers_off(
     assert boot.exit_code == 0, boot.console
     # No AWS CLI on the box's PATH: the wheel, the markers and the log went through boto3.
     assert shutil.which("aws", path=box.path) is None
+    # What the AMI's environment lacks came from the wheelhouse: no route to an index here.
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}"
+    assert f"installed from the wheelhouse ({tag})" in boot.console, boot.console
+    assert box.routes() == ""
     assert boot.shutdown_calls[0][:2] == ["shutdown", "-h"] and boot.shutdown_calls[0][2][0] == "+"
     assert boot.shutdown_calls[-1] == ["shutdown", "-h", "now"]
     assert "preflight passed" in boot.console

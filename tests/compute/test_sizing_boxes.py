@@ -3,10 +3,13 @@
 The orchestrator (``size_on_boxes``) launches one box per candidate type through the real
 ``Ec2Backend`` against moto (its calls audited against deploy/iam-policy.json by the
 compute conftest). Each box's own user-data, as EC2 would hand it over, boots unmodified in a
-network-namespace sandbox (tests/boxsandbox.py) on one CPU of this machine: it installs the
-``burstcv-size`` wheel into the "AMI's" Python, fetches the model and the request images from
-"S3", runs the real staging service and load generator on its CPU, writes its figures and
-powers off; every call a box makes is audited against deploy/instance-role-policy.json.
+network-namespace sandbox (tests/boxsandbox.py) on one CPU of this machine, shaped like
+Amazon Linux 2023 with the shipped defaults: its ``python3`` has no boto3, so S3 goes through
+the AWS CLI (a v2 stand-in) until ``dnf`` has installed Python 3.11 and the ``burstcv-size``
+wheel is installed from its wheelhouse (the namespace has no route to a package index). The
+box fetches the model and the request images from "S3", runs the real staging service and
+load generator on its CPU, writes its figures and powers off; every call a box makes is
+audited against deploy/instance-role-policy.json.
 """
 
 from __future__ import annotations
@@ -19,19 +22,25 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from awsaudit import RecordingProxy, denied
 from botocore.exceptions import ClientError
-from boxsandbox import Boot, BoxSandbox, SandboxUnavailable, make_ami_python
+from boxsandbox import Boot, BoxSandbox, SandboxUnavailable
 from burstcv_testkit import power_off_in_emulator
 
 from burstcv.compute.base import TAG_RUN_ID
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
 from burstcv.compute.sizing_boxes import SizingRequest, box_run_key, size_on_boxes
-from burstcv.compute.userdata import parse_config
+from burstcv.compute.userdata import (
+    SizingBoxSpec,
+    parse_config,
+    render_sizing_user_data,
+    stamps,
+)
 from burstcv.gate.sizing import host_cpus, recommend
 from burstcv.params import RunParams
 from burstcv.settings import Settings
@@ -122,13 +131,10 @@ def test_two_sizing_boxes_measure_in_parallel_and_a_refused_type_is_skipped(
     iam.create_role(RoleName=PROFILE, AssumeRolePolicyDocument="{}")
     iam.create_instance_profile(InstanceProfileName=PROFILE)
     iam.add_role_to_instance_profile(InstanceProfileName=PROFILE, RoleName=PROFILE)
-    # Each box installs into "the AMI's" Python: one each, as two instances have two disks.
-    ami = make_ami_python(tmp_path / "ami" / "py")
-    own = [make_ami_python(tmp_path / f"box{n}" / "py") for n in range(2)]
+    # The shipped sizing image and interpreter (Amazon Linux 2023, python3.11 from dnf).
     settings = Ec2Settings(
         region=REGION,
         instance_profile=PROFILE,
-        sizing_python=str(ami),
         waiter_delay_s=0.1,
         waiter_max_attempts=100,
         log_every_s=5,
@@ -164,31 +170,28 @@ def test_two_sizing_boxes_measure_in_parallel_and_a_refused_type_is_skipped(
     try:
         for _ in range(2):
             try:
-                boxes.append(BoxSandbox(tmp_path / f"sandbox{len(boxes)}", proxy.url).__enter__())
+                where = tmp_path / f"sandbox{len(boxes)}"
+                boxes.append(BoxSandbox(where, proxy.url, image="al2023").__enter__())
             except SandboxUnavailable as exc:
                 pytest.skip(f"network namespaces are not permitted here: {exc}")
+        assert [box.routes() for box in boxes] == ["", ""]  # nothing but the emulator
         orchestrator = threading.Thread(target=orchestrate)
         orchestrator.start()
         launched = wait_for_boxes(ec2_client, run.run_key, 2)
         boots: dict[str, Boot] = {}
 
-        def boot(box: BoxSandbox, instance_id: str, cpu: int, python: Path) -> None:
+        def boot(box: BoxSandbox, instance_id: str, cpu: int) -> None:
             box.imds.instance_id = instance_id
             box.imds.instance_type = launched[instance_id]
             boots[instance_id] = box.boot(
-                user_data(ec2_client, instance_id),
-                timeout_s=400,
-                mounts={ami.parent.parent: python.parent.parent},
-                cpus=[cpu],
+                user_data(ec2_client, instance_id), timeout_s=400, cpus=[cpu]
             )
             if boots[instance_id].powered_off:
                 power_off_in_emulator(instance_id, REGION)
 
         threads = [
-            threading.Thread(target=boot, args=(box, iid, cpu, python))
-            for box, iid, cpu, python in zip(
-                boxes, sorted(launched), host_cpus()[:2], own, strict=True
-            )
+            threading.Thread(target=boot, args=(box, iid, cpu))
+            for box, iid, cpu in zip(boxes, sorted(launched), host_cpus()[:2], strict=True)
         ]
         for thread in threads:
             thread.start()
@@ -208,7 +211,12 @@ def test_two_sizing_boxes_measure_in_parallel_and_a_refused_type_is_skipped(
     for iid, run_boot in boots.items():
         assert run_boot.exit_code == 0, run_boot.console[-3000:]
         assert run_boot.powered_off, run_boot.console[-2000:]
-        assert "installed" in run_boot.console and f"sized {launched[iid]}" in run_boot.console
+        steps = stamps(run_boot.console)
+        # No boto3 at first: the AWS CLI, until dnf's Python 3.11 has the wheel's own boto3.
+        assert any("S3 through the AWS CLI" in step for step in steps), steps
+        assert "installing python3.11" in steps and "cannot reach S3" not in run_boot.console
+        assert "installed from the wheelhouse (cp311-x86_64)" in steps, steps
+        assert f"sized {launched[iid]}" in steps
     records = {r.instance_type: r for r in outcome["records"]}
     assert list(records) == [REFUSED, *MEASURED]
     refused = records[REFUSED]
@@ -247,6 +255,47 @@ def test_two_sizing_boxes_measure_in_parallel_and_a_refused_type_is_skipped(
     variables = {"ARTIFACT_ROOT": f"{BUCKET}/artifacts", "BURSTCV_BUCKET": BUCKET}
     refused_calls = denied(policy, calls, variables)
     assert not refused_calls, "calls the instance role denies:\n" + "\n".join(refused_calls)
+
+
+def test_a_sizing_box_that_cannot_reach_s3_says_so_and_powers_off_at_once(
+    aws: str, tmp_path: Path
+) -> None:
+    try:
+        box = BoxSandbox(tmp_path / "sandbox", aws, image="al2023").__enter__()
+    except SandboxUnavailable as exc:
+        pytest.skip(f"network namespaces are not permitted here: {exc}")
+    paths = RunLayout.of(ARTIFACT_ROOT, "manual__no-s3")
+    wheel_uri = f"{ARTIFACT_ROOT}/runtime/{'a' * 64}/burstcv_size-0.1.0-py3-none-any.whl"
+    try:
+        box.cut_s3()  # a security group with no egress rule
+        boot = box.boot(
+            render_sizing_user_data(
+                SizingBoxSpec(
+                    run_id=box_run_key("manual__no-s3", "c7i.large"),
+                    instance_type="c7i.large",
+                    model_uri=paths.model,
+                    requests_uri=paths.sizing_requests,
+                    out_uri=paths.box_sizing("c7i.large"),
+                    log_uri=storage.join(paths.sizing_boxes, "logs", "c7i.large.log"),
+                    wheel_uri=wheel_uri,
+                    wheel_sha256="a" * 64,
+                    latency_slo_ms=200,
+                    step_s=1,
+                    deadline_at=datetime.now(UTC) + timedelta(minutes=10),
+                    region=REGION,
+                )
+            ),
+            timeout_s=300,
+        )
+        assert box.reap_processes() == [], "a process of the box outlived its script"
+    finally:
+        box.close()
+    # Its last step names what it could not do, on the console (all EC2 keeps of it).
+    assert boot.exit_code == 4, boot.console
+    last = stamps(boot.console)[-1]
+    assert last.startswith(f"cannot reach S3: s3: exists {wheel_uri}: aws exit code 255: "), last
+    assert "installing" not in boot.console
+    assert boot.shutdown_calls[-1] == ["shutdown", "-h", "now"]
 
 
 class SizingBoxPlayer:

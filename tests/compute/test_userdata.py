@@ -161,6 +161,88 @@ def test_every_s3_call_goes_through_boto3_the_aws_cli_only_without_one() -> None
     assert script.index("s3io.py") < script.index("trap finish EXIT")
 
 
+# What the AWS CLI v2 does for each case (its documented exit codes), as a fake ``aws``.
+_FAKE_AWS = """#!/bin/bash
+case "$FAKE_AWS" in
+  found) echo '{"ContentLength": 1}' ;;
+  missing) printf '\\nAn error occurred (404) calling the HeadObject operation: Not Found\\n' >&2
+    exit 254 ;;
+  denied) printf '\\nAn error occurred (403) calling the HeadObject operation: Forbidden\\n' >&2
+    exit 254 ;;
+  offline) printf '\\nCould not connect to the endpoint URL: "https://b.s3.amazonaws.com/k"\\n' >&2
+    exit 255 ;;
+  nocreds) echo 'Unable to locate credentials.' >&2; exit 253 ;;
+  skipped) echo 'warning: Skipping file /x. File does not exist.' >&2; exit 2 ;;
+esac
+"""
+
+
+@pytest.mark.parametrize(
+    ("case", "command", "code", "says"),
+    [
+        ("found", "exists", 0, ""),
+        ("missing", "exists", 1, ""),  # S3 answered: no such key (not "unreachable")
+        ("denied", "exists", 2, "aws exit code 254: An error occurred (403)"),
+        ("offline", "exists", 2, "aws exit code 255: Could not connect"),
+        ("nocreds", "exists", 2, "aws exit code 253: Unable to locate credentials."),
+        ("found", "cp", 0, ""),
+        ("skipped", "cp", 2, "aws exit code 2: warning: Skipping file"),
+    ],
+)
+def test_s3_through_the_aws_cli_reads_its_v2_exit_codes(
+    tmp_path: Path, case: str, command: str, code: int, says: str
+) -> None:
+    script = render_user_data(SPEC)
+    start = script.index("s3() {")
+    function = script[start : script.index("\n}\n", start) + 3]
+    aws = tmp_path / "aws"
+    aws.write_text(_FAKE_AWS)
+    aws.chmod(0o755)
+    args = "exists s3://b/k" if command == "exists" else "cp /x s3://b/k"
+    done = subprocess.run(
+        ["bash", "-c", f'S3PY=""\n{function}\ns3 {args}'],
+        capture_output=True,
+        text=True,
+        env={"PATH": f"{tmp_path}:/usr/bin:/bin", "FAKE_AWS": case},
+    )
+    assert done.returncode == code, done.stderr
+    if says:
+        assert done.stderr.startswith(f"s3: {args}: {says}"), done.stderr
+        assert done.stderr.count("\n") == 1  # one line in the box's log
+    else:
+        assert done.stderr == ""
+
+
+def test_a_sizing_box_checks_s3_on_its_wheel_and_installs_from_the_wheelhouse() -> None:
+    from burstcv.compute.userdata import SizingBoxSpec, render_sizing_user_data
+
+    root = "s3://bucket/artifacts/runs/r1/bench/sizing"
+    script = render_sizing_user_data(
+        SizingBoxSpec(
+            run_id="r1.size-c7i-large",
+            instance_type="c7i.large",
+            model_uri="s3://bucket/artifacts/runs/r1/model",
+            requests_uri=f"{root}/requests/",
+            out_uri=f"{root}/boxes/c7i.large.json",
+            log_uri=f"{root}/logs/c7i.large.log",
+            wheel_uri="s3://bucket/artifacts/runtime/ab/burstcv_size-0.1.0-py3-none-any.whl",
+            wheel_sha256="a" * 64,
+            latency_slo_ms=200,
+            step_s=1,
+            deadline_at=DEADLINE,
+            region="eu-west-1",
+        )
+    )
+    # The reachability check is on an object that exists (the staged wheel), not a prefix.
+    assert 'out=$(s3 exists "$WHEEL_URI" 2>&1)' in script and 'exists "$REQUESTS_URI' not in script
+    # dnf's Python before the install; the wheelhouse of that Python, then no index.
+    order = ["dnf install", 'TAG=$("$PYTHON"', "wheelhouse/$TAG.tar", "--no-index", "pip install"]
+    positions = [script.index(step) for step in order]
+    assert positions == sorted(positions)
+    assert '"${FROM[@]}" "$WHEEL"' in script and "sha256sum -c --quiet SHA256SUMS" in script
+    assert script.index('S3PY=$(command -v "$PYTHON")') > script.index("pip install")
+
+
 def test_the_order_is_poller_and_log_then_install_preflight_train() -> None:
     script = render_user_data(SPEC)
     order = [

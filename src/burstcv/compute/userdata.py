@@ -3,9 +3,11 @@
 The script's order is the safety argument: a ``shutdown -h +N`` watchdog from the run's
 deadline before anything else; the box's identity and region from IMDSv2; an EXIT trap that
 makes sure the attempt has DONE or FAILED, uploads the log and powers off (destroying the box);
-the spot-notice poller and the log shipper; then the wheel (checked against its sha256),
-``burstcv preflight`` and ``burstcv train``. Every S3 call goes through boto3 in the AMI's
-Python (a helper the script writes), never the AWS CLI, whose place on an AMI is not certain.
+the spot-notice poller and the log shipper; then the wheel (checked against its sha256) and
+its wheelhouse (every wheel it needs, beside it: no package index), ``burstcv preflight`` and
+``burstcv train``. S3 goes through boto3 where a Python of the box has it (a helper the
+script writes), else through the AWS CLI v2 (Amazon Linux 2023's ``python3`` has no boto3),
+read by its documented exit codes; from the install on, through the wheel's own boto3.
 """
 
 from __future__ import annotations
@@ -183,23 +185,33 @@ for candidate in "$PYTHON" python3; do
   fi
 done
 if [ -z "$S3PY" ]; then
-  # A wrong BURSTCV_EC2_PYTHON: the AWS CLI, if any, can still write FAILED.
+  # No boto3 yet (Amazon Linux 2023's python3, or a wrong interpreter setting): the AWS CLI.
   if command -v aws > /dev/null; then
-    stamp "no Python with boto3 (tried $PYTHON and python3): S3 through the AWS CLI"
+    stamp "no Python with boto3 yet (tried $PYTHON and python3): S3 through the AWS CLI"
   else
     stamp "cannot reach S3: no Python with boto3 (tried $PYTHON and python3) and no AWS CLI; \
-set BURSTCV_EC2_PYTHON to the AMI's PyTorch interpreter"
+check the interpreter setting (BURSTCV_EC2_PYTHON or BURSTCV_EC2_SIZING_PYTHON)"
   fi
 fi
-s3() {  # s3 cp SRC DST (an s3:// URI, a file, or - for stdin) | s3 exists URI
+s3() {  # s3 cp SRC DST (an s3:// URI, a file, or - for stdin) | s3 exists URI: 0, 1 (404), 2
   if [ -n "$S3PY" ]; then
     "$S3PY" "$WORK/s3io.py" "$@"
-  elif [ "$1" = exists ]; then
-    local path=${2#s3://}
-    aws s3api head-object --bucket "${path%%/*}" --key "${path#*/}" > /dev/null 2>&1
-  else
-    aws s3 cp --quiet "$2" "$3"
+    return $?  # a bare return in the EXIT trap would give the exit code that started it
   fi
+  local out rc=0 path=${2#s3://}
+  if [ "$1" = exists ]; then
+    out=$(aws s3api head-object --bucket "${path%%/*}" --key "${path#*/}" 2>&1 > /dev/null) \
+      || rc=$?
+    # AWS CLI v2: 254 is the service's error (a 404: no such key); 253 and 255, no answer.
+    [ "$rc" = 254 ] && [[ "$out" == *"(404)"* ]] && return 1
+  else
+    out=$(aws s3 cp --quiet "$2" "$3" 2>&1) || rc=$?
+  fi
+  [ "$rc" = 0 ] && return 0
+  out=$(tr -s '[:space:]' ' ' <<< "$out")
+  out=${out# }
+  echo "s3: $*: aws exit code $rc: ${out% }" >&2
+  return 2
 }
 
 # HeadObject: GetObject (and ListBucket for a 404).
@@ -258,12 +270,29 @@ s3 cp "$WHEEL_URI" "$WHEEL"
 echo "$WHEEL_SHA256  $WHEEL" | sha256sum -c --quiet - \
   || fail_final "the __WHAT__ wheel at $WHEEL_URI does not match its sha256 $WHEEL_SHA256"
 "$PYTHON" -m pip --version > /dev/null 2>&1 || "$PYTHON" -m ensurepip --upgrade > /dev/null
+# The wheelhouse of this Python and machine, beside the wheel: no package index needed.
+TAG=$("$PYTHON" -c 'import platform, sys; print("cp%d%d-%s" % (*sys.version_info[:2], \
+platform.machine()))')
+WHEELHOUSE_URI="${WHEEL_URI%/*}/wheelhouse/$TAG.tar"
+FROM=()
+if s3_object_exists "$WHEELHOUSE_URI"; then
+  mkdir -p "$WORK/wheelhouse"
+  s3 cp "$WHEELHOUSE_URI" "$WORK/wheelhouse.tar"
+  tar -xf "$WORK/wheelhouse.tar" -C "$WORK/wheelhouse"
+  (cd "$WORK/wheelhouse" && sha256sum -c --quiet SHA256SUMS) \
+    || fail_final "the wheelhouse at $WHEELHOUSE_URI does not match its SHA256SUMS"
+  FROM=(--no-index --find-links "$WORK/wheelhouse")
+else
+  stamp "no wheelhouse for $TAG at $WHEELHOUSE_URI: pip uses the package index"
+fi
 # Into the AMI's environment: its torch reused, never resolved (a sizing box has none).
 PIP_BREAK_SYSTEM_PACKAGES=1 "$PYTHON" -m pip install --quiet --no-input \
-  --disable-pip-version-check --no-warn-script-location "$WHEEL"
+  --disable-pip-version-check --no-warn-script-location "${FROM[@]}" "$WHEEL"
 BURSTCV="$(dirname "$(command -v "$PYTHON")")/__ENTRY__"
 [ -x "$BURSTCV" ] || BURSTCV=__ENTRY__
-stamp "installed"
+# boto3 came with the wheel: S3 through this Python from here on.
+"$PYTHON" -c "import boto3" 2> /dev/null && S3PY=$(command -v "$PYTHON")
+stamp "installed${FROM[*]:+ from the wheelhouse ($TAG)}"
 __WORK__"""
 
 # A training box's parts of _BOX.
@@ -397,6 +426,8 @@ def _render(
     body = _PRELUDE + _BOX
     for placeholder, text in {**parts, "__IMDS__": IMDS}.items():
         body = body.replace(placeholder, text)
+    # The comments stay here: EC2 takes 16 KB of user data.
+    body = "\n".join(line for line in body.split("\n") if not _COMMENT.match(line))
     deadline, margin = int(spec.deadline_at.timestamp()), int(spec.margin_min)
     header = [
         "#!/bin/bash",
@@ -448,9 +479,6 @@ fi
   || fail_final "no Python 3.11 or newer at $PYTHON: set BURSTCV_SIZING_PYTHON"
 """
 _SIZING_WORK = r"""
-# boto3 came with the wheel: S3 through this Python from here on.
-"$PYTHON" -c "import boto3" 2> /dev/null && S3PY=$(command -v "$PYTHON")
-
 STAGE=size
 "$BURSTCV" measure --model "$MODEL_URI" --requests "$REQUESTS_URI" --out "$OUT_URI" \
   --slo-ms "$SLO_MS" --step-s "$STEP_S" --instance-type "${INSTANCE_TYPE:-$SIZED_TYPE}" \
@@ -483,7 +511,7 @@ def render_sizing_user_data(spec: SizingBoxSpec) -> str:
         "__ON_EXIT__": '  s3_object_exists "$OUT_URI" '
         '|| stamp "sizing ended in $STAGE (exit code $rc) with no figures"',
         "__RECORD_FAILURE__": "",
-        "__PROBE_URI__": "$REQUESTS_URI",
+        "__PROBE_URI__": "$WHEEL_URI",  # an object that exists: the staged wheel
         "__SPOT_POLLER__": "",
         "__PYTHON_CHECK__": _SIZING_PYTHON,
         "__WHAT__": "sizing",
@@ -492,6 +520,9 @@ def render_sizing_user_data(spec: SizingBoxSpec) -> str:
     }
     what = f"sizing box {_comment_safe(spec.instance_type)} for run {_comment_safe(spec.run_id)}"
     return _render(what, spec, config, parts)
+
+
+_COMMENT = re.compile(r"\s*# (?!shellcheck)")
 
 
 def parse_config(script: str) -> dict[str, str]:
