@@ -213,7 +213,9 @@ serve: serve-port $(STAMP)
 	echo $$pid > $(RUN)/serve.pid
 	up=""
 	for i in $$(seq 1 100); do
-	  curl -sf $(SERVE_URL)/healthz > /dev/null && { up=1; break; }
+	  # Up once it answers and its supervisor has seen it answer (the state names its pid).
+	  curl -sf $(SERVE_URL)/healthz > /dev/null && \
+	    $(SUPERVISOR) up --state $(SERVE_STATE) --within 5 > /dev/null && { up=1; break; }
 	  kill -0 $$pid 2>/dev/null || { tail -20 $(RUN)/serve.log; rm -f $(RUN)/serve.pid; exit 1; }
 	  sleep 0.2
 	done

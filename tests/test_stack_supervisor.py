@@ -258,3 +258,45 @@ def test_the_prediction_service_killed_with_9_is_back_within_seconds(tmp_path: P
         boss.wait(timeout=30)
     assert ended and ended[0] == f"supervisor (pid {boss.pid})"
     assert _gone(again)
+
+
+def test_make_serve_recovers_from_a_dead_supervisor_and_serve_stop_ends_its_orphans(
+    tmp_path: Path,
+) -> None:
+    """`make serve` after its supervisor died ends the orphaned service and starts afresh;
+    `make serve-stop` ends the recorded group though nothing supervises it."""
+    import shutil
+
+    stamp = Path(sys.prefix) / ".stamp"
+    if shutil.which("make") is None or not stamp.exists():
+        pytest.skip("needs make and a venv built by `make setup`")
+    port, var = free_port(), tmp_path / "var"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "BURSTCV_"))}
+    make = ["make", "-s", "-o", str(stamp), f"VENV={sys.prefix}", f"VAR={var}"]
+    make.append(f"SERVE_PORT={port}")
+    state = var / "run" / "serve.state.json"
+
+    def run(target: str) -> str:
+        done = subprocess.run(
+            [*make, target], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    try:
+        run("serve")
+        first = json.loads(state.read_text())
+        os.kill(first["supervisor"], signal.SIGKILL)
+        said = run("serve")
+        orphan = first["components"]["service"]
+        assert f"serve's supervisor is gone; ended its orphaned process group {orphan}" in said
+        assert _gone(orphan)
+        second = json.loads(state.read_text())
+        assert second["supervisor"] != first["supervisor"]
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
+        os.kill(second["supervisor"], signal.SIGKILL)
+        said = run("serve-stop")
+        assert f"ended process group {second['groups'][0]['pgid']}" in said, said
+        assert _gone(second["components"]["service"]) and not state.exists()
+    finally:
+        run("serve-stop")
