@@ -300,3 +300,46 @@ def test_make_serve_recovers_from_a_dead_supervisor_and_serve_stop_ends_its_orph
         assert _gone(second["components"]["service"]) and not state.exists()
     finally:
         run("serve-stop")
+
+
+# Answers Airflow's health endpoint with the JSON in the file named by argv[2].
+HEALTH = """
+import http.server, sys
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = open(sys.argv[2], "rb").read()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def test_an_airflow_heartbeat_is_judged_only_while_the_database_answers(tmp_path: Path) -> None:
+    """A stale heartbeat is no progress; a locked database or a silent api-server blames none."""
+    port, answer = free_port(), tmp_path / "health.json"
+    url = f"http://127.0.0.1:{port}"
+    scheduler = supervisor.airflow_heartbeat(url, "scheduler")
+    dag_processor = supervisor.airflow_heartbeat(url, "dag-processor")
+    assert scheduler() is None  # nothing answers yet
+
+    def health(database: str, scheduler: str) -> None:
+        statuses = {"metadatabase": database, "scheduler": scheduler}
+        statuses |= {"triggerer": "healthy", "dag_processor": "healthy"}
+        answer.write_text(json.dumps({k: {"status": v} for k, v in statuses.items()}))
+
+    health("healthy", "healthy")
+    server = subprocess.Popen([sys.executable, "-c", HEALTH, str(port), str(answer)])
+    try:
+        _until("answering", lambda: scheduler() is not None)
+        assert scheduler() is True and dag_processor() is True
+        health("healthy", "unhealthy")
+        assert scheduler() is False and dag_processor() is True
+        health("unhealthy", "unhealthy")
+        assert scheduler() is None and dag_processor() is None
+    finally:
+        server.kill()
+        server.wait()
