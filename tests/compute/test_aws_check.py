@@ -286,7 +286,15 @@ def test_a_ready_account_passes_every_check_and_rents_nothing(
         "ok       sizing boxes' role burstcv-training: S3 access under s3://burstcv-test/artifacts"
         in lines
     )
-    assert "all 50 checks passed: nothing was rented" in lines
+    # The emulator's default VPC routes nothing but its S3 gateway endpoint: before a run has
+    # staged the wheelhouse, the line says what the boxes then depend on.
+    assert (
+        "ok       sizing boxes' wheels (cp311-x86_64): no wheelhouse staged yet: a run stages "
+        "one beside the wheel (pip download on the orchestrator); the boxes reach S3 only, so "
+        "the orchestrator must reach the package index or hold the wheelhouse "
+        "(BURSTCV_WHEELHOUSE_CACHE)" in lines
+    )
+    assert "all 51 checks passed: nothing was rented" in lines
     assert not [x for x in lines if x.startswith("MISSING")]
     assert kit.live_managed() == []
     calls = audited_calls.snapshot()
@@ -1020,6 +1028,74 @@ def test_a_role_policy_missing_the_sizing_paths_is_named_for_the_sizing_boxes(
     assert [f.line() for f in check_instance_role_s3(backend, kit.artifact_root)] == [training]
 
 
+def test_sizing_boxes_get_their_wheels_from_s3_where_staged_else_from_the_index(
+    s3_deployment: Any, kit: Any, aws: str
+) -> None:
+    from burstcv.compute.awscheck import check_sizing_wheels
+    from burstcv.compute.runtime import build_sizing_wheel, wheelhouse_uri
+
+    backend = Ec2Backend(s3_deployment.ec2)
+    admin = boto3.client("ec2", region_name=kit.region, endpoint_url=aws)
+    types = ["c7g.large", "c7i.large"]
+    x86, arm = "sizing boxes' wheels (cp311-x86_64)", "sizing boxes' wheels (cp311-aarch64)"
+    later = (
+        "no wheelhouse staged yet: a run stages one beside the wheel "
+        "(pip download on the orchestrator)"
+    )
+    s3_only = (
+        f"{later}; the boxes reach S3 only, so the orchestrator must reach the package index or "
+        "hold the wheelhouse (BURSTCV_WHEELHOUSE_CACHE)"
+    )
+    assert [f.line() for f in check_sizing_wheels(backend, kit.artifact_root, types)] == [
+        f"ok       {arm}: {s3_only}",
+        f"ok       {x86}: {s3_only}",
+    ]
+
+    # The x86_64 wheelhouse of this checkout's sizing wheel is staged beside it.
+    wheel = build_sizing_wheel()
+    staged = wheelhouse_uri(
+        f"{kit.artifact_root}/runtime/{wheel.sha256}/{wheel.filename}", "cp311-x86_64"
+    )
+    bucket, key = staged.removeprefix("s3://").split("/", 1)
+    kit.s3.put_object(Bucket=bucket, Key=key, Body=b"a wheelhouse tar")
+    # And the boxes' subnets have an internet gateway (public IPs on launch).
+    vpc = backend.launch_subnets()[0].vpc_id
+    (main,) = admin.describe_route_tables(
+        Filters=[
+            {"Name": "vpc-id", "Values": [vpc]},
+            {"Name": "association.main", "Values": ["true"]},
+        ]
+    )["RouteTables"]
+    igw = admin.create_internet_gateway()["InternetGateway"]["InternetGatewayId"]
+    admin.attach_internet_gateway(InternetGatewayId=igw, VpcId=vpc)
+    admin.create_route(
+        RouteTableId=main["RouteTableId"], DestinationCidrBlock="0.0.0.0/0", GatewayId=igw
+    )
+    (default,) = admin.describe_security_groups(
+        Filters=[{"Name": "vpc-id", "Values": [vpc]}, {"Name": "group-name", "Values": ["default"]}]
+    )["SecurityGroups"]
+    try:
+        assert [f.line() for f in check_sizing_wheels(backend, kit.artifact_root, types)] == [
+            f"ok       {arm}: {later}, else the boxes install from the package index via "
+            f"internet gateway {igw}",
+            f"ok       {x86}: from the wheelhouse {staged}; S3 suffices, no package index",
+        ]
+        # Groups that let HTTPS out to S3's prefix list only: the index is out of reach.
+        admin.revoke_security_group_egress(
+            GroupId=default["GroupId"], IpPermissions=default["IpPermissionsEgress"]
+        )
+        (arm_line, _) = [f.line() for f in check_sizing_wheels(backend, kit.artifact_root, types)]
+        assert arm_line == f"ok       {arm}: {s3_only}"
+    finally:
+        admin.authorize_security_group_egress(
+            GroupId=default["GroupId"],
+            IpPermissions=[{"IpProtocol": "-1", "IpRanges": [{"CidrIp": "0.0.0.0/0"}]}],
+        )
+        admin.delete_route(RouteTableId=main["RouteTableId"], DestinationCidrBlock="0.0.0.0/0")
+        admin.detach_internet_gateway(InternetGatewayId=igw, VpcId=vpc)
+        admin.delete_internet_gateway(InternetGatewayId=igw)
+
+
 @pytest.mark.parametrize(
     ("default_route", "public_ip", "way"),
     [
@@ -1041,3 +1117,37 @@ def test_a_subnets_way_to_the_internet_is_its_default_route(
     if default_route is not None:
         routes.append({"DestinationCidrBlock": "0.0.0.0/0", **default_route})
     assert _internet_way({"RouteTableId": "rtb-1", "Routes": routes}, public_ip) == way
+
+
+def test_a_refused_quota_read_and_a_sizing_image_that_does_not_resolve_say_what_to_set(
+    s3_deployment: Any, answers: Answers, audited_calls: RecordingProxy
+) -> None:
+    from burstcv.compute.awscheck import check_sizing_launches
+
+    answers.set(
+        "servicequotas:GetServiceQuota",
+        json.dumps(
+            {"__type": "AccessDeniedException", "Message": "not authorized: GetServiceQuota"}
+        ).encode(),
+        status=400,
+    )
+    backend = Ec2Backend(
+        s3_deployment.ec2.model_copy(
+            update={"sizing_ami": "/aws/service/ami-amazon-linux-latest/no-such-image-{arch}"}
+        )
+    )
+
+    (quota,) = [f.line() for f in check_sizing_quota(backend, s3_deployment, ["c7i.large"])]
+    lines = [f.line() for f in check_sizing_launches(backend, ["c7i.large"])]
+
+    assert quota.startswith(
+        "MISSING  vCPU quota Standard (A, C, D, H, I, M, R, T, Z) on-demand (L-1216C47A) in "
+        "us-east-1: AccessDeniedException: not authorized: GetServiceQuota; allow "
+        "servicequotas:GetServiceQuota and servicequotas:GetAWSDefaultServiceQuota"
+    )
+    (image,) = lines  # no launch is tried without its image
+    assert image.startswith("MISSING  sizing boxes' AMI for x86_64: ParameterNotFound")
+    assert image.endswith(
+        "check BURSTCV_EC2_SIZING_AMI (/aws/service/ami-amazon-linux-latest/no-such-image-{arch})"
+    )
+    assert not [c for c in audited_calls.snapshot() if c.action == "ec2:RunInstances"]

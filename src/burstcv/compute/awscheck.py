@@ -705,6 +705,65 @@ def check_security_group_egress(backend: Ec2Backend) -> list[Finding]:
     return findings
 
 
+def _index_way(backend: Ec2Backend) -> str:
+    """Return how boxes reach the package index (HTTPS to the internet) from every launch
+    subnet, through the groups they get ("" where some cannot)."""
+    ids = [sub.subnet_id for sub in backend.launch_subnets() if sub.subnet_id]
+    if not ids:
+        return ""
+    found = backend.client.describe_subnets(SubnetIds=ids)["Subnets"]
+    tables, _ = _s3_routing(backend, sorted({str(info["VpcId"]) for info in found}))
+    ways = set()
+    for info in found:
+        table = _route_table_of(tables, str(info["SubnetId"]), str(info["VpcId"]))
+        way = _internet_way(table or {}, bool(info.get("MapPublicIpOnLaunch")))
+        if not way:
+            return ""
+        ways.add(way)
+    egress = all(
+        any(
+            _https_egress(rule, set()) == "anywhere"
+            for g in groups
+            for rule in g.get("IpPermissionsEgress", [])
+        )
+        for groups in _box_groups(backend).values()
+    )
+    return ", ".join(sorted(ways)) if egress else ""
+
+
+def wheel_source(tag: str, staged: str, index_way: str) -> Finding:
+    """Say where sizing boxes of ``tag`` get their wheels: the wheelhouse ``staged`` beside
+    the sizing wheel (S3 suffices), else the package index, reached ``index_way`` if at all."""
+    name = f"sizing boxes' wheels ({tag})"
+    if staged:
+        return Finding(f"{name}: from the wheelhouse {staged}; S3 suffices, no package index")
+    later = (
+        "no wheelhouse staged yet: a run stages one beside the wheel "
+        "(pip download on the orchestrator)"
+    )
+    if index_way:
+        return Finding(
+            f"{name}: {later}, else the boxes install from the package index via {index_way}"
+        )
+    return Finding(
+        f"{name}: {later}; the boxes reach S3 only, so the orchestrator must reach the "
+        "package index or hold the wheelhouse (BURSTCV_WHEELHOUSE_CACHE)"
+    )
+
+
+def check_sizing_wheels(backend: Ec2Backend, artifact_root: str, types: list[str]) -> list[Finding]:
+    """Say, per Python and machine of the sizing boxes, whether the wheelhouse of this
+    checkout's sizing wheel is staged (boxes need S3 only) or a box needs the package index."""
+    from burstcv.compute.runtime import build_sizing_wheel, sizing_tags, wheelhouse_uri
+
+    wheel = build_sizing_wheel()
+    wheel_uri = storage.join(artifact_root, "runtime", wheel.sha256, wheel.filename)
+    tags = sizing_tags(backend.settings.sizing_python, types)
+    staged = {t: u for t in tags if storage.exists(u := wheelhouse_uri(wheel_uri, t))}
+    index_way = _index_way(backend)
+    return [wheel_source(tag, staged.get(tag, ""), index_way) for tag in tags]
+
+
 def _route_table_of(
     tables: list[dict[str, Any]], subnet_id: str, vpc_id: str
 ) -> dict[str, Any] | None:
@@ -1083,6 +1142,7 @@ def check_account(
         quota = "sizing boxes' vCPU quota"
         findings += _guarded(quota, check_sizing_quota, backend, settings, sizing)
         findings += _guarded("sizing boxes' launches", check_sizing_launches, backend, sizing)
+        findings += _guarded("sizing boxes' wheels", check_sizing_wheels, backend, root, sizing)
     findings += _guarded("route to S3", check_subnet_routes, backend)
     findings += _guarded("HTTPS egress to S3", check_security_group_egress, backend)
     if num_nodes > 1:
