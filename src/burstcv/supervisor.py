@@ -303,14 +303,14 @@ def airflow_children() -> list[Child]:
     children = [
         Child(
             "api-server",
-            [*standalone._airflow(), *standalone.COMPONENTS["api-server"]],
+            [*standalone.airflow(), *standalone.COMPONENTS["api-server"]],
             http_answers(f"{url}/api/v2/monitor/health", 10.0),
             stale_s=90.0,
             first_s=FIRST_READY_S,
         )
     ]
     for name in ("scheduler", "dag-processor", "triggerer"):
-        argv = [*standalone._airflow(), *standalone.COMPONENTS[name]]
+        argv = [*standalone.airflow(), *standalone.COMPONENTS[name]]
         # Airflow calls a heartbeat older than 30 s unhealthy; a minute more of it is hung.
         children.append(Child(name, argv, airflow_heartbeat(url, name), 60.0, FIRST_READY_S))
     return children

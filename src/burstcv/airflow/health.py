@@ -1,7 +1,7 @@
 """Say which Airflow components are unhealthy, so `make airflow` restarts what stopped.
 
 A heartbeat stays fresh for half a minute after its process died, so with ``--state`` (the
-pids ``burstcv.airflow.standalone`` writes) a component whose process is gone is unhealthy at once.
+pids ``burstcv.supervisor`` writes) a component whose process is gone is unhealthy at once.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _alive(pid: Any) -> bool:
     if not isinstance(pid, int):
         return False
     try:
-        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED)
     except psutil.Error:
         return False
 
