@@ -24,6 +24,7 @@ from burstcv_spec.contracts import (
     BenchFigures,
     Benchmarked,
     Billing,
+    BootTimes,
     BoxBill,
     BoxSizing,
     CalibrationRecord,
@@ -346,6 +347,7 @@ def examples() -> list[Contract]:
             log="/c/manual__x/local-0123456789ab.log",
         ),
         TriggerHeartbeat(attempt=2, polled_at="2026-12-01T16:00:00+00:00", every_s=60.0),
+        BootTimes(instance_type="g6.xlarge", measured_s=[95.2, 131.0]),
         SupervisorState(
             supervisor=4100,
             components={"api-server": 4101, "scheduler": "restarting", "triggerer": "starting"},

@@ -1534,6 +1534,7 @@ ARTIFACTS: tuple[type[Artifact], ...] = (
     TrainingBeat,
     SupervisorState,
     PriceQuote,
+    BootTimes,
     AttemptBill,
     TrainingProgress,
     TrainingMetrics,
