@@ -51,7 +51,7 @@ from burstcv.airflow.triggers import TrainingCompletionTrigger
 from burstcv.compute.attempts import current_attempt
 from burstcv.compute.awscheck import instance_role_requests
 from burstcv.compute.ec2 import Ec2Backend, Ec2Settings
-from burstcv.compute.runtime import stage_training_wheel
+from burstcv.compute.runtime import stage_training_wheel, training_tags
 from burstcv.params import RunParams
 from burstcv.settings import Settings, get_settings
 from burstcv.stages import boxes as boxes_stage
@@ -639,10 +639,10 @@ def test_a_spot_reclaim_still_shutting_down_resumes_in_the_same_try(
 
 
 def test_the_run_deadline_stops_training_mid_epoch_with_a_checkpoint(
-    box: BoxSandbox, account: dict[str, Any], shards: Packed
+    box: BoxSandbox, account: dict[str, Any], shards: Packed, ami_python: Path
 ) -> None:
     ec2 = account["ec2"]
-    staged = stage_training_wheel(ARTIFACT_ROOT)
+    staged = stage_training_wheel(ARTIFACT_ROOT, training_tags(str(ami_python), ["g6.xlarge"]))
     job_dir = f"{ARTIFACT_ROOT}/runs/budget/job"
     # Past the boot (pip, preflight, torch import: ~15 s on an idle box, several times that on
     # a busy shared one) and inside the one long epoch, whatever the machine's load.

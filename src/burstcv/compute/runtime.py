@@ -41,6 +41,7 @@ MODULES = (
     "burstcv/__init__.py",
     "burstcv/lineage.py",
     "burstcv/training/__init__.py",
+    "burstcv/training/checkpoint.py",
     "burstcv/training/entry.py",
     "burstcv/training/job.py",
     "burstcv/training/models.py",
