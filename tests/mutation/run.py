@@ -284,9 +284,9 @@ TARGETS = (
         ),
     ),
     Target(
-        "rank-markers",
+        "job",
         "burstcv.training.job",
-        ("tests/training/test_rank_markers.py",),
+        ("tests/training/test_job.py", "tests/training/test_rank_markers.py"),
     ),
     Target(
         "chunks",
