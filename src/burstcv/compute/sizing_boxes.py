@@ -24,7 +24,7 @@ from burstcv.compute.attempts import _last_step
 from burstcv.compute.base import STOPPED, WORKING, InstanceInfo
 from burstcv.compute.billing import record_end, record_launch
 from burstcv.compute.ec2 import Ec2Backend
-from burstcv.compute.runtime import StagedRuntime, stage_sizing_wheel
+from burstcv.compute.runtime import StagedRuntime, sizing_tags, stage_sizing_wheel
 from burstcv.compute.userdata import SizingBoxSpec, render_sizing_user_data
 from burstcv_spec import storage
 from burstcv_spec.contracts import (
@@ -79,7 +79,8 @@ def size_on_boxes(
     its own: it first ends what an earlier try left, and reads only its own boxes' figures."""
     for no, data in enumerate(images):  # the requests a box sends
         storage.write_bytes(storage.join(paths.sizing_requests, f"{no:04d}.img"), data)
-    wheel = stage_sizing_wheel(artifact_root)
+    tags = sizing_tags(backend.settings.sizing_python, request.instance_types)
+    wheel = stage_sizing_wheel(artifact_root, tags)
     deadline_at = datetime.now(UTC) + timedelta(seconds=request.max_s)
     boxes = _Boxes(backend, request, paths, wheel, deadline_at, _claim_try(paths))
     types = list(dict.fromkeys(request.instance_types))
