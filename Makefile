@@ -290,10 +290,11 @@ stop:
 chaos: $(STAMP)
 	$(BIN)/python bench/chaos.py $(CHAOS_ARGS)
 
-# Mutation testing of the modules that decide (gate, registry, deploy, the service's admission
-# and model manager, reaper, preflight, "nothing new to train on", budget, deadline, pricing,
-# the cost model, billing, sizing):
-# a score per module and the surviving mutants. Not part of make test (several minutes).
+# Mutation testing of the modules that decide (tests/mutation/run.py's TARGETS: the gate, the
+# registry and deploy, the service's admission and model manager, the reaper, EC2's terms, the
+# attempts, the budget, boot, cost model, prices and billing, the sizing, the data's chunks):
+# every function of each module, a score per module and the surviving mutants. Not part of
+# make test (tens of minutes).
 # MUTATION_ARGS="gate reaper" picks modules; --list shows the mutants without running them.
 # Fails when a module's score is under 90%.
 mutation: $(STAMP)
