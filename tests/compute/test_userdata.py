@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -15,7 +16,6 @@ from burstcv.compute.userdata import (
     expiry_of,
     parse_config,
     render_user_data,
-    watchdog_minutes,
 )
 
 DEADLINE = datetime(2026, 5, 1, 11, 0, 1, tzinfo=UTC)
@@ -74,59 +74,26 @@ def test_watchdog_is_armed_first_from_the_runs_deadline(tmp_path: Path) -> None:
     assert watchdog_at(script, DEADLINE + timedelta(hours=1), tmp_path).startswith("-h +5 ")
 
 
-def test_watchdog_minutes_and_the_expiry_tag() -> None:
-    assert watchdog_minutes(60, 0) == 1
-    assert watchdog_minutes(61, 0) == 2
-    assert watchdog_minutes(600) == 15
-    assert watchdog_minutes(-30, 0) == 1
-    assert expiry_of(DEADLINE, 5) == DEADLINE + timedelta(minutes=6)
-    with pytest.raises(ValueError):
-        watchdog_minutes(60, -1)
-
-
-def test_watchdog_rounds_the_time_left_up_to_whole_minutes_then_adds_the_margin() -> None:
-    assert watchdog_minutes(3600) == 65  # exactly an hour left: 60 min, plus the 5 min margin
-    assert watchdog_minutes(3601) == 66  # one second more is one whole minute more
-    assert watchdog_minutes(3599) == 65
-    assert watchdog_minutes(120, 0) == 2
-    assert watchdog_minutes(121, 0) == 3
-    assert watchdog_minutes(0.5, 0) == 1  # half a second left still gets a whole minute
-    assert watchdog_minutes(600, 0) == 10
-    assert watchdog_minutes(600, 12) == 22
-
-
-def test_at_or_past_the_deadline_the_box_gets_the_margin_and_never_less_than_a_minute() -> None:
-    # The marker and the log still need their few minutes, however late the box boots.
-    assert watchdog_minutes(0) == 5
-    assert watchdog_minutes(-1) == 5
-    assert watchdog_minutes(-3600) == 5
-    assert watchdog_minutes(-3600, 2) == 2
-    # With no margin, "shutdown -h +0" would be "now": the floor is one minute.
-    assert watchdog_minutes(0, 0) == 1
-    assert watchdog_minutes(-3600, 0) == 1
-
-
-def test_a_negative_margin_is_refused_and_no_margin_is_allowed() -> None:
-    with pytest.raises(ValueError, match="margin_min must be >= 0, got -1"):
-        watchdog_minutes(600, -1)
-    assert watchdog_minutes(600, 0) == 10
-
-
 def test_the_expiry_tag_is_the_deadline_plus_the_margin_plus_one_minute() -> None:
     assert expiry_of(DEADLINE) == DEADLINE + timedelta(minutes=6)
     assert expiry_of(DEADLINE, 0) == DEADLINE + timedelta(minutes=1)
     assert expiry_of(DEADLINE, 10) == DEADLINE + timedelta(minutes=11)
 
 
-@pytest.mark.parametrize("seconds_left", [0, 1, 59, 60, 61, 599.5, 3600, 7201])
+@pytest.mark.parametrize("seconds_left", [0, 1, 59, 60, 61, 599.5, 3600, 7201, -3600])
 @pytest.mark.parametrize("margin", [0, 5])
 def test_a_box_launched_before_the_deadline_is_off_by_its_expiry_tag(
-    seconds_left: float, margin: int
+    seconds_left: float, margin: int, tmp_path: Path
 ) -> None:
     # The reaper trusts the expiry tag as "the watchdog has ended it by now": never too early.
     launched = DEADLINE - timedelta(seconds=seconds_left)
-    off_at = launched + timedelta(minutes=watchdog_minutes(seconds_left, margin))
-    assert DEADLINE + timedelta(minutes=margin) <= off_at <= expiry_of(DEADLINE, margin)
+    script = render_user_data(replace(SPEC, margin_min=margin))
+    call = watchdog_at(script, launched, tmp_path)  # "-h +N ..."
+    off_at = launched + timedelta(minutes=int(call.split()[1].removeprefix("+")))
+    if seconds_left < 0:  # past the deadline: the margin (never under a minute) from boot
+        assert off_at == launched + timedelta(minutes=max(1, margin))
+    else:
+        assert DEADLINE + timedelta(minutes=margin) <= off_at <= expiry_of(DEADLINE, margin)
 
 
 def test_exit_trap_is_set_before_any_work_and_shuts_down() -> None:

@@ -252,11 +252,10 @@ def sizing_quota_needs(
         family = vcpu_quota_of(instance_type)
         if family is not None:
             by_code.setdefault(family.on_demand, (family, []))[1].append(instance_type)
-    needs = {}
-    for code, (family, types) in by_code.items():
-        largest = types[:parallel]
-        needs[code] = (family, largest, sum(vcpus[t] for t in largest))
-    return needs
+    return {
+        code: (family, types[:parallel], sum(vcpus[t] for t in types[:parallel]))
+        for code, (family, types) in by_code.items()
+    }
 
 
 def check_sizing_quota(backend: Ec2Backend, settings: Settings, types: list[str]) -> list[Finding]:
@@ -318,13 +317,10 @@ def check_sizing_launches(backend: Ec2Backend, types: list[str]) -> list[Finding
         )
         option = LaunchAttempt(instance_type, "on-demand")
         name = f"dry-run launch sizing box {instance_type} on-demand ({image_id})"
-        try:
-            base = backend._run_params(
-                launch, image_id, "#!/bin/bash\n", launch.deadline_at, 1, s.sizing_volume_gb
-            )
-            refused = backend._dry_run(backend._option_params(base, option, subnet), option)
-        except LaunchCheckError as exc:
-            refused = str(exc)
+        base = backend._run_params(
+            launch, image_id, "#!/bin/bash\n", launch.deadline_at, 1, s.sizing_volume_gb
+        )
+        refused = backend.dry_run_refusal(base, option, subnet)
         why = f"{refused}: every sizing skips {instance_type}; allow it, or serve on other families"
         findings.append(Finding(name, why if refused else ""))
     return findings
@@ -522,13 +518,12 @@ def _s3_route(
 ) -> tuple[str, str]:
     """Return (how the table reaches S3, "") or ("", why it does not)."""
     table_id = str(table["RouteTableId"])
-    for endpoint_id, tables in s3_endpoints.items():
-        if table_id in tables:
-            return f"S3 gateway endpoint {endpoint_id}", ""
-    routes = [r for r in table.get("Routes", []) if r.get("State") != "blackhole"]
-    for route in routes:
-        if str(route.get("GatewayId", "")) in s3_endpoints:
-            return f"S3 gateway endpoint {route['GatewayId']}", ""
+    endpoints = [e for e, tables in s3_endpoints.items() if table_id in tables]
+    endpoints += [
+        str(r.get("GatewayId")) for r in _routes(table) if r.get("GatewayId") in s3_endpoints
+    ]
+    if endpoints:
+        return f"S3 gateway endpoint {endpoints[0]}", ""
     way = _internet_way(table, public_ip)
     if way.startswith("NAT"):
         return (
@@ -551,10 +546,13 @@ def _s3_route(
     return "", f"its route table {table_id} has no S3 gateway endpoint, NAT or internet gateway"
 
 
+def _routes(table: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in table.get("Routes", []) if r.get("State") != "blackhole"]
+
+
 def _default_route(table: dict[str, Any]) -> dict[str, Any]:
     """Return the table's default route ({} if none; a table holds one per destination)."""
-    routes = [r for r in table.get("Routes", []) if r.get("State") != "blackhole"]
-    return next((r for r in routes if r.get("DestinationCidrBlock") == "0.0.0.0/0"), {})
+    return next((r for r in _routes(table) if r.get("DestinationCidrBlock") == "0.0.0.0/0"), {})
 
 
 def _internet_way(table: dict[str, Any], public_ip: bool) -> str:
@@ -571,12 +569,15 @@ def _internet_way(table: dict[str, Any], public_ip: bool) -> str:
     return ""
 
 
-def _s3_routing(
-    backend: Ec2Backend, vpcs: list[str]
-) -> tuple[list[dict[str, Any]], dict[str, set[str]]]:
-    """Return the VPCs' route tables and their S3 gateway endpoints (id: its route tables)."""
+Routing = dict[str, tuple[dict[str, Any], dict[str, Any] | None]]
+
+
+def _s3_routing(backend: Ec2Backend, ids: list[str]) -> tuple[Routing, dict[str, set[str]]]:
+    """Return each subnet's description and route table (None: its VPC has no main table), and
+    the subnets' VPCs' S3 gateway endpoints (id: its route tables)."""
     ec2, region = backend.client, backend.settings.region
-    in_vpcs = {"Name": "vpc-id", "Values": vpcs}
+    found = ec2.describe_subnets(SubnetIds=ids)["Subnets"]
+    in_vpcs = {"Name": "vpc-id", "Values": sorted({str(info["VpcId"]) for info in found})}
     pages = ec2.get_paginator("describe_route_tables").paginate(Filters=[in_vpcs])
     tables = [t for page in pages for t in page["RouteTables"]]
     endpoints = ec2.describe_vpc_endpoints(
@@ -591,7 +592,14 @@ def _s3_routing(
         for e in endpoints
         if e.get("State", "available").lower() == "available"
     }
-    return tables, s3_endpoints
+    routing = {
+        str(info["SubnetId"]): (
+            info,
+            _route_table_of(tables, str(info["SubnetId"]), str(info["VpcId"])),
+        )
+        for info in found
+    }
+    return routing, s3_endpoints
 
 
 def check_subnet_routes(backend: Ec2Backend) -> list[Finding]:
@@ -606,16 +614,12 @@ def check_subnet_routes(backend: Ec2Backend) -> list[Finding]:
     findings = [Finding("route to S3", no_vpc) for sub in subnets if not sub.subnet_id]
     if not ids:
         return findings
-    found = backend.client.describe_subnets(SubnetIds=ids)["Subnets"]
-    described = {s["SubnetId"]: s for s in found}
-    vpcs = sorted({str(s["VpcId"]) for s in described.values()})
-    tables, s3_endpoints = _s3_routing(backend, vpcs)
+    routing, s3_endpoints = _s3_routing(backend, ids)
     for sub in subnets:
         if not sub.subnet_id:
             continue
-        info = described[sub.subnet_id]
+        info, table = routing[sub.subnet_id]
         name = f"route to S3 from subnet {sub}"
-        table = _route_table_of(tables, sub.subnet_id, str(info["VpcId"]))
         if table is None:
             findings.append(Finding(name, f"VPC {info['VpcId']} has no main route table"))
             continue
@@ -711,11 +715,8 @@ def _index_way(backend: Ec2Backend) -> str:
     ids = [sub.subnet_id for sub in backend.launch_subnets() if sub.subnet_id]
     if not ids:
         return ""
-    found = backend.client.describe_subnets(SubnetIds=ids)["Subnets"]
-    tables, _ = _s3_routing(backend, sorted({str(info["VpcId"]) for info in found}))
     ways = set()
-    for info in found:
-        table = _route_table_of(tables, str(info["SubnetId"]), str(info["VpcId"]))
+    for info, table in _s3_routing(backend, ids)[0].values():
         way = _internet_way(table or {}, bool(info.get("MapPublicIpOnLaunch")))
         if not way:
             return ""
@@ -1034,22 +1035,17 @@ def _made_cluster(backend: Ec2Backend, launch: Launch, subnet: Subnet, label: st
     image_id = backend.resolve_ami()
     base = backend._run_params(launch, image_id, "#!/bin/bash\n", launch.deadline_at, 1)
     option = backend.plan(launch)[0]
-    params = backend._option_params(in_cluster(base, cluster), option, subnet)
     name = (
         f"dry-run launch {launch.count} x {option.instance_type} {option.market} "
         f"into placement group {cluster.placement_group}"
     )
-    try:
-        return [made, Finding(name, backend._dry_run(params, option) or "")]
-    except LaunchCheckError as exc:
-        return [made, Finding(name, str(exc))]
+    return [made, Finding(name, backend.dry_run_refusal(in_cluster(base, cluster), option, subnet))]
 
 
 def no_s3_cause(backend: Ec2Backend, instance_id: str, artifact_root: str) -> str:
     """Return the likeliest reason a box could not reach S3, read from the account's side.
     EC2 forgets a terminated box's network: then what a launch gives is checked instead."""
-    found = list(backend._instances([], [instance_id]))
-    inst = found[0] if found else {}
+    inst = next(iter(backend._instances([], [instance_id])), {})
     groups = [str(g["GroupId"]) for g in inst.get("SecurityGroups", [])]
     if groups:
         described = backend.client.describe_security_groups(GroupIds=groups)["SecurityGroups"]

@@ -337,16 +337,17 @@ class Ec2Backend:
         image_id = self.resolve_ami()
         # Tagged as a first attempt: the dry run sends every tag key a real launch sends.
         base_params = self._run_params(launch, image_id, "#!/bin/bash\n", expires_at, 1)
-        results: list[tuple[LaunchAttempt, str]] = []
         first_subnet = self.launch_subnets()[0]
-        for option in self.plan(launch):
-            try:
-                params = self._option_params(base_params, option, first_subnet)
-                refused = self._dry_run(params, option)
-            except LaunchCheckError as exc:
-                refused = str(exc)
-            results.append((option, refused or ""))
-        return results
+        return [(o, self.dry_run_refusal(base_params, o, first_subnet)) for o in self.plan(launch)]
+
+    def dry_run_refusal(
+        self, base_params: dict[str, Any], option: LaunchAttempt, subnet: Subnet
+    ) -> str:
+        """Dry-run one option in ``subnet``; return "" if EC2 would allow it, else why not."""
+        try:
+            return self._dry_run(self._option_params(base_params, option, subnet), option) or ""
+        except LaunchCheckError as exc:
+            return str(exc)
 
     def check_backstop(self) -> str:
         """Create and delete a disabled backstop schedule; return "" or why it cannot be armed."""

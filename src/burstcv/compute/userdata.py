@@ -12,7 +12,6 @@ read by its documented exit codes; from the install on, through the wheel's own 
 
 from __future__ import annotations
 
-import math
 import re
 import shlex
 from dataclasses import dataclass
@@ -50,13 +49,6 @@ class UserDataSpec:
     python: str = "/opt/pytorch/bin/python"  # the AMI's PyTorch interpreter
     log_every_s: int = DEFAULT_LOG_EVERY_S
     num_nodes: int = 1  # boxes started together by one launch, training as one job
-
-
-def watchdog_minutes(seconds_left: float, margin_min: int = DEFAULT_MARGIN_MIN) -> int:
-    """Return the ``shutdown -h +N`` minutes: the time to the deadline, rounded up, plus margin."""
-    if margin_min < 0:
-        raise ValueError(f"margin_min must be >= 0, got {margin_min}")
-    return max(1, math.ceil(max(0.0, seconds_left) / 60) + margin_min)
 
 
 def expiry_of(deadline_at: datetime, margin_min: int = DEFAULT_MARGIN_MIN) -> datetime:
