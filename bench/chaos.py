@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -314,6 +315,12 @@ class Drill:
         """Return a run's training job folder (progress, checkpoints) in the artifact store."""
         return self.home / "artifacts" / "runs" / safe_run_id(run_id) / "job"
 
+    def report(self, run_id: str) -> str:
+        """Return a run's report page as plain text, or "" where none was written."""
+        page = self.home / "artifacts" / "runs" / safe_run_id(run_id) / "report" / "index.html"
+        text = re.sub(r"<[^>]+>", " ", page.read_text()) if page.exists() else ""
+        return re.sub(r"\s+", " ", text)
+
 
 # -- the faults ---------------------------------------------------------------------------------
 def reaper_beside_live_training(drill: Drill) -> tuple[str, str]:
@@ -421,10 +428,16 @@ def trainer_stopped(drill: Drill) -> tuple[str, str]:
 
     drill.wait("the stall to be noticed", marked, 30 * 60)
     noticed_s = time.monotonic() - stopped
-    survived, detail = _resumed(
+    verdict, detail = _resumed(
         drill, run, f"trainer stopped (SIGSTOP), noticed in {noticed_s:.0f} s"
     )
-    return survived, detail
+    # The stall is the attempt's record for good (the trainer, continued after its SIGTERM,
+    # must not write "interrupted" over it), and the report says it.
+    kept = "stalled" in marker.read_text()
+    said = re.search(r"Attempt 1 was ended as stalled[^.]*", drill.report(run))
+    detail += f"; attempt 1 {'still' if kept else 'no longer'} marked stalled"
+    detail += f"; report: {said.group(0) if said else 'no stall line'}"
+    return (verdict if kept and said else "broken"), detail
 
 
 def checkpoint_corrupt(drill: Drill) -> tuple[str, str]:
@@ -663,8 +676,16 @@ def marked_failed(drill: Drill) -> tuple[str, str]:
     )
     time.sleep(10)
     final, left = drill.state(run), drill.live_boxes(run)
-    detail = f"run {final}; {'a box outlived it' if left else 'box terminated'}"
-    return ("survived" if final == "failed" and not left else "broken"), detail
+    # The report runs after the teardown that bills the run: it has the cost and the reason.
+    page = drill.report(run)
+    cost = re.search(r"Run cost \$[0-9.,]+", page)
+    reason = re.search(r"Training failed in attempt [^.]*", page)
+    detail = (
+        f"run {final}; {'a box outlived it' if left else 'box terminated'}; report: "
+        f"{cost.group(0) if cost else 'no cost'}; {reason.group(0) if reason else 'no reason'}"
+    )
+    whole = final == "failed" and not left and cost and reason
+    return ("survived" if whole else "broken"), detail
 
 
 FAULTS: dict[str, Callable[[Drill], tuple[str, str]]] = {
@@ -693,6 +714,12 @@ def main() -> int:
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"from {', '.join(FAULTS)}")
     parser.add_argument("--epochs", type=int, default=12, help="per run (enough to inject into)")
     parser.add_argument("--keep", action="store_true", help="keep the drill's home folder")
+    parser.add_argument(
+        "--unsupervised",
+        action="store_true",
+        help="kill the service's supervisor first: shows a check failing when its fault is "
+        "not survived (service-kill-load then reads broken)",
+    )
     args = parser.parse_args()
     chosen = [f.strip() for f in args.faults.split(",") if f.strip()]
     unknown = [f for f in chosen if f not in FAULTS]
@@ -703,6 +730,8 @@ def main() -> int:
     verdicts: list[Verdict] = []
     try:
         drill.start()
+        if args.unsupervised:
+            os.kill(drill.supervised("serve")["supervisor"], signal.SIGKILL)
         for name in chosen:
             started = time.monotonic()
             try:
