@@ -17,7 +17,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializationInfo,
     SerializerFunctionWrapHandler,
     ValidationError,
     field_validator,
@@ -34,7 +33,7 @@ SCHEMA_VERSION = 1  # of every artifact below; raise it when a reader must chang
 
 
 def _optional(description: str, **constraints: Any) -> Any:
-    """Return a field that defaults to None (left out of the JSON under ``omit_nones``)."""
+    """Return a field that defaults to None (left out of the JSON, see ``omit_when_none``)."""
     return Field(default=None, description=description, **constraints)
 
 
@@ -49,7 +48,8 @@ class SchemaVersionError(ArtifactError):
 class Contract(BaseModel):
     """Hold what every contract shares: immutable, unknown keys refused.
 
-    ``omit_when_none`` fields are left out of the JSON when None, as the files always did.
+    ``omit_when_none`` fields are left out of the JSON when None, as the files always did:
+    unless a class names its own (empty: every null written), each field whose default is None.
     """
 
     # NaN and Infinity (a loss that blew up) are written as json.dumps does, and read back.
@@ -57,29 +57,21 @@ class Contract(BaseModel):
         frozen=True, extra="forbid", populate_by_name=True, ser_json_inf_nan="constants"
     )
     omit_when_none: ClassVar[frozenset[str]] = frozenset()
-    omit_nones: ClassVar[bool] = False  # True: omit_when_none is every field whose default is None
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
-        if cls.omit_nones:
+        if "omit_when_none" not in cls.__dict__:
             fields = cls.model_fields.items()
             cls.omit_when_none = frozenset(
                 name for name, f in fields if f.default is None and not f.is_required()
             )
 
     @model_serializer(mode="wrap")
-    def _omit_nones(
-        self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
-    ) -> dict[str, Any]:
+    def _omit_nones(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Keyed by field name: no field left out when None has an alias.
         data: dict[str, Any] = handler(self)
-        for name in self.omit_when_none:
-            field = type(self).model_fields[name]
-            alias = field.serialization_alias
-            key = alias if info.by_alias and alias else name
-            if data.get(key, 0) is None:
-                del data[key]
-        return data
+        return {k: v for k, v in data.items() if v is not None or k not in self.omit_when_none}
 
 
 class Artifact(Contract):
@@ -119,8 +111,6 @@ class RunRef(Contract):
 
 class PreprocessBlock(Contract):
     """Describe the eval transform as model.json and job.json carry it (PreprocessSpec)."""
-
-    omit_nones = True
 
     height: int = Field(gt=0, description="input height in pixels")
     width: int = Field(gt=0, description="input width in pixels")
@@ -170,8 +160,6 @@ class HostLoad(Contract):
     the neighbours, not the model.
     """
 
-    omit_nones = True
-
     cpus: list[int] = Field(description="the CPUs watched (those the measurement could run on)")
     wall_s: float = Field(ge=0, description="seconds the window lasted")
     others_share: float = Field(
@@ -208,8 +196,6 @@ class CalibrationRecord(Artifact):
 
 class BenchFigures(Contract):
     """Say what one load run over HTTP measured, and the model's accuracy."""
-
-    omit_nones = True
 
     label: str = Field(description="candidate or production")
     requests: int = Field(description="requests sent after the warm-up")
@@ -255,8 +241,6 @@ class BenchFigures(Contract):
 class LoadStep(Contract):
     """Say how the service answered one open-loop rate during a sizing search."""
 
-    omit_nones = True
-
     rate_rps: float = Field(description="the rate the requests were sent at, req/s")
     p95_ms: float = Field(description="p95 latency at that rate, counted from when each was due")
     errors: int = Field(description="requests that did not get a 200")
@@ -275,8 +259,6 @@ class SizePoint(Contract):
 
     Sizes beyond the measuring host's cores are extrapolated from the measured scaling.
     """
-
-    omit_nones = True
 
     vcpus: int = Field(ge=1, description="CPUs the service could use (affinity)")
     measured: bool = Field(description="measured here; false: extrapolated")
@@ -321,6 +303,8 @@ class SizePoint(Contract):
 class FleetOption(Contract):
     """Say what serving the target load on one instance type takes and costs."""
 
+    omit_when_none = frozenset()  # its nulls are written
+
     instance_type: str = Field(description="EC2 instance type")
     vcpus: int = Field(description="its vCPUs")
     memory_gib: float = Field(description="its memory, GiB")
@@ -350,8 +334,6 @@ class BoxSizing(Artifact):
     launched or its box ended without figures (``skipped``).
     """
 
-    omit_nones = True
-
     instance_type: str = Field(description="the EC2 type measured")
     instance_id: str | None = _optional("the box that measured it")
     region: str = Field(description="the box's region")
@@ -377,8 +359,6 @@ class BoxSizing(Artifact):
 
 class SizingReport(Artifact):
     """`burstcv size` output: the right-sized CPU fleet for a model at the expected load."""
-
-    omit_nones = True
 
     latency_slo_ms: float = Field(
         validation_alias=AliasChoices("latency_slo_ms", "slo_p95_ms"),
@@ -414,8 +394,6 @@ class SizingReport(Artifact):
 
 class GateCheck(Contract):
     """Say how one gate check went: the figure observed, the limit, and why it failed."""
-
-    omit_nones = True
 
     name: str = Field(
         description="latency_p95, error_rate, accuracy_floor, no_regression, "
@@ -532,6 +510,8 @@ class Lineage(Contract):
 class InstanceRecord(Contract):
     """Describe one training instance (or local process) at teardown."""
 
+    omit_when_none = frozenset()  # its nulls are written
+
     instance_id: str = Field(description="EC2 instance id or local process id")
     run_id: str = Field(description="the run key it is tagged with")
     dag_id: str = Field(description="the DAG it is tagged with")
@@ -550,8 +530,6 @@ class InstanceRecord(Contract):
 
 class TrainingChoice(Contract):
     """Say how the run will train: each value the run's own or derived from the data, and why."""
-
-    omit_nones = True
 
     model: str = Field(description="architecture to train")
     pretrained: str = Field(description="'none', a torchvision weights name, or a state_dict URI")
@@ -604,8 +582,6 @@ class ExpectationResult(Contract):
 class DriftBlock(Contract):
     """Say how far the dataset moved from the last one of its name that passed."""
 
-    omit_nones = True
-
     status: Literal["no_baseline", "ok", "warning", "failed"] = Field(
         description="no_baseline, ok, warning (above drift_warn) or failed (above drift_max)"
     )
@@ -634,6 +610,8 @@ class DatasetProfile(Artifact):
 
 class ImageSizeChoice(Contract):
     """Say which square size the model trains and serves at, and why."""
+
+    omit_when_none = frozenset()  # its nulls are written
 
     px: int = Field(gt=0, description="height and width, px")
     reason: str = Field(description="the run's image_size, or what the data's sizes gave")
@@ -671,8 +649,6 @@ class ValidationRecord(Artifact):
 class EpochRecord(Contract):
     """Say how one epoch of training went (progress.json and metrics.json, one each)."""
 
-    omit_nones = True
-
     epoch: int = Field(ge=1, description="1-based epoch number")
     train_loss: float = Field(description="mean training loss over the epoch")
     images_per_s: float = Field(description="training images per second, all GPUs")
@@ -709,6 +685,8 @@ class RangeTest(Contract):
 
 class OptimizerBlock(Contract):
     """Say how the weights were optimised."""
+
+    omit_when_none = frozenset()  # its nulls are written
 
     name: str = Field(description="sgd or adamw")
     learning_rate: float = Field(description="peak rate, after the warm-up")
@@ -760,8 +738,6 @@ class TrainingProgress(Artifact):
 
 class TrainingMetrics(Artifact):
     """`runs/<run_key>/job/metrics.json`: what training made, on the best validation epoch."""
-
-    omit_nones = True
 
     val_accuracy: float = Field(description="validation top-1 of the model kept")
     val_loss: float = Field(description="its validation loss")
@@ -818,8 +794,6 @@ class FailedMarker(Artifact):
     several also writes `ranks/<rank>/FAILED`, telling the error apart from the peers it stopped.
     """
 
-    omit_nones = True
-
     stage: str = Field(
         description="bootstrap, preflight, train, budget, interrupted, or stalled (written by "
         "the train task's trigger: the trainer stopped beating)"
@@ -837,8 +811,6 @@ class FailedMarker(Artifact):
 
 class TrainingOutcome(Contract):
     """Say how a training attempt stands: what the trigger hands the train task."""
-
-    omit_nones = True
 
     status: Literal["done", "failed", "lost", "running"] = Field(
         description="done (DONE marker), failed (FAILED marker), lost (every box gone "
@@ -875,8 +847,6 @@ class Validated(Contract):
 
 class DataChunk(Contract):
     """Name one mapped task's share of a dataset: listed files to scan, or shards to pack."""
-
-    omit_nones = True
 
     index: int = Field(ge=0, description="the chunk's number, from 0 (its map index)")
     start: int = Field(ge=0, description="first item: a row of the listing, or a shard number")
@@ -960,6 +930,8 @@ class BoxRate(Contract):
 class Launch(Contract):
     """Say everything a (re)launch of the run's training box needs."""
 
+    omit_when_none = frozenset()  # its nulls are written
+
     run: RunRef = Field(description="the run the boxes are tagged with")
     dag_id: str = Field(description="the DAG the boxes are tagged with")
     job_uri: str = Field(description="job/job.json")
@@ -1016,8 +988,6 @@ class Trained(Contract):
 class Exported(Contract):
     """Say where export wrote the ONNX model and how it compares with torch."""
 
-    omit_nones = True
-
     model_dir: str = Field(description="`runs/<run_key>/model/`")
     sha256: str = Field(description="sha256 of the file that serves")
     parity_max_abs_diff: float = Field(description="largest ONNX vs torch logit difference")
@@ -1027,8 +997,6 @@ class Exported(Contract):
 
 class Benchmarked(Contract):
     """Say what the benchmark measured for the candidate and production (no raw samples)."""
-
-    omit_nones = True
 
     latency_uri: str = Field(description="bench/latency.json: the full figures and samples")
     host: HostInfo = Field(description="the machine measured on")
@@ -1160,8 +1128,6 @@ class AttemptRecord(Artifact):
 class LocalProcessRecord(Artifact):
     """`<compute state dir>/<run_key>/local-<id>.json`: a training process of the local backend."""
 
-    omit_nones = True
-
     instance_id: str = Field(description="local-<12 hex>: the box's id")
     pid: int = Field(description="the wrapper's pid, which leads the process group")
     host: str = Field(
@@ -1225,8 +1191,6 @@ class TrainingBeat(Artifact):
     a collective, say) stops beating, and ``burstcv.compute.liveness`` ends it.
     """
 
-    omit_nones = True
-
     attempt: int = Field(ge=1, description="the attempt")
     beats: int = Field(ge=1, description="writes so far: a new value is progress")
     epoch: int = Field(ge=0, description="the epoch under way (0: the first)")
@@ -1261,6 +1225,8 @@ class BootTimes(Artifact):
 
 class BoxBill(BoxRate):
     """Say where one box of one attempt ran, at what rate, and from when to when."""
+
+    omit_when_none = frozenset()  # its nulls are written
 
     instance_id: str = Field(description="EC2 instance id or local process id")
     zone: str = Field(default="", description="its Availability Zone (ec2)")
@@ -1338,8 +1304,6 @@ class RunRecord(Artifact, Generic[P]):
     torch-free module does not import.
     """
 
-    omit_nones = True
-
     run_id: str = Field(description="the Airflow run id (the folder name is path-safe)")
     trigger: str = Field(
         description="what started the run: manual, scheduled, asset_triggered, backfill or cli"
@@ -1373,8 +1337,6 @@ class AttemptBill(Artifact):
 class Billing(Artifact):
     """`runs/<run_key>/job/billing.json`: what teardown terminated and what it cost."""
 
-    omit_nones = True
-
     instance_ids: list[str] = Field(description="instances terminated (or billed so far)")
     billed_seconds: dict[str, float] = Field(description="billed seconds per instance")
     cost_usd: float = Field(description="cost of the run's boxes, USD")
@@ -1385,8 +1347,6 @@ class Billing(Artifact):
 
 class LatencyRecord(Artifact):
     """`runs/<run_key>/bench/latency.json`: the benchmark's full figures and samples."""
-
-    omit_nones = True
 
     measured_at: str = Field(description="ISO 8601 UTC")
     host: HostInfo = Field(description="the machine measured on")
@@ -1417,8 +1377,6 @@ class VerdictRecord(GateVerdict, Artifact):
 
 class ModelCard(Artifact):
     """model.json: makes the ONNX file self-describing; serving reads it and never imports torch."""
-
-    omit_nones = True
 
     format_version: int = Field(default=1, description="model.json's original format marker (1)")
     name: str = Field(description="the model's name (BURSTCV_MODEL_NAME)")
@@ -1457,8 +1415,6 @@ class ModelCard(Artifact):
 
 class RegistryDecision(Contract):
     """The gate's part of a registry entry: what it decided, and on which figures and params."""
-
-    omit_nones = True
 
     status: Literal["accepted", "rejected"] = Field(
         description="what the gate decided: accepted (promotable) or rejected"
@@ -1555,10 +1511,6 @@ ARTIFACTS: tuple[type[Artifact], ...] = (
 A = TypeVar("A", bound=Artifact)
 
 
-def _where(loc: tuple[int | str, ...]) -> str:
-    return ".".join(str(part) for part in loc) or "(document)"
-
-
 def parse_artifact(data: Any, model: type[A], source: str) -> A:
     """Validate a parsed JSON document as ``model``; errors name ``source`` and the field."""
     if not isinstance(data, dict):
@@ -1573,10 +1525,9 @@ def parse_artifact(data: Any, model: type[A], source: str) -> A:
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "(document)"
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise ArtifactError(
-            f"{source}: field '{_where(first['loc'])}': {first['msg']}{more}"
-        ) from None
+        raise ArtifactError(f"{source}: field '{where}': {first['msg']}{more}") from None
 
 
 def read_artifact(uri: str, model: type[A]) -> A:
