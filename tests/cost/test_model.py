@@ -23,10 +23,9 @@ from burstcv.cost.model import (
     box_usd_per_hour,
     fleet_cost,
     replicas_for,
-    run_cost,
     time_budget,
 )
-from burstcv_spec.contracts import AttemptBill, BoxBill, BoxRate
+from burstcv_spec.contracts import BoxBill, BoxRate
 
 T0 = datetime(2026, 5, 1, 10, 0, tzinfo=UTC)
 
@@ -164,30 +163,6 @@ def test_a_time_without_a_timezone_is_refused() -> None:
     naive = box().model_copy(update={"launched_at": "2026-05-01T10:00:00"})
     with pytest.raises(ValueError, match="timezone"):
         box_cost(naive, T0)
-
-
-# -- a run -------------------------------------------------------------------------------------
-
-
-def attempt(number: int, *boxes: BoxBill) -> AttemptBill:
-    return AttemptBill(
-        attempt=number, run_key="r", dag_id="burstcv_pipeline", backend="ec2", boxes=list(boxes)
-    )
-
-
-def test_a_run_costs_every_box_of_every_attempt() -> None:
-    first = attempt(
-        1,
-        box(0, 30, 630, instance_id="i-1"),  # 600 s running, 630 s attached
-        box(0, 40, 100, instance_id="i-2"),  # 60 s running, 100 s attached
-    )
-    second = attempt(2, box(700, 700, None, instance_id="i-3"))  # up: 300 s by now
-    now = T0 + timedelta(seconds=1000)
-    expected = (600 + 60 + 300) * 0.001 + (630 + 100 + 300) * ATTACHED_USD_PER_S
-    assert run_cost([first, second], now) == pytest.approx(expected, abs=1e-12)
-    assert run_cost([], now) == 0.0
-    local = attempt(1, box(0, None, 3600, rate=LOCAL_RATE))
-    assert run_cost([local], now) == 0.0
 
 
 # -- the time budget -----------------------------------------------------------------------------

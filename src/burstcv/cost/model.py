@@ -11,11 +11,10 @@ A run is every box of every attempt; an attempt starts ``num_nodes`` boxes at on
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
-from burstcv_spec.contracts import AttemptBill, BoxBill, BoxRate
+from burstcv_spec.contracts import BoxBill, BoxRate
 
 HOURS_PER_MONTH = 730.0
 MINIMUM_BILLED_S = 60  # per instance start, and per volume
@@ -73,10 +72,6 @@ def box_cost(box: BoxBill, now: datetime) -> BoxCost:
     attached_usd_per_hour = box_usd_per_hour(box) - box.usd_per_hour
     usd = (box.usd_per_hour * instance_s + attached_usd_per_hour * attached_s) / 3600.0
     return BoxCost(instance_s, usd)
-
-
-def run_cost(attempts: Iterable[AttemptBill], now: datetime) -> float:
-    return sum(box_cost(box, now).usd for attempt in attempts for box in attempt.boxes)
 
 
 def attempt_minimum_usd(rate: BoxRate, boxes: int, margin_s: int) -> float:

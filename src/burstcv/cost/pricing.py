@@ -72,11 +72,6 @@ class UnknownPriceError(ValueError):
     """Raise when the table has no price for an instance type, region or lifecycle."""
 
 
-def price_table_path() -> Path:
-    override = os.environ.get(PRICE_TABLE_ENV)
-    return Path(override) if override else PACKAGED_TABLE
-
-
 @lru_cache(maxsize=4)
 def _load(path: Path) -> dict[str, Any]:
     table: dict[str, Any] = json.loads(path.read_text())
@@ -87,13 +82,7 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 def load_price_table(path: Path | None = None) -> dict[str, Any]:
-    return _load(path or price_table_path())
-
-
-def price_source(path: Path | None = None) -> dict[str, str]:
-    """Return where the prices come from and how old they are, for reports."""
-    table = load_price_table(path)
-    return {"source": str(table["source"]), "as_of": str(table["as_of"])}
+    return _load(path or Path(os.environ.get(PRICE_TABLE_ENV) or PACKAGED_TABLE))
 
 
 def hourly_price(
