@@ -159,38 +159,6 @@ class _Connections:
         sample.count(code, shed)
 
 
-async def _open_loop(
-    url: str,
-    requests: Sequence[bytes],
-    indices: range,
-    rate_rps: float,
-    timeout_s: float,
-    start_wall: float | None,
-) -> Sample:
-    """Send request ``i % len(requests)`` for each ``i`` of ``indices``, due at ``i / rate``."""
-    loop = asyncio.get_running_loop()
-    interval = 1.0 / rate_rps
-    start = loop.time() + (0.05 if start_wall is None else max(0.0, start_wall - time.time()))
-    conns = _Connections(url, requests, timeout_s)
-    conns.last_sent = start
-    tasks: set[asyncio.Task[None]] = set()
-    for i in indices:
-        due = start + i * interval
-        delay = due - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        task = loop.create_task(conns.send(i, due))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    if tasks:
-        await asyncio.gather(*tasks)
-    for _, writer in conns.idle:
-        writer.close()
-    sample = conns.sample
-    sample.wall_s = max(conns.last_sent - start, interval * (len(indices) - 1)) or interval
-    return sample
-
-
 def _process_share(
     url: str,
     requests: Sequence[bytes],
@@ -199,7 +167,32 @@ def _process_share(
     timeout_s: float,
     start_wall: float | None,
 ) -> Sample:
-    return asyncio.run(_open_loop(url, requests, indices, rate_rps, timeout_s, start_wall))
+    """Send request ``i % len(requests)`` for each ``i`` of ``indices``, due at ``i / rate``."""
+
+    async def open_loop() -> Sample:
+        loop = asyncio.get_running_loop()
+        interval = 1.0 / rate_rps
+        start = loop.time() + (0.05 if start_wall is None else max(0.0, start_wall - time.time()))
+        conns = _Connections(url, requests, timeout_s)
+        conns.last_sent = start
+        tasks: set[asyncio.Task[None]] = set()
+        for i in indices:
+            due = start + i * interval
+            delay = due - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = loop.create_task(conns.send(i, due))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.gather(*tasks)
+        for _, writer in conns.idle:
+            writer.close()
+        sample = conns.sample
+        sample.wall_s = max(conns.last_sent - start, interval * (len(indices) - 1)) or interval
+        return sample
+
+    return asyncio.run(open_loop())
 
 
 def _ready() -> int:
