@@ -603,14 +603,12 @@ def _failure_reasons(log_path: Path) -> list[str]:
     """Return each task's one-line failure reason the run logged (burstcv.airflow.callbacks)."""
     from burstcv.airflow.callbacks import FAILURE_MARKER as marker
 
-    reasons: list[str] = []
-    for line in log_path.read_text(errors="replace").splitlines():
-        if marker not in line or "no exception recorded" in line:
-            continue
-        reason = line.split(marker, 1)[1].split(" [burstcv.airflow]")[0].strip()
-        if reason not in reasons:
-            reasons.append(reason)
-    return reasons
+    reasons = (
+        line.split(marker, 1)[1].split(" [burstcv.airflow]")[0].strip()
+        for line in log_path.read_text(errors="replace").splitlines()
+        if marker in line and "no exception recorded" not in line
+    )
+    return list(dict.fromkeys(reasons))  # each once, in the order logged
 
 
 if __name__ == "__main__":
