@@ -21,14 +21,14 @@ from burstcv.export.quantize import (
     INT8_FILE,
     choose,
     evenly_spaced,
-    quantize_and_choose,
+    quantize_in_folder,
     quantize_int8,
 )
 from burstcv.gate.accuracy import onnx_accuracy
 from burstcv.training.train import load_shards
 from burstcv_serving.model import load_model
 from burstcv_serving.registry import ModelRef
-from burstcv_spec.contracts import QuantizedFigures
+from burstcv_spec.contracts import ModelCard, QuantizedFigures, read_artifact
 from burstcv_spec.preprocess import PreprocessSpec, normalize
 from burstcv_spec.storage import sha256_file
 
@@ -150,27 +150,27 @@ def test_int8_is_one_self_contained_quantized_file_with_a_dynamic_batch(
 def test_an_impossible_bound_never_keeps_int8(
     int8_export: dict[str, Any], splits: dict[str, Any], tmp_path: Path
 ) -> None:
-    for name in ("model.json", FP32_FILE):  # whatever the first choice was, it is redone here
-        shutil.copy(int8_export["out"] / name, tmp_path / name)
-    block = quantize_and_choose(
-        str(tmp_path),
+    # Whatever the first choice was, it is redone here.
+    shutil.copy(int8_export["out"] / FP32_FILE, tmp_path / FP32_FILE)
+    before = read_artifact(str(int8_export["out"] / "model.json"), ModelCard)
+    card = quantize_in_folder(
+        tmp_path,
+        before,
         splits["train_x"],
         splits["val_x"],
         splits["val_labels"],
         max_accuracy_drop=-1.0,
         calibration_images=64,
     )
-    meta = json.loads((tmp_path / "model.json").read_text())
-    assert block.serving_file == meta["onnx_file"] == FP32_FILE
-    assert meta["sha256"] == sha256_file(tmp_path / FP32_FILE) == block.fp32.sha256
+    block = card.quantization
+    assert block is not None
+    assert block.serving_file == card.onnx_file == FP32_FILE
+    assert card.sha256 == sha256_file(tmp_path / FP32_FILE) == block.fp32.sha256
     assert block.reason.startswith("FP32 kept (accuracy drop exceeds the bound")
     assert block.max_accuracy_drop == -1.0 and block.calibration_images == 64
-    assert not (tmp_path / INT8_FILE).exists()
     # Everything but the quantization verdict is as the export wrote it.
-    before = dict(int8_export["model_json"])
-    assert {k: v for k, v in meta.items() if k not in ("onnx_file", "sha256", "quantization")} == {
-        k: v for k, v in before.items() if k not in ("onnx_file", "sha256", "quantization")
-    }
+    verdict = {"onnx_file", "sha256", "quantization"}
+    assert card.model_dump(exclude=verdict) == before.model_dump(exclude=verdict)
 
 
 def test_the_quantization_block_round_trips(int8_export: dict[str, Any]) -> None:

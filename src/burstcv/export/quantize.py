@@ -25,14 +25,7 @@ from onnxruntime.quantization import (
 )
 
 from burstcv_spec import storage
-from burstcv_spec.contracts import (
-    ModelCard,
-    QuantizationBlock,
-    QuantizedFigures,
-    read_artifact,
-    write_artifact,
-)
-from burstcv_spec.layout import MODEL_CARD
+from burstcv_spec.contracts import ModelCard, QuantizationBlock, QuantizedFigures
 from burstcv_spec.preprocess import PreprocessSpec, eval_view, normalize
 
 log = logging.getLogger(__name__)
@@ -252,7 +245,6 @@ def quantize_in_folder(
     *,
     max_accuracy_drop: float = 0.01,
     calibration_images: int = CALIBRATION_IMAGES,
-    threads: int | None = None,
 ) -> ModelCard:
     """Try INT8 beside ``folder/model.onnx``; return the card with the file that serves (writes
     ``folder/model.int8.onnx`` whatever the verdict: the caller decides what to keep)."""
@@ -270,10 +262,7 @@ def quantize_in_folder(
         len(calibration),
         time.perf_counter() - started,
     )
-    sessions = {
-        "fp32": serving_session(fp32_path, threads=threads),
-        "int8": serving_session(int8_path, threads=threads),
-    }
+    sessions = {"fp32": serving_session(fp32_path), "int8": serving_session(int8_path)}
     predicted = {label: predict(s, val_images_u8, spec) for label, s in sessions.items()}
     latency = interleaved_latency_ms(sessions, normalize(val_images_u8[:1], spec))
     figures = {
@@ -306,7 +295,7 @@ def quantize_in_folder(
         },
         latency={
             "batch": 1,
-            "threads": threads or host_cores(),
+            "threads": host_cores(),
             "runs": int(latency["fp32"]["runs"]),
             "where": "in-process onnxruntime, the service's session settings",
         },
@@ -315,36 +304,3 @@ def quantize_in_folder(
     return card.model_copy(
         update={"onnx_file": serving.file, "sha256": serving.sha256, "quantization": block}
     )
-
-
-def quantize_and_choose(
-    model_dir: str,
-    train_images_u8: np.ndarray,
-    val_images_u8: np.ndarray,
-    val_labels: list[str],
-    *,
-    max_accuracy_drop: float = 0.01,
-    calibration_images: int = CALIBRATION_IMAGES,
-    threads: int | None = None,
-) -> QuantizationBlock:
-    """Try INT8 for the model in ``model_dir`` update model.json; return the block."""
-    meta_uri = storage.join(model_dir, MODEL_CARD)
-    card = read_artifact(meta_uri, ModelCard)
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        storage.download_file(storage.join(model_dir, FP32_FILE), folder / FP32_FILE)
-        card = quantize_in_folder(
-            folder,
-            card,
-            train_images_u8,
-            val_images_u8,
-            val_labels,
-            max_accuracy_drop=max_accuracy_drop,
-            calibration_images=calibration_images,
-            threads=threads,
-        )
-        if card.onnx_file == INT8_FILE:
-            storage.upload_file(folder / INT8_FILE, storage.join(model_dir, INT8_FILE))
-    write_artifact(meta_uri, card)
-    assert card.quantization is not None
-    return card.quantization
