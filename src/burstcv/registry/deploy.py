@@ -110,17 +110,6 @@ def _admin_call(
     return response.json(), ""
 
 
-def _stage_one(
-    url: str, version: int, sha256: str, token: str, timeout_s: float, whose: dict[str, str]
-) -> tuple[str, dict[str, Any] | None, str]:
-    """Ask one service to stage a version; return (url, its answer or None, why not)."""
-    # whose names the registry and model, so that another registry's service refuses.
-    body = {"version": version, "sha256": sha256, **whose}
-    with httpx.Client() as client:
-        answer, why = _admin_call(client, f"{url}/v1/admin/stage", token, timeout_s, json=body)
-    return url, answer, why
-
-
 def _whose(registry: Registry) -> dict[str, str]:
     """Return the registry (absolute, as the service host may see it) and model of a deploy."""
     root = registry.layout.registry_uri
@@ -129,22 +118,21 @@ def _whose(registry: Registry) -> dict[str, str]:
 
 
 def stage_everywhere(
-    urls: list[str],
-    version: int,
-    sha256: str,
-    token: str,
-    timeout_s: float,
-    whose: dict[str, str] | None = None,
+    urls: list[str], version: int, sha256: str, token: str, timeout_s: float, whose: dict[str, str]
 ) -> dict[str, Any]:
     """Have every service load and warm ``version`` without switching; return their answers.
     Raise DeployError, in the first refusing service's words, as soon as it refuses."""
+    # whose names the registry and model, so that another registry's service refuses.
+    body = {"version": version, "sha256": sha256, **whose}
+
+    def stage_one(url: str) -> tuple[str, Any, str]:
+        with httpx.Client() as client:
+            return url, *_admin_call(client, f"{url}/v1/admin/stage", token, timeout_s, json=body)
+
     answers: dict[str, Any] = {}
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(urls)))
     try:
-        futures = [
-            pool.submit(_stage_one, u, version, sha256, token, timeout_s, whose or {}) for u in urls
-        ]
-        for future in concurrent.futures.as_completed(futures):
+        for future in concurrent.futures.as_completed([pool.submit(stage_one, u) for u in urls]):
             url, answer, why = future.result()
             if answer is None:
                 raise DeployError(f"{url} cannot serve version {version}: {why}")
