@@ -74,17 +74,14 @@ async def _file_parts(request: Request, field: str) -> list[multipart.Part]:
     ctype = request.headers.get("content-type", "")
     try:
         boundary = multipart.boundary_of(ctype)
-    except multipart.MultipartError as exc:
-        raise HTTPException(422, detail=str(exc)) from exc
-    if boundary is None:
-        raise HTTPException(
-            422,
-            detail=f"missing multipart field '{field}' (send multipart/form-data; the "
-            f"request's content type is {ctype or 'none'})",
-        )
-    body = await request.body()
-    request.scope.setdefault("state", {})[BODY_READ_AT] = time.perf_counter()
-    try:
+        if boundary is None:
+            raise HTTPException(
+                422,
+                detail=f"missing multipart field '{field}' (send multipart/form-data; the "
+                f"request's content type is {ctype or 'none'})",
+            )
+        body = await request.body()
+        request.scope.setdefault("state", {})[BODY_READ_AT] = time.perf_counter()
         parts = multipart.parse(body, boundary)
     except multipart.MultipartError as exc:
         raise HTTPException(422, detail=str(exc)) from exc
