@@ -273,13 +273,13 @@ def test_a_listing_that_fails_after_the_pool_started_leaves_no_worker(
 
     monkeypatch.setattr(os, "scandir", scandir)
     started: list[int] = []
-    real_start = dispatch.Dispatcher._start
+    real_start = dispatch.Dispatcher._start_if_it_pays
 
-    def start(self: Any, workers: int) -> None:
-        started.append(workers)
-        real_start(self, workers)
+    def start(self: Any) -> None:
+        real_start(self)
+        started.append(self.workers)
 
-    monkeypatch.setattr(dispatch.Dispatcher, "_start", start)
+    monkeypatch.setattr(dispatch.Dispatcher, "_start_if_it_pays", start)
     with pytest.raises(PermissionError, match="Permission denied"):
         scan(str(root), workers=2)
     assert started == [2]

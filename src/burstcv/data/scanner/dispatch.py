@@ -61,9 +61,7 @@ class Dispatcher:
         self.listed += len(tasks)
         self._pending.extend(tasks)
         if self._pool is None and self.listed >= POOL_MIN_FILES:
-            wanted = worker_count(self.requested, self.listed, self.cap)
-            if wanted > 1:
-                self._start(wanted)
+            self._start_if_it_pays()
         if self._pool is not None and len(self._pending) >= CHUNK_FILES:
             full = len(self._pending) - len(self._pending) % CHUNK_FILES
             for start in range(0, full, CHUNK_FILES):
@@ -74,9 +72,7 @@ class Dispatcher:
         """Inspect what is left and append every chunk's columns to ``columns``, in order."""
         tasks, self._pending = self._pending, []
         if self._pool is None:
-            wanted = worker_count(self.requested, self.listed, self.cap)
-            if wanted > 1:
-                self._start(wanted)
+            self._start_if_it_pays()
         # Several chunks per worker for what is left keep every core busy to the end.
         size = max(1, min(CHUNK_FILES, -(-len(tasks) // (self.workers * 4))))
         chunks = [tasks[i : i + size] for i in range(0, len(tasks), size)]
@@ -89,11 +85,13 @@ class Dispatcher:
         while self._futures:  # popped: each chunk's result is freed once its rows are copied
             extend(columns, self._futures.popleft().result())
 
-    def _start(self, workers: int) -> None:
-        self.workers = workers
-        self._pool = ProcessPoolExecutor(
-            max_workers=workers, mp_context=pool_context(), initializer=_worker_init
-        )
+    def _start_if_it_pays(self) -> None:
+        wanted = worker_count(self.requested, self.listed, self.cap)
+        if wanted > 1:
+            self.workers = wanted
+            self._pool = ProcessPoolExecutor(
+                max_workers=wanted, mp_context=pool_context(), initializer=_worker_init
+            )
 
     def _submit(self, chunk: list[Task]) -> None:
         assert self._pool is not None
