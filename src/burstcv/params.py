@@ -12,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -112,7 +114,9 @@ _gate = functools.partial(_param, section=SECTION_GATE)
 _sizing = functools.partial(_param, section=SECTION_SIZING)
 _TOO_SMALL = "smaller images carry no signal after resizing"
 _TOO_LARGE = "the service refuses images over 4096x4096 pixels"
-_SIDE_BOUNDS: dict[str, Any] = {"ge": 1, "le": 4096}
+# Ranges that several fields share (a field's own range is written in its type).
+Share = Annotated[float, Field(ge=0, le=1)]
+ImageSide = Annotated[int, Field(ge=1, le=4096)]
 
 
 # Boxes one run may train on together: a cluster placement group holds this many of one type.
@@ -125,11 +129,10 @@ class RunParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # The form's first section: what most runs change.
-    dataset_uri: Annotated[str, Affects.RUN] = _from_deployment(
+    dataset_uri: Annotated[str, Affects.RUN, Field(min_length=1)] = _from_deployment(
         "BURSTCV_DATASET_URI",
         "Dataset URI",
         "ImageFolder root: <root>/{train,val}/<class>/<image>; a folder or s3://",
-        min_length=1,
     )
     model: Annotated[str, Affects.MODEL] = _param(
         MODEL_AUTO,
@@ -138,7 +141,7 @@ class RunParams(BaseModel):
         f"has ImageNet weights), {R.SMALL_IMAGE_MODEL} for small images such as the digits",
         enum=[MODEL_AUTO, *ARCHITECTURE_NAMES],
     )
-    pretrained: Annotated[str, Affects.MODEL] = _param(
+    pretrained: Annotated[str, Affects.MODEL, Field(min_length=1)] = _param(
         PRETRAINED_AUTO,
         "Pretrained weights",
         "auto: for photos, the model's ImageNet weights, fetched once into the "
@@ -146,36 +149,32 @@ class RunParams(BaseModel):
         "fetched); none: train from scratch; a torchvision weights name of the model "
         "(DEFAULT, IMAGENET1K_V2, ...), kept in the artifact store by sha256 after the first "
         "download; or the URI of a state_dict (a path, file://, s3://), loaded weights-only",
-        min_length=1,
     )
-    image_size: Annotated[int | None, Affects.MODEL] = _param(
+    image_size: Annotated[
+        int | None, Affects.MODEL, Field(ge=MIN_IMAGE_SIZE, le=MAX_IMAGE_SIZE)
+    ] = _param(
         None,
         "Image size (px)",
         "the square resolution the model trains and serves at; empty: chosen "
         "from the validated data (the median short side, at most 224, never upscaling)",
-        ge=MIN_IMAGE_SIZE,
-        le=MAX_IMAGE_SIZE,
     )
-    epochs: Annotated[int | None, Affects.MODEL] = _param(
+    epochs: Annotated[int | None, Affects.MODEL, Field(ge=1, le=500)] = _param(
         None,
         "Epochs",
         "passes over the training split; empty: auto, enough that a small "
         f"training set is seen {R.IMAGES_SEEN:,} images' worth ({R.MIN_EPOCHS} to "
         f"{R.MAX_EPOCHS}); early stopping or the time budget may stop training earlier",
         auto=True,
-        ge=1,
-        le=500,
     )
     compute_backend: Annotated[BackendName, Affects.RUN] = _from_deployment(
         "BURSTCV_COMPUTE_BACKEND",
         "Compute backend",
         "local: a process on the worker; ec2: ephemeral GPU instances",
     )
-    instance_types: Annotated[list[str], Affects.RUN] = _from_deployment(
+    instance_types: Annotated[list[str], Affects.RUN, Field(min_length=1)] = _from_deployment(
         "BURSTCV_EC2_INSTANCE_TYPES",
         "GPU instance types",
         "EC2 types in order of preference",
-        min_length=1,
     )
     use_spot: Annotated[bool, Affects.RUN] = _from_deployment(
         "BURSTCV_EC2_USE_SPOT",
@@ -184,7 +183,7 @@ class RunParams(BaseModel):
     )
     # A run takes a slot of the GPU pool per box (burstcv.airflow.policy): more boxes than the
     # pool has slots would never be scheduled (maximum_from).
-    num_nodes: Annotated[int, Affects.RUN] = _from_deployment(
+    num_nodes: Annotated[int, Affects.RUN, Field(ge=1, le=MAX_NUM_NODES)] = _from_deployment(
         "BURSTCV_NUM_NODES",
         "Training boxes",
         "boxes of one type that train together (ec2): one placement group, "
@@ -192,37 +191,30 @@ class RunParams(BaseModel):
         "training shards; rank 0 writes the checkpoints and markers, and losing one box "
         "relaunches them all. The budget, the GPU pool's slots and the bill count every box",
         maximum_from="BURSTCV_GPU_POOL_SLOTS",
-        ge=1,
-        le=MAX_NUM_NODES,
     )
-    max_cost_usd: Annotated[float, Affects.RUN] = _param(
+    max_cost_usd: Annotated[float, Affects.RUN, Field(gt=0, le=10_000)] = _param(
         5.0,
         "Max cost (USD)",
         "per-run budget, every box of every attempt (instance, root volume and "
         "public IPv4); bounds the deadline the boxes' watchdog is armed from",
-        gt=0,
-        le=10_000,
     )
-    latency_slo_ms: Annotated[float, Affects.RUN] = _param(
-        50.0, "Latency SLO (ms)", "p95 over HTTP, one image per request, the gate's limit", gt=0
+    latency_slo_ms: Annotated[float, Affects.RUN, Field(gt=0)] = _param(
+        50.0, "Latency SLO (ms)", "p95 over HTTP, one image per request, the gate's limit"
     )
-    target_rps: Annotated[float, Affects.RUN] = _param(
+    target_rps: Annotated[float, Affects.RUN, Field(gt=0, le=1_000_000)] = _param(
         10.0,
         "Expected peak load (req/s)",
         "the load the CPU serving fleet is sized for: the benchmark measures the "
         "rate each CPU size sustains within the SLO, and the gate names the cheapest fleet",
-        gt=0,
-        le=1_000_000,
     )
-    serving_families: Annotated[list[str], Affects.RUN] = _param(
+    serving_families: Annotated[list[str], Affects.RUN, Field(min_length=1)] = _param(
         ["c7i", "m7i"],
         "CPU instance families",
         "the EC2 families the serving fleet may use (x86_64: c7i compute, m7i general purpose; "
         "Graviton: c7g, m7g, c8g, measured on their own boxes when sized on ec2)",
-        min_length=1,
     )
-    accuracy_floor: Annotated[float, Affects.RUN] = _param(
-        0.9, "Accuracy floor", "validation top-1 the candidate must reach", ge=0, le=1
+    accuracy_floor: Annotated[Share, Affects.RUN] = _param(
+        0.9, "Accuracy floor", "validation top-1 the candidate must reach"
     )
     int8: Annotated[bool, Affects.EXPORT] = _param(
         True,
@@ -241,15 +233,13 @@ class RunParams(BaseModel):
     )
 
     # Training details.
-    batch_size: Annotated[int | None, Affects.MODEL] = _training(
+    batch_size: Annotated[int | None, Affects.MODEL, Field(ge=8, le=8192)] = _training(
         None,
         "Batch size",
         "images per optimizer step on each GPU (batch scaling per_gpu) or over "
         f"all of them (global); empty: auto, the largest power of two up to {R.MAX_BATCH} "
         f"that gives an epoch {R.MIN_STEPS_PER_EPOCH} steps",
         auto=True,
-        ge=8,
-        le=8192,
     )
     batch_scaling: Annotated[R.BatchScaling, Affects.MODEL] = _training(
         "per_gpu",
@@ -259,15 +249,13 @@ class RunParams(BaseModel):
         "(linear for SGD, square root for AdamW; in metrics.json); global: batch_size is "
         "split between the GPUs, the rate as chosen",
     )
-    learning_rate: Annotated[float | None, Affects.MODEL] = _training(
+    learning_rate: Annotated[float | None, Affects.MODEL, Field(gt=0, le=10)] = _training(
         None,
         "Learning rate",
         "peak of the schedule (linear warm-up, cosine decay); empty: auto, scaled "
         f"with the batch (AdamW {R.ADAMW_LR_AT_32:g} x sqrt(batch/32), SGD "
         f"{R.SGD_LR_PER_256:g} x batch/256)",
         auto=True,
-        gt=0,
-        le=10,
     )
     optimizer: Annotated[Literal["auto", "sgd", "adamw"], Affects.MODEL] = _training(
         "auto",
@@ -275,24 +263,20 @@ class RunParams(BaseModel):
         f"auto: AdamW for runs under {R.SGD_MIN_STEPS:,} steps, SGD with Nesterov "
         "momentum for longer ones",
     )
-    warmup_steps: Annotated[int | None, Affects.MODEL] = _training(
+    warmup_steps: Annotated[int | None, Affects.MODEL, Field(ge=0, le=100_000)] = _training(
         None,
         "Warm-up steps",
         "optimizer steps of linear warm-up; empty: auto, a quarter of the run, at "
         f"most max(3 epochs, {R.MIN_WARMUP_CAP_STEPS} steps)",
         auto=True,
-        ge=0,
-        le=100_000,
     )
-    early_stop_patience: Annotated[int | None, Affects.MODEL] = _training(
+    early_stop_patience: Annotated[int | None, Affects.MODEL, Field(ge=1, le=500)] = _training(
         None,
         "Early-stop patience (epochs)",
         "stop when validation accuracy has not improved for this many epochs "
         "(the best epoch is exported either way); empty: auto, a quarter of the epochs, at "
         f"least {R.MIN_PATIENCE}",
         auto=True,
-        ge=1,
-        le=500,
     )
     lr_range_test: Annotated[bool, Affects.MODEL] = _training(
         _JOB_DEFAULTS["lr_range_test"],
@@ -302,36 +286,29 @@ class RunParams(BaseModel):
         "the steepest descent (its seconds are "
         "counted; the rate is in metrics.json and the report); learning_rate is the fallback",
     )
-    freeze_backbone_epochs: Annotated[int, Affects.MODEL] = _training(
+    freeze_backbone_epochs: Annotated[int, Affects.MODEL, Field(ge=0, le=500)] = _training(
         _JOB_DEFAULTS["freeze_backbone_epochs"],
         "Frozen-backbone epochs",
         "pretrained runs: first epochs that train the new head alone",
-        ge=0,
-        le=500,
     )
-    backbone_lr_scale: Annotated[float, Affects.MODEL] = _training(
+    backbone_lr_scale: Annotated[float, Affects.MODEL, Field(gt=0, le=1)] = _training(
         _JOB_DEFAULTS["backbone_lr_scale"],
         "Backbone learning-rate scale",
         "pretrained runs: the backbone's learning rate over the head's",
-        gt=0,
-        le=1,
     )
-    seed: Annotated[int, Affects.MODEL] = _training(
+    seed: Annotated[int, Affects.MODEL, Field(ge=0)] = _training(
         _JOB_DEFAULTS["seed"],
         "Seed",
         "random seed of initialisation, shuffling and augmentation",
-        ge=0,
     )
     # The train task's timeout is set from the setting: a longer budget would be cut short.
-    time_budget_s: Annotated[int, Affects.RUN] = _from_deployment(
+    time_budget_s: Annotated[int, Affects.RUN, Field(ge=60, le=7 * 24 * 3600)] = _from_deployment(
         "BURSTCV_TRAIN_TIMEOUT_S",
         "Time budget (s)",
         "the run's training deadline, every attempt and the box's boot included "
         "(the max cost may lower it); at most the train task's timeout",
         section=SECTION_TRAINING,
         maximum_from="BURSTCV_TRAIN_TIMEOUT_S",
-        ge=60,
-        le=7 * 24 * 3600,
     )
 
     # Data checks (ValidationConfig's names and defaults).
@@ -341,81 +318,70 @@ class RunParams(BaseModel):
         "class folder names the dataset must have, exactly; empty: the class folders found",
         section=SECTION_DATA,
     )
-    min_images_per_class: Annotated[int, Affects.RUN] = _data_check(
+    min_images_per_class: Annotated[int, Affects.RUN, Field(ge=1)] = _data_check(
         "min_images_per_class",
         "Min images per class",
         "in every split: fewer cannot train or measure a class",
-        ge=1,
     )
-    min_total_images: Annotated[int, Affects.RUN] = _data_check(
-        "min_total_images", "Min total images", "usable images over all splits", ge=1
+    min_total_images: Annotated[int, Affects.RUN, Field(ge=1)] = _data_check(
+        "min_total_images", "Min total images", "usable images over all splits"
     )
-    max_imbalance_ratio: Annotated[float, Affects.RUN] = _data_check(
+    max_imbalance_ratio: Annotated[float, Affects.RUN, Field(ge=1)] = _data_check(
         "max_imbalance_ratio",
         "Max class imbalance",
         "largest class / smallest class, per split",
-        ge=1,
     )
-    min_width: Annotated[int, Affects.RUN] = _data_check(
-        "min_width", "Min image width (px)", _TOO_SMALL, **_SIDE_BOUNDS
+    min_width: Annotated[ImageSide, Affects.RUN] = _data_check(
+        "min_width", "Min image width (px)", _TOO_SMALL
     )
-    max_width: Annotated[int, Affects.RUN] = _data_check(
-        "max_width", "Max image width (px)", _TOO_LARGE, **_SIDE_BOUNDS
+    max_width: Annotated[ImageSide, Affects.RUN] = _data_check(
+        "max_width", "Max image width (px)", _TOO_LARGE
     )
-    min_height: Annotated[int, Affects.RUN] = _data_check(
-        "min_height", "Min image height (px)", _TOO_SMALL, **_SIDE_BOUNDS
+    min_height: Annotated[ImageSide, Affects.RUN] = _data_check(
+        "min_height", "Min image height (px)", _TOO_SMALL
     )
-    max_height: Annotated[int, Affects.RUN] = _data_check(
-        "max_height", "Max image height (px)", _TOO_LARGE, **_SIDE_BOUNDS
+    max_height: Annotated[ImageSide, Affects.RUN] = _data_check(
+        "max_height", "Max image height (px)", _TOO_LARGE
     )
-    near_duplicate_max_distance: Annotated[int | None, Affects.RUN] = _data_check(
-        "near_duplicate_max_distance",
-        "Near-duplicate distance (bits)",
-        "difference-hash bits within which an image in one split counts as a copy "
-        "of one in another (0: the same hash); empty: no near-duplicate check",
-        ge=0,
-        le=16,
+    near_duplicate_max_distance: Annotated[int | None, Affects.RUN, Field(ge=0, le=16)] = (
+        _data_check(
+            "near_duplicate_max_distance",
+            "Near-duplicate distance (bits)",
+            "difference-hash bits within which an image in one split counts as a copy "
+            "of one in another (0: the same hash); empty: no near-duplicate check",
+        )
     )
-    drift_max: Annotated[float | None, Affects.RUN] = _data_check(
+    drift_max: Annotated[float | None, Affects.RUN, Field(ge=0)] = _data_check(
         "drift_max",
         "Max drift",
         "drift score (class proportions, image size) against the last dataset "
         "that passed, above which validation fails; empty: only warn",
-        ge=0,
     )
 
     # Scale-out: how validate and pack spread over Airflow's workers.
-    chunk_files: Annotated[int, Affects.RUN] = _scale_out(
+    chunk_files: Annotated[int, Affects.RUN, Field(ge=1, le=10_000_000)] = _scale_out(
         DEFAULT_CHUNK_FILES,
         "Files per chunk",
         "validate and pack split the dataset into chunks of at most this many "
         "files, one mapped task each (spread over the workers by a CeleryExecutor); a dataset "
         "under both limits is one chunk",
-        ge=1,
-        le=10_000_000,
     )
-    chunk_mb: Annotated[int, Affects.RUN] = _scale_out(
+    chunk_mb: Annotated[int, Affects.RUN, Field(ge=1, le=10_000_000)] = _scale_out(
         DEFAULT_CHUNK_MB,
         "MB per chunk",
         "and of at most this many MB of image files",
-        ge=1,
-        le=10_000_000,
     )
 
     # Gate details.
-    max_accuracy_drop: Annotated[float, Affects.RUN] = _gate(
+    max_accuracy_drop: Annotated[Share, Affects.RUN] = _gate(
         0.02,
         "Max accuracy drop",
         "accuracy the candidate may lose against the production model",
-        ge=0,
-        le=1,
     )
-    int8_max_accuracy_drop: Annotated[float, Affects.EXPORT] = _gate(
+    int8_max_accuracy_drop: Annotated[Share, Affects.EXPORT] = _gate(
         0.01,
         "INT8 max accuracy drop",
         "accuracy the INT8 model may lose against the FP32 one and still serve",
-        ge=0,
-        le=1,
     )
 
     # Fleet sizing.
@@ -427,21 +393,17 @@ class RunParams(BaseModel):
         "measures it on its own CPUs, in the run's budget and bill; auto: ec2 when the run "
         "trains on ec2 (its artifacts in S3), else host",
     )
-    sizing_boxes: Annotated[int, Affects.RUN] = _sizing(
+    sizing_boxes: Annotated[int, Affects.RUN, Field(ge=1, le=8)] = _sizing(
         3,
         "Types sized on boxes",
         "candidate CPU types measured on boxes of their own (size on ec2): the "
         "cheapest fleets the worker's figures say could serve the load",
-        ge=1,
-        le=8,
     )
-    sizing_max_s: Annotated[int, Affects.RUN] = _sizing(
+    sizing_max_s: Annotated[int, Affects.RUN, Field(ge=300, le=3600)] = _sizing(
         900,
         "Sizing time bound (s)",
         "how long the sizing boxes may take (size on ec2): no box outlives it by "
         "more than its watchdog's margin; a type without figures by then is skipped",
-        ge=300,
-        le=3600,
     )
 
     @field_validator("model")
@@ -630,18 +592,14 @@ class RunField:
         return merged
 
 
-def run_fields() -> dict[str, RunField]:
-    """Return every run parameter in form order, as the form, the CLI and the docs show it."""
-    return dict(_run_fields())
-
-
 @functools.cache
-def _run_fields() -> dict[str, RunField]:
+def run_fields() -> Mapping[str, RunField]:
+    """Return every run parameter in form order, as the form, the CLI and the docs show it."""
     properties = RunParams.model_json_schema()["properties"]
     fields: dict[str, RunField] = {}
-    for name, info in RunParams.model_fields.items():
+    for name in RunParams.model_fields:
         prop = dict(properties[name])
-        prop.pop("default", None)
+        default = prop.pop("default", None)  # JSON-ready; absent when default_from names it
         description = str(prop.pop("description"))
         default_from = prop.pop("default_from", None)
         maximum_from = prop.pop("maximum_from", None)
@@ -658,16 +616,12 @@ def _run_fields() -> dict[str, RunField]:
             title=str(prop["title"]),
             description=description,
             schema=prop,
-            default=None if default_from else _json_ready(info.default),
+            default=default,
             default_from=default_from,
             maximum_from=maximum_from,
             auto=auto,
         )
-    return fields
-
-
-def _json_ready(value: Any) -> Any:
-    return json.loads(json.dumps(value))
+    return MappingProxyType(fields)
 
 
 def describe_values(spec: RunField) -> str:
