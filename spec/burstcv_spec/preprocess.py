@@ -62,9 +62,7 @@ class PreprocessSpec:
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON-ready form written into model.json."""
         data = asdict(self)
-        data["mean"] = list(self.mean)
-        data["std"] = list(self.std)
-        data["formats"] = list(self.formats)
+        data.update(mean=list(self.mean), std=list(self.std), formats=list(self.formats))
         if self.resize_short is None:
             del data["resize_short"]  # a plain-resize spec writes the model.json it always did
         return data

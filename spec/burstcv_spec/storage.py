@@ -169,18 +169,11 @@ def list_files(prefix: str) -> Iterator[str]:
     if is_s3(prefix):
         bucket, key = _split_s3(prefix)
         key = key.rstrip("/") + "/" if key else ""
-        paginator = s3_client().get_paginator("list_objects_v2")
-        keys: list[str] = []
-        for page in paginator.paginate(Bucket=bucket, Prefix=key):
-            keys.extend(obj["Key"] for obj in page.get("Contents", []))
-        for k in sorted(keys):
-            yield f"s3://{bucket}/{k}"
-        return
-    root = Path(prefix)
-    if not root.is_dir():
-        return
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        yield str(path)
+        pages = s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key)
+        keys = sorted(obj["Key"] for page in pages for obj in page.get("Contents", []))
+        yield from (f"s3://{bucket}/{k}" for k in keys)
+    elif Path(prefix).is_dir():
+        yield from map(str, sorted(p for p in Path(prefix).rglob("*") if p.is_file()))
 
 
 def upload_file(local_path: str | Path, uri: str) -> str:

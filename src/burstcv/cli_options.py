@@ -26,6 +26,16 @@ EMPTY_WORDS = ("none", "off", "")  # what leaves a field that may be empty (JSON
 AUTO_WORDS = ("auto", "")  # what leaves a field whose empty means auto on auto
 
 
+# An option's Python type by JSON type (a list is given as comma-separated text).
+_PYTHON_TYPES: dict[str, type] = {
+    "string": str,
+    "integer": int,
+    "number": float,
+    "boolean": bool,
+    "array": str,
+}
+
+
 def value_parser(spec: RunField) -> Callable[[Any], Any]:
     """Return the parser of a field's option: text to a value the field's schema accepts.
 
@@ -43,12 +53,8 @@ def value_parser(spec: RunField) -> Callable[[Any], Any]:
                     value = None
                 elif kind == "array":
                     value = [item.strip() for item in text.split(",") if item.strip()]
-                elif kind == "integer":
-                    value = int(text)
-                elif kind == "number":
-                    value = float(text)
-                else:
-                    value = text
+                else:  # a boolean option has no parser
+                    value = _PYTHON_TYPES[kind](text)
             except ValueError:
                 raise typer.BadParameter(f"{raw!r} is not {describe_values(spec)}") from None
         # The deployment's bounds are read when the command runs, as the form's when it is built.
@@ -59,15 +65,6 @@ def value_parser(spec: RunField) -> Callable[[Any], Any]:
         return value
 
     return parse
-
-
-_PYTHON_TYPES: dict[str, type] = {
-    "string": str,
-    "integer": int,
-    "number": float,
-    "boolean": bool,
-    "array": str,
-}
 
 
 def option_parameter(spec: RunField) -> inspect.Parameter:
