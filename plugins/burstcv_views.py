@@ -253,8 +253,8 @@ def run_artifact(run_key: str, path: str, settings: SettingsDep) -> Response:
     return Response(body, media_type=media_type)
 
 
-def _fmt(value: Any, spec: str, suffix: str = "") -> str:
-    return "–" if value is None else f"{format(value, spec)}{suffix}"
+def _fmt(value: Any, spec: str, suffix: str = "", prefix: str = "") -> str:
+    return "–" if value is None else f"{prefix}{format(value, spec)}{suffix}"
 
 
 def _link(url: str | None, text: str) -> str:
@@ -270,10 +270,6 @@ def _airflow_link(url: str | None, text: str) -> str:
         return html.escape(text)
     # One level up from <base>/burstcv/ is Airflow's base URL; _top leaves the plugin's frame.
     return f'<a href="..{html.escape(url)}" target="_top">{html.escape(text)}</a>'
-
-
-def _usd(value: Any) -> str:
-    return "–" if value is None else f"${value:.4f}"
 
 
 def _fleet(version: dict[str, Any], versions: list[dict[str, Any]]) -> str:
@@ -328,8 +324,8 @@ def _run_cells(r: dict[str, Any]) -> str:
         f"<td>{e(str(r['dataset_uri'] or '–'))}</td>"
         f"<td>{e(str(r['backend'] or '–'))}</td>"
         f"<td>{_fmt(r['boxes'], 'd')}</td>"
-        f"<td>{'$0 (skipped)' if r.get('skipped') else _usd(r['cost_usd'])}"
-        f" of {_usd(r['max_cost_usd'])}</td>"
+        f"<td>{'$0 (skipped)' if r.get('skipped') else _fmt(r['cost_usd'], '.4f', prefix='$')}"
+        f" of {_fmt(r['max_cost_usd'], '.4f', prefix='$')}</td>"
         f"<td>{_fmt(r['version'], 'd')}</td>"
         f"<td>{e(r['summary'] or '–')}</td>"
         f"<td>{_link(r['data_docs_url'], 'Data Docs')} {_link(r['report_url'], 'report')}</td>"
