@@ -122,8 +122,7 @@ class Child:
         self.group = ProcessGroup(
             pgid=self.proc.pid, started=psutil.Process(self.proc.pid).create_time()
         )
-        now = time.monotonic()
-        self.started_at = self.progress_at = now
+        self.started_at = self.progress_at = time.monotonic()
         self.answered, self.stopped_since, self.restart_at = self.probe is None, None, None
         assert self.proc.stdout is not None
         threading.Thread(target=_relay, args=(self.name, self.proc.stdout), daemon=True).start()
