@@ -118,10 +118,6 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 _SEND_JSON = "(send a JSON object, as the OpenAPI document at /openapi.json describes)"
-_UNREADABLE: dict[type[BaseException], str] = {
-    UnicodeDecodeError: "it is not UTF-8 text",
-    RecursionError: "it is nested too deeply",
-}
 
 
 def _describe_validation_errors(request: Request, exc: RequestValidationError) -> str:
@@ -161,8 +157,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     deeply) as the documented 422 every other unreadable body gets, with the reason."""
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 400 and exc.__cause__ is not None:
-        cause = type(exc.__cause__)
-        why = _UNREADABLE.get(cause, cause.__name__)
+        cause = exc.__cause__
+        why = type(cause).__name__
+        if isinstance(cause, UnicodeDecodeError):
+            why = "it is not UTF-8 text"
+        elif isinstance(cause, RecursionError):
+            why = "it is nested too deeply"
         if request.url.path.startswith("/v1/predict"):
             detail = f"the body could not be read as multipart/form-data ({why})"
         else:
