@@ -22,7 +22,6 @@ from burstcv.data.validate import (
     DatasetUnusableError,
     ValidationConfig,
     summary,
-    usable_rows,
     validate_dataset,
 )
 from burstcv_spec.preprocess import PreprocessSpec
@@ -234,7 +233,7 @@ def test_camera_multi_picture_jpegs_pass_and_pack(
     )
     report = _validate(dataset, out_dir)
     assert report.success, summary(report)
-    manifest = usable_rows(pd.read_parquet(out_dir / "manifest.parquet"))
+    manifest = pd.read_parquet(out_dir / "manifest.parquet")
     row = manifest[manifest["path"] == "train/cat/phone.jpg"]
     assert row["format"].tolist() == ["MPO"]
     packed = pack_dataset(row, str(tmp_path / "shards"), PreprocessSpec())
@@ -431,16 +430,6 @@ def test_unusable_datasets_raise_one_line_reasons(tmp_path: Path, kit: Any) -> N
     with pytest.raises(DatasetUnusableError, match="not an ImageFolder") as info:
         validate_dataset(str(flat), out, ValidationConfig())
     assert "\n" not in str(info.value)
-
-
-def test_usable_rows_are_the_decoded_ones_in_pack_order(dataset: Path, out_dir: Path) -> None:
-    (dataset / "train" / "cat" / "000.png").write_bytes(b"")
-    report = _validate(dataset, out_dir)
-    rows = usable_rows(pd.read_parquet(report.manifest_uri))
-    assert len(rows) == 59 and rows["decode_ok"].all()
-    assert "train/cat/000.png" not in set(rows["path"])
-    order = list(zip(rows["split"], rows["label"], rows["path"], strict=True))
-    assert order == sorted(order)
 
 
 def test_config_refuses_impossible_thresholds() -> None:

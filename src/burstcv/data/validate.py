@@ -256,16 +256,6 @@ def describe_observed(observed: Any) -> str:
     return str(observed)
 
 
-def usable_rows(manifest_df: pd.DataFrame) -> pd.DataFrame:
-    """Return the rows that decoded (with a split and label), sorted by (split, label, path)."""
-    mask = manifest_df["decode_ok"].astype(bool) & manifest_df["label"].notna()
-    return (
-        manifest_df[mask]
-        .sort_values(["split", "label", "path"], kind="stable")
-        .reset_index(drop=True)
-    )
-
-
 def dataset_fingerprint(manifest_df: pd.DataFrame) -> str:
     """Return sha256 over the sorted (path, sha256) rows: same files, same bytes, same print."""
     digest = hashlib.sha256()
@@ -296,7 +286,6 @@ def dataset_name(dataset_uri: str) -> str:
 def _profile(
     manifest: pd.DataFrame, config: ValidationConfig, fingerprint: str, dataset_uri: str
 ) -> DatasetProfile:
-    # Counts and medians only: no need for usable_rows' sort.
     usable = manifest.loc[usable_mask(manifest, config.splits), ["label", "width", "height"]]
     total = max(len(usable), 1)
     proportions = {str(label): n / total for label, n in usable.groupby("label").size().items()}
