@@ -29,9 +29,8 @@ def write_demo_dataset(root: str | Path, *, size_px: int = DEMO_SIZE_PX) -> dict
     digits = load_digits()
     images = (digits.images * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
     labels = digits.target.astype(int)
-    indices = np.arange(len(labels))
     train_idx, val_idx = train_test_split(
-        indices, test_size=VAL_FRACTION, stratify=labels, random_state=SPLIT_SEED
+        np.arange(len(labels)), test_size=VAL_FRACTION, stratify=labels, random_state=SPLIT_SEED
     )
     root = Path(root)
     counts: dict[str, int] = {}
