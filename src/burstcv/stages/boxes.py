@@ -81,13 +81,15 @@ def provision(
     The time budget becomes a deadline armed once: a relaunch or a retry (``attempt``, part of
     the launch's idempotency token) launches against the first try's, so no try gets a fresh
     budget. Whatever interrupts the launch (a timeout too), the run's boxes are terminated."""
-    from burstcv.training.job import write_job
+    from burstcv.training.job import load_job, write_job
 
     s = settings or get_settings()
     paths = run_layout(run, s)
     resolved = resolved_run(run, s)
     params, costs = resolved.params, resolved.costs
-    armed = armed_deadline(paths.job_spec, attempt)
+    armed = None  # a retry launches against the deadline the first try armed in its job.json
+    if attempt > 1 and storage.exists(paths.job_spec):
+        armed = load_job(paths.job_spec).deadline_at
     if armed is not None:
         left_s = (armed - lineage.utc_now()).total_seconds()
         if left_s < MIN_TRAINING_LEFT_S:
@@ -143,15 +145,6 @@ def provision(
 
 
 MIN_TRAINING_LEFT_S = 120.0  # a retry of provision launches only with this much time left
-
-
-def armed_deadline(job_spec_uri: str, attempt: int) -> datetime | None:
-    """Return the deadline an earlier try of provision armed in its job.json, or None."""
-    from burstcv.training.job import load_job
-
-    if attempt <= 1 or not storage.exists(job_spec_uri):
-        return None
-    return load_job(job_spec_uri).deadline_at
 
 
 def clean_up_provision(
@@ -241,16 +234,11 @@ def collect_training(
     """Turn the training outcome into figures, or raise TrainingFailed with the box's reason.
     How long its boxes took to boot is kept for the budgets of later runs."""
     s = settings or get_settings()
-    for instance_type, seconds in measured_boots(run_layout(run, s).job, outcome.attempt).items():
+    paths = run_layout(run, s)
+    for instance_type, seconds in measured_boots(paths.job, outcome.attempt).items():
         record_boots(s.artifact_root, instance_type, seconds)
     if outcome.status != "done":
         raise TrainingFailed(outcome.line())
-    return trained(run, s)
-
-
-def trained(run: RunRef, settings: Settings | None = None) -> Trained:
-    """Return the figures of the run's trained model, from metrics.json."""
-    paths = run_layout(run, settings)
     metrics = read_artifact(paths.metrics, TrainingMetrics)
     return Trained(
         model_uri=paths.weights,

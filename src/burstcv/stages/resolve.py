@@ -5,6 +5,7 @@ Every stage reads the run through ``resolved_run``; a failed stage reports an er
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from typing import Any
 
 from burstcv import lineage
@@ -124,19 +125,9 @@ def choose_training(
         reason = f"weights {auto.reason}; {reason}"
     if params.model == MODEL_AUTO or params.pretrained != pretrained:
         params.check_weights(recipe.model, pretrained)  # what the form could not check
-    return TrainingChoice(
-        model=recipe.model,
-        pretrained=pretrained,
-        batch_size=recipe.batch_size,
-        learning_rate=recipe.learning_rate,
-        epochs=recipe.epochs,
-        optimizer=recipe.optimizer,
-        warmup_steps=recipe.warmup_steps,
-        early_stop_patience=recipe.early_stop_patience,
-        derived=derived,
-        reason=reason,
-        warning=warning,
-    )
+    chosen = {k: v for k, v in asdict(recipe).items() if k in TrainingChoice.model_fields}
+    chosen.update(pretrained=pretrained, derived=derived, reason=reason, warning=warning)
+    return TrainingChoice.model_validate(chosen)
 
 
 def derived(resolved: ResolvedRun) -> tuple[ImageSizeChoice, TrainingChoice]:
@@ -147,13 +138,6 @@ def derived(resolved: ResolvedRun) -> tuple[ImageSizeChoice, TrainingChoice]:
             "validate chooses them (run validate first)"
         )
     return resolved.image_size, resolved.training
-
-
-def _auto_choices(training: TrainingChoice | None) -> dict[str, Any]:
-    """Return what validate chose for each param left on auto (none before validate)."""
-    if training is None:
-        return {}
-    return training.model_dump(include=set(training.derived) & set(RunParams.model_fields))
 
 
 def _as_chosen(name: str, value: Any, chosen: dict[str, Any]) -> Any:
@@ -240,7 +224,9 @@ def _differing(
     mine = resolved.params.model_dump(mode="json")
     # A param production's record lacks (added since) had its default then.
     defaults = RunParams.defaults(s)
-    chosen = _auto_choices(resolved.training)
+    chosen: dict[str, Any] = {}  # what validate chose for each param left on auto
+    if (training := resolved.training) is not None:
+        chosen = training.model_dump(include=set(training.derived) & set(RunParams.model_fields))
     differing = [
         k
         for k in TRAINING_PARAMS + EXPORT_PARAMS
