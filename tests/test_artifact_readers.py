@@ -24,7 +24,6 @@ ROOTS = (
 # Where json.loads may parse text, and what that text is.
 PARSES_OTHER_JSON: dict[str, str] = {
     "src/burstcv/cli.py": "the --conf option of `burstcv run`: run params typed by a user",
-    "src/burstcv/params.py": "a JSON round trip that makes a param value plain JSON",
     "src/burstcv/compute/ec2.py": "STS DecodeAuthorizationMessage's answer, to name a refusal",
     "src/burstcv/cost/pricing.py": "the bundled price table and the Price List API's answers",
     "src/burstcv/registry/registry.py": "an alias file (then parse_artifact) and a lock's body",
