@@ -533,14 +533,6 @@ def gate_load(
     return GateLoad(rate_rps=round(rate, 3), requests=min(requests, wanted), note=note)
 
 
-def _box_points(boxes: Sequence[BoxSizing]) -> dict[str, list[SizePoint]]:
-    return {
-        b.instance_type: list(b.sizes)
-        for b in boxes
-        if b.skipped is None and any(p.measured for p in b.sizes)
-    }
-
-
 def fleet_options(
     points: Sequence[SizePoint],
     *,
@@ -553,7 +545,11 @@ def fleet_options(
     """Return every allowed type's fleet for ``target_rps``, best first: a type a sizing box
     measured rests on its box's sizes and ranks first; any other is extrapolated from ``points``."""
     usd = {q.instance_type: q.usd_per_hour for q in prices}
-    measured_on = _box_points(boxes)
+    measured_on = {
+        b.instance_type: list(b.sizes)
+        for b in boxes
+        if b.skipped is None and any(p.measured for p in b.sizes)
+    }
     arch = normal_arch(platform.machine())
     options = []
     for instance_type, (vcpus, memory_gib) in sorted(instance_shapes().items()):
@@ -778,10 +774,9 @@ def box_speed_key(
 
 
 def _version(package: str) -> str | None:
-    try:
+    with contextlib.suppress(metadata.PackageNotFoundError):
         return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
+    return None
 
 
 @dataclass

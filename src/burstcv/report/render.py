@@ -338,11 +338,8 @@ def _training_view(record: RunDocs) -> dict[str, Any]:
         }
     epochs, confusion, classes = metrics.epochs, metrics.confusion, metrics.classes
     curves = _chart(lambda: charts.training_curves(epochs), "training curves") if epochs else None
-    confusion_chart = None
-    if confusion and classes:
-        confusion_chart = _chart(
-            lambda: charts.confusion_matrix(confusion, classes), "confusion matrix"
-        )
+    draw_confusion = functools.partial(charts.confusion_matrix, confusion, classes)
+    confusion_chart = _chart(draw_confusion, "confusion matrix") if confusion and classes else None
     recipe = record.run.training if record.run else None
     return {
         "missing": None,
@@ -476,12 +473,8 @@ def _load_line(latency: LatencyRecord) -> str:
 
 def _timings_line(latency: LatencyRecord) -> str | None:
     """Say the seconds the gate's measurements took (None for records that do not say)."""
-    parts = []
-    if latency.sizing_s is not None:
-        parts.append(f"fleet sizing {latency.sizing_s:.0f} s")
-    if latency.bench_s is not None:
-        parts.append(f"latency benchmark {latency.bench_s:.0f} s")
-    return "; ".join(parts) or None
+    steps = (("fleet sizing", latency.sizing_s), ("latency benchmark", latency.bench_s))
+    return "; ".join(f"{step} {s:.0f} s" for step, s in steps if s is not None) or None
 
 
 def _fleet_view(record: RunDocs) -> dict[str, Any]:

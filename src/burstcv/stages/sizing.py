@@ -258,12 +258,9 @@ def _box_memo(s: Settings, keys: dict[str, str]) -> dict[str, BoxSizing]:
     """Return {type: its figures measured before under the same speed key}."""
     found = {}
     for instance_type, key in keys.items():
-        uri = _box_memo_uri(s, key)
-        if not storage.exists(uri):
-            continue
         try:
-            box = read_artifact(uri, BoxSizing)
-        except ArtifactError:  # damaged: measured again, and rewritten
+            box = read_artifact(_box_memo_uri(s, key), BoxSizing)
+        except (storage.ArtifactNotFoundError, ArtifactError):  # none, or damaged: measured
             continue
         if box.speed_key == key and box.skipped is None:
             found[instance_type] = box
