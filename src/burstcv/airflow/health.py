@@ -18,12 +18,8 @@ COMPONENTS = ("metadatabase", "scheduler", "triggerer", "dag_processor")
 
 def unhealthy(health: dict[str, Any]) -> list[str]:
     """Return 'name (status)' for every component the health answer does not call healthy."""
-    bad = []
-    for name in COMPONENTS:
-        status = (health.get(name) or {}).get("status")
-        if status != "healthy":
-            bad.append(f"{name} ({status or 'not reported'})")
-    return bad
+    statuses = {name: (health.get(name) or {}).get("status") for name in COMPONENTS}
+    return [f"{n} ({s or 'not reported'})" for n, s in statuses.items() if s != "healthy"]
 
 
 def _alive(pid: Any) -> bool:
@@ -48,13 +44,11 @@ def dead_processes(state_path: str) -> list[str]:
         return []
     if not _alive(state.supervisor):
         return ["supervisor (process exited)"]
-    bad = []
-    for name, pid in state.components.items():
-        if isinstance(pid, str):
-            bad.append(f"{name} ({pid})")
-        elif not _alive(pid):
-            bad.append(f"{name} (process exited)")
-    return bad
+    return [
+        f"{name} ({pid if isinstance(pid, str) else 'process exited'})"
+        for name, pid in state.components.items()
+        if isinstance(pid, str) or not _alive(pid)
+    ]
 
 
 def check(api_url: str, timeout_s: float = 10.0) -> list[str]:
