@@ -72,6 +72,7 @@ def version_tuple(text: str) -> tuple[int, ...]:
 
 
 def dotted(version: tuple[int, ...]) -> str:
+    """Return a version, or a compute capability, as written (``3.12.1``, ``8.6``)."""
     return ".".join(str(p) for p in version)
 
 
@@ -146,11 +147,6 @@ def runs_on(capability: tuple[int, int], arch_list: list[str]) -> bool:
     return False
 
 
-def capability_text(capability: tuple[int, int]) -> str:
-    """Return a compute capability as NVIDIA writes it (``8.6``)."""
-    return f"{capability[0]}.{capability[1]}"
-
-
 def check_gpu_arch(
     name: str,
     capability: tuple[int, int],
@@ -163,7 +159,7 @@ def check_gpu_arch(
         return None
     built = ", ".join(arch_list) or "no CUDA architecture"
     return (
-        f"GPU {name} (compute capability {capability_text(capability)}) is not among the "
+        f"GPU {name} (compute capability {dotted(capability)}) is not among the "
         f"architectures torch {torch_version} (CUDA {torch_cuda}) was built for ({built}): it "
         f"would fail at its first kernel; choose a newer GPU type (instance_types, e.g. "
         f"g6.xlarge) or an AMI whose PyTorch still builds for it ({AMI_HINT})"
@@ -248,6 +244,6 @@ def run_checks(require_cuda: bool, instance_type: str | None) -> Findings:
             found.problems.append(problem)
             return found
         if index == 0:
-            found.facts["gpu"] = f"{name} (compute capability {capability_text(capability)})"
+            found.facts["gpu"] = f"{name} (compute capability {dotted(capability)})"
             found.facts["precision"] = precision_for(capability)
     return found
