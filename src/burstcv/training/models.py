@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from torch import nn
 from torchvision import models as tvm
@@ -46,29 +47,22 @@ def _convnext_small_stem(model: nn.Module) -> None:
 class Architecture:
     """Describe one architecture: how to build it and which layer is the classifier head."""
 
-    build: Callable[[int], nn.Module]  # num_classes -> torchvision's layout, random weights
+    build: Callable[..., nn.Module]  # (num_classes=) -> torchvision's layout, random weights
     small_stem: Callable[[nn.Module], None]  # adapts the stem in place for small inputs
     head: str  # the final Linear, rebuilt for the dataset's class count (never pretrained)
     torchvision_name: str | None  # for torchvision.models.get_model_weights; None: no weights
 
 
 def _torchvision(name: str, small_stem: Callable[[nn.Module], None], head: str) -> Architecture:
-    def build(num_classes: int) -> nn.Module:
-        model: nn.Module = tvm.get_model(name, weights=None, num_classes=num_classes)
-        return model
-
-    return Architecture(build, small_stem, head, name)
-
-
-def _resnet10(num_classes: int) -> nn.Module:
-    model: nn.Module = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=num_classes)
-    return model
+    return Architecture(partial(tvm.get_model, name, weights=None), small_stem, head, name)
 
 
 # resnet10 (resnet18 with one block a stage, no weights) reaches >95% on the demo digits in
 # seconds on a laptop CPU; the others are for photos, with torchvision's ImageNet weights.
 ARCHITECTURES: dict[str, Architecture] = {
-    "resnet10": Architecture(_resnet10, _resnet_small_stem, "fc", None),
+    "resnet10": Architecture(
+        partial(ResNet, BasicBlock, [1, 1, 1, 1]), _resnet_small_stem, "fc", None
+    ),
     "resnet18": _torchvision("resnet18", _resnet_small_stem, "fc"),
     "resnet34": _torchvision("resnet34", _resnet_small_stem, "fc"),
     "resnet50": _torchvision("resnet50", _resnet_small_stem, "fc"),
@@ -103,7 +97,7 @@ def build_model(
     spec = architecture(arch)
     if num_classes < 2:
         raise ValueError(f"a classifier needs at least 2 classes, got {num_classes}")
-    model = spec.build(num_classes)
+    model = spec.build(num_classes=num_classes)
     if not pretrained and input_px <= SMALL_INPUT_PX:
         spec.small_stem(model)
     return model
