@@ -158,7 +158,6 @@ def write_job(job: JobSpec, uri: str) -> str:
 
 
 # Where an attempt ended; only "interrupted" (or a box lost without a marker) earns a relaunch.
-STAGE_BOOTSTRAP = "bootstrap"
 STAGE_PREFLIGHT = "preflight"
 STAGE_TRAIN = "train"
 STAGE_BUDGET = "budget"
