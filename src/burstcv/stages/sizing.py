@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from burstcv import lineage
 from burstcv.links import DAG_ID
@@ -98,6 +98,19 @@ def size_fleet(
     return sizing
 
 
+def _fleet_terms(resolved: ResolvedRun) -> dict[str, Any]:
+    """Return what the run's fleet is chosen for: its SLO, load, serving prices and families."""
+    params, costs = resolved.params, resolved.costs
+    return {
+        "latency_slo_ms": params.latency_slo_ms,
+        "target_rps": params.target_rps,
+        "prices": costs.serving,
+        "region": costs.region,
+        "unpriced": costs.serving_unpriced,
+        "families": params.serving_families,
+    }
+
+
 def _size_on_host(
     model_dir: str,
     images: list[bytes],
@@ -109,38 +122,19 @@ def _size_on_host(
     key) at this run's load and prices, without measuring."""
     from burstcv.gate.sizing import recommend, size_model
 
-    params, costs = resolved.params, resolved.costs
+    terms = _fleet_terms(resolved)
     if earlier is not None:
-        report = recommend(
-            earlier.sizes,
-            latency_slo_ms=params.latency_slo_ms,
-            target_rps=params.target_rps,
-            prices=costs.serving,
-            region=costs.region,
-            unpriced=costs.serving_unpriced,
-            host_cores=earlier.host_cores,
-            families=params.serving_families,
-        )
+        report = recommend(earlier.sizes, **terms, host_cores=earlier.host_cores)
         report = _with_provenance(report, earlier)
     else:
-        report = size_model(
-            model_dir,
-            images,
-            latency_slo_ms=params.latency_slo_ms,
-            target_rps=params.target_rps,
-            prices=costs.serving,
-            region=costs.region,
-            unpriced=costs.serving_unpriced,
-            max_vcpus=s.sizing_max_vcpus or None,
-            duration_s=s.sizing_step_s,
-            families=params.serving_families,
-        )
+        vcpus = s.sizing_max_vcpus or None
+        report = size_model(model_dir, images, **terms, max_vcpus=vcpus, duration_s=s.sizing_step_s)
     for point in report.sizes:
         log.info(
             "sizing: %d vCPU(s) sustain %.1f req/s within p95 %g ms",
             point.vcpus,
             point.sustainable_rps,
-            params.latency_slo_ms,
+            resolved.params.latency_slo_ms,
         )
     log.info("sizing: %s", report.reason)
     return report
@@ -187,14 +181,9 @@ def size_fleet_on_boxes(
     boxes = [earlier.get(t) or measured[t] for t in types if t in earlier or t in measured]
     report = recommend(
         host.sizes,
-        latency_slo_ms=params.latency_slo_ms,
-        target_rps=params.target_rps,
-        prices=resolved.costs.serving,
-        region=resolved.costs.region,
-        unpriced=resolved.costs.serving_unpriced,
+        **_fleet_terms(resolved),
         headroom=host.headroom,
         host_cores=host.host_cores,
-        families=params.serving_families,
         boxes=boxes,
     )
     log.info("sizing boxes: %s", report.reason)
