@@ -49,9 +49,9 @@ def _main(
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def _setup_logging(verbose: bool = False) -> None:
+def _setup_logging() -> None:
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
+        level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )

@@ -65,8 +65,7 @@ def boot_estimate(artifact_root: str, instance_type: str) -> BootEstimate:
             instance_type, max(measured), f"measured: the slowest of its last {len(measured)}"
         )
     family = instance_type.split(".")[0]
-    floor = BOOT_FLOOR_S.get(family)
-    if floor is None:
+    if (floor := BOOT_FLOOR_S.get(family)) is None:
         return BootEstimate(
             instance_type, UNKNOWN_FAMILY_BOOT_S, f"assumed: no floor for the {family} family"
         )

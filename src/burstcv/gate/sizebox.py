@@ -23,18 +23,13 @@ from burstcv_spec.contracts import BoxSizing, HostInfo, write_artifact
 log = logging.getLogger("burstcv.sizebox")
 
 
-def request_images(folder_uri: str) -> list[bytes]:
-    """Return the request images under ``folder_uri`` (bench/sizing/requests/), in name order."""
-    images = [storage.read_bytes(uri) for uri in sorted(storage.list_files(folder_uri))]
-    if not images:
-        raise ValueError(f"no request images under {folder_uri}")
-    return images
-
-
 def _measure_box(args: argparse.Namespace) -> BoxSizing:
     """Size the model on this machine's CPUs, as ``main``'s arguments say; write its BoxSizing."""
     started = time.monotonic()
-    images = request_images(args.requests)
+    # The request images (bench/sizing/requests/), in name order.
+    images = [storage.read_bytes(uri) for uri in sorted(storage.list_files(args.requests))]
+    if not images:
+        raise ValueError(f"no request images under {args.requests}")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = materialise_model(args.model, Path(tmp) / "model")
         points = measure_sizes(
