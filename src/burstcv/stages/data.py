@@ -109,9 +109,7 @@ def task_processes(settings: Settings) -> int:
     usable CPUs shared between the worker's task slots (at least one)."""
     from burstcv.data.scanner.dispatch import usable_cpus
 
-    if settings.task_processes:
-        return settings.task_processes
-    return max(1, usable_cpus() // worker_task_slots())
+    return settings.task_processes or max(1, usable_cpus() // worker_task_slots())
 
 
 def scan_chunk(run: RunRef, chunk: DataChunk, settings: Settings | None = None) -> int:
