@@ -38,13 +38,7 @@ from burstcv_spec.contracts import (
     read_artifact,
     write_artifact,
 )
-from burstcv_spec.layout import (
-    ATTEMPT_RECORD,
-    FAILED_MARKER,
-    JOB_SPEC,
-    LAUNCH_RECORD,
-    PROGRESS,
-)
+from burstcv_spec.layout import ATTEMPT_RECORD, FAILED_MARKER, JOB_SPEC, LAUNCH_RECORD, PROGRESS
 from burstcv_spec.storage import safe_run_id
 
 if TYPE_CHECKING:

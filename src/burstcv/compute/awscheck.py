@@ -175,11 +175,8 @@ def _quota_needs(backend: Ec2Backend) -> tuple[list[Finding], dict[str, tuple[st
         instance_type, market = option.instance_type, option.market
         family = vcpu_quota_of(instance_type)
         if family is None or instance_type not in vcpus:
-            unknown.append(
-                _unknown_quota(
-                    instance_type, market, family, s.region, "BURSTCV_EC2_INSTANCE_TYPES"
-                )
-            )
+            setting = "BURSTCV_EC2_INSTANCE_TYPES"
+            unknown.append(_unknown_quota(instance_type, market, family, s.region, setting))
             continue
         code = family.code(market)
         if code not in needs or vcpus[instance_type] > needs[code][2]:
@@ -270,19 +267,15 @@ def check_sizing_quota(backend: Ec2Backend, settings: Settings, types: list[str]
         if vcpu_quota_of(t) is None
     ]
     quotas = backend._aws_client("service-quotas")
-    for code, (family, largest, need) in sizing_quota_needs(
-        vcpus, settings.sizing_parallel
-    ).items():
+    needs = sizing_quota_needs(vcpus, settings.sizing_parallel)
+    for code, (family, largest, need) in needs.items():
         at_once = f"{len(largest)} at once"
-        want = QuotaNeed(
-            code,
-            f"{family.name('on-demand')} on-demand",
-            f"sizing boxes {', '.join(largest)} ({at_once}, BURSTCV_SIZING_PARALLEL)",
-            need,
-            need,
-            f"{at_once}; more if other instances of the family run in {region}",
+        boxes = f"sizing boxes {', '.join(largest)} ({at_once}, BURSTCV_SIZING_PARALLEL)"
+        ask_for = f"{at_once}; more if other instances of the family run in {region}"
+        label = f"{family.name('on-demand')} on-demand"
+        findings.append(
+            _quota_finding(quotas, region, QuotaNeed(code, label, boxes, need, need, ask_for))
         )
-        findings.append(_quota_finding(quotas, region, want))
     return findings
 
 
@@ -379,10 +372,7 @@ def sizing_role_requests(
         storage.join(paths.model, "model.onnx"),
         storage.join(paths.sizing_requests, "0000.img"),
     )
-    writes = (
-        paths.box_sizing(sized),
-        storage.join(paths.sizing_boxes, "logs", f"{sized}.log"),
-    )
+    writes = (paths.box_sizing(sized), storage.join(paths.sizing_boxes, "logs", f"{sized}.log"))
     return _role_requests(artifact_root, reads, writes, kms_key_arn)
 
 

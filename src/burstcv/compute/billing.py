@@ -48,11 +48,8 @@ def record_launch(
     A box still pending is billed from its launch time (an upper bound); one the record already
     holds (a retried launch found it up) keeps its record: it has run since then."""
     uri = attempt_dir(job_dir, attempt, LAUNCH_RECORD)
-    recorded = (
-        {b.instance_id: b for b in read_artifact(uri, AttemptBill).boxes}
-        if storage.exists(uri)
-        else {}
-    )
+    earlier = read_artifact(uri, AttemptBill).boxes if storage.exists(uri) else []
+    recorded = {box.instance_id: box for box in earlier}
     bill = AttemptBill(
         attempt=attempt,
         run_key=run_key,
@@ -91,14 +88,17 @@ def record_end(job_dir: str, attempt: int, described: list[InstanceInfo], now: d
 
 def attempt_bills(job_dir: str, last_attempt: int) -> list[AttemptBill]:
     """Return the record of each attempt up to ``last_attempt``: end.json, else launch.json."""
-    bills = []
-    for attempt in range(1, last_attempt + 1):
-        for name in (END_RECORD, LAUNCH_RECORD):
-            uri = attempt_dir(job_dir, attempt, name)
-            if storage.exists(uri):
-                bills.append(read_artifact(uri, AttemptBill))
-                break
-    return bills
+    folder = storage.join(job_dir, "attempts")
+    found = (_record(folder, attempt) for attempt in range(1, last_attempt + 1))
+    return [bill for bill in found if bill is not None]
+
+
+def _record(attempts: str, attempt: int) -> AttemptBill | None:
+    """Return the attempt's end.json, else its launch.json (None: neither) under ``attempts``."""
+    for name in (END_RECORD, LAUNCH_RECORD):
+        if storage.exists(uri := storage.join(attempts, str(attempt), name)):
+            return read_artifact(uri, AttemptBill)
+    return None
 
 
 def run_bill(
@@ -130,16 +130,7 @@ def _recorded(root: str) -> list[AttemptBill]:
         )
         if name == LAUNCH_RECORD and attempt.isdigit()
     )
-    found = []
-    for folder, attempt in launched:
-        end_uri = storage.join(folder, str(attempt), END_RECORD)
-        uri = (
-            end_uri
-            if storage.exists(end_uri)
-            else storage.join(folder, str(attempt), LAUNCH_RECORD)
-        )
-        found.append(read_artifact(uri, AttemptBill))
-    return found
+    return [bill for folder, attempt in launched if (bill := _record(folder, attempt)) is not None]
 
 
 def _billing(

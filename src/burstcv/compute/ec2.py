@@ -61,9 +61,7 @@ from burstcv.compute.ec2_terms import (
     rate_of,
 )
 from burstcv.compute.userdata import RENDEZVOUS_PORT, UserDataSpec, expiry_of, render_user_data
-from burstcv.cost.pricing import (
-    PriceListEndpoints,
-)
+from burstcv.cost.pricing import PriceListEndpoints
 from burstcv.cost.quotes import PriceSources, quote
 from burstcv.settings import Ec2Settings
 from burstcv_spec.contracts import BoxRate, Launch, PriceQuote
@@ -117,13 +115,8 @@ class Ec2Backend:
     ) -> PriceQuote | None:
         """Return the quoted hourly price of one of this backend's boxes (spot: in its AZ)."""
         market, zone = quoted_market(info)
-        return quote(
-            info.instance_type,
-            self.settings.region,
-            market,
-            sources or self.price_sources(),
-            zone=zone,
-        )
+        sources = sources or self.price_sources()
+        return quote(info.instance_type, self.settings.region, market, sources, zone=zone)
 
     def box_rate(self, info: InstanceInfo, *, bound: BoxRate | None) -> BoxRate:
         """Return one of this backend's boxes' rate, every part priced (``ec2_terms.rate_of``)."""

@@ -59,12 +59,6 @@ def _stop_time(stopped_file: Path) -> datetime | None:
         return None
 
 
-def _reap(pid: int) -> None:
-    """Collect the exit status of our own child, so an exited box is not a zombie forever."""
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
-
-
 def _group_alive(pgid: int) -> bool:
     """Return True while any process of the box's process group still exists."""
     try:
@@ -84,7 +78,9 @@ def _on_this_host(rec: LocalProcessRecord) -> bool:
 def _alive(path: Path, rec: LocalProcessRecord) -> bool:
     if not _on_this_host(rec):
         return _alive_by_files(path, rec)
-    _reap(rec.pid)
+    # Collect our own child's exit status, so an exited box is not a zombie forever.
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(rec.pid, os.WNOHANG)
     # The group outlives its leader (the wrapper) while the training process finishes.
     return _proc_start_ticks(rec.pid) == rec.start_ticks or _group_alive(rec.pid)
 
@@ -183,12 +179,10 @@ class LocalBackend:
 
     def _info(self, path: Path, rec: LocalProcessRecord) -> InstanceInfo:
         alive = _alive(path, rec)
-        stopped_file = _beside(path, "stopped")
-        stopped_at = None
-        if stopped_file.exists():
+        if (stopped_file := _beside(path, "stopped")).exists():
             stopped_at = _stop_time(stopped_file)
-        elif rec.stopped_at:
-            stopped_at = datetime.fromisoformat(rec.stopped_at)
+        else:
+            stopped_at = datetime.fromisoformat(rec.stopped_at) if rec.stopped_at else None
         return InstanceInfo(
             instance_id=rec.instance_id,
             run_id=rec.run_key,
@@ -292,28 +286,30 @@ class LocalBackend:
             # A stopped trainer (SIGSTOP, a stall) handles its SIGTERM only once continued.
             os.killpg(pid, signal.SIGCONT)
         deadline = time.monotonic() + TERMINATE_GRACE_S
-        while time.monotonic() < deadline and _alive(path, rec):
-            time.sleep(0.1)
-        if _alive(path, rec):
+        if not _gone(path, rec, deadline, 0.1):
             log.warning(
                 "%s ignored SIGTERM for %.0fs: killing it", rec.instance_id, TERMINATE_GRACE_S
             )
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-            while _alive(path, rec) and time.monotonic() < deadline + 10:
-                time.sleep(0.1)
+            _gone(path, rec, deadline + 10, 0.1)
 
     def _request_stop(self, path: Path, rec: LocalProcessRecord) -> None:
         """Stop a box of another host through its wrapper's stop-request file, never its pid."""
         log.info("asking %s (launched on %s) to stop", rec.instance_id, rec.host)
         _beside(path, "stop").touch()
-        deadline = time.monotonic() + TERMINATE_GRACE_S + KILL_GRACE_S + STOP_SETTLE_S
-        while time.monotonic() < deadline and _alive(path, rec):
-            time.sleep(0.2)
-        if _alive(path, rec):
+        grace = TERMINATE_GRACE_S + KILL_GRACE_S + STOP_SETTLE_S
+        if not _gone(path, rec, time.monotonic() + grace, 0.2):
             log.warning(
                 "%s on %s has not stopped %.0fs after the stop request",
                 rec.instance_id,
                 rec.host,
-                TERMINATE_GRACE_S + KILL_GRACE_S + STOP_SETTLE_S,
+                grace,
             )
+
+
+def _gone(path: Path, rec: LocalProcessRecord, until: float, poll_s: float) -> bool:
+    """Wait until the box has ended, or the monotonic clock reads ``until``; return if it ended."""
+    while time.monotonic() < until and _alive(path, rec):
+        time.sleep(poll_s)
+    return not _alive(path, rec)

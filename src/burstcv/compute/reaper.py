@@ -106,9 +106,7 @@ def reap(
             _terminate(backend, _expiry_decision(info), report)
     # Pass 2: ask Airflow about the rest, one box at a time.
     noting = _noting_unknown(run_activity, report)
-    for info in live:
-        if _expired(info, checked_at):
-            continue
+    for info in (i for i in live if not _expired(i, checked_at)):
         try:
             decision = decide(info, run_activity=noting, now=checked_at)
         # Broad on purpose: counted in the report; the pass goes on.

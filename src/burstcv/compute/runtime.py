@@ -107,10 +107,6 @@ class TrainingWheel:
     data: bytes
     sha256: str
 
-    @property
-    def size_bytes(self) -> int:
-        return len(self.data)
-
 
 @dataclass(frozen=True)
 class StagedRuntime:
@@ -118,9 +114,7 @@ class StagedRuntime:
 
     uri: str
     sha256: str
-    size_bytes: int
     uploaded: bool  # False when this exact build was already there
-    wheelhouse: tuple[str, ...] = ()  # the tags staged at wheelhouse_uri(uri, tag)
 
 
 def _record_hash(data: bytes) -> str:
@@ -243,14 +237,9 @@ def training_tags(python: str, instance_types: Iterable[str]) -> tuple[str, ...]
     return wheelhouse_tags(python, map(machine_of, instance_types), SUPPORTED_PYTHON)
 
 
-def sizing_tags(
-    python: str, instance_types: Iterable[str] = ("c7i.large", "c7g.large")
-) -> tuple[str, ...]:
+def sizing_tags(python: str, instance_types: Iterable[str]) -> tuple[str, ...]:
     """Return the wheelhouse tags of sizing boxes of ``instance_types`` running ``python``."""
     return wheelhouse_tags(python, map(machine_of, instance_types), SIZING_SUPPORTED)
-
-
-SIZING_TAGS = sizing_tags("python3.11")  # the default interpreter, on either machine
 
 
 def wheelhouse_uri(wheel_uri: str, tag: str) -> str:
@@ -264,7 +253,7 @@ def stage_training_wheel(artifact_root: str, tags: Sequence[str] = ()) -> Staged
     return _stage(artifact_root, build_training_wheel(), "training", TRAINING_REQUIRES, tags)
 
 
-def stage_sizing_wheel(artifact_root: str, tags: Sequence[str] = SIZING_TAGS) -> StagedRuntime:
+def stage_sizing_wheel(artifact_root: str, tags: Sequence[str]) -> StagedRuntime:
     """Upload the sizing wheel to ``<root>/runtime/<sha256>/`` unless it is there already,
     and the wheelhouse of each tag beside it."""
     return _stage(artifact_root, build_sizing_wheel(), "sizing", sizing_requires(), tags)
@@ -282,24 +271,21 @@ def _stage(
     if uploaded:
         storage.write_bytes(uri, wheel.data)
     state = "uploaded" if uploaded else "already staged"
-    size, sha = wheel.size_bytes, wheel.sha256[:12]
+    size, sha = len(wheel.data), wheel.sha256[:12]
     log.info("%s wheel %s (%d bytes, sha256 %s) %s", what, uri, size, sha, state)
-    staged = tuple(tag for tag in dict.fromkeys(tags) if _stage_wheelhouse(uri, requires, tag))
-    return StagedRuntime(uri, wheel.sha256, wheel.size_bytes, uploaded, staged)
+    for tag in dict.fromkeys(tags):
+        _stage_wheelhouse(uri, requires, tag)
+    return StagedRuntime(uri, wheel.sha256, uploaded)
 
 
-def _stage_wheelhouse(wheel_uri: str, requires: Sequence[str], tag: str) -> bool:
-    """Upload the wheelhouse of ``tag`` beside the wheel unless it is there; False when the
-    package index could not give it (the box then installs from the index)."""
+def _stage_wheelhouse(wheel_uri: str, requires: Sequence[str], tag: str) -> None:
+    """Upload the wheelhouse of ``tag`` beside the wheel unless it is there, or the package
+    index could not give it (the box then installs from the index)."""
     uri = wheelhouse_uri(wheel_uri, tag)
-    if storage.exists(uri):
-        return True
-    data = wheelhouse_tar(requires, tag)
-    if data is None:
-        return False
+    if storage.exists(uri) or (data := wheelhouse_tar(requires, tag)) is None:
+        return
     storage.write_bytes(uri, data)
     log.info("wheelhouse %s (%d bytes) uploaded", uri, len(data))
-    return True
 
 
 def wheelhouse_cache() -> Path:

@@ -222,7 +222,9 @@ class _Boxes:
         """Terminate the box and write its end record (its bill is final once AWS says so)."""
         self.backend.terminate_run(key)
         described = self.backend.describe(key)
-        record_end(self.paths.sizing_bill(instance_type), self.sizing_try, described, _now())
+        record_end(
+            self.paths.sizing_bill(instance_type), self.sizing_try, described, datetime.now(UTC)
+        )
 
     def end_earlier(self, types: Sequence[str]) -> None:
         """End the boxes an earlier try left up (its worker died, say) and record their end:
@@ -244,7 +246,7 @@ class _Boxes:
                 described = self.backend.describe(key)
             folder = self.paths.sizing_bill(instance_type)
             for earlier in range(1, self.sizing_try):
-                record_end(folder, earlier, described, _now())
+                record_end(folder, earlier, described, datetime.now(UTC))
 
     def settle(self, instance_type: str, why: str) -> BoxSizing:
         """Return the type's figures from this try's box, else a record of why it has none;
@@ -281,7 +283,3 @@ def _figures(uri: str) -> BoxSizing | None:
     except (OSError, ArtifactError) as exc:
         log.warning("sizing box: unreadable figures at %s (%s)", uri, exc)
         return None
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)

@@ -519,13 +519,8 @@ _COMMENT = re.compile(r"\s*# (?!shellcheck)")
 
 def parse_config(script: str) -> dict[str, str]:
     """Return the config block of a rendered script (what the instance will run)."""
-    found: dict[str, str] = {}
-    for line in script.splitlines():
-        if line.startswith("readonly "):
-            key, _, raw = line.removeprefix("readonly ").partition("=")
-            parts = shlex.split(raw)
-            found[key] = parts[0] if parts else ""
-    return found
+    lines = (line.partition("=") for line in script.splitlines() if line.startswith("readonly "))
+    return {key.removeprefix("readonly "): (shlex.split(raw) or [""])[0] for key, _, raw in lines}
 
 
 def _comment_safe(text: str) -> str:
