@@ -117,15 +117,6 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
     raise TimeoutError(f"{url} was not ready after {READY_TIMEOUT_S:.0f}s")
 
 
-def _warm(url: str, images: list[bytes], warmup: int, content_type: str) -> None:
-    with httpx.Client(timeout=30.0) as client:
-        for i in range(warmup):
-            client.post(
-                f"{url}/v1/predict",
-                files={"file": ("w.png", images[i % len(images)], content_type)},
-            )
-
-
 def _send(
     url: str,
     images: list[bytes],
@@ -241,7 +232,10 @@ def drive_paired(
     if not urls:
         return {}
     for url in urls.values():
-        _warm(url, images, warmup, content_type)
+        with httpx.Client(timeout=30.0) as client:
+            for i in range(warmup):
+                warm = ("w.png", images[i % len(images)], content_type)
+                client.post(f"{url}/v1/predict", files={"file": warm})
     if rate_rps is not None:
         stretch = functools.partial(loadgen.send, rate_rps=rate_rps, content_type=content_type)
     elif concurrency is not None and concurrency >= 1:

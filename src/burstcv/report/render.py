@@ -386,13 +386,6 @@ def _model_view(record: RunDocs) -> dict[str, Any]:
     }
 
 
-def _latency_sources(latency: LatencyRecord) -> list[tuple[str, BenchFigures]]:
-    out = [] if latency.candidate is None else [("candidate", latency.candidate)]
-    if latency.production is not None:
-        out.append((f"production v{latency.production.version or '?'}", latency.production))
-    return out
-
-
 # The latency table's rows: label, BenchFigures field, number format, unit.
 LATENCY_ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("p50", "p50_ms", ".2f", " ms"),
@@ -412,9 +405,10 @@ def _latency_view(record: RunDocs) -> dict[str, Any]:
     latency = record.latency
     if latency is None:
         return {"missing": record.missing["latency"]}
-    sources = _latency_sources(latency)
+    sources = [] if latency.candidate is None else [("candidate", latency.candidate)]
+    if (prod := latency.production) is not None:
+        sources.append((f"production v{prod.version or '?'}", prod))
     histogram = None
-    prod = latency.production
     prod_ms = (prod.latencies_ms if prod else None) or None
     candidate_ms = (latency.candidate.latencies_ms if latency.candidate else None) or []
     if candidate_ms:
