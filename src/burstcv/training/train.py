@@ -303,6 +303,15 @@ def eval_images(images: np.ndarray, job: JobSpec) -> np.ndarray:
         raise JobSpecError(f"shards do not fit the job's preprocess block: {exc}") from exc
 
 
+def _norm(job: JobSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Return the job's eval-transform mean and std (NCHW, on ``device``) and pixel scale."""
+    mean, std = (
+        torch.tensor(job.preprocess[key], dtype=torch.float32, device=device).view(1, 3, 1, 1)
+        for key in ("mean", "std")
+    )
+    return mean, std, float(job.preprocess.get("scale", 1.0 / 255.0))
+
+
 def _step_generator(seed: int, epoch: int, step: int) -> torch.Generator:
     # A generator per (epoch, step) makes the stream independent of where a run resumed.
     return torch.Generator().manual_seed(seed * 1_000_003 + epoch * 10_007 + step)
@@ -339,9 +348,8 @@ def evaluate(
             with _autocast(x.device, amp_dtype):
                 logits = model(x)
             total_loss += float(F.cross_entropy(logits.float(), y, reduction="sum"))
-            pred = logits.argmax(1)
             confusion += torch.bincount(
-                (y * num_classes + pred).cpu(), minlength=num_classes * num_classes
+                (y * num_classes + logits.argmax(1)).cpu(), minlength=num_classes * num_classes
             ).reshape(num_classes, num_classes)
             if on_batch is not None:
                 on_batch()
@@ -544,20 +552,13 @@ def _after_step(ctx: Run, state: RunState, step: int, window: torch.Tensor | Non
     if not state.first_step_logged:
         state.first_step_logged = True
         log.info("first step done %.2f s after the job started", time.perf_counter() - ctx.t_setup)
-    # Every rank must decide alike, or the others hang in the next collective; agreeing is an
-    # all-reduce the host waits on, so only every DDP_STOP_CHECK_STEPS and at an epoch's end.
+    # Agreeing is an all-reduce the host waits on: only every DDP_STOP_CHECK_STEPS and at the end.
     if d.world_size == 1 or step % DDP_STOP_CHECK_STEPS == 0 or step == ctx.share.steps:
         why = divergence(float(window), len(job.classes)) if window is not None else None
-        deadline = ctx.deadline
-        flags = [state.sigterm, deadline is not None and time.time() >= deadline, why is not None]
-        if d.world_size > 1:
-            t = torch.tensor([int(f) for f in flags], device=ctx.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flags = [bool(v) for v in t.tolist()]
-        sigterm, past_deadline, diverged = flags
+        past = ctx.deadline is not None and time.time() >= ctx.deadline
+        sigterm, past_deadline, diverged = _any_rank(ctx, state.sigterm, past, why is not None)
         if diverged:
-            why = why or "another rank's training loss diverged"
-            raise Diverged(f"{why} at epoch {epoch + 1} step {step}")
+            raise Diverged(f"{why or PEER_DIVERGED} at epoch {epoch + 1} step {step}")
         if sigterm:
             _save_last(ctx, state)
             raise Interrupted(f"SIGTERM: checkpoint saved {place(epoch, step)}")
@@ -572,6 +573,19 @@ def _after_step(ctx: Run, state: RunState, step: int, window: torch.Tensor | Non
         state.last_ckpt = time.monotonic()
 
 
+PEER_DIVERGED = "another rank's training loss diverged"
+
+
+def _any_rank(ctx: Run, *flags: bool) -> list[bool]:
+    """Return each flag set where any rank set it: every rank must decide alike, or the others
+    hang in the next collective."""
+    if ctx.d.world_size == 1:
+        return list(flags)
+    t = torch.tensor([int(f) for f in flags], device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
+
+
 # The rate grows geometrically from RANGE_START to RANGE_END times the job's over two epochs'
 # steps (within RANGE_MIN_STEPS..RANGE_TEST_STEPS), until the loss is RANGE_STOP_FACTOR its min.
 RANGE_TEST_STEPS = 100
@@ -584,18 +598,12 @@ RANGE_EPOCH = 1_000_000  # the sweep's batches are those of epochs no run reache
 
 
 def lr_range_test(
-    model: nn.Module,
-    train: Split | ShardStream,
-    job: JobSpec,
-    mean: torch.Tensor,
-    std: torch.Tensor,
-    scale: float,
-    amp_dtype: torch.dtype | None,
+    model: nn.Module, train: Split | ShardStream, job: JobSpec, amp_dtype: torch.dtype | None
 ) -> RangeTest:
     """Sweep the rate over a few steps (weights restored after); return the rate to train at."""
     t0 = time.perf_counter()
     saved = copy.deepcopy(model.state_dict())
-    lrs, losses = _sweep(model, train, job, mean, std, scale, amp_dtype)
+    lrs, losses = _sweep(model, train, job, amp_dtype)
     model.load_state_dict(saved)
     result = _pick_rate(lrs, losses, job.learning_rate, t0)
     log.info(
@@ -611,15 +619,10 @@ def lr_range_test(
 
 
 def _sweep(
-    model: nn.Module,
-    train: Split | ShardStream,
-    job: JobSpec,
-    mean: torch.Tensor,
-    std: torch.Tensor,
-    scale: float,
-    amp_dtype: torch.dtype | None,
+    model: nn.Module, train: Split | ShardStream, job: JobSpec, amp_dtype: torch.dtype | None
 ) -> tuple[list[float], list[float]]:
     """Train at a geometrically growing rate; return the rates and the smoothed losses."""
+    mean, std, scale = _norm(job, train.device)
     opt = make_optimizer(param_groups(model, job), job)
     shares = [group["lr"] / job.learning_rate for group in opt.param_groups]
     whole = Share.whole(len(train), job.batch_size)  # one rank's sweep over its box's shards
@@ -804,10 +807,7 @@ def _warn_on_normalisation(job: JobSpec) -> None:
         return
     expected = resolve_weights(job.arch, job.pretrained).transforms()
     spec = job.preprocess
-    if not (
-        np.allclose(spec["mean"], expected.mean, atol=1e-4)
-        and np.allclose(spec["std"], expected.std, atol=1e-4)
-    ):
+    if not np.allclose([spec["mean"], spec["std"]], [expected.mean, expected.std], atol=1e-4):
         log.warning(
             "preprocess mean/std %s/%s are not those of %s (%s/%s): the pretrained features "
             "see shifted inputs",
@@ -823,9 +823,9 @@ def _deadline_ts(job: JobSpec) -> float | None:
     return job.deadline_at.timestamp() if job.deadline_at is not None else None
 
 
-def _from_checkpoint(ckpt: dict[str, Any], key: str, model: type[C]) -> C | None:
+def _from_checkpoint(ckpt: dict[str, Any] | None, key: str, model: type[C]) -> C | None:
     """Return a contract a checkpoint keeps as JSON under ``key`` (None when it has none)."""
-    raw = ckpt.get(key, "null")
+    raw = (ckpt or {}).get(key, "null")
     return None if raw == "null" else model.model_validate_json(raw)
 
 
@@ -898,17 +898,12 @@ def _build_run(
     world: WorldScale,
 ) -> Run:
     """Build the model, its optimiser and schedule: a new run's, or restored from ``ckpt``."""
-    spec = job.preprocess
-    mean = torch.tensor(spec["mean"], dtype=torch.float32, device=device).view(1, 3, 1, 1)
-    std = torch.tensor(spec["std"], dtype=torch.float32, device=device).view(1, 3, 1, 1)
-    scale = float(spec.get("scale", 1.0 / 255.0))
+    mean, std, scale = _norm(job, device)
     model, loaded = _build_model(job, device, ckpt)
     amp_dtype = _amp_dtype(device)
-    range_test: RangeTest | None = None
-    if ckpt is not None:
-        range_test = _from_checkpoint(ckpt, "lr_range_test", RangeTest)
-    elif job.lr_range_test:
-        swept = lr_range_test(model, train, world.sweep_job(job), mean, std, scale, amp_dtype)
+    range_test = _from_checkpoint(ckpt, "lr_range_test", RangeTest)
+    if ckpt is None and job.lr_range_test:
+        swept = lr_range_test(model, train, world.sweep_job(job), amp_dtype)
         if job.batch_scaling == "per_gpu":  # found at one rank's batch: scaled by the rule
             swept = swept.model_copy(update={"chosen_lr": swept.chosen_lr * world.lr_factor})
         if d.world_size > 1:  # rank 0's for all: boxes that read other shards may choose apart
@@ -966,10 +961,8 @@ def _build_model(
     pretrained = is_pretrained(job.pretrained)
     height = int(job.preprocess["height"])
     model = build_model(job.arch, len(job.classes), height, pretrained=pretrained)
-    loaded: PretrainedLoad | None = None
-    if ckpt is not None:
-        loaded = _from_checkpoint(ckpt, "pretrained_loaded", PretrainedLoad)
-    elif pretrained:  # a resumed run has its weights in the checkpoint: no second download
+    loaded = _from_checkpoint(ckpt, "pretrained_loaded", PretrainedLoad)
+    if ckpt is None and pretrained:  # a resumed run has its weights in the checkpoint already
         _warn_on_normalisation(job)
         loaded = load_pretrained(
             model, job.arch, job.pretrained, weights_store=job.weights_store_uri
@@ -1067,13 +1060,8 @@ def _validate(
     why = divergence(train_loss, n) or divergence(
         ev["loss"], n, validation=True, guessing=near_chance(ev["accuracy"], ev["confusion"])
     )
-    if ctx.d.world_size > 1:  # each rank's training loss is its own share's: agree
-        flag = torch.tensor([int(why is not None)], device=ctx.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and why is None:
-            why = "another rank's training loss diverged"
-    if why is not None:
-        raise Diverged(f"{why} after epoch {state.epoch + 1}")
+    if _any_rank(ctx, why is not None)[0]:  # each rank's training loss is its own share's
+        raise Diverged(f"{why or PEER_DIVERGED} after epoch {state.epoch + 1}")
     return ev
 
 
