@@ -74,6 +74,13 @@ def ids_of(batch: tuple[torch.Tensor, torch.Tensor]) -> list[int]:
     return ids
 
 
+def open_stream(
+    uris: list[str], classes: list[str], device: torch.device, **kw: Any
+) -> ShardStream:
+    """Return the stream over ``uris``, each shard's headers read and validated first."""
+    return ShardStream([read_shard_info(uri, classes) for uri in uris], classes, device, **kw)
+
+
 def epoch_ids(stream: ShardStream, seed: int, epoch: int, **kw: Any) -> list[list[int]]:
     return [ids_of(b) for b in stream.train_batches(seed=seed, epoch=epoch, batch_size=16, **kw)]
 
@@ -82,7 +89,7 @@ def epoch_ids(stream: ShardStream, seed: int, epoch: int, **kw: Any) -> list[lis
 def stream(tmp_path: Path) -> ShardStream:
     """Return a stream over 7 shards of uneven sizes (251 images), a 2-shard window."""
     uris = numbered_shards(tmp_path, [40, 40, 40, 40, 40, 40, 11])
-    stream = ShardStream.open(uris, CLASSES, CPU, budget_bytes=3 * 40 * (4 * 4 * 3 + 8))
+    stream = open_stream(uris, CLASSES, CPU, budget_bytes=3 * 40 * (4 * 4 * 3 + 8))
     assert (stream.mix, stream.prefetch, len(stream)) == (2, 1, 251)
     return stream
 
@@ -125,7 +132,7 @@ def test_evaluation_reads_every_image_once_in_file_order(stream: ShardStream) ->
 
 
 def test_a_split_smaller_than_a_batch_is_one_step(tmp_path: Path) -> None:
-    small = ShardStream.open(numbered_shards(tmp_path, [5, 4]), CLASSES, CPU, budget_bytes=1)
+    small = open_stream(numbered_shards(tmp_path, [5, 4]), CLASSES, CPU, budget_bytes=1)
     assert (small.mix, small.prefetch) == (1, 0)  # no room: one shard at a time
     batches = [ids_of(b) for b in small.train_batches(seed=0, epoch=0, batch_size=16)]
     assert len(batches) == 1 and sorted(batches[0]) == list(range(9))
@@ -491,7 +498,7 @@ def box_ranks(uris: list[str], nodes: int, per_box: int) -> list[tuple[ShardStre
     for rank in range(world):
         d = Dist(rank, world, rank % per_box, node=rank // per_box, nodes=nodes)
         share, mine = share_shards(counts, 16, d)
-        stream = ShardStream.open([uris[i] for i in mine], CLASSES, CPU, budget_bytes=10**6)
+        stream = open_stream([uris[i] for i in mine], CLASSES, CPU, budget_bytes=10**6)
         ranks.append((stream, share))
     return ranks
 

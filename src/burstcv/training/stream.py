@@ -127,11 +127,9 @@ def _check_labels(uri: str, labels: np.ndarray, count: int, num_classes: int) ->
 
 
 def _array_header(fp: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype[Any]]:
-    version = np.lib.format.read_magic(fp)
-    if version == (1, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(fp)
-    else:
-        shape, fortran, dtype = np.lib.format.read_array_header_2_0(fp)
+    fmt = np.lib.format
+    read = fmt.read_array_header_1_0 if fmt.read_magic(fp) == (1, 0) else fmt.read_array_header_2_0
+    shape, fortran, dtype = read(fp)
     return tuple(shape), bool(fortran), dtype
 
 
@@ -376,8 +374,7 @@ _DONE = object()
 
 def _load_malloc_trim() -> Any:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
         return None
 
@@ -531,14 +528,6 @@ class ShardStream:
         self.count = sum(self.counts)
         self.shard_bytes = max(info.nbytes for info in infos)
         self.mix, self.prefetch = plan_slots(self.shard_bytes, budget_bytes)
-
-    @classmethod
-    def open(
-        cls, uris: list[str], classes: list[str], device: torch.device, *, budget_bytes: int
-    ) -> ShardStream:
-        """Read and validate every shard's headers; return the stream over them."""
-        infos = [read_shard_info(uri, classes) for uri in uris]
-        return cls(infos, classes, device, budget_bytes=budget_bytes)
 
     def __len__(self) -> int:
         return self.count
