@@ -12,6 +12,7 @@ import inspect
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
@@ -131,13 +132,7 @@ class TrainingCompletionTrigger(BaseTrigger):
                 self.log.warning("attempt %d: %s", self.attempt, stalled)
                 # A resumable FAILED marker: the train task relaunches (terminating this
                 # attempt's boxes first) and the next box resumes from the checkpoint.
-                await asyncio.to_thread(
-                    write_failed,
-                    self.output_uri,
-                    self.attempt,
-                    STAGE_STALLED,
-                    stalled,
-                    resumable=True,
-                )
+                stall = partial(write_failed, self.output_uri, self.attempt, STAGE_STALLED)
+                await asyncio.to_thread(stall, stalled, resumable=True)
                 continue
             await asyncio.sleep(self.poll_interval_s)
