@@ -141,7 +141,7 @@ def serving_quotes(
             "(serving_families: choose among "
             f"{', '.join(sorted({t.split('.')[0] for t in instance_shapes()}))})"
         )
-    quotes = candidate_quotes(types, region, sources)
+    quotes = {t: quote(t, region, "on-demand", sources) for t in types}
     missing = [t for t, q in quotes.items() if q is None]
     unpriced = None
     if missing:
